@@ -1,0 +1,90 @@
+"""Safe creation of gloo sub-groups.
+
+Paddle 3.3's ``ProcessGroupGloo`` rendezvouses on the *global* TCP store with keys that
+do not carry the group id, so two sub-groups created one after another (``fleet.init``
+makes dozens) can read each other's, or stale, peer addresses: launches fail with
+"connection refused" or hang until a gloo timeout.  We give every gloo sub-group its
+own rendezvous store instead.  The group's first member starts a ``TCPStore`` server on
+its own host address (the one the launcher advertises, never 127.0.0.1, so this works
+across machines) and publishes ``host:port`` in the global store under a key that is
+unique to the group id; the other members read it and connect.
+
+Group ids are consistent across ranks because every rank creates every group in the
+same global order (Paddle's HCG does; so does :mod:`paddle_hsdp.fleet_ext`).  NCCL and
+other backends are left untouched: they key their ids by group already.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+logger = logging.getLogger(__name__)
+
+_KEY_PREFIX = "paddle_hsdp/gloo_store"
+# Stores must outlive their process groups: gloo keeps reading from them lazily.
+_group_stores: dict[int, object] = {}
+_original_impl = None
+
+
+def _host_address() -> str:
+    """The address this rank's peers reach it at, as the launcher advertises it."""
+    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else ""
+    return host or socket.gethostbyname(socket.gethostname())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _store_timeout_s() -> int:
+    # Bounded wait: a peer that never shows up fails the launch instead of hanging it.
+    return int(os.environ.get("PADDLE_HSDP_GLOO_STORE_TIMEOUT", "300"))
+
+
+def make_group_store(global_store, group_rank: int, group_size: int, group_id: int):
+    """A rendezvous store private to one sub-group (see the module docstring)."""
+    from paddle.base import core
+
+    key = f"{_KEY_PREFIX}/{group_id}"
+    if group_rank == 0:
+        host = _host_address()
+        port = _free_port(host)
+        global_store.set(key, f"{host}:{port}")
+        # The master's constructor returns once all group_size members have connected.
+        store = core.TCPStore(host, port, True, group_size, _store_timeout_s())
+    else:
+        address = global_store.get(key).decode()
+        host, port = address.rsplit(":", 1)
+        store = core.TCPStore(host, int(port), False, group_size, _store_timeout_s())
+    _group_stores[group_id] = store
+    return store
+
+
+def _safe_new_process_group_impl(backend, store, rank, world_size, group_name,
+                                 pg_options, group_id=0, *args, **kwargs):
+    if backend == "gloo" and group_id != 0 and world_size > 1:
+        store = make_group_store(store, rank, world_size, group_id)
+    return _original_impl(backend, store, rank, world_size, group_name, pg_options,
+                          group_id, *args, **kwargs)
+
+
+def install() -> None:
+    """Route Paddle's sub-group creation through :func:`make_group_store` (idempotent).
+
+    ``paddle.distributed.new_group`` looks ``_new_process_group_impl`` up in its module
+    at call time, so replacing the module attribute covers every caller, Paddle's HCG
+    included.  The global group (id 0) keeps the global store: it is created first and
+    alone, so it cannot collide.
+    """
+    global _original_impl
+    from paddle.distributed import collective
+
+    if _original_impl is not None:
+        return
+    _original_impl = collective._new_process_group_impl
+    collective._new_process_group_impl = _safe_new_process_group_impl
