@@ -1,0 +1,221 @@
+"""The only module that issues collectives.
+
+Every collective of the project goes through here so that backend quirks are handled
+once and every byte is counted once:
+
+* gloo has no reduce-scatter kernel: we reduce each rank's slice to its owner instead
+  (same result, same per-rank traffic as a ring reduce-scatter, more calls);
+* gloo's float16 all-reduce / reduce returns inf: we reduce in float32 and cast back
+  (bfloat16 works natively);
+* NCCL (and other device backends) use the native ops.
+
+The :data:`counter` records, per group label and per op, calls, payload bytes (the size
+of the full tensor the op is about) and the per-rank traffic a ring algorithm moves
+(``(n-1)/n`` of the payload for all-gather, reduce-scatter and broadcast, twice that for
+all-reduce). Those are the quantities DESIGN.md's volume formulas speak of.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import paddle
+import paddle.distributed as dist
+
+# ---------------------------------------------------------------- counter
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+class CommCounter:
+    """Calls and bytes per (group label, op); a dict update per collective, no syncs."""
+
+    def __init__(self) -> None:
+        self._stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+
+    def record(self, label: str, op: str, payload_bytes: int, wire_bytes: float) -> None:
+        s = self._stats[(label, op)]
+        s.calls += 1
+        s.payload_bytes += payload_bytes
+        s.wire_bytes += wire_bytes
+
+    def get(self, label: str, op: str) -> OpStats:
+        s = self._stats.get((label, op))
+        return OpStats(s.calls, s.payload_bytes, s.wire_bytes) if s else OpStats()
+
+    def snapshot(self) -> dict[tuple[str, str], OpStats]:
+        return {k: OpStats(v.calls, v.payload_bytes, v.wire_bytes) for k, v in self._stats.items()}
+
+    def reset(self) -> None:
+        self._stats.clear()
+
+
+counter = CommCounter()
+
+# ---------------------------------------------------------------- groups
+
+_group_labels: dict[int, str] = {}
+
+
+def name_group(group, label: str) -> None:
+    """Give a group the label the counter files its traffic under (first name wins)."""
+    _group_labels.setdefault(group.id, label)
+
+
+def group_label(group) -> str:
+    return _group_labels.get(group.id, f"group{group.id}")
+
+
+def backend_of(group) -> str:
+    from paddle.distributed import collective
+
+    backend = collective._group_map_backend.get(group)
+    if backend is None:  # single-rank or foreign groups: fall back to the default
+        backend = collective._default_backend or "gloo"
+    return backend
+
+
+def is_gloo(group) -> bool:
+    return backend_of(group) == "gloo"
+
+
+def _nbytes(t) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+# ---------------------------------------------------------------- handles
+
+
+class Handle:
+    """What an async collective returns: ``wait()`` finishes it (idempotent).
+
+    ``finalize`` runs after the underlying tasks, e.g. the cast back from the float32
+    staging tensor of a float16 reduction on gloo.
+    """
+
+    def __init__(self, tasks=(), finalize: Callable[[], None] | None = None):
+        self._tasks = [t for t in tasks if t is not None]
+        self._finalize = finalize
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for t in self._tasks:
+            t.wait()
+        if self._finalize is not None:
+            self._finalize()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _finish(handle: Handle, async_op: bool):
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _needs_fp32_staging(tensor, group) -> bool:
+    return tensor.dtype == paddle.float16 and is_gloo(group)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def all_gather_into(out_flat, shard, group, async_op: bool = False):
+    """Gather equal shards of the group into ``out_flat`` (rank order), in place."""
+    n = group.nranks
+    if int(out_flat.numel()) != n * int(shard.numel()):
+        raise ValueError(
+            f"all_gather_into: output has {int(out_flat.numel())} elements, expected "
+            f"{n} x {int(shard.numel())}"
+        )
+    payload = _nbytes(out_flat)
+    counter.record(group_label(group), "all_gather", payload, payload * (n - 1) / n)
+    if n == 1:
+        paddle.assign(shard.reshape(out_flat.shape), output=out_flat)
+        return _finish(Handle(), async_op)
+    task = dist.stream.all_gather(out_flat, shard, group=group, sync_op=not async_op)
+    return _finish(Handle([task]), async_op)
+
+
+def reduce_scatter(out_shard, in_flat, group, async_op: bool = False):
+    """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``."""
+    n = group.nranks
+    shard_numel = int(out_shard.numel())
+    if int(in_flat.numel()) != n * shard_numel:
+        raise ValueError(
+            f"reduce_scatter: input has {int(in_flat.numel())} elements, expected "
+            f"{n} x {shard_numel}"
+        )
+    payload = _nbytes(in_flat)
+    counter.record(group_label(group), "reduce_scatter", payload, payload * (n - 1) / n)
+    if n == 1:
+        paddle.assign(in_flat.reshape(out_shard.shape), output=out_shard)
+        return _finish(Handle(), async_op)
+    if not is_gloo(group):
+        task = dist.stream.reduce_scatter(out_shard, in_flat, op=dist.ReduceOp.SUM,
+                                          group=group, sync_op=not async_op)
+        return _finish(Handle([task]), async_op)
+    return _finish(_gloo_reduce_scatter(out_shard, in_flat, group), async_op)
+
+
+def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
+    """gloo has no reduce-scatter: reduce each slice to the rank that owns it."""
+    staged = in_flat.astype("float32") if _needs_fp32_staging(in_flat, group) else in_flat
+    flat = staged.reshape([-1])
+    size = int(out_shard.numel())
+    mine = None
+    for i, owner in enumerate(group.ranks):
+        piece = flat[i * size:(i + 1) * size].clone()  # a tensor of its own for gloo
+        dist.stream.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=group, sync_op=True)
+        if i == group.rank:
+            mine = piece
+    paddle.assign(mine.astype(out_shard.dtype).reshape(out_shard.shape), output=out_shard)
+    return Handle()
+
+
+def all_reduce(tensor, group, async_op: bool = False):
+    """Sum ``tensor`` over the group, in place."""
+    n = group.nranks
+    payload = _nbytes(tensor)
+    counter.record(group_label(group), "all_reduce", payload, 2 * payload * (n - 1) / n)
+    if n == 1:
+        return _finish(Handle(), async_op)
+    if _needs_fp32_staging(tensor, group):
+        staged = tensor.astype("float32")
+        task = dist.stream.all_reduce(staged, op=dist.ReduceOp.SUM, group=group,
+                                      sync_op=not async_op)
+        return _finish(Handle([task], lambda: paddle.assign(staged.astype(tensor.dtype),
+                                                            output=tensor)), async_op)
+    task = dist.stream.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group,
+                                  sync_op=not async_op)
+    return _finish(Handle([task]), async_op)
+
+
+def broadcast(tensor, src: int, group, async_op: bool = False):
+    """Copy ``tensor`` from global rank ``src`` to every member, in place."""
+    n = group.nranks
+    payload = _nbytes(tensor)
+    counter.record(group_label(group), "broadcast", payload, payload * (n - 1) / n)
+    if n == 1:
+        return _finish(Handle(), async_op)
+    task = dist.stream.broadcast(tensor, src=src, group=group, sync_op=not async_op)
+    return _finish(Handle([task]), async_op)
+
+
+def barrier(group=None) -> None:
+    if group is not None and group.nranks == 1:
+        return
+    counter.record(group_label(group) if group is not None else "world", "barrier", 0, 0.0)
+    dist.barrier(group=group)

@@ -1,0 +1,13 @@
+"""comm.* collectives on real CPU ranks (gloo): exact results in every dtype and mode,
+on the inner, outer and FSDP groups, and exactly counted traffic."""
+
+import json
+
+from launcher import launch
+
+
+def test_comm_ops_4_ranks_sharding4_outer2():
+    """reduce_scatter / all_gather / all_reduce / broadcast x fp32/bf16/fp16 x sync/async."""
+    log = launch(4, "worker_comm.py", json.dumps({"sharding_degree": 4, "outer": 2}))
+    assert ("rank 0 comm ops ok: 72 checks, groups inner=[0, 1] outer=[0, 2] "
+            "fsdp=[0, 1, 2, 3]") in log
