@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="paddle-hsdp",
+    version="0.1.0",
+    description="Hybrid sharded data parallel (HSDP) for PaddlePaddle fleet",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["paddle_hsdp", "paddle_hsdp.*"]),
+    python_requires=">=3.9",
+    # Paddle is an extra so GPU users keep their own build (paddlepaddle-gpu, a custom wheel).
+    install_requires=["numpy>=1.23", "tqdm>=4.64"],
+    extras_require={
+        "cpu": ["paddlepaddle>=3.3.1"],
+        "gpu": ["paddlepaddle-gpu>=3.3.1"],
+        "test": ["pytest>=7.4"],
+    },
+)

@@ -1,0 +1,45 @@
+"""Shared set-up for the multi-process workers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import paddle_hsdp  # noqa: F401  (must precede fleet.init)
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+
+MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
+
+
+def init_fleet(config: dict):
+    """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), optional ``moe``."""
+    strategy = fleet.DistributedStrategy()
+    hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
+    hybrid.update({k: v for k, v in config.items() if k.endswith("_degree")})
+    hybrid["sharding_configs"] = {"fsdp_outer_degree": config.get("outer", 1)}
+    if hybrid.get("ep_degree", 1) > 1:
+        strategy.hybrid_parallel_order = MOE_ORDER
+    strategy.hybrid_configs = hybrid
+    fleet.init(is_collective=True, strategy=strategy)
+    return fleet.get_hybrid_communicate_group()
+
+
+def config_from_argv() -> dict:
+    return json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+
+
+def finish() -> None:
+    # rank 0 owns the TCP store: nobody leaves before everybody is done.
+    dist.barrier()
+    print("WORKER_OK", flush=True)
+
+
+def rank_sum_check(group, what: str) -> None:
+    """An all-reduce of the global rank over ``group`` must give the sum of its ranks."""
+    from paddle_hsdp import comm
+
+    x = paddle.to_tensor([float(dist.get_rank())])
+    comm.all_reduce(x, group)
+    assert x.item() == float(sum(group.ranks)), (what, group.ranks, x.item())

@@ -1,0 +1,26 @@
+# Sourced by tools/*.sh: picks the Python to use and sets it up.
+# A Python that already imports paddle (an active venv or conda env) is used as it is, with
+# the project put on its path; otherwise .venv/ at the repo root is created or reused and
+# the project installed into it with the CPU extra.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python -c "import paddle" >/dev/null 2>&1; then
+  PY="$(command -v python)"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  python -c "import pytest" >/dev/null 2>&1 || "$PY" -m pip install -q "pytest>=7.4"
+else
+  PY="$ROOT/.venv/bin/python"
+  stamp="$ROOT/.venv/.paddle_hsdp-installed"
+  want="$(cat setup.py | sha1sum | cut -c1-16)"
+  if [ ! -x "$PY" ]; then
+    echo "[setup] creating .venv/ (first run only)"
+    python3 -m venv "$ROOT/.venv"
+  fi
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "[setup] installing paddle_hsdp[cpu,test] into .venv/ (a few minutes on first run)"
+    "$PY" -m pip install -q --upgrade pip >/dev/null
+    "$PY" -m pip install -q -e ".[cpu,test]"
+    echo "$want" > "$stamp"
+  fi
+fi
+export PY
