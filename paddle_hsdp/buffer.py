@@ -1,0 +1,124 @@
+"""A fused buffer: the parameters of one unit that travel in one collective.
+
+Parameters are grouped by what must agree inside one collective: dtype, trainable or
+frozen, dense or expert (expert buffers use the expert groups).  Optimizer attributes
+need not agree, because the optimizer sees per-parameter shards (see :mod:`param`).
+
+This rank's shard of the buffer is the concatenation of its block of every parameter,
+``S`` elements; the all-gather output is ``[I, S]`` row-major (rank ``i``'s shard in row
+``i``), and the reduce-scatter input is built in the same layout.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from . import comm
+from .param import ShardedParam
+
+
+class ShardBuffer:
+    def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool):
+        self.params = params
+        self.inner = inner_group
+        self.outer = outer_group
+        self.is_expert = is_expert
+        self.dtype = params[0].dtype
+        self.trainable = params[0].trainable
+        offset = 0
+        for sp in params:
+            sp.offset = offset
+            offset += sp.chunk_numel
+        self.shard_numel = offset
+        self.inner_size = inner_group.nranks
+
+    # -------------------------------------------------------------- sizes
+    @property
+    def element_size(self) -> int:
+        return paddle.zeros([1], dtype=self.dtype).element_size()
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the gathered buffer, padding included (``I * S``)."""
+        return self.inner_size * self.shard_numel
+
+    @property
+    def logical_numel(self) -> int:
+        return sum(sp.numel for sp in self.params)
+
+    # -------------------------------------------------------------- sharding
+    def shard_from_full(self, src_outer_rank: int) -> None:
+        """Cut this rank's blocks out of the local full params, make outer replicas
+        identical (broadcast from outer rank ``src_outer_rank``), create shard params."""
+        rank = self.inner.rank
+        blocks = [sp.as_rank_blocks(sp.full.detach())[rank] for sp in self.params]
+        flat = paddle.concat(blocks) if len(blocks) > 1 else blocks[0].clone()
+        comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)
+        for sp in self.params:
+            shard = sp.make_shard_param(flat[sp.offset: sp.offset + sp.chunk_numel].clone())
+            if self.outer.rank != 0:
+                shard.is_firstly_shared = False  # a replica: global-norm clip skips it
+
+    def local_shard(self) -> paddle.Tensor:
+        """This rank's shard as one flat tensor (from the live shard params)."""
+        parts = [sp.shard.detach().reshape([-1]) for sp in self.params]
+        return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+
+    def gather_full(self) -> list[paddle.Tensor]:
+        """All-gather in the inner group; return each parameter's full tensor."""
+        out = paddle.empty([self.padded_numel], dtype=self.dtype)
+        comm.all_gather_into(out, self.local_shard(), self.inner)
+        grid = out.reshape([self.inner_size, self.shard_numel])
+        sizes = [sp.chunk_numel for sp in self.params]
+        parts = paddle.split(grid, sizes, axis=1) if len(sizes) > 1 else [grid]
+        return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
+
+    # -------------------------------------------------------------- gradients
+    def reduce_scatter_grads(self) -> None:
+        """Sum full grads over the inner group into this rank's block; accumulate it
+        into each shard param's ``.grad``; release the full grads.
+
+        A parameter with no grad on this rank (unused) contributes zeros: every rank
+        joins the collective whatever its data did.
+        """
+        blocks = []
+        for sp in self.params:
+            g = sp.full.grad
+            if g is None:
+                g = paddle.zeros(sp.shape, dtype=self.dtype)
+            blocks.append(sp.as_rank_blocks(g.astype(self.dtype)))
+        grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
+        out = paddle.empty([self.shard_numel], dtype=self.dtype)
+        comm.reduce_scatter(out, grid.reshape([-1]), self.inner)
+        for sp in self.params:
+            piece = out[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape)
+            accumulate_grad(sp.shard, piece)
+            sp.full.clear_gradient(False)
+
+    def all_reduce_grads(self, scale: float) -> None:
+        """One outer all-reduce of this rank's grad shard, then scale (``1 / N``)."""
+        grads = [sp.shard.grad for sp in self.params]
+        parts = [(g if g is not None else paddle.zeros(sp.shard_shape, self.dtype)).reshape([-1])
+                 for sp, g in zip(self.params, grads)]
+        flat = paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+        comm.all_reduce(flat, self.outer)
+        flat = flat * scale
+        for sp in self.params:
+            set_grad(sp.shard, flat[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape))
+
+
+def accumulate_grad(param, value) -> None:
+    """``param.grad += value``, creating the grad on first use."""
+    if param.grad is None:
+        param._copy_gradient_from(value.clone())
+    else:
+        set_grad(param, param.grad + value)
+
+
+def set_grad(param, value) -> None:
+    """Overwrite ``param.grad`` in place, so a grad list collected earlier (by an
+    optimizer's ``step`` before ``_apply_optimize``) sees the new values."""
+    if param.grad is None:
+        param._copy_gradient_from(value.clone())
+    else:
+        paddle.assign(value, output=param.grad)

@@ -1,0 +1,107 @@
+"""Per-parameter state: one original parameter, its local shard, and where they live.
+
+Layout choice (why per-parameter dim-0 shards): every parameter is padded along dim 0 to
+a multiple of the inner size ``I`` and split into ``I`` equal row blocks; inner rank
+``i`` keeps block ``i`` as a real ``EagerParamBase`` that carries the original
+parameter's name and attributes.  The optimizer therefore sees one tensor per original
+parameter, never empty, never straddling two parameters, so everything Paddle keys per
+parameter behaves exactly as in single-process training: ``apply_decay_param_fun``
+(called with ``param.name``), ``optimize_attr["learning_rate"]``, ``need_clip``,
+``regularizer``, frozen parameters (``stop_gradient``), ``is_distributed``.  Element-wise
+optimizers give bit-identical updates on any such split.  The price is at most
+``(I - 1)`` padding rows per parameter and a copy-out after each all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import paddle
+from paddle.base.framework import EagerParamBase
+
+# Attributes Paddle's optimizers, clip and hybrid-parallel code read per parameter.
+_CARRIED_ATTRS = ("optimize_attr", "regularizer", "do_model_average", "need_clip",
+                  "is_distributed", "is_firstly_shared", "is_moe_param", "expert",
+                  "color", "no_sync", "split_axis")
+
+
+class ShardedParam:
+    """An original parameter, its shard on this inner rank, and the modules using it."""
+
+    def __init__(self, param, fqn: str, inner_size: int, inner_rank: int):
+        self.full = param  # keeps autograd identity; its storage comes and goes
+        self.fqn = fqn
+        self.shape = list(param.shape)
+        self.dtype = param.dtype
+        self.trainable = not param.stop_gradient
+        rows = self.shape[0] if self.shape else 1
+        self.rest = self.shape[1:] if self.shape else []
+        self.row_numel = math.prod(self.rest) if self.rest else 1
+        self.rows = rows
+        self.rows_per_rank = -(-rows // inner_size)  # ceil
+        self.padded_rows = self.rows_per_rank * inner_size
+        self.chunk_numel = self.rows_per_rank * self.row_numel
+        self.numel = rows * self.row_numel
+        self.inner_size = inner_size
+        self.inner_rank = inner_rank
+        self.offset = 0  # set by the buffer: where this chunk sits in the rank's shard
+        self.users: list[tuple[object, str]] = []  # (module, attribute name)
+        self.shard: EagerParamBase | None = None
+        self.mesh = None  # set by the unit: the groups this param's buffer talks to
+
+    @property
+    def shard_shape(self) -> list[int]:
+        return [self.rows_per_rank] + self.rest
+
+    # -------------------------------------------------------------- layout helpers
+    def padded_rows_of(self, full) -> paddle.Tensor:
+        """``full`` reshaped to ``[padded_rows, row_numel]``, zero rows appended."""
+        t = full.reshape([self.rows, self.row_numel])
+        if self.padded_rows > self.rows:
+            pad = paddle.zeros([self.padded_rows - self.rows, self.row_numel], dtype=t.dtype)
+            t = paddle.concat([t, pad], axis=0)
+        return t
+
+    def as_rank_blocks(self, full) -> paddle.Tensor:
+        """``full`` as ``[I, chunk_numel]``: row ``i`` is the block inner rank ``i`` owns."""
+        return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
+
+    def from_rank_blocks(self, blocks) -> paddle.Tensor:
+        """Inverse of :meth:`as_rank_blocks`: ``[I, chunk_numel]`` -> full shape."""
+        t = blocks.reshape([self.padded_rows, self.row_numel])
+        if self.padded_rows > self.rows:
+            t = t[: self.rows]
+        return t.reshape(self.shape)
+
+    # -------------------------------------------------------------- shard param
+    def make_shard_param(self, data) -> EagerParamBase:
+        """The parameter the optimizer sees: this rank's block, with the original's
+        name and per-parameter attributes."""
+        p = self.full
+        shard = EagerParamBase(shape=self.shard_shape, dtype=self.dtype, name=p.name,
+                               trainable=self.trainable)
+        shard.stop_gradient = p.stop_gradient
+        for attr in _CARRIED_ATTRS:
+            if hasattr(p, attr):
+                setattr(shard, attr, getattr(p, attr))
+        data.reshape(self.shard_shape)._share_buffer_to(shard)
+        shard._hsdp_sharded_param = self  # lets optimizer/clip/state find the owner
+        self.shard = shard
+        return shard
+
+    # -------------------------------------------------------------- module slots
+    def point_users_to(self, tensor) -> None:
+        """Make every module attribute that names this parameter hold ``tensor``."""
+        for module, name in self.users:
+            module._parameters[name] = tensor
+
+    def set_full_data(self, tensor) -> None:
+        """Give the original parameter (the one autograd knows) this storage."""
+        tensor.reshape(self.shape)._share_buffer_to(self.full)
+
+    def free_full_data(self) -> None:
+        if self.full._is_initialized():
+            self.full._clear_data()
+
+    def full_is_materialized(self) -> bool:
+        return self.full._is_initialized()
