@@ -1,15 +1,21 @@
 """paddle_hsdp: hybrid sharded data parallel (HSDP) for PaddlePaddle fleet.
 
-Importing the package teaches ``fleet.init`` the ``fsdp_outer_degree`` option and makes
-gloo sub-group creation safe; import it before ``fleet.init``.
+Importing the package teaches ``fleet.init`` the ``fsdp_outer_degree`` option, makes
+gloo sub-group creation safe, and hooks the optimizer step boundary (see
+:mod:`paddle_hsdp.optim`); import it before ``fleet.init``.
 """
 
 from . import comm, topology  # noqa: F401
+from .api import FSDPModule, full_state_dict, fully_shard, memory_report  # noqa: F401
+from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
+from .optim import finish_grad_sync  # noqa: F401
 from . import fleet_ext as _fleet_ext
 from . import gloo_groups as _gloo_groups
+from . import optim as _optim
 
 __version__ = "0.1.0"
 
 _gloo_groups.install()
 _fleet_ext.install()
+_optim.install()

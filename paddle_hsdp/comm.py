@@ -9,7 +9,7 @@ once and every byte is counted once:
   (bfloat16 works natively);
 * NCCL (and other device backends) use the native ops.
 
-The :data:`counter` records, per group label and per op, calls, payload bytes (the size
+The :data:`counter` records, per group label (or the caller's ``tag``) and per op, calls, payload bytes (the size
 of the full tensor the op is about) and the per-rank traffic a ring algorithm moves
 (``(n-1)/n`` of the payload for all-gather, reduce-scatter and broadcast, twice that for
 all-reduce). Those are the quantities DESIGN.md's volume formulas speak of.
@@ -132,7 +132,7 @@ def _needs_fp32_staging(tensor, group) -> bool:
 # ---------------------------------------------------------------- collectives
 
 
-def all_gather_into(out_flat, shard, group, async_op: bool = False):
+def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None):
     """Gather equal shards of the group into ``out_flat`` (rank order), in place."""
     n = group.nranks
     if int(out_flat.numel()) != n * int(shard.numel()):
@@ -141,7 +141,7 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False):
             f"{n} x {int(shard.numel())}"
         )
     payload = _nbytes(out_flat)
-    counter.record(group_label(group), "all_gather", payload, payload * (n - 1) / n)
+    counter.record(tag or group_label(group), "all_gather", payload, payload * (n - 1) / n)
     if n == 1:
         paddle.assign(shard.reshape(out_flat.shape), output=out_flat)
         return _finish(Handle(), async_op)
@@ -149,7 +149,7 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False):
     return _finish(Handle([task]), async_op)
 
 
-def reduce_scatter(out_shard, in_flat, group, async_op: bool = False):
+def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None):
     """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``."""
     n = group.nranks
     shard_numel = int(out_shard.numel())
@@ -159,7 +159,7 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False):
             f"{n} x {shard_numel}"
         )
     payload = _nbytes(in_flat)
-    counter.record(group_label(group), "reduce_scatter", payload, payload * (n - 1) / n)
+    counter.record(tag or group_label(group), "reduce_scatter", payload, payload * (n - 1) / n)
     if n == 1:
         paddle.assign(in_flat.reshape(out_shard.shape), output=out_shard)
         return _finish(Handle(), async_op)
@@ -185,11 +185,11 @@ def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
     return Handle()
 
 
-def all_reduce(tensor, group, async_op: bool = False):
+def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None):
     """Sum ``tensor`` over the group, in place."""
     n = group.nranks
     payload = _nbytes(tensor)
-    counter.record(group_label(group), "all_reduce", payload, 2 * payload * (n - 1) / n)
+    counter.record(tag or group_label(group), "all_reduce", payload, 2 * payload * (n - 1) / n)
     if n == 1:
         return _finish(Handle(), async_op)
     if _needs_fp32_staging(tensor, group):
@@ -203,11 +203,11 @@ def all_reduce(tensor, group, async_op: bool = False):
     return _finish(Handle([task]), async_op)
 
 
-def broadcast(tensor, src: int, group, async_op: bool = False):
+def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None = None):
     """Copy ``tensor`` from global rank ``src`` to every member, in place."""
     n = group.nranks
     payload = _nbytes(tensor)
-    counter.record(group_label(group), "broadcast", payload, payload * (n - 1) / n)
+    counter.record(tag or group_label(group), "broadcast", payload, payload * (n - 1) / n)
     if n == 1:
         return _finish(Handle(), async_op)
     task = dist.stream.broadcast(tensor, src=src, group=group, sync_op=not async_op)

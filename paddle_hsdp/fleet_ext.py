@@ -136,6 +136,12 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
             if members in existing:
                 groups[members] = existing[members]
             continue
+        if len(members) == 1:
+            # Paddle's new_group gives a one-rank group rank -1 and nranks -1; a local
+            # Group object is what a one-rank group should be (no communicator needed).
+            if members[0] == dist.get_rank():
+                groups[members] = _single_rank_group(members[0])
+            continue
         groups[members] = dist.new_group(list(members))
     rank = dist.get_rank()
     for is_expert in (False, True):
@@ -144,6 +150,13 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
         comm.name_group(groups[mine.outer], "outer")
     logger.info("HSDP: %d groups created for fsdp_outer_degree=%d", len(groups), outer_degree)
     return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert)
+
+
+def _single_rank_group(rank: int):
+    from paddle.distributed.communication.group import Group
+
+    # Negative ids never clash with Paddle's ring ids (which count up from 0).
+    return Group(0, -1 - rank, [rank], pg=None, name=f"hsdp_single_{rank}")
 
 
 # ---------------------------------------------------------------- HCG methods

@@ -1,0 +1,116 @@
+"""The step boundary: what the optimizer sees and when the outer all-reduce runs.
+
+Paddle 3.3's optimizers have no step hooks. Every optimizer's ``step`` (and
+``minimize``) goes through ``Optimizer._apply_optimize`` before clipping and updating,
+so :func:`install` wraps that method: the first call of a step finishes the deferred
+gradient sync of every unit whose shard params the optimizer holds, i.e. **one outer
+all-reduce per buffer per optimizer step**, however many backward passes accumulated
+into the shards. Grads are updated in place, so the grad list ``step`` collected just
+before stays valid. Call :func:`finish_grad_sync` yourself to read synced grads before
+``step`` (for logging or custom clipping).
+
+``fleet.distributed_optimizer(opt)`` works too: Paddle wraps optimizers in its own
+ZeRO-1 ``DygraphShardingOptimizer`` when ``sharding_degree > 1``; for HSDP-managed
+params that would shard an already sharded state and reduce grads twice, so the
+wrapper is skipped and Paddle's ``HybridParallelClipGrad`` is kept, reading the real HCG.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import paddle
+
+from . import clip
+from .unit import FSDPUnit
+
+_installed = False
+
+
+def _sharded_params_of(optimizer) -> list:
+    params = []
+    for p in optimizer._parameter_list or []:
+        if isinstance(p, dict):
+            params.extend(p["params"])
+        else:
+            params.append(p)
+    return [p for p in params if hasattr(p, "_hsdp_sharded_param")]
+
+
+def _units_of(params) -> list[FSDPUnit]:
+    from .api import _owner_of
+
+    units = {}
+    for p in params:
+        unit, _ = _owner_of[id(p._hsdp_sharded_param.full)]
+        units[unit.index] = unit
+    return [units[i] for i in sorted(units)]  # one global order on every rank
+
+
+def finish_grad_sync(optimizer_or_params) -> None:
+    """Run the deferred outer all-reduce (and 1/N scaling) now, for the units whose
+    shard params an optimizer (or a list of params) holds. Idempotent within a step."""
+    params = (_sharded_params_of(optimizer_or_params)
+              if hasattr(optimizer_or_params, "_parameter_list") else
+              [p for p in optimizer_or_params if hasattr(p, "_hsdp_sharded_param")])
+    for unit in _units_of(params):
+        unit.all_reduce_grads()
+
+
+def _patch_apply_optimize() -> None:
+    original = paddle.optimizer.Optimizer._apply_optimize
+
+    @functools.wraps(original)
+    def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
+        params = _sharded_params_of(self)
+        if params:
+            finish_grad_sync(params)
+            clip.make_clip_hsdp_aware(self, params)
+        return original(self, loss, startup_program, params_grads, *args, **kwargs)
+
+    paddle.optimizer.Optimizer._apply_optimize = _apply_optimize
+
+
+def _patch_hybrid_parallel_optimizer() -> None:
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
+        hybrid_parallel_optimizer as hpo_mod,
+    )
+
+    cls = hpo_mod.HybridParallelOptimizer
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, optimizer, hcg, strategy):
+        if not _sharded_params_of(optimizer):
+            return original_init(self, optimizer, hcg, strategy)
+        original_init(self, optimizer, _WithoutPaddleSharding(hcg), strategy)
+        self._hcg = hcg
+        self._sharding_enable = False  # grads are already reduced by the HSDP units
+        inner = self._inner_opt
+        if isinstance(inner._grad_clip, hpo_mod.HybridParallelClipGrad):
+            inner._grad_clip._hcg = hcg  # its norm all-reduce spans the sharding group
+
+    cls.__init__ = __init__
+
+
+class _WithoutPaddleSharding:
+    """An HCG view that hides the sharding degree from HybridParallelOptimizer's
+    constructor, so it does not wrap HSDP shards in DygraphShardingOptimizer."""
+
+    def __init__(self, hcg):
+        self._hcg = hcg
+
+    def get_sharding_parallel_world_size(self, *args, **kwargs):
+        return 1
+
+    def __getattr__(self, name):
+        return getattr(self._hcg, name)
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _patch_apply_optimize()
+    _patch_hybrid_parallel_optimizer()
+    _installed = True
