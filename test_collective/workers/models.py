@@ -1,0 +1,124 @@
+"""A tiny causal LM with every awkward parameter the engine must handle, and the
+single-process reference trainer the multi-process runs are compared with.
+
+- row counts not divisible by the inner size (embedding 37 rows, fc1 3h+1 rows);
+- a frozen parameter (positional table, stop_gradient=True);
+- a parameter used only on some ranks (``Block.extra``, gated by the data chunk);
+- tied input/output embeddings through a second module (``TiedHead``);
+- biases and norms, excluded from weight decay by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+VOCAB, HIDDEN, SEQ, LAYERS = 37, 8, 6, 3
+
+
+class Block(nn.Layer):
+    def __init__(self, h):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 3 * h + 1)
+        self.fc2 = nn.Linear(3 * h + 1, h)
+        self.extra = self.create_parameter([h], default_initializer=nn.initializer.Normal(0, 0.1))
+
+    def forward(self, x, use_extra: bool):
+        y = self.fc2(F.gelu(self.fc1(self.norm(x))))
+        if use_extra:
+            y = y + self.extra
+        return x + y
+
+
+class TiedHead(nn.Layer):
+    def __init__(self, embedding_weight):
+        super().__init__()
+        self.weight = embedding_weight  # the same parameter object: tied
+
+    def forward(self, x):
+        return paddle.matmul(x, self.weight, transpose_y=True)
+
+
+class TinyLM(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.pos = self.create_parameter([SEQ, HIDDEN])
+        self.pos.stop_gradient = True  # frozen
+        self.blocks = nn.LayerList([Block(HIDDEN) for _ in range(LAYERS)])
+        self.final_norm = nn.LayerNorm(HIDDEN)
+        self.head = TiedHead(self.embed.weight)
+
+    def forward(self, ids, use_extra: bool):
+        x = self.embed(ids) + self.pos
+        for block in self.blocks:
+            x = block(x, use_extra)
+        return self.head(self.final_norm(x))
+
+
+def lm_loss(model, ids, use_extra):
+    logits = model(ids[:, :-1], use_extra)
+    return F.cross_entropy(logits.reshape([-1, VOCAB]), ids[:, 1:].reshape([-1, 1]))
+
+
+def build_model(seed: int = 2024) -> TinyLM:
+    paddle.seed(seed)
+    return TinyLM()
+
+
+def decay_filter(model):
+    """Names that get weight decay: everything but biases and norms (by original name)."""
+    names = {p.name for n, p in model.named_parameters()
+             if not (n.endswith("bias") or "norm" in n)}
+    return lambda name: name in names
+
+
+def make_optimizer(model, parameters, clip_norm):
+    clip = paddle.nn.ClipGradByGlobalNorm(clip_norm) if clip_norm else None
+    return paddle.optimizer.AdamW(learning_rate=0.05, parameters=parameters,
+                                  weight_decay=0.1, apply_decay_param_fun=decay_filter(model),
+                                  grad_clip=clip)
+
+
+def batches(steps: int, micro: int, n_ranks: int, per_rank: int, seed: int = 7):
+    """``[step][micro] -> int64 array [n_ranks * per_rank, SEQ + 1]``; rank r takes rows
+    ``r*per_rank:(r+1)*per_rank``."""
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(0, VOCAB, size=(n_ranks * per_rank, SEQ + 1)).astype("int64")
+             for _ in range(micro)] for _ in range(steps)]
+
+
+def uses_extra(rank: int) -> bool:
+    return rank % 2 == 0  # Block.extra is unused on odd ranks
+
+
+def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024):
+    """Single process, whole batch: the mean of every rank's chunk loss per micro-step,
+    averaged over micro-steps, exactly what the distributed run should compute."""
+    model = build_model(seed)
+    opt = make_optimizer(model, model.parameters(), clip_norm)
+    losses, norms = [], []
+    for step in data:
+        total = 0.0
+        for micro in step:
+            loss = 0.0
+            for r in range(n_ranks):
+                ids = paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank])
+                loss = loss + lm_loss(model, ids, uses_extra(r)) / n_ranks
+            (loss / len(step)).backward()
+            total += float(loss) / len(step)
+        norms.append(_global_norm(model))
+        opt.step()
+        opt.clear_grad()
+        losses.append(total)
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}, norms
+
+
+def _global_norm(model) -> float:
+    sq = sum(float((p.grad.astype("float64") ** 2).sum()) for p in model.parameters()
+             if p.grad is not None)
+    return sq ** 0.5

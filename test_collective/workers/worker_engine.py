@@ -1,0 +1,109 @@
+"""HSDP training == single-process training on the whole batch (losses, every param,
+grad norm), plus the comm counter against DESIGN's volume formulas and the memory report.
+
+argv: JSON with sharding_degree, outer, and the run variants to check.
+"""
+
+import numpy as np
+from common import config_from_argv, finish, init_fleet
+
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+
+import paddle_hsdp
+from paddle_hsdp import comm
+from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
+                    uses_extra)
+
+STEPS, MICRO, PER_RANK, CLIP = 5, 2, 2, 0.2
+RTOL = 1e-5  # float32 parity, relative to each tensor's scale
+
+config = config_from_argv()
+hcg = init_fleet(config)
+rank, world = dist.get_rank(), dist.get_world_size()
+inner, outer = hcg.get_fsdp_inner_group(), hcg.get_fsdp_outer_group()
+I, O = inner.nranks, outer.nranks
+data = batches(STEPS, MICRO, world, PER_RANK)
+ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
+assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
+
+
+def max_rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+
+def shard(reshard_blocks: bool):
+    model = build_model()
+    units = [model.embed] + list(model.blocks)
+    for layer in units:
+        paddle_hsdp.fully_shard(layer, reshard_after_forward=reshard_blocks)
+    paddle_hsdp.fully_shard(model)
+    return model
+
+
+def run(reshard_blocks: bool, via_fleet: bool):
+    model = shard(reshard_blocks)
+    opt = make_optimizer(model, model.parameters(), CLIP)
+    if via_fleet:
+        opt = fleet.distributed_optimizer(opt)
+    unit_list = paddle_hsdp.api._units_under(model)
+    losses, worst = [], {}
+    for step, micro_batches in enumerate(data):
+        comm.counter.reset()
+        total = 0.0
+        for micro in micro_batches:
+            ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+            loss = lm_loss(model, ids, uses_extra(rank))
+            if reshard_blocks:  # resharded units hold no full-size storage after forward
+                for u in unit_list:
+                    if u.should_reshard_after_forward():
+                        assert u.held_bytes()["gathered"] == 0, u.module
+            (loss / MICRO).backward()
+            held = paddle_hsdp.memory_report(model)
+            assert held["gathered"] == 0, held  # everything resharded after backward
+            t = paddle.to_tensor([float(loss)])
+            dist.all_reduce(t)  # for the log only: not through comm, not counted
+            total += t.item() / world / MICRO
+        opt.step()
+        norm = paddle_hsdp.last_global_norm(opt)
+        if not via_fleet:
+            worst["norm"] = max(worst.get("norm", 0), abs(norm - ref_norms[step]) / ref_norms[step])
+        opt.clear_grad()
+        losses.append(total)
+        check_counter(unit_list, reshard_blocks)
+    full = paddle_hsdp.full_state_dict(model)
+    assert set(full) == set(ref_params), set(full) ^ set(ref_params)
+    for name, value in full.items():
+        assert list(value.shape) == list(ref_params[name].shape), name
+        worst[name] = max_rel(value.numpy(), ref_params[name])
+    worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
+    bad = {k: v for k, v in worst.items() if v > RTOL}
+    assert not bad, f"parity failed (rtol {RTOL}): {bad}"
+    tag = f"reshard={reshard_blocks} fleet_opt={via_fleet}"
+    print(f"PARITY {O}x{I} {tag}: max rel diff {max(worst.values()):.2e} "
+          f"(loss {worst['loss']:.2e})", flush=True)
+
+
+def check_counter(units, reshard_blocks):
+    """One optimizer step of MICRO micro-steps, against DESIGN.md's formulas."""
+    trainable = [b for u in units for b in u.buffers if b.trainable]
+    esize = 4
+    rs = comm.counter.get("inner", "reduce_scatter")
+    assert rs.calls == MICRO * len(trainable), (rs, len(trainable))
+    grad_bytes = sum(b.padded_numel for b in trainable) * esize
+    assert rs.wire_bytes == MICRO * (I - 1) / I * grad_bytes, rs
+    ar = comm.counter.get("outer", "all_reduce")
+    assert ar.calls == len(trainable), comm.counter.snapshot()  # exactly one outer all-reduce per buffer per step
+    assert ar.wire_bytes == 2 * (O - 1) / O * grad_bytes / I, ar
+    ag = comm.counter.get("inner", "all_gather")
+    expected = sum((2 if u.should_reshard_after_forward() else 1) * MICRO * (I - 1) / I
+                   * b.padded_numel * esize for u in units for b in u.buffers)
+    assert ag.wire_bytes == expected, (ag, expected)
+    padding = sum(b.padded_numel - b.logical_numel for b in trainable)
+    assert padding <= sum((I - 1) * sp.row_numel for b in trainable for sp in b.params)
+
+
+for variant in config.get("variants", [[True, False], [False, True]]):
+    run(*variant)
+finish()
