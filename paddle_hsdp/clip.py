@@ -1,10 +1,25 @@
-"""Global-norm clipping over HSDP shards: every distinct shard counted exactly once.
+"""Global-norm clipping over HSDP shards: every distinct gradient element counted once.
 
-Inner ranks hold distinct blocks; outer replicas hold copies, marked
-``is_firstly_shared=False`` on every outer rank but 0 (see ``ShardBuffer``). The
-squared norm is summed locally with replicas contributing zero, then all-reduced over
-the FSDP group. No rank returns early: a rank with nothing to count (an outer replica,
-a shard that is all padding) adds zero and still joins the all-reduce, so no rank hangs.
+What a rank holds, and who else holds the same values:
+
+* inner ranks hold distinct row blocks of a buffer;
+* outer replicas hold copies: every outer rank but 0 marks its shards
+  ``is_firstly_shared=False`` (see ``ShardBuffer``), as Paddle's pipeline code marks
+  the second copy of a shared weight;
+* tensor-parallel ranks hold distinct slices of ``is_distributed`` params and copies
+  of the rest; sep ranks hold copies of everything;
+* pipeline stages hold distinct layers.
+
+So the squared norm is a sum of local terms where a term counts only on its first copy
+(``is_firstly_shared`` not False, and mp rank 0 unless ``is_distributed``, and sep rank
+0), followed by **one all-reduce over the whole job** (HSDP runs with ``dp_degree=1``,
+so the world is pp x sharding x sep x mp). No rank returns early: a rank with nothing
+to count (an outer replica, an all-padding shard, experts that got no tokens) adds zero
+and still joins the all-reduce, so no rank hangs.
+
+``fleet.distributed_optimizer`` keeps Paddle's own ``HybridParallelClipGrad``, which
+reads the same ``is_firstly_shared`` / ``is_distributed`` marks and all-reduces over the
+sharding, mp and pp groups; :func:`record_norm_of_hybrid_clip` makes its norm readable.
 """
 
 from __future__ import annotations
@@ -16,13 +31,27 @@ from . import comm
 
 
 class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
-    """``ClipGradByGlobalNorm`` for HSDP shards; ``last_global_norm`` keeps the norm."""
+    """``ClipGradByGlobalNorm`` for HSDP shards; ``last_global_norm`` keeps the norm.
 
-    def __init__(self, clip_norm: float, group, group_name: str = "default_group",
-                 auto_skip_clip: bool = False):
+    ``mp_rank`` / ``sep_rank``: this rank's index in the tensor-parallel and sep groups;
+    ``group``: the group that spans every distinct shard (None: the whole job).
+    """
+
+    def __init__(self, clip_norm: float, group=None, mp_rank: int = 0, sep_rank: int = 0,
+                 group_name: str = "default_group", auto_skip_clip: bool = False):
         super().__init__(clip_norm, group_name, auto_skip_clip)
         self.group = group
+        self.mp_rank = mp_rank
+        self.sep_rank = sep_rank
         self.last_global_norm: paddle.Tensor | None = None
+
+    def counts(self, param) -> bool:
+        """Whether this rank's copy of ``param`` is the one the norm counts."""
+        if getattr(param, "is_firstly_shared", True) is False:
+            return False
+        if self.sep_rank != 0:
+            return False
+        return self.mp_rank == 0 or bool(getattr(param, "is_distributed", False))
 
     @paddle.no_grad()
     def _dygraph_clip(self, params_grads):
@@ -31,15 +60,14 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
             if g is None or getattr(p, "need_clip", True) is False:
                 continue
             sq = paddle.sum(paddle.square(g.astype("float32"))).reshape([1])
-            if getattr(p, "is_firstly_shared", True) is False:
-                sq = sq * 0.0  # a replica: its twin on outer rank 0 counts it
-            sum_sq = sum_sq + sq
-        comm.all_reduce(sum_sq, self.group, tag="clip")
+            sum_sq = sum_sq + (sq if self.counts(p) else sq * 0.0)
+        group = self.group or paddle.distributed.collective._get_global_group()
+        comm.all_reduce(sum_sq, group, tag="clip")
         norm = paddle.sqrt(sum_sq)
         self.last_global_norm = norm
-        max_norm = paddle.full([1], self.clip_norm, dtype="float32")
         if self.auto_skip_clip and norm.item() <= self.clip_norm:
             return params_grads
+        max_norm = paddle.full([1], self.clip_norm, dtype="float32")
         scale = max_norm / paddle.maximum(norm, max_norm)
         out = []
         for p, g in params_grads:
@@ -50,6 +78,11 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         return out
 
 
+def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
+    return HSDPClipGradByGlobalNorm(clip.clip_norm, None, mesh.mp_rank(), mesh.sep_rank(),
+                                    clip.group_name, clip.auto_skip_clip)
+
+
 def make_clip_hsdp_aware(optimizer, params) -> None:
     """Swap a plain ``ClipGradByGlobalNorm`` for the HSDP one (same settings); refuse
     clips that cannot be right on shards, before any update happens."""
@@ -57,9 +90,7 @@ def make_clip_hsdp_aware(optimizer, params) -> None:
     if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
         return
     if type(clip) is ClipGradByGlobalNorm:
-        mesh = params[0]._hsdp_sharded_param.mesh
-        optimizer._grad_clip = HSDPClipGradByGlobalNorm(
-            clip.clip_norm, mesh.fsdp_group(False), clip.group_name, clip.auto_skip_clip)
+        optimizer._grad_clip = hsdp_clip_for(clip, params[0]._hsdp_sharded_param.mesh)
         return
     if isinstance(clip, paddle.nn.ClipGradByNorm):
         raise NotImplementedError(
@@ -67,8 +98,21 @@ def make_clip_hsdp_aware(optimizer, params) -> None:
             "know; use paddle.nn.ClipGradByGlobalNorm (or ClipGradByValue) with paddle_hsdp.")
 
 
+def record_norm_of_hybrid_clip(clip) -> None:
+    """Let a ``HybridParallelClipGrad`` keep its global norm in ``last_global_norm``."""
+    original = clip._global_norm
+
+    def _global_norm(norm_dist, norm_not_dist):
+        original(norm_dist, norm_not_dist)  # all-reduces both in place
+        clip.last_global_norm = paddle.sqrt(norm_dist + norm_not_dist)
+
+    clip._global_norm = _global_norm
+    clip.last_global_norm = None
+
+
 def last_global_norm(optimizer) -> float | None:
     """The global grad norm of the optimizer's last clipped step (for logging)."""
-    clip = getattr(optimizer, "_inner_opt", optimizer)._grad_clip
-    norm = getattr(clip, "last_global_norm", None)
+    while hasattr(optimizer, "_inner_opt"):
+        optimizer = optimizer._inner_opt
+    norm = getattr(optimizer._grad_clip, "last_global_norm", None)
     return None if norm is None else norm.item()

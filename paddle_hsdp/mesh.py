@@ -31,6 +31,12 @@ class HCGMesh:
     def fsdp_size(self, is_expert: bool = False) -> int:
         return self.hcg.get_fsdp_group(False).nranks
 
+    def mp_rank(self) -> int:
+        return self.hcg.get_model_parallel_rank()
+
+    def sep_rank(self) -> int:
+        return self.hcg.get_sep_parallel_rank() if self.hcg.get_sep_parallel_world_size() > 1 else 0
+
 
 def resolve_mesh(mesh):
     if mesh is not None:

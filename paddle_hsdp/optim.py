@@ -89,6 +89,7 @@ def _patch_hybrid_parallel_optimizer() -> None:
         inner = self._inner_opt
         if isinstance(inner._grad_clip, hpo_mod.HybridParallelClipGrad):
             inner._grad_clip._hcg = hcg  # its norm all-reduce spans the sharding group
+            clip.record_norm_of_hybrid_clip(inner._grad_clip)
 
     cls.__init__ = __init__
 
