@@ -128,6 +128,15 @@ def _claim_params(unit: FSDPUnit, module) -> None:
         _owner_of[id(sp.full)] = (unit, sp)
 
 
+def mark_expert_params(layer) -> None:
+    """Flag every parameter of ``layer`` as an expert (MoE) parameter, the attribute
+    Paddle's own engines read. Call it before ``fully_shard``: expert params get buffers
+    of their own, sharded in the expert inner group."""
+    for p in layer.parameters():
+        p.is_moe_param = True
+        p.expert = True
+
+
 def _units_under(model) -> list[FSDPUnit]:
     subtree = set(id(m) for m in model.sublayers(include_self=True))
     return [u for u in _units if id(u.module) in subtree]
@@ -137,13 +146,26 @@ def _units_under(model) -> list[FSDPUnit]:
 def full_state_dict(model) -> dict[str, paddle.Tensor]:
     """``{name: full tensor}`` with the names ``model.named_parameters()`` gave before
     sharding. A collective (one all-gather per buffer): call it on every rank."""
+    return _gather_named(model, grads=False)
+
+
+@paddle.no_grad()
+def full_grads(model) -> dict[str, paddle.Tensor | None]:
+    """``{name: full gradient}`` as the shards hold it now (call
+    ``finish_grad_sync`` first for the step's synced value). A collective."""
+    return _gather_named(model, grads=True)
+
+
+def _gather_named(model, grads: bool) -> dict:
     full_of: dict[int, paddle.Tensor] = {}
     for unit in _units_under(model):
         for buf in unit.buffers:
-            for sp, full in zip(buf.params, buf.gather_full()):
+            if grads and not buf.trainable:
+                continue
+            for sp, full in zip(buf.params, buf.gather_full(grads=grads)):
                 full_of[id(sp.shard)] = full
-    return {name: full_of.get(id(p), p.detach().clone())
-            for name, p in model.named_parameters()}
+    own = (lambda p: p.grad) if grads else (lambda p: p.detach().clone())
+    return {name: full_of.get(id(p), own(p)) for name, p in model.named_parameters()}
 
 
 def memory_report(model) -> dict[str, int]:

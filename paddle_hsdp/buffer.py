@@ -64,10 +64,19 @@ class ShardBuffer:
         parts = [sp.shard.detach().reshape([-1]) for sp in self.params]
         return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
 
-    def gather_full(self) -> list[paddle.Tensor]:
-        """All-gather in the inner group; return each parameter's full tensor."""
+    def local_grad_shard(self) -> paddle.Tensor:
+        """This rank's grad shard as one flat tensor (zeros where a shard has no grad)."""
+        parts = [(sp.shard.grad if sp.shard.grad is not None
+                  else paddle.zeros(sp.shard_shape, self.dtype)).reshape([-1])
+                 for sp in self.params]
+        return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+
+    def gather_full(self, grads: bool = False) -> list[paddle.Tensor]:
+        """All-gather in the inner group; return each parameter's full tensor (or, with
+        ``grads=True``, its full gradient as the shards hold it now)."""
         out = paddle.empty([self.padded_numel], dtype=self.dtype)
-        comm.all_gather_into(out, self.local_shard(), self.inner)
+        local = self.local_grad_shard() if grads else self.local_shard()
+        comm.all_gather_into(out, local, self.inner)
         grid = out.reshape([self.inner_size, self.shard_numel])
         sizes = [sp.chunk_numel for sp in self.params]
         parts = paddle.split(grid, sizes, axis=1) if len(sizes) > 1 else [grid]
@@ -97,10 +106,7 @@ class ShardBuffer:
 
     def all_reduce_grads(self, scale: float) -> None:
         """One outer all-reduce of this rank's grad shard, then scale (``1 / N``)."""
-        grads = [sp.shard.grad for sp in self.params]
-        parts = [(g if g is not None else paddle.zeros(sp.shard_shape, self.dtype)).reshape([-1])
-                 for sp, g in zip(self.params, grads)]
-        flat = paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+        flat = self.local_grad_shard()
         comm.all_reduce(flat, self.outer)
         flat = flat * scale
         for sp in self.params:
