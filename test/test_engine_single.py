@@ -1,0 +1,362 @@
+"""The engine's front end in one process: no launch, no distributed init.
+
+The fleet HCG is replaced by a :class:`FakeMesh` whose groups all have one rank (this
+process), so every collective in :mod:`paddle_hsdp.comm` short-circuits on
+``nranks == 1`` and no process group is needed. These tests therefore check argument
+checking, parameter bookkeeping, hooks and grad plumbing; multi-rank numerics are
+checked by ``test_collective``.
+"""
+
+import os
+import sys
+
+import numpy as np
+import paddle
+import pytest
+from paddle.distributed.communication.group import Group
+
+import paddle_hsdp
+from paddle_hsdp import api, comm, hooks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
+import models  # noqa: E402  (TinyLM, lm_loss, ...: the model the parity workers train)
+
+# ---------------------------------------------------------------- fixtures
+
+
+def _one_rank_group():
+    return Group(0, -100, [0], pg=None, name="fake")
+
+
+class FakeMesh:
+    """What ``resolve_mesh`` returns, with one-rank groups: inner = outer = fsdp = {0}."""
+
+    def __init__(self):
+        self.group = _one_rank_group()
+
+    def inner(self, is_expert=False):
+        return self.group
+
+    def outer(self, is_expert=False):
+        return self.group
+
+    def fsdp_group(self, is_expert=False):
+        return self.group
+
+    def fsdp_size(self, is_expert=False):
+        return 1
+
+    def mp_rank(self):
+        return 0
+
+    def sep_rank(self):
+        return 0
+
+
+def _reset_hook_state():
+    if hasattr(hooks, "_forward_depth"):
+        hooks._forward_depth = 0
+    if hasattr(hooks, "_active"):  # the stack the fix of the xfail test below proposes
+        hooks._active.clear()
+    hooks._roots_in_backward.clear()
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Empty ``api._units`` / ``api._owner_of`` for the test, restored after; a fresh
+    comm counter (so a test can tell whether any collective was issued)."""
+    saved_units, saved_owner = list(api._units), dict(api._owner_of)
+    api._units.clear()
+    api._owner_of.clear()
+    _reset_hook_state()
+    monkeypatch.setattr(comm, "counter", comm.CommCounter())
+    yield
+    api._units[:] = saved_units
+    api._owner_of.clear()
+    api._owner_of.update(saved_owner)
+    _reset_hook_state()
+
+
+@pytest.fixture
+def fake_mesh(registry, monkeypatch):
+    """``fully_shard(mesh=None)`` gets a :class:`FakeMesh` instead of the fleet HCG."""
+    mesh = FakeMesh()
+    monkeypatch.setattr(api, "resolve_mesh", lambda m: mesh)
+    return mesh
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _two_linears():
+    return paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Linear(3, 2))
+
+
+def _shard_tinylm(model, reshard_blocks=None):
+    """The layout of the parity workers: embed and each block, then the root."""
+    paddle_hsdp.fully_shard(model.embed)
+    for block in model.blocks:
+        paddle_hsdp.fully_shard(block, reshard_after_forward=reshard_blocks)
+    paddle_hsdp.fully_shard(model)
+    return model
+
+
+def _ids(seed=7, rows=2):
+    rng = np.random.default_rng(seed)
+    return paddle.to_tensor(rng.integers(0, models.VOCAB, size=(rows, models.SEQ + 1)).astype("int64"))
+
+
+def _assert_raises_without_side_effects(exc, match, module, **kwargs):
+    """``fully_shard(module, **kwargs)`` raises ``exc``; no collective, no new unit,
+    the module's class is untouched."""
+    units_before, cls_before = list(api._units), type(module)
+    calls_before = comm.counter.snapshot()
+    with pytest.raises(exc, match=match):
+        paddle_hsdp.fully_shard(module, **kwargs)
+    assert comm.counter.snapshot() == calls_before, "a collective ran before the check"
+    assert api._units == units_before
+    assert type(module) is cls_before
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def test_fully_shard_twice_raises_already(fake_mesh):
+    """A second fully_shard on the same module is refused before any collective."""
+    layer = paddle.nn.Linear(4, 4)
+    paddle_hsdp.fully_shard(layer)
+    _assert_raises_without_side_effects(ValueError, "already", layer)
+
+
+def test_fully_shard_child_after_parent_raises_bottom_up(fake_mesh):
+    """Sharding a child after its parent is refused, with a hint to go bottom-up."""
+    model = _two_linears()
+    paddle_hsdp.fully_shard(model)
+    _assert_raises_without_side_effects(ValueError, "bottom-up", model[0])
+
+
+def test_fully_shard_module_without_parameters_raises(fake_mesh):
+    """A module with no parameters at all (ReLU) has nothing to shard: ValueError."""
+    _assert_raises_without_side_effects(ValueError, "no parameters", paddle.nn.ReLU())
+
+
+def test_root_whose_params_all_sit_in_sharded_children_is_fine(fake_mesh):
+    """A root that owns no parameter of its own (all in sharded children) is a valid
+    unit with no buffers, and forward/backward still fills every shard's grad."""
+    model = _two_linears()
+    paddle_hsdp.fully_shard(model[0])
+    paddle_hsdp.fully_shard(model[1])
+    paddle_hsdp.fully_shard(model)
+    root = model._hsdp_unit
+    assert root.params == [] and root.buffers == []
+    model(paddle.randn([5, 4])).sum().backward()
+    params = list(model.parameters())
+    assert len(params) == 4
+    assert all(hasattr(p, "_hsdp_sharded_param") and p.grad is not None for p in params)
+
+
+def test_non_layer_raises_type_error(fake_mesh):
+    """Anything that is not a paddle.nn.Layer is a TypeError."""
+    with pytest.raises(TypeError, match="paddle.nn.Layer"):
+        paddle_hsdp.fully_shard(paddle.randn([2, 2]))
+    assert api._units == [] and comm.counter.snapshot() == {}
+
+
+@pytest.mark.parametrize("arg", ["shard_placement_fn", "mp_policy", "offload_policy",
+                                 "ignored_params"])
+def test_unimplemented_arguments_raise_naming_the_argument(fake_mesh, arg):
+    """Each not-yet-implemented argument, when not None, raises NotImplementedError
+    naming that argument, before any collective."""
+    _assert_raises_without_side_effects(NotImplementedError, arg, paddle.nn.Linear(2, 2),
+                                        **{arg: object()})
+
+
+def test_int_reshard_after_forward_raises(fake_mesh):
+    """reshard_after_forward=2 (an int reshard size) is not implemented."""
+    _assert_raises_without_side_effects(NotImplementedError, "reshard_after_forward",
+                                        paddle.nn.Linear(2, 2), reshard_after_forward=2)
+
+
+def test_without_fleet_init_raises_with_instructions(registry, monkeypatch):
+    """With the real resolve_mesh and no HCG, fully_shard says to import paddle_hsdp and
+    call fleet.init, before any collective and without touching the module."""
+    from paddle.distributed.fleet.base import topology
+
+    monkeypatch.setattr(topology, "_HYBRID_PARALLEL_GROUP", None)
+    layer = paddle.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError) as info:
+        paddle_hsdp.fully_shard(layer)
+    assert "fleet.init" in str(info.value) and "import paddle_hsdp" in str(info.value)
+    assert not isinstance(layer, paddle_hsdp.FSDPModule)
+    assert api._units == [] and api._owner_of == {} and comm.counter.snapshot() == {}
+
+
+def test_explicit_mesh_raises_not_implemented(registry):
+    """mesh=... (anything but None) is not implemented; the real resolve_mesh says so."""
+    _assert_raises_without_side_effects(NotImplementedError, "mesh", paddle.nn.Linear(2, 2),
+                                        mesh=object())
+
+
+# ---------------------------------------------------------------- parameter bookkeeping
+
+
+def test_parameters_become_shards_with_the_same_names_and_attributes(fake_mesh):
+    """After sharding children and root, parameters() yields one shard param per original
+    param with its name, stop_gradient, need_clip and optimize_attr; named_parameters()
+    keeps its names; the model is an FSDPModule of a class named FSDP<cls>."""
+    model = models.build_model()
+    model.blocks[0].fc1.weight.need_clip = False
+    model.blocks[1].fc2.bias.optimize_attr = {"learning_rate": 0.5}
+    before = list(model.named_parameters())
+    attrs = {n: (p.name, p.stop_gradient, p.need_clip, dict(p.optimize_attr))
+             for n, p in before}
+    originals = {id(p) for _, p in before}
+
+    _shard_tinylm(model)
+
+    after = list(model.named_parameters())
+    assert [n for n, _ in after] == [n for n, _ in before]
+    params = list(model.parameters())
+    assert len(params) == len(before)
+    assert all(hasattr(p, "_hsdp_sharded_param") for p in params)
+    assert {id(p._hsdp_sharded_param.full) for p in params} == originals
+    for n, p in after:
+        assert (p.name, p.stop_gradient, p.need_clip, dict(p.optimize_attr)) == attrs[n], n
+    assert attrs["pos"][1] is True  # the frozen table stays frozen
+    assert isinstance(model, paddle_hsdp.FSDPModule)
+    assert type(model).__name__.startswith("FSDP")
+    assert isinstance(model, models.TinyLM)
+
+
+def test_tied_parameter_has_one_owner_and_the_other_unit_borrows_it(fake_mesh):
+    """TinyLM's head reuses embed.weight: the embed unit owns it, the root unit (which
+    holds the head) lists the embed unit in ``borrowed``, and both slots name the same
+    shard."""
+    model = models.build_model()
+    tied = model.embed.weight
+    _shard_tinylm(model)
+    embed_unit, root_unit = model.embed._hsdp_unit, model._hsdp_unit
+    owners = [u for u in api._units for sp in u.params if sp.full is tied]
+    assert owners == [embed_unit]
+    assert api._owner_of[id(tied)][0] is embed_unit
+    assert root_unit.borrowed == [embed_unit]
+    assert all(u.borrowed == [] for u in api._units if u is not root_unit)
+    assert model.head.weight is model.embed.weight
+    assert model.embed.weight._hsdp_sharded_param.full is tied
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_one_rank_training_matches_unsharded_adamw(fake_mesh):
+    """3 AdamW steps through the real engine (hooks, reduce-scatter, outer all-reduce,
+    optimizer boundary) on the 1-rank fake mesh give the unsharded model's losses and
+    params. With one rank every collective is a copy, so this checks the mechanics of
+    the hooks and grad plumbing, not multi-rank numerics (test_collective does that).
+    The middle step skips Block.extra, which then gets a zero grad on both sides."""
+    ref = models.build_model()
+    model = _shard_tinylm(models.build_model())
+    ref_opt = models.make_optimizer(ref, ref.parameters(), None)
+    opt = models.make_optimizer(model, model.parameters(), None)
+    ref_losses, losses = [], []
+    for step, use_extra in enumerate([True, False, True]):
+        ids = _ids(seed=step)
+        for m, o, out in ((ref, ref_opt, ref_losses), (model, opt, losses)):
+            loss = models.lm_loss(m, ids, use_extra)
+            loss.backward()
+            o.step()
+            o.clear_grad()
+            out.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    full = paddle_hsdp.full_state_dict(model)
+    expected = dict(ref.named_parameters())
+    assert set(full) == set(expected)
+    for name, value in full.items():
+        np.testing.assert_allclose(value.numpy(), expected[name].numpy(), rtol=1e-6,
+                                   atol=1e-7, err_msg=name)
+    assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
+
+
+def test_memory_report_gathered_after_forward_and_backward(fake_mesh):
+    """A child with reshard_after_forward=False still holds its gathered params after
+    forward (a resharding child holds none); after backward nothing is gathered."""
+    model = models.build_model()
+    paddle_hsdp.fully_shard(model.embed)
+    paddle_hsdp.fully_shard(model.blocks[0], reshard_after_forward=False)
+    paddle_hsdp.fully_shard(model.blocks[1], reshard_after_forward=True)
+    paddle_hsdp.fully_shard(model)
+    assert paddle_hsdp.memory_report(model)["gathered"] == 0  # sharded at rest
+
+    loss = models.lm_loss(model, _ids(), True)
+    kept = paddle_hsdp.memory_report(model.blocks[0])
+    assert kept["gathered"] > 0 and kept["gathered"] == kept["shard"]  # 1 rank: full == shard
+    assert paddle_hsdp.memory_report(model.blocks[1])["gathered"] == 0
+
+    loss.backward()
+    held = paddle_hsdp.memory_report(model)
+    assert held["gathered"] == 0, held
+    assert held["grad"] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="hooks._forward_depth stays > 0 after a forward "
+                   "that raised, so the next root is not seen as a root and its backward "
+                   "is never reduced (see the report for the fix)")
+def test_forward_that_raised_does_not_break_the_next_root(fake_mesh):
+    """After a forward that raised midway, a model sharded next still trains: its
+    backward fills the shard grads, reshards, and leaves shard params in the slots."""
+    broken = _two_linears()
+    paddle_hsdp.fully_shard(broken[0])
+    paddle_hsdp.fully_shard(broken)
+    with pytest.raises(ValueError):
+        broken(paddle.randn([2, 5]))  # wrong width: fails inside the first Linear
+    model = _two_linears()
+    paddle_hsdp.fully_shard(model[0])
+    paddle_hsdp.fully_shard(model)
+    model(paddle.randn([2, 4])).sum().backward()
+    assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
+    assert all(sp.shard.grad is not None for u in api._units_under(model) for sp in u.params)
+    assert paddle_hsdp.memory_report(model)["gathered"] == 0
+
+
+# ---------------------------------------------------------------- clipping
+
+
+def test_clip_grad_by_norm_is_refused_at_first_step(fake_mesh):
+    """ClipGradByNorm cannot be computed on shards: the first step() raises
+    NotImplementedError before any parameter is updated."""
+    model = _shard_tinylm(models.build_model())
+    opt = paddle.optimizer.AdamW(learning_rate=0.1, parameters=model.parameters(),
+                                 grad_clip=paddle.nn.ClipGradByNorm(1.0))
+    models.lm_loss(model, _ids(), True).backward()
+    before = {n: p.numpy().copy() for n, p in model.named_parameters()}
+    with pytest.raises(NotImplementedError, match="ClipGradByNorm"):
+        opt.step()
+    for n, p in model.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), before[n], err_msg=n)
+
+
+def test_clip_grad_by_global_norm_is_swapped_and_reports_the_norm(fake_mesh):
+    """A plain ClipGradByGlobalNorm is replaced by HSDPClipGradByGlobalNorm (same
+    clip_norm) at the first step; last_global_norm(opt) is the unsharded model's global
+    grad norm, and the clipped update matches the unsharded one."""
+    clip = 0.2
+    ref = models.build_model()
+    model = _shard_tinylm(models.build_model())
+    ref_opt = models.make_optimizer(ref, ref.parameters(), clip)
+    opt = models.make_optimizer(model, model.parameters(), clip)
+    assert type(opt._grad_clip) is paddle.nn.ClipGradByGlobalNorm
+    assert paddle_hsdp.last_global_norm(opt) is None
+    ids = _ids()
+    models.lm_loss(ref, ids, True).backward()
+    ref_norm = models._global_norm(ref)
+    assert ref_norm > clip  # the clip is active
+    ref_opt.step()
+    models.lm_loss(model, ids, True).backward()
+    opt.step()
+    assert isinstance(opt._grad_clip, paddle_hsdp.HSDPClipGradByGlobalNorm)
+    assert opt._grad_clip.clip_norm == clip
+    assert paddle_hsdp.last_global_norm(opt) == pytest.approx(ref_norm, rel=1e-5)
+    full = paddle_hsdp.full_state_dict(model)
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(full[name].numpy(), p.numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
