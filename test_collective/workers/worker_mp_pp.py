@@ -1,0 +1,182 @@
+"""HSDP next to tensor parallelism (mp) or pipeline stages (pp) on 8 CPU ranks: training
+matches an independent single-process reference (global grad norm per step, every final
+parameter, the loss) with clipping active, for a plain and a fleet optimizer.
+
+mp: the mp model's local weights are the mp-rank slices of the reference's full weights.
+pp: no schedule; each stage trains its own model on its own loss, and the global norm
+spans both stages (the reference trains both models under one clipped optimizer).
+argv: JSON with the hybrid degrees, ``outer``, ``tag`` (the log prefix) and optionally
+``fleet_opt`` (which optimizer set-ups to run: [false, true] by default).
+"""
+
+import numpy as np
+from common import config_from_argv, finish, init_fleet
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+from paddle.base import core
+from paddle.distributed import fleet
+from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                    VocabParallelEmbedding)
+
+import paddle_hsdp
+from paddle_hsdp import comm
+
+# Paddle 3.3's mp layers cannot run on CPU: ProcessGroupGloo lacks the
+# ``all_reduce_on_calc_stream`` they call, and ``c_identity`` has no CPU kernel. On CPU a
+# synchronous all-reduce and a copy are the same thing (c_identity's backward all-reduce
+# lives in the mp layers' PyLayers, not in this op).
+core.ProcessGroupGloo.all_reduce_on_calc_stream = (
+    lambda self, tensor, op: self.all_reduce(tensor, op, True).wait())
+paddle._C_ops.c_identity = lambda tensor, ring_id, *flags: paddle.assign(tensor)
+
+VOCAB, HIDDEN, FF, SEQ = 18, 8, 10, 6  # mp slices of 9 and 5 rows: padded for inner 2
+STEPS, MICRO, PER_RANK, CLIP = 4, 2, 2, 0.2
+RTOL = 1e-5  # float32 parity, relative to each tensor's scale
+
+
+class Block(nn.Layer):
+    def __init__(self, mp: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = (ColumnParallelLinear(HIDDEN, FF, gather_output=False, has_bias=True)
+                   if mp else nn.Linear(HIDDEN, FF))
+        self.down = (RowParallelLinear(FF, HIDDEN, input_is_parallel=True, has_bias=True)
+                     if mp else nn.Linear(FF, HIDDEN))
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Layer):
+    def __init__(self, mp: bool):
+        super().__init__()
+        self.embed = VocabParallelEmbedding(VOCAB, HIDDEN) if mp else nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.LayerList([Block(mp), Block(mp)])
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)  # replicated over mp
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def full_weights(seed):
+    rng = np.random.default_rng(seed)
+    return {n: (0.5 * rng.standard_normal(p.shape)).astype("float32")
+            for n, p in Net(mp=False).named_parameters()}
+
+
+def mp_slice(name, w, r, n):
+    """mp rank ``r``'s part of the full weight: Column splits out, Row and vocab split rows."""
+    if name.endswith("up.weight"):
+        return np.split(w, n, axis=1)[r]
+    if name.endswith(("up.bias", "down.weight")) or name == "embed.weight":
+        return np.split(w, n, axis=0)[r]
+    return w  # LayerNorm, Row bias, head: replicated
+
+
+def build(mp, weights, r=0, n=1):
+    model = Net(mp)
+    for name, p in model.named_parameters():
+        p.set_value(mp_slice(name, weights[name], r, n))
+    return model
+
+
+def make_opt(params):
+    return paddle.optimizer.AdamW(learning_rate=0.05, parameters=params, weight_decay=0.1,
+                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
+
+
+def batches(seed, n):
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(0, VOCAB, size=(n * PER_RANK, SEQ + 1)).astype("int64")
+             for _ in range(MICRO)] for _ in range(STEPS)]
+
+
+def lm_loss(model, ids):
+    ids = paddle.to_tensor(ids)
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape([-1, VOCAB]), ids[:, 1:].reshape([-1, 1]))
+
+
+def train_reference(weights, data, n):
+    """One process, one model per stage, one clipped optimizer over all of them: the
+    mean loss of the ``n`` data chunks per micro-step, averaged over micro-steps."""
+    models = [build(False, w) for w in weights]
+    params = [p for m in models for p in m.parameters()]
+    opt = make_opt(params)
+    losses, norms = np.zeros([len(models), STEPS]), []
+    for step in range(STEPS):
+        for k in range(MICRO):
+            for s, model in enumerate(models):
+                chunks = np.split(data[s][step][k], n)
+                loss = sum(lm_loss(model, c) for c in chunks) / n
+                (loss / MICRO).backward()
+                losses[s, step] += float(loss) / MICRO
+        norms.append(sum(float((p.grad.astype("float64") ** 2).sum()) for p in params) ** 0.5)
+        opt.step()
+        opt.clear_grad()
+    return losses, norms, [{k: p.numpy() for k, p in m.named_parameters()} for m in models]
+
+
+def max_rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+
+config = config_from_argv()
+hcg = init_fleet(config)
+stage, n_stages = hcg.get_stage_id(), hcg.get_pipe_parallel_world_size()
+mp_rank, mp_n = hcg.get_model_parallel_rank(), hcg.get_model_parallel_world_size()
+sharding = hcg.get_sharding_parallel_group()
+dp_rank, N = hcg.get_sharding_parallel_rank(), sharding.nranks  # data chunk, chunk count
+inner, outer = hcg.get_fsdp_inner_group(), hcg.get_fsdp_outer_group()
+for group in (inner, outer):  # HSDP stays inside this stage's (this mp rank's) sharding group
+    assert set(group.ranks) <= set(sharding.ranks), (group.ranks, sharding.ranks)
+
+weights = [full_weights(100 + s) for s in range(n_stages)]
+data = [batches(7 + s, N) for s in range(n_stages)]
+ref_losses, ref_norms, ref_params = train_reference(weights, data, N)
+assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
+
+
+def run(via_fleet: bool):
+    model = build(mp_n > 1, weights[stage], mp_rank, mp_n)
+    for layer in [model.embed, *model.blocks]:
+        paddle_hsdp.fully_shard(layer)
+    paddle_hsdp.fully_shard(model)
+    opt = make_opt(model.parameters())
+    if via_fleet:
+        opt = fleet.distributed_optimizer(opt)
+    worst, losses = {"norm": 0.0}, np.zeros(STEPS)
+    for step in range(STEPS):
+        for k in range(MICRO):
+            loss = lm_loss(model, data[stage][step][k][dp_rank * PER_RANK:][:PER_RANK])
+            (loss / MICRO).backward()
+            t = paddle.to_tensor([float(loss)])
+            comm.all_reduce(t, sharding, tag="log")
+            losses[step] += t.item() / N / MICRO
+        opt.step()
+        norm = paddle_hsdp.last_global_norm(opt)
+        worst["norm"] = max(worst["norm"], abs(norm - ref_norms[step]) / ref_norms[step])
+        opt.clear_grad()
+    full = paddle_hsdp.full_state_dict(model)
+    assert set(full) == set(ref_params[stage]), set(full) ^ set(ref_params[stage])
+    for name, value in full.items():
+        expected = mp_slice(name, ref_params[stage][name], mp_rank, mp_n)
+        assert list(value.shape) == list(expected.shape), name
+        worst[name] = max_rel(value.numpy(), expected)
+    worst["loss"] = max_rel(losses, ref_losses[stage])
+    bad = {k: v for k, v in worst.items() if v > RTOL}
+    assert not bad, f"parity failed (rtol {RTOL}, fleet_opt={via_fleet}): {bad}"
+    print(f"{config['tag']}_PARITY fleet_opt={via_fleet} (inner {inner.ranks}, outer "
+          f"{outer.ranks}): max rel diff {max(worst.values()):.2e} "
+          f"(norm {worst['norm']:.2e}, loss {worst['loss']:.2e})", flush=True)
+
+
+for via_fleet in config.get("fleet_opt", [False, True]):
+    run(via_fleet)
+finish()
