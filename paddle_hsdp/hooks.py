@@ -7,7 +7,7 @@
 * Pre-backward: gather again if the unit was resharded after forward.
 * End of backward: Paddle 3.3 has no queue-callback, so :func:`install` wraps
   ``core.eager.run_backward`` (what ``Tensor.backward`` and ``paddle.autograd.backward``
-  call). After the engine returns, every root whose backward ran reduce-scatters the
+  call) and ``run_partial_grad`` (``paddle.grad``). After the engine returns, every root whose backward ran reduce-scatters the
   grads of all its units, in one fixed order (reverse registration), and reshards
   them. A fixed order taken by every rank, with zeros for params that got no grad,
   is what makes unused params and rank-dependent control flow inside a unit safe.
@@ -20,7 +20,9 @@ from paddle.autograd import PyLayer
 
 from .unit import FSDPUnit
 
-_forward_depth = 0
+# Units whose forward is running, outermost first. A forward that raised leaves stale
+# entries; the next unit not contained in any of them is a root and clears them.
+_active: list[FSDPUnit] = []
 _roots_in_backward: list["RootState"] = []
 _installed = False
 
@@ -98,22 +100,31 @@ def _flatten(obj):
     return [obj], lambda f: f[0]
 
 
+def _subtree_ids(unit: FSDPUnit) -> frozenset:
+    ids = getattr(unit, "_subtree_ids", None)
+    if ids is None:
+        ids = unit._subtree_ids = frozenset(id(m) for m in unit.module.sublayers())
+    return ids
+
+
 def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
     def pre_forward(module, inputs):
-        global _forward_depth
-        if _forward_depth == 0:
+        if not any(id(unit.module) in _subtree_ids(a) for a in _active):
+            _active.clear()  # whatever a forward that raised left behind
             unit.is_root = True
             if getattr(unit, "root_state", None) is None:
                 unit.root_state = RootState(unit, all_units)
-        _forward_depth += 1
+            for u in unit.root_state.units:
+                u.pins = 0  # pins a failed forward left raised
+        _active.append(unit)
         for owner in unit.borrowed:
             owner.unshard()
             owner.pins += 1
         unit.unshard()
 
     def post_forward(module, inputs, outputs):
-        global _forward_depth
-        _forward_depth -= 1
+        if unit in _active:
+            _active.remove(unit)
         grad_on = paddle.is_grad_enabled()
         for owner in unit.borrowed:
             owner.pins -= 1
@@ -142,9 +153,16 @@ def install() -> None:
         return
     from paddle.base import core
 
-    original = core.eager.run_backward
+    # run_backward serves Tensor.backward and paddle.autograd.backward; paddle.grad
+    # goes through run_partial_grad.
+    for name in ("run_backward", "run_partial_grad"):
+        if hasattr(core.eager, name):
+            setattr(core.eager, name, _then_post_backward(getattr(core.eager, name)))
+    _installed = True
 
-    def run_backward(*args, **kwargs):
+
+def _then_post_backward(original):
+    def run(*args, **kwargs):
         try:
             result = original(*args, **kwargs)
         except BaseException:
@@ -153,5 +171,4 @@ def install() -> None:
         run_post_backward()
         return result
 
-    core.eager.run_backward = run_backward
-    _installed = True
+    return run
