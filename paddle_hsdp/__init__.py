@@ -11,6 +11,7 @@ from .api import (FSDPModule, full_grads, full_state_dict, fully_shard,  # noqa:
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
 from .optim import finish_grad_sync  # noqa: F401
+from . import cpu_compat as _cpu_compat
 from . import fleet_ext as _fleet_ext
 from . import gloo_groups as _gloo_groups
 from . import optim as _optim
@@ -18,5 +19,6 @@ from . import optim as _optim
 __version__ = "0.1.0"
 
 _gloo_groups.install()
+_cpu_compat.install()
 _fleet_ext.install()
 _optim.install()

@@ -15,21 +15,12 @@ from common import config_from_argv, finish, init_fleet
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
-from paddle.base import core
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                     VocabParallelEmbedding)
 
 import paddle_hsdp
 from paddle_hsdp import comm
-
-# Paddle 3.3's mp layers cannot run on CPU: ProcessGroupGloo lacks the
-# ``all_reduce_on_calc_stream`` they call, and ``c_identity`` has no CPU kernel. On CPU a
-# synchronous all-reduce and a copy are the same thing (c_identity's backward all-reduce
-# lives in the mp layers' PyLayers, not in this op).
-core.ProcessGroupGloo.all_reduce_on_calc_stream = (
-    lambda self, tensor, op: self.all_reduce(tensor, op, True).wait())
-paddle._C_ops.c_identity = lambda tensor, ring_id, *flags: paddle.assign(tensor)
 
 VOCAB, HIDDEN, FF, SEQ = 18, 8, 10, 6  # mp slices of 9 and 5 rows: padded for inner 2
 STEPS, MICRO, PER_RANK, CLIP = 4, 2, 2, 0.2
