@@ -7,7 +7,8 @@ gloo sub-group creation safe, and hooks the optimizer step boundary (see
 
 from . import comm, topology  # noqa: F401
 from .api import (FSDPModule, full_grads, full_state_dict, fully_shard,  # noqa: F401
-                  mark_expert_params, memory_report)
+                  mark_expert_params, memory_report, reset_peak_memory, set_zero_stage)
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: F401
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
 from .optim import finish_grad_sync  # noqa: F401

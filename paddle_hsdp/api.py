@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import paddle
 
-from . import hooks
+from . import comm, hooks
 from .mesh import resolve_mesh
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .param import ShardedParam
-from .unit import FSDPUnit, UnitState, _is_expert
+from .unit import FSDPUnit, GatheredBytes, UnitState, _is_expert
 
 # Every unit in registration order (bottom-up), and who owns which original param.
 _units: list[FSDPUnit] = []
@@ -18,19 +19,126 @@ _owner_of: dict[int, tuple[FSDPUnit, ShardedParam]] = {}
 
 
 class FSDPModule:
-    """Mixed into every module ``fully_shard`` returns (``isinstance`` works)."""
+    """Mixed into every module ``fully_shard`` returns (``isinstance`` works).
+
+    The methods follow torch FSDP2. Where paddle_hsdp differs, the docstring says so.
+    Methods with ``recurse`` apply to every FSDP module in the subtree (default True).
+    """
 
     @property
     def _hsdp_unit(self) -> FSDPUnit:
         return self.__dict__["_hsdp_unit_"]
 
-    def unshard(self) -> None:
-        """Gather this unit's parameters now (a collective: call on every rank)."""
+    def _units(self, recurse: bool) -> list[FSDPUnit]:
+        return _units_under(self) if recurse else [self._hsdp_unit]
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters now (a collective: call on every rank).
+
+        With ``async_op=True`` returns a handle with ``wait()``; on gloo collectives
+        complete before they return, so the handle is already done."""
         self._hsdp_unit.unshard()
+        return comm.Handle() if async_op else None
 
     def reshard(self) -> None:
         """Free the gathered parameters; modules see the local shards again."""
-        self._hsdp_unit.reshard()
+        self._hsdp_unit.reshard(force=True)
+
+    def set_reshard_after_forward(self, value: bool, recurse: bool = True) -> None:
+        """True: free gathered params after forward, gather again for backward (ZeRO-3)."""
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = bool(value)
+
+    def set_reshard_after_backward(self, value: bool, recurse: bool = True) -> None:
+        """False: keep params gathered after backward for the next micro-step. They are
+        resharded after the optimizer step in any case (the update makes them stale)."""
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = bool(value)
+
+    def set_requires_gradient_sync(self, value: bool, recurse: bool = True) -> None:
+        """False: no grad communication at the end of backward; full-size grads
+        accumulate locally. Differs from torch: whatever is still unreduced at the
+        optimizer step is reduce-scattered there, so a forgotten True never leaves
+        replicas with unsynced grads."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = bool(value)
+
+    def set_requires_all_reduce(self, value: bool, recurse: bool = True) -> None:
+        """Whether the step boundary runs the outer all-reduce. paddle_hsdp runs it once
+        per optimizer step anyway (never per micro-step), so torch's pattern (False on
+        non-last micro-steps, True on the last) gives exactly one all-reduce. False at
+        the step itself: each replica steps on the mean grad of its own inner group."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(value)
+
+    def set_is_last_backward(self, value: bool) -> None:
+        """Accepted for torch compatibility. paddle_hsdp finishes grad sync at the
+        optimizer step boundary, so it needs no marking of the last backward; the flag
+        is recorded on the units (``unit.is_last_backward``) and changes nothing."""
+        for unit in _units_under(self):
+            unit.is_last_backward = bool(value)
+
+    def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
+        """Divide the summed grads by ``factor`` instead of the data-parallel size."""
+        if not factor or factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
+        for unit in self._units(recurse):
+            unit.gradient_divide_factor = float(factor)
+
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """Gather these FSDP modules right after this one, before its forward."""
+        self._hsdp_unit.forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch")
+                                            for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """Gather these FSDP modules right after this one, before its backward."""
+        self._hsdp_unit.backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch")
+                                             for m in modules]
+
+    def set_prefetch_count(self, forward: int = 1, backward: int = 1,
+                           recurse: bool = True) -> None:
+        """How many units ahead (in recorded forward order) to gather; 0 disables.
+        paddle_hsdp's addition: the default is one unit ahead both ways."""
+        for unit in self._units(recurse):
+            unit.forward_prefetch_count, unit.backward_prefetch_count = int(forward), int(backward)
+
+
+def _unit_of(module, what: str) -> FSDPUnit:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{what}: {type(module).__name__} is not an FSDP module "
+                         "(call fully_shard on it first)")
+    return module._hsdp_unit
+
+
+ZERO_STAGES = {
+    # stage: (reshard_after_forward, reshard_after_backward, requires_gradient_sync)
+    3: (True, True, True),
+    2: (False, True, True),
+    1: (False, False, False),
+}
+
+
+def set_zero_stage(model, stage: int) -> None:
+    """One word for the three ZeRO levels, on every FSDP module under ``model``.
+
+    * 3: params freed after forward and gathered again for backward; grads
+      reduce-scattered every micro-step.
+    * 2: params stay gathered from a unit's forward until its backward is done; grads
+      reduce-scattered every micro-step.
+    * 1: params stay gathered and full-size grads accumulate locally through the
+      micro-steps; one reduce-scatter and one outer all-reduce at the optimizer step.
+    Optimizer state is sharded at every level.
+    """
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"set_zero_stage: stage must be one of {sorted(ZERO_STAGES)}, "
+                         f"got {stage!r}")
+    if not isinstance(model, FSDPModule):
+        raise ValueError("set_zero_stage: call fully_shard on the model first")
+    forward, backward, sync = ZERO_STAGES[stage]
+    for unit in _units_under(model):
+        unit.reshard_after_forward = forward
+        unit.reshard_after_backward = backward
+        unit.requires_gradient_sync = sync
 
 
 _fsdp_classes: dict[type, type] = {}
@@ -43,11 +151,29 @@ def _make_fsdp_class(module) -> None:
     module.__class__ = _fsdp_classes[cls]
 
 
-def _reject_unimplemented(**kwargs) -> None:
-    for name, value in kwargs.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"fully_shard({name}=...) is not implemented yet; pass {name}=None.")
+def _check_args(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                ignored_params) -> None:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward!r}: only True, False or None "
+            "are supported (an int reshard size is not implemented).")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be a callable param -> placement or None, "
+                        f"got {type(shard_placement_fn).__name__}")
+    if ignored_params is not None and (
+            not hasattr(ignored_params, "__iter__")
+            or not all(isinstance(p, paddle.Tensor) for p in ignored_params)):
+        raise TypeError("ignored_params must be an iterable of parameters, got "
+                        f"{type(ignored_params).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError("mp_policy must be a paddle_hsdp.MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
+    if offload_policy is not None:
+        if not isinstance(offload_policy, OffloadPolicy):
+            raise TypeError("offload_policy must be paddle_hsdp.OffloadPolicy or "
+                            f"CPUOffloadPolicy, got {type(offload_policy).__name__}")
+        if isinstance(offload_policy, CPUOffloadPolicy):
+            offload_policy.check_supported()
 
 
 def _check_module(module) -> None:
@@ -67,6 +193,29 @@ def _check_module(module) -> None:
                          "at all: there is nothing to shard.")
 
 
+def _placements(module, shard_placement_fn, ignored: set) -> dict:
+    """``{id(param): "replicate"}`` for params a placement keeps whole; checks the rest."""
+    if shard_placement_fn is None:
+        return {}
+    from paddle.distributed import Replicate, Shard
+
+    out = {}
+    for p in module.parameters():
+        if id(p) in ignored or hasattr(p, "_hsdp_sharded_param"):
+            continue
+        placement = shard_placement_fn(p)
+        if placement is None or (isinstance(placement, Shard) and placement.get_dim() == 0):
+            continue
+        if isinstance(placement, Replicate):
+            out[id(p)] = "replicate"
+            continue
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for {p.name}: supported are None "
+            "(default), paddle.distributed.Shard(0), and paddle.distributed.Replicate() "
+            "(keep the parameter whole on every rank, e.g. for Muon).")
+    return out
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None):
     """Shard ``module``'s parameters over the inner group, replicate over the outer.
@@ -77,21 +226,25 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
 
     ``reshard_after_forward``: True frees the gathered parameters after forward and
     gathers again for backward (ZeRO-3); False keeps them until the unit's backward is
-    done (ZeRO-2); None means True for every unit except the root.
+    done (ZeRO-2); None means True for every unit except the root. See also
+    :func:`set_zero_stage`.
+    ``shard_placement_fn(param)``: None or ``Shard(0)`` (default dim-0 blocks), or
+    ``Replicate()`` (kept whole on every rank; grads all-reduced over the FSDP group).
+    ``mp_policy``: a :class:`MixedPrecisionPolicy`. ``offload_policy``:
+    :class:`OffloadPolicy` (none) or :class:`CPUOffloadPolicy`.
+    ``ignored_params``: params left alone: not sharded, not synchronised (the user's).
     All checks run before any collective, so a misuse raises on every rank alike.
     """
-    _reject_unimplemented(shard_placement_fn=shard_placement_fn, mp_policy=mp_policy,
-                          offload_policy=offload_policy, ignored_params=ignored_params)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: only True, False or None "
-            "are supported (an int reshard size is not implemented).")
+    _check_args(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                ignored_params)
     _check_module(module)
+    ignored = {id(p) for p in (ignored_params or ())}
+    placements = _placements(module, shard_placement_fn, ignored)
     mesh = resolve_mesh(mesh)
     hooks.install()
-    unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward)
-    _claim_params(unit, module)
-    unit.build_buffers()
+    unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy)
+    _claim_params(unit, module, ignored)
+    unit.build_buffers(placements)
     unit.shard_initial()  # first collective: broadcast over the outer group
     _units.append(unit)
     hooks.register_unit_hooks(unit, _units)
@@ -100,15 +253,15 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     return module
 
 
-def _claim_params(unit: FSDPUnit, module) -> None:
+def _claim_params(unit: FSDPUnit, module, ignored: set = frozenset()) -> None:
     """Take every parameter of ``module``'s subtree that no unit owns yet; record every
     module slot that names it. Slots naming a param another unit owns (tied weights)
     are handed to that owner, and this unit will gather the owner with itself."""
     claimed: dict[int, ShardedParam] = {}
     for prefix, sub in module.named_sublayers(include_self=True):
         for name, p in list(sub._parameters.items()):
-            if p is None or hasattr(p, "_hsdp_sharded_param"):
-                continue  # empty slot, or a shard param of a sub-unit
+            if p is None or hasattr(p, "_hsdp_sharded_param") or id(p) in ignored:
+                continue  # empty slot, a shard param of a sub-unit, or ignored
             fqn = f"{prefix}.{name}" if prefix else name
             owner = _owner_of.get(id(p))
             if owner is not None:
@@ -118,6 +271,7 @@ def _claim_params(unit: FSDPUnit, module) -> None:
                     else sp.shard
                 if owner_unit is not unit and owner_unit not in unit.borrowed:
                     unit.borrowed.append(owner_unit)
+                    owner_unit.borrowed_by.append(unit)
                 continue
             if id(p) not in claimed:
                 inner = unit.mesh.inner(_is_expert(p))
@@ -170,9 +324,16 @@ def _gather_named(model, grads: bool) -> dict:
 
 def memory_report(model) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
-    ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params."""
+    ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
+    and ``peak_gathered``: the most full-size param bytes gathered at once (all models)
+    since :func:`reset_peak_memory`."""
     total = {"shard": 0, "grad": 0, "gathered": 0}
     for unit in _units_under(model):
         for key, value in unit.held_bytes().items():
             total[key] += value
+    total["peak_gathered"] = GatheredBytes.peak
     return total
+
+
+def reset_peak_memory() -> None:
+    GatheredBytes.reset_peak()

@@ -18,13 +18,23 @@ from .param import ShardedParam
 
 
 class ShardBuffer:
-    def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool):
+    """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
+    in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
+    the optimizer stay in the parameters' own dtype (the float32 master copy)."""
+
+    def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool,
+                 mp_policy=None):
         self.params = params
         self.inner = inner_group
         self.outer = outer_group
         self.is_expert = is_expert
         self.dtype = params[0].dtype
         self.trainable = params[0].trainable
+        floating = self.dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
+        policy = mp_policy if floating else None
+        self.gather_dtype = _dtype(getattr(policy, "param_dtype", None)) or self.dtype
+        self.reduce_dtype = _dtype(getattr(policy, "reduce_dtype", None)) or self.gather_dtype
+        self.compute_dtype = compute_dtype_of(self.gather_dtype)
         offset = 0
         for sp in params:
             sp.offset = offset
@@ -35,7 +45,11 @@ class ShardBuffer:
     # -------------------------------------------------------------- sizes
     @property
     def element_size(self) -> int:
-        return paddle.zeros([1], dtype=self.dtype).element_size()
+        return _element_size(self.dtype)
+
+    @property
+    def compute_element_size(self) -> int:
+        return _element_size(self.compute_dtype)
 
     @property
     def padded_numel(self) -> int:
@@ -71,12 +85,16 @@ class ShardBuffer:
                  for sp in self.params]
         return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
 
-    def gather_full(self, grads: bool = False) -> list[paddle.Tensor]:
+    def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
         """All-gather in the inner group; return each parameter's full tensor (or, with
-        ``grads=True``, its full gradient as the shards hold it now)."""
-        out = paddle.empty([self.padded_numel], dtype=self.dtype)
+        ``grads=True``, its full gradient as the shards hold it now). ``compute=True``:
+        gather in the policy's ``param_dtype`` and return the compute dtype."""
+        dtype = self.gather_dtype if compute else self.dtype
         local = self.local_grad_shard() if grads else self.local_shard()
-        comm.all_gather_into(out, local, self.inner)
+        out = paddle.empty([self.padded_numel], dtype=dtype)
+        comm.all_gather_into(out, local.astype(dtype), self.inner)
+        if compute and self.compute_dtype != dtype:
+            out = out.astype(self.compute_dtype)
         grid = out.reshape([self.inner_size, self.shard_numel])
         sizes = [sp.chunk_numel for sp in self.params]
         parts = paddle.split(grid, sizes, axis=1) if len(sizes) > 1 else [grid]
@@ -93,12 +111,13 @@ class ShardBuffer:
         blocks = []
         for sp in self.params:
             g = sp.full.grad
-            if g is None:
-                g = paddle.zeros(sp.shape, dtype=self.dtype)
-            blocks.append(sp.as_rank_blocks(g.astype(self.dtype)))
+            if g is None:  # every grad of one reduction is cast to the same dtype
+                g = paddle.zeros(sp.shape, dtype=self.reduce_dtype)
+            blocks.append(sp.as_rank_blocks(g.astype(self.reduce_dtype)))
         grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
-        out = paddle.empty([self.shard_numel], dtype=self.dtype)
+        out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
         comm.reduce_scatter(out, grid.reshape([-1]), self.inner)
+        out = out.astype(self.dtype)  # accumulate in the master dtype
         for sp in self.params:
             piece = out[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape)
             accumulate_grad(sp.shard, piece)
@@ -108,9 +127,33 @@ class ShardBuffer:
         """One outer all-reduce of this rank's grad shard, then scale (``1 / N``)."""
         flat = self.local_grad_shard()
         comm.all_reduce(flat, self.outer)
-        flat = flat * scale
+        self._write_grads(flat * scale)
+
+    def scale_grads(self, scale: float) -> None:
+        """Scale the grad shard without an outer all-reduce (replicas step alone)."""
+        self._write_grads(self.local_grad_shard() * scale)
+
+    def _write_grads(self, flat) -> None:
         for sp in self.params:
             set_grad(sp.shard, flat[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape))
+
+
+def _dtype(d):
+    if d is None:
+        return None
+    return paddle.base.framework.convert_np_dtype_to_dtype_(d) if isinstance(d, str) else d
+
+
+def _element_size(dtype) -> int:
+    return paddle.zeros([1], dtype=dtype).element_size()
+
+
+def compute_dtype_of(param_dtype):
+    """Paddle's CPU kernels have no bfloat16/float16 matmul: on CPU, parameters gathered
+    in those dtypes are computed in float32 (keeping their rounding)."""
+    param_dtype = _dtype(param_dtype)
+    low = param_dtype in (paddle.bfloat16, paddle.float16)
+    return paddle.float32 if low and paddle.get_device().startswith("cpu") else param_dtype
 
 
 def accumulate_grad(param, value) -> None:

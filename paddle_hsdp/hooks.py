@@ -1,16 +1,26 @@
-"""When units gather, reshard and reduce: forward hooks, pre-backward, end of backward.
+"""When units gather, reshard and reduce: forward hooks, pre/post-backward, end of backward.
 
-* Forward pre-hook: gather the unit (and the owners of tied params it borrows).
+* Forward pre-hook: gather the unit (and the owners of tied params it borrows), then
+  prefetch the next units in forward order; wrap grad-requiring inputs in
+  :class:`_PostBackward`; cast floating inputs per the mixed-precision policy.
 * Forward post-hook: wrap the outputs in :class:`_PreBackward` (an identity whose
   backward fires before the unit's own backward ops, since they consume its output
-  grads), then reshard per policy.
-* Pre-backward: gather again if the unit was resharded after forward.
+  grads), cast outputs, then reshard per policy.
+* Pre-backward: gather again if the unit was resharded after forward; prefetch the
+  next units in backward order.
+* Post-backward (:class:`_PostBackward` on the inputs: fires once the grads of the
+  unit's inputs exist, i.e. after the ops that read its parameters): reshard, so a
+  ZeRO-3 backward holds about one unit gathered at a time. Units other units borrow
+  from (tied params) wait for the end of backward.
 * End of backward: Paddle 3.3 has no queue-callback, so :func:`install` wraps
   ``core.eager.run_backward`` (what ``Tensor.backward`` and ``paddle.autograd.backward``
-  call) and ``run_partial_grad`` (``paddle.grad``). After the engine returns, every root whose backward ran reduce-scatters the
-  grads of all its units, in one fixed order (reverse registration), and reshards
-  them. A fixed order taken by every rank, with zeros for params that got no grad,
-  is what makes unused params and rank-dependent control flow inside a unit safe.
+  call) and ``run_partial_grad`` (``paddle.grad``). After the engine returns, every
+  root whose backward ran reduce-scatters the grads of all its units, in one fixed order
+  (reverse registration), and reshards them. A fixed order taken by every rank, with
+  zeros for params that got no grad, is what makes unused params and rank-dependent
+  control flow inside a unit safe. (Reducing per unit during backward, to overlap it
+  with compute and free full grads early, needs a grad-ready signal that is the same on
+  every rank; not done yet.)
 """
 
 from __future__ import annotations
@@ -28,19 +38,36 @@ _installed = False
 
 
 class RootState:
-    """The units under a root unit, collected lazily at its first forward."""
+    """The units under a root unit, collected lazily at its first forward, and the order
+    their forwards ran in (recorded on the first iteration; prefetch follows it)."""
 
     def __init__(self, root: FSDPUnit, all_units: list[FSDPUnit]):
         subtree = set(id(m) for m in root.module.sublayers(include_self=True))
         self.root = root
         self.units = [u for u in all_units if id(u.module) in subtree]
+        self.forward_order: list[FSDPUnit] = []
+        self.recording = True
+
+    def record(self, unit: FSDPUnit) -> None:
+        if self.recording and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def neighbours(self, unit: FSDPUnit, count: int, backward: bool) -> list[FSDPUnit]:
+        if self.recording or unit not in self.forward_order or count <= 0:
+            return []
+        i = self.forward_order.index(unit)
+        if backward:
+            return self.forward_order[max(0, i - count):i][::-1]
+        return self.forward_order[i + 1:i + 1 + count]
 
     def post_backward(self) -> None:
+        self.recording = False
         for unit in reversed(self.units):
-            unit.reduce_scatter_grads()
+            unit.post_backward()
         for unit in reversed(self.units):
             unit.pins = 0
-            unit.reshard()
+            if unit.reshard_after_backward:
+                unit.reshard()
 
 
 class _PreBackward(PyLayer):
@@ -55,27 +82,57 @@ class _PreBackward(PyLayer):
         return grads if len(grads) > 1 else grads[0]
 
 
+class _PostBackward(PyLayer):
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = unit
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
+            unit.reshard()
+        return grads if len(grads) > 1 else grads[0]
+
+
+def _root_of(unit: FSDPUnit):
+    return unit.root_state or unit._in_root
+
+
 def _on_pre_backward(unit: FSDPUnit) -> None:
     for owner in unit.borrowed:
         owner.unshard()
     unit.unshard()
-    root_state = getattr(unit, "root_state", None)
-    if root_state is not None and root_state not in _roots_in_backward:
-        _roots_in_backward.append(root_state)
+    root = _root_of(unit)
+    if root is not None:
+        for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
+                root.neighbours(unit, unit.backward_prefetch_count, backward=True):
+            nxt.unshard()
+    if unit.root_state is not None and unit.root_state not in _roots_in_backward:
+        _roots_in_backward.append(unit.root_state)
 
 
-def _wrap_outputs(unit: FSDPUnit, outputs):
-    """Route every grad-requiring output tensor through :class:`_PreBackward`."""
-    flat, rebuild = _flatten(outputs)
+def _wrap_tensors(layer_cls, unit: FSDPUnit, obj):
+    """Route every grad-requiring tensor of ``obj`` through one ``layer_cls`` node."""
+    flat, rebuild = _flatten(obj)
     idx = [i for i, t in enumerate(flat)
            if isinstance(t, paddle.Tensor) and not t.stop_gradient]
     if not idx:
-        return outputs
-    wrapped = _PreBackward.apply(unit, *[flat[i] for i in idx])
+        return obj
+    wrapped = layer_cls.apply(unit, *[flat[i] for i in idx])
     if len(idx) == 1:
         wrapped = (wrapped,)
     for i, t in zip(idx, wrapped):
         flat[i] = t
+    return rebuild(flat)
+
+
+def _cast_floating(obj, dtype):
+    flat, rebuild = _flatten(obj)
+    for i, t in enumerate(flat):
+        if isinstance(t, paddle.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            flat[i] = t.astype(dtype)
     return rebuild(flat)
 
 
@@ -107,20 +164,45 @@ def _subtree_ids(unit: FSDPUnit) -> frozenset:
     return ids
 
 
+def _input_dtype(unit: FSDPUnit):
+    """The dtype floating inputs are cast to under the unit's mixed-precision policy."""
+    from .buffer import compute_dtype_of
+
+    policy = unit.mp_policy
+    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+        return None
+    return compute_dtype_of(policy.param_dtype)
+
+
 def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
     def pre_forward(module, inputs):
         if not any(id(unit.module) in _subtree_ids(a) for a in _active):
             _active.clear()  # whatever a forward that raised left behind
             unit.is_root = True
-            if getattr(unit, "root_state", None) is None:
+            if unit.root_state is None:
                 unit.root_state = RootState(unit, all_units)
+                for u in unit.root_state.units:
+                    u._in_root = unit.root_state
             for u in unit.root_state.units:
                 u.pins = 0  # pins a failed forward left raised
         _active.append(unit)
+        root = _root_of(unit)
+        if root is not None:
+            root.record(unit)
         for owner in unit.borrowed:
             owner.unshard()
             owner.pins += 1
         unit.unshard()
+        if root is not None:
+            for nxt in unit.forward_prefetch if unit.forward_prefetch is not None else \
+                    root.neighbours(unit, unit.forward_prefetch_count, backward=False):
+                nxt.unshard()
+        dtype = _input_dtype(unit)
+        if dtype is not None:
+            inputs = _cast_floating(inputs, dtype)
+        if paddle.is_grad_enabled():
+            inputs = _wrap_tensors(_PostBackward, unit, inputs)
+        return inputs
 
     def post_forward(module, inputs, outputs):
         if unit in _active:
@@ -130,8 +212,11 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
             owner.pins -= 1
             if owner.should_reshard_after_forward() or not grad_on:
                 owner.reshard()
+        policy = unit.mp_policy
+        if policy is not None and policy.output_dtype is not None:
+            outputs = _cast_floating(outputs, policy.output_dtype)
         if grad_on:
-            outputs = _wrap_outputs(unit, outputs)
+            outputs = _wrap_tensors(_PreBackward, unit, outputs)
         if unit.should_reshard_after_forward() or not grad_on:
             unit.reshard()
         return outputs
@@ -147,7 +232,7 @@ def run_post_backward() -> None:
 
 
 def install() -> None:
-    """Wrap the autograd entry point once so the end of every backward is seen."""
+    """Wrap the autograd entry points once so the end of every backward is seen."""
     global _installed
     if _installed:
         return

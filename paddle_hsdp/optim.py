@@ -54,7 +54,7 @@ def finish_grad_sync(optimizer_or_params) -> None:
               if hasattr(optimizer_or_params, "_parameter_list") else
               [p for p in optimizer_or_params if hasattr(p, "_hsdp_sharded_param")])
     for unit in _units_of(params):
-        unit.all_reduce_grads()
+        unit.finish_grad_sync()
 
 
 def _patch_apply_optimize() -> None:
@@ -66,7 +66,10 @@ def _patch_apply_optimize() -> None:
         if params:
             finish_grad_sync(params)
             clip.make_clip_hsdp_aware(self, params)
-        return original(self, loss, startup_program, params_grads, *args, **kwargs)
+        result = original(self, loss, startup_program, params_grads, *args, **kwargs)
+        for unit in _units_of(params):
+            unit.reshard(force=True)  # params kept gathered are stale after the update
+        return result
 
     paddle.optimizer.Optimizer._apply_optimize = _apply_optimize
 

@@ -4,6 +4,13 @@ States: ``SHARDED`` (modules hold shard params, full storage freed) and ``UNSHAR
 (modules hold the full params, whose storage is a fresh all-gather).  Every transition
 is a collective on the unit's inner groups, so callers must make it on every rank in
 the same order: forward and backward hooks do, because every rank runs the same model.
+
+Gradient flow of one optimizer step (k micro-steps):
+
+* end of each backward: reduce-scatter the full grads into the shard grads
+  (``requires_gradient_sync``), or keep accumulating full-size grads locally;
+* step boundary (:meth:`finish_grad_sync`): reduce-scatter whatever full grads are
+  still pending, then one outer all-reduce per buffer (``requires_all_reduce``).
 """
 
 from __future__ import annotations
@@ -20,31 +27,71 @@ class UnitState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
+class GatheredBytes:
+    """Full-size parameter bytes gathered across all units, now and at peak."""
+
+    now = 0
+    peak = 0
+
+    @classmethod
+    def add(cls, nbytes: int) -> None:
+        cls.now += nbytes
+        cls.peak = max(cls.peak, cls.now)
+
+    @classmethod
+    def reset_peak(cls) -> None:
+        cls.peak = cls.now
+
+
 class FSDPUnit:
-    def __init__(self, module, index: int, mesh, reshard_after_forward):
+    def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None):
         self.module = module
         self.index = index  # registration order: the global order of collectives
         self.mesh = mesh
-        self.reshard_after_forward = reshard_after_forward  # None: decided at root time
+        self.mp_policy = mp_policy
         self.params: list[ShardedParam] = []
         self.buffers: list[ShardBuffer] = []
         self.borrowed: list[FSDPUnit] = []  # owners of tied params this unit's modules use
+        self.borrowed_by: list[FSDPUnit] = []
         self.state = UnitState.UNSHARDED
         self.pins = 0  # a borrower's forward is using our params: do not reshard
         self.is_root = False
+        self.root_state = None  # hooks.RootState, when this unit ran as a root
+        self._in_root = None  # the RootState of the root this unit ran under
+        # The control surface (module methods set these; see api.FSDPModule).
+        self.reshard_after_forward = reshard_after_forward  # None: decided at root time
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.forward_prefetch: list[FSDPUnit] | None = None  # None: next units in order
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self.forward_prefetch_count = 1
+        self.backward_prefetch_count = 1
+        # Gradient bookkeeping.
+        self.full_grads_pending = False  # full-size grads not reduce-scattered yet
         self.grads_pending_outer_sync = False
 
     # -------------------------------------------------------------- construction
-    def build_buffers(self) -> None:
+    def build_buffers(self, placements: dict | None = None) -> None:
+        """Group params into buffers; ``placements`` maps id(param) to "replicate" for
+        params kept whole on every rank (their own buffers, inner size 1, reduced over
+        the whole FSDP group)."""
+        placements = placements or {}
         groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
         for sp in self.params:
             expert = _is_expert(sp.full)
-            groups.setdefault((str(sp.dtype), sp.trainable, expert), []).append(sp)
-        for (_, _, expert), params in groups.items():
-            inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
+            whole = placements.get(id(sp.full)) == "replicate"
+            groups.setdefault((str(sp.dtype), sp.trainable, expert, whole), []).append(sp)
+        for (_, _, expert, whole), params in groups.items():
+            if whole:
+                inner, outer = _own_rank_group(), self.mesh.fsdp_group(expert)
+            else:
+                inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
             for sp in params:
                 sp.mesh = self.mesh
-            self.buffers.append(ShardBuffer(params, inner, outer, expert))
+            self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy))
 
     def shard_initial(self) -> None:
         """First sharding: cut blocks, broadcast over outer, free the full params."""
@@ -60,19 +107,21 @@ class FSDPUnit:
         if self.state is UnitState.UNSHARDED:
             return
         for buf in self.buffers:
-            for sp, full in zip(buf.params, buf.gather_full()):
+            for sp, full in zip(buf.params, buf.gather_full(compute=True)):
                 sp.set_full_data(full)
         for sp in self.params:
             sp.point_users_to(sp.full)
         self.state = UnitState.UNSHARDED
+        GatheredBytes.add(self.gathered_nbytes())
 
-    def reshard(self) -> None:
-        if self.state is UnitState.SHARDED or self.pins > 0:
+    def reshard(self, force: bool = False) -> None:
+        if self.state is UnitState.SHARDED or (self.pins > 0 and not force):
             return
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
         self.state = UnitState.SHARDED
+        GatheredBytes.add(-self.gathered_nbytes())
 
     def should_reshard_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
@@ -80,21 +129,49 @@ class FSDPUnit:
         return bool(self.reshard_after_forward)
 
     # -------------------------------------------------------------- gradients
-    def reduce_scatter_grads(self) -> None:
-        for buf in self.buffers:
-            if buf.trainable:
-                buf.reduce_scatter_grads()
-        self.grads_pending_outer_sync = True
+    def post_backward(self) -> None:
+        """End of a backward: reduce-scatter now, or keep accumulating full grads."""
+        if self.requires_gradient_sync:
+            self.reduce_scatter_grads()
+        elif any(b.trainable for b in self.buffers):
+            self.full_grads_pending = True
 
-    def all_reduce_grads(self) -> None:
+    def reduce_scatter_grads(self) -> None:
+        trainable = [b for b in self.buffers if b.trainable]
+        for buf in trainable:
+            buf.reduce_scatter_grads()
+        self.full_grads_pending = False
+        self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
+
+    def finish_grad_sync(self) -> None:
+        """The step boundary: pending reduce-scatter, then the one outer all-reduce.
+
+        Grads end up as the gradient of the mean loss over all data-parallel ranks
+        (``1 / N``, or ``1 / gradient_divide_factor`` when set). With
+        ``requires_all_reduce`` False the outer all-reduce is skipped and each replica
+        keeps the mean over its own inner group (it steps on its own data).
+        """
+        if self.full_grads_pending:
+            self.reduce_scatter_grads()
         if not self.grads_pending_outer_sync:
             return
         for buf in self.buffers:
-            if buf.trainable:
-                buf.all_reduce_grads(scale=1.0 / self.mesh.fsdp_size(buf.is_expert))
+            if not buf.trainable:
+                continue
+            if self.requires_all_reduce:
+                n = self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
+                buf.all_reduce_grads(scale=1.0 / n)
+            else:
+                n = self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert) / \
+                    buf.outer.nranks
+                buf.scale_grads(1.0 / n)
         self.grads_pending_outer_sync = False
 
     # -------------------------------------------------------------- memory report
+    def gathered_nbytes(self) -> int:
+        return sum(sp.numel * buf.compute_element_size for buf in self.buffers
+                   for sp in buf.params)
+
     def held_bytes(self) -> dict[str, int]:
         shard = grad = gathered = 0
         for buf in self.buffers:
@@ -104,10 +181,18 @@ class FSDPUnit:
                 if sp.shard.grad is not None:
                     grad += sp.chunk_numel * esize
                 if sp.full_is_materialized():
-                    gathered += sp.numel * esize
+                    gathered += sp.numel * buf.compute_element_size
                 if sp.full.grad is not None:
-                    grad += sp.numel * esize
+                    grad += sp.numel * sp.full.grad.element_size()
         return {"shard": shard, "grad": grad, "gathered": gathered}
+
+
+def _own_rank_group():
+    import paddle.distributed as dist
+
+    from .fleet_ext import _single_rank_group
+
+    return _single_rank_group(dist.get_rank())
 
 
 def _is_expert(param) -> bool:

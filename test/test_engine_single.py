@@ -161,11 +161,20 @@ def test_non_layer_raises_type_error(fake_mesh):
 
 @pytest.mark.parametrize("arg", ["shard_placement_fn", "mp_policy", "offload_policy",
                                  "ignored_params"])
-def test_unimplemented_arguments_raise_naming_the_argument(fake_mesh, arg):
-    """Each not-yet-implemented argument, when not None, raises NotImplementedError
-    naming that argument, before any collective."""
-    _assert_raises_without_side_effects(NotImplementedError, arg, paddle.nn.Linear(2, 2),
+def test_wrong_argument_types_raise_naming_the_argument(fake_mesh, arg):
+    """An argument of the wrong kind raises TypeError naming it, before any collective."""
+    _assert_raises_without_side_effects(TypeError, arg, paddle.nn.Linear(2, 2),
                                         **{arg: object()})
+
+
+def test_unsupported_placement_raises(fake_mesh):
+    """A placement other than None / Shard(0) / Replicate() raises NotImplementedError
+    naming it, before any collective."""
+    from paddle.distributed import Shard
+
+    _assert_raises_without_side_effects(NotImplementedError, "shard_placement_fn",
+                                        paddle.nn.Linear(2, 2),
+                                        shard_placement_fn=lambda p: Shard(1))
 
 
 def test_int_reshard_after_forward_raises(fake_mesh):
@@ -188,9 +197,9 @@ def test_without_fleet_init_raises_with_instructions(registry, monkeypatch):
     assert api._units == [] and api._owner_of == {} and comm.counter.snapshot() == {}
 
 
-def test_explicit_mesh_raises_not_implemented(registry):
-    """mesh=... (anything but None) is not implemented; the real resolve_mesh says so."""
-    _assert_raises_without_side_effects(NotImplementedError, "mesh", paddle.nn.Linear(2, 2),
+def test_mesh_of_the_wrong_kind_raises(registry):
+    """mesh=... that is not a ProcessMesh raises TypeError naming the argument."""
+    _assert_raises_without_side_effects(TypeError, "mesh", paddle.nn.Linear(2, 2),
                                         mesh=object())
 
 
