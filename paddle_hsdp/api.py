@@ -325,13 +325,14 @@ def _gather_named(model, grads: bool) -> dict:
 def memory_report(model) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
     ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
-    and ``peak_gathered``: the most full-size param bytes gathered at once (all models)
-    since :func:`reset_peak_memory`."""
+    and ``peak_gathered`` / ``peak_gathered_units``: the most full-size param bytes and
+    units gathered at once (all models) since :func:`reset_peak_memory`."""
     total = {"shard": 0, "grad": 0, "gathered": 0}
     for unit in _units_under(model):
         for key, value in unit.held_bytes().items():
             total[key] += value
     total["peak_gathered"] = GatheredBytes.peak
+    total["peak_gathered_units"] = GatheredBytes.units_peak
     return total
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 
+import paddle
+
 from .buffer import ShardBuffer
 from .param import ShardedParam
 
@@ -28,19 +30,21 @@ class UnitState(enum.Enum):
 
 
 class GatheredBytes:
-    """Full-size parameter bytes gathered across all units, now and at peak."""
+    """Full-size parameter bytes (and units) gathered across all units, now and at peak."""
 
-    now = 0
-    peak = 0
+    now = peak = 0
+    units_now = units_peak = 0
 
     @classmethod
-    def add(cls, nbytes: int) -> None:
+    def add(cls, nbytes: int, units: int) -> None:
         cls.now += nbytes
+        cls.units_now += units
         cls.peak = max(cls.peak, cls.now)
+        cls.units_peak = max(cls.units_peak, cls.units_now)
 
     @classmethod
     def reset_peak(cls) -> None:
-        cls.peak = cls.now
+        cls.peak, cls.units_peak = cls.now, cls.units_now
 
 
 class FSDPUnit:
@@ -112,7 +116,7 @@ class FSDPUnit:
         for sp in self.params:
             sp.point_users_to(sp.full)
         self.state = UnitState.UNSHARDED
-        GatheredBytes.add(self.gathered_nbytes())
+        GatheredBytes.add(self.gathered_nbytes(), 1)
 
     def reshard(self, force: bool = False) -> None:
         if self.state is UnitState.SHARDED or (self.pins > 0 and not force):
@@ -121,7 +125,7 @@ class FSDPUnit:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
         self.state = UnitState.SHARDED
-        GatheredBytes.add(-self.gathered_nbytes())
+        GatheredBytes.add(-self.gathered_nbytes(), -1)
 
     def should_reshard_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
@@ -135,6 +139,14 @@ class FSDPUnit:
             self.reduce_scatter_grads()
         elif any(b.trainable for b in self.buffers):
             self.full_grads_pending = True
+            # Optimizers collect (param, grad) pairs for params whose grad exists
+            # *before* _apply_optimize runs the deferred reduce-scatter, so the shard
+            # grads must exist now; the reduction then fills them in place.
+            for buf in self.buffers:
+                if buf.trainable:
+                    for sp in buf.params:
+                        if sp.shard.grad is None:
+                            sp.shard._copy_gradient_from(paddle.zeros(sp.shard_shape, buf.dtype))
 
     def reduce_scatter_grads(self) -> None:
         trainable = [b for b in self.buffers if b.trainable]
