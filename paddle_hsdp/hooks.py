@@ -70,11 +70,20 @@ class RootState:
                 unit.reshard()
 
 
+def _alias(tensors):
+    """New tensor objects sharing the inputs' memory. Returning the inputs themselves
+    makes Paddle treat the PyLayer as in-place: the inputs' version would bump, and an
+    op that saved them earlier (a router reading x before x enters an expert unit)
+    would fail in backward with 'modified by an inplace operation'."""
+    out = tuple(t.view(t.shape) if t.numel() > 0 else t.clone() for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
 class _PreBackward(PyLayer):
     @staticmethod
     def forward(ctx, unit, *tensors):
         ctx.unit = unit
-        return tensors if len(tensors) > 1 else tensors[0]
+        return _alias(tensors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -86,7 +95,7 @@ class _PostBackward(PyLayer):
     @staticmethod
     def forward(ctx, unit, *tensors):
         ctx.unit = unit
-        return tensors if len(tensors) > 1 else tensors[0]
+        return _alias(tensors)
 
     @staticmethod
     def backward(ctx, *grads):
