@@ -11,6 +11,7 @@ from .api import (FSDPModule, full_grads, full_state_dict, fully_shard,  # noqa:
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: F401
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
+from .mesh import create_mesh_groups  # noqa: F401
 from .optim import finish_grad_sync  # noqa: F401
 from . import cpu_compat as _cpu_compat
 from . import fleet_ext as _fleet_ext

@@ -16,6 +16,7 @@ Where a Paddle build already knows the option natively, each step defers to it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 from . import topology
@@ -152,11 +153,16 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
     return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert)
 
 
+_single_ids = itertools.count(1)
+
+
 def _single_rank_group(rank: int):
     from paddle.distributed.communication.group import Group
 
-    # Negative ids never clash with Paddle's ring ids (which count up from 0).
-    return Group(0, -1 - rank, [rank], pg=None, name=f"hsdp_single_{rank}")
+    # Negative ids never clash with Paddle's ring ids (which count up from 0); a fresh
+    # id per group keeps the comm counter's labels (keyed by id) apart.
+    gid = -next(_single_ids)
+    return Group(0, gid, [rank], pg=None, name=f"hsdp_single_{rank}_{-gid}")
 
 
 # ---------------------------------------------------------------- HCG methods
