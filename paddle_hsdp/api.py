@@ -16,6 +16,7 @@ from .unit import FSDPUnit, GatheredBytes, UnitState, _is_expert
 # Every unit in registration order (bottom-up), and who owns which original param.
 _units: list[FSDPUnit] = []
 _owner_of: dict[int, tuple[FSDPUnit, ShardedParam]] = {}
+_ignored_ids: set[int] = set()  # ids of params some fully_shard call was told to ignore
 
 
 class FSDPModule:
@@ -238,12 +239,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_args(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                 ignored_params)
     _check_module(module)
-    ignored = {id(p) for p in (ignored_params or ())}
+    # Ignored once, ignored for good: an enclosing fully_shard must not claim them.
+    _ignored_ids.update(id(p) for p in (ignored_params or ()))
+    ignored = _ignored_ids
     placements = _placements(module, shard_placement_fn, ignored)
     mesh = resolve_mesh(mesh)
     hooks.install()
     unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy)
-    _claim_params(unit, module, ignored)
+    _claim_params(unit, module, ignored, placements)
     unit.build_buffers(placements)
     unit.shard_initial()  # first collective: broadcast over the outer group
     _units.append(unit)
@@ -253,7 +256,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     return module
 
 
-def _claim_params(unit: FSDPUnit, module, ignored: set = frozenset()) -> None:
+def _claim_params(unit: FSDPUnit, module, ignored: set = frozenset(),
+                  placements: dict | None = None) -> None:
     """Take every parameter of ``module``'s subtree that no unit owns yet; record every
     module slot that names it. Slots naming a param another unit owns (tied weights)
     are handed to that owner, and this unit will gather the owner with itself."""
@@ -274,8 +278,11 @@ def _claim_params(unit: FSDPUnit, module, ignored: set = frozenset()) -> None:
                     owner_unit.borrowed_by.append(unit)
                 continue
             if id(p) not in claimed:
-                inner = unit.mesh.inner(_is_expert(p))
-                claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
+                if (placements or {}).get(id(p)) == "replicate":
+                    claimed[id(p)] = ShardedParam(p, fqn, 1, 0)  # whole on every rank
+                else:
+                    inner = unit.mesh.inner(_is_expert(p))
+                    claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
             claimed[id(p)].users.append((sub, name))
     unit.params = list(claimed.values())
     for sp in unit.params:

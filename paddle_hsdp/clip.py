@@ -38,17 +38,25 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
     """
 
     def __init__(self, clip_norm: float, group=None, mp_rank: int = 0, sep_rank: int = 0,
-                 group_name: str = "default_group", auto_skip_clip: bool = False):
+                 group_name: str = "default_group", auto_skip_clip: bool = False,
+                 fsdp_rank: int = 0, expert_fsdp_rank: int = 0):
         super().__init__(clip_norm, group_name, auto_skip_clip)
         self.group = group
         self.mp_rank = mp_rank
         self.sep_rank = sep_rank
+        self.fsdp_rank, self.expert_fsdp_rank = fsdp_rank, expert_fsdp_rank
         self.last_global_norm: paddle.Tensor | None = None
 
     def counts(self, param) -> bool:
         """Whether this rank's copy of ``param`` is the one the norm counts."""
         if getattr(param, "is_firstly_shared", True) is False:
             return False
+        if not hasattr(param, "_hsdp_sharded_param"):
+            # Not an HSDP shard (ignored_params): a copy on every FSDP rank, which the
+            # user keeps in sync; count it on FSDP rank 0 only.
+            expert = getattr(param, "is_moe_param", False) or getattr(param, "expert", False)
+            if (self.expert_fsdp_rank if expert else self.fsdp_rank) != 0:
+                return False
         if self.sep_rank != 0:
             return False
         return self.mp_rank == 0 or bool(getattr(param, "is_distributed", False))
@@ -79,8 +87,13 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
 
 
 def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
-    return HSDPClipGradByGlobalNorm(clip.clip_norm, None, mesh.mp_rank(), mesh.sep_rank(),
-                                    clip.group_name, clip.auto_skip_clip)
+    # The norm spans the mesh's ranks: the whole job on the fleet HCG, the mesh's own
+    # group for an explicit mesh that covers part of the world.
+    group = getattr(mesh, "clip_group", lambda: None)()
+    return HSDPClipGradByGlobalNorm(clip.clip_norm, group, mesh.mp_rank(), mesh.sep_rank(),
+                                    clip.group_name, clip.auto_skip_clip,
+                                    fsdp_rank=mesh.fsdp_group(False).rank,
+                                    expert_fsdp_rank=mesh.fsdp_group(True).rank)
 
 
 def make_clip_hsdp_aware(optimizer, params) -> None:

@@ -1,0 +1,280 @@
+"""fully_shard's knobs on HSDP 2 x 2, each against an independent single-process
+reference of the same model and data (AdamW, global-norm clipping active, 2 micro-steps):
+
+1. ``mp_policy=MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype="float32")`` on
+   every unit. Reference: float32 masters whose values are replaced by their bf16
+   rounding for each micro-step's forward + backward (grads are then w.r.t. the rounded
+   params) and restored before the optimizer step. Plus the comm counter: the inner
+   all-gathers move exactly half the bytes of an fp32 run, every reduce-scatter is
+   float32, also when a parameter (``Block.extra``) first gets a grad in micro-step 1.
+2. ``ignored_params``: one weight stays a full, ordinary parameter outside every buffer;
+   the test all-reduces its grad itself.
+3. ``shard_placement_fn`` returning ``Replicate()`` for one 2-D weight: whole on every
+   rank, grads synchronised by the engine.
+
+Prints ``KNOBS <name> max rel diff ...`` per check.
+"""
+
+import numpy as np
+from common import finish, init_fleet
+
+import paddle
+import paddle.distributed as dist
+
+import paddle_hsdp
+from paddle_hsdp import comm
+from models import batches, build_model, lm_loss, make_optimizer
+
+STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
+# float32 parity: both sides compute the same float32 math on the same (rounded) values
+# and differ only in summation order (per-rank losses and inner/outer grad reductions).
+RTOL = 1e-5
+
+hcg = init_fleet({"sharding_degree": 4, "outer": 2})
+rank, world = dist.get_rank(), dist.get_world_size()
+inner, outer = hcg.get_fsdp_inner_group(), hcg.get_fsdp_outer_group()
+assert (outer.nranks, inner.nranks) == (2, 2), (outer.nranks, inner.nranks)
+data = batches(STEPS, MICRO, world, PER_RANK)
+
+IGNORED = "blocks.1.fc2.weight"      # [25, 8], inside a ZeRO-3 block unit
+REPLICATED = "blocks.0.fc1.weight"   # [8, 25], inside a ZeRO-3 block unit
+
+
+def use_extra(micro: int) -> bool:
+    """``Block.extra`` is unused on every rank in micro-step 0, used in micro-step 1."""
+    return micro == 1
+
+
+def max_rel(a, b):
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+
+# ------------------------------------------------------------------ reference
+def train_reference(round_bf16: bool):
+    """Single process, whole batch (the mean of every rank's chunk loss)."""
+    model = build_model()
+    opt = make_optimizer(model, model.parameters(), CLIP)
+    params = list(model.parameters())  # the tied weight once; the frozen table too
+    losses, norms = [], []
+    for step in data:
+        total = 0.0
+        for m, micro in enumerate(step):
+            if round_bf16:
+                masters = [p.detach().clone() for p in params]
+                with paddle.no_grad():
+                    for p in params:
+                        p.set_value(p.astype("bfloat16").astype("float32"))
+            loss = 0.0
+            for r in range(world):
+                ids = paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK])
+                loss = loss + lm_loss(model, ids, use_extra(m)) / world
+            (loss / MICRO).backward()
+            total += float(loss) / MICRO
+            if round_bf16:
+                with paddle.no_grad():
+                    for p, master in zip(params, masters):
+                        p.set_value(master)
+        sq = sum(float((p.grad.astype("float64") ** 2).sum()) for p in params
+                 if p.grad is not None)
+        norms.append(sq ** 0.5)
+        opt.step()
+        opt.clear_grad()
+        losses.append(total)
+    assert min(norms) > CLIP, norms  # clipping is active at every step
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}, norms
+
+
+# ------------------------------------------------------------------ dtype log
+# Every collective the engine issues goes through comm's module attributes: wrap two of
+# them to log (group label, op, dtype, elements) per call, next to comm.counter.
+calls = []
+
+
+def _logged(op, fn):
+    def run(out, inp, group, *args, **kwargs):
+        payload = out if op == "all_gather" else inp
+        calls.append((kwargs.get("tag") or comm.group_label(group), op, payload.dtype,
+                      int(payload.numel())))
+        return fn(out, inp, group, *args, **kwargs)
+    return run
+
+
+comm.all_gather_into = _logged("all_gather", comm.all_gather_into)
+comm.reduce_scatter = _logged("reduce_scatter", comm.reduce_scatter)
+
+
+# ------------------------------------------------------------------ HSDP runs
+def shard(model=None, **kwargs):
+    model = model if model is not None else build_model()
+    for layer in [model.embed] + list(model.blocks):
+        paddle_hsdp.fully_shard(layer, **kwargs)
+    paddle_hsdp.fully_shard(model, **kwargs)
+    return model
+
+
+def train_hsdp(model, ignored=None):
+    """``ignored``: a parameter the engine leaves alone; its grad is averaged here."""
+    opt = make_optimizer(model, model.parameters(), CLIP)
+    losses, norms, per_step = [], [], []
+    for step in data:
+        comm.counter.reset()
+        del calls[:]
+        total = 0.0
+        for m, micro in enumerate(step):
+            ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+            loss = lm_loss(model, ids, use_extra(m))
+            (loss / MICRO).backward()
+            t = paddle.to_tensor([float(loss)])
+            dist.all_reduce(t)  # for the comparison only: not through comm
+            total += t.item() / world / MICRO
+        if ignored is not None:
+            assert ignored.grad is not None and list(ignored.grad.shape) == list(ignored.shape)
+            g = ignored.grad.clone()
+            spread = paddle.concat([g, -g])  # max and -min over ranks in one call
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+            # the engine left it alone: every rank still holds the grad of its own data
+            assert float((spread[:len(g)] + spread[len(g):]).abs().max()) > 0
+            dist.all_reduce(g)
+            paddle.assign(g / world, output=ignored.grad)
+        opt.step()
+        norms.append(paddle_hsdp.last_global_norm(opt))
+        opt.clear_grad()
+        losses.append(total)
+        per_step.append((comm.counter.snapshot(), list(calls)))
+    return losses, norms, per_step
+
+
+def compare(run, ref):
+    losses, norms, _ = run
+    ref_losses, _, ref_norms = ref
+    return {"loss": max_rel(losses, ref_losses), "norm": max_rel(norms, ref_norms)}
+
+
+def compare_params(model, ref_params, worst):
+    full = paddle_hsdp.full_state_dict(model)
+    assert set(full) == set(ref_params), set(full) ^ set(ref_params)
+    for n, value in full.items():
+        assert list(value.shape) == list(ref_params[n].shape), n
+        worst[n] = max_rel(value.numpy(), ref_params[n])
+
+
+failures = []
+
+
+def report(name, worst, rtol=RTOL, note=""):
+    """Called after a check's last collective, so a parity failure (the same on every
+    rank) is recorded and the next checks still run; the worker fails at the end."""
+    bad = {k: v for k, v in worst.items() if not v <= rtol}
+    if bad:
+        failures.append(f"{name}: parity failed (rtol {rtol}): {bad}")
+        print(f"KNOBS {name} FAILED max rel diff {max(bad.values()):.2e}: {bad}", flush=True)
+        return
+    print(f"KNOBS {name} max rel diff {max(worst.values()):.2e} (loss {worst['loss']:.2e}, "
+          f"norm {worst['norm']:.2e}, rtol {rtol:.0e}){note}", flush=True)
+
+
+def trainable_buffers(model):
+    return [b for u in paddle_hsdp.api._units_under(model) for b in u.buffers if b.trainable]
+
+
+def all_buffers(model):
+    return [b for u in paddle_hsdp.api._units_under(model) for b in u.buffers]
+
+
+ref32 = train_reference(round_bf16=False)
+ref16 = train_reference(round_bf16=True)
+BF16_EFFECT = max_rel(ref16[0], ref32[0])  # how far a run that did not round would be
+assert BF16_EFFECT > 1e-4, "bf16 rounding should change the losses"
+
+# ---- 1. mixed precision (and an fp32 run of the same model for the byte counts)
+fp32_model = shard()
+fp32_run = train_hsdp(fp32_model)
+fp32_worst = compare(fp32_run, ref32)
+compare_params(fp32_model, ref32[1], fp32_worst)
+assert max(fp32_worst.values()) <= RTOL, fp32_worst
+
+mp = paddle_hsdp.MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype="float32")
+mp_model = shard(mp_policy=mp)
+for buf in all_buffers(mp_model):
+    assert buf.gather_dtype == paddle.bfloat16 and buf.dtype == paddle.float32, buf.params[0].fqn
+    assert buf.reduce_dtype == paddle.float32
+mp_run = train_hsdp(mp_model)
+mp_worst = compare(mp_run, ref16)
+compare_params(mp_model, ref16[1], mp_worst)
+for p in mp_model.parameters():  # the optimizer's masters stay float32
+    assert p.dtype == paddle.float32, p.name
+
+trainable = trainable_buffers(mp_model)
+rs_sizes = sorted(b.padded_numel for b in trainable)
+for step, ((snap32, calls32), (snap16, calls16)) in enumerate(zip(fp32_run[2], mp_run[2])):
+    ag32, ag16 = snap32[("inner", "all_gather")], snap16[("inner", "all_gather")]
+    assert ag32.calls == ag16.calls > 0 and 2 * ag16.payload_bytes == ag32.payload_bytes, \
+        (step, ag32, ag16)
+    gathers = [c for c in calls16 if c[:2] == ("inner", "all_gather")]
+    assert all(c[2] == paddle.bfloat16 for c in gathers), gathers
+    assert ag16.payload_bytes == sum(n * 2 for *_, n in gathers)
+    rs = snap16[("inner", "reduce_scatter")]
+    scatters = [c for c in calls16 if c[:2] == ("inner", "reduce_scatter")]
+    assert len(scatters) == rs.calls == MICRO * len(trainable), (scatters, len(trainable))
+    assert all(c[2] == paddle.float32 for c in scatters), scatters  # no call mixes dtypes
+    assert sorted(c[3] for c in scatters) == sorted(rs_sizes * MICRO), scatters
+    assert rs.payload_bytes == MICRO * 4 * sum(rs_sizes), rs  # float32-sized
+    assert rs.payload_bytes == snap32[("inner", "reduce_scatter")].payload_bytes
+# Block.extra had no grad anywhere in micro-step 0 and one in micro-step 1: the engine
+# reduced zeros for it in micro 0, in the same float32 call as its buffer's other grads.
+extra = [sp for b in trainable for sp in b.params if sp.fqn.endswith("extra")]
+assert len(extra) == 3, [sp.fqn for sp in extra]
+mp_worst["fp32_run"] = max(fp32_worst.values())
+report("mixed_precision", mp_worst,
+       note=f"; bf16 vs fp32 reference losses differ by {BF16_EFFECT:.1e}")
+
+# ---- 2. ignored_params
+model = build_model()
+ignored = dict(model.named_parameters())[IGNORED]
+ignored_shape = list(ignored.shape)
+# Passed to every call, as the module tree of each call contains or skips it.
+model = shard(model, ignored_params=[ignored])
+named = dict(model.named_parameters())
+assert named[IGNORED] is ignored and list(ignored.shape) == ignored_shape, IGNORED
+assert not hasattr(ignored, "_hsdp_sharded_param"), "ignored param became a shard"
+assert ignored._is_initialized()
+assert all(sp.full is not ignored and sp.shard is not ignored
+           for b in all_buffers(model) for sp in b.params), "ignored param is in a buffer"
+assert id(ignored) not in paddle_hsdp.api._owner_of
+assert sum(1 for p in model.parameters() if p is ignored) == 1
+run = train_hsdp(model, ignored=ignored)
+worst = compare(run, ref32)
+compare_params(model, ref32[1], worst)
+report("ignored_params", worst)
+
+# ---- 3. shard_placement_fn: Replicate() for one 2-D weight
+model = build_model()
+target = dict(model.named_parameters())[REPLICATED]
+full_shape = list(target.shape)
+assert len(full_shape) == 2
+
+
+def placement(p):
+    return dist.Replicate() if p is target else None
+
+
+model = shard(model, shard_placement_fn=placement)
+shard_param = dict(model.named_parameters())[REPLICATED]
+assert hasattr(shard_param, "_hsdp_sharded_param") and shard_param is not target
+assert list(shard_param.shape) == full_shape, (shard_param.shape, full_shape)  # whole
+others = [p for n, p in model.named_parameters() if n != REPLICATED and len(p.shape) == 2
+          and hasattr(p, "_hsdp_sharded_param")]
+assert others and all(p.shape[0] < p._hsdp_sharded_param.shape[0] for p in others
+                      if p._hsdp_sharded_param.shape[0] > 1)  # the rest stays sharded
+run = train_hsdp(model)
+worst = compare(run, ref32)
+compare_params(model, ref32[1], worst)
+# Every rank holds the same whole weight after training.
+whole = shard_param.detach().clone()
+dist.all_reduce(whole)
+worst["replicas_agree"] = max_rel(whole.numpy() / world, shard_param.numpy())
+report("replicate_placement", worst)
+
+assert not failures, "\n".join(failures)
+finish()
