@@ -65,8 +65,15 @@ class ShardBuffer:
         """Cut this rank's blocks out of the local full params, make outer replicas
         identical (broadcast from outer rank ``src_outer_rank``), create shard params."""
         rank = self.inner.rank
-        blocks = [sp.as_rank_blocks(sp.full.detach())[rank] for sp in self.params]
-        flat = paddle.concat(blocks) if len(blocks) > 1 else blocks[0].clone()
+        blocks = []
+        for sp in self.params:
+            # A param built under paddle.LazyGuard() has no data yet: materialise it
+            # alone, keep this rank's block, free it; no rank ever holds the full model.
+            if not sp.full._is_initialized():
+                sp.full.initialize()
+            blocks.append(sp.as_rank_blocks(sp.full.detach())[rank].clone())
+            sp.free_full_data()
+        flat = paddle.concat(blocks) if len(blocks) > 1 else blocks[0]
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)
         for sp in self.params:
             shard = sp.make_shard_param(flat[sp.offset: sp.offset + sp.chunk_numel].clone())
