@@ -245,7 +245,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     placements = _placements(module, shard_placement_fn, ignored)
     mesh = resolve_mesh(mesh)
     hooks.install()
-    unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy)
+    unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy, offload_policy)
     _claim_params(unit, module, ignored, placements)
     unit.build_buffers(placements)
     unit.shard_initial()  # first collective: broadcast over the outer group

@@ -20,10 +20,11 @@ from .param import ShardedParam
 class ShardBuffer:
     """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
     in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
-    the optimizer stay in the parameters' own dtype (the float32 master copy)."""
+    the optimizer stay in the parameters' own dtype (the float32 master copy).
+    ``offload_policy`` (``CPUOffloadPolicy``): shards and grads in host memory."""
 
     def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool,
-                 mp_policy=None):
+                 mp_policy=None, offload_policy=None):
         self.params = params
         self.inner = inner_group
         self.outer = outer_group
@@ -35,12 +36,31 @@ class ShardBuffer:
         self.gather_dtype = _dtype(getattr(policy, "param_dtype", None)) or self.dtype
         self.reduce_dtype = _dtype(getattr(policy, "reduce_dtype", None)) or self.gather_dtype
         self.compute_dtype = compute_dtype_of(self.gather_dtype)
+        # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
+        # state) live in host memory; collectives and compute run on the device.
+        self.offload = offload_policy is not None and getattr(offload_policy, "offloads", False)
+        self.pin_memory = bool(getattr(offload_policy, "pin_memory", False))
+        self.device = paddle.get_device()
         offset = 0
         for sp in params:
             sp.offset = offset
             offset += sp.chunk_numel
         self.shard_numel = offset
         self.inner_size = inner_group.nranks
+
+    # -------------------------------------------------------------- placement
+    def to_device(self, t):
+        return t.to(self.device) if self.offload else t
+
+    def to_host(self, t):
+        if not self.offload:
+            return t
+        t = t.cpu()
+        return t.pin_memory() if self.pin_memory else t
+
+    def zero_shard_grad(self, sp) -> paddle.Tensor:
+        """Zeros shaped like ``sp``'s shard, where its grads live (host when offloaded)."""
+        return self.to_host(paddle.zeros(sp.shard_shape, self.dtype))
 
     # -------------------------------------------------------------- sizes
     @property
@@ -76,7 +96,8 @@ class ShardBuffer:
         flat = paddle.concat(blocks) if len(blocks) > 1 else blocks[0]
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)
         for sp in self.params:
-            shard = sp.make_shard_param(flat[sp.offset: sp.offset + sp.chunk_numel].clone())
+            shard = sp.make_shard_param(
+                self.to_host(flat[sp.offset: sp.offset + sp.chunk_numel].clone()))
             if self.outer.rank != 0:
                 shard.is_firstly_shared = False  # a replica: global-norm clip skips it
 
@@ -88,7 +109,7 @@ class ShardBuffer:
     def local_grad_shard(self) -> paddle.Tensor:
         """This rank's grad shard as one flat tensor (zeros where a shard has no grad)."""
         parts = [(sp.shard.grad if sp.shard.grad is not None
-                  else paddle.zeros(sp.shard_shape, self.dtype)).reshape([-1])
+                  else self.zero_shard_grad(sp)).reshape([-1])
                  for sp in self.params]
         return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
 
@@ -99,7 +120,7 @@ class ShardBuffer:
         dtype = self.gather_dtype if compute else self.dtype
         local = self.local_grad_shard() if grads else self.local_shard()
         out = paddle.empty([self.padded_numel], dtype=dtype)
-        comm.all_gather_into(out, local.astype(dtype), self.inner)
+        comm.all_gather_into(out, self.to_device(local.astype(dtype)), self.inner)
         if compute and self.compute_dtype != dtype:
             out = out.astype(self.compute_dtype)
         grid = out.reshape([self.inner_size, self.shard_numel])
@@ -124,7 +145,7 @@ class ShardBuffer:
         grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
         out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
         comm.reduce_scatter(out, grid.reshape([-1]), self.inner)
-        out = out.astype(self.dtype)  # accumulate in the master dtype
+        out = self.to_host(out.astype(self.dtype))  # accumulate in the master dtype
         for sp in self.params:
             piece = out[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape)
             accumulate_grad(sp.shard, piece)
@@ -132,9 +153,9 @@ class ShardBuffer:
 
     def all_reduce_grads(self, scale: float) -> None:
         """One outer all-reduce of this rank's grad shard, then scale (``1 / N``)."""
-        flat = self.local_grad_shard()
+        flat = self.to_device(self.local_grad_shard())
         comm.all_reduce(flat, self.outer)
-        self._write_grads(flat * scale)
+        self._write_grads(self.to_host(flat * scale))
 
     def scale_grads(self, scale: float) -> None:
         """Scale the grad shard without an outer all-reduce (replicas step alone)."""

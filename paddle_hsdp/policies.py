@@ -38,26 +38,26 @@ _warned_cpu_offload = False
 
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
-    """Keep shards, their grads and optimizer state in CPU memory and copy each unit to
-    the device for compute.
+    """Keep shards, their grads and so the optimizer state in host memory (pinned when
+    ``pin_memory``); each unit's shard is copied to the device for the all-gather and
+    compute, and reduced grads are copied back. The optimizer steps on the host.
 
-    On a CPU-only Paddle build everything already lives in CPU memory: the policy is
-    accepted and is a no-op (logged once). On a device build it is not implemented yet
-    and raises, rather than silently keeping everything on the device.
+    On a CPU-only run everything already lives in host memory: the policy is accepted
+    and is a no-op (logged once).
     """
 
     pin_memory: bool = True
 
-    def check_supported(self) -> None:
-        global _warned_cpu_offload
+    @property
+    def offloads(self) -> bool:
+        """Whether there is a device to offload from (False on CPU-only runs)."""
         import paddle
 
-        if paddle.get_device().startswith("cpu"):
-            if not _warned_cpu_offload:
-                logger.warning("CPUOffloadPolicy on a CPU-only run: everything is already "
-                               "in CPU memory; the policy is a no-op.")
-                _warned_cpu_offload = True
-            return
-        raise NotImplementedError(
-            "CPUOffloadPolicy on a device build is not implemented yet: pass "
-            "offload_policy=None (or OffloadPolicy()) to keep shards on the device.")
+        return not paddle.get_device().startswith("cpu")
+
+    def check_supported(self) -> None:
+        global _warned_cpu_offload
+        if not self.offloads and not _warned_cpu_offload:
+            logger.warning("CPUOffloadPolicy on a CPU-only run: everything is already in "
+                           "CPU memory; the policy is a no-op.")
+            _warned_cpu_offload = True

@@ -48,11 +48,13 @@ class GatheredBytes:
 
 
 class FSDPUnit:
-    def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None):
+    def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None,
+                 offload_policy=None):
         self.module = module
         self.index = index  # registration order: the global order of collectives
         self.mesh = mesh
         self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
         self.params: list[ShardedParam] = []
         self.buffers: list[ShardBuffer] = []
         self.borrowed: list[FSDPUnit] = []  # owners of tied params this unit's modules use
@@ -95,7 +97,8 @@ class FSDPUnit:
                 inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
             for sp in params:
                 sp.mesh = self.mesh
-            self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy))
+            self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy,
+                                            self.offload_policy))
 
     def shard_initial(self) -> None:
         """First sharding: cut blocks, broadcast over outer, free the full params."""
@@ -146,7 +149,7 @@ class FSDPUnit:
                 if buf.trainable:
                     for sp in buf.params:
                         if sp.shard.grad is None:
-                            sp.shard._copy_gradient_from(paddle.zeros(sp.shard_shape, buf.dtype))
+                            sp.shard._copy_gradient_from(buf.zero_shard_grad(sp))
 
     def reduce_scatter_grads(self) -> None:
         trainable = [b for b in self.buffers if b.trainable]
