@@ -125,6 +125,12 @@ def _finish(handle: Handle, async_op: bool):
     return None
 
 
+def _check_split(what: str, flat, shard, n: int) -> None:
+    if int(flat.numel()) != n * int(shard.numel()):
+        raise ValueError(f"{what} has {int(flat.numel())} elements, expected "
+                         f"{n} x {int(shard.numel())}")
+
+
 def _needs_fp32_staging(tensor, group) -> bool:
     return tensor.dtype == paddle.float16 and is_gloo(group)
 
@@ -135,11 +141,7 @@ def _needs_fp32_staging(tensor, group) -> bool:
 def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None):
     """Gather equal shards of the group into ``out_flat`` (rank order), in place."""
     n = group.nranks
-    if int(out_flat.numel()) != n * int(shard.numel()):
-        raise ValueError(
-            f"all_gather_into: output has {int(out_flat.numel())} elements, expected "
-            f"{n} x {int(shard.numel())}"
-        )
+    _check_split("all_gather_into: output", out_flat, shard, n)
     payload = _nbytes(out_flat)
     counter.record(tag or group_label(group), "all_gather", payload, payload * (n - 1) / n)
     if n == 1:
@@ -152,12 +154,7 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
 def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None):
     """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``."""
     n = group.nranks
-    shard_numel = int(out_shard.numel())
-    if int(in_flat.numel()) != n * shard_numel:
-        raise ValueError(
-            f"reduce_scatter: input has {int(in_flat.numel())} elements, expected "
-            f"{n} x {shard_numel}"
-        )
+    _check_split("reduce_scatter: input", in_flat, out_shard, n)
     payload = _nbytes(in_flat)
     counter.record(tag or group_label(group), "reduce_scatter", payload, payload * (n - 1) / n)
     if n == 1:

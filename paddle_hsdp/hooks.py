@@ -1,15 +1,16 @@
 """When units gather, reshard and reduce: forward hooks, pre/post-backward, end of backward.
 
 * Forward pre-hook: gather the unit (and the owners of tied params it borrows), then
-  prefetch the next units in forward order; wrap grad-requiring inputs in
-  :class:`_PostBackward`; cast floating inputs per the mixed-precision policy.
-* Forward post-hook: wrap the outputs in :class:`_PreBackward` (an identity whose
-  backward fires before the unit's own backward ops, since they consume its output
-  grads), cast outputs, then reshard per policy.
+  prefetch the next units in forward order; cast floating inputs per the
+  mixed-precision policy; wrap grad-requiring inputs in a :class:`_BackwardHook` that
+  runs the post-backward.
+* Forward post-hook: wrap the outputs in a :class:`_BackwardHook` that runs the
+  pre-backward (it fires before the unit's own backward ops, since they consume its
+  output grads), cast outputs, then reshard per policy.
 * Pre-backward: gather again if the unit was resharded after forward; prefetch the
   next units in backward order.
-* Post-backward (:class:`_PostBackward` on the inputs: fires once the grads of the
-  unit's inputs exist, i.e. after the ops that read its parameters): reshard, so a
+* Post-backward (the hook on the inputs: fires once the grads of the unit's inputs
+  exist, i.e. after the ops that read its parameters): reshard, so a
   ZeRO-3 backward holds about one unit gathered at a time. Units other units borrow
   from (tied params) wait for the end of backward.
 * End of backward: Paddle 3.3 has no queue-callback, so :func:`install` wraps
@@ -79,30 +80,24 @@ def _alias(tensors):
     return out if len(out) > 1 else out[0]
 
 
-class _PreBackward(PyLayer):
+class _BackwardHook(PyLayer):
+    """Identity on ``tensors`` whose backward first calls ``hook(unit)``: around a unit's
+    outputs it fires before the unit's backward ops, around its inputs after them."""
+
     @staticmethod
-    def forward(ctx, unit, *tensors):
-        ctx.unit = unit
+    def forward(ctx, hook, unit, *tensors):
+        ctx.hook, ctx.unit = hook, unit
         return _alias(tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        _on_pre_backward(ctx.unit)
+        ctx.hook(ctx.unit)
         return grads if len(grads) > 1 else grads[0]
 
 
-class _PostBackward(PyLayer):
-    @staticmethod
-    def forward(ctx, unit, *tensors):
-        ctx.unit = unit
-        return _alias(tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        unit = ctx.unit
-        if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
-            unit.reshard()
-        return grads if len(grads) > 1 else grads[0]
+def _on_post_backward(unit: FSDPUnit) -> None:
+    if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
+        unit.reshard()
 
 
 def _root_of(unit: FSDPUnit):
@@ -122,14 +117,14 @@ def _on_pre_backward(unit: FSDPUnit) -> None:
         _roots_in_backward.append(unit.root_state)
 
 
-def _wrap_tensors(layer_cls, unit: FSDPUnit, obj):
-    """Route every grad-requiring tensor of ``obj`` through one ``layer_cls`` node."""
+def _wrap_tensors(hook, unit: FSDPUnit, obj):
+    """Route every grad-requiring tensor of ``obj`` through one :class:`_BackwardHook`."""
     flat, rebuild = _flatten(obj)
     idx = [i for i, t in enumerate(flat)
            if isinstance(t, paddle.Tensor) and not t.stop_gradient]
     if not idx:
         return obj
-    wrapped = layer_cls.apply(unit, *[flat[i] for i in idx])
+    wrapped = _BackwardHook.apply(hook, unit, *[flat[i] for i in idx])
     if len(idx) == 1:
         wrapped = (wrapped,)
     for i, t in zip(idx, wrapped):
@@ -210,7 +205,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         if dtype is not None:
             inputs = _cast_floating(inputs, dtype)
         if paddle.is_grad_enabled():
-            inputs = _wrap_tensors(_PostBackward, unit, inputs)
+            inputs = _wrap_tensors(_on_post_backward, unit, inputs)
         return inputs
 
     def post_forward(module, inputs, outputs):
@@ -225,7 +220,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         if policy is not None and policy.output_dtype is not None:
             outputs = _cast_floating(outputs, policy.output_dtype)
         if grad_on:
-            outputs = _wrap_tensors(_PreBackward, unit, outputs)
+            outputs = _wrap_tensors(_on_pre_backward, unit, outputs)
         if unit.should_reshard_after_forward() or not grad_on:
             unit.reshard()
         return outputs

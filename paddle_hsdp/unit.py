@@ -18,8 +18,6 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 
-import paddle
-
 from .buffer import ShardBuffer
 from .param import ShardedParam
 
