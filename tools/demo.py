@@ -7,7 +7,6 @@ shows a progress bar with loss and tokens/s and ends with the loss against step 
 
 import argparse
 import inspect
-import os
 import time
 
 import numpy as np

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+
 import paddle_hsdp  # noqa: F401  (must precede fleet.init)
 import paddle
 import paddle.distributed as dist
@@ -43,3 +45,22 @@ def rank_sum_check(group, what: str) -> None:
     x = paddle.to_tensor([float(dist.get_rank())])
     comm.all_reduce(x, group)
     assert x.item() == float(sum(group.ranks)), (what, group.ranks, x.item())
+
+
+def max_rel(a, b) -> float:
+    """Largest absolute difference, relative to the reference tensor's largest value."""
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+
+def compare_with_reference(full: dict, ref_params: dict, losses, ref_losses, worst: dict,
+                           rtol: float) -> None:
+    """Every parameter (same names, same shapes) and the losses within ``rtol``; the
+    worst differences are recorded in ``worst`` (name -> max_rel)."""
+    assert set(full) == set(ref_params), set(full) ^ set(ref_params)
+    for name, value in full.items():
+        assert list(value.shape) == list(ref_params[name].shape), name
+        worst[name] = max_rel(value.numpy(), ref_params[name])
+    worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
+    bad = {k: v for k, v in worst.items() if v > rtol}
+    assert not bad, f"parity failed (rtol {rtol}): {bad}"

@@ -4,8 +4,7 @@ grad norm), plus the comm counter against DESIGN's volume formulas and the memor
 argv: JSON with sharding_degree, outer, and the run variants to check.
 """
 
-import numpy as np
-from common import config_from_argv, finish, init_fleet
+from common import compare_with_reference, config_from_argv, finish, init_fleet
 
 import paddle
 import paddle.distributed as dist
@@ -27,10 +26,6 @@ I, O = inner.nranks, outer.nranks
 data = batches(STEPS, MICRO, world, PER_RANK)
 ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
 assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
 def shard(reshard_blocks: bool):
@@ -72,13 +67,7 @@ def run(reshard_blocks: bool, via_fleet: bool):
         losses.append(total)
         check_counter(unit_list, reshard_blocks)
     full = paddle_hsdp.full_state_dict(model)
-    assert set(full) == set(ref_params), set(full) ^ set(ref_params)
-    for name, value in full.items():
-        assert list(value.shape) == list(ref_params[name].shape), name
-        worst[name] = max_rel(value.numpy(), ref_params[name])
-    worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
-    bad = {k: v for k, v in worst.items() if v > RTOL}
-    assert not bad, f"parity failed (rtol {RTOL}): {bad}"
+    compare_with_reference(full, ref_params, losses, ref_losses, worst, RTOL)
     tag = f"reshard={reshard_blocks} fleet_opt={via_fleet}"
     print(f"PARITY {O}x{I} {tag}: max rel diff {max(worst.values()):.2e} "
           f"(loss {worst['loss']:.2e})", flush=True)

@@ -15,8 +15,7 @@ reference of the same model and data (AdamW, global-norm clipping active, 2 micr
 Prints ``KNOBS <name> max rel diff ...`` per check.
 """
 
-import numpy as np
-from common import finish, init_fleet
+from common import finish, init_fleet, max_rel
 
 import paddle
 import paddle.distributed as dist
@@ -43,11 +42,6 @@ REPLICATED = "blocks.0.fc1.weight"   # [8, 25], inside a ZeRO-3 block unit
 def use_extra(micro: int) -> bool:
     """``Block.extra`` is unused on every rank in micro-step 0, used in micro-step 1."""
     return micro == 1
-
-
-def max_rel(a, b):
-    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
 # ------------------------------------------------------------------ reference

@@ -62,6 +62,6 @@ print(f"LAZY rank {dist.get_rank()}: full model {full_bytes / MB:.0f} MiB, shard
       f"{lazy_peak / MB:.0f} MiB; a plain full-size tensor {control / MB:.0f} MiB", flush=True)
 assert held * 2 >= full_bytes and held < 0.51 * full_bytes, held
 assert control > 0.9 * full_bytes, control  # the measurement can see a full model
-assert lazy_peak < 0.8 * full_bytes, (lazy_peak, full_bytes)  # never the full model
+assert lazy_peak < full_bytes, (lazy_peak, full_bytes)  # never the full model
 model(paddle.randn([4, WIDTH])).mean().backward()  # the materialised shards train
 finish()

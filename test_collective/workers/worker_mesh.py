@@ -10,8 +10,7 @@ init_parallel_env. On 4 ranks, in one launch:
    instead, which keeps every rank's group numbering in step (checked by one more mesh).
 """
 
-import numpy as np
-from common import finish, rank_sum_check
+from common import compare_with_reference, finish, rank_sum_check
 
 import paddle
 import paddle.distributed as dist
@@ -32,10 +31,6 @@ from paddle.distributed.fleet.base import topology as fleet_topology  # noqa: E4
 assert fleet_topology._HYBRID_PARALLEL_GROUP is None  # no fleet HCG at all
 rank, world = dist.get_rank(), dist.get_world_size()
 assert world == 4, world
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
 def shard(mesh):
@@ -96,13 +91,7 @@ def run(mesh, rows, data, local, n_ranks, clip, ref):
         assert comm.counter.get("outer", "all_reduce").calls == len(trainable)
         assert comm.counter.get("inner", "reduce_scatter").calls == MICRO * len(trainable)
     full = paddle_hsdp.full_state_dict(model)
-    assert set(full) == set(ref_params), set(full) ^ set(ref_params)
-    for name, value in full.items():
-        assert list(value.shape) == list(ref_params[name].shape), name
-        worst[name] = max_rel(value.numpy(), ref_params[name])
-    worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
-    bad = {k: v for k, v in worst.items() if v > RTOL}
-    assert not bad, f"parity failed (rtol {RTOL}): {bad}"
+    compare_with_reference(full, ref_params, losses, ref_losses, worst, RTOL)
     shape = "x".join(str(d) for d in mesh.shape)
     print(f"PARITY mesh {shape} {m.plan.process_ids}: max rel diff "
           f"{max(worst.values()):.2e} (loss {worst['loss']:.2e})", flush=True)

@@ -11,7 +11,7 @@ argv: JSON with sharding_degree, ep_degree, moe_sharding_degree, outer.
 """
 
 import numpy as np
-from common import config_from_argv, finish, init_fleet
+from common import config_from_argv, finish, init_fleet, max_rel
 
 import paddle
 import paddle.distributed as dist
@@ -118,10 +118,6 @@ def reference(data, world, ep, n_experts):
     return losses, norms, grads, {n: p.numpy() for n, p in model.named_parameters()}
 
 
-def rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
-
-
 def expert_name_in_reference(name, ep_rank):
     parts = name.split(".")
     if parts[:2] == ["moe", "experts"]:
@@ -167,7 +163,7 @@ def run(via_fleet):
         paddle_hsdp.finish_grad_sync(opt)  # the step would run it; run it first to read grads
         for name, g in paddle_hsdp.full_grads(model).items():
             ref = ref_grads[step][expert_name_in_reference(name, ep_rank)]
-            worst["grad " + name] = max(worst.get("grad " + name, 0.0), rel(g.numpy(), ref))
+            worst["grad " + name] = max(worst.get("grad " + name, 0.0), max_rel(g.numpy(), ref))
         opt.step()
         opt.clear_grad()
         worst["norm"] = max(worst["norm"], abs(paddle_hsdp.last_global_norm(opt)
@@ -175,7 +171,7 @@ def run(via_fleet):
         worst["loss"] = max(worst["loss"], abs(total - ref_losses[step]) / ref_losses[step])
     for name, value in paddle_hsdp.full_state_dict(model).items():
         ref = ref_params[expert_name_in_reference(name, ep_rank)]
-        worst[name] = rel(value.numpy(), ref)
+        worst[name] = max_rel(value.numpy(), ref)
     bad = {k: v for k, v in worst.items() if v > RTOL}
     assert not bad, f"MoE parity failed (rtol {RTOL}): {bad}"
     print(f"MOE_PARITY fleet_opt={via_fleet}: max rel diff {max(worst.values()):.2e} "

@@ -10,7 +10,7 @@ argv: JSON with the hybrid degrees, ``outer``, ``tag`` (the log prefix) and opti
 """
 
 import numpy as np
-from common import config_from_argv, finish, init_fleet
+from common import config_from_argv, finish, init_fleet, max_rel
 
 import paddle
 import paddle.nn as nn
@@ -112,10 +112,6 @@ def train_reference(weights, data, n):
         opt.step()
         opt.clear_grad()
     return losses, norms, [{k: p.numpy() for k, p in m.named_parameters()} for m in models]
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
 config = config_from_argv()

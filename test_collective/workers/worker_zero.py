@@ -11,10 +11,8 @@ Held bytes during backward (peak gathered params + grads held after it):
   ZeRO-3 < ZeRO-2 < ZeRO-1.
 """
 
-import json
-
 import numpy as np
-from common import config_from_argv, finish, init_fleet
+from common import config_from_argv, finish, init_fleet, max_rel
 
 import paddle
 import paddle.distributed as dist
@@ -32,10 +30,6 @@ I = hcg.get_fsdp_inner_group().nranks
 data = batches(STEPS, MICRO, world, PER_RANK)
 ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
 assert min(ref_norms) > CLIP, ref_norms
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
 def train(stage=None, toggle=None, prefetch=None):
