@@ -91,7 +91,7 @@ class ShardBuffer:
             # alone, keep this rank's block, free it; no rank ever holds the full model.
             if not sp.full._is_initialized():
                 sp.full.initialize()
-            blocks.append(sp.as_rank_blocks(sp.full.detach())[rank].clone())
+            blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
             sp.free_full_data()
         flat = paddle.concat(blocks) if len(blocks) > 1 else blocks[0]
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)

@@ -66,6 +66,17 @@ class ShardedParam:
         """``full`` as ``[I, chunk_numel]``: row ``i`` is the block inner rank ``i`` owns."""
         return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
 
+    def rank_block(self, full, rank: int) -> paddle.Tensor:
+        """Inner rank ``rank``'s block of ``full`` (``[chunk_numel]``), built without a
+        padded copy of the whole parameter."""
+        start = min(rank * self.rows_per_rank, self.rows)
+        stop = min(start + self.rows_per_rank, self.rows)
+        block = full.reshape([self.rows, self.row_numel])[start:stop]
+        if stop - start < self.rows_per_rank:
+            pad = paddle.zeros([self.rows_per_rank - (stop - start), self.row_numel], full.dtype)
+            block = paddle.concat([block, pad], axis=0)
+        return block.reshape([self.chunk_numel])
+
     def from_rank_blocks(self, blocks) -> paddle.Tensor:
         """Inverse of :meth:`as_rank_blocks`: ``[I, chunk_numel]`` -> full shape."""
         t = blocks.reshape([self.padded_rows, self.row_numel])
