@@ -19,12 +19,20 @@
   root whose backward ran reduce-scatters the grads of all its units, in one fixed order
   (reverse registration), and reshards them. A fixed order taken by every rank, with
   zeros for params that got no grad, is what makes unused params and rank-dependent
-  control flow inside a unit safe. (Reducing per unit during backward, to overlap it
+  control flow inside a unit safe for the grad reduction. The pre-backward gather of a
+  resharded unit still needs the unit's outputs to take part in backward on every rank
+  (a unit that returns only non-differentiable tensors on some ranks would make those
+  ranks skip that all-gather). A backward nested in another (reentrant activation
+  recompute) is part of the outer one; forwards run inside a backward never start a
+  root and do not reshard (their backward follows at once). (Reducing per unit during backward, to overlap it
   with compute and free full grads early, needs a grad-ready signal that is the same on
   every rank; not done yet.)
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import paddle
 from paddle.autograd import PyLayer
@@ -35,6 +43,7 @@ from .unit import FSDPUnit
 # entries; the next unit not contained in any of them is a root and clears them.
 _active: list[FSDPUnit] = []
 _roots_in_backward: list["RootState"] = []
+_backward_depth = 0  # > 0 while the autograd engine runs (nested: recompute)
 _installed = False
 
 
@@ -113,8 +122,10 @@ def _on_pre_backward(unit: FSDPUnit) -> None:
         for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
                 root.neighbours(unit, unit.backward_prefetch_count, backward=True):
             nxt.unshard()
-    if unit.root_state is not None and unit.root_state not in _roots_in_backward:
-        _roots_in_backward.append(unit.root_state)
+    # Any unit's pre-backward registers its root: a root whose own outputs hide their
+    # tensors (a custom output object) still gets its end of backward.
+    if root is not None and root not in _roots_in_backward:
+        _roots_in_backward.append(root)
 
 
 def _wrap_tensors(hook, unit: FSDPUnit, obj):
@@ -141,8 +152,25 @@ def _cast_floating(obj, dtype):
 
 
 def _flatten(obj):
+    """``obj``'s tensors as a flat list, and a function that rebuilds ``obj`` from such a
+    list. Walks tuples, lists, namedtuples, dicts (subclasses too: ModelOutput-like) and
+    dataclasses; anything else is a leaf."""
     if isinstance(obj, paddle.Tensor):
         return [obj], lambda f: f[0]
+    if isinstance(obj, dict):
+        keys = list(obj)
+        flat, rb = _flatten([obj[k] for k in keys])
+
+        def rebuild_dict(f):
+            new = copy.copy(obj)
+            for k, v in zip(keys, rb(f)):
+                new[k] = v
+            return new
+        return flat, rebuild_dict
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]
+        flat, rb = _flatten([getattr(obj, n) for n in names])
+        return flat, lambda f: dataclasses.replace(obj, **dict(zip(names, rb(f))))
     if isinstance(obj, (list, tuple)):
         parts = [_flatten(o) for o in obj]
         sizes = [len(p[0]) for p in parts]
@@ -154,10 +182,6 @@ def _flatten(obj):
                 i += n
             return type(obj)(out) if not hasattr(obj, "_fields") else type(obj)(*out)
         return [t for p in parts for t in p[0]], rebuild
-    if isinstance(obj, dict):
-        keys = list(obj)
-        flat, rb = _flatten([obj[k] for k in keys])
-        return flat, lambda f: type(obj)(zip(keys, rb(f)))
     return [obj], lambda f: f[0]
 
 
@@ -179,10 +203,14 @@ def _input_dtype(unit: FSDPUnit):
 
 
 def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
-    def pre_forward(module, inputs):
-        if not any(id(unit.module) in _subtree_ids(a) for a in _active):
+    def pre_forward(module, args, kwargs):
+        # A root is a unit no running unit contains, called outside any backward; a
+        # forward run inside a backward (activation recompute) is never a root.
+        starts_root = _backward_depth == 0 and not any(
+            id(unit.module) in _subtree_ids(a) for a in _active)
+        unit.is_root = starts_root
+        if starts_root:
             _active.clear()  # whatever a forward that raised left behind
-            unit.is_root = True
             if unit.root_state is None:
                 unit.root_state = RootState(unit, all_units)
                 for u in unit.root_state.units:
@@ -203,29 +231,31 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
                 nxt.unshard()
         dtype = _input_dtype(unit)
         if dtype is not None:
-            inputs = _cast_floating(inputs, dtype)
+            args, kwargs = _cast_floating((args, kwargs), dtype)
         if paddle.is_grad_enabled():
-            inputs = _wrap_tensors(_on_post_backward, unit, inputs)
-        return inputs
+            args, kwargs = _wrap_tensors(_on_post_backward, unit, (args, kwargs))
+        return args, kwargs
 
     def post_forward(module, inputs, outputs):
         if unit in _active:
             _active.remove(unit)
         grad_on = paddle.is_grad_enabled()
+        # Inside a backward (recompute) the unit is about to run its backward: keep it.
+        may_reshard = _backward_depth == 0
         for owner in unit.borrowed:
             owner.pins -= 1
-            if owner.should_reshard_after_forward() or not grad_on:
+            if may_reshard and (owner.should_reshard_after_forward() or not grad_on):
                 owner.reshard()
         policy = unit.mp_policy
         if policy is not None and policy.output_dtype is not None:
             outputs = _cast_floating(outputs, policy.output_dtype)
         if grad_on:
             outputs = _wrap_tensors(_on_pre_backward, unit, outputs)
-        if unit.should_reshard_after_forward() or not grad_on:
+        if may_reshard and (unit.should_reshard_after_forward() or not grad_on):
             unit.reshard()
         return outputs
 
-    unit.module.register_forward_pre_hook(pre_forward)
+    unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
     unit.module.register_forward_post_hook(post_forward)
 
 
@@ -252,12 +282,32 @@ def install() -> None:
 
 def _then_post_backward(original):
     def run(*args, **kwargs):
+        global _backward_depth
+        _backward_depth += 1
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            _roots_in_backward.clear()  # no collectives after a failed backward
+            _backward_depth -= 1
+            if _backward_depth == 0:
+                _abandon_backward()
             raise
-        run_post_backward()
+        _backward_depth -= 1
+        # A backward nested in another (reentrant activation recompute) is part of it:
+        # only the outermost one ends the backward.
+        if _backward_depth == 0:
+            run_post_backward()
         return result
 
     return run
+
+
+def _abandon_backward() -> None:
+    """After a failed backward: drop its partial full-size grads and free gathered params
+    (local work, no collective, so a rank that failed alone cannot hang the others)."""
+    while _roots_in_backward:
+        for unit in _roots_in_backward.pop(0).units:
+            for sp in unit.params:
+                sp.full.clear_gradient(False)
+            unit.full_grads_pending = False
+            unit.pins = 0
+            unit.reshard(force=True)
