@@ -97,18 +97,31 @@ def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
 
 
 def make_clip_hsdp_aware(optimizer, params) -> None:
-    """Swap a plain ``ClipGradByGlobalNorm`` for the HSDP one (same settings); refuse
-    clips that cannot be right on shards, before any update happens."""
-    clip = optimizer._grad_clip
+    """Swap every plain ``ClipGradByGlobalNorm`` the optimizer uses (its own and each
+    parameter group's) for the HSDP one with the same settings; refuse clips that cannot
+    be right on shards, before any update happens."""
+    mesh = params[0]._hsdp_sharded_param.mesh
+    optimizer._grad_clip = _hsdp_aware(optimizer._grad_clip, mesh)
+    for group in getattr(optimizer, "_param_groups", None) or []:
+        if isinstance(group, dict) and "grad_clip" in group:
+            group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh)
+
+
+def _hsdp_aware(clip, mesh):
     if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
-        return
+        return clip
     if type(clip) is ClipGradByGlobalNorm:
-        optimizer._grad_clip = hsdp_clip_for(clip, params[0]._hsdp_sharded_param.mesh)
-        return
+        return hsdp_clip_for(clip, mesh)
+    if isinstance(clip, ClipGradByGlobalNorm):
+        raise NotImplementedError(
+            f"{type(clip).__name__} subclasses ClipGradByGlobalNorm; paddle_hsdp cannot "
+            "tell whether its norm is right on shards. Use paddle.nn.ClipGradByGlobalNorm "
+            "or paddle_hsdp.HSDPClipGradByGlobalNorm.")
     if isinstance(clip, paddle.nn.ClipGradByNorm):
         raise NotImplementedError(
             "ClipGradByNorm clips each parameter by its own norm, which a shard cannot "
             "know; use paddle.nn.ClipGradByGlobalNorm (or ClipGradByValue) with paddle_hsdp.")
+    return clip
 
 
 def record_norm_of_hybrid_clip(clip) -> None:

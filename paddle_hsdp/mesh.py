@@ -38,6 +38,10 @@ from .fleet_ext import _single_rank_group
 logger = logging.getLogger(__name__)
 
 
+def _size(hcg, getter: str) -> int:
+    return getattr(hcg, getter)() if hasattr(hcg, getter) else 1
+
+
 class HCGMesh:
     """The HSDP groups ``fleet.init`` built, for dense and expert buffers.
 
@@ -47,6 +51,12 @@ class HCGMesh:
 
     def __init__(self, hcg):
         self.hcg = hcg
+        for name, size in (("sep", _size(hcg, "get_sep_parallel_world_size")),
+                           ("context", _size(hcg, "get_context_parallel_world_size"))):
+            if size > 1:
+                raise NotImplementedError(
+                    f"fully_shard with {name} parallel degree {size} > 1 is not supported: "
+                    f"grads would not be reduced over the {name} group.")
         if hcg.get_data_parallel_world_size() > 1:
             raise NotImplementedError(
                 "fully_shard with dp_degree > 1 is not supported: put the data-parallel "

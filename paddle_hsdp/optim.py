@@ -21,7 +21,7 @@ import functools
 
 import paddle
 
-from . import clip
+from . import clip, comm
 from .unit import FSDPUnit
 
 _installed = False
@@ -29,7 +29,7 @@ _installed = False
 
 def _sharded_params_of(optimizer) -> list:
     params = []
-    for p in optimizer._parameter_list or []:
+    for p in getattr(optimizer, "_parameter_list", None) or []:
         if isinstance(p, dict):
             params.extend(p["params"])
         else:
@@ -90,9 +90,13 @@ def _patch_hybrid_parallel_optimizer() -> None:
         self._hcg = hcg
         self._sharding_enable = False  # grads are already reduced by the HSDP units
         inner = self._inner_opt
-        if isinstance(inner._grad_clip, hpo_mod.HybridParallelClipGrad):
-            inner._grad_clip._hcg = hcg  # its norm all-reduce spans the sharding group
-            clip.record_norm_of_hybrid_clip(inner._grad_clip)
+        clips = [inner._grad_clip] + [g.get("grad_clip") for g in
+                                      getattr(inner, "_param_groups", None) or []
+                                      if isinstance(g, dict)]
+        for c in clips:
+            if isinstance(c, hpo_mod.HybridParallelClipGrad):
+                c._hcg = hcg  # its norm all-reduce spans the sharding group
+                clip.record_norm_of_hybrid_clip(c)
 
     cls.__init__ = __init__
 
@@ -111,10 +115,53 @@ class _WithoutPaddleSharding:
         return getattr(self._hcg, name)
 
 
+def _patch_clear_grad() -> None:
+    """``clear_grad`` also drops full-size grads a deferred reduce-scatter still holds
+    (ZeRO-1, ``set_requires_gradient_sync(False)``): a skipped batch is skipped."""
+    original = paddle.optimizer.Optimizer.clear_grad
+
+    @functools.wraps(original)
+    def clear_grad(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for unit in _units_of(_sharded_params_of(self)):
+            unit.drop_pending_grads()
+        return result
+
+    paddle.optimizer.Optimizer.clear_grad = clear_grad
+
+
+def _patch_grad_scaler() -> None:
+    """AMP: ``GradScaler._unscale`` reads the grads before ``step`` reaches
+    ``_apply_optimize``, so the deferred sync runs first; and since each rank holds other
+    shards, ``found_inf`` is OR-ed over the job so every rank skips the same steps."""
+    from paddle.amp.grad_scaler import AmpScaler
+
+    original = AmpScaler._unscale
+
+    @functools.wraps(original)
+    def _unscale(self, optimizer):
+        params = _sharded_params_of(getattr(optimizer, "_inner_opt", optimizer))
+        if params:
+            finish_grad_sync(params)
+        result = original(self, optimizer)
+        found = getattr(self, "_found_inf", None)
+        if params and isinstance(found, paddle.Tensor):
+            flag = found.astype("int32").reshape([1])
+            group = getattr(params[0]._hsdp_sharded_param.mesh, "clip_group", lambda: None)()
+            group = group or paddle.distributed.collective._get_global_group()
+            comm.all_reduce(flag, group, tag="found_inf")
+            self._found_inf = (flag > 0).reshape(found.shape)
+        return result
+
+    AmpScaler._unscale = _unscale
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _patch_apply_optimize()
+    _patch_clear_grad()
+    _patch_grad_scaler()
     _patch_hybrid_parallel_optimizer()
     _installed = True

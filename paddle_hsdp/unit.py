@@ -76,6 +76,7 @@ class FSDPUnit:
         # Gradient bookkeeping.
         self.full_grads_pending = False  # full-size grads not reduce-scattered yet
         self.grads_pending_outer_sync = False
+        self.grads_synced = False  # shard grads hold this step's synced, scaled values
 
     # -------------------------------------------------------------- construction
     def build_buffers(self, placements: dict | None = None) -> None:
@@ -151,10 +152,29 @@ class FSDPUnit:
 
     def reduce_scatter_grads(self) -> None:
         trainable = [b for b in self.buffers if b.trainable]
+        if self.grads_synced:
+            # finish_grad_sync already ran this step (e.g. to log grads) and more grads
+            # arrive: bring the synced part back to "summed, replicated" form (x N / O),
+            # so the next sync's outer sum and 1 / N leave it unchanged.
+            for buf in trainable:
+                buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
+            self.grads_synced = False
         for buf in trainable:
             buf.reduce_scatter_grads()
         self.full_grads_pending = False
         self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
+
+    def drop_pending_grads(self) -> None:
+        """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
+        if self.full_grads_pending:
+            for sp in self.params:
+                sp.full.clear_gradient(False)
+        self.full_grads_pending = False
+        self.grads_pending_outer_sync = False
+        self.grads_synced = False
+
+    def _divisor(self, buf) -> float:
+        return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
 
     def finish_grad_sync(self) -> None:
         """The step boundary: pending reduce-scatter, then the one outer all-reduce.
@@ -172,13 +192,11 @@ class FSDPUnit:
             if not buf.trainable:
                 continue
             if self.requires_all_reduce:
-                n = self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
-                buf.all_reduce_grads(scale=1.0 / n)
+                buf.all_reduce_grads(scale=1.0 / self._divisor(buf))
             else:
-                n = self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert) / \
-                    buf.outer.nranks
-                buf.scale_grads(1.0 / n)
+                buf.scale_grads(buf.outer.nranks / self._divisor(buf))
         self.grads_pending_outer_sync = False
+        self.grads_synced = True
 
     # -------------------------------------------------------------- memory report
     def gathered_nbytes(self) -> int:
