@@ -68,6 +68,8 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
             if g is None or getattr(p, "need_clip", True) is False:
                 continue
             sq = paddle.sum(paddle.square(g.astype("float32"))).reshape([1])
+            if sq.place._equals(sum_sq.place) is False:  # offloaded (host) grads
+                sq = sq.to(paddle.get_device())
             sum_sq = sum_sq + (sq if self.counts(p) else sq * 0.0)
         group = self.group or paddle.distributed.collective._get_global_group()
         comm.all_reduce(sum_sq, group, tag="clip")
@@ -82,7 +84,8 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
             if g is None or getattr(p, "need_clip", True) is False:
                 out.append((p, g))
             else:
-                out.append((p, g * scale.astype(g.dtype)))
+                factor = scale if g.place._equals(scale.place) else scale.to(g.place)
+                out.append((p, g * factor.astype(g.dtype)))
         return out
 
 

@@ -217,6 +217,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
                     u._in_root = unit.root_state
             for u in unit.root_state.units:
                 u.pins = 0  # pins a failed forward left raised
+        unit.check_trainability()
         _active.append(unit)
         root = _root_of(unit)
         if root is not None:

@@ -109,6 +109,16 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
 
     # -------------------------------------------------------------- transitions
+    def check_trainability(self) -> None:
+        """Freezing or unfreezing a parameter must happen before fully_shard: buffers
+        are grouped by trainability, and autograd sees the original parameter, not the
+        shard the user would flip."""
+        for sp in self.params:
+            if sp.shard.stop_gradient == sp.trainable:
+                raise RuntimeError(
+                    f"{sp.fqn}: stop_gradient was changed after fully_shard (it is now "
+                    f"{sp.shard.stop_gradient}). Set stop_gradient before fully_shard.")
+
     def unshard(self) -> None:
         if self.state is UnitState.UNSHARDED:
             return

@@ -175,3 +175,12 @@ def test_reading_synced_grads_before_more_micro_steps(fake_mesh):
     train(ref)
     train(model)
     _assert_same(model, ref, rtol=1e-5)
+
+
+def test_unfreezing_after_fully_shard_is_refused(fake_mesh):
+    """Flipping stop_gradient on a shard after sharding would silently never train it:
+    the next forward says what to do instead."""
+    ref, model = _pair()
+    model.blocks[0].fc.weight.stop_gradient = True
+    with pytest.raises(RuntimeError, match="before fully_shard"):
+        model(_batch(0))
