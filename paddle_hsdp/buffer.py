@@ -47,6 +47,10 @@ class ShardBuffer:
             offset += sp.chunk_numel
         self.shard_numel = offset
         self.inner_size = inner_group.nranks
+        # Fixed per buffer; every unshard/reshard reads them for the memory report.
+        self.element_size = _element_size(self.dtype)
+        self.compute_element_size = _element_size(self.compute_dtype)
+        self.compute_nbytes = sum(sp.numel for sp in params) * self.compute_element_size
 
     # -------------------------------------------------------------- placement
     def to_device(self, t):
@@ -63,14 +67,6 @@ class ShardBuffer:
         return self.to_host(paddle.zeros(sp.shard_shape, self.dtype))
 
     # -------------------------------------------------------------- sizes
-    @property
-    def element_size(self) -> int:
-        return _element_size(self.dtype)
-
-    @property
-    def compute_element_size(self) -> int:
-        return _element_size(self.compute_dtype)
-
     @property
     def padded_numel(self) -> int:
         """Elements of the gathered buffer, padding included (``I * S``)."""
@@ -93,25 +89,23 @@ class ShardBuffer:
                 sp.full.initialize()
             blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
             sp.free_full_data()
-        flat = paddle.concat(blocks) if len(blocks) > 1 else blocks[0]
+        flat = _concat_new(blocks)
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)
         for sp in self.params:
             shard = sp.make_shard_param(
-                self.to_host(flat[sp.offset: sp.offset + sp.chunk_numel].clone()))
+                self.to_host(sp.piece_of(flat).clone()))
             if self.outer.rank != 0:
                 shard.is_firstly_shared = False  # a replica: global-norm clip skips it
 
     def local_shard(self) -> paddle.Tensor:
         """This rank's shard as one flat tensor (from the live shard params)."""
-        parts = [sp.shard.detach().reshape([-1]) for sp in self.params]
-        return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+        return _concat_new([sp.shard.detach().reshape([-1]) for sp in self.params])
 
     def local_grad_shard(self) -> paddle.Tensor:
         """This rank's grad shard as one flat tensor (zeros where a shard has no grad)."""
-        parts = [(sp.shard.grad if sp.shard.grad is not None
-                  else self.zero_shard_grad(sp)).reshape([-1])
-                 for sp in self.params]
-        return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+        return _concat_new([(sp.shard.grad if sp.shard.grad is not None
+                             else self.zero_shard_grad(sp)).reshape([-1])
+                            for sp in self.params])
 
     def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
         """All-gather in the inner group; return each parameter's full tensor (or, with
@@ -147,8 +141,7 @@ class ShardBuffer:
         comm.reduce_scatter(out, grid.reshape([-1]), self.inner)
         out = self.to_host(out.astype(self.dtype))  # accumulate in the master dtype
         for sp in self.params:
-            piece = out[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape)
-            accumulate_grad(sp.shard, piece)
+            accumulate_grad(sp.shard, sp.piece_of(out))
             sp.full.clear_gradient(False)
 
     def all_reduce_grads(self, scale: float) -> None:
@@ -163,7 +156,12 @@ class ShardBuffer:
 
     def _write_grads(self, flat) -> None:
         for sp in self.params:
-            set_grad(sp.shard, flat[sp.offset: sp.offset + sp.chunk_numel].reshape(sp.shard_shape))
+            set_grad(sp.shard, sp.piece_of(flat))
+
+
+def _concat_new(parts) -> paddle.Tensor:
+    """A new flat tensor holding ``parts`` back to back (never an alias of one of them)."""
+    return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
 
 
 def _dtype(d):
@@ -186,10 +184,7 @@ def compute_dtype_of(param_dtype):
 
 def accumulate_grad(param, value) -> None:
     """``param.grad += value``, creating the grad on first use."""
-    if param.grad is None:
-        param._copy_gradient_from(value.clone())
-    else:
-        set_grad(param, param.grad + value)
+    set_grad(param, value if param.grad is None else param.grad + value)
 
 
 def set_grad(param, value) -> None:

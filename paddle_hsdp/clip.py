@@ -68,7 +68,7 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
             if g is None or getattr(p, "need_clip", True) is False:
                 continue
             sq = paddle.sum(paddle.square(g.astype("float32"))).reshape([1])
-            if sq.place._equals(sum_sq.place) is False:  # offloaded (host) grads
+            if not sq.place._equals(sum_sq.place):  # offloaded (host) grads
                 sq = sq.to(paddle.get_device())
             sum_sq = sum_sq + (sq if self.counts(p) else sq * 0.0)
         group = self.group or paddle.distributed.collective._get_global_group()

@@ -66,6 +66,10 @@ class ShardedParam:
         """``full`` as ``[I, chunk_numel]``: row ``i`` is the block inner rank ``i`` owns."""
         return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
 
+    def piece_of(self, flat) -> paddle.Tensor:
+        """This param's chunk of a flat shard-layout tensor, in the shard's shape."""
+        return flat[self.offset: self.offset + self.chunk_numel].reshape(self.shard_shape)
+
     def rank_block(self, full, rank: int) -> paddle.Tensor:
         """Inner rank ``rank``'s block of ``full`` (``[chunk_numel]``), built without a
         padded copy of the whole parameter."""

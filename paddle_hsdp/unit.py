@@ -210,8 +210,7 @@ class FSDPUnit:
 
     # -------------------------------------------------------------- memory report
     def gathered_nbytes(self) -> int:
-        return sum(sp.numel * buf.compute_element_size for buf in self.buffers
-                   for sp in buf.params)
+        return sum(buf.compute_nbytes for buf in self.buffers)
 
     def held_bytes(self) -> dict[str, int]:
         shard = grad = gathered = 0
