@@ -13,10 +13,12 @@ from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
 from .mesh import create_mesh_groups  # noqa: F401
 from .optim import finish_grad_sync  # noqa: F401
+from . import clip as _clip
 from . import cpu_compat as _cpu_compat
 from . import fleet_ext as _fleet_ext
 from . import gloo_groups as _gloo_groups
 from . import optim as _optim
+from . import state_dict as _state_dict
 
 __version__ = "0.1.0"
 
@@ -24,3 +26,5 @@ _gloo_groups.install()
 _cpu_compat.install()
 _fleet_ext.install()
 _optim.install()
+_clip.install()
+_state_dict.install()

@@ -5,6 +5,10 @@ Thin: it validates, builds an :class:`~paddle_hsdp.unit.FSDPUnit` and registers 
 
 from __future__ import annotations
 
+import math
+import numbers
+
+import numpy as np
 import paddle
 
 from . import comm, hooks
@@ -16,7 +20,8 @@ from .unit import FSDPUnit, GatheredBytes, UnitState, _is_expert
 # Every unit in registration order (bottom-up), and who owns which original param.
 _units: list[FSDPUnit] = []
 _owner_of: dict[int, tuple[FSDPUnit, ShardedParam]] = {}
-_ignored_ids: set[int] = set()  # ids of params some fully_shard call was told to ignore
+# Params some fully_shard call was told to ignore, by id (kept alive so ids stay unique).
+_ignored_params: dict[int, paddle.Tensor] = {}
 
 
 class FSDPModule:
@@ -33,11 +38,21 @@ class FSDPModule:
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         return _units_under(self) if recurse else [self._hsdp_unit]
 
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            # A forward that raised leaves gathered params in the module slots, so
+            # model.parameters() would give full tensors; put the shards back (local).
+            hooks.abandon_forward(_units_under(self))
+            raise
+
     def unshard(self, async_op: bool = False):
         """Gather this unit's parameters now (a collective: call on every rank).
 
         With ``async_op=True`` returns a handle with ``wait()``; on gloo collectives
         complete before they return, so the handle is already done."""
+        _check_bool(async_op, "unshard(async_op)")
         self._hsdp_unit.unshard()
         return comm.Handle() if async_op else None
 
@@ -47,12 +62,16 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, value: bool, recurse: bool = True) -> None:
         """True: free gathered params after forward, gather again for backward (ZeRO-3)."""
+        _check_bool(value, "set_reshard_after_forward(value)")
+        _check_bool(recurse, "set_reshard_after_forward(recurse)")
         for unit in self._units(recurse):
             unit.reshard_after_forward = bool(value)
 
     def set_reshard_after_backward(self, value: bool, recurse: bool = True) -> None:
         """False: keep params gathered after backward for the next micro-step. They are
         resharded after the optimizer step in any case (the update makes them stale)."""
+        _check_bool(value, "set_reshard_after_backward(value)")
+        _check_bool(recurse, "set_reshard_after_backward(recurse)")
         for unit in self._units(recurse):
             unit.reshard_after_backward = bool(value)
 
@@ -61,6 +80,8 @@ class FSDPModule:
         accumulate locally. Differs from torch: whatever is still unreduced at the
         optimizer step is reduce-scattered there, so a forgotten True never leaves
         replicas with unsynced grads."""
+        _check_bool(value, "set_requires_gradient_sync(value)")
+        _check_bool(recurse, "set_requires_gradient_sync(recurse)")
         for unit in self._units(recurse):
             unit.requires_gradient_sync = bool(value)
 
@@ -69,6 +90,8 @@ class FSDPModule:
         per optimizer step anyway (never per micro-step), so torch's pattern (False on
         non-last micro-steps, True on the last) gives exactly one all-reduce. False at
         the step itself: each replica steps on the mean grad of its own inner group."""
+        _check_bool(value, "set_requires_all_reduce(value)")
+        _check_bool(recurse, "set_requires_all_reduce(recurse)")
         for unit in self._units(recurse):
             unit.requires_all_reduce = bool(value)
 
@@ -76,13 +99,17 @@ class FSDPModule:
         """Accepted for torch compatibility. paddle_hsdp finishes grad sync at the
         optimizer step boundary, so it needs no marking of the last backward; the flag
         is recorded on the units (``unit.is_last_backward``) and changes nothing."""
+        _check_bool(value, "set_is_last_backward(value)")
         for unit in _units_under(self):
             unit.is_last_backward = bool(value)
 
     def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
         """Divide the summed grads by ``factor`` instead of the data-parallel size."""
-        if not factor or factor <= 0:
-            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
+        if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                or not math.isfinite(factor) or factor <= 0):
+            raise ValueError("set_gradient_divide_factor(factor): factor must be a finite "
+                             f"number > 0, got {factor!r}")
+        _check_bool(recurse, "set_gradient_divide_factor(recurse)")
         for unit in self._units(recurse):
             unit.gradient_divide_factor = float(factor)
 
@@ -100,8 +127,20 @@ class FSDPModule:
                            recurse: bool = True) -> None:
         """How many units ahead (in recorded forward order) to gather; 0 disables.
         paddle_hsdp's addition: the default is one unit ahead both ways."""
+        for name, count in (("forward", forward), ("backward", backward)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+                raise ValueError(f"set_prefetch_count({name}=...): a whole number of units "
+                                 f">= 0 (0 disables prefetch), got {count!r}")
+        _check_bool(recurse, "set_prefetch_count(recurse)")
         for unit in self._units(recurse):
             unit.forward_prefetch_count, unit.backward_prefetch_count = int(forward), int(backward)
+
+
+def _check_bool(value, what: str) -> None:
+    """Strings such as "False" are truthy: accept real booleans only."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be True or False, got {value!r} "
+                        f"({type(value).__name__})")
 
 
 def _unit_of(module, what: str) -> FSDPUnit:
@@ -130,7 +169,7 @@ def set_zero_stage(model, stage: int) -> None:
       micro-steps; one reduce-scatter and one outer all-reduce at the optimizer step.
     Optimizer state is sharded at every level.
     """
-    if stage not in ZERO_STAGES:
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(f"set_zero_stage: stage must be one of {sorted(ZERO_STAGES)}, "
                          f"got {stage!r}")
     if not isinstance(model, FSDPModule):
@@ -152,29 +191,42 @@ def _make_fsdp_class(module) -> None:
     module.__class__ = _fsdp_classes[cls]
 
 
-def _check_args(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                ignored_params) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+def _check_reshard_after_forward(value):
+    """None, True, False; Paddle's own fully_shard also takes 1 and 0 for True/False."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return None if value is None else bool(value)
+    if isinstance(value, numbers.Integral):
+        if value in (0, 1):
+            return bool(value)
         raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: only True, False or None "
-            "are supported (an int reshard size is not implemented).")
+            f"reshard_after_forward={value!r}: only True, False (or 1, 0) or None are "
+            "supported (torch's int reshard size is not implemented).")
+    raise TypeError(f"reshard_after_forward must be None, True or False, got {value!r} "
+                    f"({type(value).__name__})")
+
+
+def _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params) -> list:
+    """Check the arguments that need no model; return ``ignored_params`` as a list (a
+    generator is read once, here)."""
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError("shard_placement_fn must be a callable param -> placement or None, "
                         f"got {type(shard_placement_fn).__name__}")
-    if ignored_params is not None and (
-            not hasattr(ignored_params, "__iter__")
-            or not all(isinstance(p, paddle.Tensor) for p in ignored_params)):
-        raise TypeError("ignored_params must be an iterable of parameters, got "
-                        f"{type(ignored_params).__name__}")
+    ignored = []
+    if ignored_params is not None:
+        if isinstance(ignored_params, paddle.Tensor) or not hasattr(ignored_params, "__iter__"):
+            raise TypeError("ignored_params must be an iterable (set, list) of parameters, "
+                            f"got {type(ignored_params).__name__}")
+        ignored = list(ignored_params)
+        bad = [type(p).__name__ for p in ignored if not isinstance(p, paddle.Tensor)]
+        if bad:
+            raise TypeError(f"ignored_params must hold parameters only, got {bad[0]}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("mp_policy must be a paddle_hsdp.MixedPrecisionPolicy, got "
                         f"{type(mp_policy).__name__}")
-    if offload_policy is not None:
-        if not isinstance(offload_policy, OffloadPolicy):
-            raise TypeError("offload_policy must be paddle_hsdp.OffloadPolicy or "
-                            f"CPUOffloadPolicy, got {type(offload_policy).__name__}")
-        if isinstance(offload_policy, CPUOffloadPolicy):
-            offload_policy.check_supported()
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError("offload_policy must be paddle_hsdp.OffloadPolicy or "
+                        f"CPUOffloadPolicy, got {type(offload_policy).__name__}")
+    return ignored
 
 
 def _check_module(module) -> None:
@@ -192,6 +244,25 @@ def _check_module(module) -> None:
     if not any(True for _ in module.parameters()):
         raise ValueError(f"fully_shard on a {type(module).__name__} that has no parameters "
                          "at all: there is nothing to shard.")
+
+
+def _ignored_in(module, ignored: list) -> dict:
+    """``{id: param}`` of the ``ignored`` params this call is about: those in ``module``'s subtree
+    (others belong to other calls, as in torch). Raises for one a sub-module's
+    ``fully_shard`` already sharded: this call can no longer leave it whole."""
+    wanted = {id(p): p for p in ignored}
+    found = {}
+    for sub in module.sublayers(include_self=True):
+        for name, p in sub._parameters.items():
+            if p is None or id(p) not in wanted:
+                continue
+            if hasattr(p, "_hsdp_sharded_param") or id(p) in _owner_of:
+                raise ValueError(
+                    f"ignored_params holds {name} of {type(sub).__name__}, which an earlier "
+                    "fully_shard call on a sub-module already sharded; pass it in that "
+                    "call's ignored_params instead.")
+            found[id(p)] = p
+    return found
 
 
 def _placements(module, shard_placement_fn, ignored: set) -> dict:
@@ -233,57 +304,75 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     ``Replicate()`` (kept whole on every rank; grads all-reduced over the FSDP group).
     ``mp_policy``: a :class:`MixedPrecisionPolicy`. ``offload_policy``:
     :class:`OffloadPolicy` (none) or :class:`CPUOffloadPolicy`.
-    ``ignored_params``: params left alone: not sharded, not synchronised (the user's).
-    All checks run before any collective, so a misuse raises on every rank alike.
+    ``ignored_params``: params left alone: not sharded, not synchronised (the user's);
+    those outside ``module`` are not this call's business and are left out.
+    Every check runs before anything changes and before any collective, so a rejected
+    call raises on every rank alike and leaves the model as it was.
     """
-    _check_args(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                ignored_params)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward)
+    ignored_list = _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params)
     _check_module(module)
-    # Ignored once, ignored for good: an enclosing fully_shard must not claim them.
-    _ignored_ids.update(id(p) for p in (ignored_params or ()))
-    ignored = _ignored_ids
+    ignored_here = _ignored_in(module, ignored_list)
+    ignored = set(_ignored_params) | set(ignored_here)
     placements = _placements(module, shard_placement_fn, ignored)
-    mesh = resolve_mesh(mesh)
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        offload_policy.check_supported()
+    mesh = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
+    claims = _plan_claims(module, ignored, placements)
+    # Nothing changed so far; from here on the call acts.
+    _ignored_params.update(ignored_here)
     hooks.install()
     unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy, offload_policy)
-    _claim_params(unit, module, ignored, placements)
+    _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
     unit.shard_initial()  # first collective: broadcast over the outer group
     _units.append(unit)
     hooks.register_unit_hooks(unit, _units)
     module.__dict__["_hsdp_unit_"] = unit
     _make_fsdp_class(module)
+    for sp in unit.params:
+        for sub, _ in sp.users:
+            hooks.watch_direct_calls(sub, unit, _units)
     return module
 
 
-def _claim_params(unit: FSDPUnit, module, ignored: set = frozenset(),
-                  placements: dict | None = None) -> None:
-    """Take every parameter of ``module``'s subtree that no unit owns yet; record every
-    module slot that names it. Slots naming a param another unit owns (tied weights)
-    are handed to that owner, and this unit will gather the owner with itself."""
-    claimed: dict[int, ShardedParam] = {}
+def _plan_claims(module, ignored: set, placements: dict) -> list[tuple]:
+    """What :func:`_apply_claims` will do, without doing it: for every module slot of
+    ``module``'s subtree, ``(sub, name, fqn, param, owner)`` where ``owner`` is the
+    ``(unit, ShardedParam)`` of a param another unit owns (tied weights), else None."""
+    claims = []
     for prefix, sub in module.named_sublayers(include_self=True):
         for name, p in list(sub._parameters.items()):
             if p is None or hasattr(p, "_hsdp_sharded_param") or id(p) in ignored:
                 continue  # empty slot, a shard param of a sub-unit, or ignored
             fqn = f"{prefix}.{name}" if prefix else name
-            owner = _owner_of.get(id(p))
-            if owner is not None:
-                owner_unit, sp = owner
-                sp.users.append((sub, name))
-                sub._parameters[name] = sp.full if owner_unit.state is UnitState.UNSHARDED \
-                    else sp.shard
-                if owner_unit is not unit and owner_unit not in unit.borrowed:
-                    unit.borrowed.append(owner_unit)
-                    owner_unit.borrowed_by.append(unit)
-                continue
-            if id(p) not in claimed:
-                if (placements or {}).get(id(p)) == "replicate":
-                    claimed[id(p)] = ShardedParam(p, fqn, 1, 0)  # whole on every rank
-                else:
-                    inner = unit.mesh.inner(_is_expert(p))
-                    claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
-            claimed[id(p)].users.append((sub, name))
+            claims.append((sub, name, fqn, p, _owner_of.get(id(p))))
+    return claims
+
+
+def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None:
+    """Take every planned param no unit owns yet; record every module slot that names
+    it. Slots naming a param another unit owns (tied weights) are handed to that owner,
+    and this unit will gather the owner with itself."""
+    claimed: dict[int, ShardedParam] = {}
+    for sub, name, fqn, p, owner in claims:
+        if owner is not None:
+            owner_unit, sp = owner
+            sp.users.append((sub, name))
+            sub._parameters[name] = sp.full if owner_unit.state is UnitState.UNSHARDED \
+                else sp.shard
+            if owner_unit is not unit and owner_unit not in unit.borrowed:
+                unit.borrowed.append(owner_unit)
+                owner_unit.borrowed_by.append(unit)
+            hooks.watch_direct_calls(sub, owner_unit, _units)
+            continue
+        if id(p) not in claimed:
+            if placements.get(id(p)) == "replicate":
+                claimed[id(p)] = ShardedParam(p, fqn, 1, 0)  # whole on every rank
+            else:
+                inner = unit.mesh.inner(_is_expert(p))
+                claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
+        claimed[id(p)].users.append((sub, name))
     unit.params = list(claimed.values())
     for sp in unit.params:
         _owner_of[id(sp.full)] = (unit, sp)
@@ -293,6 +382,16 @@ def mark_expert_params(layer) -> None:
     """Flag every parameter of ``layer`` as an expert (MoE) parameter, the attribute
     Paddle's own engines read. Call it before ``fully_shard``: expert params get buffers
     of their own, sharded in the expert inner group."""
+    if not isinstance(layer, paddle.nn.Layer):
+        raise TypeError(f"mark_expert_params expects a paddle.nn.Layer, got "
+                        f"{type(layer).__name__}")
+    sharded = [p.name for p in layer.parameters()
+               if hasattr(p, "_hsdp_sharded_param") or id(p) in _owner_of]
+    if sharded:
+        raise RuntimeError(
+            f"mark_expert_params on a layer whose parameters are already sharded "
+            f"({sharded[0]}, ...): its buffers were built as dense ones. Call "
+            "mark_expert_params before fully_shard.")
     for p in layer.parameters():
         p.is_moe_param = True
         p.expert = True

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import paddle
 
-from . import comm
+from . import comm, gather_check
 from .param import ShardedParam
 
 
@@ -51,6 +51,8 @@ class ShardBuffer:
         self.element_size = _element_size(self.dtype)
         self.compute_element_size = _element_size(self.compute_dtype)
         self.compute_nbytes = sum(sp.numel for sp in params) * self.compute_element_size
+        # Set by the unit: which unit this buffer belongs to, for tags and messages.
+        self.unit_index, self.index, self.owner = 0, 0, None
 
     # -------------------------------------------------------------- placement
     def to_device(self, t):
@@ -99,27 +101,57 @@ class ShardBuffer:
 
     def local_shard(self) -> paddle.Tensor:
         """This rank's shard as one flat tensor (from the live shard params)."""
-        return _concat_new([sp.shard.detach().reshape([-1]) for sp in self.params])
+        return _concat_new(self._shard_pieces(grads=False))
 
     def local_grad_shard(self) -> paddle.Tensor:
         """This rank's grad shard as one flat tensor (zeros where a shard has no grad)."""
-        return _concat_new([(sp.shard.grad if sp.shard.grad is not None
-                             else self.zero_shard_grad(sp)).reshape([-1])
-                            for sp in self.params])
+        return _concat_new(self._shard_pieces(grads=True))
+
+    def _shard_pieces(self, grads: bool, dtype=None) -> list[paddle.Tensor]:
+        pieces = []
+        for sp in self.params:
+            if grads:
+                t = sp.shard.grad if sp.shard.grad is not None else self.zero_shard_grad(sp)
+            else:
+                t = sp.shard.detach()
+            t = t.reshape([-1])
+            pieces.append(t if dtype is None or t.dtype == dtype else t.astype(dtype))
+        return pieces
+
+    def describe(self) -> str:
+        """Which unit and buffer this is, for error messages."""
+        first = self.params[0].fqn + (", ..." if len(self.params) > 1 else "")
+        owner = self.owner.label if self.owner is not None else f"unit {self.unit_index}"
+        return f"{owner}, buffer {self.index} ({first})"
 
     def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
         """All-gather in the inner group; return each parameter's full tensor (or, with
         ``grads=True``, its full gradient as the shards hold it now). ``compute=True``:
-        gather in the policy's ``param_dtype`` and return the compute dtype."""
+        gather in the policy's ``param_dtype`` and return the compute dtype.
+
+        The shard travels with a few tag elements (see :mod:`gather_check`): ranks that
+        pair up different all-gathers raise instead of computing on each other's rows."""
         dtype = self.gather_dtype if compute else self.dtype
-        local = self.local_grad_shard() if grads else self.local_shard()
-        out = paddle.empty([self.padded_numel], dtype=dtype)
-        comm.all_gather_into(out, self.to_device(local.astype(dtype)), self.inner)
-        if compute and self.compute_dtype != dtype:
-            out = out.astype(self.compute_dtype)
-        grid = out.reshape([self.inner_size, self.shard_numel])
+        pieces = self._shard_pieces(grads, dtype)
+        tag = None
+        if gather_check.can_tag(dtype):
+            purpose = "grads" if grads else ("compute" if compute else "params")
+            tag = gather_check.make_tag(self.inner, self.unit_index, self.index, purpose,
+                                        self.describe, dtype)
+            pieces.append(tag.to(pieces[0].place) if not tag.place._equals(
+                pieces[0].place) else tag)
+        row = self.shard_numel + (gather_check.TAG_NUMEL if tag is not None else 0)
+        out = paddle.empty([self.inner_size * row], dtype=dtype)
+        comm.all_gather_into(out, self.to_device(_concat_new(pieces)), self.inner)
+        grid = out.reshape([self.inner_size, row])
         sizes = [sp.chunk_numel for sp in self.params]
+        if tag is not None:
+            sizes.append(gather_check.TAG_NUMEL)
         parts = paddle.split(grid, sizes, axis=1) if len(sizes) > 1 else [grid]
+        if tag is not None:
+            gather_check.check(parts.pop(), tag.to(grid.place), self.inner)
+        if compute and self.compute_dtype != dtype:
+            parts = [p.astype(self.compute_dtype) for p in parts]
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
 
     # -------------------------------------------------------------- gradients

@@ -145,3 +145,115 @@ def last_global_norm(optimizer) -> float | None:
         optimizer = optimizer._inner_opt
     norm = getattr(optimizer._grad_clip, "last_global_norm", None)
     return None if norm is None else norm.item()
+
+
+# ---------------------------------------------------------------- paddle.nn.utils
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """``paddle.nn.utils.clip_grad_norm_`` for HSDP shards (installed in its place).
+
+    Finishes the step's deferred grad sync, then computes the norm over every distinct
+    gradient element exactly once (the counting rule of :class:`HSDPClipGradByGlobalNorm`,
+    one all-reduce over the job: a sum of ``|g|^p``, or a max for ``inf``), and scales
+    the shard grads in place with Paddle's formula. A collective: call it on every rank.
+    Parameters that no unit manages keep Paddle's own behaviour.
+    """
+    from .optim import _managed_shards, _units_of
+
+    if isinstance(parameters, paddle.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    shards = _managed_shards(parameters)
+    if not shards:
+        return _original_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
+    if norm_type not in _NORM_TYPES:
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): supported on HSDP "
+                         f"shards are {list(_NORM_TYPES)} (Paddle's order-0 'norm' counts "
+                         "whole tensors, which a shard cannot see)")
+    for unit in _units_of(shards):
+        unit.finish_grad_sync()
+    shard_ids = {id(p) for p in shards}
+    others = [p for p in parameters if id(p) not in shard_ids and not _is_gathered_full(p)]
+    params = shards + others
+    counter = hsdp_clip_for(ClipGradByGlobalNorm(float(max_norm)),
+                            shards[0]._hsdp_sharded_param.mesh)
+    total = _global_norm([p for p in params if p.grad is not None], float(norm_type),
+                         counter)
+    if error_if_nonfinite and not bool(paddle.isfinite(total)):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the "
+                           "gradients is non-finite, so it cannot be clipped; pass "
+                           "error_if_nonfinite=False to scale by it anyway.")
+    coef = paddle.clip(float(max_norm) / (total + 1e-6), max=1.0)
+    with paddle.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.multiply_(coef.astype(p.grad.dtype))
+    return total
+
+
+_NORM_TYPES = (float("inf"), 1, 2)
+
+
+def _is_gathered_full(param) -> bool:
+    from .api import _owner_of
+
+    return id(param) in _owner_of
+
+
+@paddle.no_grad()
+def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
+    """The norm over the job of the counted copies' grads (one all-reduce)."""
+    infinite = norm_type == float("inf")
+    local = paddle.zeros([1], dtype="float32")
+    for p in params:
+        if not counter.counts(p):
+            continue  # still joins the all-reduce below, with nothing to add
+        g = p.grad.astype("float32").abs()
+        if g.numel() == 0:
+            continue
+        if infinite:
+            local = paddle.maximum(local, g.max().reshape([1]))
+        else:
+            local = local + (g ** norm_type).sum().reshape([1])
+    group = counter.group or paddle.distributed.collective._get_global_group()
+    comm.all_reduce(local, group, tag="clip", op="max" if infinite else "sum")
+    if infinite:
+        return local.reshape([])
+    return (local ** (1.0 / norm_type)).reshape([])
+
+
+def clip_grad_value_(parameters, clip_value):
+    """``paddle.nn.utils.clip_grad_value_`` for HSDP shards: finishes the deferred
+    grad sync first, so the clipped values are the step's synced grads."""
+    from .optim import _managed_shards, _units_of
+
+    if isinstance(parameters, paddle.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    shards = _managed_shards(parameters)
+    for unit in _units_of(shards):
+        unit.finish_grad_sync()
+    shard_ids = {id(p) for p in shards}
+    rest = [p for p in parameters if id(p) not in shard_ids and not _is_gathered_full(p)]
+    return _original_clip_grad_value(shards + rest, clip_value)
+
+
+_original_clip_grad_norm = None
+_original_clip_grad_value = None
+
+
+def install() -> None:
+    """Put the HSDP-aware versions where ``paddle.nn.utils`` users find them."""
+    global _original_clip_grad_norm, _original_clip_grad_value
+    import sys
+
+    import paddle.nn.utils as utils
+
+    if _original_clip_grad_norm is not None:
+        return
+    _original_clip_grad_norm, _original_clip_grad_value = (utils.clip_grad_norm_,
+                                                           utils.clip_grad_value_)
+    utils.clip_grad_norm_, utils.clip_grad_value_ = clip_grad_norm_, clip_grad_value_
+    for name, fn in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_)):
+        module = sys.modules.get(f"paddle.nn.utils.{name}")
+        if module is not None and hasattr(module, name):
+            setattr(module, name, fn)

@@ -182,8 +182,13 @@ def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
     return Handle()
 
 
-def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None):
-    """Sum ``tensor`` over the group, in place."""
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
+               op: str = "sum"):
+    """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place."""
+    reduce_op = _REDUCE_OPS[op]
     n = group.nranks
     payload = _nbytes(tensor)
     counter.record(tag or group_label(group), "all_reduce", payload, 2 * payload * (n - 1) / n)
@@ -191,11 +196,11 @@ def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None):
         return _finish(Handle(), async_op)
     if _needs_fp32_staging(tensor, group):
         staged = tensor.astype("float32")
-        task = dist.stream.all_reduce(staged, op=dist.ReduceOp.SUM, group=group,
+        task = dist.stream.all_reduce(staged, op=reduce_op, group=group,
                                       sync_op=not async_op)
         return _finish(Handle([task], lambda: paddle.assign(staged.astype(tensor.dtype),
                                                             output=tensor)), async_op)
-    task = dist.stream.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group,
+    task = dist.stream.all_reduce(tensor, op=reduce_op, group=group,
                                   sync_op=not async_op)
     return _finish(Handle([task]), async_op)
 

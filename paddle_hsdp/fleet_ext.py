@@ -123,9 +123,10 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
 
     dense_lists, expert_lists = fsdp_rank_lists(hcg)
     layout = topology.plan_hsdp_layout(dense_lists, expert_lists, outer_degree)
-    fsdp_dense = hcg.get_sharding_parallel_group()
-    fsdp_expert = (hcg.get_moe_sharding_parallel_group() if expert_lists is not None
-                   else fsdp_dense)
+    rank = dist.get_rank()
+    fsdp_dense = _usable(hcg.get_sharding_parallel_group(), rank)
+    fsdp_expert = (_usable(hcg.get_moe_sharding_parallel_group(), rank)
+                   if expert_lists is not None else fsdp_dense)
     # Paddle's HCG already made every FSDP group on every rank. Skip *all* of them (not
     # only this rank's) so that every rank makes the same sequence of new_group calls
     # and group ids stay consistent; this rank's own FSDP groups are reused.
@@ -133,18 +134,17 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
     existing = {tuple(g.ranks): g for g in (fsdp_dense, fsdp_expert)}
     groups = {}
     for members in layout.creation_order:
+        if len(members) == 1:
+            # Paddle gives one-rank groups rank -1 (and sometimes nranks -1); a local
+            # Group object is what a one-rank group should be (no communicator needed).
+            if members[0] == rank:
+                groups[members] = _single_rank_group(rank)
+            continue
         if members in fsdp_tuples:
             if members in existing:
                 groups[members] = existing[members]
             continue
-        if len(members) == 1:
-            # Paddle's new_group gives a one-rank group rank -1 and nranks -1; a local
-            # Group object is what a one-rank group should be (no communicator needed).
-            if members[0] == dist.get_rank():
-                groups[members] = _single_rank_group(members[0])
-            continue
         groups[members] = dist.new_group(list(members))
-    rank = dist.get_rank()
     for is_expert in (False, True):
         mine = layout.groups_of(rank, is_expert)
         comm.name_group(groups[mine.inner], "expert_inner" if is_expert else "inner")
@@ -154,6 +154,13 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
 
 
 _single_ids = itertools.count(1)
+
+
+def _usable(group, rank: int):
+    """Paddle's one-rank HCG groups report rank -1: replace them by a local group whose
+    rank is 0, so code that asks "am I rank 0 of this group" gets the right answer
+    (sharding_degree=1: one process, or tensor parallelism without sharding)."""
+    return _single_rank_group(rank) if group.nranks == 1 else group
 
 
 def _single_rank_group(rank: int):
@@ -215,6 +222,41 @@ def _patch_fleet(fleet_cls) -> None:
     fleet_cls._init_hybrid_parallel_env = init_hybrid_parallel_env
 
 
+# ---------------------------------------------------------------- fleet.distributed_model
+class _WithoutHSDPParams:
+    """A view of a model for Paddle's parameter broadcasts that hides HSDP-managed
+    parameters (shards, and full params gathered at the moment)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def _obtain_parameters_buffers(self):
+        from .state_dict import _managed
+
+        return {k: v for k, v in self._model._obtain_parameters_buffers().items()
+                if _managed(v) is None}
+
+
+def _patch_param_broadcasts() -> None:
+    """``fleet.distributed_model`` (ShardingParallel, TensorParallel, ...) and
+    ``paddle.DataParallel`` broadcast every parameter from one rank of a group through
+    ``sync_params_buffers``. On HSDP shards that would overwrite every rank's block with
+    the source rank's; HSDP makes its own replicas identical when it shards. So the
+    broadcasts skip managed parameters and still sync everything else, and
+    ``model = fleet.distributed_model(model)`` works before or after ``fully_shard``."""
+    import paddle.distributed.parallel as parallel
+    from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+
+    original = parallel.sync_params_buffers
+
+    @functools.wraps(original)
+    def sync_params_buffers(model, *args, **kwargs):
+        return original(_WithoutHSDPParams(model), *args, **kwargs)
+
+    parallel.sync_params_buffers = sync_params_buffers
+    util.sync_params_buffers = sync_params_buffers
+
+
 def install() -> None:
     """Apply the fleet extensions once; skip any piece Paddle already provides."""
     global _installed
@@ -225,6 +267,7 @@ def install() -> None:
     from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
     from paddle.distributed.fleet.fleet import Fleet
 
+    _patch_param_broadcasts()
     if hasattr(HybridCommunicateGroup, "get_fsdp_inner_group"):
         logger.info("paddle_hsdp: this Paddle provides HSDP groups natively; deferring to it.")
         _installed = True

@@ -37,7 +37,7 @@ import dataclasses
 import paddle
 from paddle.autograd import PyLayer
 
-from .unit import FSDPUnit
+from .unit import FSDPUnit, UnitState
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
 # entries; the next unit not contained in any of them is a root and clears them.
@@ -202,6 +202,14 @@ def _input_dtype(unit: FSDPUnit):
     return compute_dtype_of(policy.param_dtype)
 
 
+def _make_root_state(root: FSDPUnit, all_units: list[FSDPUnit]) -> "RootState":
+    if root.root_state is None:
+        root.root_state = RootState(root, all_units)
+        for u in root.root_state.units:
+            u._in_root = root.root_state
+    return root.root_state
+
+
 def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
     def pre_forward(module, args, kwargs):
         # A root is a unit no running unit contains, called outside any backward; a
@@ -211,10 +219,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         unit.is_root = starts_root
         if starts_root:
             _active.clear()  # whatever a forward that raised left behind
-            if unit.root_state is None:
-                unit.root_state = RootState(unit, all_units)
-                for u in unit.root_state.units:
-                    u._in_root = unit.root_state
+            _make_root_state(unit, all_units)
             for u in unit.root_state.units:
                 u.pins = 0  # pins a failed forward left raised
         unit.check_trainability()
@@ -258,6 +263,72 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
 
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
     unit.module.register_forward_post_hook(post_forward)
+
+
+# ---------------------------------------------------------------- direct sub-module calls
+def watch_direct_calls(module, unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
+    """Let ``module`` (a plain sub-module whose slots hold ``unit``'s params) be called
+    on its own while ``unit`` is sharded: ``model.embed_tokens(ids)`` outside the model's
+    forward, ``model.lm_head(h)`` in a generation loop. Without this the call would
+    compute on this rank's shard. The call gathers the unit first (a collective: every
+    rank must make it), wraps the outputs so backward gathers again, and reshards per
+    the unit's policy. Unit modules are covered by their own hooks."""
+    if "_hsdp_unit_" in module.__dict__:
+        return
+    owners = module.__dict__.get("_hsdp_direct_owners")
+    if owners is None:
+        owners = module.__dict__["_hsdp_direct_owners"] = []
+        module.__dict__["_hsdp_direct_stack"] = []
+        module.register_forward_pre_hook(_direct_pre_forward(all_units))
+        module.register_forward_post_hook(_direct_post_forward)
+    if unit not in owners:
+        owners.append(unit)
+
+
+def _direct_pre_forward(all_units):
+    def pre_forward(module, inputs):
+        gathered = [u for u in module.__dict__["_hsdp_direct_owners"]
+                    if u.state is UnitState.SHARDED]
+        module.__dict__["_hsdp_direct_stack"].append(gathered)
+        for u in gathered:
+            if _root_of(u) is None:  # never ran: make the root that ends its backward
+                _make_root_state(_outermost_unit(u, all_units), all_units)
+            u.unshard()
+            u.pins += 1
+    return pre_forward
+
+
+def _direct_post_forward(module, inputs, outputs):
+    gathered = module.__dict__["_hsdp_direct_stack"].pop()
+    grad_on = paddle.is_grad_enabled()
+    for u in gathered:
+        u.pins -= 1
+        if grad_on:
+            outputs = _wrap_tensors(_on_pre_backward, u, outputs)
+        if _backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
+            u.reshard()
+    return outputs
+
+
+def _outermost_unit(unit: FSDPUnit, all_units: list[FSDPUnit]) -> FSDPUnit:
+    for outer in reversed(all_units):  # registered bottom-up: the root comes last
+        if outer is unit or id(unit.module) in _subtree_ids(outer):
+            return outer
+    return unit
+
+
+def abandon_forward(units: list[FSDPUnit]) -> None:
+    """After a forward that raised: unpin and reshard ``units`` and the owners they
+    borrow from (local work, no collective), so the module slots hold shards again."""
+    for unit in units:
+        if unit in _active:
+            _active.remove(unit)
+        root = _root_of(unit)
+        if root is not None and root.recording:
+            root.forward_order.clear()  # a partial order would differ across ranks
+        for u in [unit] + unit.borrowed:
+            u.pins = 0
+            u.reshard(force=True)
 
 
 def run_post_backward() -> None:

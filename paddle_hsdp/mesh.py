@@ -319,16 +319,57 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
     return result
 
 
+def paddle_world_size() -> int:
+    import paddle.distributed as dist
+
+    return dist.get_world_size()
+
+
+def check_mesh_against_fleet(plan: MeshPlan, hcg) -> None:
+    """With ``fleet.init``'s topology known, an explicit mesh must span exactly the
+    ranks that train the same parameters on different data (dp x sharding), or the
+    copies outside it drift apart silently. Tensor, pipeline, sep and context
+    parallelism need the fleet groups (the clip and the replicas of mp-shared params
+    depend on them): pass ``mesh=None`` there."""
+    sizes = {"mp_degree": _size(hcg, "get_model_parallel_world_size"),
+             "pp_degree": _size(hcg, "get_pipe_parallel_world_size"),
+             "sep_degree": _size(hcg, "get_sep_parallel_world_size"),
+             "cp_degree": _size(hcg, "get_context_parallel_world_size")}
+    others = {k: v for k, v in sizes.items() if v > 1}
+    if others:
+        raise NotImplementedError(
+            f"fully_shard(mesh=...) next to fleet's {others}: use mesh=None, which takes "
+            "the HSDP groups fleet.init built (sharding_configs['fsdp_outer_degree']).")
+    if not plan.covers_world:
+        dp = _size(hcg, "get_data_parallel_world_size")
+        sharding = _size(hcg, "get_sharding_parallel_world_size")
+        raise ValueError(
+            f"fully_shard(mesh=...): the mesh spans ranks {list(plan.process_ids)}, but "
+            f"fleet.init made {dp * sharding} data-parallel ranks (dp_degree={dp} x "
+            f"sharding_degree={sharding}) that train the same parameters on different "
+            "data; ranks outside the mesh would train their own copy and drift apart. "
+            "Use a mesh over all of them (e.g. 2-D [outer, inner] with the dp ranks as "
+            "outer replicas), or mesh=None with sharding_configs['fsdp_outer_degree'].")
+
+
 def resolve_mesh(mesh):
     """What ``fully_shard(mesh=...)`` talks to: the fleet HCG's groups (None) or an
     explicit mesh's (a ``ProcessMesh``; this rank must be in it)."""
-    if mesh is not None:
-        plan, rank = _job_plan(mesh)
-        plan.groups_of(rank)  # not a member: ValueError, before any group exists
-        return create_mesh_groups(mesh)
     from paddle.distributed.fleet.base import topology as fleet_topology
 
     hcg = fleet_topology._HYBRID_PARALLEL_GROUP
+    if mesh is not None:
+        plan, rank = _job_plan(mesh)
+        plan.groups_of(rank)  # not a member: ValueError, before any group exists
+        if hcg is not None:
+            check_mesh_against_fleet(plan, hcg)
+        elif not plan.covers_world and plan.key not in _mesh_cache:
+            logger.warning(
+                "fully_shard(mesh=...) over ranks %s of a %d-rank job: nothing keeps this "
+                "model in sync with ranks outside the mesh (right for a separate model, "
+                "wrong for more data-parallel copies of the same one).",
+                list(plan.process_ids), paddle_world_size())
+        return create_mesh_groups(mesh)
     if hcg is None or not hasattr(hcg, "_hsdp_groups"):
         raise RuntimeError(
             "fully_shard(mesh=None) uses the groups fleet.init builds, and fleet has not "

@@ -21,20 +21,62 @@ import functools
 
 import paddle
 
-from . import clip, comm
+from . import clip, comm, gather_check
 from .unit import FSDPUnit
 
 _installed = False
 
 
-def _sharded_params_of(optimizer) -> list:
+def _params_of(optimizer) -> list:
     params = []
     for p in getattr(optimizer, "_parameter_list", None) or []:
         if isinstance(p, dict):
             params.extend(p["params"])
         else:
             params.append(p)
-    return [p for p in params if hasattr(p, "_hsdp_sharded_param")]
+    return params
+
+
+def _sharded_params_of(optimizer) -> list:
+    return [p for p in _params_of(optimizer) if hasattr(p, "_hsdp_sharded_param")]
+
+
+def _not_elementwise_classes() -> tuple:
+    """Optimizers whose update of an element reads other elements of the parameter
+    (trust ratios, line searches): on a shard they would see only this rank's rows."""
+    import paddle.incubate.optimizer as incubate
+    import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
+
+    names = [(paddle.optimizer, "Lamb"), (paddle.optimizer, "LBFGS"),
+             (incubate_lbfgs, "LBFGS"), (incubate, "LarsMomentumOptimizer"),
+             (incubate, "DistributedFusedLamb")]
+    found = (getattr(mod, name, None) for mod, name in names)
+    return tuple(cls for cls in found if isinstance(cls, type))
+
+
+def check_optimizer(optimizer) -> list:
+    """Refuse, before any collective or update, an optimizer that cannot be right on
+    HSDP shards; return the shards it holds. Same answer on every rank: every rank
+    builds the same optimizer over the same model."""
+    from .api import _owner_of
+
+    params = _params_of(optimizer)
+    for p in params:
+        owner = _owner_of.get(id(p))
+        if owner is not None:
+            raise RuntimeError(
+                f"The optimizer holds the full parameter '{owner[1].fqn}' ({p.name}), which "
+                "fully_shard replaced by this rank's shard: its updates would be lost. "
+                "Build the optimizer after the root's fully_shard, from model.parameters() "
+                "(which then yields the shards).")
+    shards = [p for p in params if hasattr(p, "_hsdp_sharded_param")]
+    if shards and isinstance(optimizer, _not_elementwise_classes()):
+        raise NotImplementedError(
+            f"{type(optimizer).__name__} is not element-wise (its update of an element "
+            "depends on the whole parameter), so on HSDP shards each rank would compute a "
+            "different update and outer replicas would drift apart. Use an element-wise "
+            "optimizer (AdamW, Adam, SGD, Momentum, RMSProp, ...) with paddle_hsdp.")
+    return shards
 
 
 def _units_of(params) -> list[FSDPUnit]:
@@ -47,14 +89,50 @@ def _units_of(params) -> list[FSDPUnit]:
     return [units[i] for i in sorted(units)]  # one global order on every rank
 
 
-def finish_grad_sync(optimizer_or_params) -> None:
-    """Run the deferred outer all-reduce (and 1/N scaling) now, for the units whose
-    shard params an optimizer (or a list of params) holds. Idempotent within a step."""
-    params = (_sharded_params_of(optimizer_or_params)
-              if hasattr(optimizer_or_params, "_parameter_list") else
-              [p for p in optimizer_or_params if hasattr(p, "_hsdp_sharded_param")])
-    for unit in _units_of(params):
+def finish_grad_sync(target) -> None:
+    """Run the deferred outer all-reduce (and 1/N scaling) now, for the units of
+    ``target``: an optimizer (the units whose shards it holds), a sharded model (every
+    unit under it), or an iterable of parameters. A collective: call it on every rank.
+    Idempotent within a step."""
+    for unit in _units_for(target, "finish_grad_sync"):
         unit.finish_grad_sync()
+
+
+def _units_for(target, what: str) -> list[FSDPUnit]:
+    from .api import _units_under
+
+    while hasattr(target, "_inner_opt"):  # fleet.distributed_optimizer's wrappers
+        target = target._inner_opt
+    if hasattr(target, "_parameter_list"):
+        return _units_of(_sharded_params_of(target))
+    if isinstance(target, paddle.nn.Layer):
+        units = _units_under(target)
+        if not units:
+            raise ValueError(f"{what}: no fully_shard unit in this "
+                             f"{type(target).__name__}; call fully_shard on it first.")
+        return units
+    if isinstance(target, paddle.Tensor) or not hasattr(target, "__iter__"):
+        raise TypeError(f"{what} takes an optimizer, a sharded model or an iterable of "
+                        f"parameters, got {type(target).__name__}")
+    return _units_of(_managed_shards(target))
+
+
+def _managed_shards(params) -> list:
+    """The HSDP shard of every managed param in ``params`` (a gathered full param
+    counts as its shard), deduplicated, in order."""
+    from .api import _owner_of
+
+    out, seen = [], set()
+    for p in params:
+        if not hasattr(p, "_hsdp_sharded_param"):
+            owner = _owner_of.get(id(p))
+            if owner is None:
+                continue
+            p = owner[1].shard
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
 
 
 def _patch_apply_optimize() -> None:
@@ -62,7 +140,8 @@ def _patch_apply_optimize() -> None:
 
     @functools.wraps(original)
     def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
-        params = _sharded_params_of(self)
+        params = check_optimizer(self)
+        gather_check.raise_pending()
         if params:
             finish_grad_sync(params)
             clip.make_clip_hsdp_aware(self, params)
@@ -72,6 +151,21 @@ def _patch_apply_optimize() -> None:
         return result
 
     paddle.optimizer.Optimizer._apply_optimize = _apply_optimize
+
+
+def _patch_optimizers_that_bypass_apply_optimize() -> None:
+    """LBFGS steps without ``_apply_optimize``: check it at its own entry points."""
+    for cls in _not_elementwise_classes():
+        for name in ("step", "minimize"):
+            original = cls.__dict__.get(name)
+            if original is None:
+                continue
+
+            def checked(self, *args, __original=original, **kwargs):
+                check_optimizer(self)
+                return __original(self, *args, **kwargs)
+
+            setattr(cls, name, functools.wraps(original)(checked))
 
 
 def _patch_hybrid_parallel_optimizer() -> None:
@@ -161,6 +255,7 @@ def install() -> None:
     if _installed:
         return
     _patch_apply_optimize()
+    _patch_optimizers_that_bypass_apply_optimize()
     _patch_clear_grad()
     _patch_grad_scaler()
     _patch_hybrid_parallel_optimizer()

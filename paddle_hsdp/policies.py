@@ -27,6 +27,31 @@ class MixedPrecisionPolicy:
     output_dtype: Any = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_floating_dtype(getattr(self, field), field)
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError("MixedPrecisionPolicy(cast_forward_inputs=...) must be True or "
+                            f"False, got {self.cast_forward_inputs!r}")
+
+
+FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_floating_dtype(value, field: str) -> None:
+    """None, or a floating dtype given as a string or a paddle dtype."""
+    if value is None:
+        return
+    import paddle
+
+    name = value if isinstance(value, str) else None
+    if isinstance(value, paddle.dtype):
+        name = str(value).replace("paddle.", "")
+    if name not in FLOATING_DTYPES:
+        raise ValueError(f"MixedPrecisionPolicy({field}={value!r}): must be None or a "
+                         f"floating dtype, one of {list(FLOATING_DTYPES)} (as a string or "
+                         "paddle dtype)")
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:

@@ -98,6 +98,24 @@ class FSDPUnit:
                 sp.mesh = self.mesh
             self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy,
                                             self.offload_policy))
+        for i, buf in enumerate(self.buffers):
+            buf.unit_index, buf.index = self.index, i
+            buf.owner = self
+
+    @property
+    def label(self) -> str:
+        """``unit 3 (blocks.2: Block)``: for error messages (the path is resolved on use,
+        from the outermost sharded module that contains this one)."""
+        return f"unit {self.index} ({self.path()}: {type(self.module).__name__})"
+
+    def path(self) -> str:
+        from .api import _units
+
+        for outer in reversed(_units):
+            for name, sub in outer.module.named_sublayers(include_self=True):
+                if sub is self.module:
+                    return name or "<root>"
+        return "<root>"
 
     def shard_initial(self) -> None:
         """First sharding: cut blocks, broadcast over outer, free the full params."""
@@ -122,9 +140,14 @@ class FSDPUnit:
     def unshard(self) -> None:
         if self.state is UnitState.UNSHARDED:
             return
-        for buf in self.buffers:
-            for sp, full in zip(buf.params, buf.gather_full(compute=True)):
-                sp.set_full_data(full)
+        try:
+            for buf in self.buffers:
+                for sp, full in zip(buf.params, buf.gather_full(compute=True)):
+                    sp.set_full_data(full)
+        except BaseException:
+            for sp in self.params:  # half gathered: free what arrived, stay sharded
+                sp.free_full_data()
+            raise
         for sp in self.params:
             sp.point_users_to(sp.full)
         self.state = UnitState.UNSHARDED

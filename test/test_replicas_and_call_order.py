@@ -248,7 +248,7 @@ class Recorder:
         paddle.assign(mine.reshape(out_shard.shape), output=out_shard)
         return comm._finish(comm.Handle(), async_op)
 
-    def all_reduce(self, tensor, group, async_op=False, tag=None):
+    def all_reduce(self, tensor, group, async_op=False, tag=None, op="sum"):
         self._log("all_reduce", group, tensor, tag)
         paddle.assign(tensor * group.nranks, output=tensor)
         return comm._finish(comm.Handle(), async_op)

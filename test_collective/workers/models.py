@@ -53,8 +53,8 @@ class TinyLM(nn.Layer):
         self.final_norm = nn.LayerNorm(HIDDEN)
         self.head = TiedHead(self.embed.weight)
 
-    def forward(self, ids, use_extra: bool):
-        x = self.embed(ids) + self.pos
+    def forward(self, ids, use_extra: bool, inputs_embeds=None):
+        x = (self.embed(ids) if inputs_embeds is None else inputs_embeds) + self.pos
         for block in self.blocks:
             x = block(x, use_extra)
         return self.head(self.final_norm(x))

@@ -12,6 +12,7 @@ from paddle.distributed import fleet
 
 import paddle_hsdp
 from paddle_hsdp import comm
+from paddle_hsdp.gather_check import TAG_NUMEL
 from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
                     uses_extra)
 
@@ -85,8 +86,9 @@ def check_counter(units, reshard_blocks):
     assert ar.calls == len(trainable), comm.counter.snapshot()  # exactly one outer all-reduce per buffer per step
     assert ar.wire_bytes == 2 * (O - 1) / O * grad_bytes / I, ar
     ag = comm.counter.get("inner", "all_gather")
+    # each rank's shard travels with gather_check's tag (TAG_NUMEL elements)
     expected = sum((2 if u.should_reshard_after_forward() else 1) * MICRO * (I - 1) / I
-                   * b.padded_numel * esize for u in units for b in u.buffers)
+                   * (b.padded_numel + I * TAG_NUMEL) * esize for u in units for b in u.buffers)
     assert ag.wire_bytes == expected, (ag, expected)
     padding = sum(b.padded_numel - b.logical_numel for b in trainable)
     assert padding <= sum((I - 1) * sp.row_numel for b in trainable for sp in b.params)

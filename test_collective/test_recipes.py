@@ -1,0 +1,16 @@
+"""The recipes Paddle users already have in their scripts train right under HSDP 2 x 2
+or are refused on every rank (see workers/worker_recipes.py): each training recipe
+matches single-process training on the whole batch (losses, every parameter, float32,
+rtol 1e-5)."""
+
+from launcher import launch
+
+RECIPES = ["distributed_model_after_fully_shard", "distributed_model_before_fully_shard",
+           "clip_grad_norm_norm2", "clip_grad_norm_norminf", "direct_submodule_calls",
+           "after_mismatch_error", "optimizer_checks", "state_dict_round_trip"]
+
+
+def test_recipes():
+    log = launch(4, "worker_recipes.py", timeout=600)
+    for name in RECIPES:
+        assert log.count(f"RECIPE {name}:") == 1, (name, log[-3000:])
