@@ -247,21 +247,25 @@ def _check_module(module) -> None:
 
 
 def _ignored_in(module, ignored: list) -> dict:
-    """``{id: param}`` of the ``ignored`` params this call is about: those in ``module``'s subtree
-    (others belong to other calls, as in torch). Raises for one a sub-module's
-    ``fully_shard`` already sharded: this call can no longer leave it whole."""
+    """``{id: param}`` of the ``ignored`` params this call is about: those in
+    ``module``'s subtree (others belong to other calls, as in torch). Raises for one a
+    sub-module's ``fully_shard`` already sharded: this call can no longer leave it whole."""
     wanted = {id(p): p for p in ignored}
+    subtree = {id(m) for m in module.sublayers(include_self=True)}
+    for p in ignored:
+        owner = _owner_of.get(id(p)) or (
+            _owner_of.get(id(p._hsdp_sharded_param.full))
+            if hasattr(p, "_hsdp_sharded_param") else None)
+        if owner is not None and id(owner[0].module) in subtree:
+            raise ValueError(
+                f"ignored_params holds {owner[1].fqn} of {type(owner[0].module).__name__}, "
+                "which an earlier fully_shard call on a sub-module already sharded; pass it "
+                "in that call's ignored_params instead.")
     found = {}
     for sub in module.sublayers(include_self=True):
         for name, p in sub._parameters.items():
-            if p is None or id(p) not in wanted:
-                continue
-            if hasattr(p, "_hsdp_sharded_param") or id(p) in _owner_of:
-                raise ValueError(
-                    f"ignored_params holds {name} of {type(sub).__name__}, which an earlier "
-                    "fully_shard call on a sub-module already sharded; pass it in that "
-                    "call's ignored_params instead.")
-            found[id(p)] = p
+            if p is not None and id(p) in wanted:
+                found[id(p)] = p
     return found
 
 

@@ -1,0 +1,60 @@
+"""fleet.init with dp_degree=2 x sharding_degree=2 on 4 CPU ranks, then an explicit mesh:
+
+* a 1-D mesh over this rank's sharding group only leaves out the other data-parallel
+  copy, which would drift apart: ValueError on every rank, before any group exists;
+* the 2-D mesh [[0, 1], [2, 3]] (rows = sharding groups, columns = dp groups) covers
+  every data-parallel rank and matches single-process training on the whole batch
+  (losses, every parameter, grad norm; float32, rtol 1e-5).
+"""
+
+from common import compare_with_reference, finish, init_fleet
+
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import ProcessMesh
+
+import paddle_hsdp
+from models import batches, build_model, lm_loss, make_optimizer, train_reference, uses_extra
+
+STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
+RTOL = 1e-5
+
+hcg = init_fleet({"dp_degree": 2, "sharding_degree": 2})
+rank, world = dist.get_rank(), dist.get_world_size()
+sharding_ranks = hcg.get_sharding_parallel_group().ranks
+groups_before = len(paddle.distributed.collective._group_map)
+try:
+    paddle_hsdp.fully_shard(build_model(), mesh=ProcessMesh(sharding_ranks))
+    raise AssertionError("a mesh that leaves out the dp copy was accepted")
+except ValueError as e:
+    assert "drift apart" in str(e) and "dp_degree=2" in str(e), e
+assert len(paddle.distributed.collective._group_map) == groups_before  # nothing created
+assert not paddle_hsdp.api._units
+
+data = batches(STEPS, MICRO, world, PER_RANK)
+ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
+mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["outer", "inner"])
+model = build_model()
+for layer in [model.embed, *model.blocks]:
+    paddle_hsdp.fully_shard(layer, mesh=mesh)
+paddle_hsdp.fully_shard(model, mesh=mesh)
+opt = make_optimizer(model, model.parameters(), CLIP)
+losses, worst = [], {}
+for step, micro_batches in enumerate(data):
+    total = 0.0
+    for micro in micro_batches:
+        ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+        loss = lm_loss(model, ids, uses_extra(rank))
+        (loss / MICRO).backward()
+        t = paddle.to_tensor([float(loss)])
+        dist.all_reduce(t)
+        total += t.item() / world / MICRO
+    opt.step()
+    norm = paddle_hsdp.last_global_norm(opt)
+    worst["norm"] = max(worst.get("norm", 0), abs(norm - ref_norms[step]) / ref_norms[step])
+    opt.clear_grad()
+    losses.append(total)
+compare_with_reference(paddle_hsdp.full_state_dict(model), ref_params, losses, ref_losses,
+                       worst, RTOL)
+print(f"PARITY dp2 x sharding2 mesh 2x2: max rel diff {max(worst.values()):.2e}", flush=True)
+finish()
