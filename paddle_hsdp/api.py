@@ -15,7 +15,7 @@ from . import comm, hooks
 from .mesh import resolve_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .param import ShardedParam
-from .unit import FSDPUnit, GatheredBytes, UnitState, _is_expert
+from .unit import FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert
 
 # Every unit in registration order (bottom-up), and who owns which original param.
 _units: list[FSDPUnit] = []
@@ -66,6 +66,17 @@ class FSDPModule:
         _check_bool(recurse, "set_reshard_after_forward(recurse)")
         for unit in self._units(recurse):
             unit.reshard_after_forward = bool(value)
+
+    def set_reduce_grads_at_end_of_backward(self, value: bool, recurse: bool = True) -> None:
+        """paddle_hsdp's addition. False (default): each unit reduce-scatters its grads
+        as soon as its backward is done, so full-size grads of about one unit are alive
+        at a time; this needs every rank to run the same units, whose inputs require
+        grad alike. True: every unit reduces when the whole backward ends (all full-size
+        grads alive at once), safe for models that cannot promise that."""
+        _check_bool(value, "set_reduce_grads_at_end_of_backward(value)")
+        _check_bool(recurse, "set_reduce_grads_at_end_of_backward(recurse)")
+        for unit in self._units(recurse):
+            unit.reduce_grads_in_backward = not value
 
     def set_reshard_after_backward(self, value: bool, recurse: bool = True) -> None:
         """False: keep params gathered after backward for the next micro-step. They are
@@ -293,7 +304,8 @@ def _placements(module, shard_placement_fn, ignored: set) -> dict:
 
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
-                mp_policy=None, offload_policy=None, ignored_params=None):
+                mp_policy=None, offload_policy=None, ignored_params=None,
+                enable_tensor_fusion_and_overlap=True):
     """Shard ``module``'s parameters over the inner group, replicate over the outer.
 
     Call it bottom-up: each call makes one communication unit of the parameters not
@@ -310,10 +322,16 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     :class:`OffloadPolicy` (none) or :class:`CPUOffloadPolicy`.
     ``ignored_params``: params left alone: not sharded, not synchronised (the user's);
     those outside ``module`` are not this call's business and are left out.
+    ``enable_tensor_fusion_and_overlap`` (Paddle's own ``fully_shard`` keyword):
+    True (default) issues prefetch all-gathers, reduce-scatters and outer all-reduces
+    asynchronously and waits for each just before its result is needed; False makes
+    every collective synchronous. Parameters are fused into buffers either way.
     Every check runs before anything changes and before any collective, so a rejected
     call raises on every rank alike and leaves the model as it was.
     """
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward)
+    _check_bool(enable_tensor_fusion_and_overlap,
+                "fully_shard(enable_tensor_fusion_and_overlap)")
     ignored_list = _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params)
     _check_module(module)
     ignored_here = _ignored_in(module, ignored_list)
@@ -327,6 +345,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _ignored_params.update(ignored_here)
     hooks.install()
     unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy, offload_policy)
+    unit.overlap = bool(enable_tensor_fusion_and_overlap)
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
     unit.shard_initial()  # first collective: broadcast over the outer group
@@ -435,16 +454,22 @@ def _gather_named(model, grads: bool) -> dict:
 def memory_report(model) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
     ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
-    and ``peak_gathered`` / ``peak_gathered_units``: the most full-size param bytes and
-    units gathered at once (all models) since :func:`reset_peak_memory`."""
+    ``peak_gathered`` / ``peak_gathered_units``: the most full-size param bytes and
+    units gathered at once (all models), and ``peak_full_grads``: the most full-size
+    grad bytes alive at a post-backward or end of backward, since
+    :func:`reset_peak_memory`."""
     total = {"shard": 0, "grad": 0, "gathered": 0}
     for unit in _units_under(model):
         for key, value in unit.held_bytes().items():
             total[key] += value
     total["peak_gathered"] = GatheredBytes.peak
     total["peak_gathered_units"] = GatheredBytes.units_peak
+    total["peak_full_grads"] = FullGradBytes.peak
     return total
 
 
 def reset_peak_memory() -> None:
+    """Restart the peaks ``memory_report`` gives; also turns on the sampling of
+    full-size grad bytes during backward (``peak_full_grads``)."""
     GatheredBytes.reset_peak()
+    FullGradBytes.tracking, FullGradBytes.peak = True, 0

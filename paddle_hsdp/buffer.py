@@ -11,9 +11,11 @@ This rank's shard of the buffer is the concatenation of its block of every param
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import paddle
 
-from . import comm, gather_check
+from . import comm, gather_check, trace
 from .param import ShardedParam
 
 
@@ -53,6 +55,10 @@ class ShardBuffer:
         self.compute_nbytes = sum(sp.numel for sp in params) * self.compute_element_size
         # Set by the unit: which unit this buffer belongs to, for tags and messages.
         self.unit_index, self.index, self.owner = 0, 0, None
+        # Storage: the flat shard (plus the tag's slots; shard params are views of it)
+        # and, once grads arrive, the flat grad (shard grads are views of it).
+        self.flat = None
+        self.flat_grad = None
 
     # -------------------------------------------------------------- placement
     def to_device(self, t):
@@ -64,10 +70,6 @@ class ShardBuffer:
         t = t.cpu()
         return t.pin_memory() if self.pin_memory else t
 
-    def zero_shard_grad(self, sp) -> paddle.Tensor:
-        """Zeros shaped like ``sp``'s shard, where its grads live (host when offloaded)."""
-        return self.to_host(paddle.zeros(sp.shard_shape, self.dtype))
-
     # -------------------------------------------------------------- sizes
     @property
     def padded_numel(self) -> int:
@@ -78,10 +80,45 @@ class ShardBuffer:
     def logical_numel(self) -> int:
         return sum(sp.numel for sp in self.params)
 
+    # -------------------------------------------------------------- storage
+    def _views_of(self, flat) -> None:
+        """Make every shard param a view of its chunk of ``flat`` (the buffer's storage)."""
+        self.flat = flat
+        for sp in self.params:
+            sp.attach_shard(flat)
+
+    def _repair_views(self) -> None:
+        """Shard params are views of ``self.flat``; a call that gave one new storage
+        (anything but Paddle's in-place ops) would leave ``flat`` stale: copy its value
+        back in and share again. One pointer comparison per param otherwise."""
+        for sp in self.params:
+            if not sp.shard_is_view_of(self.flat):
+                paddle.assign(sp.shard.detach().reshape([-1]), output=sp.piece_of(self.flat))
+                sp.attach_shard(self.flat)
+
+    def grad_flat(self) -> paddle.Tensor:
+        """The flat grad storage, every shard param's ``.grad`` a view of it. Grads that
+        were released (``clear_grad(set_to_zero=False)``) read as zeros; a grad the user
+        replaced by another tensor is copied in."""
+        if self.flat_grad is None:
+            self.flat_grad = self.to_host(paddle.zeros([self.shard_numel], self.dtype))
+        for sp in self.params:
+            grad = sp.shard.grad
+            if grad is None:
+                piece = sp.piece_of(self.flat_grad)
+                paddle.assign(paddle.zeros_like(piece), output=piece)
+            elif not sp.grad_is_view_of(self.flat_grad):
+                paddle.assign(grad.reshape([-1]), output=sp.piece_of(self.flat_grad))
+            else:
+                continue
+            sp.attach_grad(self.flat_grad)
+        return self.flat_grad
+
     # -------------------------------------------------------------- sharding
     def shard_from_full(self, src_outer_rank: int) -> None:
-        """Cut this rank's blocks out of the local full params, make outer replicas
-        identical (broadcast from outer rank ``src_outer_rank``), create shard params."""
+        """Cut this rank's blocks out of the local full params into one flat shard
+        (plus the all-gather tag's slots), make outer replicas identical (broadcast from
+        outer rank ``src_outer_rank``), and make the shard params views of it."""
         rank = self.inner.rank
         blocks = []
         for sp in self.params:
@@ -91,32 +128,23 @@ class ShardBuffer:
                 sp.full.initialize()
             blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
             sp.free_full_data()
-        flat = _concat_new(blocks)
+        blocks.append(paddle.zeros([gather_check.TAG_NUMEL], self.dtype))
+        flat = paddle.concat(blocks)
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)
         for sp in self.params:
-            shard = sp.make_shard_param(
-                self.to_host(sp.piece_of(flat).clone()))
+            sp.make_shard_param()
             if self.outer.rank != 0:
-                shard.is_firstly_shared = False  # a replica: global-norm clip skips it
+                sp.shard.is_firstly_shared = False  # a replica: global-norm clip skips it
+        self._views_of(self.to_host(flat))
 
     def local_shard(self) -> paddle.Tensor:
-        """This rank's shard as one flat tensor (from the live shard params)."""
-        return _concat_new(self._shard_pieces(grads=False))
+        """This rank's shard as one flat tensor: a view of the storage, no copy."""
+        self._repair_views()
+        return self.flat._slice(0, self.shard_numel)
 
     def local_grad_shard(self) -> paddle.Tensor:
-        """This rank's grad shard as one flat tensor (zeros where a shard has no grad)."""
-        return _concat_new(self._shard_pieces(grads=True))
-
-    def _shard_pieces(self, grads: bool, dtype=None) -> list[paddle.Tensor]:
-        pieces = []
-        for sp in self.params:
-            if grads:
-                t = sp.shard.grad if sp.shard.grad is not None else self.zero_shard_grad(sp)
-            else:
-                t = sp.shard.detach()
-            t = t.reshape([-1])
-            pieces.append(t if dtype is None or t.dtype == dtype else t.astype(dtype))
-        return pieces
+        """This rank's grad shard as one flat tensor: the grad storage itself."""
+        return self.grad_flat()
 
     def describe(self) -> str:
         """Which unit and buffer this is, for error messages."""
@@ -125,75 +153,147 @@ class ShardBuffer:
         return f"{owner}, buffer {self.index} ({first})"
 
     def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
-        """All-gather in the inner group; return each parameter's full tensor (or, with
-        ``grads=True``, its full gradient as the shards hold it now). ``compute=True``:
-        gather in the policy's ``param_dtype`` and return the compute dtype.
+        """All-gather in the inner group and wait; return each parameter's full tensor
+        (see :meth:`start_gather`)."""
+        return self.finish_gather(self.start_gather(grads, compute))
 
-        The shard travels with a few tag elements (see :mod:`gather_check`): ranks that
+    def start_gather(self, grads: bool = False, compute: bool = False,
+                     async_op: bool = False) -> "_PendingGather":
+        """Issue the all-gather of this rank's shard (or, with ``grads=True``, of its
+        grad shard as it is now). ``compute=True``: gather in the policy's
+        ``param_dtype``. With ``async_op`` it returns at once on NCCL (the collective runs
+        on the communication stream); :meth:`finish_gather` waits.
+
+        The flat shard is sent as it is (cast once when the gather dtype differs), with
+        a few tag elements in its trailing slots (see :mod:`gather_check`): ranks that
         pair up different all-gathers raise instead of computing on each other's rows."""
         dtype = self.gather_dtype if compute else self.dtype
-        pieces = self._shard_pieces(grads, dtype)
+        purpose = "grads" if grads else ("compute" if compute else "params")
+        if grads:
+            send = paddle.concat([self.grad_flat(),
+                                  paddle.zeros([gather_check.TAG_NUMEL], self.dtype)])
+        else:
+            self._repair_views()
+            send = self.flat
         tag = None
-        if gather_check.can_tag(dtype):
-            purpose = "grads" if grads else ("compute" if compute else "params")
+        if gather_check.can_tag(self.dtype) and gather_check.can_tag(dtype):
             tag = gather_check.make_tag(self.inner, self.unit_index, self.index, purpose,
-                                        self.describe, dtype)
-            pieces.append(tag.to(pieces[0].place) if not tag.place._equals(
-                pieces[0].place) else tag)
-        row = self.shard_numel + (gather_check.TAG_NUMEL if tag is not None else 0)
+                                        self.describe, self.dtype)
+            paddle.assign(tag.to(send.place), output=send._slice(self.shard_numel,
+                                                                 int(send.shape[0])))
+        if send.dtype != dtype:
+            send = send.astype(dtype)
+        send = self.to_device(send)
+        row = self.shard_numel + gather_check.TAG_NUMEL
         out = paddle.empty([self.inner_size * row], dtype=dtype)
-        comm.all_gather_into(out, self.to_device(_concat_new(pieces)), self.inner)
+        trace.record("issue", "all_gather", self.unit_index)
+        handle = comm.all_gather_into(out, send, self.inner, async_op=True)
+        if not async_op:
+            handle.wait()
+        # send and out stay referenced until the wait: an async collective reads and
+        # writes them on the communication stream.
+        return _PendingGather(handle, send, out, tag, compute)
+
+    def finish_gather(self, pending: "_PendingGather") -> list[paddle.Tensor]:
+        """Wait for :meth:`start_gather`, check the tags, and copy each parameter's
+        full tensor out of the gathered grid (the one copy per parameter)."""
+        pending.handle.wait()
+        trace.record("wait", "all_gather", self.unit_index)
+        out = pending.out
+        row = self.shard_numel + gather_check.TAG_NUMEL
         grid = out.reshape([self.inner_size, row])
-        sizes = [sp.chunk_numel for sp in self.params]
+        sizes = [sp.chunk_numel for sp in self.params] + [gather_check.TAG_NUMEL]
+        parts = paddle.split(grid, sizes, axis=1)
+        tags = parts.pop()
+        tag = pending.tag
         if tag is not None:
-            sizes.append(gather_check.TAG_NUMEL)
-        parts = paddle.split(grid, sizes, axis=1) if len(sizes) > 1 else [grid]
-        if tag is not None:
-            gather_check.check(parts.pop(), tag.to(grid.place), self.inner)
-        if compute and self.compute_dtype != dtype:
+            tag = tag if tag.dtype == out.dtype else tag.astype(out.dtype)
+            gather_check.check(tags, tag.to(tags.place), self.inner)
+        if pending.compute and self.compute_dtype != out.dtype:
             parts = [p.astype(self.compute_dtype) for p in parts]
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
 
     # -------------------------------------------------------------- gradients
     def reduce_scatter_grads(self) -> None:
-        """Sum full grads over the inner group into this rank's block; accumulate it
-        into each shard param's ``.grad``; release the full grads.
+        """Reduce-scatter the full grads into the grad shard and wait (see
+        :meth:`start_reduce_scatter`)."""
+        self.finish_reduce_scatter(self.start_reduce_scatter())
 
-        A parameter with no grad on this rank (unused) contributes zeros: every rank
-        joins the collective whatever its data did.
+    def start_reduce_scatter(self, async_op: bool = False) -> "_PendingReduce":
+        """Issue the inner reduce-scatter of the full grads and release them.
+
+        The reduce-scatter input is written once: each grad goes straight into its
+        columns of an ``[I, S]`` grid (zeros where a block is padding), so the full
+        grads can be freed as soon as the call is issued. A parameter with no grad on
+        this rank (unused) contributes zeros: every rank joins the collective whatever
+        its data did. :meth:`finish_reduce_scatter` waits and accumulates.
         """
-        blocks = []
+        grid = paddle.zeros([self.inner_size, self.shard_numel], dtype=self.reduce_dtype)
         for sp in self.params:
             g = sp.full.grad
-            if g is None:  # every grad of one reduction is cast to the same dtype
-                g = paddle.zeros(sp.shape, dtype=self.reduce_dtype)
-            blocks.append(sp.as_rank_blocks(g.astype(self.reduce_dtype)))
-        grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
+            if g is not None:
+                sp.write_rank_blocks(grid, g if g.dtype == self.reduce_dtype
+                                     else g.astype(self.reduce_dtype))
+                sp.full.clear_gradient(False)
         out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
-        comm.reduce_scatter(out, grid.reshape([-1]), self.inner)
-        out = self.to_host(out.astype(self.dtype))  # accumulate in the master dtype
-        for sp in self.params:
-            accumulate_grad(sp.shard, sp.piece_of(out))
-            sp.full.clear_gradient(False)
+        trace.record("issue", "reduce_scatter", self.unit_index)
+        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True)
+        if not async_op:
+            handle.wait()
+        return _PendingReduce(handle, grid, out)
+
+    def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
+        """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
+        (one op, in the master dtype)."""
+        pending.handle.wait()
+        trace.record("wait", "reduce_scatter", self.unit_index)
+        out = pending.out
+        if out.dtype != self.dtype:
+            out = out.astype(self.dtype)
+        self.grad_flat().add_(self.to_host(out))
 
     def all_reduce_grads(self, scale: float) -> None:
-        """One outer all-reduce of this rank's grad shard, then scale (``1 / N``)."""
-        flat = self.to_device(self.local_grad_shard())
-        comm.all_reduce(flat, self.outer)
-        self._write_grads(self.to_host(flat * scale))
+        """One outer all-reduce of this rank's grad shard, in place, then ``* scale``."""
+        self.finish_all_reduce(self.start_all_reduce(), scale)
+
+    def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
+        """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
+        device copy)."""
+        flat = self.grad_flat()
+        target = self.to_device(flat)
+        trace.record("issue", "all_reduce", self.unit_index)
+        handle = comm.all_reduce(target, self.outer, async_op=True)
+        if not async_op:
+            handle.wait()
+        return _PendingReduce(handle, target, flat)
+
+    def finish_all_reduce(self, pending: "_PendingReduce", scale: float) -> None:
+        pending.handle.wait()
+        trace.record("wait", "all_reduce", self.unit_index)
+        flat = pending.out
+        if pending.grid is not flat:  # offloaded: the reduced device copy comes back
+            paddle.assign(self.to_host(pending.grid), output=flat)
+        flat.scale_(scale)
 
     def scale_grads(self, scale: float) -> None:
-        """Scale the grad shard without an outer all-reduce (replicas step alone)."""
-        self._write_grads(self.local_grad_shard() * scale)
-
-    def _write_grads(self, flat) -> None:
-        for sp in self.params:
-            set_grad(sp.shard, sp.piece_of(flat))
+        """Scale the grad shard in place, without an outer all-reduce."""
+        self.grad_flat().scale_(scale)
 
 
-def _concat_new(parts) -> paddle.Tensor:
-    """A new flat tensor holding ``parts`` back to back (never an alias of one of them)."""
-    return paddle.concat(parts) if len(parts) > 1 else parts[0].clone()
+@dataclass
+class _PendingGather:
+    handle: comm.Handle
+    send: paddle.Tensor
+    out: paddle.Tensor
+    tag: paddle.Tensor | None
+    compute: bool
+
+
+@dataclass
+class _PendingReduce:
+    handle: comm.Handle
+    grid: paddle.Tensor  # the input (kept alive until the wait)
+    out: paddle.Tensor
 
 
 def _dtype(d):
@@ -212,17 +312,3 @@ def compute_dtype_of(param_dtype):
     param_dtype = _dtype(param_dtype)
     low = param_dtype in (paddle.bfloat16, paddle.float16)
     return paddle.float32 if low and paddle.get_device().startswith("cpu") else param_dtype
-
-
-def accumulate_grad(param, value) -> None:
-    """``param.grad += value``, creating the grad on first use."""
-    set_grad(param, value if param.grad is None else param.grad + value)
-
-
-def set_grad(param, value) -> None:
-    """Overwrite ``param.grad`` in place, so a grad list collected earlier (by an
-    optimizer's ``step`` before ``_apply_optimize``) sees the new values."""
-    if param.grad is None:
-        param._copy_gradient_from(value.clone())
-    else:
-        paddle.assign(value, output=param.grad)

@@ -158,6 +158,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     Parameters that no unit manages keep Paddle's own behaviour.
     """
     from .optim import _managed_shards, _units_of
+    from .unit import sync_grads
 
     if isinstance(parameters, paddle.Tensor):
         parameters = [parameters]
@@ -169,8 +170,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): supported on HSDP "
                          f"shards are {list(_NORM_TYPES)} (Paddle's order-0 'norm' counts "
                          "whole tensors, which a shard cannot see)")
-    for unit in _units_of(shards):
-        unit.finish_grad_sync()
+    sync_grads(_units_of(shards))
     shard_ids = {id(p) for p in shards}
     others = [p for p in parameters if id(p) not in shard_ids and not _is_gathered_full(p)]
     params = shards + others
@@ -225,13 +225,13 @@ def clip_grad_value_(parameters, clip_value):
     """``paddle.nn.utils.clip_grad_value_`` for HSDP shards: finishes the deferred
     grad sync first, so the clipped values are the step's synced grads."""
     from .optim import _managed_shards, _units_of
+    from .unit import sync_grads
 
     if isinstance(parameters, paddle.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
     shards = _managed_shards(parameters)
-    for unit in _units_of(shards):
-        unit.finish_grad_sync()
+    sync_grads(_units_of(shards))
     shard_ids = {id(p) for p in shards}
     rest = [p for p in parameters if id(p) not in shard_ids and not _is_gathered_full(p)]
     return _original_clip_grad_value(shards + rest, clip_value)

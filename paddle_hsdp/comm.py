@@ -152,7 +152,8 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
 
 
 def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None):
-    """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``."""
+    """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``.
+    ``in_flat`` is scratch: on gloo its other slices are overwritten."""
     n = group.nranks
     _check_split("reduce_scatter: input", in_flat, out_shard, n)
     payload = _nbytes(in_flat)
@@ -168,17 +169,20 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
 
 
 def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
-    """gloo has no reduce-scatter: reduce each slice to the rank that owns it."""
+    """gloo has no reduce-scatter: reduce each slice to the rank that owns it, in place
+    (gloo uses a non-owner's input as scratch, which only clobbers slices we never read)."""
     staged = in_flat.astype("float32") if _needs_fp32_staging(in_flat, group) else in_flat
     flat = staged.reshape([-1])
     size = int(out_shard.numel())
     mine = None
     for i, owner in enumerate(group.ranks):
-        piece = flat[i * size:(i + 1) * size].clone()  # a tensor of its own for gloo
+        piece = flat._slice(i * size, (i + 1) * size)
         dist.stream.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=group, sync_op=True)
         if i == group.rank:
             mine = piece
-    paddle.assign(mine.astype(out_shard.dtype).reshape(out_shard.shape), output=out_shard)
+    if mine.dtype != out_shard.dtype:
+        mine = mine.astype(out_shard.dtype)
+    paddle.assign(mine.reshape(out_shard.shape), output=out_shard)
     return Handle()
 
 

@@ -54,7 +54,7 @@ def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, 
     values = [unit_index % 256, unit_index // 256 % 256, buffer_index % 256,
               PURPOSES[purpose], number % 256]
     _history[group.id].append((number, describe, purpose))
-    return paddle.to_tensor(np.array(values, dtype="float32")).astype(dtype)
+    return paddle.to_tensor(values, dtype=dtype)
 
 
 def check(tags, own_tag, group) -> None:

@@ -37,7 +37,8 @@ import dataclasses
 import paddle
 from paddle.autograd import PyLayer
 
-from .unit import FSDPUnit, UnitState
+from . import trace
+from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
 # entries; the next unit not contained in any of them is a root and clears them.
@@ -71,9 +72,18 @@ class RootState:
         return self.forward_order[i + 1:i + 1 + count]
 
     def post_backward(self) -> None:
+        """End of backward: reduce the units whose post-backward did not reduce them
+        (inputs that need no grad, owners of tied params, reduction deferred to the end
+        of backward), and units whose grads arrived after their post-backward, in one
+        fixed order (reverse registration)."""
         self.recording = False
+        FullGradBytes.sample(self.units)
         for unit in reversed(self.units):
-            unit.post_backward()
+            late = unit.requires_gradient_sync and unit.has_full_grads()
+            if not unit.reduced_in_backward or late:
+                unit.post_backward()
+            unit.reduced_in_backward = False
+        wait_pending_reduces()  # shard grads are complete when backward returns
         for unit in reversed(self.units):
             unit.pins = 0
             if unit.reshard_after_backward:
@@ -105,6 +115,17 @@ class _BackwardHook(PyLayer):
 
 
 def _on_post_backward(unit: FSDPUnit) -> None:
+    """The unit's backward is done (the grads of its inputs exist): reduce-scatter its
+    grads now and free the full-size ones, so at most a unit or two of full grads are
+    alive at once. Every rank takes this path alike as long as every rank runs the same
+    units and their inputs require grad alike (see the README); owners of tied params
+    wait for the end of backward, since a borrower's backward may still add to them."""
+    if unit.reduce_grads_in_backward and not unit.borrowed_by:
+        root = _root_of(unit)
+        if root is not None:
+            FullGradBytes.sample(root.units)
+        unit.post_backward()
+        unit.reduced_in_backward = True
     if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
         unit.reshard()
 
@@ -121,11 +142,12 @@ def _on_pre_backward(unit: FSDPUnit) -> None:
     if root is not None:
         for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
                 root.neighbours(unit, unit.backward_prefetch_count, backward=True):
-            nxt.unshard()
+            nxt.prefetch()
     # Any unit's pre-backward registers its root: a root whose own outputs hide their
     # tensors (a custom output object) still gets its end of backward.
     if root is not None and root not in _roots_in_backward:
         _roots_in_backward.append(root)
+    trace.record("backward", "compute", unit.index)
 
 
 def _wrap_tensors(hook, unit: FSDPUnit, obj):
@@ -234,12 +256,13 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         if root is not None:
             for nxt in unit.forward_prefetch if unit.forward_prefetch is not None else \
                     root.neighbours(unit, unit.forward_prefetch_count, backward=False):
-                nxt.unshard()
+                nxt.prefetch()
         dtype = _input_dtype(unit)
         if dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), dtype)
         if paddle.is_grad_enabled():
             args, kwargs = _wrap_tensors(_on_post_backward, unit, (args, kwargs))
+        trace.record("forward", "compute", unit.index)
         return args, kwargs
 
     def post_forward(module, inputs, outputs):
@@ -376,10 +399,14 @@ def _then_post_backward(original):
 def _abandon_backward() -> None:
     """After a failed backward: drop its partial full-size grads and free gathered params
     (local work, no collective, so a rank that failed alone cannot hang the others)."""
+    from . import unit as unit_module
+
+    unit_module._pending_reduces.clear()
     while _roots_in_backward:
         for unit in _roots_in_backward.pop(0).units:
             for sp in unit.params:
                 sp.full.clear_gradient(False)
             unit.full_grads_pending = False
+            unit.reduced_in_backward = False
             unit.pins = 0
             unit.reshard(force=True)

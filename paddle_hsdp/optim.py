@@ -22,7 +22,7 @@ import functools
 import paddle
 
 from . import clip, comm, gather_check
-from .unit import FSDPUnit
+from .unit import FSDPUnit, sync_grads
 
 _installed = False
 
@@ -94,8 +94,7 @@ def finish_grad_sync(target) -> None:
     ``target``: an optimizer (the units whose shards it holds), a sharded model (every
     unit under it), or an iterable of parameters. A collective: call it on every rank.
     Idempotent within a step."""
-    for unit in _units_for(target, "finish_grad_sync"):
-        unit.finish_grad_sync()
+    sync_grads(_units_for(target, "finish_grad_sync"))
 
 
 def _units_for(target, what: str) -> list[FSDPUnit]:

@@ -67,8 +67,22 @@ class ShardedParam:
         return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
 
     def piece_of(self, flat) -> paddle.Tensor:
-        """This param's chunk of a flat shard-layout tensor, in the shard's shape."""
-        return flat[self.offset: self.offset + self.chunk_numel].reshape(self.shard_shape)
+        """This param's chunk of a flat shard-layout tensor: a 1-D view, no copy."""
+        return flat._slice(self.offset, self.offset + self.chunk_numel)
+
+    def write_rank_blocks(self, grid, full) -> None:
+        """Write ``full`` into this param's columns of an ``[I, S]`` grid (row ``i``:
+        inner rank ``i``'s block), leaving the padding as it is: one or two in-place
+        copies, no padded intermediate."""
+        flat = full.reshape([-1])
+        whole = self.numel // self.chunk_numel  # blocks with no padding
+        cols = slice(self.offset, self.offset + self.chunk_numel)
+        if whole:
+            grid[:whole, cols] = flat[:whole * self.chunk_numel].reshape(
+                [whole, self.chunk_numel])
+        rest = self.numel - whole * self.chunk_numel
+        if rest:
+            grid[whole, self.offset:self.offset + rest] = flat[whole * self.chunk_numel:]
 
     def rank_block(self, full, rank: int) -> paddle.Tensor:
         """Inner rank ``rank``'s block of ``full`` (``[chunk_numel]``), built without a
@@ -89,9 +103,9 @@ class ShardedParam:
         return t.reshape(self.shape)
 
     # -------------------------------------------------------------- shard param
-    def make_shard_param(self, data) -> EagerParamBase:
+    def make_shard_param(self) -> EagerParamBase:
         """The parameter the optimizer sees: this rank's block, with the original's
-        name and per-parameter attributes."""
+        name and per-parameter attributes (its storage comes from :meth:`attach_shard`)."""
         p = self.full
         shard = EagerParamBase(shape=self.shard_shape, dtype=self.dtype, name=p.name,
                                trainable=self.trainable)
@@ -99,10 +113,28 @@ class ShardedParam:
         for attr in _CARRIED_ATTRS:
             if hasattr(p, attr):
                 setattr(shard, attr, getattr(p, attr))
-        data.reshape(self.shard_shape)._share_buffer_to(shard)
         shard._hsdp_sharded_param = self  # lets optimizer/clip/state find the owner
         self.shard = shard
         return shard
+
+    # -------------------------------------------------------------- views of flat storage
+    def attach_shard(self, flat) -> None:
+        """Make the shard param a view of its chunk of the buffer's flat storage."""
+        self.piece_of(flat)._share_buffer_to(self.shard)
+        self.shard.get_tensor()._set_dims(self.shard_shape)
+
+    def shard_is_view_of(self, flat) -> bool:
+        return (self.shard._is_initialized() and self.shard.data_ptr()
+                == flat.data_ptr() + self.offset * flat.element_size())
+
+    def attach_grad(self, flat_grad) -> None:
+        """Make the shard's ``.grad`` a view of its chunk of the flat grad storage."""
+        self.shard._copy_gradient_from(self.piece_of(flat_grad).reshape(self.shard_shape))
+
+    def grad_is_view_of(self, flat_grad) -> bool:
+        grad = self.shard.grad
+        return (grad is not None and grad._is_initialized() and grad.data_ptr()
+                == flat_grad.data_ptr() + self.offset * flat_grad.element_size())
 
     # -------------------------------------------------------------- module slots
     def point_users_to(self, tensor) -> None:

@@ -45,6 +45,39 @@ class GatheredBytes:
         cls.peak, cls.units_peak = cls.now, cls.units_now
 
 
+class FullGradBytes:
+    """The most full-size grad bytes alive at once during backward, sampled at every
+    post-backward and end of backward while tracking is on (:func:`reset_peak_memory`
+    turns it on: the sampling walks every parameter of the root)."""
+
+    tracking = False
+    peak = 0
+
+    @classmethod
+    def sample(cls, units) -> None:
+        if cls.tracking:
+            cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
+
+
+# Reduce-scatters issued and not waited for yet (one unit's, across all units).
+_pending_reduces: list = []
+
+
+def wait_pending_reduces() -> None:
+    """Wait for every reduce-scatter in flight and accumulate its result."""
+    while _pending_reduces:
+        buf, pending = _pending_reduces.pop(0)
+        buf.finish_reduce_scatter(pending)
+
+
+def sync_grads(units) -> None:
+    """The step boundary for ``units`` (in one global order): their outer all-reduces
+    are issued back to back, then waited for and scaled."""
+    work = [item for unit in units for item in unit.start_grad_sync()]
+    for buf, pending, scale in work:
+        buf.finish_all_reduce(pending, scale)
+
+
 class FSDPUnit:
     def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None,
                  offload_policy=None):
@@ -73,8 +106,16 @@ class FSDPUnit:
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.forward_prefetch_count = 1
         self.backward_prefetch_count = 1
+        # Reduce-scatter when the unit's backward is done (its post-backward), not at
+        # the end of the whole backward; False: today's end-of-backward reduction.
+        self.reduce_grads_in_backward = True
+        self.reduced_in_backward = False  # this backward's post-backward reduced us
         # Gradient bookkeeping.
         self.full_grads_pending = False  # full-size grads not reduce-scattered yet
+        # enable_tensor_fusion_and_overlap: collectives asynchronous (prefetch issued
+        # early, reductions waited late); False: every collective synchronous.
+        self.overlap = True
+        self._pending_gather = None  # a prefetch's issued all-gathers
         self.grads_pending_outer_sync = False
         self.grads_synced = False  # shard grads hold this step's synced, scaled values
 
@@ -137,12 +178,22 @@ class FSDPUnit:
                     f"{sp.fqn}: stop_gradient was changed after fully_shard (it is now "
                     f"{sp.shard.stop_gradient}). Set stop_gradient before fully_shard.")
 
+    def prefetch(self) -> None:
+        """Issue this unit's all-gathers without waiting (asynchronous with overlap on:
+        on NCCL they run on the communication stream while the caller computes);
+        :meth:`unshard` waits for them."""
+        if self.state is UnitState.SHARDED and self._pending_gather is None:
+            self._pending_gather = [buf.start_gather(compute=True, async_op=self.overlap)
+                                    for buf in self.buffers]
+
     def unshard(self) -> None:
         if self.state is UnitState.UNSHARDED:
             return
+        self.prefetch()
+        pending, self._pending_gather = self._pending_gather, None
         try:
-            for buf in self.buffers:
-                for sp, full in zip(buf.params, buf.gather_full(compute=True)):
+            for buf, gather in zip(self.buffers, pending):
+                for sp, full in zip(buf.params, buf.finish_gather(gather)):
                     sp.set_full_data(full)
         except BaseException:
             for sp in self.params:  # half gathered: free what arrived, stay sharded
@@ -154,7 +205,13 @@ class FSDPUnit:
         GatheredBytes.add(self.gathered_nbytes(), 1)
 
     def reshard(self, force: bool = False) -> None:
-        if self.state is UnitState.SHARDED or (self.pins > 0 and not force):
+        if self.pins > 0 and not force:
+            return
+        if self._pending_gather is not None:  # prefetched, never used: let it land
+            for gather in self._pending_gather:
+                gather.handle.wait()
+            self._pending_gather = None
+        if self.state is UnitState.SHARDED:
             return
         for sp in self.params:
             sp.free_full_data()
@@ -179,11 +236,12 @@ class FSDPUnit:
             # grads must exist now; the reduction then fills them in place.
             for buf in self.buffers:
                 if buf.trainable:
-                    for sp in buf.params:
-                        if sp.shard.grad is None:
-                            sp.shard._copy_gradient_from(buf.zero_shard_grad(sp))
+                    buf.grad_flat()
 
     def reduce_scatter_grads(self) -> None:
+        """Issue this unit's reduce-scatters (asynchronous with overlap on), then wait
+        for the ones issued before them: one unit's reduction is in flight while the
+        next unit's backward computes. :func:`wait_pending_reduces` waits for the rest."""
         trainable = [b for b in self.buffers if b.trainable]
         if self.grads_synced:
             # finish_grad_sync already ran this step (e.g. to log grads) and more grads
@@ -192,8 +250,11 @@ class FSDPUnit:
             for buf in trainable:
                 buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
             self.grads_synced = False
-        for buf in trainable:
-            buf.reduce_scatter_grads()
+        older = list(_pending_reduces)
+        _pending_reduces[:] = [(buf, buf.start_reduce_scatter(async_op=self.overlap))
+                               for buf in trainable]
+        for buf, pending in older:
+            buf.finish_reduce_scatter(pending)
         self.full_grads_pending = False
         self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
 
@@ -210,7 +271,12 @@ class FSDPUnit:
         return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
 
     def finish_grad_sync(self) -> None:
-        """The step boundary: pending reduce-scatter, then the one outer all-reduce.
+        """The step boundary for this unit alone (see :func:`sync_grads`)."""
+        sync_grads([self])
+
+    def start_grad_sync(self) -> list:
+        """Pending reduce-scatter, then issue the one outer all-reduce per buffer;
+        returns ``(buffer, pending, scale)`` for :func:`sync_grads` to wait on.
 
         Grads end up as the gradient of the mean loss over all data-parallel ranks
         (``1 / N``, or ``1 / gradient_divide_factor`` when set). With
@@ -219,19 +285,30 @@ class FSDPUnit:
         """
         if self.full_grads_pending:
             self.reduce_scatter_grads()
+        wait_pending_reduces()
         if not self.grads_pending_outer_sync:
-            return
+            return []
+        work = []
         for buf in self.buffers:
             if not buf.trainable:
                 continue
             if self.requires_all_reduce:
-                buf.all_reduce_grads(scale=1.0 / self._divisor(buf))
+                work.append((buf, buf.start_all_reduce(async_op=self.overlap),
+                             1.0 / self._divisor(buf)))
             else:
                 buf.scale_grads(buf.outer.nranks / self._divisor(buf))
         self.grads_pending_outer_sync = False
         self.grads_synced = True
+        return work
+
+    def has_full_grads(self) -> bool:
+        return any(sp.full.grad is not None for sp in self.params)
 
     # -------------------------------------------------------------- memory report
+    def full_grad_nbytes(self) -> int:
+        return sum(sp.numel * sp.full.grad.element_size() for sp in self.params
+                   if sp.full.grad is not None)
+
     def gathered_nbytes(self) -> int:
         return sum(buf.compute_nbytes for buf in self.buffers)
 

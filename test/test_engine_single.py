@@ -366,20 +366,21 @@ def test_clip_grad_by_global_norm_is_swapped_and_reports_the_norm(fake_mesh):
 
 
 def test_explicit_forward_prefetch_gathers_the_listed_module_early(fake_mesh):
-    """block0.set_modules_to_forward_prefetch([block2]) gathers block2 in block0's
-    pre-forward: under ZeRO-3 block2 is already gathered while block0 and block1 run,
-    and the loss is the same as without prefetch."""
+    """block0.set_modules_to_forward_prefetch([block2]) issues block2's all-gather in
+    block0's pre-forward: under ZeRO-3 it is in flight while block0 and block1 run (and
+    waited for at block2's own pre-forward), and the loss is the same as without."""
     model = _shard_tinylm(models.build_model())
     paddle_hsdp.set_zero_stage(model, 3)
     ids = _ids()
     plain = float(models.lm_loss(model, ids, True))
     seen = []
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[2]])
+    unit2 = model.blocks[2]._hsdp_unit
     hook = model.blocks[1].register_forward_pre_hook(
-        lambda layer, inputs: seen.append(model.blocks[2]._hsdp_unit.state.value))
+        lambda layer, inputs: seen.append(unit2._pending_gather is not None))
     prefetched = float(models.lm_loss(model, ids, True))
     hook.remove()
-    assert seen == ["unsharded"]
+    assert seen == [True]
     assert prefetched == plain
     with pytest.raises(ValueError, match="not an FSDP module"):
         model.blocks[0].set_modules_to_forward_prefetch([paddle.nn.Linear(2, 2)])

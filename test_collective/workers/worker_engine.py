@@ -29,17 +29,21 @@ ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
 assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
 
 
-def shard(reshard_blocks: bool):
+def shard(reshard_blocks: bool, overlap: bool = True):
     model = build_model()
     units = [model.embed] + list(model.blocks)
     for layer in units:
-        paddle_hsdp.fully_shard(layer, reshard_after_forward=reshard_blocks)
-    paddle_hsdp.fully_shard(model)
+        paddle_hsdp.fully_shard(layer, reshard_after_forward=reshard_blocks,
+                                enable_tensor_fusion_and_overlap=overlap)
+    paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap)
     return model
 
 
-def run(reshard_blocks: bool, via_fleet: bool):
-    model = shard(reshard_blocks)
+def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
+    # the end-of-backward variant also runs every collective synchronously
+    model = shard(reshard_blocks, overlap=not end_of_backward)
+    if end_of_backward:
+        model.set_reduce_grads_at_end_of_backward(True)
     opt = make_optimizer(model, model.parameters(), CLIP)
     if via_fleet:
         opt = fleet.distributed_optimizer(opt)
@@ -55,9 +59,11 @@ def run(reshard_blocks: bool, via_fleet: bool):
                 for u in unit_list:
                     if u.should_reshard_after_forward():
                         assert u.held_bytes()["gathered"] == 0, u.module
+            paddle_hsdp.reset_peak_memory()
             (loss / MICRO).backward()
             held = paddle_hsdp.memory_report(model)
             assert held["gathered"] == 0, held  # everything resharded after backward
+            check_full_grad_peak(unit_list, held["peak_full_grads"], end_of_backward)
             t = paddle.to_tensor([float(loss)])
             dist.all_reduce(t)  # for the log only: not through comm, not counted
             total += t.item() / world / MICRO
@@ -69,9 +75,27 @@ def run(reshard_blocks: bool, via_fleet: bool):
         check_counter(unit_list, reshard_blocks)
     full = paddle_hsdp.full_state_dict(model)
     compare_with_reference(full, ref_params, losses, ref_losses, worst, RTOL)
-    tag = f"reshard={reshard_blocks} fleet_opt={via_fleet}"
+    tag = f"reshard={reshard_blocks} fleet_opt={via_fleet} end_of_backward={end_of_backward}"
     print(f"PARITY {O}x{I} {tag}: max rel diff {max(worst.values()):.2e} "
           f"(loss {worst['loss']:.2e})", flush=True)
+
+
+def full_grad_bytes(unit) -> int:
+    return sum(sp.numel * 4 for b in unit.buffers if b.trainable for sp in b.params)
+
+
+def check_full_grad_peak(units, peak, end_of_backward):
+    """Per-unit reduction: full-size grads alive at once are at most the unit being
+    reduced plus those that wait for the end of backward (the root, whose input ids
+    need no grad, and the embedding, which the tied head borrows). At the end of
+    backward every unit's are alive at once (less the params unused on this rank)."""
+    everything = sum(full_grad_bytes(u) for u in units)
+    waiting = [u for u in units if u.is_root or u.borrowed_by]
+    bound = sum(full_grad_bytes(u) for u in waiting) + max(full_grad_bytes(u) for u in units)
+    if end_of_backward:
+        assert bound < peak <= everything, (peak, bound, everything)
+    else:
+        assert 0 < peak <= bound < everything, (peak, bound, everything)
 
 
 def check_counter(units, reshard_blocks):
@@ -94,6 +118,6 @@ def check_counter(units, reshard_blocks):
     assert padding <= sum((I - 1) * sp.row_numel for b in trainable for sp in b.params)
 
 
-for variant in config.get("variants", [[True, False], [False, True]]):
+for variant in config.get("variants", [[True, False], [False, True], [True, False, True]]):
     run(*variant)
 finish()

@@ -1,0 +1,110 @@
+"""The engine's schedule in one process (the one-rank fake mesh of test_engine_single:
+collectives are local copies, so this checks the order of issues and waits and the
+copies around them, not multi-rank numerics, which test_collective covers)."""
+
+import os
+
+import paddle
+import pytest
+
+import paddle_hsdp
+from paddle_hsdp import trace
+from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+
+PACKAGE = os.path.dirname(paddle_hsdp.__file__)
+
+
+def _first(events, event):
+    return events.index(event)
+
+
+def test_prefetch_and_reductions_are_issued_before_the_neighbouring_compute(fake_mesh):
+    """With prefetch 1 under ZeRO-3: unit k+1's all-gather is issued before unit k's
+    forward compute starts, and unit k's reduce-scatter before unit k-1's backward
+    compute starts; every issued collective is waited for."""
+    model = _shard_tinylm(models.build_model())
+    paddle_hsdp.set_zero_stage(model, 3)
+    models.lm_loss(model, _ids(), True).backward()  # records the forward order
+    blocks = [b._hsdp_unit.index for b in model.blocks]
+    trace.enable()
+    try:
+        models.lm_loss(model, _ids(), True).backward()
+    finally:
+        trace.disable()
+    ev = list(trace.events)
+    for k, nxt in zip(blocks, blocks[1:]):
+        assert _first(ev, ("issue", "all_gather", nxt)) < _first(ev, ("forward", "compute", k))
+    backward = [e for e in ev if e[0] == "backward"]
+    for k, prev in zip(blocks[1:], blocks):  # backward runs blocks in reverse
+        assert _first(ev, ("issue", "reduce_scatter", k)) < ev.index(("backward", "compute", prev)), ev
+    assert backward, ev
+    for op in ("all_gather", "reduce_scatter"):
+        issued = sum(1 for e in ev if e[:2] == ("issue", op))
+        waited = sum(1 for e in ev if e[:2] == ("wait", op))
+        assert issued == waited > 0, (op, issued, waited)
+
+
+def test_copies_around_collectives(fake_mesh, monkeypatch):
+    """One training step of a float32 model: no concat and no clone inside paddle_hsdp
+    (flat shards are sent as they are, grads reduced and all-reduced in place); one
+    split (the copy-out) per all-gather; nothing cast."""
+    model = _shard_tinylm(models.build_model())
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    models.lm_loss(model, _ids(), True).backward()  # first step: grad storage made
+    opt.step()
+    opt.clear_grad()
+    counts = {}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            import sys
+
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(PACKAGE) and not caller.endswith("comm.py"):
+                counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("concat", "split"):
+        monkeypatch.setattr(paddle, name, counting(name, getattr(paddle, name)))
+    for name in ("clone", "astype"):
+        monkeypatch.setattr(paddle.Tensor, name, counting(name, getattr(paddle.Tensor, name)))
+    trace.enable()
+    try:
+        models.lm_loss(model, _ids(), True).backward()
+        opt.step()
+    finally:
+        trace.disable()
+    gathers = sum(1 for e in trace.events if e[:2] == ("issue", "all_gather"))
+    assert gathers > 0
+    assert counts.get("split", 0) == gathers, (counts, gathers)
+    assert counts.get("concat", 0) == 0 and counts.get("clone", 0) == 0, counts
+    assert counts.get("astype", 0) == 0, counts
+
+
+def test_shard_params_and_grads_are_views_of_flat_storage(fake_mesh):
+    model = _shard_tinylm(models.build_model())
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    models.lm_loss(model, _ids(), True).backward()
+    for unit in paddle_hsdp.api._units:
+        for buf in unit.buffers:
+            for sp in buf.params:
+                assert sp.shard_is_view_of(buf.flat)
+                if buf.trainable:
+                    assert sp.grad_is_view_of(buf.flat_grad)
+    opt.step()  # the update is in place: the views survive it
+    opt.clear_grad(set_to_zero=False)  # grads released: they read as zeros next time
+    models.lm_loss(model, _ids(), True).backward()
+    for unit in paddle_hsdp.api._units:
+        for buf in unit.buffers:
+            assert all(sp.shard_is_view_of(buf.flat) for sp in buf.params)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_switch_gives_the_same_training(fake_mesh, overlap):
+    model = models.build_model()
+    paddle_hsdp.fully_shard(model.blocks[0], enable_tensor_fusion_and_overlap=overlap)
+    paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap)
+    assert model._hsdp_unit.overlap is overlap
+    with pytest.raises(TypeError, match="enable_tensor_fusion_and_overlap"):
+        paddle_hsdp.fully_shard(models.build_model(), enable_tensor_fusion_and_overlap="no")
