@@ -12,10 +12,20 @@ unique to the group id; the other members read it and connect.
 Group ids are consistent across ranks because every rank creates every group in the
 same global order (Paddle's HCG does; so does :mod:`paddle_hsdp.fleet_ext`).  NCCL and
 other backends are left untouched: they key their ids by group already.
+
+Shutdown: a store's server runs a libuv thread that logs (glog) when a peer's
+connection closes. Peers close their connections when they exit, which may be while
+this process is already in ``exit()``, after glog's statics are gone: the thread then
+aborts the process (seen as SIGABRT/SIGSEGV after the work was done, about one launch in
+30). So the server is a TCPStore object of its own, held only here (the process group
+gets a client store), and an ``atexit`` handler destroys every server while the
+interpreter and glog are alive, which stops and joins its thread. A server is needed
+only while its group is being created.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -23,8 +33,10 @@ import socket
 logger = logging.getLogger(__name__)
 
 _KEY_PREFIX = "paddle_hsdp/gloo_store"
-# Stores must outlive their process groups: gloo keeps reading from them lazily.
+# Client stores live as long as their process groups (which hold them too).
 _group_stores: dict[int, object] = {}
+# Servers (on each group's first member): destroyed at exit by stop_servers().
+_servers: dict[int, object] = {}
 _original_impl = None
 
 
@@ -56,13 +68,19 @@ def make_group_store(global_store, group_rank: int, group_size: int, group_id: i
         port = _free_port(host)
         global_store.set(key, f"{host}:{port}")
         # The master's constructor returns once all group_size members have connected.
-        store = core.TCPStore(host, port, True, group_size, _store_timeout_s())
+        _servers[group_id] = core.TCPStore(host, port, True, group_size, _store_timeout_s())
     else:
-        address = global_store.get(key).decode()
-        host, port = address.rsplit(":", 1)
-        store = core.TCPStore(host, int(port), False, group_size, _store_timeout_s())
+        host, port = global_store.get(key).decode().rsplit(":", 1)
+    store = core.TCPStore(host, int(port), False, group_size, _store_timeout_s())
     _group_stores[group_id] = store
     return store
+
+
+def stop_servers() -> None:
+    """Destroy this process's store servers (joins their threads). Registered with
+    ``atexit``; the groups keep working, their rendezvous is long done."""
+    while _servers:
+        _servers.popitem()
 
 
 def _safe_new_process_group_impl(backend, store, rank, world_size, group_name,
@@ -88,3 +106,5 @@ def install() -> None:
         return
     _original_impl = collective._new_process_group_impl
     collective._new_process_group_impl = _safe_new_process_group_impl
+    # Registered after Paddle's own handlers, so it runs before them (LIFO).
+    atexit.register(stop_servers)

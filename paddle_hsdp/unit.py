@@ -185,6 +185,8 @@ class FSDPUnit:
         if self.state is UnitState.SHARDED and self._pending_gather is None:
             self._pending_gather = [buf.start_gather(compute=True, async_op=self.overlap)
                                     for buf in self.buffers]
+            # the gathered storage exists from the issue on: count it from there
+            GatheredBytes.add(self.gathered_nbytes(), 1)
 
     def unshard(self) -> None:
         if self.state is UnitState.UNSHARDED:
@@ -198,11 +200,11 @@ class FSDPUnit:
         except BaseException:
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
+            GatheredBytes.add(-self.gathered_nbytes(), -1)
             raise
         for sp in self.params:
             sp.point_users_to(sp.full)
         self.state = UnitState.UNSHARDED
-        GatheredBytes.add(self.gathered_nbytes(), 1)
 
     def reshard(self, force: bool = False) -> None:
         if self.pins > 0 and not force:
@@ -211,6 +213,7 @@ class FSDPUnit:
             for gather in self._pending_gather:
                 gather.handle.wait()
             self._pending_gather = None
+            GatheredBytes.add(-self.gathered_nbytes(), -1)
         if self.state is UnitState.SHARDED:
             return
         for sp in self.params:
