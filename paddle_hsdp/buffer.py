@@ -222,19 +222,25 @@ class ShardBuffer:
     def start_reduce_scatter(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the inner reduce-scatter of the full grads and release them.
 
-        The reduce-scatter input is written once: each grad goes straight into its
-        columns of an ``[I, S]`` grid (zeros where a block is padding), so the full
-        grads can be freed as soon as the call is issued. A parameter with no grad on
+        The reduce-scatter input is written once: one concatenation of every grad seen
+        as ``[I, chunk]`` rank blocks (a view of the grad, except for parameters whose
+        rows need padding), so the full grads can be freed as soon as it is issued. A parameter with no grad on
         this rank (unused) contributes zeros: every rank joins the collective whatever
         its data did. :meth:`finish_reduce_scatter` waits and accumulates.
         """
-        grid = paddle.zeros([self.inner_size, self.shard_numel], dtype=self.reduce_dtype)
+        blocks = []
         for sp in self.params:
             g = sp.full.grad
-            if g is not None:
-                sp.write_rank_blocks(grid, g if g.dtype == self.reduce_dtype
-                                     else g.astype(self.reduce_dtype))
-                sp.full.clear_gradient(False)
+            if g is None:  # unused on this rank: zeros, so every rank joins the call
+                blocks.append(paddle.zeros([sp.inner_size, sp.chunk_numel], self.reduce_dtype))
+                continue
+            if g.dtype != self.reduce_dtype:
+                g = g.astype(self.reduce_dtype)
+            blocks.append(sp.as_rank_blocks(g))  # a view unless the param has padding
+            sp.full.clear_gradient(False)
+        # one param: its own grad storage is the input (released above, kept alive here)
+        grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
+        del blocks  # the full grads' storage goes now, before the collective runs
         out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
         trace.record("issue", "reduce_scatter", self.unit_index)
         handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True)

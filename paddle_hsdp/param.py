@@ -63,26 +63,13 @@ class ShardedParam:
         return t
 
     def as_rank_blocks(self, full) -> paddle.Tensor:
-        """``full`` as ``[I, chunk_numel]``: row ``i`` is the block inner rank ``i`` owns."""
+        """``full`` as ``[I, chunk_numel]``: row ``i`` is the block inner rank ``i`` owns
+        (a view when no padding rows are needed, else a padded copy)."""
         return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
 
     def piece_of(self, flat) -> paddle.Tensor:
         """This param's chunk of a flat shard-layout tensor: a 1-D view, no copy."""
         return flat._slice(self.offset, self.offset + self.chunk_numel)
-
-    def write_rank_blocks(self, grid, full) -> None:
-        """Write ``full`` into this param's columns of an ``[I, S]`` grid (row ``i``:
-        inner rank ``i``'s block), leaving the padding as it is: one or two in-place
-        copies, no padded intermediate."""
-        flat = full.reshape([-1])
-        whole = self.numel // self.chunk_numel  # blocks with no padding
-        cols = slice(self.offset, self.offset + self.chunk_numel)
-        if whole:
-            grid[:whole, cols] = flat[:whole * self.chunk_numel].reshape(
-                [whole, self.chunk_numel])
-        rest = self.numel - whole * self.chunk_numel
-        if rest:
-            grid[whole, self.offset:self.offset + rest] = flat[whole * self.chunk_numel:]
 
     def rank_block(self, full, rank: int) -> paddle.Tensor:
         """Inner rank ``rank``'s block of ``full`` (``[chunk_numel]``), built without a

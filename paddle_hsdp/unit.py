@@ -194,8 +194,10 @@ class FSDPUnit:
         self.prefetch()
         pending, self._pending_gather = self._pending_gather, None
         try:
-            for buf, gather in zip(self.buffers, pending):
-                for sp, full in zip(buf.params, buf.finish_gather(gather)):
+            for i, buf in enumerate(self.buffers):
+                fulls = buf.finish_gather(pending[i])
+                pending[i] = None  # the gathered grid goes as soon as it is copied out
+                for sp, full in zip(buf.params, fulls):
                     sp.set_full_data(full)
         except BaseException:
             for sp in self.params:  # half gathered: free what arrived, stay sharded

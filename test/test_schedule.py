@@ -45,9 +45,9 @@ def test_prefetch_and_reductions_are_issued_before_the_neighbouring_compute(fake
 
 
 def test_copies_around_collectives(fake_mesh, monkeypatch):
-    """One training step of a float32 model: no concat and no clone inside paddle_hsdp
-    (flat shards are sent as they are, grads reduced and all-reduced in place); one
-    split (the copy-out) per all-gather; nothing cast."""
+    """One training step of a float32 model inside paddle_hsdp: one split (the copy-out)
+    per all-gather, one concat (the copy-in) per reduce-scatter, no clone (flat shards
+    are sent as they are, grads accumulated and all-reduced in place), nothing cast."""
     model = _shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     models.lm_loss(model, _ids(), True).backward()  # first step: grad storage made
@@ -76,9 +76,15 @@ def test_copies_around_collectives(fake_mesh, monkeypatch):
     finally:
         trace.disable()
     gathers = sum(1 for e in trace.events if e[:2] == ("issue", "all_gather"))
-    assert gathers > 0
+    scatters = sum(1 for e in trace.events if e[:2] == ("issue", "reduce_scatter"))
+    assert gathers > 0 and scatters > 0
     assert counts.get("split", 0) == gathers, (counts, gathers)
-    assert counts.get("concat", 0) == 0 and counts.get("clone", 0) == 0, counts
+    multi = {u.index for u in paddle_hsdp.api._units
+             if sum(len(b.params) for b in u.buffers if b.trainable) > 1}
+    copy_ins = sum(1 for e in trace.events if e[:2] == ("issue", "reduce_scatter")
+                   and e[2] in multi)  # a one-param buffer sends its grad as it is
+    assert counts.get("concat", 0) == copy_ins and counts.get("clone", 0) == 0, \
+        (counts, copy_ins)
     assert counts.get("astype", 0) == 0, counts
 
 

@@ -49,10 +49,12 @@ WORLD = 4
 
 def run_variant(variant, args, out_dir, round_index) -> dict:
     out = os.path.join(out_dir, f"{variant}_{round_index}.json")
-    cfg = {"variant": variant, "shape": args.shape, "steps": args.steps,
-           "per_rank": args.per_rank, "world": WORLD, "out": out}
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               FLAGS_use_system_allocator="true", GLOG_minloglevel="2")
+    base = variant.endswith("_base")  # the same variant on the --baseline engine
+    cfg = {"variant": variant[:-len("_base")] if base else variant, "shape": args.shape,
+           "steps": args.steps, "per_rank": args.per_rank, "world": WORLD, "out": out}
+    engine = args.baseline if base else ROOT
+    env = dict(os.environ, FLAGS_use_system_allocator="true", GLOG_minloglevel="2",
+               PYTHONPATH=engine + os.pathsep + os.environ.get("PYTHONPATH", ""))
     worker = os.path.join(HERE, "bench_worker.py")
     if variant == "single":
         cmd = [sys.executable, worker, json.dumps(cfg)]
@@ -82,6 +84,7 @@ def theoretical_mb(variant: str, shape: bench_model.Shape, per_rank: int) -> flo
     batch = per_rank * (WORLD if variant == "single" else 1)
     act = shape.layers * shape.activation_bytes_per_layer(batch) \
         + 3 * 4 * batch * shape.seq * shape.vocab
+    variant = variant.replace("_base", "")
     if variant in ("dp", "single"):
         states = 16 * p + (4 * p if variant == "dp" else 0)  # DataParallel's fused grads
     else:
@@ -134,18 +137,18 @@ def print_table(summary: dict) -> None:
           f"{summary['rounds']} round(s), {summary['date']}")
     print("stage3 = Paddle's GroupShardedStage3(segment_size=0) with its CUDA check "
           "bypassed during construction (CPU)")
-    head = (f"{'variant':9s} {'step s':>8s} {'vs dp':>6s} {'vs st3':>6s} {'peak MB':>8s} "
+    head = (f"{'variant':12s} {'step s':>8s} {'vs dp':>6s} {'vs st3':>6s} {'peak MB':>8s} "
             f"{'theory':>7s} {'vs st3':>6s} {'vs th.':>6s} {'loss diff':>9s}")
     print(head)
     for name, e in summary["variants"].items():
-        print(f"{name:9s} {e['median_step_s']:8.3f} {e.get('time_vs_dp', 0):6.2f} "
+        print(f"{name:12s} {e['median_step_s']:8.3f} {e.get('time_vs_dp', 0):6.2f} "
               f"{e.get('time_vs_stage3', 0):6.2f} {e['peak_rss_mb_per_rank']:8.0f} "
               f"{e['theoretical_mb_per_rank']:7.0f} {e.get('memory_vs_stage3', 0):6.2f} "
               f"{e['memory_vs_theoretical']:6.2f} {e['last_loss_diff_vs_single']:9.2e}")
     for name, e in summary["variants"].items():
         for kind, c in e.get("comm_bytes_per_step", {}).items():
             if c["theoretical"]:
-                print(f"{name:9s} {kind:22s} {c['measured'] / 2**20:9.2f} MiB/step "
+                print(f"{name:12s} {kind:22s} {c['measured'] / 2**20:9.2f} MiB/step "
                       f"(theory {c['theoretical'] / 2**20:9.2f}, x{c['ratio']:.3f})")
 
 
@@ -175,6 +178,8 @@ def plot(summary: dict, out_dir: str) -> None:
            markersize=20, label="theoretical")
     b.set_ylabel("training peak RSS per rank (MB)")
     b.legend()
+    for axis in (a, b):
+        axis.tick_params(axis="x", rotation=30)
     fig.suptitle(f"{summary['shape']} LlamaLike, {summary['world']} CPU ranks")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bars.png"))
@@ -200,12 +205,19 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None, help="result folder (default: a new temp dir)")
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="a folder holding another paddle_hsdp package (e.g. a git "
+                         "worktree of an older commit): adds hsdp2x2_base and "
+                         "hsdp1x4_base, run with it, for before/after ratios")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, 3 steps, one round: checks the tool, not the engine")
     args = ap.parse_args(argv)
     if args.quick:
         args.shape, args.steps, args.rounds = "tiny", 3, 1
     variants = args.variants.split(",")
+    if args.baseline:
+        args.baseline = os.path.abspath(args.baseline)
+        variants += [f"{v}_base" for v in variants if v.startswith("hsdp")]
     if "single" not in variants:
         variants.append("single")
     out_dir = args.out or tempfile.mkdtemp(prefix="hsdp_bench_")

@@ -177,4 +177,13 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("HSDP_BENCH_PROFILE"):  # cProfile of rank 0, for reading hot spots
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(main)
+        if os.environ.get("PADDLE_TRAINER_ID", "0") == "0":
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    else:
+        main()
