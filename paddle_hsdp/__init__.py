@@ -9,6 +9,7 @@ from . import comm, topology  # noqa: F401
 from .api import (FSDPModule, full_grads, full_state_dict, fully_shard,  # noqa: F401
                   mark_expert_params, memory_report, reset_peak_memory, set_zero_stage)
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: F401
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: F401
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
 from .mesh import create_mesh_groups  # noqa: F401

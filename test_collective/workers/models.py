@@ -96,9 +96,11 @@ def uses_extra(rank: int) -> bool:
     return rank % 2 == 0  # Block.extra is unused on odd ranks
 
 
-def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024):
+def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024, before_step=None):
     """Single process, whole batch: the mean of every rank's chunk loss per micro-step,
-    averaged over micro-steps, exactly what the distributed run should compute."""
+    averaged over micro-steps, exactly what the distributed run should compute.
+    ``before_step(model)``, if given, runs before each step and its result is the
+    step's recorded norm (e.g. paddle.nn.utils.clip_grad_norm_)."""
     model = build_model(seed)
     opt = make_optimizer(model, model.parameters(), clip_norm)
     losses, norms = [], []
@@ -111,7 +113,7 @@ def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024):
                 loss = loss + lm_loss(model, ids, uses_extra(r)) / n_ranks
             (loss / len(step)).backward()
             total += float(loss) / len(step)
-        norms.append(_global_norm(model))
+        norms.append(_global_norm(model) if before_step is None else before_step(model))
         opt.step()
         opt.clear_grad()
         losses.append(total)
@@ -122,3 +124,28 @@ def _global_norm(model) -> float:
     sq = sum(float((p.grad.astype("float64") ** 2).sum()) for p in model.parameters()
              if p.grad is not None)
     return sq ** 0.5
+
+
+def train_steps(model, opt, steps, rank, world, per_rank, after_step=None):
+    """Train ``model`` on this rank's rows of each step's micro-batches (``steps``: a
+    list of ``[micro] -> array``); return the loss of the whole batch per step (an
+    all-reduce for the log, not through paddle_hsdp). ``after_step(step_index)`` runs
+    between ``opt.step()`` and ``opt.clear_grad()``."""
+    import paddle.distributed as dist
+
+    losses = []
+    for index, micro_batches in enumerate(steps):
+        total = 0.0
+        for micro in micro_batches:
+            ids = paddle.to_tensor(micro[rank * per_rank:(rank + 1) * per_rank])
+            loss = lm_loss(model, ids, uses_extra(rank))
+            (loss / len(micro_batches)).backward()
+            t = paddle.to_tensor([float(loss)])
+            dist.all_reduce(t)
+            total += t.item() / world / len(micro_batches)
+        opt.step()
+        if after_step is not None:
+            after_step(index)
+        opt.clear_grad()
+        losses.append(total)
+    return losses

@@ -14,7 +14,7 @@ import paddle.distributed as dist
 from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
-from models import batches, build_model, lm_loss, make_optimizer, train_reference, uses_extra
+from models import batches, build_model, make_optimizer, train_reference, train_steps
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
 RTOL = 1e-5
@@ -39,21 +39,15 @@ for layer in [model.embed, *model.blocks]:
     paddle_hsdp.fully_shard(layer, mesh=mesh)
 paddle_hsdp.fully_shard(model, mesh=mesh)
 opt = make_optimizer(model, model.parameters(), CLIP)
-losses, worst = [], {}
-for step, micro_batches in enumerate(data):
-    total = 0.0
-    for micro in micro_batches:
-        ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
-        loss = lm_loss(model, ids, uses_extra(rank))
-        (loss / MICRO).backward()
-        t = paddle.to_tensor([float(loss)])
-        dist.all_reduce(t)
-        total += t.item() / world / MICRO
-    opt.step()
+worst = {}
+
+
+def record_norm(step):
     norm = paddle_hsdp.last_global_norm(opt)
     worst["norm"] = max(worst.get("norm", 0), abs(norm - ref_norms[step]) / ref_norms[step])
-    opt.clear_grad()
-    losses.append(total)
+
+
+losses = train_steps(model, opt, data, rank, world, PER_RANK, record_norm)
 compare_with_reference(paddle_hsdp.full_state_dict(model), ref_params, losses, ref_losses,
                        worst, RTOL)
 print(f"PARITY dp2 x sharding2 mesh 2x2: max rel diff {max(worst.values()):.2e}", flush=True)

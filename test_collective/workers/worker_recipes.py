@@ -26,7 +26,7 @@ from paddle.distributed import fleet
 
 import paddle_hsdp
 from paddle_hsdp.gather_check import CollectiveMismatchError
-from models import batches, build_model, lm_loss, make_optimizer, uses_extra
+from models import batches, build_model, lm_loss, make_optimizer, train_reference, uses_extra
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
 RTOL = 1e-5  # float32 parity, relative to each tensor's scale
@@ -43,25 +43,11 @@ def my_ids(micro):
 def reference(clip: str):
     """Single process, whole batch; ``clip``: "opt" (ClipGradByGlobalNorm in the
     optimizer), "norm2" / "norminf" (paddle.nn.utils.clip_grad_norm_ before step)."""
-    model = build_model()
-    opt = make_optimizer(model, model.parameters(), CLIP if clip == "opt" else 0)
-    losses, norms = [], []
-    for step in data:
-        total = 0.0
-        for micro in step:
-            loss = 0.0
-            for r in range(world):
-                ids = paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK])
-                loss = loss + lm_loss(model, ids, uses_extra(r)) / world
-            (loss / MICRO).backward()
-            total += float(loss) / MICRO
-        if clip.startswith("norm"):
-            kind = float("inf") if clip == "norminf" else 2.0
-            norms.append(float(paddle.nn.utils.clip_grad_norm_(model.parameters(), CLIP, kind)))
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}, norms
+    if clip == "opt":
+        return train_reference(data, world, PER_RANK, CLIP)
+    kind = float("inf") if clip == "norminf" else 2.0
+    return train_reference(data, world, PER_RANK, 0, before_step=lambda m: float(
+        paddle.nn.utils.clip_grad_norm_(m.parameters(), CLIP, kind)))
 
 
 REF = {kind: reference(kind) for kind in ("opt", "norm2", "norminf")}

@@ -1,0 +1,516 @@
+"""Sharded checkpoints that load into another layout: ``save_checkpoint`` / ``load_checkpoint``.
+
+Format (a directory)::
+
+    CKPT/metadata.json            every tensor: global shape, dtype, where its pieces are
+    CKPT/rank-00003.safetensors   the pieces one rank wrote
+
+A tensor is a model parameter or buffer (by its structured name in the unsharded
+model; tied aliases are recorded as aliases) or an optimizer state of a parameter
+(``NAME/optim/moment1``, ``.../moment2``, ``.../beta1_pow_acc``, ...,
+``.../master_weight``). A piece is a run of dim-0 rows, without padding rows, with the
+file and key that hold it and a CRC-32 of its bytes. Each distinct block is written
+once: of the outer replicas that hold it, one writes, chosen per buffer so the writing
+spreads over the replicas. Tensor data is safetensors, metadata JSON: nothing is
+unpickled when loading.
+
+``load_checkpoint`` reads the pieces overlapping this rank's blocks (memory-mapped
+safetensors), checks shapes, dtypes and CRCs, agrees with every rank that all is well
+(one small all-reduce), and only then writes parameters and optimizer state: a bad
+checkpoint raises ``CheckpointError`` on every rank and changes nothing. It loads into
+any inner/outer layout and world size, and into a plain model and optimizer in a
+process that never called ``fleet.init``.
+
+Saving is atomic: ranks write into ``CKPT.tmp-<token>``, agree that every write
+succeeded, rank 0 writes the metadata and renames the directory into place (an older
+``CKPT`` is replaced only then). A failure on any rank leaves the previous checkpoint
+as it was and raises on every rank. The directory must be visible to every rank (a
+shared filesystem across machines).
+
+Not yet (see the README): tensor or pipeline parallelism next to HSDP, bfloat16
+parameters, global expert indices for MoE (experts load only with the same expert
+layout), ``flex_checkpoint`` interop, and the consolidate/inspect CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+
+import numpy as np
+
+import paddle
+
+FORMAT = "paddle_hsdp-checkpoint/1"
+META = "metadata.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded (missing, corrupted, another model)."""
+
+
+# ---------------------------------------------------------------- job helpers
+def _rank_world():
+    import paddle.distributed as dist
+
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (one all-reduce; local when alone)."""
+    from . import comm
+
+    rank, world = _rank_world()
+    if world == 1:
+        return ok
+    flag = paddle.to_tensor([0 if ok else 1], dtype="int32")
+    comm.all_reduce(flag, paddle.distributed.collective._get_global_group(), tag="checkpoint")
+    return int(flag.item()) == 0
+
+
+def _gather_json(obj) -> list:
+    """Every rank's JSON-serialisable ``obj``, in rank order (no pickling)."""
+    import paddle.distributed as dist
+
+    rank, world = _rank_world()
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    if world == 1:
+        return [obj]
+    sizes = []
+    dist.all_gather(sizes, paddle.to_tensor([len(data)], dtype="int64"))
+    longest = max(int(s.item()) for s in sizes)
+    padded = np.zeros(longest, dtype=np.uint8)
+    padded[:len(data)] = data
+    parts = []
+    dist.all_gather(parts, paddle.to_tensor(padded))
+    return [json.loads(p.numpy()[:int(n.item())].tobytes().decode())
+            for p, n in zip(parts, sizes)]
+
+
+def _token() -> str:
+    """The same fresh token on every rank (rank 0's clock, broadcast)."""
+    import paddle.distributed as dist
+
+    rank, world = _rank_world()
+    t = paddle.to_tensor([int(time.time() * 1e6) % (2 ** 62)], dtype="int64")
+    if world > 1:
+        dist.broadcast(t, src=0)
+    return f"{int(t.item()):x}"
+
+
+# ---------------------------------------------------------------- what this rank holds
+class _Item:
+    """One checkpoint tensor as this rank holds it: rows ``[row0, row0 + rows)`` of a
+    tensor of ``shape``; ``get()`` reads them, ``put(array)`` writes them back."""
+
+    def __init__(self, name, shape, dtype, row0, rows, writes, get, put):
+        self.name, self.shape, self.dtype = name, [int(d) for d in shape], dtype
+        self.row0, self.rows, self.writes = row0, rows, writes
+        self.get, self.put = get, put
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).replace("paddle.", "")
+    if name == "bfloat16":  # numpy has no bfloat16: the bytes would be read as uint16
+        raise NotImplementedError("save/load_checkpoint of bfloat16 tensors is not "
+                                  "supported yet (keep float32 masters: MixedPrecisionPolicy)")
+    return name
+
+
+def _check_supported(model) -> None:
+    from paddle.distributed.fleet.base import topology as fleet_topology
+
+    hcg = fleet_topology._HYBRID_PARALLEL_GROUP
+    if hcg is not None:
+        for getter, what in (("get_model_parallel_world_size", "mp_degree"),
+                             ("get_pipe_parallel_world_size", "pp_degree")):
+            if getattr(hcg, getter)() > 1:
+                raise NotImplementedError(
+                    f"save/load_checkpoint with {what} > 1 is not supported yet: tensor "
+                    "slices and pipeline stages are not recorded in the format.")
+
+
+def _names_and_aliases(model):
+    """``(canonical, aliases)``: ``{name: tensor}`` for every distinct parameter and
+    persistable buffer (first name wins), ``{alias: canonical}`` for tied names."""
+    from .state_dict import _managed
+
+    canonical, aliases, first = {}, {}, {}
+    for name, value in model._state_dict_impl(use_hook=False).items():
+        sp = _managed(value)
+        key = id(sp) if sp is not None else id(value)
+        if key in first:
+            aliases[name] = first[key]
+            continue
+        first[key] = name
+        canonical[name] = value
+    return canonical, aliases
+
+
+def _writer(sp) -> bool:
+    """Whether this rank writes ``sp``'s block: one outer replica per buffer, rotating
+    with the buffer so the writing spreads over the replicas."""
+    from .api import _owner_of
+
+    unit = _owner_of[id(sp.full)][0]
+    for buf in unit.buffers:
+        if any(p is sp for p in buf.params):
+            choice = (unit.index + buf.index) % buf.outer.nranks
+            return buf.outer.rank == choice
+    return True
+
+
+def _param_items(model) -> tuple[list[_Item], dict, dict]:
+    from .state_dict import _managed
+
+    canonical, aliases = _names_and_aliases(model)
+    rank, _ = _rank_world()
+    items, by_shard = [], {}
+    for name, value in canonical.items():
+        sp = _managed(value)
+        if sp is None:  # not sharded: the same on every rank; rank 0 writes it
+            items.append(_Item(name, value.shape, _dtype_name(value.dtype), 0,
+                               int(value.shape[0]) if value.shape else 1, rank == 0,
+                               _getter(value, 0, None), _putter(value, None)))
+            by_shard[id(value)] = name
+            continue
+        start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
+        count = min(start + sp.rows_per_rank, sp.rows) - start
+        items.append(_Item(name, sp.shape, _dtype_name(sp.dtype), start, count, _writer(sp),
+                           _getter(sp.shard, 0, count), _putter(sp.shard, count)))
+        by_shard[id(sp.shard)] = name
+    return items, by_shard, aliases
+
+
+def _getter(tensor, row0, rows):
+    def get():
+        array = tensor.numpy()
+        if array.ndim == 0:
+            array = array.reshape([1])
+        return array if rows is None else array[row0:row0 + rows]
+    return get
+
+
+def _putter(tensor, rows):
+    """Write ``rows`` (None: the whole tensor) into ``tensor`` in place, keeping any
+    padding rows of a shard as zeros."""
+    @paddle.no_grad()
+    def put(array):
+        if rows is None:
+            value = paddle.to_tensor(array.reshape(tensor.shape), dtype=tensor.dtype)
+        else:
+            full = np.zeros(tensor.shape, dtype=array.dtype)
+            full[:rows] = array
+            value = paddle.to_tensor(full, dtype=tensor.dtype)
+        paddle.assign(value, output=tensor)
+    return put
+
+
+def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item]:
+    """AdamW-style accumulators and master weights, as blocks of their parameter's rows
+    (``moment1``) or whole (``beta1_pow_acc``, shape [1])."""
+    from .optim import _params_of
+
+    _ensure_accumulators(optimizer)
+    items = []
+    for p in _params_of(optimizer):
+        name = by_shard.get(id(p))
+        if name is None:
+            continue
+        owner = param_items[name]
+        states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
+                  if p.name in table}
+        master = getattr(optimizer, "_master_weights", {}).get(p.name)
+        if master is not None:
+            states["master_weight"] = master
+        for acc, t in sorted(states.items()):
+            if list(t.shape) == list(p.shape):  # a block like its parameter
+                items.append(_Item(f"{name}/optim/{acc}", owner.shape, _dtype_name(t.dtype),
+                                   owner.row0, owner.rows, owner.writes,
+                                   _getter(t, 0, owner.rows if p is not owner else None),
+                                   _putter(t, owner.rows)))
+            else:  # a scalar, the same on every rank holding the parameter
+                items.append(_Item(f"{name}/optim/{acc}", t.shape, _dtype_name(t.dtype), 0,
+                                   int(t.shape[0]), owner.writes and owner.row0 == 0,
+                                   _getter(t, 0, None), _putter(t, None)))
+    return items
+
+
+def _ensure_accumulators(optimizer) -> None:
+    """Create the optimizer's state now if no step has run yet, so it can be loaded."""
+    from paddle.base import framework
+
+    from .optim import _params_of
+
+    params = [p for p in _params_of(optimizer) if not p.stop_gradient]
+    if params and not getattr(optimizer, "_accumulators", None):
+        block = framework.default_main_program().global_block()
+        optimizer._create_accumulators(block, params)
+
+
+def _all_items(model, optimizer):
+    _check_supported(model)
+    items, by_shard, aliases = _param_items(model)
+    if optimizer is not None:
+        while hasattr(optimizer, "_inner_opt"):
+            optimizer = optimizer._inner_opt
+        by_name = {it.name: it for it in items}
+        items += _optimizer_items(optimizer, by_shard, by_name)
+    return items, aliases, optimizer
+
+
+# ---------------------------------------------------------------- save
+def _write_rank_file(path: str, tensors: dict) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
+    """Save ``model`` (and ``optimizer``, and JSON-serialisable ``extra``) to the
+    directory ``path``. A collective: call it on every rank. See the module docstring."""
+    if extra is not None:
+        json.dumps(extra)  # not serialisable: TypeError here, on every rank alike
+    path = os.path.abspath(os.fspath(path))
+    rank, world = _rank_world()
+    items, aliases, optimizer = _all_items(model, optimizer)
+    token = _token()
+    tmp = f"{path}.tmp-{token}"
+    pieces, error = {}, None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        fname = f"rank-{rank:05d}.safetensors"
+        tensors = {}
+        for it in items:
+            if not it.writes or it.rows == 0:
+                continue
+            array = np.ascontiguousarray(it.get())
+            key = it.name
+            tensors[key] = array
+            pieces[it.name] = {"file": fname, "key": key, "row0": it.row0,
+                               "rows": int(array.shape[0]),
+                               "crc32": zlib.crc32(array.tobytes())}
+        if tensors:
+            _write_rank_file(os.path.join(tmp, fname), tensors)
+    except Exception as e:  # every rank must learn of it: agree below
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    everyone = _gather_json({"pieces": pieces, "error": error})
+    errors = [r["error"] for r in everyone if r["error"]]
+    if rank == 0:
+        if not errors:
+            try:
+                _publish(path, tmp, items, everyone, aliases, optimizer, extra, world)
+            except Exception as e:
+                errors.append(f"rank 0: {type(e).__name__}: {e}")
+        if errors:  # before the others learn the outcome: they return to a clean dir
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _agree(not errors):
+        raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
+                              f"(if any) is unchanged. {'; '.join(errors) or 'see rank 0'}")
+
+
+def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> None:
+    tensors = {}
+    for it in items:
+        tensors[it.name] = {"shape": it.shape, "dtype": it.dtype, "pieces": []}
+    for record in everyone:
+        for name, piece in record["pieces"].items():
+            tensors[name]["pieces"].append(piece)
+    for name, t in tensors.items():
+        t["pieces"].sort(key=lambda p: p["row0"])
+        rows = t["shape"][0] if t["shape"] else 1
+        covered = sum(p["rows"] for p in t["pieces"])
+        if covered != rows:
+            raise CheckpointError(f"{name}: pieces cover {covered} of {rows} rows")
+    lr = getattr(optimizer, "_learning_rate", None)
+    meta = {"format": FORMAT, "world_size": world, "tensors": tensors, "aliases": aliases,
+            "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
+            "extra": extra, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta_path = os.path.join(tmp, META)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1, default=float)
+        f.flush()
+        os.fsync(f.fileno())
+    old = None
+    if os.path.exists(path):
+        old = f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- load
+def read_metadata(path) -> dict:
+    meta_path = os.path.join(os.fspath(path), META)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path!r} is not a checkpoint: no {META}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
+    if meta.get("format") != FORMAT or not isinstance(meta.get("tensors"), dict):
+        raise CheckpointError(f"{meta_path}: not a {FORMAT} checkpoint")
+    return meta
+
+
+class _Reader:
+    """Reads pieces from the rank files (memory-mapped), checking their CRC."""
+
+    def __init__(self, path):
+        self.path, self.files = path, {}
+
+    def piece(self, name, piece):
+        from safetensors import safe_open
+
+        fname = os.path.join(self.path, piece["file"])
+        try:
+            if fname not in self.files:
+                self.files[fname] = safe_open(fname, framework="numpy")
+            array = self.files[fname].get_tensor(piece["key"])
+        except Exception as e:
+            raise CheckpointError(f"{name}: cannot read {piece['file']} ({e})") from None
+        if zlib.crc32(np.ascontiguousarray(array).tobytes()) != piece["crc32"]:
+            raise CheckpointError(f"{name}: {piece['file']} is corrupted (CRC mismatch)")
+        return array
+
+
+def _read_rows(reader, name, entry, row0, rows):
+    """Rows ``[row0, row0 + rows)`` of a tensor, from the pieces that overlap them."""
+    parts = []
+    for piece in entry["pieces"]:
+        lo, hi = max(row0, piece["row0"]), min(row0 + rows, piece["row0"] + piece["rows"])
+        if lo < hi:
+            array = reader.piece(name, piece)
+            parts.append(array[lo - piece["row0"]:hi - piece["row0"]])
+    got = sum(p.shape[0] for p in parts)
+    if got != rows:
+        raise CheckpointError(f"{name}: the checkpoint holds {got} of the {rows} rows needed")
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def load_checkpoint(path, model, optimizer=None, strict=True):
+    """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and
+    ``optimizer``), whatever layout either was in; return the saved ``extra``. A
+    collective on a sharded model: call it on every rank. Nothing changes unless every
+    rank read everything it needs."""
+    from .api import _units_under
+
+    path = os.path.abspath(os.fspath(path))
+    items, aliases, optimizer = _all_items(model, optimizer)
+    loaded, error, meta = [], None, None
+    try:
+        meta = read_metadata(path)
+        tensors = meta["tensors"]
+        wanted = {it.name for it in items}
+        missing = sorted(wanted - set(tensors))
+        params_saved = {n for n in tensors if "/optim/" not in n}
+        unexpected = sorted(params_saved - wanted - set(aliases)) if strict else []
+        if optimizer is None:
+            missing = [m for m in missing if "/optim/" not in m]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path!r} does not match this model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''} unexpected {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''} (strict={strict})")
+        reader = _Reader(path)
+        for it in items:
+            entry = tensors[it.name]
+            if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
+                raise CheckpointError(
+                    f"{it.name}: checkpoint has shape {entry['shape']} {entry['dtype']}, "
+                    f"the model {it.shape} {it.dtype}")
+            if it.rows:
+                loaded.append((it, _read_rows(reader, it.name, entry, it.row0, it.rows)))
+    except Exception as e:
+        error = e
+    if not _agree(error is None):
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is not None:
+            raise CheckpointError(f"load_checkpoint({path!r}): {error}") from error
+        raise CheckpointError(f"load_checkpoint({path!r}) failed on another rank (see its "
+                              "log); nothing was changed")
+    for unit in _units_under(model):
+        unit.reshard(force=True)  # gathered copies would be stale
+    for it, array in loaded:
+        it.put(array)
+    lr = getattr(optimizer, "_learning_rate", None)
+    if meta.get("lr_scheduler") and hasattr(lr, "set_state_dict"):
+        lr.set_state_dict(meta["lr_scheduler"])
+    return meta.get("extra")
+
+
+# ---------------------------------------------------------------- CLI
+def consolidate(path, out) -> list[str]:
+    """Write the checkpoint's model tensors as one safetensors file with the unsharded
+    model's ``state_dict()`` keys (tied aliases included); return the keys written.
+    Plain Paddle loads it with ``safetensors.numpy.load_file`` + ``set_state_dict``."""
+    from safetensors.numpy import save_file
+
+    meta = read_metadata(path)
+    reader = _Reader(os.fspath(path))
+    full = {}
+    for name, entry in meta["tensors"].items():
+        if "/optim/" in name:
+            continue
+        rows = entry["shape"][0] if entry["shape"] else 1
+        full[name] = _read_rows(reader, name, entry, 0, rows).reshape(entry["shape"])
+    for alias, name in meta["aliases"].items():
+        full[alias] = full[name]
+    save_file({k: np.ascontiguousarray(v) for k, v in full.items()}, os.fspath(out))
+    return list(full)
+
+
+def describe(path) -> str:
+    """What a checkpoint holds, as text (the ``inspect`` command)."""
+    meta = read_metadata(path)
+    lines = [f"{path}: {FORMAT}, saved {meta.get('saved_at')} by {meta['world_size']} "
+             f"rank(s); extra: {json.dumps(meta.get('extra'))}"]
+    total = 0
+    for name, t in sorted(meta["tensors"].items()):
+        numel = int(np.prod(t["shape"])) if t["shape"] else 1
+        total += numel * np.dtype(t["dtype"]).itemsize
+        lines.append(f"  {name:50s} {str(t['shape']):>18s} {t['dtype']:8s} "
+                     f"{len(t['pieces'])} piece(s)")
+    for alias, name in sorted(meta["aliases"].items()):
+        lines.append(f"  {alias:50s} = {name} (tied)")
+    files = sorted({p["file"] for t in meta["tensors"].values() for p in t["pieces"]})
+    lines.append(f"{len(meta['tensors'])} tensors, {total / 2**20:.1f} MiB in {len(files)} "
+                 f"file(s)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m paddle_hsdp.checkpoint",
+                                 description="Inspect or consolidate a paddle_hsdp checkpoint.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("inspect", help="print what a checkpoint holds").add_argument("ckpt")
+    c = sub.add_parser("consolidate", help="one safetensors file with the unsharded keys")
+    c.add_argument("ckpt")
+    c.add_argument("out")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(describe(args.ckpt))
+        else:
+            keys = consolidate(args.ckpt, args.out)
+            print(f"wrote {len(keys)} tensors to {args.out}")
+    except CheckpointError as e:
+        print(f"error: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""Checkpoints in one process (no distributed init; the one-rank fake mesh for a
+sharded model): the format, the plain-model round trip, refusals and the CLI.
+Cross-layout resumes are in test_collective/test_checkpoint.py."""
+
+import json
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+import paddle_hsdp
+from paddle_hsdp import checkpoint
+from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+
+
+def _train_step(model, opt):
+    models.lm_loss(model, _ids(), True).backward()
+    opt.step()
+    opt.clear_grad()
+
+
+def test_plain_model_round_trip_with_optimizer_state(tmp_path, registry):  # noqa: F811
+    model = models.build_model()
+    opt = models.make_optimizer(model, model.parameters(), 0.2)
+    _train_step(model, opt)
+    checkpoint.save_checkpoint(tmp_path / "ck", model, opt, extra={"step": 1, "seed": 7})
+    meta = checkpoint.read_metadata(tmp_path / "ck")
+    assert meta["aliases"] == {"head.weight": "embed.weight"}
+    assert "embed.weight/optim/moment1" in meta["tensors"]
+    other = models.build_model(seed=3)
+    other_opt = models.make_optimizer(other, other.parameters(), 0.2)
+    assert checkpoint.load_checkpoint(tmp_path / "ck", other, other_opt) == {"step": 1, "seed": 7}
+    for (n, a), b in zip(model.named_parameters(), other.parameters()):
+        assert np.array_equal(a.numpy(), b.numpy()), n
+    _train_step(model, opt)  # the moments and beta powers came along: same next step
+    _train_step(other, other_opt)
+    for (n, a), b in zip(model.named_parameters(), other.parameters()):
+        assert np.array_equal(a.numpy(), b.numpy()), n
+
+
+def test_sharded_model_loads_into_plain(tmp_path, fake_mesh):  # noqa: F811
+    sharded = _shard_tinylm(models.build_model())
+    opt = models.make_optimizer(sharded, sharded.parameters(), 0.2)
+    _train_step(sharded, opt)
+    checkpoint.save_checkpoint(tmp_path / "ck", sharded, opt)
+    plain = models.build_model(seed=3)
+    checkpoint.load_checkpoint(tmp_path / "ck", plain)
+    full = paddle_hsdp.full_state_dict(sharded)
+    for name, p in plain.named_parameters():
+        assert np.array_equal(p.numpy(), full[name].numpy()), name
+
+
+def test_refusals_change_nothing(tmp_path, registry):  # noqa: F811
+    model = models.build_model()
+    checkpoint.save_checkpoint(tmp_path / "ck", model)
+    other = paddle.nn.Linear(3, 3)
+    before = other.weight.numpy().copy()
+    with pytest.raises(checkpoint.CheckpointError, match="does not match this model"):
+        checkpoint.load_checkpoint(tmp_path / "ck", other)
+    assert np.array_equal(other.weight.numpy(), before)
+    with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint"):
+        checkpoint.load_checkpoint(tmp_path / "nothing", model)
+    meta_path = tmp_path / "ck" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["tensors"]["embed.weight"]["shape"] = [1, 1]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match="shape"):
+        checkpoint.load_checkpoint(tmp_path / "ck", models.build_model())
+    with pytest.raises(TypeError):
+        checkpoint.save_checkpoint(tmp_path / "ck2", model, extra={"x": object()})
+    assert not (tmp_path / "ck2").exists()
+
+
+def test_cli_inspect_and_consolidate(tmp_path, registry, capsys):  # noqa: F811
+    model = models.build_model()
+    checkpoint.save_checkpoint(tmp_path / "ck", model, extra={"step": 4})
+    assert checkpoint.main(["inspect", str(tmp_path / "ck")]) == 0
+    text = capsys.readouterr().out
+    assert "embed.weight" in text and "head.weight" in text and '"step": 4' in text
+    assert checkpoint.main(["consolidate", str(tmp_path / "ck"), str(tmp_path / "f.st")]) == 0
+    from safetensors.numpy import load_file
+
+    assert sorted(load_file(str(tmp_path / "f.st"))) == sorted(model.state_dict())
+    assert checkpoint.main(["inspect", str(tmp_path / "missing")]) == 1
+    assert "error: " in capsys.readouterr().out

@@ -1,0 +1,143 @@
+"""Checkpoints on 4 CPU ranks (fleet sharding 4, fsdp_outer_degree 2): train 3 steps in
+2x2, save, load into 2x2 (bit-exact continuation), 1x4 and 4x1 explicit meshes (rtol
+1e-5), train 2 more steps and compare with an uninterrupted 5-step run; a save that
+fails on one rank leaves the previous checkpoint intact on every rank; a corrupted
+file and another model are refused on every rank with nothing changed.
+
+argv: a directory shared by the ranks (the test's tmp dir).
+"""
+
+import os
+import shutil
+import sys
+
+import numpy as np
+from common import finish, init_fleet, max_rel
+
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import ProcessMesh
+
+import paddle_hsdp
+from paddle_hsdp import checkpoint
+from models import batches, build_model, make_optimizer, train_steps
+
+STEPS, SAVE_AT, MICRO, PER_RANK, CLIP = 5, 3, 2, 2, 0.2
+RTOL = 1e-5
+
+work = sys.argv[1]
+hcg = init_fleet({"sharding_degree": 4, "outer": 2})
+rank, world = dist.get_rank(), dist.get_world_size()
+data = batches(STEPS, MICRO, world, PER_RANK)
+CK = os.path.join(work, "ckpt")
+
+
+def shard(mesh=None):
+    model = build_model(seed=99)  # other weights than the saved run: loading must matter
+    for layer in [model.embed, *model.blocks]:
+        paddle_hsdp.fully_shard(layer, mesh=mesh)
+    paddle_hsdp.fully_shard(model, mesh=mesh)
+    return model, make_optimizer(model, model.parameters(), CLIP)
+
+
+def train(model, opt, steps):
+    return train_steps(model, opt, [data[i] for i in steps], rank, world, PER_RANK)
+
+
+def params(model):
+    return {k: v.numpy() for k, v in paddle_hsdp.full_state_dict(model).items()}
+
+
+# the uninterrupted run, and the run that saves after step 3
+model = build_model()
+for layer in [model.embed, *model.blocks]:
+    paddle_hsdp.fully_shard(layer)
+paddle_hsdp.fully_shard(model)
+opt = make_optimizer(model, model.parameters(), CLIP)
+ref_losses = train(model, opt, range(STEPS))
+ref_params = params(model)
+if rank == 0:
+    np.savez(os.path.join(work, "reference.npz"), losses=np.array(ref_losses[SAVE_AT:]),
+             **{k.replace(".", "__"): v for k, v in ref_params.items()})
+
+model = build_model()
+for layer in [model.embed, *model.blocks]:
+    paddle_hsdp.fully_shard(layer)
+paddle_hsdp.fully_shard(model)
+opt = make_optimizer(model, model.parameters(), CLIP)
+train(model, opt, range(SAVE_AT))
+checkpoint.save_checkpoint(CK, model, opt, extra={"step": SAVE_AT})
+meta = checkpoint.read_metadata(CK)
+assert meta["aliases"] == {"head.weight": "embed.weight"}, meta["aliases"]
+writers = {p["file"] for t in meta["tensors"].values() for p in t["pieces"]}
+assert len(writers) == 4, writers  # both outer replicas write: the work is spread
+for name, t in meta["tensors"].items():  # each distinct block once
+    assert sum(p["rows"] for p in t["pieces"]) == (t["shape"][0] if t["shape"] else 1), name
+
+# resume in each layout and train the last 2 steps
+for label, mesh in (("2x2", None), ("1x4", ProcessMesh([0, 1, 2, 3])),
+                    ("4x1", ProcessMesh([[0], [1], [2], [3]], dim_names=["outer", "inner"]))):
+    resumed, resumed_opt = shard(mesh)
+    extra = checkpoint.load_checkpoint(CK, resumed, resumed_opt)
+    assert extra == {"step": SAVE_AT}, extra
+    losses = train(resumed, resumed_opt, range(SAVE_AT, STEPS))
+    got = params(resumed)
+    if label == "2x2":  # the same layout: bit for bit
+        assert losses == ref_losses[SAVE_AT:], (losses, ref_losses[SAVE_AT:])
+        assert all(np.array_equal(got[k], ref_params[k]) for k in ref_params)
+        worst = 0.0
+    else:
+        worst = max([max_rel(got[k], ref_params[k]) for k in ref_params]
+                    + [max_rel(np.array(losses), np.array(ref_losses[SAVE_AT:]))])
+        assert worst < RTOL, (label, worst)
+    print(f"RESUME {label}: max rel diff {worst:.2e}", flush=True)
+
+# a save that fails on one rank: every rank raises, the previous checkpoint stays
+before = open(os.path.join(CK, "metadata.json")).read()
+original_write = checkpoint._write_rank_file
+
+
+def failing_write(path, tensors):
+    if rank == 1:
+        raise OSError("disk full (injected)")
+    original_write(path, tensors)
+
+
+checkpoint._write_rank_file = failing_write
+try:
+    checkpoint.save_checkpoint(CK, model, opt, extra={"step": 99})
+    raise AssertionError("a failed save did not raise")
+except checkpoint.CheckpointError as e:
+    assert "disk full" in str(e), e
+checkpoint._write_rank_file = original_write
+assert open(os.path.join(CK, "metadata.json")).read() == before
+assert not [d for d in os.listdir(work) if ".tmp-" in d], os.listdir(work)
+probe, probe_opt = shard()
+assert checkpoint.load_checkpoint(CK, probe, probe_opt) == {"step": SAVE_AT}
+print("SAVE_FAILURE: every rank raised, previous checkpoint intact", flush=True)
+
+# a corrupted file, and another model: refused on every rank, nothing changed
+bad = os.path.join(work, "ckpt_bad")
+if rank == 0:
+    shutil.copytree(CK, bad)
+    victim = os.path.join(bad, "rank-00003.safetensors")
+    raw = bytearray(open(victim, "rb").read())
+    raw[-8] ^= 0xFF  # a byte of tensor data
+    open(victim, "wb").write(bytes(raw))
+dist.barrier()
+untouched = params(probe)
+try:
+    checkpoint.load_checkpoint(bad, probe, probe_opt)
+    raise AssertionError("a corrupted checkpoint loaded")
+except checkpoint.CheckpointError as e:
+    print(f"CORRUPTED rank {rank}: {str(e)[:120]}", flush=True)
+assert all(np.array_equal(params(probe)[k], untouched[k]) for k in untouched)
+other = paddle.nn.Sequential(paddle.nn.Linear(8, 8))
+paddle_hsdp.fully_shard(other)
+try:
+    checkpoint.load_checkpoint(CK, other)
+    raise AssertionError("another model's checkpoint loaded")
+except checkpoint.CheckpointError as e:
+    assert "does not match this model" in str(e), e
+print("REFUSED: corrupted file and another model", flush=True)
+finish()
