@@ -47,6 +47,15 @@ class FSDPModule:
             hooks.abandon_forward(_units_under(self))
             raise
 
+    def sharded_state_dict(self, structured_name_prefix: str = ""):
+        """This rank's shards as ``ShardedWeight``s for Paddle's ``flex_checkpoint.dcp``
+        (see :func:`paddle_hsdp.checkpoint.sharded_state_dict`)."""
+        from .checkpoint import sharded_state_dict
+
+        for unit in _units_under(self):
+            unit.reshard(force=True)  # the shards are the truth; no stale gathered copy
+        return sharded_state_dict(self, structured_name_prefix)
+
     def unshard(self, async_op: bool = False):
         """Gather this unit's parameters now (a collective: call on every rank).
 

@@ -449,6 +449,46 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     return meta.get("extra")
 
 
+# ---------------------------------------------------------------- flex_checkpoint
+def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
+    """``{name: ShardedWeight}`` for Paddle's ``flex_checkpoint.dcp`` save/load: each
+    managed parameter as this rank's unpadded rows (a view of the shard storage, so a
+    dcp load writes straight into it) at its global row offset; everything else whole.
+    Outer replicas describe the same pieces; dcp keeps one. Tied aliases are left out
+    (their one tensor is saved under the first name)."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    from .state_dict import _managed
+
+    canonical, _ = _names_and_aliases(model)
+    out = {}
+    for name, value in canonical.items():
+        key = structured_name_prefix + name
+        sp = _managed(value)
+        if sp is None:
+            shape = tuple(int(d) for d in value.shape)
+            out[key] = ShardedWeight(key, value, shape, shape, (0,) * len(shape))
+            continue
+        start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
+        count = min(start + sp.rows_per_rank, sp.rows) - start
+        if count == 0:
+            continue  # this rank's block is all padding
+        buf = _buffer_of(sp)
+        local = buf.flat._slice(sp.offset, sp.offset + count * sp.row_numel)
+        local = local.reshape([count] + sp.rest)
+        local.name = sp.shard.name
+        out[key] = ShardedWeight(key, local, (count, *sp.rest), tuple(sp.shape),
+                                 (start,) + (0,) * len(sp.rest))
+    return out
+
+
+def _buffer_of(sp):
+    from .api import _owner_of
+
+    unit = _owner_of[id(sp.full)][0]
+    return next(buf for buf in unit.buffers if any(p is sp for p in buf.params))
+
+
 # ---------------------------------------------------------------- CLI
 def consolidate(path, out) -> list[str]:
     """Write the checkpoint's model tensors as one safetensors file with the unsharded

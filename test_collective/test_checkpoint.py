@@ -17,6 +17,7 @@ def test_save_resume_across_layouts_and_failures():
     for label in ("2x2", "1x4", "4x1"):
         assert log.count(f"RESUME {label}:") == 1, log[-3000:]
     assert "SAVE_FAILURE" in log and "REFUSED" in log and "CORRUPTED rank 0" in log, log[-3000:]
+    assert "FLEX_CHECKPOINT" in log, log[-3000:]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]),
                GLOG_minloglevel="2")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "workers",

@@ -140,4 +140,21 @@ try:
 except checkpoint.CheckpointError as e:
     assert "does not match this model" in str(e), e
 print("REFUSED: corrupted file and another model", flush=True)
+
+# Paddle's flex_checkpoint: sharded_state_dict() gives ShardedWeights (views of the
+# shards at their global row offsets) that dcp saves and loads back in place. On CPU
+# dcp's reshard path calls .cuda(), so only a same-layout load with save_replicas
+# (every piece local) runs here.
+from paddle.distributed.flex_checkpoint.dcp.load_state_dict import load_state_dict  # noqa: E402
+from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_dict  # noqa: E402
+
+dcp_path = os.path.join(work, "dcp")
+sd = model.sharded_state_dict()
+assert sd["blocks.0.fc1.weight"].global_shape == (8, 25), sd["blocks.0.fc1.weight"].global_shape
+save_state_dict(sd, dcp_path, save_replicas=True)
+fresh, _ = shard()
+load_state_dict(fresh.sharded_state_dict(), dcp_path)
+expected = params(model)
+assert all(np.array_equal(params(fresh)[k], expected[k]) for k in expected)
+print("FLEX_CHECKPOINT: same-layout dcp round trip bit-identical", flush=True)
 finish()
