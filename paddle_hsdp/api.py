@@ -436,9 +436,13 @@ def _units_under(model) -> list[FSDPUnit]:
 
 @paddle.no_grad()
 def full_state_dict(model) -> dict[str, paddle.Tensor]:
-    """``{name: full tensor}`` with the names ``model.named_parameters()`` gave before
-    sharding. A collective (one all-gather per buffer): call it on every rank."""
-    return _gather_named(model, grads=False)
+    """``{name: full tensor}`` with exactly the keys of the unsharded model's
+    ``state_dict()``: tied aliases and persistable buffers included, sharded params
+    gathered from their (float32 master) shards, everything else copied. A collective
+    (one all-gather per buffer): call it on every rank."""
+    live = model._state_dict_impl(use_hook=False)
+    out = model.state_dict()
+    return {k: v.detach().clone() if v is live.get(k) else v for k, v in out.items()}
 
 
 @paddle.no_grad()

@@ -83,6 +83,7 @@ class RootState:
             if not unit.reduced_in_backward or late:
                 unit.post_backward()
             unit.reduced_in_backward = False
+            unit.backward_calls = 0
         wait_pending_reduces()  # shard grads are complete when backward returns
         for unit in reversed(self.units):
             unit.pins = 0
@@ -120,6 +121,10 @@ def _on_post_backward(unit: FSDPUnit) -> None:
     alive at once. Every rank takes this path alike as long as every rank runs the same
     units and their inputs require grad alike (see the README); owners of tied params
     wait for the end of backward, since a borrower's backward may still add to them."""
+    unit.backward_calls -= 1
+    if unit.backward_calls > 0:
+        return  # called again in this forward (two micro-batches, a shared block): the
+        # other calls' backward still needs the params and adds to the grads
     if unit.reduce_grads_in_backward and not unit.borrowed_by:
         root = _root_of(unit)
         if root is not None:
@@ -261,7 +266,11 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         if dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), dtype)
         if paddle.is_grad_enabled():
-            args, kwargs = _wrap_tensors(_on_post_backward, unit, (args, kwargs))
+            packed = (args, kwargs)
+            wrapped = _wrap_tensors(_on_post_backward, unit, packed)
+            if wrapped is not packed:
+                unit.backward_calls += 1  # this call's post-backward will fire
+            args, kwargs = wrapped
         trace.record("forward", "compute", unit.index)
         return args, kwargs
 
@@ -349,6 +358,7 @@ def abandon_forward(units: list[FSDPUnit]) -> None:
         root = _root_of(unit)
         if root is not None and root.recording:
             root.forward_order.clear()  # a partial order would differ across ranks
+        unit.backward_calls = 0  # the raised forward's graph is gone
         for u in [unit] + unit.borrowed:
             u.pins = 0
             u.reshard(force=True)
@@ -408,5 +418,6 @@ def _abandon_backward() -> None:
                 sp.full.clear_gradient(False)
             unit.full_grads_pending = False
             unit.reduced_in_backward = False
+            unit.backward_calls = 0
             unit.pins = 0
             unit.reshard(force=True)

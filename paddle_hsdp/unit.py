@@ -110,6 +110,7 @@ class FSDPUnit:
         # the end of the whole backward; False: today's end-of-backward reduction.
         self.reduce_grads_in_backward = True
         self.reduced_in_backward = False  # this backward's post-backward reduced us
+        self.backward_calls = 0  # forward calls whose post-backward has not fired yet
         # Gradient bookkeeping.
         self.full_grads_pending = False  # full-size grads not reduce-scattered yet
         # enable_tensor_fusion_and_overlap: collectives asynchronous (prefetch issued

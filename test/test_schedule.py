@@ -4,6 +4,8 @@ copies around them, not multi-rank numerics, which test_collective covers)."""
 
 import os
 
+import numpy as np
+
 import paddle
 import pytest
 
@@ -114,3 +116,22 @@ def test_overlap_switch_gives_the_same_training(fake_mesh, overlap):
     assert model._hsdp_unit.overlap is overlap
     with pytest.raises(TypeError, match="enable_tensor_fusion_and_overlap"):
         paddle_hsdp.fully_shard(models.build_model(), enable_tensor_fusion_and_overlap="no")
+
+
+def test_unit_called_twice_before_one_backward(fake_mesh):
+    """Two forwards (two micro-batches, or one block applied twice) and one backward
+    over their sum: a ZeRO-3 unit must stay gathered and keep its grads until the
+    backward of every call is done ("Tensor holds no memory" before), and the grads
+    equal the unsharded model's."""
+    sharded, plain = models.build_model(), models.build_model()
+    _shard_tinylm(sharded)
+    paddle_hsdp.set_zero_stage(sharded, 3)
+    for m in (sharded, plain):
+        loss = models.lm_loss(m, _ids(1), True) + models.lm_loss(m, _ids(2), False)
+        loss.backward()
+    grads = paddle_hsdp.full_grads(sharded)
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            np.testing.assert_allclose(grads[name].numpy(), p.grad.numpy(), rtol=1e-5,
+                                       atol=1e-7, err_msg=name)
+    assert all(u.backward_calls == 0 for u in paddle_hsdp.api._units)

@@ -1,5 +1,6 @@
-"""Sharded checkpoints (workers/worker_checkpoint.py): save in 2x2, resume in 2x2 (bit
-for bit), 1x4, 4x1 and one plain process (rtol 1e-5 against the uninterrupted run);
+"""Sharded checkpoints (workers/worker_checkpoint.py): save in 2x2 on 4 ranks, resume in
+2x2 (bit for bit), 1x4, 4x1, 1x2 on 2 ranks and one plain process (rtol 1e-5 against
+the uninterrupted run);
 a failed save keeps the previous checkpoint on every rank; corruption and another
 model are refused on every rank."""
 
@@ -18,6 +19,8 @@ def test_save_resume_across_layouts_and_failures():
         assert log.count(f"RESUME {label}:") == 1, log[-3000:]
     assert "SAVE_FAILURE" in log and "REFUSED" in log and "CORRUPTED rank 0" in log, log[-3000:]
     assert "FLEX_CHECKPOINT" in log, log[-3000:]
+    log2 = launch(2, "worker_checkpoint_2ranks.py", work, timeout=600)
+    assert log2.count("RESUME 1x2") == 1, log2[-3000:]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]),
                GLOG_minloglevel="2")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "workers",

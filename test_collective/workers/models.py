@@ -117,7 +117,7 @@ def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024, before_step=N
         opt.step()
         opt.clear_grad()
         losses.append(total)
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}, norms
+    return losses, {n: p.numpy() for n, p in model.state_dict().items()}, norms
 
 
 def _global_norm(model) -> float:

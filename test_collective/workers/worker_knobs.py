@@ -76,7 +76,7 @@ def train_reference(round_bf16: bool):
         opt.clear_grad()
         losses.append(total)
     assert min(norms) > CLIP, norms  # clipping is active at every step
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}, norms
+    return losses, {n: p.numpy() for n, p in model.state_dict().items()}, norms
 
 
 # ------------------------------------------------------------------ dtype log

@@ -115,7 +115,7 @@ def reference(data, world, ep, n_experts):
         opt.step()
         opt.clear_grad()
         losses.append(total)
-    return losses, norms, grads, {n: p.numpy() for n, p in model.named_parameters()}
+    return losses, norms, grads, {n: p.numpy() for n, p in model.state_dict().items()}
 
 
 def expert_name_in_reference(name, ep_rank):

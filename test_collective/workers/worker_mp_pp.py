@@ -111,7 +111,7 @@ def train_reference(weights, data, n):
         norms.append(sum(float((p.grad.astype("float64") ** 2).sum()) for p in params) ** 0.5)
         opt.step()
         opt.clear_grad()
-    return losses, norms, [{k: p.numpy() for k, p in m.named_parameters()} for m in models]
+    return losses, norms, [{k: p.numpy() for k, p in m.state_dict().items()} for m in models]
 
 
 config = config_from_argv()
