@@ -149,3 +149,27 @@ def train_steps(model, opt, steps, rank, world, per_rank, after_step=None):
         opt.clear_grad()
         losses.append(total)
     return losses
+
+
+def train_on_chunks(model, opt, steps, chunks, per_rank, processes=1):
+    """Train on the data chunks of the ranks in ``chunks`` (each micro-step's loss is
+    their mean), e.g. two of a saved 4-rank run's chunks per rank on 2 ranks, or all of
+    them in one process. Returns the whole batch's loss per step (all-reduced over the
+    ``processes`` training together, for the log)."""
+    import paddle.distributed as dist
+
+    losses = []
+    for micro_batches in steps:
+        total = 0.0
+        for micro in micro_batches:
+            loss = sum(lm_loss(model, paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank]),
+                               uses_extra(r)) for r in chunks) / len(chunks)
+            (loss / len(micro_batches)).backward()
+            t = paddle.to_tensor([float(loss)])
+            if processes > 1:
+                dist.all_reduce(t)
+            total += t.item() / processes / len(micro_batches)
+        opt.step()
+        opt.clear_grad()
+        losses.append(total)
+    return losses

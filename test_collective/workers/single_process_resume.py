@@ -12,7 +12,7 @@ from paddle_hsdp import checkpoint
 import paddle
 
 from common import max_rel
-from models import batches, build_model, lm_loss, make_optimizer, uses_extra
+from models import batches, build_model, make_optimizer, train_on_chunks
 
 work = sys.argv[1]
 STEPS, SAVE_AT, MICRO, PER_RANK, WORLD, CLIP = 5, 3, 2, 2, 4, 0.2
@@ -20,17 +20,7 @@ data = batches(STEPS, MICRO, WORLD, PER_RANK)
 model = build_model(seed=7)
 opt = make_optimizer(model, model.parameters(), CLIP)
 assert checkpoint.load_checkpoint(os.path.join(work, "ckpt"), model, opt) == {"step": SAVE_AT}
-losses = []
-for step in range(SAVE_AT, STEPS):
-    total = 0.0
-    for micro in data[step]:
-        loss = sum(lm_loss(model, paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK]),
-                           uses_extra(r)) for r in range(WORLD)) / WORLD
-        (loss / MICRO).backward()
-        total += float(loss) / MICRO
-    opt.step()
-    opt.clear_grad()
-    losses.append(total)
+losses = train_on_chunks(model, opt, data[SAVE_AT:], range(WORLD), PER_RANK)
 ref = np.load(os.path.join(work, "reference.npz"))
 worst = max_rel(np.array(losses), ref["losses"])
 for name, p in model.named_parameters():

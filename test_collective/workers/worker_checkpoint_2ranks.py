@@ -9,12 +9,11 @@ import sys
 import numpy as np
 from common import finish, init_fleet, max_rel
 
-import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from models import batches, build_model, lm_loss, make_optimizer, uses_extra
+from models import batches, build_model, make_optimizer, train_on_chunks
 
 STEPS, SAVE_AT, MICRO, PER_RANK, SAVED_WORLD, CLIP = 5, 3, 2, 2, 4, 0.2
 work = sys.argv[1]
@@ -27,20 +26,8 @@ for layer in [model.embed, *model.blocks]:
 paddle_hsdp.fully_shard(model)
 opt = make_optimizer(model, model.parameters(), CLIP)
 assert checkpoint.load_checkpoint(os.path.join(work, "ckpt"), model, opt) == {"step": SAVE_AT}
-losses = []
-for step in range(SAVE_AT, STEPS):
-    total = 0.0
-    for micro in data[step]:
-        mine = [2 * rank, 2 * rank + 1]  # the saved run's ranks whose rows this rank takes
-        loss = sum(lm_loss(model, paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK]),
-                           uses_extra(r)) for r in mine) / len(mine)
-        (loss / MICRO).backward()
-        t = paddle.to_tensor([float(loss)])
-        dist.all_reduce(t)
-        total += t.item() / world / MICRO
-    opt.step()
-    opt.clear_grad()
-    losses.append(total)
+# each rank takes the rows two of the saved run's four ranks had
+losses = train_on_chunks(model, opt, data[SAVE_AT:], [2 * rank, 2 * rank + 1], PER_RANK, world)
 ref = np.load(os.path.join(work, "reference.npz"))
 worst = max_rel(np.array(losses), ref["losses"])
 for name, value in paddle_hsdp.full_state_dict(model).items():
