@@ -273,12 +273,10 @@ def _ignored_in(module, ignored: list) -> dict:
     wanted = {id(p): p for p in ignored}
     subtree = {id(m) for m in module.sublayers(include_self=True)}
     for p in ignored:
-        owner = _owner_of.get(id(p)) or (
-            _owner_of.get(id(p._hsdp_sharded_param.full))
-            if hasattr(p, "_hsdp_sharded_param") else None)
-        if owner is not None and id(owner[0].module) in subtree:
+        sp = managed_param(p)
+        if sp is not None and id(owning_unit(sp).module) in subtree:
             raise ValueError(
-                f"ignored_params holds {owner[1].fqn} of {type(owner[0].module).__name__}, "
+                f"ignored_params holds {sp.fqn} of {type(owning_unit(sp).module).__name__}, "
                 "which an earlier fully_shard call on a sub-module already sharded; pass it "
                 "in that call's ignored_params instead.")
     found = {}
@@ -417,8 +415,7 @@ def mark_expert_params(layer) -> None:
     if not isinstance(layer, paddle.nn.Layer):
         raise TypeError(f"mark_expert_params expects a paddle.nn.Layer, got "
                         f"{type(layer).__name__}")
-    sharded = [p.name for p in layer.parameters()
-               if hasattr(p, "_hsdp_sharded_param") or id(p) in _owner_of]
+    sharded = [p.name for p in layer.parameters() if managed_param(p) is not None]
     if sharded:
         raise RuntimeError(
             f"mark_expert_params on a layer whose parameters are already sharded "
@@ -427,6 +424,20 @@ def mark_expert_params(layer) -> None:
     for p in layer.parameters():
         p.is_moe_param = True
         p.expert = True
+
+
+def managed_param(value) -> ShardedParam | None:
+    """The :class:`ShardedParam` behind a tensor: a shard param the optimizer sees, or
+    an original param (gathered or not) some unit owns; None for anything else."""
+    sp = getattr(value, "_hsdp_sharded_param", None)
+    if sp is not None:
+        return sp
+    owner = _owner_of.get(id(value))
+    return owner[1] if owner is not None else None
+
+
+def owning_unit(sp: ShardedParam) -> FSDPUnit:
+    return _owner_of[id(sp.full)][0]
 
 
 def _units_under(model) -> list[FSDPUnit]:

@@ -137,15 +137,6 @@ class ShardBuffer:
                 sp.shard.is_firstly_shared = False  # a replica: global-norm clip skips it
         self._views_of(self.to_host(flat))
 
-    def local_shard(self) -> paddle.Tensor:
-        """This rank's shard as one flat tensor: a view of the storage, no copy."""
-        self._repair_views()
-        return self.flat._slice(0, self.shard_numel)
-
-    def local_grad_shard(self) -> paddle.Tensor:
-        """This rank's grad shard as one flat tensor: the grad storage itself."""
-        return self.grad_flat()
-
     def describe(self) -> str:
         """Which unit and buffer this is, for error messages."""
         first = self.params[0].fqn + (", ..." if len(self.params) > 1 else "")
@@ -214,11 +205,6 @@ class ShardBuffer:
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
 
     # -------------------------------------------------------------- gradients
-    def reduce_scatter_grads(self) -> None:
-        """Reduce-scatter the full grads into the grad shard and wait (see
-        :meth:`start_reduce_scatter`)."""
-        self.finish_reduce_scatter(self.start_reduce_scatter())
-
     def start_reduce_scatter(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the inner reduce-scatter of the full grads and release them.
 
@@ -257,10 +243,6 @@ class ShardBuffer:
         if out.dtype != self.dtype:
             out = out.astype(self.dtype)
         self.grad_flat().add_(self.to_host(out))
-
-    def all_reduce_grads(self, scale: float) -> None:
-        """One outer all-reduce of this rank's grad shard, in place, then ``* scale``."""
-        self.finish_all_reduce(self.start_all_reduce(), scale)
 
     def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a

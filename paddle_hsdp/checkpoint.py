@@ -44,6 +44,8 @@ import numpy as np
 
 import paddle
 
+from .api import managed_param, owning_unit
+
 FORMAT = "paddle_hsdp-checkpoint/1"
 META = "metadata.json"
 
@@ -138,11 +140,9 @@ def _check_supported(model) -> None:
 def _names_and_aliases(model):
     """``(canonical, aliases)``: ``{name: tensor}`` for every distinct parameter and
     persistable buffer (first name wins), ``{alias: canonical}`` for tied names."""
-    from .state_dict import _managed
-
     canonical, aliases, first = {}, {}, {}
     for name, value in model._state_dict_impl(use_hook=False).items():
-        sp = _managed(value)
+        sp = managed_param(value)
         key = id(sp) if sp is not None else id(value)
         if key in first:
             aliases[name] = first[key]
@@ -155,44 +155,37 @@ def _names_and_aliases(model):
 def _writer(sp) -> bool:
     """Whether this rank writes ``sp``'s block: one outer replica per buffer, rotating
     with the buffer so the writing spreads over the replicas."""
-    from .api import _owner_of
-
-    unit = _owner_of[id(sp.full)][0]
-    for buf in unit.buffers:
-        if any(p is sp for p in buf.params):
-            choice = (unit.index + buf.index) % buf.outer.nranks
-            return buf.outer.rank == choice
-    return True
+    buf = _buffer_of(sp)
+    return buf.outer.rank == (buf.unit_index + buf.index) % buf.outer.nranks
 
 
 def _param_items(model) -> tuple[list[_Item], dict, dict]:
-    from .state_dict import _managed
-
     canonical, aliases = _names_and_aliases(model)
     rank, _ = _rank_world()
     items, by_shard = [], {}
     for name, value in canonical.items():
-        sp = _managed(value)
+        sp = managed_param(value)
         if sp is None:  # not sharded: the same on every rank; rank 0 writes it
             items.append(_Item(name, value.shape, _dtype_name(value.dtype), 0,
                                int(value.shape[0]) if value.shape else 1, rank == 0,
-                               _getter(value, 0, None), _putter(value, None)))
+                               _getter(value, None), _putter(value, None)))
             by_shard[id(value)] = name
             continue
         start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
         count = min(start + sp.rows_per_rank, sp.rows) - start
         items.append(_Item(name, sp.shape, _dtype_name(sp.dtype), start, count, _writer(sp),
-                           _getter(sp.shard, 0, count), _putter(sp.shard, count)))
+                           _getter(sp.shard, count), _putter(sp.shard, count)))
         by_shard[id(sp.shard)] = name
     return items, by_shard, aliases
 
 
-def _getter(tensor, row0, rows):
+def _getter(tensor, rows):
+    """Read the first ``rows`` rows of ``tensor`` (None: all of it; a scalar as [1])."""
     def get():
         array = tensor.numpy()
         if array.ndim == 0:
             array = array.reshape([1])
-        return array if rows is None else array[row0:row0 + rows]
+        return array if rows is None else array[:rows]
     return get
 
 
@@ -232,12 +225,11 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
             if list(t.shape) == list(p.shape):  # a block like its parameter
                 items.append(_Item(f"{name}/optim/{acc}", owner.shape, _dtype_name(t.dtype),
                                    owner.row0, owner.rows, owner.writes,
-                                   _getter(t, 0, owner.rows if p is not owner else None),
-                                   _putter(t, owner.rows)))
+                                   _getter(t, owner.rows), _putter(t, owner.rows)))
             else:  # a scalar, the same on every rank holding the parameter
                 items.append(_Item(f"{name}/optim/{acc}", t.shape, _dtype_name(t.dtype), 0,
                                    int(t.shape[0]), owner.writes and owner.row0 == 0,
-                                   _getter(t, 0, None), _putter(t, None)))
+                                   _getter(t, None), _putter(t, None)))
     return items
 
 
@@ -458,13 +450,11 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
     (their one tensor is saved under the first name)."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-    from .state_dict import _managed
-
     canonical, _ = _names_and_aliases(model)
     out = {}
     for name, value in canonical.items():
         key = structured_name_prefix + name
-        sp = _managed(value)
+        sp = managed_param(value)
         if sp is None:
             shape = tuple(int(d) for d in value.shape)
             out[key] = ShardedWeight(key, value, shape, shape, (0,) * len(shape))
@@ -483,9 +473,7 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
 
 
 def _buffer_of(sp):
-    from .api import _owner_of
-
-    unit = _owner_of[id(sp.full)][0]
+    unit = owning_unit(sp)
     return next(buf for buf in unit.buffers if any(p is sp for p in buf.params))
 
 

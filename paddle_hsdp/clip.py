@@ -157,6 +157,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     the shard grads in place with Paddle's formula. A collective: call it on every rank.
     Parameters that no unit manages keep Paddle's own behaviour.
     """
+    from .api import managed_param
     from .optim import _managed_shards, _units_of
     from .unit import sync_grads
 
@@ -171,9 +172,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                          f"shards are {list(_NORM_TYPES)} (Paddle's order-0 'norm' counts "
                          "whole tensors, which a shard cannot see)")
     sync_grads(_units_of(shards))
-    shard_ids = {id(p) for p in shards}
-    others = [p for p in parameters if id(p) not in shard_ids and not _is_gathered_full(p)]
-    params = shards + others
+    params = shards + [p for p in parameters if managed_param(p) is None]
     counter = hsdp_clip_for(ClipGradByGlobalNorm(float(max_norm)),
                             shards[0]._hsdp_sharded_param.mesh)
     total = _global_norm([p for p in params if p.grad is not None], float(norm_type),
@@ -191,12 +190,6 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 
 
 _NORM_TYPES = (float("inf"), 1, 2)
-
-
-def _is_gathered_full(param) -> bool:
-    from .api import _owner_of
-
-    return id(param) in _owner_of
 
 
 @paddle.no_grad()
@@ -224,6 +217,7 @@ def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
 def clip_grad_value_(parameters, clip_value):
     """``paddle.nn.utils.clip_grad_value_`` for HSDP shards: finishes the deferred
     grad sync first, so the clipped values are the step's synced grads."""
+    from .api import managed_param
     from .optim import _managed_shards, _units_of
     from .unit import sync_grads
 
@@ -232,8 +226,7 @@ def clip_grad_value_(parameters, clip_value):
     parameters = list(parameters)
     shards = _managed_shards(parameters)
     sync_grads(_units_of(shards))
-    shard_ids = {id(p) for p in shards}
-    rest = [p for p in parameters if id(p) not in shard_ids and not _is_gathered_full(p)]
+    rest = [p for p in parameters if managed_param(p) is None]
     return _original_clip_grad_value(shards + rest, clip_value)
 
 

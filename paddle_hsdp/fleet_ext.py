@@ -231,10 +231,10 @@ class _WithoutHSDPParams:
         self._model = model
 
     def _obtain_parameters_buffers(self):
-        from .state_dict import _managed
+        from .api import managed_param
 
         return {k: v for k, v in self._model._obtain_parameters_buffers().items()
-                if _managed(v) is None}
+                if managed_param(v) is None}
 
 
 def _patch_param_broadcasts() -> None:

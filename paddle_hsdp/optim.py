@@ -58,14 +58,14 @@ def check_optimizer(optimizer) -> list:
     """Refuse, before any collective or update, an optimizer that cannot be right on
     HSDP shards; return the shards it holds. Same answer on every rank: every rank
     builds the same optimizer over the same model."""
-    from .api import _owner_of
+    from .api import managed_param
 
     params = _params_of(optimizer)
     for p in params:
-        owner = _owner_of.get(id(p))
-        if owner is not None:
+        sp = managed_param(p)
+        if sp is not None and p is not sp.shard:
             raise RuntimeError(
-                f"The optimizer holds the full parameter '{owner[1].fqn}' ({p.name}), which "
+                f"The optimizer holds the full parameter '{sp.fqn}' ({p.name}), which "
                 "fully_shard replaced by this rank's shard: its updates would be lost. "
                 "Build the optimizer after the root's fully_shard, from model.parameters() "
                 "(which then yields the shards).")
@@ -80,11 +80,11 @@ def check_optimizer(optimizer) -> list:
 
 
 def _units_of(params) -> list[FSDPUnit]:
-    from .api import _owner_of
+    from .api import owning_unit
 
     units = {}
     for p in params:
-        unit, _ = _owner_of[id(p._hsdp_sharded_param.full)]
+        unit = owning_unit(p._hsdp_sharded_param)
         units[unit.index] = unit
     return [units[i] for i in sorted(units)]  # one global order on every rank
 
@@ -119,15 +119,14 @@ def _units_for(target, what: str) -> list[FSDPUnit]:
 def _managed_shards(params) -> list:
     """The HSDP shard of every managed param in ``params`` (a gathered full param
     counts as its shard), deduplicated, in order."""
-    from .api import _owner_of
+    from .api import managed_param
 
     out, seen = [], set()
     for p in params:
-        if not hasattr(p, "_hsdp_sharded_param"):
-            owner = _owner_of.get(id(p))
-            if owner is None:
-                continue
-            p = owner[1].shard
+        sp = managed_param(p)
+        if sp is None:
+            continue
+        p = sp.shard
         if id(p) not in seen:
             seen.add(id(p))
             out.append(p)

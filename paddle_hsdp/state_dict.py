@@ -28,18 +28,9 @@ from collections import OrderedDict
 
 import paddle
 
+from .api import managed_param, owning_unit
+
 _installed = False
-
-
-def _managed(value):
-    """The ShardedParam behind a slot value (shard or gathered full param), or None."""
-    from .api import _owner_of
-
-    sp = getattr(value, "_hsdp_sharded_param", None)
-    if sp is not None:
-        return sp
-    owner = _owner_of.get(id(value))
-    return owner[1] if owner is not None else None
 
 
 def _live_entries(layer, args, kwargs) -> dict:
@@ -63,7 +54,7 @@ def gather_full(sharded_params) -> dict[int, paddle.Tensor]:
     wanted = {id(sp) for sp in sharded_params}
     units = {}
     for sp in sharded_params:
-        unit = _unit_of(sp)
+        unit = owning_unit(sp)
         units[unit.index] = unit
     out = {}
     for index in sorted(units):
@@ -72,12 +63,6 @@ def gather_full(sharded_params) -> dict[int, paddle.Tensor]:
                 for sp, full in zip(buf.params, buf.gather_full()):
                     out[id(sp)] = full
     return out
-
-
-def _unit_of(sp):
-    from .api import _owner_of
-
-    return _owner_of[id(sp.full)][0]
 
 
 def _patch_state_dict(layer_cls) -> None:
@@ -92,7 +77,7 @@ def _patch_state_dict(layer_cls) -> None:
             return result
         live = _live_entries(self, args, kwargs)
         managed = {key: sp for key, value in live.items()
-                   if key in result and (sp := _managed(value)) is not None}
+                   if key in result and (sp := managed_param(value)) is not None}
         if not managed:
             return result
         full = gather_full(list({id(sp): sp for sp in managed.values()}.values()))
@@ -115,12 +100,12 @@ def _patch_set_state_dict(layer_cls) -> None:
         live = self._state_dict_impl(use_hook=False)
         blocks, units = {}, {}
         for key, value in live.items():
-            sp = _managed(value)
+            sp = managed_param(value)
             name = key if use_structured_name else value.name
             if sp is None or name not in state_dict:
                 continue
             blocks[name] = _block_of(sp, name, state_dict[name])
-            unit = _unit_of(sp)
+            unit = owning_unit(sp)
             units[unit.index] = unit
         # Every check passed: from here on the call writes. Slots must hold the
         # shards for Paddle's loader to write blocks into them (local, no collective).

@@ -7,9 +7,10 @@ the same order: forward and backward hooks do, because every rank runs the same 
 
 Gradient flow of one optimizer step (k micro-steps):
 
-* end of each backward: reduce-scatter the full grads into the shard grads
+* when a unit's backward is done (its post-backward; else at the end of the whole
+  backward): reduce-scatter its full grads into the shard grads
   (``requires_gradient_sync``), or keep accumulating full-size grads locally;
-* step boundary (:meth:`finish_grad_sync`): reduce-scatter whatever full grads are
+* step boundary (:func:`sync_grads`): reduce-scatter whatever full grads are
   still pending, then one outer all-reduce per buffer (``requires_all_reduce``).
 """
 
@@ -276,10 +277,6 @@ class FSDPUnit:
     def _divisor(self, buf) -> float:
         return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
 
-    def finish_grad_sync(self) -> None:
-        """The step boundary for this unit alone (see :func:`sync_grads`)."""
-        sync_grads([self])
-
     def start_grad_sync(self) -> list:
         """Pending reduce-scatter, then issue the one outer all-reduce per buffer;
         returns ``(buffer, pending, scale)`` for :func:`sync_grads` to wait on.
@@ -328,8 +325,7 @@ class FSDPUnit:
                     grad += sp.chunk_numel * esize
                 if sp.full_is_materialized():
                     gathered += sp.numel * buf.compute_element_size
-                if sp.full.grad is not None:
-                    grad += sp.numel * sp.full.grad.element_size()
+        grad += self.full_grad_nbytes()
         return {"shard": shard, "grad": grad, "gathered": gathered}
 
 

@@ -3,7 +3,6 @@ sharded model): the format, the plain-model round trip, refusals and the CLI.
 Cross-layout resumes are in test_collective/test_checkpoint.py."""
 
 import json
-import os
 
 import numpy as np
 import paddle

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-import paddle_hsdp
+import paddle_hsdp  # noqa: F401  (before paddle: its patches apply to plain models too)
 from paddle_hsdp import checkpoint
 import paddle
 
