@@ -7,13 +7,15 @@ gloo sub-group creation safe, and hooks the optimizer step boundary (see
 
 from . import comm, topology  # noqa: F401
 from .api import (FSDPModule, full_grads, full_state_dict, fully_shard,  # noqa: F401
-                  mark_expert_params, memory_report, reset_peak_memory, set_zero_stage)
+                  memory_report, reset_peak_memory, set_zero_stage)
+from .experts import mark_expert_params  # noqa: F401
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: F401
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: F401
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
 from .mesh import create_mesh_groups  # noqa: F401
 from .optim import finish_grad_sync  # noqa: F401
+from . import checkpoint as _checkpoint
 from . import clip as _clip
 from . import cpu_compat as _cpu_compat
 from . import fleet_ext as _fleet_ext
@@ -29,3 +31,4 @@ _fleet_ext.install()
 _optim.install()
 _clip.install()
 _state_dict.install()
+_checkpoint.install()

@@ -408,24 +408,6 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
         _owner_of[id(sp.full)] = (unit, sp)
 
 
-def mark_expert_params(layer) -> None:
-    """Flag every parameter of ``layer`` as an expert (MoE) parameter, the attribute
-    Paddle's own engines read. Call it before ``fully_shard``: expert params get buffers
-    of their own, sharded in the expert inner group."""
-    if not isinstance(layer, paddle.nn.Layer):
-        raise TypeError(f"mark_expert_params expects a paddle.nn.Layer, got "
-                        f"{type(layer).__name__}")
-    sharded = [p.name for p in layer.parameters() if managed_param(p) is not None]
-    if sharded:
-        raise RuntimeError(
-            f"mark_expert_params on a layer whose parameters are already sharded "
-            f"({sharded[0]}, ...): its buffers were built as dense ones. Call "
-            "mark_expert_params before fully_shard.")
-    for p in layer.parameters():
-        p.is_moe_param = True
-        p.expert = True
-
-
 def managed_param(value) -> ShardedParam | None:
     """The :class:`ShardedParam` behind a tensor: a shard param the optimizer sees, or
     an original param (gathered or not) some unit owns; None for anything else."""

@@ -27,9 +27,12 @@ succeeded, rank 0 writes the metadata and renames the directory into place (an o
 as it was and raises on every rank. The directory must be visible to every rank (a
 shared filesystem across machines).
 
-Not yet (see the README): tensor or pipeline parallelism next to HSDP, bfloat16
-parameters, global expert indices for MoE (experts load only with the same expert
-layout), ``flex_checkpoint`` interop, and the consolidate/inspect CLI.
+Expert parameters: local experts marked with ``mark_expert_params(layer,
+global_indices=...)`` are stored under their global expert index, so a checkpoint saved
+with one expert-parallel degree loads with another (EP 2 -> EP 1 and back).
+
+Not yet (see the README): tensor or pipeline parallelism next to HSDP, and bfloat16
+parameters.
 """
 
 from __future__ import annotations
@@ -63,16 +66,9 @@ def _rank_world():
     return dist.get_rank(), dist.get_world_size()
 
 
-def _agree(ok: bool) -> bool:
-    """True on every rank iff ``ok`` on every rank (one all-reduce; local when alone)."""
-    from . import comm
-
-    rank, world = _rank_world()
-    if world == 1:
-        return ok
-    flag = paddle.to_tensor([0 if ok else 1], dtype="int32")
-    comm.all_reduce(flag, paddle.distributed.collective._get_global_group(), tag="checkpoint")
-    return int(flag.item()) == 0
+def _errors_everywhere(error: str | None) -> list[str]:
+    """Every rank's error message (None: fine), on every rank: all ranks learn why."""
+    return [e for e in _gather_json(error) if e]
 
 
 def _gather_json(obj) -> list:
@@ -139,9 +135,14 @@ def _check_supported(model) -> None:
 
 def _names_and_aliases(model):
     """``(canonical, aliases)``: ``{name: tensor}`` for every distinct parameter and
-    persistable buffer (first name wins), ``{alias: canonical}`` for tied names."""
+    persistable buffer (first name wins), ``{alias: canonical}`` for tied names. Local
+    experts marked with global indices are named by their global index."""
+    from .experts import global_names, rename
+
+    renames = global_names(model)
     canonical, aliases, first = {}, {}, {}
     for name, value in model._state_dict_impl(use_hook=False).items():
+        name = rename(name, renames)
         sp = managed_param(value)
         key = id(sp) if sp is not None else id(value)
         if key in first:
@@ -287,6 +288,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
             key = it.name
             tensors[key] = array
             pieces[it.name] = {"file": fname, "key": key, "row0": it.row0,
+                               "shape": it.shape, "dtype": it.dtype,
                                "rows": int(array.shape[0]),
                                "crc32": zlib.crc32(array.tobytes())}
         if tensors:
@@ -303,22 +305,33 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
                 errors.append(f"rank 0: {type(e).__name__}: {e}")
         if errors:  # before the others learn the outcome: they return to a clean dir
             shutil.rmtree(tmp, ignore_errors=True)
-    if not _agree(not errors):
+    outcome = _gather_json("; ".join(errors) if rank == 0 else None)[0]  # rank 0 decides
+    if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
-                              f"(if any) is unchanged. {'; '.join(errors) or 'see rank 0'}")
+                              f"(if any) is unchanged. {outcome}")
 
 
 def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> None:
     tensors = {}
     for it in items:
         tensors[it.name] = {"shape": it.shape, "dtype": it.dtype, "pieces": []}
-    for record in everyone:
+    for record in everyone:  # other ranks may hold tensors rank 0 has not (experts)
         for name, piece in record["pieces"].items():
-            tensors[name]["pieces"].append(piece)
+            shape, dtype = piece.pop("shape"), piece.pop("dtype")
+            entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+            if [entry["shape"], entry["dtype"]] != [shape, dtype]:
+                raise CheckpointError(f"{name}: ranks disagree on its shape or dtype "
+                                      f"({entry['shape']} {entry['dtype']} vs {shape} {dtype})")
+            entry["pieces"].append(piece)
     for name, t in tensors.items():
         t["pieces"].sort(key=lambda p: p["row0"])
         rows = t["shape"][0] if t["shape"] else 1
         covered = sum(p["rows"] for p in t["pieces"])
+        if covered > rows:
+            raise CheckpointError(
+                f"{name}: more than one rank holds different rows {covered} > {rows} under "
+                "this name. Are these local experts of different EP ranks? Give them "
+                "their global indices: mark_expert_params(layer, global_indices=...)")
         if covered != rows:
             raise CheckpointError(f"{name}: pieces cover {covered} of {rows} rows")
     lr = getattr(optimizer, "_learning_rate", None)
@@ -398,39 +411,30 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
 
     path = os.path.abspath(os.fspath(path))
     items, aliases, optimizer = _all_items(model, optimizer)
-    loaded, error, meta = [], None, None
+    loaded, error, meta, unexpected = [], None, None, []
     try:
         meta = read_metadata(path)
-        tensors = meta["tensors"]
-        wanted = {it.name for it in items}
-        missing = sorted(wanted - set(tensors))
-        params_saved = {n for n in tensors if "/optim/" not in n}
-        unexpected = sorted(params_saved - wanted - set(aliases)) if strict else []
-        if optimizer is None:
-            missing = [m for m in missing if "/optim/" not in m]
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{path!r} does not match this model: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''} unexpected {unexpected[:5]}"
-                f"{' ...' if len(unexpected) > 5 else ''} (strict={strict})")
-        reader = _Reader(path)
-        for it in items:
-            entry = tensors[it.name]
-            if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
-                raise CheckpointError(
-                    f"{it.name}: checkpoint has shape {entry['shape']} {entry['dtype']}, "
-                    f"the model {it.shape} {it.dtype}")
-            if it.rows:
-                loaded.append((it, _read_rows(reader, it.name, entry, it.row0, it.rows)))
+        params_saved = {n for n in meta["tensors"] if "/optim/" not in n}
+        unexpected = sorted(params_saved - {it.name for it in items} - set(aliases))
     except Exception as e:
         error = e
-    if not _agree(error is None):
+    # unexpected only if no rank wants it: an EP rank holds only its own experts
+    for other in _gather_json(unexpected if strict and error is None else None):
+        if other is not None:
+            unexpected = sorted(set(unexpected) & set(other))
+    if error is None:
+        try:
+            loaded = _read_items(path, meta, items, optimizer, unexpected if strict else [])
+        except Exception as e:
+            error = e
+    errors = _errors_everywhere(None if error is None else f"rank {_rank_world()[0]}: {error}")
+    if errors:
         if isinstance(error, CheckpointError):
             raise error
         if error is not None:
             raise CheckpointError(f"load_checkpoint({path!r}): {error}") from error
-        raise CheckpointError(f"load_checkpoint({path!r}) failed on another rank (see its "
-                              "log); nothing was changed")
+        raise CheckpointError(f"load_checkpoint({path!r}) failed on another rank, nothing "
+                              f"was changed: {'; '.join(errors)[:2000]}")
     for unit in _units_under(model):
         unit.reshard(force=True)  # gathered copies would be stale
     for it, array in loaded:
@@ -439,6 +443,29 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     if meta.get("lr_scheduler") and hasattr(lr, "set_state_dict"):
         lr.set_state_dict(meta["lr_scheduler"])
     return meta.get("extra")
+
+
+def _read_items(path, meta, items, optimizer, unexpected) -> list:
+    """``[(item, rows read)]`` for every item, after checking names, shapes, CRCs."""
+    tensors = meta["tensors"]
+    missing = sorted({it.name for it in items} - set(tensors))
+    if optimizer is None:
+        missing = [m for m in missing if "/optim/" not in m]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path!r} does not match this model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''} (strict=False ignores unexpected ones)")
+    reader, loaded = _Reader(path), []
+    for it in items:
+        entry = tensors[it.name]
+        if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
+            raise CheckpointError(
+                f"{it.name}: checkpoint has shape {entry['shape']} {entry['dtype']}, "
+                f"the model {it.shape} {it.dtype}")
+        if it.rows:
+            loaded.append((it, _read_rows(reader, it.name, entry, it.row0, it.rows)))
+    return loaded
 
 
 # ---------------------------------------------------------------- flex_checkpoint
@@ -470,6 +497,67 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
         out[key] = ShardedWeight(key, local, (count, *sp.rest), tuple(sp.shape),
                                  (start,) + (0,) * len(sp.rest))
     return out
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
+    """The optimizer's state as ``ShardedWeight``s, in the form Paddle's own
+    ``AdamW.sharded_state_dict`` gives (``{param key}.moment1_0``, ``.beta1_pow_acc_0``,
+    ..., ``.w_0`` for a master weight), each row-shaped state a view of its unpadded
+    rows at the parameter's global offset, so a dcp load writes straight into it. Keys
+    follow ``model_sharded_state_dict`` (from ``model.sharded_state_dict()``); states of
+    a parameter whose block is all padding on this rank are left out, like the block."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    from .optim import _params_of
+
+    while hasattr(optimizer, "_inner_opt"):
+        optimizer = optimizer._inner_opt
+    _ensure_accumulators(optimizer)
+    key_of = {}
+    for key, weight in sorted(model_sharded_state_dict.items()):
+        key_of.setdefault(weight.local_tensor.name, key)  # tied: the first key owns it
+    masters = getattr(optimizer, "_master_weights", None) or {}
+    out = {}
+    for p in _params_of(optimizer):
+        key = key_of.get(p.name)
+        if key is None:
+            continue
+        ref = model_sharded_state_dict[key]
+        states = {f"{acc}_0": table[p.name] for acc, table in optimizer._accumulators.items()
+                  if p.name in table}
+        if p.name in masters:
+            states["w_0"] = masters[p.name]
+        for suffix, t in sorted(states.items()):
+            name = f"{key}.{suffix}"
+            if list(t.shape) == list(p.shape):  # rows like its parameter's
+                rows = int(ref.local_shape[0]) if ref.local_shape else 1
+                local = t if rows == int(t.shape[0]) else t._slice(0, rows)
+                out[name] = ShardedWeight(name, local, tuple(ref.local_shape),
+                                          tuple(ref.global_shape), tuple(ref.global_offset))
+            else:  # a scalar state (beta powers): whole, the same wherever it is held
+                shape = tuple(int(d) for d in t.shape)
+                out[name] = ShardedWeight(name, t, shape, shape, (0,) * len(shape))
+    return out
+
+
+def install() -> None:
+    """``optimizer.sharded_state_dict(model_sd)`` (what PaddleFormers' trainer calls)
+    gives :func:`optimizer_sharded_state_dict` for an optimizer over HSDP shards; other
+    optimizers keep Paddle's own."""
+    from .optim import _params_of
+
+    original = paddle.optimizer.AdamW.sharded_state_dict
+    if getattr(original, "_hsdp", False):
+        return
+
+    def sharded_state_dict(self, model_sharded_state_dict):
+        if any(managed_param(p) is not None for p in _params_of(self)):
+            return optimizer_sharded_state_dict(self, model_sharded_state_dict)
+        return original(self, model_sharded_state_dict)
+
+    sharded_state_dict._hsdp = True
+    sharded_state_dict.__doc__ = original.__doc__
+    paddle.optimizer.AdamW.sharded_state_dict = sharded_state_dict
 
 
 def _buffer_of(sp):

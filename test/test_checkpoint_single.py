@@ -83,3 +83,40 @@ def test_cli_inspect_and_consolidate(tmp_path, registry, capsys):  # noqa: F811
     assert sorted(load_file(str(tmp_path / "f.st"))) == sorted(model.state_dict())
     assert checkpoint.main(["inspect", str(tmp_path / "missing")]) == 1
     assert "error: " in capsys.readouterr().out
+
+
+class _Experts(paddle.nn.Layer):
+    def __init__(self, n):
+        super().__init__()
+        self.experts = paddle.nn.LayerList([paddle.nn.Linear(3, 3) for _ in range(n)])
+
+
+def test_global_expert_indices_name_local_experts_in_checkpoints(tmp_path):
+    model = _Experts(2)  # this rank's experts are the global experts 4 and 6
+    paddle_hsdp.mark_expert_params(model.experts, global_indices=[4, 6])
+    checkpoint.save_checkpoint(tmp_path / "ck", model)
+    names = sorted(checkpoint.read_metadata(tmp_path / "ck")["tensors"])
+    assert names == ["experts.4.bias", "experts.4.weight", "experts.6.bias", "experts.6.weight"]
+    assert all(getattr(p, "is_moe_param", False) for p in model.parameters())
+
+
+@pytest.mark.parametrize("indices,exc,match", [
+    ([0], ValueError, "one global index per local expert"),
+    ([1, 1], ValueError, "distinct non-negative"),
+    ([0, -1], ValueError, "distinct non-negative"),
+    (["a", 1], TypeError, "sequence of non-negative ints"),
+])
+def test_global_expert_indices_refused_before_marking(indices, exc, match):
+    model = _Experts(2)
+    with pytest.raises(exc, match=match):
+        paddle_hsdp.mark_expert_params(model.experts, global_indices=indices)
+    assert not any(getattr(p, "is_moe_param", False) for p in model.parameters())
+
+
+def test_optimizer_sharded_state_dict_keeps_paddles_form_for_plain_optimizers():
+    model = models.build_model()
+    opt = models.make_optimizer(model, model.parameters(), 0.2)
+    _train_step(model, opt)
+    osd = opt.sharded_state_dict(model.sharded_state_dict())
+    assert "blocks.0.fc1.weight.moment1_0" in osd and "embed.weight.beta1_pow_acc_0" in osd
+    assert osd["blocks.0.fc1.weight.moment1_0"].global_shape == (8, 25)

@@ -1,0 +1,106 @@
+"""Expert checkpoints across expert-parallel degrees, on 4 CPU ranks (sharding 4, EP 2,
+moe_sharding 2, fsdp_outer_degree 2).
+
+EP 2 -> EP 1: the sharded EP-2 model (local experts marked with their global indices)
+trains 2 steps and saves; a plain model holding all 4 experts (EP 1) loads it and
+trains the last 2 steps. EP 1 -> EP 2: the plain model trains 2 steps and saves; the
+sharded EP-2 model loads it and trains the last 2 steps. Both match the uninterrupted
+4-step single-process run on losses and every parameter (rtol 1e-5), AdamW state
+included (the last steps would differ without it).
+
+argv: a directory shared by the ranks.
+"""
+
+import os
+import sys
+
+import numpy as np
+from common import finish, init_fleet, max_rel
+
+import paddle
+import paddle.distributed as dist
+
+import paddle_hsdp
+from paddle_hsdp import checkpoint, experts
+from moe_model import (CLIP, LOCAL_EXPERTS, RTOL, STEPS, Net, make_data, make_opt,
+                       train_plain, train_sharded)
+
+SAVE_AT = 2
+work = sys.argv[1]
+hcg = init_fleet({"sharding_degree": 4, "ep_degree": 2, "moe_sharding_degree": 2, "outer": 2})
+rank, world = dist.get_rank(), dist.get_world_size()
+ep, ep_rank = 2, hcg.get_expert_parallel_rank()
+n_experts = ep * LOCAL_EXPERTS
+data = make_data(world)
+
+
+def plain():
+    paddle.seed(5)
+    model = Net(n_experts, list(range(n_experts)))
+    return model, make_opt(model, CLIP)
+
+
+def sharded(seed=5):
+    paddle.seed(seed)
+    mine = list(range(ep_rank * LOCAL_EXPERTS, (ep_rank + 1) * LOCAL_EXPERTS))
+    model = Net(n_experts, mine)
+    paddle_hsdp.mark_expert_params(model.moe.experts, global_indices=mine)
+    for layer in (model.embed, model.block, model.moe):
+        paddle_hsdp.fully_shard(layer)
+    paddle_hsdp.fully_shard(model)
+    return model, make_opt(model, CLIP)
+
+
+def check(label, model, losses, ref_losses, ref_params):
+    """Losses and parameters (local experts under their global names) against the
+    reference."""
+    renames = experts.global_names(model)
+    got = {experts.rename(k, renames): v.numpy()
+           for k, v in paddle_hsdp.full_state_dict(model).items()}
+    assert set(got) <= set(ref_params), sorted(set(got) - set(ref_params))
+    worst = max([max_rel(got[k], ref_params[k]) for k in got]
+                + [max_rel(np.array(losses), np.array(ref_losses))])
+    assert worst < RTOL, (label, worst)
+    print(f"MOE_RESUME {label}: {len(got)} tensors, max rel diff {worst:.2e}", flush=True)
+
+
+ref, ref_opt = plain()
+ref_losses = train_plain(ref, ref_opt, data, world, ep)
+ref_params = {k: v.numpy() for k, v in ref.state_dict().items()}
+
+# EP 2 saves, EP 1 (all experts in one plain model) resumes
+model, opt = sharded()
+train_sharded(model, opt, data[:SAVE_AT], rank, world)
+checkpoint.save_checkpoint(os.path.join(work, "ep2"), model, opt, extra={"step": SAVE_AT})
+names = checkpoint.read_metadata(os.path.join(work, "ep2"))["tensors"]
+assert all(f"moe.experts.{i}.fc1.weight" in names for i in range(n_experts)), sorted(names)
+resumed, resumed_opt = plain()
+paddle.seed(1)  # other weights than the saved ones: loading must matter
+for p in resumed.parameters():
+    p.set_value(paddle.randn(p.shape, p.dtype))
+assert checkpoint.load_checkpoint(os.path.join(work, "ep2"), resumed, resumed_opt) == \
+    {"step": SAVE_AT}
+check("ep2->ep1", resumed, train_plain(resumed, resumed_opt, data[SAVE_AT:], world, ep),
+      ref_losses[SAVE_AT:], ref_params)
+
+# EP 1 saves (every rank holds the same plain model; rank 0 writes), EP 2 resumes
+model, opt = plain()
+train_plain(model, opt, data[:SAVE_AT], world, ep)
+checkpoint.save_checkpoint(os.path.join(work, "ep1"), model, opt)
+resumed, resumed_opt = sharded(seed=123)
+checkpoint.load_checkpoint(os.path.join(work, "ep1"), resumed, resumed_opt)
+losses = train_sharded(resumed, resumed_opt, data[SAVE_AT:], rank, world)
+check("ep1->ep2", resumed, losses, ref_losses[SAVE_AT:], ref_params)
+
+# without global indices, two EP ranks' experts would collide under one name: refused
+clash, clash_opt = sharded()
+delattr(clash.moe.experts, "_hsdp_global_expert_indices")
+try:
+    checkpoint.save_checkpoint(os.path.join(work, "clash"), clash, clash_opt)
+    raise AssertionError("colliding expert names saved")
+except checkpoint.CheckpointError as e:
+    assert "global_indices" in str(e), e
+assert not os.path.exists(os.path.join(work, "clash"))
+print("MOE_CLASH refused", flush=True)
+assert STEPS == 4
+finish()
