@@ -31,8 +31,7 @@ Expert parameters: local experts marked with ``mark_expert_params(layer,
 global_indices=...)`` are stored under their global expert index, so a checkpoint saved
 with one expert-parallel degree loads with another (EP 2 -> EP 1 and back).
 
-Not yet (see the README): tensor or pipeline parallelism next to HSDP, and bfloat16
-parameters.
+Not yet (see the README): tensor or pipeline parallelism next to HSDP.
 """
 
 from __future__ import annotations
@@ -113,11 +112,9 @@ class _Item:
 
 
 def _dtype_name(dtype) -> str:
-    name = str(dtype).replace("paddle.", "")
-    if name == "bfloat16":  # numpy has no bfloat16: the bytes would be read as uint16
-        raise NotImplementedError("save/load_checkpoint of bfloat16 tensors is not "
-                                  "supported yet (keep float32 masters: MixedPrecisionPolicy)")
-    return name
+    # bfloat16 travels as its raw uint16 bits (numpy has no bfloat16); the metadata
+    # keeps the real dtype, and _putter / consolidate turn the bits back into bfloat16
+    return str(dtype).replace("paddle.", "")
 
 
 def _check_supported(model) -> None:
@@ -569,8 +566,8 @@ def _buffer_of(sp):
 def consolidate(path, out) -> list[str]:
     """Write the checkpoint's model tensors as one safetensors file with the unsharded
     model's ``state_dict()`` keys (tied aliases included); return the keys written.
-    Plain Paddle loads it with ``safetensors.numpy.load_file`` + ``set_state_dict``."""
-    from safetensors.numpy import save_file
+    Plain Paddle loads it with ``safetensors.paddle.load_file`` + ``set_state_dict``."""
+    from safetensors.paddle import save_file
 
     meta = read_metadata(path)
     reader = _Reader(os.fspath(path))
@@ -582,8 +579,14 @@ def consolidate(path, out) -> list[str]:
         full[name] = _read_rows(reader, name, entry, 0, rows).reshape(entry["shape"])
     for alias, name in meta["aliases"].items():
         full[alias] = full[name]
-    save_file({k: np.ascontiguousarray(v) for k, v in full.items()}, os.fspath(out))
+    # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16)
+    save_file({k: paddle.to_tensor(np.ascontiguousarray(v), dtype=_dtype_of(meta, k))
+               for k, v in full.items()}, os.fspath(out))
     return list(full)
+
+
+def _dtype_of(meta, name) -> str:
+    return meta["tensors"][meta["aliases"].get(name, name)]["dtype"]
 
 
 def describe(path) -> str:

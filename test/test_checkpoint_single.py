@@ -120,3 +120,24 @@ def test_optimizer_sharded_state_dict_keeps_paddles_form_for_plain_optimizers():
     osd = opt.sharded_state_dict(model.sharded_state_dict())
     assert "blocks.0.fc1.weight.moment1_0" in osd and "embed.weight.beta1_pow_acc_0" in osd
     assert osd["blocks.0.fc1.weight.moment1_0"].global_shape == (8, 25)
+
+
+def test_bfloat16_round_trip_and_export(tmp_path):
+    paddle.seed(1)
+    net = paddle.nn.Linear(3, 5)
+    net.to(dtype="bfloat16")
+    checkpoint.save_checkpoint(tmp_path / "ck", net)
+    assert checkpoint.read_metadata(tmp_path / "ck")["tensors"]["weight"]["dtype"] == "bfloat16"
+    paddle.seed(2)
+    other = paddle.nn.Linear(3, 5)
+    other.to(dtype="bfloat16")
+    checkpoint.load_checkpoint(tmp_path / "ck", other)
+    assert other.weight.dtype == paddle.bfloat16
+    assert np.array_equal(other.weight.numpy(), net.weight.numpy())
+    checkpoint.consolidate(tmp_path / "ck", tmp_path / "full.safetensors")
+    raw = (tmp_path / "full.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert header["weight"]["dtype"] == "BF16" and header["weight"]["shape"] == [3, 5]
+    start, end = header["weight"]["data_offsets"]
+    body = raw[8 + int.from_bytes(raw[:8], "little"):]
+    assert body[start:end] == net.weight.numpy().tobytes()

@@ -20,7 +20,7 @@ def test_save_resume_across_layouts_and_failures():
     assert "SAVE_FAILURE" in log and "REFUSED" in log and "CORRUPTED rank 0" in log, log[-3000:]
     assert "FLEX_CHECKPOINT" in log, log[-3000:]
     log2 = launch(2, "worker_checkpoint_2ranks.py", work, timeout=600)
-    assert log2.count("RESUME 1x2") == 1, log2[-3000:]
+    assert log2.count("RESUME 1x2") == 1 and "BF16 1x2 -> 2x1" in log2, log2[-3000:]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]),
                GLOG_minloglevel="2")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "workers",
