@@ -33,11 +33,8 @@ class ShardBuffer:
         self.is_expert = is_expert
         self.dtype = params[0].dtype
         self.trainable = params[0].trainable
-        floating = self.dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
-        policy = mp_policy if floating else None
-        self.gather_dtype = _dtype(getattr(policy, "param_dtype", None)) or self.dtype
-        self.reduce_dtype = _dtype(getattr(policy, "reduce_dtype", None)) or self.gather_dtype
-        self.compute_dtype = compute_dtype_of(self.gather_dtype)
+        self.gather_dtype, self.reduce_dtype, self.compute_dtype = dtypes_of(self.dtype,
+                                                                             mp_policy)
         # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
         # state) live in host memory; collectives and compute run on the device.
         self.offload = offload_policy is not None and getattr(offload_policy, "offloads", False)
@@ -79,6 +76,18 @@ class ShardBuffer:
     @property
     def logical_numel(self) -> int:
         return sum(sp.numel for sp in self.params)
+
+    def shape(self):
+        """This buffer's sizes for :mod:`paddle_hsdp.cost`."""
+        from .cost import BufferShape
+
+        return BufferShape(
+            shard_numel=self.shard_numel, logical_numel=self.logical_numel,
+            inner=self.inner.nranks, outer=self.outer.nranks,
+            master_bytes=self.element_size, gather_bytes=_element_size(self.gather_dtype),
+            reduce_bytes=_element_size(self.reduce_dtype),
+            compute_bytes=self.compute_element_size, trainable=self.trainable,
+            inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer))
 
     # -------------------------------------------------------------- storage
     def _views_of(self, flat) -> None:
@@ -288,6 +297,16 @@ def _dtype(d):
     if d is None:
         return None
     return paddle.base.framework.convert_np_dtype_to_dtype_(d) if isinstance(d, str) else d
+
+
+def dtypes_of(dtype, mp_policy) -> tuple:
+    """``(gather, reduce, compute)`` dtypes of a buffer of ``dtype`` params under
+    ``mp_policy`` (a ``MixedPrecisionPolicy`` or None); integer buffers ignore it."""
+    floating = dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
+    policy = mp_policy if floating else None
+    gather = _dtype(getattr(policy, "param_dtype", None)) or dtype
+    reduce = _dtype(getattr(policy, "reduce_dtype", None)) or gather
+    return gather, reduce, compute_dtype_of(gather)
 
 
 def _element_size(dtype) -> int:

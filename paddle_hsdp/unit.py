@@ -127,12 +127,7 @@ class FSDPUnit:
         params kept whole on every rank (their own buffers, inner size 1, reduced over
         the whole FSDP group)."""
         placements = placements or {}
-        groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
-        for sp in self.params:
-            expert = _is_expert(sp.full)
-            whole = placements.get(id(sp.full)) == "replicate"
-            groups.setdefault((str(sp.dtype), sp.trainable, expert, whole), []).append(sp)
-        for (_, _, expert, whole), params in groups.items():
+        for (_, _, expert, whole), params in buffer_groups(self.params, placements).items():
             if whole:
                 inner, outer = _own_rank_group(), self.mesh.fsdp_group(expert)
             else:
@@ -144,6 +139,14 @@ class FSDPUnit:
         for i, buf in enumerate(self.buffers):
             buf.unit_index, buf.index = self.index, i
             buf.owner = self
+
+    def shape(self):
+        """This unit's sizes for :mod:`paddle_hsdp.cost`."""
+        from .cost import UnitShape
+
+        return UnitShape(self.path(), tuple(b.shape() for b in self.buffers),
+                         self.should_reshard_after_forward(),
+                         sum(sp.numel for sp in self.params))
 
     @property
     def label(self) -> str:
@@ -335,6 +338,17 @@ def _own_rank_group():
     from .fleet_ext import _single_rank_group
 
     return _single_rank_group(dist.get_rank())
+
+
+def buffer_groups(params: list[ShardedParam], placements: dict) -> "OrderedDict":
+    """Params that travel in one collective, in first-seen order, keyed by what must
+    agree inside it: ``(dtype, trainable, expert, kept whole)``."""
+    groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
+    for sp in params:
+        whole = placements.get(id(sp.full)) == "replicate"
+        key = (str(sp.dtype), sp.trainable, _is_expert(sp.full), whole)
+        groups.setdefault(key, []).append(sp)
+    return groups
 
 
 def _is_expert(param) -> bool:
