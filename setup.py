@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["paddle_hsdp", "paddle_hsdp.*"]),
     python_requires=">=3.9",
     # Paddle is an extra so GPU users keep their own build (paddlepaddle-gpu, a custom wheel).
-    install_requires=["numpy>=1.23", "tqdm>=4.64", "safetensors>=0.4"],
+    install_requires=["numpy>=1.23", "tqdm>=4.64", "safetensors>=0.4", "PyYAML>=6.0"],
     extras_require={
         "cpu": ["paddlepaddle>=3.3.1"],
         "gpu": ["paddlepaddle-gpu>=3.3.1"],
