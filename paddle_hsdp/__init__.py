@@ -10,6 +10,8 @@ from .api import (FSDPModule, full_grads, full_state_dict, fully_shard,  # noqa:
                   memory_report, reset_peak_memory, set_zero_stage)
 from .experts import mark_expert_params  # noqa: F401
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: F401
+from .apply import apply_config  # noqa: F401
+from .config import ConfigError, HSDPConfig, load_config  # noqa: F401
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: F401
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401

@@ -1,8 +1,14 @@
 """paddle_hsdp demo: train a small character-level causal LM with HSDP on 4 CPU ranks.
 
-Layout: fsdp_outer_degree=2 over sharding_degree=4, i.e. 2 replicas x 2-way shards.
+Layout: fsdp_outer_degree=2 over sharding_degree=4, i.e. 2 replicas x 2-way shards,
+one unit per block, by hand; or, with ``--config FILE``, whatever the YAML file says
+(``paddle_hsdp.apply_config``; examples in tools/configs/). ``--model moe`` swaps each
+block's MLP for a mixture of experts (4 experts, top-1, all local to every rank).
 The text is the source of a few Python standard-library modules (no download). Rank 0
 shows a progress bar with loss and tokens/s and ends with the loss against step 1.
+
+``build_model`` / ``build_moe_model`` are factories for ``python -m paddle_hsdp plan
+--model tools/demo.py:build_model``.
 """
 
 import argparse
@@ -45,18 +51,45 @@ def group_table(hcg) -> str:
 
 # ------------------------------------------------------------------ model
 class Block(nn.Layer):
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, moe: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden)
         self.attn = nn.MultiHeadAttention(hidden, heads)
         self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                                 nn.Linear(4 * hidden, hidden))
+        self.mlp = MoEMLP(hidden) if moe else nn.Sequential(
+            nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
 
     def forward(self, x, mask):
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask)
         return x + self.mlp(self.ln2(x))
+
+
+class MoEMLP(nn.Layer):
+    """Top-1 routing over ``n_experts`` expert MLPs. An expert that got no tokens is
+    skipped: it lives inside its block's unit, so its rank still joins every collective
+    (its grads enter the reduce-scatter as zeros)."""
+
+    def __init__(self, hidden: int, n_experts: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(hidden, n_experts)
+        self.experts = nn.LayerList([
+            nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+            for _ in range(n_experts)])
+
+    def forward(self, x):
+        flat = x.reshape([-1, x.shape[-1]])
+        probs = F.softmax(self.gate(flat), axis=-1)
+        choice = paddle.argmax(probs, axis=-1)
+        out = paddle.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            rows = paddle.nonzero(choice == i).reshape([-1])
+            if rows.shape[0] == 0:
+                continue
+            picked = paddle.gather(flat, rows)
+            weight = paddle.gather(probs[:, i], rows).unsqueeze(-1)
+            out = paddle.scatter(out, rows, expert(picked) * weight, overwrite=True)
+        return out.reshape(x.shape)
 
 
 class TiedHead(nn.Layer):
@@ -69,12 +102,12 @@ class TiedHead(nn.Layer):
 
 
 class CharLM(nn.Layer):
-    def __init__(self, vocab=256, hidden=64, heads=4, layers=3, seq=64):
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=3, seq=64, moe=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.pos = self.create_parameter([seq, hidden],
                                          default_initializer=nn.initializer.Normal(0, 0.02))
-        self.blocks = nn.LayerList([Block(hidden, heads) for _ in range(layers)])
+        self.blocks = nn.LayerList([Block(hidden, heads, moe) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(hidden)
         self.head = TiedHead(self.embed.weight)
         causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
@@ -86,6 +119,14 @@ class CharLM(nn.Layer):
         for block in self.blocks:
             x = block(x, self.mask[:t, :t])
         return self.head(self.ln_f(x))
+
+
+def build_model(seq: int = 64) -> CharLM:
+    return CharLM(seq=seq)
+
+
+def build_moe_model(seq: int = 64) -> CharLM:
+    return CharLM(seq=seq, moe=True)
 
 
 def corpus() -> np.ndarray:
@@ -106,24 +147,35 @@ def main():
     parser.add_argument("--micro", type=int, default=2, help="micro-steps per optimizer step")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-step")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--model", choices=("dense", "moe"), default="dense",
+                        help="moe: each block's MLP is a mixture of 4 experts")
+    parser.add_argument("--config", default=None,
+                        help="shard from this YAML file (tools/configs/) instead of by hand")
     args = parser.parse_args()
 
-    hcg = init_hsdp(sharding=4, outer=2)
+    paddle.seed(0)
+    model = (build_moe_model if args.model == "moe" else build_model)(args.seq)
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    if args.config:  # the config shapes the layout (and initialises fleet)
+        model, plan = paddle_hsdp.apply_config(model, args.config)
+        plan.micro_steps = args.micro
+        hcg = fleet.get_hybrid_communicate_group()
+    else:
+        hcg = init_hsdp(sharding=4, outer=2)
+        for block in model.blocks:  # one communication unit per block ...
+            paddle_hsdp.fully_shard(block)
+        paddle_hsdp.fully_shard(model)  # ... and the root takes embedding, head, norms
     rank, world = dist.get_rank(), dist.get_world_size()
     table = group_table(hcg)
     if rank == 0:
         report(f"HSDP layout: fsdp_outer_degree={hcg.get_fsdp_outer_degree()}, "
                f"world size {world}\n{table}\n")
-
-    paddle.seed(0)
-    model = CharLM(seq=args.seq)
-    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
-    for block in model.blocks:  # one communication unit per block ...
-        paddle_hsdp.fully_shard(block)
-    paddle_hsdp.fully_shard(model)  # ... and the root takes embedding, head, norms
+        if args.config:
+            report(f"{plan}\n")
     opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters(),
                                  grad_clip=nn.ClipGradByGlobalNorm(1.0))
 
+    paddle_hsdp.comm.counter.reset()  # from here on: training traffic only
     data = corpus()
     rng = np.random.default_rng(1234)
     tokens_per_step = world * args.micro * args.batch * args.seq
@@ -158,13 +210,19 @@ def main():
         bar.close()
     held = paddle_hsdp.memory_report(model)
     if rank == 0:
-        report(f"model: {n_params:,} params in {len(model.blocks) + 1} units; this rank holds "
+        units = len(paddle_hsdp.api._units_under(model))
+        report(f"model: {n_params:,} params in {units} units; this rank holds "
                f"{held['shard']:,} B of shards ({held['shard'] / (4 * n_params):.0%} of "
                f"the model)\n"
                f"{args.steps} steps x {tokens_per_step:,} tokens in {elapsed:.1f} s "
                f"({args.steps * tokens_per_step / elapsed:,.0f} tokens/s on {world} CPU ranks)\n"
                f"loss: step 1 {losses[0]:.3f} -> step {args.steps} {losses[-1]:.3f} "
                f"({losses[-1] / losses[0]:.0%} of the first step)")
+        if args.config:  # the plan's bytes against the communication counter's
+            measured = paddle_hsdp.comm.counter.snapshot()
+            report("communication per step, measured / planned: " + ", ".join(
+                f"{label} {op} {measured[(label, op)].wire_bytes / args.steps / planned:.3f}"
+                for (label, op), planned in plan.comm_bytes().items() if planned))
     dist.barrier()
 
 

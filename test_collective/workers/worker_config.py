@@ -1,0 +1,157 @@
+"""A model sharded from a YAML file alone == the same model sharded by hand, on 4 CPU
+ranks, and the plan's bytes == the communication counter's.
+
+The config (written below, nothing else configures the run) asks for bf16 params with
+fp32 reduce, recompute on the blocks, prefetch 2, an ignored (frozen) module, a
+class-name pattern and 2 outer replicas; ``apply_config`` initialises fleet from it.
+The hand-sharded twin makes the same ``fully_shard`` calls without recompute. Both
+train 3 optimizer steps of 2 micro-steps: losses and every parameter must be equal bit
+for bit (recompute reruns the same float32 kernels on CPU). The YAML run's counter
+bytes per (group, op) must equal the plan's prediction exactly.
+
+argv: a directory shared by the ranks.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+import paddle_hsdp  # noqa: F401  (before fleet.init)
+import paddle
+import paddle.distributed as dist
+import paddle.nn as nn
+import paddle.nn.functional as F
+
+from common import finish
+from paddle_hsdp import comm
+
+VOCAB, H, SEQ, STEPS, MICRO, PER_RANK = 37, 16, 6, 3, 2, 2
+CALLS = [0]
+
+CONFIG = """
+sharding_size: auto
+fsdp_outer_degree: 2
+sub_modules_to_wrap:
+  - Block              # a class-name pattern: every decoder block
+  - embed
+ignored_modules:
+  - pos                # frozen: not sharded, not synchronised
+recompute_modules:
+  - blocks.{*}
+param_dtype: bf16
+reduce_dtype: fp32
+num_to_forward_prefetch: 2
+num_to_backward_prefetch: 2
+"""
+
+
+class Block(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.fc1 = nn.Linear(H, 3 * H + 1)  # odd rows: padding in a 2-way shard
+        self.fc2 = nn.Linear(3 * H + 1, H)
+
+    def forward(self, x):
+        CALLS[0] += 1  # recompute runs it again in backward
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, H)
+        self.pos = nn.Embedding(SEQ, H)
+        self.pos.weight.stop_gradient = True
+        self.blocks = nn.LayerList([Block() for _ in range(3)])
+        self.head = nn.Linear(H, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.pos(paddle.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build():
+    paddle.seed(17)
+    return Net()
+
+
+def train(model, data, rank, world):
+    opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters(), weight_decay=0.1)
+    losses = []
+    for step in data:
+        total = 0.0
+        for micro in step:
+            ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape([-1, VOCAB]), ids[:, 1:].reshape([-1, 1]))
+            (loss / MICRO).backward()
+            t = paddle.to_tensor([float(loss)])
+            dist.all_reduce(t)
+            total += t.item() / world / MICRO
+        opt.step()
+        opt.clear_grad()
+        losses.append(total)
+    return losses
+
+
+work = sys.argv[1]
+path = os.path.join(work, "hsdp.yaml")
+if int(os.environ["PADDLE_TRAINER_ID"]) == 0:
+    with open(path + ".tmp", "w") as f:
+        f.write(CONFIG)
+    os.replace(path + ".tmp", path)
+while not os.path.exists(path):  # fleet is not up yet: no barrier to wait on
+    pass
+
+model, plan = paddle_hsdp.apply_config(build(), path)  # initialises fleet (4 ranks: 2 x 2)
+rank, world = dist.get_rank(), dist.get_world_size()
+hcg = paddle.distributed.fleet.get_hybrid_communicate_group()
+assert (hcg.get_fsdp_outer_group().nranks, hcg.get_fsdp_inner_group().nranks) == (2, 2)
+units = paddle_hsdp.api._units_under(model)
+assert [u.path() for u in units] == ["blocks.0", "blocks.1", "blocks.2", "embed", "<root>"], \
+    [u.path() for u in units]
+assert all(getattr(b, "_hsdp_recompute", False) for b in model.blocks)
+assert not any(paddle_hsdp.api.managed_param(p) for p in model.pos.parameters())
+if rank == 0:
+    print(plan, flush=True)
+
+rng = np.random.default_rng(3)
+data = rng.integers(0, VOCAB, size=(STEPS, MICRO, world * PER_RANK, SEQ + 1)).astype("int64")
+plan.micro_steps = MICRO
+comm.counter.reset()
+CALLS[0] = 0
+yaml_losses = train(model, data, rank, world)
+assert CALLS[0] == 2 * 3 * STEPS * MICRO, CALLS  # forward + recompute, 3 blocks
+measured = comm.counter.snapshot()
+predicted = plan.comm_bytes()
+for key, nbytes in predicted.items():
+    got = measured.get(key, comm.OpStats()).wire_bytes
+    assert abs(got - STEPS * nbytes) < 1e-6 * max(got, 1.0), (key, got, STEPS * nbytes)
+wire = {k: v.wire_bytes for k, v in measured.items()
+        if k[1] in ("all_gather", "reduce_scatter", "all_reduce") and k[0] != "clip"}
+assert set(k for k, v in wire.items() if v) <= set(predicted), (wire, predicted)
+print(f"PLAN_BYTES_EQUAL {sorted((f'{k[0]} {k[1]}', v) for k, v in predicted.items())}",
+      flush=True)
+
+# the same model, sharded by hand (no recompute: it must not change a bit)
+twin = build()
+policy = paddle_hsdp.MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype="float32")
+ignored = list(twin.pos.parameters())
+for module in [*twin.blocks, twin.embed, twin]:
+    paddle_hsdp.fully_shard(module, mp_policy=policy, ignored_params=ignored)
+twin.set_prefetch_count(forward=2, backward=2)
+CALLS[0] = 0
+hand_losses = train(twin, data, rank, world)
+assert CALLS[0] == 3 * STEPS * MICRO, CALLS
+assert yaml_losses == hand_losses, (yaml_losses, hand_losses)
+ours, theirs = paddle_hsdp.full_state_dict(model), paddle_hsdp.full_state_dict(twin)
+assert sorted(ours) == sorted(theirs)
+for name in ours:
+    assert np.array_equal(ours[name].numpy(), theirs[name].numpy()), name
+print(f"YAML_EQUALS_HAND losses {['%.6f' % x for x in yaml_losses]}, "
+      f"{len(ours)} tensors bit-identical", flush=True)
+finish()
