@@ -154,4 +154,19 @@ for name in ours:
     assert np.array_equal(ours[name].numpy(), theirs[name].numpy()), name
 print(f"YAML_EQUALS_HAND losses {['%.6f' % x for x in yaml_losses]}, "
       f"{len(ours)} tensors bit-identical", flush=True)
+
+# fleet is up now: a config must agree with it ('auto' follows it), refused otherwise
+# on every rank before any collective, the model left as it was
+units_before = len(paddle_hsdp.api._units)
+for wrong, key in (({"fsdp_outer_degree": 4}, "fsdp_outer_degree"),
+                   ({"sharding_size": 4}, "sharding_size")):
+    try:
+        paddle_hsdp.apply_config(build(), wrong)
+        raise AssertionError(f"{wrong} disagrees with the live 2 x 2 topology but was taken")
+    except paddle_hsdp.ConfigError as e:
+        assert key in str(e) and "live fleet topology" in str(e), e
+assert len(paddle_hsdp.api._units) == units_before
+third, _ = paddle_hsdp.apply_config(build(), {"sub_modules_to_wrap": ["blocks.{*}"]})
+assert len(paddle_hsdp.api._units_under(third)) == 4
+print("LIVE_TOPOLOGY_CHECKED", flush=True)
 finish()
