@@ -1,7 +1,7 @@
 """``apply_config`` and the ``check-config`` / ``plan`` commands in one process: what
 a config makes of a model (units bottom-up, recompute, experts, dtypes, prefetch,
 ZeRO level), that the plan's buffers are the engine's, and that every bad config is
-refused before anything changes. Numerics on real ranks: test_collective/test_config.py."""
+refused before anything changes. Numerics on real ranks: test_collective/test_config_driven.py."""
 
 import dataclasses
 import os
