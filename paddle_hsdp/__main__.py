@@ -51,9 +51,14 @@ def _load_factory(spec: str):
 
 def _plan(args) -> int:
     from .config import load_config, resolve_degrees
-    from .plan import build_lazily, build_plan, resolve_modules
+    from .plan import build_plan
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config if args.config else {})
+    if args.cluster:
+        return _plan_cluster(args, cfg)
+    if not args.config or not (args.model or args.model_shape) or args.world_size is None:
+        raise ValueError("plan: give --config, --model and --world-size (or --cluster FILE "
+                         "to compare every layout of a cluster)")
     if args.world_size < 1:
         raise ValueError(f"--world-size: expected an int >= 1, got {args.world_size}")
     outer, inner = resolve_degrees(cfg, args.world_size, args.ranks_per_node)
@@ -63,16 +68,53 @@ def _plan(args) -> int:
             raise ValueError(f"--ep-degree {args.ep_degree}: world size {args.world_size} is "
                              f"not a multiple of ep_degree x fsdp_outer_degree ({outer})")
         expert_inner, expert_outer = args.world_size // args.ep_degree // outer, outer
-    model = build_lazily(_load_factory(args.model))
-    choice = resolve_modules(model, cfg)
-    from . import experts
-
-    for _, module in choice.experts:
-        experts.mark_expert_params(module)
+    model, choice = _lazy_model(args, cfg)
     plan = build_plan(model, cfg, choice, outer=outer, inner=inner, expert_inner=expert_inner,
                       expert_outer=expert_outer, micro_steps=args.micro_steps,
                       source=args.config)
     print(plan)
+    return 0
+
+
+def _lazy_model(args, cfg):
+    """The model built without memory, its experts marked, and what the config picks."""
+    from . import experts
+    from .plan import build_lazily, resolve_modules
+
+    if args.model_shape:
+        raise ValueError("--model-shape works with --cluster only; give --model FACTORY")
+    model = build_lazily(_load_factory(args.model))
+    choice = resolve_modules(model, cfg)
+    for _, module in choice.experts:
+        experts.mark_expert_params(module)
+    return model, choice
+
+
+def _plan_cluster(args, cfg) -> int:
+    """Every layout of ``--cluster``: memory, communication time, a recommendation."""
+    from . import planner
+    from .plan import build_plan, reshard_after_forward_of
+
+    cluster = planner.load_cluster(args.cluster)
+    if args.model_shape:
+        shape = planner.parse_model_shape(args.model_shape)
+        title = f"{shape.params() / 1e9:.2f}B-parameter model ({args.model_shape})"
+        reshard = reshard_after_forward_of(cfg, is_root=False)
+
+        def units_for(outer, inner):
+            return planner.shape_units(shape, inner, outer, planner.dtype_bytes(cfg), reshard)
+    elif args.model and args.config:
+        model, choice = _lazy_model(args, cfg)
+        title = f"{args.model} with {args.config}"
+
+        def units_for(outer, inner):
+            return build_plan(model, cfg, choice, outer=outer, inner=inner).units
+    else:
+        raise ValueError("plan --cluster: give --model-shape, or --model with --config")
+    options = planner.evaluate(cluster, units_for, args.micro_steps, cfg.zero_stage,
+                               cfg.num_to_forward_prefetch)
+    best, why = planner.recommend(options)
+    print(planner.table(cluster, options, best, why, title))
     return 0
 
 
@@ -83,17 +125,24 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file alone")
     check.add_argument("config", help="a YAML config file")
     check.set_defaults(run=_check_config)
-    plan = sub.add_parser("plan", help="units, memory and traffic a config gives a model")
-    plan.add_argument("--config", required=True, help="a YAML config file")
-    plan.add_argument("--model", required=True,
+    plan = sub.add_parser("plan", help="units, memory and traffic a config gives a model; "
+                                       "with --cluster, every layout compared")
+    plan.add_argument("--config", default=None, help="a YAML config file")
+    plan.add_argument("--model", default=None,
                       help="PACKAGE.MODULE:FACTORY or FILE.py:FACTORY building the model")
-    plan.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    plan.add_argument("--model-shape", default=None,
+                      help="with --cluster: layers=..,hidden=..,ffn=..,vocab=..[,kv=0.25]"
+                           "[,tied=1] for a decoder LM too large to build")
+    plan.add_argument("--world-size", type=int, default=None, help="data-parallel ranks")
     plan.add_argument("--ranks-per-node", type=int, default=None,
                       help="ranks per machine ('auto' degrees: one outer replica per machine)")
     plan.add_argument("--micro-steps", type=int, default=1,
                       help="micro-batches per optimizer step (gradient accumulation)")
     plan.add_argument("--ep-degree", type=int, default=1,
                       help="expert parallelism: experts shard over world / ep / outer ranks")
+    plan.add_argument("--cluster", default=None,
+                      help="a cluster file (tools/clusters/): compare every fsdp_outer_degree, "
+                           "pure FSDP and DDP, and recommend one")
     plan.set_defaults(run=_plan)
     return parser
 
