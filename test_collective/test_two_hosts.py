@@ -3,9 +3,10 @@ pair) with 2 ranks each, launched with --nnodes 2 --master. The inner groups sta
 host and the outer groups cross it, as on two real machines; anything that assumed
 127.0.0.1 (gloo sub-group stores included) would fail here.
 
-Needs root and iproute2 (CI runs as root); skipped elsewhere with that reason. The
-hosts use TEST-NET-1 addresses (192.0.2.0/24) inside namespaces this test creates and
-deletes.
+The namespace variant needs root and iproute2 (CI runs as root; skipped elsewhere with
+that reason); the localhost variant runs the same two launchers on this host's loopback.
+The namespace hosts use TEST-NET-1 addresses (192.0.2.0/24) inside namespaces this test
+creates and deletes.
 """
 
 import json
@@ -31,8 +32,13 @@ def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
-@pytest.fixture
-def two_hosts():
+@pytest.fixture(params=["namespaces", "localhost"])
+def two_hosts(request):
+    """Two hosts: network namespaces (root only), or both launchers on this host's
+    loopback (what a user without root can run; same launch, same --nnodes 2)."""
+    if request.param == "localhost":
+        yield [(None, None, "127.0.0.1"), (None, None, "127.0.0.1")]
+        return
     if not _can_make_namespaces():
         pytest.skip("needs root and iproute2 (ip) to create network namespaces")
     tag = f"{os.getpid() % 100000}"
@@ -59,7 +65,8 @@ def launch_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 
                GLOG_minloglevel="2")
     procs = []
     for i, (ns, dev, ip) in enumerate(hosts):
-        cmd = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", sys.executable,
+        where = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}"] if ns else []
+        cmd = [*where, sys.executable,
                "-m", "paddle.distributed.launch", "--master", f"{hosts[0][2]}:{port}",
                "--host", ip, "--nnodes", "2", "--nproc_per_node", str(nproc),
                "--log_dir", os.path.join(log_dir, f"host{i}"),

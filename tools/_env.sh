@@ -7,7 +7,11 @@ cd "$ROOT"
 if [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python -c "import paddle" >/dev/null 2>&1; then
   PY="$(command -v python)"
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  python -c "import pytest" >/dev/null 2>&1 || "$PY" -m pip install -q "pytest>=7.4"
+  # the project's own needs (setup.py's install_requires and the test extra), if missing
+  for need in "pytest:pytest>=7.4" "yaml:PyYAML>=6.0" "safetensors:safetensors>=0.4" \
+              "tqdm:tqdm>=4.64" "matplotlib:matplotlib>=3.7"; do
+    python -c "import ${need%%:*}" >/dev/null 2>&1 || "$PY" -m pip install -q "${need#*:}"
+  done
 else
   PY="$ROOT/.venv/bin/python"
   stamp="$ROOT/.venv/.paddle_hsdp-installed"

@@ -13,6 +13,8 @@ shows a progress bar with loss and tokens/s and ends with the loss against step 
 
 import argparse
 import inspect
+import json
+import os
 import time
 
 import numpy as np
@@ -141,36 +143,120 @@ def report(text: str) -> None:
         print(f"[demo] {line}", flush=True)
 
 
-def main():
-    parser = argparse.ArgumentParser()
+SIZES = {  # hidden, heads, layers: all run here in well under 3 minutes at the defaults
+    "small": (64, 4, 3),
+    "medium": (128, 4, 4),
+    "large": (256, 8, 6),
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--micro", type=int, default=2, help="micro-steps per optimizer step")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-step")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="model size: " + ", ".join(
+                            f"{k} (hidden {h}, {n} layers)" for k, (h, _, n) in SIZES.items()))
     parser.add_argument("--model", choices=("dense", "moe"), default="dense",
                         help="moe: each block's MLP is a mixture of 4 experts")
+    parser.add_argument("--layout", default="2x2",
+                        help="OUTERxINNER over the 4 ranks (2x2, 1x4, 4x1); by hand, without "
+                             "--config")
     parser.add_argument("--config", default=None,
                         help="shard from this YAML file (tools/configs/) instead of by hand")
+    parser.add_argument("--run-dir", default=None,
+                        help="where rank 0 writes metrics.jsonl, loss.png, comm.json "
+                             "(default: runs/demo-<time>)")
     args = parser.parse_args()
+    outer, _, inner = args.layout.partition("x")
+    if not (outer.isdigit() and inner.isdigit()) or int(outer) * int(inner) != 4:
+        parser.error(f"--layout: expected OUTERxINNER with OUTER * INNER = 4 ranks (2x2, "
+                     f"1x4, 4x1), got {args.layout!r}")
+    if args.config and args.layout != "2x2":
+        parser.error("--layout and --config both set the layout: give one of them")
+    args.outer = int(outer)
+    return args
 
-    paddle.seed(0)
-    model = (build_moe_model if args.model == "moe" else build_model)(args.seq)
-    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+
+def shard(model, args):
+    """By hand (one unit per block, the root last) or from ``--config``; returns the
+    HCG and the config's plan (None by hand)."""
     if args.config:  # the config shapes the layout (and initialises fleet)
         model, plan = paddle_hsdp.apply_config(model, args.config)
         plan.micro_steps = args.micro
-        hcg = fleet.get_hybrid_communicate_group()
-    else:
-        hcg = init_hsdp(sharding=4, outer=2)
-        for block in model.blocks:  # one communication unit per block ...
-            paddle_hsdp.fully_shard(block)
-        paddle_hsdp.fully_shard(model)  # ... and the root takes embedding, head, norms
+        return fleet.get_hybrid_communicate_group(), plan
+    hcg = init_hsdp(sharding=4, outer=args.outer)
+    for block in model.blocks:  # one communication unit per block ...
+        paddle_hsdp.fully_shard(block)
+    paddle_hsdp.fully_shard(model)  # ... and the root takes embedding, head, norms
+    return hcg, None
+
+
+class RunDir:
+    """Rank 0's record of the run: metrics.jsonl (a line per step), loss.png, comm.json
+    (per group and op: calls, payload and wire bytes per step; the plan's, with
+    --config) and args.json."""
+
+    def __init__(self, path, args):
+        self.path = path or os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs",
+            time.strftime("demo-%Y%m%d-%H%M%S"))
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1)
+        self.metrics = open(os.path.join(self.path, "metrics.jsonl"), "w")
+
+    def step(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def finish(self, losses, steps, plan) -> None:
+        self.metrics.close()
+        per_step = {f"{label} {op}": {"calls": s.calls / steps,
+                                      "payload_bytes": s.payload_bytes / steps,
+                                      "wire_bytes": s.wire_bytes / steps}
+                    for (label, op), s in sorted(paddle_hsdp.comm.counter.snapshot().items())}
+        if plan is not None:
+            for (label, op), planned in plan.comm_bytes().items():
+                per_step.setdefault(f"{label} {op}", {})["planned_wire_bytes"] = planned
+        with open(os.path.join(self.path, "comm.json"), "w") as f:
+            json.dump(per_step, f, indent=1)
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # the test extra brings it; the run itself does not need it
+            report("(matplotlib not installed: no loss.png)")
+            return
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(range(1, len(losses) + 1), losses)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (global batch)")
+        ax.set_title("paddle_hsdp demo")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.path, "loss.png"), dpi=120)
+        plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    paddle.seed(0)
+    hidden, heads, layers = SIZES[args.size]
+    model = CharLM(hidden=hidden, heads=heads, layers=layers, seq=args.seq,
+                   moe=args.model == "moe")
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    hcg, plan = shard(model, args)
     rank, world = dist.get_rank(), dist.get_world_size()
     table = group_table(hcg)
+    run = RunDir(args.run_dir, args) if rank == 0 else None
     if rank == 0:
         report(f"HSDP layout: fsdp_outer_degree={hcg.get_fsdp_outer_degree()}, "
                f"world size {world}\n{table}\n")
-        if args.config:
+        if plan is not None:
             report(f"{plan}\n")
     opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters(),
                                  grad_clip=nn.ClipGradByGlobalNorm(1.0))
@@ -201,9 +287,11 @@ def main():
         mean = paddle.to_tensor([total])
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-        if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                            tok_s=f"{tokens_per_step / (time.perf_counter() - t0):,.0f}")
+        seconds = time.perf_counter() - t0
+        if rank == 0:
+            run.step({"step": step + 1, "loss": losses[-1], "seconds": seconds,
+                      "tokens_per_s": tokens_per_step / seconds})
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
             bar.update(1)
     elapsed = time.perf_counter() - start
     if bar is not None:
@@ -218,11 +306,13 @@ def main():
                f"({args.steps * tokens_per_step / elapsed:,.0f} tokens/s on {world} CPU ranks)\n"
                f"loss: step 1 {losses[0]:.3f} -> step {args.steps} {losses[-1]:.3f} "
                f"({losses[-1] / losses[0]:.0%} of the first step)")
-        if args.config:  # the plan's bytes against the communication counter's
+        if plan is not None:  # the plan's bytes against the communication counter's
             measured = paddle_hsdp.comm.counter.snapshot()
             report("communication per step, measured / planned: " + ", ".join(
                 f"{label} {op} {measured[(label, op)].wire_bytes / args.steps / planned:.3f}"
                 for (label, op), planned in plan.comm_bytes().items() if planned))
+        run.finish(losses, args.steps, plan)
+        report(f"run directory: {run.path} (metrics.jsonl, loss.png, comm.json, args.json)")
     dist.barrier()
 
 
