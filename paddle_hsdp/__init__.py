@@ -16,6 +16,9 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noq
 from .clip import HSDPClipGradByGlobalNorm, last_global_norm  # noqa: F401
 from .fleet_ext import get_fsdp_outer_degree  # noqa: F401
 from .mesh import create_mesh_groups  # noqa: F401
+from .comm import CollectiveError  # noqa: F401
+from .fingerprint import check_collectives  # noqa: F401
+from .gather_check import CollectiveMismatchError  # noqa: F401
 from .optim import finish_grad_sync  # noqa: F401
 from . import checkpoint as _checkpoint
 from . import clip as _clip

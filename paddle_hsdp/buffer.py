@@ -139,7 +139,8 @@ class ShardBuffer:
             sp.free_full_data()
         blocks.append(paddle.zeros([gather_check.TAG_NUMEL], self.dtype))
         flat = paddle.concat(blocks)
-        comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer)
+        comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer,
+                       what=self.describe)
         for sp in self.params:
             sp.make_shard_param()
             if self.outer.rank != 0:
@@ -187,7 +188,8 @@ class ShardBuffer:
         row = self.shard_numel + gather_check.TAG_NUMEL
         out = paddle.empty([self.inner_size * row], dtype=dtype)
         trace.record("issue", "all_gather", self.unit_index)
-        handle = comm.all_gather_into(out, send, self.inner, async_op=True)
+        handle = comm.all_gather_into(out, send, self.inner, async_op=True,
+                                      what=self.describe)
         if not async_op:
             handle.wait()
         # send and out stay referenced until the wait: an async collective reads and
@@ -238,7 +240,8 @@ class ShardBuffer:
         del blocks  # the full grads' storage goes now, before the collective runs
         out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
         trace.record("issue", "reduce_scatter", self.unit_index)
-        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True)
+        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True,
+                                     what=self.describe)
         if not async_op:
             handle.wait()
         return _PendingReduce(handle, grid, out)
@@ -259,7 +262,7 @@ class ShardBuffer:
         flat = self.grad_flat()
         target = self.to_device(flat)
         trace.record("issue", "all_reduce", self.unit_index)
-        handle = comm.all_reduce(target, self.outer, async_op=True)
+        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe)
         if not async_op:
             handle.wait()
         return _PendingReduce(handle, target, flat)

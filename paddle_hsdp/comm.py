@@ -24,6 +24,8 @@ from typing import Callable
 import paddle
 import paddle.distributed as dist
 
+from . import fingerprint, watchdog
+
 # ---------------------------------------------------------------- counter
 
 
@@ -100,16 +102,26 @@ class Handle:
     staging tensor of a float16 reduction on gloo.
     """
 
-    def __init__(self, tasks=(), finalize: Callable[[], None] | None = None):
+    def __init__(self, tasks=(), finalize: Callable[[], None] | None = None,
+                 failure: Callable[[Exception], Exception] | None = None,
+                 waiting_for: Callable[[], str] | None = None):
         self._tasks = [t for t in tasks if t is not None]
         self._finalize = finalize
+        self._failure = failure  # turns a backend error into a CollectiveError
+        self._waiting_for = waiting_for or (lambda: "an asynchronous collective")
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
         for t in self._tasks:
-            t.wait()
+            try:
+                with watchdog.watched(self._waiting_for):
+                    t.wait()
+            except Exception as e:
+                if self._failure is None:
+                    raise
+                raise self._failure(e) from e
         if self._finalize is not None:
             self._finalize()
         self._done = True
@@ -125,6 +137,44 @@ def _finish(handle: Handle, async_op: bool):
     return None
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed in the backend: a peer died, a link broke, a timeout hit."""
+
+
+def describe(what) -> str | None:
+    """``what`` as text: callers pass a string or, on hot paths, a callable that is only
+    called when a message or a fingerprint needs it."""
+    return what() if callable(what) else what
+
+
+def _failure(op: str, group, what):
+    """Make the error a failed ``op`` on ``group`` raises, naming both."""
+    def make(error: Exception) -> CollectiveError:
+        what_text = describe(what)
+        return CollectiveError(
+            f"paddle_hsdp: {op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
+            f"{' for ' + what_text if what_text else ''} failed: {type(error).__name__}: "
+            f"{str(error).strip()[:500]}. A rank of this group probably died or stopped "
+            "answering; this rank stops too (restart the job from the last checkpoint).")
+    return make
+
+
+def _waiting_for(op: str, group, what):
+    """The watchdog's description of a collective (built only if it times out)."""
+    return lambda: (f"{op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
+                    + (f" for {describe(what)}" if what else ""))
+
+
+def _issue(op: str, group, what: str | None, call):
+    """Run the backend call under the watchdog; a backend error becomes a
+    :class:`CollectiveError`."""
+    try:
+        with watchdog.watched(_waiting_for(op, group, what)):
+            return call()
+    except Exception as e:
+        raise _failure(op, group, what)(e) from e
+
+
 def _check_split(what: str, flat, shard, n: int) -> None:
     if int(flat.numel()) != n * int(shard.numel()):
         raise ValueError(f"{what} has {int(flat.numel())} elements, expected "
@@ -138,8 +188,10 @@ def _needs_fp32_staging(tensor, group) -> bool:
 # ---------------------------------------------------------------- collectives
 
 
-def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None):
-    """Gather equal shards of the group into ``out_flat`` (rank order), in place."""
+def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None,
+                    what: str | None = None):
+    """Gather equal shards of the group into ``out_flat`` (rank order), in place.
+    ``what`` names the caller's tensors in error messages and fingerprints."""
     n = group.nranks
     _check_split("all_gather_into: output", out_flat, shard, n)
     payload = _nbytes(out_flat)
@@ -147,11 +199,16 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
     if n == 1:
         paddle.assign(shard.reshape(out_flat.shape), output=out_flat)
         return _finish(Handle(), async_op)
-    task = dist.stream.all_gather(out_flat, shard, group=group, sync_op=not async_op)
-    return _finish(Handle([task]), async_op)
+    what = what or tag
+    fingerprint.verify("all_gather", shard, group, what)
+    task = _issue("all_gather", group, what, lambda: dist.stream.all_gather(
+        out_flat, shard, group=group, sync_op=not async_op))
+    return _finish(Handle([task], failure=_failure("all_gather", group, what),
+                          waiting_for=_waiting_for("all_gather", group, what)), async_op)
 
 
-def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None):
+def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None,
+                   what: str | None = None):
     """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``.
     ``in_flat`` is scratch: on gloo its other slices are overwritten."""
     n = group.nranks
@@ -161,11 +218,16 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
     if n == 1:
         paddle.assign(in_flat.reshape(out_shard.shape), output=out_shard)
         return _finish(Handle(), async_op)
+    what = what or tag
+    fingerprint.verify("reduce_scatter", in_flat, group, what)
     if not is_gloo(group):
-        task = dist.stream.reduce_scatter(out_shard, in_flat, op=dist.ReduceOp.SUM,
-                                          group=group, sync_op=not async_op)
-        return _finish(Handle([task]), async_op)
-    return _finish(_gloo_reduce_scatter(out_shard, in_flat, group), async_op)
+        task = _issue("reduce_scatter", group, what, lambda: dist.stream.reduce_scatter(
+            out_shard, in_flat, op=dist.ReduceOp.SUM, group=group, sync_op=not async_op))
+        return _finish(Handle([task], failure=_failure("reduce_scatter", group, what),
+                              waiting_for=_waiting_for("reduce_scatter", group, what)),
+                       async_op)
+    return _finish(_issue("reduce_scatter", group, what,
+                          lambda: _gloo_reduce_scatter(out_shard, in_flat, group)), async_op)
 
 
 def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
@@ -190,7 +252,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
-               op: str = "sum"):
+               op: str = "sum", what: str | None = None):
     """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place."""
     reduce_op = _REDUCE_OPS[op]
     n = group.nranks
@@ -198,30 +260,42 @@ def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
     counter.record(tag or group_label(group), "all_reduce", payload, 2 * payload * (n - 1) / n)
     if n == 1:
         return _finish(Handle(), async_op)
+    what = what or tag
+    fingerprint.verify("all_reduce", tensor, group, what)
+    failure = _failure("all_reduce", group, what)
+    waiting_for = _waiting_for("all_reduce", group, what)
     if _needs_fp32_staging(tensor, group):
         staged = tensor.astype("float32")
-        task = dist.stream.all_reduce(staged, op=reduce_op, group=group,
-                                      sync_op=not async_op)
+        task = _issue("all_reduce", group, what, lambda: dist.stream.all_reduce(
+            staged, op=reduce_op, group=group, sync_op=not async_op))
         return _finish(Handle([task], lambda: paddle.assign(staged.astype(tensor.dtype),
-                                                            output=tensor)), async_op)
-    task = dist.stream.all_reduce(tensor, op=reduce_op, group=group,
-                                  sync_op=not async_op)
-    return _finish(Handle([task]), async_op)
+                                                            output=tensor), failure,
+                              waiting_for), async_op)
+    task = _issue("all_reduce", group, what, lambda: dist.stream.all_reduce(
+        tensor, op=reduce_op, group=group, sync_op=not async_op))
+    return _finish(Handle([task], failure=failure, waiting_for=waiting_for), async_op)
 
 
-def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None = None):
+def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None = None,
+              what: str | None = None):
     """Copy ``tensor`` from global rank ``src`` to every member, in place."""
     n = group.nranks
     payload = _nbytes(tensor)
     counter.record(tag or group_label(group), "broadcast", payload, payload * (n - 1) / n)
     if n == 1:
         return _finish(Handle(), async_op)
-    task = dist.stream.broadcast(tensor, src=src, group=group, sync_op=not async_op)
-    return _finish(Handle([task]), async_op)
+    what = what or tag
+    fingerprint.verify("broadcast", tensor, group, what)
+    task = _issue("broadcast", group, what, lambda: dist.stream.broadcast(
+        tensor, src=src, group=group, sync_op=not async_op))
+    return _finish(Handle([task], failure=_failure("broadcast", group, what),
+                          waiting_for=_waiting_for("broadcast", group, what)), async_op)
 
 
 def barrier(group=None) -> None:
     if group is not None and group.nranks == 1:
         return
-    counter.record(group_label(group) if group is not None else "world", "barrier", 0, 0.0)
-    dist.barrier(group=group)
+    label = group_label(group) if group is not None else "world"
+    counter.record(label, "barrier", 0, 0.0)
+    with watchdog.watched(lambda: f"a barrier on group '{label}'"):
+        dist.barrier(group=group)

@@ -234,26 +234,26 @@ class Recorder:
         assert group.nranks == len(ranks)
         self.calls.append(Call(op, ranks, int(tensor.numel()), str(tensor.dtype), tag))
 
-    def all_gather_into(self, out_flat, shard, group, async_op=False, tag=None):
+    def all_gather_into(self, out_flat, shard, group, async_op=False, tag=None, what=None):
         self._log("all_gather", group, out_flat, tag)
         assert int(out_flat.numel()) == group.nranks * int(shard.numel())
         tiled = paddle.tile(shard.reshape([-1]), [group.nranks])
         paddle.assign(tiled.reshape(out_flat.shape), output=out_flat)
         return comm._finish(comm.Handle(), async_op)
 
-    def reduce_scatter(self, out_shard, in_flat, group, async_op=False, tag=None):
+    def reduce_scatter(self, out_shard, in_flat, group, async_op=False, tag=None, what=None):
         self._log("reduce_scatter", group, in_flat, tag)
         assert int(in_flat.numel()) == group.nranks * int(out_shard.numel())
         mine = in_flat.reshape([group.nranks, -1])[group.rank] * group.nranks
         paddle.assign(mine.reshape(out_shard.shape), output=out_shard)
         return comm._finish(comm.Handle(), async_op)
 
-    def all_reduce(self, tensor, group, async_op=False, tag=None, op="sum"):
+    def all_reduce(self, tensor, group, async_op=False, tag=None, op="sum", what=None):
         self._log("all_reduce", group, tensor, tag)
         paddle.assign(tensor * group.nranks, output=tensor)
         return comm._finish(comm.Handle(), async_op)
 
-    def broadcast(self, tensor, src, group, async_op=False, tag=None):
+    def broadcast(self, tensor, src, group, async_op=False, tag=None, what=None):
         self._log("broadcast", group, tensor, tag)
         assert src == group.ranks[0], f"broadcast from {src}, not outer rank 0 of {group.ranks}"
         return comm._finish(comm.Handle(), async_op)

@@ -58,11 +58,14 @@ def two_hosts(request):
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-def launch_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
+def run_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 300,
+                  env_extra=None) -> tuple[list, dict, str]:
+    """Both launchers; ``(exit codes, {host/workerlog.N: text}, log dir)``."""
     log_dir = tempfile.mkdtemp(prefix="hsdp_twohost_")
     port = random.randint(30000, 45000)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GLOG_minloglevel="2")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers"),
+                                                       os.environ.get("PYTHONPATH", "")]),
+               GLOG_minloglevel="2", **(env_extra or {}))
     procs = []
     for i, (ns, dev, ip) in enumerate(hosts):
         where = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}"] if ns else []
@@ -87,6 +90,11 @@ def launch_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 
         for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
             if name.startswith("workerlog"):
                 logs[f"{host}/{name}"] = open(os.path.join(d, name), errors="replace").read()
+    return codes, logs, log_dir
+
+
+def launch_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
+    codes, logs, log_dir = run_two_hosts(hosts, nproc, worker, *args, timeout=timeout)
     ok = sum("WORKER_OK" in t for t in logs.values())
     assert codes == [0, 0] and ok == 2 * nproc, (
         f"two-host launch failed: exit codes {codes}, {ok}/{2 * nproc} ranks OK; logs in "
@@ -101,3 +109,18 @@ def test_hsdp_training_across_two_hosts(two_hosts):
     log = launch_two_hosts(two_hosts, 2, "worker_engine.py",
                            json.dumps({"sharding_degree": 4, "outer": 2}))
     assert log.count("PARITY 2x2") == 3, log[-2000:]
+
+
+def test_a_rank_killed_on_one_host_ends_the_job_on_both(two_hosts):
+    """Rank 3 (on host 1) is killed mid-step: both launchers exit non-zero within the
+    bound and a survivor names the failed operation and group."""
+    import time
+
+    start = time.time()
+    codes, logs, log_dir = run_two_hosts(two_hosts, 2, "worker_rank_death.py", "3", "kill",
+                                         timeout=120,
+                                         env_extra={"PADDLE_HSDP_COLLECTIVE_TIMEOUT": "20"})
+    took = time.time() - start
+    assert all(c not in (0, "timeout") for c in codes) and took < 120, (codes, took, log_dir)
+    named = [k for k, t in logs.items() if "on group '" in t and "ranks [" in t]
+    assert named, f"no survivor named the failure; logs in {log_dir}"

@@ -1,0 +1,59 @@
+"""A rank that dies or hangs mid-step ends the job within a bound, with a message that
+names the operation and the group (workers/worker_rank_death.py), on one host; the
+two-host variant is in test_two_hosts.py."""
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from launcher import HERE, ROOT
+
+BOUND_S = 90  # launch (~10 s here) + detection + the launcher's teardown
+
+
+def launch_with_fault(mode: str, env_extra: dict) -> tuple[int, float, dict]:
+    log_dir = tempfile.mkdtemp(prefix=f"hsdp_fault_{mode}_")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(HERE, "workers"),
+               GLOG_minloglevel="2", **env_extra)
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
+           "--log_dir", log_dir, os.path.join(HERE, "workers", "worker_rank_death.py"),
+           "3", mode]
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=log_dir, capture_output=True, text=True,
+                          timeout=BOUND_S + 60)
+    took = time.time() - start
+    logs = {os.path.basename(p): open(p, errors="replace").read()
+            for p in glob.glob(os.path.join(log_dir, "workerlog.*"))}
+    return proc.returncode, took, logs
+
+
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_a_failed_rank_ends_the_job_with_a_message(mode):
+    # hang: the watchdog bound is 5 s here (default 300 s)
+    rc, took, logs = launch_with_fault(mode, {"PADDLE_HSDP_COLLECTIVE_TIMEOUT": "5"})
+    assert rc != 0 and took < BOUND_S, (rc, took)
+    assert "FAULT" in logs.get("workerlog.3", ""), logs.get("workerlog.3", "")[-2000:]
+    survivors = [logs.get(f"workerlog.{r}", "") for r in range(3)]
+    named = [t for t in survivors if ("on group '" in t and "ranks [" in t
+                                      and ("failed" in t or "has not finished" in t))]
+    assert named, "\n---\n".join(t[-1500:] for t in survivors)
+    print(f"{mode}: job ended in {took:.1f} s (rc {rc}); {len(named)} survivor(s) named "
+          "the operation and group")
+
+
+def test_fingerprint_mode_catches_mismatched_collectives():
+    """workers/worker_fingerprint.py with PADDLE_HSDP_CHECK_COLLECTIVES=1."""
+    from launcher import launch
+
+    os.environ["PADDLE_HSDP_CHECK_COLLECTIVES"] = "1"
+    try:
+        log = launch(4, "worker_fingerprint.py", timeout=300)
+    finally:
+        del os.environ["PADDLE_HSDP_CHECK_COLLECTIVES"]
+    assert "CAUGHT_UNITS rank 0" in log and "CAUGHT_ALL_REDUCE rank 0" in log, log[-3000:]
+    assert "FINGERPRINT_OK" in log, log[-3000:]

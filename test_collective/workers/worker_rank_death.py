@@ -1,0 +1,50 @@
+"""A rank dies (SIGKILL) or hangs (sleeps) mid-step, after its forward of step 2: the
+others must stop within a bound with a message naming the operation and the group,
+not wait forever. A dead peer: gloo fails the next collective at once and
+paddle_hsdp raises CollectiveError. A hung peer: the watchdog
+(PADDLE_HSDP_COLLECTIVE_TIMEOUT, set short by the test) ends the waiting ranks.
+
+argv: the rank that fails, and "kill" or "hang". The test checks that the launch ends
+non-zero within its bound and that the survivors named the failure.
+"""
+
+import os
+import signal
+import sys
+import time
+
+from common import init_fleet
+
+import paddle
+import paddle.distributed as dist
+
+import paddle_hsdp
+from models import batches, build_model, lm_loss, make_optimizer, uses_extra
+
+victim, mode = int(sys.argv[1]), sys.argv[2]
+init_fleet({"sharding_degree": 4, "outer": 2})
+rank, world = dist.get_rank(), dist.get_world_size()
+model = build_model()
+for layer in [model.embed, *model.blocks]:
+    paddle_hsdp.fully_shard(layer)
+paddle_hsdp.fully_shard(model)
+opt = make_optimizer(model, model.parameters(), 0.2)
+data = batches(4, 1, world, 2)
+start = time.time()
+try:
+    for step, micro_batches in enumerate(data):
+        ids = paddle.to_tensor(micro_batches[0][rank * 2:(rank + 1) * 2])
+        loss = lm_loss(model, ids, uses_extra(rank))
+        if step == 2 and rank == victim:
+            print(f"FAULT {mode} at step {step} on rank {rank}", flush=True)
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(600)  # hang: the others' watchdog must end the job
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+except paddle_hsdp.CollectiveError as e:
+    print(f"FAILED after {time.time() - start:.1f} s: {e}", flush=True)
+    sys.exit(3)
+print("UNEXPECTED: training finished although a rank died", flush=True)
+sys.exit(4)
