@@ -57,3 +57,23 @@ def test_fingerprint_mode_catches_mismatched_collectives():
         del os.environ["PADDLE_HSDP_CHECK_COLLECTIVES"]
     assert "CAUGHT_UNITS rank 0" in log and "CAUGHT_ALL_REDUCE rank 0" in log, log[-3000:]
     assert "FINGERPRINT_OK" in log, log[-3000:]
+
+
+def test_resume_after_a_crash_is_bit_exact():
+    """workers/worker_resume_after_fault.py: a launch that loses rank 3 mid-step fails;
+    a new launch resumes from the last checkpoint and reproduces the uninterrupted run
+    bit for bit (losses of three separate processes' runs, and every parameter)."""
+    from launcher import launch
+
+    work = tempfile.mkdtemp(prefix="hsdp_resume_fault_")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(HERE, "workers"),
+               GLOG_minloglevel="2")
+    crash = subprocess.run(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
+         "--log_dir", os.path.join(work, "crash_logs"),
+         os.path.join(HERE, "workers", "worker_resume_after_fault.py"), work, "crash"],
+        env=env, cwd=work, capture_output=True, text=True, timeout=BOUND_S + 60)
+    assert crash.returncode != 0
+    assert "CRASH rank 3" in open(os.path.join(work, "crash_logs", "workerlog.3")).read()
+    log = launch(4, "worker_resume_after_fault.py", work, "resume", timeout=300)
+    assert "RESUMED_BIT_EXACT" in log, log[-3000:]

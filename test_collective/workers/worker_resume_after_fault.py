@@ -1,0 +1,70 @@
+"""Resume after a crash reproduces the uninterrupted run, bit for bit (4 CPU ranks, 2 x 2).
+
+argv: a work dir shared by the ranks, then "crash" or "resume".
+
+crash: train STEPS steps, saving a checkpoint after every step (its ``extra`` holds the
+step and the losses so far); rank 3 is killed during step CRASH_AT's forward, so the
+job fails (the launcher exits non-zero) with the checkpoint of step CRASH_AT - 1 in place.
+resume (a new launch): load that checkpoint, train the remaining steps, then train an
+uninterrupted run in this process from scratch; the losses of the crashed run (from
+another process), the resumed run and the uninterrupted one must be equal bit for bit,
+and so must every final parameter.
+"""
+
+import os
+import signal
+import sys
+
+import numpy as np
+from common import finish, init_fleet
+
+import paddle.distributed as dist
+
+import paddle_hsdp
+from paddle_hsdp import checkpoint
+from models import batches, build_model, make_optimizer, train_steps
+
+STEPS, CRASH_AT, PER_RANK, CLIP = 5, 3, 2, 0.2
+work, mode = sys.argv[1], sys.argv[2]
+CK = os.path.join(work, "last")
+init_fleet({"sharding_degree": 4, "outer": 2})
+rank, world = dist.get_rank(), dist.get_world_size()
+data = batches(STEPS, 2, world, PER_RANK)
+
+
+def sharded(seed):
+    model = build_model(seed=seed)
+    for layer in [model.embed, *model.blocks]:
+        paddle_hsdp.fully_shard(layer)
+    paddle_hsdp.fully_shard(model)
+    return model, make_optimizer(model, model.parameters(), CLIP)
+
+
+if mode == "crash":
+    model, opt = sharded(2024)
+    losses = []
+    for step in range(STEPS):
+        crash = rank == 3 and step == CRASH_AT
+
+        def die(_):
+            print(f"CRASH rank {rank} in step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if crash:  # killed during this step's forward, before its optimizer step
+            model.blocks[1].register_forward_pre_hook(lambda *a: die(None))
+        losses += train_steps(model, opt, [data[step]], rank, world, PER_RANK)
+        checkpoint.save_checkpoint(CK, model, opt, extra={"step": step + 1, "losses": losses})
+    raise SystemExit("UNEXPECTED: the crash run finished")
+
+model, opt = sharded(7)  # other weights: the checkpoint must bring everything back
+extra = checkpoint.load_checkpoint(CK, model, opt)
+assert extra["step"] == CRASH_AT, extra
+losses = extra["losses"] + train_steps(model, opt, data[CRASH_AT:], rank, world, PER_RANK)
+ref, ref_opt = sharded(2024)
+ref_losses = train_steps(ref, ref_opt, data, rank, world, PER_RANK)
+assert losses == ref_losses, (losses, ref_losses)
+got, want = paddle_hsdp.full_state_dict(model), paddle_hsdp.full_state_dict(ref)
+assert all(np.array_equal(got[k].numpy(), want[k].numpy()) for k in want)
+print(f"RESUMED_BIT_EXACT from step {CRASH_AT}: losses {['%.7f' % x for x in losses]}",
+      flush=True)
+finish()
