@@ -266,6 +266,16 @@ def _check_module(module) -> None:
                          "at all: there is nothing to shard.")
 
 
+def _check_sizes(claims: list[tuple]) -> None:
+    """A zero-size parameter has no rows to shard and no storage to gather from."""
+    for _, _, fqn, p, owner in claims:
+        if owner is None and 0 in list(p.shape):
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' has a zero-size shape {list(p.shape)}: "
+                "there is nothing to shard. Leave it out with ignored_params=[...] (it stays "
+                "as it is on every rank) or remove it from the model.")
+
+
 def _ignored_in(module, ignored: list) -> dict:
     """``{id: param}`` of the ``ignored`` params this call is about: those in
     ``module``'s subtree (others belong to other calls, as in torch). Raises for one a
@@ -348,6 +358,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         offload_policy.check_supported()
     mesh = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
     claims = _plan_claims(module, ignored, placements)
+    _check_sizes(claims)
     # Nothing changed so far; from here on the call acts.
     _ignored_params.update(ignored_here)
     hooks.install()

@@ -1,0 +1,442 @@
+"""Every user-facing entry point refuses bad input clearly: the README's bad-input table
+is generated from the rows below and checked to be in README.md, so the two cannot
+drift apart.
+
+Each row builds its situation in one process (the one-rank fake mesh stands in for
+fleet's groups), makes the bad call, and checks the exception type, that the message
+names the argument and what is allowed, and, for calls on a model, that the model
+still trains afterwards (the check ran before anything changed and before any
+collective, so every rank raises alike and nothing hangs). Cases that need several
+ranks (a unit run on some ranks only, mismatched collectives, a dead rank) are in
+test_collective/ and listed at the end of the README table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import paddle
+import pytest
+
+import paddle_hsdp
+from paddle_hsdp import checkpoint, fleet_ext, topology
+from paddle_hsdp.__main__ import main as cli
+from test_engine_single import fake_mesh, registry  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS: list["Row"] = []
+
+
+@dataclass
+class Row:
+    entry: str  # the entry point, as the README names it
+    bad: str  # the bad input, as code
+    error: type
+    says: tuple  # fragments the message must contain (the argument, allowed values)
+    run: Callable  # makes the call; returns a model to check it still trains, or None
+
+
+def row(entry, bad, error, *says):
+    def register(fn):
+        ROWS.append(Row(entry, bad, error, says, fn))
+        return fn
+    return register
+
+
+def _net():
+    paddle.seed(3)
+    return paddle.nn.Sequential(paddle.nn.Linear(4, 6), paddle.nn.GELU(), paddle.nn.Linear(6, 2))
+
+
+def _sharded():
+    model = _net()
+    paddle_hsdp.fully_shard(model[0])
+    paddle_hsdp.fully_shard(model)
+    return model
+
+
+class _Lm(paddle.nn.Layer):  # for config patterns
+    def __init__(self):
+        super().__init__()
+        self.layers = paddle.nn.LayerList([paddle.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+# ---------------------------------------------------------------- fleet.init options
+def _validate(degree, sharding=4):
+    return topology.validate_outer_degree(degree, {"dense": sharding})
+
+
+@row("fleet.init: `sharding_configs['fsdp_outer_degree']`", '"2" (a string)', ValueError,
+     "fsdp_outer_degree", "must be an int", "valid choices")
+def _degree_type():
+    _validate("2")
+
+
+@row("fleet.init: `sharding_configs['fsdp_outer_degree']`", "3 with sharding_degree 4",
+     ValueError, "fsdp_outer_degree", "divide", "valid choices: [1, 2, 4]")
+def _degree_divides():
+    _validate(3)
+
+
+@row("fleet.init: `sharding_configs['fsdp_outer_degree']`", "0", ValueError,
+     "fsdp_outer_degree", ">= 1")
+def _degree_zero():
+    _validate(0)
+
+
+@row("fleet.init: `sharding_configs['fsdp_outer_degree']`", "2 with `strategy.semi_auto`",
+     NotImplementedError, "fsdp_outer_degree", "auto-parallel", "set it to 1")
+def _degree_auto_parallel():
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"sharding_degree": 4, "sharding_configs": {"fsdp_outer_degree": 2}}
+    strategy.semi_auto = True
+    fleet_ext.validate_strategy(strategy)
+
+
+# ---------------------------------------------------------------- fully_shard
+@row("`fully_shard(module)`", "a list of layers", TypeError, "paddle.nn.Layer")
+def _shard_not_a_layer():
+    paddle_hsdp.fully_shard([_net()])
+
+
+@row("`fully_shard(module)`", "called twice on one module", ValueError,
+     "already applied", "once per module")
+def _shard_twice():
+    model = _sharded()
+    try:
+        paddle_hsdp.fully_shard(model)
+    finally:
+        _still_trains(model)
+
+
+@row("`fully_shard(module)`", "on a child after its parent", ValueError,
+     "bottom-up", "children first")
+def _shard_child_after_parent():
+    model = _sharded()
+    try:
+        paddle_hsdp.fully_shard(model[2])
+    finally:
+        _still_trains(model)
+
+
+@row("`fully_shard(module)`", "a module with no parameters (`nn.ReLU()`)", ValueError,
+     "no parameters")
+def _shard_no_params():
+    paddle_hsdp.fully_shard(paddle.nn.ReLU())
+
+
+@row("`fully_shard(module)`", "a zero-size parameter (shape `[0, 4]`)", ValueError,
+     "zero-size", "ignored_params")
+def _shard_zero_size():
+    model = _net()
+    model.add_parameter("empty", paddle.create_parameter([0, 4], "float32"))
+    paddle_hsdp.fully_shard(model)
+
+
+@row("`fully_shard(reshard_after_forward=)`", '"True" (a string)', TypeError,
+     "reshard_after_forward", "None, True or False")
+def _shard_reshard_type():
+    paddle_hsdp.fully_shard(_net(), reshard_after_forward="True")
+
+
+@row("`fully_shard(reshard_after_forward=)`", "2 (an int: torch's partial reshard)",
+     NotImplementedError, "reshard_after_forward")
+def _shard_reshard_int():
+    paddle_hsdp.fully_shard(_net(), reshard_after_forward=2)
+
+
+@row("`fully_shard(mp_policy=)`", '"bf16" (not a policy)', TypeError, "mp_policy",
+     "MixedPrecisionPolicy")
+def _shard_mp_policy():
+    paddle_hsdp.fully_shard(_net(), mp_policy="bf16")
+
+
+@row("`MixedPrecisionPolicy(param_dtype=)`", '"int32"', ValueError, "param_dtype",
+     "float16", "bfloat16")
+def _policy_dtype():
+    paddle_hsdp.MixedPrecisionPolicy(param_dtype="int32")
+
+
+@row("`fully_shard(offload_policy=)`", "True (not a policy)", TypeError, "offload_policy",
+     "CPUOffloadPolicy")
+def _shard_offload():
+    paddle_hsdp.fully_shard(_net(), offload_policy=True)
+
+
+@row("`fully_shard(ignored_params=)`", "3", TypeError, "ignored_params")
+def _shard_ignored():
+    paddle_hsdp.fully_shard(_net(), ignored_params=3)
+
+
+@row("`fully_shard(mesh=)`", "`[0, 1]` (a list)", TypeError, "mesh", "ProcessMesh")
+def _shard_mesh():
+    from paddle_hsdp import mesh  # what fully_shard resolves its mesh with (faked here)
+
+    mesh.resolve_mesh([0, 1])
+
+
+@row("`fully_shard(enable_tensor_fusion_and_overlap=)`", '"yes"', TypeError,
+     "enable_tensor_fusion_and_overlap", "True or False")
+def _shard_overlap():
+    paddle_hsdp.fully_shard(_net(), enable_tensor_fusion_and_overlap="yes")
+
+
+# ---------------------------------------------------------------- module methods
+@row("`model.set_prefetch_count(forward=)`", "-1", ValueError, "forward", ">= 0")
+def _prefetch():
+    model = _sharded()
+    try:
+        model.set_prefetch_count(forward=-1)
+    finally:
+        _still_trains(model)
+
+
+@row("`model.set_requires_gradient_sync()`", '"no"', TypeError,
+     "set_requires_gradient_sync", "True or False")
+def _grad_sync():
+    model = _sharded()
+    try:
+        model.set_requires_gradient_sync("no")
+    finally:
+        _still_trains(model)
+
+
+@row("`model.set_gradient_divide_factor()`", "0", ValueError, "finite", "> 0")
+def _divide_factor():
+    model = _sharded()
+    try:
+        model.set_gradient_divide_factor(0)
+    finally:
+        _still_trains(model)
+
+
+@row("`model.set_modules_to_forward_prefetch()`", "a module that is not sharded",
+     ValueError, "not an FSDP module", "fully_shard")
+def _prefetch_modules():
+    model = _sharded()
+    try:
+        model.set_modules_to_forward_prefetch([paddle.nn.ReLU()])
+    finally:
+        _still_trains(model)
+
+
+@row("`paddle_hsdp.set_zero_stage(model, stage)`", "4", ValueError, "stage", "[1, 2, 3]")
+def _zero_stage():
+    model = _sharded()
+    try:
+        paddle_hsdp.set_zero_stage(model, 4)
+    finally:
+        _still_trains(model)
+
+
+@row("`paddle_hsdp.set_zero_stage(model, stage)`", "a model without `fully_shard`",
+     ValueError, "fully_shard")
+def _zero_stage_plain():
+    paddle_hsdp.set_zero_stage(_net(), 3)
+
+
+@row("`paddle_hsdp.mark_expert_params(layer)`", "after `fully_shard`", RuntimeError,
+     "before fully_shard")
+def _experts_late():
+    paddle_hsdp.mark_expert_params(_sharded())
+
+
+@row("`paddle_hsdp.mark_expert_params(global_indices=)`", "`[1, 1]`", ValueError,
+     "global_indices", "distinct non-negative")
+def _experts_indices():
+    experts = paddle.nn.LayerList([paddle.nn.Linear(2, 2), paddle.nn.Linear(2, 2)])
+    paddle_hsdp.mark_expert_params(experts, global_indices=[1, 1])
+
+
+@row("`paddle_hsdp.check_collectives(enabled)`", '"yes"', TypeError, "check_collectives",
+     "True or False")
+def _check_collectives():
+    paddle_hsdp.check_collectives("yes")
+
+
+@row("optimizer built before the root's `fully_shard`", "`AdamW(model.parameters())` first",
+     RuntimeError, "after", "fully_shard")
+def _early_optimizer():
+    model = _net()
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    paddle_hsdp.fully_shard(model)
+    model(paddle.ones([2, 4])).sum().backward()
+    opt.step()
+
+
+# ---------------------------------------------------------------- config keys
+@row("`apply_config(model, config)`", "`{sharding_sise: 2}` (a typo)", paddle_hsdp.ConfigError,
+     "sharding_sise", "did you mean 'sharding_size'")
+def _config_unknown():
+    paddle_hsdp.apply_config(_Lm(), {"sharding_sise": 2})
+
+
+@row("`apply_config(model, config)`", "`{zero_stage: 4}`", paddle_hsdp.ConfigError,
+     "zero_stage", "1, 2, 3")
+def _config_value():
+    paddle_hsdp.apply_config(_Lm(), {"zero_stage": 4})
+
+
+@row("`apply_config(model, config)`", "`{sub_modules_to_wrap: ['layers.{5-2}']}`",
+     paddle_hsdp.ConfigError, "sub_modules_to_wrap", "5-2")
+def _config_range():
+    paddle_hsdp.apply_config(_Lm(), {"sub_modules_to_wrap": ["layers.{5-2}"]})
+
+
+@row("`apply_config(model, config)`", "`{sub_modules_to_wrap: ['layer.{*}']}` (no match)",
+     ValueError, "matches no sub-module", "layers")
+def _config_no_match():
+    paddle_hsdp.apply_config(_Lm(), {"sub_modules_to_wrap": ["layer.{*}"]})
+
+
+@row("`apply_config(model, config)`", "`{fsdp_outer_degree: 3}` on one rank",
+     paddle_hsdp.ConfigError, "fsdp_outer_degree", "world size")
+def _config_degree():
+    paddle_hsdp.apply_config(_Lm(), {"fsdp_outer_degree": 3})
+
+
+# ---------------------------------------------------------------- checkpoints
+@row("`load_checkpoint(path, model)`", "a directory that is not a checkpoint",
+     checkpoint.CheckpointError, "not a checkpoint")
+def _load_missing(tmp_path):
+    model = _net()
+    try:
+        paddle_hsdp.load_checkpoint(tmp_path, model)
+    finally:
+        _still_trains(model)
+
+
+@row("`load_checkpoint(path, model)`", "another model's checkpoint",
+     checkpoint.CheckpointError, "does not match this model", "strict=False")
+def _load_other(tmp_path):
+    paddle_hsdp.save_checkpoint(tmp_path / "ck", paddle.nn.Linear(3, 3))
+    model = _net()
+    try:
+        paddle_hsdp.load_checkpoint(tmp_path / "ck", model)
+    finally:
+        _still_trains(model)
+
+
+@row("`save_checkpoint(path, model, extra=)`", "`{'rng': object()}` (not JSON)", TypeError,
+     "JSON serializable")
+def _save_extra(tmp_path):
+    paddle_hsdp.save_checkpoint(tmp_path / "ck", _net(), extra={"rng": object()})
+
+
+# ---------------------------------------------------------------- the commands
+class _Exit(Exception):
+    pass
+
+
+def _command(argv):
+    if cli(argv) != 1:
+        raise AssertionError(f"{argv} did not exit 1")
+    raise _Exit("exit status 1")
+
+
+@row("`python -m paddle_hsdp check-config FILE`", "a missing file", _Exit, "exit status 1")
+def _cli_check(tmp_path):
+    _command(["check-config", str(tmp_path / "missing.yaml")])
+
+
+@row("`python -m paddle_hsdp plan --model`", "`no_such_module:factory`", _Exit,
+     "exit status 1")
+def _cli_plan(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("zero_stage: 3\n")
+    _command(["plan", "--config", str(config), "--model", "no_such_module:factory",
+              "--world-size", "2"])
+
+
+@row("`python -m paddle_hsdp.checkpoint inspect CKPT`", "a missing checkpoint", _Exit,
+     "exit status 1")
+def _cli_inspect(tmp_path):
+    if checkpoint.main(["inspect", str(tmp_path / "missing")]) != 1:
+        raise AssertionError("inspect of a missing checkpoint did not exit 1")
+    raise _Exit("exit status 1")
+
+
+# ---------------------------------------------------------------- environment
+@row("`PADDLE_HSDP_COLLECTIVE_TIMEOUT`", '"soon"', ValueError,
+     "PADDLE_HSDP_COLLECTIVE_TIMEOUT", "seconds")
+def _env_timeout(monkeypatch):
+    from paddle_hsdp import watchdog
+
+    monkeypatch.setenv("PADDLE_HSDP_COLLECTIVE_TIMEOUT", "soon")
+    watchdog.timeout_s()
+
+
+# ---------------------------------------------------------------- the checks
+def _still_trains(model) -> None:
+    """A forward, a backward and an optimizer step run after the refused call."""
+    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters())
+    out = model(paddle.ones([2, 4]))
+    out.sum().backward()
+    opt.step()
+    opt.clear_grad()
+
+
+def _call(r: Row, tmp_path, monkeypatch):
+    import inspect
+
+    kwargs = {}
+    params = inspect.signature(r.run).parameters
+    if "tmp_path" in params:
+        kwargs["tmp_path"] = tmp_path
+    if "monkeypatch" in params:
+        kwargs["monkeypatch"] = monkeypatch
+    return r.run(**kwargs)
+
+
+@pytest.mark.parametrize("r", ROWS, ids=[f"{i:02d}" for i in range(len(ROWS))])
+def test_bad_input_is_refused_clearly(r, fake_mesh, tmp_path, monkeypatch):  # noqa: F811
+    with pytest.raises(r.error) as caught:
+        _call(r, tmp_path, monkeypatch)
+    message = str(caught.value)
+    missing = [s for s in r.says if s not in message]
+    assert not missing, f"{r.entry} / {r.bad}: message lacks {missing}: {message}"
+
+
+MULTI_RANK = [
+    ("a unit run on some ranks only", "`CollectiveMismatchError` on every rank of the group "
+     "(all-gather tags)", "test_recipes.py"),
+    ("collectives of different sizes or dtypes across ranks",
+     "`CollectiveMismatchError` before the collective, with "
+     "`PADDLE_HSDP_CHECK_COLLECTIVES=1`", "test_faults.py"),
+    ("a rank that dies or hangs", "`CollectiveError` / watchdog exit 124 naming the op "
+     "and group, within `PADDLE_HSDP_COLLECTIVE_TIMEOUT`", "test_faults.py"),
+    ("a config that disagrees with the live fleet topology", "`ConfigError` on every rank",
+     "test_config_driven.py"),
+]
+
+
+def readme_table() -> str:
+    lines = ["| entry point | bad input | error | the message says |",
+             "| --- | --- | --- | --- |"]
+    for r in ROWS:
+        error = "exit status 1" if r.error is _Exit else f"`{r.error.__name__}`"
+        says = "; ".join(s for s in r.says if s != "exit status 1") or "the errors, one per line"
+        lines.append(f"| {r.entry} | {r.bad} | {error} | {says} |")
+    for what, error, where in MULTI_RANK:
+        lines.append(f"| several ranks | {what} | {error} | `test_collective/{where}` |")
+    return "\n".join(lines)
+
+
+def test_readme_table_is_generated_from_these_rows():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme_table()
+    assert table in readme, ("README's bad-input table is out of date; regenerate it with "
+                             "python -c 'import sys; sys.path.insert(0, \"test\"); "
+                             "import test_bad_input as t; print(t.readme_table())'")
+    assert len(re.findall(r"^\| ", table, re.M)) == len(ROWS) + len(MULTI_RANK) + 2
