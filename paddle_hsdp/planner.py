@@ -12,9 +12,12 @@ to); time is an alpha-beta model per collective with ring algorithms:
   every inner position run concurrently: ``min(inner, ranks per node)`` of them);
 * groups are contiguous rank blocks as fleet builds them (inner groups first), so an
   inner group of at most ``ranks_per_node`` ranks stays inside a machine;
-* nothing overlaps (the sum of all collectives: the exposed time without overlap; on a
-  GPU prefetch hides part of the intra-node all-gathers, never the step's outer
-  all-reduce); hierarchical or tree algorithms, congestion and compute are not modelled.
+* "exposed" communication is what compute does not hide: with
+  ``overlap_intra_node`` (GPU clusters: prefetch runs a unit's intra-node all-gather and
+  the previous unit's reduce-scatter under compute) only collectives on the inter-node
+  link and the step's outer all-reduce count; without it (CPU/gloo, where nothing
+  overlaps) everything counts. Hierarchical or tree algorithms, congestion and compute
+  time itself are not modelled.
 
 Memory per rank: shards, grads and AdamW state plus the peak of gathered parameters
 (:func:`cost.memory_per_rank`); a layout "fits" when that leaves ``activation_fraction``
@@ -51,6 +54,7 @@ class Cluster:
     intra: Link
     inter: Link
     device_memory_bytes: float
+    overlap_intra_node: bool = True  # prefetch hides intra-node collectives behind compute
 
     @property
     def world(self) -> int:
@@ -58,7 +62,7 @@ class Cluster:
 
 
 _CLUSTER_KEYS = {"name", "nodes", "ranks_per_node", "intra_node", "inter_node",
-                 "device_memory_gib"}
+                 "device_memory_gib", "overlap_intra_node"}
 _LINK_KEYS = {"bandwidth_gbit", "latency_us"}
 
 
@@ -71,6 +75,7 @@ def load_cluster(source) -> Cluster:
         intra_node: {bandwidth_gbit: 2400, latency_us: 5}
         inter_node: {bandwidth_gbit: 100, latency_us: 20}
         device_memory_gib: 80
+        overlap_intra_node: true   # GPUs: prefetch hides them; false on CPU/gloo
     """
     if not isinstance(source, dict):
         import yaml
@@ -98,11 +103,14 @@ def load_cluster(source) -> Cluster:
     memory = source.get("device_memory_gib")
     if not isinstance(memory, (int, float)) or memory <= 0:
         errors.append(f"device_memory_gib: expected a number > 0, got {memory!r}")
+    overlap = source.get("overlap_intra_node", True)
+    if not isinstance(overlap, bool):
+        errors.append(f"overlap_intra_node: expected true or false, got {overlap!r}")
     if errors:
         raise ConfigError(errors)
     return Cluster(str(source.get("name", "cluster")), source["nodes"],
                    source["ranks_per_node"], links["intra_node"], links["inter_node"],
-                   memory * 2.0 ** 30)
+                   memory * 2.0 ** 30, overlap)
 
 
 # ---------------------------------------------------------------- time
@@ -129,8 +137,17 @@ def collective_seconds(op: str, members: int, payload: float, link: Link,
 
 def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
                  zero_stage: int | None = None) -> dict[str, float]:
-    """Predicted seconds per optimizer step, per group kind (no overlap)."""
-    out = {"inner all_gather": 0.0, "inner reduce_scatter": 0.0, "outer all_reduce": 0.0}
+    """Predicted seconds per optimizer step, per group kind, and ``exposed``: what is
+    not hidden behind compute (everything, unless the cluster overlaps intra-node
+    collectives; inter-node ones and the step's outer all-reduce always count)."""
+    out = {"inner all_gather": 0.0, "inner reduce_scatter": 0.0, "outer all_reduce": 0.0,
+           "exposed": 0.0}
+
+    def add(key, seconds, link):
+        out[key] += seconds
+        if not (cluster.overlap_intra_node and link is cluster.intra and key != "outer all_reduce"):
+            out["exposed"] += seconds
+
     for unit in units:
         gathers = 1 if zero_stage == 1 else micro_steps * (2 if unit.reshard_after_forward
                                                            else 1)
@@ -139,14 +156,15 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
             inner_link, inner_n = _group_link(cluster, b.inner, 1)
             outer_link, outer_n = _group_link(cluster, b.outer, b.inner)
             gather = b.inner * (b.shard_numel + cost.TAG_NUMEL) * b.gather_bytes
-            out["inner all_gather"] += gathers * collective_seconds(
-                "all_gather", b.inner, gather, inner_link, inner_n)
+            add("inner all_gather", gathers * collective_seconds(
+                "all_gather", b.inner, gather, inner_link, inner_n), inner_link)
             if b.trainable:
-                out["inner reduce_scatter"] += reduces * collective_seconds(
+                add("inner reduce_scatter", reduces * collective_seconds(
                     "reduce_scatter", b.inner, b.inner * b.shard_numel * b.reduce_bytes,
-                    inner_link, inner_n)
-                out["outer all_reduce"] += collective_seconds(
-                    "all_reduce", b.outer, b.shard_numel * b.master_bytes, outer_link, outer_n)
+                    inner_link, inner_n), inner_link)
+                add("outer all_reduce", collective_seconds(
+                    "all_reduce", b.outer, b.shard_numel * b.master_bytes, outer_link,
+                    outer_n), outer_link)
     return out
 
 
@@ -229,7 +247,11 @@ class Option:
 
     @property
     def comm_seconds(self) -> float:
-        return sum(self.seconds.values())
+        return sum(v for k, v in self.seconds.items() if k != "exposed")
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.seconds["exposed"]
 
     @property
     def memory_total(self) -> float:
@@ -272,15 +294,18 @@ def recommend(options: list[Option]) -> tuple[Option | None, str]:
     if not fitting:
         return None, ("no layout fits in device memory: shard more (tensor or pipeline "
                       "parallelism), offload, or use devices with more memory")
-    best = min(fitting, key=lambda o: (round(o.comm_seconds, 6), -o.inner))
-    runner = sorted(fitting, key=lambda o: o.comm_seconds)
+    def rank(o):
+        return (round(o.exposed_seconds, 6), round(o.comm_seconds, 6), -o.inner)
+
+    best = min(fitting, key=rank)
     why = (f"fits in memory ({best.memory_total / 2 ** 30:.1f} GiB of state + gathered "
-           f"params per rank) and has the least communication per step "
-           f"({best.comm_seconds * 1e3:.1f} ms")
+           f"params per rank) and has the least exposed communication per step "
+           f"({best.exposed_seconds * 1e3:.1f} ms of {best.comm_seconds * 1e3:.1f} ms")
+    runner = sorted(fitting, key=rank)
     if len(runner) > 1:
         second = next(o for o in runner if o is not best)
         why += (f"; next: outer {second.outer} x inner {second.inner} at "
-                f"{second.comm_seconds * 1e3:.1f} ms")
+                f"{second.exposed_seconds * 1e3:.1f} ms exposed")
     if best.inner > _ranks_per_node_of(options):
         why += ("; its shard group spans machines, so every all-gather crosses the slow "
                 "link: tensor or pipeline parallelism inside a machine would let a smaller "
@@ -299,11 +324,12 @@ def table(cluster: Cluster, options: list[Option], best: Option | None, why: str
              f"ranks, intra {cluster.intra.bandwidth / _GBIT:g} Gbit/s "
              f"{cluster.intra.latency_s * 1e6:g} us, inter {cluster.inter.bandwidth / _GBIT:g} "
              f"Gbit/s {cluster.inter.latency_s * 1e6:g} us, "
-             f"{cluster.device_memory_bytes / gib:g} GiB per device",
+             f"{cluster.device_memory_bytes / gib:g} GiB per device, intra-node "
+             f"collectives {'hidden by prefetch' if cluster.overlap_intra_node else 'exposed'}",
              "",
              f"{'layout':<18s} {'outer x inner':>13s} {'GiB/rank':>9s} {'fits':>5s} "
              f"{'inner AG ms':>11s} {'inner RS ms':>11s} {'outer AR ms':>11s} "
-             f"{'comm ms':>9s}"]
+             f"{'comm ms':>9s} {'exposed ms':>10s}"]
     for o in options:
         mark = " <- recommended" if o is best else ""
         lines.append(f"{o.label:<18s} {o.outer:>5d} x {o.inner:<5d} "
@@ -311,7 +337,7 @@ def table(cluster: Cluster, options: list[Option], best: Option | None, why: str
                      f"{o.seconds['inner all_gather'] * 1e3:>11.1f} "
                      f"{o.seconds['inner reduce_scatter'] * 1e3:>11.1f} "
                      f"{o.seconds['outer all_reduce'] * 1e3:>11.1f} "
-                     f"{o.comm_seconds * 1e3:>9.1f}{mark}")
+                     f"{o.comm_seconds * 1e3:>9.1f} {o.exposed_seconds * 1e3:>10.1f}{mark}")
     lines += ["", (f"recommended: fsdp_outer_degree={best.outer} (inner {best.inner}): {why}"
                    if best else f"recommended: none: {why}")]
     return "\n".join(lines)

@@ -63,7 +63,7 @@ def test_recommendation_prefers_what_fits_then_least_communication():
     assert [(o.outer, o.inner) for o in options] == [(1, 4), (2, 2), (4, 1)]
     assert not options[-1].fits  # DDP holds everything
     best, why = planner.recommend(options)
-    assert best is options[1] and "least communication" in why  # 2 x 2: all-gathers stay home
+    assert best is options[1] and "least exposed communication" in why  # 2 x 2: gathers stay home
     none, why = planner.recommend([o for o in options if not o.fits])
     assert none is None and "no layout fits" in why
 
@@ -83,3 +83,15 @@ def test_plan_command_with_a_cluster(capsys, tmp_path):
     assert "6.74B" in capsys.readouterr().out
     assert cli(["plan", "--cluster", str(path), "--model-shape", "layers=2"]) == 1
     assert "missing hidden" in capsys.readouterr().err
+
+
+def test_exposed_time_counts_intra_node_collectives_only_without_overlap():
+    shape = planner.ModelShape(layers=2, hidden=64, ffn=128, vocab=100)
+    units = planner.shape_units(shape, 2, 2, planner.dtype_bytes(None))
+    hidden = planner.load_cluster(CLUSTER)
+    exposed = planner.load_cluster(dict(CLUSTER, overlap_intra_node=False))
+    with_overlap = planner.step_seconds(units, hidden)
+    without = planner.step_seconds(units, exposed)
+    assert with_overlap["exposed"] == pytest.approx(with_overlap["outer all_reduce"])
+    assert without["exposed"] == pytest.approx(sum(v for k, v in without.items()
+                                                   if k != "exposed"))
