@@ -258,9 +258,12 @@ class ShardBuffer:
 
     def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
-        device copy)."""
+        device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
+        are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves."""
         flat = self.grad_flat()
         target = self.to_device(flat)
+        if self.reduce_dtype != self.dtype and self.outer.nranks > 1:
+            target = target.astype(self.reduce_dtype)
         trace.record("issue", "all_reduce", self.unit_index)
         handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe)
         if not async_op:
@@ -271,8 +274,11 @@ class ShardBuffer:
         pending.handle.wait()
         trace.record("wait", "all_reduce", self.unit_index)
         flat = pending.out
-        if pending.grid is not flat:  # offloaded: the reduced device copy comes back
-            paddle.assign(self.to_host(pending.grid), output=flat)
+        if pending.grid is not flat:  # a reduce_dtype or offloaded copy comes back
+            reduced = pending.grid
+            if reduced.dtype != flat.dtype:
+                reduced = reduced.astype(flat.dtype)
+            paddle.assign(self.to_host(reduced), output=flat)
         flat.scale_(scale)
 
     def scale_grads(self, scale: float) -> None:

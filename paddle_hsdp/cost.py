@@ -16,7 +16,8 @@ size ``O`` and ``k`` micro-steps per optimizer step, the counter's ring accounti
   (ZeRO-2), once at ZeRO-1 (params stay gathered through the micro-steps);
 * inner reduce-scatter (trainable buffers): payload ``I * S * reduce bytes``, wire
   ``(I - 1) / I``, ``k`` times (once at ZeRO-1);
-* outer all-reduce (trainable): payload ``S * master bytes``, wire ``2 (O - 1) / O``, once.
+* outer all-reduce (trainable): payload ``S * reduce bytes``, wire ``2 (O - 1) / O``, once
+  (the grad shard travels in ``reduce_dtype``: the cross-machine bytes).
 
 ``TAG`` is the all-gather check's few elements per rank (:mod:`gather_check`).
 """
@@ -83,9 +84,15 @@ def step_comm(units: list[UnitShape], micro_steps: int = 1,
             if b.trainable:
                 add(b.inner_label, "reduce_scatter",
                     reduces * b.inner * b.shard_numel * b.reduce_bytes, ring)
-                add(b.outer_label, "all_reduce", b.shard_numel * b.master_bytes,
+                add(b.outer_label, "all_reduce", b.shard_numel * _outer_bytes(b),
                     2 * (b.outer - 1) / b.outer)
     return out
+
+
+def _outer_bytes(b: BufferShape) -> int:
+    """Bytes per element of the outer all-reduce: ``reduce_dtype`` when there is an
+    outer group (a one-rank group moves nothing and keeps the master dtype)."""
+    return b.reduce_bytes if b.outer > 1 else b.master_bytes
 
 
 def adamw_state_bytes(b: BufferShape) -> int:

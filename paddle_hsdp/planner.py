@@ -163,7 +163,7 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
                     "reduce_scatter", b.inner, b.inner * b.shard_numel * b.reduce_bytes,
                     inner_link, inner_n), inner_link)
                 add("outer all_reduce", collective_seconds(
-                    "all_reduce", b.outer, b.shard_numel * b.master_bytes, outer_link,
+                    "all_reduce", b.outer, b.shard_numel * cost._outer_bytes(b), outer_link,
                     outer_n), outer_link)
     return out
 

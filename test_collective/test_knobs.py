@@ -1,10 +1,11 @@
 """fully_shard's knobs on HSDP 2 x 2 (4 CPU ranks, one launch), each against a
 single-process reference: bf16 mixed precision (bf16 gather, fp32 reduce; half the
-all-gather bytes, float32 reduce-scatters), ignored_params, and a Replicate() placement."""
+all-gather bytes, float32 reduce-scatters), bf16 reduce (half the outer all-reduce
+bytes), ignored_params, and a Replicate() placement."""
 
 from launcher import launch
 
-CHECKS = ("mixed_precision", "ignored_params", "replicate_placement")
+CHECKS = ("mixed_precision", "bf16_reduce", "ignored_params", "replicate_placement")
 
 
 def test_knobs():

@@ -11,10 +11,13 @@ reference of the same model and data (AdamW, global-norm clipping active, 2 micr
    the test all-reduces its grad itself.
 3. ``shard_placement_fn`` returning ``Replicate()`` for one 2-D weight: whole on every
    rank, grads synchronised by the engine.
+1b. ``reduce_dtype="bfloat16"``: reduce-scatter and outer all-reduce in bf16 (half the
+   bytes of an fp32 run on the outer group), within bf16's tolerance of the reference.
 
 Prints ``KNOBS <name> max rel diff ...`` per check.
 """
 
+import numpy as np
 from common import finish, init_fleet, max_rel
 
 import paddle
@@ -222,6 +225,48 @@ assert len(extra) == 3, [sp.fqn for sp in extra]
 mp_worst["fp32_run"] = max(fp32_worst.values())
 report("mixed_precision", mp_worst,
        note=f"; bf16 vs fp32 reference losses differ by {BF16_EFFECT:.1e}")
+
+# ---- 1b. bf16 reduce: the reduce-scatter *and* the outer all-reduce (the bytes that
+# cross machines) travel in bfloat16, half an fp32 run's; the grads are then bf16-rounded
+# sums, so against the reference (exact float32 grads of the bf16-rounded params) the
+# tolerance is bf16's: 8 significant bits, a few roundings per grad -> 2e-2 on losses
+# and global grad norms over the 3 steps, and on each parameter's synced first-step
+# grad in norm (||g - g_ref|| / ||g_ref||) against the fp32-reduce run checked above.
+# Parameters after Adam steps are not compared: Adam turns the rounding of a near-zero
+# grad into a full-size step of either sign (15-30% of a bias that started at zero).
+BF16_REDUCE_RTOL = 2e-2
+
+
+def first_step_grads(policy):
+    model = shard(mp_policy=policy)
+    opt = make_optimizer(model, model.parameters(), CLIP)
+    for m, micro in enumerate(data[0]):
+        ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+        (lm_loss(model, ids, use_extra(m)) / MICRO).backward()
+    paddle_hsdp.finish_grad_sync(opt)
+    grads = {k: v.numpy() for k, v in paddle_hsdp.full_grads(model).items() if v is not None}
+    opt.clear_grad()
+    return grads
+
+
+bf = paddle_hsdp.MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype="bfloat16")
+bf_model = shard(mp_policy=bf)
+bf_run = train_hsdp(bf_model)
+bf_worst = compare(bf_run, ref16)
+fp32_reduce_grads = first_step_grads(mp)
+bf_grads = first_step_grads(bf)
+assert sorted(bf_grads) == sorted(fp32_reduce_grads) and len(bf_grads) > 10, sorted(bf_grads)
+for name, g in bf_grads.items():
+    ref = fp32_reduce_grads[name]
+    bf_worst["grad " + name] = float(np.linalg.norm(g - ref) / np.linalg.norm(ref))
+for (snap32, _), (snap_bf, calls_bf) in zip(fp32_run[2], bf_run[2]):
+    ar32, ar_bf = snap32[("outer", "all_reduce")], snap_bf[("outer", "all_reduce")]
+    assert ar32.calls == ar_bf.calls > 0 and 2 * ar_bf.payload_bytes == ar32.payload_bytes, \
+        (ar32, ar_bf)
+    assert all(c[2] == paddle.bfloat16 for c in calls_bf
+               if c[1] in ("reduce_scatter", "all_reduce") and c[0] in ("inner", "outer"))
+report("bf16_reduce", bf_worst, rtol=BF16_REDUCE_RTOL,
+       note=" (outer all-reduce bytes half the fp32 run's)")
 
 # ---- 2. ignored_params
 model = build_model()
