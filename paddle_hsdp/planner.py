@@ -55,6 +55,7 @@ class Cluster:
     inter: Link
     device_memory_bytes: float
     overlap_intra_node: bool = True  # prefetch hides intra-node collectives behind compute
+    backend: str = "nccl"  # "gloo": reduce-scatter is one reduce per slice ((1 + 1/n) x ring)
 
     @property
     def world(self) -> int:
@@ -62,7 +63,7 @@ class Cluster:
 
 
 _CLUSTER_KEYS = {"name", "nodes", "ranks_per_node", "intra_node", "inter_node",
-                 "device_memory_gib", "overlap_intra_node"}
+                 "device_memory_gib", "overlap_intra_node", "backend"}
 _LINK_KEYS = {"bandwidth_gbit", "latency_us"}
 
 
@@ -76,6 +77,7 @@ def load_cluster(source) -> Cluster:
         inter_node: {bandwidth_gbit: 100, latency_us: 20}
         device_memory_gib: 80
         overlap_intra_node: true   # GPUs: prefetch hides them; false on CPU/gloo
+        backend: nccl              # or gloo (its reduce-scatter moves more, see below)
     """
     if not isinstance(source, dict):
         import yaml
@@ -106,11 +108,14 @@ def load_cluster(source) -> Cluster:
     overlap = source.get("overlap_intra_node", True)
     if not isinstance(overlap, bool):
         errors.append(f"overlap_intra_node: expected true or false, got {overlap!r}")
+    backend = source.get("backend", "nccl")
+    if backend not in ("nccl", "gloo"):
+        errors.append(f"backend: expected nccl or gloo, got {backend!r}")
     if errors:
         raise ConfigError(errors)
     return Cluster(str(source.get("name", "cluster")), source["nodes"],
                    source["ranks_per_node"], links["intra_node"], links["inter_node"],
-                   memory * 2.0 ** 30, overlap)
+                   memory * 2.0 ** 30, overlap, backend)
 
 
 # ---------------------------------------------------------------- time
@@ -126,13 +131,18 @@ def _group_link(cluster: Cluster, members: int, stride: int) -> tuple[Link, int]
 
 
 def collective_seconds(op: str, members: int, payload: float, link: Link,
-                       concurrent: int = 1) -> float:
-    """One ring collective of ``payload`` bytes over ``members`` ranks."""
+                       concurrent: int = 1, backend: str = "nccl") -> float:
+    """One ring collective of ``payload`` bytes over ``members`` ranks. On gloo,
+    paddle_hsdp's reduce-scatter is one reduce per owner's slice, measured on the
+    two-host benchmark's link to move ``(1 + 1/n)`` times a ring's bytes."""
     if members == 1:
         return 0.0
     factor = 2 if op == "all_reduce" else 1
     steps = factor * (members - 1)
-    return link.seconds(steps, concurrent * factor * (members - 1) / members * payload)
+    nbytes = concurrent * factor * (members - 1) / members * payload
+    if op == "reduce_scatter" and backend == "gloo":
+        nbytes *= 1 + 1 / members
+    return link.seconds(steps, nbytes)
 
 
 def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
@@ -161,7 +171,7 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
             if b.trainable:
                 add("inner reduce_scatter", reduces * collective_seconds(
                     "reduce_scatter", b.inner, b.inner * b.shard_numel * b.reduce_bytes,
-                    inner_link, inner_n), inner_link)
+                    inner_link, inner_n, cluster.backend), inner_link)
                 add("outer all_reduce", collective_seconds(
                     "all_reduce", b.outer, b.shard_numel * cost._outer_bytes(b), outer_link,
                     outer_n), outer_link)

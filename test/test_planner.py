@@ -95,3 +95,17 @@ def test_exposed_time_counts_intra_node_collectives_only_without_overlap():
     assert with_overlap["exposed"] == pytest.approx(with_overlap["outer all_reduce"])
     assert without["exposed"] == pytest.approx(sum(v for k, v in without.items()
                                                    if k != "exposed"))
+
+
+def test_planner_predicts_the_recorded_slow_link_benchmark_within_25_percent():
+    """tools/results/: the two-host benchmark at 100 Mbit/s and unthrottled (measured
+    2026-11-30); the planner with the calibrated links predicts every variant's step."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import validate_planner
+
+    results = os.path.join(ROOT, "tools", "results")
+    assert validate_planner.main(["--limited", os.path.join(results, "two_hosts_100mbit.json"),
+                                  "--unlimited",
+                                  os.path.join(results, "two_hosts_unlimited.json")]) == 0

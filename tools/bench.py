@@ -3,6 +3,7 @@
     python tools/bench.py                 # 73M LlamaLike, every variant, 2 alternating rounds
     python tools/bench.py --shape 140m    # the memory comparison
     python tools/bench.py --quick         # tiny model, one round (< 2 minutes; the tests run it)
+    python tools/bench.py --two-hosts 100mbit   # 2 hosts x 2 ranks over a 100 Mbit/s link
 
 Variants, on the same 4 CPU ranks (gloo), same model, data and steps, launched one at a
 time and alternated round by round so that machine noise hits all of them alike:
@@ -24,6 +25,15 @@ group kind from ``paddle_hsdp.comm.counter`` against DESIGN's formulas; and the 
 loss's difference from the single process. On a GPU machine compare against
 ``group_sharded_parallel(level="p_g_os")`` and ``paddle.distributed.fsdp`` instead of the
 CPU bypass (not done here: no GPU).
+
+``--two-hosts RATE`` (root and iproute2: ``tools/two_hosts.py``) runs ``dp``, ``stage3``,
+``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce) and ``hsdp1x4`` on two network-namespace
+hosts of 2 ranks each, joined by a link limited to RATE, on the 4M model by default, and
+writes ``OUT/two_hosts.json``: median step time and its ratio to DataParallel and stage 3,
+and the bytes that cross the link per step, (a) expected from the ranks' ring traffic
+(paddle_hsdp's counter; for Paddle's own collectives the ring formula on the model's
+sizes) and (b) measured on the veth (frames, and TCP payload with headers taken off).
+The engine is copied into ``OUT/engine`` first and every launch imports that copy.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +56,13 @@ import bench_model  # noqa: E402
 
 VARIANTS = ["hsdp2x2", "hsdp1x4", "dp", "stage3", "single"]
 WORLD = 4
+TWO_HOST_VARIANTS = ["dp", "stage3", "hsdp2x2", "hsdp2x2_bf16", "hsdp1x4"]
+TWO_HOST_SHAPE = "4m"
+RANKS_PER_HOST = 2
+# (variant, reference, at most): reported, not asserted
+TWO_HOST_TARGETS = [("hsdp2x2", "dp", 0.7), ("hsdp2x2", "stage3", 0.5),
+                    ("hsdp2x2_bf16", "dp", 0.5)]
+AGREEMENT = 0.05  # expected vs measured cross-host bytes, before control traffic
 
 
 def run_variant(variant, args, out_dir, round_index) -> dict:
@@ -73,6 +91,18 @@ def run_variant(variant, args, out_dir, round_index) -> dict:
         result = json.load(f)
     print(f"  {variant:8s} round {round_index}: {time.time() - start:5.1f} s wall", flush=True)
     return result
+
+
+def run_rounds(variants: list, rounds: int, run_one) -> dict:
+    """Every variant once per round, the order reversed every other round so that
+    machine noise hits all of them alike."""
+    results = {v: [] for v in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        print(f"round {r + 1}/{rounds}", flush=True)
+        for variant in order:
+            results[variant].append(run_one(variant, r))
+    return results
 
 
 def theoretical_mb(variant: str, shape: bench_model.Shape, per_rank: int) -> float:
@@ -196,13 +226,230 @@ def check_losses(summary: dict, rtol: float) -> None:
                          "timings of a variant that trains something else mean nothing")
 
 
+# ---------------------------------------------------------------- two hosts
+
+
+def freeze_engine(out_dir: str) -> str:
+    """Copy paddle_hsdp/ into the result folder and return the folder to import it from:
+    every launch of the run then uses the same engine, even if the checkout moves
+    meanwhile (a long run on a shared tree would otherwise mix two versions)."""
+    engine_dir = os.path.join(out_dir, "engine")
+    shutil.rmtree(engine_dir, ignore_errors=True)
+    shutil.copytree(os.path.join(ROOT, "paddle_hsdp"), os.path.join(engine_dir, "paddle_hsdp"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return engine_dir
+
+
+def run_on_two_hosts(hosts, variant: str, args, out_dir: str, round_index: int) -> dict:
+    """One variant on 2 hosts x 2 ranks (the engine from ``args.engine_dir``); adds what
+    crossed during the whole launch."""
+    out = os.path.join(out_dir, f"{variant}_{round_index}.json")
+    cfg = {"variant": variant, "shape": args.shape, "steps": args.steps,
+           "per_rank": args.per_rank, "world": WORLD, "out": out, "two_hosts": True}
+    env = dict(os.environ, FLAGS_use_system_allocator="true", GLOG_minloglevel="2",
+               PYTHONPATH=args.engine_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    logs = os.path.join(out_dir, f"log_{variant}_{round_index}")
+    bytes_before, drops_before = hosts.veth_bytes(), hosts.qdisc_drops()
+    start = time.time()
+    codes = hosts.launch(RANKS_PER_HOST, os.path.join(HERE, "bench_worker.py"),
+                         [json.dumps(cfg)], log_dir=logs, env=env, timeout=args.timeout)
+    if codes != [0, 0] or not os.path.exists(out):
+        raise SystemExit(f"{variant} failed on two hosts (exit codes {codes}); logs in {logs}")
+    with open(out) as f:
+        result = json.load(f)
+    result["launch_veth_bytes"] = hosts.veth_bytes() - bytes_before
+    result["launch_qdisc_drops"] = hosts.qdisc_drops() - drops_before
+    print(f"  {variant:12s} round {round_index}: {time.time() - start:5.1f} s wall",
+          flush=True)
+    return result
+
+
+def cross_host_figures(runs: list) -> dict:
+    """Bytes per timed step across the link, over every round: (a) expected, (b) the
+    veth's frames and TCP payload, and how far (b) is from (a)."""
+    nets = [r["two_hosts"] for r in runs]
+    steps = sum(n["window_steps"] for n in nets)
+    expected = sum(n["expected_cross_bytes"] for n in nets) / steps
+    expected_gloo = sum(n["expected_cross_bytes_gloo"] for n in nets) / steps
+    payload = sum(n["veth_payload_bytes"] for n in nets) / steps
+    diff = (payload - expected) / expected if expected else None
+    diff_gloo = (payload - expected_gloo) / expected_gloo if expected_gloo else None
+    return {"expected_bytes_per_step": expected, "expected_basis": nets[0]["expected_basis"],
+            "expected_gloo_bytes_per_step": expected_gloo,
+            "veth_frame_bytes_per_step": sum(n["veth_bytes"] for n in nets) / steps,
+            "veth_payload_bytes_per_step": payload, "payload_vs_expected": diff,
+            "agrees": diff is not None and abs(diff) <= AGREEMENT,
+            "payload_vs_expected_gloo": diff_gloo,
+            "agrees_gloo": diff_gloo is not None and abs(diff_gloo) <= AGREEMENT,
+            "retrans_segs": sum(sum(n["retrans_segs_per_host"].values()) for n in nets),
+            "rto_timeouts": sum(sum(n["rto_timeouts_per_host"].values()) for n in nets),
+            "qdisc_drops": sum(r["launch_qdisc_drops"] for r in runs),
+            "launch_veth_bytes": [r["launch_veth_bytes"] for r in runs],
+            "hosts_of_ranks": nets[0]["hosts_of_ranks"]}
+
+
+def engine_version() -> str:
+    """The commit the engine was run at, "+dirty" when paddle_hsdp/ had changes (read
+    only; "unknown" outside a git checkout)."""
+    def git(*cmd):
+        return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--", "paddle_hsdp").stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def summarise_two_hosts(results: dict, args) -> dict:
+    shape = bench_model.SHAPES[args.shape]
+    summary = {"rate": args.two_hosts, "shape": args.shape, "params": shape.params(),
+               "steps": args.steps, "per_rank": args.per_rank, "rounds": args.rounds,
+               "hosts": 2, "ranks_per_host": RANKS_PER_HOST,
+               "date": time.strftime("%Y-%m-%d"), "variants": {},
+               "notes": {
+                   "expected": "(a) ring: sum over ranks of the ring bytes each rank "
+                               "sends to a ring successor on the other host (groups in rank "
+                               "order); (a) gloo: the same but reduce-scatters as "
+                               "paddle_hsdp makes them on gloo (a gloo reduce per owner's "
+                               "slice, modelled as ring reduce-scatter + pieces to the owner)",
+                   "hsdp1x4": "its inner group spans both hosts: 2 of the 4 ring links "
+                              "cross, so half of the ring traffic is counted as crossing; "
+                              "gloo has no reduce-scatter and paddle_hsdp reduces each slice "
+                              "to its owner instead, whose traffic need not follow a ring",
+                   "dp/stage3": "Paddle's collectives are not counted by paddle_hsdp's "
+                                "counter: ring formula on the model's sizes",
+                   "veth_payload": "frames minus 66 bytes of Ethernet/IPv4/TCP headers "
+                                   "each (pure ACKs carry none)",
+                   "retx/rto": "TCP segments retransmitted and retransmission timeouts "
+                               "(stalls of >= 200 ms) in both hosts over the timed steps "
+                               "of all rounds"}}
+    for variant, runs in results.items():
+        steady = [t for r in runs for t in r["step_times"][1:]]
+        summary["variants"][variant] = {
+            "median_step_s": statistics.median(steady), "step_times": steady,
+            "last_loss": runs[-1]["losses"][-1], "losses": runs[-1]["losses"],
+            "cross_host": cross_host_figures(runs)}
+    add_ratios(summary)
+    summary["targets"] = [target_status(summary, *t) for t in TWO_HOST_TARGETS]
+    return summary
+
+
+def add_ratios(summary: dict) -> None:
+    variants = summary["variants"]
+    for entry in variants.values():
+        for base in ("dp", "stage3"):
+            if base in variants:
+                entry[f"time_vs_{base}"] = \
+                    entry["median_step_s"] / variants[base]["median_step_s"]
+        if "dp" in variants:
+            entry["last_loss_diff_vs_dp"] = abs(entry["last_loss"] - variants["dp"]["last_loss"])
+
+
+def target_status(summary: dict, variant: str, base: str, at_most: float) -> dict:
+    ratio = summary["variants"].get(variant, {}).get(f"time_vs_{base}")
+    return {"variant": variant, "vs": base, "at_most": at_most, "ratio": ratio,
+            "met": None if ratio is None else ratio <= at_most}
+
+
+def print_two_hosts(summary: dict) -> None:
+    import two_hosts
+
+    mb = 1e6
+    rate = two_hosts.parse_rate(summary["rate"])
+    print(f"\n2 hosts x {summary['ranks_per_host']} ranks, link {summary['rate']}"
+          + (f" ({rate / mb:.1f} MB/s each way)" if rate else "")
+          + f", {summary['shape']} LlamaLike ({summary['params'] / 1e6:.1f}M params), "
+          f"{summary['per_rank']} sequence(s) per rank, {summary['steps']} steps x "
+          f"{summary['rounds']} round(s), {summary['date']}, engine {summary['engine']}")
+    print("cross-host MB per step: (a) expected from the ranks' traffic (ring; gloo model), "
+          "(b) veth frames and TCP payload; diff = payload / (a) - 1")
+    print(f"{'variant':13s} {'step s':>6s} {'vs dp':>5s} {'vs st3':>6s} {'(a)ring':>7s} "
+          f"{'(a)gloo':>7s} {'frames':>7s} {'payload':>7s} {'diff':>7s}  {'diff gl':>7s}  "
+          f"{'retx':>4s} {'rto':>3s} {'loss diff':>9s}")
+    for name, e in summary["variants"].items():
+        c = e["cross_host"]
+        print(f"{name:13s} {e['median_step_s']:6.3f} {_ratio(e, 'dp'):>5s} "
+              f"{_ratio(e, 'stage3'):>6s} {c['expected_bytes_per_step'] / mb:7.2f} "
+              f"{c['expected_gloo_bytes_per_step'] / mb:7.2f} "
+              f"{c['veth_frame_bytes_per_step'] / mb:7.2f} "
+              f"{c['veth_payload_bytes_per_step'] / mb:7.2f} "
+              f"{_percent(c['payload_vs_expected'], c['agrees'])} "
+              f"{_percent(c['payload_vs_expected_gloo'], c['agrees_gloo'])} "
+              f"{c['retrans_segs']:4d} {c['rto_timeouts']:3d} "
+              f"{e.get('last_loss_diff_vs_dp', 0):9.2e}")
+    print("! = payload and (a) differ by more than "
+          f"{AGREEMENT:.0%} (control traffic, or traffic the ring model does not describe)")
+    for t in summary["targets"]:
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x"
+        print(f"target {t['variant']} <= {t['at_most']}x {t['vs']}: {ratio} {verdict}")
+    for key, note in summary["notes"].items():
+        print(f"  {key}: {note}")
+
+
+def _ratio(entry: dict, base: str) -> str:
+    ratio = entry.get(f"time_vs_{base}")
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def _percent(diff, agrees: bool) -> str:
+    return f"{'n/a' if diff is None else f'{diff:+.1%}':>7s}{' ' if agrees else '!'}"
+
+
+def check_two_host_losses(summary: dict) -> None:
+    """Same training everywhere: last losses agree with DataParallel's (bfloat16 reduce
+    is allowed its rounding)."""
+    variants = summary["variants"]
+    if "dp" not in variants:
+        return
+    ref = variants["dp"]["last_loss"]
+    bad = {n: e["last_loss"] for n, e in variants.items()
+           if abs(e["last_loss"] - ref) > (1e-2 if n.endswith("_bf16") else 1e-3) * abs(ref)}
+    if bad:
+        raise SystemExit(f"losses disagree with DataParallel's ({ref}): {bad}")
+
+
+def main_two_hosts(args):
+    import two_hosts
+
+    args.shape = args.shape or TWO_HOST_SHAPE
+    variants = (args.variants or ",".join(TWO_HOST_VARIANTS)).split(",")
+    unknown = sorted(set(variants) - set(TWO_HOST_VARIANTS))
+    if unknown:  # e.g. "single": one process has no second host
+        raise SystemExit(f"--two-hosts runs {', '.join(TWO_HOST_VARIANTS)}; not {unknown}")
+    out_dir = args.out or tempfile.mkdtemp(prefix="hsdp_bench_two_hosts_")
+    os.makedirs(out_dir, exist_ok=True)
+    start, engine = time.time(), engine_version()
+    args.engine_dir = freeze_engine(out_dir)
+    try:
+        with two_hosts.TwoHosts(rate=args.two_hosts) as hosts:
+            results = run_rounds(variants, args.rounds, lambda v, r: run_on_two_hosts(
+                hosts, v, args, out_dir, r))
+    except (two_hosts.Unavailable, ValueError) as e:
+        print(f"bench --two-hosts: {e}", file=sys.stderr)
+        raise SystemExit(two_hosts.EXIT_UNAVAILABLE)
+    summary = summarise_two_hosts(results, args)
+    summary["wall_s"] = time.time() - start
+    summary["engine"] = engine  # as copied at the start; every launch used that copy
+    print_two_hosts(summary)
+    with open(os.path.join(out_dir, "two_hosts.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    check_two_host_losses(summary)
+    print(f"\nwrote {out_dir}/two_hosts.json ({summary['wall_s']:.0f} s)")
+    return summary
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=sorted(bench_model.SHAPES), default="73m")
+    ap.add_argument("--shape", choices=sorted(bench_model.SHAPES), default=None,
+                    help=f"model (default 73m; {TWO_HOST_SHAPE} with --two-hosts)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--per-rank", type=int, default=1, dest="per_rank")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated (default {','.join(VARIANTS)}; with --two-hosts "
+                         f"{','.join(TWO_HOST_VARIANTS)})")
     ap.add_argument("--out", default=None, help="result folder (default: a new temp dir)")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--baseline", default=None, metavar="DIR",
@@ -211,10 +458,16 @@ def main(argv=None):
                          "hsdp1x4_base, run with it, for before/after ratios")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, 3 steps, one round: checks the tool, not the engine")
+    ap.add_argument("--two-hosts", default=None, metavar="RATE", dest="two_hosts",
+                    help="2 hosts x 2 ranks (network namespaces; root) over a link limited "
+                         "to RATE (e.g. 100mbit, or none): the slow-link comparison")
     args = ap.parse_args(argv)
+    if args.two_hosts:
+        return main_two_hosts(args)
+    args.shape = args.shape or "73m"
     if args.quick:
         args.shape, args.steps, args.rounds = "tiny", 3, 1
-    variants = args.variants.split(",")
+    variants = (args.variants or ",".join(VARIANTS)).split(",")
     if args.baseline:
         args.baseline = os.path.abspath(args.baseline)
         variants += [f"{v}_base" for v in variants if v.startswith("hsdp")]
@@ -222,12 +475,8 @@ def main(argv=None):
         variants.append("single")
     out_dir = args.out or tempfile.mkdtemp(prefix="hsdp_bench_")
     os.makedirs(out_dir, exist_ok=True)
-    results = {v: [] for v in variants}
-    for r in range(args.rounds):
-        order = variants if r % 2 == 0 else variants[::-1]  # alternate the order
-        print(f"round {r + 1}/{args.rounds}", flush=True)
-        for variant in order:
-            results[variant].append(run_variant(variant, args, out_dir, r))
+    results = run_rounds(variants, args.rounds,
+                         lambda variant, r: run_variant(variant, args, out_dir, r))
     summary = summarise(results, args)
     check_losses(summary, rtol=1e-3)
     print_table(summary)

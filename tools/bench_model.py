@@ -1,7 +1,8 @@
 """A Llama-shaped decoder for the benchmark: RMSNorm, causal multi-head attention with
 q/k/v/o projections, SwiGLU MLP, untied embedding and head. The sizes give the
 parameter counts the engine issue measured PaddleFormers Llama at (hidden 1024:
-6 layers ~74M, 12 layers ~141M), without a network download.
+6 layers ~74M, 12 layers ~141M), without a network download; "4m" (4.0M) is the
+slow-link benchmark's model.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Shape:
 
 SHAPES = {
     "tiny": Shape(vocab=512, hidden=64, layers=2, heads=4, intermediate=160, seq=32),
+    # the slow-link benchmark's (--two-hosts): small enough that compute (~2 GFLOP per
+    # sequence and step) does not hide what 16 MB of fp32 grads take on a 100 Mbit/s link
+    "4m": Shape(vocab=4000, hidden=256, layers=3, heads=4, intermediate=512, seq=128),
     "73m": Shape(vocab=3000, hidden=1024, layers=6, heads=16, intermediate=2304, seq=128),
     "140m": Shape(vocab=3000, hidden=1024, layers=12, heads=16, intermediate=2304, seq=128),
 }

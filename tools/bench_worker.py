@@ -1,8 +1,11 @@
 """One benchmark variant on this process's rank (launched by tools/bench.py).
 
-argv: JSON with variant (hsdp2x2, hsdp1x4, dp, stage3, single), shape, steps,
-per_rank (sequences per rank), world (ranks of the distributed variants) and out
-(where rank 0 writes its JSON result).
+argv: JSON with variant (hsdp2x2, hsdp2x2_bf16, hsdp1x4, dp, stage3, single), shape,
+steps, per_rank (sequences per rank), world (ranks of the distributed variants), out
+(where rank 0 writes its JSON result) and optionally two_hosts (launched by
+tools/two_hosts.py: also measure what crosses between the hosts, see ``net_report``).
+``hsdp2x2_bf16`` passes ``MixedPrecisionPolicy(reduce_dtype="bfloat16")`` to every
+``fully_shard`` call.
 
 Every variant trains the same LlamaLike model (same seed) on the same token ids with
 AdamW, no clipping; step times are rank 0's wall time per step after a barrier (the
@@ -24,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_model  # noqa: E402
+import two_hosts  # noqa: E402  (pure helpers; no namespaces are made here)
 
 import paddle_hsdp  # noqa: E402,F401  (before fleet.init)
 import paddle  # noqa: E402
@@ -57,7 +61,7 @@ def init(variant: str, world: int):
     if variant == "single":
         return 0, 1
     if variant.startswith("hsdp"):
-        outer = 2 if variant == "hsdp2x2" else 1
+        outer = 2 if variant.startswith("hsdp2x2") else 1
         strategy = fleet.DistributedStrategy()
         strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,
                                    "sharding_degree": world,
@@ -74,9 +78,11 @@ def wrap(variant: str, model):
         return paddle.optimizer.AdamW(learning_rate=1e-3, parameters=params)
 
     if variant.startswith("hsdp"):
+        policy = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="bfloat16") \
+            if variant.endswith("_bf16") else None
         for layer in model.layers:
-            paddle_hsdp.fully_shard(layer)
-        paddle_hsdp.fully_shard(model)
+            paddle_hsdp.fully_shard(layer, mp_policy=policy)
+        paddle_hsdp.fully_shard(model, mp_policy=policy)
         return model, adamw(model.parameters())
     if variant == "dp":
         return paddle.DataParallel(model), adamw(model.parameters())
@@ -111,8 +117,8 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
             nbytes = buf.logical_numel * buf.element_size
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
-            if buf.trainable:
-                reduce += nbytes
+            if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
+                reduce += buf.logical_numel * buf.shape().reduce_bytes
     return {"inner all_gather": gather,
             "inner reduce_scatter": (inner - 1) / inner * reduce,
             "outer all_reduce": 2 * (outer - 1) / outer * reduce / inner}
@@ -123,6 +129,95 @@ def measured_comm() -> dict:
     return {"inner all_gather": c.get("inner", "all_gather").wire_bytes,
             "inner reduce_scatter": c.get("inner", "reduce_scatter").wire_bytes,
             "outer all_reduce": c.get("outer", "all_reduce").wire_bytes}
+
+
+# ---------------------------------------------------------------- two hosts
+
+
+def host_of_ranks() -> dict[int, str]:
+    """Each rank's host address, from the launcher's endpoint list (in rank order)."""
+    endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
+    return {i: ep.rsplit(":", 1)[0] for i, ep in enumerate(endpoints) if ep}
+
+
+def net_counters() -> list[int]:
+    """This host's cross-host link counters: [bytes, frames] through its veth (the
+    device gloo uses; inside the host's namespace /sys shows its own) in both
+    directions, then the host's TCP retransmitted segments and retransmission timeouts
+    (each a stall of at least 200 ms)."""
+    dev = os.environ["GLOO_SOCKET_IFNAME"]
+    stats = {}
+    for key in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"):
+        with open(f"/sys/class/net/{dev}/statistics/{key}") as f:
+            stats[key] = int(f.read())
+    return [stats["tx_bytes"] + stats["rx_bytes"], stats["tx_packets"] + stats["rx_packets"],
+            proc_net_counter("snmp", "Tcp:", "RetransSegs"),
+            proc_net_counter("netstat", "TcpExt:", "TCPTimeouts")]
+
+
+def proc_net_counter(table: str, prefix: str, name: str) -> int:
+    """One counter of /proc/net/snmp or /proc/net/netstat (this network namespace's)."""
+    with open(f"/proc/net/{table}") as f:
+        head, values = [line.split() for line in f if line.startswith(prefix)][:2]
+    return int(values[head.index(name)])
+
+
+def groups_by_label(units) -> dict:
+    """The counter's group labels and the groups behind them (inner and outer)."""
+    return {paddle_hsdp.comm.group_label(g): g
+            for u in units for b in u.buffers for g in (b.inner, b.outer)}
+
+
+def counter_cross_bytes(snapshot: dict, groups: dict, rank: int, hosts: dict) -> list:
+    """Bytes this rank sent across hosts in one step, from the counter, two ways: [ring]
+    every op a ring in group order (a group's bytes cross when the rank's successor is on
+    the other host); [gloo] the same, except reduce-scatters on gloo as paddle_hsdp makes
+    them there (a gloo reduce per owner's slice, see two_hosts)."""
+    ring = gloo = 0.0
+    for (label, op), stats in snapshot.items():
+        if label not in groups:
+            continue
+        ranks = groups[label].ranks
+        as_ring = two_hosts.ring_cross_bytes(stats.wire_bytes, ranks, rank, hosts)
+        ring += as_ring
+        gloo += two_hosts.gloo_reduce_scatter_cross_bytes(stats.payload_bytes, ranks, rank,
+                                                          hosts) \
+            if op == "reduce_scatter" and paddle_hsdp.comm.is_gloo(groups[label]) else as_ring
+    return [ring, gloo]
+
+
+def paddle_wire_bytes(variant: str, model, world: int) -> float:
+    """Per-rank ring bytes of one step of Paddle's own collectives (paddle_hsdp's counter
+    does not see them), from the model's sizes: DataParallel all-reduces every float32
+    grad once; stage 3 all-gathers every parameter's (aligned, padded) buffer in forward
+    and again in backward, and all-reduces its full-size grad once."""
+    ring = (world - 1) / world
+    if variant == "dp":
+        return 2 * ring * sum(int(p.numel()) * p.element_size() for p in model.parameters())
+    return (2 * ring + 2 * ring) * 4 * sum(model._param2buffer_size.values())
+
+
+def net_report(start: list[int], end: list[int], cross_sent: list, steps: int) -> dict:
+    """What crossed in the timed window (steps after the first), from every rank's
+    figures: the veth counters of host 0 (rank 0 reads its host's; both ends see every
+    frame), TCP retransmissions and timeouts per host, and the sum of the ranks' expected
+    crossing bytes."""
+    world, hosts = dist.get_world_size(), host_of_ranks()
+    mine = paddle.to_tensor([e - s for s, e in zip(start, end)] + cross_sent, "float64")
+    gathered = []
+    dist.all_gather(gathered, mine)
+    rows = [[int(x) for x in t.numpy()[:4]] + [float(x) for x in t.numpy()[4:]]
+            for t in gathered]
+    first_of_host = {}
+    for r in range(world):
+        first_of_host.setdefault(hosts[r], r)
+    return {"window_steps": steps, "hosts_of_ranks": [hosts[r] for r in range(world)],
+            "veth_bytes": rows[0][0], "veth_frames": rows[0][1],
+            "veth_payload_bytes": two_hosts.payload_bytes(rows[0][0], rows[0][1]),
+            "retrans_segs_per_host": {h: rows[r][2] for h, r in first_of_host.items()},
+            "rto_timeouts_per_host": {h: rows[r][3] for h, r in first_of_host.items()},
+            "expected_cross_bytes": sum(row[4] for row in rows),
+            "expected_cross_bytes_gloo": sum(row[5] for row in rows)}
 
 
 def main():
@@ -136,11 +231,18 @@ def main():
     units = paddle_hsdp.api._units_under(model) if variant.startswith("hsdp") else []
     rows = slice(None) if variant == "single" else slice(rank * cfg["per_rank"],
                                                          (rank + 1) * cfg["per_rank"])
+    two_host = bool(cfg.get("two_hosts")) and world > 1 and cfg["steps"] > 1
+    hosts = host_of_ranks() if two_host else {}
+    groups = groups_by_label(units)
+    paddle_step = paddle_wire_bytes(variant, model, world) if two_host and not units else 0.0
+    cross_sent, net_start = [0.0, 0.0], None
     reset_peak_rss()
     times, losses, comm_steps = [], [], []
     for step, ids in enumerate(data):
         if world > 1:
             dist.barrier()
+        if two_host and step == 1:  # step 0 is done everywhere: the timed window opens
+            net_start = net_counters()
         paddle_hsdp.comm.counter.reset()
         start = time.perf_counter()
         loss = bench_model.loss_of(model, paddle.to_tensor(ids[rows]))
@@ -149,10 +251,19 @@ def main():
         opt.clear_grad()
         times.append(time.perf_counter() - start)
         comm_steps.append(measured_comm())
+        if two_host and step >= 1:
+            sent = counter_cross_bytes(paddle_hsdp.comm.counter.snapshot(), groups, rank,
+                                       hosts) if units else \
+                [two_hosts.ring_cross_bytes(paddle_step, list(range(world)), rank, hosts)] * 2
+            cross_sent = [a + b for a, b in zip(cross_sent, sent)]
         t = paddle.to_tensor([float(loss)])
         if world > 1:
             dist.all_reduce(t)
         losses.append(t.item() / world)
+    net = None
+    if two_host:
+        dist.barrier()  # every rank's last step is done: the window closes
+        net = net_report(net_start, net_counters(), cross_sent, len(data) - 1)
     peak_kb = vm_kb("VmHWM") - idle_kb
     peaks = [peak_kb]
     if world > 1:
@@ -169,6 +280,11 @@ def main():
         result["comm_measured"] = comm_steps[-1]
         result["comm_theoretical"] = theoretical_comm(units, inner, outer)
         result["units"] = [sum(b.logical_numel for b in u.buffers) for u in units]
+    if net:
+        net["expected_basis"] = "paddle_hsdp.comm.counter" if units else \
+            "ring formula from the model's sizes (Paddle's collectives are not counted)"
+        net["engine"] = os.path.dirname(os.path.dirname(paddle_hsdp.__file__))
+        result["two_hosts"] = net
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump(result, f)
