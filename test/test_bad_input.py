@@ -191,6 +191,14 @@ def _shard_overlap():
     paddle_hsdp.fully_shard(_net(), enable_tensor_fusion_and_overlap="yes")
 
 
+@row("`fully_shard(module)` before `fleet.init`", "no fleet groups, no `mesh=`", RuntimeError,
+     "fleet.init", "mesh=paddle.distributed.ProcessMesh")
+def _shard_before_fleet():
+    from paddle_hsdp import mesh  # what fully_shard resolves its groups with (faked here)
+
+    mesh.resolve_mesh(None)
+
+
 # ---------------------------------------------------------------- module methods
 @row("`model.set_prefetch_count(forward=)`", "-1", ValueError, "forward", ">= 0")
 def _prefetch():
@@ -374,6 +382,21 @@ def _env_timeout(monkeypatch):
 
     monkeypatch.setenv("PADDLE_HSDP_COLLECTIVE_TIMEOUT", "soon")
     watchdog.timeout_s()
+
+
+# ---------------------------------------------------------------- accepted edge cases
+def test_integer_parameters_are_sharded_and_gathered(fake_mesh):  # noqa: F811
+    """An integer (frozen) parameter is not bad input: it gets a buffer of its own, is
+    gathered exactly, and training around it works."""
+    model = _net()
+    model.add_parameter("index", paddle.create_parameter(
+        [5, 3], "int64", default_initializer=paddle.nn.initializer.Constant(7)))
+    model.index.stop_gradient = True
+    paddle_hsdp.fully_shard(model)
+    kinds = sorted(str(b.dtype) for b in model._hsdp_unit.buffers)
+    assert kinds == ["paddle.float32", "paddle.int64"], kinds
+    assert (paddle_hsdp.full_state_dict(model)["index"].numpy() == 7).all()
+    _still_trains(model)
 
 
 # ---------------------------------------------------------------- the checks
