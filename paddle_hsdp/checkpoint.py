@@ -9,13 +9,14 @@ A tensor is a model parameter or buffer (by its structured name in the unsharded
 model; tied aliases are recorded as aliases) or an optimizer state of a parameter
 (``NAME/optim/moment1``, ``.../moment2``, ``.../beta1_pow_acc``, ...,
 ``.../master_weight``). A piece is a run of dim-0 rows, without padding rows, with the
-file and key that hold it and a CRC-32 of its bytes. Each distinct block is written
+file and key that hold it and a CRC-32 per chunk of about 4 MiB of its rows. Each distinct block is written
 once: of the outer replicas that hold it, one writes, chosen per buffer so the writing
 spreads over the replicas. Tensor data is safetensors, metadata JSON: nothing is
 unpickled when loading.
 
-``load_checkpoint`` reads the pieces overlapping this rank's blocks (memory-mapped
-safetensors), checks shapes, dtypes and CRCs, agrees with every rank that all is well
+``load_checkpoint`` reads, of the pieces overlapping this rank's blocks, only the CRC
+chunks covering its rows (memory-mapped safetensors slices), checks shapes, dtypes and
+CRCs, agrees with every rank that all is well
 (one small all-reduce), and only then writes parameters and optimizer state: a bad
 checkpoint raises ``CheckpointError`` on every rank and changes nothing. It loads into
 any inner/outer layout and world size, and into a plain model and optimizer in a
@@ -284,10 +285,12 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
             array = np.ascontiguousarray(it.get())
             key = it.name
             tensors[key] = array
+            chunk = _chunk_rows(array)
             pieces[it.name] = {"file": fname, "key": key, "row0": it.row0,
                                "shape": it.shape, "dtype": it.dtype,
-                               "rows": int(array.shape[0]),
-                               "crc32": zlib.crc32(array.tobytes())}
+                               "rows": int(array.shape[0]), "chunk_rows": chunk,
+                               "crc32": [zlib.crc32(array[i:i + chunk].tobytes())
+                                         for i in range(0, int(array.shape[0]), chunk)]}
         if tensors:
             _write_rank_file(os.path.join(tmp, fname), tensors)
     except Exception as e:  # every rank must learn of it: agree below
@@ -364,25 +367,44 @@ def read_metadata(path) -> dict:
     return meta
 
 
+CHUNK_BYTES = 4 << 20  # a CRC per ~4 MiB of rows: a load reads and checks only those
+
+
+def _chunk_rows(array: np.ndarray) -> int:
+    row_bytes = max(array[:1].nbytes, 1)
+    return max(1, CHUNK_BYTES // row_bytes)
+
+
 class _Reader:
-    """Reads pieces from the rank files (memory-mapped), checking their CRC."""
+    """Reads rows of pieces from the rank files (memory-mapped): only the CRC chunks
+    that cover the rows asked for, each checked."""
 
     def __init__(self, path):
         self.path, self.files = path, {}
 
-    def piece(self, name, piece):
+    def rows(self, name, piece, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of ``piece`` (piece-relative)."""
         from safetensors import safe_open
 
+        chunk = piece.get("chunk_rows", piece["rows"])
+        crcs = piece["crc32"] if isinstance(piece["crc32"], list) else [piece["crc32"]]
+        first, last = lo // chunk, (hi - 1) // chunk
+        start, stop = first * chunk, min((last + 1) * chunk, piece["rows"])
         fname = os.path.join(self.path, piece["file"])
         try:
             if fname not in self.files:
                 self.files[fname] = safe_open(fname, framework="numpy")
-            array = self.files[fname].get_tensor(piece["key"])
+            array = self.files[fname].get_slice(piece["key"])[start:stop]
         except Exception as e:
             raise CheckpointError(f"{name}: cannot read {piece['file']} ({e})") from None
-        if zlib.crc32(np.ascontiguousarray(array).tobytes()) != piece["crc32"]:
-            raise CheckpointError(f"{name}: {piece['file']} is corrupted (CRC mismatch)")
-        return array
+        array = np.ascontiguousarray(array)
+        if array.shape[:1] != (stop - start,):
+            raise CheckpointError(f"{name}: {piece['file']} is truncated")
+        for i, crc in enumerate(crcs[first:last + 1]):
+            if zlib.crc32(array[i * chunk:(i + 1) * chunk].tobytes()) != crc:
+                raise CheckpointError(f"{name}: {piece['file']} is corrupted (CRC mismatch "
+                                      f"in rows {start + i * chunk}..)")
+        return array[lo - start:hi - start]
 
 
 def _read_rows(reader, name, entry, row0, rows):
@@ -391,8 +413,7 @@ def _read_rows(reader, name, entry, row0, rows):
     for piece in entry["pieces"]:
         lo, hi = max(row0, piece["row0"]), min(row0 + rows, piece["row0"] + piece["rows"])
         if lo < hi:
-            array = reader.piece(name, piece)
-            parts.append(array[lo - piece["row0"]:hi - piece["row0"]])
+            parts.append(reader.rows(name, piece, lo - piece["row0"], hi - piece["row0"]))
     got = sum(p.shape[0] for p in parts)
     if got != rows:
         raise CheckpointError(f"{name}: the checkpoint holds {got} of the {rows} rows needed")

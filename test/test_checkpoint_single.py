@@ -141,3 +141,23 @@ def test_bfloat16_round_trip_and_export(tmp_path):
     start, end = header["weight"]["data_offsets"]
     body = raw[8 + int.from_bytes(raw[:8], "little"):]
     assert body[start:end] == net.weight.numpy().tobytes()
+
+
+def test_a_load_reads_and_checks_only_the_chunks_it_needs(tmp_path):
+    """Each piece carries a CRC per ~4 MiB of rows: reading some rows touches only the
+    chunks that cover them, and a corrupted byte is found by whoever reads its chunk."""
+    net = paddle.nn.Linear(512, 4096)  # weight [512, 4096] float32: 16 KiB rows, 8 MiB
+    checkpoint.save_checkpoint(tmp_path / "ck", net)
+    meta = checkpoint.read_metadata(tmp_path / "ck")
+    piece = meta["tensors"]["weight"]["pieces"][0]
+    assert piece["chunk_rows"] == 256 and len(piece["crc32"]) == 2
+    raw = bytearray((tmp_path / "ck" / piece["file"]).read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    start = json.loads(raw[8:header])["weight"]["data_offsets"][0]
+    raw[header + start + 400 * 4096 * 4] ^= 0xFF  # a byte of row 400: the second chunk
+    (tmp_path / "ck" / piece["file"]).write_bytes(bytes(raw))
+    reader = checkpoint._Reader(str(tmp_path / "ck"))
+    rows = reader.rows("weight", piece, 10, 20)
+    assert np.array_equal(rows, net.weight.numpy()[10:20])
+    with pytest.raises(checkpoint.CheckpointError, match="CRC mismatch in rows 256"):
+        reader.rows("weight", piece, 250, 260)
