@@ -13,4 +13,5 @@ def test_memory_and_bookkeeping_stay_flat():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "longrun.py"),
                            "--steps", "30", "--warmup", "10", "--every", "10"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0 and "FLAT:" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "FLAT:" in proc.stdout, \
+        proc.stdout[-4000:] + proc.stderr[-2000:]

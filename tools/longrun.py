@@ -88,7 +88,7 @@ def worker(args) -> None:
     import demo
 
     demo.init_hsdp(sharding=4, outer=2)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     paddle.seed(0)
     model = demo.build_model(seq=args.seq)
     for block in model.blocks:
