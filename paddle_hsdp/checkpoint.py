@@ -10,9 +10,8 @@ model; tied aliases are recorded as aliases) or an optimizer state of a paramete
 (``NAME/optim/moment1``, ``.../moment2``, ``.../beta1_pow_acc``, ...,
 ``.../master_weight``). A piece is a run of dim-0 rows, without padding rows, with the
 file and key that hold it and a CRC-32 per chunk of about 4 MiB of its rows. Each
-distinct block is written
-once: of the outer replicas that hold it, one writes, chosen per buffer so the writing
-spreads over the replicas. Tensor data is safetensors, metadata JSON: nothing is
+distinct block is written once: of the outer replicas that hold it, one writes, chosen
+per buffer so the writing spreads over the replicas. Tensor data is safetensors, metadata JSON: nothing is
 unpickled when loading.
 
 ``load_checkpoint`` reads, of the pieces overlapping this rank's blocks, only the CRC
