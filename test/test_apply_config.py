@@ -172,3 +172,24 @@ def test_commands_run_as_a_module_without_a_traceback(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1 and "zero_stage" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_recompute_gives_the_grads_of_a_plain_forward(fake_mesh, no_fleet_init,  # noqa: F811
+                                                      reentrant):
+    """Recompute inside sharded units (both of Paddle's implementations) changes no grad."""
+    config = {"sub_modules_to_wrap": ["layers.{*}"], "use_reentrant": reentrant}
+    plain, _ = paddle_hsdp.apply_config(build(), config)
+    recomputed, _ = paddle_hsdp.apply_config(
+        build(), dict(config, recompute_modules=["layers.{*}"]))
+    assert all(m._hsdp_recompute for m in recomputed.layers)
+    ids = paddle.to_tensor([[1, 2, 3], [4, 5, 6]])
+    grads = []
+    for model in (plain, recomputed):
+        model(ids).square().mean().backward()
+        paddle_hsdp.finish_grad_sync(model)
+        grads.append({k: v.numpy() for k, v in paddle_hsdp.full_grads(model).items()
+                      if v is not None})
+    assert sorted(grads[0]) == sorted(grads[1]) and len(grads[0]) > 5
+    for name in grads[0]:
+        assert (grads[0][name] == grads[1][name]).all(), name
