@@ -15,6 +15,8 @@ def test_yaml_run_matches_hand_sharding_and_plan_bytes():
     log = launch(4, "worker_config.py", tempfile.mkdtemp(prefix="hsdp_config_"), timeout=600)
     assert "PLAN_BYTES_EQUAL" in log and "YAML_EQUALS_HAND" in log, log[-3000:]
     assert "LIVE_TOPOLOGY_CHECKED" in log, log[-3000:]
+    for stage in (1, 2, 3):
+        assert f"PLAN_BYTES_EQUAL zero_stage {stage}" in log, log[-3000:]
 
 
 def test_demo_runs_the_shipped_moe_config():

@@ -169,4 +169,17 @@ assert len(paddle_hsdp.api._units) == units_before
 third, _ = paddle_hsdp.apply_config(build(), {"sub_modules_to_wrap": ["blocks.{*}"]})
 assert len(paddle_hsdp.api._units_under(third)) == 4
 print("LIVE_TOPOLOGY_CHECKED", flush=True)
+
+# the plan's bytes hold at every ZeRO level (fp32, 2 micro-steps per step)
+for stage in (1, 2, 3):
+    staged, staged_plan = paddle_hsdp.apply_config(
+        build(), {"sub_modules_to_wrap": ["blocks.{*}", "embed"], "zero_stage": stage})
+    staged_plan.micro_steps = MICRO
+    comm.counter.reset()
+    train(staged, data[:2], rank, world)
+    measured = comm.counter.snapshot()
+    for key, nbytes in staged_plan.comm_bytes().items():
+        got = measured.get(key, comm.OpStats()).wire_bytes
+        assert abs(got - 2 * nbytes) < 1e-6 * max(got, 1.0), (stage, key, got, 2 * nbytes)
+    print(f"PLAN_BYTES_EQUAL zero_stage {stage}", flush=True)
 finish()
