@@ -56,7 +56,9 @@ def _plan(args) -> int:
     cfg = load_config(args.config if args.config else {})
     if args.cluster:
         return _plan_cluster(args, cfg)
-    if not args.config or not (args.model or args.model_shape) or args.world_size is None:
+    if args.model_shape:
+        raise ValueError("--model-shape works with --cluster only; give --model FACTORY")
+    if not args.config or not args.model or args.world_size is None:
         raise ValueError("plan: give --config, --model and --world-size (or --cluster FILE "
                          "to compare every layout of a cluster)")
     if args.world_size < 1:
@@ -78,15 +80,11 @@ def _plan(args) -> int:
 
 def _lazy_model(args, cfg):
     """The model built without memory, its experts marked, and what the config picks."""
-    from . import experts
     from .plan import build_lazily, resolve_modules
 
-    if args.model_shape:
-        raise ValueError("--model-shape works with --cluster only; give --model FACTORY")
     model = build_lazily(_load_factory(args.model))
     choice = resolve_modules(model, cfg)
-    for _, module in choice.experts:
-        experts.mark_expert_params(module)
+    choice.mark_experts()
     return model, choice
 
 

@@ -23,7 +23,6 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
     """Shard ``model`` as ``config`` (a YAML path, a dict or an ``HSDPConfig``) says;
     return ``(model, plan)``, ``str(plan)`` being the ``plan`` command's table. A
     collective (``fully_shard`` is): call it on every rank with the same config."""
-    from . import experts
     from .api import fully_shard, set_zero_stage
     from .policies import CPUOffloadPolicy
 
@@ -32,8 +31,7 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
     cfg = load_config(config)
     outer, inner, expert_inner, expert_outer = _topology(cfg)
     choice = resolve_modules(model, cfg)
-    for _, module in choice.experts:
-        experts.mark_expert_params(module)
+    choice.mark_experts()
     plan = build_plan(model, cfg, choice, outer=outer, inner=inner, expert_inner=expert_inner,
                       expert_outer=expert_outer, source=cfg.source)
     # Nothing collective so far; from here on every rank acts.

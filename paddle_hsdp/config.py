@@ -78,14 +78,16 @@ def _expected(allowed: str, value: Any, wrong_type: bool) -> _Invalid:
     return _Invalid(f"expected {allowed}, got {shown}{hint}")
 
 
-def _check_degree(value: Any, allowed: str):
-    if value == AUTO:
-        return AUTO
+def _check_int_at_least(value: Any, allowed: str, minimum: int):
     if not _is_int(value):
         raise _expected(allowed, value, wrong_type=True)
-    if value < 1:
+    if value < minimum:
         raise _expected(allowed, value, wrong_type=False)
     return value
+
+
+def _check_degree(value: Any, allowed: str):
+    return AUTO if value == AUTO else _check_int_at_least(value, allowed, 1)
 
 
 def _check_bool(value: Any, allowed: str):
@@ -119,11 +121,7 @@ def _check_dtype(value: Any, allowed: str):
 
 
 def _check_non_negative_int(value: Any, allowed: str):
-    if not _is_int(value):
-        raise _expected(allowed, value, wrong_type=True)
-    if value < 0:
-        raise _expected(allowed, value, wrong_type=False)
-    return value
+    return _check_int_at_least(value, allowed, 0)
 
 
 def _check_patterns(value: Any, allowed: str):

@@ -32,6 +32,13 @@ class ModuleChoice:
     recompute: list
     experts: list
 
+    def mark_experts(self) -> None:
+        """Flag the parameters of every ``expert_modules`` match as expert parameters."""
+        from .experts import mark_expert_params
+
+        for _, module in self.experts:
+            mark_expert_params(module)
+
     def ignored_params(self) -> list:
         seen, out = set(), []
         for _, module in self.ignored:
