@@ -48,6 +48,7 @@ import numpy as np
 import paddle
 
 from .api import managed_param, owning_unit
+from .optim import _params_of, unwrap_optimizer
 
 FORMAT = "paddle_hsdp-checkpoint/1"
 META = "metadata.json"
@@ -206,8 +207,6 @@ def _putter(tensor, rows):
 def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item]:
     """AdamW-style accumulators and master weights, as blocks of their parameter's rows
     (``moment1``) or whole (``beta1_pow_acc``, shape [1])."""
-    from .optim import _params_of
-
     _ensure_accumulators(optimizer)
     items = []
     for p in _params_of(optimizer):
@@ -215,12 +214,7 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
         if name is None:
             continue
         owner = param_items[name]
-        states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
-                  if p.name in table}
-        master = getattr(optimizer, "_master_weights", {}).get(p.name)
-        if master is not None:
-            states["master_weight"] = master
-        for acc, t in sorted(states.items()):
+        for acc, t in sorted(_states_of(optimizer, p).items()):
             if list(t.shape) == list(p.shape):  # a block like its parameter
                 items.append(_Item(f"{name}/optim/{acc}", owner.shape, _dtype_name(t.dtype),
                                    owner.row0, owner.rows, owner.writes,
@@ -232,11 +226,20 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
     return items
 
 
+def _states_of(optimizer, p) -> dict:
+    """``{state name: tensor}`` the optimizer keeps for ``p``: its accumulators under
+    Paddle's names (``moment1``, ``beta1_pow_acc``, ...) and ``master_weight``."""
+    states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
+              if p.name in table}
+    master = (getattr(optimizer, "_master_weights", None) or {}).get(p.name)
+    if master is not None:
+        states["master_weight"] = master
+    return states
+
+
 def _ensure_accumulators(optimizer) -> None:
     """Create the optimizer's state now if no step has run yet, so it can be loaded."""
     from paddle.base import framework
-
-    from .optim import _params_of
 
     params = [p for p in _params_of(optimizer) if not p.stop_gradient]
     if params and not getattr(optimizer, "_accumulators", None):
@@ -248,8 +251,7 @@ def _all_items(model, optimizer):
     _check_supported(model)
     items, by_shard, aliases = _param_items(model)
     if optimizer is not None:
-        while hasattr(optimizer, "_inner_opt"):
-            optimizer = optimizer._inner_opt
+        optimizer = unwrap_optimizer(optimizer)
         by_name = {it.name: it for it in items}
         items += _optimizer_items(optimizer, by_shard, by_name)
     return items, aliases, optimizer
@@ -526,27 +528,19 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> d
     a parameter whose block is all padding on this rank are left out, like the block."""
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-    from .optim import _params_of
-
-    while hasattr(optimizer, "_inner_opt"):
-        optimizer = optimizer._inner_opt
+    optimizer = unwrap_optimizer(optimizer)
     _ensure_accumulators(optimizer)
     key_of = {}
     for key, weight in sorted(model_sharded_state_dict.items()):
         key_of.setdefault(weight.local_tensor.name, key)  # tied: the first key owns it
-    masters = getattr(optimizer, "_master_weights", None) or {}
     out = {}
     for p in _params_of(optimizer):
         key = key_of.get(p.name)
         if key is None:
             continue
         ref = model_sharded_state_dict[key]
-        states = {f"{acc}_0": table[p.name] for acc, table in optimizer._accumulators.items()
-                  if p.name in table}
-        if p.name in masters:
-            states["w_0"] = masters[p.name]
-        for suffix, t in sorted(states.items()):
-            name = f"{key}.{suffix}"
+        for acc, t in sorted(_states_of(optimizer, p).items()):
+            name = f"{key}.{'w' if acc == 'master_weight' else acc}_0"  # Paddle's names
             if list(t.shape) == list(p.shape):  # rows like its parameter's
                 rows = int(ref.local_shape[0]) if ref.local_shape else 1
                 local = t if rows == int(t.shape[0]) else t._slice(0, rows)
@@ -562,8 +556,6 @@ def install() -> None:
     """``optimizer.sharded_state_dict(model_sd)`` (what PaddleFormers' trainer calls)
     gives :func:`optimizer_sharded_state_dict` for an optimizer over HSDP shards; other
     optimizers keep Paddle's own."""
-    from .optim import _params_of
-
     original = paddle.optimizer.AdamW.sharded_state_dict
     if getattr(original, "_hsdp", False):
         return

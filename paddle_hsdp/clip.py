@@ -141,9 +141,9 @@ def record_norm_of_hybrid_clip(clip) -> None:
 
 def last_global_norm(optimizer) -> float | None:
     """The global grad norm of the optimizer's last clipped step (for logging)."""
-    while hasattr(optimizer, "_inner_opt"):
-        optimizer = optimizer._inner_opt
-    norm = getattr(optimizer._grad_clip, "last_global_norm", None)
+    from .optim import unwrap_optimizer
+
+    norm = getattr(unwrap_optimizer(optimizer)._grad_clip, "last_global_norm", None)
     return None if norm is None else norm.item()
 
 

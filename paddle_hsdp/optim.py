@@ -97,11 +97,17 @@ def finish_grad_sync(target) -> None:
     sync_grads(_units_for(target, "finish_grad_sync"))
 
 
+def unwrap_optimizer(optimizer):
+    """The optimizer under fleet.distributed_optimizer's wrappers (anything else as is)."""
+    while hasattr(optimizer, "_inner_opt"):
+        optimizer = optimizer._inner_opt
+    return optimizer
+
+
 def _units_for(target, what: str) -> list[FSDPUnit]:
     from .api import _units_under
 
-    while hasattr(target, "_inner_opt"):  # fleet.distributed_optimizer's wrappers
-        target = target._inner_opt
+    target = unwrap_optimizer(target)
     if hasattr(target, "_parameter_list"):
         return _units_of(_sharded_params_of(target))
     if isinstance(target, paddle.nn.Layer):
