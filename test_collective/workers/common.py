@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-import paddle_hsdp  # noqa: F401  (must precede fleet.init)
+import paddle_hsdp  # must precede fleet.init
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
@@ -64,3 +64,40 @@ def compare_with_reference(full: dict, ref_params: dict, losses, ref_losses, wor
     worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
     bad = {k: v for k, v in worst.items() if v > rtol}
     assert not bad, f"parity failed (rtol {rtol}): {bad}"
+
+
+def train_loop(opt, steps, micro_loss, processes: int = 1, before_step=None, after_step=None):
+    """One optimizer step per entry of ``steps`` (a list of micro-batches each):
+    ``micro_loss(micro, index)`` is this process's loss of a micro-batch, backpropagated
+    divided by the number of micro-batches. Returns each step's loss, the mean over its
+    micro-batches and the ``processes`` training together (all-reduced for the log, not
+    through paddle_hsdp). ``before_step(i)`` runs before ``opt.step()``,
+    ``after_step(i)`` between it and ``opt.clear_grad()``."""
+    losses = []
+    for index, micro_batches in enumerate(steps):
+        total = 0.0
+        for m, micro in enumerate(micro_batches):
+            loss = micro_loss(micro, m)
+            (loss / len(micro_batches)).backward()
+            value = float(loss)
+            if processes > 1:
+                t = paddle.to_tensor([value])
+                dist.all_reduce(t)
+                value = t.item() / processes
+            total += value / len(micro_batches)
+        if before_step is not None:
+            before_step(index)
+        opt.step()
+        if after_step is not None:
+            after_step(index)
+        opt.clear_grad()
+        losses.append(total)
+    return losses
+
+
+def assert_same_params(model, other) -> None:
+    """Two models' full parameters (and buffers) are equal, name for name, bit for bit."""
+    a, b = paddle_hsdp.full_state_dict(model), paddle_hsdp.full_state_dict(other)
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    for name in a:
+        assert np.array_equal(a[name].numpy(), b[name].numpy()), name

@@ -16,6 +16,8 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from common import train_loop
+
 VOCAB, HIDDEN, SEQ, LAYERS = 37, 8, 6, 3
 
 
@@ -103,20 +105,19 @@ def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024, before_step=N
     step's recorded norm (e.g. paddle.nn.utils.clip_grad_norm_)."""
     model = build_model(seed)
     opt = make_optimizer(model, model.parameters(), clip_norm)
-    losses, norms = [], []
-    for step in data:
-        total = 0.0
-        for micro in step:
-            loss = 0.0
-            for r in range(n_ranks):
-                ids = paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank])
-                loss = loss + lm_loss(model, ids, uses_extra(r)) / n_ranks
-            (loss / len(step)).backward()
-            total += float(loss) / len(step)
+    norms = []
+
+    def record_norm(_):
         norms.append(_global_norm(model) if before_step is None else before_step(model))
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
+
+    def micro_loss(micro, _):
+        loss = 0.0
+        for r in range(n_ranks):
+            ids = paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank])
+            loss = loss + lm_loss(model, ids, uses_extra(r)) / n_ranks
+        return loss
+
+    losses = train_loop(opt, data, micro_loss, before_step=record_norm)
     return losses, {n: p.numpy() for n, p in model.state_dict().items()}, norms
 
 
@@ -131,24 +132,11 @@ def train_steps(model, opt, steps, rank, world, per_rank, after_step=None):
     list of ``[micro] -> array``); return the loss of the whole batch per step (an
     all-reduce for the log, not through paddle_hsdp). ``after_step(step_index)`` runs
     between ``opt.step()`` and ``opt.clear_grad()``."""
-    import paddle.distributed as dist
+    def micro_loss(micro, _):
+        ids = paddle.to_tensor(micro[rank * per_rank:(rank + 1) * per_rank])
+        return lm_loss(model, ids, uses_extra(rank))
 
-    losses = []
-    for index, micro_batches in enumerate(steps):
-        total = 0.0
-        for micro in micro_batches:
-            ids = paddle.to_tensor(micro[rank * per_rank:(rank + 1) * per_rank])
-            loss = lm_loss(model, ids, uses_extra(rank))
-            (loss / len(micro_batches)).backward()
-            t = paddle.to_tensor([float(loss)])
-            dist.all_reduce(t)
-            total += t.item() / world / len(micro_batches)
-        opt.step()
-        if after_step is not None:
-            after_step(index)
-        opt.clear_grad()
-        losses.append(total)
-    return losses
+    return train_loop(opt, steps, micro_loss, processes=world, after_step=after_step)
 
 
 def train_on_chunks(model, opt, steps, chunks, per_rank, processes=1):
@@ -156,20 +144,19 @@ def train_on_chunks(model, opt, steps, chunks, per_rank, processes=1):
     their mean), e.g. two of a saved 4-rank run's chunks per rank on 2 ranks, or all of
     them in one process. Returns the whole batch's loss per step (all-reduced over the
     ``processes`` training together, for the log)."""
-    import paddle.distributed as dist
+    def micro_loss(micro, _):
+        return sum(lm_loss(model, paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank]),
+                           uses_extra(r)) for r in chunks) / len(chunks)
 
-    losses = []
-    for micro_batches in steps:
-        total = 0.0
-        for micro in micro_batches:
-            loss = sum(lm_loss(model, paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank]),
-                               uses_extra(r)) for r in chunks) / len(chunks)
-            (loss / len(micro_batches)).backward()
-            t = paddle.to_tensor([float(loss)])
-            if processes > 1:
-                dist.all_reduce(t)
-            total += t.item() / processes / len(micro_batches)
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
-    return losses
+    return train_loop(opt, steps, micro_loss, processes=processes)
+
+
+def shard_tinylm(model, **kwargs):
+    """The workers' layout: one unit for the embedding, one per block, then the root;
+    ``kwargs`` go to every ``fully_shard`` call."""
+    import paddle_hsdp
+
+    for layer in [model.embed, *model.blocks]:
+        paddle_hsdp.fully_shard(layer, **kwargs)
+    paddle_hsdp.fully_shard(model, **kwargs)
+    return model

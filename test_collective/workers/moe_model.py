@@ -5,9 +5,10 @@ experts and routes its own tokens locally (no all-to-all); on ranks with
 import numpy as np
 
 import paddle
-import paddle.distributed as dist
 import paddle.nn as nn
 import paddle.nn.functional as F
+
+from common import train_loop
 
 VOCAB, H, SEQ, LOCAL_EXPERTS = 29, 8, 5, 2
 STEPS, MICRO, PER_RANK, CLIP, RTOL = 4, 2, 2, 0.1, 1e-5
@@ -85,34 +86,19 @@ def make_opt(model, clip):
                                   epsilon=1e-6, grad_clip=nn.ClipGradByGlobalNorm(clip))
 
 
-def train_plain(model, opt, steps, world, ep):
+def train_plain(model, opt, steps, world, ep, before_step=None):
     """Single-process training on the whole batch (every expert local): the reference."""
-    losses = []
-    for step in steps:
-        total = 0.0
-        for micro in step:
-            loss = sum(loss_of(model, paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK]),
-                               r % ep) for r in range(world)) / world
-            (loss / MICRO).backward()
-            total += float(loss) / MICRO
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
-    return losses
+    def micro_loss(micro, _):
+        return sum(loss_of(model, paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK]),
+                           r % ep) for r in range(world)) / world
+
+    return train_loop(opt, steps, micro_loss, before_step=before_step)
 
 
-def train_sharded(model, opt, steps, rank, world):
+def train_sharded(model, opt, steps, rank, world, before_step=None, after_step=None):
     """This rank's share of each step; returns the global mean losses."""
-    losses = []
-    for step in steps:
-        total = 0.0
-        for micro in step:
-            loss = loss_of(model, paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK]))
-            (loss / MICRO).backward()
-            t = paddle.to_tensor([float(loss)])
-            dist.all_reduce(t)
-            total += t.item() / world / MICRO
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
-    return losses
+    def micro_loss(micro, _):
+        return loss_of(model, paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK]))
+
+    return train_loop(opt, steps, micro_loss, processes=world, before_step=before_step,
+                      after_step=after_step)

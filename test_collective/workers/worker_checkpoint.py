@@ -20,7 +20,7 @@ from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from models import batches, build_model, make_optimizer, train_steps
+from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
 STEPS, SAVE_AT, MICRO, PER_RANK, CLIP = 5, 3, 2, 2, 0.2
 RTOL = 1e-5
@@ -33,10 +33,8 @@ CK = os.path.join(work, "ckpt")
 
 
 def shard(mesh=None):
-    model = build_model(seed=99)  # other weights than the saved run: loading must matter
-    for layer in [model.embed, *model.blocks]:
-        paddle_hsdp.fully_shard(layer, mesh=mesh)
-    paddle_hsdp.fully_shard(model, mesh=mesh)
+    # other weights than the saved run: loading must matter
+    model = shard_tinylm(build_model(seed=99), mesh=mesh)
     return model, make_optimizer(model, model.parameters(), CLIP)
 
 
@@ -49,10 +47,7 @@ def params(model):
 
 
 # the uninterrupted run, and the run that saves after step 3
-model = build_model()
-for layer in [model.embed, *model.blocks]:
-    paddle_hsdp.fully_shard(layer)
-paddle_hsdp.fully_shard(model)
+model = shard_tinylm(build_model())
 opt = make_optimizer(model, model.parameters(), CLIP)
 ref_losses = train(model, opt, range(STEPS))
 ref_params = params(model)
@@ -60,10 +55,7 @@ if rank == 0:
     np.savez(os.path.join(work, "reference.npz"), losses=np.array(ref_losses[SAVE_AT:]),
              **{k.replace(".", "__"): v for k, v in ref_params.items()})
 
-model = build_model()
-for layer in [model.embed, *model.blocks]:
-    paddle_hsdp.fully_shard(layer)
-paddle_hsdp.fully_shard(model)
+model = shard_tinylm(build_model())
 opt = make_optimizer(model, model.parameters(), CLIP)
 train(model, opt, range(SAVE_AT))
 checkpoint.save_checkpoint(CK, model, opt, extra={"step": SAVE_AT})

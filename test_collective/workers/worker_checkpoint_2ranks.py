@@ -16,17 +16,14 @@ from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from models import batches, build_model, make_optimizer, train_on_chunks
+from models import batches, build_model, make_optimizer, shard_tinylm, train_on_chunks
 
 STEPS, SAVE_AT, MICRO, PER_RANK, SAVED_WORLD, CLIP = 5, 3, 2, 2, 4, 0.2
 work = sys.argv[1]
 init_fleet({"sharding_degree": 2, "outer": 1})
 rank, world = dist.get_rank(), dist.get_world_size()
 data = batches(STEPS, MICRO, SAVED_WORLD, PER_RANK)
-model = build_model(seed=11)
-for layer in [model.embed, *model.blocks]:
-    paddle_hsdp.fully_shard(layer)
-paddle_hsdp.fully_shard(model)
+model = shard_tinylm(build_model(seed=11))
 opt = make_optimizer(model, model.parameters(), CLIP)
 assert checkpoint.load_checkpoint(os.path.join(work, "ckpt"), model, opt) == {"step": SAVE_AT}
 # each rank takes the rows two of the saved run's four ranks had

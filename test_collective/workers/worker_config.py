@@ -14,6 +14,7 @@ argv: a directory shared by the ranks.
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -23,7 +24,7 @@ import paddle.distributed as dist
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from common import finish
+from common import assert_same_params, finish, train_loop
 from paddle_hsdp import comm
 
 VOCAB, H, SEQ, STEPS, MICRO, PER_RANK = 37, 16, 6, 3, 2, 2
@@ -80,22 +81,13 @@ def build():
 
 
 def train(model, data, rank, world):
+    def micro_loss(micro, _):
+        ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+        logits = model(ids[:, :-1])
+        return F.cross_entropy(logits.reshape([-1, VOCAB]), ids[:, 1:].reshape([-1, 1]))
+
     opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters(), weight_decay=0.1)
-    losses = []
-    for step in data:
-        total = 0.0
-        for micro in step:
-            ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.reshape([-1, VOCAB]), ids[:, 1:].reshape([-1, 1]))
-            (loss / MICRO).backward()
-            t = paddle.to_tensor([float(loss)])
-            dist.all_reduce(t)
-            total += t.item() / world / MICRO
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
-    return losses
+    return train_loop(opt, data, micro_loss, processes=world)
 
 
 work = sys.argv[1]
@@ -105,7 +97,7 @@ if int(os.environ["PADDLE_TRAINER_ID"]) == 0:
         f.write(CONFIG)
     os.replace(path + ".tmp", path)
 while not os.path.exists(path):  # fleet is not up yet: no barrier to wait on
-    pass
+    time.sleep(0.05)
 
 model, plan = paddle_hsdp.apply_config(build(), path)  # initialises fleet (4 ranks: 2 x 2)
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,12 +140,9 @@ CALLS[0] = 0
 hand_losses = train(twin, data, rank, world)
 assert CALLS[0] == 3 * STEPS * MICRO, CALLS
 assert yaml_losses == hand_losses, (yaml_losses, hand_losses)
-ours, theirs = paddle_hsdp.full_state_dict(model), paddle_hsdp.full_state_dict(twin)
-assert sorted(ours) == sorted(theirs)
-for name in ours:
-    assert np.array_equal(ours[name].numpy(), theirs[name].numpy()), name
+assert_same_params(model, twin)
 print(f"YAML_EQUALS_HAND losses {['%.6f' % x for x in yaml_losses]}, "
-      f"{len(ours)} tensors bit-identical", flush=True)
+      f"{len(paddle_hsdp.full_state_dict(model))} tensors bit-identical", flush=True)
 
 # fleet is up now: a config must agree with it ('auto' follows it), refused otherwise
 # on every rank before any collective, the model left as it was

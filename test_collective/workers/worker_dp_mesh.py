@@ -14,7 +14,7 @@ import paddle.distributed as dist
 from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
-from models import batches, build_model, make_optimizer, train_reference, train_steps
+from models import batches, build_model, make_optimizer, shard_tinylm, train_reference, train_steps
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
 RTOL = 1e-5
@@ -34,10 +34,7 @@ assert not paddle_hsdp.api._units
 data = batches(STEPS, MICRO, world, PER_RANK)
 ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
 mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["outer", "inner"])
-model = build_model()
-for layer in [model.embed, *model.blocks]:
-    paddle_hsdp.fully_shard(layer, mesh=mesh)
-paddle_hsdp.fully_shard(model, mesh=mesh)
+model = shard_tinylm(build_model(), mesh=mesh)
 opt = make_optimizer(model, model.parameters(), CLIP)
 worst = {}
 

@@ -11,15 +11,14 @@ PADDLE_HSDP_CHECK_COLLECTIVES=1 environment the test sets:
   trained with the check off, bit for bit (the check changes nothing it checks).
 """
 
-import numpy as np
-from common import finish, init_fleet
+from common import assert_same_params, finish, init_fleet
 
 import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import comm, fingerprint
-from models import batches, build_model, make_optimizer, train_steps
+from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
 assert fingerprint.enabled(), "the test launches this worker with the check on"
 init_fleet({"sharding_degree": 4, "outer": 2})
@@ -27,15 +26,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 hcg = paddle.distributed.fleet.get_hybrid_communicate_group()
 
 
-def build():
-    model = build_model()
-    for layer in [model.embed, *model.blocks]:
-        paddle_hsdp.fully_shard(layer)
-    paddle_hsdp.fully_shard(model)
-    return model
-
-
-model = build()
+model = shard_tinylm(build_model())
 # rank 1 gathers the embedding's unit while rank 0 gathers block 0's (inner group 0-1)
 odd = rank == 1
 try:
@@ -66,12 +57,11 @@ data = batches(2, 2, world, 2)
 opt = make_optimizer(model, model.parameters(), 0.2)
 checked = train_steps(model, opt, data, rank, world, 2)
 fingerprint.check_collectives(False)
-twin = build()
+twin = shard_tinylm(build_model())
 twin_opt = make_optimizer(twin, twin.parameters(), 0.2)
 unchecked = train_steps(twin, twin_opt, data, rank, world, 2)
 assert checked == unchecked, (checked, unchecked)
-a, b = paddle_hsdp.full_state_dict(model), paddle_hsdp.full_state_dict(twin)
-assert all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+assert_same_params(model, twin)
 print(f"FINGERPRINT_OK rank {rank}: training with the check == without, bit for bit",
       flush=True)
 finish()

@@ -25,7 +25,7 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import comm
-from models import batches, build_model, lm_loss, make_optimizer
+from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
 # float32 parity: both sides compute the same float32 math on the same (rounded) values
@@ -103,11 +103,7 @@ comm.reduce_scatter = _logged("reduce_scatter", comm.reduce_scatter)
 
 # ------------------------------------------------------------------ HSDP runs
 def shard(model=None, **kwargs):
-    model = model if model is not None else build_model()
-    for layer in [model.embed] + list(model.blocks):
-        paddle_hsdp.fully_shard(layer, **kwargs)
-    paddle_hsdp.fully_shard(model, **kwargs)
-    return model
+    return shard_tinylm(model if model is not None else build_model(), **kwargs)
 
 
 def train_hsdp(model, ignored=None):

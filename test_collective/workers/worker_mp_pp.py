@@ -21,6 +21,7 @@ from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowPar
 
 import paddle_hsdp
 from paddle_hsdp import comm
+from models import shard_tinylm
 
 VOCAB, HIDDEN, FF, SEQ = 18, 8, 10, 6  # mp slices of 9 and 5 rows: padded for inner 2
 STEPS, MICRO, PER_RANK, CLIP = 4, 2, 2, 0.2
@@ -131,10 +132,7 @@ assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
 
 
 def run(via_fleet: bool):
-    model = build(mp_n > 1, weights[stage], mp_rank, mp_n)
-    for layer in [model.embed, *model.blocks]:
-        paddle_hsdp.fully_shard(layer)
-    paddle_hsdp.fully_shard(model)
+    model = shard_tinylm(build(mp_n > 1, weights[stage], mp_rank, mp_n))
     opt = make_opt(model.parameters())
     if via_fleet:
         opt = fleet.distributed_optimizer(opt)

@@ -19,15 +19,12 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
-from models import batches, build_model, lm_loss, make_optimizer, uses_extra
+from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm, uses_extra
 
 victim, mode = int(sys.argv[1]), sys.argv[2]
 init_fleet({"sharding_degree": 4, "outer": 2})
 rank, world = dist.get_rank(), dist.get_world_size()
-model = build_model()
-for layer in [model.embed, *model.blocks]:
-    paddle_hsdp.fully_shard(layer)
-paddle_hsdp.fully_shard(model)
+model = shard_tinylm(build_model())
 opt = make_optimizer(model, model.parameters(), 0.2)
 data = batches(4, 1, world, 2)
 start = time.time()

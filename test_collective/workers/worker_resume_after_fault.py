@@ -15,14 +15,12 @@ import os
 import signal
 import sys
 
-import numpy as np
-from common import finish, init_fleet
+from common import assert_same_params, finish, init_fleet
 
 import paddle.distributed as dist
 
-import paddle_hsdp
 from paddle_hsdp import checkpoint
-from models import batches, build_model, make_optimizer, train_steps
+from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
 STEPS, CRASH_AT, PER_RANK, CLIP = 5, 3, 2, 0.2
 work, mode = sys.argv[1], sys.argv[2]
@@ -33,10 +31,7 @@ data = batches(STEPS, 2, world, PER_RANK)
 
 
 def sharded(seed):
-    model = build_model(seed=seed)
-    for layer in [model.embed, *model.blocks]:
-        paddle_hsdp.fully_shard(layer)
-    paddle_hsdp.fully_shard(model)
+    model = shard_tinylm(build_model(seed=seed))
     return model, make_optimizer(model, model.parameters(), CLIP)
 
 
@@ -63,8 +58,7 @@ losses = extra["losses"] + train_steps(model, opt, data[CRASH_AT:], rank, world,
 ref, ref_opt = sharded(2024)
 ref_losses = train_steps(ref, ref_opt, data, rank, world, PER_RANK)
 assert losses == ref_losses, (losses, ref_losses)
-got, want = paddle_hsdp.full_state_dict(model), paddle_hsdp.full_state_dict(ref)
-assert all(np.array_equal(got[k].numpy(), want[k].numpy()) for k in want)
+assert_same_params(model, ref)
 print(f"RESUMED_BIT_EXACT from step {CRASH_AT}: losses {['%.7f' % x for x in losses]}",
       flush=True)
 finish()
