@@ -36,7 +36,7 @@ class Row:
     bad: str  # the bad input, as code
     error: type
     says: tuple  # fragments the message must contain (the argument, allowed values)
-    run: Callable  # makes the call; returns a model to check it still trains, or None
+    run: Callable  # makes the bad call; asks for `model` / `net` to have it checked after
 
 
 def row(entry, bad, error, *says):
@@ -111,22 +111,14 @@ def _shard_not_a_layer():
 
 @row("`fully_shard(module)`", "called twice on one module", ValueError,
      "already applied", "once per module")
-def _shard_twice():
-    model = _sharded()
-    try:
-        paddle_hsdp.fully_shard(model)
-    finally:
-        _still_trains(model)
+def _shard_twice(model):
+    paddle_hsdp.fully_shard(model)
 
 
 @row("`fully_shard(module)`", "on a child after its parent", ValueError,
      "bottom-up", "children first")
-def _shard_child_after_parent():
-    model = _sharded()
-    try:
-        paddle_hsdp.fully_shard(model[2])
-    finally:
-        _still_trains(model)
+def _shard_child_after_parent(model):
+    paddle_hsdp.fully_shard(model[2])
 
 
 @row("`fully_shard(module)`", "a module with no parameters (`nn.ReLU()`)", ValueError,
@@ -201,50 +193,30 @@ def _shard_before_fleet():
 
 # ---------------------------------------------------------------- module methods
 @row("`model.set_prefetch_count(forward=)`", "-1", ValueError, "forward", ">= 0")
-def _prefetch():
-    model = _sharded()
-    try:
-        model.set_prefetch_count(forward=-1)
-    finally:
-        _still_trains(model)
+def _prefetch(model):
+    model.set_prefetch_count(forward=-1)
 
 
 @row("`model.set_requires_gradient_sync()`", '"no"', TypeError,
      "set_requires_gradient_sync", "True or False")
-def _grad_sync():
-    model = _sharded()
-    try:
-        model.set_requires_gradient_sync("no")
-    finally:
-        _still_trains(model)
+def _grad_sync(model):
+    model.set_requires_gradient_sync("no")
 
 
 @row("`model.set_gradient_divide_factor()`", "0", ValueError, "finite", "> 0")
-def _divide_factor():
-    model = _sharded()
-    try:
-        model.set_gradient_divide_factor(0)
-    finally:
-        _still_trains(model)
+def _divide_factor(model):
+    model.set_gradient_divide_factor(0)
 
 
 @row("`model.set_modules_to_forward_prefetch()`", "a module that is not sharded",
      ValueError, "not an FSDP module", "fully_shard")
-def _prefetch_modules():
-    model = _sharded()
-    try:
-        model.set_modules_to_forward_prefetch([paddle.nn.ReLU()])
-    finally:
-        _still_trains(model)
+def _prefetch_modules(model):
+    model.set_modules_to_forward_prefetch([paddle.nn.ReLU()])
 
 
 @row("`paddle_hsdp.set_zero_stage(model, stage)`", "4", ValueError, "stage", "[1, 2, 3]")
-def _zero_stage():
-    model = _sharded()
-    try:
-        paddle_hsdp.set_zero_stage(model, 4)
-    finally:
-        _still_trains(model)
+def _zero_stage(model):
+    paddle_hsdp.set_zero_stage(model, 4)
 
 
 @row("`paddle_hsdp.set_zero_stage(model, stage)`", "a model without `fully_shard`",
@@ -316,23 +288,15 @@ def _config_degree():
 # ---------------------------------------------------------------- checkpoints
 @row("`load_checkpoint(path, model)`", "a directory that is not a checkpoint",
      checkpoint.CheckpointError, "not a checkpoint")
-def _load_missing(tmp_path):
-    model = _net()
-    try:
-        paddle_hsdp.load_checkpoint(tmp_path, model)
-    finally:
-        _still_trains(model)
+def _load_missing(tmp_path, net):
+    paddle_hsdp.load_checkpoint(tmp_path, net)
 
 
 @row("`load_checkpoint(path, model)`", "another model's checkpoint",
      checkpoint.CheckpointError, "does not match this model", "strict=False")
-def _load_other(tmp_path):
+def _load_other(tmp_path, net):
     paddle_hsdp.save_checkpoint(tmp_path / "ck", paddle.nn.Linear(3, 3))
-    model = _net()
-    try:
-        paddle_hsdp.load_checkpoint(tmp_path / "ck", model)
-    finally:
-        _still_trains(model)
+    paddle_hsdp.load_checkpoint(tmp_path / "ck", net)
 
 
 @row("`save_checkpoint(path, model, extra=)`", "`{'rng': object()}` (not JSON)", TypeError,
@@ -409,25 +373,27 @@ def _still_trains(model) -> None:
     opt.clear_grad()
 
 
-def _call(r: Row, tmp_path, monkeypatch):
+def _arguments(r: Row, tmp_path, monkeypatch) -> dict:
+    """What a row's function asks for by name: ``model`` (a sharded model) or ``net`` (a
+    plain one), which must still train after the refused call; pytest's fixtures."""
     import inspect
 
-    kwargs = {}
-    params = inspect.signature(r.run).parameters
-    if "tmp_path" in params:
-        kwargs["tmp_path"] = tmp_path
-    if "monkeypatch" in params:
-        kwargs["monkeypatch"] = monkeypatch
-    return r.run(**kwargs)
+    made = {"model": _sharded, "net": _net, "tmp_path": lambda: tmp_path,
+            "monkeypatch": lambda: monkeypatch}
+    return {name: made[name]() for name in inspect.signature(r.run).parameters}
 
 
 @pytest.mark.parametrize("r", ROWS, ids=[f"{i:02d}" for i in range(len(ROWS))])
 def test_bad_input_is_refused_clearly(r, fake_mesh, tmp_path, monkeypatch):  # noqa: F811
+    kwargs = _arguments(r, tmp_path, monkeypatch)
     with pytest.raises(r.error) as caught:
-        _call(r, tmp_path, monkeypatch)
+        r.run(**kwargs)
     message = str(caught.value)
     missing = [s for s in r.says if s not in message]
     assert not missing, f"{r.entry} / {r.bad}: message lacks {missing}: {message}"
+    for name in ("model", "net"):
+        if name in kwargs:
+            _still_trains(kwargs[name])
 
 
 MULTI_RANK = [
