@@ -118,7 +118,8 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
             if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
-                reduce += buf.logical_numel * buf.shape().reduce_bytes
+                # (reduce_dtype, not shape(): the --baseline engine may predate shape())
+                reduce += buf.logical_numel * paddle.zeros([1], buf.reduce_dtype).element_size()
     return {"inner all_gather": gather,
             "inner reduce_scatter": (inner - 1) / inner * reduce,
             "outer all_reduce": 2 * (outer - 1) / outer * reduce / inner}
