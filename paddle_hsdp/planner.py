@@ -27,7 +27,7 @@ of the device memory for activations.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from . import cost
 from .config import ConfigError
@@ -351,8 +351,3 @@ def table(cluster: Cluster, options: list[Option], best: Option | None, why: str
     lines += ["", (f"recommended: fsdp_outer_degree={best.outer} (inner {best.inner}): {why}"
                    if best else f"recommended: none: {why}")]
     return "\n".join(lines)
-
-
-def with_link(cluster: Cluster, **links) -> Cluster:
-    """``cluster`` with its ``intra`` and/or ``inter`` link replaced (calibration)."""
-    return replace(cluster, **links)
