@@ -63,11 +63,12 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
 
     @paddle.no_grad()
     def _dygraph_clip(self, params_grads):
-        sum_sq = paddle.zeros([1], dtype="float32")
+        dtype = norm_dtype(g for _, g in params_grads)
+        sum_sq = paddle.zeros([1], dtype=dtype)
         for p, g in params_grads:
             if g is None or getattr(p, "need_clip", True) is False:
                 continue
-            sq = paddle.sum(paddle.square(g.astype("float32"))).reshape([1])
+            sq = paddle.sum(paddle.square(g.astype(dtype))).reshape([1])
             if not sq.place._equals(sum_sq.place):  # offloaded (host) grads
                 sq = sq.to(paddle.get_device())
             sum_sq = sum_sq + (sq if self.counts(p) else sq * 0.0)
@@ -77,7 +78,7 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         self.last_global_norm = norm
         if self.auto_skip_clip and norm.item() <= self.clip_norm:
             return params_grads
-        max_norm = paddle.full([1], self.clip_norm, dtype="float32")
+        max_norm = paddle.full([1], self.clip_norm, dtype=dtype)
         scale = max_norm / paddle.maximum(norm, max_norm)
         out = []
         for p, g in params_grads:
@@ -87,6 +88,13 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
                 factor = scale if g.place._equals(scale.place) else scale.to(g.place)
                 out.append((p, g * factor.astype(g.dtype)))
         return out
+
+
+def norm_dtype(grads) -> str:
+    """The dtype Paddle's own clipping sums in: float64 when any grad is float64,
+    else float32 (low-precision grads are summed in float32)."""
+    return "float64" if any(g is not None and g.dtype == paddle.float64
+                            for g in grads) else "float32"
 
 
 def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
@@ -196,11 +204,12 @@ _NORM_TYPES = (float("inf"), 1, 2)
 def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
     """The norm over the job of the counted copies' grads (one all-reduce)."""
     infinite = norm_type == float("inf")
-    local = paddle.zeros([1], dtype="float32")
+    dtype = norm_dtype(p.grad for p in params)
+    local = paddle.zeros([1], dtype=dtype)
     for p in params:
         if not counter.counts(p):
             continue  # still joins the all-reduce below, with nothing to add
-        g = p.grad.astype("float32").abs()
+        g = p.grad.astype(dtype).abs()
         if g.numel() == 0:
             continue
         if infinite:
