@@ -20,6 +20,7 @@ from paddle_hsdp import api, comm, hooks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
 import models  # noqa: E402  (TinyLM, lm_loss, ...: the model the parity workers train)
+import parity  # noqa: E402  (the parity bounds, test_collective/workers/parity.py)
 
 # ---------------------------------------------------------------- fixtures
 
@@ -254,7 +255,7 @@ def test_tied_parameter_has_one_owner_and_the_other_unit_borrows_it(fake_mesh):
 # ---------------------------------------------------------------- training
 
 
-def test_one_rank_training_matches_unsharded_adamw(fake_mesh):
+def test_one_rank_training_matches_unsharded_adamw(fake_mesh, float64):
     """3 AdamW steps through the real engine (hooks, reduce-scatter, outer all-reduce,
     optimizer boundary) on the 1-rank fake mesh give the unsharded model's losses and
     params. With one rank every collective is a copy, so this checks the mechanics of
@@ -273,13 +274,12 @@ def test_one_rank_training_matches_unsharded_adamw(fake_mesh):
             o.step()
             o.clear_grad()
             out.append(float(loss))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    parity.assert_close(losses, ref_losses, "losses")
     full = paddle_hsdp.full_state_dict(model)
     expected = ref.state_dict()  # the unsharded keys, the tied alias head.weight included
     assert set(full) == set(expected)
     for name, value in full.items():
-        np.testing.assert_allclose(value.numpy(), expected[name].numpy(), rtol=1e-6,
-                                   atol=1e-7, err_msg=name)
+        parity.assert_close(value.numpy(), expected[name].numpy(), name)
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
 
 
@@ -338,7 +338,7 @@ def test_clip_grad_by_norm_is_refused_at_first_step(fake_mesh):
         np.testing.assert_array_equal(p.numpy(), before[n], err_msg=n)
 
 
-def test_clip_grad_by_global_norm_is_swapped_and_reports_the_norm(fake_mesh):
+def test_clip_grad_by_global_norm_is_swapped_and_reports_the_norm(fake_mesh, float64):
     """A plain ClipGradByGlobalNorm is replaced by HSDPClipGradByGlobalNorm (same
     clip_norm) at the first step; last_global_norm(opt) is the unsharded model's global
     grad norm, and the clipped update matches the unsharded one."""
@@ -358,11 +358,10 @@ def test_clip_grad_by_global_norm_is_swapped_and_reports_the_norm(fake_mesh):
     opt.step()
     assert isinstance(opt._grad_clip, paddle_hsdp.HSDPClipGradByGlobalNorm)
     assert opt._grad_clip.clip_norm == clip
-    assert paddle_hsdp.last_global_norm(opt) == pytest.approx(ref_norm, rel=1e-5)
+    parity.assert_close(paddle_hsdp.last_global_norm(opt), ref_norm, "global norm")
     full = paddle_hsdp.full_state_dict(model)
     for name, p in ref.named_parameters():
-        np.testing.assert_allclose(full[name].numpy(), p.numpy(), rtol=1e-6, atol=1e-7,
-                                   err_msg=name)
+        parity.assert_close(full[name].numpy(), p.numpy(), name)
 
 
 def test_explicit_forward_prefetch_gathers_the_listed_module_early(fake_mesh):

@@ -15,7 +15,7 @@ import paddle.nn as nn
 from paddle.distributed.fleet.utils import recompute
 
 import paddle_hsdp
-from test_engine_single import _ids, fake_mesh, models, registry  # noqa: F401  (fixtures)
+from test_engine_single import _ids, fake_mesh, models, parity, registry  # noqa: F401  (fixtures)
 
 H = 8
 
@@ -84,11 +84,11 @@ def _batch(step):
     return paddle.to_tensor(np.random.default_rng(step).integers(0, 11, (2, 5)).astype("int64"))
 
 
-def _assert_same(model, ref, rtol=1e-6):
+def _assert_same(model, ref):
+    """Every parameter within parity.py's bound (the tests here run in float64)."""
     full = paddle_hsdp.full_state_dict(model)
     for name, p in ref.named_parameters():
-        np.testing.assert_allclose(full[name].numpy(), p.numpy(), rtol=rtol, atol=1e-7,
-                                   err_msg=name)
+        parity.assert_close(full[name].numpy(), p.numpy(), name)
 
 
 def _train(model, opt, steps=3, micro=2, before_step=None, skip=None):
@@ -107,7 +107,7 @@ def _train(model, opt, steps=3, micro=2, before_step=None, skip=None):
 
 @pytest.mark.parametrize("mode", ["recompute", "recompute_nonreentrant", "kwargs",
                                   "dataclass"])
-def test_call_patterns_train_like_the_unsharded_model(fake_mesh, mode):
+def test_call_patterns_train_like_the_unsharded_model(fake_mesh, float64, mode):
     """Activation recompute (reentrant and not), tensors passed as keyword arguments and
     a dataclass output all get their grads reduced once per backward."""
     ref, model = _pair(mode)
@@ -119,7 +119,7 @@ def test_call_patterns_train_like_the_unsharded_model(fake_mesh, mode):
                    if u.module is not model), "a recomputed unit was taken for a root"
 
 
-def test_param_groups_get_the_hsdp_clip(fake_mesh):
+def test_param_groups_get_the_hsdp_clip(fake_mesh, float64):
     """Each parameter group's ClipGradByGlobalNorm is swapped too (Paddle clips groups
     with their own copy), and the update matches the unsharded model's."""
     ref, model = _pair()
@@ -132,11 +132,11 @@ def test_param_groups_get_the_hsdp_clip(fake_mesh):
         if m is model:
             assert all(isinstance(g["grad_clip"], paddle_hsdp.HSDPClipGradByGlobalNorm)
                        for g in opt._param_groups)
-    _assert_same(model, ref, rtol=1e-5)
+    _assert_same(model, ref)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_clear_grad_without_step_drops_the_batch(fake_mesh, stage):
+def test_clear_grad_without_step_drops_the_batch(fake_mesh, float64, stage):
     """A batch dropped with clear_grad (no step) leaves no trace, at every ZeRO level
     (ZeRO-1 keeps unreduced full-size grads until the step: those go too)."""
     ref, model = _pair(stage=stage)
@@ -146,7 +146,7 @@ def test_clear_grad_without_step_drops_the_batch(fake_mesh, stage):
     _assert_same(model, ref)
 
 
-def test_reading_synced_grads_before_more_micro_steps(fake_mesh):
+def test_reading_synced_grads_before_more_micro_steps(fake_mesh, float64):
     """finish_grad_sync in the middle of accumulation (to log grads), then more
     micro-steps: the step still sees the plain sum of all micro-steps. A divide factor
     of 4 (the reference scales its loss by 1/4; SGD is linear in the grad) makes the
@@ -174,7 +174,7 @@ def test_reading_synced_grads_before_more_micro_steps(fake_mesh):
 
     train(ref)
     train(model)
-    _assert_same(model, ref, rtol=1e-5)
+    _assert_same(model, ref)
 
 
 def test_unfreezing_after_fully_shard_is_refused(fake_mesh):

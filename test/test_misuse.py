@@ -2,7 +2,6 @@
 one-rank fake mesh of test_engine_single: these check which calls raise and what they
 leave behind; numerics are in test_collective/test_recipes.py)."""
 
-import math
 
 import numpy as np
 import paddle
@@ -11,7 +10,7 @@ import pytest
 import paddle_hsdp
 from paddle_hsdp import api
 from test_engine_single import (_assert_raises_without_side_effects, _ids, _shard_tinylm,  # noqa: F401
-                                _two_linears, fake_mesh, models, registry)
+                                _two_linears, fake_mesh, models, parity, registry)
 
 
 # ---------------------------------------------------------------- item 10: no trace
@@ -191,7 +190,7 @@ def test_direct_call_of_a_sub_module_gathers_and_reshards(fake_mesh):
     assert unit.state.value == "sharded"  # resharded after the call (no grad)
 
 
-def test_clip_grad_norm_on_one_rank_equals_paddles(fake_mesh):
+def test_clip_grad_norm_on_one_rank_equals_paddles(fake_mesh, float64):
     """With one rank the HSDP clip_grad_norm_ must agree with Paddle's on a twin."""
     sharded, plain = models.build_model(), models.build_model()
     _shard_tinylm(sharded)
@@ -199,8 +198,8 @@ def test_clip_grad_norm_on_one_rank_equals_paddles(fake_mesh):
         models.lm_loss(m, _ids(), True).backward()
     ours = paddle.nn.utils.clip_grad_norm_(sharded.parameters(), 0.1)
     theirs = paddle.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
-    assert math.isclose(float(ours), float(theirs), rel_tol=1e-6)
+    parity.assert_close(float(ours), float(theirs), "norm")
     grads = paddle_hsdp.full_grads(sharded)
     for name, p in plain.named_parameters():
         if p.grad is not None:
-            np.testing.assert_allclose(grads[name].numpy(), p.grad.numpy(), rtol=1e-5, atol=1e-8)
+            parity.assert_close(grads[name].numpy(), p.grad.numpy(), name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,16 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# Every PARITY_CHECK a worker printed this session (workers/parity.py); conftest.py
+# prints their margins at the end of the run.
+PARITY_RECORDS: list[dict] = []
+
+
+def collect_parity(log: str, test: str) -> None:
+    """Keep the PARITY_CHECK records of one process's output."""
+    for line in log.splitlines():
+        if line.startswith("PARITY_CHECK "):
+            PARITY_RECORDS.append(dict(json.loads(line[len("PARITY_CHECK "):]), test=test))
 
 
 def launch(nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
@@ -40,4 +51,18 @@ def launch(nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
                              f"launcher:\n{out[-3000:]}\n{tails}")
     ok = [p for p, t in logs.items() if "WORKER_OK" in t]
     assert len(ok) == nproc, f"only {len(ok)}/{nproc} ranks reported WORKER_OK: {log_dir}"
-    return logs[os.path.join(log_dir, "workerlog.0")]
+    rank0 = logs[os.path.join(log_dir, "workerlog.0")]
+    collect_parity(rank0, f"{worker} {' '.join(args)}")
+    return rank0
+
+
+def run_single(worker: str, *args: str, timeout: int = 300) -> str:
+    """Run ``workers/<worker>`` in one plain process (no launcher); return its stdout,
+    failing the calling test with its output when it exits non-zero."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]),
+               GLOG_minloglevel="2")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "workers", worker), *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    collect_parity(proc.stdout, f"{worker} {' '.join(args)}")
+    return proc.stdout

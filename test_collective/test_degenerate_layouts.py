@@ -8,20 +8,12 @@
 """
 
 import json
-import os
-import subprocess
-import sys
 
-from launcher import HERE, ROOT, launch
+from launcher import launch, run_single
 
 
 def test_one_process_without_launcher():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]),
-               GLOG_minloglevel="2")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "workers", "single_process.py")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "SINGLE_PROCESS_OK" in proc.stdout, \
-        proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "SINGLE_PROCESS_OK" in run_single("single_process.py")
 
 
 def test_tensor_parallel_without_sharding():

@@ -7,6 +7,9 @@ import sys
 
 import numpy as np
 
+import parity
+from parity import max_rel  # noqa: F401  (the workers' one relative-difference measure)
+
 import paddle_hsdp  # must precede fleet.init
 import paddle
 import paddle.distributed as dist
@@ -47,23 +50,17 @@ def rank_sum_check(group, what: str) -> None:
     assert x.item() == float(sum(group.ranks)), (what, group.ranks, x.item())
 
 
-def max_rel(a, b) -> float:
-    """Largest absolute difference, relative to the reference tensor's largest value."""
-    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
-
-
-def compare_with_reference(full: dict, ref_params: dict, losses, ref_losses, worst: dict,
-                           rtol: float) -> None:
-    """Every parameter (same names, same shapes) and the losses within ``rtol``; the
-    worst differences are recorded in ``worst`` (name -> max_rel)."""
+def compare_with_reference(name: str, full: dict, ref_params: dict, losses, ref_losses,
+                           worst: dict, limit: float | None = None) -> float:
+    """Every parameter (same names, same shapes) and the losses within the parity bound
+    (parity.py; ``limit`` overrides it); the worst differences are recorded in ``worst``
+    (name -> max_rel) and reported as check ``name``. Returns the worst."""
     assert set(full) == set(ref_params), set(full) ^ set(ref_params)
-    for name, value in full.items():
-        assert list(value.shape) == list(ref_params[name].shape), name
-        worst[name] = max_rel(value.numpy(), ref_params[name])
+    for key, value in full.items():
+        assert list(value.shape) == list(ref_params[key].shape), key
+        worst[key] = max_rel(value.numpy(), ref_params[key])
     worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
-    bad = {k: v for k, v in worst.items() if v > rtol}
-    assert not bad, f"parity failed (rtol {rtol}): {bad}"
+    return parity.report(name, worst, limit)
 
 
 def train_loop(opt, steps, micro_loss, processes: int = 1, before_step=None, after_step=None):

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 from common import finish, init_fleet, max_rel
+from parity import report, set_dtype
 
 import paddle
 import paddle.distributed as dist
@@ -23,7 +24,7 @@ from paddle_hsdp import checkpoint
 from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
 STEPS, SAVE_AT, MICRO, PER_RANK, CLIP = 5, 3, 2, 2, 0.2
-RTOL = 1e-5
+set_dtype("float64")  # parity.py: the cross-layout resumes are held to float64's bound
 
 work = sys.argv[1]
 hcg = init_fleet({"sharding_degree": 4, "outer": 2})
@@ -79,9 +80,9 @@ for label, mesh in (("2x2", None), ("1x4", ProcessMesh([0, 1, 2, 3])),
         assert all(np.array_equal(got[k], ref_params[k]) for k in ref_params)
         worst = 0.0
     else:
-        worst = max([max_rel(got[k], ref_params[k]) for k in ref_params]
-                    + [max_rel(np.array(losses), np.array(ref_losses[SAVE_AT:]))])
-        assert worst < RTOL, (label, worst)
+        worst = report(f"resume {label}", dict(
+            {k: max_rel(got[k], ref_params[k]) for k in ref_params},
+            loss=max_rel(np.array(losses), np.array(ref_losses[SAVE_AT:]))))
     print(f"RESUME {label}: max rel diff {worst:.2e}", flush=True)
 
 # a save that fails on one rank: every rank raises, the previous checkpoint stays

@@ -16,16 +16,18 @@ import sys
 
 import numpy as np
 from common import finish, init_fleet, max_rel
+from parity import report, set_dtype
 
 import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint, experts
-from moe_model import (CLIP, LOCAL_EXPERTS, RTOL, STEPS, Net, make_data, make_opt,
+from moe_model import (CLIP, LOCAL_EXPERTS, STEPS, Net, make_data, make_opt,
                        train_plain, train_sharded)
 
 SAVE_AT = 2
+set_dtype("float64")  # parity.py: resumes across EP degrees are held to float64's bound
 work = sys.argv[1]
 hcg = init_fleet({"sharding_degree": 4, "ep_degree": 2, "moe_sharding_degree": 2, "outer": 2})
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,9 +60,9 @@ def check(label, model, losses, ref_losses, ref_params):
     got = {experts.rename(k, renames): v.numpy()
            for k, v in paddle_hsdp.full_state_dict(model).items()}
     assert set(got) <= set(ref_params), sorted(set(got) - set(ref_params))
-    worst = max([max_rel(got[k], ref_params[k]) for k in got]
-                + [max_rel(np.array(losses), np.array(ref_losses))])
-    assert worst < RTOL, (label, worst)
+    worst = report(f"moe resume {label}", dict(
+        {k: max_rel(got[k], ref_params[k]) for k in got},
+        loss=max_rel(np.array(losses), np.array(ref_losses))))
     print(f"MOE_RESUME {label}: {len(got)} tensors, max rel diff {worst:.2e}", flush=True)
 
 

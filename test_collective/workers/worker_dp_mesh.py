@@ -4,7 +4,8 @@
   copy, which would drift apart: ValueError on every rank, before any group exists;
 * the 2-D mesh [[0, 1], [2, 3]] (rows = sharding groups, columns = dp groups) covers
   every data-parallel rank and matches single-process training on the whole batch
-  (losses, every parameter, grad norm; float32, rtol 1e-5).
+  (losses, every parameter, grad norm; float32: the dtype users train in, parity.py's
+  bound).
 """
 
 from common import compare_with_reference, finish, init_fleet
@@ -17,7 +18,6 @@ import paddle_hsdp
 from models import batches, build_model, make_optimizer, shard_tinylm, train_reference, train_steps
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
-RTOL = 1e-5
 
 hcg = init_fleet({"dp_degree": 2, "sharding_degree": 2})
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def record_norm(step):
 
 
 losses = train_steps(model, opt, data, rank, world, PER_RANK, record_norm)
-compare_with_reference(paddle_hsdp.full_state_dict(model), ref_params, losses, ref_losses,
-                       worst, RTOL)
+compare_with_reference("dp2 x sharding2 mesh 2x2", paddle_hsdp.full_state_dict(model),
+                       ref_params, losses, ref_losses, worst)
 print(f"PARITY dp2 x sharding2 mesh 2x2: max rel diff {max(worst.values()):.2e}", flush=True)
 finish()

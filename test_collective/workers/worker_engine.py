@@ -1,10 +1,12 @@
 """HSDP training == single-process training on the whole batch (losses, every param,
 grad norm), plus the comm counter against DESIGN's volume formulas and the memory report.
 
-argv: JSON with sharding_degree, outer, and the run variants to check.
+argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py) and the
+run variants to check.
 """
 
 from common import compare_with_reference, config_from_argv, finish, init_fleet
+from parity import FLEET_OPTIMIZER_DTYPE, set_dtype
 
 import paddle
 import paddle.distributed as dist
@@ -17,16 +19,23 @@ from models import (batches, build_model, lm_loss, make_optimizer, train_referen
                     uses_extra)
 
 STEPS, MICRO, PER_RANK, CLIP = 5, 2, 2, 0.2
-RTOL = 1e-5  # float32 parity, relative to each tensor's scale
 
 config = config_from_argv()
+DTYPE = config.get("dtype", "float64")
 hcg = init_fleet(config)
 rank, world = dist.get_rank(), dist.get_world_size()
 inner, outer = hcg.get_fsdp_inner_group(), hcg.get_fsdp_outer_group()
 I, O = inner.nranks, outer.nranks
 data = batches(STEPS, MICRO, world, PER_RANK)
-ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)
-assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
+_references = {}
+
+
+def reference(dtype: str):
+    """The single-process run in ``dtype`` (built once per dtype)."""
+    if dtype not in _references:
+        _references[dtype] = train_reference(data, world, PER_RANK, CLIP)
+        assert min(_references[dtype][2]) > CLIP, _references[dtype][2]  # clipping every step
+    return _references[dtype]
 
 
 def shard(reshard_blocks: bool, overlap: bool = True):
@@ -41,6 +50,9 @@ def shard(reshard_blocks: bool, overlap: bool = True):
 
 def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
     # the end-of-backward variant also runs every collective synchronously
+    dtype = set_dtype(FLEET_OPTIMIZER_DTYPE if via_fleet else DTYPE)
+    esize = paddle.zeros([1]).element_size()
+    ref_losses, ref_params, ref_norms = reference(dtype)
     model = shard(reshard_blocks, overlap=not end_of_backward)
     if end_of_backward:
         model.set_reduce_grads_at_end_of_backward(True)
@@ -63,7 +75,7 @@ def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
             (loss / MICRO).backward()
             held = paddle_hsdp.memory_report(model)
             assert held["gathered"] == 0, held  # everything resharded after backward
-            check_full_grad_peak(unit_list, held["peak_full_grads"], end_of_backward)
+            check_full_grad_peak(unit_list, held["peak_full_grads"], end_of_backward, esize)
             t = paddle.to_tensor([float(loss)])
             dist.all_reduce(t)  # for the log only: not through comm, not counted
             total += t.item() / world / MICRO
@@ -72,36 +84,36 @@ def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
         worst["norm"] = max(worst.get("norm", 0), abs(norm - ref_norms[step]) / ref_norms[step])
         opt.clear_grad()
         losses.append(total)
-        check_counter(unit_list, reshard_blocks)
+        check_counter(unit_list, esize)
     full = paddle_hsdp.full_state_dict(model)
-    compare_with_reference(full, ref_params, losses, ref_losses, worst, RTOL)
     tag = f"reshard={reshard_blocks} fleet_opt={via_fleet} end_of_backward={end_of_backward}"
-    print(f"PARITY {O}x{I} {tag}: max rel diff {max(worst.values()):.2e} "
+    compare_with_reference(f"engine {O}x{I} {tag}", full, ref_params, losses, ref_losses, worst)
+    print(f"PARITY {O}x{I} {dtype} {tag}: max rel diff {max(worst.values()):.2e} "
           f"(loss {worst['loss']:.2e})", flush=True)
 
 
-def full_grad_bytes(unit) -> int:
-    return sum(sp.numel * 4 for b in unit.buffers if b.trainable for sp in b.params)
+def full_grad_bytes(unit, esize) -> int:
+    return sum(sp.numel * esize for b in unit.buffers if b.trainable for sp in b.params)
 
 
-def check_full_grad_peak(units, peak, end_of_backward):
+def check_full_grad_peak(units, peak, end_of_backward, esize):
     """Per-unit reduction: full-size grads alive at once are at most the unit being
     reduced plus those that wait for the end of backward (the root, whose input ids
     need no grad, and the embedding, which the tied head borrows). At the end of
     backward every unit's are alive at once (less the params unused on this rank)."""
-    everything = sum(full_grad_bytes(u) for u in units)
+    everything = sum(full_grad_bytes(u, esize) for u in units)
     waiting = [u for u in units if u.is_root or u.borrowed_by]
-    bound = sum(full_grad_bytes(u) for u in waiting) + max(full_grad_bytes(u) for u in units)
+    bound = (sum(full_grad_bytes(u, esize) for u in waiting)
+             + max(full_grad_bytes(u, esize) for u in units))
     if end_of_backward:
         assert bound < peak <= everything, (peak, bound, everything)
     else:
         assert 0 < peak <= bound < everything, (peak, bound, everything)
 
 
-def check_counter(units, reshard_blocks):
+def check_counter(units, esize):
     """One optimizer step of MICRO micro-steps, against DESIGN.md's formulas."""
     trainable = [b for u in units for b in u.buffers if b.trainable]
-    esize = 4
     rs = comm.counter.get("inner", "reduce_scatter")
     assert rs.calls == MICRO * len(trainable), (rs, len(trainable))
     grad_bytes = sum(b.padded_numel for b in trainable) * esize

@@ -3,7 +3,8 @@ init_parallel_env. On 4 ranks, in one launch:
 
 1. TinyLM on ``ProcessMesh([[0, 1], [2, 3]], dim_names=["outer", "inner"])`` (HSDP 2 x 2)
    and on ``ProcessMesh([0, 1, 2, 3])`` (pure FSDP 1 x 4): losses, every final param and
-   the global grad norm equal single-process training on the whole batch (rtol 1e-5);
+   the global grad norm equal single-process training on the whole batch (float64,
+   parity.py's bound);
 2. two disjoint 1-D meshes ``[0, 1]`` and ``[2, 3]`` training different data at the
    same time (no clip: the clip's all-reduce spans the whole job, see clip.py): a rank
    outside a mesh gets a ValueError from fully_shard and calls create_mesh_groups
@@ -11,6 +12,7 @@ init_parallel_env. On 4 ranks, in one launch:
 """
 
 from common import compare_with_reference, finish, rank_sum_check
+from parity import set_dtype
 
 import paddle
 import paddle.distributed as dist
@@ -23,7 +25,7 @@ from models import (batches, build_model, lm_loss, make_optimizer, train_referen
                     uses_extra)
 
 STEPS, MICRO, PER_RANK, CLIP = 5, 2, 2, 0.2
-RTOL = 1e-5  # float32 parity, relative to each tensor's scale
+set_dtype("float64")
 
 dist.init_parallel_env()
 from paddle.distributed.fleet.base import topology as fleet_topology  # noqa: E402
@@ -91,8 +93,9 @@ def run(mesh, rows, data, local, n_ranks, clip, ref):
         assert comm.counter.get("outer", "all_reduce").calls == len(trainable)
         assert comm.counter.get("inner", "reduce_scatter").calls == MICRO * len(trainable)
     full = paddle_hsdp.full_state_dict(model)
-    compare_with_reference(full, ref_params, losses, ref_losses, worst, RTOL)
     shape = "x".join(str(d) for d in mesh.shape)
+    compare_with_reference(f"mesh {shape} {m.plan.process_ids}", full, ref_params, losses,
+                           ref_losses, worst)
     print(f"PARITY mesh {shape} {m.plan.process_ids}: max rel diff "
           f"{max(worst.values()):.2e} (loss {worst['loss']:.2e})", flush=True)
 

@@ -11,6 +11,7 @@ argv: JSON with the hybrid degrees, ``outer``, ``tag`` (the log prefix) and opti
 
 import numpy as np
 from common import config_from_argv, finish, init_fleet, max_rel
+from parity import report
 
 import paddle
 import paddle.nn as nn
@@ -25,7 +26,7 @@ from models import shard_tinylm
 
 VOCAB, HIDDEN, FF, SEQ = 18, 8, 10, 6  # mp slices of 9 and 5 rows: padded for inner 2
 STEPS, MICRO, PER_RANK, CLIP = 4, 2, 2, 0.2
-RTOL = 1e-5  # float32 parity, relative to each tensor's scale
+# float32, parity.py's bound: the tensor-parallel path's check in the dtype users train in
 
 
 class Block(nn.Layer):
@@ -155,8 +156,7 @@ def run(via_fleet: bool):
         assert list(value.shape) == list(expected.shape), name
         worst[name] = max_rel(value.numpy(), expected)
     worst["loss"] = max_rel(losses, ref_losses[stage])
-    bad = {k: v for k, v in worst.items() if v > RTOL}
-    assert not bad, f"parity failed (rtol {RTOL}, fleet_opt={via_fleet}): {bad}"
+    report(f"{config['tag']} fleet_opt={via_fleet}", worst)
     print(f"{config['tag']}_PARITY fleet_opt={via_fleet} (inner {inner.ranks}, outer "
           f"{outer.ranks}): max rel diff {max(worst.values()):.2e} "
           f"(norm {worst['norm']:.2e}, loss {worst['loss']:.2e})", flush=True)

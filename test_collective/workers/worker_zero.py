@@ -13,6 +13,7 @@ Held bytes during backward (peak gathered params + grads held after it):
 
 import numpy as np
 from common import config_from_argv, finish, init_fleet, max_rel
+from parity import report, set_dtype
 
 import paddle
 import paddle.distributed as dist
@@ -21,9 +22,10 @@ import paddle_hsdp
 from paddle_hsdp import comm
 from models import batches, build_model, lm_loss, make_optimizer, train_reference, uses_extra
 
-STEPS, MICRO, PER_RANK, CLIP, RTOL = 3, 3, 2, 0.2, 1e-5
+STEPS, MICRO, PER_RANK, CLIP = 3, 3, 2, 0.2
 
 config = config_from_argv()
+set_dtype(config.get("dtype", "float64"))
 hcg = init_fleet(config)
 rank, world = dist.get_rank(), dist.get_world_size()
 I = hcg.get_fsdp_inner_group().nranks
@@ -44,7 +46,7 @@ def train(stage=None, toggle=None, prefetch=None):
         model.set_prefetch_count(forward=prefetch, backward=prefetch)
     opt = make_optimizer(model, model.parameters(), CLIP)
     units = paddle_hsdp.api._units_under(model)
-    losses, per_step, held, peak_units, worst = [], [], [], [], 0.0
+    losses, per_step, held, peak_units, worst = [], [], [], [], {"norm": 0.0}
     for step, micro_batches in enumerate(data):
         comm.counter.reset()
         total = 0.0
@@ -63,16 +65,17 @@ def train(stage=None, toggle=None, prefetch=None):
             total += t.item() / world / MICRO
         opt.step()
         opt.clear_grad()
-        worst = max(worst, abs(paddle_hsdp.last_global_norm(opt) - ref_norms[step]) / ref_norms[step])
+        worst["norm"] = max(worst["norm"], abs(paddle_hsdp.last_global_norm(opt)
+                                               - ref_norms[step]) / ref_norms[step])
         losses.append(total)
         per_step.append({op: comm.counter.get(label, op).calls for label, op in
                          [("inner", "all_gather"), ("inner", "reduce_scatter"),
                           ("outer", "all_reduce")]})
     for name, value in paddle_hsdp.full_state_dict(model).items():
-        worst = max(worst, max_rel(value.numpy(), ref_params[name]))
-    worst = max(worst, max_rel(np.array(losses), np.array(ref_losses)))
-    assert worst <= RTOL, (stage, toggle, prefetch, worst)
-    return {"worst": worst, "calls": per_step, "held": max(held), "units": max(peak_units),
+        worst[name] = max_rel(value.numpy(), ref_params[name])
+    worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
+    measured = report(f"zero stage={stage} toggle={toggle} prefetch={prefetch}", worst)
+    return {"worst": measured, "calls": per_step, "held": max(held), "units": max(peak_units),
             "all_buffers": sum(len(u.buffers) for u in units),
             "buffers": sum(b.trainable for u in units for b in u.buffers)}
 
