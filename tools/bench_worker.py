@@ -30,6 +30,7 @@ import bench_model  # noqa: E402
 import two_hosts  # noqa: E402  (pure helpers; no namespaces are made here)
 
 import paddle_hsdp  # noqa: E402,F401  (before fleet.init)
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 import paddle  # noqa: E402
 import paddle.distributed as dist  # noqa: E402
 from paddle.distributed import fleet  # noqa: E402
@@ -229,7 +230,7 @@ def main():
     data = batches(shape, cfg["steps"], n_rows)
     idle_kb = vm_kb("VmRSS")
     model, opt = wrap(variant, bench_model.build(shape))
-    units = paddle_hsdp.api._units_under(model) if variant.startswith("hsdp") else []
+    units = hsdp_registry.units_under(model) if variant.startswith("hsdp") else []
     rows = slice(None) if variant == "single" else slice(rank * cfg["per_rank"],
                                                          (rank + 1) * cfg["per_rank"])
     two_host = bool(cfg.get("two_hosts")) and world > 1 and cfg["steps"] > 1

@@ -27,7 +27,10 @@ from __future__ import annotations
 import paddle
 from paddle.nn import ClipGradByGlobalNorm
 
-from . import comm
+from ..comm import collectives as comm
+from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
+from ..engine.registry import managed_param
+from ..engine.unit import sync_grads
 
 
 class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
@@ -141,8 +144,6 @@ def record_norm_of_hybrid_clip(clip) -> None:
 
 def last_global_norm(optimizer) -> float | None:
     """The global grad norm of the optimizer's last clipped step (for logging)."""
-    from .optim import unwrap_optimizer
-
     norm = getattr(unwrap_optimizer(optimizer)._grad_clip, "last_global_norm", None)
     return None if norm is None else norm.item()
 
@@ -157,10 +158,6 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     the shard grads in place with Paddle's formula. A collective: call it on every rank.
     Parameters that no unit manages keep Paddle's own behaviour.
     """
-    from .api import managed_param
-    from .optim import _managed_shards, _units_of
-    from .unit import sync_grads
-
     if isinstance(parameters, paddle.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
@@ -217,10 +214,6 @@ def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
 def clip_grad_value_(parameters, clip_value):
     """``paddle.nn.utils.clip_grad_value_`` for HSDP shards: finishes the deferred
     grad sync first, so the clipped values are the step's synced grads."""
-    from .api import managed_param
-    from .optim import _managed_shards, _units_of
-    from .unit import sync_grads
-
     if isinstance(parameters, paddle.Tensor):
         parameters = [parameters]
     parameters = list(parameters)

@@ -1,6 +1,6 @@
 """The user-facing API: ``fully_shard``, ``FSDPModule``, ``full_state_dict``.
 
-Thin: it validates, builds an :class:`~paddle_hsdp.unit.FSDPUnit` and registers hooks.
+Thin: it validates, builds an :class:`~paddle_hsdp.engine.unit.FSDPUnit` and registers hooks.
 """
 
 from __future__ import annotations
@@ -11,17 +11,14 @@ import numbers
 import numpy as np
 import paddle
 
-from . import comm, hooks
-from .mesh import resolve_mesh
+from ..comm import collectives as comm
+from . import hooks
+from ..topology.mesh import resolve_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .flex import sharded_state_dict
 from .param import ShardedParam
+from .registry import managed_param, owning_unit, registry, units_under
 from .unit import FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert
-
-# Every unit in registration order (bottom-up), and who owns which original param.
-_units: list[FSDPUnit] = []
-_owner_of: dict[int, tuple[FSDPUnit, ShardedParam]] = {}
-# Params some fully_shard call was told to ignore, by id (kept alive so ids stay unique).
-_ignored_params: dict[int, paddle.Tensor] = {}
 
 
 class FSDPModule:
@@ -36,7 +33,7 @@ class FSDPModule:
         return self.__dict__["_hsdp_unit_"]
 
     def _units(self, recurse: bool) -> list[FSDPUnit]:
-        return _units_under(self) if recurse else [self._hsdp_unit]
+        return units_under(self) if recurse else [self._hsdp_unit]
 
     def __call__(self, *args, **kwargs):
         try:
@@ -44,15 +41,13 @@ class FSDPModule:
         except BaseException:
             # A forward that raised leaves gathered params in the module slots, so
             # model.parameters() would give full tensors; put the shards back (local).
-            hooks.abandon_forward(_units_under(self))
+            hooks.abandon_forward(units_under(self))
             raise
 
     def sharded_state_dict(self, structured_name_prefix: str = ""):
         """This rank's shards as ``ShardedWeight``s for Paddle's ``flex_checkpoint.dcp``
-        (see :func:`paddle_hsdp.checkpoint.sharded_state_dict`)."""
-        from .checkpoint import sharded_state_dict
-
-        for unit in _units_under(self):
+        (see :func:`paddle_hsdp.engine.flex.sharded_state_dict`)."""
+        for unit in units_under(self):
             unit.reshard(force=True)  # the shards are the truth; no stale gathered copy
         return sharded_state_dict(self, structured_name_prefix)
 
@@ -120,7 +115,7 @@ class FSDPModule:
         optimizer step boundary, so it needs no marking of the last backward; the flag
         is recorded on the units (``unit.is_last_backward``) and changes nothing."""
         _check_bool(value, "set_is_last_backward(value)")
-        for unit in _units_under(self):
+        for unit in units_under(self):
             unit.is_last_backward = bool(value)
 
     def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
@@ -195,7 +190,7 @@ def set_zero_stage(model, stage: int) -> None:
     if not isinstance(model, FSDPModule):
         raise ValueError("set_zero_stage: call fully_shard on the model first")
     forward, backward, sync = ZERO_STAGES[stage]
-    for unit in _units_under(model):
+    for unit in units_under(model):
         unit.reshard_after_forward = forward
         unit.reshard_after_backward = backward
         unit.requires_gradient_sync = sync
@@ -255,7 +250,7 @@ def _check_module(module) -> None:
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; "
                          "apply it once per module.")
-    for unit in _units:
+    for unit in registry.units:
         if any(sub is module for sub in unit.module.sublayers()):
             raise ValueError(
                 f"fully_shard on a {type(module).__name__} whose parent "
@@ -352,7 +347,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     ignored_list = _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params)
     _check_module(module)
     ignored_here = _ignored_in(module, ignored_list)
-    ignored = set(_ignored_params) | set(ignored_here)
+    ignored = set(registry.ignored) | set(ignored_here)
     placements = _placements(module, shard_placement_fn, ignored)
     if isinstance(offload_policy, CPUOffloadPolicy):
         offload_policy.check_supported()
@@ -360,20 +355,20 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     claims = _plan_claims(module, ignored, placements)
     _check_sizes(claims)
     # Nothing changed so far; from here on the call acts.
-    _ignored_params.update(ignored_here)
+    registry.ignored.update(ignored_here)
     hooks.install()
-    unit = FSDPUnit(module, len(_units), mesh, reshard_after_forward, mp_policy, offload_policy)
+    unit = FSDPUnit(module, len(registry), mesh, reshard_after_forward, mp_policy, offload_policy)
     unit.overlap = bool(enable_tensor_fusion_and_overlap)
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
     unit.shard_initial()  # first collective: broadcast over the outer group
-    _units.append(unit)
-    hooks.register_unit_hooks(unit, _units)
+    registry.units.append(unit)
+    hooks.register_unit_hooks(unit, registry.units)
     module.__dict__["_hsdp_unit_"] = unit
     _make_fsdp_class(module)
     for sp in unit.params:
         for sub, _ in sp.users:
-            hooks.watch_direct_calls(sub, unit, _units)
+            hooks.watch_direct_calls(sub, unit, registry.units)
     return module
 
 
@@ -387,7 +382,7 @@ def _plan_claims(module, ignored: set, placements: dict) -> list[tuple]:
             if p is None or hasattr(p, "_hsdp_sharded_param") or id(p) in ignored:
                 continue  # empty slot, a shard param of a sub-unit, or ignored
             fqn = f"{prefix}.{name}" if prefix else name
-            claims.append((sub, name, fqn, p, _owner_of.get(id(p))))
+            claims.append((sub, name, fqn, p, registry.owner_of.get(id(p))))
     return claims
 
 
@@ -405,7 +400,7 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
             if owner_unit is not unit and owner_unit not in unit.borrowed:
                 unit.borrowed.append(owner_unit)
                 owner_unit.borrowed_by.append(unit)
-            hooks.watch_direct_calls(sub, owner_unit, _units)
+            hooks.watch_direct_calls(sub, owner_unit, registry.units)
             continue
         if id(p) not in claimed:
             if placements.get(id(p)) == "replicate":
@@ -416,26 +411,7 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
         claimed[id(p)].users.append((sub, name))
     unit.params = list(claimed.values())
     for sp in unit.params:
-        _owner_of[id(sp.full)] = (unit, sp)
-
-
-def managed_param(value) -> ShardedParam | None:
-    """The :class:`ShardedParam` behind a tensor: a shard param the optimizer sees, or
-    an original param (gathered or not) some unit owns; None for anything else."""
-    sp = getattr(value, "_hsdp_sharded_param", None)
-    if sp is not None:
-        return sp
-    owner = _owner_of.get(id(value))
-    return owner[1] if owner is not None else None
-
-
-def owning_unit(sp: ShardedParam) -> FSDPUnit:
-    return _owner_of[id(sp.full)][0]
-
-
-def _units_under(model) -> list[FSDPUnit]:
-    subtree = set(id(m) for m in model.sublayers(include_self=True))
-    return [u for u in _units if id(u.module) in subtree]
+        registry.owner_of[id(sp.full)] = (unit, sp)
 
 
 @paddle.no_grad()
@@ -458,7 +434,7 @@ def full_grads(model) -> dict[str, paddle.Tensor | None]:
 
 def _gather_named(model, grads: bool) -> dict:
     full_of: dict[int, paddle.Tensor] = {}
-    for unit in _units_under(model):
+    for unit in units_under(model):
         for buf in unit.buffers:
             if grads and not buf.trainable:
                 continue
@@ -476,7 +452,7 @@ def memory_report(model) -> dict[str, int]:
     grad bytes alive at a post-backward or end of backward, since
     :func:`reset_peak_memory`."""
     total = {"shard": 0, "grad": 0, "gathered": 0}
-    for unit in _units_under(model):
+    for unit in units_under(model):
         for key, value in unit.held_bytes().items():
             total[key] += value
     total["peak_gathered"] = GatheredBytes.peak

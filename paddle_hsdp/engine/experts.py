@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import paddle
 
+from .registry import managed_param
+
 _INDICES_ATTR = "_hsdp_global_expert_indices"
 
 
@@ -26,8 +28,6 @@ def mark_expert_params(layer, global_indices: Sequence[int] | None = None) -> No
     ``LayerList``, children named ``0, 1, ...``), the global expert index of each, in
     child order, e.g. ``range(ep_rank * n_local, (ep_rank + 1) * n_local)``. Checkpoints
     then store child ``i`` under the name with ``global_indices[i]`` in its place."""
-    from .api import managed_param
-
     if not isinstance(layer, paddle.nn.Layer):
         raise TypeError(f"mark_expert_params expects a paddle.nn.Layer, got "
                         f"{type(layer).__name__}")
@@ -84,3 +84,21 @@ def rename(name: str, renames: dict[str, str]) -> str:
         if name.startswith(local):
             return glob + name[len(local):]
     return name
+
+
+def names_and_aliases(model):
+    """``(canonical, aliases)``: ``{name: tensor}`` for every distinct parameter and
+    persistable buffer (first name wins), ``{alias: canonical}`` for tied names. Local
+    experts marked with global indices are named by their global index."""
+    renames = global_names(model)
+    canonical, aliases, first = {}, {}, {}
+    for name, value in model._state_dict_impl(use_hook=False).items():
+        name = rename(name, renames)
+        sp = managed_param(value)
+        key = id(sp) if sp is not None else id(value)
+        if key in first:
+            aliases[name] = first[key]
+            continue
+        first[key] = name
+        canonical[name] = value
+    return canonical, aliases

@@ -1,4 +1,4 @@
-"""Safe creation of gloo sub-groups.
+"""A rendezvous store per gloo sub-group (installed by :mod:`paddle_hsdp.patches.gloo_groups`).
 
 Paddle 3.3's ``ProcessGroupGloo`` rendezvouses on the *global* TCP store with keys that
 do not carry the group id, so two sub-groups created one after another (``fleet.init``
@@ -10,7 +10,7 @@ across machines) and publishes ``host:port`` in the global store under a key tha
 unique to the group id; the other members read it and connect.
 
 Group ids are consistent across ranks because every rank creates every group in the
-same global order (Paddle's HCG does; so does :mod:`paddle_hsdp.fleet_ext`).  NCCL and
+same global order (Paddle's HCG does; so does :mod:`paddle_hsdp.topology.fleet`).  NCCL and
 other backends are left untouched: they key their ids by group already.
 
 Shutdown: a store's server runs a libuv thread that logs (glog) when a peer's
@@ -25,7 +25,6 @@ only while its group is being created.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
@@ -37,7 +36,6 @@ _KEY_PREFIX = "paddle_hsdp/gloo_store"
 _group_stores: dict[int, object] = {}
 # Servers (on each group's first member): destroyed at exit by stop_servers().
 _servers: dict[int, object] = {}
-_original_impl = None
 
 
 def _host_address() -> str:
@@ -81,30 +79,3 @@ def stop_servers() -> None:
     ``atexit``; the groups keep working, their rendezvous is long done."""
     while _servers:
         _servers.popitem()
-
-
-def _safe_new_process_group_impl(backend, store, rank, world_size, group_name,
-                                 pg_options, group_id=0, *args, **kwargs):
-    if backend == "gloo" and group_id != 0 and world_size > 1:
-        store = make_group_store(store, rank, world_size, group_id)
-    return _original_impl(backend, store, rank, world_size, group_name, pg_options,
-                          group_id, *args, **kwargs)
-
-
-def install() -> None:
-    """Route Paddle's sub-group creation through :func:`make_group_store` (idempotent).
-
-    ``paddle.distributed.new_group`` looks ``_new_process_group_impl`` up in its module
-    at call time, so replacing the module attribute covers every caller, Paddle's HCG
-    included.  The global group (id 0) keeps the global store: it is created first and
-    alone, so it cannot collide.
-    """
-    global _original_impl
-    from paddle.distributed import collective
-
-    if _original_impl is not None:
-        return
-    _original_impl = collective._new_process_group_impl
-    collective._new_process_group_impl = _safe_new_process_group_impl
-    # Registered after Paddle's own handlers, so it runs before them (LIFO).
-    atexit.register(stop_servers)

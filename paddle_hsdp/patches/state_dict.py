@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import paddle
 
-from .api import managed_param, owning_unit
+from ..engine.registry import managed_param, owning_unit, registry
 
 _installed = False
 
@@ -71,9 +71,7 @@ def _patch_state_dict(layer_cls) -> None:
     @functools.wraps(original)
     def state_dict(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        from .api import _units
-
-        if not _units:
+        if not registry.units:
             return result
         live = _live_entries(self, args, kwargs)
         managed = {key: sp for key, value in live.items()
@@ -93,9 +91,7 @@ def _patch_set_state_dict(layer_cls) -> None:
 
     @functools.wraps(original)
     def set_state_dict(self, state_dict, use_structured_name=True, *args, **kwargs):
-        from .api import _units
-
-        if not _units:
+        if not registry.units:
             return original(self, state_dict, use_structured_name, *args, **kwargs)
         live = self._state_dict_impl(use_hook=False)
         blocks, units = {}, {}

@@ -24,6 +24,7 @@ reliability work covers those.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from typing import Callable
 
 import numpy as np
 
@@ -37,6 +38,9 @@ _HISTORY = 6  # calls remembered per group, for the error message
 _calls: dict[int, int] = defaultdict(int)  # group id -> all-gathers issued so far
 _history: dict[int, deque] = defaultdict(lambda: deque(maxlen=_HISTORY))
 _pending: list[tuple] = []  # device-side mismatch flags not read yet
+# What a buffer holds, given (unit index, buffer index), for the error message; the
+# engine sets it (comm imports nothing above it). None, or an answer of None: indices.
+_buffer_describer: Callable[[int, int], str | None] | None = None
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -99,9 +103,12 @@ def _message(group, peer_index: int, row) -> str:
         "must be made on every rank.")
 
 
-def _describe(unit_index: int, buffer_index: int) -> str:
-    from .api import _units
+def set_buffer_describer(describer: Callable[[int, int], str | None]) -> None:
+    """How error messages name a peer's buffer (the engine's registry knows)."""
+    global _buffer_describer
+    _buffer_describer = describer
 
-    if unit_index < len(_units) and buffer_index < len(_units[unit_index].buffers):
-        return _units[unit_index].buffers[buffer_index].describe()
-    return f"unit {unit_index}, buffer {buffer_index}"
+
+def _describe(unit_index: int, buffer_index: int) -> str:
+    text = _buffer_describer(unit_index, buffer_index) if _buffer_describer else None
+    return text or f"unit {unit_index}, buffer {buffer_index}"

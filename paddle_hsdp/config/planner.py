@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import cost
-from .config import ConfigError
+from ..topology import cost
+from .schema import ConfigError
 
 _GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 

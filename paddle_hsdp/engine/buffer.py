@@ -15,8 +15,15 @@ from dataclasses import dataclass
 
 import paddle
 
-from . import comm, gather_check, trace
+from ..comm import collectives as comm
+from ..comm import gather_tags
+from ..topology.cost import BufferShape
+from . import trace
 from .param import ShardedParam
+from .registry import registry
+
+# A mismatched all-gather's message names the peer's buffer through the registry.
+gather_tags.set_buffer_describer(registry.describe_buffer)
 
 
 class ShardBuffer:
@@ -78,9 +85,7 @@ class ShardBuffer:
         return sum(sp.numel for sp in self.params)
 
     def shape(self):
-        """This buffer's sizes for :mod:`paddle_hsdp.cost`."""
-        from .cost import BufferShape
-
+        """This buffer's sizes for :mod:`paddle_hsdp.topology.cost`."""
         return BufferShape(
             shard_numel=self.shard_numel, logical_numel=self.logical_numel,
             inner=self.inner.nranks, outer=self.outer.nranks,
@@ -137,7 +142,7 @@ class ShardBuffer:
                 sp.full.initialize()
             blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
             sp.free_full_data()
-        blocks.append(paddle.zeros([gather_check.TAG_NUMEL], self.dtype))
+        blocks.append(paddle.zeros([gather_tags.TAG_NUMEL], self.dtype))
         flat = paddle.concat(blocks)
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer,
                        what=self.describe)
@@ -166,26 +171,26 @@ class ShardBuffer:
         on the communication stream); :meth:`finish_gather` waits.
 
         The flat shard is sent as it is (cast once when the gather dtype differs), with
-        a few tag elements in its trailing slots (see :mod:`gather_check`): ranks that
+        a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`): ranks that
         pair up different all-gathers raise instead of computing on each other's rows."""
         dtype = self.gather_dtype if compute else self.dtype
         purpose = "grads" if grads else ("compute" if compute else "params")
         if grads:
             send = paddle.concat([self.grad_flat(),
-                                  paddle.zeros([gather_check.TAG_NUMEL], self.dtype)])
+                                  paddle.zeros([gather_tags.TAG_NUMEL], self.dtype)])
         else:
             self._repair_views()
             send = self.flat
         tag = None
-        if gather_check.can_tag(self.dtype) and gather_check.can_tag(dtype):
-            tag = gather_check.make_tag(self.inner, self.unit_index, self.index, purpose,
+        if gather_tags.can_tag(self.dtype) and gather_tags.can_tag(dtype):
+            tag = gather_tags.make_tag(self.inner, self.unit_index, self.index, purpose,
                                         self.describe, self.dtype)
             paddle.assign(tag.to(send.place), output=send._slice(self.shard_numel,
                                                                  int(send.shape[0])))
         if send.dtype != dtype:
             send = send.astype(dtype)
         send = self.to_device(send)
-        row = self.shard_numel + gather_check.TAG_NUMEL
+        row = self.shard_numel + gather_tags.TAG_NUMEL
         out = paddle.empty([self.inner_size * row], dtype=dtype)
         trace.record("issue", "all_gather", self.unit_index)
         handle = comm.all_gather_into(out, send, self.inner, async_op=True,
@@ -202,15 +207,15 @@ class ShardBuffer:
         pending.handle.wait()
         trace.record("wait", "all_gather", self.unit_index)
         out = pending.out
-        row = self.shard_numel + gather_check.TAG_NUMEL
+        row = self.shard_numel + gather_tags.TAG_NUMEL
         grid = out.reshape([self.inner_size, row])
-        sizes = [sp.chunk_numel for sp in self.params] + [gather_check.TAG_NUMEL]
+        sizes = [sp.chunk_numel for sp in self.params] + [gather_tags.TAG_NUMEL]
         parts = paddle.split(grid, sizes, axis=1)
         tags = parts.pop()
         tag = pending.tag
         if tag is not None:
             tag = tag if tag.dtype == out.dtype else tag.astype(out.dtype)
-            gather_check.check(tags, tag.to(tags.place), self.inner)
+            gather_tags.check(tags, tag.to(tags.place), self.inner)
         if pending.compute and self.compute_dtype != out.dtype:
             parts = [p.astype(self.compute_dtype) for p in parts]
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]

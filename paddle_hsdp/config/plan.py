@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 
 import paddle
 
-from . import cost
-from .config import ConfigError, HSDPConfig
+from ..engine.buffer import _element_size, dtypes_of
+from ..engine.experts import mark_expert_params
+from ..engine.param import ShardedParam
+from ..engine.policies import MixedPrecisionPolicy
+from ..engine.unit import _is_expert, buffer_groups
+from ..topology import cost
 from .patterns import match_modules, order_bottom_up
+from .schema import ConfigError, HSDPConfig
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -34,8 +39,6 @@ class ModuleChoice:
 
     def mark_experts(self) -> None:
         """Flag the parameters of every ``expert_modules`` match as expert parameters."""
-        from .experts import mark_expert_params
-
         for _, module in self.experts:
             mark_expert_params(module)
 
@@ -72,8 +75,6 @@ def resolve_modules(model, config: HSDPConfig) -> ModuleChoice:
 
 def mp_policy_of(config: HSDPConfig):
     """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype)."""
-    from .policies import MixedPrecisionPolicy
-
     dtypes = {k: _DTYPES[getattr(config, k)] for k in ("param_dtype", "reduce_dtype",
                                                         "output_dtype") if getattr(config, k)}
     if not dtypes:
@@ -145,9 +146,6 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
     """Cost ``config`` on ``model`` for an ``outer x inner`` layout (experts may have
     their own inner size when EP > 1). ``labels``: the counter's group labels
     (``inner``, ``expert_inner``, ``outer``), the defaults fleet gives."""
-    from .param import ShardedParam
-    from .unit import _is_expert, buffer_groups
-
     expert_inner = expert_inner or inner
     expert_outer = expert_outer or outer
     labels = {"inner": "inner", "expert_inner": "expert_inner", "outer": "outer",
@@ -179,8 +177,6 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
 
 
 def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cost.BufferShape:
-    from .buffer import _element_size, dtypes_of
-
     gather, reduce, compute = dtypes_of(params[0].dtype, policy)
     return cost.BufferShape(
         shard_numel=sum(sp.chunk_numel for sp in params),

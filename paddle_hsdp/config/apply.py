@@ -13,8 +13,10 @@ import logging
 
 import paddle
 
-from .config import ConfigError, load_config, ranks_per_node_from_env, resolve_degrees
+from ..engine.api import fully_shard, set_zero_stage
+from ..engine.policies import CPUOffloadPolicy
 from .plan import Plan, build_plan, mp_policy_of, resolve_modules
+from .schema import ConfigError, load_config, ranks_per_node_from_env, resolve_degrees
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +25,6 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
     """Shard ``model`` as ``config`` (a YAML path, a dict or an ``HSDPConfig``) says;
     return ``(model, plan)``, ``str(plan)`` being the ``plan`` command's table. A
     collective (``fully_shard`` is): call it on every rank with the same config."""
-    from .api import fully_shard, set_zero_stage
-    from .policies import CPUOffloadPolicy
-
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"apply_config expects a paddle.nn.Layer, got {type(model).__name__}")
     cfg = load_config(config)

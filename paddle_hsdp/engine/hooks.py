@@ -38,6 +38,8 @@ import paddle
 from paddle.autograd import PyLayer
 
 from . import trace
+from . import unit as unit_module
+from .buffer import compute_dtype_of
 from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
@@ -221,8 +223,6 @@ def _subtree_ids(unit: FSDPUnit) -> frozenset:
 
 def _input_dtype(unit: FSDPUnit):
     """The dtype floating inputs are cast to under the unit's mixed-precision policy."""
-    from .buffer import compute_dtype_of
-
     policy = unit.mp_policy
     if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
         return None
@@ -409,8 +409,6 @@ def _then_post_backward(original):
 def _abandon_backward() -> None:
     """After a failed backward: drop its partial full-size grads and free gathered params
     (local work, no collective, so a rank that failed alone cannot hang the others)."""
-    from . import unit as unit_module
-
     unit_module._pending_reduces.clear()
     while _roots_in_backward:
         for unit in _roots_in_backward.pop(0).units:

@@ -29,7 +29,7 @@ import numpy as np
 import paddle
 
 from . import watchdog
-from .gather_check import CollectiveMismatchError
+from .gather_tags import CollectiveMismatchError
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 _HEADER, _DESC = 5, 120
@@ -77,6 +77,12 @@ def _decode(row: np.ndarray, dtype_names: dict) -> str:
             f"{dtype_names.get(dtype, f'dtype code {dtype}')}, {what or 'no description'}")
 
 
+def describe(what) -> str | None:
+    """``what`` as text: callers pass a string or, on hot paths, a callable that is only
+    called when a message or a fingerprint needs it."""
+    return what() if callable(what) else what
+
+
 def verify(op: str, tensor, group, what) -> None:
     """All-gather this rank's fingerprint of the collective about to run on ``group``
     and raise on every rank if any member's differs. No-op when off or alone."""
@@ -84,7 +90,6 @@ def verify(op: str, tensor, group, what) -> None:
         return
     import paddle.distributed as dist
 
-    from .comm import describe
 
     number = _calls[group.id]
     _calls[group.id] = number + 1

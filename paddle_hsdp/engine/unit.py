@@ -19,8 +19,11 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 
+from ..topology.cost import UnitShape
+from ..topology.fleet import _single_rank_group
 from .buffer import ShardBuffer
 from .param import ShardedParam
+from .registry import registry
 
 
 class UnitState(enum.Enum):
@@ -141,9 +144,7 @@ class FSDPUnit:
             buf.owner = self
 
     def shape(self):
-        """This unit's sizes for :mod:`paddle_hsdp.cost`."""
-        from .cost import UnitShape
-
+        """This unit's sizes for :mod:`paddle_hsdp.topology.cost`."""
         return UnitShape(self.path(), tuple(b.shape() for b in self.buffers),
                          self.should_reshard_after_forward(),
                          sum(sp.numel for sp in self.params))
@@ -155,9 +156,7 @@ class FSDPUnit:
         return f"unit {self.index} ({self.path()}: {type(self.module).__name__})"
 
     def path(self) -> str:
-        from .api import _units
-
-        for outer in reversed(_units):
+        for outer in reversed(registry.units):
             for name, sub in outer.module.named_sublayers(include_self=True):
                 if sub is self.module:
                     return name or "<root>"
@@ -334,8 +333,6 @@ class FSDPUnit:
 
 def _own_rank_group():
     import paddle.distributed as dist
-
-    from .fleet_ext import _single_rank_group
 
     return _single_rank_group(dist.get_rank())
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from . import topology
-from .fleet_ext import _single_rank_group
+from ..comm import collectives as comm
+from . import layout as topology
+from .fleet import _single_rank_group
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +278,6 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
     call order on every rank.
     """
     import paddle.distributed as dist
-
-    from . import comm
 
     plan, rank = _job_plan(mesh)  # every check, before any group exists
     cached = _mesh_cache.get(plan.key)

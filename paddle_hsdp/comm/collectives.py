@@ -27,6 +27,7 @@ import paddle
 import paddle.distributed as dist
 
 from . import fingerprint, watchdog
+from .fingerprint import describe
 
 # ---------------------------------------------------------------- counter
 
@@ -141,12 +142,6 @@ def _finish(handle: Handle, async_op: bool):
 
 class CollectiveError(RuntimeError):
     """A collective failed in the backend: a peer died, a link broke, a timeout hit."""
-
-
-def describe(what) -> str | None:
-    """``what`` as text: callers pass a string or, on hot paths, a callable that is only
-    called when a message or a fingerprint needs it."""
-    return what() if callable(what) else what
 
 
 def _failure(op: str, group, what):

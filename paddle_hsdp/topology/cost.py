@@ -19,14 +19,14 @@ size ``O`` and ``k`` micro-steps per optimizer step, the counter's ring accounti
 * outer all-reduce (trainable): payload ``S * reduce bytes``, wire ``2 (O - 1) / O``, once
   (the grad shard travels in ``reduce_dtype``: the cross-machine bytes).
 
-``TAG`` is the all-gather check's few elements per rank (:mod:`gather_check`).
+``TAG`` is the all-gather check's few elements per rank (:mod:`paddle_hsdp.comm.gather_tags`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gather_check import TAG_NUMEL
+from ..comm.gather_tags import TAG_NUMEL
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
