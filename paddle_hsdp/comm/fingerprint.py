@@ -3,7 +3,7 @@
 The classic silent hang of sharded training is a collective issued with different
 sizes or dtypes on different ranks (a unit skipped on one rank, a rank-dependent
 branch): NCCL waits forever, gloo aborts the process from its own thread. With the
-check on, every collective that :mod:`paddle_hsdp.comm` issues is preceded by a
+check on, every collective that :mod:`paddle_hsdp.comm.collectives` issues is preceded by a
 fixed-size all-gather of this rank's view of it::
 
     [op, element count, dtype, call number on this group, description bytes...]

@@ -1,7 +1,7 @@
 """A bound on how long any collective may take: no rank waits forever for a dead peer.
 
 A peer that *dies* makes gloo fail the next collective within seconds (its connection
-closes): :mod:`paddle_hsdp.comm` turns that into a ``CollectiveError`` naming the
+closes): :mod:`paddle_hsdp.comm.collectives` turns that into a ``CollectiveError`` naming the
 operation and the group. A peer that *hangs* (stuck in a loop, a deadlock, a paused
 host) closes nothing, and NCCL waits for a dead peer too: then every blocking
 collective this package issues is watched by a daemon thread, and one that has not

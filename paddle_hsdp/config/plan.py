@@ -4,9 +4,10 @@ what one step moves, without processes, collectives or parameter memory.
 :func:`resolve_modules` turns a config's patterns into modules (shared with
 :func:`paddle_hsdp.apply_config`, so the plan describes exactly what it will shard);
 :func:`build_plan` claims parameters unit by unit the way ``fully_shard`` does, groups
-them into buffers with the engine's own rule (:func:`unit.buffer_groups`), sizes the
-shards with the engine's own :class:`~paddle_hsdp.param.ShardedParam`, and costs them
-with :mod:`paddle_hsdp.cost`, the formulas the communication counter is checked
+them into buffers with the engine's own rule
+(:func:`~paddle_hsdp.engine.unit.buffer_groups`), sizes the shards with the engine's
+own :class:`~paddle_hsdp.engine.param.ShardedParam`, and costs them with
+:mod:`paddle_hsdp.topology.cost`, the formulas the communication counter is checked
 against. Parameters built under ``paddle.LazyGuard()`` are read for their shapes only.
 """
 

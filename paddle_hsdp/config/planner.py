@@ -1,7 +1,7 @@
 """Which ``fsdp_outer_degree`` for a cluster: predicted communication time and memory per
 rank of every feasible layout, and a recommendation that says why.
 
-Bytes come from :mod:`paddle_hsdp.cost` (the formulas the communication counter is held
+Bytes come from :mod:`paddle_hsdp.topology.cost` (the formulas the communication counter is held
 to); time is an alpha-beta model per collective with ring algorithms:
 
 * a ring over ``n`` ranks: all-gather / reduce-scatter take ``(n - 1)`` latency steps and

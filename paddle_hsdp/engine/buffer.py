@@ -2,7 +2,8 @@
 
 Parameters are grouped by what must agree inside one collective: dtype, trainable or
 frozen, dense or expert (expert buffers use the expert groups).  Optimizer attributes
-need not agree, because the optimizer sees per-parameter shards (see :mod:`param`).
+need not agree, because the optimizer sees per-parameter shards (see
+:mod:`~paddle_hsdp.engine.param`).
 
 This rank's shard of the buffer is the concatenation of its block of every parameter,
 ``S`` elements; the all-gather output is ``[I, S]`` row-major (rank ``i``'s shard in row
@@ -171,8 +172,8 @@ class ShardBuffer:
         on the communication stream); :meth:`finish_gather` waits.
 
         The flat shard is sent as it is (cast once when the gather dtype differs), with
-        a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`): ranks that
-        pair up different all-gathers raise instead of computing on each other's rows."""
+        a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`):
+        ranks that pair up different all-gathers raise instead of computing on each other's rows."""
         dtype = self.gather_dtype if compute else self.dtype
         purpose = "grads" if grads else ("compute" if compute else "params")
         if grads:

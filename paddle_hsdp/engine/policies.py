@@ -19,7 +19,7 @@ class MixedPrecisionPolicy:
     On CPU Paddle has no bfloat16/float16 matmul: parameters gathered in those dtypes
     are computed in float32 there, with their low-precision rounding kept; the
     all-gather still moves ``param_dtype`` bytes. float16 reductions on gloo are staged
-    in float32 by :mod:`paddle_hsdp.comm`.
+    in float32 by :mod:`paddle_hsdp.comm.collectives`.
     """
 
     param_dtype: Any = None

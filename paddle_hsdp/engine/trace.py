@@ -1,6 +1,6 @@
 """An event trace of the engine's schedule, for tests and for reading a step.
 
-Off by default (one ``if`` per event). ``paddle_hsdp.trace.enable()`` starts recording
+Off by default (one ``if`` per event). ``paddle_hsdp.engine.trace.enable()`` starts recording
 ``(kind, op, unit index)`` tuples: ``issue`` / ``wait`` for every collective a buffer
 issues and waits (``all_gather``, ``reduce_scatter``, ``all_reduce``), and
 ``forward`` / ``backward`` when a unit's compute is about to start. On NCCL an

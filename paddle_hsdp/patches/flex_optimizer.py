@@ -17,8 +17,8 @@ from ..engine.registry import managed_param
 
 def install() -> None:
     """``optimizer.sharded_state_dict(model_sd)`` (what PaddleFormers' trainer calls)
-    gives :func:`optimizer_sharded_state_dict` for an optimizer over HSDP shards; other
-    optimizers keep Paddle's own."""
+    gives :func:`~paddle_hsdp.engine.flex.optimizer_sharded_state_dict` for an optimizer
+    over HSDP shards; other optimizers keep Paddle's own."""
     original = paddle.optimizer.AdamW.sharded_state_dict
     if getattr(original, "_hsdp", False):
         return

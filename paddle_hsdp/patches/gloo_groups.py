@@ -27,7 +27,8 @@ def _safe_new_process_group_impl(backend, store, rank, world_size, group_name,
 
 
 def install() -> None:
-    """Route Paddle's sub-group creation through :func:`make_group_store` (idempotent).
+    """Route Paddle's sub-group creation through
+    :func:`~paddle_hsdp.comm.gloo_store.make_group_store` (idempotent).
 
     ``paddle.distributed.new_group`` looks ``_new_process_group_impl`` up in its module
     at call time, so replacing the module attribute covers every caller, Paddle's HCG

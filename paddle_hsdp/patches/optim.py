@@ -6,8 +6,8 @@ so :func:`install` wraps that method: the first call of a step finishes the defe
 gradient sync of every unit whose shard params the optimizer holds, i.e. **one outer
 all-reduce per buffer per optimizer step**, however many backward passes accumulated
 into the shards. Grads are updated in place, so the grad list ``step`` collected just
-before stays valid. Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync` yourself to read synced grads before
-``step`` (for logging or custom clipping).
+before stays valid. Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync`
+yourself to read synced grads before ``step`` (for logging or custom clipping).
 
 ``fleet.distributed_optimizer(opt)`` works too: Paddle wraps optimizers in its own
 ZeRO-1 ``DygraphShardingOptimizer`` when ``sharding_degree > 1``; for HSDP-managed

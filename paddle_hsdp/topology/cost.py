@@ -4,8 +4,8 @@ plan, the benchmark's "theoretical" column and the tests that hold the communica
 counter to them.
 
 The unit of description is a :class:`BufferShape`, the sizes of one fused buffer (what
-travels in one collective); a live :class:`~paddle_hsdp.buffer.ShardBuffer` gives its
-own (``buffer.shape()``), and :mod:`paddle_hsdp.plan` derives the same from parameter
+travels in one collective); a live :class:`~paddle_hsdp.engine.buffer.ShardBuffer` gives its
+own (``buffer.shape()``), and :mod:`paddle_hsdp.config.plan` derives the same from parameter
 shapes alone, without processes or memory.
 
 Per buffer with shard ``S`` elements (padding rows included), inner size ``I``, outer

@@ -7,7 +7,8 @@ classes. ``import paddle_hsdp``
   through (Paddle 3.3 rejects a nested ``sharding_configs`` dict and knows no such key);
 * validates the option on every rank inside ``fleet.init`` before any group exists;
 * after Paddle has built its HCG, creates every inner and outer group of every FSDP
-  group on every rank, in the one global order of :func:`topology.plan_hsdp_layout`;
+  group on every rank, in the one global order of
+  :func:`~paddle_hsdp.topology.layout.plan_hsdp_layout`;
 * adds ``get_fsdp_group / get_fsdp_inner_group / get_fsdp_outer_group(is_expert)`` and
   ``get_fsdp_outer_degree()`` to ``HybridCommunicateGroup``.
 

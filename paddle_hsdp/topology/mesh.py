@@ -5,7 +5,8 @@
 so only ``paddle.distributed.init_parallel_env()`` (or a ``fleet.init`` without sharding
 settings) is needed.
 
-An explicit mesh is read the way :func:`topology.plan_hsdp_layout` reads an FSDP group:
+An explicit mesh is read the way :func:`~paddle_hsdp.topology.layout.plan_hsdp_layout`
+reads an FSDP group:
 
 * 1-D ``ProcessMesh([0, 1, 2, 3])``: pure FSDP, one inner group of all its ranks, outer
   degree 1;
@@ -98,7 +99,7 @@ _ALLOWED = ("a paddle.distributed.ProcessMesh, 1-D (pure FSDP over its ranks) or
 class MeshPlan:
     """The pure layout of an explicit mesh: no Paddle process group involved.
 
-    ``layout`` is :func:`topology.plan_hsdp_layout` of the mesh's one FSDP group
+    ``layout`` is :func:`~paddle_hsdp.topology.layout.plan_hsdp_layout` of the mesh's one FSDP group
     (its process ids, row-major) with ``outer_degree`` rows; ``creation_order`` is the
     order every rank creates the groups in (``fsdp`` last, if it needs a group of its
     own: not the world and not equal to an inner or outer group).
@@ -146,7 +147,7 @@ class MeshPlan:
                 f"fully_shard(mesh=...): this rank ({rank}) is not in the mesh, whose "
                 f"process ids are {list(self.process_ids)} (shape {list(self.shape)}). Call "
                 "fully_shard with this mesh only on its ranks; ranks outside it must call "
-                "paddle_hsdp.mesh.create_mesh_groups(mesh) at the same point instead, so "
+                "paddle_hsdp.create_mesh_groups(mesh) at the same point instead, so "
                 "that every rank creates the same groups in the same order.")
         return self.layout.groups_of(rank)
 
