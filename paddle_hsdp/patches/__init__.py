@@ -1,5 +1,7 @@
 """Everything paddle_hsdp changes in Paddle's own classes and functions, one file per
-concern; each file's docstring says what it patches and why. :func:`install` applies
+concern; each file's docstring says what it patches and why. Every patch goes through
+:func:`.patching.replace`, which records the original and why; :func:`active` lists
+them (:func:`describe` as text). :func:`install` applies
 them all, once (``import paddle_hsdp`` calls it), in this order:
 
 * :mod:`.gloo_groups`: gloo sub-group creation, a rendezvous store per group;
@@ -16,6 +18,9 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 from __future__ import annotations
 
 from . import clip, cpu_compat, flex_optimizer, fleet, gloo_groups, optim, state_dict
+from .patching import active, describe
+
+__all__ = ["active", "describe", "install"]
 
 
 def install() -> None:

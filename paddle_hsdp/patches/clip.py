@@ -1,5 +1,11 @@
 """Global-norm clipping over HSDP shards: every distinct gradient element counted once.
 
+Patches ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (:func:`install`): on
+shards Paddle's would compute each rank's norm of its own rows and clip stale grads. At
+the step boundary (:mod:`.optim`) a plain ``ClipGradByGlobalNorm`` of the optimizer is
+swapped for :class:`HSDPClipGradByGlobalNorm`, and a ``HybridParallelClipGrad`` keeps its
+norm readable (:func:`record_norm_of_hybrid_clip`).
+
 What a rank holds, and who else holds the same values:
 
 * inner ranks hold distinct row blocks of a buffer;
@@ -31,6 +37,7 @@ from ..comm import collectives as comm
 from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
 from ..engine.registry import managed_param
 from ..engine.unit import sync_grads
+from .patching import replace
 
 
 class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
@@ -238,8 +245,10 @@ def install() -> None:
         return
     _original_clip_grad_norm, _original_clip_grad_value = (utils.clip_grad_norm_,
                                                            utils.clip_grad_value_)
-    utils.clip_grad_norm_, utils.clip_grad_value_ = clip_grad_norm_, clip_grad_value_
+    why = {"clip_grad_norm_": "the norm over every distinct element of HSDP shards, once",
+           "clip_grad_value_": "finish the deferred grad sync before clipping"}
     for name, fn in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_)):
+        replace(utils, name, fn, why[name])
         module = sys.modules.get(f"paddle.nn.utils.{name}")
         if module is not None and hasattr(module, name):
-            setattr(module, name, fn)
+            replace(module, name, fn, why[name])

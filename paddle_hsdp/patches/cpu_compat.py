@@ -10,6 +10,8 @@ tensors and other backends keep Paddle's implementations untouched.
 
 from __future__ import annotations
 
+from .patching import replace
+
 _installed = False
 
 
@@ -21,8 +23,9 @@ def install() -> None:
     from paddle.base import core
 
     # The inherited method only raises "Unimplemented" for gloo.
-    core.ProcessGroupGloo.all_reduce_on_calc_stream = (
-        lambda self, tensor, op: self.all_reduce(tensor, op, True).wait())
+    replace(core.ProcessGroupGloo, "all_reduce_on_calc_stream",
+            lambda self, tensor, op: self.all_reduce(tensor, op, True).wait(),
+            "gloo inherits a stub that raises; on CPU a synchronous all-reduce is it")
 
     original_identity = paddle._C_ops.c_identity
 
@@ -31,5 +34,6 @@ def install() -> None:
             return paddle.assign(tensor)
         return original_identity(tensor, *args, **kwargs)
 
-    paddle._C_ops.c_identity = c_identity
+    replace(paddle._C_ops, "c_identity", c_identity,
+            "no CPU kernel; on CPU its forward is a copy (tensor-parallel layers)")
     _installed = True

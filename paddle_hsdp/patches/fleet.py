@@ -28,6 +28,7 @@ from ..engine.registry import managed_param
 from ..topology.fleet import (OPTION, _get_fsdp_group, _get_fsdp_inner_group,
                               _get_fsdp_outer_degree, _get_fsdp_outer_group,
                               build_hsdp_groups, get_fsdp_outer_degree, validate_strategy)
+from .patching import replace
 
 logger = logging.getLogger(__name__)
 _installed = False
@@ -57,9 +58,11 @@ def _patch_strategy(strategy_cls) -> None:
             assign_configs_value(self.strategy.hybrid_configs.sharding_configs, sharding)
         original.fset(self, configs)
 
-    strategy_cls._hsdp_fsdp_outer_degree = 1  # class default; also unlocks the attribute
-    strategy_cls.hybrid_configs = property(original.fget, set_hybrid_configs, None,
-                                           original.__doc__)
+    # class default; also unlocks the attribute
+    replace(strategy_cls, "_hsdp_fsdp_outer_degree", 1, "the option's default: plain FSDP")
+    replace(strategy_cls, "hybrid_configs",
+            property(original.fget, set_hybrid_configs, None, original.__doc__),
+            "Paddle 3.3 rejects fsdp_outer_degree inside sharding_configs; kept aside")
 
 
 # ---------------------------------------------------------------- fleet.init and the HCG
@@ -79,8 +82,9 @@ def _patch_fleet(fleet_cls) -> None:
         degree = get_fsdp_outer_degree(self._user_defined_strategy)
         self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, degree)
 
-    fleet_cls.init = init
-    fleet_cls._init_hybrid_parallel_env = init_hybrid_parallel_env
+    replace(fleet_cls, "init", init, "validate fsdp_outer_degree on every rank before any group")
+    replace(fleet_cls, "_init_hybrid_parallel_env", init_hybrid_parallel_env,
+            "create every HSDP inner/outer group after Paddle's HCG")
 
 
 # ---------------------------------------------------------------- fleet.distributed_model
@@ -112,8 +116,9 @@ def _patch_param_broadcasts() -> None:
     def sync_params_buffers(model, *args, **kwargs):
         return original(_WithoutHSDPParams(model), *args, **kwargs)
 
-    parallel.sync_params_buffers = sync_params_buffers
-    util.sync_params_buffers = sync_params_buffers
+    why = "parameter broadcasts skip HSDP shards (they would overwrite other ranks' blocks)"
+    replace(parallel, "sync_params_buffers", sync_params_buffers, why)
+    replace(util, "sync_params_buffers", sync_params_buffers, why)
 
 
 def install() -> None:
@@ -135,9 +140,11 @@ def install() -> None:
         _patch_strategy(DistributedStrategy)
     _patch_fleet(Fleet)
     # ``fleet.init`` is a module-level alias bound to the singleton before we patched.
-    fleet_pkg.init = fleet_pkg.fleet.init
-    HybridCommunicateGroup.get_fsdp_group = _get_fsdp_group
-    HybridCommunicateGroup.get_fsdp_inner_group = _get_fsdp_inner_group
-    HybridCommunicateGroup.get_fsdp_outer_group = _get_fsdp_outer_group
-    HybridCommunicateGroup.get_fsdp_outer_degree = _get_fsdp_outer_degree
+    replace(fleet_pkg, "init", fleet_pkg.fleet.init,
+            "the module alias was bound to the singleton's init before the patch")
+    for name, method in (("get_fsdp_group", _get_fsdp_group),
+                         ("get_fsdp_inner_group", _get_fsdp_inner_group),
+                         ("get_fsdp_outer_group", _get_fsdp_outer_group),
+                         ("get_fsdp_outer_degree", _get_fsdp_outer_degree)):
+        replace(HybridCommunicateGroup, name, method, "the HCG's HSDP groups (Paddle has none)")
     _installed = True

@@ -13,6 +13,7 @@ import paddle
 from ..engine.flex import optimizer_sharded_state_dict
 from ..engine.optimizers import _params_of
 from ..engine.registry import managed_param
+from .patching import replace
 
 
 def install() -> None:
@@ -30,4 +31,5 @@ def install() -> None:
 
     sharded_state_dict._hsdp = True
     sharded_state_dict.__doc__ = original.__doc__
-    paddle.optimizer.AdamW.sharded_state_dict = sharded_state_dict
+    replace(paddle.optimizer.AdamW, "sharded_state_dict", sharded_state_dict,
+            "shards as rows at their global offsets for flex_checkpoint")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 
 from ..comm.gloo_store import make_group_store, stop_servers
+from .patching import replace
 
 _original_impl = None
 
@@ -41,6 +42,7 @@ def install() -> None:
     if _original_impl is not None:
         return
     _original_impl = collective._new_process_group_impl
-    collective._new_process_group_impl = _safe_new_process_group_impl
+    replace(collective, "_new_process_group_impl", _safe_new_process_group_impl,
+            "gloo sub-groups rendezvous on a store of their own, not on colliding global keys")
     # Registered after Paddle's own handlers, so it runs before them (LIFO).
     atexit.register(stop_servers)

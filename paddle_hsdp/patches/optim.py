@@ -26,6 +26,7 @@ from ..comm import gather_tags
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
                                  check_optimizer, finish_grad_sync)
 from . import clip
+from .patching import replace
 
 _installed = False
 
@@ -45,7 +46,8 @@ def _patch_apply_optimize() -> None:
             unit.reshard(force=True)  # params kept gathered are stale after the update
         return result
 
-    paddle.optimizer.Optimizer._apply_optimize = _apply_optimize
+    replace(paddle.optimizer.Optimizer, "_apply_optimize", _apply_optimize,
+            "the step boundary: finish the deferred grad sync once per optimizer step")
 
 
 def _patch_optimizers_that_bypass_apply_optimize() -> None:
@@ -60,7 +62,8 @@ def _patch_optimizers_that_bypass_apply_optimize() -> None:
                 check_optimizer(self)
                 return __original(self, *args, **kwargs)
 
-            setattr(cls, name, functools.wraps(original)(checked))
+            replace(cls, name, functools.wraps(original)(checked),
+                    "refuse optimizers that are not element-wise on HSDP shards")
 
 
 def _patch_hybrid_parallel_optimizer() -> None:
@@ -87,7 +90,8 @@ def _patch_hybrid_parallel_optimizer() -> None:
                 c._hcg = hcg  # its norm all-reduce spans the sharding group
                 clip.record_norm_of_hybrid_clip(c)
 
-    cls.__init__ = __init__
+    replace(cls, "__init__", __init__,
+            "no DygraphShardingOptimizer over HSDP shards (they are sharded and reduced already)")
 
 
 class _WithoutPaddleSharding:
@@ -116,7 +120,8 @@ def _patch_clear_grad() -> None:
             unit.drop_pending_grads()
         return result
 
-    paddle.optimizer.Optimizer.clear_grad = clear_grad
+    replace(paddle.optimizer.Optimizer, "clear_grad", clear_grad,
+            "also drop full-size grads a deferred reduce-scatter still holds")
 
 
 def _patch_grad_scaler() -> None:
@@ -142,7 +147,8 @@ def _patch_grad_scaler() -> None:
             self._found_inf = (flag > 0).reshape(found.shape)
         return result
 
-    AmpScaler._unscale = _unscale
+    replace(AmpScaler, "_unscale", _unscale,
+            "AMP: sync grads first; OR found_inf over the job so every rank skips alike")
 
 
 def install() -> None:

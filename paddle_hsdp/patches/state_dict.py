@@ -29,6 +29,7 @@ from collections import OrderedDict
 import paddle
 
 from ..engine.registry import managed_param, owning_unit, registry
+from .patching import replace
 
 _installed = False
 
@@ -83,7 +84,8 @@ def _patch_state_dict(layer_cls) -> None:
             result[key] = full[id(sp)]
         return result
 
-    layer_cls.state_dict = state_dict
+    replace(layer_cls, "state_dict", state_dict,
+            "sharded parameters appear as full tensors (gathered), as in the unsharded model")
 
 
 def _patch_set_state_dict(layer_cls) -> None:
@@ -109,7 +111,8 @@ def _patch_set_state_dict(layer_cls) -> None:
             unit.reshard(force=True)
         return original(self, {**state_dict, **blocks}, use_structured_name, *args, **kwargs)
 
-    layer_cls.set_state_dict = set_state_dict
+    replace(layer_cls, "set_state_dict", set_state_dict,
+            "full tensors load into this rank's blocks of sharded parameters")
 
 
 def _block_of(sp, key: str, value):
