@@ -62,7 +62,7 @@ def _reset_hook_state():
 
 @pytest.fixture
 def registry(monkeypatch):
-    """Empty ``hsdp_registry.units`` / ``hsdp_registry.owner_of`` for the test, restored after; a fresh
+    """Empty ``hsdp_registry.units`` / ``.owner_of`` for the test, restored after; a fresh
     comm counter (so a test can tell whether any collective was issued)."""
     saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
     hsdp_registry.units.clear()
@@ -196,7 +196,8 @@ def test_without_fleet_init_raises_with_instructions(registry, monkeypatch):
         paddle_hsdp.fully_shard(layer)
     assert "fleet.init" in str(info.value) and "import paddle_hsdp" in str(info.value)
     assert not isinstance(layer, paddle_hsdp.FSDPModule)
-    assert hsdp_registry.units == [] and hsdp_registry.owner_of == {} and comm.counter.snapshot() == {}
+    assert hsdp_registry.units == [] and hsdp_registry.owner_of == {}
+    assert comm.counter.snapshot() == {}
 
 
 def test_mesh_of_the_wrong_kind_raises(registry):
@@ -319,7 +320,8 @@ def test_forward_that_raised_does_not_break_the_next_root(fake_mesh):
     paddle_hsdp.fully_shard(model)
     model(paddle.randn([2, 4])).sum().backward()
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
-    assert all(sp.shard.grad is not None for u in hsdp_registry.units_under(model) for sp in u.params)
+    assert all(sp.shard.grad is not None
+               for u in hsdp_registry.units_under(model) for sp in u.params)
     assert paddle_hsdp.memory_report(model)["gathered"] == 0
 
 

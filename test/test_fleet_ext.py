@@ -1,4 +1,5 @@
-"""paddle_hsdp.topology.fleet (and patches.fleet) in one process: the strategy option, validation, group creation."""
+"""paddle_hsdp.topology.fleet and patches.fleet in one process: the strategy option,
+validation, group creation."""
 
 import copy
 import itertools

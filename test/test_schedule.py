@@ -15,6 +15,7 @@ from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
 
 PACKAGE = os.path.dirname(paddle_hsdp.__file__)
+COLLECTIVES = os.path.join("comm", "collectives.py")
 
 
 def _first(events, event):
@@ -63,7 +64,7 @@ def test_copies_around_collectives(fake_mesh, monkeypatch):
             import sys
 
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(PACKAGE) and not caller.endswith(os.path.join("comm", "collectives.py")):
+            if caller.startswith(PACKAGE) and not caller.endswith(COLLECTIVES):
                 counts[name] = counts.get(name, 0) + 1
             return fn(*args, **kwargs)
         return wrapper

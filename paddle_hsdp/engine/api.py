@@ -12,11 +12,11 @@ import numpy as np
 import paddle
 
 from ..comm import collectives as comm
-from . import hooks
 from ..topology.mesh import resolve_mesh
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from . import hooks
 from .flex import sharded_state_dict
 from .param import ShardedParam
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
 from .unit import FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert
 
