@@ -13,8 +13,8 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle>=3.3.1"],
         "gpu": ["paddlepaddle-gpu>=3.3.1"],
-        # the tests run tools/bench.py --quick, which plots
-        "test": ["pytest>=7.4", "matplotlib>=3.7"],
+        # the tests run tools/bench.py --quick, which plots, and lint-imports (.importlinter)
+        "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0"],
         "bench": ["matplotlib>=3.7"],
     },
 )

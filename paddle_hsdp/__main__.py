@@ -13,10 +13,13 @@ import importlib
 import importlib.util
 import sys
 
+from .config import planner
+from .config.patterns import PatternError
+from .config.plan import build_lazily, build_plan, reshard_after_forward_of, resolve_modules
+from .config.schema import ConfigError, load_config, resolve_degrees
+
 
 def _check_config(args) -> int:
-    from .config import load_config
-
     cfg = load_config(args.config)
     print(f"{args.config}: OK")
     for key, value in vars(cfg).items():
@@ -50,9 +53,6 @@ def _load_factory(spec: str):
 
 
 def _plan(args) -> int:
-    from .config import load_config, resolve_degrees
-    from .plan import build_plan
-
     cfg = load_config(args.config if args.config else {})
     if args.cluster:
         return _plan_cluster(args, cfg)
@@ -80,8 +80,6 @@ def _plan(args) -> int:
 
 def _lazy_model(args, cfg):
     """The model built without memory, its experts marked, and what the config picks."""
-    from .plan import build_lazily, resolve_modules
-
     model = build_lazily(_load_factory(args.model))
     choice = resolve_modules(model, cfg)
     choice.mark_experts()
@@ -90,9 +88,6 @@ def _lazy_model(args, cfg):
 
 def _plan_cluster(args, cfg) -> int:
     """Every layout of ``--cluster``: memory, communication time, a recommendation."""
-    from . import planner
-    from .plan import build_plan, reshard_after_forward_of
-
     cluster = planner.load_cluster(args.cluster)
     if args.model_shape:
         shape = planner.parse_model_shape(args.model_shape)
@@ -146,9 +141,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .config import ConfigError
-    from .patterns import PatternError
-
     args = _parser().parse_args(argv)
     try:
         return args.run(args)

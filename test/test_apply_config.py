@@ -13,9 +13,11 @@ import pytest
 from paddle import nn
 
 import paddle_hsdp
-from paddle_hsdp import ConfigError, api, apply
+from paddle_hsdp import ConfigError
 from paddle_hsdp.__main__ import main as cli
-from paddle_hsdp.patterns import PatternError
+from paddle_hsdp.config import apply
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+from paddle_hsdp.config.patterns import PatternError
 from test_engine_single import fake_mesh, registry  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,12 +86,12 @@ def no_fleet_init(monkeypatch):
 def test_apply_config_shards_as_the_config_says(fake_mesh, no_fleet_init):  # noqa: F811
     model, plan = paddle_hsdp.apply_config(build(), CONFIG)
     assert no_fleet_init == [(1, 1)]  # one process: a 1 x 1 layout
-    units = api._units_under(model)
+    units = hsdp_registry.units_under(model)
     assert [u.path() for u in units] == ["layers.0", "layers.1", "layers.2", "moe", "<root>"]
     assert [u.path for u in plan.units] == [u.path() for u in units]
     assert [getattr(m, "_hsdp_recompute", False) for m in model.layers] == [True, False, True]
     assert all(p.is_moe_param for p in model.moe.experts.parameters())
-    assert not any(api.managed_param(p) for p in model.frozen.parameters())
+    assert not any(hsdp_registry.managed_param(p) for p in model.frozen.parameters())
     for unit in units:
         assert (unit.forward_prefetch_count, unit.backward_prefetch_count) == (2, 0)
         assert unit.reshard_after_forward is False  # zero_stage 2
@@ -122,7 +124,7 @@ def test_bad_configs_change_nothing(fake_mesh, no_fleet_init, config, match):  #
     before = {n: p.numpy().copy() for n, p in model.named_parameters()}
     with pytest.raises((ConfigError, PatternError), match=match):
         paddle_hsdp.apply_config(model, config)
-    assert not api._units and not no_fleet_init
+    assert not hsdp_registry.units and not no_fleet_init
     assert not any(getattr(m, "_hsdp_recompute", False) for m in model.sublayers())
     assert not any(getattr(p, "is_moe_param", False) for p in model.parameters())
     assert all((p.numpy() == before[n]).all() for n, p in model.named_parameters())

@@ -22,8 +22,10 @@ import paddle
 import pytest
 
 import paddle_hsdp
-from paddle_hsdp import checkpoint, fleet_ext, topology
+from paddle_hsdp import checkpoint
 from paddle_hsdp.__main__ import main as cli
+from paddle_hsdp.topology import fleet as fleet_ext
+from paddle_hsdp.topology import layout as topology
 from test_engine_single import fake_mesh, registry  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,7 +174,7 @@ def _shard_ignored():
 
 @row("`fully_shard(mesh=)`", "`[0, 1]` (a list)", TypeError, "mesh", "ProcessMesh")
 def _shard_mesh():
-    from paddle_hsdp import mesh  # what fully_shard resolves its mesh with (faked here)
+    from paddle_hsdp.topology import mesh  # what fully_shard resolves its mesh with (faked here)
 
     mesh.resolve_mesh([0, 1])
 
@@ -186,7 +188,7 @@ def _shard_overlap():
 @row("`fully_shard(module)` before `fleet.init`", "no fleet groups, no `mesh=`", RuntimeError,
      "fleet.init", "mesh=paddle.distributed.ProcessMesh")
 def _shard_before_fleet():
-    from paddle_hsdp import mesh  # what fully_shard resolves its groups with (faked here)
+    from paddle_hsdp.topology import mesh  # what fully_shard resolves its groups with (faked here)
 
     mesh.resolve_mesh(None)
 
@@ -342,7 +344,7 @@ def _cli_inspect(tmp_path):
 @row("`PADDLE_HSDP_COLLECTIVE_TIMEOUT`", '"soon"', ValueError,
      "PADDLE_HSDP_COLLECTIVE_TIMEOUT", "seconds")
 def _env_timeout(monkeypatch):
-    from paddle_hsdp import watchdog
+    from paddle_hsdp.comm import watchdog
 
     monkeypatch.setenv("PADDLE_HSDP_COLLECTIVE_TIMEOUT", "soon")
     watchdog.timeout_s()

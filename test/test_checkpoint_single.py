@@ -10,6 +10,7 @@ import pytest
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
+from paddle_hsdp.checkpoint.format import _Reader
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
 
 
@@ -156,7 +157,7 @@ def test_a_load_reads_and_checks_only_the_chunks_it_needs(tmp_path):
     start = json.loads(raw[8:header])["weight"]["data_offsets"][0]
     raw[header + start + 400 * 4096 * 4] ^= 0xFF  # a byte of row 400: the second chunk
     (tmp_path / "ck" / piece["file"]).write_bytes(bytes(raw))
-    reader = checkpoint._Reader(str(tmp_path / "ck"))
+    reader = _Reader(str(tmp_path / "ck"))
     rows = reader.rows("weight", piece, 10, 20)
     assert np.array_equal(rows, net.weight.numpy()[10:20])
     with pytest.raises(checkpoint.CheckpointError, match="CRC mismatch in rows 256"):

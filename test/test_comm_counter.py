@@ -3,7 +3,7 @@
 import paddle
 import pytest
 
-from paddle_hsdp import comm
+from paddle_hsdp.comm import collectives as comm
 
 
 class FakeGroup:

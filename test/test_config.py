@@ -1,5 +1,5 @@
 """The YAML config front end without a model sharded or a group made: module-path
-patterns (:mod:`paddle_hsdp.patterns`) on small real paddle models, and the config
+patterns (:mod:`paddle_hsdp.config.patterns`) on small real paddle models, and the config
 schema, its strict validation and degree resolution (:mod:`paddle_hsdp.config`)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import textwrap
 import pytest
 from paddle import nn
 
-from paddle_hsdp import config as hsdp_config
-from paddle_hsdp.config import (VALID_KEYS, ConfigError, HSDPConfig, describe_keys,
-                                load_config, ranks_per_node_from_env, resolve_degrees)
-from paddle_hsdp.patterns import PatternError, match_modules, order_bottom_up, parse_pattern
+from paddle_hsdp.config import schema as hsdp_config
+from paddle_hsdp.config.schema import (VALID_KEYS, ConfigError, HSDPConfig, describe_keys,
+                                       load_config, ranks_per_node_from_env, resolve_degrees)
+from paddle_hsdp.config.patterns import PatternError, match_modules, order_bottom_up, parse_pattern
 
 NUM_BLOCKS = 6
 KEY = "sub_modules_to_wrap"

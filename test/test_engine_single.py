@@ -16,7 +16,9 @@ import pytest
 from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
-from paddle_hsdp import api, comm, hooks
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine import api, hooks
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
 import models  # noqa: E402  (TinyLM, lm_loss, ...: the model the parity workers train)
@@ -61,17 +63,17 @@ def _reset_hook_state():
 
 @pytest.fixture
 def registry(monkeypatch):
-    """Empty ``api._units`` / ``api._owner_of`` for the test, restored after; a fresh
+    """Empty ``hsdp_registry.units`` / ``.owner_of`` for the test, restored after; a fresh
     comm counter (so a test can tell whether any collective was issued)."""
-    saved_units, saved_owner = list(api._units), dict(api._owner_of)
-    api._units.clear()
-    api._owner_of.clear()
+    saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
+    hsdp_registry.units.clear()
+    hsdp_registry.owner_of.clear()
     _reset_hook_state()
     monkeypatch.setattr(comm, "counter", comm.CommCounter())
     yield
-    api._units[:] = saved_units
-    api._owner_of.clear()
-    api._owner_of.update(saved_owner)
+    hsdp_registry.units[:] = saved_units
+    hsdp_registry.owner_of.clear()
+    hsdp_registry.owner_of.update(saved_owner)
     _reset_hook_state()
 
 
@@ -107,12 +109,12 @@ def _ids(seed=7, rows=2):
 def _assert_raises_without_side_effects(exc, match, module, **kwargs):
     """``fully_shard(module, **kwargs)`` raises ``exc``; no collective, no new unit,
     the module's class is untouched."""
-    units_before, cls_before = list(api._units), type(module)
+    units_before, cls_before = list(hsdp_registry.units), type(module)
     calls_before = comm.counter.snapshot()
     with pytest.raises(exc, match=match):
         paddle_hsdp.fully_shard(module, **kwargs)
     assert comm.counter.snapshot() == calls_before, "a collective ran before the check"
-    assert api._units == units_before
+    assert hsdp_registry.units == units_before
     assert type(module) is cls_before
 
 
@@ -157,7 +159,7 @@ def test_non_layer_raises_type_error(fake_mesh):
     """Anything that is not a paddle.nn.Layer is a TypeError."""
     with pytest.raises(TypeError, match="paddle.nn.Layer"):
         paddle_hsdp.fully_shard(paddle.randn([2, 2]))
-    assert api._units == [] and comm.counter.snapshot() == {}
+    assert hsdp_registry.units == [] and comm.counter.snapshot() == {}
 
 
 @pytest.mark.parametrize("arg", ["shard_placement_fn", "mp_policy", "offload_policy",
@@ -195,7 +197,8 @@ def test_without_fleet_init_raises_with_instructions(registry, monkeypatch):
         paddle_hsdp.fully_shard(layer)
     assert "fleet.init" in str(info.value) and "import paddle_hsdp" in str(info.value)
     assert not isinstance(layer, paddle_hsdp.FSDPModule)
-    assert api._units == [] and api._owner_of == {} and comm.counter.snapshot() == {}
+    assert hsdp_registry.units == [] and hsdp_registry.owner_of == {}
+    assert comm.counter.snapshot() == {}
 
 
 def test_mesh_of_the_wrong_kind_raises(registry):
@@ -243,11 +246,11 @@ def test_tied_parameter_has_one_owner_and_the_other_unit_borrows_it(fake_mesh):
     tied = model.embed.weight
     _shard_tinylm(model)
     embed_unit, root_unit = model.embed._hsdp_unit, model._hsdp_unit
-    owners = [u for u in api._units for sp in u.params if sp.full is tied]
+    owners = [u for u in hsdp_registry.units for sp in u.params if sp.full is tied]
     assert owners == [embed_unit]
-    assert api._owner_of[id(tied)][0] is embed_unit
+    assert hsdp_registry.owner_of[id(tied)][0] is embed_unit
     assert root_unit.borrowed == [embed_unit]
-    assert all(u.borrowed == [] for u in api._units if u is not root_unit)
+    assert all(u.borrowed == [] for u in hsdp_registry.units if u is not root_unit)
     assert model.head.weight is model.embed.weight
     assert model.embed.weight._hsdp_sharded_param.full is tied
 
@@ -317,7 +320,8 @@ def test_forward_that_raised_does_not_break_the_next_root(fake_mesh):
     paddle_hsdp.fully_shard(model)
     model(paddle.randn([2, 4])).sum().backward()
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
-    assert all(sp.shard.grad is not None for u in api._units_under(model) for sp in u.params)
+    assert all(sp.shard.grad is not None
+               for u in hsdp_registry.units_under(model) for sp in u.params)
     assert paddle_hsdp.memory_report(model)["gathered"] == 0
 
 

@@ -15,6 +15,7 @@ import paddle.nn as nn
 from paddle.distributed.fleet.utils import recompute
 
 import paddle_hsdp
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, fake_mesh, models, parity, registry  # noqa: F401  (fixtures)
 
 H = 8
@@ -115,7 +116,7 @@ def test_call_patterns_train_like_the_unsharded_model(fake_mesh, float64, mode):
         opt = paddle.optimizer.AdamW(0.05, parameters=m.parameters())
         _train(m, opt)
     _assert_same(model, ref)
-    assert not any(u.is_root for u in paddle_hsdp.api._units_under(model)
+    assert not any(u.is_root for u in hsdp_registry.units_under(model)
                    if u.module is not model), "a recomputed unit was taken for a root"
 
 

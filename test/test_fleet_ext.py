@@ -1,4 +1,5 @@
-"""paddle_hsdp.fleet_ext in one process: the strategy option, validation, group creation."""
+"""paddle_hsdp.topology.fleet and patches.fleet in one process: the strategy option,
+validation, group creation."""
 
 import copy
 import itertools
@@ -9,7 +10,8 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.base.topology import CommunicateTopology
 
 import paddle_hsdp
-from paddle_hsdp import comm, fleet_ext
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.topology import fleet as fleet_ext
 
 MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 

@@ -11,8 +11,11 @@ import pytest
 from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
-from paddle_hsdp import api, comm, hooks, topology
-from paddle_hsdp import mesh as hsdp_mesh
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine import hooks
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+from paddle_hsdp.topology import layout as topology
+from paddle_hsdp.topology import mesh as hsdp_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
 import models  # noqa: E402
@@ -22,16 +25,16 @@ import parity  # noqa: E402  (the parity bounds, test_collective/workers/parity.
 @pytest.fixture
 def registry(monkeypatch):
     """Empty unit registry and comm counter for the test, restored after."""
-    saved_units, saved_owner = list(api._units), dict(api._owner_of)
-    api._units.clear()
-    api._owner_of.clear()
+    saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
+    hsdp_registry.units.clear()
+    hsdp_registry.owner_of.clear()
     hooks._active.clear()
     hooks._roots_in_backward.clear()
     monkeypatch.setattr(comm, "counter", comm.CommCounter())
     yield
-    api._units[:] = saved_units
-    api._owner_of.clear()
-    api._owner_of.update(saved_owner)
+    hsdp_registry.units[:] = saved_units
+    hsdp_registry.owner_of.clear()
+    hsdp_registry.owner_of.update(saved_owner)
     hooks._active.clear()
     hooks._roots_in_backward.clear()
 
@@ -95,7 +98,7 @@ def test_fully_shard_with_bad_mesh_has_no_side_effects(registry):
     cls = type(layer)
     with pytest.raises(ValueError, match="3-D"):
         paddle_hsdp.fully_shard(layer, mesh=ProcessMesh([[[0]]]))
-    assert api._units == [] and type(layer) is cls and comm.counter.snapshot() == {}
+    assert hsdp_registry.units == [] and type(layer) is cls and comm.counter.snapshot() == {}
 
 
 # ---------------------------------------------------------------- layout (pure)
@@ -180,7 +183,7 @@ def test_fully_shard_on_a_one_rank_mesh_matches_single_process(registry, no_grou
     model = models.build_model()
     for layer in [model.embed, *model.blocks, model]:
         paddle_hsdp.fully_shard(layer, mesh=mesh)
-    assert len({id(u.mesh) for u in api._units}) == 1  # one mesh object for every unit
+    assert len({id(u.mesh) for u in hsdp_registry.units}) == 1  # one mesh object for every unit
     opt = models.make_optimizer(model, model.parameters(), clip)
     losses = []
     for step, micro_batches in enumerate(data):

@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 import paddle_hsdp
-from paddle_hsdp import api
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import (_assert_raises_without_side_effects, _ids, _shard_tinylm,  # noqa: F401
                                 _two_linears, fake_mesh, models, parity, registry)
 
@@ -22,7 +22,7 @@ def test_rejected_call_changes_nothing_and_a_retry_works(fake_mesh):
     _assert_raises_without_side_effects(NotImplementedError, "Shard", model,
                                         ignored_params=[weight],
                                         shard_placement_fn=lambda p: paddle.distributed.Shard(1))
-    assert id(weight) not in api._ignored_params and id(weight) not in api._owner_of
+    assert id(weight) not in hsdp_registry.ignored and id(weight) not in hsdp_registry.owner_of
     paddle_hsdp.fully_shard(model)
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
     model(paddle.ones([2, 4])).sum().backward()  # "Tensor holds no memory" before the fix
@@ -163,7 +163,7 @@ def test_forward_that_raised_leaves_shards_in_the_slots(fake_mesh):
     with pytest.raises(ValueError):
         model(paddle.zeros([2, 99], "int64"), True)  # pos has 6 rows: broadcast fails
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
-    assert all(u.state.value == "sharded" for u in api._units)
+    assert all(u.state.value == "sharded" for u in hsdp_registry.units)
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     models.lm_loss(model, _ids(), True).backward()
     opt.step()  # accepted: it holds the shards

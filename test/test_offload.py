@@ -15,7 +15,8 @@ import pytest
 import paddle
 
 import paddle_hsdp
-from paddle_hsdp import policies
+from paddle_hsdp.engine import policies
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, fake_mesh, models, registry  # noqa: F401  (fixtures)
 
 HAS_GPU = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
@@ -40,10 +41,10 @@ def _train(offload_policy, steps=3):
 def test_cpu_offload_on_a_cpu_run_is_a_logged_no_op(fake_mesh, caplog, monkeypatch):
     """Accepted, warned about once, and training is exactly the no-offload training."""
     monkeypatch.setattr(policies, "_warned_cpu_offload", False)
-    with caplog.at_level(logging.WARNING, logger="paddle_hsdp.policies"):
+    with caplog.at_level(logging.WARNING, logger="paddle_hsdp.engine.policies"):
         model, losses = _train(paddle_hsdp.CPUOffloadPolicy())
     assert sum("no-op" in r.message for r in caplog.records) == 1
-    assert not any(b.offload for u in paddle_hsdp.api._units_under(model) for b in u.buffers)
+    assert not any(b.offload for u in hsdp_registry.units_under(model) for b in u.buffers)
     ref_model, ref_losses = _train(None)
     assert losses == ref_losses
     ref = paddle_hsdp.full_state_dict(ref_model)
@@ -66,7 +67,7 @@ def test_cpu_offload_on_a_device_keeps_shards_on_host(fake_mesh):
         assert not p.place.is_gpu_place(), p.name
         if p.grad is not None:
             assert not p.grad.place.is_gpu_place(), p.name
-    units = paddle_hsdp.api._units_under(model)
+    units = hsdp_registry.units_under(model)
     for u in units:
         u.unshard()
     assert all(sp.full.place.is_gpu_place() for u in units for sp in u.params)

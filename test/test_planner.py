@@ -1,12 +1,14 @@
-"""The cluster planner (paddle_hsdp.planner): the alpha-beta ring model by hand, which
+"""The cluster planner (paddle_hsdp.config.planner): the alpha-beta ring model by hand, which
 link a group is bound by, cluster-file checks, and the recommendation."""
 
 import os
 
 import pytest
 
-from paddle_hsdp import ConfigError, cost, planner
+from paddle_hsdp import ConfigError
 from paddle_hsdp.__main__ import main as cli
+from paddle_hsdp.config import planner
+from paddle_hsdp.topology import cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = {"name": "t", "nodes": 2, "ranks_per_node": 2,

@@ -37,7 +37,10 @@ import pytest
 from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
-from paddle_hsdp import api, comm, hooks, topology
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine import api, hooks
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+from paddle_hsdp.topology import layout as topology
 
 WORLD = 4
 OUTER = 2
@@ -284,8 +287,8 @@ class RankTrace:
 
 
 def _clear_engine_state() -> None:
-    api._units.clear()
-    api._owner_of.clear()
+    hsdp_registry.units.clear()
+    hsdp_registry.owner_of.clear()
     hooks._active.clear()
     hooks._roots_in_backward.clear()
 
@@ -319,7 +322,7 @@ def simulate_rank(rank: int, layout: topology.HSDPLayout, expert_unit: bool = Fa
         assert isinstance(opt._grad_clip, paddle_hsdp.HSDPClipGradByGlobalNorm)
 
     trace = RankTrace(rank, setup, steps, mesh)
-    for unit in api._units:
+    for unit in hsdp_registry.units:
         for buf in unit.buffers:
             trace.trainable_buffers += buf.trainable
             trace.frozen_buffers += not buf.trainable
@@ -338,14 +341,14 @@ def simulate_rank(rank: int, layout: topology.HSDPLayout, expert_unit: bool = Fa
 def simulate_all_ranks(layout_name: str, expert_unit: bool = False) -> dict[int, RankTrace]:
     """Every simulated rank's trace for one layout; the engine's global registry is
     emptied for each rank and restored afterwards."""
-    saved_units, saved_owner = list(api._units), dict(api._owner_of)
+    saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
     try:
         layout = LAYOUTS[layout_name]()
         return {rank: simulate_rank(rank, layout, expert_unit) for rank in range(WORLD)}
     finally:
         _clear_engine_state()
-        api._units[:] = saved_units
-        api._owner_of.update(saved_owner)
+        hsdp_registry.units[:] = saved_units
+        hsdp_registry.owner_of.update(saved_owner)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))

@@ -3,7 +3,7 @@
 import pytest
 from paddle.distributed.fleet.base.topology import CommunicateTopology
 
-from paddle_hsdp.topology import RankGroups, plan_hsdp_layout, split_fsdp_group
+from paddle_hsdp.topology.layout import RankGroups, plan_hsdp_layout, split_fsdp_group
 
 NAMES = ["data", "pipe", "sharding", "sep", "model"]
 

@@ -221,6 +221,15 @@ def net_report(start: list[int], end: list[int], cross_sent: list, steps: int) -
             "expected_cross_bytes_gloo": sum(row[5] for row in rows)}
 
 
+def units_under(model) -> list:
+    """The engine's units under ``model``. A --baseline engine from before the
+    sub-packages (issue 17) keeps them in ``paddle_hsdp.api``."""
+    engine = getattr(paddle_hsdp, "engine", None)
+    if engine is not None:
+        return engine.registry.units_under(model)
+    return paddle_hsdp.api._units_under(model)
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     variant, shape = cfg["variant"], bench_model.SHAPES[cfg["shape"]]
@@ -229,7 +238,7 @@ def main():
     data = batches(shape, cfg["steps"], n_rows)
     idle_kb = vm_kb("VmRSS")
     model, opt = wrap(variant, bench_model.build(shape))
-    units = paddle_hsdp.api._units_under(model) if variant.startswith("hsdp") else []
+    units = units_under(model) if variant.startswith("hsdp") else []
     rows = slice(None) if variant == "single" else slice(rank * cfg["per_rank"],
                                                          (rank + 1) * cfg["per_rank"])
     two_host = bool(cfg.get("two_hosts")) and world > 1 and cfg["steps"] > 1

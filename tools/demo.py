@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 import paddle_hsdp  # noqa: F401  (teaches fleet the fsdp_outer_degree option)
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 import paddle
 import paddle.distributed as dist
@@ -298,7 +299,7 @@ def main():
         bar.close()
     held = paddle_hsdp.memory_report(model)
     if rank == 0:
-        units = len(paddle_hsdp.api._units_under(model))
+        units = len(hsdp_registry.units_under(model))
         report(f"model: {n_params:,} params in {units} units; this rank holds "
                f"{held['shard']:,} B of shards ({held['shard'] / (4 * n_params):.0%} of "
                f"the model)\n"

@@ -9,8 +9,8 @@ compute, intra-host collectives, the unthrottled veth). The cluster file holds t
 calibrated from one measured transfer (``tools/two_hosts.py calibrate``).
 
 Predicted step time = unlimited step time + the planner's time on the inter-host link
-(alpha-beta ring model of :mod:`paddle_hsdp.planner` over the bytes of
-:mod:`paddle_hsdp.cost`, for the benchmark's model and each variant's layout). Paddle's
+(alpha-beta ring model of :mod:`paddle_hsdp.config.planner` over the bytes of
+:mod:`paddle_hsdp.topology.cost`, for the benchmark's model and each variant's layout). Paddle's
 DataParallel and stage 3 are not paddle_hsdp: their collectives are modelled from what
 they were measured to move (DP: one all-reduce of the grads; stage 3: two all-gathers of
 the parameters and one all-reduce of the grads per step, segment_size 0).
@@ -31,9 +31,9 @@ sys.path.insert(0, ROOT)
 
 import bench_model  # noqa: E402
 
-from paddle_hsdp import planner  # noqa: E402
-from paddle_hsdp.config import load_config  # noqa: E402
-from paddle_hsdp.plan import build_lazily, build_plan, resolve_modules  # noqa: E402
+from paddle_hsdp.config import planner  # noqa: E402
+from paddle_hsdp.config.schema import load_config  # noqa: E402
+from paddle_hsdp.config.plan import build_lazily, build_plan, resolve_modules  # noqa: E402
 
 LAYOUTS = {"hsdp2x2": (2, 2, {}), "hsdp2x2_bf16": (2, 2, {"reduce_dtype": "bf16"}),
            "hsdp1x4": (1, 4, {})}

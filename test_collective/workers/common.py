@@ -43,7 +43,7 @@ def finish() -> None:
 
 def rank_sum_check(group, what: str) -> None:
     """An all-reduce of the global rank over ``group`` must give the sum of its ranks."""
-    from paddle_hsdp import comm
+    from paddle_hsdp.comm import collectives as comm
 
     x = paddle.to_tensor([float(dist.get_rank())])
     comm.all_reduce(x, group)

@@ -21,6 +21,7 @@ from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
+from paddle_hsdp.checkpoint import save as checkpoint_save
 from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
 STEPS, SAVE_AT, MICRO, PER_RANK, CLIP = 5, 3, 2, 2, 0.2
@@ -87,7 +88,7 @@ for label, mesh in (("2x2", None), ("1x4", ProcessMesh([0, 1, 2, 3])),
 
 # a save that fails on one rank: every rank raises, the previous checkpoint stays
 before = open(os.path.join(CK, "metadata.json")).read()
-original_write = checkpoint._write_rank_file
+original_write = checkpoint_save._write_rank_file
 
 
 def failing_write(path, tensors):
@@ -96,13 +97,13 @@ def failing_write(path, tensors):
     original_write(path, tensors)
 
 
-checkpoint._write_rank_file = failing_write
+checkpoint_save._write_rank_file = failing_write
 try:
     checkpoint.save_checkpoint(CK, model, opt, extra={"step": 99})
     raise AssertionError("a failed save did not raise")
 except checkpoint.CheckpointError as e:
     assert "disk full" in str(e), e
-checkpoint._write_rank_file = original_write
+checkpoint_save._write_rank_file = original_write
 assert open(os.path.join(CK, "metadata.json")).read() == before
 assert not [d for d in os.listdir(work) if ".tmp-" in d], os.listdir(work)
 probe, probe_opt = shard()

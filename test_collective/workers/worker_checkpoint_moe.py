@@ -22,7 +22,8 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
-from paddle_hsdp import checkpoint, experts
+from paddle_hsdp import checkpoint
+from paddle_hsdp.engine import experts
 from moe_model import (CLIP, LOCAL_EXPERTS, STEPS, Net, make_data, make_opt,
                        train_plain, train_sharded)
 

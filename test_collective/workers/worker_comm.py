@@ -9,7 +9,7 @@ from common import config_from_argv, finish, init_fleet
 
 import paddle
 import paddle.distributed as dist
-from paddle_hsdp import comm
+from paddle_hsdp.comm import collectives as comm
 
 hcg = init_fleet(config_from_argv())
 rank = dist.get_rank()

@@ -25,7 +25,8 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 from common import assert_same_params, finish, train_loop
-from paddle_hsdp import comm
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 VOCAB, H, SEQ, STEPS, MICRO, PER_RANK = 37, 16, 6, 3, 2, 2
 CALLS = [0]
@@ -103,11 +104,11 @@ model, plan = paddle_hsdp.apply_config(build(), path)  # initialises fleet (4 ra
 rank, world = dist.get_rank(), dist.get_world_size()
 hcg = paddle.distributed.fleet.get_hybrid_communicate_group()
 assert (hcg.get_fsdp_outer_group().nranks, hcg.get_fsdp_inner_group().nranks) == (2, 2)
-units = paddle_hsdp.api._units_under(model)
+units = hsdp_registry.units_under(model)
 assert [u.path() for u in units] == ["blocks.0", "blocks.1", "blocks.2", "embed", "<root>"], \
     [u.path() for u in units]
 assert all(getattr(b, "_hsdp_recompute", False) for b in model.blocks)
-assert not any(paddle_hsdp.api.managed_param(p) for p in model.pos.parameters())
+assert not any(hsdp_registry.managed_param(p) for p in model.pos.parameters())
 if rank == 0:
     print(plan, flush=True)
 
@@ -146,7 +147,7 @@ print(f"YAML_EQUALS_HAND losses {['%.6f' % x for x in yaml_losses]}, "
 
 # fleet is up now: a config must agree with it ('auto' follows it), refused otherwise
 # on every rank before any collective, the model left as it was
-units_before = len(paddle_hsdp.api._units)
+units_before = len(hsdp_registry)
 for wrong, key in (({"fsdp_outer_degree": 4}, "fsdp_outer_degree"),
                    ({"sharding_size": 4}, "sharding_size")):
     try:
@@ -154,9 +155,9 @@ for wrong, key in (({"fsdp_outer_degree": 4}, "fsdp_outer_degree"),
         raise AssertionError(f"{wrong} disagrees with the live 2 x 2 topology but was taken")
     except paddle_hsdp.ConfigError as e:
         assert key in str(e) and "live fleet topology" in str(e), e
-assert len(paddle_hsdp.api._units) == units_before
+assert len(hsdp_registry) == units_before
 third, _ = paddle_hsdp.apply_config(build(), {"sub_modules_to_wrap": ["blocks.{*}"]})
-assert len(paddle_hsdp.api._units_under(third)) == 4
+assert len(hsdp_registry.units_under(third)) == 4
 print("LIVE_TOPOLOGY_CHECKED", flush=True)
 
 # the plan's bytes hold at every ZeRO level (fp32, 2 micro-steps per step)

@@ -15,6 +15,7 @@ import paddle.distributed as dist
 from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import batches, build_model, make_optimizer, shard_tinylm, train_reference, train_steps
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
@@ -29,7 +30,7 @@ try:
 except ValueError as e:
     assert "drift apart" in str(e) and "dp_degree=2" in str(e), e
 assert len(paddle.distributed.collective._group_map) == groups_before  # nothing created
-assert not paddle_hsdp.api._units
+assert not hsdp_registry.units
 
 data = batches(STEPS, MICRO, world, PER_RANK)
 ref_losses, ref_params, ref_norms = train_reference(data, world, PER_RANK, CLIP)

@@ -13,8 +13,9 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 
 import paddle_hsdp
-from paddle_hsdp import comm
-from paddle_hsdp.gather_check import TAG_NUMEL
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+from paddle_hsdp.comm.gather_tags import TAG_NUMEL
 from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
                     uses_extra)
 
@@ -59,7 +60,7 @@ def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
     opt = make_optimizer(model, model.parameters(), CLIP)
     if via_fleet:
         opt = fleet.distributed_optimizer(opt)
-    unit_list = paddle_hsdp.api._units_under(model)
+    unit_list = hsdp_registry.units_under(model)
     losses, worst = [], {}
     for step, micro_batches in enumerate(data):
         comm.counter.reset()

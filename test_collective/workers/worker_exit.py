@@ -1,7 +1,7 @@
 """A short job that creates several gloo sub-groups and exits (argv: "check", "barrier"
 or "no_barrier").
 
-check: the store servers this rank hosts are destroyed by gloo_groups.stop_servers()
+check: the store servers this rank hosts are destroyed by gloo_store.stop_servers()
 (what the atexit handler runs), which joins their threads, and the groups keep
 working after it. barrier / no_barrier: just exit, with or without a final barrier,
 leaving it to the atexit handler; the launcher's exit status is the test.
@@ -11,7 +11,7 @@ import os
 import sys
 
 import paddle_hsdp  # noqa: F401  (installs the safe gloo sub-groups)
-from paddle_hsdp import gloo_groups
+from paddle_hsdp.comm import gloo_store
 import paddle
 import paddle.distributed as dist
 
@@ -31,11 +31,11 @@ def check_all():
 
 check_all()
 if mode == "check":
-    hosted = len(gloo_groups._servers)
+    hosted = len(gloo_store._servers)
     expected = sum(1 for m in ([0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2, 3]) if m[0] == rank)
     assert hosted == expected, (hosted, expected)
     before = len(os.listdir("/proc/self/task"))
-    gloo_groups.stop_servers()
+    gloo_store.stop_servers()
     after = len(os.listdir("/proc/self/task"))
     assert before - after == hosted, (before, after, hosted)  # each server's thread joined
     check_all()  # rendezvous is done: the groups do not need their servers

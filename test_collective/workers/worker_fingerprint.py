@@ -17,7 +17,9 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
-from paddle_hsdp import comm, fingerprint
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.comm import fingerprint
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
 assert fingerprint.enabled(), "the test launches this worker with the check on"
@@ -38,7 +40,7 @@ except paddle_hsdp.CollectiveMismatchError as e:
     assert "embed" in text and "blocks.0" in text, text
     print(f"CAUGHT_UNITS rank {rank}: {text.splitlines()[1].strip()[:160]}", flush=True)
 model.reshard()
-for unit in paddle_hsdp.api._units_under(model):
+for unit in hsdp_registry.units_under(model):
     unit.reshard(force=True)
 
 # an all-reduce of another size and dtype on rank 2 (world group)

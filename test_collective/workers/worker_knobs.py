@@ -25,7 +25,8 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
-from paddle_hsdp import comm
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
@@ -170,11 +171,11 @@ def report(name, worst, rtol=RTOL, note=""):
 
 
 def trainable_buffers(model):
-    return [b for u in paddle_hsdp.api._units_under(model) for b in u.buffers if b.trainable]
+    return [b for u in hsdp_registry.units_under(model) for b in u.buffers if b.trainable]
 
 
 def all_buffers(model):
-    return [b for u in paddle_hsdp.api._units_under(model) for b in u.buffers]
+    return [b for u in hsdp_registry.units_under(model) for b in u.buffers]
 
 
 ref32 = train_reference(round_bf16=False)
@@ -278,7 +279,7 @@ assert not hasattr(ignored, "_hsdp_sharded_param"), "ignored param became a shar
 assert ignored._is_initialized()
 assert all(sp.full is not ignored and sp.shard is not ignored
            for b in all_buffers(model) for sp in b.params), "ignored param is in a buffer"
-assert id(ignored) not in paddle_hsdp.api._owner_of
+assert id(ignored) not in hsdp_registry.owner_of
 assert sum(1 for p in model.parameters() if p is ignored) == 1
 run = train_hsdp(model, ignored=ignored)
 worst = compare(run, ref32)

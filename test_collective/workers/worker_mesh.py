@@ -19,8 +19,9 @@ import paddle.distributed as dist
 from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
-from paddle_hsdp import comm
-from paddle_hsdp import mesh as hsdp_mesh
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+from paddle_hsdp.topology import mesh as hsdp_mesh
 from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
                     uses_extra)
 
@@ -63,7 +64,7 @@ def run(mesh, rows, data, local, n_ranks, clip, ref):
     """Train on ``mesh``; this rank takes chunk ``local`` of the ``n_ranks`` chunks."""
     ref_losses, ref_params, ref_norms = ref
     model = shard(mesh)
-    units = paddle_hsdp.api._units_under(model)
+    units = hsdp_registry.units_under(model)
     m = units[0].mesh
     assert all(u.mesh is m for u in units)  # groups made once for the mesh
     assert hsdp_mesh.resolve_mesh(mesh) is m

@@ -21,7 +21,7 @@ from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowPar
                                                     VocabParallelEmbedding)
 
 import paddle_hsdp
-from paddle_hsdp import comm
+from paddle_hsdp.comm import collectives as comm
 from models import shard_tinylm
 
 VOCAB, HIDDEN, FF, SEQ = 18, 8, 10, 6  # mp slices of 9 and 5 rows: padded for inner 2

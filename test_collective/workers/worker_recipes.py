@@ -27,7 +27,8 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 
 import paddle_hsdp
-from paddle_hsdp.gather_check import CollectiveMismatchError
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+from paddle_hsdp.comm.gather_tags import CollectiveMismatchError
 from models import batches, build_model, lm_loss, make_optimizer, train_reference, uses_extra
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
@@ -190,7 +191,7 @@ if rank == 0:
     print("MISMATCH_MESSAGE " + str(err).replace("\n", "\n    "), flush=True)
 type(model).forward = original_forward
 assert all_shards(model) and all(u.state.value == "sharded"
-                                 for u in paddle_hsdp.api._units_under(model))
+                                 for u in hsdp_registry.units_under(model))
 check("after_mismatch_error", model, train(model, opt), "opt")
 
 # ---- 5. optimizers that cannot be right, refused at the step on every rank

@@ -19,7 +19,8 @@ import paddle
 import paddle.distributed as dist
 
 import paddle_hsdp
-from paddle_hsdp import comm
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import batches, build_model, lm_loss, make_optimizer, train_reference, uses_extra
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 3, 2, 0.2
@@ -45,7 +46,7 @@ def train(stage=None, toggle=None, prefetch=None):
     if prefetch is not None:
         model.set_prefetch_count(forward=prefetch, backward=prefetch)
     opt = make_optimizer(model, model.parameters(), CLIP)
-    units = paddle_hsdp.api._units_under(model)
+    units = hsdp_registry.units_under(model)
     losses, per_step, held, peak_units, worst = [], [], [], [], {"norm": 0.0}
     for step, micro_batches in enumerate(data):
         comm.counter.reset()

@@ -1,0 +1,82 @@
+"""``python -m paddle_hsdp.checkpoint inspect CKPT`` / ``consolidate CKPT OUT``: what a
+checkpoint holds, and its model tensors as one safetensors file with the unsharded
+model's keys."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+import paddle
+
+from .format import FORMAT, CheckpointError, _Reader, _read_rows, read_metadata
+
+
+def consolidate(path, out) -> list[str]:
+    """Write the checkpoint's model tensors as one safetensors file with the unsharded
+    model's ``state_dict()`` keys (tied aliases included); return the keys written.
+    Plain Paddle loads it with ``safetensors.paddle.load_file`` + ``set_state_dict``."""
+    from safetensors.paddle import save_file
+
+    meta = read_metadata(path)
+    reader = _Reader(os.fspath(path))
+    full = {}
+    for name, entry in meta["tensors"].items():
+        if "/optim/" in name:
+            continue
+        rows = entry["shape"][0] if entry["shape"] else 1
+        full[name] = _read_rows(reader, name, entry, 0, rows).reshape(entry["shape"])
+    for alias, name in meta["aliases"].items():
+        full[alias] = full[name]
+    # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16)
+    save_file({k: paddle.to_tensor(np.ascontiguousarray(v), dtype=_dtype_of(meta, k))
+               for k, v in full.items()}, os.fspath(out))
+    return list(full)
+
+
+def _dtype_of(meta, name) -> str:
+    return meta["tensors"][meta["aliases"].get(name, name)]["dtype"]
+
+
+def describe(path) -> str:
+    """What a checkpoint holds, as text (the ``inspect`` command)."""
+    meta = read_metadata(path)
+    lines = [f"{path}: {FORMAT}, saved {meta.get('saved_at')} by {meta['world_size']} "
+             f"rank(s); extra: {json.dumps(meta.get('extra'))}"]
+    total = 0
+    for name, t in sorted(meta["tensors"].items()):
+        numel = int(np.prod(t["shape"])) if t["shape"] else 1
+        total += numel * np.dtype(t["dtype"]).itemsize
+        lines.append(f"  {name:50s} {str(t['shape']):>18s} {t['dtype']:8s} "
+                     f"{len(t['pieces'])} piece(s)")
+    for alias, name in sorted(meta["aliases"].items()):
+        lines.append(f"  {alias:50s} = {name} (tied)")
+    files = sorted({p["file"] for t in meta["tensors"].values() for p in t["pieces"]})
+    lines.append(f"{len(meta['tensors'])} tensors, {total / 2**20:.1f} MiB in {len(files)} "
+                 f"file(s)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m paddle_hsdp.checkpoint",
+                                 description="Inspect or consolidate a paddle_hsdp checkpoint.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("inspect", help="print what a checkpoint holds").add_argument("ckpt")
+    c = sub.add_parser("consolidate", help="one safetensors file with the unsharded keys")
+    c.add_argument("ckpt")
+    c.add_argument("out")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(describe(args.ckpt))
+        else:
+            keys = consolidate(args.ckpt, args.out)
+            print(f"wrote {len(keys)} tensors to {args.out}")
+    except CheckpointError as e:
+        print(f"error: {e}")
+        return 1
+    return 0

@@ -1,0 +1,127 @@
+"""What this rank holds of a checkpoint: one item per tensor (or its block of rows),
+model parameters and buffers by their structured names in the unsharded model, and
+the optimizer's states of each as ``NAME/optim/STATE``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import paddle
+
+from ..engine.experts import names_and_aliases
+from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
+from ..engine.registry import managed_param, registry
+from .format import _rank_world
+
+
+class _Item:
+    """One checkpoint tensor as this rank holds it: rows ``[row0, row0 + rows)`` of a
+    tensor of ``shape``; ``get()`` reads them, ``put(array)`` writes them back."""
+
+    def __init__(self, name, shape, dtype, row0, rows, writes, get, put):
+        self.name, self.shape, self.dtype = name, [int(d) for d in shape], dtype
+        self.row0, self.rows, self.writes = row0, rows, writes
+        self.get, self.put = get, put
+
+
+def _dtype_name(dtype) -> str:
+    # bfloat16 travels as its raw uint16 bits (numpy has no bfloat16); the metadata
+    # keeps the real dtype, and _putter / consolidate turn the bits back into bfloat16
+    return str(dtype).replace("paddle.", "")
+
+
+def _check_supported(model) -> None:
+    from paddle.distributed.fleet.base import topology as fleet_topology
+
+    hcg = fleet_topology._HYBRID_PARALLEL_GROUP
+    if hcg is not None:
+        for getter, what in (("get_model_parallel_world_size", "mp_degree"),
+                             ("get_pipe_parallel_world_size", "pp_degree")):
+            if getattr(hcg, getter)() > 1:
+                raise NotImplementedError(
+                    f"save/load_checkpoint with {what} > 1 is not supported yet: tensor "
+                    "slices and pipeline stages are not recorded in the format.")
+
+
+def _writer(sp) -> bool:
+    """Whether this rank writes ``sp``'s block: one outer replica per buffer, rotating
+    with the buffer so the writing spreads over the replicas."""
+    buf = registry.buffer_of(sp)
+    return buf.outer.rank == (buf.unit_index + buf.index) % buf.outer.nranks
+
+
+def _param_items(model) -> tuple[list[_Item], dict, dict]:
+    canonical, aliases = names_and_aliases(model)
+    rank, _ = _rank_world()
+    items, by_shard = [], {}
+    for name, value in canonical.items():
+        sp = managed_param(value)
+        if sp is None:  # not sharded: the same on every rank; rank 0 writes it
+            items.append(_Item(name, value.shape, _dtype_name(value.dtype), 0,
+                               int(value.shape[0]) if value.shape else 1, rank == 0,
+                               _getter(value, None), _putter(value, None)))
+            by_shard[id(value)] = name
+            continue
+        start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
+        count = min(start + sp.rows_per_rank, sp.rows) - start
+        items.append(_Item(name, sp.shape, _dtype_name(sp.dtype), start, count, _writer(sp),
+                           _getter(sp.shard, count), _putter(sp.shard, count)))
+        by_shard[id(sp.shard)] = name
+    return items, by_shard, aliases
+
+
+def _getter(tensor, rows):
+    """Read the first ``rows`` rows of ``tensor`` (None: all of it; a scalar as [1])."""
+    def get():
+        array = tensor.numpy()
+        if array.ndim == 0:
+            array = array.reshape([1])
+        return array if rows is None else array[:rows]
+    return get
+
+
+def _putter(tensor, rows):
+    """Write ``rows`` (None: the whole tensor) into ``tensor`` in place, keeping any
+    padding rows of a shard as zeros."""
+    @paddle.no_grad()
+    def put(array):
+        if rows is None:
+            value = paddle.to_tensor(array.reshape(tensor.shape), dtype=tensor.dtype)
+        else:
+            full = np.zeros(tensor.shape, dtype=array.dtype)
+            full[:rows] = array
+            value = paddle.to_tensor(full, dtype=tensor.dtype)
+        paddle.assign(value, output=tensor)
+    return put
+
+
+def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item]:
+    """AdamW-style accumulators and master weights, as blocks of their parameter's rows
+    (``moment1``) or whole (``beta1_pow_acc``, shape [1])."""
+    _ensure_accumulators(optimizer)
+    items = []
+    for p in _params_of(optimizer):
+        name = by_shard.get(id(p))
+        if name is None:
+            continue
+        owner = param_items[name]
+        for acc, t in sorted(_states_of(optimizer, p).items()):
+            if list(t.shape) == list(p.shape):  # a block like its parameter
+                items.append(_Item(f"{name}/optim/{acc}", owner.shape, _dtype_name(t.dtype),
+                                   owner.row0, owner.rows, owner.writes,
+                                   _getter(t, owner.rows), _putter(t, owner.rows)))
+            else:  # a scalar, the same on every rank holding the parameter
+                items.append(_Item(f"{name}/optim/{acc}", t.shape, _dtype_name(t.dtype), 0,
+                                   int(t.shape[0]), owner.writes and owner.row0 == 0,
+                                   _getter(t, None), _putter(t, None)))
+    return items
+
+
+def _all_items(model, optimizer):
+    _check_supported(model)
+    items, by_shard, aliases = _param_items(model)
+    if optimizer is not None:
+        optimizer = unwrap_optimizer(optimizer)
+        by_name = {it.name: it for it in items}
+        items += _optimizer_items(optimizer, by_shard, by_name)
+    return items, aliases, optimizer

@@ -1,0 +1,113 @@
+"""``save_checkpoint``: every rank writes its pieces into ``CKPT.tmp-<token>``, all agree
+that every write succeeded, rank 0 writes the metadata and renames the directory into
+place (an older ``CKPT`` is replaced only then). A failure on any rank leaves the
+previous checkpoint as it was and raises on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+
+import numpy as np
+
+from .format import FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world, _token
+from .items import _all_items
+
+
+def _write_rank_file(path: str, tensors: dict) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
+    """Save ``model`` (and ``optimizer``, and JSON-serialisable ``extra``) to the
+    directory ``path``. A collective: call it on every rank. See the module docstring."""
+    if extra is not None:
+        json.dumps(extra)  # not serialisable: TypeError here, on every rank alike
+    path = os.path.abspath(os.fspath(path))
+    rank, world = _rank_world()
+    items, aliases, optimizer = _all_items(model, optimizer)
+    token = _token()
+    tmp = f"{path}.tmp-{token}"
+    pieces, error = {}, None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        fname = f"rank-{rank:05d}.safetensors"
+        tensors = {}
+        for it in items:
+            if not it.writes or it.rows == 0:
+                continue
+            array = np.ascontiguousarray(it.get())
+            key = it.name
+            tensors[key] = array
+            chunk = _chunk_rows(array)
+            pieces[it.name] = {"file": fname, "key": key, "row0": it.row0,
+                               "shape": it.shape, "dtype": it.dtype,
+                               "rows": int(array.shape[0]), "chunk_rows": chunk,
+                               "crc32": [zlib.crc32(array[i:i + chunk].tobytes())
+                                         for i in range(0, int(array.shape[0]), chunk)]}
+        if tensors:
+            _write_rank_file(os.path.join(tmp, fname), tensors)
+    except Exception as e:  # every rank must learn of it: agree below
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    everyone = _gather_json({"pieces": pieces, "error": error})
+    errors = [r["error"] for r in everyone if r["error"]]
+    if rank == 0:
+        if not errors:
+            try:
+                _publish(path, tmp, items, everyone, aliases, optimizer, extra, world)
+            except Exception as e:
+                errors.append(f"rank 0: {type(e).__name__}: {e}")
+        if errors:  # before the others learn the outcome: they return to a clean dir
+            shutil.rmtree(tmp, ignore_errors=True)
+    outcome = _gather_json("; ".join(errors) if rank == 0 else None)[0]  # rank 0 decides
+    if outcome:
+        raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
+                              f"(if any) is unchanged. {outcome}")
+
+
+def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> None:
+    tensors = {}
+    for it in items:
+        tensors[it.name] = {"shape": it.shape, "dtype": it.dtype, "pieces": []}
+    for record in everyone:  # other ranks may hold tensors rank 0 has not (experts)
+        for name, piece in record["pieces"].items():
+            shape, dtype = piece.pop("shape"), piece.pop("dtype")
+            entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+            if [entry["shape"], entry["dtype"]] != [shape, dtype]:
+                raise CheckpointError(f"{name}: ranks disagree on its shape or dtype "
+                                      f"({entry['shape']} {entry['dtype']} vs {shape} {dtype})")
+            entry["pieces"].append(piece)
+    for name, t in tensors.items():
+        t["pieces"].sort(key=lambda p: p["row0"])
+        rows = t["shape"][0] if t["shape"] else 1
+        covered = sum(p["rows"] for p in t["pieces"])
+        if covered > rows:
+            raise CheckpointError(
+                f"{name}: more than one rank holds different rows {covered} > {rows} under "
+                "this name. Are these local experts of different EP ranks? Give them "
+                "their global indices: mark_expert_params(layer, global_indices=...)")
+        if covered != rows:
+            raise CheckpointError(f"{name}: pieces cover {covered} of {rows} rows")
+    lr = getattr(optimizer, "_learning_rate", None)
+    meta = {"format": FORMAT, "world_size": world, "tensors": tensors, "aliases": aliases,
+            "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
+            "extra": extra, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta_path = os.path.join(tmp, META)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1, default=float)
+        f.flush()
+        os.fsync(f.fileno())
+    old = None
+    if os.path.exists(path):
+        old = f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

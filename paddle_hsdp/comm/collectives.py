@@ -1,0 +1,298 @@
+"""The only module that issues collectives.
+
+Every collective of the project goes through here so that backend quirks are handled
+once and every byte is counted once:
+
+* gloo has no reduce-scatter kernel: we reduce each rank's slice to its owner instead
+  (same result, more calls; gloo's reduces move about ``(1 + 1/n)`` times a ring
+  reduce-scatter's bytes per rank, measured on the two-host benchmark's link; the
+  counter records the ring figure, what NCCL's native op moves);
+* gloo's float16 all-reduce / reduce returns inf: we reduce in float32 and cast back
+  (bfloat16 works natively);
+* NCCL (and other device backends) use the native ops.
+
+The :data:`counter` records, per group label (or the caller's ``tag``) and per op, calls, payload bytes (the size
+of the full tensor the op is about) and the per-rank traffic a ring algorithm moves
+(``(n-1)/n`` of the payload for all-gather, reduce-scatter and broadcast, twice that for
+all-reduce). Those are the quantities DESIGN.md's volume formulas speak of.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import paddle
+import paddle.distributed as dist
+
+from . import fingerprint, watchdog
+from .fingerprint import describe
+
+# ---------------------------------------------------------------- counter
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+class CommCounter:
+    """Calls and bytes per (group label, op); a dict update per collective, no syncs."""
+
+    def __init__(self) -> None:
+        self._stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+
+    def record(self, label: str, op: str, payload_bytes: int, wire_bytes: float) -> None:
+        s = self._stats[(label, op)]
+        s.calls += 1
+        s.payload_bytes += payload_bytes
+        s.wire_bytes += wire_bytes
+
+    def get(self, label: str, op: str) -> OpStats:
+        s = self._stats.get((label, op))
+        return OpStats(s.calls, s.payload_bytes, s.wire_bytes) if s else OpStats()
+
+    def snapshot(self) -> dict[tuple[str, str], OpStats]:
+        return {k: OpStats(v.calls, v.payload_bytes, v.wire_bytes) for k, v in self._stats.items()}
+
+    def reset(self) -> None:
+        self._stats.clear()
+
+
+counter = CommCounter()
+
+# ---------------------------------------------------------------- groups
+
+_group_labels: dict[int, str] = {}
+
+
+def name_group(group, label: str) -> None:
+    """Give a group the label the counter files its traffic under (first name wins)."""
+    _group_labels.setdefault(group.id, label)
+
+
+def group_label(group) -> str:
+    return _group_labels.get(group.id, f"group{group.id}")
+
+
+def backend_of(group) -> str:
+    from paddle.distributed import collective
+
+    backend = collective._group_map_backend.get(group)
+    if backend is None:  # single-rank or foreign groups: fall back to the default
+        backend = collective._default_backend or "gloo"
+    return backend
+
+
+def is_gloo(group) -> bool:
+    return backend_of(group) == "gloo"
+
+
+def _nbytes(t) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+# ---------------------------------------------------------------- handles
+
+
+class Handle:
+    """What an async collective returns: ``wait()`` finishes it (idempotent).
+
+    ``finalize`` runs after the underlying tasks, e.g. the cast back from the float32
+    staging tensor of a float16 reduction on gloo.
+    """
+
+    def __init__(self, tasks=(), finalize: Callable[[], None] | None = None,
+                 failure: Callable[[Exception], Exception] | None = None,
+                 waiting_for: Callable[[], str] | None = None):
+        self._tasks = [t for t in tasks if t is not None]
+        self._finalize = finalize
+        self._failure = failure  # turns a backend error into a CollectiveError
+        self._waiting_for = waiting_for or (lambda: "an asynchronous collective")
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for t in self._tasks:
+            try:
+                with watchdog.watched(self._waiting_for):
+                    t.wait()
+            except Exception as e:
+                if self._failure is None:
+                    raise
+                raise self._failure(e) from e
+        if self._finalize is not None:
+            self._finalize()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _finish(handle: Handle, async_op: bool):
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed in the backend: a peer died, a link broke, a timeout hit."""
+
+
+def _failure(op: str, group, what):
+    """Make the error a failed ``op`` on ``group`` raises, naming both."""
+    def make(error: Exception) -> CollectiveError:
+        what_text = describe(what)
+        return CollectiveError(
+            f"paddle_hsdp: {op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
+            f"{' for ' + what_text if what_text else ''} failed: {type(error).__name__}: "
+            f"{str(error).strip()[:500]}. A rank of this group probably died or stopped "
+            "answering; this rank stops too (restart the job from the last checkpoint).")
+    return make
+
+
+def _waiting_for(op: str, group, what):
+    """The watchdog's description of a collective (built only if it times out)."""
+    return lambda: (f"{op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
+                    + (f" for {describe(what)}" if what else ""))
+
+
+def _issue(op: str, group, what: str | None, call):
+    """Run the backend call under the watchdog; a backend error becomes a
+    :class:`CollectiveError`."""
+    try:
+        with watchdog.watched(_waiting_for(op, group, what)):
+            return call()
+    except Exception as e:
+        raise _failure(op, group, what)(e) from e
+
+
+def _check_split(what: str, flat, shard, n: int) -> None:
+    if int(flat.numel()) != n * int(shard.numel()):
+        raise ValueError(f"{what} has {int(flat.numel())} elements, expected "
+                         f"{n} x {int(shard.numel())}")
+
+
+def _needs_fp32_staging(tensor, group) -> bool:
+    return tensor.dtype == paddle.float16 and is_gloo(group)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None,
+                    what: str | None = None):
+    """Gather equal shards of the group into ``out_flat`` (rank order), in place.
+    ``what`` names the caller's tensors in error messages and fingerprints."""
+    n = group.nranks
+    _check_split("all_gather_into: output", out_flat, shard, n)
+    payload = _nbytes(out_flat)
+    counter.record(tag or group_label(group), "all_gather", payload, payload * (n - 1) / n)
+    if n == 1:
+        paddle.assign(shard.reshape(out_flat.shape), output=out_flat)
+        return _finish(Handle(), async_op)
+    what = what or tag
+    fingerprint.verify("all_gather", shard, group, what)
+    task = _issue("all_gather", group, what, lambda: dist.stream.all_gather(
+        out_flat, shard, group=group, sync_op=not async_op))
+    return _finish(Handle([task], failure=_failure("all_gather", group, what),
+                          waiting_for=_waiting_for("all_gather", group, what)), async_op)
+
+
+def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None,
+                   what: str | None = None):
+    """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``.
+    ``in_flat`` is scratch: on gloo its other slices are overwritten."""
+    n = group.nranks
+    _check_split("reduce_scatter: input", in_flat, out_shard, n)
+    payload = _nbytes(in_flat)
+    counter.record(tag or group_label(group), "reduce_scatter", payload, payload * (n - 1) / n)
+    if n == 1:
+        paddle.assign(in_flat.reshape(out_shard.shape), output=out_shard)
+        return _finish(Handle(), async_op)
+    what = what or tag
+    fingerprint.verify("reduce_scatter", in_flat, group, what)
+    if not is_gloo(group):
+        task = _issue("reduce_scatter", group, what, lambda: dist.stream.reduce_scatter(
+            out_shard, in_flat, op=dist.ReduceOp.SUM, group=group, sync_op=not async_op))
+        return _finish(Handle([task], failure=_failure("reduce_scatter", group, what),
+                              waiting_for=_waiting_for("reduce_scatter", group, what)),
+                       async_op)
+    return _finish(_issue("reduce_scatter", group, what,
+                          lambda: _gloo_reduce_scatter(out_shard, in_flat, group)), async_op)
+
+
+def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
+    """gloo has no reduce-scatter: reduce each slice to the rank that owns it, in place
+    (gloo uses a non-owner's input as scratch, which only clobbers slices we never read)."""
+    staged = in_flat.astype("float32") if _needs_fp32_staging(in_flat, group) else in_flat
+    flat = staged.reshape([-1])
+    size = int(out_shard.numel())
+    mine = None
+    for i, owner in enumerate(group.ranks):
+        piece = flat._slice(i * size, (i + 1) * size)
+        dist.stream.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=group, sync_op=True)
+        if i == group.rank:
+            mine = piece
+    if mine.dtype != out_shard.dtype:
+        mine = mine.astype(out_shard.dtype)
+    paddle.assign(mine.reshape(out_shard.shape), output=out_shard)
+    return Handle()
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
+               op: str = "sum", what: str | None = None):
+    """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place."""
+    reduce_op = _REDUCE_OPS[op]
+    n = group.nranks
+    payload = _nbytes(tensor)
+    counter.record(tag or group_label(group), "all_reduce", payload, 2 * payload * (n - 1) / n)
+    if n == 1:
+        return _finish(Handle(), async_op)
+    what = what or tag
+    fingerprint.verify("all_reduce", tensor, group, what)
+    failure = _failure("all_reduce", group, what)
+    waiting_for = _waiting_for("all_reduce", group, what)
+    if _needs_fp32_staging(tensor, group):
+        staged = tensor.astype("float32")
+        task = _issue("all_reduce", group, what, lambda: dist.stream.all_reduce(
+            staged, op=reduce_op, group=group, sync_op=not async_op))
+        return _finish(Handle([task], lambda: paddle.assign(staged.astype(tensor.dtype),
+                                                            output=tensor), failure,
+                              waiting_for), async_op)
+    task = _issue("all_reduce", group, what, lambda: dist.stream.all_reduce(
+        tensor, op=reduce_op, group=group, sync_op=not async_op))
+    return _finish(Handle([task], failure=failure, waiting_for=waiting_for), async_op)
+
+
+def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None = None,
+              what: str | None = None):
+    """Copy ``tensor`` from global rank ``src`` to every member, in place."""
+    n = group.nranks
+    payload = _nbytes(tensor)
+    counter.record(tag or group_label(group), "broadcast", payload, payload * (n - 1) / n)
+    if n == 1:
+        return _finish(Handle(), async_op)
+    what = what or tag
+    fingerprint.verify("broadcast", tensor, group, what)
+    task = _issue("broadcast", group, what, lambda: dist.stream.broadcast(
+        tensor, src=src, group=group, sync_op=not async_op))
+    return _finish(Handle([task], failure=_failure("broadcast", group, what),
+                          waiting_for=_waiting_for("broadcast", group, what)), async_op)
+
+
+def barrier(group=None) -> None:
+    if group is not None and group.nranks == 1:
+        return
+    label = group_label(group) if group is not None else "world"
+    counter.record(label, "barrier", 0, 0.0)
+    with watchdog.watched(lambda: f"a barrier on group '{label}'"):
+        dist.barrier(group=group)

@@ -1,0 +1,114 @@
+"""Catch ranks that disagree on an all-gather, for a few elements per call.
+
+A unit that runs on some ranks but not on others makes ranks pair up different
+all-gathers. When the buffers have the same size nothing fails: each rank silently
+combines its own rows with another unit's rows. So every all-gather a buffer issues
+carries a short tag after this rank's shard, and the tags that come back are compared
+with our own before the result is used:
+
+    [unit index mod 256, unit index div 256, buffer index, purpose, call number mod 256]
+
+Every value is below 256, exact in every floating dtype a buffer may gather in
+(bfloat16 included) and in integer ones. The call number counts this process's
+all-gathers on that group: every member issues the same sequence on a group, so it
+also catches a rank that made one extra call (say ``state_dict()`` on rank 0 only).
+
+Cost: ``TAG_NUMEL`` elements per rank per all-gather on the wire, and a comparison of
+an ``[inner, TAG_NUMEL]`` array. On CPU the comparison runs at once; on a device it is
+kept as a device-side flag and read at the step boundary (:func:`raise_pending`), so
+that no all-gather forces a host sync. Buffers of sizes that differ across ranks never
+get that far: gloo aborts the process, NCCL hangs; the debug fingerprint mode of the
+reliability work covers those.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import Callable
+
+import numpy as np
+
+import paddle
+
+TAG_NUMEL = 5
+PURPOSES = {"compute": 1, "params": 2, "grads": 3}
+_PURPOSE_NAMES = {v: k for k, v in PURPOSES.items()}
+_HISTORY = 6  # calls remembered per group, for the error message
+
+_calls: dict[int, int] = defaultdict(int)  # group id -> all-gathers issued so far
+_history: dict[int, deque] = defaultdict(lambda: deque(maxlen=_HISTORY))
+_pending: list[tuple] = []  # device-side mismatch flags not read yet
+# What a buffer holds, given (unit index, buffer index), for the error message; the
+# engine sets it (comm imports nothing above it). None, or an answer of None: indices.
+_buffer_describer: Callable[[int, int], str | None] | None = None
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one group issued different all-gathers at the same point."""
+
+
+def can_tag(dtype) -> bool:
+    return dtype != paddle.bool and "complex" not in str(dtype)
+
+
+def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, dtype):
+    """This call's tag as a ``[TAG_NUMEL]`` tensor of ``dtype``; records the call."""
+    number = _calls[group.id]
+    _calls[group.id] = number + 1
+    values = [unit_index % 256, unit_index // 256 % 256, buffer_index % 256,
+              PURPOSES[purpose], number % 256]
+    _history[group.id].append((number, describe, purpose))
+    return paddle.to_tensor(values, dtype=dtype)
+
+
+def check(tags, own_tag, group) -> None:
+    """Compare every rank's tag (``tags``: ``[n, TAG_NUMEL]``) with ours."""
+    if tags.place.is_cpu_place():
+        _compare(tags.numpy(), own_tag.numpy(), group)
+    else:
+        bad = paddle.any(tags != own_tag.reshape([1, -1]))
+        _pending.append((bad, tags, own_tag, group))
+
+
+def raise_pending() -> None:
+    """Read the device-side flags recorded since the last call (one host sync)."""
+    pending, _pending[:] = list(_pending), []
+    for bad, tags, own_tag, group in pending:
+        if bool(bad):
+            _compare(tags.numpy(), own_tag.numpy(), group)
+
+
+def _compare(tags: np.ndarray, own: np.ndarray, group) -> None:
+    tags = tags.astype("int64")
+    own = own.astype("int64")
+    for i, row in enumerate(tags):
+        if not np.array_equal(row, own):
+            raise CollectiveMismatchError(_message(group, i, row))
+
+
+def _message(group, peer_index: int, row) -> str:
+    unit_index = int(row[0]) + 256 * int(row[1])
+    peer = group.ranks[peer_index]
+    what = _PURPOSE_NAMES.get(int(row[3]), "unknown")
+    mine = "\n".join(f"    all-gather #{n}: {describe()} ({purpose})"
+                     for n, describe, purpose in _history[group.id])
+    return (
+        f"Ranks disagree on an all-gather in group {list(group.ranks)}: rank {peer} was "
+        f"gathering {_describe(unit_index, int(row[2]))} ({what}) as its all-gather "
+        f"#{int(row[4])} (mod 256) on this group, while this rank's last all-gathers "
+        f"there were:\n{mine}\n"
+        "Every rank must run the same fully_shard units in the same order (a unit that "
+        "runs on some ranks only, e.g. an expert that got no tokens, must still be called "
+        "on every rank, on an empty batch), and collective calls such as state_dict() "
+        "must be made on every rank.")
+
+
+def set_buffer_describer(describer: Callable[[int, int], str | None]) -> None:
+    """How error messages name a peer's buffer (the engine's registry knows)."""
+    global _buffer_describer
+    _buffer_describer = describer
+
+
+def _describe(unit_index: int, buffer_index: int) -> str:
+    text = _buffer_describer(unit_index, buffer_index) if _buffer_describer else None
+    return text or f"unit {unit_index}, buffer {buffer_index}"

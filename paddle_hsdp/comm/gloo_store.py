@@ -1,0 +1,81 @@
+"""A rendezvous store per gloo sub-group (installed by :mod:`paddle_hsdp.patches.gloo_groups`).
+
+Paddle 3.3's ``ProcessGroupGloo`` rendezvouses on the *global* TCP store with keys that
+do not carry the group id, so two sub-groups created one after another (``fleet.init``
+makes dozens) can read each other's, or stale, peer addresses: launches fail with
+"connection refused" or hang until a gloo timeout.  We give every gloo sub-group its
+own rendezvous store instead.  The group's first member starts a ``TCPStore`` server on
+its own host address (the one the launcher advertises, never 127.0.0.1, so this works
+across machines) and publishes ``host:port`` in the global store under a key that is
+unique to the group id; the other members read it and connect.
+
+Group ids are consistent across ranks because every rank creates every group in the
+same global order (Paddle's HCG does; so does :mod:`paddle_hsdp.topology.fleet`).  NCCL and
+other backends are left untouched: they key their ids by group already.
+
+Shutdown: a store's server runs a libuv thread that logs (glog) when a peer's
+connection closes. Peers close their connections when they exit, which may be while
+this process is already in ``exit()``, after glog's statics are gone: the thread then
+aborts the process (seen as SIGABRT/SIGSEGV after the work was done, about one launch in
+30). So the server is a TCPStore object of its own, held only here (the process group
+gets a client store), and an ``atexit`` handler destroys every server while the
+interpreter and glog are alive, which stops and joins its thread. A server is needed
+only while its group is being created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+logger = logging.getLogger(__name__)
+
+_KEY_PREFIX = "paddle_hsdp/gloo_store"
+# Client stores live as long as their process groups (which hold them too).
+_group_stores: dict[int, object] = {}
+# Servers (on each group's first member): destroyed at exit by stop_servers().
+_servers: dict[int, object] = {}
+
+
+def _host_address() -> str:
+    """The address this rank's peers reach it at, as the launcher advertises it."""
+    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else ""
+    return host or socket.gethostbyname(socket.gethostname())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _store_timeout_s() -> int:
+    # Bounded wait: a peer that never shows up fails the launch instead of hanging it.
+    return int(os.environ.get("PADDLE_HSDP_GLOO_STORE_TIMEOUT", "300"))
+
+
+def make_group_store(global_store, group_rank: int, group_size: int, group_id: int):
+    """A rendezvous store private to one sub-group (see the module docstring)."""
+    from paddle.base import core
+
+    key = f"{_KEY_PREFIX}/{group_id}"
+    if group_rank == 0:
+        host = _host_address()
+        port = _free_port(host)
+        global_store.set(key, f"{host}:{port}")
+        # The master's constructor returns once all group_size members have connected.
+        _servers[group_id] = core.TCPStore(host, port, True, group_size, _store_timeout_s())
+    else:
+        host, port = global_store.get(key).decode().rsplit(":", 1)
+    store = core.TCPStore(host, int(port), False, group_size, _store_timeout_s())
+    _group_stores[group_id] = store
+    return store
+
+
+def stop_servers() -> None:
+    """Destroy this process's store servers (joins their threads). Registered with
+    ``atexit``; the groups keep working, their rendezvous is long done."""
+    while _servers:
+        _servers.popitem()

@@ -1,0 +1,94 @@
+"""A bound on how long any collective may take: no rank waits forever for a dead peer.
+
+A peer that *dies* makes gloo fail the next collective within seconds (its connection
+closes): :mod:`paddle_hsdp.comm.collectives` turns that into a ``CollectiveError`` naming the
+operation and the group. A peer that *hangs* (stuck in a loop, a deadlock, a paused
+host) closes nothing, and NCCL waits for a dead peer too: then every blocking
+collective this package issues is watched by a daemon thread, and one that has not
+finished after ``PADDLE_HSDP_COLLECTIVE_TIMEOUT`` seconds (default 300; 0 turns the
+watchdog off) makes the rank print what it was waiting for and exit with status 124,
+so the launcher ends the job. Backends release the GIL while they wait, so the thread
+runs while the main thread is blocked.
+
+Cost: a dict insert and delete and a clock read per collective; the thread wakes every
+few seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+EXIT_STATUS = 124
+_inflight: dict[int, tuple[float, str]] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+
+
+def timeout_s() -> float:
+    """The bound, from ``PADDLE_HSDP_COLLECTIVE_TIMEOUT`` (seconds; 0: no watchdog)."""
+    try:
+        value = float(os.environ.get("PADDLE_HSDP_COLLECTIVE_TIMEOUT", "300"))
+    except ValueError:
+        raise ValueError("PADDLE_HSDP_COLLECTIVE_TIMEOUT must be a number of seconds (0 "
+                         "turns the watchdog off), got "
+                         f"{os.environ['PADDLE_HSDP_COLLECTIVE_TIMEOUT']!r}") from None
+    if value < 0:
+        raise ValueError(f"PADDLE_HSDP_COLLECTIVE_TIMEOUT must be >= 0, got {value}")
+    return value
+
+
+@contextmanager
+def watched(describe):
+    """Run the body under the watchdog; ``describe()`` names it if it times out."""
+    limit = timeout_s()
+    if limit <= 0:
+        yield
+        return
+    _ensure_thread(limit)
+    token = next(_ids)
+    _inflight[token] = (time.monotonic(), describe)
+    try:
+        yield
+    finally:
+        _inflight.pop(token, None)
+
+
+def _ensure_thread(limit: float) -> None:
+    global _thread
+    with _lock:
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_watch, args=(limit,), daemon=True,
+                                       name="paddle_hsdp-watchdog")
+            _thread.start()
+
+
+def _watch(limit: float) -> None:
+    tick = min(5.0, max(limit / 10, 0.05))
+    while True:
+        time.sleep(tick)
+        now = time.monotonic()
+        for start, describe in list(_inflight.values()):
+            if now - start > limit:
+                _expire(describe, now - start)
+
+
+def _expire(describe, waited: float) -> None:
+    try:
+        what = describe()
+    except Exception as e:  # never let a message stop the exit
+        what = f"a collective ({type(e).__name__} while describing it)"
+    rank = os.environ.get("PADDLE_TRAINER_ID", "?")
+    sys.stderr.write(
+        f"paddle_hsdp watchdog (rank {rank}): {what} has not finished after {waited:.0f} s "
+        f"(PADDLE_HSDP_COLLECTIVE_TIMEOUT={timeout_s():g}): a rank of the group died or "
+        f"hangs. Exiting with status {EXIT_STATUS} so the job ends instead of hanging; "
+        "restart it from the last checkpoint.\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_STATUS)

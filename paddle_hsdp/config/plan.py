@@ -1,0 +1,195 @@
+"""A config's dry run on a model: which modules become units, what each rank holds and
+what one step moves, without processes, collectives or parameter memory.
+
+:func:`resolve_modules` turns a config's patterns into modules (shared with
+:func:`paddle_hsdp.apply_config`, so the plan describes exactly what it will shard);
+:func:`build_plan` claims parameters unit by unit the way ``fully_shard`` does, groups
+them into buffers with the engine's own rule
+(:func:`~paddle_hsdp.engine.unit.buffer_groups`), sizes the shards with the engine's
+own :class:`~paddle_hsdp.engine.param.ShardedParam`, and costs them with
+:mod:`paddle_hsdp.topology.cost`, the formulas the communication counter is checked
+against. Parameters built under ``paddle.LazyGuard()`` are read for their shapes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import paddle
+
+from ..engine.buffer import _element_size, dtypes_of
+from ..engine.experts import mark_expert_params
+from ..engine.param import ShardedParam
+from ..engine.policies import MixedPrecisionPolicy
+from ..engine.unit import _is_expert, buffer_groups
+from ..topology import cost
+from .patterns import match_modules, order_bottom_up
+from .schema import ConfigError, HSDPConfig
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class ModuleChoice:
+    """What a config's patterns select in one model (paths from the model's children)."""
+
+    wrap: list  # [(path, module)], bottom-up; the root is not in it (always last)
+    ignored: list
+    recompute: list
+    experts: list
+
+    def mark_experts(self) -> None:
+        """Flag the parameters of every ``expert_modules`` match as expert parameters."""
+        for _, module in self.experts:
+            mark_expert_params(module)
+
+    def ignored_params(self) -> list:
+        seen, out = set(), []
+        for _, module in self.ignored:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+
+def resolve_modules(model, config: HSDPConfig) -> ModuleChoice:
+    """Match every pattern list; refuse a module that is both wrapped and ignored (or
+    wrapped inside an ignored one). Raises ``ConfigError`` / ``PatternError`` before
+    anything is touched."""
+    def match(key):
+        patterns = list(getattr(config, key))
+        return match_modules(model, patterns, key) if patterns else []
+
+    choice = ModuleChoice(order_bottom_up(match("sub_modules_to_wrap")), match("ignored_modules"),
+                          match("recompute_modules"), match("expert_modules"))
+    errors = []
+    for path, _ in choice.wrap:
+        for ignored_path, _ in choice.ignored:
+            if path == ignored_path or path.startswith(ignored_path + "."):
+                errors.append(f"sub_modules_to_wrap: '{path}' is also ignored (ignored_modules "
+                              f"matches '{ignored_path}'); a module is either wrapped or ignored")
+    if errors:
+        raise ConfigError(errors)
+    return choice
+
+
+def mp_policy_of(config: HSDPConfig):
+    """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype)."""
+    dtypes = {k: _DTYPES[getattr(config, k)] for k in ("param_dtype", "reduce_dtype",
+                                                        "output_dtype") if getattr(config, k)}
+    if not dtypes:
+        return None
+    return MixedPrecisionPolicy(cast_forward_inputs=config.cast_forward_inputs, **dtypes)
+
+
+def reshard_after_forward_of(config: HSDPConfig, is_root: bool) -> bool:
+    """What a unit does after forward under ``config`` (``fully_shard``'s default: every
+    unit but the root reshards)."""
+    if config.zero_stage is not None:
+        return config.zero_stage == 3
+    if config.reshard_after_forward is not None:
+        return config.reshard_after_forward
+    return not is_root
+
+
+@dataclass
+class Plan:
+    """The dry run's result; ``str()`` is the table the ``plan`` command prints."""
+
+    world_size: int
+    outer: int
+    inner: int
+    expert_inner: int
+    units: list = field(default_factory=list)  # cost.UnitShape, in wrap order
+    micro_steps: int = 1
+    zero_stage: int | None = None
+    forward_prefetch: int = 1
+    source: str = ""
+
+    def comm_bytes(self) -> dict:
+        """Wire bytes per rank for one optimizer step, ``{(group label, op): bytes}``."""
+        return cost.step_comm(self.units, self.micro_steps, self.zero_stage)
+
+    def memory_bytes(self) -> dict:
+        return cost.memory_per_rank(self.units, self.forward_prefetch)
+
+    def __str__(self) -> str:
+        mb = 2.0 ** 20
+        lines = [f"paddle_hsdp plan for {self.source or 'a config'}: world {self.world_size} = "
+                 f"outer {self.outer} x inner {self.inner}"
+                 + (f" (experts: inner {self.expert_inner})" if self.expert_inner != self.inner
+                    else "")
+                 + f", {self.micro_steps} micro-step(s) per optimizer step",
+                 "",
+                 f"{'#':>3s}  {'unit':<36s} {'params':>12s} {'buffers':>7s} {'reshard':>7s} "
+                 f"{'shard MB':>9s} {'gathered MB':>11s}"]
+        for i, u in enumerate(self.units):
+            shard = sum(b.shard_numel * b.master_bytes for b in u.buffers)
+            lines.append(f"{i:>3d}  {u.path[:36]:<36s} {u.params:>12,d} {len(u.buffers):>7d} "
+                         f"{'yes' if u.reshard_after_forward else 'no':>7s} "
+                         f"{shard / mb:>9.2f} {u.gathered_bytes / mb:>11.2f}")
+        mem = self.memory_bytes()
+        lines += ["", "per rank (MB): " + ", ".join(
+            f"{k.replace('_', ' ')} {v / mb:.2f}" for k, v in mem.items())
+            + f"; total persistent {(mem['params'] + mem['grads'] + mem['optimizer']) / mb:.2f}",
+            "per optimizer step, bytes on the wire per rank:"]
+        comm = self.comm_bytes()
+        for (label, op), nbytes in sorted(comm.items()):
+            lines.append(f"  {label + ' ' + op:<28s} {nbytes:>16,.0f}  ({nbytes / mb:.2f} MB)")
+        return "\n".join(lines)
+
+
+def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, inner: int,
+               expert_inner: int | None = None, expert_outer: int | None = None,
+               micro_steps: int = 1, source: str = "",
+               labels: dict | None = None) -> Plan:
+    """Cost ``config`` on ``model`` for an ``outer x inner`` layout (experts may have
+    their own inner size when EP > 1). ``labels``: the counter's group labels
+    (``inner``, ``expert_inner``, ``outer``), the defaults fleet gives."""
+    expert_inner = expert_inner or inner
+    expert_outer = expert_outer or outer
+    labels = {"inner": "inner", "expert_inner": "expert_inner", "outer": "outer",
+              **(labels or {})}
+    if expert_inner == inner and expert_outer == outer:
+        labels["expert_inner"] = labels["inner"]  # one group for both: its first name
+    policy = mp_policy_of(config)
+    claimed = {id(p) for p in choice.ignored_params()}
+    units = []
+    for path, module in [*choice.wrap, ("", model)]:
+        sps = []
+        for prefix, sub in module.named_sublayers(include_self=True):
+            for name, p in sub._parameters.items():
+                if p is None or id(p) in claimed:
+                    continue
+                claimed.add(id(p))
+                size = expert_inner if _is_expert(p) else inner
+                fqn = ".".join(x for x in (path, prefix, name) if x)
+                sps.append(ShardedParam(p, fqn, size, 0))
+        buffers = tuple(_buffer_shape(params, expert, policy, labels,
+                                      expert_outer if expert else outer)
+                        for (_, _, expert, _), params in buffer_groups(sps, {}).items())
+        units.append(cost.UnitShape(path or "<root>", buffers,
+                                    reshard_after_forward_of(config, path == ""),
+                                    sum(sp.numel for sp in sps)))
+    return Plan(world_size=outer * inner, outer=outer, inner=inner, expert_inner=expert_inner,
+                units=units, micro_steps=micro_steps, zero_stage=config.zero_stage,
+                forward_prefetch=config.num_to_forward_prefetch, source=source)
+
+
+def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cost.BufferShape:
+    gather, reduce, compute = dtypes_of(params[0].dtype, policy)
+    return cost.BufferShape(
+        shard_numel=sum(sp.chunk_numel for sp in params),
+        logical_numel=sum(sp.numel for sp in params),
+        inner=params[0].inner_size, outer=outer,
+        master_bytes=_element_size(params[0].dtype), gather_bytes=_element_size(gather),
+        reduce_bytes=_element_size(reduce), compute_bytes=_element_size(compute),
+        trainable=params[0].trainable,
+        inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"])
+
+
+def build_lazily(factory):
+    """``factory()`` under ``paddle.LazyGuard()``: parameters with shapes, no memory."""
+    with paddle.LazyGuard():
+        return factory()

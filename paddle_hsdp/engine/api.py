@@ -1,0 +1,468 @@
+"""The user-facing API: ``fully_shard``, ``FSDPModule``, ``full_state_dict``.
+
+Thin: it validates, builds an :class:`~paddle_hsdp.engine.unit.FSDPUnit` and registers hooks.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import paddle
+
+from ..comm import collectives as comm
+from ..topology.mesh import resolve_mesh
+from . import hooks
+from .flex import sharded_state_dict
+from .param import ShardedParam
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .registry import managed_param, owning_unit, registry, units_under
+from .unit import FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert
+
+
+class FSDPModule:
+    """Mixed into every module ``fully_shard`` returns (``isinstance`` works).
+
+    The methods follow torch FSDP2. Where paddle_hsdp differs, the docstring says so.
+    Methods with ``recurse`` apply to every FSDP module in the subtree (default True).
+    """
+
+    @property
+    def _hsdp_unit(self) -> FSDPUnit:
+        return self.__dict__["_hsdp_unit_"]
+
+    def _units(self, recurse: bool) -> list[FSDPUnit]:
+        return units_under(self) if recurse else [self._hsdp_unit]
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            # A forward that raised leaves gathered params in the module slots, so
+            # model.parameters() would give full tensors; put the shards back (local).
+            hooks.abandon_forward(units_under(self))
+            raise
+
+    def sharded_state_dict(self, structured_name_prefix: str = ""):
+        """This rank's shards as ``ShardedWeight``s for Paddle's ``flex_checkpoint.dcp``
+        (see :func:`paddle_hsdp.engine.flex.sharded_state_dict`)."""
+        for unit in units_under(self):
+            unit.reshard(force=True)  # the shards are the truth; no stale gathered copy
+        return sharded_state_dict(self, structured_name_prefix)
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters now (a collective: call on every rank).
+
+        With ``async_op=True`` returns a handle with ``wait()``; on gloo collectives
+        complete before they return, so the handle is already done."""
+        _check_bool(async_op, "unshard(async_op)")
+        self._hsdp_unit.unshard()
+        return comm.Handle() if async_op else None
+
+    def reshard(self) -> None:
+        """Free the gathered parameters; modules see the local shards again."""
+        self._hsdp_unit.reshard(force=True)
+
+    def set_reshard_after_forward(self, value: bool, recurse: bool = True) -> None:
+        """True: free gathered params after forward, gather again for backward (ZeRO-3)."""
+        _check_bool(value, "set_reshard_after_forward(value)")
+        _check_bool(recurse, "set_reshard_after_forward(recurse)")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = bool(value)
+
+    def set_reduce_grads_at_end_of_backward(self, value: bool, recurse: bool = True) -> None:
+        """paddle_hsdp's addition. False (default): each unit reduce-scatters its grads
+        as soon as its backward is done, so full-size grads of about one unit are alive
+        at a time; this needs every rank to run the same units, whose inputs require
+        grad alike. True: every unit reduces when the whole backward ends (all full-size
+        grads alive at once), safe for models that cannot promise that."""
+        _check_bool(value, "set_reduce_grads_at_end_of_backward(value)")
+        _check_bool(recurse, "set_reduce_grads_at_end_of_backward(recurse)")
+        for unit in self._units(recurse):
+            unit.reduce_grads_in_backward = not value
+
+    def set_reshard_after_backward(self, value: bool, recurse: bool = True) -> None:
+        """False: keep params gathered after backward for the next micro-step. They are
+        resharded after the optimizer step in any case (the update makes them stale)."""
+        _check_bool(value, "set_reshard_after_backward(value)")
+        _check_bool(recurse, "set_reshard_after_backward(recurse)")
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = bool(value)
+
+    def set_requires_gradient_sync(self, value: bool, recurse: bool = True) -> None:
+        """False: no grad communication at the end of backward; full-size grads
+        accumulate locally. Differs from torch: whatever is still unreduced at the
+        optimizer step is reduce-scattered there, so a forgotten True never leaves
+        replicas with unsynced grads."""
+        _check_bool(value, "set_requires_gradient_sync(value)")
+        _check_bool(recurse, "set_requires_gradient_sync(recurse)")
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = bool(value)
+
+    def set_requires_all_reduce(self, value: bool, recurse: bool = True) -> None:
+        """Whether the step boundary runs the outer all-reduce. paddle_hsdp runs it once
+        per optimizer step anyway (never per micro-step), so torch's pattern (False on
+        non-last micro-steps, True on the last) gives exactly one all-reduce. False at
+        the step itself: each replica steps on the mean grad of its own inner group."""
+        _check_bool(value, "set_requires_all_reduce(value)")
+        _check_bool(recurse, "set_requires_all_reduce(recurse)")
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(value)
+
+    def set_is_last_backward(self, value: bool) -> None:
+        """Accepted for torch compatibility. paddle_hsdp finishes grad sync at the
+        optimizer step boundary, so it needs no marking of the last backward; the flag
+        is recorded on the units (``unit.is_last_backward``) and changes nothing."""
+        _check_bool(value, "set_is_last_backward(value)")
+        for unit in units_under(self):
+            unit.is_last_backward = bool(value)
+
+    def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
+        """Divide the summed grads by ``factor`` instead of the data-parallel size."""
+        if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                or not math.isfinite(factor) or factor <= 0):
+            raise ValueError("set_gradient_divide_factor(factor): factor must be a finite "
+                             f"number > 0, got {factor!r}")
+        _check_bool(recurse, "set_gradient_divide_factor(recurse)")
+        for unit in self._units(recurse):
+            unit.gradient_divide_factor = float(factor)
+
+    def set_modules_to_forward_prefetch(self, modules) -> None:
+        """Gather these FSDP modules right after this one, before its forward."""
+        self._hsdp_unit.forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch")
+                                            for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules) -> None:
+        """Gather these FSDP modules right after this one, before its backward."""
+        self._hsdp_unit.backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch")
+                                             for m in modules]
+
+    def set_prefetch_count(self, forward: int = 1, backward: int = 1,
+                           recurse: bool = True) -> None:
+        """How many units ahead (in recorded forward order) to gather; 0 disables.
+        paddle_hsdp's addition: the default is one unit ahead both ways."""
+        for name, count in (("forward", forward), ("backward", backward)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+                raise ValueError(f"set_prefetch_count({name}=...): a whole number of units "
+                                 f">= 0 (0 disables prefetch), got {count!r}")
+        _check_bool(recurse, "set_prefetch_count(recurse)")
+        for unit in self._units(recurse):
+            unit.forward_prefetch_count, unit.backward_prefetch_count = int(forward), int(backward)
+
+
+def _check_bool(value, what: str) -> None:
+    """Strings such as "False" are truthy: accept real booleans only."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be True or False, got {value!r} "
+                        f"({type(value).__name__})")
+
+
+def _unit_of(module, what: str) -> FSDPUnit:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{what}: {type(module).__name__} is not an FSDP module "
+                         "(call fully_shard on it first)")
+    return module._hsdp_unit
+
+
+ZERO_STAGES = {
+    # stage: (reshard_after_forward, reshard_after_backward, requires_gradient_sync)
+    3: (True, True, True),
+    2: (False, True, True),
+    1: (False, False, False),
+}
+
+
+def set_zero_stage(model, stage: int) -> None:
+    """One word for the three ZeRO levels, on every FSDP module under ``model``.
+
+    * 3: params freed after forward and gathered again for backward; grads
+      reduce-scattered every micro-step.
+    * 2: params stay gathered from a unit's forward until its backward is done; grads
+      reduce-scattered every micro-step.
+    * 1: params stay gathered and full-size grads accumulate locally through the
+      micro-steps; one reduce-scatter and one outer all-reduce at the optimizer step.
+    Optimizer state is sharded at every level.
+    """
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise ValueError(f"set_zero_stage: stage must be one of {sorted(ZERO_STAGES)}, "
+                         f"got {stage!r}")
+    if not isinstance(model, FSDPModule):
+        raise ValueError("set_zero_stage: call fully_shard on the model first")
+    forward, backward, sync = ZERO_STAGES[stage]
+    for unit in units_under(model):
+        unit.reshard_after_forward = forward
+        unit.reshard_after_backward = backward
+        unit.requires_gradient_sync = sync
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _make_fsdp_class(module) -> None:
+    cls = type(module)
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _fsdp_classes[cls]
+
+
+def _check_reshard_after_forward(value):
+    """None, True, False; Paddle's own fully_shard also takes 1 and 0 for True/False."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return None if value is None else bool(value)
+    if isinstance(value, numbers.Integral):
+        if value in (0, 1):
+            return bool(value)
+        raise NotImplementedError(
+            f"reshard_after_forward={value!r}: only True, False (or 1, 0) or None are "
+            "supported (torch's int reshard size is not implemented).")
+    raise TypeError(f"reshard_after_forward must be None, True or False, got {value!r} "
+                    f"({type(value).__name__})")
+
+
+def _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params) -> list:
+    """Check the arguments that need no model; return ``ignored_params`` as a list (a
+    generator is read once, here)."""
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be a callable param -> placement or None, "
+                        f"got {type(shard_placement_fn).__name__}")
+    ignored = []
+    if ignored_params is not None:
+        if isinstance(ignored_params, paddle.Tensor) or not hasattr(ignored_params, "__iter__"):
+            raise TypeError("ignored_params must be an iterable (set, list) of parameters, "
+                            f"got {type(ignored_params).__name__}")
+        ignored = list(ignored_params)
+        bad = [type(p).__name__ for p in ignored if not isinstance(p, paddle.Tensor)]
+        if bad:
+            raise TypeError(f"ignored_params must hold parameters only, got {bad[0]}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError("mp_policy must be a paddle_hsdp.MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError("offload_policy must be paddle_hsdp.OffloadPolicy or "
+                        f"CPUOffloadPolicy, got {type(offload_policy).__name__}")
+    return ignored
+
+
+def _check_module(module) -> None:
+    if not isinstance(module, paddle.nn.Layer):
+        raise TypeError(f"fully_shard expects a paddle.nn.Layer, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; "
+                         "apply it once per module.")
+    for unit in registry.units:
+        if any(sub is module for sub in unit.module.sublayers()):
+            raise ValueError(
+                f"fully_shard on a {type(module).__name__} whose parent "
+                f"{type(unit.module).__name__} is already sharded: apply fully_shard "
+                "bottom-up (children first, the root last).")
+    if not any(True for _ in module.parameters()):
+        raise ValueError(f"fully_shard on a {type(module).__name__} that has no parameters "
+                         "at all: there is nothing to shard.")
+
+
+def _check_sizes(claims: list[tuple]) -> None:
+    """A zero-size parameter has no rows to shard and no storage to gather from."""
+    for _, _, fqn, p, owner in claims:
+        if owner is None and 0 in list(p.shape):
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' has a zero-size shape {list(p.shape)}: "
+                "there is nothing to shard. Leave it out with ignored_params=[...] (it stays "
+                "as it is on every rank) or remove it from the model.")
+
+
+def _ignored_in(module, ignored: list) -> dict:
+    """``{id: param}`` of the ``ignored`` params this call is about: those in
+    ``module``'s subtree (others belong to other calls, as in torch). Raises for one a
+    sub-module's ``fully_shard`` already sharded: this call can no longer leave it whole."""
+    wanted = {id(p): p for p in ignored}
+    subtree = {id(m) for m in module.sublayers(include_self=True)}
+    for p in ignored:
+        sp = managed_param(p)
+        if sp is not None and id(owning_unit(sp).module) in subtree:
+            raise ValueError(
+                f"ignored_params holds {sp.fqn} of {type(owning_unit(sp).module).__name__}, "
+                "which an earlier fully_shard call on a sub-module already sharded; pass it "
+                "in that call's ignored_params instead.")
+    found = {}
+    for sub in module.sublayers(include_self=True):
+        for name, p in sub._parameters.items():
+            if p is not None and id(p) in wanted:
+                found[id(p)] = p
+    return found
+
+
+def _placements(module, shard_placement_fn, ignored: set) -> dict:
+    """``{id(param): "replicate"}`` for params a placement keeps whole; checks the rest."""
+    if shard_placement_fn is None:
+        return {}
+    from paddle.distributed import Replicate, Shard
+
+    out = {}
+    for p in module.parameters():
+        if id(p) in ignored or hasattr(p, "_hsdp_sharded_param"):
+            continue
+        placement = shard_placement_fn(p)
+        if placement is None or (isinstance(placement, Shard) and placement.get_dim() == 0):
+            continue
+        if isinstance(placement, Replicate):
+            out[id(p)] = "replicate"
+            continue
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for {p.name}: supported are None "
+            "(default), paddle.distributed.Shard(0), and paddle.distributed.Replicate() "
+            "(keep the parameter whole on every rank, e.g. for Muon).")
+    return out
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=None, offload_policy=None, ignored_params=None,
+                enable_tensor_fusion_and_overlap=True):
+    """Shard ``module``'s parameters over the inner group, replicate over the outer.
+
+    Call it bottom-up: each call makes one communication unit of the parameters not
+    already owned by a sharded sub-module; call it last on the root. After the root
+    call, ``module.parameters()`` yields this rank's shards: build the optimizer then.
+
+    ``reshard_after_forward``: True frees the gathered parameters after forward and
+    gathers again for backward (ZeRO-3); False keeps them until the unit's backward is
+    done (ZeRO-2); None means True for every unit except the root. See also
+    :func:`set_zero_stage`.
+    ``shard_placement_fn(param)``: None or ``Shard(0)`` (default dim-0 blocks), or
+    ``Replicate()`` (kept whole on every rank; grads all-reduced over the FSDP group).
+    ``mp_policy``: a :class:`MixedPrecisionPolicy`. ``offload_policy``:
+    :class:`OffloadPolicy` (none) or :class:`CPUOffloadPolicy`.
+    ``ignored_params``: params left alone: not sharded, not synchronised (the user's);
+    those outside ``module`` are not this call's business and are left out.
+    ``enable_tensor_fusion_and_overlap`` (Paddle's own ``fully_shard`` keyword):
+    True (default) issues prefetch all-gathers, reduce-scatters and outer all-reduces
+    asynchronously and waits for each just before its result is needed; False makes
+    every collective synchronous. Parameters are fused into buffers either way.
+    Every check runs before anything changes and before any collective, so a rejected
+    call raises on every rank alike and leaves the model as it was.
+    """
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward)
+    _check_bool(enable_tensor_fusion_and_overlap,
+                "fully_shard(enable_tensor_fusion_and_overlap)")
+    ignored_list = _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params)
+    _check_module(module)
+    ignored_here = _ignored_in(module, ignored_list)
+    ignored = set(registry.ignored) | set(ignored_here)
+    placements = _placements(module, shard_placement_fn, ignored)
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        offload_policy.check_supported()
+    mesh = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
+    claims = _plan_claims(module, ignored, placements)
+    _check_sizes(claims)
+    # Nothing changed so far; from here on the call acts.
+    registry.ignored.update(ignored_here)
+    hooks.install()
+    unit = FSDPUnit(module, len(registry), mesh, reshard_after_forward, mp_policy, offload_policy)
+    unit.overlap = bool(enable_tensor_fusion_and_overlap)
+    _apply_claims(unit, claims, placements)
+    unit.build_buffers(placements)
+    unit.shard_initial()  # first collective: broadcast over the outer group
+    registry.units.append(unit)
+    hooks.register_unit_hooks(unit, registry.units)
+    module.__dict__["_hsdp_unit_"] = unit
+    _make_fsdp_class(module)
+    for sp in unit.params:
+        for sub, _ in sp.users:
+            hooks.watch_direct_calls(sub, unit, registry.units)
+    return module
+
+
+def _plan_claims(module, ignored: set, placements: dict) -> list[tuple]:
+    """What :func:`_apply_claims` will do, without doing it: for every module slot of
+    ``module``'s subtree, ``(sub, name, fqn, param, owner)`` where ``owner`` is the
+    ``(unit, ShardedParam)`` of a param another unit owns (tied weights), else None."""
+    claims = []
+    for prefix, sub in module.named_sublayers(include_self=True):
+        for name, p in list(sub._parameters.items()):
+            if p is None or hasattr(p, "_hsdp_sharded_param") or id(p) in ignored:
+                continue  # empty slot, a shard param of a sub-unit, or ignored
+            fqn = f"{prefix}.{name}" if prefix else name
+            claims.append((sub, name, fqn, p, registry.owner_of.get(id(p))))
+    return claims
+
+
+def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None:
+    """Take every planned param no unit owns yet; record every module slot that names
+    it. Slots naming a param another unit owns (tied weights) are handed to that owner,
+    and this unit will gather the owner with itself."""
+    claimed: dict[int, ShardedParam] = {}
+    for sub, name, fqn, p, owner in claims:
+        if owner is not None:
+            owner_unit, sp = owner
+            sp.users.append((sub, name))
+            sub._parameters[name] = sp.full if owner_unit.state is UnitState.UNSHARDED \
+                else sp.shard
+            if owner_unit is not unit and owner_unit not in unit.borrowed:
+                unit.borrowed.append(owner_unit)
+                owner_unit.borrowed_by.append(unit)
+            hooks.watch_direct_calls(sub, owner_unit, registry.units)
+            continue
+        if id(p) not in claimed:
+            if placements.get(id(p)) == "replicate":
+                claimed[id(p)] = ShardedParam(p, fqn, 1, 0)  # whole on every rank
+            else:
+                inner = unit.mesh.inner(_is_expert(p))
+                claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
+        claimed[id(p)].users.append((sub, name))
+    unit.params = list(claimed.values())
+    for sp in unit.params:
+        registry.owner_of[id(sp.full)] = (unit, sp)
+
+
+@paddle.no_grad()
+def full_state_dict(model) -> dict[str, paddle.Tensor]:
+    """``{name: full tensor}`` with exactly the keys of the unsharded model's
+    ``state_dict()``: tied aliases and persistable buffers included, sharded params
+    gathered from their (float32 master) shards, everything else copied. A collective
+    (one all-gather per buffer): call it on every rank."""
+    live = model._state_dict_impl(use_hook=False)
+    out = model.state_dict()
+    return {k: v.detach().clone() if v is live.get(k) else v for k, v in out.items()}
+
+
+@paddle.no_grad()
+def full_grads(model) -> dict[str, paddle.Tensor | None]:
+    """``{name: full gradient}`` as the shards hold it now (call
+    ``finish_grad_sync`` first for the step's synced value). A collective."""
+    return _gather_named(model, grads=True)
+
+
+def _gather_named(model, grads: bool) -> dict:
+    full_of: dict[int, paddle.Tensor] = {}
+    for unit in units_under(model):
+        for buf in unit.buffers:
+            if grads and not buf.trainable:
+                continue
+            for sp, full in zip(buf.params, buf.gather_full(grads=grads)):
+                full_of[id(sp.shard)] = full
+    own = (lambda p: p.grad) if grads else (lambda p: p.detach().clone())
+    return {name: full_of.get(id(p), own(p)) for name, p in model.named_parameters()}
+
+
+def memory_report(model) -> dict[str, int]:
+    """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
+    ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
+    ``peak_gathered`` / ``peak_gathered_units``: the most full-size param bytes and
+    units gathered at once (all models), and ``peak_full_grads``: the most full-size
+    grad bytes alive at a post-backward or end of backward, since
+    :func:`reset_peak_memory`."""
+    total = {"shard": 0, "grad": 0, "gathered": 0}
+    for unit in units_under(model):
+        for key, value in unit.held_bytes().items():
+            total[key] += value
+    total["peak_gathered"] = GatheredBytes.peak
+    total["peak_gathered_units"] = GatheredBytes.units_peak
+    total["peak_full_grads"] = FullGradBytes.peak
+    return total
+
+
+def reset_peak_memory() -> None:
+    """Restart the peaks ``memory_report`` gives; also turns on the sampling of
+    full-size grad bytes during backward (``peak_full_grads``)."""
+    GatheredBytes.reset_peak()
+    FullGradBytes.tracking, FullGradBytes.peak = True, 0

@@ -1,0 +1,336 @@
+"""A fused buffer: the parameters of one unit that travel in one collective.
+
+Parameters are grouped by what must agree inside one collective: dtype, trainable or
+frozen, dense or expert (expert buffers use the expert groups).  Optimizer attributes
+need not agree, because the optimizer sees per-parameter shards (see
+:mod:`~paddle_hsdp.engine.param`).
+
+This rank's shard of the buffer is the concatenation of its block of every parameter,
+``S`` elements; the all-gather output is ``[I, S]`` row-major (rank ``i``'s shard in row
+``i``), and the reduce-scatter input is built in the same layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+
+from ..comm import collectives as comm
+from ..comm import gather_tags
+from ..topology.cost import BufferShape
+from . import trace
+from .param import ShardedParam
+from .registry import registry
+
+# A mismatched all-gather's message names the peer's buffer through the registry.
+gather_tags.set_buffer_describer(registry.describe_buffer)
+
+
+class ShardBuffer:
+    """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
+    in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
+    the optimizer stay in the parameters' own dtype (the float32 master copy).
+    ``offload_policy`` (``CPUOffloadPolicy``): shards and grads in host memory."""
+
+    def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool,
+                 mp_policy=None, offload_policy=None):
+        self.params = params
+        self.inner = inner_group
+        self.outer = outer_group
+        self.is_expert = is_expert
+        self.dtype = params[0].dtype
+        self.trainable = params[0].trainable
+        self.gather_dtype, self.reduce_dtype, self.compute_dtype = dtypes_of(self.dtype,
+                                                                             mp_policy)
+        # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
+        # state) live in host memory; collectives and compute run on the device.
+        self.offload = offload_policy is not None and getattr(offload_policy, "offloads", False)
+        self.pin_memory = bool(getattr(offload_policy, "pin_memory", False))
+        self.device = paddle.get_device()
+        offset = 0
+        for sp in params:
+            sp.offset = offset
+            offset += sp.chunk_numel
+        self.shard_numel = offset
+        self.inner_size = inner_group.nranks
+        # Fixed per buffer; every unshard/reshard reads them for the memory report.
+        self.element_size = _element_size(self.dtype)
+        self.compute_element_size = _element_size(self.compute_dtype)
+        self.compute_nbytes = sum(sp.numel for sp in params) * self.compute_element_size
+        # Set by the unit: which unit this buffer belongs to, for tags and messages.
+        self.unit_index, self.index, self.owner = 0, 0, None
+        # Storage: the flat shard (plus the tag's slots; shard params are views of it)
+        # and, once grads arrive, the flat grad (shard grads are views of it).
+        self.flat = None
+        self.flat_grad = None
+
+    # -------------------------------------------------------------- placement
+    def to_device(self, t):
+        return t.to(self.device) if self.offload else t
+
+    def to_host(self, t):
+        if not self.offload:
+            return t
+        t = t.cpu()
+        return t.pin_memory() if self.pin_memory else t
+
+    # -------------------------------------------------------------- sizes
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the gathered buffer, padding included (``I * S``)."""
+        return self.inner_size * self.shard_numel
+
+    @property
+    def logical_numel(self) -> int:
+        return sum(sp.numel for sp in self.params)
+
+    def shape(self):
+        """This buffer's sizes for :mod:`paddle_hsdp.topology.cost`."""
+        return BufferShape(
+            shard_numel=self.shard_numel, logical_numel=self.logical_numel,
+            inner=self.inner.nranks, outer=self.outer.nranks,
+            master_bytes=self.element_size, gather_bytes=_element_size(self.gather_dtype),
+            reduce_bytes=_element_size(self.reduce_dtype),
+            compute_bytes=self.compute_element_size, trainable=self.trainable,
+            inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer))
+
+    # -------------------------------------------------------------- storage
+    def _views_of(self, flat) -> None:
+        """Make every shard param a view of its chunk of ``flat`` (the buffer's storage)."""
+        self.flat = flat
+        for sp in self.params:
+            sp.attach_shard(flat)
+
+    def _repair_views(self) -> None:
+        """Shard params are views of ``self.flat``; a call that gave one new storage
+        (anything but Paddle's in-place ops) would leave ``flat`` stale: copy its value
+        back in and share again. One pointer comparison per param otherwise."""
+        for sp in self.params:
+            if not sp.shard_is_view_of(self.flat):
+                paddle.assign(sp.shard.detach().reshape([-1]), output=sp.piece_of(self.flat))
+                sp.attach_shard(self.flat)
+
+    def grad_flat(self) -> paddle.Tensor:
+        """The flat grad storage, every shard param's ``.grad`` a view of it. Grads that
+        were released (``clear_grad(set_to_zero=False)``) read as zeros; a grad the user
+        replaced by another tensor is copied in."""
+        if self.flat_grad is None:
+            self.flat_grad = self.to_host(paddle.zeros([self.shard_numel], self.dtype))
+        for sp in self.params:
+            grad = sp.shard.grad
+            if grad is None:
+                piece = sp.piece_of(self.flat_grad)
+                paddle.assign(paddle.zeros_like(piece), output=piece)
+            elif not sp.grad_is_view_of(self.flat_grad):
+                paddle.assign(grad.reshape([-1]), output=sp.piece_of(self.flat_grad))
+            else:
+                continue
+            sp.attach_grad(self.flat_grad)
+        return self.flat_grad
+
+    # -------------------------------------------------------------- sharding
+    def shard_from_full(self, src_outer_rank: int) -> None:
+        """Cut this rank's blocks out of the local full params into one flat shard
+        (plus the all-gather tag's slots), make outer replicas identical (broadcast from
+        outer rank ``src_outer_rank``), and make the shard params views of it."""
+        rank = self.inner.rank
+        blocks = []
+        for sp in self.params:
+            # A param built under paddle.LazyGuard() has no data yet: materialise it
+            # alone, keep this rank's block, free it; no rank ever holds the full model.
+            if not sp.full._is_initialized():
+                sp.full.initialize()
+            blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
+            sp.free_full_data()
+        blocks.append(paddle.zeros([gather_tags.TAG_NUMEL], self.dtype))
+        flat = paddle.concat(blocks)
+        comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer,
+                       what=self.describe)
+        for sp in self.params:
+            sp.make_shard_param()
+            if self.outer.rank != 0:
+                sp.shard.is_firstly_shared = False  # a replica: global-norm clip skips it
+        self._views_of(self.to_host(flat))
+
+    def describe(self) -> str:
+        """Which unit and buffer this is, for error messages."""
+        first = self.params[0].fqn + (", ..." if len(self.params) > 1 else "")
+        owner = self.owner.label if self.owner is not None else f"unit {self.unit_index}"
+        return f"{owner}, buffer {self.index} ({first})"
+
+    def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
+        """All-gather in the inner group and wait; return each parameter's full tensor
+        (see :meth:`start_gather`)."""
+        return self.finish_gather(self.start_gather(grads, compute))
+
+    def start_gather(self, grads: bool = False, compute: bool = False,
+                     async_op: bool = False) -> "_PendingGather":
+        """Issue the all-gather of this rank's shard (or, with ``grads=True``, of its
+        grad shard as it is now). ``compute=True``: gather in the policy's
+        ``param_dtype``. With ``async_op`` it returns at once on NCCL (the collective runs
+        on the communication stream); :meth:`finish_gather` waits.
+
+        The flat shard is sent as it is (cast once when the gather dtype differs), with
+        a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`):
+        ranks that pair up different all-gathers raise instead of computing on each other's rows."""
+        dtype = self.gather_dtype if compute else self.dtype
+        purpose = "grads" if grads else ("compute" if compute else "params")
+        if grads:
+            send = paddle.concat([self.grad_flat(),
+                                  paddle.zeros([gather_tags.TAG_NUMEL], self.dtype)])
+        else:
+            self._repair_views()
+            send = self.flat
+        tag = None
+        if gather_tags.can_tag(self.dtype) and gather_tags.can_tag(dtype):
+            tag = gather_tags.make_tag(self.inner, self.unit_index, self.index, purpose,
+                                        self.describe, self.dtype)
+            paddle.assign(tag.to(send.place), output=send._slice(self.shard_numel,
+                                                                 int(send.shape[0])))
+        if send.dtype != dtype:
+            send = send.astype(dtype)
+        send = self.to_device(send)
+        row = self.shard_numel + gather_tags.TAG_NUMEL
+        out = paddle.empty([self.inner_size * row], dtype=dtype)
+        trace.record("issue", "all_gather", self.unit_index)
+        handle = comm.all_gather_into(out, send, self.inner, async_op=True,
+                                      what=self.describe)
+        if not async_op:
+            handle.wait()
+        # send and out stay referenced until the wait: an async collective reads and
+        # writes them on the communication stream.
+        return _PendingGather(handle, send, out, tag, compute)
+
+    def finish_gather(self, pending: "_PendingGather") -> list[paddle.Tensor]:
+        """Wait for :meth:`start_gather`, check the tags, and copy each parameter's
+        full tensor out of the gathered grid (the one copy per parameter)."""
+        pending.handle.wait()
+        trace.record("wait", "all_gather", self.unit_index)
+        out = pending.out
+        row = self.shard_numel + gather_tags.TAG_NUMEL
+        grid = out.reshape([self.inner_size, row])
+        sizes = [sp.chunk_numel for sp in self.params] + [gather_tags.TAG_NUMEL]
+        parts = paddle.split(grid, sizes, axis=1)
+        tags = parts.pop()
+        tag = pending.tag
+        if tag is not None:
+            tag = tag if tag.dtype == out.dtype else tag.astype(out.dtype)
+            gather_tags.check(tags, tag.to(tags.place), self.inner)
+        if pending.compute and self.compute_dtype != out.dtype:
+            parts = [p.astype(self.compute_dtype) for p in parts]
+        return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
+
+    # -------------------------------------------------------------- gradients
+    def start_reduce_scatter(self, async_op: bool = False) -> "_PendingReduce":
+        """Issue the inner reduce-scatter of the full grads and release them.
+
+        The reduce-scatter input is written once: one concatenation of every grad seen
+        as ``[I, chunk]`` rank blocks (a view of the grad, except for parameters whose
+        rows need padding), so the full grads can be freed as soon as it is issued. A parameter with no grad on
+        this rank (unused) contributes zeros: every rank joins the collective whatever
+        its data did. :meth:`finish_reduce_scatter` waits and accumulates.
+        """
+        blocks = []
+        for sp in self.params:
+            g = sp.full.grad
+            if g is None:  # unused on this rank: zeros, so every rank joins the call
+                blocks.append(paddle.zeros([sp.inner_size, sp.chunk_numel], self.reduce_dtype))
+                continue
+            if g.dtype != self.reduce_dtype:
+                g = g.astype(self.reduce_dtype)
+            blocks.append(sp.as_rank_blocks(g))  # a view unless the param has padding
+            sp.full.clear_gradient(False)
+        # one param: its own grad storage is the input (released above, kept alive here)
+        grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
+        del blocks  # the full grads' storage goes now, before the collective runs
+        out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
+        trace.record("issue", "reduce_scatter", self.unit_index)
+        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True,
+                                     what=self.describe)
+        if not async_op:
+            handle.wait()
+        return _PendingReduce(handle, grid, out)
+
+    def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
+        """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
+        (one op, in the master dtype)."""
+        pending.handle.wait()
+        trace.record("wait", "reduce_scatter", self.unit_index)
+        out = pending.out
+        if out.dtype != self.dtype:
+            out = out.astype(self.dtype)
+        self.grad_flat().add_(self.to_host(out))
+
+    def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
+        """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
+        device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
+        are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves."""
+        flat = self.grad_flat()
+        target = self.to_device(flat)
+        if self.reduce_dtype != self.dtype and self.outer.nranks > 1:
+            target = target.astype(self.reduce_dtype)
+        trace.record("issue", "all_reduce", self.unit_index)
+        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe)
+        if not async_op:
+            handle.wait()
+        return _PendingReduce(handle, target, flat)
+
+    def finish_all_reduce(self, pending: "_PendingReduce", scale: float) -> None:
+        pending.handle.wait()
+        trace.record("wait", "all_reduce", self.unit_index)
+        flat = pending.out
+        if pending.grid is not flat:  # a reduce_dtype or offloaded copy comes back
+            reduced = pending.grid
+            if reduced.dtype != flat.dtype:
+                reduced = reduced.astype(flat.dtype)
+            paddle.assign(self.to_host(reduced), output=flat)
+        flat.scale_(scale)
+
+    def scale_grads(self, scale: float) -> None:
+        """Scale the grad shard in place, without an outer all-reduce."""
+        self.grad_flat().scale_(scale)
+
+
+@dataclass
+class _PendingGather:
+    handle: comm.Handle
+    send: paddle.Tensor
+    out: paddle.Tensor
+    tag: paddle.Tensor | None
+    compute: bool
+
+
+@dataclass
+class _PendingReduce:
+    handle: comm.Handle
+    grid: paddle.Tensor  # the input (kept alive until the wait)
+    out: paddle.Tensor
+
+
+def _dtype(d):
+    if d is None:
+        return None
+    return paddle.base.framework.convert_np_dtype_to_dtype_(d) if isinstance(d, str) else d
+
+
+def dtypes_of(dtype, mp_policy) -> tuple:
+    """``(gather, reduce, compute)`` dtypes of a buffer of ``dtype`` params under
+    ``mp_policy`` (a ``MixedPrecisionPolicy`` or None); integer buffers ignore it."""
+    floating = dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
+    policy = mp_policy if floating else None
+    gather = _dtype(getattr(policy, "param_dtype", None)) or dtype
+    reduce = _dtype(getattr(policy, "reduce_dtype", None)) or gather
+    return gather, reduce, compute_dtype_of(gather)
+
+
+def _element_size(dtype) -> int:
+    return paddle.zeros([1], dtype=dtype).element_size()
+
+
+def compute_dtype_of(param_dtype):
+    """Paddle's CPU kernels have no bfloat16/float16 matmul: on CPU, parameters gathered
+    in those dtypes are computed in float32 (keeping their rounding)."""
+    param_dtype = _dtype(param_dtype)
+    low = param_dtype in (paddle.bfloat16, paddle.float16)
+    return paddle.float32 if low and paddle.get_device().startswith("cpu") else param_dtype

@@ -1,0 +1,75 @@
+"""The ``flex_checkpoint`` bridge: this rank's shards (and its optimizer's states) as
+``ShardedWeight``s for Paddle's ``flex_checkpoint.dcp`` save/load, each a view of the
+unpadded rows at the parameter's global row offset, so a dcp load writes straight into
+the shard storage. ``FSDPModule.sharded_state_dict`` gives the model's; the
+``AdamW.sharded_state_dict`` patch (:mod:`paddle_hsdp.patches.flex_optimizer`) the
+optimizer's."""
+
+from __future__ import annotations
+
+from .experts import names_and_aliases
+from .optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
+from .registry import managed_param, registry
+
+
+def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
+    """``{name: ShardedWeight}`` for Paddle's ``flex_checkpoint.dcp`` save/load: each
+    managed parameter as this rank's unpadded rows (a view of the shard storage, so a
+    dcp load writes straight into it) at its global row offset; everything else whole.
+    Outer replicas describe the same pieces; dcp keeps one. Tied aliases are left out
+    (their one tensor is saved under the first name)."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    canonical, _ = names_and_aliases(model)
+    out = {}
+    for name, value in canonical.items():
+        key = structured_name_prefix + name
+        sp = managed_param(value)
+        if sp is None:
+            shape = tuple(int(d) for d in value.shape)
+            out[key] = ShardedWeight(key, value, shape, shape, (0,) * len(shape))
+            continue
+        start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
+        count = min(start + sp.rows_per_rank, sp.rows) - start
+        if count == 0:
+            continue  # this rank's block is all padding
+        buf = registry.buffer_of(sp)
+        local = buf.flat._slice(sp.offset, sp.offset + count * sp.row_numel)
+        local = local.reshape([count] + sp.rest)
+        local.name = sp.shard.name
+        out[key] = ShardedWeight(key, local, (count, *sp.rest), tuple(sp.shape),
+                                 (start,) + (0,) * len(sp.rest))
+    return out
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
+    """The optimizer's state as ``ShardedWeight``s, in the form Paddle's own
+    ``AdamW.sharded_state_dict`` gives (``{param key}.moment1_0``, ``.beta1_pow_acc_0``,
+    ..., ``.w_0`` for a master weight), each row-shaped state a view of its unpadded
+    rows at the parameter's global offset, so a dcp load writes straight into it. Keys
+    follow ``model_sharded_state_dict`` (from ``model.sharded_state_dict()``); states of
+    a parameter whose block is all padding on this rank are left out, like the block."""
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    optimizer = unwrap_optimizer(optimizer)
+    _ensure_accumulators(optimizer)
+    key_of = {}
+    for key, weight in sorted(model_sharded_state_dict.items()):
+        key_of.setdefault(weight.local_tensor.name, key)  # tied: the first key owns it
+    out = {}
+    for p in _params_of(optimizer):
+        key = key_of.get(p.name)
+        if key is None:
+            continue
+        ref = model_sharded_state_dict[key]
+        for acc, t in sorted(_states_of(optimizer, p).items()):
+            name = f"{key}.{'w' if acc == 'master_weight' else acc}_0"  # Paddle's names
+            if list(t.shape) == list(p.shape):  # rows like its parameter's
+                rows = int(ref.local_shape[0]) if ref.local_shape else 1
+                local = t if rows == int(t.shape[0]) else t._slice(0, rows)
+                out[name] = ShardedWeight(name, local, tuple(ref.local_shape),
+                                          tuple(ref.global_shape), tuple(ref.global_offset))
+            else:  # a scalar state (beta powers): whole, the same wherever it is held
+                shape = tuple(int(d) for d in t.shape)
+                out[name] = ShardedWeight(name, t, shape, shape, (0,) * len(shape))
+    return out

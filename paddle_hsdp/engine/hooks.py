@@ -1,0 +1,421 @@
+"""When units gather, reshard and reduce: forward hooks, pre/post-backward, end of backward.
+
+* Forward pre-hook: gather the unit (and the owners of tied params it borrows), then
+  prefetch the next units in forward order; cast floating inputs per the
+  mixed-precision policy; wrap grad-requiring inputs in a :class:`_BackwardHook` that
+  runs the post-backward.
+* Forward post-hook: wrap the outputs in a :class:`_BackwardHook` that runs the
+  pre-backward (it fires before the unit's own backward ops, since they consume its
+  output grads), cast outputs, then reshard per policy.
+* Pre-backward: gather again if the unit was resharded after forward; prefetch the
+  next units in backward order.
+* Post-backward (the hook on the inputs: fires once the grads of the unit's inputs
+  exist, i.e. after the ops that read its parameters): reshard, so a
+  ZeRO-3 backward holds about one unit gathered at a time. Units other units borrow
+  from (tied params) wait for the end of backward.
+* End of backward: Paddle 3.3 has no queue-callback, so :func:`install` wraps
+  ``core.eager.run_backward`` (what ``Tensor.backward`` and ``paddle.autograd.backward``
+  call) and ``run_partial_grad`` (``paddle.grad``). After the engine returns, every
+  root whose backward ran reduce-scatters the grads of all its units, in one fixed order
+  (reverse registration), and reshards them. A fixed order taken by every rank, with
+  zeros for params that got no grad, is what makes unused params and rank-dependent
+  control flow inside a unit safe for the grad reduction. The pre-backward gather of a
+  resharded unit still needs the unit's outputs to take part in backward on every rank
+  (a unit that returns only non-differentiable tensors on some ranks would make those
+  ranks skip that all-gather). A backward nested in another (reentrant activation
+  recompute) is part of the outer one; forwards run inside a backward never start a
+  root and do not reshard (their backward follows at once). (Reducing per unit during backward, to overlap it
+  with compute and free full grads early, needs a grad-ready signal that is the same on
+  every rank; not done yet.)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import paddle
+from paddle.autograd import PyLayer
+
+from . import trace
+from . import unit as unit_module
+from .buffer import compute_dtype_of
+from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
+
+# Units whose forward is running, outermost first. A forward that raised leaves stale
+# entries; the next unit not contained in any of them is a root and clears them.
+_active: list[FSDPUnit] = []
+_roots_in_backward: list["RootState"] = []
+_backward_depth = 0  # > 0 while the autograd engine runs (nested: recompute)
+_installed = False
+
+
+class RootState:
+    """The units under a root unit, collected lazily at its first forward, and the order
+    their forwards ran in (recorded on the first iteration; prefetch follows it)."""
+
+    def __init__(self, root: FSDPUnit, all_units: list[FSDPUnit]):
+        subtree = set(id(m) for m in root.module.sublayers(include_self=True))
+        self.root = root
+        self.units = [u for u in all_units if id(u.module) in subtree]
+        self.forward_order: list[FSDPUnit] = []
+        self.recording = True
+
+    def record(self, unit: FSDPUnit) -> None:
+        if self.recording and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def neighbours(self, unit: FSDPUnit, count: int, backward: bool) -> list[FSDPUnit]:
+        if self.recording or unit not in self.forward_order or count <= 0:
+            return []
+        i = self.forward_order.index(unit)
+        if backward:
+            return self.forward_order[max(0, i - count):i][::-1]
+        return self.forward_order[i + 1:i + 1 + count]
+
+    def post_backward(self) -> None:
+        """End of backward: reduce the units whose post-backward did not reduce them
+        (inputs that need no grad, owners of tied params, reduction deferred to the end
+        of backward), and units whose grads arrived after their post-backward, in one
+        fixed order (reverse registration)."""
+        self.recording = False
+        FullGradBytes.sample(self.units)
+        for unit in reversed(self.units):
+            late = unit.requires_gradient_sync and unit.has_full_grads()
+            if not unit.reduced_in_backward or late:
+                unit.post_backward()
+            unit.reduced_in_backward = False
+            unit.backward_calls = 0
+        wait_pending_reduces()  # shard grads are complete when backward returns
+        for unit in reversed(self.units):
+            unit.pins = 0
+            if unit.reshard_after_backward:
+                unit.reshard()
+
+
+def _alias(tensors):
+    """New tensor objects sharing the inputs' memory. Returning the inputs themselves
+    makes Paddle treat the PyLayer as in-place: the inputs' version would bump, and an
+    op that saved them earlier (a router reading x before x enters an expert unit)
+    would fail in backward with 'modified by an inplace operation'."""
+    out = tuple(t.view(t.shape) if t.numel() > 0 else t.clone() for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+class _BackwardHook(PyLayer):
+    """Identity on ``tensors`` whose backward first calls ``hook(unit)``: around a unit's
+    outputs it fires before the unit's backward ops, around its inputs after them."""
+
+    @staticmethod
+    def forward(ctx, hook, unit, *tensors):
+        ctx.hook, ctx.unit = hook, unit
+        return _alias(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook(ctx.unit)
+        return grads if len(grads) > 1 else grads[0]
+
+
+def _on_post_backward(unit: FSDPUnit) -> None:
+    """The unit's backward is done (the grads of its inputs exist): reduce-scatter its
+    grads now and free the full-size ones, so at most a unit or two of full grads are
+    alive at once. Every rank takes this path alike as long as every rank runs the same
+    units and their inputs require grad alike (see the README); owners of tied params
+    wait for the end of backward, since a borrower's backward may still add to them."""
+    unit.backward_calls -= 1
+    if unit.backward_calls > 0:
+        return  # called again in this forward (two micro-batches, a shared block): the
+        # other calls' backward still needs the params and adds to the grads
+    if unit.reduce_grads_in_backward and not unit.borrowed_by:
+        root = _root_of(unit)
+        if root is not None:
+            FullGradBytes.sample(root.units)
+        unit.post_backward()
+        unit.reduced_in_backward = True
+    if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
+        unit.reshard()
+
+
+def _root_of(unit: FSDPUnit):
+    return unit.root_state or unit._in_root
+
+
+def _on_pre_backward(unit: FSDPUnit) -> None:
+    for owner in unit.borrowed:
+        owner.unshard()
+    unit.unshard()
+    root = _root_of(unit)
+    if root is not None:
+        for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
+                root.neighbours(unit, unit.backward_prefetch_count, backward=True):
+            nxt.prefetch()
+    # Any unit's pre-backward registers its root: a root whose own outputs hide their
+    # tensors (a custom output object) still gets its end of backward.
+    if root is not None and root not in _roots_in_backward:
+        _roots_in_backward.append(root)
+    trace.record("backward", "compute", unit.index)
+
+
+def _wrap_tensors(hook, unit: FSDPUnit, obj):
+    """Route every grad-requiring tensor of ``obj`` through one :class:`_BackwardHook`."""
+    flat, rebuild = _flatten(obj)
+    idx = [i for i, t in enumerate(flat)
+           if isinstance(t, paddle.Tensor) and not t.stop_gradient]
+    if not idx:
+        return obj
+    wrapped = _BackwardHook.apply(hook, unit, *[flat[i] for i in idx])
+    if len(idx) == 1:
+        wrapped = (wrapped,)
+    for i, t in zip(idx, wrapped):
+        flat[i] = t
+    return rebuild(flat)
+
+
+def _cast_floating(obj, dtype):
+    flat, rebuild = _flatten(obj)
+    for i, t in enumerate(flat):
+        if isinstance(t, paddle.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            flat[i] = t.astype(dtype)
+    return rebuild(flat)
+
+
+def _flatten(obj):
+    """``obj``'s tensors as a flat list, and a function that rebuilds ``obj`` from such a
+    list. Walks tuples, lists, namedtuples, dicts (subclasses too: ModelOutput-like) and
+    dataclasses; anything else is a leaf."""
+    if isinstance(obj, paddle.Tensor):
+        return [obj], lambda f: f[0]
+    if isinstance(obj, dict):
+        keys = list(obj)
+        flat, rb = _flatten([obj[k] for k in keys])
+
+        def rebuild_dict(f):
+            new = copy.copy(obj)
+            for k, v in zip(keys, rb(f)):
+                new[k] = v
+            return new
+        return flat, rebuild_dict
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]
+        flat, rb = _flatten([getattr(obj, n) for n in names])
+        return flat, lambda f: dataclasses.replace(obj, **dict(zip(names, rb(f))))
+    if isinstance(obj, (list, tuple)):
+        parts = [_flatten(o) for o in obj]
+        sizes = [len(p[0]) for p in parts]
+
+        def rebuild(flat):
+            out, i = [], 0
+            for (_, rb), n in zip(parts, sizes):
+                out.append(rb(flat[i:i + n]))
+                i += n
+            return type(obj)(out) if not hasattr(obj, "_fields") else type(obj)(*out)
+        return [t for p in parts for t in p[0]], rebuild
+    return [obj], lambda f: f[0]
+
+
+def _subtree_ids(unit: FSDPUnit) -> frozenset:
+    ids = getattr(unit, "_subtree_ids", None)
+    if ids is None:
+        ids = unit._subtree_ids = frozenset(id(m) for m in unit.module.sublayers())
+    return ids
+
+
+def _input_dtype(unit: FSDPUnit):
+    """The dtype floating inputs are cast to under the unit's mixed-precision policy."""
+    policy = unit.mp_policy
+    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+        return None
+    return compute_dtype_of(policy.param_dtype)
+
+
+def _make_root_state(root: FSDPUnit, all_units: list[FSDPUnit]) -> "RootState":
+    if root.root_state is None:
+        root.root_state = RootState(root, all_units)
+        for u in root.root_state.units:
+            u._in_root = root.root_state
+    return root.root_state
+
+
+def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
+    def pre_forward(module, args, kwargs):
+        # A root is a unit no running unit contains, called outside any backward; a
+        # forward run inside a backward (activation recompute) is never a root.
+        starts_root = _backward_depth == 0 and not any(
+            id(unit.module) in _subtree_ids(a) for a in _active)
+        unit.is_root = starts_root
+        if starts_root:
+            _active.clear()  # whatever a forward that raised left behind
+            _make_root_state(unit, all_units)
+            for u in unit.root_state.units:
+                u.pins = 0  # pins a failed forward left raised
+        unit.check_trainability()
+        _active.append(unit)
+        root = _root_of(unit)
+        if root is not None:
+            root.record(unit)
+        for owner in unit.borrowed:
+            owner.unshard()
+            owner.pins += 1
+        unit.unshard()
+        if root is not None:
+            for nxt in unit.forward_prefetch if unit.forward_prefetch is not None else \
+                    root.neighbours(unit, unit.forward_prefetch_count, backward=False):
+                nxt.prefetch()
+        dtype = _input_dtype(unit)
+        if dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), dtype)
+        if paddle.is_grad_enabled():
+            packed = (args, kwargs)
+            wrapped = _wrap_tensors(_on_post_backward, unit, packed)
+            if wrapped is not packed:
+                unit.backward_calls += 1  # this call's post-backward will fire
+            args, kwargs = wrapped
+        trace.record("forward", "compute", unit.index)
+        return args, kwargs
+
+    def post_forward(module, inputs, outputs):
+        if unit in _active:
+            _active.remove(unit)
+        grad_on = paddle.is_grad_enabled()
+        # Inside a backward (recompute) the unit is about to run its backward: keep it.
+        may_reshard = _backward_depth == 0
+        for owner in unit.borrowed:
+            owner.pins -= 1
+            if may_reshard and (owner.should_reshard_after_forward() or not grad_on):
+                owner.reshard()
+        policy = unit.mp_policy
+        if policy is not None and policy.output_dtype is not None:
+            outputs = _cast_floating(outputs, policy.output_dtype)
+        if grad_on:
+            outputs = _wrap_tensors(_on_pre_backward, unit, outputs)
+        if may_reshard and (unit.should_reshard_after_forward() or not grad_on):
+            unit.reshard()
+        return outputs
+
+    unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    unit.module.register_forward_post_hook(post_forward)
+
+
+# ---------------------------------------------------------------- direct sub-module calls
+def watch_direct_calls(module, unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
+    """Let ``module`` (a plain sub-module whose slots hold ``unit``'s params) be called
+    on its own while ``unit`` is sharded: ``model.embed_tokens(ids)`` outside the model's
+    forward, ``model.lm_head(h)`` in a generation loop. Without this the call would
+    compute on this rank's shard. The call gathers the unit first (a collective: every
+    rank must make it), wraps the outputs so backward gathers again, and reshards per
+    the unit's policy. Unit modules are covered by their own hooks."""
+    if "_hsdp_unit_" in module.__dict__:
+        return
+    owners = module.__dict__.get("_hsdp_direct_owners")
+    if owners is None:
+        owners = module.__dict__["_hsdp_direct_owners"] = []
+        module.__dict__["_hsdp_direct_stack"] = []
+        module.register_forward_pre_hook(_direct_pre_forward(all_units))
+        module.register_forward_post_hook(_direct_post_forward)
+    if unit not in owners:
+        owners.append(unit)
+
+
+def _direct_pre_forward(all_units):
+    def pre_forward(module, inputs):
+        gathered = [u for u in module.__dict__["_hsdp_direct_owners"]
+                    if u.state is UnitState.SHARDED]
+        module.__dict__["_hsdp_direct_stack"].append(gathered)
+        for u in gathered:
+            if _root_of(u) is None:  # never ran: make the root that ends its backward
+                _make_root_state(_outermost_unit(u, all_units), all_units)
+            u.unshard()
+            u.pins += 1
+    return pre_forward
+
+
+def _direct_post_forward(module, inputs, outputs):
+    gathered = module.__dict__["_hsdp_direct_stack"].pop()
+    grad_on = paddle.is_grad_enabled()
+    for u in gathered:
+        u.pins -= 1
+        if grad_on:
+            outputs = _wrap_tensors(_on_pre_backward, u, outputs)
+        if _backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
+            u.reshard()
+    return outputs
+
+
+def _outermost_unit(unit: FSDPUnit, all_units: list[FSDPUnit]) -> FSDPUnit:
+    for outer in reversed(all_units):  # registered bottom-up: the root comes last
+        if outer is unit or id(unit.module) in _subtree_ids(outer):
+            return outer
+    return unit
+
+
+def abandon_forward(units: list[FSDPUnit]) -> None:
+    """After a forward that raised: unpin and reshard ``units`` and the owners they
+    borrow from (local work, no collective), so the module slots hold shards again."""
+    for unit in units:
+        if unit in _active:
+            _active.remove(unit)
+        root = _root_of(unit)
+        if root is not None and root.recording:
+            root.forward_order.clear()  # a partial order would differ across ranks
+        unit.backward_calls = 0  # the raised forward's graph is gone
+        for u in [unit] + unit.borrowed:
+            u.pins = 0
+            u.reshard(force=True)
+
+
+def run_post_backward() -> None:
+    """Finish the backward that just ran (see the module docstring)."""
+    while _roots_in_backward:
+        _roots_in_backward.pop(0).post_backward()
+
+
+def install() -> None:
+    """Wrap the autograd entry points once so the end of every backward is seen."""
+    global _installed
+    if _installed:
+        return
+    from paddle.base import core
+
+    # run_backward serves Tensor.backward and paddle.autograd.backward; paddle.grad
+    # goes through run_partial_grad.
+    for name in ("run_backward", "run_partial_grad"):
+        if hasattr(core.eager, name):
+            setattr(core.eager, name, _then_post_backward(getattr(core.eager, name)))
+    _installed = True
+
+
+def _then_post_backward(original):
+    def run(*args, **kwargs):
+        global _backward_depth
+        _backward_depth += 1
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            _backward_depth -= 1
+            if _backward_depth == 0:
+                _abandon_backward()
+            raise
+        _backward_depth -= 1
+        # A backward nested in another (reentrant activation recompute) is part of it:
+        # only the outermost one ends the backward.
+        if _backward_depth == 0:
+            run_post_backward()
+        return result
+
+    return run
+
+
+def _abandon_backward() -> None:
+    """After a failed backward: drop its partial full-size grads and free gathered params
+    (local work, no collective, so a rank that failed alone cannot hang the others)."""
+    unit_module._pending_reduces.clear()
+    while _roots_in_backward:
+        for unit in _roots_in_backward.pop(0).units:
+            for sp in unit.params:
+                sp.full.clear_gradient(False)
+            unit.full_grads_pending = False
+            unit.reduced_in_backward = False
+            unit.backward_calls = 0
+            unit.pins = 0
+            unit.reshard(force=True)

@@ -1,0 +1,140 @@
+"""What the engine reads of a Paddle optimizer, and the public ``finish_grad_sync``.
+
+The optimizer under fleet's wrappers, the parameters and HSDP shards it holds, the
+units that own them, the refusal of optimizers that cannot be right on shards, and its
+per-parameter states (accumulators, master weights) as checkpoints and
+``flex_checkpoint`` see them. Nothing here changes Paddle: the step boundary that calls
+these is :mod:`paddle_hsdp.patches.optim`.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from .registry import managed_param, owning_unit, units_under
+from .unit import FSDPUnit, sync_grads
+
+
+def _params_of(optimizer) -> list:
+    params = []
+    for p in getattr(optimizer, "_parameter_list", None) or []:
+        if isinstance(p, dict):
+            params.extend(p["params"])
+        else:
+            params.append(p)
+    return params
+
+
+def _sharded_params_of(optimizer) -> list:
+    return [p for p in _params_of(optimizer) if hasattr(p, "_hsdp_sharded_param")]
+
+
+def _not_elementwise_classes() -> tuple:
+    """Optimizers whose update of an element reads other elements of the parameter
+    (trust ratios, line searches): on a shard they would see only this rank's rows."""
+    import paddle.incubate.optimizer as incubate
+    import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
+
+    names = [(paddle.optimizer, "Lamb"), (paddle.optimizer, "LBFGS"),
+             (incubate_lbfgs, "LBFGS"), (incubate, "LarsMomentumOptimizer"),
+             (incubate, "DistributedFusedLamb")]
+    found = (getattr(mod, name, None) for mod, name in names)
+    return tuple(cls for cls in found if isinstance(cls, type))
+
+
+def check_optimizer(optimizer) -> list:
+    """Refuse, before any collective or update, an optimizer that cannot be right on
+    HSDP shards; return the shards it holds. Same answer on every rank: every rank
+    builds the same optimizer over the same model."""
+    params = _params_of(optimizer)
+    for p in params:
+        sp = managed_param(p)
+        if sp is not None and p is not sp.shard:
+            raise RuntimeError(
+                f"The optimizer holds the full parameter '{sp.fqn}' ({p.name}), which "
+                "fully_shard replaced by this rank's shard: its updates would be lost. "
+                "Build the optimizer after the root's fully_shard, from model.parameters() "
+                "(which then yields the shards).")
+    shards = [p for p in params if hasattr(p, "_hsdp_sharded_param")]
+    if shards and isinstance(optimizer, _not_elementwise_classes()):
+        raise NotImplementedError(
+            f"{type(optimizer).__name__} is not element-wise (its update of an element "
+            "depends on the whole parameter), so on HSDP shards each rank would compute a "
+            "different update and outer replicas would drift apart. Use an element-wise "
+            "optimizer (AdamW, Adam, SGD, Momentum, RMSProp, ...) with paddle_hsdp.")
+    return shards
+
+
+def _units_of(params) -> list[FSDPUnit]:
+    units = {}
+    for p in params:
+        unit = owning_unit(p._hsdp_sharded_param)
+        units[unit.index] = unit
+    return [units[i] for i in sorted(units)]  # one global order on every rank
+
+
+def finish_grad_sync(target) -> None:
+    """Run the deferred outer all-reduce (and 1/N scaling) now, for the units of
+    ``target``: an optimizer (the units whose shards it holds), a sharded model (every
+    unit under it), or an iterable of parameters. A collective: call it on every rank.
+    Idempotent within a step."""
+    sync_grads(_units_for(target, "finish_grad_sync"))
+
+
+def unwrap_optimizer(optimizer):
+    """The optimizer under fleet.distributed_optimizer's wrappers (anything else as is)."""
+    while hasattr(optimizer, "_inner_opt"):
+        optimizer = optimizer._inner_opt
+    return optimizer
+
+
+def _units_for(target, what: str) -> list[FSDPUnit]:
+    target = unwrap_optimizer(target)
+    if hasattr(target, "_parameter_list"):
+        return _units_of(_sharded_params_of(target))
+    if isinstance(target, paddle.nn.Layer):
+        units = units_under(target)
+        if not units:
+            raise ValueError(f"{what}: no fully_shard unit in this "
+                             f"{type(target).__name__}; call fully_shard on it first.")
+        return units
+    if isinstance(target, paddle.Tensor) or not hasattr(target, "__iter__"):
+        raise TypeError(f"{what} takes an optimizer, a sharded model or an iterable of "
+                        f"parameters, got {type(target).__name__}")
+    return _units_of(_managed_shards(target))
+
+
+def _managed_shards(params) -> list:
+    """The HSDP shard of every managed param in ``params`` (a gathered full param
+    counts as its shard), deduplicated, in order."""
+    out, seen = [], set()
+    for p in params:
+        sp = managed_param(p)
+        if sp is None:
+            continue
+        p = sp.shard
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _states_of(optimizer, p) -> dict:
+    """``{state name: tensor}`` the optimizer keeps for ``p``: its accumulators under
+    Paddle's names (``moment1``, ``beta1_pow_acc``, ...) and ``master_weight``."""
+    states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
+              if p.name in table}
+    master = (getattr(optimizer, "_master_weights", None) or {}).get(p.name)
+    if master is not None:
+        states["master_weight"] = master
+    return states
+
+
+def _ensure_accumulators(optimizer) -> None:
+    """Create the optimizer's state now if no step has run yet, so it can be loaded."""
+    from paddle.base import framework
+
+    params = [p for p in _params_of(optimizer) if not p.stop_gradient]
+    if params and not getattr(optimizer, "_accumulators", None):
+        block = framework.default_main_program().global_block()
+        optimizer._create_accumulators(block, params)

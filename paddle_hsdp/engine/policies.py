@@ -1,0 +1,88 @@
+"""Policies ``fully_shard`` takes, with torch FSDP2's names and fields."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """All-gather and compute in ``param_dtype``; reduce grads in ``reduce_dtype``
+    (default: ``param_dtype``); cast the unit's outputs to ``output_dtype``; cast
+    floating inputs to ``param_dtype`` when ``cast_forward_inputs``. Shards, their
+    grads and the optimizer state stay in the parameters' dtype (float32 masters).
+
+    On CPU Paddle has no bfloat16/float16 matmul: parameters gathered in those dtypes
+    are computed in float32 there, with their low-precision rounding kept; the
+    all-gather still moves ``param_dtype`` bytes. float16 reductions on gloo are staged
+    in float32 by :mod:`paddle_hsdp.comm.collectives`.
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_floating_dtype(getattr(self, field), field)
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError("MixedPrecisionPolicy(cast_forward_inputs=...) must be True or "
+                            f"False, got {self.cast_forward_inputs!r}")
+
+
+FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_floating_dtype(value, field: str) -> None:
+    """None, or a floating dtype given as a string or a paddle dtype."""
+    if value is None:
+        return
+    import paddle
+
+    name = value if isinstance(value, str) else None
+    if isinstance(value, paddle.dtype):
+        name = str(value).replace("paddle.", "")
+    if name not in FLOATING_DTYPES:
+        raise ValueError(f"MixedPrecisionPolicy({field}={value!r}): must be None or a "
+                         f"floating dtype, one of {list(FLOATING_DTYPES)} (as a string or "
+                         "paddle dtype)")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (the default)."""
+
+
+_warned_cpu_offload = False
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep shards, their grads and so the optimizer state in host memory (pinned when
+    ``pin_memory``); each unit's shard is copied to the device for the all-gather and
+    compute, and reduced grads are copied back. The optimizer steps on the host.
+
+    On a CPU-only run everything already lives in host memory: the policy is accepted
+    and is a no-op (logged once).
+    """
+
+    pin_memory: bool = True
+
+    @property
+    def offloads(self) -> bool:
+        """Whether there is a device to offload from (False on CPU-only runs)."""
+        import paddle
+
+        return not paddle.get_device().startswith("cpu")
+
+    def check_supported(self) -> None:
+        global _warned_cpu_offload
+        if not self.offloads and not _warned_cpu_offload:
+            logger.warning("CPUOffloadPolicy on a CPU-only run: everything is already in "
+                           "CPU memory; the policy is a no-op.")
+            _warned_cpu_offload = True

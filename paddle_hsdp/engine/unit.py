@@ -1,0 +1,352 @@
+"""One communication unit: what one ``fully_shard`` call wraps.
+
+States: ``SHARDED`` (modules hold shard params, full storage freed) and ``UNSHARDED``
+(modules hold the full params, whose storage is a fresh all-gather).  Every transition
+is a collective on the unit's inner groups, so callers must make it on every rank in
+the same order: forward and backward hooks do, because every rank runs the same model.
+
+Gradient flow of one optimizer step (k micro-steps):
+
+* when a unit's backward is done (its post-backward; else at the end of the whole
+  backward): reduce-scatter its full grads into the shard grads
+  (``requires_gradient_sync``), or keep accumulating full-size grads locally;
+* step boundary (:func:`sync_grads`): reduce-scatter whatever full grads are
+  still pending, then one outer all-reduce per buffer (``requires_all_reduce``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+
+from ..topology.cost import UnitShape
+from ..topology.fleet import _single_rank_group
+from .buffer import ShardBuffer
+from .param import ShardedParam
+from .registry import registry
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+class GatheredBytes:
+    """Full-size parameter bytes (and units) gathered across all units, now and at peak."""
+
+    now = peak = 0
+    units_now = units_peak = 0
+
+    @classmethod
+    def add(cls, nbytes: int, units: int) -> None:
+        cls.now += nbytes
+        cls.units_now += units
+        cls.peak = max(cls.peak, cls.now)
+        cls.units_peak = max(cls.units_peak, cls.units_now)
+
+    @classmethod
+    def reset_peak(cls) -> None:
+        cls.peak, cls.units_peak = cls.now, cls.units_now
+
+
+class FullGradBytes:
+    """The most full-size grad bytes alive at once during backward, sampled at every
+    post-backward and end of backward while tracking is on (:func:`reset_peak_memory`
+    turns it on: the sampling walks every parameter of the root)."""
+
+    tracking = False
+    peak = 0
+
+    @classmethod
+    def sample(cls, units) -> None:
+        if cls.tracking:
+            cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
+
+
+# Reduce-scatters issued and not waited for yet (one unit's, across all units).
+_pending_reduces: list = []
+
+
+def wait_pending_reduces() -> None:
+    """Wait for every reduce-scatter in flight and accumulate its result."""
+    while _pending_reduces:
+        buf, pending = _pending_reduces.pop(0)
+        buf.finish_reduce_scatter(pending)
+
+
+def sync_grads(units) -> None:
+    """The step boundary for ``units`` (in one global order): their outer all-reduces
+    are issued back to back, then waited for and scaled."""
+    work = [item for unit in units for item in unit.start_grad_sync()]
+    for buf, pending, scale in work:
+        buf.finish_all_reduce(pending, scale)
+
+
+class FSDPUnit:
+    def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None,
+                 offload_policy=None):
+        self.module = module
+        self.index = index  # registration order: the global order of collectives
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.params: list[ShardedParam] = []
+        self.buffers: list[ShardBuffer] = []
+        self.borrowed: list[FSDPUnit] = []  # owners of tied params this unit's modules use
+        self.borrowed_by: list[FSDPUnit] = []
+        self.state = UnitState.UNSHARDED
+        self.pins = 0  # a borrower's forward is using our params: do not reshard
+        self.is_root = False
+        self.root_state = None  # hooks.RootState, when this unit ran as a root
+        self._in_root = None  # the RootState of the root this unit ran under
+        # The control surface (module methods set these; see api.FSDPModule).
+        self.reshard_after_forward = reshard_after_forward  # None: decided at root time
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.forward_prefetch: list[FSDPUnit] | None = None  # None: next units in order
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self.forward_prefetch_count = 1
+        self.backward_prefetch_count = 1
+        # Reduce-scatter when the unit's backward is done (its post-backward), not at
+        # the end of the whole backward; False: today's end-of-backward reduction.
+        self.reduce_grads_in_backward = True
+        self.reduced_in_backward = False  # this backward's post-backward reduced us
+        self.backward_calls = 0  # forward calls whose post-backward has not fired yet
+        # Gradient bookkeeping.
+        self.full_grads_pending = False  # full-size grads not reduce-scattered yet
+        # enable_tensor_fusion_and_overlap: collectives asynchronous (prefetch issued
+        # early, reductions waited late); False: every collective synchronous.
+        self.overlap = True
+        self._pending_gather = None  # a prefetch's issued all-gathers
+        self.grads_pending_outer_sync = False
+        self.grads_synced = False  # shard grads hold this step's synced, scaled values
+
+    # -------------------------------------------------------------- construction
+    def build_buffers(self, placements: dict | None = None) -> None:
+        """Group params into buffers; ``placements`` maps id(param) to "replicate" for
+        params kept whole on every rank (their own buffers, inner size 1, reduced over
+        the whole FSDP group)."""
+        placements = placements or {}
+        for (_, _, expert, whole), params in buffer_groups(self.params, placements).items():
+            if whole:
+                inner, outer = _own_rank_group(), self.mesh.fsdp_group(expert)
+            else:
+                inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
+            for sp in params:
+                sp.mesh = self.mesh
+            self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy,
+                                            self.offload_policy))
+        for i, buf in enumerate(self.buffers):
+            buf.unit_index, buf.index = self.index, i
+            buf.owner = self
+
+    def shape(self):
+        """This unit's sizes for :mod:`paddle_hsdp.topology.cost`."""
+        return UnitShape(self.path(), tuple(b.shape() for b in self.buffers),
+                         self.should_reshard_after_forward(),
+                         sum(sp.numel for sp in self.params))
+
+    @property
+    def label(self) -> str:
+        """``unit 3 (blocks.2: Block)``: for error messages (the path is resolved on use,
+        from the outermost sharded module that contains this one)."""
+        return f"unit {self.index} ({self.path()}: {type(self.module).__name__})"
+
+    def path(self) -> str:
+        for outer in reversed(registry.units):
+            for name, sub in outer.module.named_sublayers(include_self=True):
+                if sub is self.module:
+                    return name or "<root>"
+        return "<root>"
+
+    def shard_initial(self) -> None:
+        """First sharding: cut blocks, broadcast over outer, free the full params."""
+        for buf in self.buffers:
+            buf.shard_from_full(src_outer_rank=0)
+        for sp in self.params:
+            sp.free_full_data()
+            sp.point_users_to(sp.shard)
+        self.state = UnitState.SHARDED
+
+    # -------------------------------------------------------------- transitions
+    def check_trainability(self) -> None:
+        """Freezing or unfreezing a parameter must happen before fully_shard: buffers
+        are grouped by trainability, and autograd sees the original parameter, not the
+        shard the user would flip."""
+        for sp in self.params:
+            if sp.shard.stop_gradient == sp.trainable:
+                raise RuntimeError(
+                    f"{sp.fqn}: stop_gradient was changed after fully_shard (it is now "
+                    f"{sp.shard.stop_gradient}). Set stop_gradient before fully_shard.")
+
+    def prefetch(self) -> None:
+        """Issue this unit's all-gathers without waiting (asynchronous with overlap on:
+        on NCCL they run on the communication stream while the caller computes);
+        :meth:`unshard` waits for them."""
+        if self.state is UnitState.SHARDED and self._pending_gather is None:
+            self._pending_gather = [buf.start_gather(compute=True, async_op=self.overlap)
+                                    for buf in self.buffers]
+            # the gathered storage exists from the issue on: count it from there
+            GatheredBytes.add(self.gathered_nbytes(), 1)
+
+    def unshard(self) -> None:
+        if self.state is UnitState.UNSHARDED:
+            return
+        self.prefetch()
+        pending, self._pending_gather = self._pending_gather, None
+        try:
+            for i, buf in enumerate(self.buffers):
+                fulls = buf.finish_gather(pending[i])
+                pending[i] = None  # the gathered grid goes as soon as it is copied out
+                for sp, full in zip(buf.params, fulls):
+                    sp.set_full_data(full)
+        except BaseException:
+            for sp in self.params:  # half gathered: free what arrived, stay sharded
+                sp.free_full_data()
+            GatheredBytes.add(-self.gathered_nbytes(), -1)
+            raise
+        for sp in self.params:
+            sp.point_users_to(sp.full)
+        self.state = UnitState.UNSHARDED
+
+    def reshard(self, force: bool = False) -> None:
+        if self.pins > 0 and not force:
+            return
+        if self._pending_gather is not None:  # prefetched, never used: let it land
+            for gather in self._pending_gather:
+                gather.handle.wait()
+            self._pending_gather = None
+            GatheredBytes.add(-self.gathered_nbytes(), -1)
+        if self.state is UnitState.SHARDED:
+            return
+        for sp in self.params:
+            sp.free_full_data()
+            sp.point_users_to(sp.shard)
+        self.state = UnitState.SHARDED
+        GatheredBytes.add(-self.gathered_nbytes(), -1)
+
+    def should_reshard_after_forward(self) -> bool:
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return bool(self.reshard_after_forward)
+
+    # -------------------------------------------------------------- gradients
+    def post_backward(self) -> None:
+        """End of a backward: reduce-scatter now, or keep accumulating full grads."""
+        if self.requires_gradient_sync:
+            self.reduce_scatter_grads()
+        elif any(b.trainable for b in self.buffers):
+            self.full_grads_pending = True
+            # Optimizers collect (param, grad) pairs for params whose grad exists
+            # *before* _apply_optimize runs the deferred reduce-scatter, so the shard
+            # grads must exist now; the reduction then fills them in place.
+            for buf in self.buffers:
+                if buf.trainable:
+                    buf.grad_flat()
+
+    def reduce_scatter_grads(self) -> None:
+        """Issue this unit's reduce-scatters (asynchronous with overlap on), then wait
+        for the ones issued before them: one unit's reduction is in flight while the
+        next unit's backward computes. :func:`wait_pending_reduces` waits for the rest."""
+        trainable = [b for b in self.buffers if b.trainable]
+        if self.grads_synced:
+            # finish_grad_sync already ran this step (e.g. to log grads) and more grads
+            # arrive: bring the synced part back to "summed, replicated" form (x N / O),
+            # so the next sync's outer sum and 1 / N leave it unchanged.
+            for buf in trainable:
+                buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
+            self.grads_synced = False
+        older = list(_pending_reduces)
+        _pending_reduces[:] = [(buf, buf.start_reduce_scatter(async_op=self.overlap))
+                               for buf in trainable]
+        for buf, pending in older:
+            buf.finish_reduce_scatter(pending)
+        self.full_grads_pending = False
+        self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
+
+    def drop_pending_grads(self) -> None:
+        """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
+        if self.full_grads_pending:
+            for sp in self.params:
+                sp.full.clear_gradient(False)
+        self.full_grads_pending = False
+        self.grads_pending_outer_sync = False
+        self.grads_synced = False
+
+    def _divisor(self, buf) -> float:
+        return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
+
+    def start_grad_sync(self) -> list:
+        """Pending reduce-scatter, then issue the one outer all-reduce per buffer;
+        returns ``(buffer, pending, scale)`` for :func:`sync_grads` to wait on.
+
+        Grads end up as the gradient of the mean loss over all data-parallel ranks
+        (``1 / N``, or ``1 / gradient_divide_factor`` when set). With
+        ``requires_all_reduce`` False the outer all-reduce is skipped and each replica
+        keeps the mean over its own inner group (it steps on its own data).
+        """
+        if self.full_grads_pending:
+            self.reduce_scatter_grads()
+        wait_pending_reduces()
+        if not self.grads_pending_outer_sync:
+            return []
+        work = []
+        for buf in self.buffers:
+            if not buf.trainable:
+                continue
+            if self.requires_all_reduce:
+                work.append((buf, buf.start_all_reduce(async_op=self.overlap),
+                             1.0 / self._divisor(buf)))
+            else:
+                buf.scale_grads(buf.outer.nranks / self._divisor(buf))
+        self.grads_pending_outer_sync = False
+        self.grads_synced = True
+        return work
+
+    def has_full_grads(self) -> bool:
+        return any(sp.full.grad is not None for sp in self.params)
+
+    # -------------------------------------------------------------- memory report
+    def full_grad_nbytes(self) -> int:
+        return sum(sp.numel * sp.full.grad.element_size() for sp in self.params
+                   if sp.full.grad is not None)
+
+    def gathered_nbytes(self) -> int:
+        return sum(buf.compute_nbytes for buf in self.buffers)
+
+    def held_bytes(self) -> dict[str, int]:
+        shard = grad = gathered = 0
+        for buf in self.buffers:
+            esize = buf.element_size
+            shard += buf.shard_numel * esize
+            for sp in buf.params:
+                if sp.shard.grad is not None:
+                    grad += sp.chunk_numel * esize
+                if sp.full_is_materialized():
+                    gathered += sp.numel * buf.compute_element_size
+        grad += self.full_grad_nbytes()
+        return {"shard": shard, "grad": grad, "gathered": gathered}
+
+
+def _own_rank_group():
+    import paddle.distributed as dist
+
+    return _single_rank_group(dist.get_rank())
+
+
+def buffer_groups(params: list[ShardedParam], placements: dict) -> "OrderedDict":
+    """Params that travel in one collective, in first-seen order, keyed by what must
+    agree inside it: ``(dtype, trainable, expert, kept whole)``."""
+    groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
+    for sp in params:
+        whole = placements.get(id(sp.full)) == "replicate"
+        key = (str(sp.dtype), sp.trainable, _is_expert(sp.full), whole)
+        groups.setdefault(key, []).append(sp)
+    return groups
+
+
+def _is_expert(param) -> bool:
+    return bool(getattr(param, "is_moe_param", False) or getattr(param, "expert", False))

@@ -1,0 +1,34 @@
+"""Everything paddle_hsdp changes in Paddle's own classes and functions, one file per
+concern; each file's docstring says what it patches and why. Every patch goes through
+:func:`.patching.replace`, which records the original and why; :func:`active` lists
+them (:func:`describe` as text). :func:`install` applies
+them all, once (``import paddle_hsdp`` calls it), in this order:
+
+* :mod:`.gloo_groups`: gloo sub-group creation, a rendezvous store per group;
+* :mod:`.cpu_compat`: Paddle's tensor-parallel layers on CPU (gloo);
+* :mod:`.fleet`: the ``fsdp_outer_degree`` strategy option, ``fleet.init``, the HCG's
+  HSDP methods, parameter broadcasts that skip shards;
+* :mod:`.optim`: the optimizer step boundary (``_apply_optimize``, ``clear_grad``,
+  ``GradScaler``, ``HybridParallelOptimizer``);
+* :mod:`.clip`: ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``;
+* :mod:`.state_dict`: ``Layer.state_dict`` / ``set_state_dict`` on sharded models;
+* :mod:`.flex_optimizer`: ``AdamW.sharded_state_dict`` over HSDP shards.
+"""
+
+from __future__ import annotations
+
+from . import clip, cpu_compat, flex_optimizer, fleet, gloo_groups, optim, state_dict
+from .patching import active, describe
+
+__all__ = ["active", "describe", "install"]
+
+
+def install() -> None:
+    """Apply every patch (each is idempotent)."""
+    gloo_groups.install()
+    cpu_compat.install()
+    fleet.install()
+    optim.install()
+    clip.install()
+    state_dict.install()
+    flex_optimizer.install()

@@ -1,0 +1,263 @@
+"""Global-norm clipping over HSDP shards: every distinct gradient element counted once.
+
+Patches ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (:func:`install`): on
+shards Paddle's would compute each rank's norm of its own rows and clip stale grads. At
+the step boundary (:mod:`.optim`) a plain ``ClipGradByGlobalNorm`` of the optimizer is
+swapped for :class:`HSDPClipGradByGlobalNorm`, and a ``HybridParallelClipGrad`` keeps its
+norm readable (:func:`record_norm_of_hybrid_clip`).
+
+What a rank holds, and who else holds the same values:
+
+* inner ranks hold distinct row blocks of a buffer;
+* outer replicas hold copies: every outer rank but 0 marks its shards
+  ``is_firstly_shared=False`` (see ``ShardBuffer``), as Paddle's pipeline code marks
+  the second copy of a shared weight;
+* tensor-parallel ranks hold distinct slices of ``is_distributed`` params and copies
+  of the rest; sep ranks hold copies of everything;
+* pipeline stages hold distinct layers.
+
+So the squared norm is a sum of local terms where a term counts only on its first copy
+(``is_firstly_shared`` not False, and mp rank 0 unless ``is_distributed``, and sep rank
+0), followed by **one all-reduce over the whole job** (HSDP runs with ``dp_degree=1``,
+so the world is pp x sharding x sep x mp). No rank returns early: a rank with nothing
+to count (an outer replica, an all-padding shard, experts that got no tokens) adds zero
+and still joins the all-reduce, so no rank hangs.
+
+``fleet.distributed_optimizer`` keeps Paddle's own ``HybridParallelClipGrad``, which
+reads the same ``is_firstly_shared`` / ``is_distributed`` marks and all-reduces over the
+sharding, mp and pp groups; :func:`record_norm_of_hybrid_clip` makes its norm readable.
+"""
+
+from __future__ import annotations
+
+import paddle
+from paddle.nn import ClipGradByGlobalNorm
+
+from ..comm import collectives as comm
+from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
+from ..engine.registry import managed_param
+from ..engine.unit import sync_grads
+from .patching import replace
+
+
+class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
+    """``ClipGradByGlobalNorm`` for HSDP shards; ``last_global_norm`` keeps the norm.
+
+    ``mp_rank`` / ``sep_rank``: this rank's index in the tensor-parallel and sep groups;
+    ``group``: the group that spans every distinct shard (None: the whole job).
+    """
+
+    def __init__(self, clip_norm: float, group=None, mp_rank: int = 0, sep_rank: int = 0,
+                 group_name: str = "default_group", auto_skip_clip: bool = False,
+                 fsdp_rank: int = 0, expert_fsdp_rank: int = 0):
+        super().__init__(clip_norm, group_name, auto_skip_clip)
+        self.group = group
+        self.mp_rank = mp_rank
+        self.sep_rank = sep_rank
+        self.fsdp_rank, self.expert_fsdp_rank = fsdp_rank, expert_fsdp_rank
+        self.last_global_norm: paddle.Tensor | None = None
+
+    def counts(self, param) -> bool:
+        """Whether this rank's copy of ``param`` is the one the norm counts."""
+        if getattr(param, "is_firstly_shared", True) is False:
+            return False
+        if not hasattr(param, "_hsdp_sharded_param"):
+            # Not an HSDP shard (ignored_params): a copy on every FSDP rank, which the
+            # user keeps in sync; count it on FSDP rank 0 only.
+            expert = getattr(param, "is_moe_param", False) or getattr(param, "expert", False)
+            if (self.expert_fsdp_rank if expert else self.fsdp_rank) != 0:
+                return False
+        if self.sep_rank != 0:
+            return False
+        return self.mp_rank == 0 or bool(getattr(param, "is_distributed", False))
+
+    @paddle.no_grad()
+    def _dygraph_clip(self, params_grads):
+        dtype = norm_dtype(g for _, g in params_grads)
+        sum_sq = paddle.zeros([1], dtype=dtype)
+        for p, g in params_grads:
+            if g is None or getattr(p, "need_clip", True) is False:
+                continue
+            sq = paddle.sum(paddle.square(g.astype(dtype))).reshape([1])
+            if not sq.place._equals(sum_sq.place):  # offloaded (host) grads
+                sq = sq.to(paddle.get_device())
+            sum_sq = sum_sq + (sq if self.counts(p) else sq * 0.0)
+        group = self.group or paddle.distributed.collective._get_global_group()
+        comm.all_reduce(sum_sq, group, tag="clip")
+        norm = paddle.sqrt(sum_sq)
+        self.last_global_norm = norm
+        if self.auto_skip_clip and norm.item() <= self.clip_norm:
+            return params_grads
+        max_norm = paddle.full([1], self.clip_norm, dtype=dtype)
+        scale = max_norm / paddle.maximum(norm, max_norm)
+        out = []
+        for p, g in params_grads:
+            if g is None or getattr(p, "need_clip", True) is False:
+                out.append((p, g))
+            else:
+                factor = scale if g.place._equals(scale.place) else scale.to(g.place)
+                out.append((p, g * factor.astype(g.dtype)))
+        return out
+
+
+def norm_dtype(grads) -> str:
+    """The dtype Paddle's own clipping sums in: float64 when any grad is float64,
+    else float32 (low-precision grads are summed in float32)."""
+    return "float64" if any(g is not None and g.dtype == paddle.float64
+                            for g in grads) else "float32"
+
+
+def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
+    # The norm spans the mesh's ranks: the whole job on the fleet HCG, the mesh's own
+    # group for an explicit mesh that covers part of the world.
+    group = getattr(mesh, "clip_group", lambda: None)()
+    return HSDPClipGradByGlobalNorm(clip.clip_norm, group, mesh.mp_rank(), mesh.sep_rank(),
+                                    clip.group_name, clip.auto_skip_clip,
+                                    fsdp_rank=mesh.fsdp_group(False).rank,
+                                    expert_fsdp_rank=mesh.fsdp_group(True).rank)
+
+
+def make_clip_hsdp_aware(optimizer, params) -> None:
+    """Swap every plain ``ClipGradByGlobalNorm`` the optimizer uses (its own and each
+    parameter group's) for the HSDP one with the same settings; refuse clips that cannot
+    be right on shards, before any update happens."""
+    mesh = params[0]._hsdp_sharded_param.mesh
+    optimizer._grad_clip = _hsdp_aware(optimizer._grad_clip, mesh)
+    for group in getattr(optimizer, "_param_groups", None) or []:
+        if isinstance(group, dict) and "grad_clip" in group:
+            group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh)
+
+
+def _hsdp_aware(clip, mesh):
+    if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
+        return clip
+    if type(clip) is ClipGradByGlobalNorm:
+        return hsdp_clip_for(clip, mesh)
+    if isinstance(clip, ClipGradByGlobalNorm):
+        raise NotImplementedError(
+            f"{type(clip).__name__} subclasses ClipGradByGlobalNorm; paddle_hsdp cannot "
+            "tell whether its norm is right on shards. Use paddle.nn.ClipGradByGlobalNorm "
+            "or paddle_hsdp.HSDPClipGradByGlobalNorm.")
+    if isinstance(clip, paddle.nn.ClipGradByNorm):
+        raise NotImplementedError(
+            "ClipGradByNorm clips each parameter by its own norm, which a shard cannot "
+            "know; use paddle.nn.ClipGradByGlobalNorm (or ClipGradByValue) with paddle_hsdp.")
+    return clip
+
+
+def record_norm_of_hybrid_clip(clip) -> None:
+    """Let a ``HybridParallelClipGrad`` keep its global norm in ``last_global_norm``."""
+    original = clip._global_norm
+
+    def _global_norm(norm_dist, norm_not_dist):
+        original(norm_dist, norm_not_dist)  # all-reduces both in place
+        clip.last_global_norm = paddle.sqrt(norm_dist + norm_not_dist)
+
+    clip._global_norm = _global_norm
+    clip.last_global_norm = None
+
+
+def last_global_norm(optimizer) -> float | None:
+    """The global grad norm of the optimizer's last clipped step (for logging)."""
+    norm = getattr(unwrap_optimizer(optimizer)._grad_clip, "last_global_norm", None)
+    return None if norm is None else norm.item()
+
+
+# ---------------------------------------------------------------- paddle.nn.utils
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """``paddle.nn.utils.clip_grad_norm_`` for HSDP shards (installed in its place).
+
+    Finishes the step's deferred grad sync, then computes the norm over every distinct
+    gradient element exactly once (the counting rule of :class:`HSDPClipGradByGlobalNorm`,
+    one all-reduce over the job: a sum of ``|g|^p``, or a max for ``inf``), and scales
+    the shard grads in place with Paddle's formula. A collective: call it on every rank.
+    Parameters that no unit manages keep Paddle's own behaviour.
+    """
+    if isinstance(parameters, paddle.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    shards = _managed_shards(parameters)
+    if not shards:
+        return _original_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
+    if norm_type not in _NORM_TYPES:
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): supported on HSDP "
+                         f"shards are {list(_NORM_TYPES)} (Paddle's order-0 'norm' counts "
+                         "whole tensors, which a shard cannot see)")
+    sync_grads(_units_of(shards))
+    params = shards + [p for p in parameters if managed_param(p) is None]
+    counter = hsdp_clip_for(ClipGradByGlobalNorm(float(max_norm)),
+                            shards[0]._hsdp_sharded_param.mesh)
+    total = _global_norm([p for p in params if p.grad is not None], float(norm_type),
+                         counter)
+    if error_if_nonfinite and not bool(paddle.isfinite(total)):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the "
+                           "gradients is non-finite, so it cannot be clipped; pass "
+                           "error_if_nonfinite=False to scale by it anyway.")
+    coef = paddle.clip(float(max_norm) / (total + 1e-6), max=1.0)
+    with paddle.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.multiply_(coef.astype(p.grad.dtype))
+    return total
+
+
+_NORM_TYPES = (float("inf"), 1, 2)
+
+
+@paddle.no_grad()
+def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
+    """The norm over the job of the counted copies' grads (one all-reduce)."""
+    infinite = norm_type == float("inf")
+    dtype = norm_dtype(p.grad for p in params)
+    local = paddle.zeros([1], dtype=dtype)
+    for p in params:
+        if not counter.counts(p):
+            continue  # still joins the all-reduce below, with nothing to add
+        g = p.grad.astype(dtype).abs()
+        if g.numel() == 0:
+            continue
+        if infinite:
+            local = paddle.maximum(local, g.max().reshape([1]))
+        else:
+            local = local + (g ** norm_type).sum().reshape([1])
+    group = counter.group or paddle.distributed.collective._get_global_group()
+    comm.all_reduce(local, group, tag="clip", op="max" if infinite else "sum")
+    if infinite:
+        return local.reshape([])
+    return (local ** (1.0 / norm_type)).reshape([])
+
+
+def clip_grad_value_(parameters, clip_value):
+    """``paddle.nn.utils.clip_grad_value_`` for HSDP shards: finishes the deferred
+    grad sync first, so the clipped values are the step's synced grads."""
+    if isinstance(parameters, paddle.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    shards = _managed_shards(parameters)
+    sync_grads(_units_of(shards))
+    rest = [p for p in parameters if managed_param(p) is None]
+    return _original_clip_grad_value(shards + rest, clip_value)
+
+
+_original_clip_grad_norm = None
+_original_clip_grad_value = None
+
+
+def install() -> None:
+    """Put the HSDP-aware versions where ``paddle.nn.utils`` users find them."""
+    global _original_clip_grad_norm, _original_clip_grad_value
+    import sys
+
+    import paddle.nn.utils as utils
+
+    if _original_clip_grad_norm is not None:
+        return
+    _original_clip_grad_norm, _original_clip_grad_value = (utils.clip_grad_norm_,
+                                                           utils.clip_grad_value_)
+    why = {"clip_grad_norm_": "the norm over every distinct element of HSDP shards, once",
+           "clip_grad_value_": "finish the deferred grad sync before clipping"}
+    for name, fn in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_)):
+        replace(utils, name, fn, why[name])
+        module = sys.modules.get(f"paddle.nn.utils.{name}")
+        if module is not None and hasattr(module, name):
+            replace(module, name, fn, why[name])

@@ -1,0 +1,150 @@
+"""Fleet: the ``fsdp_outer_degree`` strategy option, ``fleet.init``, the HCG's HSDP
+methods, and parameter broadcasts that skip HSDP shards.
+
+What it patches, and why:
+
+* ``DistributedStrategy.hybrid_configs`` (setter): Paddle 3.3 rejects a nested
+  ``sharding_configs`` dict carrying ``fsdp_outer_degree``; the option is kept aside
+  (skipped where Paddle knows the option natively);
+* ``Fleet.init``: validates the option on every rank before any group exists;
+  ``Fleet._init_hybrid_parallel_env``: after Paddle built its HCG, creates every inner
+  and outer group (:func:`paddle_hsdp.topology.fleet.build_hsdp_groups`);
+  ``paddle.distributed.fleet.init``, the module alias bound before the patch;
+* ``HybridCommunicateGroup.get_fsdp_group / get_fsdp_inner_group /
+  get_fsdp_outer_group / get_fsdp_outer_degree``: added (Paddle has none);
+* ``sync_params_buffers`` (``paddle.distributed.parallel`` and fleet's
+  ``hybrid_parallel_util``): see :func:`_patch_param_broadcasts`.
+
+Where a Paddle build already provides HSDP groups natively, only the broadcast guard is
+installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from ..engine.registry import managed_param
+from ..topology.fleet import (OPTION, _get_fsdp_group, _get_fsdp_inner_group,
+                              _get_fsdp_outer_degree, _get_fsdp_outer_group,
+                              build_hsdp_groups, get_fsdp_outer_degree, validate_strategy)
+from .patching import replace
+
+logger = logging.getLogger(__name__)
+_installed = False
+
+
+# ---------------------------------------------------------------- strategy option
+def _strategy_knows_option_natively(strategy_cls) -> bool:
+    from paddle.distributed.fleet.proto import distributed_strategy_pb2 as pb
+
+    return OPTION in pb.ShardingConfig.DESCRIPTOR.fields_by_name if hasattr(
+        pb, "ShardingConfig") else False
+
+
+def _patch_strategy(strategy_cls) -> None:
+    from paddle.distributed.fleet.base.distributed_strategy import assign_configs_value
+
+    original = strategy_cls.hybrid_configs
+
+    def set_hybrid_configs(self, configs):
+        configs = dict(configs)
+        sharding = configs.pop("sharding_configs", None)
+        if sharding is not None:
+            sharding = dict(sharding)
+            if OPTION in sharding:
+                # Stored as given: validation (with the group sizes) runs in fleet.init.
+                self._hsdp_fsdp_outer_degree = sharding.pop(OPTION)
+            assign_configs_value(self.strategy.hybrid_configs.sharding_configs, sharding)
+        original.fset(self, configs)
+
+    # class default; also unlocks the attribute
+    replace(strategy_cls, "_hsdp_fsdp_outer_degree", 1, "the option's default: plain FSDP")
+    replace(strategy_cls, "hybrid_configs",
+            property(original.fget, set_hybrid_configs, None, original.__doc__),
+            "Paddle 3.3 rejects fsdp_outer_degree inside sharding_configs; kept aside")
+
+
+# ---------------------------------------------------------------- fleet.init and the HCG
+def _patch_fleet(fleet_cls) -> None:
+    original_init = fleet_cls.init
+    original_env = fleet_cls._init_hybrid_parallel_env
+
+    @functools.wraps(original_init)
+    def init(self, role_maker=None, is_collective=False, strategy=None, *args, **kwargs):
+        if strategy is not None:
+            validate_strategy(strategy)  # every rank, before any group exists
+        return original_init(self, role_maker, is_collective, strategy, *args, **kwargs)
+
+    @functools.wraps(original_env)
+    def init_hybrid_parallel_env(self):
+        original_env(self)
+        degree = get_fsdp_outer_degree(self._user_defined_strategy)
+        self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, degree)
+
+    replace(fleet_cls, "init", init, "validate fsdp_outer_degree on every rank before any group")
+    replace(fleet_cls, "_init_hybrid_parallel_env", init_hybrid_parallel_env,
+            "create every HSDP inner/outer group after Paddle's HCG")
+
+
+# ---------------------------------------------------------------- fleet.distributed_model
+class _WithoutHSDPParams:
+    """A view of a model for Paddle's parameter broadcasts that hides HSDP-managed
+    parameters (shards, and full params gathered at the moment)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def _obtain_parameters_buffers(self):
+        return {k: v for k, v in self._model._obtain_parameters_buffers().items()
+                if managed_param(v) is None}
+
+
+def _patch_param_broadcasts() -> None:
+    """``fleet.distributed_model`` (ShardingParallel, TensorParallel, ...) and
+    ``paddle.DataParallel`` broadcast every parameter from one rank of a group through
+    ``sync_params_buffers``. On HSDP shards that would overwrite every rank's block with
+    the source rank's; HSDP makes its own replicas identical when it shards. So the
+    broadcasts skip managed parameters and still sync everything else, and
+    ``model = fleet.distributed_model(model)`` works before or after ``fully_shard``."""
+    import paddle.distributed.parallel as parallel
+    from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+
+    original = parallel.sync_params_buffers
+
+    @functools.wraps(original)
+    def sync_params_buffers(model, *args, **kwargs):
+        return original(_WithoutHSDPParams(model), *args, **kwargs)
+
+    why = "parameter broadcasts skip HSDP shards (they would overwrite other ranks' blocks)"
+    replace(parallel, "sync_params_buffers", sync_params_buffers, why)
+    replace(util, "sync_params_buffers", sync_params_buffers, why)
+
+
+def install() -> None:
+    """Apply the fleet extensions once; skip any piece Paddle already provides."""
+    global _installed
+    if _installed:
+        return
+    import paddle.distributed.fleet as fleet_pkg
+    from paddle.distributed.fleet.base.distributed_strategy import DistributedStrategy
+    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+    from paddle.distributed.fleet.fleet import Fleet
+
+    _patch_param_broadcasts()
+    if hasattr(HybridCommunicateGroup, "get_fsdp_inner_group"):
+        logger.info("paddle_hsdp: this Paddle provides HSDP groups natively; deferring to it.")
+        _installed = True
+        return
+    if not _strategy_knows_option_natively(DistributedStrategy):
+        _patch_strategy(DistributedStrategy)
+    _patch_fleet(Fleet)
+    # ``fleet.init`` is a module-level alias bound to the singleton before we patched.
+    replace(fleet_pkg, "init", fleet_pkg.fleet.init,
+            "the module alias was bound to the singleton's init before the patch")
+    for name, method in (("get_fsdp_group", _get_fsdp_group),
+                         ("get_fsdp_inner_group", _get_fsdp_inner_group),
+                         ("get_fsdp_outer_group", _get_fsdp_outer_group),
+                         ("get_fsdp_outer_degree", _get_fsdp_outer_degree)):
+        replace(HybridCommunicateGroup, name, method, "the HCG's HSDP groups (Paddle has none)")
+    _installed = True

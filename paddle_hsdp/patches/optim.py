@@ -1,0 +1,163 @@
+"""The step boundary: what the optimizer sees and when the outer all-reduce runs.
+
+Paddle 3.3's optimizers have no step hooks. Every optimizer's ``step`` (and
+``minimize``) goes through ``Optimizer._apply_optimize`` before clipping and updating,
+so :func:`install` wraps that method: the first call of a step finishes the deferred
+gradient sync of every unit whose shard params the optimizer holds, i.e. **one outer
+all-reduce per buffer per optimizer step**, however many backward passes accumulated
+into the shards. Grads are updated in place, so the grad list ``step`` collected just
+before stays valid. Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync`
+yourself to read synced grads before ``step`` (for logging or custom clipping).
+
+``fleet.distributed_optimizer(opt)`` works too: Paddle wraps optimizers in its own
+ZeRO-1 ``DygraphShardingOptimizer`` when ``sharding_degree > 1``; for HSDP-managed
+params that would shard an already sharded state and reduce grads twice, so the
+wrapper is skipped and Paddle's ``HybridParallelClipGrad`` is kept, reading the real HCG.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import paddle
+
+from ..comm import collectives as comm
+from ..comm import gather_tags
+from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
+                                 check_optimizer, finish_grad_sync)
+from . import clip
+from .patching import replace
+
+_installed = False
+
+
+def _patch_apply_optimize() -> None:
+    original = paddle.optimizer.Optimizer._apply_optimize
+
+    @functools.wraps(original)
+    def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
+        params = check_optimizer(self)
+        gather_tags.raise_pending()
+        if params:
+            finish_grad_sync(params)
+            clip.make_clip_hsdp_aware(self, params)
+        result = original(self, loss, startup_program, params_grads, *args, **kwargs)
+        for unit in _units_of(params):
+            unit.reshard(force=True)  # params kept gathered are stale after the update
+        return result
+
+    replace(paddle.optimizer.Optimizer, "_apply_optimize", _apply_optimize,
+            "the step boundary: finish the deferred grad sync once per optimizer step")
+
+
+def _patch_optimizers_that_bypass_apply_optimize() -> None:
+    """LBFGS steps without ``_apply_optimize``: check it at its own entry points."""
+    for cls in _not_elementwise_classes():
+        for name in ("step", "minimize"):
+            original = cls.__dict__.get(name)
+            if original is None:
+                continue
+
+            def checked(self, *args, __original=original, **kwargs):
+                check_optimizer(self)
+                return __original(self, *args, **kwargs)
+
+            replace(cls, name, functools.wraps(original)(checked),
+                    "refuse optimizers that are not element-wise on HSDP shards")
+
+
+def _patch_hybrid_parallel_optimizer() -> None:
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
+        hybrid_parallel_optimizer as hpo_mod,
+    )
+
+    cls = hpo_mod.HybridParallelOptimizer
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, optimizer, hcg, strategy):
+        if not _sharded_params_of(optimizer):
+            return original_init(self, optimizer, hcg, strategy)
+        original_init(self, optimizer, _WithoutPaddleSharding(hcg), strategy)
+        self._hcg = hcg
+        self._sharding_enable = False  # grads are already reduced by the HSDP units
+        inner = self._inner_opt
+        clips = [inner._grad_clip] + [g.get("grad_clip") for g in
+                                      getattr(inner, "_param_groups", None) or []
+                                      if isinstance(g, dict)]
+        for c in clips:
+            if isinstance(c, hpo_mod.HybridParallelClipGrad):
+                c._hcg = hcg  # its norm all-reduce spans the sharding group
+                clip.record_norm_of_hybrid_clip(c)
+
+    replace(cls, "__init__", __init__,
+            "no DygraphShardingOptimizer over HSDP shards (they are sharded and reduced already)")
+
+
+class _WithoutPaddleSharding:
+    """An HCG view that hides the sharding degree from HybridParallelOptimizer's
+    constructor, so it does not wrap HSDP shards in DygraphShardingOptimizer."""
+
+    def __init__(self, hcg):
+        self._hcg = hcg
+
+    def get_sharding_parallel_world_size(self, *args, **kwargs):
+        return 1
+
+    def __getattr__(self, name):
+        return getattr(self._hcg, name)
+
+
+def _patch_clear_grad() -> None:
+    """``clear_grad`` also drops full-size grads a deferred reduce-scatter still holds
+    (ZeRO-1, ``set_requires_gradient_sync(False)``): a skipped batch is skipped."""
+    original = paddle.optimizer.Optimizer.clear_grad
+
+    @functools.wraps(original)
+    def clear_grad(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for unit in _units_of(_sharded_params_of(self)):
+            unit.drop_pending_grads()
+        return result
+
+    replace(paddle.optimizer.Optimizer, "clear_grad", clear_grad,
+            "also drop full-size grads a deferred reduce-scatter still holds")
+
+
+def _patch_grad_scaler() -> None:
+    """AMP: ``GradScaler._unscale`` reads the grads before ``step`` reaches
+    ``_apply_optimize``, so the deferred sync runs first; and since each rank holds other
+    shards, ``found_inf`` is OR-ed over the job so every rank skips the same steps."""
+    from paddle.amp.grad_scaler import AmpScaler
+
+    original = AmpScaler._unscale
+
+    @functools.wraps(original)
+    def _unscale(self, optimizer):
+        params = _sharded_params_of(getattr(optimizer, "_inner_opt", optimizer))
+        if params:
+            finish_grad_sync(params)
+        result = original(self, optimizer)
+        found = getattr(self, "_found_inf", None)
+        if params and isinstance(found, paddle.Tensor):
+            flag = found.astype("int32").reshape([1])
+            group = getattr(params[0]._hsdp_sharded_param.mesh, "clip_group", lambda: None)()
+            group = group or paddle.distributed.collective._get_global_group()
+            comm.all_reduce(flag, group, tag="found_inf")
+            self._found_inf = (flag > 0).reshape(found.shape)
+        return result
+
+    replace(AmpScaler, "_unscale", _unscale,
+            "AMP: sync grads first; OR found_inf over the job so every rank skips alike")
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _patch_apply_optimize()
+    _patch_optimizers_that_bypass_apply_optimize()
+    _patch_clear_grad()
+    _patch_grad_scaler()
+    _patch_hybrid_parallel_optimizer()
+    _installed = True

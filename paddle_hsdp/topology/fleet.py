@@ -1,0 +1,173 @@
+"""The ``fsdp_outer_degree`` option of fleet's strategy and the HCG's HSDP groups.
+
+What this module computes; :mod:`paddle_hsdp.patches.fleet` installs it into Paddle's
+classes. ``import paddle_hsdp``
+
+* lets ``strategy.hybrid_configs = {..., "sharding_configs": {"fsdp_outer_degree": O}}``
+  through (Paddle 3.3 rejects a nested ``sharding_configs`` dict and knows no such key);
+* validates the option on every rank inside ``fleet.init`` before any group exists;
+* after Paddle has built its HCG, creates every inner and outer group of every FSDP
+  group on every rank, in the one global order of
+  :func:`~paddle_hsdp.topology.layout.plan_hsdp_layout`;
+* adds ``get_fsdp_group / get_fsdp_inner_group / get_fsdp_outer_group(is_expert)`` and
+  ``get_fsdp_outer_degree()`` to ``HybridCommunicateGroup``.
+
+Where a Paddle build already knows the option natively, each step defers to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import paddle.distributed as dist
+
+from ..comm import collectives as comm
+from . import layout as topology
+
+logger = logging.getLogger(__name__)
+
+OPTION = "fsdp_outer_degree"
+MOE_ORDER_HINT = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
+
+
+# ---------------------------------------------------------------- strategy option
+def get_fsdp_outer_degree(strategy) -> int:
+    """The ``fsdp_outer_degree`` a strategy carries (1, plain FSDP, when unset)."""
+    native = getattr(strategy.strategy.hybrid_configs.sharding_configs, OPTION, None)
+    return native if native is not None else strategy._hsdp_fsdp_outer_degree
+
+
+# ---------------------------------------------------------------- validation
+def validate_strategy(strategy) -> int:
+    """Check the HSDP option of a strategy before any group is created; return O."""
+    degree = get_fsdp_outer_degree(strategy)
+    if degree != 1 and (getattr(strategy, "semi_auto", False) or getattr(strategy, "auto", False)):
+        raise NotImplementedError(
+            f"sharding_configs['{OPTION}']={degree} is not supported in Paddle's "
+            "auto-parallel mode (strategy.auto / strategy.semi_auto); use manual hybrid "
+            "parallel (fleet.init(is_collective=True, strategy=...)) or set it to 1."
+        )
+    hc = strategy.hybrid_configs
+    sizes = {"dense": max(hc["sharding_degree"], 1)}
+    if max(hc["ep_degree"], 1) > 1:
+        order = list(strategy.hybrid_parallel_order)
+        if "moe_sharding" not in order or "ep" not in order:
+            raise ValueError(
+                f"ep_degree={hc['ep_degree']} needs strategy.hybrid_parallel_order to name "
+                f"'moe_sharding' and 'ep' (Paddle ignores ep_degree otherwise), got {order}; "
+                f"set e.g. strategy.hybrid_parallel_order = {MOE_ORDER_HINT}."
+            )
+        sizes["expert"] = max(hc["moe_sharding_degree"], 1)
+    return topology.validate_outer_degree(degree, sizes)
+
+
+# ---------------------------------------------------------------- groups
+def fsdp_rank_lists(hcg) -> tuple[list[list[int]], list[list[int]] | None]:
+    """All dense FSDP groups of the job and all expert ones (None: same as dense)."""
+    if hasattr(hcg, "_moe_topo"):  # EPHybridCommunicateGroup (ep_degree > 1)
+        dense = hcg.merge_inner_comm_list(hcg._dense_topo, "moe_sharding", "dense_sharding")
+        return dense, hcg._moe_topo.get_comm_list("moe_sharding")
+    return hcg._topo.get_comm_list("sharding"), None
+
+
+class HSDPGroups:
+    """What the HCG answers for HSDP on this rank."""
+
+    def __init__(self, layout: topology.HSDPLayout, groups: dict, fsdp_dense, fsdp_expert):
+        self.layout = layout
+        self.outer_degree = layout.outer_degree
+        self._groups = groups  # member tuple -> paddle Group
+        self._fsdp = {False: fsdp_dense, True: fsdp_expert}
+
+    def fsdp(self, is_expert: bool):
+        return self._fsdp[bool(is_expert)]
+
+    def inner(self, rank: int, is_expert: bool):
+        return self._groups[self.layout.groups_of(rank, is_expert).inner]
+
+    def outer(self, rank: int, is_expert: bool):
+        return self._groups[self.layout.groups_of(rank, is_expert).outer]
+
+
+def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
+    """Create every inner/outer group on every rank in one global order; keep ours."""
+    dense_lists, expert_lists = fsdp_rank_lists(hcg)
+    layout = topology.plan_hsdp_layout(dense_lists, expert_lists, outer_degree)
+    rank = dist.get_rank()
+    fsdp_dense = _usable(hcg.get_sharding_parallel_group(), rank)
+    fsdp_expert = (_usable(hcg.get_moe_sharding_parallel_group(), rank)
+                   if expert_lists is not None else fsdp_dense)
+    # Paddle's HCG already made every FSDP group on every rank. Skip *all* of them (not
+    # only this rank's) so that every rank makes the same sequence of new_group calls
+    # and group ids stay consistent; this rank's own FSDP groups are reused.
+    fsdp_tuples = {tuple(g) for g in dense_lists} | {tuple(g) for g in (expert_lists or ())}
+    existing = {tuple(g.ranks): g for g in (fsdp_dense, fsdp_expert)}
+    groups = {}
+    for members in layout.creation_order:
+        if len(members) == 1:
+            # Paddle gives one-rank groups rank -1 (and sometimes nranks -1); a local
+            # Group object is what a one-rank group should be (no communicator needed).
+            if members[0] == rank:
+                groups[members] = _single_rank_group(rank)
+            continue
+        if members in fsdp_tuples:
+            if members in existing:
+                groups[members] = existing[members]
+            continue
+        groups[members] = dist.new_group(list(members))
+    for is_expert in (False, True):
+        mine = layout.groups_of(rank, is_expert)
+        comm.name_group(groups[mine.inner], "expert_inner" if is_expert else "inner")
+        comm.name_group(groups[mine.outer], "outer")
+    logger.info("HSDP: %d groups created for fsdp_outer_degree=%d", len(groups), outer_degree)
+    return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert)
+
+
+_single_ids = itertools.count(1)
+
+
+def _usable(group, rank: int):
+    """Paddle's one-rank HCG groups report rank -1: replace them by a local group whose
+    rank is 0, so code that asks "am I rank 0 of this group" gets the right answer
+    (sharding_degree=1: one process, or tensor parallelism without sharding)."""
+    return _single_rank_group(rank) if group.nranks == 1 else group
+
+
+def _single_rank_group(rank: int):
+    from paddle.distributed.communication.group import Group
+
+    # Negative ids never clash with Paddle's ring ids (which count up from 0); a fresh
+    # id per group keeps the comm counter's labels (keyed by id) apart.
+    gid = -next(_single_ids)
+    return Group(0, gid, [rank], pg=None, name=f"hsdp_single_{rank}_{-gid}")
+
+
+# ---------------------------------------------------------------- HCG methods
+def _hsdp_of(hcg) -> HSDPGroups:
+    hsdp = getattr(hcg, "_hsdp_groups", None)
+    if hsdp is None:
+        raise RuntimeError(
+            "This HybridCommunicateGroup has no HSDP groups: `import paddle_hsdp` before "
+            "calling fleet.init(is_collective=True, strategy=...)."
+        )
+    return hsdp
+
+
+def _get_fsdp_group(self, is_expert: bool = False):
+    """The FSDP group: sharding for dense params, moe_sharding for experts when EP > 1."""
+    return _hsdp_of(self).fsdp(is_expert)
+
+
+def _get_fsdp_inner_group(self, is_expert: bool = False):
+    """The ranks that shard a buffer between them (one row of ``[outer, inner]``)."""
+    return _hsdp_of(self).inner(self.global_rank, is_expert)
+
+
+def _get_fsdp_outer_group(self, is_expert: bool = False):
+    """The replicas of this rank's shard (one column of ``[outer, inner]``)."""
+    return _hsdp_of(self).outer(self.global_rank, is_expert)
+
+
+def _get_fsdp_outer_degree(self) -> int:
+    return _hsdp_of(self).outer_degree

@@ -1,0 +1,81 @@
+"""The package's layering (issue 17): ``lint-imports`` keeps the contracts of
+``.importlinter`` (comm < topology < engine < patches < checkpoint | config < __main__,
+checkpoint and config independent, no cycle between siblings), and a few rules the
+contracts cannot say, read from grimp's import graph."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+PACKAGE = "paddle_hsdp"
+
+
+def _lint_imports() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    script = script if os.path.exists(script) else shutil.which("lint-imports")
+    if script is None:
+        pytest.fail("lint-imports not found: install the test extra (pip install -e .[test])")
+    return [script]
+
+
+def test_lint_imports_keeps_every_contract():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    run = subprocess.run(_lint_imports() + ["--no-cache"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout, run.stdout
+
+
+@pytest.fixture(scope="module")
+def graph():
+    grimp = pytest.importorskip("grimp")  # installed with import-linter
+    sys.path.insert(0, ROOT)
+    try:
+        return grimp.build_graph(PACKAGE, cache_dir=None)
+    finally:
+        sys.path.remove(ROOT)
+
+
+def test_no_import_cycle_between_modules(graph):
+    """Tarjan's strongly connected components over every module of the package."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in graph.find_modules_directly_imported_by(module):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    assert cycles == []
+
+
+def test_registry_imports_nothing_of_the_package(graph):
+    assert graph.find_modules_directly_imported_by(f"{PACKAGE}.engine.registry") == set()
+
+
+def test_nothing_imports_the_top_level_package(graph):
+    """``paddle_hsdp/__init__`` sits above every layer (it installs the patches)."""
+    assert graph.find_modules_that_directly_import(PACKAGE) == set()
