@@ -105,6 +105,25 @@ def _degree_auto_parallel():
     fleet_ext.validate_strategy(strategy)
 
 
+def _strategy_with(sharding_configs):
+    from paddle.distributed import fleet
+
+    fleet.DistributedStrategy().hybrid_configs = {"sharding_degree": 4,
+                                                  "sharding_configs": sharding_configs}
+
+
+@row("`strategy.hybrid_configs`: `sharding_configs` keys", "`{'fsdp_outer_degre': 2}` (a typo)",
+     ValueError, "'fsdp_outer_degre'", "did you mean 'fsdp_outer_degree'?", "split_param")
+def _sharding_configs_typo():
+    _strategy_with({"fsdp_outer_degre": 2})
+
+
+@row("`strategy.hybrid_configs`: `sharding_configs` keys", "`{'bogus_key': 1}`", ValueError,
+     "'bogus_key'", "paddle_hsdp's keys: fsdp_outer_degree", "tensor_fusion")
+def _sharding_configs_unknown():
+    _strategy_with({"bogus_key": 1})
+
+
 # ---------------------------------------------------------------- fully_shard
 @row("`fully_shard(module)`", "a list of layers", TypeError, "paddle.nn.Layer")
 def _shard_not_a_layer():
@@ -408,6 +427,8 @@ MULTI_RANK = [
      "and group, within `PADDLE_HSDP_COLLECTIVE_TIMEOUT`", "test_faults.py"),
     ("a config that disagrees with the live fleet topology", "`ConfigError` on every rank",
      "test_config_driven.py"),
+    ("a typo in `sharding_configs`", "`ValueError` on every rank before any group exists",
+     "test_comm_ops.py"),
 ]
 
 

@@ -44,6 +44,41 @@ def test_option_is_accepted_and_other_keys_still_reach_the_protobuf():
     assert clone.hybrid_configs["sharding_configs"].split_param is True
 
 
+@pytest.mark.parametrize("key,suggested", [("fsdp_outer_degre", "fsdp_outer_degree"),
+                                           ("split_parm", "split_param"),
+                                           ("bogus_key", None)])
+def test_unknown_sharding_configs_keys_are_refused_with_the_closest(key, suggested):
+    """Paddle drops unknown sharding_configs keys without a word; a typo of
+    fsdp_outer_degree would train as pure FSDP. Refused at the assignment (before
+    fleet.init), naming the key, the closest valid one and every valid key; the
+    strategy keeps what it had."""
+    strategy = make_strategy(2, sharding_degree=4)
+    with pytest.raises(ValueError) as err:
+        strategy.hybrid_configs = {"sharding_degree": 8, "sharding_configs": {key: 2}}
+    msg = str(err.value)
+    assert repr(key) in msg and "fsdp_outer_degree" in msg
+    assert (f"did you mean {suggested!r}?" in msg) if suggested else ("did you mean" not in msg)
+    # Paddle's keys come from its own strategy definition, not a copied table
+    paddle_keys = strategy.strategy.hybrid_configs.sharding_configs.DESCRIPTOR.fields_by_name
+    assert all(k in msg for k in paddle_keys)
+    assert strategy.hybrid_configs["sharding_degree"] == 4
+    assert paddle_hsdp.get_fsdp_outer_degree(strategy) == 2
+
+
+def test_paddle_sharding_keys_keep_their_behaviour_by_dict_and_by_attribute():
+    """Paddle's own keys pass through the dict (with ours beside them) and by attribute,
+    as PaddleFormers sets them; a misspelt attribute is Paddle's own AttributeError."""
+    strategy = make_strategy(sharding_degree=4)
+    strategy.hybrid_configs = {"sharding_degree": 4, "sharding_configs": {
+        "tensor_fusion": True, "comm_buffer_size_MB": 64}}
+    assert strategy.hybrid_configs["sharding_configs"].tensor_fusion is True
+    assert strategy.hybrid_configs["sharding_configs"].comm_buffer_size_MB == 64
+    strategy.hybrid_configs["sharding_configs"].split_param = True
+    assert strategy.hybrid_configs["sharding_configs"].split_param is True
+    with pytest.raises(AttributeError, match="split_parm"):
+        strategy.hybrid_configs["sharding_configs"].split_parm = True
+
+
 # ---------------------------------------------------------------- validate_strategy
 def test_validate_degree_must_divide_sharding_degree():
     """The error names the value, the group size and the valid choices."""

@@ -10,11 +10,11 @@ module patterns are all errors, collected and reported together in one
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..hints import did_you_mean
 from .patterns import PatternError, parse_pattern
 
 AUTO = "auto"
@@ -262,9 +262,7 @@ def _unknown_key_error(name: Any) -> str:
     valid = "Valid keys: " + ", ".join(VALID_KEYS)
     if not isinstance(name, str):
         return f"{_show(name)}: unknown key (keys are strings). {valid}"
-    close = difflib.get_close_matches(name, VALID_KEYS, n=1)
-    suggestion = f"; did you mean {close[0]!r}?" if close else "."
-    return f"{name}: unknown key{suggestion} {valid}"
+    return f"{name}: unknown key{did_you_mean(name, VALID_KEYS)} {valid}"
 
 
 # ---------------------------------------------------------------------------- loading

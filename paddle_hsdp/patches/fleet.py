@@ -27,7 +27,8 @@ import logging
 from ..engine.registry import managed_param
 from ..topology.fleet import (OPTION, _get_fsdp_group, _get_fsdp_inner_group,
                               _get_fsdp_outer_degree, _get_fsdp_outer_group,
-                              build_hsdp_groups, get_fsdp_outer_degree, validate_strategy)
+                              build_hsdp_groups, check_sharding_config_keys,
+                              get_fsdp_outer_degree, validate_strategy)
 from .patching import replace
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def _patch_strategy(strategy_cls) -> None:
         sharding = configs.pop("sharding_configs", None)
         if sharding is not None:
             sharding = dict(sharding)
+            check_sharding_config_keys(sharding, self.strategy.hybrid_configs.sharding_configs)
             if OPTION in sharding:
                 # Stored as given: validation (with the group sizes) runs in fleet.init.
                 self._hsdp_fsdp_outer_degree = sharding.pop(OPTION)

@@ -23,11 +23,15 @@ import logging
 import paddle.distributed as dist
 
 from ..comm import collectives as comm
+from ..hints import did_you_mean
 from . import layout as topology
 
 logger = logging.getLogger(__name__)
 
 OPTION = "fsdp_outer_degree"
+# Every key paddle_hsdp adds to fleet's sharding_configs (Paddle's own come from its
+# strategy definition at run time).
+HSDP_OPTIONS = (OPTION,)
 MOE_ORDER_HINT = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
@@ -39,6 +43,25 @@ def get_fsdp_outer_degree(strategy) -> int:
 
 
 # ---------------------------------------------------------------- validation
+def check_sharding_config_keys(config: dict, paddle_message) -> None:
+    """Refuse a ``sharding_configs`` key that is neither Paddle's (a field of
+    ``paddle_message``, its ``DygraphShardingConfig``) nor paddle_hsdp's: Paddle
+    silently drops unknown keys, so a typo of ``fsdp_outer_degree`` would train as
+    pure FSDP across every machine. Raised where the strategy is assigned, so on every
+    rank and before ``fleet.init`` creates any group."""
+    paddle_keys = list(paddle_message.DESCRIPTOR.fields_by_name)
+    valid = list(HSDP_OPTIONS) + paddle_keys
+    unknown = [key for key in config if key not in valid]
+    if unknown:
+        key = unknown[0]
+        raise ValueError(
+            f"hybrid_configs['sharding_configs'] has an unknown key {key!r}"
+            f"{did_you_mean(key, valid)} paddle_hsdp's keys: {', '.join(HSDP_OPTIONS)}; "
+            f"Paddle's ({type(paddle_message).__name__}): {', '.join(paddle_keys)} "
+            "(docs/topology.md lists them)."
+            + (f" Also unknown: {', '.join(map(repr, unknown[1:]))}." if unknown[1:] else ""))
+
+
 def validate_strategy(strategy) -> int:
     """Check the HSDP option of a strategy before any group is created; return O."""
     degree = get_fsdp_outer_degree(strategy)

@@ -19,16 +19,73 @@ MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
 def init_fleet(config: dict):
-    """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), optional ``moe``."""
+    """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), ``check_typo`` (first
+    show that a misspelt option is refused before any group exists). Every launch then
+    checks the HSDP and HCG groups of its layout (:func:`check_groups`)."""
     strategy = fleet.DistributedStrategy()
     hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
     hybrid.update({k: v for k, v in config.items() if k.endswith("_degree")})
+    if config.get("check_typo"):
+        refuse_misspelt_option(strategy, hybrid)
     hybrid["sharding_configs"] = {"fsdp_outer_degree": config.get("outer", 1)}
     if hybrid.get("ep_degree", 1) > 1:
         strategy.hybrid_parallel_order = MOE_ORDER
     strategy.hybrid_configs = hybrid
     fleet.init(is_collective=True, strategy=strategy)
-    return fleet.get_hybrid_communicate_group()
+    hcg = fleet.get_hybrid_communicate_group()
+    check_groups(hcg, config)
+    return hcg
+
+
+def refuse_misspelt_option(strategy, hybrid: dict) -> None:
+    """``fsdp_outer_degre`` (one letter short) is refused on this rank, naming the right
+    key, while no process group exists yet (nothing could hang)."""
+    from paddle.distributed import collective
+
+    try:
+        strategy.hybrid_configs = dict(hybrid, sharding_configs={"fsdp_outer_degre": 2})
+    except ValueError as e:
+        assert "did you mean 'fsdp_outer_degree'?" in str(e), e
+    else:
+        raise AssertionError("a misspelt sharding_configs key was accepted")
+    assert not collective._group_map, collective._group_map  # refused before any group
+    print(f"rank {dist.get_rank()} refused the misspelt option before any group", flush=True)
+
+
+def check_groups(hcg, config: dict) -> None:
+    """Every HSDP group (and every Paddle HCG group) of this layout has the right members
+    and works: the [outer, inner] reshape of the FSDP group, row-major, from first
+    principles, and an all-reduce of the ranks on each."""
+    rank, outer = dist.get_rank(), config.get("outer", 1)
+    assert hcg.get_fsdp_outer_degree() == outer
+    for is_expert in (False, True):
+        what = "expert" if is_expert else "dense"
+        fsdp = hcg.get_fsdp_group(is_expert)
+        inner = hcg.get_fsdp_inner_group(is_expert)
+        outer_g = hcg.get_fsdp_outer_group(is_expert)
+        expected_fsdp = (hcg.get_moe_sharding_parallel_group() if config.get("ep_degree", 1) > 1
+                         and is_expert else hcg.get_sharding_parallel_group())
+        assert fsdp.ranks == expected_fsdp.ranks, (what, fsdp.ranks)
+        n_inner = len(fsdp.ranks) // outer
+        idx = fsdp.ranks.index(rank)
+        assert inner.ranks == fsdp.ranks[(idx // n_inner) * n_inner:(idx // n_inner + 1) * n_inner]
+        assert outer_g.ranks == fsdp.ranks[idx % n_inner::n_inner], (what, outer_g.ranks)
+        for group, kind in ((fsdp, "fsdp"), (inner, "inner"), (outer_g, "outer")):
+            if group.nranks > 1:
+                rank_sum_check(group, f"{what} {kind}")
+        print(f"rank {rank} {what}: fsdp {fsdp.ranks} inner {inner.ranks} outer {outer_g.ranks}")
+    # Dense and expert outer groups with the same ranks are one communicator.
+    d, e = hcg.get_fsdp_outer_group(False), hcg.get_fsdp_outer_group(True)
+    assert (d is e) == (d.ranks == e.ranks), (d.ranks, e.ranks)
+    # Paddle's own HCG groups were created through the safe path too: they must work.
+    own = {"dp": hcg.get_data_parallel_group(), "mp": hcg.get_model_parallel_group(),
+           "pp": hcg.get_pipe_parallel_group(), "sharding": hcg.get_sharding_parallel_group()}
+    if config.get("ep_degree", 1) > 1:
+        own["ep"] = hcg.get_expert_parallel_group()
+        own["moe_sharding"] = hcg.get_moe_sharding_parallel_group()
+    for name, group in own.items():
+        if group.nranks > 1:
+            rank_sum_check(group, name)
 
 
 def config_from_argv() -> dict:
