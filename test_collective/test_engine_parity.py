@@ -1,6 +1,7 @@
 """fully_shard training on real CPU ranks matches single-process training on the
-whole batch: losses, every final parameter and the global grad norm (float32, rtol
-1e-5), with the comm counter checked against the volume formulas each step."""
+whole batch: losses, every final parameter and the global grad norm (float64 within
+workers/parity.py's bound; the fleet.distributed_optimizer variant in float32), with the
+comm counter checked against the volume formulas each step."""
 
 import json
 
@@ -22,4 +23,4 @@ LAYOUTS = [  # (ranks, sharding_degree, fsdp_outer_degree) -> [outer, inner]
 def test_parity(ranks, sharding, outer):
     log = launch(ranks, "worker_engine.py",
                  json.dumps({"sharding_degree": sharding, "outer": outer}), timeout=600)
-    assert log.count("PARITY") == 3, log[-2000:]
+    assert sum(line.startswith("PARITY ") for line in log.splitlines()) == 3, log[-2000:]

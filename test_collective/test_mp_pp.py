@@ -1,6 +1,6 @@
 """HSDP next to tensor (mp2) and pipeline (pp2) parallelism on 8 CPU ranks, each with
 sharding4 as [2 outer, 2 inner]: global clip norm per step, every final parameter and
-the loss match an independent single-process reference (float32, rtol 1e-5), for the
+the loss match an independent single-process reference (float32, workers/parity.py's bound), for the
 plain ClipGradByGlobalNorm optimizer and for fleet.distributed_optimizer."""
 
 import json

@@ -1,7 +1,7 @@
 """The recipes Paddle users already have in their scripts train right under HSDP 2 x 2
 or are refused on every rank (see workers/worker_recipes.py): each training recipe
-matches single-process training on the whole batch (losses, every parameter, float32,
-rtol 1e-5)."""
+matches single-process training on the whole batch (losses, every parameter; float64
+within workers/parity.py's bound, the fleet-optimizer recipe in float32)."""
 
 from launcher import launch
 

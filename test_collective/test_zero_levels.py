@@ -1,5 +1,5 @@
 """ZeRO-1/2/3, the torch accumulation toggles and prefetch on real CPU ranks (HSDP 2x2):
-parity with single-process training (rtol 1e-5), comm calls per step, held bytes."""
+parity with single-process training (float64, workers/parity.py's bound), comm calls per step, held bytes."""
 
 import json
 

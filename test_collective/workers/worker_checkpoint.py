@@ -1,6 +1,6 @@
 """Checkpoints on 4 CPU ranks (fleet sharding 4, fsdp_outer_degree 2): train 3 steps in
-2x2, save, load into 2x2 (bit-exact continuation), 1x4 and 4x1 explicit meshes (rtol
-1e-5), train 2 more steps and compare with an uninterrupted 5-step run; a save that
+2x2, save, load into 2x2 (bit-exact continuation), 1x4 and 4x1 explicit meshes (float64,
+parity.py's bound), train 2 more steps and compare with an uninterrupted 5-step run; a save that
 fails on one rank leaves the previous checkpoint intact on every rank; a corrupted
 file and another model are refused on every rank with nothing changed.
 

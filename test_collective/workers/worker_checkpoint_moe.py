@@ -5,7 +5,7 @@ EP 2 -> EP 1: the sharded EP-2 model (local experts marked with their global ind
 trains 2 steps and saves; a plain model holding all 4 experts (EP 1) loads it and
 trains the last 2 steps. EP 1 -> EP 2: the plain model trains 2 steps and saves; the
 sharded EP-2 model loads it and trains the last 2 steps. Both match the uninterrupted
-4-step single-process run on losses and every parameter (rtol 1e-5), AdamW state
+4-step single-process run on losses and every parameter (float64, parity.py's bound), AdamW state
 included (the last steps would differ without it).
 
 argv: a directory shared by the ranks.

@@ -3,8 +3,9 @@ or "no_barrier").
 
 check: the store servers this rank hosts are destroyed by gloo_store.stop_servers()
 (what the atexit handler runs), which joins their threads, and the groups keep
-working after it. barrier / no_barrier: just exit, with or without a final barrier,
-leaving it to the atexit handler; the launcher's exit status is the test.
+working after it; then exit without a final barrier. barrier / no_barrier: just exit,
+with or without a final barrier, leaving it to the atexit handler; the launcher's exit
+status is the test.
 """
 
 import os
@@ -39,6 +40,6 @@ if mode == "check":
     after = len(os.listdir("/proc/self/task"))
     assert before - after == hosted, (before, after, hosted)  # each server's thread joined
     check_all()  # rendezvous is done: the groups do not need their servers
-if mode != "no_barrier":
+if mode == "barrier":
     dist.barrier()
 print("WORKER_OK", flush=True)
