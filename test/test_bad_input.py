@@ -1,6 +1,6 @@
-"""Every user-facing entry point refuses bad input clearly: the README's bad-input table
-is generated from the rows below and checked to be in README.md, so the two cannot
-drift apart.
+"""Every user-facing entry point refuses bad input clearly: the bad-input table of
+docs/faults.md is generated from the rows below and checked to be in that file, so the
+two cannot drift apart.
 
 Each row builds its situation in one process (the one-rank fake mesh stands in for
 fleet's groups), makes the bad call, and checks the exception type, that the message
@@ -8,7 +8,7 @@ names the argument and what is allowed, and, for calls on a model, that the mode
 still trains afterwards (the check ran before anything changed and before any
 collective, so every rank raises alike and nothing hangs). Cases that need several
 ranks (a unit run on some ranks only, mismatched collectives, a dead rank) are in
-test_collective/ and listed at the end of the README table.
+test_collective/ and listed at the end of the docs/faults.md table.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ROWS: list["Row"] = []
 
 @dataclass
 class Row:
-    entry: str  # the entry point, as the README names it
+    entry: str  # the entry point, as docs/faults.md names it
     bad: str  # the bad input, as code
     error: type
     says: tuple  # fragments the message must contain (the argument, allowed values)
@@ -445,10 +445,10 @@ def readme_table() -> str:
 
 
 def test_readme_table_is_generated_from_these_rows():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+    with open(os.path.join(ROOT, "docs", "faults.md")) as f:
+        faults = f.read()
     table = readme_table()
-    assert table in readme, ("README's bad-input table is out of date; regenerate it with "
+    assert table in faults, ("docs/faults.md's bad-input table is out of date; regenerate it with "
                              "python -c 'import sys; sys.path.insert(0, \"test\"); "
                              "import test_bad_input as t; print(t.readme_table())'")
     assert len(re.findall(r"^\| ", table, re.M)) == len(ROWS) + len(MULTI_RANK) + 2
