@@ -32,7 +32,7 @@ Expert parameters: local experts marked with ``mark_expert_params(layer,
 global_indices=...)`` are stored under their global expert index, so a checkpoint saved
 with one expert-parallel degree loads with another (EP 2 -> EP 1 and back).
 
-Not yet (see the README): tensor or pipeline parallelism next to HSDP.
+Not yet (docs/checkpoints.md): tensor or pipeline parallelism next to HSDP.
 """
 
 

@@ -6,7 +6,7 @@ package.
 collective fingerprint debug mode), :mod:`.watchdog` (the bound on every wait) and
 :mod:`.gloo_store` (a rendezvous store per gloo sub-group).
 
-The collectives' API is also here, as the README shows it (``paddle_hsdp.comm.counter``,
+The collectives' API is also here, as docs/collectives.md shows it (``paddle_hsdp.comm.counter``,
 ``paddle_hsdp.comm.all_reduce``, ...). To replace one (tests do), patch
 :mod:`.collectives`, where the engine looks them up.
 """

@@ -121,7 +121,7 @@ def _on_post_backward(unit: FSDPUnit) -> None:
     """The unit's backward is done (the grads of its inputs exist): reduce-scatter its
     grads now and free the full-size ones, so at most a unit or two of full grads are
     alive at once. Every rank takes this path alike as long as every rank runs the same
-    units and their inputs require grad alike (see the README); owners of tied params
+    units and their inputs require grad alike (docs/engine.md); owners of tied params
     wait for the end of backward, since a borrower's backward may still add to them."""
     unit.backward_calls -= 1
     if unit.backward_calls > 0:
