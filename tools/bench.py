@@ -21,7 +21,7 @@ Printed and written to ``OUT/bench.json`` (with ``loss.png`` and ``bars.png``): 
 step time (steps after the first) and its ratio to DataParallel and to stage 3; training
 peak RSS per rank above the idle runtime (``FLAGS_use_system_allocator=true``, peak mark
 reset after set-up) beside the theoretical per-rank figure; per-step wire bytes per
-group kind from ``paddle_hsdp.comm.counter`` against DESIGN's formulas; and the last
+group kind from ``paddle_hsdp.comm.counter`` against the volume formulas (docs/architecture.md); and the last
 loss's difference from the single process. On a GPU machine compare against
 ``group_sharded_parallel(level="p_g_os")`` and ``paddle.distributed.fsdp`` instead of the
 CPU bypass (not done here: no GPU).

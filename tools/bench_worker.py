@@ -110,7 +110,7 @@ def stage3(model, opt):
 
 
 def theoretical_comm(units, inner: int, outer: int) -> dict:
-    """Per-step wire bytes per rank from DESIGN's formulas, unpadded (one micro-step)."""
+    """Per-step wire bytes per rank from the volume formulas (docs/architecture.md), unpadded (one micro-step)."""
     gather = reduce = 0.0
     for unit in units:
         for buf in unit.buffers:

@@ -14,7 +14,7 @@ once and every byte is counted once:
 The :data:`counter` records, per group label (or the caller's ``tag``) and per op, calls, payload bytes (the size
 of the full tensor the op is about) and the per-rank traffic a ring algorithm moves
 (``(n-1)/n`` of the payload for all-gather, reduce-scatter and broadcast, twice that for
-all-reduce). Those are the quantities DESIGN.md's volume formulas speak of.
+all-reduce). Those are the quantities of the volume formulas (docs/architecture.md, topology/cost.py).
 """
 
 from __future__ import annotations

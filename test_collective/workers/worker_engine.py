@@ -1,5 +1,5 @@
 """HSDP training == single-process training on the whole batch (losses, every param,
-grad norm), plus the comm counter against DESIGN's volume formulas and the memory report.
+grad norm), plus the comm counter against the volume formulas (docs/architecture.md) and the memory report.
 
 argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py) and the
 run variants to check.
@@ -113,7 +113,7 @@ def check_full_grad_peak(units, peak, end_of_backward, esize):
 
 
 def check_counter(units, esize):
-    """One optimizer step of MICRO micro-steps, against DESIGN.md's formulas."""
+    """One optimizer step of MICRO micro-steps, against the volume formulas (docs/architecture.md)."""
     trainable = [b for u in units for b in u.buffers if b.trainable]
     rs = comm.counter.get("inner", "reduce_scatter")
     assert rs.calls == MICRO * len(trainable), (rs, len(trainable))
