@@ -4,10 +4,12 @@ model's keys."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import numpy as np
+from safetensors.paddle import save_file
 
 import paddle
 
@@ -18,8 +20,6 @@ def consolidate(path, out) -> list[str]:
     """Write the checkpoint's model tensors as one safetensors file with the unsharded
     model's ``state_dict()`` keys (tied aliases included); return the keys written.
     Plain Paddle loads it with ``safetensors.paddle.load_file`` + ``set_state_dict``."""
-    from safetensors.paddle import save_file
-
     meta = read_metadata(path)
     reader = _Reader(os.fspath(path))
     full = {}
@@ -60,8 +60,6 @@ def describe(path) -> str:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m paddle_hsdp.checkpoint",
                                  description="Inspect or consolidate a paddle_hsdp checkpoint.")
     sub = ap.add_subparsers(dest="command", required=True)

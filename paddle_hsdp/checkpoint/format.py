@@ -44,6 +44,7 @@ import time
 import zlib
 
 import numpy as np
+from safetensors import safe_open
 
 import paddle
 import paddle.distributed as dist
@@ -126,8 +127,6 @@ class _Reader:
 
     def rows(self, name, piece, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of ``piece`` (piece-relative)."""
-        from safetensors import safe_open
-
         chunk = piece.get("chunk_rows", piece["rows"])
         crcs = piece["crc32"] if isinstance(piece["crc32"], list) else [piece["crc32"]]
         first, last = lo // chunk, (hi - 1) // chunk

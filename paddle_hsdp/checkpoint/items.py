@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import paddle
+from paddle.distributed.fleet.base import topology as fleet_topology
 
 from ..engine.experts import names_and_aliases
 from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
@@ -31,8 +32,6 @@ def _dtype_name(dtype) -> str:
 
 
 def _check_supported(model) -> None:
-    from paddle.distributed.fleet.base import topology as fleet_topology
-
     hcg = fleet_topology._HYBRID_PARALLEL_GROUP
     if hcg is not None:
         for getter, what in (("get_model_parallel_world_size", "mp_degree"),

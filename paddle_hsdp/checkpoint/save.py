@@ -12,14 +12,13 @@ import time
 import zlib
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from .format import FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world, _token
 from .items import _all_items
 
 
 def _write_rank_file(path: str, tensors: dict) -> None:
-    from safetensors.numpy import save_file
-
     save_file(tensors, path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())

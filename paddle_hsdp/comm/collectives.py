@@ -25,6 +25,7 @@ from typing import Callable
 
 import paddle
 import paddle.distributed as dist
+from paddle.distributed import collective
 
 from . import fingerprint, watchdog
 from .fingerprint import describe
@@ -79,8 +80,6 @@ def group_label(group) -> str:
 
 
 def backend_of(group) -> str:
-    from paddle.distributed import collective
-
     backend = collective._group_map_backend.get(group)
     if backend is None:  # single-rank or foreign groups: fall back to the default
         backend = collective._default_backend or "gloo"

@@ -27,6 +27,7 @@ from collections import defaultdict, deque
 import numpy as np
 
 import paddle
+import paddle.distributed as dist
 
 from . import watchdog
 from .gather_tags import CollectiveMismatchError
@@ -88,8 +89,6 @@ def verify(op: str, tensor, group, what) -> None:
     and raise on every rank if any member's differs. No-op when off or alone."""
     if not _enabled or group.nranks <= 1:
         return
-    import paddle.distributed as dist
-
 
     number = _calls[group.id]
     _calls[group.id] = number + 1

@@ -29,6 +29,8 @@ import logging
 import os
 import socket
 
+from paddle.base import core
+
 logger = logging.getLogger(__name__)
 
 _KEY_PREFIX = "paddle_hsdp/gloo_store"
@@ -58,8 +60,6 @@ def _store_timeout_s() -> int:
 
 def make_group_store(global_store, group_rank: int, group_size: int, group_id: int):
     """A rendezvous store private to one sub-group (see the module docstring)."""
-    from paddle.base import core
-
     key = f"{_KEY_PREFIX}/{group_id}"
     if group_rank == 0:
         host = _host_address()

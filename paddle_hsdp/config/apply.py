@@ -12,6 +12,10 @@ from __future__ import annotations
 import logging
 
 import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+from paddle.distributed.fleet.base import topology as fleet_topology
+from paddle.distributed.fleet.utils import recompute
 
 from ..engine.api import fully_shard, set_zero_stage
 from ..engine.policies import CPUOffloadPolicy
@@ -55,16 +59,12 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
 
 # ---------------------------------------------------------------- topology
 def _live_hcg():
-    from paddle.distributed.fleet.base import topology as fleet_topology
-
     return fleet_topology._HYBRID_PARALLEL_GROUP
 
 
 def _topology(cfg) -> tuple[int, int, int, int]:
     """``(outer, inner, expert inner, expert outer)`` the config means here: checked
     against the live topology when fleet is up, else against the launcher's world."""
-    import paddle.distributed as dist
-
     hcg = _live_hcg()
     if hcg is None:
         world = dist.get_world_size()  # the launcher's PADDLE_TRAINERS_NUM before init
@@ -92,8 +92,6 @@ def _topology(cfg) -> tuple[int, int, int, int]:
 
 
 def _init_fleet_if_needed(outer: int, inner: int) -> None:
-    from paddle.distributed import fleet
-
     if _live_hcg() is not None:
         return
     strategy = fleet.DistributedStrategy()
@@ -108,8 +106,6 @@ def _recompute_forward(module, use_reentrant: bool) -> None:
     """Run ``module``'s forward under Paddle's recompute while training with grads: its
     activations are dropped and recomputed in backward (inside a sharded unit, the
     unit's parameters are gathered for backward before the recomputation runs)."""
-    from paddle.distributed.fleet.utils import recompute
-
     if getattr(module, "_hsdp_recompute", False):
         return
     original = module.forward

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import yaml
+
 from ..topology import cost
 from .schema import ConfigError
 
@@ -80,8 +82,6 @@ def load_cluster(source) -> Cluster:
         backend: nccl              # or gloo (its reduce-scatter moves more, see below)
     """
     if not isinstance(source, dict):
-        import yaml
-
         try:
             with open(source, encoding="utf-8") as f:
                 source = yaml.safe_load(f) or {}

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import yaml
+
 from ..hints import did_you_mean
 from .patterns import PatternError, parse_pattern
 
@@ -281,7 +283,7 @@ def load_config(source) -> HSDPConfig:
                     f"or an HSDPConfig, got {type(source).__name__}")
 
 
-def _strict_loader(yaml):
+def _strict_loader():
     """A SafeLoader that refuses a key written twice (safe_load keeps the last one
     silently, so a config could say one thing and do another)."""
     class StrictLoader(yaml.SafeLoader):
@@ -300,11 +302,9 @@ def _strict_loader(yaml):
 
 
 def _read_yaml(path: str) -> dict:
-    import yaml  # only needed for files; dict configs work without PyYAML
-
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.load(handle, Loader=_strict_loader(yaml))
+            data = yaml.load(handle, Loader=_strict_loader())
     except FileNotFoundError:
         raise ConfigError([f"{path}: config file not found"]) from None
     except IsADirectoryError:

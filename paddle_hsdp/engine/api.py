@@ -10,6 +10,7 @@ import numbers
 
 import numpy as np
 import paddle
+from paddle.distributed import Replicate, Shard
 
 from ..comm import collectives as comm
 from ..topology.mesh import resolve_mesh
@@ -296,8 +297,6 @@ def _placements(module, shard_placement_fn, ignored: set) -> dict:
     """``{id(param): "replicate"}`` for params a placement keeps whole; checks the rest."""
     if shard_placement_fn is None:
         return {}
-    from paddle.distributed import Replicate, Shard
-
     out = {}
     for p in module.parameters():
         if id(p) in ignored or hasattr(p, "_hsdp_sharded_param"):

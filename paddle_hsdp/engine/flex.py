@@ -7,6 +7,8 @@ optimizer's."""
 
 from __future__ import annotations
 
+from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
 from .experts import names_and_aliases
 from .optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from .registry import managed_param, registry
@@ -18,8 +20,6 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
     dcp load writes straight into it) at its global row offset; everything else whole.
     Outer replicas describe the same pieces; dcp keeps one. Tied aliases are left out
     (their one tensor is saved under the first name)."""
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-
     canonical, _ = names_and_aliases(model)
     out = {}
     for name, value in canonical.items():
@@ -49,8 +49,6 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> d
     rows at the parameter's global offset, so a dcp load writes straight into it. Keys
     follow ``model_sharded_state_dict`` (from ``model.sharded_state_dict()``); states of
     a parameter whose block is all padding on this rank are left out, like the block."""
-    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
-
     optimizer = unwrap_optimizer(optimizer)
     _ensure_accumulators(optimizer)
     key_of = {}

@@ -36,6 +36,7 @@ import dataclasses
 
 import paddle
 from paddle.autograd import PyLayer
+from paddle.base import core
 
 from . import trace
 from . import unit as unit_module
@@ -375,8 +376,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from paddle.base import core
-
     # run_backward serves Tensor.backward and paddle.autograd.backward; paddle.grad
     # goes through run_partial_grad.
     for name in ("run_backward", "run_partial_grad"):

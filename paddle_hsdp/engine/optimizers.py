@@ -10,6 +10,9 @@ these is :mod:`paddle_hsdp.patches.optim`.
 from __future__ import annotations
 
 import paddle
+import paddle.incubate.optimizer as incubate
+import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
+from paddle.base import framework
 
 from .registry import managed_param, owning_unit, units_under
 from .unit import FSDPUnit, sync_grads
@@ -32,9 +35,6 @@ def _sharded_params_of(optimizer) -> list:
 def _not_elementwise_classes() -> tuple:
     """Optimizers whose update of an element reads other elements of the parameter
     (trust ratios, line searches): on a shard they would see only this rank's rows."""
-    import paddle.incubate.optimizer as incubate
-    import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
-
     names = [(paddle.optimizer, "Lamb"), (paddle.optimizer, "LBFGS"),
              (incubate_lbfgs, "LBFGS"), (incubate, "LarsMomentumOptimizer"),
              (incubate, "DistributedFusedLamb")]
@@ -132,8 +132,6 @@ def _states_of(optimizer, p) -> dict:
 
 def _ensure_accumulators(optimizer) -> None:
     """Create the optimizer's state now if no step has run yet, so it can be loaded."""
-    from paddle.base import framework
-
     params = [p for p in _params_of(optimizer) if not p.stop_gradient]
     if params and not getattr(optimizer, "_accumulators", None):
         block = framework.default_main_program().global_block()

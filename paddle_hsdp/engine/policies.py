@@ -6,6 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import paddle
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,8 +44,6 @@ def _check_floating_dtype(value, field: str) -> None:
     """None, or a floating dtype given as a string or a paddle dtype."""
     if value is None:
         return
-    import paddle
-
     name = value if isinstance(value, str) else None
     if isinstance(value, paddle.dtype):
         name = str(value).replace("paddle.", "")
@@ -76,8 +76,6 @@ class CPUOffloadPolicy(OffloadPolicy):
     @property
     def offloads(self) -> bool:
         """Whether there is a device to offload from (False on CPU-only runs)."""
-        import paddle
-
         return not paddle.get_device().startswith("cpu")
 
     def check_supported(self) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 
+import paddle.distributed as dist
+
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from .buffer import ShardBuffer
@@ -332,8 +334,6 @@ class FSDPUnit:
 
 
 def _own_rank_group():
-    import paddle.distributed as dist
-
     return _single_rank_group(dist.get_rank())
 
 

@@ -30,7 +30,10 @@ sharding, mp and pp groups; :func:`record_norm_of_hybrid_clip` makes its norm re
 
 from __future__ import annotations
 
+import sys
+
 import paddle
+import paddle.nn.utils as utils
 from paddle.nn import ClipGradByGlobalNorm
 
 from ..comm import collectives as comm
@@ -246,10 +249,6 @@ _original_clip_grad_value = None
 def install() -> None:
     """Put the HSDP-aware versions where ``paddle.nn.utils`` users find them."""
     global _original_clip_grad_norm, _original_clip_grad_value
-    import sys
-
-    import paddle.nn.utils as utils
-
     if _original_clip_grad_norm is not None:
         return
     _original_clip_grad_norm, _original_clip_grad_value = (utils.clip_grad_norm_,

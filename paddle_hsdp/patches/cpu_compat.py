@@ -10,6 +10,9 @@ tensors and other backends keep Paddle's implementations untouched.
 
 from __future__ import annotations
 
+import paddle
+from paddle.base import core
+
 from .patching import replace
 
 _installed = False
@@ -19,9 +22,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import paddle
-    from paddle.base import core
-
     # The inherited method only raises "Unimplemented" for gloo.
     replace(core.ProcessGroupGloo, "all_reduce_on_calc_stream",
             lambda self, tensor, op: self.all_reduce(tensor, op, True).wait(),

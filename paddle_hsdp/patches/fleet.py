@@ -24,6 +24,15 @@ from __future__ import annotations
 import functools
 import logging
 
+import paddle.distributed.fleet as fleet_pkg
+import paddle.distributed.parallel as parallel
+from paddle.distributed.fleet.base.distributed_strategy import (DistributedStrategy,
+                                                                assign_configs_value)
+from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+from paddle.distributed.fleet.fleet import Fleet
+from paddle.distributed.fleet.proto import distributed_strategy_pb2 as pb
+from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+
 from ..engine.registry import managed_param
 from ..topology.fleet import (OPTION, _get_fsdp_group, _get_fsdp_inner_group,
                               _get_fsdp_outer_degree, _get_fsdp_outer_group,
@@ -37,15 +46,11 @@ _installed = False
 
 # ---------------------------------------------------------------- strategy option
 def _strategy_knows_option_natively(strategy_cls) -> bool:
-    from paddle.distributed.fleet.proto import distributed_strategy_pb2 as pb
-
     return OPTION in pb.ShardingConfig.DESCRIPTOR.fields_by_name if hasattr(
         pb, "ShardingConfig") else False
 
 
 def _patch_strategy(strategy_cls) -> None:
-    from paddle.distributed.fleet.base.distributed_strategy import assign_configs_value
-
     original = strategy_cls.hybrid_configs
 
     def set_hybrid_configs(self, configs):
@@ -109,9 +114,6 @@ def _patch_param_broadcasts() -> None:
     the source rank's; HSDP makes its own replicas identical when it shards. So the
     broadcasts skip managed parameters and still sync everything else, and
     ``model = fleet.distributed_model(model)`` works before or after ``fully_shard``."""
-    import paddle.distributed.parallel as parallel
-    from paddle.distributed.fleet.utils import hybrid_parallel_util as util
-
     original = parallel.sync_params_buffers
 
     @functools.wraps(original)
@@ -128,11 +130,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import paddle.distributed.fleet as fleet_pkg
-    from paddle.distributed.fleet.base.distributed_strategy import DistributedStrategy
-    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
-    from paddle.distributed.fleet.fleet import Fleet
-
     _patch_param_broadcasts()
     if hasattr(HybridCommunicateGroup, "get_fsdp_inner_group"):
         logger.info("paddle_hsdp: this Paddle provides HSDP groups natively; deferring to it.")

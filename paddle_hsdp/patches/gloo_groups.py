@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 
+from paddle.distributed import collective
+
 from ..comm.gloo_store import make_group_store, stop_servers
 from .patching import replace
 
@@ -37,8 +39,6 @@ def install() -> None:
     alone, so it cannot collide.
     """
     global _original_impl
-    from paddle.distributed import collective
-
     if _original_impl is not None:
         return
     _original_impl = collective._new_process_group_impl

@@ -20,6 +20,10 @@ from __future__ import annotations
 import functools
 
 import paddle
+from paddle.amp.grad_scaler import AmpScaler
+from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
+    hybrid_parallel_optimizer as hpo_mod,
+)
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
@@ -67,10 +71,6 @@ def _patch_optimizers_that_bypass_apply_optimize() -> None:
 
 
 def _patch_hybrid_parallel_optimizer() -> None:
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
-        hybrid_parallel_optimizer as hpo_mod,
-    )
-
     cls = hpo_mod.HybridParallelOptimizer
     original_init = cls.__init__
 
@@ -128,8 +128,6 @@ def _patch_grad_scaler() -> None:
     """AMP: ``GradScaler._unscale`` reads the grads before ``step`` reaches
     ``_apply_optimize``, so the deferred sync runs first; and since each rank holds other
     shards, ``found_inf`` is OR-ed over the job so every rank skips the same steps."""
-    from paddle.amp.grad_scaler import AmpScaler
-
     original = AmpScaler._unscale
 
     @functools.wraps(original)

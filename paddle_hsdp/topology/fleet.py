@@ -21,6 +21,7 @@ import itertools
 import logging
 
 import paddle.distributed as dist
+from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 from ..hints import did_you_mean
@@ -158,8 +159,6 @@ def _usable(group, rank: int):
 
 
 def _single_rank_group(rank: int):
-    from paddle.distributed.communication.group import Group
-
     # Negative ids never clash with Paddle's ring ids (which count up from 0); a fresh
     # id per group keeps the comm counter's labels (keyed by id) apart.
     gid = -next(_single_ids)

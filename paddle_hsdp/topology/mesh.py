@@ -33,6 +33,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import paddle.distributed as dist
+from paddle.distributed import ProcessMesh
+from paddle.distributed.fleet.base import topology as fleet_topology
+
 from ..comm import collectives as comm
 from . import layout as topology
 from .fleet import _single_rank_group
@@ -160,8 +164,6 @@ def plan_mesh(mesh, world_size: int | None = None) -> MeshPlan:
     ``ValueError`` for a mesh that is not 1-D or 2-D ``[outer, inner]``; the same on
     every rank, since every rank passes the same mesh.
     """
-    from paddle.distributed import ProcessMesh
-
     if not isinstance(mesh, ProcessMesh):
         hint = (" (wrap the rank list: ProcessMesh(...))"
                 if isinstance(mesh, (list, tuple)) else "")
@@ -194,8 +196,6 @@ def plan_mesh(mesh, world_size: int | None = None) -> MeshPlan:
 
 def _job_plan(mesh) -> tuple[MeshPlan, int]:
     """``plan_mesh`` against this job (world size, initialised); return it and our rank."""
-    import paddle.distributed as dist
-
     plan = plan_mesh(mesh)
     if not dist.is_initialized():
         if len(plan.process_ids) > 1:
@@ -278,8 +278,6 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
     the same point, ranks outside the mesh included: ``new_group`` numbers groups by
     call order on every rank.
     """
-    import paddle.distributed as dist
-
     plan, rank = _job_plan(mesh)  # every check, before any group exists
     cached = _mesh_cache.get(plan.key)
     if cached is not None:
@@ -320,8 +318,6 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
 
 
 def paddle_world_size() -> int:
-    import paddle.distributed as dist
-
     return dist.get_world_size()
 
 
@@ -355,8 +351,6 @@ def check_mesh_against_fleet(plan: MeshPlan, hcg) -> None:
 def resolve_mesh(mesh):
     """What ``fully_shard(mesh=...)`` talks to: the fleet HCG's groups (None) or an
     explicit mesh's (a ``ProcessMesh``; this rank must be in it)."""
-    from paddle.distributed.fleet.base import topology as fleet_topology
-
     hcg = fleet_topology._HYBRID_PARALLEL_GROUP
     if mesh is not None:
         plan, rank = _job_plan(mesh)
