@@ -13,7 +13,7 @@ Held bytes during backward (peak gathered params + grads held after it):
 
 import numpy as np
 from common import config_from_argv, finish, init_fleet, max_rel
-from parity import report, set_dtype
+import parity
 
 import paddle
 import paddle.distributed as dist
@@ -26,7 +26,7 @@ from models import batches, build_model, lm_loss, make_optimizer, train_referenc
 STEPS, MICRO, PER_RANK, CLIP = 3, 3, 2, 0.2
 
 config = config_from_argv()
-set_dtype(config.get("dtype", "float64"))
+parity.set_dtype(config.get("dtype", "float64"))
 hcg = init_fleet(config)
 rank, world = dist.get_rank(), dist.get_world_size()
 I = hcg.get_fsdp_inner_group().nranks
@@ -75,7 +75,7 @@ def train(stage=None, toggle=None, prefetch=None):
     for name, value in paddle_hsdp.full_state_dict(model).items():
         worst[name] = max_rel(value.numpy(), ref_params[name])
     worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
-    measured = report(f"zero stage={stage} toggle={toggle} prefetch={prefetch}", worst)
+    measured = parity.report(f"zero stage={stage} toggle={toggle} prefetch={prefetch}", worst)
     return {"worst": measured, "calls": per_step, "held": max(held), "units": max(peak_units),
             "all_buffers": sum(len(u.buffers) for u in units),
             "buffers": sum(b.trainable for u in units for b in u.buffers)}
