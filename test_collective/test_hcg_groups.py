@@ -4,9 +4,10 @@ Every launch of this tier checks the HSDP and HCG groups of its layout
 (``workers/common.py: init_fleet -> check_groups``), so the layouts the parity tests
 already run are checked there: sharding4 outer2 on 4 ranks (test_comm_ops, test_knobs,
 test_recipes, ...), sharding8 outer2 (test_engine_parity 2x4), mp2 sharding4 outer2
-(test_mp_pp), sharding8 ep2 moe_sharding4 outer2 (test_moe). These two 8-rank layouts run
-nowhere else: before paddle_hsdp made gloo sub-group creation safe, Paddle's own
-fleet.init failed or hung on layouts like them.
+(test_mp_pp), sharding8 ep2 moe_sharding4 outer2 (test_moe), dp2 sharding2 outer2 on 4
+ranks (test_degenerate_layouts' dp test). This 8-rank layout runs nowhere else: before
+paddle_hsdp made gloo sub-group creation safe, Paddle's own fleet.init failed or hung on
+layouts like it.
 """
 
 import json
@@ -16,7 +17,6 @@ import pytest
 from launcher import launch
 
 LAYOUTS_8 = [
-    {"dp_degree": 2, "sharding_degree": 4, "outer": 2},
     {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2},
 ]
 

@@ -20,7 +20,8 @@ from models import batches, build_model, make_optimizer, shard_tinylm, train_ref
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
 
-hcg = init_fleet({"dp_degree": 2, "sharding_degree": 2})
+# outer 2 over sharding 2: init_fleet also checks the dp x sharding x outer groups
+hcg = init_fleet({"dp_degree": 2, "sharding_degree": 2, "outer": 2})
 rank, world = dist.get_rank(), dist.get_world_size()
 sharding_ranks = hcg.get_sharding_parallel_group().ranks
 groups_before = len(paddle.distributed.collective._group_map)
