@@ -13,10 +13,12 @@ What it patches, and why:
 * ``HybridCommunicateGroup.get_fsdp_group / get_fsdp_inner_group /
   get_fsdp_outer_group / get_fsdp_outer_degree``: added (Paddle has none);
 * ``sync_params_buffers`` (``paddle.distributed.parallel`` and fleet's
-  ``hybrid_parallel_util``): see :func:`_patch_param_broadcasts`.
+  ``hybrid_parallel_util``): see :func:`_patch_param_broadcasts`;
+* ``fused_allreduce_gradients_with_group`` (``hybrid_parallel_util``, and the copy
+  ``sequence_parallel_utils`` imported): see :func:`_patch_fused_grad_allreduces`.
 
-Where a Paddle build already provides HSDP groups natively, only the broadcast guard is
-installed.
+Where a Paddle build already provides HSDP groups natively, only the broadcast and
+all-reduce guards are installed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
 from paddle.distributed.fleet.fleet import Fleet
 from paddle.distributed.fleet.proto import distributed_strategy_pb2 as pb
 from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+from paddle.distributed.fleet.utils import sequence_parallel_utils
 
 from ..engine.registry import managed_param
 from ..topology.fleet import (OPTION, _get_fsdp_group, _get_fsdp_inner_group,
@@ -125,12 +128,39 @@ def _patch_param_broadcasts() -> None:
     replace(util, "sync_params_buffers", sync_params_buffers, why)
 
 
+def _patch_fused_grad_allreduces() -> None:
+    """Paddle's fused gradient all-reduce (``fused_allreduce_gradients`` and
+    ``fused_allreduce_gradients_with_group`` in ``hybrid_parallel_util``) sums every
+    listed parameter's grad over a data-parallel group. PaddleFormers' Trainer calls it
+    with ``list(model.parameters())`` whenever the model has ``no_sync`` (gradient
+    accumulation, recompute), as Paddle's own DataParallel recipe does. On HSDP shards
+    it would sum different row blocks of different ranks; HSDP reduces their grads
+    itself. So it skips managed parameters and still reduces everything else. Which
+    parameters are managed depends only on the model's structure, so every rank drops
+    the same ones and the remaining collectives still match."""
+    original = util.fused_allreduce_gradients_with_group
+
+    @functools.wraps(original)
+    def fused_allreduce_gradients_with_group(parameter_list, *args, **kwargs):
+        kept = [p for p in parameter_list if managed_param(p) is None]
+        return original(kept, *args, **kwargs)
+
+    why = "fused gradient all-reduces skip HSDP shards (they would sum other ranks' blocks)"
+    # fused_allreduce_gradients looks this name up in util at call time; sequence
+    # parallelism's helper bound it at import
+    replace(util, "fused_allreduce_gradients_with_group", fused_allreduce_gradients_with_group,
+            why)
+    replace(sequence_parallel_utils, "fused_allreduce_gradients_with_group",
+            fused_allreduce_gradients_with_group, why)
+
+
 def install() -> None:
     """Apply the fleet extensions once; skip any piece Paddle already provides."""
     global _installed
     if _installed:
         return
     _patch_param_broadcasts()
+    _patch_fused_grad_allreduces()
     if hasattr(HybridCommunicateGroup, "get_fsdp_inner_group"):
         logger.info("paddle_hsdp: this Paddle provides HSDP groups natively; deferring to it.")
         _installed = True

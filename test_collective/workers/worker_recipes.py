@@ -12,7 +12,10 @@ on every rank with a clear error, leaving the model usable.
    model trains on as if nothing happened;
 5. optimizers built too early, or after a forward that raised; Lamb and LBFGS;
 6. ``state_dict()`` / ``paddle.save`` / a plain model's ``set_state_dict``, and
-   ``set_state_dict`` of a full dict into a sharded model.
+   ``set_state_dict`` of a full dict into a sharded model;
+7. Paddle's fused gradient all-reduce over ``list(model.parameters())`` after backward,
+   as PaddleFormers' Trainer and Paddle's DataParallel ``no_sync`` recipe call it: HSDP's
+   shards are left to HSDP (summing them would add other ranks' row blocks).
 """
 
 import os
@@ -25,6 +28,7 @@ from parity import FLEET_OPTIMIZER_DTYPE, report, set_dtype
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
+from paddle.distributed.fleet.utils.hybrid_parallel_util import fused_allreduce_gradients
 
 import paddle_hsdp
 from paddle_hsdp.engine.registry import registry as hsdp_registry
@@ -79,6 +83,7 @@ def global_loss(loss) -> float:
 
 def train(model, opt, step_fn=None, forward=None):
     """STEPS steps of MICRO micro-steps; ``step_fn(opt)`` runs before ``opt.step()``
+    (a norm it returns is recorded; None records nothing);
     (returns a norm to record); ``forward(model, ids)`` replaces the plain call."""
     losses, norms = [], []
     for step in data:
@@ -88,8 +93,9 @@ def train(model, opt, step_fn=None, forward=None):
             loss = forward(model, ids) if forward else lm_loss(model, ids, uses_extra(rank))
             (loss / MICRO).backward()
             total += global_loss(loss) / MICRO
-        if step_fn is not None:
-            norms.append(step_fn(opt))
+        norm = step_fn(opt) if step_fn is not None else None
+        if norm is not None:
+            norms.append(norm)
         opt.step()
         opt.clear_grad()
         losses.append(total)
@@ -246,4 +252,10 @@ dist.barrier()
 if rank == 0:
     os.remove(path)
 print(f"RECIPE state_dict_round_trip: max rel diff {max(worst.values()):.2e}", flush=True)
+
+# ---- 7. the Trainer's fused all-reduce of every parameter's grad, before each step
+model = shard(build_model())
+opt = make_optimizer(model, model.parameters(), CLIP)
+check("fused_allreduce_gradients", model, train(
+    model, opt, lambda o: fused_allreduce_gradients(list(model.parameters()), None)), "opt")
 finish()
