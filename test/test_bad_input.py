@@ -326,6 +326,17 @@ def _save_extra(tmp_path):
     paddle_hsdp.save_checkpoint(tmp_path / "ck", _net(), extra={"rng": object()})
 
 
+@row("`save_checkpoint(path, model)`", "a directory that is not a checkpoint (`notes.txt`)",
+     checkpoint.CheckpointError, "is not a paddle_hsdp-checkpoint/1 checkpoint", "notes.txt",
+     "nothing was written")
+def _save_onto_foreign_directory(tmp_path, net):
+    (tmp_path / "notes.txt").write_text("mine")
+    try:
+        paddle_hsdp.save_checkpoint(tmp_path, net)
+    finally:
+        assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 # ---------------------------------------------------------------- the commands
 class _Exit(Exception):
     pass

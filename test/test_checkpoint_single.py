@@ -20,6 +20,39 @@ def _train_step(model, opt):
     opt.clear_grad()
 
 
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path, registry):  # noqa: F811
+    """Only a paddle_hsdp checkpoint is replaced: a directory of anything else (or a
+    file) is refused before any file is written, naming it and what it holds, and
+    stays byte for byte; an empty directory and an older checkpoint are replaced."""
+    model = models.build_model()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    (tmp_path / "afile").write_text("y")
+    for target, says in ((mine, "notes.txt"), (tmp_path / "afile", "not a directory")):
+        with pytest.raises(checkpoint.CheckpointError, match="save_checkpoint") as err:
+            checkpoint.save_checkpoint(target, model)
+        assert str(target) in str(err.value) and says in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]  # no tmp dirs
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert (mine / "notes.txt").read_text() == "x" and (tmp_path / "afile").read_text() == "y"
+    (tmp_path / "empty").mkdir()
+    checkpoint.save_checkpoint(tmp_path / "empty", model)
+    checkpoint.save_checkpoint(tmp_path / "empty", model)  # an older checkpoint: replaced
+    assert checkpoint.read_metadata(tmp_path / "empty")["format"]
+
+
+def test_a_save_sweeps_what_an_interrupted_save_left(tmp_path, registry):  # noqa: F811
+    """A rank that died mid-save leaves CKPT.tmp-<token> (and a crash mid-rename
+    CKPT.old-<token>); the next successful save of CKPT removes them."""
+    model = models.build_model()
+    for leftover in ("ck.tmp-123", "ck.old-456"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "rank-00000.safetensors").write_bytes(b"partial")
+    checkpoint.save_checkpoint(tmp_path / "ck", model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
 def test_plain_model_round_trip_with_optimizer_state(tmp_path, registry):  # noqa: F811
     model = models.build_model()
     opt = models.make_optimizer(model, model.parameters(), 0.2)

@@ -5,6 +5,7 @@ previous checkpoint as it was and raises on every rank."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -34,27 +35,12 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     items, aliases, optimizer = _all_items(model, optimizer)
     token = _token()
     tmp = f"{path}.tmp-{token}"
-    pieces, error = {}, None
-    try:
-        os.makedirs(tmp, exist_ok=True)
-        fname = f"rank-{rank:05d}.safetensors"
-        tensors = {}
-        for it in items:
-            if not it.writes or it.rows == 0:
-                continue
-            array = np.ascontiguousarray(it.get())
-            key = it.name
-            tensors[key] = array
-            chunk = _chunk_rows(array)
-            pieces[it.name] = {"file": fname, "key": key, "row0": it.row0,
-                               "shape": it.shape, "dtype": it.dtype,
-                               "rows": int(array.shape[0]), "chunk_rows": chunk,
-                               "crc32": [zlib.crc32(array[i:i + chunk].tobytes())
-                                         for i in range(0, int(array.shape[0]), chunk)]}
-        if tensors:
-            _write_rank_file(os.path.join(tmp, fname), tensors)
-    except Exception as e:  # every rank must learn of it: agree below
-        error = f"rank {rank}: {type(e).__name__}: {e}"
+    pieces, error = {}, _refusal_to_replace(path)
+    if error is None:
+        try:
+            pieces = _write_pieces(tmp, rank, items)
+        except Exception as e:  # every rank must learn of it: agree below
+            error = f"rank {rank}: {type(e).__name__}: {e}"
     everyone = _gather_json({"pieces": pieces, "error": error})
     errors = [r["error"] for r in everyone if r["error"]]
     if rank == 0:
@@ -65,10 +51,55 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
                 errors.append(f"rank 0: {type(e).__name__}: {e}")
         if errors:  # before the others learn the outcome: they return to a clean dir
             shutil.rmtree(tmp, ignore_errors=True)
-    outcome = _gather_json("; ".join(errors) if rank == 0 else None)[0]  # rank 0 decides
+    # rank 0 decides; a refusal every rank made is said once
+    outcome = _gather_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None)[0]
     if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
                               f"(if any) is unchanged. {outcome}")
+
+
+def _write_pieces(tmp: str, rank: int, items) -> dict:
+    """Write this rank's pieces into ``tmp``; return their manifest entries."""
+    os.makedirs(tmp, exist_ok=True)
+    fname = f"rank-{rank:05d}.safetensors"
+    pieces, tensors = {}, {}
+    for it in items:
+        if not it.writes or it.rows == 0:
+            continue
+        array = np.ascontiguousarray(it.get())
+        tensors[it.name] = array
+        chunk = _chunk_rows(array)
+        pieces[it.name] = {"file": fname, "key": it.name, "row0": it.row0,
+                           "shape": it.shape, "dtype": it.dtype,
+                           "rows": int(array.shape[0]), "chunk_rows": chunk,
+                           "crc32": [zlib.crc32(array[i:i + chunk].tobytes())
+                                     for i in range(0, int(array.shape[0]), chunk)]}
+    if tensors:
+        _write_rank_file(os.path.join(tmp, fname), tensors)
+    return pieces
+
+
+def _refusal_to_replace(path: str) -> str | None:
+    """Why ``path`` must not be replaced, or None. Only a paddle_hsdp checkpoint (its
+    metadata says so) is replaced: anything else there is the user's and stays."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        return (f"{path} exists and is not a directory; save_checkpoint replaces only a "
+                f"{FORMAT} checkpoint directory. Choose another path or remove it.")
+    try:
+        with open(os.path.join(path, META)) as f:
+            if json.load(f).get("format") == FORMAT:
+                return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    entries = sorted(os.listdir(path))
+    shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+    if not entries:
+        return None  # an empty directory holds nothing to lose
+    return (f"{path} exists and is not a {FORMAT} checkpoint (it holds {shown}); "
+            "save_checkpoint replaces only its own checkpoints, so nothing was written. "
+            "Choose another path or remove it.")
 
 
 def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> None:
@@ -110,3 +141,6 @@ def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> No
     os.rename(tmp, path)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+    # what an earlier save left when a rank died mid-write (its token differs)
+    for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
