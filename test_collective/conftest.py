@@ -9,7 +9,24 @@ to FILE as JSON lines, so several runs can be compared (a flakiness sweep).
 import json
 import os
 
-from launcher import PARITY_RECORDS
+import pytest
+
+from launcher import PARITY_RECORDS, launch
+
+# The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
+# comm worker first, since it shows a misspelt option refused before any group exists.
+HSDP_2X2 = {"sharding_degree": 4, "outer": 2}
+SHARED_2X2_WORKERS = [["worker_comm.py", json.dumps(dict(HSDP_2X2, check_typo=True))],
+                      ["worker_knobs.py"], ["worker_zero.py", json.dumps(HSDP_2X2)],
+                      ["worker_recipes.py"]]
+
+
+@pytest.fixture(scope="session")
+def hsdp_2x2_log():
+    """Rank 0's log of one launch running every SHARED_2X2_WORKERS worker in turn; each
+    test asserts its own worker's lines (a failing worker fails the launch, and so every
+    test that uses it, with the ranks' logs)."""
+    return launch(4, "run_many.py", json.dumps(SHARED_2X2_WORKERS), timeout=900)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -17,9 +17,12 @@ PARITY_RECORDS: list[dict] = []
 
 
 def collect_parity(log: str, test: str) -> None:
-    """Keep the PARITY_CHECK records of one process's output."""
+    """Keep the PARITY_CHECK records of one process's output (under run_many.py, each
+    record is named by the worker that printed it)."""
     for line in log.splitlines():
-        if line.startswith("PARITY_CHECK "):
+        if line.startswith("RUN_MANY "):
+            test = line[len("RUN_MANY "):]
+        elif line.startswith("PARITY_CHECK "):
             PARITY_RECORDS.append(dict(json.loads(line[len("PARITY_CHECK "):]), test=test))
 
 

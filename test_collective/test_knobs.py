@@ -3,12 +3,10 @@ single-process reference: bf16 mixed precision (bf16 gather, fp32 reduce; half t
 all-gather bytes, float32 reduce-scatters), bf16 reduce (half the outer all-reduce
 bytes), ignored_params, and a Replicate() placement."""
 
-from launcher import launch
-
 CHECKS = ("mixed_precision", "bf16_reduce", "ignored_params", "replicate_placement")
 
 
-def test_knobs():
-    log = launch(4, "worker_knobs.py", timeout=600)
+def test_knobs(hsdp_2x2_log):
+    log = hsdp_2x2_log  # workers/worker_knobs.py, in the shared 2 x 2 launch (conftest.py)
     for name in CHECKS:
         assert f"KNOBS {name} max rel diff" in log, log[-3000:]

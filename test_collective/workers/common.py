@@ -18,10 +18,20 @@ from paddle.distributed import fleet
 MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
+_layout_of_this_process: list = []  # the layout fleet.init built here (run_many.py)
+
+
 def init_fleet(config: dict):
     """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), ``check_typo`` (first
     show that a misspelt option is refused before any group exists). Every launch then
-    checks the HSDP and HCG groups of its layout (:func:`check_groups`)."""
+    checks the HSDP and HCG groups of its layout (:func:`check_groups`). Several workers
+    in one launch (run_many.py) share the first one's fleet.init: the same layout again
+    returns its HCG, another layout is an error."""
+    layout = {k: v for k, v in config.items() if k.endswith("_degree") or k == "outer"}
+    if _layout_of_this_process:
+        assert _layout_of_this_process == [layout], (_layout_of_this_process, layout)
+        return fleet.get_hybrid_communicate_group()
+    _layout_of_this_process.append(layout)
     strategy = fleet.DistributedStrategy()
     hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
     hybrid.update({k: v for k, v in config.items() if k.endswith("_degree")})
