@@ -18,7 +18,7 @@ from launcher import PARITY_RECORDS, launch
 HSDP_2X2 = {"sharding_degree": 4, "outer": 2}
 SHARED_2X2_WORKERS = [["worker_comm.py", json.dumps(dict(HSDP_2X2, check_typo=True))],
                       ["worker_knobs.py"], ["worker_zero.py", json.dumps(HSDP_2X2)],
-                      ["worker_recipes.py"]]
+                      ["worker_recipes.py"], ["worker_engine.py", json.dumps(HSDP_2X2)]]
 
 
 @pytest.fixture(scope="session")
