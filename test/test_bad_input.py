@@ -300,6 +300,13 @@ def _config_no_match():
     paddle_hsdp.apply_config(_Lm(), {"sub_modules_to_wrap": ["layer.{*}"]})
 
 
+@row("`apply_config(model, config)`",
+     "`{sub_modules_to_wrap: ['layers.{0-5}']}` on 2 layers (partly past the model)",
+     ValueError, "names indices 2-5", "indices present there: 0-1")
+def _config_partly_past():
+    paddle_hsdp.apply_config(_Lm(), {"sub_modules_to_wrap": ["layers.{0-5}"]})
+
+
 @row("`apply_config(model, config)`", "`{fsdp_outer_degree: 3}` on one rank",
      paddle_hsdp.ConfigError, "fsdp_outer_degree", "world size")
 def _config_degree():

@@ -61,11 +61,10 @@ def block_paths(*indices):
     ("model.layers.{0, 2}", block_paths(0, 2)),
     ("model.layers.{3}", block_paths(3)),
     ("model.layers.{2-2}", block_paths(2)),
-    ("model.layers.{4-100}", block_paths(4, 5)),
     ("model.layers.{0,2}.attn", ["model.layers.0.attn", "model.layers.2.attn"]),
     ("lm_head", ["lm_head"]),
     ("model", ["model"]),
-], ids=["any", "list", "range", "ranges", "spaces", "single", "one-range", "past-end",
+], ids=["any", "list", "range", "ranges", "spaces", "single", "one-range",
         "nested", "lower-case-path", "top"])
 def test_path_patterns_select_in_sublayer_order(model, pattern, expected):
     assert paths(match_modules(model, [pattern], KEY)) == expected
@@ -183,6 +182,18 @@ def test_non_matching_class_name_suggests_real_class(model):
 def test_out_of_range_indices_say_which_exist(model):
     with pytest.raises(PatternError, match=r"indices present at component 3: 0-5"):
         match_modules(model, ["model.layers.{7-9}"], KEY)
+
+
+@pytest.mark.parametrize("pattern, missing", [("model.layers.{4-100}", "6-100"),
+                                              ("model.layers.{0-2,7}.attn", "7")])
+def test_indices_partly_past_the_model_are_refused_with_the_real_range(model, pattern, missing):
+    """A range written for a deeper model is a slip whether it overlaps the model's
+    indices or not: refused, naming what is missing and what exists."""
+    with pytest.raises(PatternError) as caught:
+        match_modules(model, [pattern], KEY)
+    message = str(caught.value)
+    assert message.startswith(f"{KEY}: pattern {pattern!r} names indices {missing} ")
+    assert "indices present there: 0-5" in message
 
 
 def test_every_non_matching_pattern_is_reported_together(model):

@@ -194,7 +194,9 @@ def match_modules(model, patterns: list[str], key: str) -> list[tuple[str, Any]]
     """The sub-modules of ``model`` (the root itself excluded) selected by any of
     ``patterns``, in ``named_sublayers`` order, each once. Every pattern must select at
     least one sub-module: all that select none are reported together in one
-    :class:`PatternError` naming ``key`` and the nearest real paths or class names."""
+    :class:`PatternError` naming ``key`` and the nearest real paths or class names, and
+    an index group must name only indices the model has ('layers.{0-5}' on a 2-layer
+    model is refused like 'layers.{4-5}', with the real range named)."""
     parsed = _parse_all(patterns, key)
     sublayers = list(model.named_sublayers(include_self=False))
     matched, seen, used = [], set(), set()
@@ -204,10 +206,12 @@ def match_modules(model, patterns: list[str], key: str) -> list[tuple[str, Any]]
         if hits and id(module) not in seen:
             seen.add(id(module))
             matched.append((path, module))
-    unmatched = [pattern for pattern in parsed if pattern.text not in used]
-    if unmatched:
-        raise PatternError("\n".join(_no_match_message(pattern, key, sublayers)
-                                     for pattern in unmatched))
+    problems = [_no_match_message(pattern, key, sublayers)
+                for pattern in parsed if pattern.text not in used]
+    problems += [problem for pattern in parsed if pattern.text in used
+                 for problem in _missing_index_messages(pattern, key, sublayers)]
+    if problems:
+        raise PatternError("\n".join(problems))
     return matched
 
 
@@ -269,6 +273,26 @@ def _index_hint(pattern: Pattern, sublayers: list) -> str:
     if not present:
         return ""
     return f" (indices present at component {position + 1}: {_compress(present)})"
+
+
+def _missing_index_messages(pattern: Pattern, key: str, sublayers: list) -> list[str]:
+    """One message per index group of ``pattern`` that names indices the model does not
+    have where the rest of the pattern matches (a range written for a deeper model)."""
+    messages = []
+    for position, component in enumerate(pattern.components):
+        if not isinstance(component, _IndexSet):
+            continue
+        relaxed = Pattern(pattern.text, False, tuple(
+            _AnyIndex() if i == position else c for i, c in enumerate(pattern.components)))
+        present = {int(path.split(".")[position]) for path, module in sublayers
+                   if relaxed.matches(path, module)}
+        missing = sorted(component.indices - present)
+        if missing:
+            messages.append(
+                f"{key}: pattern {pattern.text!r} names indices {_compress(missing)} at "
+                f"component {position + 1} that the model does not have (indices present "
+                f"there: {_compress(sorted(present))}); name only those, or use {{*}}")
+    return messages
 
 
 def _compress(indices: list[int]) -> str:
