@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The main job: train a small causal LM with HSDP 2 x 2 (2 replicas of 2-way shards)
-# on 4 CPU ranks (gloo). Arguments go to tools/demo.py (--steps, --micro, --batch).
+# on 4 CPU ranks (gloo). Arguments go to tools/demo.py (--steps, --micro, --batch, ...;
+# --help lists them).
 set -uo pipefail
 source "$(dirname "$0")/_env.sh" || exit 1
-log_dir="$(mktemp -d -t hsdp_demo_XXXX)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel=2
+# The flags are checked once, here, before any rank starts: a bad one is reported once
+# (not by 4 ranks), and --help prints them and exits.
+"$PY" -c 'import sys; sys.argv[0] = "tools/demo.sh"; sys.path.insert(0, "tools")
+import demo; demo.parse_args()' "$@" 2> >(grep -v -e "ccache" -e "warnings.warn" >&2) || exit $?
+for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
+log_dir="$(mktemp -d -t hsdp_demo_XXXX)"
 echo "launching 4 CPU ranks (logs in $log_dir)"
 "$PY" -m paddle.distributed.launch --nproc_per_node 4 --log_dir "$log_dir" \
   tools/demo.py "$@" > "$log_dir/launch.out" 2>&1 &

@@ -30,6 +30,8 @@ def consolidate(path, out) -> list[str]:
         full[name] = _read_rows(reader, name, entry, 0, rows).reshape(entry["shape"])
     for alias, name in meta["aliases"].items():
         full[alias] = full[name]
+    parent = os.path.dirname(os.path.abspath(os.fspath(out)))
+    os.makedirs(parent, exist_ok=True)  # like `cp`, but the folders are made
     # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16)
     save_file({k: paddle.to_tensor(np.ascontiguousarray(v), dtype=_dtype_of(meta, k))
                for k, v in full.items()}, os.fspath(out))
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
         else:
             keys = consolidate(args.ckpt, args.out)
             print(f"wrote {len(keys)} tensors to {args.out}")
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:  # one line, like every error of this command
         print(f"error: {e}")
         return 1
     return 0
