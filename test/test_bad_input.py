@@ -313,6 +313,12 @@ def _config_degree():
     paddle_hsdp.apply_config(_Lm(), {"fsdp_outer_degree": 3})
 
 
+@row("`paddle.jit.to_static(model)`", "a model sharded by `fully_shard`",
+     NotImplementedError, "to_static", "not supported", "full_state_dict")
+def _to_static(model):
+    paddle.jit.to_static(model)
+
+
 # ---------------------------------------------------------------- checkpoints
 @row("`load_checkpoint(path, model)`", "a directory that is not a checkpoint",
      checkpoint.CheckpointError, "not a checkpoint")
@@ -470,3 +476,12 @@ def test_readme_table_is_generated_from_these_rows():
                              "python -c 'import sys; sys.path.insert(0, \"test\"); "
                              "import test_bad_input as t; print(t.readme_table())'")
     assert len(re.findall(r"^\| ", table, re.M)) == len(ROWS) + len(MULTI_RANK) + 2
+
+
+def test_to_static_still_converts_a_model_that_is_not_sharded():
+    """The refusal is for sharded models only: a plain layer converts as before."""
+    net = _net()
+    x = paddle.randn([3, 4])
+    expected = net(x).numpy()
+    static = paddle.jit.to_static(net)
+    assert (static(x).numpy() == expected).all()

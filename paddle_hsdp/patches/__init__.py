@@ -12,12 +12,13 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
   ``GradScaler``, ``HybridParallelOptimizer``);
 * :mod:`.clip`: ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``;
 * :mod:`.state_dict`: ``Layer.state_dict`` / ``set_state_dict`` on sharded models;
-* :mod:`.flex_optimizer`: ``AdamW.sharded_state_dict`` over HSDP shards.
+* :mod:`.flex_optimizer`: ``AdamW.sharded_state_dict`` over HSDP shards;
+* :mod:`.jit`: ``paddle.jit.to_static`` refused on sharded models.
 """
 
 from __future__ import annotations
 
-from . import clip, cpu_compat, flex_optimizer, fleet, gloo_groups, optim, state_dict
+from . import clip, cpu_compat, flex_optimizer, fleet, gloo_groups, jit, optim, state_dict
 from .patching import active, describe
 
 __all__ = ["active", "describe", "install"]
@@ -32,3 +33,4 @@ def install() -> None:
     clip.install()
     state_dict.install()
     flex_optimizer.install()
+    jit.install()
