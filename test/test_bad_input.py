@@ -319,6 +319,24 @@ def _to_static(model):
     paddle.jit.to_static(model)
 
 
+@row("`full_state_dict(model)`", "an optimizer", TypeError, "full_state_dict",
+     "paddle.nn.Layer", "AdamW")
+def _full_state_dict_of_optimizer(model):
+    paddle_hsdp.full_state_dict(paddle.optimizer.AdamW(parameters=model.parameters()))
+
+
+@row("`save_checkpoint(path, model, optimizer)`", "the model as the optimizer", TypeError,
+     "save_checkpoint(path, model, optimizer)", "paddle.optimizer.Optimizer")
+def _save_model_as_optimizer(tmp_path, model):
+    paddle_hsdp.save_checkpoint(tmp_path / "ck", model, model)
+
+
+@row("`last_global_norm(optimizer)`", "a model", TypeError, "last_global_norm",
+     "paddle.optimizer.Optimizer")
+def _norm_of_model(model):
+    paddle_hsdp.last_global_norm(model)
+
+
 # ---------------------------------------------------------------- checkpoints
 @row("`load_checkpoint(path, model)`", "a directory that is not a checkpoint",
      checkpoint.CheckpointError, "not a checkpoint")

@@ -12,6 +12,7 @@ from paddle.distributed.fleet.base import topology as fleet_topology
 from ..engine.experts import names_and_aliases
 from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from ..engine.registry import managed_param, registry
+from ..hints import expect_layer, expect_optimizer
 from .format import _rank_world
 
 
@@ -116,7 +117,10 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
     return items
 
 
-def _all_items(model, optimizer):
+def _all_items(model, optimizer, call: str):
+    expect_layer(model, f"{call}(path, model)")
+    if optimizer is not None:
+        expect_optimizer(optimizer, f"{call}(path, model, optimizer)")
     _check_supported(model)
     items, by_shard, aliases = _param_items(model)
     if optimizer is not None:

@@ -17,7 +17,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     collective on a sharded model: call it on every rank. Nothing changes unless every
     rank read everything it needs."""
     path = os.path.abspath(os.fspath(path))
-    items, aliases, optimizer = _all_items(model, optimizer)
+    items, aliases, optimizer = _all_items(model, optimizer, "load_checkpoint")
     loaded, error, meta, unexpected = [], None, None, []
     try:
         meta = read_metadata(path)

@@ -32,7 +32,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
         json.dumps(extra)  # not serialisable: TypeError here, on every rank alike
     path = os.path.abspath(os.fspath(path))
     rank, world = _rank_world()
-    items, aliases, optimizer = _all_items(model, optimizer)
+    items, aliases, optimizer = _all_items(model, optimizer, "save_checkpoint")
     token = _token()
     tmp = f"{path}.tmp-{token}"
     pieces, error = {}, _refusal_to_replace(path)

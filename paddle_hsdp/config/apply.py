@@ -18,6 +18,7 @@ from paddle.distributed.fleet.base import topology as fleet_topology
 from paddle.distributed.fleet.utils import recompute
 
 from ..engine.api import fully_shard, set_zero_stage
+from ..hints import expect_layer
 from ..engine.policies import CPUOffloadPolicy
 from .plan import Plan, build_plan, mp_policy_of, resolve_modules
 from .schema import ConfigError, load_config, ranks_per_node_from_env, resolve_degrees
@@ -29,8 +30,7 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
     """Shard ``model`` as ``config`` (a YAML path, a dict or an ``HSDPConfig``) says;
     return ``(model, plan)``, ``str(plan)`` being the ``plan`` command's table. A
     collective (``fully_shard`` is): call it on every rank with the same config."""
-    if not isinstance(model, paddle.nn.Layer):
-        raise TypeError(f"apply_config expects a paddle.nn.Layer, got {type(model).__name__}")
+    expect_layer(model, "apply_config")
     cfg = load_config(config)
     outer, inner, expert_inner, expert_outer = _topology(cfg)
     choice = resolve_modules(model, cfg)

@@ -13,6 +13,7 @@ import paddle
 from paddle.distributed import Replicate, Shard
 
 from ..comm import collectives as comm
+from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
 from . import hooks
 from .flex import sharded_state_dict
@@ -185,6 +186,7 @@ def set_zero_stage(model, stage: int) -> None:
       micro-steps; one reduce-scatter and one outer all-reduce at the optimizer step.
     Optimizer state is sharded at every level.
     """
+    expect_layer(model, "set_zero_stage")
     if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(f"set_zero_stage: stage must be one of {sorted(ZERO_STAGES)}, "
                          f"got {stage!r}")
@@ -247,7 +249,7 @@ def _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params) -
 
 def _check_module(module) -> None:
     if not isinstance(module, paddle.nn.Layer):
-        raise TypeError(f"fully_shard expects a paddle.nn.Layer, got {type(module).__name__}")
+        expect_layer(module, "fully_shard")
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; "
                          "apply it once per module.")
@@ -419,6 +421,7 @@ def full_state_dict(model) -> dict[str, paddle.Tensor]:
     ``state_dict()``: tied aliases and persistable buffers included, sharded params
     gathered from their (float32 master) shards, everything else copied. A collective
     (one all-gather per buffer): call it on every rank."""
+    expect_layer(model, "full_state_dict")
     live = model._state_dict_impl(use_hook=False)
     out = model.state_dict()
     return {k: v.detach().clone() if v is live.get(k) else v for k, v in out.items()}
@@ -428,6 +431,7 @@ def full_state_dict(model) -> dict[str, paddle.Tensor]:
 def full_grads(model) -> dict[str, paddle.Tensor | None]:
     """``{name: full gradient}`` as the shards hold it now (call
     ``finish_grad_sync`` first for the step's synced value). A collective."""
+    expect_layer(model, "full_grads")
     return _gather_named(model, grads=True)
 
 
@@ -450,6 +454,7 @@ def memory_report(model) -> dict[str, int]:
     units gathered at once (all models), and ``peak_full_grads``: the most full-size
     grad bytes alive at a post-backward or end of backward, since
     :func:`reset_peak_memory`."""
+    expect_layer(model, "memory_report")
     total = {"shard": 0, "grad": 0, "gathered": 0}
     for unit in units_under(model):
         for key, value in unit.held_bytes().items():

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import paddle
-
+from ..hints import expect_layer
 from .registry import managed_param
 
 _INDICES_ATTR = "_hsdp_global_expert_indices"
@@ -28,9 +27,7 @@ def mark_expert_params(layer, global_indices: Sequence[int] | None = None) -> No
     ``LayerList``, children named ``0, 1, ...``), the global expert index of each, in
     child order, e.g. ``range(ep_rank * n_local, (ep_rank + 1) * n_local)``. Checkpoints
     then store child ``i`` under the name with ``global_indices[i]`` in its place."""
-    if not isinstance(layer, paddle.nn.Layer):
-        raise TypeError(f"mark_expert_params expects a paddle.nn.Layer, got "
-                        f"{type(layer).__name__}")
+    expect_layer(layer, "mark_expert_params")
     sharded = [p.name for p in layer.parameters() if managed_param(p) is not None]
     if sharded:
         raise RuntimeError(

@@ -39,6 +39,7 @@ from paddle.nn import ClipGradByGlobalNorm
 from ..comm import collectives as comm
 from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
 from ..engine.registry import managed_param
+from ..hints import expect_optimizer
 from ..engine.unit import sync_grads
 from .patching import replace
 
@@ -162,6 +163,7 @@ def record_norm_of_hybrid_clip(clip) -> None:
 
 def last_global_norm(optimizer) -> float | None:
     """The global grad norm of the optimizer's last clipped step (for logging)."""
+    expect_optimizer(optimizer, "last_global_norm")
     norm = getattr(unwrap_optimizer(optimizer)._grad_clip, "last_global_norm", None)
     return None if norm is None else norm.item()
 
