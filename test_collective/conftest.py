@@ -8,6 +8,7 @@ to FILE as JSON lines, so several runs can be compared (a flakiness sweep).
 
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -16,17 +17,37 @@ from launcher import PARITY_RECORDS, launch
 # The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
 # comm worker first, since it shows a misspelt option refused before any group exists.
 HSDP_2X2 = {"sharding_degree": 4, "outer": 2}
-SHARED_2X2_WORKERS = [["worker_comm.py", json.dumps(dict(HSDP_2X2, check_typo=True))],
-                      ["worker_knobs.py"], ["worker_zero.py", json.dumps(HSDP_2X2)],
-                      ["worker_recipes.py"], ["worker_engine.py", json.dumps(HSDP_2X2)]]
+# 1 x 4 and 4 x 1 train on explicit meshes there (no fleet.distributed_optimizer variant:
+# fleet's optimizer reads fleet's 2 x 2 groups); the fingerprint worker switches the
+# check on and off itself; worker_exit ends the launch without a final barrier, leaving
+# the clean exit to the atexit handler.
+ON_MESH = [[True, False], [False, False], [True, False, True]]
+SHARED_2X2_WORKERS = [
+    ["worker_comm.py", json.dumps(dict(HSDP_2X2, check_typo=True))],
+    ["worker_knobs.py"], ["worker_zero.py", json.dumps(HSDP_2X2)], ["worker_recipes.py"],
+    ["worker_engine.py", json.dumps(HSDP_2X2)],
+    ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[0, 1, 2, 3], variants=ON_MESH))],
+    ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[[0], [1], [2], [3]],
+                                         dim_names=["outer", "inner"], variants=ON_MESH))],
+    ["worker_fingerprint.py"]]
 
 
 @pytest.fixture(scope="session")
-def hsdp_2x2_log():
-    """Rank 0's log of one launch running every SHARED_2X2_WORKERS worker in turn; each
-    test asserts its own worker's lines (a failing worker fails the launch, and so every
-    test that uses it, with the ranks' logs)."""
-    return launch(4, "run_many.py", json.dumps(SHARED_2X2_WORKERS), timeout=900)
+def shared_2x2_work():
+    """The folder worker_checkpoint.py saves into in the shared launch (test_checkpoint
+    resumes from it on 2 ranks and in one process)."""
+    return tempfile.mkdtemp(prefix="hsdp_shared_2x2_")
+
+
+@pytest.fixture(scope="session")
+def hsdp_2x2_log(shared_2x2_work):
+    """Rank 0's log of one launch running every SHARED_2X2_WORKERS worker in turn (and
+    worker_checkpoint.py, then worker_exit.py, which ends it without a final barrier);
+    each test asserts its own worker's lines (a failing worker fails the launch, and so
+    every test that uses it, with the ranks' logs)."""
+    jobs = SHARED_2X2_WORKERS + [["worker_checkpoint.py", shared_2x2_work],
+                                 ["worker_exit.py", "no_barrier"]]
+    return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 
 def pytest_terminal_summary(terminalreporter):

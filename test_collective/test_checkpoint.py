@@ -9,9 +9,10 @@ import tempfile
 from launcher import launch, run_single
 
 
-def test_save_resume_across_layouts_and_failures():
-    work = tempfile.mkdtemp(prefix="hsdp_ckpt_")
-    log = launch(4, "worker_checkpoint.py", work, timeout=600)
+def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
+    # worker_checkpoint.py runs in the shared 2 x 2 launch (conftest.py), saving into
+    # shared_2x2_work
+    log, work = hsdp_2x2_log, shared_2x2_work
     for label in ("2x2", "1x4", "4x1"):
         assert log.count(f"RESUME {label}:") == 1, log[-3000:]
     assert "SAVE_FAILURE" in log and "REFUSED" in log and "CORRUPTED rank 0" in log, log[-3000:]

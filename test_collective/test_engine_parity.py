@@ -10,22 +10,28 @@ import pytest
 from launcher import launch
 
 # 1 x 2 on 2 ranks trains in test_checkpoint.py (the 2-rank resume, against the 4-rank
-# run); the counter formulas with outer 1 are checked here in 1 x 4.
+# run); the counter formulas with outer 1 are checked here in 1 x 4. The 4-rank layouts
+# run in the shared 2 x 2 launch (conftest.py): 2 x 2 on fleet's groups, 1 x 4 and 4 x 1
+# on explicit meshes (fleet's groups for them are built in test_faults' launches). 2 x 4
+# has its own launch, without the end-of-backward variant the 4-rank layouts run.
 LAYOUTS = [  # (ranks, sharding_degree, fsdp_outer_degree) -> [outer, inner]
     (4, 4, 2),   # 2 x 2 HSDP
     (4, 4, 1),   # 1 x 4 pure FSDP
     (4, 4, 4),   # 4 x 1 pure replication
     (8, 8, 2),   # 2 x 4
 ]
+EIGHT_RANK_VARIANTS = [[True, False], [False, True]]
 
 
 @pytest.mark.parametrize("ranks,sharding,outer", LAYOUTS,
                          ids=[f"{o}x{s // o}" for _, s, o in LAYOUTS])
 def test_parity(ranks, sharding, outer, request):
-    if (ranks, sharding, outer) == (4, 4, 2):  # runs in the shared 2 x 2 launch (conftest.py)
-        log = request.getfixturevalue("hsdp_2x2_log")
+    if ranks == 4:
+        log, variants = request.getfixturevalue("hsdp_2x2_log"), 3
     else:
-        log = launch(ranks, "worker_engine.py",
-                     json.dumps({"sharding_degree": sharding, "outer": outer}), timeout=600)
+        log = launch(ranks, "worker_engine.py", json.dumps(
+            {"sharding_degree": sharding, "outer": outer, "variants": EIGHT_RANK_VARIANTS}),
+            timeout=600)
+        variants = len(EIGHT_RANK_VARIANTS)
     shape = f"PARITY {outer}x{sharding // outer} "
-    assert sum(line.startswith(shape) for line in log.splitlines()) == 3, log[-2000:]
+    assert sum(line.startswith(shape) for line in log.splitlines()) == variants, log[-2000:]

@@ -16,13 +16,13 @@ from launcher import HERE, ROOT
 BOUND_S = 90  # launch (~10 s here) + detection + the launcher's teardown
 
 
-def launch_with_fault(mode: str, env_extra: dict) -> tuple[int, float, dict]:
+def launch_with_fault(mode: str, env_extra: dict, outer: int) -> tuple[int, float, dict]:
     log_dir = tempfile.mkdtemp(prefix=f"hsdp_fault_{mode}_")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(HERE, "workers"),
                GLOG_minloglevel="2", **env_extra)
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
            "--log_dir", log_dir, os.path.join(HERE, "workers", "worker_rank_death.py"),
-           "3", mode]
+           "3", mode, str(outer)]
     start = time.time()
     proc = subprocess.run(cmd, env=env, cwd=log_dir, capture_output=True, text=True,
                           timeout=BOUND_S + 60)
@@ -32,10 +32,13 @@ def launch_with_fault(mode: str, env_extra: dict) -> tuple[int, float, dict]:
     return proc.returncode, took, logs
 
 
-@pytest.mark.parametrize("mode", ["kill", "hang"])
-def test_a_failed_rank_ends_the_job_with_a_message(mode):
+# fleet's 1 x 4 and 4 x 1 layouts (outer 1 and 4) are built here, their groups checked
+# by init_fleet before the fault; their training parity runs as explicit meshes in the
+# shared 2 x 2 launch (test_engine_parity)
+@pytest.mark.parametrize("mode,outer", [("kill", 1), ("hang", 4)])
+def test_a_failed_rank_ends_the_job_with_a_message(mode, outer):
     # hang: the watchdog bound is 5 s here (default 300 s)
-    rc, took, logs = launch_with_fault(mode, {"PADDLE_HSDP_COLLECTIVE_TIMEOUT": "5"})
+    rc, took, logs = launch_with_fault(mode, {"PADDLE_HSDP_COLLECTIVE_TIMEOUT": "5"}, outer)
     assert rc != 0 and took < BOUND_S, (rc, took)
     assert "FAULT" in logs.get("workerlog.3", ""), logs.get("workerlog.3", "")[-2000:]
     survivors = [logs.get(f"workerlog.{r}", "") for r in range(3)]
@@ -46,17 +49,24 @@ def test_a_failed_rank_ends_the_job_with_a_message(mode):
           "the operation and group")
 
 
-def test_fingerprint_mode_catches_mismatched_collectives():
-    """workers/worker_fingerprint.py with PADDLE_HSDP_CHECK_COLLECTIVES=1."""
-    from launcher import launch
-
-    os.environ["PADDLE_HSDP_CHECK_COLLECTIVES"] = "1"
-    try:
-        log = launch(4, "worker_fingerprint.py", timeout=300)
-    finally:
-        del os.environ["PADDLE_HSDP_CHECK_COLLECTIVES"]
+def test_fingerprint_mode_catches_mismatched_collectives(hsdp_2x2_log):
+    """workers/worker_fingerprint.py, in the shared 2 x 2 launch (conftest.py)."""
+    log = hsdp_2x2_log
     assert "CAUGHT_UNITS rank 0" in log and "CAUGHT_ALL_REDUCE rank 0" in log, log[-3000:]
     assert "FINGERPRINT_OK" in log, log[-3000:]
+
+
+def test_the_environment_switches_fingerprint_mode_on_at_import():
+    """PADDLE_HSDP_CHECK_COLLECTIVES=1 turns the check on for a whole run (the worker
+    above switches it with check_collectives; this is the other way in)."""
+    code = ("import paddle_hsdp; from paddle_hsdp.comm import fingerprint; "
+            "print('ON' if fingerprint.enabled() else 'OFF')")
+    results = {}
+    for value in ("1", "0"):
+        env = dict(os.environ, PYTHONPATH=ROOT, PADDLE_HSDP_CHECK_COLLECTIVES=value)
+        results[value] = subprocess.run([sys.executable, "-c", code], env=env,
+                                        capture_output=True, text=True).stdout.strip()
+    assert results == {"1": "ON", "0": "OFF"}, results
 
 
 def test_resume_after_a_crash_is_bit_exact():

@@ -1,8 +1,10 @@
 """HSDP training == single-process training on the whole batch (losses, every param,
 grad norm), plus the comm counter against the volume formulas (docs/architecture.md) and the memory report.
 
-argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py) and the
-run variants to check.
+argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py), the run
+variants to check, and optionally ``mesh`` (nested rank lists; with ``dim_names``): shard
+on that explicit mesh instead of fleet's groups (in the shared 2 x 2 launch, 1 x 4 and
+4 x 1 run this way; fleet builds those layouts' groups in test_faults' launches).
 """
 
 from common import compare_with_reference, config_from_argv, finish, init_fleet
@@ -10,12 +12,13 @@ from parity import FLEET_OPTIMIZER_DTYPE, set_dtype
 
 import paddle
 import paddle.distributed as dist
-from paddle.distributed import fleet
+from paddle.distributed import ProcessMesh, fleet
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.comm.gather_tags import TAG_NUMEL
+from paddle_hsdp.topology.mesh import resolve_mesh
 from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
                     uses_extra)
 
@@ -25,7 +28,11 @@ config = config_from_argv()
 DTYPE = config.get("dtype", "float64")
 hcg = init_fleet(config)
 rank, world = dist.get_rank(), dist.get_world_size()
-inner, outer = hcg.get_fsdp_inner_group(), hcg.get_fsdp_outer_group()
+MESH = (ProcessMesh(config["mesh"], dim_names=config.get("dim_names"))
+        if "mesh" in config else None)
+groups = resolve_mesh(MESH) if MESH is not None else None
+inner, outer = ((groups.inner(), groups.outer()) if groups is not None
+                else (hcg.get_fsdp_inner_group(), hcg.get_fsdp_outer_group()))
 I, O = inner.nranks, outer.nranks
 data = batches(STEPS, MICRO, world, PER_RANK)
 _references = {}
@@ -44,8 +51,8 @@ def shard(reshard_blocks: bool, overlap: bool = True):
     units = [model.embed] + list(model.blocks)
     for layer in units:
         paddle_hsdp.fully_shard(layer, reshard_after_forward=reshard_blocks,
-                                enable_tensor_fusion_and_overlap=overlap)
-    paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap)
+                                enable_tensor_fusion_and_overlap=overlap, mesh=MESH)
+    paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap, mesh=MESH)
     return model
 
 

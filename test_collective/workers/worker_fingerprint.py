@@ -1,5 +1,6 @@
-"""The collective fingerprint debug mode on 4 CPU ranks (2 x 2), switched on by the
-PADDLE_HSDP_CHECK_COLLECTIVES=1 environment the test sets:
+"""The collective fingerprint debug mode on 4 CPU ranks (2 x 2), switched on here with
+``check_collectives(True)`` (test_faults checks that PADDLE_HSDP_CHECK_COLLECTIVES=1 at
+import switches it on too) and off before the twin trains:
 
 * ranks of an inner group gather *different* units (sizes differ: without the check
   gloo would abort the process): every rank of that group raises
@@ -22,7 +23,7 @@ from paddle_hsdp.comm import fingerprint
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
-assert fingerprint.enabled(), "the test launches this worker with the check on"
+paddle_hsdp.check_collectives(True)  # on every rank, before any of the checks below
 init_fleet({"sharding_degree": 4, "outer": 2})
 rank, world = dist.get_rank(), dist.get_world_size()
 hcg = paddle.distributed.fleet.get_hybrid_communicate_group()

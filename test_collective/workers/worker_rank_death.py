@@ -4,7 +4,9 @@ not wait forever. A dead peer: gloo fails the next collective at once and
 paddle_hsdp raises CollectiveError. A hung peer: the watchdog
 (PADDLE_HSDP_COLLECTIVE_TIMEOUT, set short by the test) ends the waiting ranks.
 
-argv: the rank that fails, and "kill" or "hang". The test checks that the launch ends
+argv: the rank that fails, "kill" or "hang", and optionally the fsdp_outer_degree over
+sharding 4 (default 2; test_faults runs 1 and 4, so fleet's 1 x 4 and 4 x 1 groups are
+built and checked by init_fleet in a real launch). The test checks that the launch ends
 non-zero within its bound and that the survivors named the failure.
 """
 
@@ -22,7 +24,7 @@ import paddle_hsdp
 from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm, uses_extra
 
 victim, mode = int(sys.argv[1]), sys.argv[2]
-init_fleet({"sharding_degree": 4, "outer": 2})
+init_fleet({"sharding_degree": 4, "outer": int(sys.argv[3]) if len(sys.argv) > 3 else 2})
 rank, world = dist.get_rank(), dist.get_world_size()
 model = shard_tinylm(build_model())
 opt = make_optimizer(model, model.parameters(), 0.2)
