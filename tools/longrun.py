@@ -1,7 +1,7 @@
 """Long-run check: memory and bookkeeping stay flat over many steps.
 
     python tools/longrun.py                  # 300 steps of the demo model, 2 x 2, 4 ranks
-    python tools/longrun.py --steps 40 --warmup 10 --every 10    # what the tests run
+    python tools/longrun.py --steps 20 --warmup 10 --every 5     # what the tests run
 
 Trains the demo's CharLM (tools/demo.py) with gradient accumulation (2 micro-steps per
 step) under HSDP 2 x 2 and samples, on every rank every ``--every`` steps:
