@@ -18,8 +18,8 @@ from paddle.distributed.fleet.base import topology as fleet_topology
 from paddle.distributed.fleet.utils import recompute
 
 from ..engine.api import fully_shard, set_zero_stage
-from ..hints import expect_layer
 from ..engine.policies import CPUOffloadPolicy
+from ..hints import expect_layer
 from .plan import Plan, build_plan, mp_policy_of, resolve_modules
 from .schema import ConfigError, load_config, ranks_per_node_from_env, resolve_degrees
 

@@ -39,8 +39,8 @@ from paddle.nn import ClipGradByGlobalNorm
 from ..comm import collectives as comm
 from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
 from ..engine.registry import managed_param
-from ..hints import expect_optimizer
 from ..engine.unit import sync_grads
+from ..hints import expect_optimizer
 from .patching import replace
 
 
