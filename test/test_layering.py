@@ -1,5 +1,5 @@
 """The package's layering (issue 17): ``lint-imports`` keeps the contracts of
-``.importlinter`` (comm < topology < engine < patches < checkpoint | config < __main__,
+``.importlinter`` (hints < comm < topology < engine < patches < checkpoint | config < __main__,
 checkpoint and config independent, no cycle between siblings), and a few rules the
 contracts cannot say, read from grimp's import graph."""
 
