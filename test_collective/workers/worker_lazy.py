@@ -8,14 +8,19 @@ then a plain full-size allocation shows the measurement does see the model when 
 really allocated (128 MiB).
 """
 
+import ctypes
 import os
 
-# Freed memory goes back to the OS (large blocks are mmap'd), so RSS follows the live
-# tensors: Paddle's caching allocator would keep every freed full-size parameter's block
-# and, fragmented by the shards cut from them, grow RSS by ~1.5 MiB per layer (111-123
-# MiB peak here, a margin of 1.04-1.15 to the bound), which measures the allocator, not
-# what the engine holds. Set before paddle is imported.
+# RSS must follow the live tensors, or it measures allocators, not what the engine holds:
+# * Paddle's caching allocator keeps every freed full-size parameter's block, fragmented
+#   by the shards cut from them (111-123 MiB peak here, 1.04-1.15x under the bound), so
+#   tensors go to malloc (set before paddle is imported);
+# * glibc then serves them from its heap once a freed mmap'd block has raised its dynamic
+#   mmap threshold, and the heap fragments the same way (131 MiB seen on one rank): a
+#   fixed threshold keeps every block of 128 KiB or more mmap'd, returned when freed.
 os.environ["FLAGS_use_system_allocator"] = "true"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 
 from common import finish, init_fleet  # noqa: E402
 
