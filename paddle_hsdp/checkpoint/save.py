@@ -15,7 +15,8 @@ import zlib
 import numpy as np
 from safetensors.numpy import save_file
 
-from .format import FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world, _token
+from .format import (FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world,
+                     _token, read_metadata)
 from .items import _all_items
 
 
@@ -88,15 +89,14 @@ def _refusal_to_replace(path: str) -> str | None:
         return (f"{path} exists and is not a directory; save_checkpoint replaces only a "
                 f"{FORMAT} checkpoint directory. Choose another path or remove it.")
     try:
-        with open(os.path.join(path, META)) as f:
-            if json.load(f).get("format") == FORMAT:
-                return None
-    except (OSError, ValueError, AttributeError):
+        read_metadata(path)
+        return None  # one of ours: replaced when the new one is in place
+    except (CheckpointError, AttributeError):  # AttributeError: metadata JSON not a dict
         pass
     entries = sorted(os.listdir(path))
-    shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
     if not entries:
         return None  # an empty directory holds nothing to lose
+    shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
     return (f"{path} exists and is not a {FORMAT} checkpoint (it holds {shown}); "
             "save_checkpoint replaces only its own checkpoints, so nothing was written. "
             "Choose another path or remove it.")
@@ -134,13 +134,9 @@ def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> No
         json.dump(meta, f, indent=1, default=float)
         f.flush()
         os.fsync(f.fileno())
-    old = None
     if os.path.exists(path):
-        old = f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}"
-        os.rename(path, old)
+        os.rename(path, f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}")
     os.rename(tmp, path)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-    # what an earlier save left when a rank died mid-write (its token differs)
+    # the replaced checkpoint, and what an earlier save left when a rank died mid-write
     for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
         shutil.rmtree(stale, ignore_errors=True)
