@@ -16,5 +16,9 @@ setup(
         # the tests run tools/bench.py --quick, which plots, and lint-imports (.importlinter)
         "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0"],
         "bench": ["matplotlib>=3.7"],
+        # paddle_hsdp.integrations.paddleformers (HSDPTrainer). Its fast_dataindex
+        # dependency pins numpy<=1.26.4, and pyarrow 26 (pulled in by datasets) fails to
+        # import with numpy 1.x, which breaks `import paddleformers.trainer`.
+        "paddleformers": ["paddleformers>=1.2.0", "pyarrow>=24,<26"],
     },
 )

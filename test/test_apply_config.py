@@ -79,7 +79,7 @@ CONFIG = {
 @pytest.fixture
 def no_fleet_init(monkeypatch):
     calls = []
-    monkeypatch.setattr(apply, "_init_fleet_if_needed", lambda *a: calls.append(a))
+    monkeypatch.setattr(apply, "init_fleet_if_needed", lambda *a: calls.append(a))
     return calls
 
 

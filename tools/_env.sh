@@ -12,6 +12,9 @@ if [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python -c "import paddle" >/dev
               "tqdm:tqdm>=4.64" "matplotlib:matplotlib>=3.7" "importlinter:import-linter>=2.0"; do
     python -c "import ${need%%:*}" >/dev/null 2>&1 || "$PY" -m pip install -q "${need#*:}"
   done
+  # the PaddleFormers integration's tests (setup.py's paddleformers extra)
+  python -c "import paddleformers.trainer" >/dev/null 2>&1 || \
+    "$PY" -m pip install -q "paddleformers>=1.2.0" "pyarrow>=24,<26"
 else
   PY="$ROOT/.venv/bin/python"
   stamp="$ROOT/.venv/.paddle_hsdp-installed"
@@ -21,9 +24,9 @@ else
     python3 -m venv "$ROOT/.venv"
   fi
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[setup] installing paddle_hsdp[cpu,test] into .venv/ (a few minutes on first run)"
+    echo "[setup] installing paddle_hsdp[cpu,test,paddleformers] into .venv/ (a few minutes on first run)"
     "$PY" -m pip install -q --upgrade pip >/dev/null
-    "$PY" -m pip install -q -e ".[cpu,test]"
+    "$PY" -m pip install -q -e ".[cpu,test,paddleformers]"
     echo "$want" > "$stamp"
   fi
 fi

@@ -32,13 +32,13 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
     collective (``fully_shard`` is): call it on every rank with the same config."""
     expect_layer(model, "apply_config")
     cfg = load_config(config)
-    outer, inner, expert_inner, expert_outer = _topology(cfg)
+    outer, inner, expert_inner, expert_outer = topology_of(cfg)
     choice = resolve_modules(model, cfg)
     choice.mark_experts()
     plan = build_plan(model, cfg, choice, outer=outer, inner=inner, expert_inner=expert_inner,
                       expert_outer=expert_outer, source=cfg.source)
     # Nothing collective so far; from here on every rank acts.
-    _init_fleet_if_needed(outer, inner)
+    init_fleet_if_needed(outer, inner)
     for _, module in choice.recompute:
         _recompute_forward(module, cfg.use_reentrant)
     kwargs = {"mp_policy": mp_policy_of(cfg),
@@ -62,7 +62,7 @@ def _live_hcg():
     return fleet_topology._HYBRID_PARALLEL_GROUP
 
 
-def _topology(cfg) -> tuple[int, int, int, int]:
+def topology_of(cfg) -> tuple[int, int, int, int]:
     """``(outer, inner, expert inner, expert outer)`` the config means here: checked
     against the live topology when fleet is up, else against the launcher's world."""
     hcg = _live_hcg()
@@ -91,7 +91,9 @@ def _topology(cfg) -> tuple[int, int, int, int]:
     return outer, inner, expert_inner, expert_outer
 
 
-def _init_fleet_if_needed(outer: int, inner: int) -> None:
+def init_fleet_if_needed(outer: int, inner: int) -> None:
+    """``fleet.init`` with HSDP ``outer x inner`` over the whole world, unless fleet is
+    up already (:func:`topology_of` has checked that it agrees)."""
     if _live_hcg() is not None:
         return
     strategy = fleet.DistributedStrategy()

@@ -1,0 +1,339 @@
+"""PaddleFormers' ``Trainer`` with HSDP: :class:`HSDPTrainingArguments` and
+:class:`HSDPTrainer`.
+
+The arguments run ``fleet.init`` with the HSDP strategy in their ``__post_init__``,
+before PaddleFormers would run its own (it skips its own once a parallel context
+exists), so the topology is right whichever order a script builds things in. With
+``sharding`` empty, PaddleFormers sees plain data parallelism over all ``outer x inner``
+ranks, which is what its sampler must see: every rank reads different data.
+
+The trainer shards the model with :func:`paddle_hsdp.apply_config` before the
+optimizer is built, adds no ``DataParallel`` wrapper (so none of the Trainer's own
+gradient all-reduces runs on shards), and saves and loads checkpoints through
+PaddleFormers' flex-checkpoint hooks with :func:`paddle_hsdp.save_checkpoint` /
+:func:`paddle_hsdp.load_checkpoint`: written once across replicas, resumable in any
+layout and in one process. The Trainer's own files (trainer state, RNG, scheduler,
+rotation) stay its own. See docs/paddleformers.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import paddle
+import paddle.distributed as dist
+from paddleformers.trainer import Trainer, TrainingArguments
+
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..config.apply import apply_config, init_fleet_if_needed, topology_of
+from ..config.schema import (AUTO, ConfigError, HSDPConfig, load_config,
+                             ranks_per_node_from_env, resolve_degrees)
+from ..engine.api import FSDPModule, full_state_dict
+from ..patches.clip import last_global_norm
+
+logger = logging.getLogger(__name__)
+
+# Inside each checkpoint-N folder: model and optimizer state, in paddle_hsdp's format.
+HSDP_CHECKPOINT_DIR = "hsdp"
+_FLEX = "flex_checkpoint"
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class HSDPTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus HSDP's own; see docs/paddleformers.md for the table."""
+
+    # HSDP is the sharding here: PaddleFormers' own stages stay off (default "stage1").
+    sharding: str = field(default="", metadata=_help(
+        "Must stay empty with HSDPTrainingArguments: HSDP shards the model itself "
+        "(fsdp_outer_degree, hsdp_config)."))
+    # HSDP's MixedPrecisionPolicy keeps fp32 shards and reduces in fp32 under --bf16,
+    # which is what master grads give; PaddleFormers refuses True without bf16/fp16.
+    amp_master_grad: bool = field(default=False, metadata=_help(
+        "Under --bf16, grads are reduced and kept in float32 either way (HSDP's "
+        "MixedPrecisionPolicy); True is accepted and means the same."))
+    fsdp_outer_degree: Optional[str] = field(default=None, metadata=_help(
+        "HSDP replicas (the outer degree): an int, or 'auto' for one replica per "
+        "machine. Default: hsdp_config's value, else 'auto'."))
+    hsdp_config: Optional[str] = field(default=None, metadata=_help(
+        "A paddle_hsdp config (YAML path, or a dict from Python) in apply_config's "
+        "schema; its degrees must agree with fsdp_outer_degree."))
+    hsdp_wrap_modules: Optional[str] = field(default=None, metadata=_help(
+        "Modules sharded as their own units: comma-separated patterns or class names "
+        "(model.layers.{*}, LlamaDecoderLayer), or 'auto': every block of the model's "
+        "main stack of repeated layers. Default: hsdp_config's sub_modules_to_wrap, "
+        "else 'auto'."))
+    hsdp_checkpoint: bool = field(default=True, metadata=_help(
+        "Save and resume model and optimizer in paddle_hsdp's format (written once, "
+        "resumable in any layout). False: PaddleFormers' flex_checkpoint."))
+
+    def __post_init__(self):
+        # Everything below but fleet.init is local and alike on every rank: a refusal
+        # is raised everywhere before any collective.
+        with _named_for_the_arguments():
+            _refuse_what_cannot_work(self)
+            self.hsdp_config_resolved = _hsdp_config_of(self)
+            world = dist.get_world_size()
+            self.hsdp_degrees = resolve_degrees(self.hsdp_config_resolved, world,
+                                                ranks_per_node_from_env())
+            if world > 1:
+                self.hsdp_degrees = _live_topology(self.hsdp_config_resolved)[:2]
+        if world > 1:
+            init_fleet_if_needed(*self.hsdp_degrees)
+        if self.hsdp_checkpoint:
+            # the Trainer's flex-checkpoint paths call the hooks HSDPTrainer overrides,
+            # on every rank
+            self.save_checkpoint_format = self.load_checkpoint_format = _FLEX
+        super().__post_init__()
+
+
+@contextlib.contextmanager
+def _named_for_the_arguments():
+    """Every problem found, one line each, prefixed with the class that found it."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError([f"HSDPTrainingArguments: {line}" for line in e.errors]) from None
+
+
+def _refuse_what_cannot_work(args) -> None:
+    errors = []
+    sharding = args.sharding
+    if sharding not in ("", None, False, []) and str(sharding).strip():
+        errors.append(f"sharding: {sharding!r} is PaddleFormers' own sharding; HSDP shards "
+                      "the model itself. Leave sharding empty (the default here) and set "
+                      "fsdp_outer_degree / hsdp_config")
+    if getattr(args, "sharding_parallel_size", -1) > 1 or getattr(args, "sharding_degree", -1) > 1:
+        errors.append("sharding_parallel_size: the HSDP inner size comes from hsdp_config's "
+                      "sharding_size (default: world / fsdp_outer_degree); leave it unset")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "sep_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        if getattr(args, name, -1) > 1:
+            errors.append(f"{name}: {getattr(args, name)}; HSDPTrainer shards data-parallel "
+                          "ranks only (the HSDP checkpoint cannot record tensor, pipeline, "
+                          "sequence or expert parallel pieces); allowed: -1 or 1")
+    if args.use_expert_parallel:
+        errors.append("use_expert_parallel: True is not supported by HSDPTrainer yet; train "
+                      "MoE models with paddle_hsdp.apply_config in your own loop")
+    if args.fp16:
+        errors.append("fp16: not supported by HSDPTrainer (it would need loss scaling over "
+                      "shards); use --bf16, which maps to HSDP's MixedPrecisionPolicy")
+    if args.to_static:
+        errors.append("to_static: HSDP's hooks run in dygraph only; set to_static False")
+    outer = args.fsdp_outer_degree
+    if outer is not None and str(outer).strip() != AUTO:
+        text = str(outer).strip()
+        if isinstance(outer, bool) or not text.isdigit() or int(text) < 1:
+            errors.append(f"fsdp_outer_degree: {outer!r}; allowed: an int >= 1 or 'auto'")
+    if args.hsdp_checkpoint:
+        for name in ("save_checkpoint_format", "load_checkpoint_format"):
+            value = getattr(args, name)
+            if value not in (None, _FLEX):
+                errors.append(f"{name}: {value!r} conflicts with hsdp_checkpoint=True (HSDP "
+                              "checkpoints are written through the flex_checkpoint hooks); "
+                              f"leave {name} unset")
+        if args.unified_checkpoint:
+            errors.append("unified_checkpoint: True conflicts with hsdp_checkpoint=True "
+                          "(it saves from rank 0 only, where state_dict() is a collective)")
+    else:
+        for name in ("save_checkpoint_format", "load_checkpoint_format"):
+            value = getattr(args, name)
+            if value != _FLEX:
+                errors.append(f"{name}: {value!r} saves or loads on rank 0 only, where "
+                              "state_dict() of a sharded model is a collective; allowed "
+                              "with hsdp_checkpoint=False: 'flex_checkpoint'")
+    if errors:
+        raise ConfigError(errors)
+
+
+def _hsdp_config_of(args) -> HSDPConfig:
+    """The apply_config config the arguments mean: ``hsdp_config`` (or the defaults),
+    with ``fsdp_outer_degree`` and ``hsdp_wrap_modules`` filled in or checked."""
+    base = load_config(args.hsdp_config if args.hsdp_config is not None else {})
+    values = {name: getattr(base, name) for name in base.__dataclass_fields__}
+    errors = []
+    if args.fsdp_outer_degree is not None:
+        outer = str(args.fsdp_outer_degree).strip()
+        outer = AUTO if outer == AUTO else int(outer)
+        if args.hsdp_config is not None and base.fsdp_outer_degree not in (AUTO, outer):
+            errors.append(f"fsdp_outer_degree: {outer} disagrees with hsdp_config's "
+                          f"fsdp_outer_degree {base.fsdp_outer_degree}; set one of them")
+        values["fsdp_outer_degree"] = outer
+    if args.hsdp_wrap_modules is not None:
+        wrap = tuple(p.strip() for p in str(args.hsdp_wrap_modules).split(",") if p.strip())
+        if base.sub_modules_to_wrap and wrap != base.sub_modules_to_wrap:
+            errors.append(f"hsdp_wrap_modules: {args.hsdp_wrap_modules!r} disagrees with "
+                          f"hsdp_config's sub_modules_to_wrap {list(base.sub_modules_to_wrap)}; "
+                          "set one of them")
+        values["sub_modules_to_wrap"] = wrap
+    elif not base.sub_modules_to_wrap:
+        values["sub_modules_to_wrap"] = (AUTO,)
+    if args.bf16:
+        for name, want in (("param_dtype", "bf16"), ("reduce_dtype", "fp32")):
+            if values[name] not in (None, want):
+                errors.append(f"hsdp_config: {name} {values[name]!r} disagrees with --bf16 "
+                              f"(which means {name} {want!r}); drop one of them")
+            values[name] = want
+    if errors:
+        raise ConfigError(errors)
+    return HSDPConfig(**values)
+
+
+def _live_topology(cfg: HSDPConfig):
+    try:
+        return topology_of(cfg)
+    except ConfigError as e:
+        raise ConfigError(e.errors + [
+            "fleet.init ran before these arguments with another topology; build "
+            "HSDPTrainingArguments first (it runs fleet.init with HSDP) or pass the same "
+            "degrees"]) from None
+
+
+def main_stack_patterns(model) -> tuple:
+    """``('<path>.{*}',)`` for the model's longest ``LayerList`` (its decoder blocks),
+    or ``()`` when it has none: what ``hsdp_wrap_modules='auto'`` wraps."""
+    best_path, best_len = None, 1
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, paddle.nn.LayerList) and len(layer) > best_len:
+            best_path, best_len = path, len(layer)
+    return () if best_path is None else (f"{best_path}.{{*}}",)
+
+
+def shard_for_training(model, cfg: HSDPConfig):
+    """``apply_config`` with the ``'auto'`` wrap pattern resolved for ``model``."""
+    if cfg.sub_modules_to_wrap == (AUTO,):
+        values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
+        values["sub_modules_to_wrap"] = main_stack_patterns(model)
+        cfg = HSDPConfig(**values)
+    return apply_config(model, cfg)
+
+
+@contextlib.contextmanager
+def cpu_synchronize_is_a_no_op():
+    """The Trainer calls ``paddle.device.synchronize()`` before scaling accumulated
+    grads; on a CPU-only build that raises TypeError ("device should be gpu, xpu, ...")
+    although there is nothing to wait for. Only on such builds, for the duration of
+    the call, it does nothing; GPU builds are untouched."""
+    if paddle.device.get_device() != "cpu" or paddle.is_compiled_with_cuda():
+        yield
+        return
+    original = paddle.device.synchronize
+    paddle.device.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        paddle.device.synchronize = original
+
+
+def export_pretrained(model, output_dir: str) -> None:
+    """Write ``model`` (sharded) as a directory PaddleFormers' ``from_pretrained``
+    loads exactly in a plain process: every rank gathers the full weights (a
+    collective), rank 0 writes them with the model class's own ``save_pretrained`` in
+    Hugging Face layout (PaddleFormers' own transposes), the layout ``from_pretrained``
+    reads safetensors as. (Paddle layout, ``save_to_hf=False``, loads transposed.)"""
+    full = full_state_dict(model)
+    if dist.get_rank() == 0:
+        model.save_pretrained(output_dir, is_main_process=True, state_dict=full,
+                              save_checkpoint_format="safetensors", save_to_hf=True,
+                              safe_serialization=True)
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every rank returns once the directory is complete
+
+
+class HSDPTrainer(Trainer):
+    """PaddleFormers' ``Trainer`` on an HSDP-sharded model; use it with
+    :class:`HSDPTrainingArguments`. See the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, HSDPTrainingArguments):
+            raise TypeError(f"HSDPTrainer: args must be HSDPTrainingArguments, got "
+                            f"{type(self.args).__name__} (it runs fleet.init with HSDP)")
+        if self.optimizer is not None:
+            raise ValueError("HSDPTrainer: optimizers=(optimizer, ...) was built on the "
+                             "unsharded parameters; pass optimizers=(None, scheduler) and "
+                             "let the trainer build it after sharding (or override "
+                             "create_optimizer)")
+        if not isinstance(self.model, FSDPModule):
+            _, self.hsdp_plan = shard_for_training(self.model, self.args.hsdp_config_resolved)
+            logger.info("HSDPTrainer: %s", self.hsdp_plan)
+        # the MixedPrecisionPolicy casts (bf16 compute, fp32 shards and reduction);
+        # the Trainer's autocast on top would cast the same ops again
+        self.enable_autocast_context_manager = False
+        self._hsdp_in_checkpoint = False
+
+    # ------------------------------------------------------------ training
+    def _wrap_model(self, model, training=True):
+        # No DataParallel, no MixPrecisionLayer: HSDP reduces the grads itself, and the
+        # Trainer's fused all-reduce of DataParallel grads must not run on shards.
+        return model
+
+    def train(self, *args, **kwargs):
+        with cpu_synchronize_is_a_no_op():
+            return super().train(*args, **kwargs)
+
+    def log(self, logs, **kwargs):
+        if "loss" in logs and "global_norm" not in logs and self.optimizer is not None:
+            norm = last_global_norm(self.optimizer)
+            if norm is not None:
+                logs["global_norm"] = round(norm, 8)  # HSDP's pre-clip norm of the step
+        return super().log(logs, **kwargs)
+
+    # ------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, metrics=None):
+        self._hsdp_in_checkpoint = True
+        try:
+            return super()._save_checkpoint(model, metrics)
+        finally:
+            self._hsdp_in_checkpoint = False
+
+    def save_model(self, output_dir=None, merge_tensor_parallel=False, last_fc_to_hf=False):
+        """Outside a checkpoint: a directory ``from_pretrained`` loads exactly, in
+        Hugging Face layout whatever ``last_fc_to_hf`` says (every rank must call it).
+        Inside one, the weights go into the HSDP checkpoint instead."""
+        if not self.args.hsdp_checkpoint:
+            return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
+        if self._hsdp_in_checkpoint:
+            if self.args.ignore_save_lr_and_optim:  # no optimizer hook will run
+                save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model)
+            return None
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        export_pretrained(self.model, output_dir)
+        if self.args.should_save:
+            if self.tokenizer is not None and self.args.save_tokenizer:
+                self.tokenizer.save_pretrained(output_dir)
+            paddle.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        return None
+
+    def _save_flex_model_state(self, output_dir):
+        if not self.args.hsdp_checkpoint:
+            return super()._save_flex_model_state(output_dir)
+        # written with the optimizer state by _save_flex_optimizer_state, in one save
+        return None
+
+    def _save_flex_optimizer_state(self, output_dir):
+        if not self.args.hsdp_checkpoint:
+            return super()._save_flex_optimizer_state(output_dir)
+        save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
+                        self.optimizer)
+        return None
+
+    def _load_flex_checkpoint(self, resume_from_checkpoint):
+        if not self.args.hsdp_checkpoint:
+            return super()._load_flex_checkpoint(resume_from_checkpoint)
+        path = os.path.join(resume_from_checkpoint, HSDP_CHECKPOINT_DIR)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"HSDPTrainer: {resume_from_checkpoint!r} has no "
+                                  f"{HSDP_CHECKPOINT_DIR}/ folder: not a checkpoint written "
+                                  "with hsdp_checkpoint=True")
+        optimizer = None if self.args.ignore_load_lr_and_optim else self.optimizer
+        load_checkpoint(path, self.model, optimizer)
+        self._load_scheduler(resume_from_checkpoint)
+        return None

@@ -1,0 +1,87 @@
+"""HSDPTrainingArguments and HSDPTrainer's checks, in one process (issue 18): what is
+refused (ConfigError naming the argument, before fleet.init), how the arguments become
+an apply_config config, and which modules 'auto' wraps. The numerics run on 4 ranks in
+test_collective/test_trainer.py."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional extra: "
+                    "pip install paddle_hsdp[paddleformers] (tools/test.sh installs it)")
+
+from paddleformers.trainer import TrainingArguments  # noqa: E402
+from paddleformers.transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from paddle_hsdp import ConfigError  # noqa: E402
+from paddle_hsdp.integrations.paddleformers import (HSDPTrainer,  # noqa: E402
+                                                    HSDPTrainingArguments,
+                                                    main_stack_patterns)
+
+
+def make(tmp_path, **kwargs):
+    return HSDPTrainingArguments(output_dir=str(tmp_path), report_to="none", **kwargs)
+
+
+@pytest.mark.parametrize("bad,named", [
+    ({"sharding": "stage1"}, "sharding: 'stage1' is PaddleFormers' own sharding"),
+    ({"sharding": "stage3"}, "sharding: 'stage3'"),
+    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size: 2"),
+    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: 2"),
+    ({"use_expert_parallel": True}, "use_expert_parallel: True is not supported"),
+    ({"fp16": True}, "fp16: not supported"),
+    ({"fsdp_outer_degree": "two"}, "fsdp_outer_degree: 'two'; allowed: an int >= 1 or 'auto'"),
+    ({"fsdp_outer_degree": 0}, "fsdp_outer_degree: 0"),
+    ({"fsdp_outer_degree": 3}, "fsdp_outer_degree: 3 does not divide the world size 1"),
+    ({"save_checkpoint_format": "unified_checkpoint"}, "save_checkpoint_format: 'unified"),
+    ({"load_checkpoint_format": "sharding_io"}, "load_checkpoint_format: 'sharding_io'"),
+    ({"hsdp_checkpoint": False, "save_checkpoint_format": None},
+     "save_checkpoint_format: None saves or loads on rank 0 only"),
+    ({"hsdp_config": {"fsdp_outer_degree": 2}, "fsdp_outer_degree": 1},
+     "fsdp_outer_degree: 1 disagrees with hsdp_config's fsdp_outer_degree 2"),
+    ({"hsdp_config": {"sub_modules_to_wrap": ["model.layers.{*}"]},
+      "hsdp_wrap_modules": "LlamaDecoderLayer"}, "hsdp_wrap_modules: 'LlamaDecoderLayer'"),
+    ({"hsdp_config": {"param_dtype": "fp16"}, "bf16": True},
+     "param_dtype 'fp16' disagrees with --bf16"),
+    ({"hsdp_config": {"shardng_size": 2}}, "did you mean 'sharding_size'"),
+])
+def test_refusals_name_the_argument(tmp_path, bad, named):
+    with pytest.raises(ConfigError) as e:
+        make(tmp_path, **bad)
+    assert named in str(e.value), str(e.value)
+    assert all(line.startswith("HSDPTrainingArguments: ") for line in e.value.errors)
+
+
+def test_the_arguments_become_an_apply_config_config(tmp_path):
+    args = make(tmp_path, bf16=True, amp_master_grad=True, fsdp_outer_degree="1",
+                hsdp_config={"zero_stage": 2})
+    cfg = args.hsdp_config_resolved
+    assert (cfg.fsdp_outer_degree, cfg.zero_stage) == (1, 2)
+    assert (cfg.param_dtype, cfg.reduce_dtype) == ("bf16", "fp32")
+    assert cfg.sub_modules_to_wrap == ("auto",)
+    assert args.hsdp_degrees == (1, 1)
+    # PaddleFormers' own sharding stays off; checkpoints go through its flex hooks
+    assert args.sharding == [] and args.save_checkpoint_format == "flex_checkpoint"
+    explicit = make(tmp_path, hsdp_wrap_modules="model.layers.{*}, lm_head")
+    assert explicit.hsdp_config_resolved.sub_modules_to_wrap == ("model.layers.{*}", "lm_head")
+
+
+def test_auto_wraps_the_main_stack_of_blocks():
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    assert main_stack_patterns(LlamaForCausalLM(config)) == ("model.layers.{*}",)
+
+
+def test_the_trainer_wants_hsdp_arguments(tmp_path):
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", sharding="",
+                             amp_master_grad=False)
+    with pytest.raises(TypeError, match="args must be HSDPTrainingArguments"):
+        HSDPTrainer(model=LlamaForCausalLM(config), args=args)
+
+
+def test_importing_the_package_does_not_import_paddleformers():
+    code = "import sys, paddle_hsdp; assert 'paddleformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

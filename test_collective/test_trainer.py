@@ -1,0 +1,65 @@
+"""PaddleFormers' Trainer with HSDP on real CPU ranks (issue 18): workers/worker_trainer.py
+trains on 4 ranks (2 x 2: every run; 1 x 4 and 4 x 1: a resume each), then
+workers/single_process_trainer.py, a fresh process, trains the one-process references
+and checks every run against them (losses, pre-clip norms, eval loss, final parameters),
+the resumes, and the exports through ``from_pretrained``."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from launcher import HERE, ROOT, collect_parity, launch
+
+pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional extra: "
+                    "pip install paddle_hsdp[paddleformers] (tools/test.sh installs it)")
+
+
+@pytest.fixture(scope="module")
+def trainer_logs():
+    work = tempfile.mkdtemp(prefix="hsdp_trainer_")
+    logs = {outer: launch(4, "worker_trainer.py", work, str(outer), timeout=600)
+            for outer in (2, 1, 4)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, os.path.join(HERE, "workers"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "workers",
+                                                        "single_process_trainer.py"), work],
+                          env=env, cwd=work, capture_output=True, text=True, timeout=600)
+    collect_parity(proc.stdout, "single_process_trainer.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return logs, proc.stdout
+
+
+def test_bad_arguments_are_refused_before_any_group_exists(trainer_logs):
+    logs, _ = trainer_logs
+    assert "TRAINER_REFUSED 10 on rank 0" in logs[2], logs[2][-2000:]
+
+
+def test_arguments_before_or_after_the_model_give_the_hsdp_groups(trainer_logs):
+    logs, _ = trainer_logs
+    assert "TRAINER_HCG model_first (2, 2)" in logs[2], logs[2][-2000:]
+    assert "TRAINER_HCG args_first (2, 2)" in logs[2], logs[2][-2000:]
+
+
+@pytest.mark.parametrize("run", ["base", "recompute", "ga2_zero3", "ga2_zero1",
+                                 "plain_trainer"])
+def test_run_matches_the_one_process_trainer(trainer_logs, run):
+    _, checks = trainer_logs
+    assert f"TRAINER_MATCHES {run}\n" in checks, checks[-3000:]
+
+
+def test_resume_from_a_checkpoint_in_any_layout(trainer_logs):
+    logs, checks = trainer_logs
+    assert "TRAINER_RESUME_BIT_EXACT 2x2" in checks, checks[-3000:]
+    for outer in (1, 4):
+        assert f"TRAINER_WORKER_DONE outer {outer}" in logs[outer], logs[outer][-2000:]
+        assert f"TRAINER_MATCHES resume_{outer}\n" in checks, checks[-3000:]
+    assert "TRAINER_MATCHES resume_one_process" in checks, checks[-3000:]
+
+
+def test_save_model_loads_with_from_pretrained_exactly(trainer_logs):
+    _, checks = trainer_logs
+    for folder in ("hf", "paddle_layout"):
+        assert f"TRAINER_FROM_PRETRAINED_EXACT {folder}" in checks, checks[-3000:]
