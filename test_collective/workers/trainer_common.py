@@ -70,7 +70,7 @@ class Recorder(TrainerCallback):
     reads it: from the grads before the step, or HSDP's ``last_global_norm`` after)."""
 
     def __init__(self, norm_before=None, norm_after=None):
-        self.losses, self.norms = [], []
+        self.losses, self.norms, self.logged_norms = [], [], []
         self.norm_before, self.norm_after = norm_before, norm_after
 
     def on_optimizer_begin(self, args, state, control, **kwargs):
@@ -84,6 +84,8 @@ class Recorder(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and "train_runtime" not in logs:
             self.losses.append(float(logs["loss"]))
+            if "global_norm" in logs:
+                self.logged_norms.append(float(logs["global_norm"]))
 
 
 def grad_norm_of(model):

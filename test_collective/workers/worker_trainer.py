@@ -54,6 +54,9 @@ def train(run: str, trainer, resume=None):
     trainer.add_callback(recorder)
     trainer.train(resume_from_checkpoint=resume)
     record = {"losses": recorder.losses, "norms": recorder.norms}
+    if isinstance(trainer, HSDPTrainer):  # it logs HSDP's pre-clip norm as global_norm
+        assert np.allclose(recorder.logged_norms, recorder.norms, rtol=0, atol=1e-8), (
+            recorder.logged_norms, recorder.norms)
     if trainer.eval_dataset is not None:
         record["eval_loss"] = trainer.evaluate()["eval_loss"]
     full = tc.params_of(paddle_hsdp.full_state_dict(trainer.model))
