@@ -181,3 +181,22 @@ def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fak
         master = _states_of(opt, p)["master_weight"]
         assert master.dtype == paddle.float32
         assert np.array_equal(master.numpy(), p.astype("float32").numpy()), p.name
+
+
+@pytest.mark.parametrize("reduce_dtype,travels", [(None, paddle.float32),
+                                                  ("bfloat16", paddle.bfloat16)])
+def test_main_grads_travel_in_float32_unless_the_policy_names_a_reduce_dtype(
+        fake_mesh, reduce_dtype, travels):
+    """Under a MixedPrecisionPolicy(param_dtype="bfloat16") the plain grads would travel
+    in bf16; main grads travel in float32, as Paddle's main_grad all-reduce does, unless
+    the policy names a reduce_dtype. They land in float32 either way."""
+    policy = paddle_hsdp.MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype=reduce_dtype)
+    model = models.shard_tinylm(models.build_model(), mp_policy=policy)
+    wrapper = MixPrecisionLayer(model, dtype="bfloat16")
+    buffers = [b for u in paddle_hsdp.engine.registry.registry.units_under(model)
+               for b in u.buffers if b.trainable]
+    assert {b.grad_reduce_dtype() for b in buffers} == {travels}
+    models.lm_loss(wrapper, _ids(), True).backward()
+    shards = [p for p in model.parameters() if not p.stop_gradient]
+    assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
+
