@@ -1,6 +1,8 @@
 """When units gather, reshard and reduce: forward hooks, pre/post-backward, end of backward.
 
-* Forward pre-hook: gather the unit (and the owners of tied params it borrows), then
+* Forward pre-hook: a root first checks every unit's parameters
+  (:meth:`FSDPUnit.check_params`), so a refusal comes before any collective of the
+  forward; then gather the unit (and the owners of tied params it borrows), then
   prefetch the next units in forward order; cast floating inputs per the
   mixed-precision policy; wrap grad-requiring inputs in a :class:`_BackwardHook` that
   runs the post-backward.

@@ -189,7 +189,8 @@ class FSDPUnit:
         for sp in self.params:
             sp.check_dtype()
         for buf in self.buffers:
-            buf.main_grads  # noqa: B018  (refuses a MixPrecisionLayer over part of a buffer)
+            if buf.trainable:  # a MixPrecisionLayer over part of a buffer raises
+                master_grad.uses_main_grad(buf.params, buf.describe)
 
     def prefetch(self) -> None:
         """Issue this unit's all-gathers without waiting (asynchronous with overlap on:
