@@ -153,23 +153,31 @@ def test_decorate_cast_after_fully_shard_is_refused_before_any_collective(fake_m
     assert comm.counter.snapshot() == before
 
 
-def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fake_mesh):
-    """decorate's cast before fully_shard: buffers are built in bfloat16 and shards are
-    bf16 views of them; the recipe's second decorate (with the optimizer, after
-    fully_shard) casts nothing more; with MixPrecisionLayer a backward gives float32
-    main grads (CPU computes the gathered bf16 weights in float32); the optimizer's
-    multi-precision master weights are float32 copies of the shards, under the names
-    checkpoints save them by. (CPU has no bf16 AdamW kernel, so no step here.)"""
-    model = models.build_model()
+def _cast_then_sharded(seed=2024):
+    """What decorate(level="O2") does on a GPU, before fully_shard: the cast, then the
+    optimizer (built on the shards) in multi-precision. The recipe's second decorate,
+    with the optimizer after fully_shard, casts nothing more: called here too."""
+    model = models.build_model(seed)
     amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
     wrapper = MixPrecisionLayer(model, dtype="bfloat16")
     _shard_tinylm(model)
+    opt = models.make_optimizer(model, model.parameters(), CLIP)
+    amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)  # a no-op now
+    _set_multi_precision(opt, True)
+    return model, wrapper, opt
+
+
+def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fake_mesh,
+                                                                            tmp_path):
+    """decorate's cast before fully_shard: buffers are built in bfloat16 and shards are
+    bf16 views of them; with MixPrecisionLayer a backward gives float32 main grads (CPU
+    computes the gathered bf16 weights in float32); the optimizer's multi-precision
+    master weights are float32 copies of the shards, and a checkpoint brings them back
+    into another such model. (CPU has no bf16 AdamW kernel, so no step here.)"""
+    model, wrapper, opt = _cast_then_sharded()
     registry_ = paddle_hsdp.engine.registry.registry
     buffers = [b for u in registry_.units_under(model) for b in u.buffers]
     assert {b.dtype for b in buffers} == {paddle.bfloat16}
-    opt = models.make_optimizer(model, model.parameters(), CLIP)
-    amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)  # no-op now
-    _set_multi_precision(opt, True)
     for p in model.parameters():
         sp = p._hsdp_sharded_param
         assert p.dtype == paddle.bfloat16 and sp.shard_is_view_of(registry_.buffer_of(sp).flat)
@@ -181,6 +189,13 @@ def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fak
         master = _states_of(opt, p)["master_weight"]
         assert master.dtype == paddle.float32
         assert np.array_equal(master.numpy(), p.astype("float32").numpy()), p.name
+        master.add_(paddle.full_like(master, 0.5))  # unlike any fresh model's masters
+    paddle_hsdp.save_checkpoint(tmp_path / "ckpt", wrapper, opt)
+    other, other_wrapper, other_opt = _cast_then_sharded(seed=3)
+    paddle_hsdp.load_checkpoint(tmp_path / "ckpt", other_wrapper, other_opt)
+    for p, q in zip(shards, [p for p in other.parameters() if not p.stop_gradient]):
+        assert np.array_equal(_states_of(opt, p)["master_weight"].numpy(),
+                              _states_of(other_opt, q)["master_weight"].numpy()), p.name
 
 
 @pytest.mark.parametrize("reduce_dtype,travels", [(None, paddle.float32),
