@@ -25,8 +25,13 @@ def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
 
 def test_experts_across_expert_parallel_degrees():
     """workers/worker_checkpoint_moe.py: EP 2 -> EP 1 and EP 1 -> EP 2 resumes match the
-    uninterrupted run (float64, parity.py's bound); experts without global indices are refused."""
+    uninterrupted run (float64, parity.py's bound); experts without global indices are
+    refused; MixPrecisionLayer / MixPrecisionOptimizer over the EP-2 model, after and
+    before fully_shard, match the plain model under the same wrappers (float32)."""
     log = launch(4, "worker_checkpoint_moe.py", tempfile.mkdtemp(prefix="hsdp_moe_ckpt_"),
                  timeout=600)
     assert "MOE_RESUME ep2->ep1" in log and "MOE_RESUME ep1->ep2" in log, log[-3000:]
     assert "MOE_CLASH refused" in log, log[-3000:]
+    # the same launch: Paddle's master-grad wrappers over the EP-2 model (float32)
+    for order in ("after", "before"):
+        assert f"MOE_MASTER_GRAD {order} ep2:" in log, log[-3000:]

@@ -19,7 +19,7 @@ import paddle
 from ..comm import collectives as comm
 from ..comm import gather_tags
 from ..topology.cost import BufferShape
-from . import trace
+from . import master_grad, trace
 from .param import ShardedParam
 from .registry import registry
 
@@ -31,7 +31,9 @@ class ShardBuffer:
     """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
     in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
     the optimizer stay in the parameters' own dtype (the float32 master copy).
-    ``offload_policy`` (``CPUOffloadPolicy``): shards and grads in host memory."""
+    ``offload_policy`` (``CPUOffloadPolicy``): shards and grads in host memory.
+    Under Paddle's ``MixPrecisionLayer`` reduced grads accumulate in the shards' float32
+    ``main_grad`` instead of ``.grad`` (see :mod:`~paddle_hsdp.engine.master_grad`)."""
 
     def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool,
                  mp_policy=None, offload_policy=None):
@@ -43,6 +45,7 @@ class ShardBuffer:
         self.trainable = params[0].trainable
         self.gather_dtype, self.reduce_dtype, self.compute_dtype = dtypes_of(self.dtype,
                                                                              mp_policy)
+        self.policy_reduce_dtype = _dtype(getattr(mp_policy, "reduce_dtype", None))
         # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
         # state) live in host memory; collectives and compute run on the device.
         self.offload = offload_policy is not None and getattr(offload_policy, "offloads", False)
@@ -64,6 +67,7 @@ class ShardBuffer:
         # and, once grads arrive, the flat grad (shard grads are views of it).
         self.flat = None
         self.flat_grad = None
+        self.flat_main_grad = None  # MixPrecisionLayer's float32 main grads (views of it)
 
     # -------------------------------------------------------------- placement
     def to_device(self, t):
@@ -91,7 +95,7 @@ class ShardBuffer:
             shard_numel=self.shard_numel, logical_numel=self.logical_numel,
             inner=self.inner.nranks, outer=self.outer.nranks,
             master_bytes=self.element_size, gather_bytes=_element_size(self.gather_dtype),
-            reduce_bytes=_element_size(self.reduce_dtype),
+            reduce_bytes=_element_size(self.grad_reduce_dtype()),
             compute_bytes=self.compute_element_size, trainable=self.trainable,
             inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer))
 
@@ -128,6 +132,45 @@ class ShardBuffer:
                 continue
             sp.attach_grad(self.flat_grad)
         return self.flat_grad
+
+    # -------------------------------------------------------------- main grads
+    @property
+    def main_grads(self) -> bool:
+        """Whether Paddle's MixPrecisionLayer covers this buffer (asked afresh each time:
+        the wrapper may come after fully_shard)."""
+        return self.trainable and master_grad.uses_main_grad(self.params, self.describe)
+
+    def main_grad_flat(self) -> paddle.Tensor:
+        """The float32 flat main-grad storage, every shard's ``main_grad`` a view of it.
+        A ``main_grad`` that ``MixPrecisionOptimizer.clear_grad(set_to_zero=False)``
+        released reads as zeros; one the user replaced is copied in."""
+        if self.flat_main_grad is None:
+            self.flat_main_grad = self.to_host(paddle.zeros([self.shard_numel],
+                                                            master_grad.MAIN_GRAD_DTYPE))
+        for sp in self.params:
+            main = getattr(sp.shard, "main_grad", None)
+            if main is None or not main._is_initialized():
+                piece = sp.piece_of(self.flat_main_grad)
+                paddle.assign(paddle.zeros_like(piece), output=piece)
+            elif not sp.main_grad_is_view_of(self.flat_main_grad):
+                paddle.assign(main.astype(master_grad.MAIN_GRAD_DTYPE).reshape([-1]),
+                              output=sp.piece_of(self.flat_main_grad))
+            else:
+                continue
+            sp.attach_main_grad(self.flat_main_grad)
+        return self.flat_main_grad
+
+    def acc_flat(self) -> paddle.Tensor:
+        """Where reduced grads accumulate: the main grads under MixPrecisionLayer, else
+        the shard grads."""
+        return self.main_grad_flat() if self.main_grads else self.grad_flat()
+
+    def grad_reduce_dtype(self):
+        """The dtype grads travel in: main grads in float32 unless the policy names a
+        ``reduce_dtype``, other grads in ``reduce_dtype``."""
+        if self.policy_reduce_dtype is None and self.main_grads:
+            return master_grad.MAIN_GRAD_DTYPE
+        return self.reduce_dtype
 
     # -------------------------------------------------------------- sharding
     def shard_from_full(self, src_outer_rank: int) -> None:
@@ -174,18 +217,19 @@ class ShardBuffer:
         The flat shard is sent as it is (cast once when the gather dtype differs), with
         a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`):
         ranks that pair up different all-gathers raise instead of computing on each other's rows."""
-        dtype = self.gather_dtype if compute else self.dtype
         purpose = "grads" if grads else ("compute" if compute else "params")
         if grads:
-            send = paddle.concat([self.grad_flat(),
-                                  paddle.zeros([gather_tags.TAG_NUMEL], self.dtype)])
+            acc = self.acc_flat()  # float32 main grads travel as they are
+            base = acc.dtype
+            send = paddle.concat([acc, paddle.zeros([gather_tags.TAG_NUMEL], base)])
         else:
             self._repair_views()
-            send = self.flat
+            send, base = self.flat, self.dtype
+        dtype = self.gather_dtype if compute else base
         tag = None
-        if gather_tags.can_tag(self.dtype) and gather_tags.can_tag(dtype):
+        if gather_tags.can_tag(base) and gather_tags.can_tag(dtype):
             tag = gather_tags.make_tag(self.inner, self.unit_index, self.index, purpose,
-                                        self.describe, self.dtype)
+                                        self.describe, base)
             paddle.assign(tag.to(send.place), output=send._slice(self.shard_numel,
                                                                  int(send.shape[0])))
         if send.dtype != dtype:
@@ -232,19 +276,20 @@ class ShardBuffer:
         its data did. :meth:`finish_reduce_scatter` waits and accumulates.
         """
         blocks = []
+        dtype = self.grad_reduce_dtype()
         for sp in self.params:
-            g = sp.full.grad
+            g = master_grad.full_grad(sp)  # .grad, or the hook's main_grad (see there)
             if g is None:  # unused on this rank: zeros, so every rank joins the call
-                blocks.append(paddle.zeros([sp.inner_size, sp.chunk_numel], self.reduce_dtype))
+                blocks.append(paddle.zeros([sp.inner_size, sp.chunk_numel], dtype))
                 continue
-            if g.dtype != self.reduce_dtype:
-                g = g.astype(self.reduce_dtype)
+            if g.dtype != dtype:
+                g = g.astype(dtype)
             blocks.append(sp.as_rank_blocks(g))  # a view unless the param has padding
-            sp.full.clear_gradient(False)
+            master_grad.release_full_grad(sp)
         # one param: its own grad storage is the input (released above, kept alive here)
         grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
         del blocks  # the full grads' storage goes now, before the collective runs
-        out = paddle.empty([self.shard_numel], dtype=self.reduce_dtype)
+        out = paddle.empty([self.shard_numel], dtype=dtype)
         trace.record("issue", "reduce_scatter", self.unit_index)
         handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True,
                                      what=self.describe)
@@ -254,22 +299,25 @@ class ShardBuffer:
 
     def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
         """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
-        (one op, in the master dtype)."""
+        (one op, in the master dtype), or to the main grads under MixPrecisionLayer."""
         pending.handle.wait()
         trace.record("wait", "reduce_scatter", self.unit_index)
+        acc = self.acc_flat()
         out = pending.out
-        if out.dtype != self.dtype:
-            out = out.astype(self.dtype)
-        self.grad_flat().add_(self.to_host(out))
+        if out.dtype != acc.dtype:
+            out = out.astype(acc.dtype)
+        acc.add_(self.to_host(out))
 
     def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
         device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
-        are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves."""
-        flat = self.grad_flat()
+        are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
+        Under MixPrecisionLayer it reduces the main grads."""
+        flat = self.acc_flat()
         target = self.to_device(flat)
-        if self.reduce_dtype != self.dtype and self.outer.nranks > 1:
-            target = target.astype(self.reduce_dtype)
+        dtype = self.grad_reduce_dtype()
+        if dtype != flat.dtype and self.outer.nranks > 1:
+            target = target.astype(dtype)
         trace.record("issue", "all_reduce", self.unit_index)
         handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe)
         if not async_op:
@@ -288,8 +336,8 @@ class ShardBuffer:
         flat.scale_(scale)
 
     def scale_grads(self, scale: float) -> None:
-        """Scale the grad shard in place, without an outer all-reduce."""
-        self.grad_flat().scale_(scale)
+        """Scale the grad shard (or main grads) in place, without an outer all-reduce."""
+        self.acc_flat().scale_(scale)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """When units gather, reshard and reduce: forward hooks, pre/post-backward, end of backward.
 
-* Forward pre-hook: gather the unit (and the owners of tied params it borrows), then
+* Forward pre-hook: a root first checks every unit's parameters
+  (:meth:`FSDPUnit.check_params`), so a refusal comes before any collective of the
+  forward; then gather the unit (and the owners of tied params it borrows), then
   prefetch the next units in forward order; cast floating inputs per the
   mixed-precision policy; wrap grad-requiring inputs in a :class:`_BackwardHook` that
   runs the post-backward.
@@ -38,7 +40,7 @@ import paddle
 from paddle.autograd import PyLayer
 from paddle.base import core
 
-from . import trace
+from . import master_grad, trace
 from . import unit as unit_module
 from .buffer import compute_dtype_of
 from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
@@ -250,7 +252,9 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
             _make_root_state(unit, all_units)
             for u in unit.root_state.units:
                 u.pins = 0  # pins a failed forward left raised
-        unit.check_trainability()
+                # every unit's refusals come before this forward's first gather (a
+                # prefetch gathers the next unit before its own pre-forward)
+                u.check_params()
         _active.append(unit)
         root = _root_of(unit)
         if root is not None:
@@ -412,7 +416,7 @@ def _abandon_backward() -> None:
     while _roots_in_backward:
         for unit in _roots_in_backward.pop(0).units:
             for sp in unit.params:
-                sp.full.clear_gradient(False)
+                master_grad.release_full_grad(sp)
             unit.full_grads_pending = False
             unit.reduced_in_backward = False
             unit.backward_calls = 0

@@ -19,6 +19,8 @@ import math
 import paddle
 from paddle.base.framework import EagerParamBase
 
+from .policies import POLICY_HINT
+
 # Attributes Paddle's optimizers, clip and hybrid-parallel code read per parameter.
 _CARRIED_ATTRS = ("optimize_attr", "regularizer", "do_model_average", "need_clip",
                   "is_distributed", "is_firstly_shared", "is_moe_param", "expert",
@@ -100,9 +102,28 @@ class ShardedParam:
         for attr in _CARRIED_ATTRS:
             if hasattr(p, attr):
                 setattr(shard, attr, getattr(p, attr))
+        if hasattr(p, "main_grad"):
+            # MixPrecisionLayer wrapped the model first: MixPrecisionOptimizer reads the
+            # shard's main_grad, which the buffer fills (engine/master_grad.py)
+            shard.main_grad = None
         shard._hsdp_sharded_param = self  # lets optimizer/clip/state find the owner
         self.shard = shard
         return shard
+
+    def check_dtype(self) -> None:
+        """A shard keeps the dtype it was sharded in: its buffer moves one dtype. A cast
+        in place (``paddle.amp.decorate(level='O2')`` after fully_shard casts every
+        parameter the model yields, i.e. the shards) would leave the buffer stale, and
+        copying the value back would quietly undo the cast."""
+        shard = self.shard
+        if shard is not None and shard._is_initialized() and shard.dtype != self.dtype:
+            raise NotImplementedError(
+                f"{self.fqn}: its HSDP shard was cast from {_name(self.dtype)} to "
+                f"{_name(shard.dtype)} after fully_shard (paddle.amp.decorate(level='O2') "
+                "after fully_shard does this). Cast before sharding: call "
+                "paddle.amp.decorate(models=model, level='O2', ...) before fully_shard, and "
+                "build the optimizer afterwards with multi_precision=True (or decorate it "
+                f"then: the parameters are cast already). {POLICY_HINT}")
 
     # -------------------------------------------------------------- views of flat storage
     def attach_shard(self, flat) -> None:
@@ -123,6 +144,16 @@ class ShardedParam:
         return (grad is not None and grad._is_initialized() and grad.data_ptr()
                 == flat_grad.data_ptr() + self.offset * flat_grad.element_size())
 
+    def attach_main_grad(self, flat_main_grad) -> None:
+        """Make the shard's ``main_grad`` (MixPrecisionLayer's float32 grad) a view of its
+        chunk of the buffer's flat main-grad storage."""
+        self.shard.main_grad = self.piece_of(flat_main_grad).reshape(self.shard_shape)
+
+    def main_grad_is_view_of(self, flat_main_grad) -> bool:
+        main = getattr(self.shard, "main_grad", None)
+        return (main is not None and main._is_initialized() and main.data_ptr()
+                == flat_main_grad.data_ptr() + self.offset * flat_main_grad.element_size())
+
     # -------------------------------------------------------------- module slots
     def point_users_to(self, tensor) -> None:
         """Make every module attribute that names this parameter hold ``tensor``."""
@@ -139,3 +170,7 @@ class ShardedParam:
 
     def full_is_materialized(self) -> bool:
         return self.full._is_initialized()
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("paddle.", "")

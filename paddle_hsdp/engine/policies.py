@@ -53,6 +53,13 @@ def _check_floating_dtype(value, field: str) -> None:
                          "paddle dtype)")
 
 
+# Named in every refusal of a Paddle mixed-precision recipe that cannot be right on
+# shards: the way to get low-precision compute with float32 grads under paddle_hsdp.
+POLICY_HINT = ("For bf16 compute with float32 grads and optimizer state, keep the "
+               "parameters float32 and pass fully_shard(..., mp_policy=paddle_hsdp."
+               "MixedPrecisionPolicy(param_dtype='bfloat16', reduce_dtype='float32')).")
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """No offloading (the default)."""

@@ -23,6 +23,7 @@ import paddle.distributed as dist
 
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
+from . import master_grad
 from .buffer import ShardBuffer
 from .param import ShardedParam
 from .registry import registry
@@ -174,15 +175,22 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
 
     # -------------------------------------------------------------- transitions
-    def check_trainability(self) -> None:
-        """Freezing or unfreezing a parameter must happen before fully_shard: buffers
-        are grouped by trainability, and autograd sees the original parameter, not the
-        shard the user would flip."""
+    def check_params(self) -> None:
+        """Run before every forward gathers anything, so a refusal comes on every rank
+        before any collective. Freezing or unfreezing a parameter must happen before
+        fully_shard: buffers are grouped by trainability, and autograd sees the original
+        parameter, not the shard the user would flip. A shard cast in place (amp.decorate
+        after fully_shard) or a MixPrecisionLayer over part of a buffer is refused."""
         for sp in self.params:
             if sp.shard.stop_gradient == sp.trainable:
                 raise RuntimeError(
                     f"{sp.fqn}: stop_gradient was changed after fully_shard (it is now "
                     f"{sp.shard.stop_gradient}). Set stop_gradient before fully_shard.")
+        for sp in self.params:
+            sp.check_dtype()
+        for buf in self.buffers:
+            if buf.trainable:  # a MixPrecisionLayer over part of a buffer raises
+                master_grad.uses_main_grad(buf.params, buf.describe)
 
     def prefetch(self) -> None:
         """Issue this unit's all-gathers without waiting (asynchronous with overlap on:
@@ -247,7 +255,7 @@ class FSDPUnit:
             # grads must exist now; the reduction then fills them in place.
             for buf in self.buffers:
                 if buf.trainable:
-                    buf.grad_flat()
+                    buf.acc_flat()
 
     def reduce_scatter_grads(self) -> None:
         """Issue this unit's reduce-scatters (asynchronous with overlap on), then wait
@@ -273,7 +281,7 @@ class FSDPUnit:
         """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
         if self.full_grads_pending:
             for sp in self.params:
-                sp.full.clear_gradient(False)
+                master_grad.release_full_grad(sp)
         self.full_grads_pending = False
         self.grads_pending_outer_sync = False
         self.grads_synced = False
@@ -309,12 +317,11 @@ class FSDPUnit:
         return work
 
     def has_full_grads(self) -> bool:
-        return any(sp.full.grad is not None for sp in self.params)
+        return any(master_grad.has_full_grad(sp) for sp in self.params)
 
     # -------------------------------------------------------------- memory report
     def full_grad_nbytes(self) -> int:
-        return sum(sp.numel * sp.full.grad.element_size() for sp in self.params
-                   if sp.full.grad is not None)
+        return sum(master_grad.full_grad_nbytes(sp) for sp in self.params)
 
     def gathered_nbytes(self) -> int:
         return sum(buf.compute_nbytes for buf in self.buffers)
@@ -327,6 +334,8 @@ class FSDPUnit:
             for sp in buf.params:
                 if sp.shard.grad is not None:
                     grad += sp.chunk_numel * esize
+                if getattr(sp.shard, "main_grad", None) is not None:
+                    grad += sp.chunk_numel * sp.shard.main_grad.element_size()
                 if sp.full_is_materialized():
                     gathered += sp.numel * buf.compute_element_size
         grad += self.full_grad_nbytes()

@@ -10,6 +10,8 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
   HSDP methods, parameter broadcasts that skip shards;
 * :mod:`.optim`: the optimizer step boundary (``_apply_optimize``, ``clear_grad``,
   ``GradScaler``, ``HybridParallelOptimizer``);
+* :mod:`.mix_precision`: ``MixPrecisionOptimizer.clear_grad`` (Paddle's master-grad
+  wrapper) ends the step as ``clear_grad`` does;
 * :mod:`.clip`: ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``;
 * :mod:`.state_dict`: ``Layer.state_dict`` / ``set_state_dict`` on sharded models;
 * :mod:`.flex_optimizer`: ``AdamW.sharded_state_dict`` over HSDP shards;
@@ -18,7 +20,8 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 
 from __future__ import annotations
 
-from . import clip, cpu_compat, flex_optimizer, fleet, gloo_groups, jit, optim, state_dict
+from . import (clip, cpu_compat, flex_optimizer, fleet, gloo_groups, jit, mix_precision,
+               optim, state_dict)
 from .patching import active, describe
 
 __all__ = ["active", "describe", "install"]
@@ -30,6 +33,7 @@ def install() -> None:
     cpu_compat.install()
     fleet.install()
     optim.install()
+    mix_precision.install()
     clip.install()
     state_dict.install()
     flex_optimizer.install()

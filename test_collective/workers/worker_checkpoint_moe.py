@@ -8,11 +8,18 @@ sharded EP-2 model loads it and trains the last 2 steps. Both match the uninterr
 4-step single-process run on losses and every parameter (float64, parity.py's bound), AdamW state
 included (the last steps would differ without it).
 
+Then Paddle's master-grad wrappers (MixPrecisionLayer / MixPrecisionOptimizer) over the
+sharded EP-2 model, after and before fully_shard, against the plain model under the same
+wrappers (float32, since main_grad is float32; on CPU bf16 autocast changes nothing, so
+this checks the wrapper logic: main_grad float32, filled for dense and expert buffers,
+accumulated over 2 micro-steps, read by the active clip; see worker_master_grad.py).
+
 argv: a directory shared by the ranks.
 """
 
 import os
 import sys
+import time
 
 import numpy as np
 from common import finish, init_fleet, max_rel
@@ -20,6 +27,8 @@ from parity import report, set_dtype
 
 import paddle
 import paddle.distributed as dist
+from paddle.distributed.fleet.utils.mix_precision_utils import (MixPrecisionLayer,
+                                                                 MixPrecisionOptimizer)
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
@@ -43,28 +52,30 @@ def plain():
     return model, make_opt(model, CLIP)
 
 
-def sharded(seed=5):
+def sharded(seed=5, wrap_before=False):
     paddle.seed(seed)
     mine = list(range(ep_rank * LOCAL_EXPERTS, (ep_rank + 1) * LOCAL_EXPERTS))
     model = Net(n_experts, mine)
     paddle_hsdp.mark_expert_params(model.moe.experts, global_indices=mine)
+    if wrap_before:
+        MixPrecisionLayer(model, dtype="bfloat16")  # hooks on the full params
     for layer in (model.embed, model.block, model.moe):
         paddle_hsdp.fully_shard(layer)
     paddle_hsdp.fully_shard(model)
     return model, make_opt(model, CLIP)
 
 
-def check(label, model, losses, ref_losses, ref_params):
+def check(label, model, losses, ref_losses, ref_params, kind="resume", worst=None):
     """Losses and parameters (local experts under their global names) against the
-    reference."""
+    reference (``worst``: more entries to report)."""
     renames = experts.global_names(model)
     got = {experts.rename(k, renames): v.numpy()
            for k, v in paddle_hsdp.full_state_dict(model).items()}
     assert set(got) <= set(ref_params), sorted(set(got) - set(ref_params))
-    worst = report(f"moe resume {label}", dict(
+    worst = report(f"moe {kind} {label}", dict(
         {k: max_rel(got[k], ref_params[k]) for k in got},
-        loss=max_rel(np.array(losses), np.array(ref_losses))))
-    print(f"MOE_RESUME {label}: {len(got)} tensors, max rel diff {worst:.2e}", flush=True)
+        loss=max_rel(np.array(losses), np.array(ref_losses)), **(worst or {})))
+    print(f"MOE_{kind.upper()} {label}: {len(got)} tensors, max rel diff {worst:.2e}", flush=True)
 
 
 ref, ref_opt = plain()
@@ -106,4 +117,35 @@ except checkpoint.CheckpointError as e:
 assert not os.path.exists(os.path.join(work, "clash"))
 print("MOE_CLASH refused", flush=True)
 assert STEPS == 4
+
+# ---- Paddle's master-grad wrappers over the sharded EP-2 model
+started = time.time()
+set_dtype("float32")
+ref, ref_opt = plain()
+ref_wrapper, ref_opt = MixPrecisionLayer(ref, dtype="bfloat16"), MixPrecisionOptimizer(ref_opt)
+ref_norms = []
+ref_losses = train_plain(ref_wrapper, ref_opt, data, world, ep, before_step=lambda _: ref_norms.append(
+    sum(float((p.main_grad ** 2).sum()) for p in ref.parameters()) ** 0.5))
+assert min(ref_norms) > CLIP, ref_norms  # clipping every step
+ref_params = {k: v.numpy() for k, v in ref.state_dict().items()}
+for order in ("after", "before"):
+    model, opt = sharded(wrap_before=order == "before")
+    # before: sharded() wrapped it (a pass-through forward: its hooks are what matters)
+    wrapper = model if order == "before" else MixPrecisionLayer(model, dtype="bfloat16")
+    opt = MixPrecisionOptimizer(opt)
+    shards = [p for p in opt._parameter_list if not p.stop_gradient]
+    norm = {"norm": 0.0}
+
+    def check_main_grads(_):
+        assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
+
+    def check_norm(step):
+        norm["norm"] = max(norm["norm"], abs(paddle_hsdp.last_global_norm(opt) - ref_norms[step])
+                           / ref_norms[step])
+
+    losses = train_sharded(wrapper, opt, data, rank, world, before_step=check_main_grads,
+                           after_step=check_norm)
+    check(f"{order} ep2", model, losses, ref_losses, ref_params, kind="master_grad",
+          worst=norm)
+print(f"MOE_MASTER_GRAD took {time.time() - started:.1f} s", flush=True)
 finish()
