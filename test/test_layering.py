@@ -1,7 +1,7 @@
 """The package's layering (issue 17): ``lint-imports`` keeps the contracts of
-``.importlinter`` (hints < comm < topology < engine < patches < checkpoint | config < __main__,
-checkpoint and config independent, no cycle between siblings), and a few rules the
-contracts cannot say, read from grimp's import graph."""
+``.importlinter`` (hints < comm < topology < engine < patches < checkpoint | config <
+__main__ | integrations, checkpoint and config independent, no cycle between siblings),
+and a few rules the contracts cannot say, read from grimp's import graph."""
 
 import os
 import shutil
@@ -79,3 +79,14 @@ def test_registry_imports_nothing_of_the_package(graph):
 def test_nothing_imports_the_top_level_package(graph):
     """``paddle_hsdp/__init__`` sits above every layer (it installs the patches)."""
     assert graph.find_modules_that_directly_import(PACKAGE) == set()
+
+
+def test_no_two_test_modules_share_a_name():
+    """The tiers have no __init__.py: pytest imports test modules by basename, and two
+    of one name (test/x.py, test_collective/x.py) stop collection of the whole run."""
+    names = {}
+    for tier in ("test", "test_collective"):
+        for name in os.listdir(os.path.join(ROOT, tier)):
+            if name.startswith("test_") and name.endswith(".py"):
+                names.setdefault(name, []).append(tier)
+    assert not {n: t for n, t in names.items() if len(t) > 1}
