@@ -393,6 +393,34 @@ def _cli_plan(tmp_path):
               "--world-size", "2"])
 
 
+@row("`python -m paddle_hsdp.checkpoint consolidate CKPT OUT`", "OUT named "
+     "`model.safetensors` (a name `from_pretrained` loads as Hugging Face layout)", _Exit,
+     "exit status 1")
+def _cli_consolidate_as_model_safetensors(tmp_path):
+    checkpoint.save_checkpoint(tmp_path / "ck", _net())
+    if checkpoint.main(["consolidate", str(tmp_path / "ck"),
+                        str(tmp_path / "model.safetensors")]) != 1:
+        raise AssertionError("consolidate into model.safetensors did not exit 1")
+    assert not (tmp_path / "model.safetensors").exists()
+    raise _Exit("exit status 1")
+
+
+class _Pretrained(paddle.nn.Sequential):
+    """A model class with PaddleFormers' ``save_pretrained`` entry point."""
+
+    def save_pretrained(self, save_dir, **kwargs):
+        raise AssertionError("the sharded model's own save_pretrained ran")
+
+
+@row("`model.save_pretrained(dir)`", "a PaddleFormers model sharded by `fully_shard`, on "
+     "every rank or rank 0 alone", NotImplementedError, "save_pretrained",
+     "export_pretrained(model, dir) on every rank", "Nothing was written")
+def _save_pretrained_of_sharded(tmp_path):
+    model = _Pretrained(paddle.nn.Linear(4, 6), paddle.nn.Linear(6, 2))
+    paddle_hsdp.fully_shard(model)
+    model.save_pretrained(str(tmp_path / "out"))
+
+
 @row("`python -m paddle_hsdp.checkpoint inspect CKPT`", "a missing checkpoint", _Exit,
      "exit status 1")
 def _cli_inspect(tmp_path):
@@ -471,6 +499,14 @@ MULTI_RANK = [
      "test_config_driven.py"),
     ("a typo in `sharding_configs`", "`ValueError` on every rank before any group exists",
      "test_comm_ops.py"),
+    ("`state_dict()`, `full_state_dict`, `full_grads`, `save_checkpoint` or "
+     "`load_checkpoint` called on some ranks only", "`CollectiveMismatchError` on the "
+     "callers, naming the call and the ranks that did not come, within "
+     "`PADDLE_HSDP_COLLECTIVE_TIMEOUT`, before any collective", "test_faults.py"),
+    ("a `HSDPTrainingArguments` PaddleFormers cannot train with (its own `sharding`, "
+     "TP / PP / EP degrees, `fp16`, rank-0-only checkpoint formats)",
+     "`ConfigError` naming the argument on every rank before any group exists",
+     "test_trainer.py"),
 ]
 
 

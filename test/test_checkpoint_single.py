@@ -119,6 +119,27 @@ def test_cli_inspect_and_consolidate(tmp_path, registry, capsys):  # noqa: F811
     assert "error: " in capsys.readouterr().out
 
 
+def test_the_consolidated_file_cannot_pass_for_a_from_pretrained_checkpoint(
+        tmp_path, registry, capsys):  # noqa: F811
+    """Paddle layout: its metadata says so and what loads it, and the names a
+    from_pretrained directory picks up are refused before anything is written."""
+    model = models.build_model()
+    checkpoint.save_checkpoint(tmp_path / "ck", model)
+    from safetensors import safe_open
+
+    checkpoint.consolidate(tmp_path / "ck", tmp_path / "full.paddle.safetensors")
+    with safe_open(str(tmp_path / "full.paddle.safetensors"), "np") as f:
+        meta = f.metadata()
+    assert meta["format"] == "paddle_hsdp-consolidated" and meta["layout"] == "paddle"
+    assert "export_pretrained" in meta["not_for"]
+    for name in ("model.safetensors", "model-00001-of-00002.safetensors"):
+        assert checkpoint.main(["consolidate", str(tmp_path / "ck"),
+                                str(tmp_path / "hf" / name)]) == 1
+        out = capsys.readouterr().out
+        assert "from_pretrained loads as Hugging Face layout" in out and "export_pretrained" in out
+        assert not (tmp_path / "hf").exists()
+
+
 class _Experts(paddle.nn.Layer):
     def __init__(self, n):
         super().__init__()

@@ -56,6 +56,16 @@ def test_fingerprint_mode_catches_mismatched_collectives(hsdp_2x2_log):
     assert "FINGERPRINT_OK" in log, log[-3000:]
 
 
+def test_a_collective_call_on_one_rank_is_named_within_the_bound(hsdp_2x2_log):
+    """workers/worker_one_rank_call.py, in the shared 2 x 2 launch: state_dict(),
+    full_state_dict and save_checkpoint called on one rank raise CollectiveMismatchError
+    there naming the call, after the bound; then the same calls on every rank work."""
+    log = hsdp_2x2_log
+    for name in ("state_dict() of a sharded", "full_state_dict(model)"):
+        assert f"ONE_RANK_CALL_NAMED {name} rank 0" in log, log[-3000:]
+    assert "ONE_RANK_CALLS_OK" in log, log[-3000:]
+
+
 def test_the_environment_switches_fingerprint_mode_on_at_import():
     """PADDLE_HSDP_CHECK_COLLECTIVES=1 turns the check on for a whole run (the worker
     above switches it with check_collectives; this is the other way in)."""
@@ -70,9 +80,11 @@ def test_the_environment_switches_fingerprint_mode_on_at_import():
 
 
 def test_resume_after_a_crash_is_bit_exact():
-    """workers/worker_resume_after_fault.py: a launch that loses rank 3 mid-step fails;
-    a new launch resumes from the last checkpoint and reproduces the uninterrupted run
-    bit for bit (losses of three separate processes' runs, and every parameter)."""
+    """workers/worker_resume_after_fault.py: a launch that loses rank 3 in the middle of
+    a save fails, the survivors' error naming the save; a new launch resumes from the
+    last complete checkpoint and reproduces the uninterrupted run bit for bit (losses of
+    three separate processes' runs, and every parameter), and its next save sweeps the
+    killed save's temporary directory."""
     from launcher import launch
 
     work = tempfile.mkdtemp(prefix="hsdp_resume_fault_")
@@ -84,6 +96,10 @@ def test_resume_after_a_crash_is_bit_exact():
          os.path.join(HERE, "workers", "worker_resume_after_fault.py"), work, "crash"],
         env=env, cwd=work, capture_output=True, text=True, timeout=BOUND_S + 60)
     assert crash.returncode != 0
-    assert "CRASH rank 3" in open(os.path.join(work, "crash_logs", "workerlog.3")).read()
+    assert "CRASH rank 3 in the save" in open(os.path.join(work, "crash_logs",
+                                                            "workerlog.3")).read()
+    survivors = [open(os.path.join(work, "crash_logs", f"workerlog.{r}")).read()
+                 for r in range(3)]
+    assert any("SAVE_FAILED_NAMED" in text for text in survivors), survivors[0][-3000:]
     log = launch(4, "worker_resume_after_fault.py", work, "resume", timeout=300)
-    assert "RESUMED_BIT_EXACT" in log, log[-3000:]
+    assert "RESUMED_BIT_EXACT" in log and "SWEPT_THE_KILLED_SAVE" in log, log[-3000:]

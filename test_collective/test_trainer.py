@@ -61,5 +61,5 @@ def test_resume_from_a_checkpoint_in_any_layout(trainer_logs):
 
 def test_save_model_loads_with_from_pretrained_exactly(trainer_logs):
     _, checks = trainer_logs
-    for folder in ("hf", "paddle_layout"):
+    for folder in ("hf", "paddle_layout", "hf_untied"):
         assert f"TRAINER_FROM_PRETRAINED_EXACT {folder}" in checks, checks[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import numpy as np
 from safetensors.paddle import save_file
@@ -16,10 +17,31 @@ import paddle
 from .format import FORMAT, CheckpointError, _Reader, _read_rows, read_metadata
 
 
+# The file's safetensors metadata: what it is, so no loader or reader takes it for a
+# Hugging Face checkpoint (PaddleFormers' from_pretrained reads safetensors as HF layout
+# and would load these Paddle-layout weights transposed, without a word).
+CONSOLIDATED_METADATA = {
+    "format": "paddle_hsdp-consolidated", "layout": "paddle",
+    "load_with": "safetensors.paddle.load_file + model.set_state_dict",
+    "not_for": "from_pretrained: use paddle_hsdp.integrations.paddleformers.export_pretrained"}
+# Names Hugging Face / PaddleFormers loaders pick up from a model directory.
+_LOADER_NAMES = re.compile(r"^(model|pytorch_model|diffusion_pytorch_model)"
+                           r"(-\d{5}-of-\d{5})?\.safetensors$")
+
+
 def consolidate(path, out) -> list[str]:
     """Write the checkpoint's model tensors as one safetensors file with the unsharded
-    model's ``state_dict()`` keys (tied aliases included); return the keys written.
-    Plain Paddle loads it with ``safetensors.paddle.load_file`` + ``set_state_dict``."""
+    model's ``state_dict()`` keys (tied aliases included) in Paddle layout; return the
+    keys written. Plain Paddle loads it with ``safetensors.paddle.load_file`` +
+    ``set_state_dict``. Names a ``from_pretrained`` directory would pick up
+    (``model.safetensors``) are refused: that needs Hugging Face layout, which
+    ``paddle_hsdp.integrations.paddleformers.export_pretrained`` writes."""
+    if _LOADER_NAMES.match(os.path.basename(os.fspath(out))):
+        raise CheckpointError(
+            f"consolidate: {os.fspath(out)!r} is a name from_pretrained loads as Hugging Face "
+            "layout, and this file is in Paddle layout (it would load transposed); name it "
+            "e.g. full.paddle.safetensors, or write a from_pretrained directory with "
+            "paddle_hsdp.integrations.paddleformers.export_pretrained(model, dir)")
     meta = read_metadata(path)
     reader = _Reader(os.fspath(path))
     full = {}
@@ -34,7 +56,7 @@ def consolidate(path, out) -> list[str]:
     os.makedirs(parent, exist_ok=True)  # like `cp`, but the folders are made
     # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16)
     save_file({k: paddle.to_tensor(np.ascontiguousarray(v), dtype=_dtype_of(meta, k))
-               for k, v in full.items()}, os.fspath(out))
+               for k, v in full.items()}, os.fspath(out), metadata=CONSOLIDATED_METADATA)
     return list(full)
 
 

@@ -49,6 +49,8 @@ from safetensors import safe_open
 import paddle
 import paddle.distributed as dist
 
+from ..comm import collectives as comm
+
 FORMAT = "paddle_hsdp-checkpoint/1"
 META = "metadata.json"
 
@@ -64,34 +66,43 @@ def _rank_world():
     return dist.get_rank(), dist.get_world_size()
 
 
-def _errors_everywhere(error: str | None) -> list[str]:
+def _errors_everywhere(error: str | None, what: str = "a checkpoint call") -> list[str]:
     """Every rank's error message (None: fine), on every rank: all ranks learn why."""
-    return [e for e in _gather_json(error) if e]
+    return [e for e in _gather_json(error, what) if e]
 
 
-def _gather_json(obj) -> list:
+# Through paddle_hsdp.comm, so a peer that dies mid-save or mid-load gives the others a
+# CollectiveError naming the call (and a hung one the watchdog's exit), not gloo's own.
+_TAG = "checkpoint"
+
+
+def _gather_json(obj, what: str = "a checkpoint call") -> list:
     """Every rank's JSON-serialisable ``obj``, in rank order (no pickling)."""
     rank, world = _rank_world()
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     if world == 1:
         return [obj]
-    sizes = []
-    dist.all_gather(sizes, paddle.to_tensor([len(data)], dtype="int64"))
-    longest = max(int(s.item()) for s in sizes)
-    padded = np.zeros(longest, dtype=np.uint8)
+    group = dist.collective._get_global_group()
+    sizes = paddle.zeros([world], dtype="int64")
+    comm.all_gather_into(sizes, paddle.to_tensor([len(data)], dtype="int64"), group,
+                         tag=_TAG, what=f"{what}: the ranks' message sizes")
+    sizes = [int(n) for n in sizes.numpy()]
+    padded = np.zeros(max(sizes), dtype=np.uint8)
     padded[:len(data)] = data
-    parts = []
-    dist.all_gather(parts, paddle.to_tensor(padded))
-    return [json.loads(p.numpy()[:int(n.item())].tobytes().decode())
-            for p, n in zip(parts, sizes)]
+    parts = paddle.zeros([world * max(sizes)], dtype="uint8")
+    comm.all_gather_into(parts, paddle.to_tensor(padded), group, tag=_TAG,
+                         what=f"{what}: the ranks' messages")
+    rows = parts.numpy().reshape(world, max(sizes))
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
 
 
-def _token() -> str:
+def _token(what: str = "a checkpoint call") -> str:
     """The same fresh token on every rank (rank 0's clock, broadcast)."""
     rank, world = _rank_world()
     t = paddle.to_tensor([int(time.time() * 1e6) % (2 ** 62)], dtype="int64")
     if world > 1:
-        dist.broadcast(t, src=0)
+        comm.broadcast(t, 0, dist.collective._get_global_group(), tag=_TAG,
+                       what=f"{what}: the save's token")
     return f"{int(t.item()):x}"
 
 

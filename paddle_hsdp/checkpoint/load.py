@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..comm.arrival import expect_everyone
 from ..engine.registry import units_under
 from .format import (CheckpointError, _errors_everywhere, _gather_json, _rank_world, _Reader,
                      _read_rows, read_metadata)
@@ -18,6 +19,8 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     rank read everything it needs."""
     path = os.path.abspath(os.fspath(path))
     items, aliases, optimizer = _all_items(model, optimizer, "load_checkpoint")
+    call = f"load_checkpoint({path!r})"
+    expect_everyone(None, call)
     loaded, error, meta, unexpected = [], None, None, []
     try:
         meta = read_metadata(path)
@@ -26,7 +29,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     except Exception as e:
         error = e
     # unexpected only if no rank wants it: an EP rank holds only its own experts
-    for other in _gather_json(unexpected if strict and error is None else None):
+    for other in _gather_json(unexpected if strict and error is None else None, call):
         if other is not None:
             unexpected = sorted(set(unexpected) & set(other))
     if error is None:
@@ -34,7 +37,8 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
             loaded = _read_items(path, meta, items, optimizer, unexpected if strict else [])
         except Exception as e:
             error = e
-    errors = _errors_everywhere(None if error is None else f"rank {_rank_world()[0]}: {error}")
+    errors = _errors_everywhere(None if error is None else f"rank {_rank_world()[0]}: {error}",
+                                call)
     if errors:
         if isinstance(error, CheckpointError):
             raise error

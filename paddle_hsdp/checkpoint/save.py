@@ -15,6 +15,8 @@ import zlib
 import numpy as np
 from safetensors.numpy import save_file
 
+from ..comm.arrival import expect_everyone
+
 from .format import (FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world,
                      _token, read_metadata)
 from .items import _all_items
@@ -34,7 +36,9 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     path = os.path.abspath(os.fspath(path))
     rank, world = _rank_world()
     items, aliases, optimizer = _all_items(model, optimizer, "save_checkpoint")
-    token = _token()
+    call = f"save_checkpoint({path!r})"
+    expect_everyone(None, call)
+    token = _token(call)
     tmp = f"{path}.tmp-{token}"
     pieces, error = {}, _refusal_to_replace(path)
     if error is None:
@@ -42,7 +46,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
             pieces = _write_pieces(tmp, rank, items)
         except Exception as e:  # every rank must learn of it: agree below
             error = f"rank {rank}: {type(e).__name__}: {e}"
-    everyone = _gather_json({"pieces": pieces, "error": error})
+    everyone = _gather_json({"pieces": pieces, "error": error}, call)
     errors = [r["error"] for r in everyone if r["error"]]
     if rank == 0:
         if not errors:
@@ -53,7 +57,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
         if errors:  # before the others learn the outcome: they return to a clean dir
             shutil.rmtree(tmp, ignore_errors=True)
     # rank 0 decides; a refusal every rank made is said once
-    outcome = _gather_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None)[0]
+    outcome = _gather_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None, call)[0]
     if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
                               f"(if any) is unchanged. {outcome}")

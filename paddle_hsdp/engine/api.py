@@ -20,7 +20,8 @@ from .flex import sharded_state_dict
 from .param import ShardedParam
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
-from .unit import FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert
+from .unit import (FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert,
+                   expect_everyone_in)
 
 
 class FSDPModule:
@@ -202,10 +203,24 @@ def set_zero_stage(model, stage: int) -> None:
 _fsdp_classes: dict[type, type] = {}
 
 
+def _refuse_save_pretrained(self, *args, **kwargs):
+    raise NotImplementedError(
+        f"{type(self).__name__}.save_pretrained on a model sharded by fully_shard: it would "
+        "write this rank's shards, or gather on the ranks that call it only. Call "
+        "paddle_hsdp.integrations.paddleformers.export_pretrained(model, dir) on every rank "
+        "(HSDPTrainer.save_model does): it gathers the full weights and writes what "
+        "from_pretrained loads. Nothing was written.")
+
+
 def _make_fsdp_class(module) -> None:
     cls = type(module)
     if cls not in _fsdp_classes:
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        body = {}
+        if hasattr(cls, "save_pretrained"):
+            # PaddleFormers' save_pretrained knows nothing of shards: refused on each
+            # rank that calls it, before any collective (rank 0 alone included)
+            body["save_pretrained"] = _refuse_save_pretrained
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), body)
     module.__class__ = _fsdp_classes[cls]
 
 
@@ -422,6 +437,7 @@ def full_state_dict(model) -> dict[str, paddle.Tensor]:
     gathered from their (float32 master) shards, everything else copied. A collective
     (one all-gather per buffer): call it on every rank."""
     expect_layer(model, "full_state_dict")
+    expect_everyone_in(units_under(model), "full_state_dict(model)")
     live = model._state_dict_impl(use_hook=False)
     out = model.state_dict()
     return {k: v.detach().clone() if v is live.get(k) else v for k, v in out.items()}
@@ -432,6 +448,7 @@ def full_grads(model) -> dict[str, paddle.Tensor | None]:
     """``{name: full gradient}`` as the shards hold it now (call
     ``finish_grad_sync`` first for the step's synced value). A collective."""
     expect_layer(model, "full_grads")
+    expect_everyone_in(units_under(model), "full_grads(model)")
     return _gather_named(model, grads=True)
 
 

@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 import paddle.distributed as dist
 
+from ..comm import arrival
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from . import master_grad
@@ -83,6 +84,18 @@ def sync_grads(units) -> None:
     work = [item for unit in units for item in unit.start_grad_sync()]
     for buf, pending, scale in work:
         buf.finish_all_reduce(pending, scale)
+
+
+def expect_everyone_in(units, what: str) -> None:
+    """Every rank of these units' data-parallel (dense FSDP) groups must make this
+    call before its first collective; else the callers raise, naming it
+    (:mod:`paddle_hsdp.comm.arrival`). For calls off the hot path only."""
+    groups = {}
+    for unit in units:
+        group = unit.mesh.fsdp_group(False)
+        groups.setdefault(group.id, group)
+    for group in groups.values():
+        arrival.expect_everyone(group, what)
 
 
 class FSDPUnit:

@@ -240,9 +240,11 @@ def export_pretrained(model, output_dir: str) -> None:
     reads safetensors as. (Paddle layout, ``save_to_hf=False``, loads transposed.)"""
     full = full_state_dict(model)
     if dist.get_rank() == 0:
-        model.save_pretrained(output_dir, is_main_process=True, state_dict=full,
-                              save_checkpoint_format="safetensors", save_to_hf=True,
-                              safe_serialization=True)
+        # the model class's own save_pretrained (a sharded model's refuses: it would
+        # write shards), given the full weights
+        super(FSDPModule, model).save_pretrained(
+            output_dir, is_main_process=True, state_dict=full,
+            save_checkpoint_format="safetensors", save_to_hf=True, safe_serialization=True)
     if dist.get_world_size() > 1:
         dist.barrier()  # every rank returns once the directory is complete
 

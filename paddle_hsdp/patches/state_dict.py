@@ -29,6 +29,7 @@ from collections import OrderedDict
 import paddle
 
 from ..engine.registry import managed_param, owning_unit, registry
+from ..engine.unit import expect_everyone_in
 from .patching import replace
 
 _installed = False
@@ -79,6 +80,8 @@ def _patch_state_dict(layer_cls) -> None:
                    if key in result and (sp := managed_param(value)) is not None}
         if not managed:
             return result
+        expect_everyone_in([owning_unit(sp) for sp in managed.values()],
+                           f"state_dict() of a sharded {type(self).__name__}")
         full = gather_full(list({id(sp): sp for sp in managed.values()}.values()))
         for key, sp in managed.items():
             result[key] = full[id(sp)]

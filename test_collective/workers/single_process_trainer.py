@@ -11,7 +11,7 @@ them (issue 18). argv: the work folder worker_trainer.py wrote into.
   (when run) and here in one process (HSDPTrainer on a single rank), within the bounds;
 * ``save_model(last_fc_to_hf=True)`` and the plain ``save_model`` load with
   ``from_pretrained`` in this fresh process equal to the 2 x 2 ``export`` run's full
-  state dict, exactly.
+  state dict, exactly; the same for a model with untied embeddings.
 """
 
 import json
@@ -105,9 +105,10 @@ compare("resume_one_process", {"losses": recorder.losses, "norms": recorder.norm
         ref, steps=slice(3, None))
 
 # the exports load with from_pretrained, exactly (float32: the loader has no float64)
-exported = load_run("export")["params"]
 paddle.set_default_dtype("float32")
-for folder in ("hf", "paddle_layout"):
+for folder, run in (("hf", "export"), ("paddle_layout", "export"),
+                    ("hf_untied", "export_untied")):
+    exported = load_run(run)["params"]
     loaded = LlamaForCausalLM.from_pretrained(os.path.join(work, folder))
     got = tc.params_of(loaded.state_dict())
     assert set(got) == set(exported), (folder, sorted(got))

@@ -32,12 +32,12 @@ DTYPE = "float64"
 LOSS_BOUND = 1e-6
 
 
-def build_model(recompute: bool = False, dtype: str = DTYPE):
+def build_model(recompute: bool = False, dtype: str = DTYPE, tied: bool = True):
     paddle.set_default_dtype(dtype)
     paddle.seed(7)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=SEQ, tie_word_embeddings=True,
+                         max_position_embeddings=SEQ, tie_word_embeddings=tied,
                          fuse_rms_norm=False)
     if recompute:
         config.recompute_granularity = "full"

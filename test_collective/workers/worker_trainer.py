@@ -9,8 +9,9 @@ With outer 2, in one launch:
    (fleet live: checked, not re-initialised) and get the same groups;
 3. ``HSDPTrainer`` runs, each recorded for single_process_trainer.py to compare with
    the one-process Trainer: ``base`` (ZeRO-3; saves checkpoints at steps 3 and 6,
-   evaluates), ``export`` (float32, 2 steps, then ``save_model(last_fc_to_hf=True)``
-   and ``save_model``), ``recompute``,
+   evaluates), ``export`` and ``export_untied`` (float32, 2 steps, then ``save_model``,
+   with and without ``last_fc_to_hf``; ``save_pretrained`` on the sharded model is
+   refused), ``recompute``,
    ``ga2_zero3`` and ``ga2_zero1`` (2 accumulation steps), ``resume`` (from base's
    step 3, must equal base's steps 4-6 bit for bit);
 4. ``plain_trainer``: PaddleFormers' own ``Trainer(sharding="")`` over a model sharded
@@ -114,6 +115,23 @@ if outer == 2:
     train("export", export)
     export.save_model(os.path.join(work, "hf"), last_fc_to_hf=True)
     export.save_model(os.path.join(work, "paddle_layout"))
+    untied = HSDPTrainer(model=tc.build_model(dtype="float32", tied=False),
+                         args=hsdp_args("export_untied", max_steps=2),
+                         train_dataset=tc.TokenData())
+    train("export_untied", untied)
+    untied.save_model(os.path.join(work, "hf_untied"))
+    # save_pretrained on the sharded model itself: refused on each rank that calls it
+    # (here every rank, then rank 0 alone), before any collective, naming the way
+    for callers in ([0, 1, 2, 3], [0]):
+        if rank in callers:
+            try:
+                export.model.save_pretrained(os.path.join(work, "refused"))
+            except NotImplementedError as e:
+                assert "export_pretrained(model, dir) on every rank" in str(e), e
+            else:
+                raise AssertionError("save_pretrained on a sharded model was accepted")
+        dist.barrier()
+    assert not os.path.exists(os.path.join(work, "refused", "model.safetensors"))
     print("TRAINER_EXPORTED", flush=True)
 
     # 3. the arguments first (fleet is live now: checked against it), then the model
