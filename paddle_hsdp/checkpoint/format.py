@@ -50,6 +50,7 @@ import paddle
 import paddle.distributed as dist
 
 from ..comm import collectives as comm
+from ..comm import watchdog
 
 FORMAT = "paddle_hsdp-checkpoint/1"
 META = "metadata.json"
@@ -86,13 +87,15 @@ def _gather_json(obj, what: str = "a checkpoint call") -> list:
     sizes = paddle.zeros([world], dtype="int64")
     comm.all_gather_into(sizes, paddle.to_tensor([len(data)], dtype="int64"), group,
                          tag=_TAG, what=f"{what}: the ranks' message sizes")
-    sizes = [int(n) for n in sizes.numpy()]
+    with watchdog.host_sync(f"{what}: reading the ranks' message sizes"):
+        sizes = [int(n) for n in sizes.numpy()]
     padded = np.zeros(max(sizes), dtype=np.uint8)
     padded[:len(data)] = data
     parts = paddle.zeros([world * max(sizes)], dtype="uint8")
     comm.all_gather_into(parts, paddle.to_tensor(padded), group, tag=_TAG,
                          what=f"{what}: the ranks' messages")
-    rows = parts.numpy().reshape(world, max(sizes))
+    with watchdog.host_sync(f"{what}: reading the ranks' messages"):
+        rows = parts.numpy().reshape(world, max(sizes))
     return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
 
 
@@ -103,7 +106,8 @@ def _token(what: str = "a checkpoint call") -> str:
     if world > 1:
         comm.broadcast(t, 0, dist.collective._get_global_group(), tag=_TAG,
                        what=f"{what}: the save's token")
-    return f"{int(t.item()):x}"
+    with watchdog.host_sync(f"{what}: reading the save's token"):
+        return f"{int(t.item()):x}"
 
 
 # ---------------------------------------------------------------- reading

@@ -166,8 +166,10 @@ def _waiting_for(op: str, group, what):
 def _issue(op: str, group, what: str | None, call):
     """Run the backend call under the watchdog; a backend error becomes a
     :class:`CollectiveError`."""
+    waiting_for = _waiting_for(op, group, what)
+    watchdog.note_issued(waiting_for)
     try:
-        with watchdog.watched(_waiting_for(op, group, what)):
+        with watchdog.watched(waiting_for):
             return call()
     except Exception as e:
         raise _failure(op, group, what)(e) from e

@@ -10,8 +10,16 @@ watchdog off) makes the rank print what it was waiting for and exit with status 
 so the launcher ends the job. Backends release the GIL while they wait, so the thread
 runs while the main thread is blocked.
 
-Cost: a dict insert and delete and a clock read per collective; the thread wakes every
-few seconds.
+On NCCL, ``wait()`` returns at once (it makes the compute stream wait for the
+collective's event), so a dead peer blocks the next *host read* of the device instead:
+paddle_hsdp's own host reads (the step boundary's tag-flag read, the clip norm it reports,
+the checkpoint exchanges) run under :func:`host_sync`, which the same bound watches and
+whose message names the last collectives issued. Host reads in user code (``loss.item()``)
+are not ours to watch: Paddle's own process-group timeout (``PADDLE_PG_TIMEOUT``,
+milliseconds, default 30 minutes) is what bounds them there.
+
+Cost: a dict insert and delete and a clock read per collective, and a deque append; the
+thread wakes every few seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 
 EXIT_STATUS = 124
@@ -28,6 +37,10 @@ _inflight: dict[int, tuple[float, str]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
+# The last collectives issued (their descriptions, built only if a message needs them):
+# on NCCL, wait() only orders streams and returns at once, so a dead peer blocks the
+# next host read of the device instead; host_sync names these as what it waits for.
+_issued: deque = deque(maxlen=4)
 
 
 def timeout_s() -> float:
@@ -57,6 +70,25 @@ def watched(describe):
         yield
     finally:
         _inflight.pop(token, None)
+
+
+def note_issued(describe) -> None:
+    """Remember a collective just issued (``describe()`` names it; not called now)."""
+    _issued.append(describe)
+
+
+@contextmanager
+def host_sync(what: str):
+    """A host read of the device (``.numpy()``, ``.item()``, ``bool()``) under the same
+    bound as a blocking collective. On gloo the collectives before it are complete
+    already; on NCCL the read waits for every collective queued before it, so a dead or
+    absent peer blocks here: the message names the read and the last collectives."""
+    def describe():
+        last = "; ".join(d() for d in _issued) or "none"
+        return (f"{what} (a host read: on NCCL it waits for the collectives queued before "
+                f"it, the last ones: {last})")
+    with watched(describe):
+        yield
 
 
 def _ensure_thread(limit: float) -> None:

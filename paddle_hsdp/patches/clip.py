@@ -37,6 +37,7 @@ import paddle.nn.utils as utils
 from paddle.nn import ClipGradByGlobalNorm
 
 from ..comm import collectives as comm
+from ..comm import watchdog
 from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
 from ..engine.registry import managed_param
 from ..engine.unit import sync_grads
@@ -90,8 +91,11 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         comm.all_reduce(sum_sq, group, tag="clip")
         norm = paddle.sqrt(sum_sq)
         self.last_global_norm = norm
-        if self.auto_skip_clip and norm.item() <= self.clip_norm:
-            return params_grads
+        if self.auto_skip_clip:
+            with watchdog.host_sync("the clip's read of the global grad norm"):
+                small = norm.item() <= self.clip_norm
+            if small:
+                return params_grads
         max_norm = paddle.full([1], self.clip_norm, dtype=dtype)
         scale = max_norm / paddle.maximum(norm, max_norm)
         out = []
@@ -165,7 +169,10 @@ def last_global_norm(optimizer) -> float | None:
     """The global grad norm of the optimizer's last clipped step (for logging)."""
     expect_optimizer(optimizer, "last_global_norm")
     norm = getattr(unwrap_optimizer(optimizer)._grad_clip, "last_global_norm", None)
-    return None if norm is None else norm.item()
+    if norm is None:
+        return None
+    with watchdog.host_sync("last_global_norm's read of the global grad norm"):
+        return norm.item()
 
 
 # ---------------------------------------------------------------- paddle.nn.utils
