@@ -43,6 +43,9 @@ class FakeMesh:
     def outer(self, is_expert=False):
         return self.group
 
+    def reduce_scatter_group(self, is_expert=False):
+        return self.group
+
     def fsdp_group(self, is_expert=False):
         return self.group
 

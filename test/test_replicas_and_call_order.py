@@ -189,6 +189,9 @@ class FakeMesh:
     def outer(self, is_expert=False):
         return self._group(self.layout.groups_of(self.rank, is_expert).outer)
 
+    def reduce_scatter_group(self, is_expert=False):
+        return self.inner(is_expert)
+
     def fsdp_group(self, is_expert=False):
         return self._group(self.layout.groups_of(self.rank, is_expert).fsdp)
 

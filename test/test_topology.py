@@ -3,6 +3,7 @@
 import pytest
 from paddle.distributed.fleet.base.topology import CommunicateTopology
 
+from paddle_hsdp.topology import fleet as hsdp_fleet
 from paddle_hsdp.topology.layout import RankGroups, plan_hsdp_layout, split_fsdp_group
 
 NAMES = ["data", "pipe", "sharding", "sep", "model"]
@@ -128,3 +129,30 @@ def test_fsdp_groups_must_partition_ranks(dense, expert):
     """FSDP groups of one kind must be disjoint and equal-sized."""
     with pytest.raises(ValueError, match="overlap|different sizes"):
         plan_hsdp_layout(dense, expert, 2)
+
+
+def test_reduce_scatter_twins_follow_the_backend_unless_forced(monkeypatch):
+    """Issue 24 item 6: on NCCL each inner group gets a twin for its reduce-scatters
+    (its own communication stream); on gloo none, unless forced for the tests."""
+    env = hsdp_fleet.SEPARATE_REDUCE_SCATTER_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert hsdp_fleet.separate_reduce_scatter(on_gloo=False)
+    assert not hsdp_fleet.separate_reduce_scatter(on_gloo=True)
+    monkeypatch.setenv(env, "1")
+    assert hsdp_fleet.separate_reduce_scatter(on_gloo=True)
+    monkeypatch.setenv(env, "0")
+    assert not hsdp_fleet.separate_reduce_scatter(on_gloo=False)
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        hsdp_fleet.separate_reduce_scatter(on_gloo=True)
+
+
+def test_every_inner_row_gets_one_twin_in_one_order():
+    # 8 ranks, EP 2: dense FSDP group of 8 (outer 2 x inner 4), expert groups of 4
+    layout = plan_hsdp_layout([list(range(8))], [[0, 2, 4, 6], [1, 3, 5, 7]], 2)
+    rows = hsdp_fleet.inner_rows(layout)
+    dense = {layout.groups_of(r).inner for r in range(8)}
+    expert = {layout.groups_of(r, True).inner for r in range(8)}
+    assert set(rows) == dense | expert and len(rows) == len(set(rows))
+    assert rows == hsdp_fleet.inner_rows(plan_hsdp_layout(
+        [list(range(8))], [[0, 2, 4, 6], [1, 3, 5, 7]], 2))  # the same on every rank

@@ -9,6 +9,9 @@ import pytest
 
 from launcher import launch
 
+# paddle_hsdp.topology.fleet.SEPARATE_REDUCE_SCATTER_ENV (not imported: no paddle here)
+SEPARATE_REDUCE_SCATTER_ENV = "PADDLE_HSDP_SEPARATE_REDUCE_SCATTER"
+
 # 1 x 2 on 2 ranks trains in test_checkpoint.py (the 2-rank resume, against the 4-rank
 # run); the counter formulas with outer 1 are checked here in 1 x 4. The 4-rank layouts
 # run in the shared 2 x 2 launch (conftest.py): 2 x 2 on fleet's groups, 1 x 4 and 4 x 1
@@ -29,9 +32,11 @@ def test_parity(ranks, sharding, outer, request):
     if ranks == 4:
         log, variants = request.getfixturevalue("hsdp_2x2_log"), 3
     else:
+        # 2 x 4 runs with the reduce-scatter twins NCCL gets (forced on gloo here)
+        request.getfixturevalue("monkeypatch").setenv(SEPARATE_REDUCE_SCATTER_ENV, "1")
         log = launch(ranks, "worker_engine.py", json.dumps(
-            {"sharding_degree": sharding, "outer": outer, "variants": EIGHT_RANK_VARIANTS}),
-            timeout=600)
+            {"sharding_degree": sharding, "outer": outer, "variants": EIGHT_RANK_VARIANTS,
+             "separate_reduce_scatter": True}), timeout=600)
         variants = len(EIGHT_RANK_VARIANTS)
     shape = f"PARITY {outer}x{sharding // outer} "
     assert sum(line.startswith(shape) for line in log.splitlines()) == variants, log[-2000:]

@@ -36,9 +36,12 @@ class ShardBuffer:
     ``main_grad`` instead of ``.grad`` (see :mod:`~paddle_hsdp.engine.master_grad`)."""
 
     def __init__(self, params: list[ShardedParam], inner_group, outer_group, is_expert: bool,
-                 mp_policy=None, offload_policy=None):
+                 mp_policy=None, offload_policy=None, reduce_group=None):
         self.params = params
         self.inner = inner_group
+        # the inner group's ranks; on NCCL a twin group with its own stream, so a
+        # reduce-scatter does not queue the next all-gather behind it
+        self.reduce_group = reduce_group if reduce_group is not None else inner_group
         self.outer = outer_group
         self.is_expert = is_expert
         self.dtype = params[0].dtype
@@ -291,7 +294,7 @@ class ShardBuffer:
         del blocks  # the full grads' storage goes now, before the collective runs
         out = paddle.empty([self.shard_numel], dtype=dtype)
         trace.record("issue", "reduce_scatter", self.unit_index)
-        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.inner, async_op=True,
+        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.reduce_group, async_op=True,
                                      what=self.describe)
         if not async_op:
             handle.wait()

@@ -149,12 +149,14 @@ class FSDPUnit:
         for (_, _, expert, whole), params in buffer_groups(self.params, placements).items():
             if whole:
                 inner, outer = _own_rank_group(), self.mesh.fsdp_group(expert)
+                reduce_group = inner
             else:
                 inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
+                reduce_group = self.mesh.reduce_scatter_group(expert)
             for sp in params:
                 sp.mesh = self.mesh
             self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy,
-                                            self.offload_policy))
+                                            self.offload_policy, reduce_group))
         for i, buf in enumerate(self.buffers):
             buf.unit_index, buf.index = self.index, i
             buf.owner = self

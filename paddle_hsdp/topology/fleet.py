@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import paddle.distributed as dist
 from paddle.distributed.communication.group import Group
@@ -98,11 +99,13 @@ def fsdp_rank_lists(hcg) -> tuple[list[list[int]], list[list[int]] | None]:
 class HSDPGroups:
     """What the HCG answers for HSDP on this rank."""
 
-    def __init__(self, layout: topology.HSDPLayout, groups: dict, fsdp_dense, fsdp_expert):
+    def __init__(self, layout: topology.HSDPLayout, groups: dict, fsdp_dense, fsdp_expert,
+                 reduce_scatter_twins: dict | None = None):
         self.layout = layout
         self.outer_degree = layout.outer_degree
         self._groups = groups  # member tuple -> paddle Group
         self._fsdp = {False: fsdp_dense, True: fsdp_expert}
+        self._twins = reduce_scatter_twins or {}  # inner member tuple -> its twin
 
     def fsdp(self, is_expert: bool):
         return self._fsdp[bool(is_expert)]
@@ -112,6 +115,43 @@ class HSDPGroups:
 
     def outer(self, rank: int, is_expert: bool):
         return self._groups[self.layout.groups_of(rank, is_expert).outer]
+
+    def reduce_scatter(self, rank: int, is_expert: bool):
+        """The group inner reduce-scatters run on: the inner group's twin where one was
+        made (:func:`separate_reduce_scatter`), else the inner group itself."""
+        members = self.layout.groups_of(rank, is_expert).inner
+        return self._twins.get(members) or self._groups[members]
+
+
+SEPARATE_REDUCE_SCATTER_ENV = "PADDLE_HSDP_SEPARATE_REDUCE_SCATTER"
+
+
+def separate_reduce_scatter(on_gloo: bool) -> bool:
+    """Whether each inner group gets a twin with the same ranks for its reduce-scatters.
+
+    On NCCL every process group has its own communication stream, so the twin lets a
+    backward prefetch all-gather run beside the previous unit's reduce-scatter instead
+    of queueing behind it on one stream (torch FSDP2 gives them separate streams). On
+    gloo a collective is done when it returns, so a twin buys nothing and costs a
+    communicator: none, unless ``PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1`` (the tests force
+    the NCCL arrangement on CPU with it; ``0`` turns it off on NCCL).
+    """
+    value = os.environ.get(SEPARATE_REDUCE_SCATTER_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SEPARATE_REDUCE_SCATTER_ENV} must be 0 or 1, got {value!r}")
+    return value == "1" if value else not on_gloo
+
+
+def inner_rows(layout: topology.HSDPLayout) -> list:
+    """Every inner group of the job with more than one rank (dense, then expert), each
+    once, in an order every rank computes alike."""
+    rows = []
+    for groups in (layout.dense, layout.expert):
+        for rank in sorted(groups):
+            members = groups[rank].inner
+            if len(members) > 1 and members not in rows:
+                rows.append(members)
+    return rows
 
 
 def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
@@ -140,12 +180,21 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
                 groups[members] = existing[members]
             continue
         groups[members] = dist.new_group(list(members))
+    twins = {}
+    if separate_reduce_scatter(comm.is_gloo(fsdp_dense)):
+        # after every other group, in one global order: ids stay consistent across ranks
+        for members in inner_rows(layout):
+            twins[members] = dist.new_group(list(members))
     for is_expert in (False, True):
         mine = layout.groups_of(rank, is_expert)
-        comm.name_group(groups[mine.inner], "expert_inner" if is_expert else "inner")
+        label = "expert_inner" if is_expert else "inner"
+        comm.name_group(groups[mine.inner], label)
+        if mine.inner in twins:  # its traffic is the inner group's, for the counter
+            comm.name_group(twins[mine.inner], label)
         comm.name_group(groups[mine.outer], "outer")
-    logger.info("HSDP: %d groups created for fsdp_outer_degree=%d", len(groups), outer_degree)
-    return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert)
+    logger.info("HSDP: %d groups (%d reduce-scatter twins) created for fsdp_outer_degree=%d",
+                len(groups) + len(twins), len(twins), outer_degree)
+    return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert, twins)
 
 
 _single_ids = itertools.count(1)

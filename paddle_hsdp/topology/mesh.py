@@ -76,6 +76,11 @@ class HCGMesh:
     def outer(self, is_expert: bool = False):
         return self.hcg.get_fsdp_outer_group(is_expert)
 
+    def reduce_scatter_group(self, is_expert: bool = False):
+        """The inner group's twin for reduce-scatters on NCCL (see
+        :func:`~paddle_hsdp.topology.fleet.separate_reduce_scatter`), else the inner group."""
+        return self.hcg._hsdp_groups.reduce_scatter(self.hcg.global_rank, is_expert)
+
     def fsdp_group(self, is_expert: bool = False):
         return self.hcg.get_fsdp_group(is_expert)
 
@@ -244,6 +249,10 @@ class ProcessMeshGroups:
     def outer(self, is_expert: bool = False):
         self._check_member()
         return self._outer
+
+    def reduce_scatter_group(self, is_expert: bool = False):
+        # explicit meshes make no twin yet: reduce-scatters share the inner group's stream
+        return self.inner(is_expert)
 
     def fsdp_group(self, is_expert: bool = False):
         self._check_member()

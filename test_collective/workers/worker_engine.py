@@ -4,7 +4,9 @@ grad norm), plus the comm counter against the volume formulas (docs/architecture
 argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py), the run
 variants to check, and optionally ``mesh`` (nested rank lists; with ``dim_names``): shard
 on that explicit mesh instead of fleet's groups (in the shared 2 x 2 launch, 1 x 4 and
-4 x 1 run this way; fleet builds those layouts' groups in test_faults' launches).
+4 x 1 run this way; fleet builds those layouts' groups in test_faults' launches), and
+``separate_reduce_scatter`` (the launch sets PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1):
+every buffer must reduce-scatter on its inner group's twin.
 """
 
 from common import compare_with_reference, config_from_argv, finish, init_fleet
@@ -122,7 +124,11 @@ def check_full_grad_peak(units, peak, end_of_backward, esize):
 def check_counter(units, esize):
     """One optimizer step of MICRO micro-steps, against the volume formulas (docs/architecture.md)."""
     trainable = [b for u in units for b in u.buffers if b.trainable]
-    rs = comm.counter.get("inner", "reduce_scatter")
+    if config.get("separate_reduce_scatter"):  # the NCCL arrangement, forced on gloo
+        for b in trainable:
+            assert b.reduce_group is not b.inner and b.reduce_group.id != b.inner.id, b
+            assert list(b.reduce_group.ranks) == list(b.inner.ranks), b
+    rs = comm.counter.get("inner", "reduce_scatter")  # the twin's traffic is filed here
     assert rs.calls == MICRO * len(trainable), (rs, len(trainable))
     grad_bytes = sum(b.padded_numel for b in trainable) * esize
     assert rs.wire_bytes == MICRO * (I - 1) / I * grad_bytes, rs
