@@ -19,6 +19,7 @@ all-reduce). Those are the quantities of the volume formulas (docs/architecture.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
@@ -90,8 +91,14 @@ def is_gloo(group) -> bool:
     return backend_of(group) == "gloo"
 
 
+def numel_of(t) -> int:
+    """Element count from the shape (host metadata): ``int(t.numel())`` would read a
+    device tensor, a host sync on GPU, once per collective."""
+    return math.prod(t.shape)
+
+
 def _nbytes(t) -> int:
-    return int(t.numel()) * t.element_size()
+    return numel_of(t) * t.element_size()
 
 
 # ---------------------------------------------------------------- handles
@@ -176,9 +183,9 @@ def _issue(op: str, group, what: str | None, call):
 
 
 def _check_split(what: str, flat, shard, n: int) -> None:
-    if int(flat.numel()) != n * int(shard.numel()):
-        raise ValueError(f"{what} has {int(flat.numel())} elements, expected "
-                         f"{n} x {int(shard.numel())}")
+    if numel_of(flat) != n * numel_of(shard):
+        raise ValueError(f"{what} has {numel_of(flat)} elements, expected "
+                         f"{n} x {numel_of(shard)}")
 
 
 def _needs_fp32_staging(tensor, group) -> bool:
@@ -235,7 +242,7 @@ def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
     (gloo uses a non-owner's input as scratch, which only clobbers slices we never read)."""
     staged = in_flat.astype("float32") if _needs_fp32_staging(in_flat, group) else in_flat
     flat = staged.reshape([-1])
-    size = int(out_shard.numel())
+    size = numel_of(out_shard)
     mine = None
     for i, owner in enumerate(group.ranks):
         piece = flat._slice(i * size, (i + 1) * size)

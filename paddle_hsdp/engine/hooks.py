@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import paddle
 from paddle.autograd import PyLayer
@@ -101,7 +102,8 @@ def _alias(tensors):
     makes Paddle treat the PyLayer as in-place: the inputs' version would bump, and an
     op that saved them earlier (a router reading x before x enters an expert unit)
     would fail in backward with 'modified by an inplace operation'."""
-    out = tuple(t.view(t.shape) if t.numel() > 0 else t.clone() for t in tensors)
+    # the size from the shape: t.numel() would read a device tensor (a host sync)
+    out = tuple(t.view(t.shape) if math.prod(t.shape) > 0 else t.clone() for t in tensors)
     return out if len(out) > 1 else out[0]
 
 
