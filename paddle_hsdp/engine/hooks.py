@@ -370,9 +370,17 @@ def abandon_forward(units: list[FSDPUnit]) -> None:
 
 
 def run_post_backward() -> None:
-    """Finish the backward that just ran (see the module docstring)."""
+    """Finish the backward that just ran (see the module docstring). If that raises (an
+    out-of-memory error building a reduce-scatter input), the backward is abandoned
+    like one that raised inside the engine: a reduction left in flight would otherwise
+    be accumulated into the next batch's grads."""
     while _roots_in_backward:
-        _roots_in_backward.pop(0).post_backward()
+        try:
+            _roots_in_backward[0].post_backward()
+        except BaseException:
+            _abandon_backward()
+            raise
+        _roots_in_backward.pop(0)
 
 
 def install() -> None:
@@ -411,8 +419,11 @@ def _then_post_backward(original):
 
 def _abandon_backward() -> None:
     """After a failed backward: drop its partial full-size grads and free gathered params
-    (local work, no collective, so a rank that failed alone cannot hang the others)."""
-    unit_module._pending_reduces.clear()
+    (no new collective, so a rank that failed alone cannot hang the others). The
+    collectives this backward issued are waited for first (reduce-scatters in flight
+    here, prefetched all-gathers in ``reshard``): on a device their buffers must not go
+    back to the allocator while the communication stream may still write them."""
+    unit_module.drop_pending_reduces()
     while _roots_in_backward:
         for unit in _roots_in_backward.pop(0).units:
             for sp in unit.params:
