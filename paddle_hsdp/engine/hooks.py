@@ -8,7 +8,9 @@
   runs the post-backward.
 * Forward post-hook: wrap the outputs in a :class:`_BackwardHook` that runs the
   pre-backward (it fires before the unit's own backward ops, since they consume its
-  output grads), cast outputs, then reshard per policy.
+  output grads), cast outputs, then reshard per policy. A root's forward run without
+  grad or in eval mode then reads the all-gather tags' device-side flags
+  (:func:`paddle_hsdp.comm.gather_tags.raise_pending`): no optimizer step follows.
 * Pre-backward: gather again if the unit was resharded after forward; prefetch the
   next units in backward order.
 * Post-backward (the hook on the inputs: fires once the grads of the unit's inputs
@@ -40,6 +42,7 @@ import paddle
 from paddle.autograd import PyLayer
 from paddle.base import core
 
+from ..comm import gather_tags
 from . import master_grad, trace
 from . import unit as unit_module
 from .buffer import compute_dtype_of
@@ -296,6 +299,10 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
             outputs = _wrap_tensors(_on_pre_backward, unit, outputs)
         if may_reshard and (unit.should_reshard_after_forward() or not grad_on):
             unit.reshard()
+        if unit.is_root and may_reshard and (not grad_on or not module.training):
+            # evaluation / generation never reach an optimizer step: read the gathers'
+            # device-side tag flags now (nothing to read on CPU; one sync on a device)
+            gather_tags.raise_pending()
         return outputs
 
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
@@ -344,6 +351,8 @@ def _direct_post_forward(module, inputs, outputs):
             outputs = _wrap_tensors(_on_pre_backward, u, outputs)
         if _backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
             u.reshard()
+    if gathered and not grad_on and _backward_depth == 0:
+        gather_tags.raise_pending()  # generation: lm_head(h) called alone, no step
     return outputs
 
 

@@ -41,7 +41,7 @@ def _patch_apply_optimize() -> None:
     @functools.wraps(original)
     def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
         params = check_optimizer(self)
-        gather_tags.raise_pending()
+        gather_tags.raise_pending(step=True)
         if params:
             finish_grad_sync(params)
             clip.make_clip_hsdp_aware(self, params)
