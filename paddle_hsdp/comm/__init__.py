@@ -11,10 +11,12 @@ The collectives' API is also here, as docs/collectives.md shows it (``paddle_hsd
 :mod:`.collectives`, where the engine looks them up.
 """
 
-from .collectives import (CollectiveError, CommCounter, Handle, OpStats, all_gather_into,
-                          all_reduce, backend_of, barrier, broadcast, counter, group_label,
-                          is_gloo, name_group, reduce_scatter)
+from .collectives import (CollectiveError, CommCounter, Handle, HandleLedger, OpStats,
+                          UnwaitedCollectiveWarning, all_gather_into, all_reduce, backend_of,
+                          barrier, broadcast, counter, group_label, handles, is_gloo,
+                          name_group, reduce_scatter, settle)
 
-__all__ = ["CollectiveError", "CommCounter", "Handle", "OpStats", "all_gather_into",
-           "all_reduce", "backend_of", "barrier", "broadcast", "counter", "group_label",
-           "is_gloo", "name_group", "reduce_scatter"]
+__all__ = ["CollectiveError", "CommCounter", "Handle", "HandleLedger", "OpStats",
+           "UnwaitedCollectiveWarning", "all_gather_into", "all_reduce", "backend_of",
+           "barrier", "broadcast", "counter", "group_label", "handles", "is_gloo",
+           "name_group", "reduce_scatter", "settle"]

@@ -20,6 +20,7 @@ all-reduce). Those are the quantities of the volume formulas (docs/architecture.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
@@ -104,25 +105,68 @@ def _nbytes(t) -> int:
 # ---------------------------------------------------------------- handles
 
 
+class UnwaitedCollectiveWarning(RuntimeWarning):
+    """An issued collective's handle was garbage-collected without ``wait()``."""
+
+
+class HandleLedger:
+    """Handles made, waited and dropped unwaited, since the process started: three
+    integer increments per collective, no syncs. ``dropped`` counts handles
+    garbage-collected before anyone called ``wait()`` (each also warns with
+    :class:`UnwaitedCollectiveWarning`): on a device their output buffers would have
+    gone back to the allocator while the collective could still write them. Tests
+    read ``dropped`` and :meth:`outstanding` (issued, not waited, still alive)."""
+
+    def __init__(self) -> None:
+        self.issued = self.waited = self.dropped = 0
+
+    def outstanding(self) -> int:
+        return self.issued - self.waited - self.dropped
+
+    def snapshot(self) -> dict[str, int]:
+        return {"issued": self.issued, "waited": self.waited, "dropped": self.dropped,
+                "outstanding": self.outstanding()}
+
+
+handles = HandleLedger()
+
+
 class Handle:
     """What an async collective returns: ``wait()`` finishes it (idempotent).
 
     ``finalize`` runs after the underlying tasks, e.g. the cast back from the float32
-    staging tensor of a float16 reduction on gloo.
+    staging tensor of a float16 reduction on gloo. ``keep``: the tensors the collective
+    reads or writes, referenced until the wait. A handle dropped without ``wait()`` is
+    waited by its ``__del__`` (before the tensors it keeps are freed), counted in
+    :data:`handles` and reported with an :class:`UnwaitedCollectiveWarning`: a last
+    resort, the engine waits every handle it issues on every path.
     """
 
     def __init__(self, tasks=(), finalize: Callable[[], None] | None = None,
                  failure: Callable[[Exception], Exception] | None = None,
-                 waiting_for: Callable[[], str] | None = None):
+                 waiting_for: Callable[[], str] | None = None, keep: tuple = ()):
         self._tasks = [t for t in tasks if t is not None]
         self._finalize = finalize
         self._failure = failure  # turns a backend error into a CollectiveError
         self._waiting_for = waiting_for or (lambda: "an asynchronous collective")
+        self._keep = keep
         self._done = False
+        self._settled = False  # wait() was called (even if it raised)
+        handles.issued += 1
+
+    @classmethod
+    def completed(cls) -> "Handle":
+        """A handle for work that is already done (nothing to wait for)."""
+        handle = cls()
+        handle.wait()
+        return handle
 
     def wait(self) -> None:
         if self._done:
             return
+        if not self._settled:
+            self._settled = True
+            handles.waited += 1
         for t in self._tasks:
             try:
                 with watchdog.watched(self._waiting_for):
@@ -133,10 +177,40 @@ class Handle:
                 raise self._failure(e) from e
         if self._finalize is not None:
             self._finalize()
+        self._keep = ()
         self._done = True
 
     def is_completed(self) -> bool:
         return self._done
+
+    def __del__(self):
+        if getattr(self, "_settled", True):  # True too if __init__ never finished
+            return
+        self._settled = True
+        handles.dropped += 1
+        try:
+            warnings.warn(
+                f"paddle_hsdp: {self._waiting_for()} was dropped without wait(); waiting "
+                "for it now, before its buffers are freed (a bug: please report it)",
+                UnwaitedCollectiveWarning, stacklevel=2)
+            self.wait()
+        except Exception:  # never raise from a finalizer (interpreter exit included)
+            pass
+
+
+def settle(pending) -> list[Exception]:
+    """Wait for every handle in ``pending`` (None skipped) even when some fail; return
+    the failures. For error paths: every issued collective is waited for before its
+    buffers can be freed, and the error being handled is the one that propagates."""
+    failures = []
+    for handle in pending:
+        if handle is None:
+            continue
+        try:
+            handle.wait()
+        except Exception as e:
+            failures.append(e)
+    return failures
 
 
 def _finish(handle: Handle, async_op: bool):
@@ -211,7 +285,8 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
     task = _issue("all_gather", group, what, lambda: dist.stream.all_gather(
         out_flat, shard, group=group, sync_op=not async_op))
     return _finish(Handle([task], failure=_failure("all_gather", group, what),
-                          waiting_for=_waiting_for("all_gather", group, what)), async_op)
+                          waiting_for=_waiting_for("all_gather", group, what),
+                          keep=(out_flat, shard)), async_op)
 
 
 def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None,
@@ -231,8 +306,8 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
         task = _issue("reduce_scatter", group, what, lambda: dist.stream.reduce_scatter(
             out_shard, in_flat, op=dist.ReduceOp.SUM, group=group, sync_op=not async_op))
         return _finish(Handle([task], failure=_failure("reduce_scatter", group, what),
-                              waiting_for=_waiting_for("reduce_scatter", group, what)),
-                       async_op)
+                              waiting_for=_waiting_for("reduce_scatter", group, what),
+                              keep=(out_shard, in_flat)), async_op)
     return _finish(_issue("reduce_scatter", group, what,
                           lambda: _gloo_reduce_scatter(out_shard, in_flat, group)), async_op)
 
@@ -277,10 +352,11 @@ def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
             staged, op=reduce_op, group=group, sync_op=not async_op))
         return _finish(Handle([task], lambda: paddle.assign(staged.astype(tensor.dtype),
                                                             output=tensor), failure,
-                              waiting_for), async_op)
+                              waiting_for, keep=(staged, tensor)), async_op)
     task = _issue("all_reduce", group, what, lambda: dist.stream.all_reduce(
         tensor, op=reduce_op, group=group, sync_op=not async_op))
-    return _finish(Handle([task], failure=failure, waiting_for=waiting_for), async_op)
+    return _finish(Handle([task], failure=failure, waiting_for=waiting_for, keep=(tensor,)),
+                   async_op)
 
 
 def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None = None,
@@ -296,7 +372,8 @@ def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None =
     task = _issue("broadcast", group, what, lambda: dist.stream.broadcast(
         tensor, src=src, group=group, sync_op=not async_op))
     return _finish(Handle([task], failure=_failure("broadcast", group, what),
-                          waiting_for=_waiting_for("broadcast", group, what)), async_op)
+                          waiting_for=_waiting_for("broadcast", group, what),
+                          keep=(tensor,)), async_op)
 
 
 def barrier(group=None) -> None:

@@ -15,10 +15,19 @@ also catches a rank that made one extra call (say ``state_dict()`` on rank 0 onl
 
 Cost: ``TAG_NUMEL`` elements per rank per all-gather on the wire, and a comparison of
 an ``[inner, TAG_NUMEL]`` array. On CPU the comparison runs at once; on a device it is
-kept as a device-side flag and read at the step boundary (:func:`raise_pending`), so
-that no all-gather forces a host sync. Buffers of sizes that differ across ranks never
-get that far: gloo aborts the process, NCCL hangs; the debug fingerprint mode of the
-reliability work covers those.
+kept as a device-side flag, so that no all-gather forces a host sync, and the flags are
+read together (one stacked device-to-host copy, :func:`raise_pending`):
+
+* at the optimizer step (the step boundary);
+* at the end of a root unit's forward run without grad or in eval mode (the engine
+  calls :func:`raise_pending`): evaluation and generation never step, and a mismatch
+  found there is reported by the end of that forward;
+* when :func:`pending_count` reaches :func:`pending_cap` (forwards with grad that never
+  step): ``PENDING_CAP``, or twice the most flags one optimizer step has read, so a
+  training step is not cut by an extra read once its size is known.
+
+Buffers of sizes that differ across ranks never get that far: gloo aborts the process,
+NCCL hangs; the debug fingerprint mode of the reliability work covers those.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import numpy as np
 
 import paddle
 
+from . import watchdog
+
 TAG_NUMEL = 5
 PURPOSES = {"compute": 1, "params": 2, "grads": 3}
 _PURPOSE_NAMES = {v: k for k, v in PURPOSES.items()}
@@ -38,6 +49,11 @@ _HISTORY = 6  # calls remembered per group, for the error message
 _calls: dict[int, int] = defaultdict(int)  # group id -> all-gathers issued so far
 _history: dict[int, deque] = defaultdict(lambda: deque(maxlen=_HISTORY))
 _pending: list[tuple] = []  # device-side mismatch flags not read yet
+PENDING_CAP = 256  # flags kept before a read, at least (see pending_cap)
+_step_peak = 0  # the most flags one step boundary has read
+# Keep the comparison on the device as a flag even for CPU tensors: tests set it to
+# exercise the device path on CPU. Off: CPU tags are compared at once.
+DEFER_ON_CPU = False
 # What a buffer holds, given (unit index, buffer index), for the error message; the
 # engine sets it (comm imports nothing above it). None, or an answer of None: indices.
 _buffer_describer: Callable[[int, int], str | None] | None = None
@@ -63,35 +79,62 @@ def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, 
 
 def check(tags, own_tag, group) -> None:
     """Compare every rank's tag (``tags``: ``[n, TAG_NUMEL]``) with ours."""
-    if tags.place.is_cpu_place():
+    if tags.place.is_cpu_place() and not DEFER_ON_CPU:
         _compare(tags.numpy(), own_tag.numpy(), group)
-    else:
-        bad = paddle.any(tags != own_tag.reshape([1, -1]))
-        _pending.append((bad, tags, own_tag, group))
+        return
+    bad = paddle.any(tags != own_tag.reshape([1, -1]))
+    # this rank's calls as they are now, for the message of a later read
+    _pending.append((bad, tags, own_tag, group, tuple(_history[group.id])))
+    if len(_pending) >= pending_cap():
+        raise_pending()
 
 
-def raise_pending() -> None:
-    """Read the device-side flags recorded since the last call (one host sync)."""
+def pending_count() -> int:
+    """Device-side flags recorded and not read yet."""
+    return len(_pending)
+
+
+def pending_cap() -> int:
+    """How many flags are kept before a read: ``PENDING_CAP``, or twice the most one
+    step boundary has read."""
+    return max(PENDING_CAP, 2 * _step_peak)
+
+
+def raise_pending(step: bool = False) -> None:
+    """Read the device-side flags recorded since the last call: one stacked copy to the
+    host (one sync) when there are any, nothing otherwise; raise
+    :class:`CollectiveMismatchError` for the first mismatch. ``step``: called at the
+    optimizer step (its count sets :func:`pending_cap`)."""
+    global _step_peak
+    if not _pending:
+        return
     pending, _pending[:] = list(_pending), []
-    for bad, tags, own_tag, group in pending:
-        if bool(bad):
-            _compare(tags.numpy(), own_tag.numpy(), group)
+    if step:
+        _step_peak = max(_step_peak, len(pending))
+    # on NCCL this read waits for the gathers queued before it: bounded like them
+    with watchdog.host_sync(f"the read of {len(pending)} all-gather tag flag(s)"):
+        flags = paddle.stack([entry[0] for entry in pending]).numpy()
+    if not flags.any():
+        return
+    _, tags, own_tag, group, history = pending[int(np.argmax(flags))]
+    _compare(tags.numpy(), own_tag.numpy(), group, history)
 
 
-def _compare(tags: np.ndarray, own: np.ndarray, group) -> None:
+def _compare(tags: np.ndarray, own: np.ndarray, group, history=None) -> None:
     tags = tags.astype("int64")
     own = own.astype("int64")
     for i, row in enumerate(tags):
         if not np.array_equal(row, own):
-            raise CollectiveMismatchError(_message(group, i, row))
+            raise CollectiveMismatchError(_message(group, i, row, history))
 
 
-def _message(group, peer_index: int, row) -> str:
+def _message(group, peer_index: int, row, history=None) -> str:
     unit_index = int(row[0]) + 256 * int(row[1])
     peer = group.ranks[peer_index]
     what = _PURPOSE_NAMES.get(int(row[3]), "unknown")
+    history = _history[group.id] if history is None else history
     mine = "\n".join(f"    all-gather #{n}: {describe()} ({purpose})"
-                     for n, describe, purpose in _history[group.id])
+                     for n, describe, purpose in history)
     return (
         f"Ranks disagree on an all-gather in group {list(group.ranks)}: rank {peer} was "
         f"gathering {_describe(unit_index, int(row[2]))} ({what}) as its all-gather "

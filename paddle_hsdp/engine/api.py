@@ -61,7 +61,7 @@ class FSDPModule:
         complete before they return, so the handle is already done."""
         _check_bool(async_op, "unshard(async_op)")
         self._hsdp_unit.unshard()
-        return comm.Handle() if async_op else None
+        return comm.Handle.completed() if async_op else None
 
     def reshard(self) -> None:
         """Free the gathered parameters; modules see the local shards again."""

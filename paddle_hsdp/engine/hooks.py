@@ -8,7 +8,9 @@
   runs the post-backward.
 * Forward post-hook: wrap the outputs in a :class:`_BackwardHook` that runs the
   pre-backward (it fires before the unit's own backward ops, since they consume its
-  output grads), cast outputs, then reshard per policy.
+  output grads), cast outputs, then reshard per policy. A root's forward run without
+  grad or in eval mode then reads the all-gather tags' device-side flags
+  (:func:`paddle_hsdp.comm.gather_tags.raise_pending`): no optimizer step follows.
 * Pre-backward: gather again if the unit was resharded after forward; prefetch the
   next units in backward order.
 * Post-backward (the hook on the inputs: fires once the grads of the unit's inputs
@@ -41,6 +43,7 @@ import paddle
 from paddle.autograd import PyLayer
 from paddle.base import core
 
+from ..comm import gather_tags
 from . import master_grad, trace
 from . import unit as unit_module
 from .buffer import compute_dtype_of
@@ -298,6 +301,10 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
             outputs = _wrap_tensors(_on_pre_backward, unit, outputs)
         if may_reshard and (unit.should_reshard_after_forward() or not grad_on):
             unit.reshard()
+        if unit.is_root and may_reshard and (not grad_on or not module.training):
+            # evaluation / generation never reach an optimizer step: read the gathers'
+            # device-side tag flags now (nothing to read on CPU; one sync on a device)
+            gather_tags.raise_pending()
         return outputs
 
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
@@ -346,6 +353,8 @@ def _direct_post_forward(module, inputs, outputs):
             outputs = _wrap_tensors(_on_pre_backward, u, outputs)
         if _backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
             u.reshard()
+    if gathered and not grad_on and _backward_depth == 0:
+        gather_tags.raise_pending()  # generation: lm_head(h) called alone, no step
     return outputs
 
 
@@ -372,9 +381,17 @@ def abandon_forward(units: list[FSDPUnit]) -> None:
 
 
 def run_post_backward() -> None:
-    """Finish the backward that just ran (see the module docstring)."""
+    """Finish the backward that just ran (see the module docstring). If that raises (an
+    out-of-memory error building a reduce-scatter input), the backward is abandoned
+    like one that raised inside the engine: a reduction left in flight would otherwise
+    be accumulated into the next batch's grads."""
     while _roots_in_backward:
-        _roots_in_backward.pop(0).post_backward()
+        try:
+            _roots_in_backward[0].post_backward()
+        except BaseException:
+            _abandon_backward()
+            raise
+        _roots_in_backward.pop(0)
 
 
 def install() -> None:
@@ -413,8 +430,11 @@ def _then_post_backward(original):
 
 def _abandon_backward() -> None:
     """After a failed backward: drop its partial full-size grads and free gathered params
-    (local work, no collective, so a rank that failed alone cannot hang the others)."""
-    unit_module._pending_reduces.clear()
+    (no new collective, so a rank that failed alone cannot hang the others). The
+    collectives this backward issued are waited for first (reduce-scatters in flight
+    here, prefetched all-gathers in ``reshard``): on a device their buffers must not go
+    back to the allocator while the communication stream may still write them."""
+    unit_module.drop_pending_reduces()
     while _roots_in_backward:
         for unit in _roots_in_backward.pop(0).units:
             for sp in unit.params:

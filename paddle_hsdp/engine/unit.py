@@ -22,6 +22,7 @@ from collections import OrderedDict
 import paddle.distributed as dist
 
 from ..comm import arrival
+from ..comm import collectives as comm
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from . import master_grad
@@ -67,7 +68,9 @@ class FullGradBytes:
             cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
 
 
-# Reduce-scatters issued and not waited for yet (one unit's, across all units).
+# Reduce-scatters issued and not waited for yet (one unit's, across all units). An
+# entry leaves the list only to be waited for (finish_reduce_scatter waits first), so
+# an error anywhere leaves the rest here for the next wait or for drop_pending_reduces.
 _pending_reduces: list = []
 
 
@@ -78,12 +81,28 @@ def wait_pending_reduces() -> None:
         buf.finish_reduce_scatter(pending)
 
 
+def drop_pending_reduces() -> None:
+    """After a failed backward: wait for the reduce-scatters in flight without using
+    their results (their buffers may not be freed before the collective is done)."""
+    pending, _pending_reduces[:] = list(_pending_reduces), []
+    comm.settle(p.handle for _, p in pending)
+
+
 def sync_grads(units) -> None:
     """The step boundary for ``units`` (in one global order): their outer all-reduces
-    are issued back to back, then waited for and scaled."""
-    work = [item for unit in units for item in unit.start_grad_sync()]
-    for buf, pending, scale in work:
-        buf.finish_all_reduce(pending, scale)
+    are issued back to back, then waited for and scaled. If anything raises, every
+    all-reduce already issued is waited for before the error propagates."""
+    work: list = []
+    try:
+        for unit in units:
+            unit.start_grad_sync(work)
+        while work:
+            buf, pending, scale = work[0]
+            del work[0]  # finish_all_reduce waits first: out of the list is waited
+            buf.finish_all_reduce(pending, scale)
+    except BaseException:
+        comm.settle(pending.handle for _, pending, _ in work)
+        raise
 
 
 def expect_everyone_in(units, what: str) -> None:
@@ -212,8 +231,14 @@ class FSDPUnit:
         on NCCL they run on the communication stream while the caller computes);
         :meth:`unshard` waits for them."""
         if self.state is UnitState.SHARDED and self._pending_gather is None:
-            self._pending_gather = [buf.start_gather(compute=True, async_op=self.overlap)
-                                    for buf in self.buffers]
+            pending = []
+            try:
+                for buf in self.buffers:
+                    pending.append(buf.start_gather(compute=True, async_op=self.overlap))
+            except BaseException:  # e.g. out of memory for the next output: the ones
+                comm.settle(p.handle for p in pending)  # in flight land first
+                raise
+            self._pending_gather = pending
             # the gathered storage exists from the issue on: count it from there
             GatheredBytes.add(self.gathered_nbytes(), 1)
 
@@ -229,6 +254,8 @@ class FSDPUnit:
                 for sp, full in zip(buf.params, fulls):
                     sp.set_full_data(full)
         except BaseException:
+            # the all-gathers not copied out yet are waited for before their buffers go
+            comm.settle(p.handle for p in pending if p is not None)
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
             GatheredBytes.add(-self.gathered_nbytes(), -1)
@@ -241,10 +268,11 @@ class FSDPUnit:
         if self.pins > 0 and not force:
             return
         if self._pending_gather is not None:  # prefetched, never used: let it land
-            for gather in self._pending_gather:
-                gather.handle.wait()
-            self._pending_gather = None
+            pending, self._pending_gather = self._pending_gather, None
             GatheredBytes.add(-self.gathered_nbytes(), -1)
+            failures = comm.settle(p.handle for p in pending)
+            if failures:
+                raise failures[0]
         if self.state is UnitState.SHARDED:
             return
         for sp in self.params:
@@ -284,10 +312,11 @@ class FSDPUnit:
             for buf in trainable:
                 buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
             self.grads_synced = False
-        older = list(_pending_reduces)
-        _pending_reduces[:] = [(buf, buf.start_reduce_scatter(async_op=self.overlap))
-                               for buf in trainable]
-        for buf, pending in older:
+        older = len(_pending_reduces)
+        for buf in trainable:  # in the list as soon as issued: an error cannot drop it
+            _pending_reduces.append((buf, buf.start_reduce_scatter(async_op=self.overlap)))
+        for _ in range(older):
+            buf, pending = _pending_reduces.pop(0)
             buf.finish_reduce_scatter(pending)
         self.full_grads_pending = False
         self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
@@ -304,9 +333,10 @@ class FSDPUnit:
     def _divisor(self, buf) -> float:
         return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
 
-    def start_grad_sync(self) -> list:
+    def start_grad_sync(self, work: list) -> None:
         """Pending reduce-scatter, then issue the one outer all-reduce per buffer;
-        returns ``(buffer, pending, scale)`` for :func:`sync_grads` to wait on.
+        appends ``(buffer, pending, scale)`` to ``work`` (as each is issued) for
+        :func:`sync_grads` to wait on.
 
         Grads end up as the gradient of the mean loss over all data-parallel ranks
         (``1 / N``, or ``1 / gradient_divide_factor`` when set). With
@@ -317,8 +347,7 @@ class FSDPUnit:
             self.reduce_scatter_grads()
         wait_pending_reduces()
         if not self.grads_pending_outer_sync:
-            return []
-        work = []
+            return
         for buf in self.buffers:
             if not buf.trainable:
                 continue
@@ -329,7 +358,6 @@ class FSDPUnit:
                 buf.scale_grads(buf.outer.nranks / self._divisor(buf))
         self.grads_pending_outer_sync = False
         self.grads_synced = True
-        return work
 
     def has_full_grads(self) -> bool:
         return any(master_grad.has_full_grad(sp) for sp in self.params)

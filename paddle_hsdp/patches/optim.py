@@ -26,7 +26,7 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
 )
 
 from ..comm import collectives as comm
-from ..comm import gather_tags, watchdog
+from ..comm import gather_tags
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
                                  check_optimizer, finish_grad_sync)
 from . import clip
@@ -41,8 +41,7 @@ def _patch_apply_optimize() -> None:
     @functools.wraps(original)
     def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
         params = check_optimizer(self)
-        with watchdog.host_sync("the step boundary's read of the all-gather tag flags"):
-            gather_tags.raise_pending()
+        gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
         if params:
             finish_grad_sync(params)
             clip.make_clip_hsdp_aware(self, params)
