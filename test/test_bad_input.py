@@ -501,7 +501,7 @@ MULTI_RANK = [
      "test_comm_ops.py"),
     ("`state_dict()`, `full_state_dict`, `full_grads`, `save_checkpoint` or "
      "`load_checkpoint` called on some ranks only", "`CollectiveMismatchError` on the "
-     "callers, naming the call and the ranks that did not come, within "
+     "callers, naming the call and how many ranks came, within "
      "`PADDLE_HSDP_COLLECTIVE_TIMEOUT`, before any collective", "test_faults.py"),
     ("a `HSDPTrainingArguments` PaddleFormers cannot train with (its own `sharding`, "
      "TP / PP / EP degrees, `fp16`, rank-0-only checkpoint formats)",
