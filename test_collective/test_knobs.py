@@ -1,7 +1,8 @@
 """fully_shard's knobs on HSDP 2 x 2 (4 CPU ranks, one launch), each against a
 single-process reference: bf16 mixed precision (bf16 gather, fp32 reduce; half the
 all-gather bytes, float32 reduce-scatters), bf16 reduce (half the outer all-reduce
-bytes), ignored_params, and a Replicate() placement."""
+bytes), ignored_params, a Replicate() placement, and CPU offload with its path forced on
+CPU (equal to the fp32 run bit for bit, its copies counted)."""
 
 CHECKS = ("mixed_precision", "bf16_reduce", "ignored_params", "replicate_placement")
 
@@ -10,3 +11,4 @@ def test_knobs(hsdp_2x2_log):
     log = hsdp_2x2_log  # workers/worker_knobs.py, in the shared 2 x 2 launch (conftest.py)
     for name in CHECKS:
         assert f"KNOBS {name} max rel diff" in log, log[-3000:]
+    assert "KNOBS offload_forced equal to the fp32 run bit for bit" in log, log[-3000:]

@@ -49,6 +49,8 @@ _HISTORY = 6  # calls remembered per group, for the error message
 _calls: dict[int, int] = defaultdict(int)  # group id -> all-gathers issued so far
 _history: dict[int, deque] = defaultdict(lambda: deque(maxlen=_HISTORY))
 _pending: list[tuple] = []  # device-side mismatch flags not read yet
+# (unit, buffer, purpose, dtype, place) -> [256, TAG_NUMEL]: row n is call number n's tag
+_tables: dict[tuple, paddle.Tensor] = {}
 PENDING_CAP = 256  # flags kept before a read, at least (see pending_cap)
 _step_peak = 0  # the most flags one step boundary has read
 # Keep the comparison on the device as a flag even for CPU tensors: tests set it to
@@ -67,14 +69,23 @@ def can_tag(dtype) -> bool:
     return dtype != paddle.bool and "complex" not in str(dtype)
 
 
-def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, dtype):
-    """This call's tag as a ``[TAG_NUMEL]`` tensor of ``dtype``; records the call."""
+def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, dtype,
+             place):
+    """This call's tag as a ``[TAG_NUMEL]`` tensor of ``dtype`` on ``place``; records the
+    call. A view of a table built once per (buffer, purpose, dtype, place): no
+    host-to-device copy per all-gather."""
     number = _calls[group.id]
     _calls[group.id] = number + 1
-    values = [unit_index % 256, unit_index // 256 % 256, buffer_index % 256,
-              PURPOSES[purpose], number % 256]
     _history[group.id].append((number, describe, purpose))
-    return paddle.to_tensor(values, dtype=dtype)
+    key = (unit_index, buffer_index, purpose, str(dtype), str(place))
+    table = _tables.get(key)
+    if table is None:
+        values = np.zeros([256, TAG_NUMEL], dtype="float64")
+        values[:] = [unit_index % 256, unit_index // 256 % 256, buffer_index % 256,
+                     PURPOSES[purpose], 0]
+        values[:, 4] = np.arange(256)
+        table = _tables[key] = paddle.to_tensor(values, dtype=dtype, place=place)
+    return table[number % 256]
 
 
 def check(tags, own_tag, group) -> None:

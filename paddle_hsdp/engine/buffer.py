@@ -12,6 +12,7 @@ This rank's shard of the buffer is the concatenation of its block of every param
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import paddle
@@ -19,7 +20,7 @@ import paddle
 from ..comm import collectives as comm
 from ..comm import gather_tags
 from ..topology.cost import BufferShape
-from . import master_grad, trace
+from . import master_grad, offload, trace
 from .param import ShardedParam
 from .registry import registry
 
@@ -50,13 +51,13 @@ class ShardBuffer:
                                                                              mp_policy)
         self.policy_reduce_dtype = _dtype(getattr(mp_policy, "reduce_dtype", None))
         # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
-        # state) live in host memory; collectives and compute run on the device.
-        self.offload = offload_policy is not None and getattr(offload_policy, "offloads", False)
-        self.pin_memory = bool(getattr(offload_policy, "pin_memory", False))
-        self.device = paddle.get_device()
+        # state) live in host storage; collectives and compute run on the device.
+        self.host = (offload.HostStorage(getattr(offload_policy, "pin_memory", False))
+                     if offload.enabled(offload_policy) else None)
         offset = 0
         for sp in params:
             sp.offset = offset
+            sp.buffer = self
             offset += sp.chunk_numel
         self.shard_numel = offset
         self.inner_size = inner_group.nranks
@@ -71,16 +72,22 @@ class ShardBuffer:
         self.flat = None
         self.flat_grad = None
         self.flat_main_grad = None  # MixPrecisionLayer's float32 main grads (views of it)
+        # the registry.storage_epoch at which views / grads / main grads were checked
+        self._views_epoch = self._grads_epoch = self._main_grads_epoch = -1
 
     # -------------------------------------------------------------- placement
-    def to_device(self, t):
-        return t.to(self.device) if self.offload else t
+    @property
+    def offload(self) -> bool:
+        return self.host is not None
 
-    def to_host(self, t):
-        if not self.offload:
-            return t
-        t = t.cpu()
-        return t.pin_memory() if self.pin_memory else t
+    def on_host(self):
+        """Ops on this buffer's storage: on the host when it is offloaded."""
+        return offload.on_host() if self.host is not None else contextlib.nullcontext()
+
+    def _new_storage(self, dtype) -> paddle.Tensor:
+        if self.host is not None:
+            return self.host.zeros(self.shard_numel, dtype)
+        return paddle.zeros([self.shard_numel], dtype)
 
     # -------------------------------------------------------------- sizes
     @property
@@ -108,11 +115,16 @@ class ShardBuffer:
         self.flat = flat
         for sp in self.params:
             sp.attach_shard(flat)
+        self._views_epoch = registry.storage_epoch
 
     def _repair_views(self) -> None:
         """Shard params are views of ``self.flat``; a call that gave one new storage
         (anything but Paddle's in-place ops) would leave ``flat`` stale: copy its value
-        back in and share again. One pointer comparison per param otherwise."""
+        back in and share again. One pointer comparison per param, once per
+        ``registry.storage_epoch`` (not on every all-gather of a forward and backward)."""
+        if self._views_epoch == registry.storage_epoch:
+            return
+        self._views_epoch = registry.storage_epoch
         for sp in self.params:
             if not sp.shard_is_view_of(self.flat):
                 paddle.assign(sp.shard.detach().reshape([-1]), output=sp.piece_of(self.flat))
@@ -122,8 +134,18 @@ class ShardBuffer:
         """The flat grad storage, every shard param's ``.grad`` a view of it. Grads that
         were released (``clear_grad(set_to_zero=False)``) read as zeros; a grad the user
         replaced by another tensor is copied in."""
+        if self.host is not None:
+            self.host.settle()  # grads still on their way back from the device
         if self.flat_grad is None:
-            self.flat_grad = self.to_host(paddle.zeros([self.shard_numel], self.dtype))
+            self.flat_grad = self._new_storage(self.dtype)
+            self._grads_epoch = -1
+        if self._grads_epoch != registry.storage_epoch:  # once per epoch, as the views
+            self._grads_epoch = registry.storage_epoch
+            with self.on_host():
+                self._attach_grads()
+        return self.flat_grad
+
+    def _attach_grads(self) -> None:
         for sp in self.params:
             grad = sp.shard.grad
             if grad is None:
@@ -134,7 +156,6 @@ class ShardBuffer:
             else:
                 continue
             sp.attach_grad(self.flat_grad)
-        return self.flat_grad
 
     # -------------------------------------------------------------- main grads
     @property
@@ -147,9 +168,18 @@ class ShardBuffer:
         """The float32 flat main-grad storage, every shard's ``main_grad`` a view of it.
         A ``main_grad`` that ``MixPrecisionOptimizer.clear_grad(set_to_zero=False)``
         released reads as zeros; one the user replaced is copied in."""
+        if self.host is not None:
+            self.host.settle()
         if self.flat_main_grad is None:
-            self.flat_main_grad = self.to_host(paddle.zeros([self.shard_numel],
-                                                            master_grad.MAIN_GRAD_DTYPE))
+            self.flat_main_grad = self._new_storage(master_grad.MAIN_GRAD_DTYPE)
+            self._main_grads_epoch = -1
+        if self._main_grads_epoch != registry.storage_epoch:
+            self._main_grads_epoch = registry.storage_epoch
+            with self.on_host():
+                self._attach_main_grads()
+        return self.flat_main_grad
+
+    def _attach_main_grads(self) -> None:
         for sp in self.params:
             main = getattr(sp.shard, "main_grad", None)
             if main is None or not main._is_initialized():
@@ -161,7 +191,6 @@ class ShardBuffer:
             else:
                 continue
             sp.attach_main_grad(self.flat_main_grad)
-        return self.flat_main_grad
 
     def acc_flat(self) -> paddle.Tensor:
         """Where reduced grads accumulate: the main grads under MixPrecisionLayer, else
@@ -197,7 +226,7 @@ class ShardBuffer:
             sp.make_shard_param()
             if self.outer.rank != 0:
                 sp.shard.is_firstly_shared = False  # a replica: global-norm clip skips it
-        self._views_of(self.to_host(flat))
+        self._views_of(self.host.keep(flat) if self.host is not None else flat)
 
     def describe(self) -> str:
         """Which unit and buffer this is, for error messages."""
@@ -208,6 +237,7 @@ class ShardBuffer:
     def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
         """All-gather in the inner group and wait; return each parameter's full tensor
         (see :meth:`start_gather`)."""
+        registry.storage_may_have_changed()  # off the hot path: user code ran before
         return self.finish_gather(self.start_gather(grads, compute))
 
     def start_gather(self, grads: bool = False, compute: bool = False,
@@ -224,20 +254,25 @@ class ShardBuffer:
         if grads:
             acc = self.acc_flat()  # float32 main grads travel as they are
             base = acc.dtype
-            send = paddle.concat([acc, paddle.zeros([gather_tags.TAG_NUMEL], base)])
+            with self.on_host():
+                send = paddle.concat([acc, paddle.zeros([gather_tags.TAG_NUMEL], base)])
         else:
             self._repair_views()
             send, base = self.flat, self.dtype
         dtype = self.gather_dtype if compute else base
+        if send.dtype != dtype:
+            with self.on_host():  # offloaded: cast on the host, fewer bytes to copy
+                send = send.astype(dtype)
+        if self.host is not None:
+            send = self.host.upload(send)  # a device copy; the host shard stays as it is
         tag = None
         if gather_tags.can_tag(base) and gather_tags.can_tag(dtype):
+            # written last, where the collective reads it: a view of a table already
+            # in this dtype on this place, so no copy from the host per call
             tag = gather_tags.make_tag(self.inner, self.unit_index, self.index, purpose,
-                                        self.describe, base)
-            paddle.assign(tag.to(send.place), output=send._slice(self.shard_numel,
-                                                                 int(send.shape[0])))
-        if send.dtype != dtype:
-            send = send.astype(dtype)
-        send = self.to_device(send)
+                                        self.describe, dtype, send.place)
+            paddle.assign(tag, output=send._slice(self.shard_numel, self.shard_numel
+                                                  + gather_tags.TAG_NUMEL))
         row = self.shard_numel + gather_tags.TAG_NUMEL
         out = paddle.empty([self.inner_size * row], dtype=dtype)
         trace.record("issue", "all_gather", self.unit_index)
@@ -260,10 +295,8 @@ class ShardBuffer:
         sizes = [sp.chunk_numel for sp in self.params] + [gather_tags.TAG_NUMEL]
         parts = paddle.split(grid, sizes, axis=1)
         tags = parts.pop()
-        tag = pending.tag
-        if tag is not None:
-            tag = tag if tag.dtype == out.dtype else tag.astype(out.dtype)
-            gather_tags.check(tags, tag.to(tags.place), self.inner)
+        if pending.tag is not None:
+            gather_tags.check(tags, pending.tag, self.inner)  # same dtype and place
         if pending.compute and self.compute_dtype != out.dtype:
             parts = [p.astype(self.compute_dtype) for p in parts]
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
@@ -307,9 +340,12 @@ class ShardBuffer:
         trace.record("wait", "reduce_scatter", self.unit_index)
         acc = self.acc_flat()
         out = pending.out
+        if self.host is not None:  # added on the host once the copy is in
+            self.host.download(out, into=acc, add=True)
+            return
         if out.dtype != acc.dtype:
             out = out.astype(acc.dtype)
-        acc.add_(self.to_host(out))
+        acc.add_(out)
 
     def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
@@ -317,7 +353,9 @@ class ShardBuffer:
         are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
         Under MixPrecisionLayer it reduces the main grads."""
         flat = self.acc_flat()
-        target = self.to_device(flat)
+        # offloaded: a device copy to reduce (none for one replica: nothing to reduce)
+        moves = self.host is not None and self.outer.nranks > 1
+        target = self.host.upload(flat) if moves else flat
         dtype = self.grad_reduce_dtype()
         if dtype != flat.dtype and self.outer.nranks > 1:
             target = target.astype(dtype)
@@ -331,16 +369,24 @@ class ShardBuffer:
         pending.handle.wait()
         trace.record("wait", "all_reduce", self.unit_index)
         flat = pending.out
-        if pending.grid is not flat:  # a reduce_dtype or offloaded copy comes back
-            reduced = pending.grid
-            if reduced.dtype != flat.dtype:
-                reduced = reduced.astype(flat.dtype)
-            paddle.assign(self.to_host(reduced), output=flat)
-        flat.scale_(scale)
+        if pending.grid is flat:
+            with self.on_host():
+                flat.scale_(scale)
+            return
+        reduced = pending.grid  # a reduce_dtype or offloaded copy comes back
+        if reduced.dtype != flat.dtype:
+            reduced = reduced.astype(flat.dtype)
+        reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
+        if self.host is not None:
+            self.host.download(reduced, into=flat, add=False)
+        else:
+            paddle.assign(reduced, output=flat)
 
     def scale_grads(self, scale: float) -> None:
         """Scale the grad shard (or main grads) in place, without an outer all-reduce."""
-        self.acc_flat().scale_(scale)
+        flat = self.acc_flat()
+        with self.on_host():
+            flat.scale_(scale)
 
 
 @dataclass

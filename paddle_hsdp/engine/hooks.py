@@ -47,6 +47,7 @@ from ..comm import gather_tags
 from . import master_grad, trace
 from . import unit as unit_module
 from .buffer import compute_dtype_of
+from .registry import registry
 from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
@@ -254,6 +255,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         unit.is_root = starts_root
         if starts_root:
             _active.clear()  # whatever a forward that raised left behind
+            registry.storage_may_have_changed()  # user code ran since the last pass
             _make_root_state(unit, all_units)
             for u in unit.root_state.units:
                 u.pins = 0  # pins a failed forward left raised

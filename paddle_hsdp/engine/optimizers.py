@@ -9,11 +9,14 @@ these is :mod:`paddle_hsdp.patches.optim`.
 
 from __future__ import annotations
 
+import contextlib
+
 import paddle
 import paddle.incubate.optimizer as incubate
 import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
 from paddle.base import framework
 
+from . import offload
 from .registry import managed_param, owning_unit, units_under
 from .unit import FSDPUnit, sync_grads
 
@@ -135,4 +138,9 @@ def _ensure_accumulators(optimizer) -> None:
     params = [p for p in _params_of(optimizer) if not p.stop_gradient]
     if params and not getattr(optimizer, "_accumulators", None):
         block = framework.default_main_program().global_block()
-        optimizer._create_accumulators(block, params)
+        # where the step will run: offloaded shards keep their state on the host
+        offloaded = any(getattr(getattr(p, "_hsdp_sharded_param", None), "buffer", None)
+                        is not None and p._hsdp_sharded_param.buffer.host is not None
+                        for p in params)
+        with offload.on_host() if offloaded else contextlib.nullcontext():
+            optimizer._create_accumulators(block, params)

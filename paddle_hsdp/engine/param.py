@@ -47,6 +47,7 @@ class ShardedParam:
         self.inner_size = inner_size
         self.inner_rank = inner_rank
         self.offset = 0  # set by the buffer: where this chunk sits in the rank's shard
+        self.buffer = None  # set by the buffer that holds this chunk
         self.users: list[tuple[object, str]] = []  # (module, attribute name)
         self.shard: EagerParamBase | None = None
         self.mesh = None  # set by the unit: the groups this param's buffer talks to

@@ -70,20 +70,23 @@ _warned_cpu_offload = False
 
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
-    """Keep shards, their grads and so the optimizer state in host memory (pinned when
-    ``pin_memory``); each unit's shard is copied to the device for the all-gather and
-    compute, and reduced grads are copied back. The optimizer steps on the host.
+    """Keep shards, their grads and so the optimizer state in host memory; each unit's
+    shard is copied to the device for the all-gather and compute, reduced grads are
+    copied back, and the optimizer steps on the host (:mod:`paddle_hsdp.engine.offload`).
+    ``pin_memory``: grads come back through pinned staging memory, without blocking.
 
     On a CPU-only run everything already lives in host memory: the policy is accepted
     and is a no-op (logged once).
     """
 
     pin_memory: bool = True
+    offloads_to_host = True  # class attribute, not a field
 
     @property
     def offloads(self) -> bool:
         """Whether there is a device to offload from (False on CPU-only runs)."""
-        return not paddle.get_device().startswith("cpu")
+        from . import offload  # noqa: PLC0415  (policies sits below the engine's modules)
+        return offload.enabled(self)
 
     def check_supported(self) -> None:
         global _warned_cpu_offload

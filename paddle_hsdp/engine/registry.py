@@ -23,6 +23,13 @@ class Registry:
         # Params some fully_shard call was told to ignore, by id (kept alive so ids
         # stay unique).
         self.ignored: dict = {}
+        # Bumped wherever user code may have given a shard (or its grad) new storage:
+        # a root forward's start, the optimizer step, clear_grad, a state-dict call.
+        # Buffers re-check their views once per value, not on every collective.
+        self.storage_epoch = 0
+
+    def storage_may_have_changed(self) -> None:
+        self.storage_epoch += 1
 
     def __len__(self) -> int:
         return len(self.units)

@@ -25,7 +25,7 @@ from ..comm import arrival
 from ..comm import collectives as comm
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
-from . import master_grad
+from . import master_grad, offload
 from .buffer import ShardBuffer
 from .param import ShardedParam
 from .registry import registry
@@ -94,6 +94,10 @@ def sync_grads(units) -> None:
     all-reduce already issued is waited for before the error propagates."""
     work: list = []
     try:
+        for unit in units:
+            unit.finish_reductions()
+        # offloaded grads: every copy back from the reduce-scatters in, after one wait
+        offload.settle_all(b for unit in units for b in unit.buffers)
         for unit in units:
             unit.start_grad_sync(work)
         while work:
@@ -323,15 +327,25 @@ class FSDPUnit:
 
     def drop_pending_grads(self) -> None:
         """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
+        registry.storage_may_have_changed()  # grads released or replaced
         if self.full_grads_pending:
             for sp in self.params:
                 master_grad.release_full_grad(sp)
+        for buf in self.buffers:
+            if buf.host is not None:
+                buf.host.drop()  # offloaded grads still on their way: not added now
         self.full_grads_pending = False
         self.grads_pending_outer_sync = False
         self.grads_synced = False
 
     def _divisor(self, buf) -> float:
         return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
+
+    def finish_reductions(self) -> None:
+        """Run a deferred reduce-scatter and wait for every one in flight."""
+        if self.full_grads_pending:
+            self.reduce_scatter_grads()
+        wait_pending_reduces()
 
     def start_grad_sync(self, work: list) -> None:
         """Pending reduce-scatter, then issue the one outer all-reduce per buffer;
@@ -343,9 +357,7 @@ class FSDPUnit:
         ``requires_all_reduce`` False the outer all-reduce is skipped and each replica
         keeps the mean over its own inner group (it steps on its own data).
         """
-        if self.full_grads_pending:
-            self.reduce_scatter_grads()
-        wait_pending_reduces()
+        self.finish_reductions()
         if not self.grads_pending_outer_sync:
             return
         for buf in self.buffers:

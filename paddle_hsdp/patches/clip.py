@@ -30,6 +30,7 @@ sharding, mp and pp groups; :func:`record_norm_of_hybrid_clip` makes its norm re
 
 from __future__ import annotations
 
+import math
 import sys
 
 import paddle
@@ -38,6 +39,7 @@ from paddle.nn import ClipGradByGlobalNorm
 
 from ..comm import collectives as comm
 from ..comm import watchdog
+from ..engine import offload
 from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
 from ..engine.registry import managed_param
 from ..engine.unit import sync_grads
@@ -79,33 +81,107 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
     @paddle.no_grad()
     def _dygraph_clip(self, params_grads):
         dtype = norm_dtype(g for _, g in params_grads)
-        sum_sq = paddle.zeros([1], dtype=dtype)
-        for p, g in params_grads:
-            if g is None or getattr(p, "need_clip", True) is False:
-                continue
-            sq = paddle.sum(paddle.square(g.astype(dtype))).reshape([1])
-            if not sq.place._equals(sum_sq.place):  # offloaded (host) grads
-                sq = sq.to(paddle.get_device())
-            sum_sq = sum_sq + (sq if self.counts(p) else sq * 0.0)
+        clipped = [(p, g) for p, g in params_grads
+                   if g is not None and getattr(p, "need_clip", True) is not False]
+        counted = [(p, g) for p, g in clipped if self.counts(p)]
+        sum_sq = _local_sum(counted, dtype, lambda t: paddle.sum(paddle.square(t)))
         group = self.group or paddle.distributed.collective._get_global_group()
-        comm.all_reduce(sum_sq, group, tag="clip")
-        norm = paddle.sqrt(sum_sq)
+        with offload.on_device():  # offloaded grads: the norm still travels on the device
+            comm.all_reduce(sum_sq, group, tag="clip")
+            norm = paddle.sqrt(sum_sq)
         self.last_global_norm = norm
         if self.auto_skip_clip:
             with watchdog.host_sync("the clip's read of the global grad norm"):
                 small = norm.item() <= self.clip_norm
             if small:
                 return params_grads
-        max_norm = paddle.full([1], self.clip_norm, dtype=dtype)
-        scale = max_norm / paddle.maximum(norm, max_norm)
-        out = []
-        for p, g in params_grads:
-            if g is None or getattr(p, "need_clip", True) is False:
-                out.append((p, g))
-            else:
-                factor = scale if g.place._equals(scale.place) else scale.to(g.place)
-                out.append((p, g * factor.astype(g.dtype)))
-        return out
+        with offload.on_device():
+            max_norm = paddle.full([1], self.clip_norm, dtype=dtype)
+            scale = max_norm / paddle.maximum(norm, max_norm)
+        new_grads = _scaled(clipped, scale, in_place=False)
+        return [(p, new_grads.get(id(p), g)) for p, g in params_grads]
+
+
+def _storage_of(param, grad):
+    """The buffer's flat grad (or main-grad) storage ``grad`` is ``param``'s view of,
+    and that buffer; ``(None, None)`` for any other grad."""
+    sp = getattr(param, "_hsdp_sharded_param", None)
+    buf = getattr(sp, "buffer", None)
+    if buf is None or not grad._is_initialized():
+        return None, None
+    for flat in (buf.flat_grad, buf.flat_main_grad):
+        if (flat is not None and flat.dtype == grad.dtype and grad.data_ptr()
+                == flat.data_ptr() + sp.offset * flat.element_size()):
+            return flat, buf
+    return None, None
+
+
+def _by_storage(pairs):
+    """Split ``(param, grad)`` pairs into whole flat grad buffers, ``[(flat,
+    pairs)]``, and the rest: a buffer whose every param is here with its view of the
+    flat storage is one tensor for the norm and the scaling (one kernel, not a few
+    per parameter)."""
+    groups, rest = {}, []
+    for p, g in pairs:
+        flat, buf = _storage_of(p, g)
+        if flat is None:
+            rest.append((p, g))
+        else:
+            groups.setdefault(id(flat), (flat, buf, []))[2].append((p, g))
+    whole = []
+    for flat, buf, members in groups.values():
+        if len({id(p) for p, _ in members}) == len(buf.params) == len(members):
+            whole.append((flat, members))
+        else:
+            rest.extend(members)
+    return whole, rest
+
+
+def _local_sum(pairs, dtype, term, combine=None):
+    """This rank's part of the norm over ``pairs`` (``term`` of each tensor, summed, or
+    combined with ``combine``), as a ``[1]`` tensor on the compute device."""
+    whole, rest = _by_storage(pairs)
+    tensors = [flat for flat, _ in whole] + [g for _, g in rest]
+    want = paddle.float64 if dtype == "float64" else paddle.float32
+    terms = [offload.to_compute_device(term(t if t.dtype == want else t.astype(want))
+                                       .reshape([1]))
+             for t in tensors if math.prod(t.shape) > 0]
+    with offload.on_device():
+        if not terms:
+            return paddle.zeros([1], dtype)
+        if combine is None:
+            return paddle.add_n(terms) if len(terms) > 1 else terms[0]
+        return paddle.max(paddle.concat(terms)).reshape([1])
+
+
+def _scaled(pairs, factor, in_place: bool) -> dict:
+    """Every grad of ``pairs`` times ``factor`` (a ``[1]`` tensor): in place, or as new
+    tensors (``{id(param): grad}``, views of one scaled copy per whole buffer)."""
+    factors = {}  # one copy of the factor per place and dtype
+
+    def factor_for(t):
+        key = (str(t.place), str(t.dtype))
+        if key not in factors:
+            f = factor if t.place._equals(factor.place) else factor._copy_to(t.place, True)
+            factors[key] = f.astype(t.dtype)
+        return factors[key]
+
+    whole, rest = _by_storage(pairs)
+    out = {}
+    for flat, members in whole:
+        if in_place:
+            flat.multiply_(factor_for(flat))
+            continue
+        scaled = flat * factor_for(flat)
+        for p, g in members:
+            sp = p._hsdp_sharded_param
+            out[id(p)] = sp.piece_of(scaled).reshape(g.shape)
+    for p, g in rest:
+        if in_place:
+            g.multiply_(factor_for(g))
+        else:
+            out[id(p)] = g * factor_for(g)
+    return out
 
 
 def norm_dtype(grads) -> str:
@@ -205,11 +281,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the "
                            "gradients is non-finite, so it cannot be clipped; pass "
                            "error_if_nonfinite=False to scale by it anyway.")
-    coef = paddle.clip(float(max_norm) / (total + 1e-6), max=1.0)
+    coef = paddle.clip(float(max_norm) / (total + 1e-6), max=1.0).reshape([1])
     with paddle.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.grad.multiply_(coef.astype(p.grad.dtype))
+        _scaled([(p, p.grad) for p in params if p.grad is not None], coef, in_place=True)
     return total
 
 
@@ -221,22 +295,17 @@ def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
     """The norm over the job of the counted copies' grads (one all-reduce)."""
     infinite = norm_type == float("inf")
     dtype = norm_dtype(p.grad for p in params)
-    local = paddle.zeros([1], dtype=dtype)
-    for p in params:
-        if not counter.counts(p):
-            continue  # still joins the all-reduce below, with nothing to add
-        g = p.grad.astype(dtype).abs()
-        if g.numel() == 0:
-            continue
-        if infinite:
-            local = paddle.maximum(local, g.max().reshape([1]))
-        else:
-            local = local + (g ** norm_type).sum().reshape([1])
-    group = counter.group or paddle.distributed.collective._get_global_group()
-    comm.all_reduce(local, group, tag="clip", op="max" if infinite else "sum")
+    counted = [(p, p.grad) for p in params if counter.counts(p)]
     if infinite:
-        return local.reshape([])
-    return (local ** (1.0 / norm_type)).reshape([])
+        local = _local_sum(counted, dtype, lambda t: t.abs().max(), combine="max")
+    else:
+        local = _local_sum(counted, dtype, lambda t: (t.abs() ** norm_type).sum())
+    group = counter.group or paddle.distributed.collective._get_global_group()
+    with offload.on_device():
+        comm.all_reduce(local, group, tag="clip", op="max" if infinite else "sum")
+        if infinite:
+            return local.reshape([])
+        return (local ** (1.0 / norm_type)).reshape([])
 
 
 def clip_grad_value_(parameters, clip_value):

@@ -27,8 +27,10 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
+from ..engine import offload
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
                                  check_optimizer, finish_grad_sync)
+from ..engine.registry import registry
 from . import clip
 from .patching import replace
 
@@ -45,8 +47,12 @@ def _patch_apply_optimize() -> None:
         if params:
             finish_grad_sync(params)
             clip.make_clip_hsdp_aware(self, params)
-        result = original(self, loss, startup_program, params_grads, *args, **kwargs)
-        for unit in _units_of(params):
+        units = _units_of(params)
+        # offloaded shards: every grad copied back, then the update runs on the host
+        with offload.host_step(b for u in units for b in u.buffers if b.trainable):
+            result = original(self, loss, startup_program, params_grads, *args, **kwargs)
+        registry.storage_may_have_changed()  # an optimizer may rebind what it updates
+        for unit in units:
             unit.reshard(force=True)  # params kept gathered are stale after the update
         return result
 

@@ -13,9 +13,13 @@ reference of the same model and data (AdamW, global-norm clipping active, 2 micr
    rank, grads synchronised by the engine.
 1b. ``reduce_dtype="bfloat16"``: reduce-scatter and outer all-reduce in bf16 (half the
    bytes of an fp32 run on the outer group), within bf16's tolerance of the reference.
+1c. ``CPUOffloadPolicy`` with its path forced on CPU: equal to the fp32 run bit for bit,
+   with one upload / download per collective counted.
 
 Prints ``KNOBS <name> max rel diff ...`` per check.
 """
+
+import copy
 
 import numpy as np
 from common import finish, init_fleet, max_rel
@@ -26,6 +30,7 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine import offload
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm
 
@@ -270,6 +275,30 @@ for (snap32, _), (snap_bf, calls_bf) in zip(fp32_run[2], bf_run[2]):
                if c[1] in ("reduce_scatter", "all_reduce") and c[0] in ("inner", "outer"))
 report("bf16_reduce", bf_worst, rtol=BF16_REDUCE_RTOL,
        note=" (outer all-reduce bytes half the fp32 run's)")
+
+# ---- 1c. CPU offload, its path forced on CPU (host and "device" both the CPU, every
+# upload and download a real copy): shards, grads and optimizer state in host storage,
+# the outer all-reduce on an uploaded copy. Same kernels in the same order as the fp32
+# run above, so equal to it bit for bit.
+offload.EXERCISE_ON_CPU = True
+offload.reset_counters()
+off_model = shard(offload_policy=paddle_hsdp.CPUOffloadPolicy(pin_memory=True))
+off_buffers = trainable_buffers(off_model)
+assert all(b.host is not None for b in all_buffers(off_model))
+off_run = train_hsdp(off_model)
+moved = copy.copy(offload.counters)  # before the full_state_dict gathers below
+gathers = sum(snap[("inner", "all_gather")].calls for snap, _ in off_run[2])
+# one upload per all-gather and per outer all-reduce; one download per reduce-scatter
+# and per outer all-reduce; the optimizer stepped on the host once per step
+assert moved.uploads == gathers + STEPS * len(off_buffers), (moved, gathers)
+assert moved.downloads == STEPS * (MICRO + 1) * len(off_buffers), moved
+assert moved.host_steps == STEPS, moved
+assert off_run[0] == fp32_run[0] and off_run[1] == fp32_run[1], (off_run[:2], fp32_run[:2])
+fp32_full = paddle_hsdp.full_state_dict(fp32_model)
+for name, value in paddle_hsdp.full_state_dict(off_model).items():
+    np.testing.assert_array_equal(value.numpy(), fp32_full[name].numpy(), err_msg=name)
+offload.EXERCISE_ON_CPU = False
+print(f"KNOBS offload_forced equal to the fp32 run bit for bit ({moved})", flush=True)
 
 # ---- 2. ignored_params
 model = build_model()
