@@ -10,7 +10,7 @@ import paddle
 import pytest
 
 import paddle_hsdp
-from paddle_hsdp.engine import trace
+from paddle_hsdp.engine import staging, trace
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
 
@@ -136,3 +136,34 @@ def test_unit_called_twice_before_one_backward(fake_mesh, float64):
         if p.grad is not None:
             parity.assert_close(grads[name].numpy(), p.grad.numpy(), name)
     assert all(u.backward_calls == 0 for u in hsdp_registry.units)
+
+
+# ---------------------------------------------------------------- staging
+
+
+def test_staging_tensors_are_reused_across_units_and_steps(fake_mesh, monkeypatch):
+    """Every all-gather grid, reduce-scatter grid and output comes from the staging pool:
+    after the second step (the first records the forward order, prefetch starts with the
+    second) no step allocates one, the blocks (one shape) share theirs, and nothing
+    stays handed out between steps."""
+    pool = staging.StagingPool()
+    monkeypatch.setattr(staging, "pool", pool)
+    model = _shard_tinylm(models.build_model(), reshard_blocks=True)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    taken = []
+    take = pool.take
+    monkeypatch.setattr(pool, "take", lambda *a: taken.append(a) or take(*a))
+    made = []
+    for step in range(4):
+        models.lm_loss(model, _ids(seed=step), True).backward()
+        opt.step()
+        opt.clear_grad()
+        made.append(pool.allocations)
+        assert pool.taken_bytes == 0 and not pool._out, step
+    assert 0 < made[0] <= made[1] == made[2] == made[3], made
+    # per step: a grid per all-gather, a grid and an output per multi-param reduction
+    assert len(taken) > 4 * made[-1], (len(taken), made)
+    assert pool.free_count() == made[-1]
+    block_sizes = {b.shard_numel for blk in model.blocks for b in blk._hsdp_unit.buffers}
+    assert len(block_sizes) == 1  # the blocks share one size: a handful of tensors
+    assert made[-1] <= 3 * len(hsdp_registry.units), made

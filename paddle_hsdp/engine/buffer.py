@@ -16,11 +16,12 @@ import contextlib
 from dataclasses import dataclass
 
 import paddle
+from paddle import _C_ops
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
 from ..topology.cost import BufferShape
-from . import master_grad, offload, trace
+from . import master_grad, offload, staging, trace
 from .param import ShardedParam
 from .registry import registry
 
@@ -251,6 +252,7 @@ class ShardBuffer:
         a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`):
         ranks that pair up different all-gathers raise instead of computing on each other's rows."""
         purpose = "grads" if grads else ("compute" if compute else "params")
+        staged = []  # tensors from the staging pool, given back after the wait
         if grads:
             acc = self.acc_flat()  # float32 main grads travel as they are
             base = acc.dtype
@@ -260,29 +262,45 @@ class ShardBuffer:
             self._repair_views()
             send, base = self.flat, self.dtype
         dtype = self.gather_dtype if compute else base
-        if send.dtype != dtype:
-            with self.on_host():  # offloaded: cast on the host, fewer bytes to copy
-                send = send.astype(dtype)
-        if self.host is not None:
-            send = self.host.upload(send)  # a device copy; the host shard stays as it is
-        tag = None
-        if gather_tags.can_tag(base) and gather_tags.can_tag(dtype):
-            # written last, where the collective reads it: a view of a table already
-            # in this dtype on this place, so no copy from the host per call
-            tag = gather_tags.make_tag(self.inner, self.unit_index, self.index, purpose,
-                                        self.describe, dtype, send.place)
-            paddle.assign(tag, output=send._slice(self.shard_numel, self.shard_numel
-                                                  + gather_tags.TAG_NUMEL))
-        row = self.shard_numel + gather_tags.TAG_NUMEL
-        out = paddle.empty([self.inner_size * row], dtype=dtype)
-        trace.record("issue", "all_gather", self.unit_index)
-        handle = comm.all_gather_into(out, send, self.inner, async_op=True,
-                                      what=self.describe)
+        try:
+            if send.dtype != dtype:
+                send = self._cast_for_sending(send, dtype, staged)
+            if self.host is not None:
+                send = self.host.upload(send)  # a device copy; the host shard stays as is
+            tag = None
+            if gather_tags.can_tag(base) and gather_tags.can_tag(dtype):
+                # written last, where the collective reads it: a view of a table
+                # already in this dtype on this place, so no copy from the host per call
+                tag = gather_tags.make_tag(self.inner, self.unit_index, self.index,
+                                            purpose, self.describe, dtype, send.place)
+                paddle.assign(tag, output=send._slice(self.shard_numel, self.shard_numel
+                                                      + gather_tags.TAG_NUMEL))
+            row = self.shard_numel + gather_tags.TAG_NUMEL
+            out = staging.pool.take(self.inner_size * row, dtype)
+            staged.append(out)
+            trace.record("issue", "all_gather", self.unit_index)
+            handle = comm.all_gather_into(out, send, self.inner, async_op=True,
+                                          what=self.describe)
+        except BaseException:
+            _give_back(staged)  # nothing was issued (or the issue failed): not in flight
+            raise
         if not async_op:
             handle.wait()
         # send and out stay referenced until the wait: an async collective reads and
         # writes them on the communication stream.
-        return _PendingGather(handle, send, out, tag, compute)
+        return _PendingGather(handle, send, out, tag, compute, tuple(staged))
+
+    def _cast_for_sending(self, send, dtype, staged: list) -> paddle.Tensor:
+        """``send`` in ``dtype``: cast into a staging tensor (Paddle 3.3's public cast
+        has no output argument; ``_C_ops.cast`` does). Offloaded: cast on the host (fewer
+        bytes to copy), into a new tensor the upload reads on its own terms."""
+        if self.host is not None:
+            with self.on_host():
+                return send.astype(dtype)
+        into = staging.pool.take(comm.numel_of(send), dtype)
+        staged.append(into)
+        _C_ops.cast(send, dtype, out=into)
+        return into
 
     def finish_gather(self, pending: "_PendingGather") -> list[paddle.Tensor]:
         """Wait for :meth:`start_gather`, check the tags, and copy each parameter's
@@ -299,6 +317,9 @@ class ShardBuffer:
             gather_tags.check(tags, pending.tag, self.inner)  # same dtype and place
         if pending.compute and self.compute_dtype != out.dtype:
             parts = [p.astype(self.compute_dtype) for p in parts]
+        # the copy-out and the tag check are issued: the grid (and the send copy) can
+        # serve the next collective (engine/staging.py says why that is safe on NCCL)
+        release_staging(pending)
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
 
     # -------------------------------------------------------------- gradients
@@ -322,16 +343,37 @@ class ShardBuffer:
                 g = g.astype(dtype)
             blocks.append(sp.as_rank_blocks(g))  # a view unless the param has padding
             master_grad.release_full_grad(sp)
-        # one param: its own grad storage is the input (released above, kept alive here)
-        grid = paddle.concat(blocks, axis=1) if len(blocks) > 1 else blocks[0]
-        del blocks  # the full grads' storage goes now, before the collective runs
-        out = paddle.empty([self.shard_numel], dtype=dtype)
-        trace.record("issue", "reduce_scatter", self.unit_index)
-        handle = comm.reduce_scatter(out, grid.reshape([-1]), self.reduce_group, async_op=True,
-                                     what=self.describe)
+        staged = []
+        try:
+            # one param: its own grad storage is the input (released above, kept alive
+            # here); more: one concatenation into a staging grid
+            grid = self._reduce_input(blocks, dtype, staged) if len(blocks) > 1 else blocks[0]
+            del blocks  # the full grads' storage goes now, before the collective runs
+            out = staging.pool.take(self.shard_numel, dtype) if self.host is None else \
+                paddle.empty([self.shard_numel], dtype=dtype)
+            if self.host is None:
+                staged.append(out)
+            trace.record("issue", "reduce_scatter", self.unit_index)
+            handle = comm.reduce_scatter(out, grid.reshape([-1]), self.reduce_group,
+                                         async_op=True, what=self.describe)
+        except BaseException:
+            _give_back(staged)  # nothing was issued (or the issue failed)
+            raise
         if not async_op:
             handle.wait()
-        return _PendingReduce(handle, grid, out)
+        return _PendingReduce(handle, grid, out, tuple(staged))
+
+    def _reduce_input(self, blocks, dtype, staged: list) -> paddle.Tensor:
+        """The ``[I, S]`` reduce-scatter input: ``blocks`` concatenated into a staging
+        grid of the all-gather grid's size (so the two share the pool's tensors)."""
+        if self.host is not None:
+            return paddle.concat(blocks, axis=1)
+        row = self.shard_numel + gather_tags.TAG_NUMEL
+        base = staging.pool.take(self.inner_size * row, dtype)
+        staged.append(base)
+        grid = base._slice(0, self.inner_size * self.shard_numel).reshape(
+            [self.inner_size, self.shard_numel])
+        return paddle.concat(blocks, axis=1, out=grid)
 
     def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
         """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
@@ -342,10 +384,12 @@ class ShardBuffer:
         out = pending.out
         if self.host is not None:  # added on the host once the copy is in
             self.host.download(out, into=acc, add=True)
+            release_staging(pending)  # the grid (the download reads out, not pooled)
             return
         if out.dtype != acc.dtype:
             out = out.astype(acc.dtype)
         acc.add_(out)
+        release_staging(pending)  # the add is issued: grid and out serve the next call
 
     def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
@@ -396,6 +440,7 @@ class _PendingGather:
     out: paddle.Tensor
     tag: paddle.Tensor | None
     compute: bool
+    staged: tuple = ()  # from the staging pool: given back once, after the wait
 
 
 @dataclass
@@ -403,6 +448,29 @@ class _PendingReduce:
     handle: comm.Handle
     grid: paddle.Tensor  # the input (kept alive until the wait)
     out: paddle.Tensor
+    staged: tuple = ()
+
+
+def release_staging(pending) -> None:
+    """Give a waited collective's staging tensors back to the pool (once)."""
+    staged, pending.staged = pending.staged, ()
+    _give_back(staged)
+
+
+def _give_back(staged) -> None:
+    for t in staged:
+        staging.pool.give(t)
+
+
+def settle(pendings) -> list[Exception]:
+    """Wait for every pending collective (None skipped) even when some fail, then give
+    their staging back: for error paths and prefetches never used (see
+    :func:`paddle_hsdp.comm.collectives.settle`). Returns the failures."""
+    pendings = [p for p in pendings if p is not None]
+    failures = comm.settle(p.handle for p in pendings)
+    for p in pendings:
+        release_staging(p)
+    return failures
 
 
 def _dtype(d):

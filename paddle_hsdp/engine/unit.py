@@ -26,7 +26,7 @@ from ..comm import collectives as comm
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from . import master_grad, offload
-from .buffer import ShardBuffer
+from .buffer import ShardBuffer, settle
 from .param import ShardedParam
 from .registry import registry
 
@@ -85,7 +85,7 @@ def drop_pending_reduces() -> None:
     """After a failed backward: wait for the reduce-scatters in flight without using
     their results (their buffers may not be freed before the collective is done)."""
     pending, _pending_reduces[:] = list(_pending_reduces), []
-    comm.settle(p.handle for _, p in pending)
+    settle(p for _, p in pending)
 
 
 def sync_grads(units) -> None:
@@ -240,7 +240,7 @@ class FSDPUnit:
                 for buf in self.buffers:
                     pending.append(buf.start_gather(compute=True, async_op=self.overlap))
             except BaseException:  # e.g. out of memory for the next output: the ones
-                comm.settle(p.handle for p in pending)  # in flight land first
+                settle(pending)  # in flight land first
                 raise
             self._pending_gather = pending
             # the gathered storage exists from the issue on: count it from there
@@ -259,7 +259,7 @@ class FSDPUnit:
                     sp.set_full_data(full)
         except BaseException:
             # the all-gathers not copied out yet are waited for before their buffers go
-            comm.settle(p.handle for p in pending if p is not None)
+            settle(pending)
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
             GatheredBytes.add(-self.gathered_nbytes(), -1)
@@ -274,7 +274,7 @@ class FSDPUnit:
         if self._pending_gather is not None:  # prefetched, never used: let it land
             pending, self._pending_gather = self._pending_gather, None
             GatheredBytes.add(-self.gathered_nbytes(), -1)
-            failures = comm.settle(p.handle for p in pending)
+            failures = settle(pending)
             if failures:
                 raise failures[0]
         if self.state is UnitState.SHARDED:
