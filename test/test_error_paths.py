@@ -246,15 +246,15 @@ def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledge
 
 def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
         fake_mesh, float64, ledger, monkeypatch):
-    """The root's reduce-scatter, issued at the end of backward, raises while block 0's
-    is still in flight: it is waited for and dropped, not accumulated into the next
-    batch's grads after ``clear_grad``."""
+    """The embedding's reduce-scatter (the owner of the tied head: issued at the end of
+    backward) raises while block 0's is still in flight: it is waited for and dropped,
+    not accumulated into the next batch's grads after ``clear_grad``."""
     ref, ref_opt, model, opt = _pair()
-    root = model._hsdp_unit
+    embed = model.embed._hsdp_unit
     original = ShardBuffer.start_reduce_scatter
 
     def failing(self, *args, **kwargs):
-        if self.owner is root:
+        if self.owner is embed:
             assert unit_module._pending_reduces  # block 0's reduction is in flight
             raise Boom("simulated OOM building the reduce-scatter input")
         return original(self, *args, **kwargs)
@@ -263,6 +263,35 @@ def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
     with pytest.raises(Boom):
         loss.backward()
     monkeypatch.undo()
+    del loss
+    opt.clear_grad()
+    _assert_all_waited(ledger)
+    _assert_trains_like_reference(ref, ref_opt, model, opt)
+    _assert_all_waited(ledger)
+
+
+def test_early_reduction_that_raises_inside_backward(fake_mesh, float64, ledger,
+                                                     monkeypatch):
+    """The root's final-norm buffer is reduced from a grad hook inside the backward
+    (before the blocks'); Paddle does not carry an exception out of such a hook, so the
+    engine keeps it and raises it when the backward returns, as it is, after waiting
+    for and dropping every reduction in flight."""
+    ref, ref_opt, model, opt = _pair()
+    root = model._hsdp_unit
+    original = ShardBuffer.start_reduce_scatter
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(self.owner)
+        if self.owner is root:
+            raise Boom("simulated OOM in an early reduction")
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(ShardBuffer, "start_reduce_scatter", failing)
+    loss = models.lm_loss(model, _ids(seed=5), True)
+    with pytest.raises(Boom):
+        loss.backward()
+    monkeypatch.undo()
+    assert calls[0] is root and len(calls) > 1  # early, and the backward went on
     del loss
     opt.clear_grad()
     _assert_all_waited(ledger)

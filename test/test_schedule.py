@@ -138,6 +138,81 @@ def test_unit_called_twice_before_one_backward(fake_mesh, float64):
     assert all(u.backward_calls == 0 for u in hsdp_registry.units)
 
 
+# ---------------------------------------------------------------- the root's grads
+
+
+def _untied_tinylm():
+    """TinyLM with a head weight of its own and the embedding left in the root (as the
+    benchmark wraps its model): the root holds the embedding before the blocks, and the
+    final norm and the head after them."""
+    model = models.build_model()
+    model.head = models.TiedHead(model.create_parameter([models.VOCAB, models.HIDDEN]))
+    for block in model.blocks:
+        paddle_hsdp.fully_shard(block)
+    paddle_hsdp.fully_shard(model)
+    return model
+
+
+def _root_reductions(model, ev):
+    """Positions in ``ev`` of the root's reduce-scatter issues, of the last block's
+    backward compute and of the first block's backward end (the last unit's)."""
+    root = model._hsdp_unit.index
+    issues = [i for i, e in enumerate(ev) if e == ("issue", "reduce_scatter", root)]
+    last_block = ev.index(("backward", "compute", model.blocks[-1]._hsdp_unit.index))
+    first_done = ev.index(("backward", "done", model.blocks[0]._hsdp_unit.index))
+    return issues, last_block, first_done
+
+
+def test_the_roots_head_buffer_is_reduced_before_the_end_of_backward(fake_mesh):
+    """The root's params are split by the sharded blocks between them: the embedding's
+    buffer, and the final norm's and head's. The latter is reduce-scattered as soon as
+    its params' grads are complete (before the blocks' backward), the embedding's at the
+    end; each once. The end-of-backward mode keeps both for the end."""
+    model = _untied_tinylm()
+    root = model._hsdp_unit
+    assert [[sp.fqn for sp in b.params] for b in root.buffers if b.trainable] == \
+        [["embed.weight"], ["final_norm.weight", "final_norm.bias", "head.weight"]]
+    models.lm_loss(model, _ids(), True).backward()  # records the forward order
+    for end_of_backward in (False, True):
+        model.set_reduce_grads_at_end_of_backward(end_of_backward)
+        trace.enable()
+        try:
+            models.lm_loss(model, _ids(), True).backward()
+        finally:
+            trace.disable()
+        ev = list(trace.events)
+        issues, last_block, first_done = _root_reductions(model, ev)
+        assert len(issues) == 2, ev
+        if end_of_backward:
+            assert issues[0] > first_done, ev
+        else:
+            assert issues[0] < last_block < first_done < issues[1], ev
+        assert ev[-1] == ("backward", "end", root.index)
+
+
+def test_early_reduction_keeps_accumulation_and_no_sync(fake_mesh, float64):
+    """Two micro-steps, the first without grad sync (full grads accumulate), the second
+    with it (the head buffer reduced early, the embedding's at the end): the grads equal
+    the unsharded model's over both; without sync the root reduces nothing in backward."""
+    sharded = _untied_tinylm()
+    plain = models.build_model()
+    plain.head = models.TiedHead(plain.create_parameter([models.VOCAB, models.HIDDEN]))
+    for step, sync in enumerate((False, True)):
+        sharded.set_requires_gradient_sync(sync)
+        trace.enable()
+        try:
+            models.lm_loss(sharded, _ids(seed=step), True).backward()
+        finally:
+            trace.disable()
+        root_issues = _root_reductions(sharded, list(trace.events))[0]
+        assert len(root_issues) == (2 if sync else 0), trace.events
+        models.lm_loss(plain, _ids(seed=step), True).backward()
+    grads = paddle_hsdp.full_grads(sharded)
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            parity.assert_close(grads[name].numpy(), p.grad.numpy(), name)
+
+
 # ---------------------------------------------------------------- staging
 
 

@@ -156,9 +156,12 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
     policy = mp_policy_of(config)
     claimed = {id(p) for p in choice.ignored_params()}
     units = []
+    wrapped = {id(module) for _, module in choice.wrap}
     for path, module in [*choice.wrap, ("", model)]:
-        sps = []
+        sps, segment = [], 0
         for prefix, sub in module.named_sublayers(include_self=True):
+            if sub is not module and id(sub) in wrapped:
+                segment += 1  # as the engine splits a unit's buffers (buffer_groups)
             for name, p in sub._parameters.items():
                 if p is None or id(p) in claimed:
                     continue
@@ -166,9 +169,10 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
                 size = expert_inner if _is_expert(p) else inner
                 fqn = ".".join(x for x in (path, prefix, name) if x)
                 sps.append(ShardedParam(p, fqn, size, 0))
+                sps[-1].segment = segment
         buffers = tuple(_buffer_shape(params, expert, policy, labels,
                                       expert_outer if expert else outer)
-                        for (_, _, expert, _), params in buffer_groups(sps, {}).items())
+                        for (_, _, _, expert, _), params in buffer_groups(sps, {}).items())
         units.append(cost.UnitShape(path or "<root>", buffers,
                                     reshard_after_forward_of(config, path == ""),
                                     sum(sp.numel for sp in sps)))

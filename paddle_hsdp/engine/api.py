@@ -281,7 +281,7 @@ def _check_module(module) -> None:
 
 def _check_sizes(claims: list[tuple]) -> None:
     """A zero-size parameter has no rows to shard and no storage to gather from."""
-    for _, _, fqn, p, owner in claims:
+    for _, _, fqn, p, owner, _ in claims:
         if owner is None and 0 in list(p.shape):
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' has a zero-size shape {list(p.shape)}: "
@@ -377,6 +377,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     unit.overlap = bool(enable_tensor_fusion_and_overlap)
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
+    hooks.watch_grads(unit)
     unit.shard_initial()  # first collective: broadcast over the outer group
     registry.units.append(unit)
     hooks.register_unit_hooks(unit, registry.units)
@@ -390,15 +391,20 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
 
 def _plan_claims(module, ignored: set, placements: dict) -> list[tuple]:
     """What :func:`_apply_claims` will do, without doing it: for every module slot of
-    ``module``'s subtree, ``(sub, name, fqn, param, owner)`` where ``owner`` is the
-    ``(unit, ShardedParam)`` of a param another unit owns (tied weights), else None."""
+    ``module``'s subtree, ``(sub, name, fqn, param, owner, segment)`` where ``owner`` is
+    the ``(unit, ShardedParam)`` of a param another unit owns (tied weights), else None,
+    and ``segment`` counts the sharded sub-modules met before the slot in
+    ``named_sublayers`` order (see :func:`~paddle_hsdp.engine.unit.buffer_groups`)."""
     claims = []
+    segment = 0
     for prefix, sub in module.named_sublayers(include_self=True):
+        if sub is not module and "_hsdp_unit_" in sub.__dict__:
+            segment += 1  # params after a sharded sub-module travel apart from those before
         for name, p in list(sub._parameters.items()):
             if p is None or hasattr(p, "_hsdp_sharded_param") or id(p) in ignored:
                 continue  # empty slot, a shard param of a sub-unit, or ignored
             fqn = f"{prefix}.{name}" if prefix else name
-            claims.append((sub, name, fqn, p, registry.owner_of.get(id(p))))
+            claims.append((sub, name, fqn, p, registry.owner_of.get(id(p)), segment))
     return claims
 
 
@@ -407,7 +413,7 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
     it. Slots naming a param another unit owns (tied weights) are handed to that owner,
     and this unit will gather the owner with itself."""
     claimed: dict[int, ShardedParam] = {}
-    for sub, name, fqn, p, owner in claims:
+    for sub, name, fqn, p, owner, segment in claims:
         if owner is not None:
             owner_unit, sp = owner
             sp.users.append((sub, name))
@@ -424,6 +430,7 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
             else:
                 inner = unit.mesh.inner(_is_expert(p))
                 claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
+            claimed[id(p)].segment = segment  # where it is first met
         claimed[id(p)].users.append((sub, name))
     unit.params = list(claimed.values())
     for sp in unit.params:

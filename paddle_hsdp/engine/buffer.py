@@ -75,6 +75,11 @@ class ShardBuffer:
         self.flat_main_grad = None  # MixPrecisionLayer's float32 main grads (views of it)
         # the registry.storage_epoch at which views / grads / main grads were checked
         self._views_epoch = self._grads_epoch = self._main_grads_epoch = -1
+        # Early reduction (a unit whose post-backward does not fire, e.g. the root):
+        # the params whose grad this backward is complete, by id, and whether the
+        # buffer was reduced before the end of backward (reset there).
+        self.grads_ready: set[int] = set()
+        self.reduced_early = False
 
     # -------------------------------------------------------------- placement
     @property
@@ -197,6 +202,9 @@ class ShardBuffer:
         """Where reduced grads accumulate: the main grads under MixPrecisionLayer, else
         the shard grads."""
         return self.main_grad_flat() if self.main_grads else self.grad_flat()
+
+    def has_full_grads(self) -> bool:
+        return any(master_grad.has_full_grad(sp) for sp in self.params)
 
     def grad_reduce_dtype(self):
         """The dtype grads travel in: main grads in float32 unless the policy names a

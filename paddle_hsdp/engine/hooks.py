@@ -14,29 +14,36 @@
 * Pre-backward: gather again if the unit was resharded after forward; prefetch the
   next units in backward order.
 * Post-backward (the hook on the inputs: fires once the grads of the unit's inputs
-  exist, i.e. after the ops that read its parameters): reshard, so a
+  exist, i.e. after the ops that read its parameters): reduce-scatter and reshard, so a
   ZeRO-3 backward holds about one unit gathered at a time. Units other units borrow
   from (tied params) wait for the end of backward.
+* Grad accumulated (Paddle's post-accumulation hook on each trainable full parameter,
+  :func:`_on_grad_accumulated`): for a unit whose post-backward does not fire (no input
+  requires grad: the root, an embedding unit), a buffer whose every parameter has its
+  grad is reduce-scattered at once; the root's final norm and head (a buffer of their
+  own: unit.buffer_groups) so go right after their backward.
 * End of backward: Paddle 3.3 has no queue-callback, so :func:`install` wraps
   ``core.eager.run_backward`` (what ``Tensor.backward`` and ``paddle.autograd.backward``
   call) and ``run_partial_grad`` (``paddle.grad``). After the engine returns, every
-  root whose backward ran reduce-scatters the grads of all its units, in one fixed order
-  (reverse registration), and reshards them. A fixed order taken by every rank, with
+  root whose backward ran reduce-scatters what its units have not reduced yet (and
+  grads that arrived after a unit's reduction), in one fixed order (reverse
+  registration), and reshards them. A fixed order taken by every rank, with
   zeros for params that got no grad, is what makes unused params and rank-dependent
   control flow inside a unit safe for the grad reduction. The pre-backward gather of a
   resharded unit still needs the unit's outputs to take part in backward on every rank
   (a unit that returns only non-differentiable tensors on some ranks would make those
   ranks skip that all-gather). A backward nested in another (reentrant activation
   recompute) is part of the outer one; forwards run inside a backward never start a
-  root and do not reshard (their backward follows at once). (Reducing per unit during backward, to overlap it
-  with compute and free full grads early, needs a grad-ready signal that is the same on
-  every rank; not done yet.)
+  root and do not reshard (their backward follows at once). A failure of an early
+  reduction inside the autograd engine is kept and raised when the backward returns
+  (Paddle does not carry it out of the grad hook).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import paddle
@@ -55,6 +62,7 @@ from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
 _active: list[FSDPUnit] = []
 _roots_in_backward: list["RootState"] = []
 _backward_depth = 0  # > 0 while the autograd engine runs (nested: recompute)
+_hook_errors: list[BaseException] = []  # raised in a grad hook, raised at the end of backward
 _installed = False
 
 
@@ -85,20 +93,24 @@ class RootState:
         """End of backward: reduce the units whose post-backward did not reduce them
         (inputs that need no grad, owners of tied params, reduction deferred to the end
         of backward), and units whose grads arrived after their post-backward, in one
-        fixed order (reverse registration)."""
+        fixed order (reverse registration). Of a unit some of whose buffers were
+        reduced early, the rest (and early ones that got more grads since)."""
         self.recording = False
         FullGradBytes.sample(self.units)
         for unit in reversed(self.units):
-            late = unit.requires_gradient_sync and unit.has_full_grads()
-            if not unit.reduced_in_backward or late:
+            early = any(b.reduced_early for b in unit.buffers)
+            if early and not unit.reduced_in_backward:
+                unit.reduce_rest()
+            elif not unit.reduced_in_backward or (
+                    unit.requires_gradient_sync and unit.has_full_grads()):  # late grads
                 unit.post_backward()
-            unit.reduced_in_backward = False
-            unit.backward_calls = 0
+            _reset_backward(unit)
         wait_pending_reduces()  # shard grads are complete when backward returns
         for unit in reversed(self.units):
             unit.pins = 0
             if unit.reshard_after_backward:
                 unit.reshard()
+        trace.record("backward", "end", self.root.index)
 
 
 def _alias(tensors):
@@ -144,10 +156,66 @@ def _on_post_backward(unit: FSDPUnit) -> None:
         unit.reduced_in_backward = True
     if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
         unit.reshard()
+    trace.record("backward", "done", unit.index)
 
 
 def _root_of(unit: FSDPUnit):
     return unit.root_state or unit._in_root
+
+
+def _reset_backward(unit: FSDPUnit) -> None:
+    """Forget one backward's progress (its end, or a backward that failed)."""
+    unit.reduced_in_backward = False
+    unit.backward_calls = 0
+    for buf in unit.buffers:
+        buf.reduced_early = False
+        buf.grads_ready.clear()
+
+
+def watch_grads(unit: FSDPUnit) -> None:
+    """Register :func:`_on_grad_accumulated` on every trainable parameter of ``unit``
+    (once: Paddle 3.3 returns no handle to remove it by)."""
+    for buf in unit.buffers:
+        if buf.trainable:
+            for sp in buf.params:
+                sp.full._register_backward_hook(functools.partial(_on_grad_accumulated, sp))
+
+
+def _on_grad_accumulated(sp, *_) -> None:
+    """Paddle's post-accumulation hook of a full parameter: its grad for this backward
+    is complete (every use of it is accumulated). Used by units whose post-backward
+    does not fire (no input requires grad: the root, an embedding unit): once every
+    parameter of one of their buffers has its grad, that buffer is reduce-scattered at
+    once instead of at the end of backward. The root's final norm and untied head
+    (their own buffer, see unit.buffer_groups) are so reduced right after their
+    backward, while the layers' backward runs; the embedding's buffer at the end.
+
+    Every rank takes this path alike when every rank runs the same units and the
+    parameters such a unit holds get a grad on every rank or on none (the condition of
+    docs/engine.md); ``set_reduce_grads_at_end_of_backward(True)`` turns it off with
+    the per-unit reduction. Owners of tied params a borrower uses still wait for the
+    end of backward; so does every unit when ``requires_gradient_sync`` is False."""
+    buf = sp.buffer
+    unit = buf.owner
+    if (_backward_depth == 0 or buf.reduced_early or unit.reduced_in_backward
+            or unit.backward_calls > 0 or unit.borrowed_by
+            or not unit.reduce_grads_in_backward or not unit.requires_gradient_sync
+            or not master_grad.has_full_grad(sp)):
+        return  # its post-backward reduces it, or the end of backward does
+    root = _root_of(unit)
+    if root is None or root not in _roots_in_backward:
+        return
+    buf.grads_ready.add(id(sp))
+    if len(buf.grads_ready) < len(buf.params) or _hook_errors:
+        return
+    try:
+        FullGradBytes.sample(root.units)
+        unit.reduce_buffer_early(buf)
+    except BaseException as e:
+        # Paddle 3.3 does not carry an exception out of this hook (the next node of the
+        # backward fails with an unrelated message): keep it for the end of backward,
+        # which abandons the backward and raises it (_then_post_backward).
+        _hook_errors.append(e)
 
 
 def _on_pre_backward(unit: FSDPUnit) -> None:
@@ -307,6 +375,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
             # evaluation / generation never reach an optimizer step: read the gathers'
             # device-side tag flags now (nothing to read on CPU; one sync on a device)
             gather_tags.raise_pending()
+        trace.record("forward", "done", unit.index)
         return outputs
 
     unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
@@ -418,12 +487,18 @@ def _then_post_backward(original):
         except BaseException:
             _backward_depth -= 1
             if _backward_depth == 0:
+                _hook_errors.clear()  # this error is the one that propagates
                 _abandon_backward()
             raise
         _backward_depth -= 1
         # A backward nested in another (reentrant activation recompute) is part of it:
         # only the outermost one ends the backward.
         if _backward_depth == 0:
+            if _hook_errors:  # an early reduction failed inside the backward
+                error = _hook_errors[0]
+                _hook_errors.clear()
+                _abandon_backward()
+                raise error
             run_post_backward()
         return result
 
@@ -442,7 +517,6 @@ def _abandon_backward() -> None:
             for sp in unit.params:
                 master_grad.release_full_grad(sp)
             unit.full_grads_pending = False
-            unit.reduced_in_backward = False
-            unit.backward_calls = 0
+            _reset_backward(unit)
             unit.pins = 0
             unit.reshard(force=True)

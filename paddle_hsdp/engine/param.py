@@ -51,6 +51,10 @@ class ShardedParam:
         self.users: list[tuple[object, str]] = []  # (module, attribute name)
         self.shard: EagerParamBase | None = None
         self.mesh = None  # set by the unit: the groups this param's buffer talks to
+        # Which stretch of its unit's module tree it sits in, between sharded
+        # sub-modules (0 before the first): the unit's buffers are split by it, so a
+        # root's head and its embedding travel apart (unit.buffer_groups).
+        self.segment = 0
 
     @property
     def shard_shape(self) -> list[int]:

@@ -169,7 +169,7 @@ class FSDPUnit:
         params kept whole on every rank (their own buffers, inner size 1, reduced over
         the whole FSDP group)."""
         placements = placements or {}
-        for (_, _, expert, whole), params in buffer_groups(self.params, placements).items():
+        for (_, _, _, expert, whole), params in buffer_groups(self.params, placements).items():
             if whole:
                 inner, outer = _own_rank_group(), self.mesh.fsdp_group(expert)
                 reduce_group = inner
@@ -304,16 +304,19 @@ class FSDPUnit:
                 if buf.trainable:
                     buf.acc_flat()
 
-    def reduce_scatter_grads(self) -> None:
+    def reduce_scatter_grads(self, buffers: list[ShardBuffer] | None = None) -> None:
         """Issue this unit's reduce-scatters (asynchronous with overlap on), then wait
         for the ones issued before them: one unit's reduction is in flight while the
-        next unit's backward computes. :func:`wait_pending_reduces` waits for the rest."""
-        trainable = [b for b in self.buffers if b.trainable]
+        next unit's backward computes. :func:`wait_pending_reduces` waits for the rest.
+        ``buffers``: only these (an early reduction; the caller sees to the others)."""
+        every = [b for b in self.buffers if b.trainable]
+        trainable = every if buffers is None else [b for b in buffers if b.trainable]
         if self.grads_synced:
             # finish_grad_sync already ran this step (e.g. to log grads) and more grads
             # arrive: bring the synced part back to "summed, replicated" form (x N / O),
-            # so the next sync's outer sum and 1 / N leave it unchanged.
-            for buf in trainable:
+            # so the next sync's outer sum and 1 / N leave it unchanged (every buffer:
+            # the flag is the unit's).
+            for buf in every:
                 buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
             self.grads_synced = False
         older = len(_pending_reduces)
@@ -322,8 +325,26 @@ class FSDPUnit:
         for _ in range(older):
             buf, pending = _pending_reduces.pop(0)
             buf.finish_reduce_scatter(pending)
-        self.full_grads_pending = False
+        if buffers is None:
+            self.full_grads_pending = False
         self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
+
+    def reduce_buffer_early(self, buf: ShardBuffer) -> None:
+        """Reduce-scatter one buffer whose parameters all have this backward's grads
+        (:func:`paddle_hsdp.engine.hooks._on_grad_accumulated`), before the end of
+        backward; :meth:`reduce_rest` takes the others there."""
+        self.reduce_scatter_grads([buf])
+        buf.reduced_early = True
+
+    def reduce_rest(self) -> None:
+        """End of a backward in which some buffers were reduced early: the trainable
+        buffers that were not, and early ones whose grads grew again since (a grad that
+        arrived after its buffer's reduction, e.g. from a recomputed segment)."""
+        rest = [b for b in self.buffers if b.trainable
+                and (not b.reduced_early or b.has_full_grads())]
+        if rest:
+            self.reduce_scatter_grads(rest)
+        self.full_grads_pending = False
 
     def drop_pending_grads(self) -> None:
         """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
@@ -402,12 +423,18 @@ def _own_rank_group():
 
 
 def buffer_groups(params: list[ShardedParam], placements: dict) -> "OrderedDict":
-    """Params that travel in one collective, in first-seen order, keyed by what must
-    agree inside it: ``(dtype, trainable, expert, kept whole)``."""
+    """Params that travel in one collective, in first-seen order, keyed by
+    ``(segment, dtype, trainable, expert, kept whole)``: what must agree inside one
+    collective, and the stretch of the unit's module tree between sharded sub-modules
+    (``ShardedParam.segment``). A unit without sharded sub-modules has one stretch; a
+    root's embedding (before the layers) and its final norm and head (after them) get
+    buffers of their own, so the head's grads can be reduced as soon as the head's
+    backward is done (hooks._on_grad_accumulated) instead of waiting for the
+    embedding's at the end of backward."""
     groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
     for sp in params:
         whole = placements.get(id(sp.full)) == "replicate"
-        key = (str(sp.dtype), sp.trainable, _is_expert(sp.full), whole)
+        key = (sp.segment, str(sp.dtype), sp.trainable, _is_expert(sp.full), whole)
         groups.setdefault(key, []).append(sp)
     return groups
 
