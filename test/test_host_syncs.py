@@ -16,6 +16,7 @@ import paddle
 import pytest
 
 from paddle_hsdp.comm import gather_tags
+from paddle_hsdp.engine import trace
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -46,7 +47,20 @@ def host_syncs(monkeypatch):
     return seen
 
 
-def test_forward_and_backward_make_no_host_sync_and_the_step_one(fake_mesh, host_syncs):
+@pytest.mark.parametrize("timeline", [False, True], ids=["plain", "memory_timeline"])
+def test_forward_and_backward_make_no_host_sync_and_the_step_one(fake_mesh, host_syncs,
+                                                                  timeline):
+    """Also with the memory timeline on (engine/trace.py: from shapes, for the benchmark)."""
+    if timeline:
+        trace.enable(memory=True, rss=True)
+    try:
+        _step_twice(host_syncs)
+    finally:
+        trace.disable()
+    assert not timeline or len(trace.timeline) > 0
+
+
+def _step_twice(host_syncs):
     model = _shard_tinylm(models.build_model(), reshard_blocks=True)  # ZeRO-3: most gathers
     opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters(),
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(0.5))

@@ -213,7 +213,7 @@ def test_early_reduction_keeps_accumulation_and_no_sync(fake_mesh, float64):
             parity.assert_close(grads[name].numpy(), p.grad.numpy(), name)
 
 
-# ---------------------------------------------------------------- staging
+# ---------------------------------------------------------------- staging and the timeline
 
 
 def test_staging_tensors_are_reused_across_units_and_steps(fake_mesh, monkeypatch):
@@ -242,3 +242,34 @@ def test_staging_tensors_are_reused_across_units_and_steps(fake_mesh, monkeypatc
     block_sizes = {b.shard_numel for blk in model.blocks for b in blk._hsdp_unit.buffers}
     assert len(block_sizes) == 1  # the blocks share one size: a handful of tensors
     assert made[-1] <= 3 * len(hsdp_registry.units), made
+
+
+def test_memory_timeline_kinds_and_memory_report(fake_mesh):
+    """The timeline has a row per event with every kind; after forward, backward and the
+    step its last row gives what memory_report gives; the kinds show up where they
+    should (gathered in forward, full grads in backward, optimizer state after a step)."""
+    model = _shard_tinylm(models.build_model(), reshard_blocks=False)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    trace.enable(memory=True, rss=True)
+    try:
+        loss = models.lm_loss(model, _ids(), True)
+        checks = [(trace.timeline[-1], paddle_hsdp.memory_report(model))]
+        loss.backward()
+        checks.append((trace.timeline[-1], paddle_hsdp.memory_report(model)))
+        opt.step()
+        checks.append((trace.timeline[-1], paddle_hsdp.memory_report(model)))
+    finally:
+        trace.disable()
+    rows = list(trace.timeline)
+    assert len(rows) == len(trace.events)
+    assert [row["event"] for row in (c[0] for c in checks)] == \
+        ["forward done", "backward end", "step done"]
+    for row, report in checks:
+        assert row["shard"] == report["shard"] > 0, (row, report)
+        assert row["shard_grad"] + row["full_grad"] == report["grad"], (row, report)
+        assert row["gathered"] == report["gathered"], (row, report)
+        assert row["staging"] == report["staging"], (row, report)
+        assert set(trace.KINDS) | {"t", "event", "unit", "rss"} == set(row), row
+    assert max(r["gathered"] for r in rows) > 0 and max(r["full_grad"] for r in rows) > 0
+    assert rows[-1]["optimizer"] > 0 and rows[0]["optimizer"] == 0
+    assert all(b["t"] >= a["t"] for a, b in zip(rows, rows[1:]))

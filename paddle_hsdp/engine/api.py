@@ -15,7 +15,7 @@ from paddle.distributed import Replicate, Shard
 from ..comm import collectives as comm
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
-from . import hooks
+from . import hooks, staging
 from .flex import sharded_state_dict
 from .param import ShardedParam
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -474,15 +474,18 @@ def _gather_named(model, grads: bool) -> dict:
 def memory_report(model) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
     ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
-    ``peak_gathered`` / ``peak_gathered_units``: the most full-size param bytes and
-    units gathered at once (all models), and ``peak_full_grads``: the most full-size
-    grad bytes alive at a post-backward or end of backward, since
-    :func:`reset_peak_memory`."""
+    ``staging``: what the collectives' staging pool holds (all models; see
+    engine/staging.py); ``peak_gathered`` / ``peak_gathered_units``: the most
+    full-size param bytes and units gathered at once (all models), and
+    ``peak_full_grads``: the most full-size grad bytes alive at a post-backward, an
+    early reduction or end of backward, since :func:`reset_peak_memory`. The same
+    figures at every engine event: ``paddle_hsdp.engine.trace.enable(memory=True)``."""
     expect_layer(model, "memory_report")
     total = {"shard": 0, "grad": 0, "gathered": 0}
     for unit in units_under(model):
         for key, value in unit.held_bytes().items():
             total[key] += value
+    total["staging"] = staging.pool.held_bytes
     total["peak_gathered"] = GatheredBytes.peak
     total["peak_gathered_units"] = GatheredBytes.units_peak
     total["peak_full_grads"] = FullGradBytes.peak

@@ -340,6 +340,7 @@ class ShardBuffer:
         this rank (unused) contributes zeros: every rank joins the collective whatever
         its data did. :meth:`finish_reduce_scatter` waits and accumulates.
         """
+        trace.record("ready", "reduce_scatter", self.unit_index)  # full grads complete
         blocks = []
         dtype = self.grad_reduce_dtype()
         for sp in self.params:

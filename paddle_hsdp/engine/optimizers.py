@@ -10,6 +10,7 @@ these is :mod:`paddle_hsdp.patches.optim`.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import paddle
 import paddle.incubate.optimizer as incubate
@@ -131,6 +132,17 @@ def _states_of(optimizer, p) -> dict:
     if master is not None:
         states["master_weight"] = master
     return states
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state now (accumulators and master weights of the
+    shards it holds), from shapes: for the memory timeline (engine/trace.py)."""
+    optimizer = unwrap_optimizer(optimizer)
+    total = 0
+    for p in _sharded_params_of(optimizer):
+        for state in _states_of(optimizer, p).values():
+            total += math.prod(state.shape) * state.element_size()
+    return total
 
 
 def _ensure_accumulators(optimizer) -> None:

@@ -1,30 +1,111 @@
-"""An event trace of the engine's schedule, for tests and for reading a step.
+"""An event trace of the engine's schedule, and a memory timeline, for tests, the
+benchmark and reading a step.
 
 Off by default (one ``if`` per event). ``paddle_hsdp.engine.trace.enable()`` starts recording
 ``(kind, op, unit index)`` tuples: ``issue`` / ``wait`` for every collective a buffer
-issues and waits (``all_gather``, ``reduce_scatter``, ``all_reduce``), and
-``forward`` / ``backward`` when a unit's compute is about to start. On NCCL an
-``issue`` returns at once and the collective runs on the communication stream; the
-``wait`` is where the compute stream starts to depend on it.
+issues and waits (``all_gather``, ``reduce_scatter``, ``all_reduce``), and ``ready``
+``reduce_scatter`` when a buffer's full grads are about to be copied into the
+reduce-scatter's input (the last moment they are all alive); ``forward`` /
+``backward`` ``compute`` when a unit's compute is about to start (after its gather and
+prefetch: its pre-forward / pre-backward) and ``done`` when it is over (its
+post-forward / post-backward); ``backward end`` (unit: the root) when the end of
+backward has reduced and resharded everything; ``step done`` (unit -1) after an
+optimizer update. On NCCL an ``issue`` returns at once and the collective runs on the
+communication stream; the ``wait`` is where the compute stream starts to depend on it.
+
+**Memory timeline** (``enable(memory=True)``): at every event, one row in
+:data:`timeline`: ``t`` (``time.perf_counter()``), ``event`` (``"kind op"``), ``unit``,
+and the bytes the engine holds on this rank by kind (:data:`KINDS`), summed over every
+unit of the process:
+
+* ``shard``: the parameter shards; ``shard_grad``: their grads (and float32 main
+  grads); ``full_grad``: full-size grads not reduce-scattered yet; ``gathered``: full
+  parameters gathered now (``memory_report`` gives the same figures: ``grad`` is
+  ``shard_grad + full_grad``);
+* ``staging``: what the staging pool holds, free or in flight (engine/staging.py:
+  all-gather grids, reduce-scatter grids and outputs, mixed-precision send copies);
+* ``optimizer``: the optimizer's state (moments, master weights) as of its last step
+  since :func:`enable` (0 before it).
+
+All of it comes from shapes and Python-side state, never from a device value (no host
+sync: ``test/test_host_syncs.py`` runs with it on). ``rss=True`` adds ``rss``, the
+process's resident set from ``/proc/self/statm`` (Linux; absent elsewhere).
+``tools/bench.py`` draws rank 0's timeline.
 """
 
 from __future__ import annotations
 
+import os
+import time
+
+from . import staging
+from .registry import registry
+
+KINDS = ("shard", "gathered", "full_grad", "shard_grad", "staging", "optimizer")
+
 events: list[tuple[str, str, int]] = []
+timeline: list[dict] = []
 _on = False
+_memory = False
+_rss = False
+_optimizer_bytes = 0
 
 
-def enable() -> None:
-    global _on
+def enable(memory: bool = False, rss: bool = False) -> None:
+    """Start recording events (cleared), and with ``memory`` the timeline (cleared; the
+    optimizer's state counts from the next step)."""
+    global _on, _memory, _rss, _optimizer_bytes
     events.clear()
-    _on = True
+    timeline.clear()
+    _on, _memory, _rss = True, bool(memory), bool(rss) and bool(memory)
+    _optimizer_bytes = 0
 
 
 def disable() -> None:
-    global _on
-    _on = False
+    global _on, _memory, _rss
+    _on = _memory = _rss = False
 
 
 def record(kind: str, op: str, unit_index: int) -> None:
     if _on:
         events.append((kind, op, unit_index))
+        if _memory:
+            timeline.append(sample(f"{kind} {op}", unit_index))
+
+
+def note_optimizer_bytes(nbytes: int) -> None:
+    """The optimizer's state after its step (engine/optimizers.optimizer_state_bytes)."""
+    global _optimizer_bytes
+    _optimizer_bytes = int(nbytes)
+
+
+def recording_memory() -> bool:
+    return _on and _memory
+
+
+def sample(event: str, unit_index: int) -> dict:
+    """One timeline row now (also callable with the timeline off)."""
+    row = {"t": time.perf_counter(), "event": event, "unit": unit_index}
+    row.update(dict.fromkeys(KINDS, 0))
+    for unit in registry.units:
+        for kind, nbytes in unit.bytes_by_kind().items():
+            row[kind] += nbytes
+    row["staging"] = staging.pool.held_bytes
+    row["optimizer"] = _optimizer_bytes
+    if _rss:
+        rss = rss_bytes()
+        if rss is not None:
+            row["rss"] = rss
+    return row
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size now (None where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None

@@ -402,20 +402,30 @@ class FSDPUnit:
     def gathered_nbytes(self) -> int:
         return sum(buf.compute_nbytes for buf in self.buffers)
 
-    def held_bytes(self) -> dict[str, int]:
-        shard = grad = gathered = 0
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes this unit holds now, from shapes and Python-side state (no device read):
+        ``shard`` params, ``shard_grad`` (their grads and main grads), ``full_grad``
+        (full-size grads not reduced yet), ``gathered`` full params."""
+        shard = shard_grad = gathered = 0
         for buf in self.buffers:
             esize = buf.element_size
             shard += buf.shard_numel * esize
             for sp in buf.params:
                 if sp.shard.grad is not None:
-                    grad += sp.chunk_numel * esize
+                    shard_grad += sp.chunk_numel * esize
                 if getattr(sp.shard, "main_grad", None) is not None:
-                    grad += sp.chunk_numel * sp.shard.main_grad.element_size()
+                    shard_grad += sp.chunk_numel * sp.shard.main_grad.element_size()
                 if sp.full_is_materialized():
                     gathered += sp.numel * buf.compute_element_size
-        grad += self.full_grad_nbytes()
-        return {"shard": shard, "grad": grad, "gathered": gathered}
+        return {"shard": shard, "shard_grad": shard_grad,
+                "full_grad": self.full_grad_nbytes(), "gathered": gathered}
+
+    def held_bytes(self) -> dict[str, int]:
+        """:meth:`bytes_by_kind` as :func:`paddle_hsdp.memory_report` gives it (``grad``:
+        shard grads plus full-size grads)."""
+        held = self.bytes_by_kind()
+        return {"shard": held["shard"], "grad": held["shard_grad"] + held["full_grad"],
+                "gathered": held["gathered"]}
 
 
 def _own_rank_group():

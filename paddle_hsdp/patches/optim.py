@@ -27,9 +27,9 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
-from ..engine import offload
+from ..engine import offload, trace
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
-                                 check_optimizer, finish_grad_sync)
+                                 check_optimizer, finish_grad_sync, optimizer_state_bytes)
 from ..engine.registry import registry
 from . import clip
 from .patching import replace
@@ -54,6 +54,9 @@ def _patch_apply_optimize() -> None:
         registry.storage_may_have_changed()  # an optimizer may rebind what it updates
         for unit in units:
             unit.reshard(force=True)  # params kept gathered are stale after the update
+        if trace.recording_memory():
+            trace.note_optimizer_bytes(optimizer_state_bytes(self))
+        trace.record("step", "done", -1)
         return result
 
     replace(paddle.optimizer.Optimizer, "_apply_optimize", _apply_optimize,
