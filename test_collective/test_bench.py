@@ -32,5 +32,9 @@ def test_bench_quick():
         for kind, c in summary["variants"][name]["comm_bytes_per_step"].items():
             if c["theoretical"]:
                 assert 1.0 <= c["ratio"] <= 1.03, (name, kind, c)
-    for png in ("loss.png", "bars.png"):
+    timeline = summary["variants"]["hsdp2x2"]["timeline"]  # rank 0's, every engine event
+    assert timeline["at_engine_peak"]["engine"] > 0 and timeline["at_rss_peak"]["rss_above_idle"]
+    assert {"shard", "gathered", "full_grad", "shard_grad", "staging", "optimizer", "rss"} \
+        <= set(timeline["columns"]["bytes"])
+    for png in ("loss.png", "bars.png", "timeline.png"):
         assert os.path.getsize(os.path.join(out, png)) > 1000, png

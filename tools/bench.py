@@ -17,12 +17,16 @@ time and alternated round by round so that machine noise hits all of them alike:
   timings are reported;
 * ``single``: one process on the whole batch (the loss reference).
 
-Printed and written to ``OUT/bench.json`` (with ``loss.png`` and ``bars.png``): median
+Printed and written to ``OUT/bench.json`` (with ``loss.png``, ``bars.png`` and
+``timeline.png``): median
 step time (steps after the first) and its ratio to DataParallel and to stage 3; training
 peak RSS per rank above the idle runtime (``FLAGS_use_system_allocator=true``, peak mark
 reset after set-up) beside the theoretical per-rank figure; per-step wire bytes per
 group kind from ``paddle_hsdp.comm.counter`` against the volume formulas (docs/architecture.md); and the last
-loss's difference from the single process. On a GPU machine compare against
+loss's difference from the single process; for the hsdp variants, rank 0's memory
+timeline (paddle_hsdp.engine.trace: the engine's bytes by kind at each of its events, and
+the process RSS there), drawn in ``timeline.png``, with the breakdown at its peaks
+printed. On a GPU machine compare against
 ``group_sharded_parallel(level="p_g_os")`` and ``paddle.distributed.fsdp`` instead of the
 CPU bypass (not done here: no GPU).
 
@@ -120,8 +124,10 @@ def theoretical_mb(variant: str, shape: bench_model.Shape, per_rank: int) -> flo
     else:
         inner = 2 if variant == "hsdp2x2" else WORLD
         # shards of everything; the root gathered throughout; two layers gathered and one
-        # layer's full grads at a time; the root's full grads at the end of backward
-        states = 16 * p / inner + 4 * root + 3 * 4 * layer + 4 * root
+        # layer's full grads at a time; of the root's full grads, the larger of its two
+        # buffers' (the head's, reduced after its backward; the embedding's, at the end)
+        embed = shape.vocab * shape.hidden
+        states = 16 * p / inner + 4 * root + 3 * 4 * layer + 4 * max(embed, root - embed)
     return (states + act) / 2 ** 20
 
 
@@ -141,6 +147,8 @@ def summarise(results: dict, args) -> dict:
                  "last_loss": runs[-1]["losses"][-1],
                  "last_loss_diff_vs_single": abs(runs[-1]["losses"][-1] - ref_loss),
                  "losses": runs[-1]["losses"]}
+        if "timeline" in runs[-1]:
+            entry["timeline"] = timeline_summary(runs[-1]["timeline"])
         if "comm_measured" in runs[-1]:
             measured, theory = runs[-1]["comm_measured"], runs[-1]["comm_theoretical"]
             entry["comm_bytes_per_step"] = {
@@ -160,6 +168,27 @@ def summarise(results: dict, args) -> dict:
     return summary
 
 
+def timeline_summary(timeline: dict) -> dict:
+    """Rank 0's memory timeline (tools/bench_worker.py) as it is, plus the engine's bytes
+    by kind at the event where their sum peaks and where the sampled RSS peaks."""
+    kinds = [k for k in timeline["bytes"] if k != "rss"]
+    total = [sum(timeline["bytes"][k][i] for k in kinds) for i in range(len(timeline["t"]))]
+
+    def row(i):
+        return {"event": timeline["event"][i], "unit": timeline["unit"][i],
+                "t": timeline["t"][i], **{k: timeline["bytes"][k][i] for k in kinds},
+                "engine": total[i],
+                "rss_above_idle": timeline["bytes"]["rss"][i] - timeline["idle_rss"]
+                if "rss" in timeline["bytes"] else None}
+    out = {"columns": timeline}
+    if total:
+        out["at_engine_peak"] = row(max(range(len(total)), key=total.__getitem__))
+        rss = timeline["bytes"].get("rss")
+        if rss:
+            out["at_rss_peak"] = row(max(range(len(rss)), key=rss.__getitem__))
+    return out
+
+
 def print_table(summary: dict) -> None:
     print(f"\n{summary['shape']} LlamaLike ({summary['params'] / 1e6:.1f}M params), "
           f"{summary['world']} CPU ranks, {summary['per_rank']} sequence(s) of "
@@ -175,6 +204,18 @@ def print_table(summary: dict) -> None:
               f"{e.get('time_vs_stage3', 0):6.2f} {e['peak_rss_mb_per_rank']:8.0f} "
               f"{e['theoretical_mb_per_rank']:7.0f} {e.get('memory_vs_stage3', 0):6.2f} "
               f"{e['memory_vs_theoretical']:6.2f} {e['last_loss_diff_vs_single']:9.2e}")
+    for name, e in summary["variants"].items():
+        for where in ("at_engine_peak", "at_rss_peak"):
+            r = e.get("timeline", {}).get(where)
+            if r:
+                mb = 2 ** 20
+                parts = ", ".join(f"{k} {r[k] / mb:.0f}" for k in
+                                  ("shard", "shard_grad", "optimizer", "gathered",
+                                   "full_grad", "staging"))
+                rss = "" if r["rss_above_idle"] is None else \
+                    f"; RSS above idle {r['rss_above_idle'] / mb:.0f}"
+                print(f"{name:12s} timeline {where.replace('_', ' ')} ({r['event']}, unit "
+                      f"{r['unit']}): engine {r['engine'] / mb:.0f} MB = {parts}{rss}")
     for name, e in summary["variants"].items():
         for kind, c in e.get("comm_bytes_per_step", {}).items():
             if c["theoretical"]:
@@ -214,6 +255,56 @@ def plot(summary: dict, out_dir: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "bars.png"))
     plt.close(fig)
+    plot_timelines(summary, out_dir, plt)
+
+
+TIMELINE_COLOURS = {"shard": "tab:blue", "shard_grad": "tab:cyan", "optimizer": "tab:purple",
+                    "gathered": "tab:green", "full_grad": "tab:red", "staging": "tab:orange"}
+
+
+def plot_timelines(summary: dict, out_dir: str, plt) -> None:
+    """``timeline.png``: rank 0's memory timeline of each hsdp variant that recorded one,
+    one line per kind of engine bytes, their sum, and the process RSS above idle where
+    sampled (the dotted line: the training peak the table reports); backward shaded."""
+    named = [(n, e["timeline"]) for n, e in summary["variants"].items() if "timeline" in e]
+    if not named:
+        return
+    mb = 2 ** 20
+    fig, axes = plt.subplots(len(named), 1, figsize=(12, 3.6 * len(named)), squeeze=False)
+    for ax, (name, tl) in zip(axes[:, 0], named):
+        cols = tl["columns"]
+        t, by = cols["t"], cols["bytes"]
+        kinds = [k for k in TIMELINE_COLOURS if k in by]
+        for k in kinds:
+            ax.plot(t, [v / mb for v in by[k]], drawstyle="steps-post", lw=1.2,
+                    color=TIMELINE_COLOURS[k], label=k)
+        total = [sum(by[k][i] for k in kinds) / mb for i in range(len(t))]
+        ax.plot(t, total, drawstyle="steps-post", color="black", lw=1.5, label="engine total")
+        if "rss" in by:
+            ax.plot(t, [(v - cols["idle_rss"]) / mb for v in by["rss"]], color="gray",
+                    lw=1.2, label="RSS above idle (sampled)")
+        peak = summary["variants"][name]["peak_rss_mb_per_rank"]
+        ax.axhline(peak, color="gray", ls=":", lw=1, label=f"peak RSS (max rank) {peak:.0f}")
+        _shade_backward(ax, t, cols["event"])
+        ax.set_ylabel("MB (rank 0)")
+        ax.set_title(f"{name}: memory by kind at each engine event")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[-1, 0].set_xlabel("seconds since the first timed step started")
+    fig.suptitle(f"{summary['shape']} LlamaLike, {summary['world']} CPU ranks")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "timeline.png"), dpi=110)
+    plt.close(fig)
+
+
+def _shade_backward(ax, t, events) -> None:
+    """Grey spans from a step's first backward event to its end of backward."""
+    start = None
+    for when, event in zip(t, events):
+        if event.startswith("backward") and start is None:
+            start = when
+        if event == "backward end" and start is not None:
+            ax.axvspan(start, when, color="0.92", zorder=0)
+            start = None
 
 
 def check_losses(summary: dict, rtol: float) -> None:
@@ -483,7 +574,9 @@ def main(argv=None):
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump(summary, f, indent=1)
     plot(summary, out_dir)
-    print(f"\nwrote {out_dir}/bench.json, loss.png, bars.png")
+    print(f"\nwrote {out_dir}/bench.json, loss.png, bars.png"
+          + (", timeline.png" if any("timeline" in e for e in summary["variants"].values())
+             else ""))
     return summary
 
 

@@ -221,6 +221,27 @@ def net_report(start: list[int], end: list[int], cross_sent: list, steps: int) -
             "expected_cross_bytes_gloo": sum(row[5] for row in rows)}
 
 
+def memory_timeline(rank: int, variant: str):
+    """paddle_hsdp's memory timeline (engine/trace.py), on rank 0 of an hsdp variant run
+    with an engine that has one (a --baseline engine may not): None otherwise."""
+    engine = getattr(paddle_hsdp, "engine", None)
+    trace = getattr(engine, "trace", None) if engine is not None else None
+    if rank != 0 or not variant.startswith("hsdp") or \
+            not hasattr(trace, "recording_memory"):
+        return None
+    return trace
+
+
+def timeline_columns(rows: list, idle_bytes: int) -> dict:
+    """The timeline as columns (t from the first row, bytes as they are), and the idle
+    RSS the benchmark's peak is measured above."""
+    keys = [k for k in rows[0] if k not in ("t", "event", "unit")] if rows else []
+    t0 = rows[0]["t"] if rows else 0.0
+    return {"t": [r["t"] - t0 for r in rows], "event": [r["event"] for r in rows],
+            "unit": [r["unit"] for r in rows], "idle_rss": idle_bytes,
+            "bytes": {k: [r.get(k, 0) for r in rows] for k in keys}}
+
+
 def units_under(model) -> list:
     """The engine's units under ``model``. A --baseline engine from before the
     sub-packages (issue 17) keeps them in ``paddle_hsdp.api``."""
@@ -247,10 +268,15 @@ def main():
     paddle_step = paddle_wire_bytes(variant, model, world) if two_host and not units else 0.0
     cross_sent, net_start = [0.0, 0.0], None
     reset_peak_rss()
+    trace = memory_timeline(rank, variant)
+    if trace is not None:  # from shapes, no device reads: cheap enough to stay on
+        trace.enable(memory=True, rss=True)
     times, losses, comm_steps = [], [], []
     for step, ids in enumerate(data):
         if world > 1:
             dist.barrier()
+        if trace is not None:
+            trace.record("bench", "step", step)
         if two_host and step == 1:  # step 0 is done everywhere: the timed window opens
             net_start = net_counters()
         paddle_hsdp.comm.counter.reset()
@@ -270,6 +296,10 @@ def main():
         if world > 1:
             dist.all_reduce(t)
         losses.append(t.item() / world)
+    timeline = None
+    if trace is not None:
+        trace.disable()
+        timeline = timeline_columns(list(trace.timeline), idle_kb * 1024)
     net = None
     if two_host:
         dist.barrier()  # every rank's last step is done: the window closes
@@ -290,6 +320,8 @@ def main():
         result["comm_measured"] = comm_steps[-1]
         result["comm_theoretical"] = theoretical_comm(units, inner, outer)
         result["units"] = [sum(b.logical_numel for b in u.buffers) for u in units]
+    if timeline is not None:
+        result["timeline"] = timeline
     if net:
         net["expected_basis"] = "paddle_hsdp.comm.counter" if units else \
             "ring formula from the model's sizes (Paddle's collectives are not counted)"
