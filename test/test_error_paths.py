@@ -258,12 +258,21 @@ def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
             assert unit_module._pending_reduces  # block 0's reduction is in flight
             raise Boom("simulated OOM building the reduce-scatter input")
         return original(self, *args, **kwargs)
-    monkeypatch.setattr(ShardBuffer, "start_reduce_scatter", failing)
+    _backward_raises_boom(model, monkeypatch, failing)
+    _skip_the_batch_and_train(ref, ref_opt, model, opt, ledger)
+
+
+def _backward_raises_boom(model, monkeypatch, failing_start_reduce_scatter) -> None:
+    """A backward whose ``start_reduce_scatter`` is ``failing_...`` raises Boom."""
+    monkeypatch.setattr(ShardBuffer, "start_reduce_scatter", failing_start_reduce_scatter)
     loss = models.lm_loss(model, _ids(seed=5), True)
     with pytest.raises(Boom):
         loss.backward()
     monkeypatch.undo()
-    del loss
+
+
+def _skip_the_batch_and_train(ref, ref_opt, model, opt, ledger) -> None:
+    """After a failed batch: clear_grad, then training equals the reference's."""
     opt.clear_grad()
     _assert_all_waited(ledger)
     _assert_trains_like_reference(ref, ref_opt, model, opt)
@@ -286,14 +295,6 @@ def test_early_reduction_that_raises_inside_backward(fake_mesh, float64, ledger,
         if self.owner is root:
             raise Boom("simulated OOM in an early reduction")
         return original(self, *args, **kwargs)
-    monkeypatch.setattr(ShardBuffer, "start_reduce_scatter", failing)
-    loss = models.lm_loss(model, _ids(seed=5), True)
-    with pytest.raises(Boom):
-        loss.backward()
-    monkeypatch.undo()
+    _backward_raises_boom(model, monkeypatch, failing)
     assert calls[0] is root and len(calls) > 1  # early, and the backward went on
-    del loss
-    opt.clear_grad()
-    _assert_all_waited(ledger)
-    _assert_trains_like_reference(ref, ref_opt, model, opt)
-    _assert_all_waited(ledger)
+    _skip_the_batch_and_train(ref, ref_opt, model, opt, ledger)

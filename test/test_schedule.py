@@ -22,6 +22,16 @@ def _first(events, event):
     return events.index(event)
 
 
+def _traced_backward(model, seed=7) -> list:
+    """The trace events of one forward and backward of ``model``."""
+    trace.enable()
+    try:
+        models.lm_loss(model, _ids(seed), True).backward()
+    finally:
+        trace.disable()
+    return list(trace.events)
+
+
 def test_prefetch_and_reductions_are_issued_before_the_neighbouring_compute(fake_mesh):
     """With prefetch 1 under ZeRO-3: unit k+1's all-gather is issued before unit k's
     forward compute starts, and unit k's reduce-scatter before unit k-1's backward
@@ -30,12 +40,7 @@ def test_prefetch_and_reductions_are_issued_before_the_neighbouring_compute(fake
     paddle_hsdp.set_zero_stage(model, 3)
     models.lm_loss(model, _ids(), True).backward()  # records the forward order
     blocks = [b._hsdp_unit.index for b in model.blocks]
-    trace.enable()
-    try:
-        models.lm_loss(model, _ids(), True).backward()
-    finally:
-        trace.disable()
-    ev = list(trace.events)
+    ev = _traced_backward(model)
     for k, nxt in zip(blocks, blocks[1:]):
         assert _first(ev, ("issue", "all_gather", nxt)) < _first(ev, ("forward", "compute", k))
     backward = [e for e in ev if e[0] == "backward"]
@@ -175,12 +180,7 @@ def test_the_roots_head_buffer_is_reduced_before_the_end_of_backward(fake_mesh):
     models.lm_loss(model, _ids(), True).backward()  # records the forward order
     for end_of_backward in (False, True):
         model.set_reduce_grads_at_end_of_backward(end_of_backward)
-        trace.enable()
-        try:
-            models.lm_loss(model, _ids(), True).backward()
-        finally:
-            trace.disable()
-        ev = list(trace.events)
+        ev = _traced_backward(model)
         issues, last_block, first_done = _root_reductions(model, ev)
         assert len(issues) == 2, ev
         if end_of_backward:
@@ -199,12 +199,7 @@ def test_early_reduction_keeps_accumulation_and_no_sync(fake_mesh, float64):
     plain.head = models.TiedHead(plain.create_parameter([models.VOCAB, models.HIDDEN]))
     for step, sync in enumerate((False, True)):
         sharded.set_requires_gradient_sync(sync)
-        trace.enable()
-        try:
-            models.lm_loss(sharded, _ids(seed=step), True).backward()
-        finally:
-            trace.disable()
-        root_issues = _root_reductions(sharded, list(trace.events))[0]
+        root_issues = _root_reductions(sharded, _traced_backward(sharded, seed=step))[0]
         assert len(root_issues) == (2 if sync else 0), trace.events
         models.lm_loss(plain, _ids(seed=step), True).backward()
     grads = paddle_hsdp.full_grads(sharded)
