@@ -63,17 +63,31 @@ def _assert_all_waited(delta):
     assert all(u._pending_gather is None for u in hsdp_registry.units)
 
 
-def _pair():
+def _pair(untied_head=False):
     """The sharded model (blocks ZeRO-3, prefetch recorded by one warm-up forward) and
-    the unsharded reference, with their optimizers, both after the same first step."""
-    ref = models.build_model()
-    model = _shard_tinylm(models.build_model())
+    the unsharded reference, with their optimizers, both after the same first step.
+    ``untied_head``: a head weight of its own, the embedding left in the root (whose
+    trainable params then make two buffers: the embedding's, the norm's and head's)."""
+    ref, model = _build(untied_head), _build(untied_head)
+    if untied_head:
+        for block in model.blocks:
+            paddle_hsdp.fully_shard(block)
+        paddle_hsdp.fully_shard(model)
+    else:
+        _shard_tinylm(model)
     paddle_hsdp.set_zero_stage(model, 3)
     ref_opt = models.make_optimizer(ref, ref.parameters(), None)
     opt = models.make_optimizer(model, model.parameters(), None)
     _step(ref, ref_opt, 0)
     _step(model, opt, 0)  # records the forward order: prefetch is on from now
     return ref, ref_opt, model, opt
+
+
+def _build(untied_head):
+    model = models.build_model()
+    if untied_head:  # right after the seeded build: both models draw the same values
+        model.head = models.TiedHead(model.create_parameter([models.VOCAB, models.HIDDEN]))
+    return model
 
 
 def _step(model, opt, seed):
@@ -246,16 +260,17 @@ def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledge
 
 def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
         fake_mesh, float64, ledger, monkeypatch):
-    """The embedding's reduce-scatter (the owner of the tied head: issued at the end of
-    backward) raises while block 0's is still in flight: it is waited for and dropped,
-    not accumulated into the next batch's grads after ``clear_grad``."""
-    ref, ref_opt, model, opt = _pair()
-    embed = model.embed._hsdp_unit
+    """At the end of backward the root reduces its two buffers: the second one's
+    reduce-scatter raises while the first one's is in flight; it is waited for and
+    dropped, not accumulated into the next batch's grads after ``clear_grad``."""
+    ref, ref_opt, model, opt = _pair(untied_head=True)
+    model.set_reduce_grads_at_end_of_backward(True)
+    head = model._hsdp_unit.buffers[-1]
     original = ShardBuffer.start_reduce_scatter
 
     def failing(self, *args, **kwargs):
-        if self.owner is embed:
-            assert unit_module._pending_reduces  # block 0's reduction is in flight
+        if self is head:
+            assert unit_module._pending_reduces  # the embedding's reduction is in flight
             raise Boom("simulated OOM building the reduce-scatter input")
         return original(self, *args, **kwargs)
     _backward_raises_boom(model, monkeypatch, failing)

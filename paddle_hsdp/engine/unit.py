@@ -305,10 +305,13 @@ class FSDPUnit:
                     buf.acc_flat()
 
     def reduce_scatter_grads(self, buffers: list[ShardBuffer] | None = None) -> None:
-        """Issue this unit's reduce-scatters (asynchronous with overlap on), then wait
-        for the ones issued before them: one unit's reduction is in flight while the
-        next unit's backward computes. :func:`wait_pending_reduces` waits for the rest.
-        ``buffers``: only these (an early reduction; the caller sees to the others)."""
+        """Wait for the reduce-scatters issued before (another unit's), then issue this
+        unit's (asynchronous with overlap on): one unit's reduction is in flight while
+        the next unit's backward computes, and its staging grid is back in the pool
+        before this unit's is taken, so two grids are never held for it (on NCCL the
+        earlier one had the whole of this unit's backward to finish).
+        :func:`wait_pending_reduces` waits for the rest. ``buffers``: only these (an
+        early reduction; the caller sees to the others)."""
         every = [b for b in self.buffers if b.trainable]
         trainable = every if buffers is None else [b for b in buffers if b.trainable]
         if self.grads_synced:
@@ -319,12 +322,9 @@ class FSDPUnit:
             for buf in every:
                 buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
             self.grads_synced = False
-        older = len(_pending_reduces)
+        wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
             _pending_reduces.append((buf, buf.start_reduce_scatter(async_op=self.overlap)))
-        for _ in range(older):
-            buf, pending = _pending_reduces.pop(0)
-            buf.finish_reduce_scatter(pending)
         if buffers is None:
             self.full_grads_pending = False
         self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
