@@ -12,8 +12,10 @@ distinct buffer shapes. :data:`pool` hands out 1-D tensors and takes them back:
   tensor holding between ``n`` and ``n * FIT`` elements (a view of its first ``n``
   when it is larger), else a new one of exactly ``n``. Units of one shape (the decoder
   layers) share their tensors; an all-gather grid and a reduce-scatter grid of one
-  unit differ by the tag's few elements and share them too; the root's buffers, a
-  quarter or less of a layer's, get their own.
+  unit differ by the tag's few elements and share them too; the root's buffers (a
+  quarter of a layer's in the benchmark's model) borrow a layer's when one is free
+  (when the root gathers at the start of forward, when its head and embedding reduce),
+  instead of holding tensors of their own through the layers' backward.
 * **In flight.** A tensor goes back (:meth:`StagingPool.give`) only after its
   collective's ``wait()`` and after the ops that read it were issued (the copy-out of a
   gathered grid, the add of a reduced shard). On NCCL that is enough: Paddle's process
@@ -40,7 +42,7 @@ import math
 
 import paddle
 
-FIT = 1.25  # a free tensor of up to FIT x the request serves it (a view of its start)
+FIT = 4.0  # a free tensor of up to FIT x the request serves it (a view of its start)
 
 
 def _nbytes(t) -> int:
