@@ -346,7 +346,9 @@ def recommend(options: list[Option]) -> tuple[Option | None, str]:
            f"({best.exposed_seconds * 1e3:.1f} ms of {best.comm_seconds * 1e3:.1f} ms")
     runner = sorted(fitting, key=rank)
     if len(runner) > 1:
-        second = next(o for o in runner if o is not best)
+        # another layout (the same layout's other fsdp_outer_sharding is in the table)
+        second = next((o for o in runner if o.outer != best.outer),
+                      next(o for o in runner if o is not best))
         why += (f"; next: outer {second.outer} x inner {second.inner} at "
                 f"{second.exposed_seconds * 1e3:.1f} ms exposed")
     if best.inner > _ranks_per_node_of(options):
