@@ -47,8 +47,9 @@ def hsdp_2x2_log(shared_2x2_work):
     each test asserts its own worker's lines (a failing worker fails the launch, and so
     every test that uses it, with the ranks' logs)."""
     jobs = SHARED_2X2_WORKERS + [["worker_checkpoint.py", shared_2x2_work],
-                                 ["worker_hfsdp.py", json.dumps(dict(HSDP_2X2,
-                                                                     work=shared_2x2_work))],
+                                 ["worker_hfsdp.py", json.dumps(dict(
+                                     HSDP_2X2, work=shared_2x2_work,
+                                     variants=[[1, False], [2, False], [None, True]]))],
                                  ["worker_exit.py", "no_barrier"]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 

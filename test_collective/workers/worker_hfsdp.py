@@ -3,7 +3,8 @@ group too, against single-process training and against HSDP on the same model.
 
 Training (float32, parity.py's bound): TinyLM, AdamW with weight decay, global-norm
 clipping active every step, 3 micro-steps per optimizer step, a skipped batch
-(``clear_grad`` after a backward) at step 1, a param unused on odd ranks; losses, global
+(``clear_grad`` after a backward) at step 1, synced grads read after the first micro-step
+of step 2 (``finish_grad_sync``, then more grads), a param unused on odd ranks; losses, global
 norms, the synced first-step grads (``full_grads``) and every final parameter against
 one process on the whole batch. Every step: every replica's inner shard bit-identical
 to the other replicas' (all-gathered over the outer group outside paddle_hsdp), one
@@ -12,7 +13,9 @@ all-reduce, their wire bytes those of HSDP's one outer all-reduce (measured on t
 model, equal up to HFSDP's extra padding rows). The optimizer state per rank is 1/O of
 HSDP's (``memory_report(model, opt)``), the shard parameters are distinct sub-blocks
 counted by the clip on every rank (``is_firstly_shared``). ``set_requires_all_reduce
-(False)`` at the step is refused on every rank before any collective.
+(False)`` at the step is refused on every rank before any collective. With
+``variants``, ZeRO-1, ZeRO-2 and ``fleet.distributed_optimizer`` runs are held to the
+same reference, replicas identical every step.
 
 With ``work`` in argv (the shared 2 x 2 launch), checkpoints: HSDP 2 x 2 -> HFSDP and
 HFSDP -> HSDP load the saved state exactly (every tensor of a re-save equals the saved
@@ -21,7 +24,9 @@ continues bit for bit; flex_checkpoint's same-layout dcp round trip of the sub-s
 is exact. ``single_process_resume.py`` then loads the HFSDP checkpoint in one process.
 
 argv: JSON with sharding_degree, outer, optionally outer_sharding (fleet's
-``sharding_configs["fsdp_outer_sharding"]``: the units then inherit it) and work.
+``sharding_configs["fsdp_outer_sharding"]``: the units then inherit it), variants
+(``[[zero stage or null, via fleet.distributed_optimizer], ...]``: more runs held to
+the same reference) and work.
 """
 
 import os
@@ -43,6 +48,7 @@ from models import (batches, build_model, lm_loss, make_optimizer, shard_tinylm,
 
 STEPS, MICRO, PER_RANK, CLIP = 4, 3, 2, 0.1
 SKIP_AT = 1  # a batch backpropagated and dropped by clear_grad before this step
+EARLY_SYNC_AT = 2  # finish_grad_sync after this step's first micro-step, then more grads
 
 config = config_from_argv()
 hcg = init_fleet(config)
@@ -124,6 +130,32 @@ def hsdp_baseline():
     return wire, opt_bytes, sum(b.logical_numel for b in trainable(model))
 
 
+def train_variant(ref, zero_stage=None, via_fleet=False):
+    """ZeRO-1/2 (set_zero_stage) or fleet.distributed_optimizer (Paddle's
+    HybridParallelClipGrad over the sub-blocks): parity and identical replicas."""
+    from paddle.distributed import fleet
+
+    ref_losses, ref_params, ref_norms, _ = ref
+    model = shard_tinylm(build_model(), fsdp_outer_sharding=OPTIM)
+    if zero_stage is not None:
+        paddle_hsdp.set_zero_stage(model, zero_stage)
+    opt = make_optimizer(model, model.parameters(), CLIP)
+    if via_fleet:
+        opt = fleet.distributed_optimizer(opt)
+    losses, worst = [], {"norm": 0.0}
+    for step, micro_batches in enumerate(data):
+        losses.append(sum(micro_step(model, micro) for micro in micro_batches))
+        opt.step()
+        worst["norm"] = max(worst["norm"], max_rel(paddle_hsdp.last_global_norm(opt),
+                                                  ref_norms[step]))
+        check_replicas(model)
+        opt.clear_grad()
+    name = f"zero{zero_stage}" if zero_stage else "fleet_opt"
+    compare_with_reference(f"hfsdp {O}x{I} {name}", paddle_hsdp.full_state_dict(model),
+                           ref_params, losses, ref_losses, worst)
+    print(f"HFSDP_VARIANT {name}: max rel diff {max(worst.values()):.2e}", flush=True)
+
+
 def train_hfsdp(ref, hsdp):
     ref_losses, ref_params, ref_norms, ref_grads = ref
     model = shard_tinylm(build_model(), fsdp_outer_sharding=OPTIM)
@@ -142,7 +174,11 @@ def train_hfsdp(ref, hsdp):
             micro_step(model, data[0][0])
             opt.clear_grad()
         comm.counter.reset()
-        total = sum(micro_step(model, micro) for micro in micro_batches)
+        total = micro_step(model, micro_batches[0])
+        if step == EARLY_SYNC_AT:  # synced grads read early (logging), more grads after
+            paddle_hsdp.finish_grad_sync(opt)
+            comm.counter.reset()  # the step's own sync is counted below
+        total += sum(micro_step(model, micro) for micro in micro_batches[1:])
         synced = None
         if step == 0:
             paddle_hsdp.finish_grad_sync(opt)  # the step then does nothing more
@@ -207,6 +243,8 @@ def check_refusal(model, opt):
 
 ref = reference()
 train_hfsdp(ref, hsdp_baseline())
+for variant in config.get("variants", []):  # [zero stage or None, via fleet]
+    train_variant(ref, *variant)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -248,6 +286,7 @@ def check_checkpoints(work):
             params(model)  # a collective: every rank
         losses = train(model, opt, range(SAVE_AT, SAVE_AT + MORE))
         runs[mode] = (path, losses, params(model))
+    check_set_state_dict(runs["optim"][2])
     for saved, into in (("none", "optim"), ("optim", "none"), ("optim", "optim")):
         path, ref_losses, ref_params = runs[saved]
         model, opt = shard(into, seed=99)  # other weights: loading must matter
@@ -272,6 +311,16 @@ def check_checkpoints(work):
         print(f"HFSDP_RESUME {saved}->{into}: saved state loaded exactly, next {MORE} "
               f"steps max rel diff {worst:.2e}", flush=True)
     check_flex(work)
+
+
+def check_set_state_dict(full):
+    """``set_state_dict`` of full tensors writes every outer sub-block of the inner
+    blocks (no collective): the gathered parameters are the given ones."""
+    model, _ = shard("optim", seed=99)
+    model.set_state_dict({k: paddle.to_tensor(v) for k, v in full.items()})
+    got = params(model)
+    assert all(np.array_equal(got[k], full[k]) for k in full)
+    print("HFSDP_SET_STATE_DICT: full tensors in, the same full tensors out", flush=True)
 
 
 def check_flex(work):
