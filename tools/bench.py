@@ -29,9 +29,9 @@ loss's difference from the single process. On a GPU machine compare against
 CPU bypass (not done here: no GPU).
 
 ``--two-hosts RATE`` (root and iproute2: ``tools/two_hosts.py``) runs ``dp``, ``stage3``,
-``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce) and ``hsdp1x4`` on two network-namespace
-hosts of 2 ranks each, joined by a link limited to RATE, on the 4M model by default, and
-writes ``OUT/two_hosts.json``: median step time and its ratio to DataParallel and stage 3,
+``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce), ``hfsdp2x2`` and ``hsdp1x4`` on two
+network-namespace hosts of 2 ranks each, joined by a link limited to RATE, on the 4M
+model by default, and writes ``OUT/two_hosts.json``: median step time and its ratio to DataParallel and stage 3,
 and the bytes that cross the link per step, (a) expected from the ranks' ring traffic
 (paddle_hsdp's counter; for Paddle's own collectives the ring formula on the model's
 sizes) and (b) measured on the veth (frames, and TCP payload with headers taken off).
@@ -329,6 +329,9 @@ def summarise_two_hosts(results: dict, args) -> dict:
                               "to its owner instead, whose traffic need not follow a ring",
                    "dp/stage3": "Paddle's collectives are not counted by paddle_hsdp's "
                                 "counter: ring formula on the model's sizes",
+                   "hfsdp2x2": "its outer reduce-scatter is a gloo reduce per owner's "
+                               "slice (gloo has none): (1 + 1/n) times a ring's bytes, so "
+                               "only the ring column equals hsdp2x2's outer all-reduce",
                    "veth_payload": "frames minus 66 bytes of Ethernet/IPv4/TCP headers "
                                    "each (pure ACKs carry none)",
                    "retx/rto": "TCP segments retransmitted and retransmission timeouts "
