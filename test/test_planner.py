@@ -164,8 +164,6 @@ def test_planner_lists_hfsdp_and_recommends_it_where_only_it_fits():
 
 def test_plan_command_compares_both_outer_shardings(capsys):
     """plan prints the config's plan and, with outer > 1, both modes' memory and bytes."""
-    import yaml  # noqa: F401  (the CLI reads YAML)
-
     assert cli(["plan", "--config", os.path.join(ROOT, "tools", "configs", "dense_lm.yaml"),
                 "--model", os.path.join(ROOT, "tools", "demo.py") + ":build_model",
                 "--world-size", "4"]) == 0

@@ -31,8 +31,8 @@ CPU bypass (not done here: no GPU).
 ``--two-hosts RATE`` (root and iproute2: ``tools/two_hosts.py``) runs ``dp``, ``stage3``,
 ``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce), ``hfsdp2x2`` and ``hsdp1x4`` on two
 network-namespace hosts of 2 ranks each, joined by a link limited to RATE, on the 4M
-model by default, and writes ``OUT/two_hosts.json``: median step time and its ratio to DataParallel and stage 3,
-and the bytes that cross the link per step, (a) expected from the ranks' ring traffic
+model by default, and writes ``OUT/two_hosts.json``: median step time and its ratio to
+DataParallel and stage 3, and the bytes that cross the link per step, (a) expected from the ranks' ring traffic
 (paddle_hsdp's counter; for Paddle's own collectives the ring formula on the model's
 sizes) and (b) measured on the veth (frames, and TCP payload with headers taken off).
 The engine is copied into ``OUT/engine`` first and every launch imports that copy.
