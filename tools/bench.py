@@ -329,9 +329,10 @@ def summarise_two_hosts(results: dict, args) -> dict:
                               "to its owner instead, whose traffic need not follow a ring",
                    "dp/stage3": "Paddle's collectives are not counted by paddle_hsdp's "
                                 "counter: ring formula on the model's sizes",
-                   "hfsdp2x2": "its outer reduce-scatter is a gloo reduce per owner's "
-                               "slice (gloo has none): (1 + 1/n) times a ring's bytes, so "
-                               "only the ring column equals hsdp2x2's outer all-reduce",
+                   "hfsdp2x2": "its outer reduce-scatter over two ranks is an exchange "
+                               "of slices (one all-gather of a slice each; gloo has no "
+                               "reduce-scatter): a ring's bytes, like hsdp2x2's outer "
+                               "all-reduce",
                    "veth_payload": "frames minus 66 bytes of Ethernet/IPv4/TCP headers "
                                    "each (pure ACKs carry none)",
                    "retx/rto": "TCP segments retransmitted and retransmission timeouts "

@@ -138,15 +138,16 @@ def _group_link(cluster: Cluster, members: int, stride: int) -> tuple[Link, int]
 def collective_seconds(op: str, members: int, payload: float, link: Link,
                        concurrent: int = 1, backend: str = "nccl") -> float:
     """One ring collective of ``payload`` bytes over ``members`` ranks. On gloo,
-    paddle_hsdp's reduce-scatter is one reduce per owner's slice, measured on the
-    two-host benchmark's link to move ``(1 + 1/n)`` times a ring's bytes."""
+    paddle_hsdp's reduce-scatter over more than two ranks is one reduce per owner's
+    slice, measured on the two-host benchmark's link to move ``(1 + 1/n)`` times a
+    ring's bytes (two ranks exchange slices by an all-gather: a ring's bytes)."""
     if members == 1:
         return 0.0
     factor = 2 if op == "all_reduce" else 1
     steps = factor * (members - 1)
     nbytes = concurrent * factor * (members - 1) / members * payload
-    if op == "reduce_scatter" and backend == "gloo":
-        nbytes *= 1 + 1 / members
+    if op == "reduce_scatter" and backend == "gloo" and members > 2:
+        nbytes *= 1 + 1 / members  # two ranks exchange their slices: a ring's bytes
     return link.seconds(steps, nbytes)
 
 
