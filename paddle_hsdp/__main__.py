@@ -15,7 +15,8 @@ import sys
 
 from .config import planner
 from .config.patterns import PatternError
-from .config.plan import build_lazily, build_plan, reshard_after_forward_of, resolve_modules
+from .config.plan import (build_lazily, build_plan, compare_outer_sharding,
+                          reshard_after_forward_of, resolve_modules)
 from .config.schema import ConfigError, load_config, resolve_degrees
 
 
@@ -71,10 +72,14 @@ def _plan(args) -> int:
                              f"not a multiple of ep_degree x fsdp_outer_degree ({outer})")
         expert_inner, expert_outer = args.world_size // args.ep_degree // outer, outer
     model, choice = _lazy_model(args, cfg)
-    plan = build_plan(model, cfg, choice, outer=outer, inner=inner, expert_inner=expert_inner,
-                      expert_outer=expert_outer, micro_steps=args.micro_steps,
-                      source=args.config)
-    print(plan)
+    plans = {mode: build_plan(model, cfg, choice, outer=outer, inner=inner,
+                              expert_inner=expert_inner, expert_outer=expert_outer,
+                              micro_steps=args.micro_steps, source=args.config,
+                              outer_sharding=mode) for mode in ("none", "optim")}
+    print(plans["optim" if cfg.fsdp_outer_sharding == "optim" else "none"])
+    if outer > 1:  # what the other fsdp_outer_sharding would hold and move
+        print()
+        print(compare_outer_sharding(plans))
     return 0
 
 
@@ -94,18 +99,23 @@ def _plan_cluster(args, cfg) -> int:
         title = f"{shape.params() / 1e9:.2f}B-parameter model ({args.model_shape})"
         reshard = reshard_after_forward_of(cfg, is_root=False)
 
-        def units_for(outer, inner):
-            return planner.shape_units(shape, inner, outer, planner.dtype_bytes(cfg), reshard)
+        def units_for(outer, inner, outer_sharding="none"):
+            return planner.shape_units(shape, inner, outer, planner.dtype_bytes(cfg), reshard,
+                                       outer_sharding)
     elif args.model and args.config:
         model, choice = _lazy_model(args, cfg)
         title = f"{args.model} with {args.config}"
 
-        def units_for(outer, inner):
-            return build_plan(model, cfg, choice, outer=outer, inner=inner).units
+        def units_for(outer, inner, outer_sharding="none"):
+            return build_plan(model, cfg, choice, outer=outer, inner=inner,
+                              outer_sharding=outer_sharding).units
     else:
         raise ValueError("plan --cluster: give --model-shape, or --model with --config")
+    # 'auto' compares both: HFSDP is recommended where only it fits
+    modes = (("none", "optim") if cfg.fsdp_outer_sharding == "auto"
+             else (cfg.fsdp_outer_sharding,))
     options = planner.evaluate(cluster, units_for, args.micro_steps, cfg.zero_stage,
-                               cfg.num_to_forward_prefetch)
+                               cfg.num_to_forward_prefetch, outer_shardings=modes)
     best, why = planner.recommend(options)
     print(planner.table(cluster, options, best, why, title))
     return 0

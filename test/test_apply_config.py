@@ -85,7 +85,7 @@ def no_fleet_init(monkeypatch):
 
 def test_apply_config_shards_as_the_config_says(fake_mesh, no_fleet_init):  # noqa: F811
     model, plan = paddle_hsdp.apply_config(build(), CONFIG)
-    assert no_fleet_init == [(1, 1)]  # one process: a 1 x 1 layout
+    assert no_fleet_init == [(1, 1, "none")]  # one process: a 1 x 1 layout, HSDP
     units = hsdp_registry.units_under(model)
     assert [u.path() for u in units] == ["layers.0", "layers.1", "layers.2", "moe", "<root>"]
     assert [u.path for u in plan.units] == [u.path() for u in units]

@@ -124,6 +124,17 @@ def _sharding_configs_unknown():
     _strategy_with({"bogus_key": 1})
 
 
+@row("fleet.init: `sharding_configs['fsdp_outer_sharding']`", '"zero3"', ValueError,
+     "fsdp_outer_sharding", "'none'", "'optim'")
+def _outer_sharding_value():
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"sharding_degree": 4, "sharding_configs": {
+        "fsdp_outer_degree": 2, "fsdp_outer_sharding": "zero3"}}
+    fleet_ext.validate_strategy(strategy)
+
+
 # ---------------------------------------------------------------- fully_shard
 @row("`fully_shard(module)`", "a list of layers", TypeError, "paddle.nn.Layer")
 def _shard_not_a_layer():
@@ -202,6 +213,12 @@ def _shard_mesh():
      "enable_tensor_fusion_and_overlap", "True or False")
 def _shard_overlap():
     paddle_hsdp.fully_shard(_net(), enable_tensor_fusion_and_overlap="yes")
+
+
+@row("`fully_shard(fsdp_outer_sharding=)`", '"optimizer"', ValueError,
+     "fsdp_outer_sharding", "'none' or 'optim'")
+def _shard_outer_sharding():
+    paddle_hsdp.fully_shard(_net(), fsdp_outer_sharding="optimizer")
 
 
 @row("`fully_shard(module)` before `fleet.init`", "no fleet groups, no `mesh=`", RuntimeError,
@@ -286,6 +303,12 @@ def _config_unknown():
      "zero_stage", "1, 2, 3")
 def _config_value():
     paddle_hsdp.apply_config(_Lm(), {"zero_stage": 4})
+
+
+@row("`apply_config(model, config)`", "`{fsdp_outer_sharding: os}`", paddle_hsdp.ConfigError,
+     "fsdp_outer_sharding", "'auto', 'none' or 'optim'")
+def _config_outer_sharding():
+    paddle_hsdp.apply_config(_Lm(), {"fsdp_outer_sharding": "os"})
 
 
 @row("`apply_config(model, config)`", "`{sub_modules_to_wrap: ['layers.{5-2}']}`",
@@ -499,6 +522,9 @@ MULTI_RANK = [
      "test_config_driven.py"),
     ("a typo in `sharding_configs`", "`ValueError` on every rank before any group exists",
      "test_comm_ops.py"),
+    ("`set_requires_all_reduce(False)` at the optimizer step with "
+     "`fsdp_outer_sharding=\"optim\"` (replicas hold 1/O of the optimizer state each)",
+     "`NotImplementedError` on every rank before any collective", "test_hfsdp.py"),
     ("`state_dict()`, `full_state_dict`, `full_grads`, `save_checkpoint` or "
      "`load_checkpoint` called on some ranks only", "`CollectiveMismatchError` on the "
      "callers, naming the call and how many ranks came, within "

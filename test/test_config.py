@@ -370,8 +370,14 @@ def test_string_instead_of_list_says_to_use_a_list():
                          "group), got 0"),
     ("fsdp_outer_degree", "Auto", "fsdp_outer_degree: expected 'auto' or an int >= 1 (number "
                                   "of replicas), got 'Auto' (a string)"),
+    ("fsdp_outer_sharding", "zero1", "fsdp_outer_sharding: expected 'auto', 'none' or 'optim' "
+                                     "(optim: the optimizer state is sharded across the outer "
+                                     "replicas too, HFSDP), got 'zero1'"),
+    ("fsdp_outer_sharding", True, "fsdp_outer_sharding: expected 'auto', 'none' or 'optim' "
+                                  "(optim: the optimizer state is sharded across the outer "
+                                  "replicas too, HFSDP), got true (a bool)"),
 ], ids=["stage-4", "stage-0", "fp8", "upper-case-dtype", "negative-prefetch", "zero-size",
-        "capital-auto"])
+        "capital-auto", "outer-sharding-value", "outer-sharding-type"])
 def test_out_of_set_values(key, value, expected):
     assert error_lines({key: value}) == [expected]
 

@@ -390,3 +390,36 @@ def test_explicit_forward_prefetch_gathers_the_listed_module_early(fake_mesh):
     assert prefetched == plain
     with pytest.raises(ValueError, match="not an FSDP module"):
         model.blocks[0].set_modules_to_forward_prefetch([paddle.nn.Linear(2, 2)])
+
+
+# ---------------------------------------------------------------- HFSDP's sub-blocks
+@pytest.mark.parametrize("inner,parts", [(1, 2), (2, 2), (2, 3), (3, 2), (4, 4)])
+def test_outer_sub_blocks_tile_every_parameter_once(inner, parts):
+    """[Note: outer sub-shards] (engine/param.py): the I x O sub-blocks, each the rows of
+    one (inner rank, outer rank) pair, are whole rows, never empty, padded with zeros,
+    and tile the parameter exactly once; the inner block is its O sub-blocks in order,
+    and the virtual blocks side by side give the full tensor back."""
+    from paddle_hsdp.engine.param import ShardedParam
+
+    full = np.arange(10 * 3, dtype="float32").reshape(10, 3)
+    p = paddle.create_parameter([10, 3], "float32")
+    p.set_value(full)
+    covered, blocks = [], []
+    for i in range(inner):
+        inner_start, inner_count = ShardedParam(p, "w", inner, i, parts, 0).row_range(sub=False)
+        subs = []
+        for q in range(parts):
+            sp = ShardedParam(p, "w", inner, i, parts, q)
+            start, count = sp.row_range(sub=True)
+            sub = sp.sub_block(p).numpy()
+            assert list(sub.shape) == sp.shard_shape == [sp.sub_rows, 3] and sp.sub_rows >= 1
+            assert np.array_equal(sub[:count], full[start:start + count])
+            assert not sub[count:].any()  # padding rows are zeros
+            covered += range(start, start + count)
+            subs.append((start, count))
+            blocks.append(sub.reshape([-1]))
+        assert subs[0][0] == inner_start and sum(c for _, c in subs) == inner_count
+    assert covered == list(range(10))
+    sp = ShardedParam(p, "w", inner, 0, parts, 0)
+    rebuilt = sp.from_rank_blocks(paddle.to_tensor(np.stack(blocks)))
+    assert np.array_equal(rebuilt.numpy(), full)

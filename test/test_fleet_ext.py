@@ -44,6 +44,22 @@ def test_option_is_accepted_and_other_keys_still_reach_the_protobuf():
     assert clone.hybrid_configs["sharding_configs"].split_param is True
 
 
+def test_outer_sharding_option_is_accepted_validated_and_defaults_to_none():
+    """fsdp_outer_sharding: "none" by default, "optim" kept aside like fsdp_outer_degree
+    (Paddle's protobuf knows neither), anything else refused by fleet.init's check."""
+    assert fleet_ext.get_fsdp_outer_sharding(fleet.DistributedStrategy()) == "none"
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"sharding_degree": 4, "sharding_configs": {
+        "fsdp_outer_degree": 2, "fsdp_outer_sharding": "optim", "split_param": True}}
+    assert fleet_ext.get_fsdp_outer_sharding(copy.deepcopy(strategy)) == "optim"
+    assert strategy.hybrid_configs["sharding_configs"].split_param is True
+    assert fleet_ext.validate_strategy(strategy) == 2
+    strategy.hybrid_configs = {"sharding_degree": 4, "sharding_configs": {
+        "fsdp_outer_sharding": "Optim"}}
+    with pytest.raises(ValueError, match="'none' .* or 'optim'"):
+        fleet_ext.validate_strategy(strategy)
+
+
 @pytest.mark.parametrize("key,suggested", [("fsdp_outer_degre", "fsdp_outer_degree"),
                                            ("split_parm", "split_param"),
                                            ("bogus_key", None)])
@@ -226,6 +242,7 @@ def test_hcg_methods_without_hsdp_groups_raise_clearly():
         global_rank = 0
 
     for method in (fleet_ext._get_fsdp_inner_group, fleet_ext._get_fsdp_outer_group,
-                   fleet_ext._get_fsdp_group, fleet_ext._get_fsdp_outer_degree):
+                   fleet_ext._get_fsdp_group, fleet_ext._get_fsdp_outer_degree,
+                   fleet_ext._get_fsdp_outer_sharding):
         with pytest.raises(RuntimeError, match="import paddle_hsdp"):
             method(BareHCG())

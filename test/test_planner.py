@@ -111,3 +111,66 @@ def test_planner_predicts_the_recorded_slow_link_benchmark_within_25_percent():
     assert validate_planner.main(["--limited", os.path.join(results, "two_hosts_100mbit.json"),
                                   "--unlimited",
                                   os.path.join(results, "two_hosts_unlimited.json")]) == 0
+
+
+# ---------------------------------------------------------------- HFSDP (issue 20)
+def test_outer_sharding_moves_the_same_outer_bytes_and_holds_1_over_o_of_adamw():
+    """fsdp_outer_sharding "optim": the outer all-reduce's bytes as a reduce-scatter plus
+    an all-gather (equal when grads and params share a dtype; the all-gather in the
+    masters' dtype otherwise), AdamW state 1/O, and the planner's time the same."""
+    kw = dict(shard_numel=1000, logical_numel=4000, inner=2, outer=4, master_bytes=4,
+              gather_bytes=4, reduce_bytes=4, compute_bytes=4, trainable=True)
+    hsdp = cost.UnitShape("u", (cost.BufferShape(**kw),), True, 4000)
+    hfsdp = cost.UnitShape("u", (cost.BufferShape(**kw, outer_parts=4),), True, 4000)
+    a, b = cost.step_comm([hsdp]), cost.step_comm([hfsdp])
+    assert a[("outer", "all_reduce")] == 2 * 3 / 4 * 1000 * 4
+    assert ("outer", "all_reduce") not in b
+    assert b[("outer", "reduce_scatter")] == b[("outer", "all_gather")] == 3 / 4 * 1000 * 4
+    assert sum(b.values()) == sum(a.values())
+    assert cost.memory_per_rank([hfsdp])["optimizer"] * 4 == \
+        cost.memory_per_rank([hsdp])["optimizer"] == 2 * 1000 * 4
+    bf16 = cost.UnitShape("u", (cost.BufferShape(**dict(kw, reduce_bytes=2),
+                                                 outer_parts=4),), True, 4000)
+    assert cost.step_comm([bf16])[("outer", "all_gather")] == 3 / 4 * 1000 * 4  # masters
+    c = planner.load_cluster(CLUSTER)
+    t_a, t_b = planner.step_seconds([hsdp], c), planner.step_seconds([hfsdp], c)
+    assert t_b["outer all_reduce"] == pytest.approx(t_a["outer all_reduce"])
+
+
+def test_planner_lists_hfsdp_and_recommends_it_where_only_it_fits():
+    shape = planner.ModelShape(layers=4, hidden=256, ffn=512, vocab=1000)
+
+    def units(o, i, mode="none"):
+        return planner.shape_units(shape, i, o, planner.dtype_bytes(None), True, mode)
+
+    both = ("none", "optim")
+    roomy = planner.evaluate(planner.load_cluster(CLUSTER), units, outer_shardings=both)
+    assert [(o.outer, o.outer_sharding) for o in roomy] == [
+        (1, "none"), (2, "none"), (2, "optim"), (4, "none"), (4, "optim")]
+    assert [o.label for o in roomy][2:] == ["HFSDP", "DDP (no sharding)", "ZeRO-1 (HFSDP)"]
+    hsdp, hfsdp = roomy[1], roomy[2]
+    assert hfsdp.memory["optimizer"] * 2 == hsdp.memory["optimizer"]
+    assert hfsdp.seconds == pytest.approx(hsdp.seconds)
+    assert planner.recommend(roomy)[0] is hsdp  # equal time: HSDP first
+    # memory between the two: only HFSDP 2 x 2 fits (state + gathered within 70%)
+    limit = (hsdp.memory_total + hfsdp.memory_total) / 2 / 0.7 / 2 ** 30
+    tight = planner.evaluate(planner.load_cluster(dict(CLUSTER, device_memory_gib=limit)),
+                             units, outer_shardings=both)
+    best, _ = planner.recommend([o for o in tight if o.outer == 2])
+    assert best.outer_sharding == "optim" and best.fits
+    text = planner.table(planner.load_cluster(CLUSTER), tight, best, "why", "t")
+    assert "recommended: fsdp_outer_degree=2, fsdp_outer_sharding=optim" in text
+
+
+def test_plan_command_compares_both_outer_shardings(capsys):
+    """plan prints the config's plan and, with outer > 1, both modes' memory and bytes."""
+    assert cli(["plan", "--config", os.path.join(ROOT, "tools", "configs", "dense_lm.yaml"),
+                "--model", os.path.join(ROOT, "tools", "demo.py") + ":build_model",
+                "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith(
+        ("none (HSDP)", "optim (HFSDP)"))]
+    assert len(rows) == 2, out
+    none, optim = rows
+    assert float(optim[4]) == pytest.approx(float(none[4]) / 2, abs=0.01)  # optimizer MB
+    assert optim[-1] == none[-1]  # outer bytes per step

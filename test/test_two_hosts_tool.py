@@ -68,6 +68,11 @@ def test_gloo_reduce_scatter_model():
     assert sent == pytest.approx(2 * payload)  # ring part 1.5, pieces to owners 0.5
     inner = two_hosts.gloo_reduce_scatter_cross_bytes(payload, [0, 1], 0, HOSTS_2X2)
     assert inner == 0.0
+    # two ranks on two hosts (HFSDP's outer group) exchange slices: a ring's bytes
+    outer = [0, 2]
+    assert sum(two_hosts.gloo_reduce_scatter_cross_bytes(payload, outer, r, HOSTS_2X2)
+               for r in outer) == sum(two_hosts.ring_cross_bytes(payload / 2, outer, r,
+                                                                  HOSTS_2X2) for r in outer)
 
 
 def test_payload_and_alpha_beta():

@@ -42,12 +42,37 @@ def shared_2x2_work():
 @pytest.fixture(scope="session")
 def hsdp_2x2_log(shared_2x2_work):
     """Rank 0's log of one launch running every SHARED_2X2_WORKERS worker in turn (and
-    worker_checkpoint.py, then worker_exit.py, which ends it without a final barrier);
+    worker_checkpoint.py and worker_hfsdp.py, which save into ``shared_2x2_work``, then
+    worker_exit.py, which ends it without a final barrier);
     each test asserts its own worker's lines (a failing worker fails the launch, and so
     every test that uses it, with the ranks' logs)."""
     jobs = SHARED_2X2_WORKERS + [["worker_checkpoint.py", shared_2x2_work],
+                                 ["worker_hfsdp.py", json.dumps(dict(
+                                     HSDP_2X2, work=shared_2x2_work,
+                                     variants=[[1, False], [2, False], [None, True]]))],
                                  ["worker_exit.py", "no_barrier"]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
+
+
+# The 8-rank 2 x 4 launch: worker_engine.py's HSDP variants (with the reduce-scatter twins
+# NCCL gets, forced on gloo) and worker_hfsdp.py's HFSDP run, whose units inherit
+# fsdp_outer_sharding "optim" from fleet's sharding_configs.
+HSDP_2X4 = {"sharding_degree": 8, "outer": 2, "outer_sharding": "optim"}
+EIGHT_RANK_VARIANTS = [[True, False], [False, True]]
+
+
+@pytest.fixture(scope="session")
+def hsdp_2x4_log():
+    """Rank 0's log of the one 8-rank launch (test_engine_parity.py, test_hfsdp.py)."""
+    jobs = [["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS,
+                                                 separate_reduce_scatter=True))],
+            ["worker_hfsdp.py", json.dumps(HSDP_2X4)]]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PADDLE_HSDP_SEPARATE_REDUCE_SCATTER", "1")  # topology.fleet's switch
+    try:
+        return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
+    finally:
+        mp.undo()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -21,6 +21,7 @@ def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
     assert log2.count("RESUME 1x2") == 1 and "BF16 1x2 -> 2x1" in log2, log2[-3000:]
     out = run_single("single_process_resume.py", work)
     assert "SINGLE_RESUME" in out and "CONSOLIDATE_OK" in out, out[-2000:]
+    assert "HFSDP_SINGLE_LOAD: equals full_state_dict" in out, out[-2000:]  # test_hfsdp.py
 
 
 def test_experts_across_expert_parallel_degrees():

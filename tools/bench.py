@@ -9,6 +9,8 @@ Variants, on the same 4 CPU ranks (gloo), same model, data and steps, launched o
 time and alternated round by round so that machine noise hits all of them alike:
 
 * ``hsdp2x2`` / ``hsdp1x4``: paddle_hsdp, one unit per decoder layer plus the root;
+* ``hfsdp2x2``: ``hsdp2x2`` with ``fsdp_outer_sharding: optim`` (the optimizer state
+  sharded across the outer group too; its optimizer bytes per rank are reported);
 * ``dp``: ``paddle.DataParallel``;
 * ``stage3``: Paddle's ``GroupShardedStage3`` with ``segment_size=0`` (every parameter
   sharded, as paddle_hsdp does). Its entry point refuses CPU; the class runs with
@@ -31,10 +33,10 @@ printed. On a GPU machine compare against
 CPU bypass (not done here: no GPU).
 
 ``--two-hosts RATE`` (root and iproute2: ``tools/two_hosts.py``) runs ``dp``, ``stage3``,
-``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce) and ``hsdp1x4`` on two network-namespace
-hosts of 2 ranks each, joined by a link limited to RATE, on the 4M model by default, and
-writes ``OUT/two_hosts.json``: median step time and its ratio to DataParallel and stage 3,
-and the bytes that cross the link per step, (a) expected from the ranks' ring traffic
+``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce), ``hfsdp2x2`` and ``hsdp1x4`` on two
+network-namespace hosts of 2 ranks each, joined by a link limited to RATE, on the 4M
+model by default, and writes ``OUT/two_hosts.json``: median step time and its ratio to
+DataParallel and stage 3, and the bytes that cross the link per step, (a) expected from the ranks' ring traffic
 (paddle_hsdp's counter; for Paddle's own collectives the ring formula on the model's
 sizes) and (b) measured on the veth (frames, and TCP payload with headers taken off).
 The engine is copied into ``OUT/engine`` first and every launch imports that copy.
@@ -58,14 +60,15 @@ sys.path.insert(0, HERE)
 
 import bench_model  # noqa: E402
 
-VARIANTS = ["hsdp2x2", "hsdp1x4", "dp", "stage3", "single"]
+VARIANTS = ["hsdp2x2", "hfsdp2x2", "hsdp1x4", "dp", "stage3", "single"]
 WORLD = 4
-TWO_HOST_VARIANTS = ["dp", "stage3", "hsdp2x2", "hsdp2x2_bf16", "hsdp1x4"]
+TWO_HOST_VARIANTS = ["dp", "stage3", "hsdp2x2", "hsdp2x2_bf16", "hfsdp2x2",
+                     "hsdp1x4"]
 TWO_HOST_SHAPE = "4m"
 RANKS_PER_HOST = 2
 # (variant, reference, at most): reported, not asserted
 TWO_HOST_TARGETS = [("hsdp2x2", "dp", 0.7), ("hsdp2x2", "stage3", 0.5),
-                    ("hsdp2x2_bf16", "dp", 0.5)]
+                    ("hsdp2x2_bf16", "dp", 0.5), ("hfsdp2x2", "hsdp2x2", 1.1)]
 AGREEMENT = 0.05  # expected vs measured cross-host bytes, before control traffic
 
 
@@ -122,12 +125,15 @@ def theoretical_mb(variant: str, shape: bench_model.Shape, per_rank: int) -> flo
     if variant in ("dp", "single"):
         states = 16 * p + (4 * p if variant == "dp" else 0)  # DataParallel's fused grads
     else:
-        inner = 2 if variant == "hsdp2x2" else WORLD
+        inner = 2 if "2x2" in variant else WORLD
+        # AdamW's moments: 1/O of the shard with HFSDP (outer O = 2)
+        moments = 8 / (WORLD // inner) if variant.startswith("hfsdp") else 8
         # shards of everything; the root gathered throughout; two layers gathered and one
         # layer's full grads at a time; of the root's full grads, the larger of its two
         # buffers' (the head's, reduced after its backward; the embedding's, at the end)
         embed = shape.vocab * shape.hidden
-        states = 16 * p / inner + 4 * root + 3 * 4 * layer + 4 * max(embed, root - embed)
+        states = (8 + moments) * p / inner + 4 * root + 3 * 4 * layer \
+            + 4 * max(embed, root - embed)
     return (states + act) / 2 ** 20
 
 
@@ -149,6 +155,8 @@ def summarise(results: dict, args) -> dict:
                  "losses": runs[-1]["losses"]}
         if "timeline" in runs[-1]:
             entry["timeline"] = timeline_summary(runs[-1]["timeline"])
+        if runs[-1].get("optimizer_bytes") is not None:
+            entry["optimizer_mb_per_rank"] = runs[-1]["optimizer_bytes"] / 2 ** 20
         if "comm_measured" in runs[-1]:
             measured, theory = runs[-1]["comm_measured"], runs[-1]["comm_theoretical"]
             entry["comm_bytes_per_step"] = {
@@ -197,13 +205,16 @@ def print_table(summary: dict) -> None:
     print("stage3 = Paddle's GroupShardedStage3(segment_size=0) with its CUDA check "
           "bypassed during construction (CPU)")
     head = (f"{'variant':12s} {'step s':>8s} {'vs dp':>6s} {'vs st3':>6s} {'peak MB':>8s} "
-            f"{'theory':>7s} {'vs st3':>6s} {'vs th.':>6s} {'loss diff':>9s}")
+            f"{'theory':>7s} {'vs st3':>6s} {'vs th.':>6s} {'optim MB':>8s} {'loss diff':>9s}")
     print(head)
     for name, e in summary["variants"].items():
+        optim = e.get("optimizer_mb_per_rank")
         print(f"{name:12s} {e['median_step_s']:8.3f} {e.get('time_vs_dp', 0):6.2f} "
               f"{e.get('time_vs_stage3', 0):6.2f} {e['peak_rss_mb_per_rank']:8.0f} "
               f"{e['theoretical_mb_per_rank']:7.0f} {e.get('memory_vs_stage3', 0):6.2f} "
-              f"{e['memory_vs_theoretical']:6.2f} {e['last_loss_diff_vs_single']:9.2e}")
+              f"{e['memory_vs_theoretical']:6.2f} "
+              f"{'-' if optim is None else f'{optim:.1f}':>8s} "
+              f"{e['last_loss_diff_vs_single']:9.2e}")
     for name, e in summary["variants"].items():
         for where in ("at_engine_peak", "at_rss_peak"):
             r = e.get("timeline", {}).get(where)
@@ -410,6 +421,10 @@ def summarise_two_hosts(results: dict, args) -> dict:
                               "to its owner instead, whose traffic need not follow a ring",
                    "dp/stage3": "Paddle's collectives are not counted by paddle_hsdp's "
                                 "counter: ring formula on the model's sizes",
+                   "hfsdp2x2": "its outer reduce-scatter over two ranks is an exchange "
+                               "of slices (one all-gather of a slice each; gloo has no "
+                               "reduce-scatter): a ring's bytes, like hsdp2x2's outer "
+                               "all-reduce",
                    "veth_payload": "frames minus 66 bytes of Ethernet/IPv4/TCP headers "
                                    "each (pure ACKs carry none)",
                    "retx/rto": "TCP segments retransmitted and retransmission timeouts "
@@ -429,10 +444,16 @@ def summarise_two_hosts(results: dict, args) -> dict:
 def add_ratios(summary: dict) -> None:
     variants = summary["variants"]
     for entry in variants.values():
-        for base in ("dp", "stage3"):
+        for base in ("dp", "stage3", "hsdp2x2"):
             if base in variants:
                 entry[f"time_vs_{base}"] = \
                     entry["median_step_s"] / variants[base]["median_step_s"]
+        if "hsdp2x2" in variants:  # HFSDP: the same cross-host bytes as HSDP's
+            ours, theirs = entry["cross_host"], variants["hsdp2x2"]["cross_host"]
+            entry["cross_vs_hsdp2x2"] = {
+                key: ours[key] / theirs[key] - 1 if theirs[key] else None
+                for key in ("expected_bytes_per_step", "expected_gloo_bytes_per_step",
+                            "veth_payload_bytes_per_step")}
         if "dp" in variants:
             entry["last_loss_diff_vs_dp"] = abs(entry["last_loss"] - variants["dp"]["last_loss"])
 
@@ -475,6 +496,11 @@ def print_two_hosts(summary: dict) -> None:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x"
         print(f"target {t['variant']} <= {t['at_most']}x {t['vs']}: {ratio} {verdict}")
+    cross = summary["variants"].get("hfsdp2x2", {}).get("cross_vs_hsdp2x2")
+    if cross:  # HFSDP's cross-host bytes against HSDP's (target: equal within 1%)
+        print("hfsdp2x2 cross-host bytes vs hsdp2x2: " + ", ".join(
+            f"{key.replace('_bytes_per_step', '')} {value:+.1%}"
+            for key, value in cross.items() if value is not None))
     for key, note in summary["notes"].items():
         print(f"  {key}: {note}")
 

@@ -1,11 +1,14 @@
 """One benchmark variant on this process's rank (launched by tools/bench.py).
 
-argv: JSON with variant (hsdp2x2, hsdp2x2_bf16, hsdp1x4, dp, stage3, single), shape,
+argv: JSON with variant (hsdp2x2, hsdp2x2_bf16, hfsdp2x2, hsdp1x4, dp, stage3, single), shape,
 steps, per_rank (sequences per rank), world (ranks of the distributed variants), out
 (where rank 0 writes its JSON result) and optionally two_hosts (launched by
 tools/two_hosts.py: also measure what crosses between the hosts, see ``net_report``).
 ``hsdp2x2_bf16`` passes ``MixedPrecisionPolicy(reduce_dtype="bfloat16")`` to every
-``fully_shard`` call.
+``fully_shard`` call; ``hfsdp2x2`` is HSDP 2 x 2 with ``sharding_configs
+["fsdp_outer_sharding"] = "optim"`` (the optimizer state sharded across the outer group
+too). The paddle_hsdp variants also report the optimizer's state bytes on rank 0
+(``memory_report(model, opt)["optimizer"]``, after the first step created them).
 
 Every variant trains the same LlamaLike model (same seed) on the same token ids with
 AdamW, no clipping; step times are rank 0's wall time per step after a barrier (the
@@ -60,16 +63,23 @@ def batches(shape, steps, n_rows):
 def init(variant: str, world: int):
     if variant == "single":
         return 0, 1
-    if variant.startswith("hsdp"):
-        outer = 2 if variant.startswith("hsdp2x2") else 1
+    if is_engine(variant):
+        outer = 2 if "2x2" in variant else 1
+        sharding = {"fsdp_outer_degree": outer}
+        if variant.startswith("hfsdp"):
+            sharding["fsdp_outer_sharding"] = "optim"
         strategy = fleet.DistributedStrategy()
         strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,
-                                   "sharding_degree": world,
-                                   "sharding_configs": {"fsdp_outer_degree": outer}}
+                                   "sharding_degree": world, "sharding_configs": sharding}
         fleet.init(is_collective=True, strategy=strategy)
     else:
         dist.init_parallel_env()
     return dist.get_rank(), dist.get_world_size()
+
+
+def is_engine(variant: str) -> bool:
+    """A paddle_hsdp variant (HSDP or HFSDP)."""
+    return variant.startswith(("hsdp", "hfsdp"))
 
 
 def wrap(variant: str, model):
@@ -77,7 +87,7 @@ def wrap(variant: str, model):
     def adamw(params):
         return paddle.optimizer.AdamW(learning_rate=1e-3, parameters=params)
 
-    if variant.startswith("hsdp"):
+    if is_engine(variant):
         policy = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="bfloat16") \
             if variant.endswith("_bf16") else None
         for layer in model.layers:
@@ -111,7 +121,7 @@ def stage3(model, opt):
 
 def theoretical_comm(units, inner: int, outer: int) -> dict:
     """Per-step wire bytes per rank from the volume formulas (docs/architecture.md), unpadded (one micro-step)."""
-    gather = reduce = 0.0
+    gather = reduce = outer_sync = 0.0
     for unit in units:
         for buf in unit.buffers:
             nbytes = buf.logical_numel * buf.element_size
@@ -119,17 +129,25 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
             gather += times * (inner - 1) / inner * nbytes
             if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
                 # (reduce_dtype, not shape(): the --baseline engine may predate shape())
-                reduce += buf.logical_numel * paddle.zeros([1], buf.reduce_dtype).element_size()
+                numel = buf.logical_numel * paddle.zeros([1], buf.reduce_dtype).element_size()
+                reduce += numel
+                # HFSDP: the outer all-reduce is a reduce-scatter (reduce_dtype) and an
+                # all-gather (the params' own dtype)
+                outer_sync += (numel + (buf.logical_numel * buf.element_size
+                                        if getattr(buf, "parts", 1) > 1 else numel))
     return {"inner all_gather": gather,
             "inner reduce_scatter": (inner - 1) / inner * reduce,
-            "outer all_reduce": 2 * (outer - 1) / outer * reduce / inner}
+            "outer all_reduce": (outer - 1) / outer * outer_sync / inner}
 
 
 def measured_comm() -> dict:
+    """Per-step wire bytes per group kind; "outer all_reduce" is the step's outer sync
+    (with HFSDP its reduce-scatter and all-gather)."""
     c = paddle_hsdp.comm.counter
     return {"inner all_gather": c.get("inner", "all_gather").wire_bytes,
             "inner reduce_scatter": c.get("inner", "reduce_scatter").wire_bytes,
-            "outer all_reduce": c.get("outer", "all_reduce").wire_bytes}
+            "outer all_reduce": sum(c.get("outer", op).wire_bytes for op in
+                                    ("all_reduce", "reduce_scatter", "all_gather"))}
 
 
 # ---------------------------------------------------------------- two hosts
@@ -222,12 +240,11 @@ def net_report(start: list[int], end: list[int], cross_sent: list, steps: int) -
 
 
 def memory_timeline(rank: int, variant: str):
-    """paddle_hsdp's memory timeline (engine/trace.py), on rank 0 of an hsdp variant run
-    with an engine that has one (a --baseline engine may not): None otherwise."""
+    """paddle_hsdp's memory timeline (engine/trace.py), on rank 0 of a paddle_hsdp
+    variant run with an engine that has one (a --baseline engine may not): else None."""
     engine = getattr(paddle_hsdp, "engine", None)
     trace = getattr(engine, "trace", None) if engine is not None else None
-    if rank != 0 or not variant.startswith("hsdp") or \
-            not hasattr(trace, "recording_memory"):
+    if rank != 0 or not is_engine(variant) or not hasattr(trace, "recording_memory"):
         return None
     return trace
 
@@ -259,7 +276,7 @@ def main():
     data = batches(shape, cfg["steps"], n_rows)
     idle_kb = vm_kb("VmRSS")
     model, opt = wrap(variant, bench_model.build(shape))
-    units = units_under(model) if variant.startswith("hsdp") else []
+    units = units_under(model) if is_engine(variant) else []
     rows = slice(None) if variant == "single" else slice(rank * cfg["per_rank"],
                                                          (rank + 1) * cfg["per_rank"])
     two_host = bool(cfg.get("two_hosts")) and world > 1 and cfg["steps"] > 1
@@ -287,6 +304,8 @@ def main():
         opt.clear_grad()
         times.append(time.perf_counter() - start)
         comm_steps.append(measured_comm())
+        if step == 0 and units:  # the first step created the optimizer's state
+            optimizer_bytes = paddle_hsdp.memory_report(model, opt).get("optimizer")
         if two_host and step >= 1:
             sent = counter_cross_bytes(paddle_hsdp.comm.counter.snapshot(), groups, rank,
                                        hosts) if units else \
@@ -320,6 +339,7 @@ def main():
         result["comm_measured"] = comm_steps[-1]
         result["comm_theoretical"] = theoretical_comm(units, inner, outer)
         result["units"] = [sum(b.logical_numel for b in u.buffers) for u in units]
+        result["optimizer_bytes"] = optimizer_bytes  # None: a --baseline engine
     if timeline is not None:
         result["timeline"] = timeline
     if net:

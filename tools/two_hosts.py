@@ -125,10 +125,13 @@ def gloo_reduce_scatter_cross_bytes(payload: float, group_ranks: list[int], rank
     paddle_hsdp does on gloo (which has none), of one gloo reduce per owner's slice, if
     each reduce is a ring reduce-scatter of the slice followed by every rank sending its
     reduced piece straight to the owner. Per rank that is ``1 + 1/n`` times a ring
-    reduce-scatter's bytes, and the pieces to owners cross wherever the owner is."""
+    reduce-scatter's bytes, and the pieces to owners cross wherever the owner is. Two
+    ranks exchange their slices instead (a ring's bytes)."""
     n = len(group_ranks)
     if n < 2:
         return 0.0
+    if n == 2:  # the two ranks exchange slices (one all-gather of a slice each): a ring
+        return ring_cross_bytes(payload / 2, group_ranks, rank, host_of)
     piece = payload / n / n  # a slice per owner, a piece of it per rank
     ring = n * ring_cross_bytes((n - 1) * piece, group_ranks, rank, host_of)
     to_owners = sum(piece for owner in group_ranks

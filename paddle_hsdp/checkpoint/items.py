@@ -1,6 +1,12 @@
 """What this rank holds of a checkpoint: one item per tensor (or its block of rows),
 model parameters and buffers by their structured names in the unsharded model, and
-the optimizer's states of each as ``NAME/optim/STATE``."""
+the optimizer's states of each as ``NAME/optim/STATE``.
+
+A sharded parameter's item is its inner block (read from and written into the
+buffer's flat shard, every outer sub-shard of it: a load needs no collective); its
+optimizer states' items are the rows the optimizer holds, which with outer sub-shards
+(``fsdp_outer_sharding="optim"``) are distinct on every rank, so every rank writes its
+own."""
 
 from __future__ import annotations
 
@@ -50,6 +56,12 @@ def _writer(sp) -> bool:
     return buf.outer.rank == (buf.unit_index + buf.index) % buf.outer.nranks
 
 
+def _state_writer(sp) -> bool:
+    """Whether this rank writes the optimizer states of ``sp``: the block's writer, or
+    with outer sub-shards every rank (each holds different rows)."""
+    return sp.parts > 1 or _writer(sp)
+
+
 def _param_items(model) -> tuple[list[_Item], dict, dict]:
     canonical, aliases = names_and_aliases(model)
     rank, _ = _rank_world()
@@ -62,12 +74,27 @@ def _param_items(model) -> tuple[list[_Item], dict, dict]:
                                _getter(value, None), _putter(value, None)))
             by_shard[id(value)] = name
             continue
-        start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
-        count = min(start + sp.rows_per_rank, sp.rows) - start
+        start, count = sp.row_range(sub=False)
+        buf = registry.buffer_of(sp)
         items.append(_Item(name, sp.shape, _dtype_name(sp.dtype), start, count, _writer(sp),
-                           _getter(sp.shard, count), _putter(sp.shard, count)))
+                           _block_getter(buf, sp, count), _block_putter(buf, sp, count)))
         by_shard[id(sp.shard)] = name
     return items, by_shard, aliases
+
+
+def _block_getter(buf, sp, rows):
+    """Read the first ``rows`` rows of ``sp``'s inner block."""
+    return lambda: buf.read_block(sp).numpy()[:rows]
+
+
+def _block_putter(buf, sp, rows):
+    """Write ``rows`` rows into ``sp``'s inner block, padding rows zero."""
+    @paddle.no_grad()
+    def put(array):
+        full = np.zeros([sp.rows_per_rank] + sp.rest, dtype=array.dtype)
+        full[:rows] = array
+        buf.write_block(sp, paddle.to_tensor(full, dtype=sp.dtype))
+    return put
 
 
 def _getter(tensor, rows):
@@ -105,14 +132,17 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
         if name is None:
             continue
         owner = param_items[name]
+        sp = managed_param(p)
+        row0, rows, writes = owner.row0, owner.rows, owner.writes
+        if sp is not None:  # the rows the optimizer holds (the sub-block with parts)
+            (row0, rows), writes = sp.row_range(sub=True), _state_writer(sp)
         for acc, t in sorted(_states_of(optimizer, p).items()):
             if list(t.shape) == list(p.shape):  # a block like its parameter
                 items.append(_Item(f"{name}/optim/{acc}", owner.shape, _dtype_name(t.dtype),
-                                   owner.row0, owner.rows, owner.writes,
-                                   _getter(t, owner.rows), _putter(t, owner.rows)))
+                                   row0, rows, writes, _getter(t, rows), _putter(t, rows)))
             else:  # a scalar, the same on every rank holding the parameter
                 items.append(_Item(f"{name}/optim/{acc}", t.shape, _dtype_name(t.dtype), 0,
-                                   int(t.shape[0]), owner.writes and owner.row0 == 0,
+                                   int(t.shape[0]), writes and row0 == 0,
                                    _getter(t, None), _putter(t, None)))
     return items
 
@@ -122,6 +152,8 @@ def _all_items(model, optimizer, call: str):
     if optimizer is not None:
         expect_optimizer(optimizer, f"{call}(path, model, optimizer)")
     _check_supported(model)
+    for unit in registry.units_under(model):  # every rank: owed outer rebuilds run here
+        unit.ensure_rebuilt()
     items, by_shard, aliases = _param_items(model)
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)

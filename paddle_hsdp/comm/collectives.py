@@ -6,7 +6,8 @@ once and every byte is counted once:
 * gloo has no reduce-scatter kernel: we reduce each rank's slice to its owner instead
   (same result, more calls; gloo's reduces move about ``(1 + 1/n)`` times a ring
   reduce-scatter's bytes per rank, measured on the two-host benchmark's link; the
-  counter records the ring figure, what NCCL's native op moves);
+  counter records the ring figure, what NCCL's native op moves). Two-rank groups
+  exchange their slices with one all-gather instead: exactly a ring's bytes;
 * gloo's float16 all-reduce / reduce returns inf: we reduce in float32 and cast back
   (bfloat16 works natively);
 * NCCL (and other device backends) use the native ops.
@@ -22,6 +23,8 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -244,9 +247,76 @@ def _waiting_for(op: str, group, what):
                     + (f" for {describe(what)}" if what else ""))
 
 
-def _issue(op: str, group, what: str | None, call):
+# ---------------------------------------------------------------- a thread per group
+
+
+class _GroupThread:
+    """One worker thread for the collectives of one group issued ``on_thread``.
+
+    gloo runs a collective in the calling thread until it is done, and releases the GIL
+    while it waits on the network: on a thread of its own, an outer all-reduce proceeds
+    while the main thread computes and runs the inner group's collectives (measured:
+    a 1 s wait for a late peer hidden entirely behind 1.1 s of compute, docs/gpu.md).
+    One thread per group keeps that group's calls in issue order, and a collective the
+    main thread issues on the same group first waits for the thread's queue
+    (:func:`_drain`), so every rank sees one order per group. NCCL needs none of this:
+    its collectives are queued on a stream already."""
+
+    def __init__(self, group):
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"paddle_hsdp-{group_label(group)}")
+        self.pending: list[Future] = []
+
+    def submit(self, fn) -> Future:
+        self.pending = [f for f in self.pending if not f.done()]
+        future = self.executor.submit(fn)
+        self.pending.append(future)
+        return future
+
+    def drain(self) -> None:
+        """Wait until the queued calls are done (their errors surface at their handles)."""
+        if self.pending:
+            futures.wait(self.pending)
+            self.pending = []
+
+
+_threads: dict[int, _GroupThread] = {}
+
+
+def _drain(group) -> None:
+    thread = _threads.get(group.id)
+    if thread is not None:
+        thread.drain()
+
+
+def _verify(op: str, tensor, group, what) -> None:
+    """The debug fingerprint (a collective of its own), after the group's thread."""
+    if fingerprint.enabled():
+        _drain(group)
+    fingerprint.verify(op, tensor, group, what)
+
+
+class _FutureTask:
+    """A backend task run on a group thread: ``wait()`` waits for it and re-raises."""
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def wait(self):
+        return self.future.result()
+
+
+def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     """Run the backend call under the watchdog; a backend error becomes a
-    :class:`CollectiveError`."""
+    :class:`CollectiveError`. ``on_thread``: on the group's own thread (:class:`_GroupThread`),
+    returning a task to wait for; otherwise after whatever that thread still runs."""
+    if on_thread:
+        thread = _threads.get(group.id)
+        if thread is None:
+            thread = _threads[group.id] = _GroupThread(group)
+        watchdog.note_issued(_waiting_for(op, group, what))
+        return _FutureTask(thread.submit(lambda: _issue(op, group, what, call)))
+    _drain(group)
     waiting_for = _waiting_for(op, group, what)
     watchdog.note_issued(waiting_for)
     try:
@@ -281,7 +351,7 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
         paddle.assign(shard.reshape(out_flat.shape), output=out_flat)
         return _finish(Handle(), async_op)
     what = what or tag
-    fingerprint.verify("all_gather", shard, group, what)
+    _verify("all_gather", shard, group, what)
     task = _issue("all_gather", group, what, lambda: dist.stream.all_gather(
         out_flat, shard, group=group, sync_op=not async_op))
     return _finish(Handle([task], failure=_failure("all_gather", group, what),
@@ -301,7 +371,7 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
         paddle.assign(in_flat.reshape(out_shard.shape), output=out_shard)
         return _finish(Handle(), async_op)
     what = what or tag
-    fingerprint.verify("reduce_scatter", in_flat, group, what)
+    _verify("reduce_scatter", in_flat, group, what)
     if not is_gloo(group):
         task = _issue("reduce_scatter", group, what, lambda: dist.stream.reduce_scatter(
             out_shard, in_flat, op=dist.ReduceOp.SUM, group=group, sync_op=not async_op))
@@ -319,7 +389,20 @@ def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
     flat = staged.reshape([-1])
     size = numel_of(out_shard)
     mine = None
-    for i, owner in enumerate(group.ranks):
+    if group.nranks == 2:
+        # Two ranks: each sends the other its slice (an all-gather of one slice each)
+        # and adds what comes back: a ring's bytes, where gloo's reduce moves 1.5x
+        # that (measured on the two-host link). Same sum, a + b in either order.
+        me, other = group.rank, 1 - group.rank
+        got = paddle.empty([2 * size], staged.dtype)
+        dist.stream.all_gather(got, flat._slice(other * size, (other + 1) * size),
+                               group=group, sync_op=True)
+        own, theirs = (flat._slice(me * size, (me + 1) * size),
+                       got._slice(other * size, (other + 1) * size))
+        if own.dtype == paddle.bfloat16:  # CPU has no bfloat16 add: one rounding, below
+            own, theirs = own.astype("float32"), theirs.astype("float32")
+        mine = own + theirs
+    for i, owner in enumerate(group.ranks if mine is None else ()):
         piece = flat._slice(i * size, (i + 1) * size)
         dist.stream.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=group, sync_op=True)
         if i == group.rank:
@@ -334,8 +417,10 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
-               op: str = "sum", what: str | None = None):
-    """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place."""
+               op: str = "sum", what: str | None = None, on_thread: bool = False):
+    """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place.
+    ``on_thread`` (with ``async_op``, on gloo): run it on the group's own thread, so it
+    overlaps the caller's work (see :class:`_GroupThread`); elsewhere it is ignored."""
     reduce_op = _REDUCE_OPS[op]
     n = group.nranks
     payload = _nbytes(tensor)
@@ -343,7 +428,7 @@ def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
     if n == 1:
         return _finish(Handle(), async_op)
     what = what or tag
-    fingerprint.verify("all_reduce", tensor, group, what)
+    _verify("all_reduce", tensor, group, what)
     failure = _failure("all_reduce", group, what)
     waiting_for = _waiting_for("all_reduce", group, what)
     if _needs_fp32_staging(tensor, group):
@@ -353,8 +438,10 @@ def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
         return _finish(Handle([task], lambda: paddle.assign(staged.astype(tensor.dtype),
                                                             output=tensor), failure,
                               waiting_for, keep=(staged, tensor)), async_op)
+    threaded = on_thread and async_op and is_gloo(group)
     task = _issue("all_reduce", group, what, lambda: dist.stream.all_reduce(
-        tensor, op=reduce_op, group=group, sync_op=not async_op))
+        tensor, op=reduce_op, group=group, sync_op=not async_op or threaded),
+        on_thread=threaded)
     return _finish(Handle([task], failure=failure, waiting_for=waiting_for, keep=(tensor,)),
                    async_op)
 
@@ -368,7 +455,7 @@ def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None =
     if n == 1:
         return _finish(Handle(), async_op)
     what = what or tag
-    fingerprint.verify("broadcast", tensor, group, what)
+    _verify("broadcast", tensor, group, what)
     task = _issue("broadcast", group, what, lambda: dist.stream.broadcast(
         tensor, src=src, group=group, sync_op=not async_op))
     return _finish(Handle([task], failure=_failure("broadcast", group, what),

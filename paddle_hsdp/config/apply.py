@@ -21,7 +21,8 @@ from ..engine.api import fully_shard, set_zero_stage
 from ..engine.policies import CPUOffloadPolicy
 from ..hints import expect_layer
 from .plan import Plan, build_plan, mp_policy_of, resolve_modules
-from .schema import ConfigError, load_config, ranks_per_node_from_env, resolve_degrees
+from .schema import (AUTO, ConfigError, load_config, ranks_per_node_from_env,
+                     resolve_degrees)
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +34,21 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
     expect_layer(model, "apply_config")
     cfg = load_config(config)
     outer, inner, expert_inner, expert_outer = topology_of(cfg)
+    outer_sharding = outer_sharding_of(cfg)
     choice = resolve_modules(model, cfg)
     choice.mark_experts()
     plan = build_plan(model, cfg, choice, outer=outer, inner=inner, expert_inner=expert_inner,
-                      expert_outer=expert_outer, source=cfg.source)
+                      expert_outer=expert_outer, source=cfg.source,
+                      outer_sharding=outer_sharding)
     # Nothing collective so far; from here on every rank acts.
-    init_fleet_if_needed(outer, inner)
+    init_fleet_if_needed(outer, inner, outer_sharding)
     for _, module in choice.recompute:
         _recompute_forward(module, cfg.use_reentrant)
     kwargs = {"mp_policy": mp_policy_of(cfg),
               "offload_policy": CPUOffloadPolicy(pin_memory=cfg.pin_memory)
               if cfg.offload_to_cpu else None,
-              "ignored_params": choice.ignored_params() or None}
+              "ignored_params": choice.ignored_params() or None,
+              "fsdp_outer_sharding": outer_sharding}
     for _, module in choice.wrap:
         fully_shard(module, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
@@ -91,7 +95,16 @@ def topology_of(cfg) -> tuple[int, int, int, int]:
     return outer, inner, expert_inner, expert_outer
 
 
-def init_fleet_if_needed(outer: int, inner: int) -> None:
+def outer_sharding_of(cfg) -> str:
+    """``fsdp_outer_sharding`` as the config means it here: its own value, or with
+    'auto' the live fleet's (``sharding_configs``), "none" when fleet is not up."""
+    if cfg.fsdp_outer_sharding != AUTO:
+        return cfg.fsdp_outer_sharding
+    hcg = _live_hcg()
+    return hcg.get_fsdp_outer_sharding() if hcg is not None else "none"
+
+
+def init_fleet_if_needed(outer: int, inner: int, outer_sharding: str = "none") -> None:
     """``fleet.init`` with HSDP ``outer x inner`` over the whole world, unless fleet is
     up already (:func:`topology_of` has checked that it agrees)."""
     if _live_hcg() is not None:
@@ -99,7 +112,8 @@ def init_fleet_if_needed(outer: int, inner: int) -> None:
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,
                                "sharding_degree": outer * inner,
-                               "sharding_configs": {"fsdp_outer_degree": outer}}
+                               "sharding_configs": {"fsdp_outer_degree": outer,
+                                                    "fsdp_outer_sharding": outer_sharding}}
     fleet.init(is_collective=True, strategy=strategy)
 
 

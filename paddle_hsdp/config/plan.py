@@ -106,6 +106,7 @@ class Plan:
     zero_stage: int | None = None
     forward_prefetch: int = 1
     source: str = ""
+    outer_sharding: str = "none"
 
     def comm_bytes(self) -> dict:
         """Wire bytes per rank for one optimizer step, ``{(group label, op): bytes}``."""
@@ -120,7 +121,9 @@ class Plan:
                  f"outer {self.outer} x inner {self.inner}"
                  + (f" (experts: inner {self.expert_inner})" if self.expert_inner != self.inner
                     else "")
-                 + f", {self.micro_steps} micro-step(s) per optimizer step",
+                 + f", {self.micro_steps} micro-step(s) per optimizer step"
+                 + (", optimizer state sharded across outer (fsdp_outer_sharding: optim)"
+                    if self.outer_sharding == "optim" and self.outer > 1 else ""),
                  "",
                  f"{'#':>3s}  {'unit':<36s} {'params':>12s} {'buffers':>7s} {'reshard':>7s} "
                  f"{'shard MB':>9s} {'gathered MB':>11s}"]
@@ -143,10 +146,13 @@ class Plan:
 def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, inner: int,
                expert_inner: int | None = None, expert_outer: int | None = None,
                micro_steps: int = 1, source: str = "",
-               labels: dict | None = None) -> Plan:
+               labels: dict | None = None, outer_sharding: str | None = None) -> Plan:
     """Cost ``config`` on ``model`` for an ``outer x inner`` layout (experts may have
     their own inner size when EP > 1). ``labels``: the counter's group labels
-    (``inner``, ``expert_inner``, ``outer``), the defaults fleet gives."""
+    (``inner``, ``expert_inner``, ``outer``), the defaults fleet gives.
+    ``outer_sharding``: "none" or "optim" (None: the config's; its 'auto' is "none")."""
+    if outer_sharding is None:
+        outer_sharding = "optim" if config.fsdp_outer_sharding == "optim" else "none"
     expert_inner = expert_inner or inner
     expert_outer = expert_outer or outer
     labels = {"inner": "inner", "expert_inner": "expert_inner", "outer": "outer",
@@ -168,7 +174,9 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
                 claimed.add(id(p))
                 size = expert_inner if _is_expert(p) else inner
                 fqn = ".".join(x for x in (path, prefix, name) if x)
-                sps.append(ShardedParam(p, fqn, size, 0))
+                parts = expert_outer if _is_expert(p) else outer
+                parts = parts if outer_sharding == "optim" and not p.stop_gradient else 1
+                sps.append(ShardedParam(p, fqn, size, 0, parts))
                 sps[-1].segment = segment
         buffers = tuple(_buffer_shape(params, expert, policy, labels,
                                       expert_outer if expert else outer)
@@ -178,13 +186,31 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
                                     sum(sp.numel for sp in sps)))
     return Plan(world_size=outer * inner, outer=outer, inner=inner, expert_inner=expert_inner,
                 units=units, micro_steps=micro_steps, zero_stage=config.zero_stage,
-                forward_prefetch=config.num_to_forward_prefetch, source=source)
+                forward_prefetch=config.num_to_forward_prefetch, source=source,
+                outer_sharding=outer_sharding)
+
+
+def compare_outer_sharding(plans: dict) -> str:
+    """``{"none": Plan, "optim": Plan}`` of one layout side by side: persistent bytes per
+    rank and the outer group's wire bytes per step (the same across machines)."""
+    mb = 2.0 ** 20
+    lines = ["fsdp_outer_sharding: per rank (MB)            params    grads optimizer "
+             "   total   outer bytes/step"]
+    for mode, plan in plans.items():
+        mem = plan.memory_bytes()
+        outer = sum(v for (label, _), v in plan.comm_bytes().items() if label == "outer")
+        name = {"none": "none (HSDP)", "optim": "optim (HFSDP)"}[mode]
+        lines.append(f"  {name:<39s} {mem['params'] / mb:>8.2f} {mem['grads'] / mb:>8.2f} "
+                     f"{mem['optimizer'] / mb:>9.2f} "
+                     f"{(mem['params'] + mem['grads'] + mem['optimizer']) / mb:>8.2f} "
+                     f"{outer:>18,.0f}")
+    return "\n".join(lines)
 
 
 def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cost.BufferShape:
     gather, reduce, compute = dtypes_of(params[0].dtype, policy)
     return cost.BufferShape(
-        shard_numel=sum(sp.chunk_numel for sp in params),
+        shard_numel=sum(sp.chunk_numel for sp in params), outer_parts=params[0].parts,
         logical_numel=sum(sp.numel for sp in params),
         inner=params[0].inner_size, outer=outer,
         master_bytes=_element_size(params[0].dtype), gather_bytes=_element_size(gather),

@@ -22,6 +22,11 @@ to); time is an alpha-beta model per collective with ring algorithms:
 Memory per rank: shards, grads and AdamW state plus the peak of gathered parameters
 (:func:`cost.memory_per_rank`); a layout "fits" when that leaves ``activation_fraction``
 of the device memory for activations.
+
+Every layout with outer degree > 1 can also run with ``fsdp_outer_sharding: optim``
+(HFSDP, listed as its own row when asked for): AdamW state 1/O of HSDP's, the outer
+all-reduce's time spent as an outer reduce-scatter plus an outer all-gather. At equal
+time HSDP comes first, so HFSDP is recommended when it is what fits.
 """
 
 from __future__ import annotations
@@ -133,15 +138,16 @@ def _group_link(cluster: Cluster, members: int, stride: int) -> tuple[Link, int]
 def collective_seconds(op: str, members: int, payload: float, link: Link,
                        concurrent: int = 1, backend: str = "nccl") -> float:
     """One ring collective of ``payload`` bytes over ``members`` ranks. On gloo,
-    paddle_hsdp's reduce-scatter is one reduce per owner's slice, measured on the
-    two-host benchmark's link to move ``(1 + 1/n)`` times a ring's bytes."""
+    paddle_hsdp's reduce-scatter over more than two ranks is one reduce per owner's
+    slice, measured on the two-host benchmark's link to move ``(1 + 1/n)`` times a
+    ring's bytes (two ranks exchange slices by an all-gather: a ring's bytes)."""
     if members == 1:
         return 0.0
     factor = 2 if op == "all_reduce" else 1
     steps = factor * (members - 1)
     nbytes = concurrent * factor * (members - 1) / members * payload
-    if op == "reduce_scatter" and backend == "gloo":
-        nbytes *= 1 + 1 / members
+    if op == "reduce_scatter" and backend == "gloo" and members > 2:
+        nbytes *= 1 + 1 / members  # two ranks exchange their slices: a ring's bytes
     return link.seconds(steps, nbytes)
 
 
@@ -150,6 +156,8 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
     """Predicted seconds per optimizer step, per group kind, and ``exposed``: what is
     not hidden behind compute (everything, unless the cluster overlaps intra-node
     collectives; inter-node ones and the step's outer all-reduce always count)."""
+    # "outer all_reduce": the step's outer sync (with outer sub-shards its reduce-scatter
+    # and all-gather: the same bytes and ring steps)
     out = {"inner all_gather": 0.0, "inner reduce_scatter": 0.0, "outer all_reduce": 0.0,
            "exposed": 0.0}
 
@@ -172,10 +180,19 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
                 add("inner reduce_scatter", reduces * collective_seconds(
                     "reduce_scatter", b.inner, b.inner * b.shard_numel * b.reduce_bytes,
                     inner_link, inner_n, cluster.backend), inner_link)
-                add("outer all_reduce", collective_seconds(
-                    "all_reduce", b.outer, b.shard_numel * cost._outer_bytes(b), outer_link,
-                    outer_n), outer_link)
+                add("outer all_reduce", _outer_seconds(b, outer_link, outer_n, cluster),
+                    outer_link)
     return out
+
+
+def _outer_seconds(b, link: Link, concurrent: int, cluster: Cluster) -> float:
+    if b.outer_parts > 1:
+        return (collective_seconds("reduce_scatter", b.outer, b.shard_numel * b.reduce_bytes,
+                                   link, concurrent, cluster.backend)
+                + collective_seconds("all_gather", b.outer, b.shard_numel * b.master_bytes,
+                                     link, concurrent))
+    return collective_seconds("all_reduce", b.outer, b.shard_numel * cost._outer_bytes(b),
+                              link, concurrent)
 
 
 # ---------------------------------------------------------------- model shapes
@@ -221,12 +238,15 @@ def parse_model_shape(text: str) -> ModelShape:
 
 
 def shape_units(shape: ModelShape, inner: int, outer: int, dtypes: dict,
-                reshard_after_forward: bool = True) -> list:
+                reshard_after_forward: bool = True, outer_sharding: str = "none") -> list:
     """One unit per decoder layer and a root (embedding, head, final norm), each one
     buffer; per-parameter padding ignored (under one row per parameter)."""
+    parts = outer if outer_sharding == "optim" else 1
+
     def unit(path, params, reshard):
-        b = cost.BufferShape(shard_numel=math.ceil(params / inner), logical_numel=params,
-                             inner=inner, outer=outer, trainable=True, **dtypes)
+        b = cost.BufferShape(shard_numel=math.ceil(params / inner / parts) * parts,
+                             logical_numel=params, inner=inner, outer=outer, trainable=True,
+                             outer_parts=parts, **dtypes)
         return cost.UnitShape(path, (b,), reshard, params)
 
     layers = [unit(f"layers.{i}", shape.layer_params(), reshard_after_forward)
@@ -254,6 +274,7 @@ class Option:
     seconds: dict
     fits: bool
     ranks_per_node: int = 1
+    outer_sharding: str = "none"
 
     @property
     def comm_seconds(self) -> float:
@@ -270,27 +291,40 @@ class Option:
 
 
 def evaluate(cluster: Cluster, units_for, micro_steps: int = 1, zero_stage=None,
-             forward_prefetch: int = 1, activation_fraction: float = 0.3) -> list[Option]:
-    """Every ``outer`` dividing the world: ``units_for(outer, inner)`` gives the units."""
+             forward_prefetch: int = 1, activation_fraction: float = 0.3,
+             outer_shardings: tuple = ("none",)) -> list[Option]:
+    """Every ``outer`` dividing the world: ``units_for(outer, inner)`` gives the units
+    (``units_for(outer, inner, "optim")`` those with outer sub-shards, for every
+    ``outer > 1`` when ``outer_shardings`` names "optim")."""
     options = []
     world = cluster.world
     for outer in [o for o in range(1, world + 1) if world % o == 0]:
         inner = world // outer
-        units = units_for(outer, inner)
-        memory = cost.memory_per_rank(units, forward_prefetch)
-        seconds = step_seconds(units, cluster, micro_steps, zero_stage)
-        if inner == 1:
-            label = "DDP (no sharding)"
-        elif outer == 1:
-            label = "FSDP (pure)"
-        else:
-            label = "HSDP"
-        total = memory["params"] + memory["grads"] + memory["optimizer"] \
-            + memory["peak_gathered"]
-        fits = total <= (1 - activation_fraction) * cluster.device_memory_bytes
-        options.append(Option(outer, inner, label, memory, seconds, fits,
-                              cluster.ranks_per_node))
+        modes = [m for m in outer_shardings if m == "none" or outer > 1] or ["none"]
+        for mode in modes:
+            units = units_for(outer, inner) if mode == "none" else units_for(outer, inner,
+                                                                             mode)
+            options.append(_option(cluster, outer, inner, mode, units, micro_steps,
+                                   zero_stage, forward_prefetch, activation_fraction))
     return options
+
+
+def _option(cluster, outer, inner, mode, units, micro_steps, zero_stage, forward_prefetch,
+            activation_fraction) -> Option:
+    memory = cost.memory_per_rank(units, forward_prefetch)
+    seconds = step_seconds(units, cluster, micro_steps, zero_stage)
+    if inner == 1:
+        label = "DDP (no sharding)"
+    elif outer == 1:
+        label = "FSDP (pure)"
+    else:
+        label = "HFSDP" if mode == "optim" else "HSDP"
+    if inner == 1 and mode == "optim":
+        label = "ZeRO-1 (HFSDP)"
+    total = memory["params"] + memory["grads"] + memory["optimizer"] \
+        + memory["peak_gathered"]
+    fits = total <= (1 - activation_fraction) * cluster.device_memory_bytes
+    return Option(outer, inner, label, memory, seconds, fits, cluster.ranks_per_node, mode)
 
 
 def _ranks_per_node_of(options: list[Option]) -> int:
@@ -313,7 +347,9 @@ def recommend(options: list[Option]) -> tuple[Option | None, str]:
            f"({best.exposed_seconds * 1e3:.1f} ms of {best.comm_seconds * 1e3:.1f} ms")
     runner = sorted(fitting, key=rank)
     if len(runner) > 1:
-        second = next(o for o in runner if o is not best)
+        # another layout (the same layout's other fsdp_outer_sharding is in the table)
+        second = next((o for o in runner if o.outer != best.outer),
+                      next(o for o in runner if o is not best))
         why += (f"; next: outer {second.outer} x inner {second.inner} at "
                 f"{second.exposed_seconds * 1e3:.1f} ms exposed")
     if best.inner > _ranks_per_node_of(options):
@@ -348,6 +384,8 @@ def table(cluster: Cluster, options: list[Option], best: Option | None, why: str
                      f"{o.seconds['inner reduce_scatter'] * 1e3:>11.1f} "
                      f"{o.seconds['outer all_reduce'] * 1e3:>11.1f} "
                      f"{o.comm_seconds * 1e3:>9.1f} {o.exposed_seconds * 1e3:>10.1f}{mark}")
-    lines += ["", (f"recommended: fsdp_outer_degree={best.outer} (inner {best.inner}): {why}"
-                   if best else f"recommended: none: {why}")]
+    mode = (f", fsdp_outer_sharding={best.outer_sharding}"
+            if best is not None and best.outer_sharding != "none" else "")
+    lines += ["", (f"recommended: fsdp_outer_degree={best.outer}{mode} (inner {best.inner}): "
+                   f"{why}" if best else f"recommended: none: {why}")]
     return "\n".join(lines)

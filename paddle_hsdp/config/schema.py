@@ -20,6 +20,7 @@ from ..hints import did_you_mean
 from .patterns import PatternError, parse_pattern
 
 AUTO = "auto"
+OUTER_SHARDING = ("none", "optim")  # fsdp_outer_sharding besides 'auto'
 DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
                  "fp32": "fp32", "float32": "fp32"}
 ZERO_STAGES = (1, 2, 3)
@@ -98,6 +99,14 @@ def _check_bool(value: Any, allowed: str):
     return value
 
 
+def _check_outer_sharding(value: Any, allowed: str):
+    if not isinstance(value, str):
+        raise _expected(allowed, value, wrong_type=True)
+    if value != AUTO and value not in OUTER_SHARDING:
+        raise _expected(allowed, value, wrong_type=False)
+    return value
+
+
 def _check_optional_bool(value: Any, allowed: str):
     return None if value is None else _check_bool(value, allowed)
 
@@ -164,6 +173,8 @@ _KEYS = (
          _check_degree),
     _Key("fsdp_outer_degree", AUTO, "'auto' or an int >= 1 (number of replicas)",
          _check_degree),
+    _Key("fsdp_outer_sharding", AUTO, "'auto', 'none' or 'optim' (optim: the optimizer "
+         "state is sharded across the outer replicas too, HFSDP)", _check_outer_sharding),
     _Key("sub_modules_to_wrap", (), _PATTERN_LIST, _check_patterns),
     _Key("ignored_modules", (), _PATTERN_LIST, _check_patterns),
     _Key("recompute_modules", (), _PATTERN_LIST, _check_patterns),
@@ -201,6 +212,7 @@ class HSDPConfig:
 
     sharding_size: int | str = AUTO
     fsdp_outer_degree: int | str = AUTO
+    fsdp_outer_sharding: str = AUTO
     sub_modules_to_wrap: tuple = ()
     ignored_modules: tuple = ()
     recompute_modules: tuple = ()

@@ -17,6 +17,7 @@ from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
 from . import hooks, staging
 from .flex import sharded_state_dict
+from .optimizers import optimizer_state_bytes
 from .param import ShardedParam
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
@@ -331,9 +332,20 @@ def _placements(module, shard_placement_fn, ignored: set) -> dict:
     return out
 
 
+OUTER_SHARDING = ("none", "optim")
+
+
+def _check_outer_sharding(value) -> str | None:
+    if value is None or (isinstance(value, str) and value in OUTER_SHARDING):
+        return value
+    raise ValueError(f"fully_shard(fsdp_outer_sharding=...) must be None (the mesh's: "
+                     f"sharding_configs['fsdp_outer_sharding'] with mesh=None, 'none' on "
+                     f"an explicit mesh), 'none' or 'optim', got {value!r}")
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=None, offload_policy=None, ignored_params=None,
-                enable_tensor_fusion_and_overlap=True):
+                enable_tensor_fusion_and_overlap=True, fsdp_outer_sharding=None):
     """Shard ``module``'s parameters over the inner group, replicate over the outer.
 
     Call it bottom-up: each call makes one communication unit of the parameters not
@@ -354,6 +366,12 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     True (default) issues prefetch all-gathers, reduce-scatters and outer all-reduces
     asynchronously and waits for each just before its result is needed; False makes
     every collective synchronous. Parameters are fused into buffers either way.
+    ``fsdp_outer_sharding`` (paddle_hsdp's addition): ``"none"`` (HSDP: every outer
+    replica keeps the optimizer state of its whole inner shard), ``"optim"`` (HFSDP:
+    each outer replica's optimizer sees 1/O of it; the step's outer all-reduce becomes
+    a reduce-scatter and, after the update, an all-gather; see docs/engine.md), or
+    None: ``sharding_configs["fsdp_outer_sharding"]`` with ``mesh=None``, ``"none"``
+    on an explicit mesh. With outer degree 1 both are the same.
     Every check runs before anything changes and before any collective, so a rejected
     call raises on every rank alike and leaves the model as it was.
     """
@@ -361,6 +379,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     _check_bool(enable_tensor_fusion_and_overlap,
                 "fully_shard(enable_tensor_fusion_and_overlap)")
     ignored_list = _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params)
+    outer_sharding = _check_outer_sharding(fsdp_outer_sharding)
     _check_module(module)
     ignored_here = _ignored_in(module, ignored_list)
     ignored = set(registry.ignored) | set(ignored_here)
@@ -373,7 +392,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     # Nothing changed so far; from here on the call acts.
     registry.ignored.update(ignored_here)
     hooks.install()
-    unit = FSDPUnit(module, len(registry), mesh, reshard_after_forward, mp_policy, offload_policy)
+    if outer_sharding is None:
+        outer_sharding = getattr(mesh, "outer_sharding", lambda: "none")()
+    unit = FSDPUnit(module, len(registry), mesh, reshard_after_forward, mp_policy,
+                    offload_policy, outer_sharding)
     unit.overlap = bool(enable_tensor_fusion_and_overlap)
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
@@ -429,7 +451,8 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
                 claimed[id(p)] = ShardedParam(p, fqn, 1, 0)  # whole on every rank
             else:
                 inner = unit.mesh.inner(_is_expert(p))
-                claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank)
+                parts, part = unit.outer_parts(_is_expert(p), not p.stop_gradient)
+                claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank, parts, part)
             claimed[id(p)].segment = segment  # where it is first met
         claimed[id(p)].users.append((sub, name))
     unit.params = list(claimed.values())
@@ -471,24 +494,30 @@ def _gather_named(model, grads: bool) -> dict:
     return {name: full_of.get(id(p), own(p)) for name, p in model.named_parameters()}
 
 
-def memory_report(model) -> dict[str, int]:
+def memory_report(model, optimizer=None) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
     ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
     ``staging``: what the collectives' staging pool holds (all models; see
     engine/staging.py); ``peak_gathered`` / ``peak_gathered_units``: the most
     full-size param bytes and units gathered at once (all models), and
     ``peak_full_grads``: the most full-size grad bytes alive at a post-backward, an
-    early reduction or end of backward, since :func:`reset_peak_memory`. The same
-    figures at every engine event: ``paddle_hsdp.engine.trace.enable(memory=True)``."""
+    early reduction or end of backward, since :func:`reset_peak_memory`. With
+    ``optimizer``: ``optimizer``, the bytes of its states (accumulators, master
+    weights) for the model's shards on this rank (with ``fsdp_outer_sharding="optim"``
+    1/O of HSDP's). The same figures at every engine event:
+    ``paddle_hsdp.engine.trace.enable(memory=True)``."""
     expect_layer(model, "memory_report")
     total = {"shard": 0, "grad": 0, "gathered": 0}
-    for unit in units_under(model):
+    units = units_under(model)
+    for unit in units:
         for key, value in unit.held_bytes().items():
             total[key] += value
     total["staging"] = staging.pool.held_bytes
     total["peak_gathered"] = GatheredBytes.peak
     total["peak_gathered_units"] = GatheredBytes.units_peak
     total["peak_full_grads"] = FullGradBytes.peak
+    if optimizer is not None:
+        total["optimizer"] = optimizer_state_bytes(optimizer, units)
     return total
 
 

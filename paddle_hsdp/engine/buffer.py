@@ -8,6 +8,14 @@ need not agree, because the optimizer sees per-parameter shards (see
 This rank's shard of the buffer is the concatenation of its block of every parameter,
 ``S`` elements; the all-gather output is ``[I, S]`` row-major (rank ``i``'s shard in row
 ``i``), and the reduce-scatter input is built in the same layout.
+
+With outer sub-shards (``fsdp_outer_sharding="optim"``, HFSDP; see [Note: outer
+sub-shards] in :mod:`~paddle_hsdp.engine.param`) the shard is ``Q`` pieces of ``S / Q``
+elements, piece ``q`` the concatenation of every parameter's sub-block ``q``; outer
+rank ``q``'s optimizer sees piece ``q``. The step's outer all-reduce becomes an outer
+reduce-scatter of the grad shard (this rank keeps its piece), and after the update an
+outer all-gather of the pieces rebuilds the shard (:meth:`ShardBuffer.start_rebuild`),
+waited before anything reads the shard again.
 """
 
 from __future__ import annotations
@@ -55,12 +63,21 @@ class ShardBuffer:
         # state) live in host storage; collectives and compute run on the device.
         self.host = (offload.HostStorage(getattr(offload_policy, "pin_memory", False))
                      if offload.enabled(offload_policy) else None)
+        # outer sub-shards: every param of a buffer is cut into the same parts
+        self.parts, self.part = params[0].parts, params[0].part
+        if any((sp.parts, sp.part) != (self.parts, self.part) for sp in params) or \
+                self.parts not in (1, outer_group.nranks):
+            raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "
+                                 "their outer sub-shards")
         offset = 0
         for sp in params:
             sp.offset = offset
             sp.buffer = self
-            offset += sp.chunk_numel
-        self.shard_numel = offset
+            offset += sp.sub_numel
+        self.piece_numel = offset
+        for sp in params:
+            sp.piece_numel = offset
+        self.shard_numel = offset * self.parts
         self.inner_size = inner_group.nranks
         # Fixed per buffer; every unshard/reshard reads them for the memory report.
         self.element_size = _element_size(self.dtype)
@@ -70,7 +87,7 @@ class ShardBuffer:
         self.unit_index, self.index, self.owner = 0, 0, None
         # Storage: the flat shard (plus the tag's slots; shard params are views of it)
         # and, once grads arrive, the flat grad (shard grads are views of it).
-        self.flat = None
+        self._flat = None
         self.flat_grad = None
         self.flat_main_grad = None  # MixPrecisionLayer's float32 main grads (views of it)
         # the registry.storage_epoch at which views / grads / main grads were checked
@@ -80,6 +97,24 @@ class ShardBuffer:
         # buffer was reduced before the end of backward (reset there).
         self.grads_ready: set[int] = set()
         self.reduced_early = False
+        # Outer sub-shards: the post-step all-gather in flight, a rebuild owed before
+        # the next read (sharded_state_dict handed out views a load may write), and
+        # whether the grad shard holds only this rank's reduced piece (others zero).
+        self._rebuild: _PendingRebuild | None = None
+        self.rebuild_due = False
+        self.grads_scattered = False
+
+    @property
+    def flat(self):
+        """The flat shard (plus the tag's slots). Reading it first waits for a post-step
+        outer all-gather in flight (one already issued on every rank: no new collective)."""
+        if self._rebuild is not None:
+            self.finish_rebuild()
+        return self._flat
+
+    @flat.setter
+    def flat(self, value) -> None:
+        self._flat = value
 
     # -------------------------------------------------------------- placement
     @property
@@ -113,7 +148,8 @@ class ShardBuffer:
             master_bytes=self.element_size, gather_bytes=_element_size(self.gather_dtype),
             reduce_bytes=_element_size(self.grad_reduce_dtype()),
             compute_bytes=self.compute_element_size, trainable=self.trainable,
-            inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer))
+            inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer),
+            outer_parts=self.parts)
 
     # -------------------------------------------------------------- storage
     def _views_of(self, flat) -> None:
@@ -227,14 +263,19 @@ class ShardBuffer:
                 sp.full.initialize()
             blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
             sp.free_full_data()
+        if self.parts > 1:  # piece-major: every param's sub-block q makes piece q
+            blocks = [paddle.concat([b.reshape([self.parts, sp.sub_numel]) for b, sp in
+                                     zip(blocks, self.params)], axis=1).reshape([-1])]
         blocks.append(paddle.zeros([gather_tags.TAG_NUMEL], self.dtype))
         flat = paddle.concat(blocks)
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer,
                        what=self.describe)
         for sp in self.params:
             sp.make_shard_param()
-            if self.outer.rank != 0:
-                sp.shard.is_firstly_shared = False  # a replica: global-norm clip skips it
+            if self.outer.rank != 0 and self.parts == 1:
+                # a replica: global-norm clip skips it (with outer sub-shards every
+                # rank's sub-block is distinct, and every rank counts its own)
+                sp.shard.is_firstly_shared = False
         self._views_of(self.host.keep(flat) if self.host is not None else flat)
 
     def describe(self) -> str:
@@ -263,10 +304,13 @@ class ShardBuffer:
         staged = []  # tensors from the staging pool, given back after the wait
         if grads:
             acc = self.acc_flat()  # float32 main grads travel as they are
+            if self.grads_scattered:  # each outer rank holds its reduced piece only
+                acc = self._outer_gather(acc, what="the synced grad pieces")
             base = acc.dtype
             with self.on_host():
                 send = paddle.concat([acc, paddle.zeros([gather_tags.TAG_NUMEL], base)])
         else:
+            self.ensure_rebuilt()
             self._repair_views()
             send, base = self.flat, self.dtype
         dtype = self.gather_dtype if compute else base
@@ -318,9 +362,12 @@ class ShardBuffer:
         out = pending.out
         row = self.shard_numel + gather_tags.TAG_NUMEL
         grid = out.reshape([self.inner_size, row])
-        sizes = [sp.chunk_numel for sp in self.params] + [gather_tags.TAG_NUMEL]
-        parts = paddle.split(grid, sizes, axis=1)
+        sizes = [sp.sub_numel for _ in range(self.parts) for sp in self.params]
+        parts = paddle.split(grid, sizes + [gather_tags.TAG_NUMEL], axis=1)
         tags = parts.pop()
+        if self.parts > 1:  # each param's sub-blocks of every piece, side by side
+            n = len(self.params)
+            parts = [paddle.concat(parts[j::n], axis=1) for j in range(n)]
         if pending.tag is not None:
             gather_tags.check(tags, pending.tag, self.inner)  # same dtype and place
         if pending.compute and self.compute_dtype != out.dtype:
@@ -343,14 +390,19 @@ class ShardBuffer:
         trace.record("ready", "reduce_scatter", self.unit_index)  # full grads complete
         blocks = []
         dtype = self.grad_reduce_dtype()
+        # with parts, [I, parts, sub-block]: concatenated on the last axis, every inner
+        # rank's row is its flat shard, piece-major
+        grid_of = ((lambda b, sp: b) if self.parts == 1 else
+                   (lambda b, sp: b.reshape([sp.inner_size, self.parts, sp.sub_numel])))
         for sp in self.params:
             g = master_grad.full_grad(sp)  # .grad, or the hook's main_grad (see there)
             if g is None:  # unused on this rank: zeros, so every rank joins the call
-                blocks.append(paddle.zeros([sp.inner_size, sp.chunk_numel], dtype))
+                blocks.append(grid_of(paddle.zeros([sp.inner_size, sp.chunk_numel], dtype),
+                                      sp))
                 continue
             if g.dtype != dtype:
                 g = g.astype(dtype)
-            blocks.append(sp.as_rank_blocks(g))  # a view unless the param has padding
+            blocks.append(grid_of(sp.as_rank_blocks(g), sp))  # a view unless padded
             master_grad.release_full_grad(sp)
         staged = []
         try:
@@ -373,16 +425,18 @@ class ShardBuffer:
         return _PendingReduce(handle, grid, out, tuple(staged))
 
     def _reduce_input(self, blocks, dtype, staged: list) -> paddle.Tensor:
-        """The ``[I, S]`` reduce-scatter input: ``blocks`` concatenated into a staging
-        grid of the all-gather grid's size (so the two share the pool's tensors)."""
+        """The ``[I, S]`` reduce-scatter input (``[I, parts, S / parts]`` with outer
+        sub-shards): ``blocks`` concatenated on their last axis into a staging grid of
+        the all-gather grid's size (so the two share the pool's tensors)."""
         if self.host is not None:
-            return paddle.concat(blocks, axis=1)
+            return paddle.concat(blocks, axis=-1)
         row = self.shard_numel + gather_tags.TAG_NUMEL
         base = staging.pool.take(self.inner_size * row, dtype)
         staged.append(base)
-        grid = base._slice(0, self.inner_size * self.shard_numel).reshape(
-            [self.inner_size, self.shard_numel])
-        return paddle.concat(blocks, axis=1, out=grid)
+        shape = [self.inner_size, self.shard_numel] if self.parts == 1 else \
+            [self.inner_size, self.parts, self.piece_numel]
+        grid = base._slice(0, self.inner_size * self.shard_numel).reshape(shape)
+        return paddle.concat(blocks, axis=-1, out=grid)
 
     def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
         """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
@@ -391,6 +445,7 @@ class ShardBuffer:
         trace.record("wait", "reduce_scatter", self.unit_index)
         acc = self.acc_flat()
         out = pending.out
+        self.grads_scattered = False  # (after a sync: the unit rescaled it, see there)
         if self.host is not None:  # added on the host once the copy is in
             self.host.download(out, into=acc, add=True)
             release_staging(pending)  # the grid (the download reads out, not pooled)
@@ -441,6 +496,148 @@ class ShardBuffer:
         with self.on_host():
             flat.scale_(scale)
 
+    # -------------------------------------------------------------- outer sub-shards
+    def start_outer_sync(self, async_op: bool = False):
+        """The step's one outer collective of the grad shard: the all-reduce, or with
+        outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`)."""
+        if self.parts > 1:
+            return self.start_outer_reduce(async_op)
+        return self.start_all_reduce(async_op)
+
+    def finish_outer_sync(self, pending, scale: float) -> None:
+        if isinstance(pending, _PendingOuterReduce):
+            self.finish_outer_reduce(pending, scale)
+        else:
+            self.finish_all_reduce(pending, scale)
+
+    def start_outer_reduce(self, async_op: bool = False) -> "_PendingOuterReduce":
+        """Issue the outer reduce-scatter of the accumulated grad shard (or main grads)
+        in ``reduce_dtype``: the first half of an all-reduce, the same bytes across
+        machines; this rank receives the sum of its piece."""
+        acc = self.acc_flat()
+        send = self.host.upload(acc) if self.host is not None else acc  # offloaded: a copy
+        dtype = self.grad_reduce_dtype()
+        if dtype != acc.dtype:
+            send = send.astype(dtype)
+        out = paddle.empty([self.piece_numel], dtype=dtype)
+        trace.record("issue", "outer_reduce_scatter", self.unit_index)
+        # send is scratch on gloo (its other pieces are overwritten): they are zeroed
+        # when the result lands, as the piece model needs anyway
+        handle = comm.reduce_scatter(out, send, self.outer, async_op=True, what=self.describe)
+        if not async_op:
+            handle.wait()
+        return _PendingOuterReduce(handle, send, out, acc)
+
+    def finish_outer_reduce(self, pending: "_PendingOuterReduce", scale: float) -> None:
+        """Wait for :meth:`start_outer_reduce`; this rank's piece of the grad shard
+        becomes the scaled sum, every other piece zero (what the optimizer does not see
+        must not carry into the next step's accumulation)."""
+        pending.handle.wait()
+        trace.record("wait", "outer_reduce_scatter", self.unit_index)
+        acc, reduced = pending.acc, pending.out
+        if reduced.dtype != acc.dtype:
+            reduced = reduced.astype(acc.dtype)
+        reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
+        if self.host is not None:  # assigned on the host when the copy is in
+            self.host.download(reduced, into=self.piece(acc, self.part), add=False)
+        else:
+            paddle.assign(reduced, output=self.piece(acc, self.part))
+        self.zero_other_pieces(acc)
+        self.grads_scattered = True
+
+    def piece(self, flat, q: int) -> paddle.Tensor:
+        """Piece ``q`` of a flat shard-layout tensor (a view)."""
+        return flat._slice(q * self.piece_numel, (q + 1) * self.piece_numel)
+
+    def zero_other_pieces(self, flat) -> None:
+        with self.on_host():
+            for q in range(self.parts):
+                if q != self.part:
+                    piece = self.piece(flat, q)
+                    paddle.assign(paddle.zeros_like(piece), output=piece)
+
+    def drop_grad_pieces(self) -> None:
+        """After ``clear_grad`` (the unit dropped pending downloads first): zero the grad
+        pieces the optimizer does not see (its own it zeroed or released), so a skipped
+        batch leaves nothing behind."""
+        if self.parts == 1:
+            return
+        for flat in (self.flat_grad, self.flat_main_grad):
+            if flat is not None:
+                self.zero_other_pieces(flat)
+        self.grads_scattered = False
+
+    def _outer_gather(self, flat, what: str) -> paddle.Tensor:
+        """Every rank's piece of ``flat`` gathered over the outer group (synchronous):
+        a new tensor in shard layout, where ``flat`` lives (offloaded: the host)."""
+        mine = self.piece(flat, self.part)
+        send = self.host.upload(mine) if self.host is not None else mine.clone()
+        out = paddle.empty([self.shard_numel], dtype=flat.dtype)
+        comm.all_gather_into(out, send, self.outer, what=lambda: f"{self.describe()}: {what}")
+        return self.host.keep(out) if self.host is not None else out
+
+    def start_rebuild(self, async_op: bool = False) -> None:
+        """After the optimizer updated this rank's piece: issue the outer all-gather of
+        the pieces into the flat shard (in the parameters' own dtype, so every replica
+        holds the same exact values). The next read of :attr:`flat` waits for it; the
+        next forward's first all-gather of the unit reads it."""
+        if self.parts == 1 or not self.trainable:
+            return
+        self.finish_rebuild()  # one in flight per buffer
+        flat = self._flat
+        mine = self.piece(flat, self.part)
+        # offloaded: a device copy out, the gathered pieces copied back in at the wait
+        send = self.host.upload(mine) if self.host is not None else mine.clone()
+        out = (paddle.empty([self.shard_numel], dtype=self.dtype) if self.host is not None
+               else flat._slice(0, self.shard_numel))
+        trace.record("issue", "outer_all_gather", self.unit_index)
+        handle = comm.all_gather_into(out, send, self.outer, async_op=True,
+                                      what=self.describe)
+        self._rebuild = _PendingRebuild(handle, send, out)
+        self.rebuild_due = False
+        if not async_op:
+            self.finish_rebuild()
+
+    def finish_rebuild(self) -> None:
+        pending, self._rebuild = self._rebuild, None
+        if pending is None:
+            return
+        pending.handle.wait()
+        trace.record("wait", "outer_all_gather", self.unit_index)
+        if self.host is not None:
+            gathered = self.host.keep(pending.out)
+            with self.on_host():
+                paddle.assign(gathered, output=self._flat._slice(0, self.shard_numel))
+
+    def ensure_rebuilt(self) -> None:
+        """Finish a rebuild in flight, or run one that is owed (a collective, so only
+        from calls every rank makes alike: gathers, checkpoints)."""
+        if self.rebuild_due:
+            self.start_rebuild()
+        self.finish_rebuild()
+
+    def read_block(self, sp: ShardedParam) -> paddle.Tensor:
+        """``sp``'s inner block ``[rows_per_rank, ...]`` from the flat shard (its pieces
+        joined; a view with one part)."""
+        self.ensure_rebuilt()
+        self._repair_views()
+        pieces = sp.pieces_of(self._flat)
+        with self.on_host():
+            block = pieces[0] if len(pieces) == 1 else paddle.concat(pieces)
+            return block.reshape([sp.rows_per_rank] + sp.rest)
+
+    def write_block(self, sp: ShardedParam, block) -> None:
+        """Write ``sp``'s inner block (``[chunk_numel]`` elements, padding rows zero)
+        into every piece of the flat shard: a full load needs no outer collective."""
+        self.finish_rebuild()  # a late all-gather would overwrite what is written here
+        self._repair_views()
+        if self.host is not None:
+            block = self.host.keep(block)  # host storage: CPU kernels only
+        with self.on_host():
+            block = block.reshape([sp.parts, sp.sub_numel]).astype(self.dtype)
+            for q, piece in enumerate(sp.pieces_of(self._flat)):
+                paddle.assign(block[q], output=piece)
+
 
 @dataclass
 class _PendingGather:
@@ -480,6 +677,21 @@ def settle(pendings) -> list[Exception]:
     for p in pendings:
         release_staging(p)
     return failures
+
+
+@dataclass
+class _PendingOuterReduce:
+    handle: comm.Handle
+    send: paddle.Tensor  # the input (kept alive until the wait)
+    out: paddle.Tensor  # this rank's reduced piece
+    acc: paddle.Tensor  # the grad shard it lands in
+
+
+@dataclass
+class _PendingRebuild:
+    handle: comm.Handle
+    send: paddle.Tensor
+    out: paddle.Tensor
 
 
 def _dtype(d):

@@ -18,10 +18,13 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
     """``{name: ShardedWeight}`` for Paddle's ``flex_checkpoint.dcp`` save/load: each
     managed parameter as this rank's unpadded rows (a view of the shard storage, so a
     dcp load writes straight into it) at its global row offset; everything else whole.
-    Outer replicas describe the same pieces; dcp keeps one. Tied aliases are left out
-    (their one tensor is saved under the first name)."""
+    Outer replicas describe the same pieces; dcp keeps one. With outer sub-shards
+    (``fsdp_outer_sharding="optim"``) each rank describes the sub-block its optimizer
+    sees, distinct on every rank; since a dcp load writes only those, the rest of each
+    shard is rebuilt (one outer all-gather per buffer) before the next read of it.
+    Tied aliases are left out (their one tensor is saved under the first name)."""
     canonical, _ = names_and_aliases(model)
-    out = {}
+    out, rebuild = {}, []
     for name, value in canonical.items():
         key = structured_name_prefix + name
         sp = managed_param(value)
@@ -29,16 +32,19 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
             shape = tuple(int(d) for d in value.shape)
             out[key] = ShardedWeight(key, value, shape, shape, (0,) * len(shape))
             continue
-        start = min(sp.inner_rank * sp.rows_per_rank, sp.rows)
-        count = min(start + sp.rows_per_rank, sp.rows) - start
+        start, count = sp.row_range(sub=True)
+        buf = registry.buffer_of(sp)
+        if buf.parts > 1 and buf not in rebuild:
+            rebuild.append(buf)
         if count == 0:
             continue  # this rank's block is all padding
-        buf = registry.buffer_of(sp)
-        local = buf.flat._slice(sp.offset, sp.offset + count * sp.row_numel)
+        local = buf.flat._slice(sp.flat_offset, sp.flat_offset + count * sp.row_numel)
         local = local.reshape([count] + sp.rest)
         local.name = sp.shard.name
         out[key] = ShardedWeight(key, local, (count, *sp.rest), tuple(sp.shape),
                                  (start,) + (0,) * len(sp.rest))
+    for buf in rebuild:  # after the views above: a load may write them
+        buf.rebuild_due = True
     return out
 
 

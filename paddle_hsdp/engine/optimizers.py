@@ -134,15 +134,17 @@ def _states_of(optimizer, p) -> dict:
     return states
 
 
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of the optimizer's state now (accumulators and master weights of the
-    shards it holds), from shapes: for the memory timeline (engine/trace.py)."""
+def optimizer_state_bytes(optimizer, units=None) -> int:
+    """Bytes of ``optimizer``'s states (accumulators, master weights) of the HSDP shards
+    it holds on this rank (only those of ``units``, if given), from shapes: for
+    ``memory_report`` and the memory timeline (engine/trace.py)."""
     optimizer = unwrap_optimizer(optimizer)
-    total = 0
-    for p in _sharded_params_of(optimizer):
-        for state in _states_of(optimizer, p).values():
-            total += math.prod(state.shape) * state.element_size()
-    return total
+    params = _sharded_params_of(optimizer)
+    if units is not None:
+        mine = {id(sp.shard) for unit in units for sp in unit.params}
+        params = [p for p in params if id(p) in mine]
+    return sum(math.prod(t.shape) * t.element_size() for p in params
+               for t in _states_of(optimizer, p).values())
 
 
 def _ensure_accumulators(optimizer) -> None:

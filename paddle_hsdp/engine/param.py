@@ -10,6 +10,19 @@ parameter behaves exactly as in single-process training: ``apply_decay_param_fun
 ``regularizer``, frozen parameters (``stop_gradient``), ``is_distributed``.  Element-wise
 optimizers give bit-identical updates on any such split.  The price is at most
 ``(I - 1)`` padding rows per parameter and a copy-out after each all-gather.
+
+[Note: outer sub-shards] With ``fsdp_outer_sharding="optim"`` (HFSDP) a buffer's inner
+block is cut once more, across its ``Q`` outer replicas (``parts``): every parameter is
+padded to a multiple of ``I * Q`` rows and split into ``I * Q`` *virtual* blocks of
+``sub_rows`` rows; inner rank ``i`` holds virtual blocks ``i*Q .. i*Q + Q-1`` (its
+inner block, ``rows_per_rank = Q * sub_rows`` rows, as every replica needs for the
+forward), and outer rank ``q`` of it is the one whose optimizer sees virtual block
+``i*Q + q``: the shard parameter is that sub-block, still whole rows, never empty. The
+buffer lays its flat shard out piece-major (``Q`` contiguous pieces, each the
+concatenation of every parameter's sub-block for that ``q``), so the outer
+reduce-scatter and all-gather move one contiguous piece per rank and the shard
+parameters stay views. With ``Q = 1`` (HSDP, the default) everything reduces to the
+layout above.
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ _CARRIED_ATTRS = ("optimize_attr", "regularizer", "do_model_average", "need_clip
 class ShardedParam:
     """An original parameter, its shard on this inner rank, and the modules using it."""
 
-    def __init__(self, param, fqn: str, inner_size: int, inner_rank: int):
+    def __init__(self, param, fqn: str, inner_size: int, inner_rank: int, parts: int = 1,
+                 part: int = 0):
         self.full = param  # keeps autograd identity; its storage comes and goes
         self.fqn = fqn
         self.shape = list(param.shape)
@@ -40,14 +54,22 @@ class ShardedParam:
         self.rest = self.shape[1:] if self.shape else []
         self.row_numel = math.prod(self.rest) if self.rest else 1
         self.rows = rows
-        self.rows_per_rank = -(-rows // inner_size)  # ceil
+        # outer sub-shards (see [Note: outer sub-shards]); 1 and 0 without them
+        self.parts, self.part = parts, part
+        self.sub_rows = -(-rows // (inner_size * parts))  # ceil
+        self.sub_numel = self.sub_rows * self.row_numel
+        self.rows_per_rank = self.sub_rows * parts
         self.padded_rows = self.rows_per_rank * inner_size
         self.chunk_numel = self.rows_per_rank * self.row_numel
         self.numel = rows * self.row_numel
         self.inner_size = inner_size
         self.inner_rank = inner_rank
-        self.offset = 0  # set by the buffer: where this chunk sits in the rank's shard
-        self.buffer = None  # set by the buffer that holds this chunk
+        # set by the buffer that holds this param: where its sub-block sits in one piece
+        # of the flat shard, and the piece's size (with one part: the chunk's offset,
+        # the shard)
+        self.offset = 0
+        self.piece_numel = 0
+        self.buffer = None
         self.users: list[tuple[object, str]] = []  # (module, attribute name)
         self.shard: EagerParamBase | None = None
         self.mesh = None  # set by the unit: the groups this param's buffer talks to
@@ -58,7 +80,22 @@ class ShardedParam:
 
     @property
     def shard_shape(self) -> list[int]:
-        return [self.rows_per_rank] + self.rest
+        """The shape of the parameter the optimizer sees (the sub-block with parts)."""
+        return [self.sub_rows] + self.rest
+
+    @property
+    def flat_offset(self) -> int:
+        """Where the shard parameter's elements start in the buffer's flat shard."""
+        return self.part * self.piece_numel + self.offset
+
+    def row_range(self, sub: bool) -> tuple[int, int]:
+        """``(first row, row count)`` of the unpadded rows this rank holds: its inner
+        block (``sub=False``) or the sub-block its optimizer sees (``sub=True``; the
+        same with one part). The count is 0 for an all-padding block."""
+        size = self.sub_rows if sub else self.rows_per_rank
+        index = self.inner_rank * self.parts + self.part if sub else self.inner_rank
+        start = min(index * size, self.rows)
+        return start, min(start + size, self.rows) - start
 
     # -------------------------------------------------------------- layout helpers
     def padded_rows_of(self, full) -> paddle.Tensor:
@@ -75,8 +112,16 @@ class ShardedParam:
         return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
 
     def piece_of(self, flat) -> paddle.Tensor:
-        """This param's chunk of a flat shard-layout tensor: a 1-D view, no copy."""
-        return flat._slice(self.offset, self.offset + self.chunk_numel)
+        """The shard parameter's elements of a flat shard-layout tensor (its chunk, or
+        with parts its sub-block): a 1-D view, no copy."""
+        return flat._slice(self.flat_offset, self.flat_offset + self.sub_numel)
+
+    def pieces_of(self, flat) -> list[paddle.Tensor]:
+        """The param's sub-blocks of every part in a flat shard-layout tensor, in row
+        order (together its inner block): 1-D views, no copy."""
+        return [flat._slice(q * self.piece_numel + self.offset,
+                            q * self.piece_numel + self.offset + self.sub_numel)
+                for q in range(self.parts)]
 
     def rank_block(self, full, rank: int) -> paddle.Tensor:
         """Inner rank ``rank``'s block of ``full`` (``[chunk_numel]``), built without a
@@ -89,8 +134,15 @@ class ShardedParam:
             block = paddle.concat([block, pad], axis=0)
         return block.reshape([self.chunk_numel])
 
+    def sub_block(self, full) -> paddle.Tensor:
+        """The rows of ``full`` the shard parameter holds (padded), in its shape."""
+        block = self.rank_block(full, self.inner_rank)
+        return block._slice(self.part * self.sub_numel,
+                            (self.part + 1) * self.sub_numel).reshape(self.shard_shape)
+
     def from_rank_blocks(self, blocks) -> paddle.Tensor:
-        """Inverse of :meth:`as_rank_blocks`: ``[I, chunk_numel]`` -> full shape."""
+        """Inverse of :meth:`as_rank_blocks`: ``[I, chunk_numel]`` (or, with parts, the
+        ``[I * parts, sub_numel]`` virtual blocks) -> full shape."""
         t = blocks.reshape([self.padded_rows, self.row_numel])
         if self.padded_rows > self.rows:
             t = t[: self.rows]
@@ -138,7 +190,7 @@ class ShardedParam:
 
     def shard_is_view_of(self, flat) -> bool:
         return (self.shard._is_initialized() and self.shard.data_ptr()
-                == flat.data_ptr() + self.offset * flat.element_size())
+                == flat.data_ptr() + self.flat_offset * flat.element_size())
 
     def attach_grad(self, flat_grad) -> None:
         """Make the shard's ``.grad`` a view of its chunk of the flat grad storage."""
@@ -147,7 +199,7 @@ class ShardedParam:
     def grad_is_view_of(self, flat_grad) -> bool:
         grad = self.shard.grad
         return (grad is not None and grad._is_initialized() and grad.data_ptr()
-                == flat_grad.data_ptr() + self.offset * flat_grad.element_size())
+                == flat_grad.data_ptr() + self.flat_offset * flat_grad.element_size())
 
     def attach_main_grad(self, flat_main_grad) -> None:
         """Make the shard's ``main_grad`` (MixPrecisionLayer's float32 grad) a view of its
@@ -157,7 +209,8 @@ class ShardedParam:
     def main_grad_is_view_of(self, flat_main_grad) -> bool:
         main = getattr(self.shard, "main_grad", None)
         return (main is not None and main._is_initialized() and main.data_ptr()
-                == flat_main_grad.data_ptr() + self.offset * flat_main_grad.element_size())
+                == flat_main_grad.data_ptr()
+                + self.flat_offset * flat_main_grad.element_size())
 
     # -------------------------------------------------------------- module slots
     def point_users_to(self, tensor) -> None:

@@ -11,7 +11,10 @@ Gradient flow of one optimizer step (k micro-steps):
   backward): reduce-scatter its full grads into the shard grads
   (``requires_gradient_sync``), or keep accumulating full-size grads locally;
 * step boundary (:func:`sync_grads`): reduce-scatter whatever full grads are
-  still pending, then one outer all-reduce per buffer (``requires_all_reduce``).
+  still pending, then one outer all-reduce per buffer (``requires_all_reduce``);
+  with outer sub-shards (``fsdp_outer_sharding="optim"``) one outer reduce-scatter per
+  buffer instead, and after the optimizer's update one outer all-gather
+  (:meth:`FSDPUnit.start_rebuild`) that the next read of the shards waits for.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def sync_grads(units) -> None:
     """The step boundary for ``units`` (in one global order): their outer all-reduces
     are issued back to back, then waited for and scaled. If anything raises, every
     all-reduce already issued is waited for before the error propagates."""
+    for unit in units:  # before any collective: a refusal comes on every rank alike
+        unit.check_outer_sync()
     work: list = []
     try:
         for unit in units:
@@ -102,8 +107,8 @@ def sync_grads(units) -> None:
             unit.start_grad_sync(work)
         while work:
             buf, pending, scale = work[0]
-            del work[0]  # finish_all_reduce waits first: out of the list is waited
-            buf.finish_all_reduce(pending, scale)
+            del work[0]  # finish_outer_sync waits first: out of the list is waited
+            buf.finish_outer_sync(pending, scale)
     except BaseException:
         comm.settle(pending.handle for _, pending, _ in work)
         raise
@@ -123,10 +128,13 @@ def expect_everyone_in(units, what: str) -> None:
 
 class FSDPUnit:
     def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None,
-                 offload_policy=None):
+                 offload_policy=None, outer_sharding: str = "none"):
         self.module = module
         self.index = index  # registration order: the global order of collectives
         self.mesh = mesh
+        # "optim": the optimizer of each outer replica sees 1/O of every trainable
+        # buffer (HFSDP; see [Note: outer sub-shards] in engine/param.py)
+        self.outer_sharding = outer_sharding
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.params: list[ShardedParam] = []
@@ -183,6 +191,16 @@ class FSDPUnit:
         for i, buf in enumerate(self.buffers):
             buf.unit_index, buf.index = self.index, i
             buf.owner = self
+
+    def outer_parts(self, is_expert: bool, trainable: bool) -> tuple[int, int]:
+        """``(parts, part)`` a parameter of this unit is cut into across its outer group:
+        the outer degree and this rank's outer index with ``outer_sharding="optim"`` for
+        trainable params, else ``(1, 0)``. Read from the outer group each time a unit is
+        built, so a later change of the outer degree only needs the buffers rebuilt."""
+        if self.outer_sharding != "optim" or not trainable:
+            return 1, 0
+        outer = self.mesh.outer(is_expert)
+        return (outer.nranks, outer.rank) if outer.nranks > 1 else (1, 0)
 
     def shape(self):
         """This unit's sizes for :mod:`paddle_hsdp.topology.cost`."""
@@ -318,9 +336,10 @@ class FSDPUnit:
             # finish_grad_sync already ran this step (e.g. to log grads) and more grads
             # arrive: bring the synced part back to "summed, replicated" form (x N / O),
             # so the next sync's outer sum and 1 / N leave it unchanged (every buffer:
-            # the flag is the unit's).
+            # the flag is the unit's). With outer sub-shards only this rank's piece
+            # holds it (the others are zero): x N.
             for buf in every:
-                buf.scale_grads(self._divisor(buf) / buf.outer.nranks)
+                buf.scale_grads(self._divisor(buf) * buf.parts / buf.outer.nranks)
             self.grads_synced = False
         wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
@@ -358,6 +377,8 @@ class FSDPUnit:
         self.full_grads_pending = False
         self.grads_pending_outer_sync = False
         self.grads_synced = False
+        for buf in self.buffers:
+            buf.drop_grad_pieces()
 
     def _divisor(self, buf) -> float:
         return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
@@ -385,12 +406,44 @@ class FSDPUnit:
             if not buf.trainable:
                 continue
             if self.requires_all_reduce:
-                work.append((buf, buf.start_all_reduce(async_op=self.overlap),
+                work.append((buf, buf.start_outer_sync(async_op=self.overlap),
                              1.0 / self._divisor(buf)))
             else:
                 buf.scale_grads(buf.outer.nranks / self._divisor(buf))
         self.grads_pending_outer_sync = False
         self.grads_synced = True
+
+    def check_outer_sync(self) -> None:
+        """With outer sub-shards each replica's optimizer holds only its piece of the
+        state, so replicas cannot step apart on their own grads: the step's outer sync
+        cannot be skipped (``set_requires_all_reduce(False)`` on a non-last micro-step
+        is fine: the sync runs at the step only)."""
+        if self.requires_all_reduce or not any(b.parts > 1 for b in self.buffers):
+            return
+        raise NotImplementedError(
+            f"{self.label}: set_requires_all_reduce(False) at the optimizer step with "
+            "fsdp_outer_sharding='optim': each outer replica's optimizer holds only its "
+            "1/O of the state, so replicas cannot step on their own grads. Set it True "
+            "before the step (torch's pattern: False on non-last micro-steps, True on "
+            "the last), or shard with fsdp_outer_sharding='none'. Nothing was synced.")
+
+    # -------------------------------------------------------------- outer sub-shards
+    def start_rebuild(self) -> None:
+        """After the optimizer's update: issue every buffer's outer all-gather of its
+        pieces (asynchronous with overlap on; the next read of a shard waits)."""
+        for buf in self.buffers:
+            buf.start_rebuild(async_op=self.overlap)
+
+    def finish_rebuild(self) -> None:
+        """Wait for the outer all-gathers in flight (before the optimizer writes the
+        pieces again)."""
+        for buf in self.buffers:
+            buf.finish_rebuild()
+
+    def ensure_rebuilt(self) -> None:
+        """Finish or run every owed rebuild (a collective: every rank alike)."""
+        for buf in self.buffers:
+            buf.ensure_rebuilt()
 
     def has_full_grads(self) -> bool:
         return any(master_grad.has_full_grad(sp) for sp in self.params)

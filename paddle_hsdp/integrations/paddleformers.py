@@ -29,7 +29,7 @@ import paddle.distributed as dist
 from paddleformers.trainer import Trainer, TrainingArguments
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config.apply import apply_config, init_fleet_if_needed, topology_of
+from ..config.apply import apply_config, init_fleet_if_needed, outer_sharding_of, topology_of
 from ..config.schema import (AUTO, ConfigError, HSDPConfig, load_config,
                              ranks_per_node_from_env, resolve_degrees)
 from ..engine.api import FSDPModule, full_state_dict
@@ -86,7 +86,9 @@ class HSDPTrainingArguments(TrainingArguments):
             if world > 1:
                 self.hsdp_degrees = _live_topology(self.hsdp_config_resolved)[:2]
         if world > 1:
-            init_fleet_if_needed(*self.hsdp_degrees)
+            # hsdp_config's fsdp_outer_sharding goes into sharding_configs too
+            init_fleet_if_needed(*self.hsdp_degrees,
+                                 outer_sharding_of(self.hsdp_config_resolved))
         if self.hsdp_checkpoint:
             # the Trainer's flex-checkpoint paths call the hooks HSDPTrainer overrides,
             # on every rank

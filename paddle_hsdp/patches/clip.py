@@ -111,7 +111,7 @@ def _storage_of(param, grad):
         return None, None
     for flat in (buf.flat_grad, buf.flat_main_grad):
         if (flat is not None and flat.dtype == grad.dtype and grad.data_ptr()
-                == flat.data_ptr() + sp.offset * flat.element_size()):
+                == flat.data_ptr() + sp.flat_offset * flat.element_size()):
             return flat, buf
     return None, None
 
@@ -120,7 +120,9 @@ def _by_storage(pairs):
     """Split ``(param, grad)`` pairs into whole flat grad buffers, ``[(flat,
     pairs)]``, and the rest: a buffer whose every param is here with its view of the
     flat storage is one tensor for the norm and the scaling (one kernel, not a few
-    per parameter)."""
+    per parameter). With outer sub-shards that tensor is this rank's piece of the
+    storage (the other pieces are no grads of its params); either way a param's grad
+    starts ``sp.offset`` elements into it."""
     groups, rest = {}, []
     for p, g in pairs:
         flat, buf = _storage_of(p, g)
@@ -131,7 +133,7 @@ def _by_storage(pairs):
     whole = []
     for flat, buf, members in groups.values():
         if len({id(p) for p, _ in members}) == len(buf.params) == len(members):
-            whole.append((flat, members))
+            whole.append((buf.piece(flat, buf.part) if buf.parts > 1 else flat, members))
         else:
             rest.extend(members)
     return whole, rest
@@ -175,7 +177,7 @@ def _scaled(pairs, factor, in_place: bool) -> dict:
         scaled = flat * factor_for(flat)
         for p, g in members:
             sp = p._hsdp_sharded_param
-            out[id(p)] = sp.piece_of(scaled).reshape(g.shape)
+            out[id(p)] = scaled._slice(sp.offset, sp.offset + sp.sub_numel).reshape(g.shape)
     for p, g in rest:
         if in_place:
             g.multiply_(factor_for(g))

@@ -1,17 +1,18 @@
-"""Fleet: the ``fsdp_outer_degree`` strategy option, ``fleet.init``, the HCG's HSDP
-methods, and parameter broadcasts that skip HSDP shards.
+"""Fleet: the ``fsdp_outer_degree`` / ``fsdp_outer_sharding`` strategy options,
+``fleet.init``, the HCG's HSDP methods, and parameter broadcasts that skip HSDP shards.
 
 What it patches, and why:
 
 * ``DistributedStrategy.hybrid_configs`` (setter): Paddle 3.3 rejects a nested
-  ``sharding_configs`` dict carrying ``fsdp_outer_degree``; the option is kept aside
+  ``sharding_configs`` dict carrying ``fsdp_outer_degree``; the options are kept aside
   (skipped where Paddle knows the option natively);
 * ``Fleet.init``: validates the option on every rank before any group exists;
   ``Fleet._init_hybrid_parallel_env``: after Paddle built its HCG, creates every inner
   and outer group (:func:`paddle_hsdp.topology.fleet.build_hsdp_groups`);
   ``paddle.distributed.fleet.init``, the module alias bound before the patch;
 * ``HybridCommunicateGroup.get_fsdp_group / get_fsdp_inner_group /
-  get_fsdp_outer_group / get_fsdp_outer_degree``: added (Paddle has none);
+  get_fsdp_outer_group / get_fsdp_outer_degree / get_fsdp_outer_sharding``: added
+  (Paddle has none);
 * ``sync_params_buffers`` (``paddle.distributed.parallel`` and fleet's
   ``hybrid_parallel_util``): see :func:`_patch_param_broadcasts`;
 * ``fused_allreduce_gradients_with_group`` (``hybrid_parallel_util``, and the copy
@@ -37,10 +38,11 @@ from paddle.distributed.fleet.utils import hybrid_parallel_util as util
 from paddle.distributed.fleet.utils import sequence_parallel_utils
 
 from ..engine.registry import managed_param
-from ..topology.fleet import (OPTION, _get_fsdp_group, _get_fsdp_inner_group,
-                              _get_fsdp_outer_degree, _get_fsdp_outer_group,
-                              build_hsdp_groups, check_sharding_config_keys,
-                              get_fsdp_outer_degree, validate_strategy)
+from ..topology.fleet import (OPTION, SHARDING_OPTION, _get_fsdp_group,
+                              _get_fsdp_inner_group, _get_fsdp_outer_degree, _get_fsdp_outer_group,
+                              _get_fsdp_outer_sharding, build_hsdp_groups,
+                              check_sharding_config_keys, get_fsdp_outer_degree,
+                              get_fsdp_outer_sharding, validate_strategy)
 from .patching import replace
 
 logger = logging.getLogger(__name__)
@@ -65,11 +67,15 @@ def _patch_strategy(strategy_cls) -> None:
             if OPTION in sharding:
                 # Stored as given: validation (with the group sizes) runs in fleet.init.
                 self._hsdp_fsdp_outer_degree = sharding.pop(OPTION)
+            if SHARDING_OPTION in sharding:
+                self._hsdp_fsdp_outer_sharding = sharding.pop(SHARDING_OPTION)
             assign_configs_value(self.strategy.hybrid_configs.sharding_configs, sharding)
         original.fset(self, configs)
 
     # class default; also unlocks the attribute
     replace(strategy_cls, "_hsdp_fsdp_outer_degree", 1, "the option's default: plain FSDP")
+    replace(strategy_cls, "_hsdp_fsdp_outer_sharding", "none",
+            "the option's default: HSDP (optimizer state replicated across outer)")
     replace(strategy_cls, "hybrid_configs",
             property(original.fget, set_hybrid_configs, None, original.__doc__),
             "Paddle 3.3 rejects fsdp_outer_degree inside sharding_configs; kept aside")
@@ -89,8 +95,9 @@ def _patch_fleet(fleet_cls) -> None:
     @functools.wraps(original_env)
     def init_hybrid_parallel_env(self):
         original_env(self)
-        degree = get_fsdp_outer_degree(self._user_defined_strategy)
-        self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, degree)
+        strategy = self._user_defined_strategy
+        self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, get_fsdp_outer_degree(strategy),
+                                                   get_fsdp_outer_sharding(strategy))
 
     replace(fleet_cls, "init", init, "validate fsdp_outer_degree on every rank before any group")
     replace(fleet_cls, "_init_hybrid_parallel_env", init_hybrid_parallel_env,
@@ -174,6 +181,7 @@ def install() -> None:
     for name, method in (("get_fsdp_group", _get_fsdp_group),
                          ("get_fsdp_inner_group", _get_fsdp_inner_group),
                          ("get_fsdp_outer_group", _get_fsdp_outer_group),
-                         ("get_fsdp_outer_degree", _get_fsdp_outer_degree)):
+                         ("get_fsdp_outer_degree", _get_fsdp_outer_degree),
+                         ("get_fsdp_outer_sharding", _get_fsdp_outer_sharding)):
         replace(HybridCommunicateGroup, name, method, "the HCG's HSDP groups (Paddle has none)")
     _installed = True

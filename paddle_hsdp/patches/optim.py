@@ -6,8 +6,12 @@ so :func:`install` wraps that method: the first call of a step finishes the defe
 gradient sync of every unit whose shard params the optimizer holds, i.e. **one outer
 all-reduce per buffer per optimizer step**, however many backward passes accumulated
 into the shards. Grads are updated in place, so the grad list ``step`` collected just
-before stays valid. Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync`
-yourself to read synced grads before ``step`` (for logging or custom clipping).
+before stays valid. With outer sub-shards (``fsdp_outer_sharding="optim"``) that is one
+outer reduce-scatter per buffer, and after the update one outer all-gather per buffer
+rebuilds the shards (issued here, waited for by the next read of them: the next
+forward's first all-gather of the unit).
+Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync` yourself to read synced
+grads before ``step`` (for logging or custom clipping).
 
 ``fleet.distributed_optimizer(opt)`` works too: Paddle wraps optimizers in its own
 ZeRO-1 ``DygraphShardingOptimizer`` when ``sharding_degree > 1``; for HSDP-managed
@@ -44,14 +48,18 @@ def _patch_apply_optimize() -> None:
     def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
         params = check_optimizer(self)
         gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
+        units = _units_of(params)
         if params:
             finish_grad_sync(params)
             clip.make_clip_hsdp_aware(self, params)
-        units = _units_of(params)
+            for unit in units:  # the update writes what an outer all-gather may still read
+                unit.finish_rebuild()
         # offloaded shards: every grad copied back, then the update runs on the host
         with offload.host_step(b for u in units for b in u.buffers if b.trainable):
             result = original(self, loss, startup_program, params_grads, *args, **kwargs)
         registry.storage_may_have_changed()  # an optimizer may rebind what it updates
+        for unit in units:
+            unit.start_rebuild()  # outer sub-shards: every replica needs every piece
         for unit in units:
             unit.reshard(force=True)  # params kept gathered are stale after the update
         if trace.recording_memory():

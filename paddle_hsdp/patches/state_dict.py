@@ -99,35 +99,45 @@ def _patch_set_state_dict(layer_cls) -> None:
         if not registry.units:
             return original(self, state_dict, use_structured_name, *args, **kwargs)
         live = self._state_dict_impl(use_hook=False)
-        blocks, units = {}, {}
+        blocks, units, whole = {}, {}, []
         for key, value in live.items():
             sp = managed_param(value)
             name = key if use_structured_name else value.name
             if sp is None or name not in state_dict:
                 continue
             blocks[name] = _block_of(sp, name, state_dict[name])
+            if sp.parts > 1:  # the other outer sub-blocks of its inner block too
+                whole.append((sp, name))
             unit = owning_unit(sp)
             units[unit.index] = unit
         # Every check passed: from here on the call writes. Slots must hold the
         # shards for Paddle's loader to write blocks into them (local, no collective).
         for unit in units.values():
             unit.reshard(force=True)
-        return original(self, {**state_dict, **blocks}, use_structured_name, *args, **kwargs)
+            unit.finish_rebuild()  # an outer all-gather in flight would overwrite them
+        result = original(self, {**state_dict, **blocks}, use_structured_name, *args, **kwargs)
+        for sp, name in whole:
+            value = _as_tensor(state_dict[name])
+            registry.buffer_of(sp).write_block(sp, sp.rank_block(value, sp.inner_rank))
+        return result
 
     replace(layer_cls, "set_state_dict", set_state_dict,
             "full tensors load into this rank's blocks of sharded parameters")
 
 
+def _as_tensor(value):
+    return value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
+
+
 def _block_of(sp, key: str, value):
-    """This rank's block of a full tensor for ``sp``, in the shard's shape."""
-    if not isinstance(value, paddle.Tensor):
-        value = paddle.to_tensor(value)
+    """The rows of a full tensor this rank's shard parameter holds, in its shape."""
+    value = _as_tensor(value)
     if list(value.shape) != list(sp.shape):
         raise ValueError(
             f"set_state_dict: '{key}' has shape {list(value.shape)}, but the sharded model "
             f"expects the full parameter, shape {list(sp.shape)}: pass a full state dict "
             "(what model.state_dict() returns on a sharded model too). Nothing was loaded.")
-    return sp.rank_block(value, sp.inner_rank).reshape(sp.shard_shape)
+    return sp.sub_block(value)
 
 
 def install() -> None:

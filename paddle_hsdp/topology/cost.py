@@ -17,7 +17,12 @@ size ``O`` and ``k`` micro-steps per optimizer step, the counter's ring accounti
 * inner reduce-scatter (trainable buffers): payload ``I * S * reduce bytes``, wire
   ``(I - 1) / I``, ``k`` times (once at ZeRO-1);
 * outer all-reduce (trainable): payload ``S * reduce bytes``, wire ``2 (O - 1) / O``, once
-  (the grad shard travels in ``reduce_dtype``: the cross-machine bytes).
+  (the grad shard travels in ``reduce_dtype``: the cross-machine bytes);
+* with outer sub-shards (``fsdp_outer_sharding="optim"``, HFSDP), instead of it: an
+  outer reduce-scatter (payload ``S * reduce bytes``, wire ``(O - 1) / O``) and, after
+  the update, an outer all-gather (payload ``S * master bytes``, the parameters' own
+  dtype, wire ``(O - 1) / O``), once each: the all-reduce's bytes when ``reduce_dtype``
+  is the parameters' dtype. The optimizer state per rank is ``1 / O`` of HSDP's.
 
 ``TAG`` is the all-gather check's few elements per rank (:mod:`paddle_hsdp.comm.gather_tags`).
 """
@@ -46,6 +51,7 @@ class BufferShape:
     trainable: bool
     inner_label: str = "inner"  # the counter's labels of the groups it talks to
     outer_label: str = "outer"
+    outer_parts: int = 1  # the optimizer sees 1/outer_parts of the shard (HFSDP: O)
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,19 @@ def step_comm(units: list[UnitShape], micro_steps: int = 1,
             if b.trainable:
                 add(b.inner_label, "reduce_scatter",
                     reduces * b.inner * b.shard_numel * b.reduce_bytes, ring)
-                add(b.outer_label, "all_reduce", b.shard_numel * _outer_bytes(b),
-                    2 * (b.outer - 1) / b.outer)
+                add_outer(add, b)
     return out
+
+
+def add_outer(add, b: BufferShape) -> None:
+    """The step's outer traffic of a trainable buffer: one all-reduce, or with outer
+    sub-shards one reduce-scatter and one all-gather (the same bytes, see above)."""
+    ring = (b.outer - 1) / b.outer
+    if b.outer_parts > 1:
+        add(b.outer_label, "reduce_scatter", b.shard_numel * b.reduce_bytes, ring)
+        add(b.outer_label, "all_gather", b.shard_numel * b.master_bytes, ring)
+    else:
+        add(b.outer_label, "all_reduce", b.shard_numel * _outer_bytes(b), 2 * ring)
 
 
 def _outer_bytes(b: BufferShape) -> int:
@@ -96,9 +112,10 @@ def _outer_bytes(b: BufferShape) -> int:
 
 
 def adamw_state_bytes(b: BufferShape) -> int:
-    """AdamW's two moments of a trainable shard (float32, as Paddle keeps them for
-    float32 masters); beta powers are two scalars per parameter, left out."""
-    return 2 * b.shard_numel * 4 if b.trainable else 0
+    """AdamW's two moments of what the optimizer sees of a trainable shard (float32, as
+    Paddle keeps them for float32 masters; with outer sub-shards 1/O of the shard);
+    beta powers are two scalars per parameter, left out."""
+    return 2 * (b.shard_numel // b.outer_parts) * 4 if b.trainable else 0
 
 
 def memory_per_rank(units: list[UnitShape], forward_prefetch: int = 1) -> dict[str, int]:

@@ -1,16 +1,19 @@
-"""The ``fsdp_outer_degree`` option of fleet's strategy and the HCG's HSDP groups.
+"""The ``fsdp_outer_degree`` and ``fsdp_outer_sharding`` options of fleet's strategy and
+the HCG's HSDP groups.
 
 What this module computes; :mod:`paddle_hsdp.patches.fleet` installs it into Paddle's
 classes. ``import paddle_hsdp``
 
-* lets ``strategy.hybrid_configs = {..., "sharding_configs": {"fsdp_outer_degree": O}}``
-  through (Paddle 3.3 rejects a nested ``sharding_configs`` dict and knows no such key);
+* lets ``strategy.hybrid_configs = {..., "sharding_configs": {"fsdp_outer_degree": O,
+  "fsdp_outer_sharding": "optim"}}`` through (Paddle 3.3 rejects a nested
+  ``sharding_configs`` dict and knows no such keys);
 * validates the option on every rank inside ``fleet.init`` before any group exists;
 * after Paddle has built its HCG, creates every inner and outer group of every FSDP
   group on every rank, in the one global order of
   :func:`~paddle_hsdp.topology.layout.plan_hsdp_layout`;
-* adds ``get_fsdp_group / get_fsdp_inner_group / get_fsdp_outer_group(is_expert)`` and
-  ``get_fsdp_outer_degree()`` to ``HybridCommunicateGroup``.
+* adds ``get_fsdp_group / get_fsdp_inner_group / get_fsdp_outer_group(is_expert)``,
+  ``get_fsdp_outer_degree()`` and ``get_fsdp_outer_sharding()`` to
+  ``HybridCommunicateGroup``.
 
 Where a Paddle build already knows the option natively, each step defers to it.
 """
@@ -31,9 +34,13 @@ from . import layout as topology
 logger = logging.getLogger(__name__)
 
 OPTION = "fsdp_outer_degree"
+# "none": HSDP (each outer replica keeps its inner shard's optimizer state); "optim":
+# HFSDP (the optimizer state is sharded across the outer group too; docs/engine.md)
+SHARDING_OPTION = "fsdp_outer_sharding"
+OUTER_SHARDING_VALUES = ("none", "optim")
 # Every key paddle_hsdp adds to fleet's sharding_configs (Paddle's own come from its
 # strategy definition at run time).
-HSDP_OPTIONS = (OPTION,)
+HSDP_OPTIONS = (OPTION, SHARDING_OPTION)
 MOE_ORDER_HINT = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
@@ -42,6 +49,25 @@ def get_fsdp_outer_degree(strategy) -> int:
     """The ``fsdp_outer_degree`` a strategy carries (1, plain FSDP, when unset)."""
     native = getattr(strategy.strategy.hybrid_configs.sharding_configs, OPTION, None)
     return native if native is not None else strategy._hsdp_fsdp_outer_degree
+
+
+def get_fsdp_outer_sharding(strategy) -> str:
+    """The ``fsdp_outer_sharding`` a strategy carries ("none", HSDP, when unset)."""
+    native = getattr(strategy.strategy.hybrid_configs.sharding_configs, SHARDING_OPTION,
+                     None)
+    return native if native is not None else strategy._hsdp_fsdp_outer_sharding
+
+
+def validate_outer_sharding(value) -> str:
+    """``fsdp_outer_sharding`` must be "none" or "optim" (with outer degree 1 both are
+    plain FSDP: there is no outer group to shard across)."""
+    if isinstance(value, str) and value in OUTER_SHARDING_VALUES:
+        return value
+    raise ValueError(
+        f"sharding_configs['{SHARDING_OPTION}'] must be 'none' (HSDP: every outer replica "
+        "keeps the optimizer state of its inner shard) or 'optim' (HFSDP: the optimizer "
+        f"state is sharded across the outer group too), got {value!r} "
+        f"({type(value).__name__})")
 
 
 # ---------------------------------------------------------------- validation
@@ -67,6 +93,7 @@ def check_sharding_config_keys(config: dict, paddle_message) -> None:
 def validate_strategy(strategy) -> int:
     """Check the HSDP option of a strategy before any group is created; return O."""
     degree = get_fsdp_outer_degree(strategy)
+    validate_outer_sharding(get_fsdp_outer_sharding(strategy))
     if degree != 1 and (getattr(strategy, "semi_auto", False) or getattr(strategy, "auto", False)):
         raise NotImplementedError(
             f"sharding_configs['{OPTION}']={degree} is not supported in Paddle's "
@@ -100,9 +127,10 @@ class HSDPGroups:
     """What the HCG answers for HSDP on this rank."""
 
     def __init__(self, layout: topology.HSDPLayout, groups: dict, fsdp_dense, fsdp_expert,
-                 reduce_scatter_twins: dict | None = None):
+                 reduce_scatter_twins: dict | None = None, outer_sharding: str = "none"):
         self.layout = layout
         self.outer_degree = layout.outer_degree
+        self.outer_sharding = outer_sharding
         self._groups = groups  # member tuple -> paddle Group
         self._fsdp = {False: fsdp_dense, True: fsdp_expert}
         self._twins = reduce_scatter_twins or {}  # inner member tuple -> its twin
@@ -154,7 +182,7 @@ def inner_rows(layout: topology.HSDPLayout) -> list:
     return rows
 
 
-def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
+def build_hsdp_groups(hcg, outer_degree: int, outer_sharding: str = "none") -> HSDPGroups:
     """Create every inner/outer group on every rank in one global order; keep ours."""
     dense_lists, expert_lists = fsdp_rank_lists(hcg)
     layout = topology.plan_hsdp_layout(dense_lists, expert_lists, outer_degree)
@@ -194,7 +222,7 @@ def build_hsdp_groups(hcg, outer_degree: int) -> HSDPGroups:
         comm.name_group(groups[mine.outer], "outer")
     logger.info("HSDP: %d groups (%d reduce-scatter twins) created for fsdp_outer_degree=%d",
                 len(groups) + len(twins), len(twins), outer_degree)
-    return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert, twins)
+    return HSDPGroups(layout, groups, fsdp_dense, fsdp_expert, twins, outer_sharding)
 
 
 _single_ids = itertools.count(1)
@@ -242,3 +270,8 @@ def _get_fsdp_outer_group(self, is_expert: bool = False):
 
 def _get_fsdp_outer_degree(self) -> int:
     return _hsdp_of(self).outer_degree
+
+
+def _get_fsdp_outer_sharding(self) -> str:
+    """"none" (HSDP) or "optim" (HFSDP): ``sharding_configs["fsdp_outer_sharding"]``."""
+    return _hsdp_of(self).outer_sharding

@@ -97,6 +97,10 @@ class HCGMesh:
         """The group the global-norm clip all-reduces over: None, the whole job."""
         return None
 
+    def outer_sharding(self) -> str:
+        """``sharding_configs["fsdp_outer_sharding"]``: "none" or "optim"."""
+        return self.hcg._hsdp_groups.outer_sharding
+
 
 # ---------------------------------------------------------------- explicit mesh: planning
 _ALLOWED = ("a paddle.distributed.ProcessMesh, 1-D (pure FSDP over its ranks) or 2-D "
@@ -271,6 +275,11 @@ class ProcessMeshGroups:
         """The group the global-norm clip all-reduces over: None (the whole job) when
         the mesh is the world, else the mesh-wide FSDP group."""
         return None if self.plan.covers_world else self.fsdp_group()
+
+    def outer_sharding(self) -> str:
+        """An explicit mesh's default: "none" (``fully_shard(...,
+        fsdp_outer_sharding="optim")`` asks for outer sub-shards on it)."""
+        return "none"
 
     def __repr__(self) -> str:
         return (f"ProcessMeshGroups(ids={list(self.plan.process_ids)}, "

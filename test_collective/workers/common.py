@@ -22,12 +22,14 @@ _layout_of_this_process: list = []  # the layout fleet.init built here (run_many
 
 
 def init_fleet(config: dict):
-    """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), ``check_typo`` (first
+    """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), ``outer_sharding``
+    (fsdp_outer_sharding, default "none"), ``check_typo`` (first
     show that a misspelt option is refused before any group exists). Every launch then
     checks the HSDP and HCG groups of its layout (:func:`check_groups`). Several workers
     in one launch (run_many.py) share the first one's fleet.init: the same layout again
     returns its HCG, another layout is an error."""
-    layout = {k: v for k, v in config.items() if k.endswith("_degree") or k == "outer"}
+    layout = {k: v for k, v in config.items()
+              if k.endswith("_degree") or k in ("outer", "outer_sharding")}
     if _layout_of_this_process:
         assert _layout_of_this_process == [layout], (_layout_of_this_process, layout)
         return fleet.get_hybrid_communicate_group()
@@ -38,6 +40,8 @@ def init_fleet(config: dict):
     if config.get("check_typo"):
         refuse_misspelt_option(strategy, hybrid)
     hybrid["sharding_configs"] = {"fsdp_outer_degree": config.get("outer", 1)}
+    if "outer_sharding" in config:
+        hybrid["sharding_configs"]["fsdp_outer_sharding"] = config["outer_sharding"]
     if hybrid.get("ep_degree", 1) > 1:
         strategy.hybrid_parallel_order = MOE_ORDER
     strategy.hybrid_configs = hybrid
@@ -68,6 +72,7 @@ def check_groups(hcg, config: dict) -> None:
     principles, and an all-reduce of the ranks on each."""
     rank, outer = dist.get_rank(), config.get("outer", 1)
     assert hcg.get_fsdp_outer_degree() == outer
+    assert hcg.get_fsdp_outer_sharding() == config.get("outer_sharding", "none")
     for is_expert in (False, True):
         what = "expert" if is_expert else "dense"
         fsdp = hcg.get_fsdp_group(is_expert)

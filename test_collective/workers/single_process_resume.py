@@ -1,6 +1,9 @@
 """One plain process (no fleet.init, no fully_shard) resumes a checkpoint saved by 4
 sharded ranks: loads a plain TinyLM and AdamW, trains the last 2 steps on the whole
-batch, and matches the uninterrupted sharded run (float64, parity.py's bound). argv: the work dir."""
+batch, and matches the uninterrupted sharded run (float64, parity.py's bound). Then the
+HFSDP checkpoint worker_hfsdp.py saved (fsdp_outer_sharding "optim": parameters written
+by inner blocks, optimizer states by outer sub-blocks) loads into a plain model equal to
+the full_state_dict the sharded run had when it saved. argv: the work dir."""
 
 import os
 import sys
@@ -42,3 +45,14 @@ missing, unexpected = plain.set_state_dict({k: paddle.to_tensor(v)
 assert not missing and not unexpected, (missing, unexpected)
 assert "embed.weight" in checkpoint.describe(os.path.join(work, "ckpt"))
 print("CONSOLIDATE_OK", flush=True)
+
+set_dtype("float32")  # as worker_hfsdp.py saved it
+plain = build_model(seed=7)
+plain_opt = make_optimizer(plain, plain.parameters(), CLIP)
+hfsdp = os.path.join(work, "hfsdp_ckpt_optim")
+assert checkpoint.load_checkpoint(hfsdp, plain, plain_opt) == {"step": 2}
+full = np.load(os.path.join(work, "hfsdp_full.npz"))
+assert sorted(full.files) == sorted(k.replace(".", "__") for k in plain.state_dict())
+for name, value in plain.state_dict().items():
+    assert np.array_equal(value.numpy(), full[name.replace(".", "__")]), name
+print("HFSDP_SINGLE_LOAD: equals full_state_dict", flush=True)

@@ -6,7 +6,9 @@ variants to check, and optionally ``mesh`` (nested rank lists; with ``dim_names`
 on that explicit mesh instead of fleet's groups (in the shared 2 x 2 launch, 1 x 4 and
 4 x 1 run this way; fleet builds those layouts' groups in test_faults' launches), and
 ``separate_reduce_scatter`` (the launch sets PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1):
-every buffer must reduce-scatter on its inner group's twin.
+every buffer must reduce-scatter on its inner group's twin. Units shard with
+``fsdp_outer_sharding="none"`` (HSDP) whatever fleet's option says (the 2 x 4 launch sets
+it to "optim" for worker_hfsdp.py).
 """
 
 from common import compare_with_reference, config_from_argv, finish, init_fleet
@@ -53,8 +55,10 @@ def shard(reshard_blocks: bool, overlap: bool = True):
     units = [model.embed] + list(model.blocks)
     for layer in units:
         paddle_hsdp.fully_shard(layer, reshard_after_forward=reshard_blocks,
-                                enable_tensor_fusion_and_overlap=overlap, mesh=MESH)
-    paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap, mesh=MESH)
+                                enable_tensor_fusion_and_overlap=overlap, mesh=MESH,
+                                fsdp_outer_sharding="none")
+    paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap, mesh=MESH,
+                            fsdp_outer_sharding="none")
     return model
 
 

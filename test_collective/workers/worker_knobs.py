@@ -15,6 +15,9 @@ reference of the same model and data (AdamW, global-norm clipping active, 2 micr
    bytes of an fp32 run on the outer group), within bf16's tolerance of the reference.
 1c. ``CPUOffloadPolicy`` with its path forced on CPU: equal to the fp32 run bit for bit,
    with one upload / download per collective counted.
+1d. policy 1 with ``fsdp_outer_sharding="optim"`` (HFSDP): the same reference, the outer
+   reduce-scatter and all-gather in float32; 1e. that with the offload path forced on
+   CPU: equal to 1d bit for bit.
 
 Prints ``KNOBS <name> max rel diff ...`` per check.
 """
@@ -230,6 +233,24 @@ mp_worst["fp32_run"] = max(fp32_worst.values())
 report("mixed_precision", mp_worst,
        note=f"; bf16 vs fp32 reference losses differ by {BF16_EFFECT:.1e}")
 
+# ---- 1d. the same policy with fsdp_outer_sharding="optim" (HFSDP): the optimizer sees
+# 1/O of each float32 master shard; the outer reduce-scatter travels in reduce_dtype
+# (float32) and the post-step all-gather in the masters' float32, so the masters of every
+# replica stay exact and the run matches the same bf16-rounding reference.
+hf_model = shard(mp_policy=mp, fsdp_outer_sharding="optim")
+assert all(b.parts == 2 for b in trainable_buffers(hf_model))
+hf_run = train_hsdp(hf_model)
+hf_worst = compare(hf_run, ref16)
+compare_params(hf_model, ref16[1], hf_worst)
+for snap, step_calls in hf_run[2]:
+    scatters = [c for c in step_calls if c[:2] == ("outer", "reduce_scatter")]
+    gathers = [c for c in step_calls if c[:2] == ("outer", "all_gather")]
+    assert len(scatters) == len(gathers) == len(trainable_buffers(hf_model)), step_calls
+    assert all(c[2] == paddle.float32 for c in scatters + gathers), step_calls
+    assert ("outer", "all_reduce") not in snap, snap
+report("mixed_precision_hfsdp", hf_worst,
+       note=f"; bf16 vs fp32 reference losses differ by {BF16_EFFECT:.1e}")
+
 # ---- 1b. bf16 reduce: the reduce-scatter *and* the outer all-reduce (the bytes that
 # cross machines) travel in bfloat16, half an fp32 run's; the grads are then bf16-rounded
 # sums, so against the reference (exact float32 grads of the bf16-rounded params) the
@@ -299,6 +320,21 @@ for name, value in paddle_hsdp.full_state_dict(off_model).items():
     np.testing.assert_array_equal(value.numpy(), fp32_full[name].numpy(), err_msg=name)
 offload.EXERCISE_ON_CPU = False
 print(f"KNOBS offload_forced equal to the fp32 run bit for bit ({moved})", flush=True)
+
+# ---- 1e. HFSDP with the offload path forced on CPU: pieces reduce-scattered from an
+# uploaded copy and downloaded into host storage, the rebuild all-gathered from an
+# uploaded piece into the host shard; the same kernels as 1d, so equal to it bit for bit.
+offload.EXERCISE_ON_CPU = True
+hoff_model = shard(mp_policy=mp, fsdp_outer_sharding="optim",
+                   offload_policy=paddle_hsdp.CPUOffloadPolicy(pin_memory=True))
+assert all(b.host is not None and b.parts == 2 for b in trainable_buffers(hoff_model))
+hoff_run = train_hsdp(hoff_model)
+assert hoff_run[0] == hf_run[0] and hoff_run[1] == hf_run[1], (hoff_run[:2], hf_run[:2])
+hf_full = paddle_hsdp.full_state_dict(hf_model)
+for name, value in paddle_hsdp.full_state_dict(hoff_model).items():
+    np.testing.assert_array_equal(value.numpy(), hf_full[name].numpy(), err_msg=name)
+offload.EXERCISE_ON_CPU = False
+print("KNOBS offload_forced_hfsdp equal to the HFSDP run bit for bit", flush=True)
 
 # ---- 2. ignored_params
 model = build_model()

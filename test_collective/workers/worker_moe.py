@@ -5,7 +5,9 @@ Expert params are sharded in the expert inner group and all-reduced over the out
 group; their gradient must be the mean over *all* data-parallel ranks. On ranks with
 ``rank % 4 == 1`` local expert 1 gets no tokens at all (it never runs), for every step.
 Clipping is active; both clip set-ups run; the global norm and every synced gradient
-are checked every step, the parameters at the end.
+are checked every step, the parameters at the end. A third run shards with
+``fsdp_outer_sharding="optim"`` (HFSDP, float32): dense and expert buffers each cut
+across their own outer group, every rank's optimizer state its own sub-blocks.
 
 argv: JSON with sharding_degree, ep_degree, moe_sharding_degree, outer, dtype (float64
 by default; the run through fleet's optimizer is float32, see parity.py).
@@ -56,8 +58,9 @@ data = make_data(world)
 _references = {}
 
 
-def run(via_fleet):
-    dtype = set_dtype(FLEET_OPTIMIZER_DTYPE if via_fleet else config.get("dtype", "float64"))
+def run(via_fleet, outer_sharding="none"):
+    dtype = set_dtype(FLEET_OPTIMIZER_DTYPE if via_fleet or outer_sharding == "optim"
+                      else config.get("dtype", "float64"))
     if dtype not in _references:
         _references[dtype] = reference(data, world, ep, n_experts)
         assert min(_references[dtype][1]) > CLIP, _references[dtype][1]
@@ -66,12 +69,15 @@ def run(via_fleet):
     model = Net(n_experts, list(range(ep_rank * LOCAL_EXPERTS, (ep_rank + 1) * LOCAL_EXPERTS)))
     paddle_hsdp.mark_expert_params(model.moe.experts)
     for layer in (model.embed, model.block, model.moe):
-        paddle_hsdp.fully_shard(layer)
-    paddle_hsdp.fully_shard(model)
+        paddle_hsdp.fully_shard(layer, fsdp_outer_sharding=outer_sharding)
+    paddle_hsdp.fully_shard(model, fsdp_outer_sharding=outer_sharding)
     unit = model.moe._hsdp_unit
     kinds = sorted((b.is_expert, b.inner.nranks) for b in unit.buffers)
     assert kinds == [(False, world // config["outer"]),
                      (True, config["moe_sharding_degree"] // config["outer"])], kinds
+    for buf in unit.buffers:  # HFSDP: each cut across its own outer group
+        assert buf.parts == (buf.outer.nranks if outer_sharding == "optim" else 1)
+        assert buf.outer is hcg.get_fsdp_outer_group(buf.is_expert)
     opt = make_opt(model, CLIP)
     if via_fleet:
         opt = fleet.distributed_optimizer(opt)
@@ -93,11 +99,13 @@ def run(via_fleet):
     for name, value in paddle_hsdp.full_state_dict(model).items():
         ref = ref_params[expert_name_in_reference(name, ep_rank)]
         worst[name] = max_rel(value.numpy(), ref)
-    report(f"moe fleet_opt={via_fleet}", worst)
-    print(f"MOE_PARITY {dtype} fleet_opt={via_fleet}: max rel diff {max(worst.values()):.2e} "
+    tag = f"fleet_opt={via_fleet}" + (" hfsdp" if outer_sharding == "optim" else "")
+    report(f"moe {tag}", worst)
+    print(f"MOE_PARITY {dtype} {tag}: max rel diff {max(worst.values()):.2e} "
           f"(norm {worst['norm']:.2e})", flush=True)
 
 
 run(via_fleet=False)
 run(via_fleet=True)
+run(via_fleet=False, outer_sharding="optim")
 finish()
