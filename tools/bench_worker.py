@@ -305,7 +305,10 @@ def main():
         times.append(time.perf_counter() - start)
         comm_steps.append(measured_comm())
         if step == 0 and units:  # the first step created the optimizer's state
-            optimizer_bytes = paddle_hsdp.memory_report(model, opt).get("optimizer")
+            try:
+                optimizer_bytes = paddle_hsdp.memory_report(model, opt).get("optimizer")
+            except TypeError:  # a --baseline engine older than memory_report(model, opt)
+                optimizer_bytes = None
         if two_host and step >= 1:
             sent = counter_cross_bytes(paddle_hsdp.comm.counter.snapshot(), groups, rank,
                                        hosts) if units else \
