@@ -1,5 +1,6 @@
 """PaddleFormers' Trainer with HSDP on real CPU ranks (issue 18): workers/worker_trainer.py
-trains on 4 ranks (2 x 2: every run; 1 x 4 and 4 x 1: a resume each), then
+trains on 4 ranks (2 x 2: every run; 1 x 4: a resume in another layout; resuming the
+engine's checkpoints in 4 x 1 and the other layouts is test_checkpoint's), then
 workers/single_process_trainer.py, a fresh process, trains the one-process references
 and checks every run against them (losses, pre-clip norms, eval loss, final parameters),
 the resumes, and the exports through ``from_pretrained``."""
@@ -21,7 +22,7 @@ pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optiona
 def trainer_logs():
     work = tempfile.mkdtemp(prefix="hsdp_trainer_")
     logs = {outer: launch(4, "worker_trainer.py", work, str(outer), timeout=600)
-            for outer in (2, 1, 4)}
+            for outer in (2, 1)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, os.path.join(HERE, "workers"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "workers",
@@ -53,9 +54,8 @@ def test_run_matches_the_one_process_trainer(trainer_logs, run):
 def test_resume_from_a_checkpoint_in_any_layout(trainer_logs):
     logs, checks = trainer_logs
     assert "TRAINER_RESUME_BIT_EXACT 2x2" in checks, checks[-3000:]
-    for outer in (1, 4):
-        assert f"TRAINER_WORKER_DONE outer {outer}" in logs[outer], logs[outer][-2000:]
-        assert f"TRAINER_MATCHES resume_{outer}\n" in checks, checks[-3000:]
+    assert "TRAINER_WORKER_DONE outer 1" in logs[1], logs[1][-2000:]
+    assert "TRAINER_MATCHES resume_1\n" in checks, checks[-3000:]
     assert "TRAINER_MATCHES resume_one_process" in checks, checks[-3000:]
 
 
