@@ -188,18 +188,21 @@ class ShardedParam:
         self.piece_of(flat)._share_buffer_to(self.shard)
         self.shard.get_tensor()._set_dims(self.shard_shape)
 
-    def shard_is_view_of(self, flat) -> bool:
-        return (self.shard._is_initialized() and self.shard.data_ptr()
+    def views(self, tensor, flat) -> bool:
+        """Whether ``tensor`` (this param's shard, grad or main grad) is its chunk of
+        the buffer's flat storage ``flat``, not a copy: one pointer comparison."""
+        return (tensor is not None and tensor._is_initialized() and tensor.data_ptr()
                 == flat.data_ptr() + self.flat_offset * flat.element_size())
+
+    def shard_is_view_of(self, flat) -> bool:
+        return self.views(self.shard, flat)
 
     def attach_grad(self, flat_grad) -> None:
         """Make the shard's ``.grad`` a view of its chunk of the flat grad storage."""
         self.shard._copy_gradient_from(self.piece_of(flat_grad).reshape(self.shard_shape))
 
     def grad_is_view_of(self, flat_grad) -> bool:
-        grad = self.shard.grad
-        return (grad is not None and grad._is_initialized() and grad.data_ptr()
-                == flat_grad.data_ptr() + self.flat_offset * flat_grad.element_size())
+        return self.views(self.shard.grad, flat_grad)
 
     def attach_main_grad(self, flat_main_grad) -> None:
         """Make the shard's ``main_grad`` (MixPrecisionLayer's float32 grad) a view of its
@@ -207,10 +210,7 @@ class ShardedParam:
         self.shard.main_grad = self.piece_of(flat_main_grad).reshape(self.shard_shape)
 
     def main_grad_is_view_of(self, flat_main_grad) -> bool:
-        main = getattr(self.shard, "main_grad", None)
-        return (main is not None and main._is_initialized() and main.data_ptr()
-                == flat_main_grad.data_ptr()
-                + self.flat_offset * flat_main_grad.element_size())
+        return self.views(getattr(self.shard, "main_grad", None), flat_main_grad)
 
     # -------------------------------------------------------------- module slots
     def point_users_to(self, tensor) -> None:

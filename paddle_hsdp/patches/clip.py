@@ -107,11 +107,10 @@ def _storage_of(param, grad):
     and that buffer; ``(None, None)`` for any other grad."""
     sp = getattr(param, "_hsdp_sharded_param", None)
     buf = getattr(sp, "buffer", None)
-    if buf is None or not grad._is_initialized():
+    if buf is None:
         return None, None
     for flat in (buf.flat_grad, buf.flat_main_grad):
-        if (flat is not None and flat.dtype == grad.dtype and grad.data_ptr()
-                == flat.data_ptr() + sp.flat_offset * flat.element_size()):
+        if flat is not None and flat.dtype == grad.dtype and sp.views(grad, flat):
             return flat, buf
     return None, None
 
