@@ -78,3 +78,56 @@ def test_without_async_op_or_off_gloo_it_runs_inline(slow_backend, monkeypatch):
                             ("nccl", threading.current_thread().name, 0)) or Task())
     comm.all_reduce(paddle.ones([4]), Group(), async_op=True, on_thread=True).wait()
     assert slow_backend[-1] == ("nccl", threading.current_thread().name, 0)
+
+
+class OtherGroup:
+    nranks, ranks, id, rank = 2, [0, 1], 9102, 0
+
+
+def test_a_collective_on_another_group_waits_for_the_thread_too(slow_backend):
+    """Paddle 3.3's gloo hangs when two threads of a process run collectives at once,
+    even on groups with no rank in common: a main-thread collective on any group waits
+    for the group threads first."""
+    handle = comm.all_reduce(paddle.ones([4]), Group(), async_op=True, on_thread=True)
+    comm.broadcast(paddle.ones([2]), src=0, group=OtherGroup())
+    handle.wait()
+    (_, _, t1), (_, thread2, t2) = slow_backend
+    assert thread2 == threading.current_thread().name and t2 - t1 >= 0.29
+
+
+def test_threaded_reduce_scatter_exchanges_on_the_thread_and_lands_at_wait(monkeypatch):
+    """gloo's two-rank reduce-scatter on the thread: only the exchange (a collective
+    call) runs there; the add and the copy into the output run at ``wait()`` on the
+    caller's thread (Paddle kernels stay on one thread)."""
+    threads = []
+
+    def all_gather(out, piece, group=None, sync_op=True):
+        threads.append(threading.current_thread().name)
+        time.sleep(0.2)
+        paddle.assign(paddle.concat([piece, piece * 10]), output=out)  # peer sends x10
+    monkeypatch.setattr(comm, "is_gloo", lambda group: True)
+    monkeypatch.setattr(comm.dist.stream, "all_gather", all_gather)
+    out = paddle.zeros([2])
+    start = time.monotonic()
+    handle = comm.reduce_scatter(out, paddle.to_tensor([1.0, 2.0, 3.0, 4.0]), Group(),
+                                 async_op=True, on_thread=True)
+    assert time.monotonic() - start < 0.15 and float(out.abs().sum()) == 0  # not landed
+    handle.wait()
+    comm._threads.pop(Group.id, None)
+    assert threads[0].startswith("paddle_hsdp-")
+    # rank 0 keeps slice 0 ([1, 2]) and gets the peer's slice 0 (x10 of what it sent: [3, 4])
+    assert out.numpy().tolist() == [31.0, 42.0]
+    assert handle.span() is not None
+
+
+def test_paddles_gloo_collectives_wait_for_the_threads(monkeypatch):
+    """Collectives that bypass paddle_hsdp.comm (a MoE layer's all-to-all, user code)
+    go through ProcessGroupGloo's methods, which the patch makes wait first."""
+    from paddle.base import core
+    from paddle_hsdp.patches import gloo_groups
+    drained = []
+    monkeypatch.setattr(gloo_groups, "drain_threads", lambda: drained.append(1))
+    for name in ("all_reduce", "alltoall", "barrier", "broadcast", "send", "recv"):
+        with pytest.raises(TypeError):  # not a real process group: after the wait
+            getattr(core.ProcessGroupGloo, name)(object())
+    assert len(drained) == 6

@@ -20,7 +20,7 @@ from paddle.autograd import PyLayer
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import unit as unit_module
+from paddle_hsdp.engine import outer_sync, unit as unit_module
 from paddle_hsdp.engine.buffer import ShardBuffer
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
@@ -232,11 +232,17 @@ def test_backward_that_raises_waits_the_reduce_scatters_in_flight(fake_mesh, flo
     _assert_all_waited(ledger)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["at_step", "during_backward"])
 def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledger,
-                                                       monkeypatch):
+                                                       monkeypatch, early):
     """The step's first outer all-reduce fails after its wait: the others, issued back
-    to back with it, are waited for before the error propagates."""
+    to back with it, are waited for before the error propagates. ``early``: the
+    all-reduces were issued during the step's last backward (engine/outer_sync.py: the
+    first step counted one backward) and the end of that backward waits for them, so
+    the error comes out of ``backward()``, which is abandoned; otherwise out of the
+    step."""
     ref, ref_opt, model, opt = _pair()
+    monkeypatch.setattr(outer_sync, "ENABLED", early)
     original = ShardBuffer.finish_all_reduce
     calls = []
 
@@ -247,9 +253,14 @@ def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledge
             raise Boom("simulated failure after the outer all-reduce")
         return original(self, pending, scale)
     monkeypatch.setattr(ShardBuffer, "finish_all_reduce", failing)
-    models.lm_loss(model, _ids(seed=5), True).backward()
-    with pytest.raises(Boom):
-        opt.step()
+    loss = models.lm_loss(model, _ids(seed=5), True)
+    if early:
+        with pytest.raises(Boom):
+            loss.backward()
+    else:
+        loss.backward()
+        with pytest.raises(Boom):
+            opt.step()
     monkeypatch.undo()
     assert len(calls) == 1
     opt.clear_grad()

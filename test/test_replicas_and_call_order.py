@@ -21,7 +21,8 @@ contract a real job depends on to neither hang nor double-count:
    that gets tokens on ranks 0 and 3 only, and a one-row parameter whose shard on inner
    rank 1 is all padding;
 3. per optimizer step: one outer all-reduce per trainable buffer, and one
-   reduce-scatter per trainable buffer per micro-step.
+   reduce-scatter per trainable buffer per micro-step; from step 2 on the outer
+   all-reduces are issued during the step's last backward (engine/outer_sync.py).
 """
 
 from __future__ import annotations
@@ -247,14 +248,16 @@ class Recorder:
         paddle.assign(tiled.reshape(out_flat.shape), output=out_flat)
         return comm._finish(comm.Handle(), async_op)
 
-    def reduce_scatter(self, out_shard, in_flat, group, async_op=False, tag=None, what=None):
+    def reduce_scatter(self, out_shard, in_flat, group, async_op=False, tag=None, what=None,
+                       on_thread=False):
         self._log("reduce_scatter", group, in_flat, tag)
         assert int(in_flat.numel()) == group.nranks * int(out_shard.numel())
         mine = in_flat.reshape([group.nranks, -1])[group.rank] * group.nranks
         paddle.assign(mine.reshape(out_shard.shape), output=out_shard)
         return comm._finish(comm.Handle(), async_op)
 
-    def all_reduce(self, tensor, group, async_op=False, tag=None, op="sum", what=None):
+    def all_reduce(self, tensor, group, async_op=False, tag=None, op="sum", what=None,
+                   on_thread=False):
         self._log("all_reduce", group, tensor, tag)
         paddle.assign(tensor * group.nranks, output=tensor)
         return comm._finish(comm.Handle(), async_op)
@@ -435,6 +438,25 @@ def test_outer_all_reduce_once_per_buffer_per_step_reduce_scatter_per_micro_step
             assert Counter(scatters) == _tally([(mesh.inner(False), MICRO_STEPS * n_dense),
                                                 (mesh.inner(True), MICRO_STEPS)]), rank
             assert not [c for c in step if c.op == "broadcast"]
+
+
+def test_outer_all_reduce_of_the_steps_last_backward_is_issued_during_it(traces):
+    """Step 1 has no count of its backwards yet: its outer all-reduces come after every
+    reduce-scatter (at the step). Step 2's last micro-step is predicted (2 backwards,
+    like step 1): buffers' outer all-reduces are issued as their reduce-scatters finish,
+    so the first of them comes before that backward's last reduce-scatter, still one
+    per buffer, every rank in the same order (the test above)."""
+    for rank, trace in traces.items():
+        for number, step in enumerate(trace.steps, start=1):
+            outer = [i for i, c in enumerate(step) if c.op == "all_reduce" and c.tag is None]
+            scatters = [i for i, c in enumerate(step) if c.op == "reduce_scatter"]
+            assert len(outer) == trace.trainable_buffers, (rank, number)
+            if number == 1:
+                assert min(outer) > max(scatters), (rank, step)
+            else:
+                assert min(outer) < max(scatters), (rank, step)
+                last_backward = scatters[len(scatters) // MICRO_STEPS:]
+                assert min(outer) > min(last_backward), (rank, step)  # not micro-step 1
 
 
 def _tally(groups_and_counts) -> Counter:

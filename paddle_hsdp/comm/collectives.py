@@ -21,6 +21,8 @@ all-reduce). Those are the quantities of the volume formulas (docs/architecture.
 from __future__ import annotations
 
 import math
+import threading
+import time
 import warnings
 from collections import defaultdict
 from concurrent import futures
@@ -175,8 +177,8 @@ class Handle:
                 with watchdog.watched(self._waiting_for):
                     t.wait()
             except Exception as e:
-                if self._failure is None:
-                    raise
+                if self._failure is None or isinstance(e, CollectiveError):
+                    raise  # (a task run on a group thread was named there already)
                 raise self._failure(e) from e
         if self._finalize is not None:
             self._finalize()
@@ -185,6 +187,14 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._done
+
+    def span(self) -> tuple[float, float] | None:
+        """When the collective ran on its group's thread (``time.perf_counter()``
+        start and end), once waited; None for one issued on the caller's thread."""
+        for t in self._tasks:
+            if getattr(t, "finished", None) is not None:
+                return t.started, t.finished
+        return None
 
     def __del__(self):
         if getattr(self, "_settled", True):  # True too if __init__ never finished
@@ -255,16 +265,25 @@ class _GroupThread:
 
     gloo runs a collective in the calling thread until it is done, and releases the GIL
     while it waits on the network: on a thread of its own, an outer all-reduce proceeds
-    while the main thread computes and runs the inner group's collectives (measured:
-    a 1 s wait for a late peer hidden entirely behind 1.1 s of compute, docs/gpu.md).
-    One thread per group keeps that group's calls in issue order, and a collective the
-    main thread issues on the same group first waits for the thread's queue
-    (:func:`_drain`), so every rank sees one order per group. NCCL needs none of this:
-    its collectives are queued on a stream already."""
+    while the main thread computes (measured: a 1 s wait for a late peer hidden entirely
+    behind 1.1 s of compute, docs/gpu.md). One thread per group keeps that group's calls
+    in issue order.
+
+    Paddle 3.3's gloo cannot run two collectives of one process at once, even on groups
+    with no rank in common: measured on 4 CPU ranks, a main thread all-reducing over the
+    inner pairs while a second thread all-reduces over the outer pairs hangs on every
+    rank (both in ``GlooCommContext::AllReduce``, the GIL held). So every gloo collective
+    started outside these threads first waits for everything they run
+    (:func:`drain_threads`): here in :func:`_issue`, and for calls that bypass this
+    module (a model's own all-to-all, user code) in the gloo process group's methods
+    (:mod:`paddle_hsdp.patches.gloo_groups`). A threaded collective overlaps the
+    caller's compute, never another collective. NCCL needs none of this: its
+    collectives are queued on a stream already."""
 
     def __init__(self, group):
         self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"paddle_hsdp-{group_label(group)}")
+            max_workers=1, thread_name_prefix=f"paddle_hsdp-{group_label(group)}",
+            initializer=_mark_group_thread)
         self.pending: list[Future] = []
 
     def submit(self, fn) -> Future:
@@ -281,26 +300,48 @@ class _GroupThread:
 
 
 _threads: dict[int, _GroupThread] = {}
+_thread_state = threading.local()
 
 
-def _drain(group) -> None:
-    thread = _threads.get(group.id)
-    if thread is not None:
-        thread.drain()
+def _mark_group_thread() -> None:
+    _thread_state.group_thread = True
+
+
+def on_group_thread() -> bool:
+    """Is the caller one of the group threads (whose calls must not wait for them)?"""
+    return getattr(_thread_state, "group_thread", False)
+
+
+def drain_threads() -> None:
+    """Wait until no group thread runs or has queued a collective (see
+    :class:`_GroupThread`); a no-op on a group thread and when none was started."""
+    if _threads and not on_group_thread():
+        for thread in list(_threads.values()):
+            thread.drain()
 
 
 def _verify(op: str, tensor, group, what) -> None:
-    """The debug fingerprint (a collective of its own), after the group's thread."""
+    """The debug fingerprint (a collective of its own), after the group threads."""
     if fingerprint.enabled():
-        _drain(group)
+        drain_threads()
     fingerprint.verify(op, tensor, group, what)
 
 
 class _FutureTask:
-    """A backend task run on a group thread: ``wait()`` waits for it and re-raises."""
+    """A backend task run on a group thread: ``wait()`` waits for it and re-raises;
+    ``started`` / ``finished``: when it ran there (``time.perf_counter()``)."""
 
-    def __init__(self, future: Future):
-        self.future = future
+    def __init__(self, run):
+        self.started = self.finished = None
+
+        def timed():
+            self.started = time.perf_counter()
+            try:
+                return run()
+            finally:
+                self.finished = time.perf_counter()
+        self.run = timed
+        self.future: Future | None = None
 
     def wait(self):
         return self.future.result()
@@ -309,14 +350,16 @@ class _FutureTask:
 def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     """Run the backend call under the watchdog; a backend error becomes a
     :class:`CollectiveError`. ``on_thread``: on the group's own thread (:class:`_GroupThread`),
-    returning a task to wait for; otherwise after whatever that thread still runs."""
+    returning a task to wait for; otherwise after whatever the group threads still run."""
     if on_thread:
         thread = _threads.get(group.id)
         if thread is None:
             thread = _threads[group.id] = _GroupThread(group)
         watchdog.note_issued(_waiting_for(op, group, what))
-        return _FutureTask(thread.submit(lambda: _issue(op, group, what, call)))
-    _drain(group)
+        task = _FutureTask(lambda: _issue(op, group, what, call))
+        task.future = thread.submit(task.run)
+        return task
+    drain_threads()
     waiting_for = _waiting_for(op, group, what)
     watchdog.note_issued(waiting_for)
     try:
@@ -360,9 +403,12 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
 
 
 def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None,
-                   what: str | None = None):
+                   what: str | None = None, on_thread: bool = False):
     """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``.
-    ``in_flat`` is scratch: on gloo its other slices are overwritten."""
+    ``in_flat`` is scratch: on gloo its other slices are overwritten. ``on_thread``
+    (with ``async_op``, on gloo): the exchange runs on the group's own thread (see
+    :func:`all_reduce`); the sum's last add and the copy into ``out_shard`` run at
+    ``wait()``, on the caller's thread."""
     n = group.nranks
     _check_split("reduce_scatter: input", in_flat, out_shard, n)
     payload = _nbytes(in_flat)
@@ -372,45 +418,62 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
         return _finish(Handle(), async_op)
     what = what or tag
     _verify("reduce_scatter", in_flat, group, what)
+    failure = _failure("reduce_scatter", group, what)
+    waiting_for = _waiting_for("reduce_scatter", group, what)
     if not is_gloo(group):
         task = _issue("reduce_scatter", group, what, lambda: dist.stream.reduce_scatter(
             out_shard, in_flat, op=dist.ReduceOp.SUM, group=group, sync_op=not async_op))
-        return _finish(Handle([task], failure=_failure("reduce_scatter", group, what),
-                              waiting_for=_waiting_for("reduce_scatter", group, what),
+        return _finish(Handle([task], failure=failure, waiting_for=waiting_for,
                               keep=(out_shard, in_flat)), async_op)
-    return _finish(_issue("reduce_scatter", group, what,
-                          lambda: _gloo_reduce_scatter(out_shard, in_flat, group)), async_op)
+    exchange, land = _gloo_reduce_scatter(out_shard, in_flat, group)
+    threaded = on_thread and async_op
+    task = _issue("reduce_scatter", group, what, exchange, on_thread=threaded)
+    return _finish(Handle([task] if threaded else [], land, failure, waiting_for,
+                          keep=(out_shard, in_flat)), async_op)
 
 
-def _gloo_reduce_scatter(out_shard, in_flat, group) -> Handle:
+def _gloo_reduce_scatter(out_shard, in_flat, group):
     """gloo has no reduce-scatter: reduce each slice to the rank that owns it, in place
-    (gloo uses a non-owner's input as scratch, which only clobbers slices we never read)."""
+    (gloo uses a non-owner's input as scratch, which only clobbers slices we never read).
+    Returns ``(exchange, land)``: the communication (collective calls only, so it may run
+    on the group's thread) and what makes this rank's slice of it (kernels: run by the
+    caller's thread)."""
     staged = in_flat.astype("float32") if _needs_fp32_staging(in_flat, group) else in_flat
     flat = staged.reshape([-1])
     size = numel_of(out_shard)
-    mine = None
+    me = group.rank
+    own = flat._slice(me * size, (me + 1) * size)
     if group.nranks == 2:
         # Two ranks: each sends the other its slice (an all-gather of one slice each)
         # and adds what comes back: a ring's bytes, where gloo's reduce moves 1.5x
         # that (measured on the two-host link). Same sum, a + b in either order.
-        me, other = group.rank, 1 - group.rank
+        other = 1 - me
         got = paddle.empty([2 * size], staged.dtype)
-        dist.stream.all_gather(got, flat._slice(other * size, (other + 1) * size),
-                               group=group, sync_op=True)
-        own, theirs = (flat._slice(me * size, (me + 1) * size),
-                       got._slice(other * size, (other + 1) * size))
-        if own.dtype == paddle.bfloat16:  # CPU has no bfloat16 add: one rounding, below
-            own, theirs = own.astype("float32"), theirs.astype("float32")
-        mine = own + theirs
-    for i, owner in enumerate(group.ranks if mine is None else ()):
-        piece = flat._slice(i * size, (i + 1) * size)
-        dist.stream.reduce(piece, dst=owner, op=dist.ReduceOp.SUM, group=group, sync_op=True)
-        if i == group.rank:
-            mine = piece
-    if mine.dtype != out_shard.dtype:
-        mine = mine.astype(out_shard.dtype)
-    paddle.assign(mine.reshape(out_shard.shape), output=out_shard)
-    return Handle()
+
+        def exchange():
+            dist.stream.all_gather(got, flat._slice(other * size, (other + 1) * size),
+                                   group=group, sync_op=True)
+
+        def mine():
+            a, b = own, got._slice(other * size, (other + 1) * size)
+            if a.dtype == paddle.bfloat16:  # CPU has no bfloat16 add: one rounding, below
+                a, b = a.astype("float32"), b.astype("float32")
+            return a + b
+    else:
+        def exchange():
+            for i, owner in enumerate(group.ranks):
+                dist.stream.reduce(flat._slice(i * size, (i + 1) * size), dst=owner,
+                                   op=dist.ReduceOp.SUM, group=group, sync_op=True)
+
+        def mine():
+            return own
+
+    def land():
+        result = mine()
+        if result.dtype != out_shard.dtype:
+            result = result.astype(out_shard.dtype)
+        paddle.assign(result.reshape(out_shard.shape), output=out_shard)
+    return exchange, land
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}

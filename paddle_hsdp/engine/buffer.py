@@ -455,7 +455,8 @@ class ShardBuffer:
         acc.add_(out)
         release_staging(pending)  # the add is issued: grid and out serve the next call
 
-    def start_all_reduce(self, async_op: bool = False) -> "_PendingReduce":
+    def start_all_reduce(self, async_op: bool = False, on_thread: bool = False
+                         ) -> "_PendingReduce":
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
         device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
         are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
@@ -468,7 +469,8 @@ class ShardBuffer:
         if dtype != flat.dtype and self.outer.nranks > 1:
             target = target.astype(dtype)
         trace.record("issue", "all_reduce", self.unit_index)
-        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe)
+        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe,
+                                 on_thread=on_thread)
         if not async_op:
             handle.wait()
         return _PendingReduce(handle, target, flat)
@@ -476,6 +478,7 @@ class ShardBuffer:
     def finish_all_reduce(self, pending: "_PendingReduce", scale: float) -> None:
         pending.handle.wait()
         trace.record("wait", "all_reduce", self.unit_index)
+        trace.record_span("all_reduce", self.unit_index, pending.handle.span())
         flat = pending.out
         if pending.grid is flat:
             with self.on_host():
@@ -497,12 +500,13 @@ class ShardBuffer:
             flat.scale_(scale)
 
     # -------------------------------------------------------------- outer sub-shards
-    def start_outer_sync(self, async_op: bool = False):
+    def start_outer_sync(self, async_op: bool = False, on_thread: bool = False):
         """The step's one outer collective of the grad shard: the all-reduce, or with
-        outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`)."""
+        outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`). ``on_thread``:
+        on gloo, on the outer group's own thread (engine/outer_sync.py)."""
         if self.parts > 1:
-            return self.start_outer_reduce(async_op)
-        return self.start_all_reduce(async_op)
+            return self.start_outer_reduce(async_op, on_thread)
+        return self.start_all_reduce(async_op, on_thread)
 
     def finish_outer_sync(self, pending, scale: float) -> None:
         if isinstance(pending, _PendingOuterReduce):
@@ -510,7 +514,8 @@ class ShardBuffer:
         else:
             self.finish_all_reduce(pending, scale)
 
-    def start_outer_reduce(self, async_op: bool = False) -> "_PendingOuterReduce":
+    def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
+                           ) -> "_PendingOuterReduce":
         """Issue the outer reduce-scatter of the accumulated grad shard (or main grads)
         in ``reduce_dtype``: the first half of an all-reduce, the same bytes across
         machines; this rank receives the sum of its piece."""
@@ -523,7 +528,8 @@ class ShardBuffer:
         trace.record("issue", "outer_reduce_scatter", self.unit_index)
         # send is scratch on gloo (its other pieces are overwritten): they are zeroed
         # when the result lands, as the piece model needs anyway
-        handle = comm.reduce_scatter(out, send, self.outer, async_op=True, what=self.describe)
+        handle = comm.reduce_scatter(out, send, self.outer, async_op=True, what=self.describe,
+                                     on_thread=on_thread)
         if not async_op:
             handle.wait()
         return _PendingOuterReduce(handle, send, out, acc)
@@ -534,6 +540,7 @@ class ShardBuffer:
         must not carry into the next step's accumulation)."""
         pending.handle.wait()
         trace.record("wait", "outer_reduce_scatter", self.unit_index)
+        trace.record_span("outer_reduce_scatter", self.unit_index, pending.handle.span())
         acc, reduced = pending.acc, pending.out
         if reduced.dtype != acc.dtype:
             reduced = reduced.astype(acc.dtype)

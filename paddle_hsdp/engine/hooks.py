@@ -52,6 +52,7 @@ from paddle.base import core
 
 from ..comm import gather_tags
 from . import master_grad, trace
+from .outer_sync import OuterSyncSchedule
 from . import unit as unit_module
 from .buffer import compute_dtype_of
 from .registry import registry
@@ -76,6 +77,7 @@ class RootState:
         self.units = [u for u in all_units if id(u.module) in subtree]
         self.forward_order: list[FSDPUnit] = []
         self.recording = True
+        self.outer_sync = OuterSyncSchedule()  # outer syncs issued during backward
 
     def record(self, unit: FSDPUnit) -> None:
         if self.recording and unit not in self.forward_order:
@@ -110,6 +112,7 @@ class RootState:
             unit.pins = 0
             if unit.reshard_after_backward:
                 unit.reshard()
+        self.outer_sync.end_backward()  # the rest issued, all waited: grads are final
         trace.record("backward", "end", self.root.index)
 
 
@@ -231,6 +234,9 @@ def _on_pre_backward(unit: FSDPUnit) -> None:
     # tensors (a custom output object) still gets its end of backward.
     if root is not None and root not in _roots_in_backward:
         _roots_in_backward.append(root)
+        root.outer_sync.begin_backward()
+    if root is not None:  # after this unit's collectives: beside its compute
+        root.outer_sync.issue_ready()
     trace.record("backward", "compute", unit.index)
 
 
@@ -513,7 +519,9 @@ def _abandon_backward() -> None:
     back to the allocator while the communication stream may still write them."""
     unit_module.drop_pending_reduces()
     while _roots_in_backward:
-        for unit in _roots_in_backward.pop(0).units:
+        root = _roots_in_backward.pop(0)
+        root.outer_sync.abandon()
+        for unit in root.units:
             for sp in unit.params:
                 master_grad.release_full_grad(sp)
             unit.full_grads_pending = False

@@ -10,7 +10,9 @@ reduce-scatter's input (the last moment they are all alive); ``forward`` /
 prefetch: its pre-forward / pre-backward) and ``done`` when it is over (its
 post-forward / post-backward); ``backward end`` (unit: the root) when the end of
 backward has reduced and resharded everything; ``step done`` (unit -1) after an
-optimizer update. On NCCL an ``issue`` returns at once and the collective runs on the
+optimizer update. :data:`times` holds each event's ``time.perf_counter()``, and
+:data:`spans` when an outer collective run on its group's thread (gloo) started and
+ended there, so the overlap with the main thread's events can be read off. On NCCL an ``issue`` returns at once and the collective runs on the
 communication stream; the ``wait`` is where the compute stream starts to depend on it.
 
 **Memory timeline** (``enable(memory=True)``): at every event, one row in
@@ -44,6 +46,10 @@ from .registry import registry
 KINDS = ("shard", "gathered", "full_grad", "shard_grad", "staging", "optimizer")
 
 events: list[tuple[str, str, int]] = []
+times: list[float] = []  # time.perf_counter() of each event, same index
+# (op, unit, start, end): when a collective run on a group's thread actually ran there
+# (engine/outer_sync.py), recorded at its wait
+spans: list[tuple[str, int, float, float]] = []
 timeline: list[dict] = []
 _on = False
 _memory = False
@@ -56,6 +62,8 @@ def enable(memory: bool = False, rss: bool = False) -> None:
     optimizer's state counts from the next step)."""
     global _on, _memory, _rss, _optimizer_bytes
     events.clear()
+    times.clear()
+    spans.clear()
     timeline.clear()
     _on, _memory, _rss = True, bool(memory), bool(rss) and bool(memory)
     _optimizer_bytes = 0
@@ -69,8 +77,15 @@ def disable() -> None:
 def record(kind: str, op: str, unit_index: int) -> None:
     if _on:
         events.append((kind, op, unit_index))
+        times.append(time.perf_counter())
         if _memory:
             timeline.append(sample(f"{kind} {op}", unit_index))
+
+
+def record_span(op: str, unit_index: int, span) -> None:
+    """``span``: ``(start, end)`` of a collective run on a group's thread, or None."""
+    if _on and span is not None:
+        spans.append((op, unit_index, *span))
 
 
 def note_optimizer_bytes(nbytes: int) -> None:

@@ -29,6 +29,7 @@ from ..comm import collectives as comm
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from . import master_grad, offload
+from .outer_sync import schedule_of
 from .buffer import ShardBuffer, settle
 from .param import ShardedParam
 from .registry import registry
@@ -82,6 +83,9 @@ def wait_pending_reduces() -> None:
     while _pending_reduces:
         buf, pending = _pending_reduces.pop(0)
         buf.finish_reduce_scatter(pending)
+        schedule = schedule_of(buf.owner)
+        if schedule is not None:  # its outer sync may start now (engine/outer_sync.py)
+            schedule.reduced(buf)
 
 
 def drop_pending_reduces() -> None:
@@ -332,6 +336,10 @@ class FSDPUnit:
         early reduction; the caller sees to the others)."""
         every = [b for b in self.buffers if b.trainable]
         trainable = every if buffers is None else [b for b in buffers if b.trainable]
+        schedule = schedule_of(self)
+        if schedule is not None:  # an outer sync issued earlier in this backward ends first
+            for buf in trainable:
+                schedule.reopen(buf)
         if self.grads_synced:
             # finish_grad_sync already ran this step (e.g. to log grads) and more grads
             # arrive: bring the synced part back to "summed, replicated" form (x N / O),
@@ -339,7 +347,7 @@ class FSDPUnit:
             # the flag is the unit's). With outer sub-shards only this rank's piece
             # holds it (the others are zero): x N.
             for buf in every:
-                buf.scale_grads(self._divisor(buf) * buf.parts / buf.outer.nranks)
+                buf.scale_grads(self.divisor(buf) * buf.parts / buf.outer.nranks)
             self.grads_synced = False
         wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
@@ -379,8 +387,13 @@ class FSDPUnit:
         self.grads_synced = False
         for buf in self.buffers:
             buf.drop_grad_pieces()
+        schedule = schedule_of(self)
+        if schedule is not None:  # grads dropped without a step: a new count starts
+            schedule.backwards = 0
 
-    def _divisor(self, buf) -> float:
+    def divisor(self, buf) -> float:
+        """What the step's summed grads of ``buf`` are divided by: the data-parallel
+        degree, or ``gradient_divide_factor``."""
         return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
 
     def finish_reductions(self) -> None:
@@ -407,9 +420,9 @@ class FSDPUnit:
                 continue
             if self.requires_all_reduce:
                 work.append((buf, buf.start_outer_sync(async_op=self.overlap),
-                             1.0 / self._divisor(buf)))
+                             1.0 / self.divisor(buf)))
             else:
-                buf.scale_grads(buf.outer.nranks / self._divisor(buf))
+                buf.scale_grads(buf.outer.nranks / self.divisor(buf))
         self.grads_pending_outer_sync = False
         self.grads_synced = True
 

@@ -7,14 +7,27 @@ the group id, so sub-groups created one after another read each other's peer add
 rank) its own store from :func:`paddle_hsdp.comm.gloo_store.make_group_store`; NCCL and
 the global group are untouched. It also registers
 :func:`~paddle_hsdp.comm.gloo_store.stop_servers` with ``atexit``.
+
+Patches the collective methods of ``ProcessGroupGloo`` (``all_reduce``, ``alltoall``,
+``barrier``, ...): a call made outside paddle_hsdp's group threads first waits for what
+they run (:func:`paddle_hsdp.comm.collectives.drain_threads`), because Paddle 3.3's gloo
+hangs when two threads of a process run collectives at once (see
+``comm.collectives._GroupThread``). This covers collectives that do not go through
+:mod:`paddle_hsdp.comm`: a MoE layer's all-to-all in backward, user code. Without a
+thread started, the cost is one dict test per call.
 """
 
 from __future__ import annotations
 
 import atexit
 
+import functools
+import types
+
+from paddle.base import core
 from paddle.distributed import collective
 
+from ..comm.collectives import drain_threads
 from ..comm.gloo_store import make_group_store, stop_servers
 from .patching import replace
 
@@ -46,3 +59,44 @@ def install() -> None:
             "gloo sub-groups rendezvous on a store of their own, not on colliding global keys")
     # Registered after Paddle's own handlers, so it runs before them (LIFO).
     atexit.register(stop_servers)
+
+
+# Every method of ProcessGroupGloo that starts communication (Paddle 3.3's names).
+_GLOO_COLLECTIVES = (
+    "all_gather", "all_gather_into_tensor", "all_gather_partial", "all_reduce",
+    "all_to_all", "all_to_all_single", "all_to_all_tensor", "allreduce", "alltoall",
+    "alltoall_single", "barrier", "broadcast", "gather", "recv", "recv_partial", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_tensor", "send",
+    "send_partial")
+
+
+_serialized = False
+
+
+def serialize_collectives() -> None:
+    """Wrap the collective methods (idempotent; after cpu_compat, whose CPU
+    ``all_reduce_on_calc_stream`` calls the wrapped ``all_reduce``)."""
+    global _serialized
+    if _serialized:
+        return
+    _serialized = True
+    group_class = getattr(core, "ProcessGroupGloo", None)
+    if group_class is None:  # a build without gloo
+        return
+    for name in _GLOO_COLLECTIVES:
+        for variant in (name, name + "_on_calc_stream"):
+            method = getattr(group_class, variant, None)
+            # a Python function is a patch already (cpu_compat's all_reduce_on_calc_stream
+            # calls the patched all_reduce)
+            if method is not None and not isinstance(method, types.FunctionType):
+                replace(group_class, variant, _after_group_threads(method),
+                        "a gloo collective waits for paddle_hsdp's group threads: two "
+                        "at once in one process hang")
+
+
+def _after_group_threads(method):
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        drain_threads()
+        return method(self, *args, **kwargs)
+    return run

@@ -31,7 +31,7 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
-from ..engine import offload, trace
+from ..engine import offload, outer_sync, trace
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes)
 from ..engine.registry import registry
@@ -62,6 +62,7 @@ def _patch_apply_optimize() -> None:
             unit.start_rebuild()  # outer sub-shards: every replica needs every piece
         for unit in units:
             unit.reshard(force=True)  # params kept gathered are stale after the update
+        outer_sync.step_taken(units)  # how many backwards a step has: the next predicted
         if trace.recording_memory():
             trace.note_optimizer_bytes(optimizer_state_bytes(self))
         trace.record("step", "done", -1)

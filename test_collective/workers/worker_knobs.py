@@ -18,11 +18,18 @@ reference of the same model and data (AdamW, global-norm clipping active, 2 micr
 1d. policy 1 with ``fsdp_outer_sharding="optim"`` (HFSDP): the same reference, the outer
    reduce-scatter and all-gather in float32; 1e. that with the offload path forced on
    CPU: equal to 1d bit for bit.
+1f. the outer all-reduce issued during the step's last backward (from step 2 on, on the
+   outer group's thread): the fp32 run equals a run with it off bit for bit (also with a
+   root of two buffers, one reduced early and one at the end of backward), and the
+   event trace's timestamps show the thread running all-reduces inside a 0.3 s
+   backward compute of the main thread.
 
 Prints ``KNOBS <name> max rel diff ...`` per check.
 """
 
 import copy
+import threading
+import time
 
 import numpy as np
 from common import finish, init_fleet, max_rel
@@ -33,9 +40,10 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import offload
+from paddle_hsdp.engine import offload, outer_sync, trace
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm
+from models import (HIDDEN, VOCAB, TiedHead, batches, build_model, lm_loss, make_optimizer,
+                    shard_tinylm)
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
 # float32 parity (parity.py's bound): both sides compute the same float32 math on the
@@ -335,6 +343,114 @@ for name, value in paddle_hsdp.full_state_dict(hoff_model).items():
     np.testing.assert_array_equal(value.numpy(), hf_full[name].numpy(), err_msg=name)
 offload.EXERCISE_ON_CPU = False
 print("KNOBS offload_forced_hfsdp equal to the HFSDP run bit for bit", flush=True)
+
+# ---- 1f. the outer all-reduce issued during the step's last backward
+# (engine/outer_sync.py), on the outer group's own thread. The fp32 run above already
+# used it from step 2 on; the same training with it off (outer all-reduces at the
+# step) must be equal bit for bit: the same sums of the same values.
+outer_sync.ENABLED = False
+late_model = shard()
+late_run = train_hsdp(late_model)
+outer_sync.ENABLED = True
+assert late_run[0] == fp32_run[0] and late_run[1] == fp32_run[1], (late_run[:2], fp32_run[:2])
+late_full = paddle_hsdp.full_state_dict(late_model)
+for name, value in paddle_hsdp.full_state_dict(fp32_model).items():
+    np.testing.assert_array_equal(value.numpy(), late_full[name].numpy(), err_msg=name)
+# A root that holds two trainable buffers, one reduced early (final norm and an untied
+# head) and one at the end of backward (the embedding's): the early one's outer sync is
+# issued while the other still gets its reduce-scatter; each buffer keeps its own sync.
+def shard_two_buffer_root():
+    model = build_model()
+    model.head = TiedHead(model.create_parameter([VOCAB, HIDDEN]))  # untied
+    for block in model.blocks:
+        paddle_hsdp.fully_shard(block)
+    paddle_hsdp.fully_shard(model)
+    assert len(trainable_buffers(model)) == len(model.blocks) + 2
+    return model
+
+
+two_buffer_runs = []
+for early in (True, False):
+    outer_sync.ENABLED = early
+    root_model = shard_two_buffer_root()
+    two_buffer_runs.append((train_hsdp(root_model)[:2], paddle_hsdp.full_state_dict(root_model)))
+outer_sync.ENABLED = True
+(early_run, early_full), (late_run, late_full) = two_buffer_runs
+assert early_run == late_run, (early_run, late_run)
+for name, value in early_full.items():
+    np.testing.assert_array_equal(value.numpy(), late_full[name].numpy(), err_msg=name)
+
+# The overlap, from the event trace's timestamps: in the last micro-step of steps 2
+# and 3, the backward of the last block but one is made 0.3 s long, as a big layer's
+# would be (a sleep in its fc1's grad, releasing the GIL as kernels do), and every
+# all-reduce run on a thread takes 0.1 s more (a slow link). That block's pre-backward
+# is the first to issue an outer all-reduce: the root's head buffer's, whose
+# reduce-scatter (issued when the head's grads were complete) the last block's
+# post-backward finished. That all-reduce must still run when the compute's sleep
+# begins: waited for before the compute, or run on the main thread, it could not.
+# Step 1 has no count of its backwards: no outer all-reduce before its step.
+windows, slow = [], [False]
+real_all_reduce = dist.stream.all_reduce
+
+
+def slow_link_on_threads(*args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(0.1)
+    return real_all_reduce(*args, **kwargs)
+
+
+def slow_backward(layer, inputs, output):
+    def hold(grad):
+        if slow[0]:
+            begin = time.perf_counter()
+            time.sleep(0.3)
+            windows.append((begin, time.perf_counter()))
+        return grad
+    if not output.stop_gradient:
+        output.register_hook(hold)
+
+
+traced_model = shard()
+traced_model.blocks[-2].fc1.register_forward_post_hook(slow_backward)
+opt = make_optimizer(traced_model, traced_model.parameters(), CLIP)
+dist.stream.all_reduce = slow_link_on_threads
+trace.enable()
+for s, step in enumerate(data):
+    for m, micro in enumerate(step):
+        slow[0] = s > 0 and m == MICRO - 1
+        ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+        (lm_loss(traced_model, ids, use_extra(m)) / MICRO).backward()
+    opt.step()
+    opt.clear_grad()
+trace.disable()
+dist.stream.all_reduce = real_all_reduce
+assert len(windows) == STEPS - 1, windows
+traced_full = paddle_hsdp.full_state_dict(traced_model)
+for name, value in paddle_hsdp.full_state_dict(fp32_model).items():
+    np.testing.assert_array_equal(value.numpy(), traced_full[name].numpy(), err_msg=name)
+events = list(trace.events)
+ends = [i for i, e in enumerate(events) if e[:2] == ("backward", "end")]
+steps_done = [i for i, e in enumerate(events) if e[:2] == ("step", "done")]
+n_buffers = len(trainable_buffers(traced_model))
+beside = []
+for s in range(STEPS):
+    first, last = ends[2 * s], ends[2 * s + 1]  # the step's two backwards' ends
+    since = steps_done[s - 1] if s else -1
+    issues = [i for i in range(since + 1, steps_done[s])
+              if events[i][:2] == ("issue", "all_reduce")]
+    assert len(issues) == n_buffers, (s, issues)
+    if s == 0:
+        assert min(issues) > last, "step 1 has no prediction: outer all-reduces at the step"
+        continue
+    assert first < min(issues) and max(issues) < last, (s, issues, first, last)
+    begin, end = windows[s - 1]
+    during = [min(sp[3], end) - max(sp[2], begin) for sp in trace.spans
+              if sp[2] < end and sp[3] > begin]
+    assert during, (s, windows, trace.spans)
+    beside.append(sum(during))
+print(f"KNOBS early_outer_sync equal to the step-time sync bit for bit; outer all-reduces "
+      f"ran on their thread during a 0.3 s backward compute in steps 2-3 "
+      f"({', '.join(f'{t * 1e3:.0f} ms' for t in beside)} of it)", flush=True)
 
 # ---- 2. ignored_params
 model = build_model()

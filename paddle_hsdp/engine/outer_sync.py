@@ -1,0 +1,180 @@
+"""The outer all-reduce issued during backward, not at the optimizer step.
+
+The step's one outer collective per buffer (the all-reduce; with outer sub-shards the
+reduce-scatter) crosses machines: issued at the step, none of it overlaps compute. In
+the backward that ends an optimizer step, a buffer's shard grad is final as soon as its
+last reduce-scatter is accumulated, so its outer sync can start then and run while the
+rest of backward computes (on NCCL on the group's stream; on gloo on the outer group's
+own thread, :class:`paddle_hsdp.comm.collectives._GroupThread`).
+
+**Which backward is the last.** Nothing tells the engine. Each root counts its
+backwards between optimizer steps (:func:`step_taken`; ``clear_grad`` without a step
+restarts the count) and predicts that this step has as many as the last one: one in plain training, k under
+k-step accumulation. A wrong guess costs bytes, never correctness: a backward after an
+early sync brings the synced grads back to their summed form (``FSDPUnit.grads_synced``)
+and the step syncs again. The first step has nothing to go by and syncs at the step.
+
+**Order.** Every rank must issue the outer collectives of a group in one order, and
+(on NCCL, where communicators share the device) at the same place among the inner
+ones. The order is the one the buffers' reduce-scatters finished in during the root's
+first backward; in a predicted-last backward the longest prefix of it whose buffers
+have finished this backward's reduce-scatter is issued at each unit's pre-backward
+(:meth:`OuterSyncSchedule.issue_ready`). Both depend only on the model's structure and the hooks' order, which every
+rank shares (the condition the reduce-scatters already rely on, docs/engine.md).
+
+**Waiting.** The end of that backward issues what is left and waits for all of it, so
+the grads are final when ``backward()`` returns, as under torch FSDP2: user code that
+reads them, the clip and the step see synced grads, and no collective outlives the
+backward. A failed backward waits for what was issued before dropping it.
+
+Buffers that take part: trainable ones of units with ``enable_tensor_fusion_and_overlap``
+and ``requires_all_reduce`` on, not offloaded (their grads reach the host only at the
+step's settle: docs/gpu.md). The others sync at the step as before.
+"""
+
+from __future__ import annotations
+
+from ..comm import collectives as comm
+
+# Tests switch it off to compare with the step-time sync (same numbers, other schedule).
+ENABLED = True
+
+
+class OuterSyncSchedule:
+    """One root's prediction of the step's last backward and its early outer syncs."""
+
+    def __init__(self) -> None:
+        self.order: list = []  # buffers, in the order their reduce-scatters finished
+        self.recording = True  # the root's first backward records ``order``
+        self.backwards = 0  # this root's backwards since the last step boundary
+        self.expected: int | None = None  # backwards the last step had
+        self.active = False  # this backward is predicted to be the step's last
+        self._finished: set[int] = set()  # id(buffer): reduce-scatter done this backward
+        self._next = 0  # index in ``order`` of the next buffer to issue
+        self._work: list = []  # (unit, buffer, pending, scale), issue order
+
+    # ------------------------------------------------------------ the root's calls
+    def begin_backward(self) -> None:
+        self.backwards += 1
+        self.active = (ENABLED and not self.recording
+                       and self.expected is not None and self.backwards == self.expected)
+        self._finished.clear()
+        self._next = 0
+
+    def step_taken(self) -> None:
+        """The optimizer stepped: this step had ``backwards`` backwards."""
+        if self.backwards:
+            self.expected, self.backwards = self.backwards, 0
+
+    def reduced(self, buf) -> None:
+        """``buf``'s reduce-scatter result is in its shard grad."""
+        if self.recording:
+            if buf not in self.order:
+                self.order.append(buf)
+            return
+        if self.active:
+            self._finished.add(id(buf))
+
+    def issue_ready(self) -> None:
+        """Issue the outer syncs the finished reduce-scatters allow. Called at each
+        unit's pre-backward, after its gather and prefetch and before its compute, so
+        on gloo the thread's all-reduce runs beside that compute; any collective of the
+        main thread waits for it first (comm.collectives._GroupThread)."""
+        if self.active:
+            self._issue_ready()
+
+    def end_backward(self) -> None:
+        """Every reduce-scatter of the backward is done: issue the rest, wait for all,
+        and mark the units synced."""
+        self.recording = False
+        if not self.active:
+            return
+        self.active = False
+        self._issue_ready()
+        units = []
+        for unit, *_ in self._work:
+            if unit not in units:
+                units.append(unit)
+        for unit in units:  # a unit is synced whole: buffers the prefix did not reach
+            done = {id(b) for u, b, *_ in self._work if u is unit}
+            for buf in unit.buffers:
+                if buf.trainable and id(buf) not in done:
+                    self._issue(unit, buf)
+        self.finish(units)
+
+    def finish(self, units=None) -> None:
+        """Wait for the outer syncs issued (of ``units``; all by default), scale, and
+        mark their units synced: the step will not sync them again."""
+        keep, mine = [], []
+        for item in self._work:
+            (mine if units is None or item[0] in units else keep).append(item)
+        self._work = keep
+        try:
+            while mine:
+                unit, buf, pending, scale = mine[0]
+                del mine[0]  # finish_outer_sync waits first: out of the list is waited
+                buf.finish_outer_sync(pending, scale)
+                unit.grads_pending_outer_sync = False
+                unit.grads_synced = True
+        except BaseException:
+            comm.settle(item[2].handle for item in mine)
+            raise
+
+    def reopen(self, buf) -> None:
+        """More grads are about to reach ``buf`` after its outer sync was issued this
+        backward (a recomputed segment's, a guess gone wrong): finish that sync, and
+        bring the buffer back to its summed form (x N / O: the next sync's outer sum
+        and 1 / N leave it unchanged; with outer sub-shards only this rank's piece
+        holds it: x N) so the new grads add to it; it is synced again later. Other
+        buffers of the unit keep their sync."""
+        for i, (unit, other, pending, scale) in enumerate(self._work):
+            if other is buf:
+                del self._work[i]  # finish_outer_sync waits first
+                buf.finish_outer_sync(pending, scale)
+                buf.scale_grads(unit.divisor(buf) * buf.parts / buf.outer.nranks)
+                return
+
+    def abandon(self) -> None:
+        """A failed backward: wait for what was issued (its buffers must outlive the
+        collectives), use none of it."""
+        work, self._work = self._work, []
+        self.active = False
+        if self.recording:
+            self.order.clear()  # a partial order may differ across ranks
+        comm.settle(item[2].handle for item in work)
+
+    # ------------------------------------------------------------ issuing
+    def _issue_ready(self) -> None:
+        while self._next < len(self.order) and id(self.order[self._next]) in self._finished:
+            buf = self.order[self._next]
+            self._next += 1
+            unit = buf.owner
+            if _takes_part(unit, buf):
+                self._issue(unit, buf)
+
+    def _issue(self, unit, buf) -> None:
+        pending = buf.start_outer_sync(async_op=True, on_thread=True)
+        self._work.append((unit, buf, pending, 1.0 / unit.divisor(buf)))
+
+
+def _takes_part(unit, buf) -> bool:
+    return (buf.trainable and unit.overlap and unit.requires_all_reduce
+            and unit.grads_pending_outer_sync
+            and not any(b.host is not None for b in unit.buffers))
+
+
+def schedule_of(unit) -> OuterSyncSchedule | None:
+    root = unit.root_state or unit._in_root
+    return None if root is None else root.outer_sync
+
+
+def step_taken(units) -> None:
+    """The optimizer stepped on ``units``' shards (patches.optim): each root learns how
+    many backwards its step had. An explicit ``finish_grad_sync`` is no step: more
+    micro-steps may follow it."""
+    seen = set()
+    for unit in units:
+        schedule = schedule_of(unit)
+        if schedule is not None and id(schedule) not in seen:
+            seen.add(id(schedule))
+            schedule.step_taken()
