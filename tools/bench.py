@@ -346,10 +346,13 @@ def run_on_two_hosts(hosts, variant: str, args, out_dir: str, round_index: int) 
     """One variant on 2 hosts x 2 ranks (the engine from ``args.engine_dir``); adds what
     crossed during the whole launch."""
     out = os.path.join(out_dir, f"{variant}_{round_index}.json")
-    cfg = {"variant": variant, "shape": args.shape, "steps": args.steps,
-           "per_rank": args.per_rank, "world": WORLD, "out": out, "two_hosts": True}
+    base = variant.endswith("_base")  # the same variant on the --baseline engine
+    cfg = {"variant": variant[:-len("_base")] if base else variant, "shape": args.shape,
+           "steps": args.steps, "per_rank": args.per_rank, "world": WORLD, "out": out,
+           "two_hosts": True}
+    engine = args.baseline if base else args.engine_dir
     env = dict(os.environ, FLAGS_use_system_allocator="true", GLOG_minloglevel="2",
-               PYTHONPATH=args.engine_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=engine + os.pathsep + os.environ.get("PYTHONPATH", ""))
     logs = os.path.join(out_dir, f"log_{variant}_{round_index}")
     bytes_before, drops_before = hosts.veth_bytes(), hosts.qdisc_drops()
     start = time.time()
@@ -535,6 +538,9 @@ def main_two_hosts(args):
     unknown = sorted(set(variants) - set(TWO_HOST_VARIANTS))
     if unknown:  # e.g. "single": one process has no second host
         raise SystemExit(f"--two-hosts runs {', '.join(TWO_HOST_VARIANTS)}; not {unknown}")
+    if args.baseline:
+        args.baseline = os.path.abspath(args.baseline)
+        variants += [f"{v}_base" for v in variants if "hsdp" in v]
     out_dir = args.out or tempfile.mkdtemp(prefix="hsdp_bench_two_hosts_")
     os.makedirs(out_dir, exist_ok=True)
     start, engine = time.time(), engine_version()
@@ -571,8 +577,9 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--baseline", default=None, metavar="DIR",
                     help="a folder holding another paddle_hsdp package (e.g. a git "
-                         "worktree of an older commit): adds hsdp2x2_base and "
-                         "hsdp1x4_base, run with it, for before/after ratios")
+                         "worktree of an older commit): adds a <variant>_base run with "
+                         "it for each paddle_hsdp variant, for before/after ratios "
+                         "(with --two-hosts too)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model, 3 steps, one round: checks the tool, not the engine")
     ap.add_argument("--two-hosts", default=None, metavar="RATE", dest="two_hosts",
@@ -587,7 +594,7 @@ def main(argv=None):
     variants = (args.variants or ",".join(VARIANTS)).split(",")
     if args.baseline:
         args.baseline = os.path.abspath(args.baseline)
-        variants += [f"{v}_base" for v in variants if v.startswith("hsdp")]
+        variants += [f"{v}_base" for v in variants if "hsdp" in v]
     if "single" not in variants:
         variants.append("single")
     out_dir = args.out or tempfile.mkdtemp(prefix="hsdp_bench_")
