@@ -75,6 +75,27 @@ def hsdp_2x4_log():
         mp.undo()
 
 
+# The 8-rank launch of the hybrid layouts, one fleet.init each (common.init_fleet runs
+# fleet.init again for a new layout): dp2 x mp2 x sharding2 first, so that it is the
+# launch's first fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own
+# fleet.init failed or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP
+# next to tensor and pipeline parallelism (test_mp_pp.py) and the MoE parity run, EP 2
+# (test_moe.py).
+HCG_8 = {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2}
+MP_PP_CONFIGS = [{"mp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "MP"},
+                 {"pp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "PP"}]
+MOE_8 = {"sharding_degree": 8, "ep_degree": 2, "moe_sharding_degree": 4, "outer": 2}
+
+
+@pytest.fixture(scope="session")
+def hybrid_8_log():
+    """Rank 0's log of the 8-rank launch of HCG_8, MP_PP_CONFIGS and MOE_8."""
+    jobs = [["worker_groups.py", json.dumps(HCG_8)],
+            *[["worker_mp_pp.py", json.dumps(c)] for c in MP_PP_CONFIGS],
+            ["worker_moe.py", json.dumps(MOE_8)]]
+    return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not PARITY_RECORDS:
         return

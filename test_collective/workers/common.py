@@ -14,11 +14,12 @@ import paddle_hsdp  # must precede fleet.init
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
+from paddle.distributed.fleet.base import topology as fleet_topology
 
 MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
-_layout_of_this_process: list = []  # the layout fleet.init built here (run_many.py)
+_layouts_of_this_process: list = []  # the layouts fleet.init built here, in order (run_many.py)
 
 
 def init_fleet(config: dict):
@@ -26,14 +27,20 @@ def init_fleet(config: dict):
     (fsdp_outer_sharding, default "none"), ``check_typo`` (first
     show that a misspelt option is refused before any group exists). Every launch then
     checks the HSDP and HCG groups of its layout (:func:`check_groups`). Several workers
-    in one launch (run_many.py) share the first one's fleet.init: the same layout again
-    returns its HCG, another layout is an error."""
+    in one launch (run_many.py) share one fleet.init per layout: the layout of the last
+    fleet.init again returns its HCG; another layout runs fleet.init again, which builds
+    a new HCG and all of its groups (and HSDP's) after the earlier ones, on every rank
+    alike, and checks them as a first fleet.init would (the earlier groups stay, unused)."""
     layout = {k: v for k, v in config.items()
               if k.endswith("_degree") or k in ("outer", "outer_sharding")}
-    if _layout_of_this_process:
-        assert _layout_of_this_process == [layout], (_layout_of_this_process, layout)
-        return fleet.get_hybrid_communicate_group()
-    _layout_of_this_process.append(layout)
+    previous = fleet_topology._HYBRID_PARALLEL_GROUP
+    if _layouts_of_this_process:
+        if _layouts_of_this_process[-1] == layout:
+            return fleet.get_hybrid_communicate_group()
+        assert not config.get("check_typo"), "check_typo needs the launch's first fleet.init"
+        # fleet.init keeps an existing HCG: forget it, so it builds this layout's
+        fleet_topology._HYBRID_PARALLEL_GROUP = None
+    _layouts_of_this_process.append(layout)
     strategy = fleet.DistributedStrategy()
     hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
     hybrid.update({k: v for k, v in config.items() if k.endswith("_degree")})
@@ -47,6 +54,7 @@ def init_fleet(config: dict):
     strategy.hybrid_configs = hybrid
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
+    assert hcg is fleet_topology._HYBRID_PARALLEL_GROUP and hcg is not previous  # a new HCG
     check_groups(hcg, config)
     return hcg
 
