@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from launcher import PARITY_RECORDS, launch
+from launcher import PARITY_RECORDS, launch, worker_sections
 
 # The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
 # comm worker first, since it shows a misspelt option refused before any group exists.
@@ -54,46 +54,42 @@ def hsdp_2x2_log(shared_2x2_work):
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 
-# The 8-rank 2 x 4 launch: worker_engine.py's HSDP variants (with the reduce-scatter twins
-# NCCL gets, forced on gloo) and worker_hfsdp.py's HFSDP run, whose units inherit
-# fsdp_outer_sharding "optim" from fleet's sharding_configs.
-HSDP_2X4 = {"sharding_degree": 8, "outer": 2, "outer_sharding": "optim"}
-EIGHT_RANK_VARIANTS = [[True, False], [False, True]]
-
-
-@pytest.fixture(scope="session")
-def hsdp_2x4_log():
-    """Rank 0's log of the one 8-rank launch (test_engine_parity.py, test_hfsdp.py)."""
-    jobs = [["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS,
-                                                 separate_reduce_scatter=True))],
-            ["worker_hfsdp.py", json.dumps(HSDP_2X4)]]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PADDLE_HSDP_SEPARATE_REDUCE_SCATTER", "1")  # topology.fleet's switch
-    try:
-        return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
-    finally:
-        mp.undo()
-
-
-# The 8-rank launch of the hybrid layouts, one fleet.init each (common.init_fleet runs
-# fleet.init again for a new layout): dp2 x mp2 x sharding2 first, so that it is the
-# launch's first fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own
-# fleet.init failed or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP
-# next to tensor and pipeline parallelism (test_mp_pp.py) and the MoE parity run, EP 2
-# (test_moe.py).
+# The one 8-rank launch, one fleet.init per layout (common.init_fleet runs fleet.init
+# again for a new layout): dp2 x mp2 x sharding2 first, so that it is the launch's first
+# fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own fleet.init failed
+# or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP next to tensor and
+# pipeline parallelism (test_mp_pp.py), the MoE parity run, EP 2 (test_moe.py), and 2 x 4:
+# worker_engine.py's HSDP variants (with the reduce-scatter twins NCCL gets, forced on
+# gloo for this layout's fleet.init only) and worker_hfsdp.py's HFSDP run, whose units
+# inherit fsdp_outer_sharding "optim" from fleet's sharding_configs
+# (test_engine_parity.py, test_hfsdp.py).
 HCG_8 = {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2}
 MP_PP_CONFIGS = [{"mp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "MP"},
                  {"pp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "PP"}]
 MOE_8 = {"sharding_degree": 8, "ep_degree": 2, "moe_sharding_degree": 4, "outer": 2}
+HSDP_2X4 = {"sharding_degree": 8, "outer": 2, "outer_sharding": "optim",
+            "separate_reduce_scatter": True}
+EIGHT_RANK_VARIANTS = [[True, False], [False, True]]
+HSDP_2X4_WORKERS = ("worker_engine.py", "worker_hfsdp.py")
 
 
 @pytest.fixture(scope="session")
-def hybrid_8_log():
-    """Rank 0's log of the 8-rank launch of HCG_8, MP_PP_CONFIGS and MOE_8."""
+def launch_8_log():
+    """Rank 0's log of the one 8-rank launch (read it with launcher.worker_sections)."""
     jobs = [["worker_groups.py", json.dumps(HCG_8)],
             *[["worker_mp_pp.py", json.dumps(c)] for c in MP_PP_CONFIGS],
-            ["worker_moe.py", json.dumps(MOE_8)]]
+            ["worker_moe.py", json.dumps(MOE_8)],
+            ["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS))],
+            ["worker_hfsdp.py", json.dumps(HSDP_2X4)]]
     return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
+
+
+@pytest.fixture(scope="session")
+def hsdp_2x4_log(launch_8_log):
+    """The 2 x 4 workers' part of the 8-rank launch's log (test_engine_parity.py,
+    test_hfsdp.py)."""
+    return "\n".join(text for worker, text in worker_sections(launch_8_log)
+                     if worker in HSDP_2X4_WORKERS)
 
 
 def pytest_terminal_summary(terminalreporter):

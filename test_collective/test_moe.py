@@ -7,13 +7,13 @@ across their own outer group."""
 from launcher import worker_sections
 
 # 8 ranks: expert shards in an inner group of 2 under 2 outer replicas, in the 8-rank
-# hybrid launch (conftest.py: hybrid_8_log). The 4-rank layout (moe_sharding 2: expert
+# launch (conftest.py: launch_8_log). The 4-rank layout (moe_sharding 2: expert
 # inner group of 1) trains in test_checkpoint.py's MoE test (EP 2 steps before the save
 # and after the load, against the same single-process run).
 
 
-def test_moe_parity_8ranks_ep2_ms4(hybrid_8_log):
-    worker, log = worker_sections(hybrid_8_log)[-1]
-    assert worker == "worker_moe.py", worker  # conftest.py: MOE_8
+def test_moe_parity_8ranks_ep2_ms4(launch_8_log):
+    log = "\n".join(text for worker, text in worker_sections(launch_8_log)
+                    if worker == "worker_moe.py")  # conftest.py: MOE_8
     assert log.count("MOE_PARITY") == 3, log[-2000:]
     assert log.count("MOE_PARITY float32 fleet_opt=False hfsdp") == 1, log[-2000:]

@@ -2,7 +2,7 @@
 sharding4 as [2 outer, 2 inner]: global clip norm per step, every final parameter and
 the loss match an independent single-process reference (float32, workers/parity.py's bound), for the
 plain ClipGradByGlobalNorm optimizer and for fleet.distributed_optimizer. Both layouts
-run in the 8-rank hybrid launch (conftest.py: hybrid_8_log), one fleet.init each."""
+run in the 8-rank launch (conftest.py: launch_8_log), one fleet.init each."""
 
 import pytest
 
@@ -10,8 +10,8 @@ from launcher import worker_sections
 
 
 @pytest.mark.parametrize("tag", ["MP", "PP"], ids=["mp2-sharding4-outer2", "pp2-sharding4-outer2"])
-def test_parity(tag, hybrid_8_log):  # conftest.py: MP_PP_CONFIGS
-    log = "\n".join(text for worker, text in worker_sections(hybrid_8_log)
+def test_parity(tag, launch_8_log):  # conftest.py: MP_PP_CONFIGS
+    log = "\n".join(text for worker, text in worker_sections(launch_8_log)
                     if worker == "worker_mp_pp.py")
     lines = [line for line in log.splitlines() if f"{tag}_PARITY" in line]
     print("\n".join(lines))
