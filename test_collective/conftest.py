@@ -6,13 +6,16 @@ checks closest to their bounds, and with ``HSDP_PARITY_LOG=FILE`` appends every 
 to FILE as JSON lines, so several runs can be compared (a flakiness sweep).
 """
 
+import glob
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
-from launcher import PARITY_RECORDS, launch, worker_sections
+from launcher import HERE, PARITY_RECORDS, ROOT, launch, worker_sections
 
 # The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
 # comm worker first, since it shows a misspelt option refused before any group exists.
@@ -90,6 +93,42 @@ def hsdp_2x4_log(launch_8_log):
     test_hfsdp.py)."""
     return "\n".join(text for worker, text in worker_sections(launch_8_log)
                      if worker in HSDP_2X4_WORKERS)
+
+
+@pytest.fixture(scope="session")
+def crashed_save():
+    """The launch of worker_resume_after_fault.py that loses rank 3 in the middle of a
+    save (test_faults.py): ``(work dir, exit code, {workerlog.N: text})``. The resume
+    from what it left runs in the second 4-rank launch (launch_4_log)."""
+    work = tempfile.mkdtemp(prefix="hsdp_resume_fault_")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(HERE, "workers"),
+               GLOG_minloglevel="2")
+    log_dir = os.path.join(work, "crash_logs")
+    crash = subprocess.run(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
+         "--log_dir", log_dir, os.path.join(HERE, "workers", "worker_resume_after_fault.py"),
+         work, "crash"], env=env, cwd=work, capture_output=True, text=True, timeout=150)
+    logs = {os.path.basename(p): open(p, errors="replace").read()
+            for p in glob.glob(os.path.join(log_dir, "workerlog.*"))}
+    return work, crash.returncode, logs
+
+
+# The second 4-rank launch: the workers of layouts other than the shared 2 x 2 (and
+# nothing but workers that end with a barrier before the last). worker_mesh.py first: it
+# shards on explicit meshes after init_parallel_env alone (no fleet HCG may exist yet;
+# test_mesh_parity.py); then fleet's dp2 x sharding2 (outer 2) with an explicit mesh
+# (test_degenerate_layouts.py), sharding4 x EP 2 x moe_sharding2 (outer 2) for the
+# expert checkpoints (test_checkpoint.py) and 2 x 2 for the resume after crashed_save
+# (test_faults.py), one fleet.init each (common.init_fleet); worker_exit.py's check mode
+# last, which stops every store server of the launch and exits without a final barrier
+# (test_exit.py).
+@pytest.fixture(scope="session")
+def launch_4_log(crashed_save):
+    jobs = [["worker_mesh.py"], ["worker_dp_mesh.py"],
+            ["worker_checkpoint_moe.py", tempfile.mkdtemp(prefix="hsdp_moe_ckpt_")],
+            ["worker_resume_after_fault.py", crashed_save[0], "resume"],
+            ["worker_exit.py", "check"]]
+    return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 
 def pytest_terminal_summary(terminalreporter):

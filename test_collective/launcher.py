@@ -38,6 +38,11 @@ def worker_sections(log: str) -> list[tuple[str, str]]:
     return [(worker, "\n".join(lines)) for worker, lines in sections]
 
 
+def part_of(log: str, worker: str) -> str:
+    """The lines ``worker`` printed in a run_many.py launch's log (every run of it)."""
+    return "\n".join(text for name, text in worker_sections(log) if name == worker)
+
+
 def launch(nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
     """Launch ``workers/<worker>`` on ``nproc`` ranks; return rank 0's log.
 

@@ -4,9 +4,7 @@ workers/parity.py's bound of the uninterrupted run);
 a failed save keeps the previous checkpoint on every rank; corruption and another
 model are refused on every rank."""
 
-import tempfile
-
-from launcher import launch, run_single
+from launcher import launch, part_of, run_single
 
 
 def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
@@ -24,13 +22,12 @@ def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
     assert "HFSDP_SINGLE_LOAD: equals full_state_dict" in out, out[-2000:]  # test_hfsdp.py
 
 
-def test_experts_across_expert_parallel_degrees():
+def test_experts_across_expert_parallel_degrees(launch_4_log):
     """workers/worker_checkpoint_moe.py: EP 2 -> EP 1 and EP 1 -> EP 2 resumes match the
     uninterrupted run (float64, parity.py's bound); experts without global indices are
     refused; MixPrecisionLayer / MixPrecisionOptimizer over the EP-2 model, after and
     before fully_shard, match the plain model under the same wrappers (float32)."""
-    log = launch(4, "worker_checkpoint_moe.py", tempfile.mkdtemp(prefix="hsdp_moe_ckpt_"),
-                 timeout=600)
+    log = part_of(launch_4_log, "worker_checkpoint_moe.py")  # the second 4-rank launch
     assert "MOE_RESUME ep2->ep1" in log and "MOE_RESUME ep1->ep2" in log, log[-3000:]
     assert "MOE_CLASH refused" in log, log[-3000:]
     # the same launch: Paddle's master-grad wrappers over the EP-2 model (float32)

@@ -9,7 +9,7 @@
 
 import json
 
-from launcher import launch, run_single
+from launcher import launch, part_of, run_single
 
 
 def test_one_process_without_launcher():
@@ -23,6 +23,6 @@ def test_tensor_parallel_without_sharding():
     assert log.count("MP_ONLY_PARITY") == 2, log[-2000:]
 
 
-def test_dp_and_explicit_mesh():
-    log = launch(4, "worker_dp_mesh.py", timeout=600)
+def test_dp_and_explicit_mesh(launch_4_log):
+    log = part_of(launch_4_log, "worker_dp_mesh.py")  # the second 4-rank launch (conftest.py)
     assert log.count("PARITY dp2 x sharding2 mesh 2x2") == 1, log[-2000:]

@@ -4,7 +4,7 @@ expert that gets no tokens on some ranks and clipping active in both clip set-up
 HFSDP (fsdp_outer_sharding "optim", float32): dense and expert buffers each sub-sharded
 across their own outer group."""
 
-from launcher import worker_sections
+from launcher import part_of
 
 # 8 ranks: expert shards in an inner group of 2 under 2 outer replicas, in the 8-rank
 # launch (conftest.py: launch_8_log). The 4-rank layout (moe_sharding 2: expert
@@ -13,7 +13,6 @@ from launcher import worker_sections
 
 
 def test_moe_parity_8ranks_ep2_ms4(launch_8_log):
-    log = "\n".join(text for worker, text in worker_sections(launch_8_log)
-                    if worker == "worker_moe.py")  # conftest.py: MOE_8
+    log = part_of(launch_8_log, "worker_moe.py")  # conftest.py: MOE_8
     assert log.count("MOE_PARITY") == 3, log[-2000:]
     assert log.count("MOE_PARITY float32 fleet_opt=False hfsdp") == 1, log[-2000:]

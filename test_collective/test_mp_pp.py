@@ -6,13 +6,12 @@ run in the 8-rank launch (conftest.py: launch_8_log), one fleet.init each."""
 
 import pytest
 
-from launcher import worker_sections
+from launcher import part_of
 
 
 @pytest.mark.parametrize("tag", ["MP", "PP"], ids=["mp2-sharding4-outer2", "pp2-sharding4-outer2"])
 def test_parity(tag, launch_8_log):  # conftest.py: MP_PP_CONFIGS
-    log = "\n".join(text for worker, text in worker_sections(launch_8_log)
-                    if worker == "worker_mp_pp.py")
+    log = part_of(launch_8_log, "worker_mp_pp.py")
     lines = [line for line in log.splitlines() if f"{tag}_PARITY" in line]
     print("\n".join(lines))
     assert len(lines) == 2, log[-2000:]
