@@ -95,6 +95,20 @@ def hsdp_2x4_log(launch_8_log):
                      if worker in HSDP_2X4_WORKERS)
 
 
+# The 2-rank launch: tensor parallelism without sharding (mp2 x sharding1,
+# test_degenerate_layouts.py), then the 1 x 2 resume of the checkpoint the shared 2 x 2
+# launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each.
+MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
+           "fleet_opt": [False, True]}
+
+
+@pytest.fixture(scope="session")
+def launch_2_log(hsdp_2x2_log, shared_2x2_work):
+    jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)],
+            ["worker_checkpoint_2ranks.py", shared_2x2_work]]
+    return launch(2, "run_many.py", json.dumps(jobs), timeout=900)
+
+
 @pytest.fixture(scope="session")
 def crashed_save():
     """The launch of worker_resume_after_fault.py that loses rank 3 in the middle of a

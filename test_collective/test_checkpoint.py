@@ -4,10 +4,10 @@ workers/parity.py's bound of the uninterrupted run);
 a failed save keeps the previous checkpoint on every rank; corruption and another
 model are refused on every rank."""
 
-from launcher import launch, part_of, run_single
+from launcher import part_of, run_single
 
 
-def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
+def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work, launch_2_log):
     # worker_checkpoint.py runs in the shared 2 x 2 launch (conftest.py), saving into
     # shared_2x2_work
     log, work = hsdp_2x2_log, shared_2x2_work
@@ -15,7 +15,8 @@ def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, shared_2x2_work):
         assert log.count(f"RESUME {label}:") == 1, log[-3000:]
     assert "SAVE_FAILURE" in log and "REFUSED" in log and "CORRUPTED rank 0" in log, log[-3000:]
     assert "FLEX_CHECKPOINT" in log, log[-3000:]
-    log2 = launch(2, "worker_checkpoint_2ranks.py", work, timeout=600)
+    # the 2-rank launch (conftest.py), from the checkpoint in shared_2x2_work
+    log2 = part_of(launch_2_log, "worker_checkpoint_2ranks.py")
     assert log2.count("RESUME 1x2") == 1 and "BF16 1x2 -> 2x1" in log2, log2[-3000:]
     out = run_single("single_process_resume.py", work)
     assert "SINGLE_RESUME" in out and "CONSOLIDATE_OK" in out, out[-2000:]

@@ -7,19 +7,15 @@
   training.
 """
 
-import json
-
-from launcher import launch, part_of, run_single
+from launcher import part_of, run_single
 
 
 def test_one_process_without_launcher():
     assert "SINGLE_PROCESS_OK" in run_single("single_process.py")
 
 
-def test_tensor_parallel_without_sharding():
-    config = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
-              "fleet_opt": [False, True]}
-    log = launch(2, "worker_mp_pp.py", json.dumps(config), timeout=600)
+def test_tensor_parallel_without_sharding(launch_2_log):
+    log = part_of(launch_2_log, "worker_mp_pp.py")  # the 2-rank launch (conftest.py: MP_ONLY)
     assert log.count("MP_ONLY_PARITY") == 2, log[-2000:]
 
 
