@@ -21,7 +21,8 @@ from paddle_hsdp.topology.fleet import SEPARATE_REDUCE_SCATTER_ENV
 MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
-_layouts_of_this_process: list = []  # the layouts fleet.init built here, in order (run_many.py)
+# (layout, HCG) of each fleet.init init_fleet ran in this process, in order (run_many.py)
+_built_here: list = []
 
 
 def init_fleet(config: dict):
@@ -32,20 +33,21 @@ def init_fleet(config: dict):
     show that a misspelt option is refused before any group exists). Every launch then
     checks the HSDP and HCG groups of its layout (:func:`check_groups`). Several workers
     in one launch (run_many.py) share one fleet.init per layout: the layout of the last
-    fleet.init again returns its HCG; another layout runs fleet.init again, which builds
-    a new HCG and all of its groups (and HSDP's) after the earlier ones, on every rank
-    alike, and checks them as a first fleet.init would (the earlier groups stay, unused)."""
+    fleet.init again returns its HCG (if it is still the live one); another layout, or
+    an HCG another worker's own fleet.init made (apply_config's), runs fleet.init again,
+    which builds a new HCG and all of its groups (and HSDP's) after the earlier ones, on
+    every rank alike, and checks them as a first fleet.init would (the earlier groups
+    stay, unused)."""
     layout = {k: v for k, v in config.items()
               if k.endswith("_degree")
               or k in ("outer", "outer_sharding", "separate_reduce_scatter")}
     previous = fleet_topology._HYBRID_PARALLEL_GROUP
-    if _layouts_of_this_process:
-        if _layouts_of_this_process[-1] == layout:
-            return fleet.get_hybrid_communicate_group()
+    if previous is not None:
+        if _built_here and _built_here[-1][0] == layout and _built_here[-1][1] is previous:
+            return previous
         assert not config.get("check_typo"), "check_typo needs the launch's first fleet.init"
         # fleet.init keeps an existing HCG: forget it, so it builds this layout's
         fleet_topology._HYBRID_PARALLEL_GROUP = None
-    _layouts_of_this_process.append(layout)
     strategy = fleet.DistributedStrategy()
     hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
     hybrid.update({k: v for k, v in config.items() if k.endswith("_degree")})
@@ -70,6 +72,7 @@ def init_fleet(config: dict):
                 os.environ[k] = v
     hcg = fleet.get_hybrid_communicate_group()
     assert hcg is fleet_topology._HYBRID_PARALLEL_GROUP and hcg is not previous  # a new HCG
+    _built_here.append((layout, hcg))
     check_groups(hcg, config)
     return hcg
 
