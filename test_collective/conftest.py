@@ -132,12 +132,11 @@ def crashed_save():
 # shards on explicit meshes after init_parallel_env alone (no fleet HCG may exist yet;
 # test_mesh_parity.py); then worker_config.py, whose YAML file initialises fleet (2 x 2,
 # the launch's first fleet.init; test_config_driven.py); then fleet's dp2 x sharding2
-# (outer 2) with an explicit mesh
-# (test_degenerate_layouts.py), sharding4 x EP 2 x moe_sharding2 (outer 2) for the
-# expert checkpoints (test_checkpoint.py) and 2 x 2 for the resume after crashed_save
-# (test_faults.py), one fleet.init each (common.init_fleet); worker_exit.py's check mode
-# last, which stops every store server of the launch and exits without a final barrier
-# (test_exit.py).
+# (outer 2) with an explicit mesh (test_degenerate_layouts.py), sharding4 x EP 2 x
+# moe_sharding2 (outer 2) for the expert checkpoints (test_checkpoint.py) and 2 x 2 for
+# the resume after crashed_save (test_faults.py), one fleet.init each
+# (common.init_fleet); worker_exit.py's check mode last, which stops every store server
+# of the launch and exits without a final barrier (test_exit.py).
 @pytest.fixture(scope="session")
 def launch_4_log(crashed_save):
     jobs = [["worker_mesh.py"], ["worker_config.py", tempfile.mkdtemp(prefix="hsdp_config_")],
