@@ -6,13 +6,16 @@ checks closest to their bounds, and with ``HSDP_PARITY_LOG=FILE`` appends every 
 to FILE as JSON lines, so several runs can be compared (a flakiness sweep).
 """
 
+import glob
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
-from launcher import PARITY_RECORDS, launch
+from launcher import HERE, PARITY_RECORDS, ROOT, launch, worker_sections
 
 # The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
 # comm worker first, since it shows a misspelt option refused before any group exists.
@@ -54,25 +57,94 @@ def hsdp_2x2_log(shared_2x2_work):
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 
-# The 8-rank 2 x 4 launch: worker_engine.py's HSDP variants (with the reduce-scatter twins
-# NCCL gets, forced on gloo) and worker_hfsdp.py's HFSDP run, whose units inherit
-# fsdp_outer_sharding "optim" from fleet's sharding_configs.
-HSDP_2X4 = {"sharding_degree": 8, "outer": 2, "outer_sharding": "optim"}
+# The one 8-rank launch, one fleet.init per layout (common.init_fleet runs fleet.init
+# again for a new layout): dp2 x mp2 x sharding2 first, so that it is the launch's first
+# fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own fleet.init failed
+# or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP next to tensor and
+# pipeline parallelism (test_mp_pp.py), the MoE parity run, EP 2 (test_moe.py), and 2 x 4:
+# worker_engine.py's HSDP variants (with the reduce-scatter twins NCCL gets, forced on
+# gloo for this layout's fleet.init only) and worker_hfsdp.py's HFSDP run, whose units
+# inherit fsdp_outer_sharding "optim" from fleet's sharding_configs
+# (test_engine_parity.py, test_hfsdp.py).
+HCG_8 = {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2}
+MP_PP_CONFIGS = [{"mp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "MP"},
+                 {"pp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "PP"}]
+MOE_8 = {"sharding_degree": 8, "ep_degree": 2, "moe_sharding_degree": 4, "outer": 2}
+HSDP_2X4 = {"sharding_degree": 8, "outer": 2, "outer_sharding": "optim",
+            "separate_reduce_scatter": True}
 EIGHT_RANK_VARIANTS = [[True, False], [False, True]]
+HSDP_2X4_WORKERS = ("worker_engine.py", "worker_hfsdp.py")
 
 
 @pytest.fixture(scope="session")
-def hsdp_2x4_log():
-    """Rank 0's log of the one 8-rank launch (test_engine_parity.py, test_hfsdp.py)."""
-    jobs = [["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS,
-                                                 separate_reduce_scatter=True))],
+def launch_8_log():
+    """Rank 0's log of the one 8-rank launch (read it with launcher.worker_sections)."""
+    jobs = [["worker_groups.py", json.dumps(HCG_8)],
+            *[["worker_mp_pp.py", json.dumps(c)] for c in MP_PP_CONFIGS],
+            ["worker_moe.py", json.dumps(MOE_8)],
+            ["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS))],
             ["worker_hfsdp.py", json.dumps(HSDP_2X4)]]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PADDLE_HSDP_SEPARATE_REDUCE_SCATTER", "1")  # topology.fleet's switch
-    try:
-        return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
-    finally:
-        mp.undo()
+    return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
+
+
+@pytest.fixture(scope="session")
+def hsdp_2x4_log(launch_8_log):
+    """The 2 x 4 workers' part of the 8-rank launch's log (test_engine_parity.py,
+    test_hfsdp.py)."""
+    return "\n".join(text for worker, text in worker_sections(launch_8_log)
+                     if worker in HSDP_2X4_WORKERS)
+
+
+# The 2-rank launch: tensor parallelism without sharding (mp2 x sharding1,
+# test_degenerate_layouts.py), then the 1 x 2 resume of the checkpoint the shared 2 x 2
+# launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each.
+MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
+           "fleet_opt": [False, True]}
+
+
+@pytest.fixture(scope="session")
+def launch_2_log(hsdp_2x2_log, shared_2x2_work):
+    jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)],
+            ["worker_checkpoint_2ranks.py", shared_2x2_work]]
+    return launch(2, "run_many.py", json.dumps(jobs), timeout=900)
+
+
+@pytest.fixture(scope="session")
+def crashed_save():
+    """The launch of worker_resume_after_fault.py that loses rank 3 in the middle of a
+    save (test_faults.py): ``(work dir, exit code, {workerlog.N: text})``. The resume
+    from what it left runs in the second 4-rank launch (launch_4_log)."""
+    work = tempfile.mkdtemp(prefix="hsdp_resume_fault_")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(HERE, "workers"),
+               GLOG_minloglevel="2")
+    log_dir = os.path.join(work, "crash_logs")
+    crash = subprocess.run(
+        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
+         "--log_dir", log_dir, os.path.join(HERE, "workers", "worker_resume_after_fault.py"),
+         work, "crash"], env=env, cwd=work, capture_output=True, text=True, timeout=150)
+    logs = {os.path.basename(p): open(p, errors="replace").read()
+            for p in glob.glob(os.path.join(log_dir, "workerlog.*"))}
+    return work, crash.returncode, logs
+
+
+# The second 4-rank launch: the workers of layouts other than the shared 2 x 2 (and
+# nothing but workers that end with a barrier before the last). worker_mesh.py first: it
+# shards on explicit meshes after init_parallel_env alone (no fleet HCG may exist yet;
+# test_mesh_parity.py); then worker_config.py, whose YAML file initialises fleet (2 x 2,
+# the launch's first fleet.init; test_config_driven.py); then fleet's dp2 x sharding2
+# (outer 2) with an explicit mesh (test_degenerate_layouts.py), sharding4 x EP 2 x
+# moe_sharding2 (outer 2) for the expert checkpoints (test_checkpoint.py) and 2 x 2 for
+# the resume after crashed_save (test_faults.py), one fleet.init each
+# (common.init_fleet); worker_exit.py's check mode last, which stops every store server
+# of the launch and exits without a final barrier (test_exit.py).
+@pytest.fixture(scope="session")
+def launch_4_log(crashed_save):
+    jobs = [["worker_mesh.py"], ["worker_config.py", tempfile.mkdtemp(prefix="hsdp_config_")],
+            ["worker_dp_mesh.py"],
+            ["worker_checkpoint_moe.py", tempfile.mkdtemp(prefix="hsdp_moe_ckpt_")],
+            ["worker_resume_after_fault.py", crashed_save[0], "resume"],
+            ["worker_exit.py", "check"]]
+    return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -26,6 +26,23 @@ def collect_parity(log: str, test: str) -> None:
             PARITY_RECORDS.append(dict(json.loads(line[len("PARITY_CHECK "):]), test=test))
 
 
+def worker_sections(log: str) -> list[tuple[str, str]]:
+    """A run_many.py launch's log cut at its ``RUN_MANY <worker>`` lines:
+    ``[(worker, its lines), ...]`` in the order the workers ran."""
+    sections: list[tuple[str, list]] = []
+    for line in log.splitlines():
+        if line.startswith("RUN_MANY "):
+            sections.append((line[len("RUN_MANY "):], []))
+        elif sections:
+            sections[-1][1].append(line)
+    return [(worker, "\n".join(lines)) for worker, lines in sections]
+
+
+def part_of(log: str, worker: str) -> str:
+    """The lines ``worker`` printed in a run_many.py launch's log (every run of it)."""
+    return "\n".join(text for name, text in worker_sections(log) if name == worker)
+
+
 def launch(nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
     """Launch ``workers/<worker>`` on ``nproc`` ranks; return rank 0's log.
 

@@ -8,11 +8,12 @@ import os
 import subprocess
 import tempfile
 
-from launcher import ROOT, launch
+from launcher import ROOT, part_of
 
 
-def test_yaml_run_matches_hand_sharding_and_plan_bytes():
-    log = launch(4, "worker_config.py", tempfile.mkdtemp(prefix="hsdp_config_"), timeout=600)
+def test_yaml_run_matches_hand_sharding_and_plan_bytes(launch_4_log):
+    # in the second 4-rank launch (conftest.py), whose first fleet.init is this worker's
+    log = part_of(launch_4_log, "worker_config.py")
     assert "PLAN_BYTES_EQUAL" in log and "YAML_EQUALS_HAND" in log, log[-3000:]
     assert "LIVE_TOPOLOGY_CHECKED" in log, log[-3000:]
     for stage in (1, 2, 3):

@@ -7,22 +7,18 @@
   training.
 """
 
-import json
-
-from launcher import launch, run_single
+from launcher import part_of, run_single
 
 
 def test_one_process_without_launcher():
     assert "SINGLE_PROCESS_OK" in run_single("single_process.py")
 
 
-def test_tensor_parallel_without_sharding():
-    config = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
-              "fleet_opt": [False, True]}
-    log = launch(2, "worker_mp_pp.py", json.dumps(config), timeout=600)
+def test_tensor_parallel_without_sharding(launch_2_log):
+    log = part_of(launch_2_log, "worker_mp_pp.py")  # the 2-rank launch (conftest.py: MP_ONLY)
     assert log.count("MP_ONLY_PARITY") == 2, log[-2000:]
 
 
-def test_dp_and_explicit_mesh():
-    log = launch(4, "worker_dp_mesh.py", timeout=600)
+def test_dp_and_explicit_mesh(launch_4_log):
+    log = part_of(launch_4_log, "worker_dp_mesh.py")  # the second 4-rank launch (conftest.py)
     assert log.count("PARITY dp2 x sharding2 mesh 2x2") == 1, log[-2000:]

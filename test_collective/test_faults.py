@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launcher import HERE, ROOT
+from launcher import HERE, ROOT, part_of
 
 BOUND_S = 90  # launch (~10 s here) + detection + the launcher's teardown
 
@@ -79,27 +79,18 @@ def test_the_environment_switches_fingerprint_mode_on_at_import():
     assert results == {"1": "ON", "0": "OFF"}, results
 
 
-def test_resume_after_a_crash_is_bit_exact():
+def test_resume_after_a_crash_is_bit_exact(crashed_save, launch_4_log):
     """workers/worker_resume_after_fault.py: a launch that loses rank 3 in the middle of
-    a save fails, the survivors' error naming the save; a new launch resumes from the
-    last complete checkpoint and reproduces the uninterrupted run bit for bit (losses of
-    three separate processes' runs, and every parameter), and its next save sweeps the
-    killed save's temporary directory."""
-    from launcher import launch
-
-    work = tempfile.mkdtemp(prefix="hsdp_resume_fault_")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(HERE, "workers"),
-               GLOG_minloglevel="2")
-    crash = subprocess.run(
-        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
-         "--log_dir", os.path.join(work, "crash_logs"),
-         os.path.join(HERE, "workers", "worker_resume_after_fault.py"), work, "crash"],
-        env=env, cwd=work, capture_output=True, text=True, timeout=BOUND_S + 60)
-    assert crash.returncode != 0
-    assert "CRASH rank 3 in the save" in open(os.path.join(work, "crash_logs",
-                                                            "workerlog.3")).read()
-    survivors = [open(os.path.join(work, "crash_logs", f"workerlog.{r}")).read()
-                 for r in range(3)]
+    a save fails, the survivors' error naming the save (conftest.py: crashed_save); a
+    new launch (the second 4-rank launch, conftest.py: launch_4_log, its own fleet.init
+    of 2 x 2 there) resumes from the last complete checkpoint and reproduces the
+    uninterrupted run bit for bit (losses of three separate runs, the crashed one in
+    another process, and every parameter), and its next save sweeps the killed save's
+    temporary directory."""
+    work, rc, logs = crashed_save
+    assert rc != 0
+    assert "CRASH rank 3 in the save" in logs.get("workerlog.3", ""), logs.get("workerlog.3")
+    survivors = [logs.get(f"workerlog.{r}", "") for r in range(3)]
     assert any("SAVE_FAILED_NAMED" in text for text in survivors), survivors[0][-3000:]
-    log = launch(4, "worker_resume_after_fault.py", work, "resume", timeout=300)
+    log = part_of(launch_4_log, "worker_resume_after_fault.py")
     assert "RESUMED_BIT_EXACT" in log and "SWEPT_THE_KILLED_SAVE" in log, log[-3000:]

@@ -7,22 +7,14 @@ test_recipes, ...), sharding8 outer2 (test_engine_parity 2x4), mp2 sharding4 out
 (test_mp_pp), sharding8 ep2 moe_sharding4 outer2 (test_moe), dp2 sharding2 outer2 on 4
 ranks (test_degenerate_layouts' dp test). This 8-rank layout runs nowhere else: before
 paddle_hsdp made gloo sub-group creation safe, Paddle's own fleet.init failed or hung on
-layouts like it.
+layouts like it. It is the first fleet.init of the 8-rank launch (conftest.py:
+HCG_8 in launch_8_log), as it would be in a job of its own.
 """
 
-import json
-
-import pytest
-
-from launcher import launch
-
-LAYOUTS_8 = [
-    {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2},
-]
+from launcher import worker_sections
 
 
-@pytest.mark.parametrize("config", LAYOUTS_8, ids=lambda c: "-".join(
-    f"{k.replace('_degree', '')}{v}" for k, v in c.items()))
-def test_groups_8_ranks(config):
-    log = launch(8, "worker_groups.py", json.dumps(config))
-    assert "rank 0 dense" in log and "rank 0 expert" in log
+def test_groups_8_ranks_dp2_mp2_sharding2_outer2(launch_8_log):
+    worker, log = worker_sections(launch_8_log)[0]
+    assert worker == "worker_groups.py", worker  # the launch's first fleet.init
+    assert "rank 0 dense" in log and "rank 0 expert" in log, log[-2000:]

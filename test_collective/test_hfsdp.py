@@ -1,6 +1,6 @@
 """HFSDP, ``fsdp_outer_sharding="optim"`` (workers/worker_hfsdp.py): the optimizer state
 sharded across the outer group too. In the shared 2 x 2 launch (fully_shard's keyword on
-fleet's HSDP groups) and the 8-rank 2 x 4 launch (fleet's sharding_configs option,
+fleet's HSDP groups) and the 2 x 4 layout of the 8-rank launch (fleet's sharding_configs option,
 inherited by the units): float32 parity with one process on the whole batch (AdamW,
 active clipping, 3 micro-steps, a skipped batch, an early finish_grad_sync; in 2 x 2 also
 ZeRO-1, ZeRO-2 and fleet.distributed_optimizer), replicas bit-identical every step, one

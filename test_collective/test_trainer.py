@@ -1,5 +1,6 @@
 """PaddleFormers' Trainer with HSDP on real CPU ranks (issue 18): workers/worker_trainer.py
-trains on 4 ranks (2 x 2: every run; 1 x 4: a resume in another layout; resuming the
+trains on 4 ranks in one launch (2 x 2: every run; then 1 x 4: a resume in another
+layout, after a fleet.init of its own; resuming the
 engine's checkpoints in 4 x 1 and the other layouts is test_checkpoint's), then
 workers/single_process_trainer.py, a fresh process, trains the one-process references
 and checks every run against them (losses, pre-clip norms, eval loss, final parameters),
@@ -21,8 +22,11 @@ pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optiona
 @pytest.fixture(scope="module")
 def trainer_logs():
     work = tempfile.mkdtemp(prefix="hsdp_trainer_")
-    logs = {outer: launch(4, "worker_trainer.py", work, str(outer), timeout=600)
-            for outer in (2, 1)}
+    # one launch: the 2 x 2 runs, then the resume in 1 x 4 (its own fleet.init there)
+    log = launch(4, "worker_trainer.py", work, "2,1", timeout=900)
+    parts = log.split("TRAINER_LAYOUT outer ")[1:]
+    logs = {int(part.split(maxsplit=1)[0]): part for part in parts}
+    assert sorted(logs) == [1, 2], log[-3000:]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT, os.path.join(HERE, "workers"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "workers",

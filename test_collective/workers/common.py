@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -14,26 +15,39 @@ import paddle_hsdp  # must precede fleet.init
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
+from paddle.distributed.fleet.base import topology as fleet_topology
+from paddle_hsdp.topology.fleet import SEPARATE_REDUCE_SCATTER_ENV
 
 MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
-_layout_of_this_process: list = []  # the layout fleet.init built here (run_many.py)
+# (layout, HCG) of each fleet.init init_fleet ran in this process, in order (run_many.py)
+_built_here: list = []
 
 
 def init_fleet(config: dict):
     """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), ``outer_sharding``
-    (fsdp_outer_sharding, default "none"), ``check_typo`` (first
+    (fsdp_outer_sharding, default "none"), ``separate_reduce_scatter`` (fleet.init with
+    PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1: the inner groups' reduce-scatter twins NCCL
+    gets, forced on gloo for this layout only), ``check_typo`` (first
     show that a misspelt option is refused before any group exists). Every launch then
     checks the HSDP and HCG groups of its layout (:func:`check_groups`). Several workers
-    in one launch (run_many.py) share the first one's fleet.init: the same layout again
-    returns its HCG, another layout is an error."""
+    in one launch (run_many.py) share one fleet.init per layout: the layout of the last
+    fleet.init again returns its HCG (if it is still the live one); another layout, or
+    an HCG another worker's own fleet.init made (apply_config's), runs fleet.init again,
+    which builds a new HCG and all of its groups (and HSDP's) after the earlier ones, on
+    every rank alike, and checks them as a first fleet.init would (the earlier groups
+    stay, unused)."""
     layout = {k: v for k, v in config.items()
-              if k.endswith("_degree") or k in ("outer", "outer_sharding")}
-    if _layout_of_this_process:
-        assert _layout_of_this_process == [layout], (_layout_of_this_process, layout)
-        return fleet.get_hybrid_communicate_group()
-    _layout_of_this_process.append(layout)
+              if k.endswith("_degree")
+              or k in ("outer", "outer_sharding", "separate_reduce_scatter")}
+    previous = fleet_topology._HYBRID_PARALLEL_GROUP
+    if previous is not None:
+        if _built_here and _built_here[-1][0] == layout and _built_here[-1][1] is previous:
+            return previous
+        assert not config.get("check_typo"), "check_typo needs the launch's first fleet.init"
+        # fleet.init keeps an existing HCG: forget it, so it builds this layout's
+        fleet_topology._HYBRID_PARALLEL_GROUP = None
     strategy = fleet.DistributedStrategy()
     hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1}
     hybrid.update({k: v for k, v in config.items() if k.endswith("_degree")})
@@ -45,8 +59,20 @@ def init_fleet(config: dict):
     if hybrid.get("ep_degree", 1) > 1:
         strategy.hybrid_parallel_order = MOE_ORDER
     strategy.hybrid_configs = hybrid
-    fleet.init(is_collective=True, strategy=strategy)
+    twins = {SEPARATE_REDUCE_SCATTER_ENV: "1"} if config.get("separate_reduce_scatter") else {}
+    saved = {k: os.environ.get(k) for k in twins}
+    os.environ.update(twins)
+    try:
+        fleet.init(is_collective=True, strategy=strategy)
+    finally:  # read when fleet.init builds the groups: the next layout gets its own
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     hcg = fleet.get_hybrid_communicate_group()
+    assert hcg is fleet_topology._HYBRID_PARALLEL_GROUP and hcg is not previous  # a new HCG
+    _built_here.append((layout, hcg))
     check_groups(hcg, config)
     return hcg
 

@@ -5,9 +5,10 @@ argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py), 
 variants to check, and optionally ``mesh`` (nested rank lists; with ``dim_names``): shard
 on that explicit mesh instead of fleet's groups (in the shared 2 x 2 launch, 1 x 4 and
 4 x 1 run this way; fleet builds those layouts' groups in test_faults' launches), and
-``separate_reduce_scatter`` (the launch sets PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1):
+``separate_reduce_scatter`` (common.init_fleet sets PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1
+for the layout's fleet.init):
 every buffer must reduce-scatter on its inner group's twin. Units shard with
-``fsdp_outer_sharding="none"`` (HSDP) whatever fleet's option says (the 2 x 4 launch sets
+``fsdp_outer_sharding="none"`` (HSDP) whatever fleet's option says (the 2 x 4 layout sets
 it to "optim" for worker_hfsdp.py).
 """
 

@@ -3,9 +3,10 @@ or "no_barrier").
 
 check: the store servers this rank hosts are destroyed by gloo_store.stop_servers()
 (what the atexit handler runs), which joins their threads, and the groups keep
-working after it; then exit without a final barrier. barrier / no_barrier: just exit,
-with or without a final barrier, leaving it to the atexit handler; the launcher's exit
-status is the test.
+working after it; then exit without a final barrier (as the last worker of a run_many.py
+launch, it also stops the servers of the groups the earlier workers made). barrier /
+no_barrier: just exit, with or without a final barrier, leaving it to the atexit
+handler; the launcher's exit status is the test.
 """
 
 import os
@@ -19,6 +20,7 @@ import paddle.distributed as dist
 mode = sys.argv[1]
 dist.init_parallel_env()
 rank = dist.get_rank()
+hosted_before = len(gloo_store._servers)  # earlier workers' groups' servers, if any
 groups = [dist.new_group(m) for m in ([0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2, 3])]
 
 
@@ -34,7 +36,7 @@ check_all()
 if mode == "check":
     hosted = len(gloo_store._servers)
     expected = sum(1 for m in ([0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2, 3]) if m[0] == rank)
-    assert hosted == expected, (hosted, expected)
+    assert hosted == hosted_before + expected, (hosted, hosted_before, expected)
     before = len(os.listdir("/proc/self/task"))
     gloo_store.stop_servers()
     after = len(os.listdir("/proc/self/task"))

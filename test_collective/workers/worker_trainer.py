@@ -1,5 +1,7 @@
 """PaddleFormers' Trainer on HSDP, 4 CPU ranks (issue 18). argv: a work folder, and
-``fsdp_outer_degree`` (2: the full set of runs; 1 or 4: resume only).
+``fsdp_outer_degree`` values, comma-separated, run in turn in this one launch (2: the
+full set of runs; 1 or 4: resume only; "2,1": both, the resume in 1 x 4 after the 2 x 2
+runs). Each layout's part of the log starts with ``TRAINER_LAYOUT outer N``.
 
 With outer 2, in one launch:
 1. every refusal of ``HSDPTrainingArguments`` raises ``ConfigError`` naming the
@@ -18,8 +20,10 @@ With outer 2, in one launch:
    by ``apply_config`` with full recompute: the Trainer's fused all-reduce of every
    parameter's grad must leave the shards alone (the guard in paddle_hsdp.patches).
 
-With outer 1 or 4: resume base's step-3 checkpoint in that layout (``resume_1x4`` /
-``resume_4x1``).
+With outer 1 or 4: resume base's step-3 checkpoint in that layout (``resume_1`` /
+``resume_4``). After another layout in the same launch, the fleet HCG is forgotten
+first, so the resume's arguments run fleet.init with their own layout, as in a launch
+of their own (their __post_init__ would otherwise check the live 2 x 2 and refuse).
 """
 
 import os
@@ -40,7 +44,7 @@ from common import finish
 from paddle_hsdp import ConfigError
 from paddle_hsdp.integrations.paddleformers import HSDPTrainer, HSDPTrainingArguments
 
-work, outer = sys.argv[1], int(sys.argv[2])
+work, outers = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 rank = dist.get_rank()
 
 
@@ -75,7 +79,8 @@ def check_hcg():
     return got
 
 
-if outer == 2:
+def full_runs():
+    """Outer 2: parts 1-4 of the module docstring."""
     # 1. refusals, before any group exists
     REFUSALS = [({"sharding": "stage1"}, "sharding:"),
                 ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size:"),
@@ -155,11 +160,23 @@ if outer == 2:
                              sharding="", amp_master_grad=False, recompute_granularity="full")
     plain = Trainer(model=model, args=args, train_dataset=tc.TokenData())
     train("plain_trainer", plain)
-else:
+
+
+def resume_in_another_layout():
     args = hsdp_args(f"resume_{outer}")
     check_hcg()
     train(f"resume_{outer}", HSDPTrainer(model=tc.build_model(), args=args,
                                          train_dataset=tc.TokenData()),
           resume=os.path.join(work, "base", "checkpoint-3"))
-print(f"TRAINER_WORKER_DONE outer {outer}", flush=True)
+
+
+for index, outer in enumerate(outers):
+    if index:  # another layout: the arguments below run fleet.init with it
+        fleet_topology._HYBRID_PARALLEL_GROUP = None
+    print(f"TRAINER_LAYOUT outer {outer}", flush=True)
+    if outer == 2:
+        full_runs()
+    else:
+        resume_in_another_layout()
+    print(f"TRAINER_WORKER_DONE outer {outer}", flush=True)
 finish()
