@@ -261,13 +261,14 @@ def _waiting_for(op: str, group, what):
 
 
 class _GroupThread:
-    """One worker thread for the collectives of one group issued ``on_thread``.
+    """The one worker thread for every collective issued ``on_thread``.
 
     gloo runs a collective in the calling thread until it is done, and releases the GIL
     while it waits on the network: on a thread of its own, an outer all-reduce proceeds
     while the main thread computes (measured: a 1 s wait for a late peer hidden entirely
-    behind 1.1 s of compute, docs/gpu.md). One thread per group keeps that group's calls
-    in issue order.
+    behind 1.1 s of compute, docs/gpu.md). One thread, not one per group (the dense and
+    the expert outer groups may be two group objects): its queue keeps the issue order,
+    which every rank shares, and two threads would run two collectives at once (below).
 
     Paddle 3.3's gloo cannot run two collectives of one process at once, even on groups
     with no rank in common: measured on 4 CPU ranks, a main thread all-reducing over the
@@ -280,9 +281,9 @@ class _GroupThread:
     caller's compute, never another collective. NCCL needs none of this: its
     collectives are queued on a stream already."""
 
-    def __init__(self, group):
+    def __init__(self):
         self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"paddle_hsdp-{group_label(group)}",
+            max_workers=1, thread_name_prefix="paddle_hsdp-comm",
             initializer=_mark_group_thread)
         self.pending: list[Future] = []
 
@@ -299,7 +300,8 @@ class _GroupThread:
             self.pending = []
 
 
-_threads: dict[int, _GroupThread] = {}
+_SHARED = 0
+_threads: dict[int, _GroupThread] = {}  # one, under _SHARED, once a call asked for it
 _thread_state = threading.local()
 
 
@@ -352,9 +354,9 @@ def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     :class:`CollectiveError`. ``on_thread``: on the group's own thread (:class:`_GroupThread`),
     returning a task to wait for; otherwise after whatever the group threads still run."""
     if on_thread:
-        thread = _threads.get(group.id)
+        thread = _threads.get(_SHARED)
         if thread is None:
-            thread = _threads[group.id] = _GroupThread(group)
+            thread = _threads[_SHARED] = _GroupThread()
         watchdog.note_issued(_waiting_for(op, group, what))
         task = _FutureTask(lambda: _issue(op, group, what, call))
         task.future = thread.submit(task.run)

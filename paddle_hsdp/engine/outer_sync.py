@@ -5,7 +5,7 @@ reduce-scatter) crosses machines: issued at the step, none of it overlaps comput
 the backward that ends an optimizer step, a buffer's shard grad is final as soon as its
 last reduce-scatter is accumulated, so its outer sync can start then and run while the
 rest of backward computes (on NCCL on the group's stream; on gloo on the outer group's
-own thread, :class:`paddle_hsdp.comm.collectives._GroupThread`).
+communication thread, :class:`paddle_hsdp.comm.collectives._GroupThread`).
 
 **Which backward is the last.** Nothing tells the engine. Each root counts its
 backwards between optimizer steps (:func:`step_taken`; ``clear_grad`` without a step
