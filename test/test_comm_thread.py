@@ -40,7 +40,7 @@ def slow_backend(monkeypatch):
     monkeypatch.setattr(comm.dist.stream, "all_reduce", all_reduce)
     monkeypatch.setattr(comm.dist.stream, "broadcast", broadcast)
     yield calls
-    comm._threads.clear()
+    comm._comm_thread = None
 
 
 def test_on_thread_returns_at_once_and_keeps_the_groups_order(slow_backend):
@@ -87,7 +87,7 @@ class OtherGroup:
 def test_a_collective_on_another_group_waits_for_the_thread_too(slow_backend):
     """Paddle 3.3's gloo hangs when two threads of a process run collectives at once,
     even on groups with no rank in common: a main-thread collective on any group waits
-    for the group threads first."""
+    for the communication thread first."""
     handle = comm.all_reduce(paddle.ones([4]), Group(), async_op=True, on_thread=True)
     comm.broadcast(paddle.ones([2]), src=0, group=OtherGroup())
     handle.wait()
@@ -113,20 +113,20 @@ def test_threaded_reduce_scatter_exchanges_on_the_thread_and_lands_at_wait(monke
                                  async_op=True, on_thread=True)
     assert time.monotonic() - start < 0.15 and float(out.abs().sum()) == 0  # not landed
     handle.wait()
-    comm._threads.clear()
+    comm._comm_thread = None
     assert threads[0].startswith("paddle_hsdp-")
     # rank 0 keeps slice 0 ([1, 2]) and gets the peer's slice 0 (x10 of what it sent: [3, 4])
     assert out.numpy().tolist() == [31.0, 42.0]
     assert handle.span() is not None
 
 
-def test_paddles_gloo_collectives_wait_for_the_threads(monkeypatch):
+def test_paddles_gloo_collectives_wait_for_the_thread(monkeypatch):
     """Collectives that bypass paddle_hsdp.comm (a MoE layer's all-to-all, user code)
     go through ProcessGroupGloo's methods, which the patch makes wait first."""
     from paddle.base import core
     from paddle_hsdp.patches import gloo_groups
     drained = []
-    monkeypatch.setattr(gloo_groups, "drain_threads", lambda: drained.append(1))
+    monkeypatch.setattr(gloo_groups, "drain_comm_thread", lambda: drained.append(1))
     for name in ("all_reduce", "alltoall", "barrier", "broadcast", "send", "recv"):
         with pytest.raises(TypeError):  # not a real process group: after the wait
             getattr(core.ProcessGroupGloo, name)(object())

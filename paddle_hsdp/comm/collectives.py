@@ -178,7 +178,7 @@ class Handle:
                     t.wait()
             except Exception as e:
                 if self._failure is None or isinstance(e, CollectiveError):
-                    raise  # (a task run on a group thread was named there already)
+                    raise  # (a task run on the communication thread was named there already)
                 raise self._failure(e) from e
         if self._finalize is not None:
             self._finalize()
@@ -189,7 +189,7 @@ class Handle:
         return self._done
 
     def span(self) -> tuple[float, float] | None:
-        """When the collective ran on its group's thread (``time.perf_counter()``
+        """When the collective ran on the communication thread (``time.perf_counter()``
         start and end), once waited; None for one issued on the caller's thread."""
         for t in self._tasks:
             if getattr(t, "finished", None) is not None:
@@ -257,10 +257,10 @@ def _waiting_for(op: str, group, what):
                     + (f" for {describe(what)}" if what else ""))
 
 
-# ---------------------------------------------------------------- a thread per group
+# ---------------------------------------------------------------- the communication thread
 
 
-class _GroupThread:
+class _CommThread:
     """The one worker thread for every collective issued ``on_thread``.
 
     gloo runs a collective in the calling thread until it is done, and releases the GIL
@@ -274,8 +274,8 @@ class _GroupThread:
     with no rank in common: measured on 4 CPU ranks, a main thread all-reducing over the
     inner pairs while a second thread all-reduces over the outer pairs hangs on every
     rank (both in ``GlooCommContext::AllReduce``, the GIL held). So every gloo collective
-    started outside these threads first waits for everything they run
-    (:func:`drain_threads`): here in :func:`_issue`, and for calls that bypass this
+    started outside this thread first waits for everything it runs
+    (:func:`drain_comm_thread`): here in :func:`_issue`, and for calls that bypass this
     module (a model's own all-to-all, user code) in the gloo process group's methods
     (:mod:`paddle_hsdp.patches.gloo_groups`). A threaded collective overlaps the
     caller's compute, never another collective. NCCL needs none of this: its
@@ -284,7 +284,7 @@ class _GroupThread:
     def __init__(self):
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="paddle_hsdp-comm",
-            initializer=_mark_group_thread)
+            initializer=_mark_comm_thread)
         self.pending: list[Future] = []
 
     def submit(self, fn) -> Future:
@@ -300,37 +300,35 @@ class _GroupThread:
             self.pending = []
 
 
-_SHARED = 0
-_threads: dict[int, _GroupThread] = {}  # one, under _SHARED, once a call asked for it
+_comm_thread: _CommThread | None = None  # made when a call first asks for it
 _thread_state = threading.local()
 
 
-def _mark_group_thread() -> None:
-    _thread_state.group_thread = True
+def _mark_comm_thread() -> None:
+    _thread_state.comm_thread = True
 
 
-def on_group_thread() -> bool:
-    """Is the caller one of the group threads (whose calls must not wait for them)?"""
-    return getattr(_thread_state, "group_thread", False)
+def on_comm_thread() -> bool:
+    """Is the caller the communication thread (whose calls must not wait for it)?"""
+    return getattr(_thread_state, "comm_thread", False)
 
 
-def drain_threads() -> None:
-    """Wait until no group thread runs or has queued a collective (see
-    :class:`_GroupThread`); a no-op on a group thread and when none was started."""
-    if _threads and not on_group_thread():
-        for thread in list(_threads.values()):
-            thread.drain()
+def drain_comm_thread() -> None:
+    """Wait until the communication thread runs and has queued no collective (see
+    :class:`_CommThread`); a no-op on that thread and before it was started."""
+    if _comm_thread is not None and not on_comm_thread():
+        _comm_thread.drain()
 
 
 def _verify(op: str, tensor, group, what) -> None:
-    """The debug fingerprint (a collective of its own), after the group threads."""
+    """The debug fingerprint (a collective of its own), after the communication thread."""
     if fingerprint.enabled():
-        drain_threads()
+        drain_comm_thread()
     fingerprint.verify(op, tensor, group, what)
 
 
 class _FutureTask:
-    """A backend task run on a group thread: ``wait()`` waits for it and re-raises;
+    """A backend task run on the communication thread: ``wait()`` waits for it and re-raises;
     ``started`` / ``finished``: when it ran there (``time.perf_counter()``)."""
 
     def __init__(self, run):
@@ -351,17 +349,18 @@ class _FutureTask:
 
 def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     """Run the backend call under the watchdog; a backend error becomes a
-    :class:`CollectiveError`. ``on_thread``: on the group's own thread (:class:`_GroupThread`),
-    returning a task to wait for; otherwise after whatever the group threads still run."""
+    :class:`CollectiveError`. ``on_thread``: on the communication thread (:class:`_CommThread`),
+    returning a task to wait for; otherwise after whatever that thread still runs."""
     if on_thread:
-        thread = _threads.get(_SHARED)
-        if thread is None:
-            thread = _threads[_SHARED] = _GroupThread()
+        global _comm_thread
+        if _comm_thread is None:
+            _comm_thread = _CommThread()
+        thread = _comm_thread
         watchdog.note_issued(_waiting_for(op, group, what))
         task = _FutureTask(lambda: _issue(op, group, what, call))
         task.future = thread.submit(task.run)
         return task
-    drain_threads()
+    drain_comm_thread()
     waiting_for = _waiting_for(op, group, what)
     watchdog.note_issued(waiting_for)
     try:
@@ -408,7 +407,7 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
                    what: str | None = None, on_thread: bool = False):
     """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``.
     ``in_flat`` is scratch: on gloo its other slices are overwritten. ``on_thread``
-    (with ``async_op``, on gloo): the exchange runs on the group's own thread (see
+    (with ``async_op``, on gloo): the exchange runs on the communication thread (see
     :func:`all_reduce`); the sum's last add and the copy into ``out_shard`` run at
     ``wait()``, on the caller's thread."""
     n = group.nranks
@@ -438,7 +437,7 @@ def _gloo_reduce_scatter(out_shard, in_flat, group):
     """gloo has no reduce-scatter: reduce each slice to the rank that owns it, in place
     (gloo uses a non-owner's input as scratch, which only clobbers slices we never read).
     Returns ``(exchange, land)``: the communication (collective calls only, so it may run
-    on the group's thread) and what makes this rank's slice of it (kernels: run by the
+    on the communication thread) and what makes this rank's slice of it (kernels: run by the
     caller's thread)."""
     staged = in_flat.astype("float32") if _needs_fp32_staging(in_flat, group) else in_flat
     flat = staged.reshape([-1])
@@ -484,8 +483,8 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
                op: str = "sum", what: str | None = None, on_thread: bool = False):
     """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place.
-    ``on_thread`` (with ``async_op``, on gloo): run it on the group's own thread, so it
-    overlaps the caller's work (see :class:`_GroupThread`); elsewhere it is ignored."""
+    ``on_thread`` (with ``async_op``, on gloo): run it on the communication thread, so it
+    overlaps the caller's work (see :class:`_CommThread`); elsewhere it is ignored."""
     reduce_op = _REDUCE_OPS[op]
     n = group.nranks
     payload = _nbytes(tensor)

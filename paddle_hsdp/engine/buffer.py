@@ -503,7 +503,7 @@ class ShardBuffer:
     def start_outer_sync(self, async_op: bool = False, on_thread: bool = False):
         """The step's one outer collective of the grad shard: the all-reduce, or with
         outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`). ``on_thread``:
-        on gloo, on the outer group's own thread (engine/outer_sync.py)."""
+        on gloo, on the communication thread (engine/outer_sync.py)."""
         if self.parts > 1:
             return self.start_outer_reduce(async_op, on_thread)
         return self.start_all_reduce(async_op, on_thread)

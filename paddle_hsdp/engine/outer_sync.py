@@ -5,7 +5,7 @@ reduce-scatter) crosses machines: issued at the step, none of it overlaps comput
 the backward that ends an optimizer step, a buffer's shard grad is final as soon as its
 last reduce-scatter is accumulated, so its outer sync can start then and run while the
 rest of backward computes (on NCCL on the group's stream; on gloo on the outer group's
-communication thread, :class:`paddle_hsdp.comm.collectives._GroupThread`).
+communication thread, :class:`paddle_hsdp.comm.collectives._CommThread`).
 
 **Which backward is the last.** Nothing tells the engine. Each root counts its
 backwards between optimizer steps (:func:`step_taken`; ``clear_grad`` without a step
@@ -51,7 +51,7 @@ class OuterSyncSchedule:
         self.active = False  # this backward is predicted to be the step's last
         self._finished: set[int] = set()  # id(buffer): reduce-scatter done this backward
         self._next = 0  # index in ``order`` of the next buffer to issue
-        self._work: list = []  # (unit, buffer, pending, scale), issue order
+        self._work: list = []  # (buffer, pending, scale), issue order
 
     # ------------------------------------------------------------ the root's calls
     def begin_backward(self) -> None:
@@ -79,7 +79,7 @@ class OuterSyncSchedule:
         """Issue the outer syncs the finished reduce-scatters allow. Called at each
         unit's pre-backward, after its gather and prefetch and before its compute, so
         on gloo the thread's all-reduce runs beside that compute; any collective of the
-        main thread waits for it first (comm.collectives._GroupThread)."""
+        main thread waits for it first (comm.collectives._CommThread)."""
         if self.active:
             self._issue_ready()
 
@@ -92,33 +92,23 @@ class OuterSyncSchedule:
         self.active = False
         self._issue_ready()
         units = []
-        for unit, *_ in self._work:
-            if unit not in units:
-                units.append(unit)
+        for buf, *_ in self._work:
+            if buf.owner not in units:
+                units.append(buf.owner)
+        done = {id(buf) for buf, *_ in self._work}
         for unit in units:  # a unit is synced whole: buffers the prefix did not reach
-            done = {id(b) for u, b, *_ in self._work if u is unit}
             for buf in unit.buffers:
                 if buf.trainable and id(buf) not in done:
-                    self._issue(unit, buf)
-        self.finish(units)
+                    self._issue(buf)
+        work, self._work = self._work, []
+        finish_outer_syncs(work)
+        for unit in units:  # the step will not sync them again
+            unit.grads_pending_outer_sync = False
+            unit.grads_synced = True
 
-    def finish(self, units=None) -> None:
-        """Wait for the outer syncs issued (of ``units``; all by default), scale, and
-        mark their units synced: the step will not sync them again."""
-        keep, mine = [], []
-        for item in self._work:
-            (mine if units is None or item[0] in units else keep).append(item)
-        self._work = keep
-        try:
-            while mine:
-                unit, buf, pending, scale = mine[0]
-                del mine[0]  # finish_outer_sync waits first: out of the list is waited
-                buf.finish_outer_sync(pending, scale)
-                unit.grads_pending_outer_sync = False
-                unit.grads_synced = True
-        except BaseException:
-            comm.settle(item[2].handle for item in mine)
-            raise
+    def restart_count(self) -> None:
+        """Grads were dropped without a step (``clear_grad``): a new count starts."""
+        self.backwards = 0
 
     def reopen(self, buf) -> None:
         """More grads are about to reach ``buf`` after its outer sync was issued this
@@ -127,11 +117,11 @@ class OuterSyncSchedule:
         and 1 / N leave it unchanged; with outer sub-shards only this rank's piece
         holds it: x N) so the new grads add to it; it is synced again later. Other
         buffers of the unit keep their sync."""
-        for i, (unit, other, pending, scale) in enumerate(self._work):
+        for i, (other, pending, scale) in enumerate(self._work):
             if other is buf:
                 del self._work[i]  # finish_outer_sync waits first
                 buf.finish_outer_sync(pending, scale)
-                buf.scale_grads(unit.divisor(buf) * buf.parts / buf.outer.nranks)
+                buf.scale_grads(buf.owner.divisor(buf) * buf.parts / buf.outer.nranks)
                 return
 
     def abandon(self) -> None:
@@ -141,20 +131,33 @@ class OuterSyncSchedule:
         self.active = False
         if self.recording:
             self.order.clear()  # a partial order may differ across ranks
-        comm.settle(item[2].handle for item in work)
+        comm.settle(pending.handle for _, pending, _ in work)
 
     # ------------------------------------------------------------ issuing
     def _issue_ready(self) -> None:
         while self._next < len(self.order) and id(self.order[self._next]) in self._finished:
             buf = self.order[self._next]
             self._next += 1
-            unit = buf.owner
-            if _takes_part(unit, buf):
-                self._issue(unit, buf)
+            if _takes_part(buf.owner, buf):
+                self._issue(buf)
 
-    def _issue(self, unit, buf) -> None:
+    def _issue(self, buf) -> None:
         pending = buf.start_outer_sync(async_op=True, on_thread=True)
-        self._work.append((unit, buf, pending, 1.0 / unit.divisor(buf)))
+        self._work.append((buf, pending, 1.0 / buf.owner.divisor(buf)))
+
+
+def finish_outer_syncs(work: list) -> None:
+    """Wait for each issued outer sync of ``work`` (``(buffer, pending, scale)``, issue
+    order) and land it scaled. If one raises, the rest are waited for before the error
+    propagates (their buffers must outlive the collectives)."""
+    try:
+        while work:
+            buf, pending, scale = work[0]
+            del work[0]  # finish_outer_sync waits first: out of the list is waited
+            buf.finish_outer_sync(pending, scale)
+    except BaseException:
+        comm.settle(pending.handle for _, pending, _ in work)
+        raise
 
 
 def _takes_part(unit, buf) -> bool:

@@ -11,7 +11,7 @@ prefetch: its pre-forward / pre-backward) and ``done`` when it is over (its
 post-forward / post-backward); ``backward end`` (unit: the root) when the end of
 backward has reduced and resharded everything; ``step done`` (unit -1) after an
 optimizer update. :data:`times` holds each event's ``time.perf_counter()``, and
-:data:`spans` when an outer collective run on its group's thread (gloo) started and
+:data:`spans` when an outer collective run on the communication thread (gloo) started and
 ended there, so the overlap with the main thread's events can be read off. On NCCL an ``issue`` returns at once and the collective runs on the
 communication stream; the ``wait`` is where the compute stream starts to depend on it.
 
@@ -47,7 +47,7 @@ KINDS = ("shard", "gathered", "full_grad", "shard_grad", "staging", "optimizer")
 
 events: list[tuple[str, str, int]] = []
 times: list[float] = []  # time.perf_counter() of each event, same index
-# (op, unit, start, end): when a collective run on a group's thread actually ran there
+# (op, unit, start, end): when a collective run on the communication thread actually ran there
 # (engine/outer_sync.py), recorded at its wait
 spans: list[tuple[str, int, float, float]] = []
 timeline: list[dict] = []
@@ -83,7 +83,7 @@ def record(kind: str, op: str, unit_index: int) -> None:
 
 
 def record_span(op: str, unit_index: int, span) -> None:
-    """``span``: ``(start, end)`` of a collective run on a group's thread, or None."""
+    """``span``: ``(start, end)`` of a collective run on the communication thread, or None."""
     if _on and span is not None:
         spans.append((op, unit_index, *span))
 

@@ -29,7 +29,7 @@ from ..comm import collectives as comm
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from . import master_grad, offload
-from .outer_sync import schedule_of
+from .outer_sync import finish_outer_syncs, schedule_of
 from .buffer import ShardBuffer, settle
 from .param import ShardedParam
 from .registry import registry
@@ -109,13 +109,10 @@ def sync_grads(units) -> None:
         offload.settle_all(b for unit in units for b in unit.buffers)
         for unit in units:
             unit.start_grad_sync(work)
-        while work:
-            buf, pending, scale = work[0]
-            del work[0]  # finish_outer_sync waits first: out of the list is waited
-            buf.finish_outer_sync(pending, scale)
     except BaseException:
         comm.settle(pending.handle for _, pending, _ in work)
         raise
+    finish_outer_syncs(work)
 
 
 def expect_everyone_in(units, what: str) -> None:
@@ -388,8 +385,8 @@ class FSDPUnit:
         for buf in self.buffers:
             buf.drop_grad_pieces()
         schedule = schedule_of(self)
-        if schedule is not None:  # grads dropped without a step: a new count starts
-            schedule.backwards = 0
+        if schedule is not None:
+            schedule.restart_count()
 
     def divisor(self, buf) -> float:
         """What the step's summed grads of ``buf`` are divided by: the data-parallel

@@ -6,7 +6,7 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 
 * :mod:`.gloo_groups`: gloo sub-group creation, a rendezvous store per group;
 * :mod:`.cpu_compat`: Paddle's tensor-parallel layers on CPU (gloo);
-* :mod:`.gloo_groups` again: gloo collectives wait for paddle_hsdp's group threads;
+* :mod:`.gloo_groups` again: gloo collectives wait for paddle_hsdp's communication thread;
 * :mod:`.fleet`: the ``fsdp_outer_degree`` strategy option, ``fleet.init``, the HCG's
   HSDP methods, parameter broadcasts that skip shards;
 * :mod:`.optim`: the optimizer step boundary (``_apply_optimize``, ``clear_grad``,

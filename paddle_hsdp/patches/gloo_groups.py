@@ -9,12 +9,12 @@ the global group are untouched. It also registers
 :func:`~paddle_hsdp.comm.gloo_store.stop_servers` with ``atexit``.
 
 Patches the collective methods of ``ProcessGroupGloo`` (``all_reduce``, ``alltoall``,
-``barrier``, ...): a call made outside paddle_hsdp's group threads first waits for what
-they run (:func:`paddle_hsdp.comm.collectives.drain_threads`), because Paddle 3.3's gloo
+``barrier``, ...): a call made outside paddle_hsdp's communication thread first waits for what it
+runs (:func:`paddle_hsdp.comm.collectives.drain_comm_thread`), because Paddle 3.3's gloo
 hangs when two threads of a process run collectives at once (see
-``comm.collectives._GroupThread``). This covers collectives that do not go through
-:mod:`paddle_hsdp.comm`: a MoE layer's all-to-all in backward, user code. Without a
-thread started, the cost is one dict test per call.
+``comm.collectives._CommThread``). This covers collectives that do not go through
+:mod:`paddle_hsdp.comm`: a MoE layer's all-to-all in backward, user code. Before that
+thread is started, the cost is one ``None`` test per call.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import types
 from paddle.base import core
 from paddle.distributed import collective
 
-from ..comm.collectives import drain_threads
+from ..comm.collectives import drain_comm_thread
 from ..comm.gloo_store import make_group_store, stop_servers
 from .patching import replace
 
@@ -89,14 +89,14 @@ def serialize_collectives() -> None:
             # a Python function is a patch already (cpu_compat's all_reduce_on_calc_stream
             # calls the patched all_reduce)
             if method is not None and not isinstance(method, types.FunctionType):
-                replace(group_class, variant, _after_group_threads(method),
-                        "a gloo collective waits for paddle_hsdp's group threads: two "
+                replace(group_class, variant, _after_comm_thread(method),
+                        "a gloo collective waits for paddle_hsdp's communication thread: two "
                         "at once in one process hang")
 
 
-def _after_group_threads(method):
+def _after_comm_thread(method):
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        drain_threads()
+        drain_comm_thread()
         return method(self, *args, **kwargs)
     return run
