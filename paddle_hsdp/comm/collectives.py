@@ -443,7 +443,8 @@ def _gloo_reduce_scatter(out_shard, in_flat, group):
     flat = staged.reshape([-1])
     size = numel_of(out_shard)
     me = group.rank
-    own = flat._slice(me * size, (me + 1) * size)
+
+    own = flat[me * size:(me + 1) * size]
     if group.nranks == 2:
         # Two ranks: each sends the other its slice (an all-gather of one slice each)
         # and adds what comes back: a ring's bytes, where gloo's reduce moves 1.5x
@@ -452,18 +453,18 @@ def _gloo_reduce_scatter(out_shard, in_flat, group):
         got = paddle.empty([2 * size], staged.dtype)
 
         def exchange():
-            dist.stream.all_gather(got, flat._slice(other * size, (other + 1) * size),
+            dist.stream.all_gather(got, flat[other * size:(other + 1) * size],
                                    group=group, sync_op=True)
 
         def mine():
-            a, b = own, got._slice(other * size, (other + 1) * size)
+            a, b = own, got[other * size:(other + 1) * size]
             if a.dtype == paddle.bfloat16:  # CPU has no bfloat16 add: one rounding, below
                 a, b = a.astype("float32"), b.astype("float32")
             return a + b
     else:
         def exchange():
             for i, owner in enumerate(group.ranks):
-                dist.stream.reduce(flat._slice(i * size, (i + 1) * size), dst=owner,
+                dist.stream.reduce(flat[i * size:(i + 1) * size], dst=owner,
                                    op=dist.ReduceOp.SUM, group=group, sync_op=True)
 
         def mine():

@@ -6,12 +6,21 @@ combines its own rows with another unit's rows. So every all-gather a buffer iss
 carries a short tag after this rank's shard, and the tags that come back are compared
 with our own before the result is used:
 
-    [unit index mod 256, unit index div 256, buffer index, purpose, call number mod 256]
+    [unit index mod 256, unit index div 256, buffer index, purpose, call number mod 256,
+     forward position]
 
 Every value is below 256, exact in every floating dtype a buffer may gather in
 (bfloat16 included) and in integer ones. The call number counts this process's
 all-gathers on that group: every member issues the same sequence on a group, so it
 also catches a rank that made one extra call (say ``state_dict()`` on rank 0 only).
+
+The forward position is a running hash (mod 256) of the units whose forward ran since
+the current root forward began (the engine feeds it: :func:`start_forward`,
+:func:`note_forward`). With prefetch, a unit skipped on some ranks often leaves the
+next all-gathers identical (every rank prefetches by the recorded order), and the
+ranks only part at a later collective, often one of another size, which gloo aborts
+on and NCCL hangs on. The position differs from the first all-gather after the skip,
+so the skip is named there, at any step.
 
 Cost: ``TAG_NUMEL`` elements per rank per all-gather on the wire, and a comparison of
 an ``[inner, TAG_NUMEL]`` array. On CPU the comparison runs at once; on a device it is
@@ -41,7 +50,8 @@ import paddle
 
 from . import watchdog
 
-TAG_NUMEL = 5
+TAG_NUMEL = 6
+POSITION_SLOT = 5  # the forward position's element in a tag
 PURPOSES = {"compute": 1, "params": 2, "grads": 3}
 _PURPOSE_NAMES = {v: k for k, v in PURPOSES.items()}
 _HISTORY = 6  # calls remembered per group, for the error message
@@ -59,6 +69,13 @@ DEFER_ON_CPU = False
 # What a buffer holds, given (unit index, buffer index), for the error message; the
 # engine sets it (comm imports nothing above it). None, or an answer of None: indices.
 _buffer_describer: Callable[[int, int], str | None] | None = None
+_unit_describer: Callable[[int], str | None] | None = None
+# The forward position: its hash, the units behind it (for the message), and one
+# [256] table of the values per (dtype, place), so a tag's position is a view too.
+_FORWARD_HISTORY = 12
+_position = 0
+_forward_units: deque = deque(maxlen=_FORWARD_HISTORY)
+_position_tables: dict[tuple, paddle.Tensor] = {}
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -69,23 +86,45 @@ def can_tag(dtype) -> bool:
     return dtype != paddle.bool and "complex" not in str(dtype)
 
 
+def start_forward() -> None:
+    """A root forward begins: the forward position starts again."""
+    global _position
+    _position = 0
+    _forward_units.clear()
+
+
+def note_forward(unit_index: int) -> None:
+    """Unit ``unit_index``'s forward begins (before it gathers or prefetches)."""
+    global _position
+    _position = (_position * 31 + unit_index + 1) % 256
+    _forward_units.append(unit_index)
+
+
 def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, dtype,
              place):
     """This call's tag as a ``[TAG_NUMEL]`` tensor of ``dtype`` on ``place``; records the
-    call. A view of a table built once per (buffer, purpose, dtype, place): no
-    host-to-device copy per all-gather."""
+    call. A view of a table built once per (buffer, purpose, dtype, place), its
+    position written in from a table of positions: no host-to-device copy per
+    all-gather (a row is written again only 256 calls later)."""
     number = _calls[group.id]
     _calls[group.id] = number + 1
-    _history[group.id].append((number, describe, purpose))
+    _history[group.id].append((number, describe, purpose, _position, tuple(_forward_units)))
     key = (unit_index, buffer_index, purpose, str(dtype), str(place))
     table = _tables.get(key)
     if table is None:
         values = np.zeros([256, TAG_NUMEL], dtype="float64")
-        values[:] = [unit_index % 256, unit_index // 256 % 256, buffer_index % 256,
-                     PURPOSES[purpose], 0]
+        values[:, :4] = [unit_index % 256, unit_index // 256 % 256, buffer_index % 256,
+                         PURPOSES[purpose]]
         values[:, 4] = np.arange(256)
         table = _tables[key] = paddle.to_tensor(values, dtype=dtype, place=place)
-    return table[number % 256]
+    positions = _position_tables.get(key[3:])
+    if positions is None:
+        positions = _position_tables[key[3:]] = paddle.to_tensor(
+            np.arange(256, dtype="float64"), dtype=dtype, place=place)
+    row = table[number % 256]
+    paddle.assign(positions[_position:_position + 1],
+                  output=row[POSITION_SLOT:POSITION_SLOT + 1])
+    return row
 
 
 def check(tags, own_tag, group) -> None:
@@ -136,31 +175,56 @@ def _compare(tags: np.ndarray, own: np.ndarray, group, history=None) -> None:
     own = own.astype("int64")
     for i, row in enumerate(tags):
         if not np.array_equal(row, own):
-            raise CollectiveMismatchError(_message(group, i, row, history))
+            raise CollectiveMismatchError(_message(group, i, row, own, history))
 
 
-def _message(group, peer_index: int, row, history=None) -> str:
+def _message(group, peer_index: int, row, own, history=None) -> str:
     unit_index = int(row[0]) + 256 * int(row[1])
     peer = group.ranks[peer_index]
     what = _PURPOSE_NAMES.get(int(row[3]), "unknown")
     history = _history[group.id] if history is None else history
-    mine = "\n".join(f"    all-gather #{n}: {describe()} ({purpose})"
-                     for n, describe, purpose in history)
+    rule = ("Every rank must run the same fully_shard units in the same order (a unit that "
+            "runs on some ranks only, e.g. an expert that got no tokens, must still be "
+            "called on every rank, on an empty batch), and collective calls such as "
+            "state_dict() must be made on every rank.")
+    if np.array_equal(row[:POSITION_SLOT], own[:POSITION_SLOT]):
+        # the same all-gather, after different forwards: a unit skipped on some ranks
+        # this call's entry: the one with its call number
+        entry = next((e for e in reversed(history) if e[0] % 256 == int(own[4])), None)
+        ran = ", ".join(_describe_unit(u) for u in entry[4]) if entry else "unknown"
+        return (
+            f"Ranks disagree on the forward before an all-gather in group "
+            f"{list(group.ranks)}: rank {peer} and this rank both gathered "
+            f"{_describe(unit_index, int(row[2]))} ({what}) as all-gather #{int(row[4])} "
+            "(mod 256), but after running the forwards of different units since the root "
+            f"forward began (its forward position {int(row[POSITION_SLOT])}, this rank's "
+            f"{int(own[POSITION_SLOT])}; this rank ran: {ran}). A unit ran on some ranks "
+            "and not on others (a data-dependent skip, a branch taken on some ranks): the "
+            f"collectives that follow would pair different units. {rule}")
+    mine = "\n".join(f"    all-gather #{entry[0]}: {entry[1]()} ({entry[2]})"
+                     for entry in history)
     return (
         f"Ranks disagree on an all-gather in group {list(group.ranks)}: rank {peer} was "
         f"gathering {_describe(unit_index, int(row[2]))} ({what}) as its all-gather "
         f"#{int(row[4])} (mod 256) on this group, while this rank's last all-gathers "
-        f"there were:\n{mine}\n"
-        "Every rank must run the same fully_shard units in the same order (a unit that "
-        "runs on some ranks only, e.g. an expert that got no tokens, must still be called "
-        "on every rank, on an empty batch), and collective calls such as state_dict() "
-        "must be made on every rank.")
+        f"there were:\n{mine}\n{rule}")
 
 
 def set_buffer_describer(describer: Callable[[int, int], str | None]) -> None:
     """How error messages name a peer's buffer (the engine's registry knows)."""
     global _buffer_describer
     _buffer_describer = describer
+
+
+def set_unit_describer(describer: Callable[[int], str | None]) -> None:
+    """How error messages name a unit (the engine's registry knows)."""
+    global _unit_describer
+    _unit_describer = describer
+
+
+def _describe_unit(unit_index: int) -> str:
+    text = _unit_describer(unit_index) if _unit_describer else None
+    return text or f"unit {unit_index}"
 
 
 def _describe(unit_index: int, buffer_index: int) -> str:

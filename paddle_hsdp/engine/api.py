@@ -401,6 +401,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     unit.build_buffers(placements)
     hooks.watch_grads(unit)
     unit.shard_initial()  # first collective: broadcast over the outer group
+    hooks.watch_shard_grads(unit)
     registry.units.append(unit)
     hooks.register_unit_hooks(unit, registry.units)
     module.__dict__["_hsdp_unit_"] = unit

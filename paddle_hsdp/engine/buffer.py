@@ -16,6 +16,17 @@ rank ``q``'s optimizer sees piece ``q``. The step's outer all-reduce becomes an 
 reduce-scatter of the grad shard (this rank keeps its piece), and after the update an
 outer all-gather of the pieces rebuilds the shard (:meth:`ShardBuffer.start_rebuild`),
 waited before anything reads the shard again.
+
+[Note: edits under outer sub-shards] A shard parameter is this rank's piece only, so an
+in-place change of ``model.parameters()`` outside the optimizer (weight clipping, a
+re-initialisation, an EMA swap, ``set_value``) changes one piece of the flat shard;
+the others are other replicas' pieces, which their own ranks changed. The rebuild is
+therefore not issued at the step but owed (``rebuild_due``) and issued at the next
+root forward (or the next read of the shard), so edits made in between travel with
+it; and an edit made after that (between two forwards of one step) is detected at the
+next root forward or read (the shard's inplace version, new storage, or a
+``set_value`` / ``copy_`` call: patches/shard_edits.py) and makes one owed again.
+Every rank must make the same edits, as with any call that leads to a collective.
 """
 
 from __future__ import annotations
@@ -33,8 +44,10 @@ from . import master_grad, offload, staging, trace
 from .param import ShardedParam
 from .registry import registry
 
-# A mismatched all-gather's message names the peer's buffer through the registry.
+# A mismatched all-gather's message names the peer's buffer and the units that ran
+# through the registry.
 gather_tags.set_buffer_describer(registry.describe_buffer)
+gather_tags.set_unit_describer(registry.describe_unit)
 
 
 class ShardBuffer:
@@ -92,6 +105,9 @@ class ShardBuffer:
         self.flat_main_grad = None  # MixPrecisionLayer's float32 main grads (views of it)
         # the registry.storage_epoch at which views / grads / main grads were checked
         self._views_epoch = self._grads_epoch = self._main_grads_epoch = -1
+        # id(ShardedParam) of shard grads to make views again, their value kept in the
+        # flat storage (add_to_grad)
+        self._repoint: set[int] = set()
         # Early reduction (a unit whose post-backward does not fire, e.g. the root):
         # the params whose grad this backward is complete, by id, and whether the
         # buffer was reduced before the end of backward (reset there).
@@ -103,6 +119,12 @@ class ShardBuffer:
         self._rebuild: _PendingRebuild | None = None
         self.rebuild_due = False
         self.grads_scattered = False
+        # [Note: edits under outer sub-shards]: the shards' inplace versions when the
+        # last rebuild was issued, an edit seen by set_value / copy_, and the
+        # registry.storage_epoch at which the versions were last compared.
+        self._versions: list[int] = []
+        self.edited = False
+        self._edits_epoch = -1
 
     @property
     def flat(self):
@@ -162,8 +184,9 @@ class ShardBuffer:
     def _repair_views(self) -> None:
         """Shard params are views of ``self.flat``; a call that gave one new storage
         (anything but Paddle's in-place ops) would leave ``flat`` stale: copy its value
-        back in and share again. One pointer comparison per param, once per
-        ``registry.storage_epoch`` (not on every all-gather of a forward and backward)."""
+        back in and share again (an edit: [Note: edits under outer sub-shards]). One
+        pointer comparison per param, once per ``registry.storage_epoch`` (not on every
+        all-gather of a forward and backward)."""
         if self._views_epoch == registry.storage_epoch:
             return
         self._views_epoch = registry.storage_epoch
@@ -171,6 +194,7 @@ class ShardBuffer:
             if not sp.shard_is_view_of(self.flat):
                 paddle.assign(sp.shard.detach().reshape([-1]), output=sp.piece_of(self.flat))
                 sp.attach_shard(self.flat)
+                self.edited = True
 
     def grad_flat(self) -> paddle.Tensor:
         """The flat grad storage, every shard param's ``.grad`` a view of it. Grads that
@@ -181,6 +205,7 @@ class ShardBuffer:
         if self.flat_grad is None:
             self.flat_grad = self._new_storage(self.dtype)
             self._grads_epoch = -1
+        self.repoint_grads()
         if self._grads_epoch != registry.storage_epoch:  # once per epoch, as the views
             self._grads_epoch = registry.storage_epoch
             with self.on_host():
@@ -190,7 +215,8 @@ class ShardBuffer:
     def _attach_grads(self) -> None:
         for sp in self.params:
             grad = sp.shard.grad
-            if grad is None:
+            if grad is None:  # released (clear_grad(set_to_zero=False)), or never made
+                sp.grad_here = sp.grad_anywhere = False
                 piece = sp.piece_of(self.flat_grad)
                 paddle.assign(paddle.zeros_like(piece), output=piece)
             elif not sp.grad_is_view_of(self.flat_grad):
@@ -224,7 +250,8 @@ class ShardBuffer:
     def _attach_main_grads(self) -> None:
         for sp in self.params:
             main = getattr(sp.shard, "main_grad", None)
-            if main is None or not main._is_initialized():
+            if main is None or not main._is_initialized():  # released, or never made
+                sp.grad_here = sp.grad_anywhere = False
                 piece = sp.piece_of(self.flat_main_grad)
                 paddle.assign(paddle.zeros_like(piece), output=piece)
             elif not sp.main_grad_is_view_of(self.flat_main_grad):
@@ -233,6 +260,31 @@ class ShardBuffer:
             else:
                 continue
             sp.attach_main_grad(self.flat_main_grad)
+
+    def add_to_grad(self, sp: ShardedParam, grad) -> None:
+        """Add ``grad`` (in ``sp``'s shard shape) to ``sp``'s piece of the storage grads
+        accumulate in (:meth:`acc_flat`). Autograd then adds zeros to the shard's grad,
+        or after ``clear_grad()`` replaces it by them (Paddle marks a zeroed grad
+        "fake empty"): the next :meth:`grad_flat` makes it a view again, no copy."""
+        acc = self.acc_flat()
+        piece = sp.piece_of(acc)
+        grad = grad.reshape([-1])
+        if grad.dtype != acc.dtype:
+            grad = grad.astype(acc.dtype)
+        if self.host is not None:
+            self.host.download(grad, into=piece, add=True)
+        else:
+            piece.add_(grad)
+        self._repoint.add(id(sp))
+
+    def repoint_grads(self) -> None:
+        """Shard grads that autograd replaced by zeros after :meth:`add_to_grad` become
+        views of the flat grad storage again (which holds their value)."""
+        if self._repoint:
+            for sp in self.params:
+                if id(sp) in self._repoint:
+                    sp.attach_grad(self.flat_grad)
+            self._repoint.clear()
 
     def acc_flat(self) -> paddle.Tensor:
         """Where reduced grads accumulate: the main grads under MixPrecisionLayer, else
@@ -277,6 +329,8 @@ class ShardBuffer:
                 # rank's sub-block is distinct, and every rank counts its own)
                 sp.shard.is_firstly_shared = False
         self._views_of(self.host.keep(flat) if self.host is not None else flat)
+        # every replica holds every piece now: a rebuild is owed only after an edit
+        self._versions = [sp.shard._inplace_version() for sp in self.params]
 
     def describe(self) -> str:
         """Which unit and buffer this is, for error messages."""
@@ -325,8 +379,8 @@ class ShardBuffer:
                 # already in this dtype on this place, so no copy from the host per call
                 tag = gather_tags.make_tag(self.inner, self.unit_index, self.index,
                                             purpose, self.describe, dtype, send.place)
-                paddle.assign(tag, output=send._slice(self.shard_numel, self.shard_numel
-                                                      + gather_tags.TAG_NUMEL))
+                tail = send[self.shard_numel:self.shard_numel + gather_tags.TAG_NUMEL]
+                paddle.assign(tag, output=tail)
             row = self.shard_numel + gather_tags.TAG_NUMEL
             out = staging.pool.take(self.inner_size * row, dtype)
             staged.append(out)
@@ -394,8 +448,10 @@ class ShardBuffer:
         # rank's row is its flat shard, piece-major
         grid_of = ((lambda b, sp: b) if self.parts == 1 else
                    (lambda b, sp: b.reshape([sp.inner_size, self.parts, sp.sub_numel])))
+        present = []  # per param: a grad on this rank (untouched params: optimizers.py)
         for sp in self.params:
             g = master_grad.full_grad(sp)  # .grad, or the hook's main_grad (see there)
+            present.append(g is not None)
             if g is None:  # unused on this rank: zeros, so every rank joins the call
                 blocks.append(grid_of(paddle.zeros([sp.inner_size, sp.chunk_numel], dtype),
                                       sp))
@@ -422,7 +478,7 @@ class ShardBuffer:
             raise
         if not async_op:
             handle.wait()
-        return _PendingReduce(handle, grid, out, tuple(staged))
+        return _PendingReduce(handle, grid, out, tuple(staged), tuple(present))
 
     def _reduce_input(self, blocks, dtype, staged: list) -> paddle.Tensor:
         """The ``[I, S]`` reduce-scatter input (``[I, parts, S / parts]`` with outer
@@ -435,7 +491,7 @@ class ShardBuffer:
         staged.append(base)
         shape = [self.inner_size, self.shard_numel] if self.parts == 1 else \
             [self.inner_size, self.parts, self.piece_numel]
-        grid = base._slice(0, self.inner_size * self.shard_numel).reshape(shape)
+        grid = base[0:self.inner_size * self.shard_numel].reshape(shape)
         return paddle.concat(blocks, axis=-1, out=grid)
 
     def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
@@ -443,7 +499,9 @@ class ShardBuffer:
         (one op, in the master dtype), or to the main grads under MixPrecisionLayer."""
         pending.handle.wait()
         trace.record("wait", "reduce_scatter", self.unit_index)
-        acc = self.acc_flat()
+        acc = self.acc_flat()  # (a released grad's flags reset here, before the new ones)
+        for sp, had in zip(self.params, pending.present):
+            sp.grad_here = sp.grad_here or had
         out = pending.out
         self.grads_scattered = False  # (after a sync: the unit rescaled it, see there)
         if self.host is not None:  # added on the host once the copy is in
@@ -554,7 +612,7 @@ class ShardBuffer:
 
     def piece(self, flat, q: int) -> paddle.Tensor:
         """Piece ``q`` of a flat shard-layout tensor (a view)."""
-        return flat._slice(q * self.piece_numel, (q + 1) * self.piece_numel)
+        return flat[q * self.piece_numel:(q + 1) * self.piece_numel]
 
     def zero_other_pieces(self, flat) -> None:
         with self.on_host():
@@ -583,25 +641,57 @@ class ShardBuffer:
         comm.all_gather_into(out, send, self.outer, what=lambda: f"{self.describe()}: {what}")
         return self.host.keep(out) if self.host is not None else out
 
+    @property
+    def rebuilds(self) -> bool:
+        """Whether this buffer has outer sub-shards to rebuild (trainable, parts > 1)."""
+        return self.parts > 1 and self.trainable
+
+    def owe_rebuild(self) -> None:
+        """The optimizer updated this rank's piece: the rebuild is owed, issued at the
+        next root forward or read ([Note: edits under outer sub-shards])."""
+        if self.rebuilds:
+            self.rebuild_due = True
+
+    def check_edits(self) -> None:
+        """Whether a shard param changed since the last rebuild was issued (its
+        inplace version, new storage, ``set_value`` / ``copy_``): if so a rebuild is
+        owed. Once per ``registry.storage_epoch``; local, no collective."""
+        if not self.rebuilds or self._edits_epoch == registry.storage_epoch:
+            return
+        self._edits_epoch = registry.storage_epoch
+        self._repair_views()  # new storage is copied into the flat shard here
+        if self.edited or [sp.shard._inplace_version() for sp in self.params] != self._versions:
+            self.rebuild_due = True
+
+    def start_owed_rebuild(self, async_op: bool = False) -> None:
+        """Issue the rebuild if one is owed (the root forward's start: every rank
+        alike)."""
+        self.finish_rebuild()
+        self.check_edits()
+        if self.rebuild_due:
+            self.start_rebuild(async_op)
+
     def start_rebuild(self, async_op: bool = False) -> None:
-        """After the optimizer updated this rank's piece: issue the outer all-gather of
-        the pieces into the flat shard (in the parameters' own dtype, so every replica
-        holds the same exact values). The next read of :attr:`flat` waits for it; the
-        next forward's first all-gather of the unit reads it."""
-        if self.parts == 1 or not self.trainable:
+        """Issue the outer all-gather of every replica's piece into the flat shard (in
+        the parameters' own dtype, so every replica holds the same exact values). The
+        next read of :attr:`flat` waits for it; the next forward's first all-gather of
+        the unit reads it."""
+        if not self.rebuilds:
             return
         self.finish_rebuild()  # one in flight per buffer
+        self._repair_views()
         flat = self._flat
         mine = self.piece(flat, self.part)
         # offloaded: a device copy out, the gathered pieces copied back in at the wait
         send = self.host.upload(mine) if self.host is not None else mine.clone()
         out = (paddle.empty([self.shard_numel], dtype=self.dtype) if self.host is not None
-               else flat._slice(0, self.shard_numel))
+               else flat[0:self.shard_numel])
         trace.record("issue", "outer_all_gather", self.unit_index)
         handle = comm.all_gather_into(out, send, self.outer, async_op=True,
                                       what=self.describe)
         self._rebuild = _PendingRebuild(handle, send, out)
-        self.rebuild_due = False
+        self.rebuild_due = self.edited = False
+        self._versions = [sp.shard._inplace_version() for sp in self.params]
         if not async_op:
             self.finish_rebuild()
 
@@ -614,13 +704,12 @@ class ShardBuffer:
         if self.host is not None:
             gathered = self.host.keep(pending.out)
             with self.on_host():
-                paddle.assign(gathered, output=self._flat._slice(0, self.shard_numel))
+                paddle.assign(gathered, output=self._flat[0:self.shard_numel])
 
     def ensure_rebuilt(self) -> None:
-        """Finish a rebuild in flight, or run one that is owed (a collective, so only
-        from calls every rank makes alike: gathers, checkpoints)."""
-        if self.rebuild_due:
-            self.start_rebuild()
+        """Finish a rebuild in flight, or run one that is owed (edits included: a
+        collective, so only from calls every rank makes alike: gathers, checkpoints)."""
+        self.start_owed_rebuild()
         self.finish_rebuild()
 
     def read_block(self, sp: ShardedParam) -> paddle.Tensor:
@@ -662,6 +751,7 @@ class _PendingReduce:
     grid: paddle.Tensor  # the input (kept alive until the wait)
     out: paddle.Tensor
     staged: tuple = ()
+    present: tuple = ()  # per param: whether this rank had a grad for it (reduce-scatter)
 
 
 def release_staging(pending) -> None:

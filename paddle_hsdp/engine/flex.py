@@ -38,7 +38,7 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
             rebuild.append(buf)
         if count == 0:
             continue  # this rank's block is all padding
-        local = buf.flat._slice(sp.flat_offset, sp.flat_offset + count * sp.row_numel)
+        local = buf.flat[sp.flat_offset:sp.flat_offset + count * sp.row_numel]
         local = local.reshape([count] + sp.rest)
         local.name = sp.shard.name
         out[key] = ShardedWeight(key, local, (count, *sp.rest), tuple(sp.shape),
@@ -70,7 +70,7 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> d
             name = f"{key}.{'w' if acc == 'master_weight' else acc}_0"  # Paddle's names
             if list(t.shape) == list(p.shape):  # rows like its parameter's
                 rows = int(ref.local_shape[0]) if ref.local_shape else 1
-                local = t if rows == int(t.shape[0]) else t._slice(0, rows)
+                local = t if rows == int(t.shape[0]) else t[0:rows]
                 out[name] = ShardedWeight(name, local, tuple(ref.local_shape),
                                           tuple(ref.global_shape), tuple(ref.global_offset))
             else:  # a scalar state (beta powers): whole, the same wherever it is held

@@ -37,6 +37,13 @@
   root and do not reshard (their backward follows at once). A failure of an early
   reduction inside the autograd engine is kept and raised when the backward returns
   (Paddle does not carry it out of the grad hook).
+
+[Note: engine work without autograd] A parameter's ``.grad`` has ``stop_gradient=False``
+in Paddle 3.3, and the hooks run while grad mode is on, so every op the engine applies
+to grads (the reduce-scatter input's concatenation into a staging grid, views of it)
+would record autograd nodes, chained onto the staging tensors the pool keeps for the
+whole run: the resident set grew ~110 KB per step here, outside Paddle's tensor
+allocator. Every hook that touches grads runs under ``paddle.no_grad()``.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import copy
 import dataclasses
 import functools
 import math
+import weakref
 
 import paddle
 from paddle.autograd import PyLayer
@@ -108,11 +116,16 @@ class RootState:
                 unit.post_backward()
             _reset_backward(unit)
         wait_pending_reduces()  # shard grads are complete when backward returns
+        for unit in self.units:  # ... and views of the flat storage (add_to_grad)
+            for buf in unit.buffers:
+                buf.repoint_grads()
         for unit in reversed(self.units):
             unit.pins = 0
             if unit.reshard_after_backward:
                 unit.reshard()
-        self.outer_sync.end_backward()  # the rest issued, all waited: grads are final
+        # the rest issued, all waited: grads are final
+        self.outer_sync.end_backward(self.root.mesh.fsdp_group(False), [
+            buf for unit in self.units for buf in unit.buffers if buf.trainable])
         trace.record("backward", "end", self.root.index)
 
 
@@ -126,31 +139,48 @@ def _alias(tensors):
     return out if len(out) > 1 else out[0]
 
 
+class _GraphToken:
+    """Held by one :class:`_BackwardHook` node's context and nothing else, so it lives
+    exactly as long as the autograd graph that can still run that node: Paddle frees
+    the context when the node has run (without ``retain_graph``) or when the graph is
+    dropped without a backward (a skipped batch, eval with grad on). Units count their
+    pending post-backwards by these, and :data:`_live_graphs` holds every one."""
+
+    __slots__ = ("__weakref__",)
+
+
+# Every _BackwardHook node a backward may still run (for the retain_graph refusal).
+_live_graphs: "weakref.WeakSet[_GraphToken]" = weakref.WeakSet()
+
+
 class _BackwardHook(PyLayer):
-    """Identity on ``tensors`` whose backward first calls ``hook(unit)``: around a unit's
-    outputs it fires before the unit's backward ops, around its inputs after them."""
+    """Identity on ``tensors`` whose backward first calls ``hook(unit, token)``: around
+    a unit's outputs it fires before the unit's backward ops, around its inputs after
+    them."""
 
     @staticmethod
-    def forward(ctx, hook, unit, *tensors):
-        ctx.hook, ctx.unit = hook, unit
+    def forward(ctx, hook, unit, token, *tensors):
+        ctx.hook, ctx.unit, ctx.token = hook, unit, token
         return _alias(tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.hook(ctx.unit)
+        with paddle.no_grad():  # see [Note: engine work without autograd]
+            ctx.hook(ctx.unit, ctx.token)
         return grads if len(grads) > 1 else grads[0]
 
 
-def _on_post_backward(unit: FSDPUnit) -> None:
+def _on_post_backward(unit: FSDPUnit, token: "_GraphToken") -> None:
     """The unit's backward is done (the grads of its inputs exist): reduce-scatter its
     grads now and free the full-size ones, so at most a unit or two of full grads are
     alive at once. Every rank takes this path alike as long as every rank runs the same
     units and their inputs require grad alike (docs/engine.md); owners of tied params
     wait for the end of backward, since a borrower's backward may still add to them."""
-    unit.backward_calls -= 1
-    if unit.backward_calls > 0:
+    unit.pending_calls.discard(token)
+    if unit.pending_calls:
         return  # called again in this forward (two micro-batches, a shared block): the
-        # other calls' backward still needs the params and adds to the grads
+        # other calls' backward still needs the params and adds to the grads (a call
+        # whose graph was dropped without a backward no longer counts: see _GraphToken)
     if unit.reduce_grads_in_backward and not unit.borrowed_by:
         root = _root_of(unit)
         if root is not None:
@@ -169,7 +199,7 @@ def _root_of(unit: FSDPUnit):
 def _reset_backward(unit: FSDPUnit) -> None:
     """Forget one backward's progress (its end, or a backward that failed)."""
     unit.reduced_in_backward = False
-    unit.backward_calls = 0
+    unit.pending_calls.clear()
     for buf in unit.buffers:
         buf.reduced_early = False
         buf.grads_ready.clear()
@@ -184,6 +214,28 @@ def watch_grads(unit: FSDPUnit) -> None:
                 sp.full._register_backward_hook(functools.partial(_on_grad_accumulated, sp))
 
 
+def watch_shard_grads(unit: FSDPUnit) -> None:
+    """Register :func:`_on_shard_grad` on every trainable shard param of ``unit`` (once
+    the unit is sharded)."""
+    for buf in unit.buffers:
+        if buf.trainable:
+            for sp in buf.params:
+                sp.shard.register_hook(functools.partial(_on_shard_grad, sp))
+
+
+@paddle.no_grad()
+def _on_shard_grad(sp, grad):
+    """A grad that reaches a shard param itself, not through its unit's gathered full
+    param: a loss term computed from ``model.parameters()`` while the unit is sharded
+    (``wd * sum((p ** 2).sum() for p in model.parameters())``). The engine adds it,
+    scaled, to the storage its sync reduces (:meth:`FSDPUnit.add_direct_grad`) and
+    hands autograd zeros: after ``clear_grad()`` Paddle would not add a grad into the
+    shard's grad but replace it, and the flat grad storage would miss it."""
+    sp.buffer.owner.add_direct_grad(sp, grad)
+    return paddle.zeros_like(grad)
+
+
+@paddle.no_grad()
 def _on_grad_accumulated(sp, *_) -> None:
     """Paddle's post-accumulation hook of a full parameter: its grad for this backward
     is complete (every use of it is accumulated). Used by units whose post-backward
@@ -201,7 +253,7 @@ def _on_grad_accumulated(sp, *_) -> None:
     buf = sp.buffer
     unit = buf.owner
     if (_backward_depth == 0 or buf.reduced_early or unit.reduced_in_backward
-            or unit.backward_calls > 0 or unit.borrowed_by
+            or unit.pending_calls or unit.borrowed_by
             or not unit.reduce_grads_in_backward or not unit.requires_gradient_sync
             or not master_grad.has_full_grad(sp)):
         return  # its post-backward reduces it, or the end of backward does
@@ -221,7 +273,7 @@ def _on_grad_accumulated(sp, *_) -> None:
         _hook_errors.append(e)
 
 
-def _on_pre_backward(unit: FSDPUnit) -> None:
+def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     for owner in unit.borrowed:
         owner.unshard()
     unit.unshard()
@@ -240,14 +292,17 @@ def _on_pre_backward(unit: FSDPUnit) -> None:
     trace.record("backward", "compute", unit.index)
 
 
-def _wrap_tensors(hook, unit: FSDPUnit, obj):
-    """Route every grad-requiring tensor of ``obj`` through one :class:`_BackwardHook`."""
+def _wrap_tensors(hook, unit: FSDPUnit, obj, token: _GraphToken | None = None):
+    """Route every grad-requiring tensor of ``obj`` through one :class:`_BackwardHook`
+    (holding ``token``, or a new one)."""
     flat, rebuild = _flatten(obj)
     idx = [i for i, t in enumerate(flat)
            if isinstance(t, paddle.Tensor) and not t.stop_gradient]
     if not idx:
         return obj
-    wrapped = _BackwardHook.apply(hook, unit, *[flat[i] for i in idx])
+    token = _GraphToken() if token is None else token
+    _live_graphs.add(token)
+    wrapped = _BackwardHook.apply(hook, unit, token, *[flat[i] for i in idx])
     if len(idx) == 1:
         wrapped = (wrapped,)
     for i, t in zip(idx, wrapped):
@@ -330,13 +385,18 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         if starts_root:
             _active.clear()  # whatever a forward that raised left behind
             registry.storage_may_have_changed()  # user code ran since the last pass
+            gather_tags.start_forward()
             _make_root_state(unit, all_units)
             for u in unit.root_state.units:
                 u.pins = 0  # pins a failed forward left raised
                 # every unit's refusals come before this forward's first gather (a
                 # prefetch gathers the next unit before its own pre-forward)
                 u.check_params()
+            for u in unit.root_state.units:  # outer sub-shards: the owed rebuilds
+                u.start_owed_rebuilds()
         _active.append(unit)
+        # before this unit's gathers and prefetches: their tags carry it (gather_tags)
+        gather_tags.note_forward(unit.index)
         root = _root_of(unit)
         if root is not None:
             root.record(unit)
@@ -353,9 +413,10 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
             args, kwargs = _cast_floating((args, kwargs), dtype)
         if paddle.is_grad_enabled():
             packed = (args, kwargs)
-            wrapped = _wrap_tensors(_on_post_backward, unit, packed)
+            call = _GraphToken()
+            wrapped = _wrap_tensors(_on_post_backward, unit, packed, call)
             if wrapped is not packed:
-                unit.backward_calls += 1  # this call's post-backward will fire
+                unit.pending_calls.add(call)  # its post-backward will fire, or its graph go
             args, kwargs = wrapped
         trace.record("forward", "compute", unit.index)
         return args, kwargs
@@ -451,12 +512,13 @@ def abandon_forward(units: list[FSDPUnit]) -> None:
         root = _root_of(unit)
         if root is not None and root.recording:
             root.forward_order.clear()  # a partial order would differ across ranks
-        unit.backward_calls = 0  # the raised forward's graph is gone
+        unit.pending_calls.clear()  # the raised forward's graph is gone
         for u in [unit] + unit.borrowed:
             u.pins = 0
             u.reshard(force=True)
 
 
+@paddle.no_grad()
 def run_post_backward() -> None:
     """Finish the backward that just ran (see the module docstring). If that raises (an
     out-of-memory error building a reduce-scatter input), the backward is abandoned
@@ -478,15 +540,46 @@ def install() -> None:
         return
     # run_backward serves Tensor.backward and paddle.autograd.backward; paddle.grad
     # goes through run_partial_grad.
-    for name in ("run_backward", "run_partial_grad"):
+    for name, retains in (("run_backward", _backward_retains),
+                          ("run_partial_grad", _partial_grad_retains)):
         if hasattr(core.eager, name):
-            setattr(core.eager, name, _then_post_backward(getattr(core.eager, name)))
+            setattr(core.eager, name, _then_post_backward(getattr(core.eager, name),
+                                                          retains))
     _installed = True
 
 
-def _then_post_backward(original):
+def _backward_retains(args, kwargs) -> bool:
+    """``run_backward(tensors, grad_tensors, retain_graph, ...)``."""
+    return bool(args[2] if len(args) > 2 else kwargs.get("retain_graph", False))
+
+
+def _partial_grad_retains(args, kwargs) -> bool:
+    """``run_partial_grad(outputs, inputs, grad_outputs, retain_graph, create_graph,
+    ...)``: a graph created for a second backward is retained too."""
+    retain = args[3] if len(args) > 3 else kwargs.get("retain_graph", False)
+    create = args[4] if len(args) > 4 else kwargs.get("create_graph", False)
+    return bool(retain or create)
+
+
+def _refuse_retained_graph() -> None:
+    """Paddle 3.3 crashes the process (SIGSEGV in ``GradNodePyLayer``) on the second
+    backward through a retained PyLayer node, and every unit puts one around its inputs
+    and outputs: refuse the first, while the graph is intact and nothing ran."""
+    raise NotImplementedError(
+        "backward with retain_graph=True (or paddle.grad with retain_graph or "
+        "create_graph) while a model sharded by fully_shard has a graph alive: Paddle 3.3 "
+        "crashes (SIGSEGV in GradNodePyLayer) on a second backward through a retained "
+        "PyLayer node, and fully_shard puts one around every unit. Sum the losses and "
+        "call backward once ((loss_a + loss_b).backward()), or run a fresh forward for "
+        "each backward. Nothing ran: the graph is intact, and backward() without "
+        "retain_graph still works.")
+
+
+def _then_post_backward(original, retains):
     def run(*args, **kwargs):
         global _backward_depth
+        if _live_graphs and retains(args, kwargs):
+            _refuse_retained_graph()
         _backward_depth += 1
         try:
             result = original(*args, **kwargs)

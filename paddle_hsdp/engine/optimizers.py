@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy as np
 import paddle
 import paddle.incubate.optimizer as incubate
 import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
 from paddle.base import framework
 
+from ..comm import collectives as comm
+from ..comm import watchdog
 from . import offload
 from .registry import managed_param, owning_unit, units_under
 from .unit import FSDPUnit, sync_grads
@@ -83,6 +86,37 @@ def finish_grad_sync(target) -> None:
     unit under it), or an iterable of parameters. A collective: call it on every rank.
     Idempotent within a step."""
     sync_grads(_units_for(target, "finish_grad_sync"))
+
+
+def untouched_shards(shards) -> set[int]:
+    """``id`` of every shard in ``shards`` whose parameter no rank of its FSDP group
+    gave a grad since its grad was last released: plain Paddle's optimizer skips such a
+    parameter (its grad is None: no weight decay, no moment or step change), while the
+    engine's shard grad is a zero view. A collective while undecided parameters remain:
+    one all-reduce (max) of a flag each per FSDP group, at the optimizer step; once
+    every parameter has had a grad (the usual case after the first step) nothing is
+    sent. The undecided set is the same on every rank of a group: ``grad_anywhere`` is
+    agreed, and grads are released on every rank alike (``clear_grad``)."""
+    undecided: dict[int, tuple] = {}  # group id -> (group, [ShardedParam])
+    for p in shards:
+        sp = p._hsdp_sharded_param
+        if sp.trainable and not sp.grad_anywhere:
+            group = sp.mesh.fsdp_group(sp.buffer.is_expert)
+            undecided.setdefault(group.id, (group, []))[1].append(sp)
+    untouched = set()
+    for group_id in sorted(undecided):  # one order on every rank
+        group, sps = undecided[group_id]
+        flags = paddle.zeros([len(sps)], dtype="float32")  # (paddle.to_tensor leaks 2
+        paddle.assign(np.array([sp.grad_here for sp in sps], "float32"), output=flags)  # blocks)
+        if group.nranks > 1:
+            comm.all_reduce(flags, group, tag="grads present", op="max")
+        with watchdog.host_sync("the read of which parameters got grads"):
+            present = flags.numpy()
+        for sp, flag in zip(sps, present):
+            sp.grad_anywhere = bool(flag > 0)
+            if not sp.grad_anywhere:
+                untouched.add(id(sp.shard))
+    return untouched
 
 
 def unwrap_optimizer(optimizer):

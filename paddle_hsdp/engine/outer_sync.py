@@ -17,10 +17,14 @@ and the step syncs again. The first step has nothing to go by and syncs at the s
 **Order.** Every rank must issue the outer collectives of a group in one order, and
 (on NCCL, where communicators share the device) at the same place among the inner
 ones. The order is the one the buffers' reduce-scatters finished in during the root's
-first backward; in a predicted-last backward the longest prefix of it whose buffers
-have finished this backward's reduce-scatter is issued at each unit's pre-backward
-(:meth:`OuterSyncSchedule.issue_ready`). Both depend only on the model's structure and the hooks' order, which every
-rank shares (the condition the reduce-scatters already rely on, docs/engine.md).
+first backward *on the first rank of the root's FSDP group*: at the end of that
+backward every rank adopts it (one broadcast of a few integers, once per root), so the
+order is one by construction, even where the data makes the root's buffers finish in
+another order on some replicas (a task head one replica uses and another does not).
+In a predicted-last backward the longest prefix of it whose buffers have finished this
+backward's reduce-scatter is issued at each unit's pre-backward
+(:meth:`OuterSyncSchedule.issue_ready`); a buffer that finishes late on some ranks holds
+the rest back there, until the end of backward issues it and what follows.
 
 **Waiting.** The end of that backward issues what is left and waits for all of it, so
 the grads are final when ``backward()`` returns, as under torch FSDP2: user code that
@@ -34,7 +38,10 @@ step's settle: docs/gpu.md). The others sync at the step as before.
 
 from __future__ import annotations
 
+import paddle
+
 from ..comm import collectives as comm
+from .registry import registry
 
 # Tests switch it off to compare with the step-time sync (same numbers, other schedule).
 ENABLED = True
@@ -83,10 +90,14 @@ class OuterSyncSchedule:
         if self.active:
             self._issue_ready()
 
-    def end_backward(self) -> None:
+    def end_backward(self, group, buffers) -> None:
         """Every reduce-scatter of the backward is done: issue the rest, wait for all,
-        and mark the units synced."""
-        self.recording = False
+        and mark the units synced. After the recording backward: adopt the order of the
+        first rank of ``group`` (the root's FSDP group; ``buffers``: every trainable
+        buffer under the root, the same on every rank)."""
+        if self.recording:
+            self.recording = False
+            self.order = agreed_order(self.order, group, buffers)
         if not self.active:
             return
         self.active = False
@@ -121,7 +132,7 @@ class OuterSyncSchedule:
             if other is buf:
                 del self._work[i]  # finish_outer_sync waits first
                 buf.finish_outer_sync(pending, scale)
-                buf.scale_grads(buf.owner.divisor(buf) * buf.parts / buf.outer.nranks)
+                buf.scale_grads(buf.owner.summed_scale(buf))
                 return
 
     def abandon(self) -> None:
@@ -144,6 +155,21 @@ class OuterSyncSchedule:
     def _issue(self, buf) -> None:
         pending = buf.start_outer_sync(async_op=True, on_thread=True)
         self._work.append((buf, pending, 1.0 / buf.owner.divisor(buf)))
+
+
+def agreed_order(order: list, group, buffers) -> list:
+    """``order`` as the first rank of ``group`` recorded it: it broadcasts its buffers'
+    (unit, buffer) indices, padded to ``len(buffers)`` entries so every rank sends and
+    receives the same size whatever it recorded."""
+    if group.nranks <= 1:
+        return order
+    codes = [[-1, -1]] * (len(buffers) + 1)
+    codes[0] = [len(order), 0]
+    codes[1:len(order) + 1] = [[buf.unit_index, buf.index] for buf in order]
+    message = paddle.to_tensor(codes, dtype="int64")
+    comm.broadcast(message, src=group.ranks[0], group=group, tag="outer sync order")
+    rows = message.numpy().tolist()  # once per root, at the end of its first backward
+    return [registry.units[u].buffers[b] for u, b in rows[1:rows[0][0] + 1]]
 
 
 def finish_outer_syncs(work: list) -> None:

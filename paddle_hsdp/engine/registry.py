@@ -60,6 +60,10 @@ class Registry:
         unit = self.owning_unit(sp)
         return next(buf for buf in unit.buffers if any(p is sp for p in buf.params))
 
+    def describe_unit(self, unit_index: int) -> str | None:
+        """A unit's label, for error messages (None: no such unit here)."""
+        return self.units[unit_index].label if unit_index < len(self.units) else None
+
     def describe_buffer(self, unit_index: int, buffer_index: int) -> str | None:
         """What a buffer holds, for error messages (None: no such buffer here)."""
         if unit_index < len(self.units) and buffer_index < len(self.units[unit_index].buffers):

@@ -76,7 +76,7 @@ class StagingPool:
             base = paddle.empty([numel], dtype=dtype)
             self.allocations += 1
             self.held_bytes += _nbytes(base)
-        t = base if math.prod(base.shape) == numel else base._slice(0, numel)
+        t = base if math.prod(base.shape) == numel else base[0:numel]
         self._out[id(t)] = (t, base, key)
         self.taken_bytes += _nbytes(base)
         return t

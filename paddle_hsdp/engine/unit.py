@@ -13,13 +13,14 @@ Gradient flow of one optimizer step (k micro-steps):
 * step boundary (:func:`sync_grads`): reduce-scatter whatever full grads are
   still pending, then one outer all-reduce per buffer (``requires_all_reduce``);
   with outer sub-shards (``fsdp_outer_sharding="optim"``) one outer reduce-scatter per
-  buffer instead, and after the optimizer's update one outer all-gather
-  (:meth:`FSDPUnit.start_rebuild`) that the next read of the shards waits for.
+  buffer instead, and after the optimizer's update one outer all-gather, owed and
+  issued at the next root forward (:meth:`FSDPUnit.start_owed_rebuilds`).
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import OrderedDict
 
 import paddle.distributed as dist
@@ -162,7 +163,9 @@ class FSDPUnit:
         # the end of the whole backward; False: today's end-of-backward reduction.
         self.reduce_grads_in_backward = True
         self.reduced_in_backward = False  # this backward's post-backward reduced us
-        self.backward_calls = 0  # forward calls whose post-backward has not fired yet
+        # A token per forward call whose post-backward has not fired yet, held by that
+        # call's graph: a graph dropped without a backward drops out (hooks._GraphToken).
+        self.pending_calls: weakref.WeakSet = weakref.WeakSet()
         # Gradient bookkeeping.
         self.full_grads_pending = False  # full-size grads not reduce-scattered yet
         # enable_tensor_fusion_and_overlap: collectives asynchronous (prefetch issued
@@ -304,6 +307,11 @@ class FSDPUnit:
         self.state = UnitState.SHARDED
         GatheredBytes.add(-self.gathered_nbytes(), -1)
 
+    @property
+    def backward_calls(self) -> int:
+        """Forward calls whose post-backward has not fired yet (graphs alive)."""
+        return len(self.pending_calls)
+
     def should_reshard_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
             return not self.is_root
@@ -333,25 +341,49 @@ class FSDPUnit:
         early reduction; the caller sees to the others)."""
         every = [b for b in self.buffers if b.trainable]
         trainable = every if buffers is None else [b for b in buffers if b.trainable]
-        schedule = schedule_of(self)
-        if schedule is not None:  # an outer sync issued earlier in this backward ends first
-            for buf in trainable:
-                schedule.reopen(buf)
-        if self.grads_synced:
-            # finish_grad_sync already ran this step (e.g. to log grads) and more grads
-            # arrive: bring the synced part back to "summed, replicated" form (x N / O),
-            # so the next sync's outer sum and 1 / N leave it unchanged (every buffer:
-            # the flag is the unit's). With outer sub-shards only this rank's piece
-            # holds it (the others are zero): x N.
-            for buf in every:
-                buf.scale_grads(self.divisor(buf) * buf.parts / buf.outer.nranks)
-            self.grads_synced = False
+        self.expect_more_grads(trainable)
         wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
             _pending_reduces.append((buf, buf.start_reduce_scatter(async_op=self.overlap)))
         if buffers is None:
             self.full_grads_pending = False
         self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
+
+    def expect_more_grads(self, buffers: list[ShardBuffer]) -> None:
+        """More grads are about to reach ``buffers``' shard grads: an outer sync
+        issued earlier in this backward ends first (engine/outer_sync.py), and if
+        the unit's grads are synced already this step (``finish_grad_sync`` ran, e.g.
+        to log grads) the synced part is brought back to "summed, replicated" form
+        (x N / O), so the next sync's outer sum and 1 / N leave it unchanged (every
+        buffer: the flag is the unit's). With outer sub-shards only this rank's piece
+        holds it (the others are zero): x N."""
+        schedule = schedule_of(self)
+        if schedule is not None:
+            for buf in buffers:
+                schedule.reopen(buf)
+        if self.grads_synced:
+            for buf in self.buffers:
+                if buf.trainable:
+                    buf.scale_grads(self.summed_scale(buf))
+            self.grads_synced = False
+
+    def summed_scale(self, buf: ShardBuffer) -> float:
+        """What a synced grad of ``buf`` is multiplied by to be in summed form again
+        (N / O, or N with outer sub-shards; ``gradient_divide_factor`` in place of N)."""
+        return self.divisor(buf) * buf.parts / buf.outer.nranks
+
+    def add_direct_grad(self, sp: ShardedParam, grad) -> None:
+        """``grad`` reached shard param ``sp`` directly (a loss term on
+        ``model.parameters()`` while sharded: a penalty): added to its buffer's grad
+        storage like a reduce-scatter's result, and owed an outer sync. Every replica
+        that holds the shard computes the same term, and the outer sync sums it over
+        them and divides by N: scaled by N / (those replicas) it arrives as plain data
+        parallel gives it (the term on every rank, grads averaged)."""
+        buf = sp.buffer
+        self.expect_more_grads([buf])
+        buf.add_to_grad(sp, grad * self.summed_scale(buf))
+        sp.grad_here = True
+        self.grads_pending_outer_sync = True
 
     def reduce_buffer_early(self, buf: ShardBuffer) -> None:
         """Reduce-scatter one buffer whose parameters all have this backward's grads
@@ -438,11 +470,19 @@ class FSDPUnit:
             "the last), or shard with fsdp_outer_sharding='none'. Nothing was synced.")
 
     # -------------------------------------------------------------- outer sub-shards
-    def start_rebuild(self) -> None:
-        """After the optimizer's update: issue every buffer's outer all-gather of its
-        pieces (asynchronous with overlap on; the next read of a shard waits)."""
+    def owe_rebuild(self) -> None:
+        """After the optimizer's update: every buffer's outer all-gather of its pieces
+        is owed, issued at the next root forward or read ([Note: edits under outer
+        sub-shards] in engine/buffer.py)."""
         for buf in self.buffers:
-            buf.start_rebuild(async_op=self.overlap)
+            buf.owe_rebuild()
+
+    def start_owed_rebuilds(self) -> None:
+        """A root forward begins: issue the owed rebuilds (asynchronous with overlap on;
+        the unit's first all-gather waits for them), edits detected since included."""
+        for buf in self.buffers:
+            if buf.rebuilds:
+                buf.start_owed_rebuild(async_op=self.overlap)
 
     def finish_rebuild(self) -> None:
         """Wait for the outer all-gathers in flight (before the optimizer writes the

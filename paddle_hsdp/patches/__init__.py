@@ -16,13 +16,14 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 * :mod:`.clip`: ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``;
 * :mod:`.state_dict`: ``Layer.state_dict`` / ``set_state_dict`` on sharded models;
 * :mod:`.flex_optimizer`: ``AdamW.sharded_state_dict`` over HSDP shards;
+* :mod:`.shard_edits`: ``Tensor.set_value`` / ``copy_`` on a shard mark it edited;
 * :mod:`.jit`: ``paddle.jit.to_static`` refused on sharded models.
 """
 
 from __future__ import annotations
 
 from . import (clip, cpu_compat, flex_optimizer, fleet, gloo_groups, jit, mix_precision,
-               optim, state_dict)
+               optim, shard_edits, state_dict)
 from .patching import active, describe
 
 __all__ = ["active", "describe", "install"]
@@ -39,4 +40,5 @@ def install() -> None:
     clip.install()
     state_dict.install()
     flex_optimizer.install()
+    shard_edits.install()
     jit.install()

@@ -98,8 +98,12 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         with offload.on_device():
             max_norm = paddle.full([1], self.clip_norm, dtype=dtype)
             scale = max_norm / paddle.maximum(norm, max_norm)
-        new_grads = _scaled(clipped, scale, in_place=False)
-        return [(p, new_grads.get(id(p), g)) for p, g in params_grads]
+        # In place, as Paddle 3.3's clip scales a grad (a 0-D one excepted, as there),
+        # so grads carried into the next step (no clear_grad) are the clipped ones.
+        _scale_grads([(p, g) for p, g in clipped if g.shape], scale)
+        new = {id(p): g * scale.astype(g.dtype).reshape([]) for p, g in clipped
+               if not g.shape}
+        return [(p, new.get(id(p), g)) for p, g in params_grads]
 
 
 def _storage_of(param, grad):
@@ -155,9 +159,9 @@ def _local_sum(pairs, dtype, term, combine=None):
         return paddle.max(paddle.concat(terms)).reshape([1])
 
 
-def _scaled(pairs, factor, in_place: bool) -> dict:
-    """Every grad of ``pairs`` times ``factor`` (a ``[1]`` tensor): in place, or as new
-    tensors (``{id(param): grad}``, views of one scaled copy per whole buffer)."""
+def _scale_grads(pairs, factor) -> None:
+    """Every grad of ``pairs`` times ``factor`` (a ``[1]`` tensor), in place (one kernel
+    per whole buffer)."""
     factors = {}  # one copy of the factor per place and dtype
 
     def factor_for(t):
@@ -168,21 +172,10 @@ def _scaled(pairs, factor, in_place: bool) -> dict:
         return factors[key]
 
     whole, rest = _by_storage(pairs)
-    out = {}
-    for flat, members in whole:
-        if in_place:
-            flat.multiply_(factor_for(flat))
-            continue
-        scaled = flat * factor_for(flat)
-        for p, g in members:
-            sp = p._hsdp_sharded_param
-            out[id(p)] = scaled._slice(sp.offset, sp.offset + sp.sub_numel).reshape(g.shape)
-    for p, g in rest:
-        if in_place:
-            g.multiply_(factor_for(g))
-        else:
-            out[id(p)] = g * factor_for(g)
-    return out
+    for flat, _ in whole:
+        flat.multiply_(factor_for(flat))
+    for _, g in rest:
+        g.multiply_(factor_for(g))
 
 
 def norm_dtype(grads) -> str:
@@ -284,7 +277,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                            "error_if_nonfinite=False to scale by it anyway.")
     coef = paddle.clip(float(max_norm) / (total + 1e-6), max=1.0).reshape([1])
     with paddle.no_grad():
-        _scaled([(p, p.grad) for p in params if p.grad is not None], coef, in_place=True)
+        _scale_grads([(p, p.grad) for p in params if p.grad is not None], coef)
     return total
 
 

@@ -8,8 +8,9 @@ all-reduce per buffer per optimizer step**, however many backward passes accumul
 into the shards. Grads are updated in place, so the grad list ``step`` collected just
 before stays valid. With outer sub-shards (``fsdp_outer_sharding="optim"``) that is one
 outer reduce-scatter per buffer, and after the update one outer all-gather per buffer
-rebuilds the shards (issued here, waited for by the next read of them: the next
-forward's first all-gather of the unit).
+rebuilds the shards (owed here, issued at the next root forward so that edits of the
+parameters made in between travel with it, and waited for by the unit's first
+all-gather).
 Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync` yourself to read synced
 grads before ``step`` (for logging or custom clipping).
 
@@ -33,7 +34,8 @@ from ..comm import collectives as comm
 from ..comm import gather_tags
 from ..engine import offload, outer_sync, trace
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
-                                 check_optimizer, finish_grad_sync, optimizer_state_bytes)
+                                 check_optimizer, finish_grad_sync, optimizer_state_bytes,
+                                 untouched_shards)
 from ..engine.registry import registry
 from . import clip
 from .patching import replace
@@ -51,6 +53,7 @@ def _patch_apply_optimize() -> None:
         units = _units_of(params)
         if params:
             finish_grad_sync(params)
+            params_grads = _pairs_to_update(params_grads)
             clip.make_clip_hsdp_aware(self, params)
             for unit in units:  # the update writes what an outer all-gather may still read
                 unit.finish_rebuild()
@@ -59,7 +62,7 @@ def _patch_apply_optimize() -> None:
             result = original(self, loss, startup_program, params_grads, *args, **kwargs)
         registry.storage_may_have_changed()  # an optimizer may rebind what it updates
         for unit in units:
-            unit.start_rebuild()  # outer sub-shards: every replica needs every piece
+            unit.owe_rebuild()  # outer sub-shards: every replica needs every piece
         for unit in units:
             unit.reshard(force=True)  # params kept gathered are stale after the update
         outer_sync.step_taken(units)  # how many backwards a step has: the next predicted
@@ -70,6 +73,30 @@ def _patch_apply_optimize() -> None:
 
     replace(paddle.optimizer.Optimizer, "_apply_optimize", _apply_optimize,
             "the step boundary: finish the deferred grad sync once per optimizer step")
+
+
+def _pairs_to_update(params_grads):
+    """``params_grads`` (``step``'s list of pairs, or a param group's dict with one)
+    without the shards whose parameter got no grad on any rank (``untouched_shards``),
+    as plain Paddle leaves a parameter whose grad is None out of the update; and with
+    each shard's grad as it is after the sync (``step`` collected the pairs before:
+    a grad autograd replaced is a view of the synced storage again, engine/buffer.py
+    ``add_to_grad``)."""
+    pairs = params_grads["params"] if isinstance(params_grads, dict) else params_grads
+    untouched = untouched_shards([p for p, _ in pairs if hasattr(p, "_hsdp_sharded_param")])
+    kept = [(p, _synced_grad(p, g)) for p, g in pairs if id(p) not in untouched]
+    if isinstance(params_grads, dict):  # step's own dict (a defaultdict): kept as it is
+        params_grads["params"] = kept
+        return params_grads
+    return kept
+
+
+def _synced_grad(param, grad):
+    """A shard's ``.grad`` now, where ``grad`` was its ``.grad`` when ``step`` collected
+    it (not a main grad, which stays where it is)."""
+    if not hasattr(param, "_hsdp_sharded_param") or grad is getattr(param, "main_grad", None):
+        return grad
+    return param.grad if param.grad is not None else grad
 
 
 def _patch_optimizers_that_bypass_apply_optimize() -> None:
