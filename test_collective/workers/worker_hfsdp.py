@@ -91,7 +91,11 @@ def micro_step(model, micro):
 
 def check_replicas(model):
     """Every outer replica holds the same inner shard, bit for bit (gathered over the
-    outer group with Paddle's own collective: the counter does not see it)."""
+    outer group with Paddle's own collective: the counter does not see it), once the
+    rebuild the step owes has run (the next root forward would issue it; a read of the
+    shards, as here, runs it)."""
+    for unit in hsdp_registry.units_under(model):
+        unit.ensure_rebuilt()
     for buf in trainable(model):
         parts = []
         dist.all_gather(parts, buf.flat.clone(), group=buf.outer)
@@ -188,6 +192,8 @@ def train_hfsdp(ref, hsdp):
                     worst["grad " + name] = max_rel(g.numpy(), ref_grads[name])
             comm.counter.reset()
         opt.step()
+        for unit in hsdp_registry.units_under(model):  # the outer all-gather the step
+            unit.ensure_rebuilt()  # owes (the next forward would issue it): counted here
         worst["norm"] = max(worst["norm"], max_rel(paddle_hsdp.last_global_norm(opt),
                                                   ref_norms[step]))
         wire = outer_counter(model, hfsdp=True, before=synced)

@@ -116,8 +116,9 @@ def _logged(op, fn):
     return run
 
 
-comm.all_gather_into = _logged("all_gather", comm.all_gather_into)
-comm.reduce_scatter = _logged("reduce_scatter", comm.reduce_scatter)
+_unlogged = (comm.all_gather_into, comm.reduce_scatter)  # restored at the end: the
+comm.all_gather_into = _logged("all_gather", comm.all_gather_into)  # launch's later
+comm.reduce_scatter = _logged("reduce_scatter", comm.reduce_scatter)  # workers share comm
 
 
 # ------------------------------------------------------------------ HSDP runs
@@ -150,6 +151,8 @@ def train_hsdp(model, ignored=None):
             dist.all_reduce(g)
             paddle.assign(g / world, output=ignored.grad)
         opt.step()
+        for unit in hsdp_registry.units_under(model):  # HFSDP: the outer all-gather the
+            unit.ensure_rebuilt()  # step owes (the next forward would issue it), here
         norms.append(paddle_hsdp.last_global_norm(opt))
         opt.clear_grad()
         losses.append(total)
@@ -499,5 +502,6 @@ dist.all_reduce(whole)
 worst["replicas_agree"] = max_rel(whole.numpy() / world, shard_param.numpy())
 report("replicate_placement", worst)
 
+comm.all_gather_into, comm.reduce_scatter = _unlogged
 assert not failures, "\n".join(failures)
 finish()
