@@ -5,7 +5,10 @@ them (:func:`describe` as text). :func:`install` applies
 them all, once (``import paddle_hsdp`` calls it), in this order:
 
 * :mod:`.gloo_groups`: gloo sub-group creation, a rendezvous store per group;
-* :mod:`.cpu_compat`: Paddle's tensor-parallel layers on CPU (gloo);
+* :mod:`.cpu_compat`: Paddle's tensor-parallel layers and sequence parallel on CPU
+  (gloo; the ops' CPU definitions in :mod:`.cpu_mp_ops`);
+* :mod:`.cpu_pipeline`: Paddle's pipeline schedule (``PipelineLayer``, ``train_batch``)
+  on CPU (gloo);
 * :mod:`.gloo_groups` again: gloo collectives wait for paddle_hsdp's communication thread;
 * :mod:`.fleet`: the ``fsdp_outer_degree`` strategy option, ``fleet.init``, the HCG's
   HSDP methods, parameter broadcasts that skip shards;
@@ -21,8 +24,8 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 
 from __future__ import annotations
 
-from . import (clip, cpu_compat, flex_optimizer, fleet, gloo_groups, jit, mix_precision,
-               optim, state_dict)
+from . import (clip, cpu_compat, cpu_pipeline, flex_optimizer, fleet, gloo_groups, jit,
+               mix_precision, optim, state_dict)
 from .patching import active, describe
 
 __all__ = ["active", "describe", "install"]
@@ -32,6 +35,7 @@ def install() -> None:
     """Apply every patch (each is idempotent)."""
     gloo_groups.install()
     cpu_compat.install()
+    cpu_pipeline.install()
     gloo_groups.serialize_collectives()
     fleet.install()
     optim.install()
