@@ -7,7 +7,8 @@ vocabulary-parallel lookup and its float64 grad, the vocabulary-parallel cross e
 ``c_concat``, the gloo ``reduce_scatter``. Across real ranks, the same checks run on 2
 mp ranks in test_collective/test_3d.py (workers/worker_cpu_ops.py). The rest proves
 which calls and flags: device tensors and NCCL groups reach Paddle's own functions, the
-pipeline's p2p order, the final loss's header.
+pipeline's p2p order, the final loss's header, a sharded ``PipelineLayer``'s forward
+through its hooks.
 """
 
 import types
@@ -17,11 +18,14 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-import paddle_hsdp  # noqa: F401  (installs the patches)
+import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine import trace
+from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.patches import cpu_compat, cpu_pipeline
 
 import parity  # test_collective/workers/parity.py (test/conftest.py puts it on the path)
+from test_engine_single import fake_mesh, registry  # noqa: F401  (fixtures)
 
 
 def _embedding_grad(ids, upstream, start, rows):
@@ -180,3 +184,39 @@ def test_final_loss_travels_in_its_own_dtype(monkeypatch, dtype, index):
     got = cpu_pipeline.broadcast_loss(None, 3, "pipe")
     assert got.dtype == loss.dtype and got.shape == [1]
 
+
+def _pipeline_layer():
+    from paddle.distributed.fleet.base.topology import CommunicateTopology
+    from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
+    topology = CommunicateTopology(["data", "pipe", "model"], [1, 1, 1])
+    return PipelineLayer(layers=[LayerDesc(paddle.nn.Linear, 4, 4) for _ in range(3)],
+                         num_stages=1, topology=topology)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_sharded_pipeline_layer_is_one_root_however_its_forward_is_called(
+        fake_mesh, direct):  # noqa: F811
+    """PipelineParallel calls ``PipelineLayer.forward`` directly: on a sharded one it
+    runs the hooks once, so the stage is the root and its blocks are not roots; a
+    ``model(x)`` call runs them once too."""
+    model = _pipeline_layer()
+    for layer in model.run_function[:2]:
+        paddle_hsdp.fully_shard(layer)
+    paddle_hsdp.fully_shard(model)
+    trace.enable()
+    try:
+        out = model.forward(paddle.ones([2, 4])) if direct else model(paddle.ones([2, 4]))
+        out.sum().backward()
+        root = model._hsdp_unit
+        starts = [e for e in trace.events if e == ("forward", "compute", root.index)]
+    finally:
+        trace.disable()
+    assert root.is_root and len(starts) == 1, trace.events
+    assert not any(u.is_root for u in hsdp_registry.units if u is not root)
+    assert model.__dict__["_hsdp_calls_in_progress"] == 0
+
+
+def test_an_unsharded_pipeline_layer_keeps_its_forward():
+    model = _pipeline_layer()
+    assert model.forward(paddle.ones([2, 4])).shape == [2, 4]
+    assert "_hsdp_calls_in_progress" not in model.__dict__
