@@ -19,6 +19,8 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 * :mod:`.clip`: ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``;
 * :mod:`.pipeline`: a sharded ``PipelineLayer``'s forward, which ``PipelineParallel``
   calls directly, runs through its hooks;
+* :mod:`.sequence_parallel`: sequence parallel's grad all-reduce on HSDP parameters,
+  whichever order Paddle's hooks are registered in;
 * :mod:`.state_dict`: ``Layer.state_dict`` / ``set_state_dict`` on sharded models;
 * :mod:`.flex_optimizer`: ``AdamW.sharded_state_dict`` over HSDP shards;
 * :mod:`.jit`: ``paddle.jit.to_static`` refused on sharded models.
@@ -27,7 +29,7 @@ them all, once (``import paddle_hsdp`` calls it), in this order:
 from __future__ import annotations
 
 from . import (clip, cpu_compat, cpu_pipeline, flex_optimizer, fleet, gloo_groups, jit,
-               mix_precision, optim, pipeline, state_dict)
+               mix_precision, optim, pipeline, sequence_parallel, state_dict)
 from .patching import active, describe
 
 __all__ = ["active", "describe", "install"]
@@ -44,6 +46,7 @@ def install() -> None:
     mix_precision.install()
     clip.install()
     pipeline.install()
+    sequence_parallel.install()
     state_dict.install()
     flex_optimizer.install()
     jit.install()
