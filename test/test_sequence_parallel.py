@@ -11,6 +11,7 @@ import types
 import numpy as np
 import paddle
 import pytest
+from paddle.distributed.fleet.utils import hybrid_parallel_util as util
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 import paddle_hsdp
@@ -122,6 +123,26 @@ def test_parameters_hsdp_does_not_manage_keep_paddles_hooks(mp2, monkeypatch, fu
     # Paddle's non-fused hook: one all-reduce per marked param; the fused one: one call
     # for both, once both fired (Paddle 3.3's own would raise on its missing argument)
     assert (paddles.calls, fused_calls) == ((0, [2]) if fused else (2, []))
+
+
+@pytest.mark.parametrize("over_mp", [True, False])
+def test_a_fused_all_reduce_of_shards_sums_them_over_mp_only(mp2, over_mp):
+    """PaddleFormers' SPGradSyncCallback: Paddle's fused all-reduce of the marked params
+    over the mp group at the optimizer's start. Over mp, HSDP's shards are summed once
+    (after the step's sync); over any other group they are left to HSDP."""
+    ours, paddles = mp2
+    model = _model()
+    paddle_hsdp.fully_shard(model)
+    for k in range(2):
+        model(paddle.full([2, 4], float(k + 1))).sum().backward()
+    marked = [p for p in model.parameters() if spu.is_sequence_parallel_parameter(p)]
+    group = sequence_parallel._mp_group() if over_mp else types.SimpleNamespace(nranks=2, id=-8)
+    util.fused_allreduce_gradients_with_group(marked, group=group, scale=1.0)
+    got, want = {n: p.grad.numpy() for n, p in model.named_parameters()}, _plain_grads(2)
+    for name in want:
+        factor = 2.0 if over_mp and name.startswith("0.") else 1.0
+        np.testing.assert_allclose(got[name], factor * want[name], rtol=1e-6, err_msg=name)
+    assert (len(ours), paddles.calls) == ((2 if over_mp else 0), 0)
 
 
 def test_every_mark_paddle_reads_is_carried_and_tensors_are_not(fake_mesh):  # noqa: F811

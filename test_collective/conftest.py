@@ -166,7 +166,7 @@ TP_LLAMA = {"layouts": [
     {"mp_degree": 2, "sharding_degree": 2, "outer": 1,
      "runs": ["tpo", "sp_before", "sp_after_fused", "sp_no_hooks"]},
     {"mp_degree": 2, "sharding_degree": 2, "outer": 2,
-     "runs": ["concat", "sp_after", "sp_before_fused"]}]}
+     "runs": ["concat", "sp_after", "sp_before_fused", "sp_callback"]}]}
 
 
 @pytest.fixture(scope="session")

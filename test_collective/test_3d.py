@@ -5,8 +5,8 @@ the global batch (workers/parity.py's bounds; every figure is a PARITY_CHECK rec
   (float64), with ``tensor_parallel_output`` True (the ``c_softmax_with_cross_entropy``
   shim) and False (``c_concat``), with sequence parallelism and Paddle's
   ``register_sequence_parallel_allreduce_hooks`` called before and after ``fully_shard``,
-  fused and not; without the hooks it must miss (workers/worker_tp_llama.py, in
-  conftest's PaddleFormers launch);
+  fused and not, or PaddleFormers' ``SPGradSyncCallback``; with neither it must miss
+  (workers/worker_tp_llama.py, in conftest's PaddleFormers launch);
 * a ``PipelineLayer`` trained with ``train_batch`` (1F1B, 4 micro-batches) at pp2 x
   sharding2 outer 2 (4 ranks) and pp2 x sharding4 outer 2 (8 ranks): float64 without
   clipping, float32 with clipping active, one outer all-reduce per buffer per step
@@ -19,7 +19,8 @@ import pytest
 from launcher import part_of
 
 TP_RUNS = [("tpo", 1), ("sp_before", 1), ("sp_after_fused", 1),
-           ("concat", 2), ("sp_after", 2), ("sp_before_fused", 2)]  # conftest.py: TP_LLAMA
+           ("concat", 2), ("sp_after", 2), ("sp_before_fused", 2),
+           ("sp_callback", 2)]  # conftest.py: TP_LLAMA
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,14 @@ with k = 1): norms and biases, small. Paddle's own hooks, still registered, do n
 for a parameter HSDP manages; parameters HSDP does not manage keep Paddle's behaviour
 (the fused hook then accepts whatever arguments it gets, so it runs instead of
 raising). A parameter hooked twice is summed once.
+
+PaddleFormers' ``Trainer`` has a second route (``SPGradSyncCallback``, when its own
+sharding is not stage 2 or 3): at the optimizer's start, Paddle's fused all-reduce of
+the marked parameters over the mp group, which :mod:`.fleet`'s guard points away from
+HSDP's parameters (it is there for data-parallel groups, where HSDP reduces itself).
+Over the mp group that guard hands HSDP's parameters to :func:`sum_shard_grads`: the
+step's grad sync finishes first (so no reduce-scatter is left for later), then each
+shard's grad is all-reduced over mp in place (every mp rank holds the same rows).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from ..comm import collectives as comm
+from ..engine.optimizers import _managed_shards, finish_grad_sync
 from ..engine.registry import managed_param
 from .patching import replace
 
@@ -50,6 +59,32 @@ _WATCHED = "_hsdp_sequence_parallel_hook"  # set on a full parameter once it has
 
 def _mp_group():
     return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+
+
+def is_mp_group(group) -> bool:
+    """Whether ``group`` is fleet's tensor-parallel group (of more than one rank)."""
+    try:
+        mp = _mp_group()
+    except (AttributeError, AssertionError):  # fleet is not initialised: no mp group
+        return False
+    return group is not None and group.nranks > 1 and group.id == mp.id
+
+
+def sum_shard_grads(params, group, scale: float) -> None:
+    """Paddle's fused all-reduce over the mp group, for HSDP parameters: finish the
+    step's grad sync of their units, then scale each shard's grad (its ``main_grad``
+    under Paddle's master-grad wrapper) by ``scale`` and sum it over ``group`` in
+    place. Every mp rank holds the same shards, so every rank makes the same calls."""
+    shards = _managed_shards(params)
+    finish_grad_sync(shards)
+    for shard in shards:
+        grad = getattr(shard, "main_grad", None)
+        grad = shard.grad if grad is None else grad
+        if grad is None:
+            continue
+        if scale != 1.0:
+            grad.scale_(scale)
+        comm.all_reduce(grad, group, tag="sequence_parallel")
 
 
 def autograd_param(param):

@@ -16,8 +16,11 @@ norm of every step, within workers/parity.py's float64 bound.
 Runs (argv JSON: ``layouts``, each a layout for common.init_fleet plus ``runs``):
 ``tpo`` / ``concat``: tensor parallelism alone; ``sp_before`` / ``sp_after`` (+
 ``_fused``): sequence parallelism with Paddle's ``register_sequence_parallel_allreduce_hooks``
-called before / after ``fully_shard``; ``sp_no_hooks``: sequence parallelism without
-the hooks must miss the reference by more than the bound (the checks can fail).
+called before / after ``fully_shard``; ``sp_callback``: instead of the hooks,
+PaddleFormers' ``SPGradSyncCallback`` (its Trainer's route outside sharding stages 2
+and 3: a fused all-reduce of the marked grads over mp before the step);
+``sp_no_hooks``: sequence parallelism with neither must miss the reference by more than
+the bound (the checks can fail).
 One PaddleFormers criterion forward (float32 logits, as a user's ``model(ids,
 labels=...)``) is compared with the reference's, within the float32 bound.
 """
@@ -37,6 +40,7 @@ from paddle.distributed.fleet.utils.sequence_parallel_utils import (
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
+from paddleformers.trainer.trainer_callback import SPGradSyncCallback
 from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
 STEPS, MICRO, PER_RANK, SEQ, VOCAB, CLIP = 3, 2, 2, 8, 64, 0.5
@@ -44,7 +48,8 @@ RUNS = {  # name: (tensor_parallel_output, sequence_parallel, hooks, fused)
     "tpo": (True, False, None, False), "concat": (False, False, None, False),
     "sp_before": (True, True, "before", False), "sp_after": (True, True, "after", False),
     "sp_before_fused": (True, True, "before", True),
-    "sp_after_fused": (True, True, "after", True), "sp_no_hooks": (True, True, None, False)}
+    "sp_after_fused": (True, True, "after", True), "sp_no_hooks": (True, True, None, False),
+    "sp_callback": (True, True, "callback", False)}
 
 
 def llama(mp: int = 1, mp_rank: int = 0, tpo: bool = True, sp: bool = False):
@@ -134,10 +139,13 @@ def build_sharded(hcg, weights, tpo, sp, hooks, fused):
         assert marked and all("norm" in n for n in marked), marked
     if hooks == "after":
         register_sequence_parallel_allreduce_hooks(model, MICRO, fused)
-    return model
+    if hooks == "callback":  # PaddleFormers' Trainer's other route: at the optimizer's start
+        callback = SPGradSyncCallback(model)
+        return model, lambda: callback.on_optimizer_begin(None, None, None)
+    return model, None
 
 
-def train_sharded(hcg, model, data, split_vocab):
+def train_sharded(hcg, model, data, split_vocab, before_step=None):
     sharding = hcg.get_sharding_parallel_group()
     n, chunk = sharding.nranks, hcg.get_sharding_parallel_rank()
     opt = make_opt(model.parameters())
@@ -150,6 +158,8 @@ def train_sharded(hcg, model, data, split_vocab):
             t = paddle.to_tensor([float(loss)], dtype="float64")
             comm.all_reduce(t, sharding, tag="log")
             total += t.item() / n / MICRO
+        if before_step is not None:
+            before_step()
         opt.step()
         norms.append(paddle_hsdp.last_global_norm(opt))
         opt.clear_grad()
@@ -175,8 +185,8 @@ def compare(hcg, model, got, ref) -> dict:
 def run(hcg, layout, name, weights, data, ref):
     start = time.perf_counter()
     tpo, sp, hooks, fused = RUNS[name]
-    model = build_sharded(hcg, weights, tpo, sp, hooks, fused)
-    got = train_sharded(hcg, model, data, split_vocab=tpo)
+    model, before_step = build_sharded(hcg, weights, tpo, sp, hooks, fused)
+    got = train_sharded(hcg, model, data, split_vocab=tpo, before_step=before_step)
     worst = compare(hcg, model, got, ref)
     label = f"TP_LLAMA {name} outer={layout['outer']}"
     if name == "sp_no_hooks":  # nothing sums the norms' grads over mp: it must show
