@@ -17,6 +17,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
+from paddle.distributed import fleet
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
@@ -220,3 +221,35 @@ def test_an_unsharded_pipeline_layer_keeps_its_forward():
     model = _pipeline_layer()
     assert model.forward(paddle.ones([2, 4])).shape == [2, 4]
     assert "_hsdp_calls_in_progress" not in model.__dict__
+
+
+class _FleetPipeGroups:
+    """fleet's HCG of pp2 x sharding2: sharding inside pipe (ranks 0, 1 are stage 0)."""
+
+    def __init__(self):
+        from paddle.distributed.fleet.base.topology import CommunicateTopology
+        self.topo = CommunicateTopology(["data", "pipe", "sharding", "sep", "model"],
+                                        [1, 2, 2, 1, 1])
+
+    def get_pipe_parallel_world_size(self):
+        return 2
+
+    def topology(self):
+        return self.topo
+
+
+def test_a_pipeline_layer_whose_stages_are_not_fleets_is_refused(monkeypatch):
+    from paddle.distributed.fleet.base import topology as fleet_topology
+    from paddle.distributed.fleet.base.topology import CommunicateTopology
+    from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
+    fleet_groups = _FleetPipeGroups()
+    monkeypatch.setattr(fleet_topology, "_HYBRID_PARALLEL_GROUP", fleet_groups)
+    # PipelineLayer reads fleet's strategy when it has several stages
+    monkeypatch.setattr(fleet.fleet, "_user_defined_strategy", fleet.DistributedStrategy(),
+                        raising=False)
+    layers = [LayerDesc(paddle.nn.Linear, 4, 4) for _ in range(2)]
+    own = CommunicateTopology(["data", "pipe", "model"], [2, 2, 1])  # PipelineLayer's default
+    with pytest.raises(ValueError, match=r"rank 1 is stage 1 here, stage 0 in fleet's.*"
+                                         r"topology=fleet.get_hybrid_communicate_group"):
+        PipelineLayer(layers=layers, topology=own)
+    assert PipelineLayer(layers=layers, topology=fleet_groups.topo)._num_stages == 2

@@ -54,3 +54,4 @@ def test_pipeline_schedule_matches_one_process(request, launch_name, layout):
     for run in ("float64", "float32 clipped"):
         lines = [line for line in log.splitlines() if f"PIPELINE {run} {layout}:" in line]
         assert lines and "3 outer all-reduces per step" in lines[0], log[-3000:]
+    assert "PIPELINE without topology= refused on every rank" in log, log[-3000:]

@@ -19,7 +19,8 @@ Runs (argv JSON: a layout for common.init_fleet, with ``pipeline_configs``):
   only (float64 ones would not count), so this run is float32, within the float32
   bound; the reference clips with that class's formula (``clip / (max(norm, clip) +
   1e-6)``); the pre-clip global norm of every step is compared too.
-Both count the outer all-reduces of each step: one per trainable buffer.
+Both count the outer all-reduces of each step: one per trainable buffer. First, a
+``PipelineLayer`` built without fleet's ``topology`` is refused on every rank.
 """
 
 import numpy as np
@@ -209,8 +210,22 @@ def run(hcg, layout, dtype, clip):
           f"loss {worst['loss']:.2e}); {buffers} outer all-reduces per step", flush=True)
 
 
+def refuses_its_own_topology(hcg) -> None:
+    """Without ``topology=``, PipelineLayer's data-major stages are not fleet's (the
+    sharding axis sits inside the pipeline axis): refused here, on every rank."""
+    try:
+        PipelineLayer(layers=[LayerDesc(cls) for cls in LAYERS],
+                      num_stages=hcg.get_pipe_parallel_world_size(), loss_fn=loss_fn)
+    except ValueError as e:
+        assert "topology=fleet.get_hybrid_communicate_group().topology()" in str(e), e
+    else:
+        raise AssertionError("a PipelineLayer with stages other than fleet's was accepted")
+    print("PIPELINE without topology= refused on every rank", flush=True)
+
+
 config = config_from_argv()
 hcg = init_fleet(config)
+refuses_its_own_topology(hcg)
 for dtype, clip in (("float64", False), ("float32", True)):
     run(hcg, config, dtype, clip)
 paddle.set_default_dtype("float32")
