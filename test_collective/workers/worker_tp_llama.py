@@ -32,7 +32,6 @@ from common import config_from_argv, finish, init_fleet, max_rel, report_over
 import parity
 
 import paddle
-import paddle.distributed as dist
 import paddle.nn.functional as F
 from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
 from paddle.distributed.fleet.utils.sequence_parallel_utils import (
