@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import paddle
 import paddle.nn.functional as F
+from paddle import Tensor
 from paddle.autograd import PyLayer
 from paddle.distributed import collective
+from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 
 
-def group_of(ring_id: int):
+def group_of(ring_id: int) -> Group:
     """The process group Paddle's ops name by ``ring_id`` (the group's id)."""
     group = collective._get_group_map().get(ring_id)
     if group is None:
@@ -56,7 +58,7 @@ class _Concat(PyLayer):
         return paddle.split(dy, ctx.nranks, axis=-1)[ctx.rank].contiguous()
 
 
-def concat(x, group):
+def concat(x: Tensor, group: Group) -> Tensor:
     return _Concat.apply(x, group)
 
 
@@ -93,11 +95,12 @@ class _VocabParallelCrossEntropy(PyLayer):
         return grad * (d_loss * keep), None
 
 
-def cross_entropy(logits, label, group, ignore_index: int):
+def cross_entropy(logits: Tensor, label: Tensor, group: Group,
+                  ignore_index: int) -> tuple[Tensor, Tensor]:
     return _VocabParallelCrossEntropy.apply(logits, label, group, ignore_index)
 
 
-def embedding(table, index, start_index: int):
+def embedding(table: Tensor, index: Tensor, start_index: int) -> Tensor:
     """``c_embedding``: row ``index - start_index`` of ``table`` where it exists, else
     zeros; its grad comes from ``F.embedding``'s and the mask's CPU kernels."""
     rows = table.shape[0]
@@ -106,7 +109,7 @@ def embedding(table, index, start_index: int):
     return F.embedding(local, table) * mine.unsqueeze(-1).astype(table.dtype)
 
 
-def reduce_scatter(tensor, tensor_or_tensor_list, group) -> None:
+def reduce_scatter(tensor: Tensor, tensor_or_tensor_list, group: Group) -> None:
     """Sum the input over ``group`` and leave slice ``group.rank`` in ``tensor``
     (``dist.stream.reduce_scatter``'s contract: the input is left as it was)."""
     source = tensor_or_tensor_list

@@ -88,7 +88,7 @@ def _last_stage_losses(pp, per_micro_batch: bool) -> list:
     return out
 
 
-def broadcast_loss(loss, src: int, group):
+def broadcast_loss(loss: paddle.Tensor | None, src: int, group) -> paddle.Tensor:
     """``loss`` (on rank ``src``; None elsewhere) on every rank of ``group``, in its own
     dtype: a header ``[dtype index, element count]`` first, then the values."""
     header = paddle.zeros([2], "int64")

@@ -45,7 +45,9 @@ shard's grad is all-reduced over mp in place (every mp rank holds the same rows)
 
 from __future__ import annotations
 
+from paddle import Tensor
 from paddle.distributed import fleet
+from paddle.distributed.communication.group import Group
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from ..comm import collectives as comm
@@ -57,11 +59,11 @@ _installed = False
 _WATCHED = "_hsdp_sequence_parallel_hook"  # set on a full parameter once it has our hook
 
 
-def _mp_group():
+def _mp_group() -> Group:
     return fleet.get_hybrid_communicate_group().get_model_parallel_group()
 
 
-def is_mp_group(group) -> bool:
+def is_mp_group(group: Group | None) -> bool:
     """Whether ``group`` is fleet's tensor-parallel group (of more than one rank)."""
     try:
         mp = _mp_group()
@@ -70,7 +72,7 @@ def is_mp_group(group) -> bool:
     return group is not None and group.nranks > 1 and group.id == mp.id
 
 
-def sum_shard_grads(params, group, scale: float) -> None:
+def sum_shard_grads(params, group: Group, scale: float) -> None:
     """Paddle's fused all-reduce over the mp group, for HSDP parameters: finish the
     step's grad sync of their units, then scale each shard's grad (its ``main_grad``
     under Paddle's master-grad wrapper) by ``scale`` and sum it over ``group`` in
@@ -87,13 +89,13 @@ def sum_shard_grads(params, group, scale: float) -> None:
         comm.all_reduce(grad, group, tag="sequence_parallel")
 
 
-def autograd_param(param):
+def autograd_param(param: Tensor) -> Tensor:
     """The parameter autograd gives gradients to: a shard's original, else ``param``."""
     sp = managed_param(param)
     return sp.full if sp is not None else param
 
 
-def sum_over_mp(full, group, grad):
+def sum_over_mp(full: Tensor, group: Group, grad: Tensor) -> Tensor:
     """The gradient hook: each incoming grad of an HSDP-managed parameter summed over
     the mp group; any other parameter's grad as it is (Paddle's hook sums it)."""
     if managed_param(full) is None:
@@ -103,7 +105,7 @@ def sum_over_mp(full, group, grad):
     return summed
 
 
-def watch(param) -> None:
+def watch(param: Tensor) -> None:
     """Give ``param``'s autograd parameter the mp sum of its incoming grads (once)."""
     full = autograd_param(param)
     if getattr(full, _WATCHED, False):
