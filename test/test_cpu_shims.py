@@ -11,7 +11,6 @@ pipeline's p2p order, the final loss's header, a sharded ``PipelineLayer``'s for
 through its hooks.
 """
 
-import types
 
 import numpy as np
 import paddle
@@ -92,18 +91,23 @@ def test_gloo_reduce_scatter_leaves_its_input_and_returns_a_waitable(float64):
                                                  group=group)
 
 
-class _DeviceTensor:
-    """Stands for a tensor on a device: the shims must leave it to Paddle's kernel."""
-    place = types.SimpleNamespace(is_cpu_place=lambda: False)
+class _StaticValue:
+    """Stands for a static graph's value (to_static, no place): Paddle's op, untouched."""
 
 
 @pytest.mark.parametrize("op,args", [
     ("c_identity", (0, True, True)), ("c_concat", (0, 2, 0, True, True)),
     ("c_softmax_with_cross_entropy", (None, -100, 0, 0, 2)), ("c_embedding", (None, 0, -1))])
-def test_device_tensors_reach_paddles_own_kernel(monkeypatch, op, args):
+@pytest.mark.parametrize("where", ["device", "static graph"])
+def test_device_tensors_and_static_values_reach_paddles_own_kernel(monkeypatch, op, args,
+                                                                   where):
     calls = []
     monkeypatch.setitem(cpu_compat.PADDLE, op, lambda *a, **k: calls.append(a) or "paddle")
-    assert getattr(paddle._C_ops, op)(_DeviceTensor(), *args) == "paddle"
+    x = _StaticValue()
+    if where == "device":  # a dygraph tensor whose place is not the CPU
+        x = paddle.ones([1])
+        monkeypatch.setattr(cpu_compat, "_on_cpu", lambda t: False)
+    assert getattr(paddle._C_ops, op)(x, *args) == "paddle"
     assert len(calls) == 1
 
 

@@ -36,7 +36,8 @@ PADDLE: dict = {}
 
 
 def _on_cpu(tensor) -> bool:
-    return tensor.place.is_cpu_place()
+    """A dygraph tensor on the CPU (a static graph's values keep Paddle's ops)."""
+    return isinstance(tensor, paddle.Tensor) and tensor.place.is_cpu_place()
 
 
 def _patch_c_identity() -> None:
