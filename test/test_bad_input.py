@@ -533,6 +533,8 @@ MULTI_RANK = [
      "TP / PP / EP degrees, `fp16`, rank-0-only checkpoint formats)",
      "`ConfigError` naming the argument on every rank before any group exists",
      "test_trainer.py"),
+    ("a `PipelineLayer` built without fleet's `topology` (its stages are not fleet's)",
+     "`ValueError` naming `topology` on every rank, before any collective", "test_3d.py"),
 ]
 
 

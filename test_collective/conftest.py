@@ -1,4 +1,5 @@
-"""The multi-process tier's session report: every parity check's margin.
+"""The multi-process tier's shared launches, and its session report: every parity
+check's margin, and every run_many.py worker's wall time in its launch.
 
 Each parity check in a worker prints its measured difference and its bound
 (workers/parity.py); the launcher collects them. At the end of the run this prints the
@@ -15,7 +16,7 @@ import tempfile
 
 import pytest
 
-from launcher import HERE, PARITY_RECORDS, ROOT, launch, worker_sections
+from launcher import HERE, PARITY_RECORDS, ROOT, WORKER_TIMES, launch, worker_sections
 
 # The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
 # comm worker first, since it shows a misspelt option refused before any group exists.
@@ -61,15 +62,21 @@ def hsdp_2x2_log(shared_2x2_work):
 # The one 8-rank launch, one fleet.init per layout (common.init_fleet runs fleet.init
 # again for a new layout): dp2 x mp2 x sharding2 first, so that it is the launch's first
 # fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own fleet.init failed
-# or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP next to tensor and
-# pipeline parallelism (test_mp_pp.py), the MoE parity run, EP 2 (test_moe.py), and 2 x 4:
+# or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP next to tensor
+# parallelism (test_mp_pp.py), Paddle's pipeline schedule at pp2 x sharding4 outer 2
+# (test_3d.py), the MoE parity run, EP 2 (test_moe.py), and 2 x 4:
 # worker_engine.py's HSDP variants (with the reduce-scatter twins NCCL gets, forced on
 # gloo for this layout's fleet.init only) and worker_hfsdp.py's HFSDP run, whose units
 # inherit fsdp_outer_sharding "optim" from fleet's sharding_configs
 # (test_engine_parity.py, test_hfsdp.py).
 HCG_8 = {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2}
-MP_PP_CONFIGS = [{"mp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "MP"},
-                 {"pp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "PP"}]
+MP_8 = {"mp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "MP"}
+# train_batch's 1F1B with 4 micro-batches of 2 rows (workers/worker_pipeline.py)
+PIPELINE_CONFIGS = {"accumulate_steps": 4, "micro_batch_size": 2}
+PIPELINE_8 = {"pp_degree": 2, "sharding_degree": 4, "outer": 2,
+              "pipeline_configs": PIPELINE_CONFIGS}
+PIPELINE_4 = {"pp_degree": 2, "sharding_degree": 2, "outer": 2,
+              "pipeline_configs": PIPELINE_CONFIGS}
 MOE_8 = {"sharding_degree": 8, "ep_degree": 2, "moe_sharding_degree": 4, "outer": 2}
 HSDP_2X4 = {"sharding_degree": 8, "outer": 2, "outer_sharding": "optim",
             "separate_reduce_scatter": True}
@@ -81,7 +88,7 @@ HSDP_2X4_WORKERS = ("worker_engine.py", "worker_hfsdp.py")
 def launch_8_log():
     """Rank 0's log of the one 8-rank launch (read it with launcher.worker_sections)."""
     jobs = [["worker_groups.py", json.dumps(HCG_8)],
-            *[["worker_mp_pp.py", json.dumps(c)] for c in MP_PP_CONFIGS],
+            ["worker_mp_pp.py", json.dumps(MP_8)], ["worker_pipeline.py", json.dumps(PIPELINE_8)],
             ["worker_moe.py", json.dumps(MOE_8)],
             ["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS))],
             ["worker_hfsdp.py", json.dumps(HSDP_2X4)]]
@@ -136,19 +143,54 @@ def crashed_save():
 # (outer 2) with an explicit mesh (test_degenerate_layouts.py), sharding4 x EP 2 x
 # moe_sharding2 (outer 2) for the expert checkpoints (test_checkpoint.py) and 2 x 2 for
 # the resume after crashed_save (test_faults.py), one fleet.init each
-# (common.init_fleet); worker_exit.py's check mode last, which stops every store server
-# of the launch and exits without a final barrier (test_exit.py).
+# (common.init_fleet); Paddle's pipeline schedule at pp2 x sharding2 outer 2
+# (test_3d.py); worker_exit.py's check mode last, which stops every store server of the
+# launch and exits without a final barrier (test_exit.py).
 @pytest.fixture(scope="session")
 def launch_4_log(crashed_save):
     jobs = [["worker_mesh.py"], ["worker_config.py", tempfile.mkdtemp(prefix="hsdp_config_")],
             ["worker_dp_mesh.py"],
             ["worker_checkpoint_moe.py", tempfile.mkdtemp(prefix="hsdp_moe_ckpt_")],
             ["worker_resume_after_fault.py", crashed_save[0], "resume"],
+            ["worker_pipeline.py", json.dumps(PIPELINE_4)],
             ["worker_exit.py", "check"]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 
+# The 4-rank launch that imports PaddleFormers (about 15 s on 4 CPU ranks), so every
+# worker that needs it shares it: PaddleFormers' Trainer with HSDP (2 x 2, then the 1 x 4
+# resume; test_trainer.py), then HSDP inside a tensor-parallel PaddleFormers Llama at
+# mp2 x sharding2, outer 1 then 2, with and without sequence parallelism (test_3d.py),
+# and the CPU shims against the ops' definitions on the last layout's mp group (no
+# fleet.init of its own; test_3d.py).
+TP_LLAMA = {"layouts": [
+    {"mp_degree": 2, "sharding_degree": 2, "outer": 1,
+     "runs": ["tpo", "sp_before", "sp_after_fused", "sp_no_hooks"]},
+    {"mp_degree": 2, "sharding_degree": 2, "outer": 2,
+     "runs": ["concat", "sp_after", "sp_before_fused", "sp_callback"]}]}
+
+
+@pytest.fixture(scope="session")
+def trainer_work():
+    """The folder worker_trainer.py saves its runs into (test_trainer.py)."""
+    return tempfile.mkdtemp(prefix="hsdp_trainer_")
+
+
+@pytest.fixture(scope="session")
+def paddleformers_4_log(trainer_work):
+    pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional "
+                        "extra: pip install paddle_hsdp[paddleformers] (tools/test.sh "
+                        "installs it)")
+    jobs = [["worker_trainer.py", trainer_work, "2,1"],
+            ["worker_tp_llama.py", json.dumps(TP_LLAMA)],
+            ["worker_cpu_ops.py", json.dumps(TP_LLAMA["layouts"][-1])]]
+    return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
+
+
 def pytest_terminal_summary(terminalreporter):
+    if WORKER_TIMES:
+        terminalreporter.write_line("run_many.py workers' wall time (s): " + ", ".join(
+            f"{worker} {seconds:.1f} ({where})" for where, worker, seconds in WORKER_TIMES))
     if not PARITY_RECORDS:
         return
     path = os.environ.get("HSDP_PARITY_LOG")

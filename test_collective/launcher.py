@@ -14,6 +14,9 @@ ROOT = os.path.dirname(HERE)
 # Every PARITY_CHECK a worker printed this session (workers/parity.py); conftest.py
 # prints their margins at the end of the run.
 PARITY_RECORDS: list[dict] = []
+# (launch, worker, seconds) of every run_many.py worker this session (conftest.py
+# prints them at the end of the run: what each worker costs the suite)
+WORKER_TIMES: list[tuple[str, str, float]] = []
 
 
 def collect_parity(log: str, test: str) -> None:
@@ -28,14 +31,21 @@ def collect_parity(log: str, test: str) -> None:
 
 def worker_sections(log: str) -> list[tuple[str, str]]:
     """A run_many.py launch's log cut at its ``RUN_MANY <worker>`` lines:
-    ``[(worker, its lines), ...]`` in the order the workers ran."""
+    ``[(worker, its lines), ...]`` in the order the workers ran (without run_many's
+    ``RUN_MANY_TIME`` lines: :func:`worker_times`)."""
     sections: list[tuple[str, list]] = []
     for line in log.splitlines():
         if line.startswith("RUN_MANY "):
             sections.append((line[len("RUN_MANY "):], []))
-        elif sections:
+        elif sections and not line.startswith("RUN_MANY_TIME "):
             sections[-1][1].append(line)
     return [(worker, "\n".join(lines)) for worker, lines in sections]
+
+
+def worker_times(log: str) -> list[tuple[str, float]]:
+    """Each worker's wall time in a run_many.py launch, in seconds, in run order."""
+    return [(line.split()[1], float(line.split()[2])) for line in log.splitlines()
+            if line.startswith("RUN_MANY_TIME ")]
 
 
 def part_of(log: str, worker: str) -> str:
@@ -73,6 +83,7 @@ def launch(nproc: int, worker: str, *args: str, timeout: int = 300) -> str:
     assert len(ok) == nproc, f"only {len(ok)}/{nproc} ranks reported WORKER_OK: {log_dir}"
     rank0 = logs[os.path.join(log_dir, "workerlog.0")]
     collect_parity(rank0, f"{worker} {' '.join(args)}")
+    WORKER_TIMES.extend((f"{nproc} ranks", name, seconds) for name, seconds in worker_times(rank0))
     return rank0
 
 

@@ -1,5 +1,5 @@
 """PaddleFormers' Trainer with HSDP on real CPU ranks (issue 18): workers/worker_trainer.py
-trains on 4 ranks in one launch (2 x 2: every run; then 1 x 4: a resume in another
+trains on 4 ranks in conftest's PaddleFormers launch (2 x 2: every run; then 1 x 4: a resume in another
 layout, after a fleet.init of its own; resuming the
 engine's checkpoints in 4 x 1 and the other layouts is test_checkpoint's), then
 workers/single_process_trainer.py, a fresh process, trains the one-process references
@@ -9,21 +9,21 @@ the resumes, and the exports through ``from_pretrained``."""
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from launcher import HERE, ROOT, collect_parity, launch
+from launcher import HERE, ROOT, collect_parity, part_of
 
 pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional extra: "
                     "pip install paddle_hsdp[paddleformers] (tools/test.sh installs it)")
 
 
 @pytest.fixture(scope="module")
-def trainer_logs():
-    work = tempfile.mkdtemp(prefix="hsdp_trainer_")
-    # one launch: the 2 x 2 runs, then the resume in 1 x 4 (its own fleet.init there)
-    log = launch(4, "worker_trainer.py", work, "2,1", timeout=900)
+def trainer_logs(paddleformers_4_log, trainer_work):
+    # conftest's PaddleFormers launch: the 2 x 2 runs, then the resume in 1 x 4 (its
+    # own fleet.init there), then other workers
+    work = trainer_work
+    log = part_of(paddleformers_4_log, "worker_trainer.py")
     parts = log.split("TRAINER_LAYOUT outer ")[1:]
     logs = {int(part.split(maxsplit=1)[0]): part for part in parts}
     assert sorted(logs) == [1, 2], log[-3000:]

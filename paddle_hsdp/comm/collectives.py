@@ -528,6 +528,26 @@ def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None =
                           keep=(tensor,)), async_op)
 
 
+def send(tensor, dst: int, group, tag: str | None = None, what: str | None = None) -> None:
+    """Send ``tensor`` to global rank ``dst`` of ``group`` and return once it has it:
+    gloo's point-to-point calls block until the peer makes the matching call (whatever
+    ``sync_op`` says), so the caller orders its sends and receives (pipeline p2p:
+    :mod:`paddle_hsdp.patches.cpu_pipeline`). No fingerprint: two ranks take part, not
+    the group."""
+    payload = _nbytes(tensor)
+    counter.record(tag or group_label(group), "send", payload, payload)
+    _issue("send", group, what or tag,
+           lambda: dist.send(tensor, dst=dst, group=group, sync_op=True))
+
+
+def recv(tensor, src: int, group, tag: str | None = None, what: str | None = None) -> None:
+    """Receive ``tensor`` in place from global rank ``src`` of ``group`` (blocking; see
+    :func:`send`)."""
+    counter.record(tag or group_label(group), "recv", _nbytes(tensor), 0.0)
+    _issue("recv", group, what or tag,
+           lambda: dist.recv(tensor, src=src, group=group, sync_op=True))
+
+
 def barrier(group=None) -> None:
     if group is not None and group.nranks == 1:
         return

@@ -34,10 +34,30 @@ from paddle.base.framework import EagerParamBase
 
 from .policies import POLICY_HINT
 
-# Attributes Paddle's optimizers, clip and hybrid-parallel code read per parameter.
-_CARRIED_ATTRS = ("optimize_attr", "regularizer", "do_model_average", "need_clip",
-                  "is_distributed", "is_firstly_shared", "is_moe_param", "expert",
-                  "color", "no_sync", "split_axis")
+# Marks Paddle's optimizers, clip and hybrid-parallel helpers (and PaddleFormers) read
+# per parameter, Paddle 3.3 / PaddleFormers 1.2: the shard carries each one the original
+# has. The list documents them (test/test_param_marks.py checks each is carried); the
+# shard also takes any other public, non-tensor attribute set on the original (a mark
+# this list does not know yet). Tensor-valued ones are per-parameter data of the full
+# tensor (``main_grad``, fp8 caches), not marks: a shard must not hold them.
+MARKS = ("optimize_attr", "regularizer", "do_model_average", "need_clip",
+         "gradient_clip_attr",  # per-parameter clip (paddle.nn.clip)
+         "is_distributed", "split_axis",  # tensor parallel: sliced over mp
+         "sequence_parallel",  # sequence parallel: grads summed over mp
+         "is_firstly_shared",  # the pipeline's shared weights, HSDP's outer replicas
+         "is_moe_param", "expert", "expert_type", "mp_moe", "is_gate", "color", "no_sync",
+         "context_parallel_disable_scale_grad")
+
+
+def carried_marks(param) -> dict:
+    """The marks of ``param`` its shard carries: every entry of :data:`MARKS` it has,
+    and any other public attribute it was given that is not a tensor."""
+    marks = {name: getattr(param, name) for name in MARKS if hasattr(param, name)}
+    for name, value in vars(param).items():
+        if not name.startswith("_") and name not in marks and name != "main_grad" \
+                and not isinstance(value, paddle.Tensor):
+            marks[name] = value
+    return marks
 
 
 class ShardedParam:
@@ -165,9 +185,8 @@ class ShardedParam:
         shard = EagerParamBase(shape=self.shard_shape, dtype=self.dtype, name=p.name,
                                trainable=self.trainable)
         shard.stop_gradient = p.stop_gradient
-        for attr in _CARRIED_ATTRS:
-            if hasattr(p, attr):
-                setattr(shard, attr, getattr(p, attr))
+        for name, value in carried_marks(p).items():
+            setattr(shard, name, value)
         if hasattr(p, "main_grad"):
             # MixPrecisionLayer wrapped the model first: MixPrecisionOptimizer reads the
             # shard's main_grad, which the buffer fills (engine/master_grad.py)

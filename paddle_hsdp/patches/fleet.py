@@ -43,6 +43,7 @@ from ..topology.fleet import (OPTION, SHARDING_OPTION, _get_fsdp_group,
                               _get_fsdp_outer_sharding, build_hsdp_groups,
                               check_sharding_config_keys, get_fsdp_outer_degree,
                               get_fsdp_outer_sharding, validate_strategy)
+from . import sequence_parallel
 from .patching import replace
 
 logger = logging.getLogger(__name__)
@@ -142,14 +143,24 @@ def _patch_fused_grad_allreduces() -> None:
     with ``list(model.parameters())`` whenever the model has ``no_sync`` (gradient
     accumulation, recompute), as Paddle's own DataParallel recipe does. On HSDP shards
     it would sum different row blocks of different ranks; HSDP reduces their grads
-    itself. So it skips managed parameters and still reduces everything else. Which
+    itself. So it skips managed parameters and still reduces everything else (over the
+    tensor-parallel group, where every rank holds the same shards, their grads are
+    summed: :func:`.sequence_parallel.sum_shard_grads`). Which
     parameters are managed depends only on the model's structure, so every rank drops
     the same ones and the remaining collectives still match."""
     original = util.fused_allreduce_gradients_with_group
 
     @functools.wraps(original)
     def fused_allreduce_gradients_with_group(parameter_list, *args, **kwargs):
-        kept = [p for p in parameter_list if managed_param(p) is None]
+        params = list(parameter_list)
+        kept = [p for p in params if managed_param(p) is None]
+        group = kwargs.get("group", args[0] if args else None)
+        if len(kept) < len(params) and sequence_parallel.is_mp_group(group):
+            # sequence parallel's sum over mp (PaddleFormers' SPGradSyncCallback): every
+            # mp rank holds the same shards, so their grads are summed, after the sync
+            scale = kwargs.get("scale", args[2] if len(args) > 2 else None)
+            sequence_parallel.sum_shard_grads([p for p in params if managed_param(p)], group,
+                                              1.0 / group.nranks if scale is None else scale)
         return original(kept, *args, **kwargs)
 
     why = "fused gradient all-reduces skip HSDP shards (they would sum other ranks' blocks)"

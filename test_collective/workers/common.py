@@ -16,6 +16,7 @@ import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
 from paddle.distributed.fleet.base import topology as fleet_topology
+from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.topology.fleet import SEPARATE_REDUCE_SCATTER_ENV
 
 MOE_ORDER = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
@@ -29,7 +30,8 @@ def init_fleet(config: dict):
     """``config``: hybrid degrees, ``outer`` (fsdp_outer_degree), ``outer_sharding``
     (fsdp_outer_sharding, default "none"), ``separate_reduce_scatter`` (fleet.init with
     PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1: the inner groups' reduce-scatter twins NCCL
-    gets, forced on gloo for this layout only), ``check_typo`` (first
+    gets, forced on gloo for this layout only), ``pipeline_configs`` (the strategy's,
+    read by ``fleet.distributed_model`` for a pipeline), ``check_typo`` (first
     show that a misspelt option is refused before any group exists). Every launch then
     checks the HSDP and HCG groups of its layout (:func:`check_groups`). Several workers
     in one launch (run_many.py) share one fleet.init per layout: the layout of the last
@@ -40,7 +42,8 @@ def init_fleet(config: dict):
     stay, unused)."""
     layout = {k: v for k, v in config.items()
               if k.endswith("_degree")
-              or k in ("outer", "outer_sharding", "separate_reduce_scatter")}
+              or k in ("outer", "outer_sharding", "separate_reduce_scatter",
+                       "pipeline_configs")}
     previous = fleet_topology._HYBRID_PARALLEL_GROUP
     if previous is not None:
         if _built_here and _built_here[-1][0] == layout and _built_here[-1][1] is previous:
@@ -59,6 +62,8 @@ def init_fleet(config: dict):
     if hybrid.get("ep_degree", 1) > 1:
         strategy.hybrid_parallel_order = MOE_ORDER
     strategy.hybrid_configs = hybrid
+    if "pipeline_configs" in config:
+        strategy.pipeline_configs = config["pipeline_configs"]
     twins = {SEPARATE_REDUCE_SCATTER_ENV: "1"} if config.get("separate_reduce_scatter") else {}
     saved = {k: os.environ.get(k) for k in twins}
     os.environ.update(twins)
@@ -159,6 +164,21 @@ def compare_with_reference(name: str, full: dict, ref_params: dict, losses, ref_
         worst[key] = max_rel(value.numpy(), ref_params[key])
     worst["loss"] = max_rel(np.array(losses), np.array(ref_losses))
     return parity.report(name, worst, limit)
+
+
+def report_over(group, name: str, worst: dict) -> float:
+    """Check ``name`` here (this rank's ``worst``, entry -> max_rel, within the bound of
+    the default dtype, failing with the entries over it) and report the worst of every
+    rank of ``group`` as one check, so that rank 0's log (the one the launcher reads)
+    holds the figure of the ranks whose parameters it does not see (other pipeline
+    stages, other tensor-parallel slices)."""
+    bad = {k: v for k, v in worst.items() if not v <= parity.bound()}
+    assert not bad, f"{name}: parity failed on rank {dist.get_rank()}: {bad}"
+    values = np.zeros([group.nranks])
+    values[group.rank] = max(worst.values())
+    t = paddle.to_tensor(values, dtype="float64")
+    comm.all_reduce(t, group, tag="log")
+    return parity.report(name, {f"rank {r}": v for r, v in zip(group.ranks, t.tolist())})
 
 
 def train_loop(opt, steps, micro_loss, processes: int = 1, before_step=None, after_step=None):

@@ -1,10 +1,11 @@
-"""HSDP next to tensor parallelism (mp) or pipeline stages (pp) on 8 CPU ranks: training
-matches an independent single-process reference (global grad norm per step, every final
-parameter, the loss) with clipping active, for a plain and a fleet optimizer.
+"""HSDP next to tensor parallelism (mp) on CPU ranks: training matches an independent
+single-process reference (global grad norm per step, every final parameter, the loss)
+with clipping active, for a plain and a fleet optimizer.
 
-mp: the mp model's local weights are the mp-rank slices of the reference's full weights.
-pp: no schedule; each stage trains its own model on its own loss, and the global norm
-spans both stages (the reference trains both models under one clipped optimizer).
+The mp model's local weights are the mp-rank slices of the reference's full weights.
+With ``pp_degree > 1`` each stage would train its own model on its own loss (no
+schedule, the global norm spanning the stages); the suite runs pipelines through Paddle's
+own schedule instead (worker_pipeline.py).
 argv: JSON with the hybrid degrees, ``outer``, ``tag`` (the log prefix) and optionally
 ``fleet_opt`` (which optimizer set-ups to run: [false, true] by default).
 """

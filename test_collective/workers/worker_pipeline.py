@@ -1,0 +1,232 @@
+"""HSDP inside Paddle's pipeline schedule (issue 32): a ``PipelineLayer`` trained with
+``fleet.distributed_model(...).train_batch`` (1F1B, accumulate_steps 4) on CPU ranks,
+against one process on the global batch.
+
+The model: an embedding of 37 rows, 4 blocks (LayerNorm, 8 -> 25 -> 8 MLP: row counts
+the inner size does not divide) and a head (LayerNorm, linear), 2 stages; every block
+of a stage is a ``fully_shard`` unit and the ``PipelineLayer`` the root (it holds the
+stage's embedding or head). Each sharding rank trains on its own rows of the step's
+global batch; ``train_batch`` cuts them into 4 micro-batches. The reference: the same
+layers in one sequential model, the mean loss over the sharding ranks' rows per
+micro-batch, averaged over micro-batches, the same AdamW.
+
+Runs (argv JSON: a layout for common.init_fleet, with ``pipeline_configs``):
+* float64, no clipping: every final parameter of the stage and the loss ``train_batch``
+  returns (broadcast from the last stage in float64: the final-loss shim) within
+  workers/parity.py's float64 bound;
+* float32 with ``ClipGradByGlobalNorm`` active at every step: fleet's optimizer keeps
+  Paddle's ``HybridParallelClipGrad``, which sums float16, bfloat16 and float32 grads
+  only (float64 ones would not count), so this run is float32, within the float32
+  bound; the reference clips with that class's formula (``clip / (max(norm, clip) +
+  1e-6)``); the pre-clip global norm of every step is compared too.
+Both count the outer all-reduces of each step: one per trainable buffer. First, a
+``PipelineLayer`` built without fleet's ``topology`` is refused on every rank.
+"""
+
+import numpy as np
+from common import config_from_argv, finish, init_fleet, max_rel, report_over
+import parity
+
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+from paddle.distributed import fleet
+from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
+
+import paddle_hsdp
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+
+VOCAB, HIDDEN, FF, SEQ, BLOCKS = 37, 8, 25, 6, 4
+STEPS, CLIP, LR = 3, 0.3, 0.02
+
+
+class Embed(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+
+    def forward(self, ids):
+        return self.embedding(ids)
+
+
+class Block(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, FF)
+        self.fc2 = nn.Linear(FF, HIDDEN)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Head(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.out = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x):
+        return self.out(self.norm(x))
+
+
+LAYERS = [Embed] + [Block] * BLOCKS + [Head]
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1]))
+
+
+class Sequential(nn.Layer):
+    """The reference: the pipeline's layers in one model, named as PipelineLayer names
+    them (``<global layer index>.<param>``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [cls() for cls in LAYERS]
+        for i, layer in enumerate(self.layers):
+            self.add_sublayer(str(i), layer)
+
+    def forward(self, ids):
+        x = ids
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def full_weights() -> dict:
+    rng = np.random.default_rng(5)
+    return {n: (0.4 * rng.standard_normal(p.shape)).astype(paddle.get_default_dtype())
+            for n, p in Sequential().named_parameters()}
+
+
+def batches(n: int, rows: int) -> list:
+    """``[step] -> (ids, labels)`` of the global batch, ``n`` sharding ranks x ``rows``."""
+    rng = np.random.default_rng(9)
+    out = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, VOCAB, size=(n * rows, SEQ + 1)).astype("int64")
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+@paddle.no_grad()
+def clip_like_hybrid(params) -> float:
+    """HybridParallelClipGrad's clipping, in place: returns the pre-clip norm."""
+    norm = sum(float((p.grad.astype("float64") ** 2).sum()) for p in params) ** 0.5
+    scale = CLIP / (max(norm, CLIP) + 1e-6)
+    for p in params:
+        p.grad.scale_(scale)
+    return norm
+
+
+def train_reference(weights, data, n, micro, mbs, clip):
+    model = Sequential()
+    model.set_state_dict(weights)
+    opt = paddle.optimizer.AdamW(learning_rate=LR, parameters=model.parameters())
+    losses, norms = [], []
+    rows = micro * mbs
+    for ids, labels in data:
+        total = 0.0
+        for m in range(micro):
+            parts = [slice(d * rows + m * mbs, d * rows + (m + 1) * mbs) for d in range(n)]
+            loss = sum(loss_fn(model(paddle.to_tensor(ids[s])), paddle.to_tensor(labels[s]))
+                       for s in parts) / n
+            (loss / micro).backward()
+            total += float(loss) / micro
+        if clip:
+            norms.append(clip_like_hybrid(model.parameters()))
+        opt.step()
+        opt.clear_grad()
+        losses.append(total)
+    if clip:
+        assert min(norms) > CLIP, norms  # clipping is active at every step
+    return losses, norms, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def build_pipeline(hcg, weights):
+    model = PipelineLayer(layers=[LayerDesc(cls) for cls in LAYERS],
+                          num_stages=hcg.get_pipe_parallel_world_size(),
+                          topology=hcg.topology(), loss_fn=loss_fn)
+    for name, p in model.named_parameters():
+        p.set_value(weights[name])
+    for layer in model.run_function:
+        if isinstance(layer, Block):
+            paddle_hsdp.fully_shard(layer)
+    paddle_hsdp.fully_shard(model)
+    return model
+
+
+def outer_buffers(model) -> int:
+    return sum(1 for unit in hsdp_registry.units_under(model) for b in unit.buffers
+               if b.trainable)
+
+
+def train_pipeline(hcg, model, data, rows, clip):
+    sharding = hcg.get_sharding_parallel_group()
+    d, n = hcg.get_sharding_parallel_rank(), sharding.nranks
+    grad_clip = paddle.nn.ClipGradByGlobalNorm(CLIP) if clip else None
+    opt = paddle.optimizer.AdamW(learning_rate=LR, parameters=model.parameters(),
+                                 grad_clip=grad_clip)
+    pipe, opt = fleet.distributed_model(model), fleet.distributed_optimizer(opt)
+    losses, norms, outer_calls = [], [], []
+    for ids, labels in data:
+        before = comm.counter.get("outer", "all_reduce").calls
+        mine = slice(d * rows, (d + 1) * rows)
+        loss = pipe.train_batch([paddle.to_tensor(ids[mine]), paddle.to_tensor(labels[mine])],
+                                opt)
+        outer_calls.append(comm.counter.get("outer", "all_reduce").calls - before)
+        t = loss.reshape([1]).astype("float64")
+        comm.all_reduce(t, sharding, tag="log")
+        losses.append(t.item() / n)
+        if clip:
+            norms.append(paddle_hsdp.last_global_norm(opt))
+    return losses, norms, outer_calls
+
+
+def run(hcg, layout, dtype, clip):
+    parity.set_dtype(dtype)
+    micro = layout["pipeline_configs"]["accumulate_steps"]
+    mbs = layout["pipeline_configs"]["micro_batch_size"]
+    n = hcg.get_sharding_parallel_world_size()
+    weights, data = full_weights(), batches(n, micro * mbs)
+    ref_losses, ref_norms, ref_params = train_reference(weights, data, n, micro, mbs, clip)
+    model = build_pipeline(hcg, weights)
+    losses, norms, outer_calls = train_pipeline(hcg, model, data, micro * mbs, clip)
+    buffers = outer_buffers(model) if hcg.get_fsdp_outer_degree() > 1 else 0
+    assert outer_calls == [buffers] * STEPS, (outer_calls, buffers)
+    worst = {}
+    full = paddle_hsdp.full_state_dict(model)
+    for name, value in full.items():
+        worst[name] = max_rel(value.numpy(), ref_params[name])
+    worst["loss"] = max_rel(losses, ref_losses)
+    if clip:
+        worst["norm"] = max_rel(norms, ref_norms)
+    label = (f"PIPELINE {dtype}{' clipped' if clip else ''} pp{hcg.get_pipe_parallel_world_size()}"
+             f" sharding{n} outer{hcg.get_fsdp_outer_degree()}")
+    both = report_over(hcg.get_pipe_parallel_group(), label, worst)  # every stage's
+    print(f"{label}: max rel diff {both:.2e} over the stages (stage {hcg.get_stage_id()}: "
+          f"loss {worst['loss']:.2e}); {buffers} outer all-reduces per step", flush=True)
+
+
+def refuses_its_own_topology(hcg) -> None:
+    """Without ``topology=``, PipelineLayer's data-major stages are not fleet's (the
+    sharding axis sits inside the pipeline axis): refused here, on every rank."""
+    try:
+        PipelineLayer(layers=[LayerDesc(cls) for cls in LAYERS],
+                      num_stages=hcg.get_pipe_parallel_world_size(), loss_fn=loss_fn)
+    except ValueError as e:
+        assert "topology=fleet.get_hybrid_communicate_group().topology()" in str(e), e
+    else:
+        raise AssertionError("a PipelineLayer with stages other than fleet's was accepted")
+    print("PIPELINE without topology= refused on every rank", flush=True)
+
+
+config = config_from_argv()
+hcg = init_fleet(config)
+refuses_its_own_topology(hcg)
+for dtype, clip in (("float64", False), ("float32", True)):
+    run(hcg, config, dtype, clip)
+paddle.set_default_dtype("float32")
+finish()

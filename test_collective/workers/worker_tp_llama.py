@@ -1,0 +1,235 @@
+"""HSDP inside a tensor-parallel PaddleFormers ``LlamaForCausalLM`` (issue 32), on 4 CPU
+ranks: mp2 x sharding2 at outer 1 and 2, against one process on the global batch.
+
+Every run trains the tiny Llama of trainer_common's shape (untied, 2 layers) for
+STEPS steps of MICRO micro-batches with AdamW and global-norm clipping (active at
+every step), in float64: the loss is computed here from the model's logits in
+float64 (PaddleFormers' own criterion casts the logits to float32 first), through
+``ParallelCrossEntropy`` on vocabulary-split logits (``tensor_parallel_output=True``:
+the ``c_softmax_with_cross_entropy`` CPU shim) or on gathered ones (False: ``c_concat``).
+The vocabulary-parallel embedding runs ``c_embedding``'s CPU shim. The reference: the
+same model with ``tensor_model_parallel_size=1`` and the full weights, in this process;
+the mp model's weights are the mp-rank slices of them (``split_axis``). Checked per
+run: every final parameter (this mp rank's slice), the loss and the pre-clip global
+norm of every step, within workers/parity.py's float64 bound.
+
+Runs (argv JSON: ``layouts``, each a layout for common.init_fleet plus ``runs``):
+``tpo`` / ``concat``: tensor parallelism alone; ``sp_before`` / ``sp_after`` (+
+``_fused``): sequence parallelism with Paddle's ``register_sequence_parallel_allreduce_hooks``
+called before / after ``fully_shard``; ``sp_callback``: instead of the hooks,
+PaddleFormers' ``SPGradSyncCallback`` (its Trainer's route outside sharding stages 2
+and 3: a fused all-reduce of the marked grads over mp before the step);
+``sp_no_hooks``: sequence parallelism with neither must miss the reference by more than
+the bound (the checks can fail).
+One PaddleFormers criterion forward (float32 logits, as a user's ``model(ids,
+labels=...)``) is compared with the reference's, within the float32 bound.
+"""
+
+import time
+
+import numpy as np
+from common import config_from_argv, finish, init_fleet, max_rel, report_over
+import parity
+
+import paddle
+import paddle.nn.functional as F
+from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
+from paddle.distributed.fleet.utils.sequence_parallel_utils import (
+    register_sequence_parallel_allreduce_hooks)
+
+import paddle_hsdp
+from paddle_hsdp.comm import collectives as comm
+from paddleformers.trainer.trainer_callback import SPGradSyncCallback
+from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+
+STEPS, MICRO, PER_RANK, SEQ, VOCAB, CLIP = 3, 2, 2, 8, 64, 0.5
+RUNS = {  # name: (tensor_parallel_output, sequence_parallel, hooks, fused)
+    "tpo": (True, False, None, False), "concat": (False, False, None, False),
+    "sp_before": (True, True, "before", False), "sp_after": (True, True, "after", False),
+    "sp_before_fused": (True, True, "before", True),
+    "sp_after_fused": (True, True, "after", True), "sp_no_hooks": (True, True, None, False),
+    "sp_callback": (True, True, "callback", False)}
+
+
+def llama(mp: int = 1, mp_rank: int = 0, tpo: bool = True, sp: bool = False):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=SEQ, max_sequence_length=SEQ,
+                         tie_word_embeddings=False, fuse_rms_norm=False,
+                         tensor_model_parallel_size=mp, tensor_parallel_rank=mp_rank,
+                         tensor_parallel_output=tpo, sequence_parallel=sp)
+    return LlamaForCausalLM(config)
+
+
+def mp_slice(param, full: np.ndarray, mp: int, mp_rank: int) -> np.ndarray:
+    if mp > 1 and getattr(param, "is_distributed", False):
+        return np.split(full, mp, axis=param.split_axis)[mp_rank]
+    return full
+
+
+def logits_of(model, ids):
+    out = model(input_ids=ids)
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+def lm_loss(model, ids, split_vocab: bool):
+    ids = paddle.to_tensor(ids)
+    logits, labels = logits_of(model, ids[:, :-1]), ids[:, 1:]
+    if split_vocab:  # vocabulary-split logits: the c_softmax_with_cross_entropy path
+        return ParallelCrossEntropy()(logits, labels.unsqueeze(-1)).mean()
+    return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1]))
+
+
+def make_opt(params):
+    return paddle.optimizer.AdamW(learning_rate=0.02, parameters=params, weight_decay=0.01,
+                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
+
+
+def batches(n: int):
+    """Token 0 is the pad token, which the one-process embedding (padding_idx) skips
+    and the vocabulary-parallel one does not (Paddle 3.3): the data never holds it."""
+    rng = np.random.default_rng(11)
+    return [[rng.integers(1, VOCAB, size=(n * PER_RANK, SEQ + 1)).astype("int64")
+             for _ in range(MICRO)] for _ in range(STEPS)]
+
+
+def grad_norm(params) -> float:
+    return sum(float((p.grad ** 2).sum()) for p in params if p.grad is not None) ** 0.5
+
+
+def train_reference(weights, data):
+    model = llama()
+    model.set_state_dict(weights)
+    opt = make_opt(model.parameters())
+    losses, norms = [], []
+    for micro_batches in data:
+        total = 0.0
+        for ids in micro_batches:
+            loss = lm_loss(model, ids, split_vocab=False)
+            (loss / MICRO).backward()
+            total += float(loss) / MICRO
+        norms.append(grad_norm(model.parameters()))
+        opt.step()
+        opt.clear_grad()
+        losses.append(total)
+    assert min(norms) > CLIP, norms  # clipping is active at every step
+    return losses, norms, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def criterion_loss(model, ids) -> float:
+    """PaddleFormers' own loss (labels given: float32 logits, its parallel criterion)."""
+    ids = paddle.to_tensor(ids)
+    out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
+    return float(out[0])
+
+
+def build_sharded(hcg, weights, tpo, sp, hooks, fused):
+    mp, mp_rank = hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()
+    model = llama(mp, mp_rank, tpo, sp)
+    for name, p in model.named_parameters():
+        p.set_value(mp_slice(p, weights[name], mp, mp_rank))
+    if hooks == "before":
+        register_sequence_parallel_allreduce_hooks(model, MICRO, fused)
+    for layer in model.model.layers:
+        paddle_hsdp.fully_shard(layer)
+    paddle_hsdp.fully_shard(model)
+    if sp:  # the shards carry the mark Paddle's helper looks for
+        marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", 0)]
+        assert marked and all("norm" in n for n in marked), marked
+    if hooks == "after":
+        register_sequence_parallel_allreduce_hooks(model, MICRO, fused)
+    if hooks == "callback":  # PaddleFormers' Trainer's other route: at the optimizer's start
+        callback = SPGradSyncCallback(model)
+        return model, lambda: callback.on_optimizer_begin(None, None, None)
+    return model, None
+
+
+def train_sharded(hcg, model, data, split_vocab, before_step=None):
+    sharding = hcg.get_sharding_parallel_group()
+    n, chunk = sharding.nranks, hcg.get_sharding_parallel_rank()
+    opt = make_opt(model.parameters())
+    losses, norms = [], []
+    for micro_batches in data:
+        total = 0.0
+        for ids in micro_batches:
+            loss = lm_loss(model, ids[chunk * PER_RANK:(chunk + 1) * PER_RANK], split_vocab)
+            (loss / MICRO).backward()
+            t = paddle.to_tensor([float(loss)], dtype="float64")
+            comm.all_reduce(t, sharding, tag="log")
+            total += t.item() / n / MICRO
+        if before_step is not None:
+            before_step()
+        opt.step()
+        norms.append(paddle_hsdp.last_global_norm(opt))
+        opt.clear_grad()
+        losses.append(total)
+    return losses, norms
+
+
+def compare(hcg, model, got, ref) -> dict:
+    (losses, norms), (ref_losses, ref_norms, ref_params) = got, ref
+    mp, mp_rank = hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()
+    full = paddle_hsdp.full_state_dict(model)
+    assert set(full) == set(ref_params), set(full) ^ set(ref_params)
+    worst = {}
+    for name, p in model.named_parameters():
+        expected = mp_slice(p, ref_params[name], mp, mp_rank)
+        assert list(full[name].shape) == list(expected.shape), name
+        worst[name] = max_rel(full[name].numpy(), expected)
+    worst["loss"] = max_rel(losses, ref_losses)
+    worst["norm"] = max_rel(norms, ref_norms)
+    return worst
+
+
+def run(hcg, layout, name, weights, data, ref):
+    start = time.perf_counter()
+    tpo, sp, hooks, fused = RUNS[name]
+    model, before_step = build_sharded(hcg, weights, tpo, sp, hooks, fused)
+    got = train_sharded(hcg, model, data, split_vocab=tpo, before_step=before_step)
+    worst = compare(hcg, model, got, ref)
+    label = f"TP_LLAMA {name} outer={layout['outer']}"
+    if name == "sp_no_hooks":  # nothing sums the norms' grads over mp: it must show
+        miss = max(worst.values())
+        assert miss > 1e3 * parity.bound(), f"{label}: {miss:.2e}, the check cannot fail"
+        print(f"{label} misses the reference by {miss:.2e} without the SP hooks "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
+        return
+    both = report_over(hcg.get_model_parallel_group(), label, worst)  # both mp slices
+    print(f"{label}: max rel diff {both:.2e} over the mp ranks (here: loss "
+          f"{worst['loss']:.2e}, norm {worst['norm']:.2e}; {time.perf_counter() - start:.1f} s)",
+          flush=True)
+
+
+def check_criterion(hcg, weights, data):
+    """The loss a user gets from ``model(ids, labels=...)`` (PaddleFormers' criterion,
+    float32 logits, parallel cross entropy on this rank's vocabulary half)."""
+    paddle.set_default_dtype("float32")
+    ref = llama()
+    ref.set_state_dict({k: v.astype("float32") for k, v in weights.items()})
+    model = llama(hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank())
+    for name, p in model.named_parameters():
+        p.set_value(mp_slice(p, weights[name].astype("float32"),
+                             hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()))
+    ids = data[0][0]
+    got, want = criterion_loss(model, ids), criterion_loss(ref, ids)
+    print(f"TP_LLAMA criterion loss {got!r} (one process: {want!r})", flush=True)
+    parity.report("TP_LLAMA criterion loss (float32)", {"loss": max_rel(got, want)})
+    paddle.set_default_dtype("float64")
+
+
+config = config_from_argv()
+parity.set_dtype("float64")
+paddle.seed(7)
+weights = {k: v.numpy() for k, v in llama().state_dict().items()}
+data, ref = None, None
+for layout in config["layouts"]:
+    hcg = init_fleet(layout)
+    assert hcg.get_model_parallel_world_size() == 2
+    if ref is None:  # the same global batch for every layout of sharding degree 2
+        data = batches(hcg.get_sharding_parallel_world_size())
+        ref = train_reference(weights, data)
+        check_criterion(hcg, weights, data)
+    for name in layout["runs"]:
+        run(hcg, layout, name, weights, data, ref)
+paddle.set_default_dtype("float32")
+finish()
