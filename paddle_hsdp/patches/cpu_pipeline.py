@@ -22,6 +22,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import paddle
 from paddle.distributed import parallel
 from paddle.distributed.fleet.meta_parallel import pipeline_parallel
@@ -92,9 +95,9 @@ def broadcast_loss(loss: paddle.Tensor | None, src: int, group) -> paddle.Tensor
     """``loss`` (on rank ``src``; None elsewhere) on every rank of ``group``, in its own
     dtype: a header ``[dtype index, element count]`` first, then the values."""
     header = paddle.zeros([2], "int64")
-    if loss is not None:
-        header = paddle.to_tensor([_LOSS_DTYPES.index(loss.dtype), loss.numel().item()],
-                                  dtype="int64")
+    if loss is not None:  # (paddle.to_tensor would leak two Python blocks per step)
+        paddle.assign(np.array([_LOSS_DTYPES.index(loss.dtype), math.prod(loss.shape)],
+                               "int64"), output=header)
     comm.broadcast(header, src, group, tag="pipeline_loss")
     if loss is None:
         dtype, count = header.tolist()

@@ -45,6 +45,7 @@ shard's grad is all-reduced over mp in place (every mp rank holds the same rows)
 
 from __future__ import annotations
 
+import paddle
 from paddle import Tensor
 from paddle.distributed import fleet
 from paddle.distributed.communication.group import Group
@@ -100,8 +101,9 @@ def sum_over_mp(full: Tensor, group: Group, grad: Tensor) -> Tensor:
     the mp group; any other parameter's grad as it is (Paddle's hook sums it)."""
     if managed_param(full) is None:
         return grad
-    summed = grad.clone()
-    comm.all_reduce(summed, group, tag="sequence_parallel")
+    with paddle.no_grad():  # see [Note: engine work without autograd] (engine/hooks.py)
+        summed = grad.clone()
+        comm.all_reduce(summed, group, tag="sequence_parallel")
     return summed
 
 
