@@ -3,7 +3,8 @@ shared 4-rank launch (workers/worker_user_code.py), each against a single-proces
 reference in float64: in-place parameter edits (HSDP and HFSDP), a root-held head one
 replica uses, untouched parameters, penalties on ``model.parameters()``, ``retain_graph``
 refused, ``step()`` without ``clear_grad()``, a forward without backward, the resident
-set over 200 steps, and a unit skipped on some ranks named at step 0 and step 2."""
+set over 200 steps after 60 of warm-up, and a unit skipped on some ranks named at step 0
+and step 2."""
 
 import pytest
 
