@@ -444,6 +444,17 @@ def _save_pretrained_of_sharded(tmp_path):
     model.save_pretrained(str(tmp_path / "out"))
 
 
+@row("`export_pretrained(model, dir)`", "a model with tensor-parallel slices "
+     "(`is_distributed` params) or fleet's mp/pp degree > 1", NotImplementedError,
+     "export_pretrained", "mp_degree 1", "Nothing was written")
+def _export_of_tensor_parallel(tmp_path):
+    from paddle_hsdp.integrations.paddleformers import export_pretrained
+
+    model = _Pretrained(paddle.nn.Linear(4, 6), paddle.nn.Linear(6, 2))
+    model.parameters()[0].is_distributed = True
+    export_pretrained(model, str(tmp_path / "out"))
+
+
 @row("`python -m paddle_hsdp.checkpoint inspect CKPT`", "a missing checkpoint", _Exit,
      "exit status 1")
 def _cli_inspect(tmp_path):

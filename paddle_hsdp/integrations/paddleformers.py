@@ -234,12 +234,34 @@ def cpu_synchronize_is_a_no_op():
         paddle.device.synchronize = original
 
 
+def _refuse_partial_export(model) -> None:
+    """Export under tensor or pipeline parallelism is refused, from what is local and
+    alike on every rank (fleet's mp/pp degrees, Paddle's ``is_distributed`` marks):
+    each rank holds only its slices or stage, which would load silently wrong."""
+    from paddle.distributed.fleet.base import topology as fleet_topology
+
+    hcg = fleet_topology._HYBRID_PARALLEL_GROUP
+    degrees = {}
+    if hcg is not None:
+        degrees = {"mp_degree": hcg.get_model_parallel_world_size(),
+                   "pp_degree": hcg.get_pipe_parallel_world_size()}
+    split = [n for n, p in model.named_parameters() if getattr(p, "is_distributed", False)]
+    bad = ", ".join(f"{k} {v}" for k, v in degrees.items() if v > 1)
+    if bad or split:
+        named = f" (mp-split parameters, e.g. {split[0]!r})" if split else ""
+        raise NotImplementedError(
+            f"export_pretrained: {bad or 'tensor parallelism'}{named}: this rank holds only "
+            "its tensor slices or pipeline stage, and gathering them is not supported "
+            "yet; allowed: mp_degree 1 and pp_degree 1. Nothing was written.")
+
+
 def export_pretrained(model, output_dir: str) -> None:
     """Write ``model`` (sharded) as a directory PaddleFormers' ``from_pretrained``
     loads exactly in a plain process: every rank gathers the full weights (a
     collective), rank 0 writes them with the model class's own ``save_pretrained`` in
     Hugging Face layout (PaddleFormers' own transposes), the layout ``from_pretrained``
     reads safetensors as. (Paddle layout, ``save_to_hf=False``, loads transposed.)"""
+    _refuse_partial_export(model)  # tensor / pipeline parallel: before any collective
     full = full_state_dict(model)
     if dist.get_rank() == 0:
         # the model class's own save_pretrained (a sharded model's refuses: it would
