@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 import paddle
-from paddle.distributed.fleet.base import topology as fleet_topology
 
 from ..engine.experts import names_and_aliases
 from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from ..engine.registry import managed_param, registry
 from ..hints import expect_layer, expect_optimizer
+from ..topology.mesh import model_parallel_degrees
 from .format import _rank_world
 
 
@@ -39,14 +39,12 @@ def _dtype_name(dtype) -> str:
 
 
 def _check_supported(model) -> None:
-    hcg = fleet_topology._HYBRID_PARALLEL_GROUP
-    if hcg is not None:
-        for getter, what in (("get_model_parallel_world_size", "mp_degree"),
-                             ("get_pipe_parallel_world_size", "pp_degree")):
-            if getattr(hcg, getter)() > 1:
-                raise NotImplementedError(
-                    f"save/load_checkpoint with {what} > 1 is not supported yet: tensor "
-                    "slices and pipeline stages are not recorded in the format.")
+    degrees = model_parallel_degrees()
+    for what in ("mp_degree", "pp_degree"):
+        if degrees[what] > 1:
+            raise NotImplementedError(
+                f"save/load_checkpoint with {what} > 1 is not supported yet: tensor "
+                "slices and pipeline stages are not recorded in the format.")
 
 
 def _writer(sp) -> bool:

@@ -34,6 +34,7 @@ from ..config.schema import (AUTO, ConfigError, HSDPConfig, load_config,
                              ranks_per_node_from_env, resolve_degrees)
 from ..engine.api import FSDPModule, full_state_dict
 from ..patches.clip import last_global_norm
+from ..topology.mesh import model_parallel_degrees
 
 logger = logging.getLogger(__name__)
 
@@ -238,15 +239,9 @@ def _refuse_partial_export(model) -> None:
     """Export under tensor or pipeline parallelism is refused, from what is local and
     alike on every rank (fleet's mp/pp degrees, Paddle's ``is_distributed`` marks):
     each rank holds only its slices or stage, which would load silently wrong."""
-    from paddle.distributed.fleet.base import topology as fleet_topology
-
-    hcg = fleet_topology._HYBRID_PARALLEL_GROUP
-    degrees = {}
-    if hcg is not None:
-        degrees = {"mp_degree": hcg.get_model_parallel_world_size(),
-                   "pp_degree": hcg.get_pipe_parallel_world_size()}
+    degrees = model_parallel_degrees()
     split = [n for n, p in model.named_parameters() if getattr(p, "is_distributed", False)]
-    bad = ", ".join(f"{k} {v}" for k, v in degrees.items() if v > 1)
+    bad = ", ".join(f"{k} {degrees[k]}" for k in ("mp_degree", "pp_degree") if degrees[k] > 1)
     if bad or split:
         named = f" (mp-split parameters, e.g. {split[0]!r})" if split else ""
         raise NotImplementedError(

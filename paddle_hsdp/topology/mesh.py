@@ -48,6 +48,17 @@ def _size(hcg, getter: str) -> int:
     return getattr(hcg, getter)() if hasattr(hcg, getter) else 1
 
 
+def model_parallel_degrees(hcg=None) -> dict[str, int]:
+    """fleet's degrees of the axes that split a model rather than its data (1 where the
+    HCG has no such axis; all 1 before fleet.init). ``hcg``: fleet's, by default. Local
+    and alike on every rank, so a refusal read from it is taken by every rank."""
+    hcg = fleet_topology._HYBRID_PARALLEL_GROUP if hcg is None else hcg
+    return {"mp_degree": _size(hcg, "get_model_parallel_world_size"),
+            "pp_degree": _size(hcg, "get_pipe_parallel_world_size"),
+            "sep_degree": _size(hcg, "get_sep_parallel_world_size"),
+            "cp_degree": _size(hcg, "get_context_parallel_world_size")}
+
+
 class HCGMesh:
     """The HSDP groups ``fleet.init`` built, for dense and expert buffers.
 
@@ -345,11 +356,7 @@ def check_mesh_against_fleet(plan: MeshPlan, hcg) -> None:
     copies outside it drift apart silently. Tensor, pipeline, sep and context
     parallelism need the fleet groups (the clip and the replicas of mp-shared params
     depend on them): pass ``mesh=None`` there."""
-    sizes = {"mp_degree": _size(hcg, "get_model_parallel_world_size"),
-             "pp_degree": _size(hcg, "get_pipe_parallel_world_size"),
-             "sep_degree": _size(hcg, "get_sep_parallel_world_size"),
-             "cp_degree": _size(hcg, "get_context_parallel_world_size")}
-    others = {k: v for k, v in sizes.items() if v > 1}
+    others = {k: v for k, v in model_parallel_degrees(hcg).items() if v > 1}
     if others:
         raise NotImplementedError(
             f"fully_shard(mesh=...) next to fleet's {others}: use mesh=None, which takes "

@@ -19,7 +19,7 @@ single-process reference that runs the same code on the whole batch:
    scales the carried grads in place, as Paddle's does), HSDP and HFSDP;
 7. ``skipped_backward``: a forward with grad and no backward leaves nothing gathered
    for the next backward (gathered units and bytes at their peak, as in a plain step);
-8. ``rss``: 200 steps (after 60) grow the resident set no faster than a plain Paddle loop does;
+8. ``rss``: 200 steps (after 60) grow the resident set no faster than plain Paddle's;
 9. ``skip_mismatch``: a block skipped on some ranks, from step 0 and from step 2, is a
    CollectiveMismatchError naming the units on every rank, in well under a second,
    and the model trains on afterwards like the reference that skipped that step.
@@ -273,8 +273,8 @@ dist.all_reduce(t, op=dist.ReduceOp.MAX)
 worst = t.numpy()
 if np.any(hsdp > plain + MARGIN):
     failures.append(f"growth per step: HSDP {hsdp.tolist()}, plain Paddle {plain.tolist()}")
-print("USER_CODE growth per step over 200 steps (worst rank; bound plain + 1 block, 256 B, 2 KB RSS): "
-      f"HSDP {worst[0]:.2f} Python blocks, {worst[1]:.0f} B malloc'd, {worst[2]:.0f} B RSS; "
+print("USER_CODE growth per step over 200 steps (worst rank; bound plain + 1 block, 256 B, "
+      f"2 KB RSS): HSDP {worst[0]:.2f} Python blocks, {worst[1]:.0f} B malloc'd, {worst[2]:.0f} B RSS; "
       f"plain Paddle {worst[3]:.2f} blocks, {worst[4]:.0f} B, {worst[5]:.0f} B RSS", flush=True)
 
 
