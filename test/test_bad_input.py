@@ -26,6 +26,7 @@ from paddle_hsdp import checkpoint
 from paddle_hsdp.__main__ import main as cli
 from paddle_hsdp.topology import fleet as fleet_ext
 from paddle_hsdp.topology import layout as topology
+from test_checkpoint_3d import FakeHCG
 from test_engine_single import fake_mesh, registry  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -381,7 +382,7 @@ def _save_extra(tmp_path):
 
 
 @row("`save_checkpoint(path, model)`", "a directory that is not a checkpoint (`notes.txt`)",
-     checkpoint.CheckpointError, "is not a paddle_hsdp-checkpoint/1 checkpoint", "notes.txt",
+     checkpoint.CheckpointError, "is not a paddle_hsdp-checkpoint/2 checkpoint", "notes.txt",
      "nothing was written")
 def _save_onto_foreign_directory(tmp_path, net):
     (tmp_path / "notes.txt").write_text("mine")
@@ -444,15 +445,30 @@ def _save_pretrained_of_sharded(tmp_path):
     model.save_pretrained(str(tmp_path / "out"))
 
 
-@row("`export_pretrained(model, dir)`", "a model with tensor-parallel slices "
-     "(`is_distributed` params) or fleet's mp/pp degree > 1", NotImplementedError,
-     "export_pretrained", "mp_degree 1", "Nothing was written")
-def _export_of_tensor_parallel(tmp_path):
+@row("`export_pretrained(model, dir)`", "a model with expert parameters under expert "
+     "parallelism (ep_degree 2)", NotImplementedError, "export_pretrained", "ep_degree 1",
+     "save_checkpoint", "consolidate", "Nothing was written")
+def _export_of_expert_parallel(tmp_path, monkeypatch):
+    from paddle.distributed.fleet.base import topology as fleet_topology
+
     from paddle_hsdp.integrations.paddleformers import export_pretrained
 
     model = _Pretrained(paddle.nn.Linear(4, 6), paddle.nn.Linear(6, 2))
-    model.parameters()[0].is_distributed = True
+    paddle_hsdp.mark_expert_params(model[1])
+    monkeypatch.setattr(fleet_topology, "_HYBRID_PARALLEL_GROUP", FakeHCG(ep=2))
     export_pretrained(model, str(tmp_path / "out"))
+
+
+@row("`save_checkpoint(path, model)`", "under tensor parallelism, a parameter marked "
+     "`is_distributed` without `split_axis`", NotImplementedError, "is_distributed",
+     "split_axis", "Give it split_axis")
+def _save_split_without_axis(tmp_path, monkeypatch):
+    from paddle.distributed.fleet.base import topology as fleet_topology
+
+    model = paddle.nn.Linear(4, 6)
+    model.weight.is_distributed = True
+    monkeypatch.setattr(fleet_topology, "_HYBRID_PARALLEL_GROUP", FakeHCG(mp=2))
+    paddle_hsdp.save_checkpoint(tmp_path / "ck", model)
 
 
 @row("`python -m paddle_hsdp.checkpoint inspect CKPT`", "a missing checkpoint", _Exit,

@@ -1,10 +1,15 @@
 """Sharded checkpoints that load into another layout: ``save_checkpoint`` /
 ``load_checkpoint``, and ``python -m paddle_hsdp.checkpoint inspect / consolidate``.
 
-:mod:`.format` (the format, reading checked rows, the ranks' agreement), :mod:`.items`
-(what this rank holds), :mod:`.save`, :mod:`.load` and :mod:`.cli` (``inspect``,
-``consolidate``). Paddle's ``flex_checkpoint`` sees HSDP shards through
-:mod:`paddle_hsdp.engine.flex` (``model.sharded_state_dict()``) and
+:mod:`.format` (the format, reading checked boxes, the ranks' agreement), :mod:`.boxes`
+(box arithmetic), :mod:`.names` (the names tensors are saved under), :mod:`.items`
+(what this rank holds, each a box of its full tensor), :mod:`.tp_merge` (models whose
+tensor-parallel merge is not a concatenation), :mod:`.save`, :mod:`.load`,
+:mod:`.full_model` (every shard, mp slice and stage joined on rank 0: what
+``export_pretrained`` writes) and :mod:`.cli` (``inspect``, ``consolidate``). Where a
+tensor-parallel slice sits in the full tensor is
+:mod:`paddle_hsdp.topology.placement`'s. Paddle's ``flex_checkpoint`` sees HSDP shards
+through :mod:`paddle_hsdp.engine.flex` (``model.sharded_state_dict()``) and
 :mod:`paddle_hsdp.patches.flex_optimizer` (``optimizer.sharded_state_dict(...)``).
 """
 

@@ -14,7 +14,7 @@ from safetensors.paddle import save_file
 
 import paddle
 
-from .format import FORMAT, CheckpointError, _Reader, _read_rows, read_metadata
+from .format import CheckpointError, _Reader, read_metadata, read_whole
 
 
 # The file's safetensors metadata: what it is, so no loader or reader takes it for a
@@ -48,8 +48,7 @@ def consolidate(path, out) -> list[str]:
     for name, entry in meta["tensors"].items():
         if "/optim/" in name:
             continue
-        rows = entry["shape"][0] if entry["shape"] else 1
-        full[name] = _read_rows(reader, name, entry, 0, rows).reshape(entry["shape"])
+        full[name] = read_whole(reader, name, entry)
     for alias, name in meta["aliases"].items():
         full[alias] = full[name]
     parent = os.path.dirname(os.path.abspath(os.fspath(out)))
@@ -65,22 +64,38 @@ def _dtype_of(meta, name) -> str:
 
 
 def describe(path) -> str:
-    """What a checkpoint holds, as text (the ``inspect`` command)."""
+    """What a checkpoint holds, as text (the ``inspect`` command): the saving layout,
+    then each tensor's full shape, dtype, pieces and how tensor and pipeline
+    parallelism held it."""
     meta = read_metadata(path)
-    lines = [f"{path}: {FORMAT}, saved {meta.get('saved_at')} by {meta['world_size']} "
-             f"rank(s); extra: {json.dumps(meta.get('extra'))}"]
-    total = 0
+    layout = meta.get("layout") or {}
+    shown = ", ".join(f"{k} {v}" for k, v in layout.items())
+    lines = [f"{path}: {meta['format']}, saved {meta.get('saved_at')} by "
+             f"{meta['world_size']} rank(s){f' ({shown})' if shown else ''}; extra: "
+             f"{json.dumps(meta.get('extra'))}"]
+    full = written = 0
     for name, t in sorted(meta["tensors"].items()):
-        numel = int(np.prod(t["shape"])) if t["shape"] else 1
-        total += numel * np.dtype(t["dtype"]).itemsize
+        itemsize = np.dtype(_numpy_dtype(t["dtype"])).itemsize
+        full += int(np.prod(t["shape"])) * itemsize if t["shape"] else itemsize
+        written += sum(int(np.prod(p["shape"])) for p in t["pieces"]) * itemsize
+        axes = []
+        if t.get("split"):
+            axes.append(f"tp: axis {t['split']['axis']} / {t['split']['degree']}")
+        if t.get("stages"):
+            axes.append(f"stage {','.join(str(s) for s in t['stages'])}")
         lines.append(f"  {name:50s} {str(t['shape']):>18s} {t['dtype']:8s} "
-                     f"{len(t['pieces'])} piece(s)")
+                     f"{len(t['pieces'])} piece(s){'  ' + '; '.join(axes) if axes else ''}")
     for alias, name in sorted(meta["aliases"].items()):
         lines.append(f"  {alias:50s} = {name} (tied)")
     files = sorted({p["file"] for t in meta["tensors"].values() for p in t["pieces"]})
-    lines.append(f"{len(meta['tensors'])} tensors, {total / 2**20:.1f} MiB in {len(files)} "
-                 f"file(s)")
+    disk = sum(os.path.getsize(os.path.join(os.fspath(path), f)) for f in files)
+    lines.append(f"{len(meta['tensors'])} tensors, {full / 2**20:.1f} MiB; written once: "
+                 f"{written} of {full} bytes in {len(files)} file(s), {disk} bytes on disk")
     return "\n".join(lines)
+
+
+def _numpy_dtype(name: str) -> str:
+    return "uint16" if name == "bfloat16" else name
 
 
 def main(argv=None) -> int:

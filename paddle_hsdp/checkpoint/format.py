@@ -1,38 +1,36 @@
-"""The checkpoint format: its metadata, reading checked rows back, and the ranks' agreement.
+"""The checkpoint format: its metadata, reading checked boxes back, and the ranks'
+agreement.
 
 Format (a directory)::
 
-    CKPT/metadata.json            every tensor: global shape, dtype, where its pieces are
+    CKPT/metadata.json            every tensor: full shape, dtype, where its pieces are
     CKPT/rank-00003.safetensors   the pieces one rank wrote
 
-A tensor is a model parameter or buffer (by its structured name in the unsharded
-model; tied aliases are recorded as aliases) or an optimizer state of a parameter
-(``NAME/optim/moment1``, ``.../moment2``, ``.../beta1_pow_acc``, ...,
-``.../master_weight``). A piece is a run of dim-0 rows, without padding rows, with the
-file and key that hold it and a CRC-32 per chunk of about 4 MiB of its rows. Each
-distinct block is written once: of the outer replicas that hold it, one writes, chosen
-per buffer so the writing spreads over the replicas. Tensor data is safetensors, metadata JSON: nothing is
-unpickled when loading.
+A tensor is a model parameter or buffer under its checkpoint name (checkpoint/names.py:
+the unsharded one-process model's name; tied aliases recorded as aliases; local experts
+by global index) or an optimizer state of a parameter (``NAME/optim/moment1``,
+``.../moment2``, ``.../beta1_pow_acc``, ..., ``.../master_weight``), with its full
+(logical) shape: a tensor-parallel parameter's whole, not its slice. A piece is a box of
+it (checkpoint/boxes.py: ``offset`` and ``shape``, without padding; the inner block of
+rows of one mp slice), with the file and key that hold it and a CRC-32 per chunk of
+about 4 MiB of its rows. A tensor-parallel tensor records its ``split`` (axis, degree)
+and, under pipeline parallelism, the ``stages`` that hold it. Each distinct piece is
+written once, by one of the ranks that hold it (checkpoint/save.py). Tensor data is
+safetensors, metadata JSON: nothing is unpickled when loading.
 
-``load_checkpoint`` reads, of the pieces overlapping this rank's blocks, only the CRC
-chunks covering its rows (memory-mapped safetensors slices), checks shapes, dtypes and
-CRCs, agrees with every rank that all is well
-(one small all-reduce), and only then writes parameters and optimizer state: a bad
-checkpoint raises ``CheckpointError`` on every rank and changes nothing. It loads into
-any inner/outer layout and world size, and into a plain model and optimizer in a
-process that never called ``fleet.init``.
+``load_checkpoint`` reads, of the pieces overlapping this rank's boxes, only the CRC
+chunks covering them (memory-mapped safetensors slices), checks shapes, dtypes and
+CRCs, agrees with every rank that all is well (one small all-gather), and only then
+writes parameters and optimizer state: a bad checkpoint raises ``CheckpointError`` on
+every rank and changes nothing. It loads into any (mp, pp, sharding, outer, ep) layout
+whose model has the same full tensors, and into a plain model and optimizer in a
+process that never called ``fleet.init``; version 1 checkpoints (rows only) still load.
 
 Saving is atomic: ranks write into ``CKPT.tmp-<token>``, agree that every write
 succeeded, rank 0 writes the metadata and renames the directory into place (an older
 ``CKPT`` is replaced only then). A failure on any rank leaves the previous checkpoint
 as it was and raises on every rank. The directory must be visible to every rank (a
 shared filesystem across machines).
-
-Expert parameters: local experts marked with ``mark_expert_params(layer,
-global_indices=...)`` are stored under their global expert index, so a checkpoint saved
-with one expert-parallel degree loads with another (EP 2 -> EP 1 and back).
-
-Not yet (docs/checkpoints.md): tensor or pipeline parallelism next to HSDP.
 """
 
 
@@ -51,8 +49,10 @@ import paddle.distributed as dist
 
 from ..comm import collectives as comm
 from ..comm import watchdog
+from .boxes import dims, intersect, relative, volume
 
-FORMAT = "paddle_hsdp-checkpoint/1"
+FORMAT = "paddle_hsdp-checkpoint/2"
+FORMAT_V1 = "paddle_hsdp-checkpoint/1"  # rows only (no tensor-parallel boxes): still loads
 META = "metadata.json"
 
 
@@ -77,13 +77,16 @@ def _errors_everywhere(error: str | None, what: str = "a checkpoint call") -> li
 _TAG = "checkpoint"
 
 
-def _gather_json(obj, what: str = "a checkpoint call") -> list:
-    """Every rank's JSON-serialisable ``obj``, in rank order (no pickling)."""
-    rank, world = _rank_world()
-    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+def _gather_json(obj, what: str = "a checkpoint call", group=None) -> list:
+    """Every rank's JSON-serialisable ``obj``, in rank order (no pickling), over
+    ``group`` (default: every rank)."""
+    if not dist.is_initialized() or (group is not None and group.nranks == 1):
+        return [obj]
+    group = dist.collective._get_global_group() if group is None else group
+    world = group.nranks
     if world == 1:
         return [obj]
-    group = dist.collective._get_global_group()
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     sizes = paddle.zeros([world], dtype="int64")
     comm.all_gather_into(sizes, paddle.to_tensor([len(data)], dtype="int64"), group,
                          tag=_TAG, what=f"{what}: the ranks' message sizes")
@@ -120,9 +123,21 @@ def read_metadata(path) -> dict:
         raise CheckpointError(f"{path!r} is not a checkpoint: no {META}") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
-    if meta.get("format") != FORMAT or not isinstance(meta.get("tensors"), dict):
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V1) \
+            or not isinstance(meta.get("tensors"), dict):
         raise CheckpointError(f"{meta_path}: not a {FORMAT} checkpoint")
+    if meta["format"] == FORMAT_V1:
+        _upgrade_v1(meta)
     return meta
+
+
+def _upgrade_v1(meta: dict) -> None:
+    """A version 1 checkpoint's pieces (runs of dim-0 rows) as boxes."""
+    for entry in meta["tensors"].values():
+        rest = dims(entry["shape"])[1:]
+        for piece in entry["pieces"]:
+            piece["offset"] = [piece.pop("row0")] + [0] * len(rest)
+            piece["shape"] = [piece.pop("rows")] + rest
 
 
 CHUNK_BYTES = 4 << 20  # a CRC per ~4 MiB of rows: a load reads and checks only those
@@ -142,10 +157,11 @@ class _Reader:
 
     def rows(self, name, piece, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of ``piece`` (piece-relative)."""
-        chunk = piece.get("chunk_rows", piece["rows"])
+        total = piece["shape"][0]
+        chunk = piece.get("chunk_rows", total)
         crcs = piece["crc32"] if isinstance(piece["crc32"], list) else [piece["crc32"]]
         first, last = lo // chunk, (hi - 1) // chunk
-        start, stop = first * chunk, min((last + 1) * chunk, piece["rows"])
+        start, stop = first * chunk, min((last + 1) * chunk, total)
         fname = os.path.join(self.path, piece["file"])
         try:
             if fname not in self.files:
@@ -163,14 +179,29 @@ class _Reader:
         return array[lo - start:hi - start]
 
 
-def _read_rows(reader, name, entry, row0, rows):
-    """Rows ``[row0, row0 + rows)`` of a tensor, from the pieces that overlap them."""
-    parts = []
+def read_whole(reader, name, entry) -> np.ndarray:
+    """The whole tensor ``name`` (its full shape), from every piece."""
+    shape = dims(entry["shape"])
+    return read_box(reader, name, entry, [0] * len(shape), shape).reshape(entry["shape"])
+
+
+def read_box(reader, name, entry, offset, shape) -> np.ndarray:
+    """The box ``offset`` + ``shape`` of a tensor, from the pieces that overlap it."""
+    want = (tuple(offset), tuple(shape))
+    out, got = None, 0
     for piece in entry["pieces"]:
-        lo, hi = max(row0, piece["row0"]), min(row0 + rows, piece["row0"] + piece["rows"])
-        if lo < hi:
-            parts.append(reader.rows(name, piece, lo - piece["row0"], hi - piece["row0"]))
-    got = sum(p.shape[0] for p in parts)
-    if got != rows:
-        raise CheckpointError(f"{name}: the checkpoint holds {got} of the {rows} rows needed")
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        have = (tuple(piece["offset"]), tuple(piece["shape"]))
+        common = intersect(want, have)
+        if common is None:
+            continue
+        rows = relative(common, have)
+        array = reader.rows(name, piece, rows[0].start, rows[0].stop)
+        part = array[(slice(None),) + rows[1:]]
+        if out is None:
+            out = np.empty(shape, dtype=part.dtype)
+        out[relative(common, want)] = part
+        got += volume(common[1])
+    if got != volume(shape):
+        raise CheckpointError(f"{name}: the checkpoint holds {got} of the {volume(shape)} "
+                              "elements needed")
+    return out

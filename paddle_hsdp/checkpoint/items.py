@@ -1,12 +1,16 @@
-"""What this rank holds of a checkpoint: one item per tensor (or its block of rows),
-model parameters and buffers by their structured names in the unsharded model, and
-the optimizer's states of each as ``NAME/optim/STATE``.
+"""What this rank holds of a checkpoint: one item per tensor (or its block), model
+parameters and buffers under their checkpoint names (checkpoint/names.py), the
+optimizer's states of each as ``NAME/optim/STATE``.
 
-A sharded parameter's item is its inner block (read from and written into the
-buffer's flat shard, every outer sub-shard of it: a load needs no collective); its
-optimizer states' items are the rows the optimizer holds, which with outer sub-shards
-(``fsdp_outer_sharding="optim"``) are distinct on every rank, so every rank writes its
-own."""
+An item is a box of the full (logical) tensor (checkpoint/boxes.py): a sharded
+parameter's inner block of rows (read from and written into the buffer's flat shard,
+every outer sub-shard of it: a load needs no collective) of this rank's
+tensor-parallel slice (checkpoint/placement.py); an unsharded tensor's whole slice.
+Its optimizer states' items are the rows the optimizer holds, which with outer
+sub-shards (``fsdp_outer_sharding="optim"``) are distinct on every rank; scalar states
+(beta powers) are one element. Which rank writes an item is not decided here: the
+save asks every rank what it holds (checkpoint/save.py).
+"""
 
 from __future__ import annotations
 
@@ -14,22 +18,36 @@ import numpy as np
 
 import paddle
 
-from ..engine.experts import names_and_aliases
+from ..engine.experts import global_names
 from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from ..engine.registry import managed_param, registry
 from ..hints import expect_layer, expect_optimizer
-from ..topology.mesh import model_parallel_degrees
-from .format import _rank_world
+from ..topology.placement import ModelAxes
+from .boxes import dims
+from .names import checkpoint_names
+from .tp_merge import check_merge_is_concat
 
 
 class _Item:
-    """One checkpoint tensor as this rank holds it: rows ``[row0, row0 + rows)`` of a
-    tensor of ``shape``; ``get()`` reads them, ``put(array)`` writes them back."""
+    """One checkpoint tensor as this rank holds it: the box ``offset`` + ``size`` of a
+    tensor of ``shape`` (the full one); ``get()`` reads it, ``put(array)`` writes it
+    back. ``split``: how tensor parallelism cut it; ``tag``: what tells its data apart
+    from a same-named box of another rank; ``stage``: its pipeline stage."""
 
-    def __init__(self, name, shape, dtype, row0, rows, writes, get, put):
+    def __init__(self, name, shape, dtype, offset, size, get, put, split=None, tag="",
+                 stage=0):
         self.name, self.shape, self.dtype = name, [int(d) for d in shape], dtype
-        self.row0, self.rows, self.writes = row0, rows, writes
+        self.offset, self.size = [int(d) for d in offset], [int(d) for d in size]
         self.get, self.put = get, put
+        self.split, self.tag, self.stage = split, tag, stage
+
+    @property
+    def empty(self) -> bool:
+        return any(d == 0 for d in self.size)
+
+    def descriptor(self) -> list:
+        """What the ranks exchange about it before a save (JSON)."""
+        return [self.name, self.offset, self.size, self.tag, self.shape]
 
 
 def _dtype_name(dtype) -> str:
@@ -38,46 +56,37 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("paddle.", "")
 
 
-def _check_supported(model) -> None:
-    degrees = model_parallel_degrees()
-    for what in ("mp_degree", "pp_degree"):
-        if degrees[what] > 1:
-            raise NotImplementedError(
-                f"save/load_checkpoint with {what} > 1 is not supported yet: tensor "
-                "slices and pipeline stages are not recorded in the format.")
-
-
-def _writer(sp) -> bool:
-    """Whether this rank writes ``sp``'s block: one outer replica per buffer, rotating
-    with the buffer so the writing spreads over the replicas."""
-    buf = registry.buffer_of(sp)
-    return buf.outer.rank == (buf.unit_index + buf.index) % buf.outer.nranks
-
-
-def _state_writer(sp) -> bool:
-    """Whether this rank writes the optimizer states of ``sp``: the block's writer, or
-    with outer sub-shards every rank (each holds different rows)."""
-    return sp.parts > 1 or _writer(sp)
-
-
-def _param_items(model) -> tuple[list[_Item], dict, dict]:
-    canonical, aliases = names_and_aliases(model)
-    rank, _ = _rank_world()
-    items, by_shard = [], {}
+def _param_items(model, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
+    canonical, aliases = checkpoint_names(model)
+    renamed_experts = tuple(global_names(model).values())
+    items, by_shard, split = [], {}, {}
     for name, value in canonical.items():
         sp = managed_param(value)
-        if sp is None:  # not sharded: the same on every rank; rank 0 writes it
-            items.append(_Item(name, value.shape, _dtype_name(value.dtype), 0,
-                               int(value.shape[0]) if value.shape else 1, rank == 0,
-                               _getter(value, None), _putter(value, None)))
-            by_shard[id(value)] = name
-            continue
-        start, count = sp.row_range(sub=False)
-        buf = registry.buffer_of(sp)
-        items.append(_Item(name, sp.shape, _dtype_name(sp.dtype), start, count, _writer(sp),
-                           _block_getter(buf, sp, count), _block_putter(buf, sp, count)))
-        by_shard[id(sp.shard)] = name
+        original = value if sp is None else sp.full  # the one with Paddle's marks
+        local = list(value.shape) if sp is None else sp.shape
+        place = axes.place(original, local, name.startswith(renamed_experts))
+        if place.split is not None:
+            split[name] = (original, local)
+        if sp is None:  # not sharded: the whole slice (a replica on every sharding rank)
+            start, count = 0, (local or [1])[0]
+            get, put = _getter(value, None), _putter(value, None)
+        else:
+            start, count = sp.row_range(sub=False)
+            buf = registry.buffer_of(sp)
+            get, put = _block_getter(buf, sp, count), _block_putter(buf, sp, count)
+        items.append(_placed(name, place, _dtype_name(value.dtype), start, count, get, put,
+                             axes.stage))
+        by_shard[id(value if sp is None else sp.shard)] = name
+    if split:
+        check_merge_is_concat(model, split, axes.mp_degree)
     return items, by_shard, aliases
+
+
+def _placed(name, place, dtype, start, count, get, put, stage) -> _Item:
+    """The item of rows ``[start, start + count)`` of a tensor's slice at ``place``."""
+    offset, size = place.rows(start, count)
+    return _Item(name, place.full_shape, dtype, offset, size, get, put, place.split,
+                 place.tag, stage)
 
 
 def _block_getter(buf, sp, rows):
@@ -121,8 +130,9 @@ def _putter(tensor, rows):
 
 
 def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item]:
-    """AdamW-style accumulators and master weights, as blocks of their parameter's rows
-    (``moment1``) or whole (``beta1_pow_acc``, shape [1])."""
+    """AdamW-style accumulators and master weights, as boxes like their parameter's
+    (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
+    element (``beta1_pow_acc``, shape [1], the same wherever it is held)."""
     _ensure_accumulators(optimizer)
     items = []
     for p in _params_of(optimizer):
@@ -131,30 +141,36 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
             continue
         owner = param_items[name]
         sp = managed_param(p)
-        row0, rows, writes = owner.row0, owner.rows, owner.writes
+        offset, size = list(owner.offset), list(owner.size)
         if sp is not None:  # the rows the optimizer holds (the sub-block with parts)
-            (row0, rows), writes = sp.row_range(sub=True), _state_writer(sp)
+            sub_start, rows = sp.row_range(sub=True)
+            offset[0] += sub_start - sp.row_range(sub=False)[0]
+            size[0] = rows
         for acc, t in sorted(_states_of(optimizer, p).items()):
+            key = f"{name}/optim/{acc}"
             if list(t.shape) == list(p.shape):  # a block like its parameter
-                items.append(_Item(f"{name}/optim/{acc}", owner.shape, _dtype_name(t.dtype),
-                                   row0, rows, writes, _getter(t, rows), _putter(t, rows)))
+                items.append(_Item(key, owner.shape, _dtype_name(t.dtype), offset, size,
+                                   _getter(t, size[0]), _putter(t, size[0]), owner.split,
+                                   owner.tag, owner.stage))
             else:  # a scalar, the same on every rank holding the parameter
-                items.append(_Item(f"{name}/optim/{acc}", t.shape, _dtype_name(t.dtype), 0,
-                                   int(t.shape[0]), writes and row0 == 0,
-                                   _getter(t, None), _putter(t, None)))
+                items.append(_Item(key, t.shape, _dtype_name(t.dtype), [0], dims(t.shape),
+                                   _getter(t, None), _putter(t, None), None, owner.tag,
+                                   owner.stage))
     return items
 
 
 def _all_items(model, optimizer, call: str):
+    """``(items, aliases, optimizer, axes)`` of this rank, after the checks every rank
+    makes alike (before any collective)."""
     expect_layer(model, f"{call}(path, model)")
     if optimizer is not None:
         expect_optimizer(optimizer, f"{call}(path, model, optimizer)")
-    _check_supported(model)
+    axes = ModelAxes()
+    items, by_shard, aliases = _param_items(model, axes)
     for unit in registry.units_under(model):  # every rank: owed outer rebuilds run here
         unit.ensure_rebuilt()
-    items, by_shard, aliases = _param_items(model)
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         by_name = {it.name: it for it in items}
         items += _optimizer_items(optimizer, by_shard, by_name)
-    return items, aliases, optimizer
+    return items, aliases, optimizer, axes

@@ -8,7 +8,7 @@ import os
 from ..comm.arrival import expect_everyone
 from ..engine.registry import units_under
 from .format import (CheckpointError, _errors_everywhere, _gather_json, _rank_world, _Reader,
-                     _read_rows, read_metadata)
+                     read_box, read_metadata)
 from .items import _all_items
 
 
@@ -18,7 +18,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     collective on a sharded model: call it on every rank. Nothing changes unless every
     rank read everything it needs."""
     path = os.path.abspath(os.fspath(path))
-    items, aliases, optimizer = _all_items(model, optimizer, "load_checkpoint")
+    items, aliases, optimizer, _ = _all_items(model, optimizer, "load_checkpoint")
     call = f"load_checkpoint({path!r})"
     expect_everyone(None, call)
     loaded, error, meta, unexpected = [], None, None, []
@@ -57,7 +57,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
 
 
 def _read_items(path, meta, items, optimizer, unexpected) -> list:
-    """``[(item, rows read)]`` for every item, after checking names, shapes, CRCs."""
+    """``[(item, box read)]`` for every item, after checking names, full shapes, CRCs."""
     tensors = meta["tensors"]
     missing = sorted({it.name for it in items} - set(tensors))
     if optimizer is None:
@@ -72,8 +72,18 @@ def _read_items(path, meta, items, optimizer, unexpected) -> list:
         entry = tensors[it.name]
         if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
             raise CheckpointError(
-                f"{it.name}: checkpoint has shape {entry['shape']} {entry['dtype']}, "
-                f"the model {it.shape} {it.dtype}")
-        if it.rows:
-            loaded.append((it, _read_rows(reader, it.name, entry, it.row0, it.rows)))
+                f"{it.name}: the checkpoint has full shape {entry['shape']} {entry['dtype']}, "
+                f"this model {it.shape} {it.dtype}{_split_note(entry, it)}; a layout maps only "
+                "onto a model with the same full tensors")
+        if not it.empty:
+            loaded.append((it, read_box(reader, it.name, entry, it.offset, it.size)))
     return loaded
+
+
+def _split_note(entry, item) -> str:
+    """How each side's tensor parallelism cut the tensor, when either did."""
+    saved, here = entry.get("split"), item.split
+    if saved is None and here is None:
+        return ""
+    return (f" (tensor-parallel split saved {saved or 'none'}, here {here or 'none'}: the "
+            "full shapes are compared, so a different mp degree alone is fine)")

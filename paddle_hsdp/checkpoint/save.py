@@ -1,7 +1,15 @@
-"""``save_checkpoint``: every rank writes its pieces into ``CKPT.tmp-<token>``, all agree
-that every write succeeded, rank 0 writes the metadata and renames the directory into
-place (an older ``CKPT`` is replaced only then). A failure on any rank leaves the
-previous checkpoint as it was and raises on every rank."""
+"""``save_checkpoint``: every rank says which boxes it holds, each distinct box gets one
+writer among its holders (spread over them), every rank writes its pieces into
+``CKPT.tmp-<token>``, all agree that every write succeeded, rank 0 writes the metadata
+and renames the directory into place (an older ``CKPT`` is replaced only then). A
+failure on any rank leaves the previous checkpoint as it was and raises on every rank.
+
+Which ranks hold the same box is learnt, not derived from the layout: outer replicas,
+the mp ranks of a parameter tensor parallelism does not split, the sharding ranks of
+an unsharded tensor, two stages of a shared layer all hold the same box, so one of
+them writes it. Boxes of one name that overlap without being equal (two EP ranks'
+local experts without global indices) are refused before anything is written.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from safetensors.numpy import save_file
 
 from ..comm.arrival import expect_everyone
 
+from .boxes import tiling_error
 from .format import (FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world,
                      _token, read_metadata)
 from .items import _all_items
@@ -35,23 +44,27 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
         json.dumps(extra)  # not serialisable: TypeError here, on every rank alike
     path = os.path.abspath(os.fspath(path))
     rank, world = _rank_world()
-    items, aliases, optimizer = _all_items(model, optimizer, "save_checkpoint")
+    items, aliases, optimizer, axes = _all_items(model, optimizer, "save_checkpoint")
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
     token = _token(call)
     tmp = f"{path}.tmp-{token}"
-    pieces, error = {}, _refusal_to_replace(path)
+    held = [it for it in items if not it.empty]
+    everyone = _gather_json([it.descriptor() for it in held], call)
+    pieces, error = {}, _refusal_to_replace(path) or _refusal_to_tile(everyone)
     if error is None:
         try:
-            pieces = _write_pieces(tmp, rank, items)
+            mine = writers(everyone)
+            pieces = _write_pieces(tmp, rank, [it for it in held if mine[_key(it.descriptor())]
+                                               == rank])
         except Exception as e:  # every rank must learn of it: agree below
             error = f"rank {rank}: {type(e).__name__}: {e}"
-    everyone = _gather_json({"pieces": pieces, "error": error}, call)
-    errors = [r["error"] for r in everyone if r["error"]]
+    manifests = _gather_json({"pieces": pieces, "error": error}, call)
+    errors = [r["error"] for r in manifests if r["error"]]
     if rank == 0:
         if not errors:
             try:
-                _publish(path, tmp, items, everyone, aliases, optimizer, extra, world)
+                _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes)
             except Exception as e:
                 errors.append(f"rank 0: {type(e).__name__}: {e}")
         if errors:  # before the others learn the outcome: they return to a clean dir
@@ -63,20 +76,57 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
                               f"(if any) is unchanged. {outcome}")
 
 
+def _key(descriptor) -> str:
+    return json.dumps(descriptor)
+
+
+def writers(everyone: list) -> dict:
+    """``{box key: the rank that writes it}`` from every rank's descriptors (the same on
+    every rank): one holder per distinct box, chosen by a hash of the box so the
+    writing spreads over its holders."""
+    holders = {}
+    for rank, descriptors in enumerate(everyone):
+        for d in descriptors:
+            holders.setdefault(_key(d), []).append(rank)
+    return {key: ranks[zlib.crc32(key.encode()) % len(ranks)] for key, ranks in holders.items()}
+
+
+def _refusal_to_tile(everyone: list) -> str | None:
+    """Why the ranks' boxes do not tile every tensor exactly once (the same answer on
+    every rank, from the same descriptors), or None."""
+    boxes, shapes = {}, {}
+    for descriptors in everyone:
+        for name, offset, size, tag, shape in descriptors:
+            boxes.setdefault(name, {})[json.dumps([offset, size, tag])] = (offset, size, tag)
+            shapes.setdefault(name, set()).add(tuple(shape))
+    for name, distinct in sorted(boxes.items()):
+        if len(shapes[name]) > 1:
+            return (f"{name}: the ranks disagree on its full shape "
+                    f"({' vs '.join(str(list(s)) for s in sorted(shapes[name]))})")
+        why = tiling_error(next(iter(shapes[name])),
+                           [(tuple(o), tuple(s)) for o, s, _ in distinct.values()])
+        if why is None:
+            continue
+        hint = ""
+        if len({tag for _, _, tag in distinct.values()}) > 1:
+            hint = (" These are local experts of different EP ranks under one name: give "
+                    "them their global indices: mark_expert_params(layer, global_indices=...)")
+        return f"{name}: the ranks' pieces do not tile it: {why}.{hint}"
+    return None
+
+
 def _write_pieces(tmp: str, rank: int, items) -> dict:
     """Write this rank's pieces into ``tmp``; return their manifest entries."""
     os.makedirs(tmp, exist_ok=True)
     fname = f"rank-{rank:05d}.safetensors"
     pieces, tensors = {}, {}
     for it in items:
-        if not it.writes or it.rows == 0:
-            continue
-        array = np.ascontiguousarray(it.get())
+        array = np.ascontiguousarray(it.get()).reshape(it.size)
         tensors[it.name] = array
         chunk = _chunk_rows(array)
-        pieces[it.name] = {"file": fname, "key": it.name, "row0": it.row0,
-                           "shape": it.shape, "dtype": it.dtype,
-                           "rows": int(array.shape[0]), "chunk_rows": chunk,
+        pieces[it.name] = {"file": fname, "key": it.name, "offset": it.offset,
+                           "shape": it.size, "full_shape": it.shape, "dtype": it.dtype,
+                           "split": it.split, "stage": it.stage, "chunk_rows": chunk,
                            "crc32": [zlib.crc32(array[i:i + chunk].tobytes())
                                      for i in range(0, int(array.shape[0]), chunk)]}
     if tensors:
@@ -106,31 +156,28 @@ def _refusal_to_replace(path: str) -> str | None:
             "Choose another path or remove it.")
 
 
-def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> None:
+def _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes) -> None:
     tensors = {}
     for it in items:
-        tensors[it.name] = {"shape": it.shape, "dtype": it.dtype, "pieces": []}
-    for record in everyone:  # other ranks may hold tensors rank 0 has not (experts)
+        tensors[it.name] = _entry(it.shape, it.dtype, it.split)
+    stages = {}
+    for record in manifests:  # other ranks hold tensors rank 0 has not (experts, stages)
         for name, piece in record["pieces"].items():
-            shape, dtype = piece.pop("shape"), piece.pop("dtype")
-            entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+            shape, dtype = piece.pop("full_shape"), piece.pop("dtype")
+            split, stage = piece.pop("split"), piece.pop("stage")
+            entry = tensors.setdefault(name, _entry(shape, dtype, split))
             if [entry["shape"], entry["dtype"]] != [shape, dtype]:
-                raise CheckpointError(f"{name}: ranks disagree on its shape or dtype "
+                raise CheckpointError(f"{name}: ranks disagree on its full shape or dtype "
                                       f"({entry['shape']} {entry['dtype']} vs {shape} {dtype})")
             entry["pieces"].append(piece)
+            stages.setdefault(name, set()).add(stage)
     for name, t in tensors.items():
-        t["pieces"].sort(key=lambda p: p["row0"])
-        rows = t["shape"][0] if t["shape"] else 1
-        covered = sum(p["rows"] for p in t["pieces"])
-        if covered > rows:
-            raise CheckpointError(
-                f"{name}: more than one rank holds different rows {covered} > {rows} under "
-                "this name. Are these local experts of different EP ranks? Give them "
-                "their global indices: mark_expert_params(layer, global_indices=...)")
-        if covered != rows:
-            raise CheckpointError(f"{name}: pieces cover {covered} of {rows} rows")
+        t["pieces"].sort(key=lambda p: p["offset"])
+        if axes.pp_degree > 1:
+            t["stages"] = sorted(stages.get(name, ()))
     lr = getattr(optimizer, "_learning_rate", None)
-    meta = {"format": FORMAT, "world_size": world, "tensors": tensors, "aliases": aliases,
+    meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
+            "tensors": tensors, "aliases": aliases,
             "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
             "extra": extra, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     meta_path = os.path.join(tmp, META)
@@ -144,3 +191,10 @@ def _publish(path, tmp, items, everyone, aliases, optimizer, extra, world) -> No
     # the replaced checkpoint, and what an earlier save left when a rank died mid-write
     for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _entry(shape, dtype, split) -> dict:
+    entry = {"shape": shape, "dtype": dtype, "pieces": []}
+    if split is not None:
+        entry["split"] = split
+    return entry

@@ -19,6 +19,7 @@ rotation) stay its own. See docs/paddleformers.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -32,9 +33,9 @@ from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config.apply import apply_config, init_fleet_if_needed, outer_sharding_of, topology_of
 from ..config.schema import (AUTO, ConfigError, HSDPConfig, load_config,
                              ranks_per_node_from_env, resolve_degrees)
-from ..engine.api import FSDPModule, full_state_dict
+from ..checkpoint.full_model import full_model
+from ..engine.api import FSDPModule
 from ..patches.clip import last_global_norm
-from ..topology.mesh import model_parallel_degrees
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +120,10 @@ def _refuse_what_cannot_work(args) -> None:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "sep_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         if getattr(args, name, -1) > 1:
-            errors.append(f"{name}: {getattr(args, name)}; HSDPTrainer shards data-parallel "
-                          "ranks only (the HSDP checkpoint cannot record tensor, pipeline, "
-                          "sequence or expert parallel pieces); allowed: -1 or 1")
+            errors.append(f"{name}: {getattr(args, name)}; HSDPTrainer does not set up "
+                          "tensor, pipeline, sequence or expert parallelism yet (shard such "
+                          "a model yourself and train it in your own loop: docs/3d.md); "
+                          "allowed: -1 or 1")
     if args.use_expert_parallel:
         errors.append("use_expert_parallel: True is not supported by HSDPTrainer yet; train "
                       "MoE models with paddle_hsdp.apply_config in your own loop")
@@ -235,34 +237,25 @@ def cpu_synchronize_is_a_no_op():
         paddle.device.synchronize = original
 
 
-def _refuse_partial_export(model) -> None:
-    """Export under tensor or pipeline parallelism is refused, from what is local and
-    alike on every rank (fleet's mp/pp degrees, Paddle's ``is_distributed`` marks):
-    each rank holds only its slices or stage, which would load silently wrong."""
-    degrees = model_parallel_degrees()
-    split = [n for n, p in model.named_parameters() if getattr(p, "is_distributed", False)]
-    bad = ", ".join(f"{k} {degrees[k]}" for k in ("mp_degree", "pp_degree") if degrees[k] > 1)
-    if bad or split:
-        named = f" (mp-split parameters, e.g. {split[0]!r})" if split else ""
-        raise NotImplementedError(
-            f"export_pretrained: {bad or 'tensor parallelism'}{named}: this rank holds only "
-            "its tensor slices or pipeline stage, and gathering them is not supported "
-            "yet; allowed: mp_degree 1 and pp_degree 1. Nothing was written.")
-
-
 def export_pretrained(model, output_dir: str) -> None:
-    """Write ``model`` (sharded) as a directory PaddleFormers' ``from_pretrained``
-    loads exactly in a plain process: every rank gathers the full weights (a
-    collective), rank 0 writes them with the model class's own ``save_pretrained`` in
-    Hugging Face layout (PaddleFormers' own transposes), the layout ``from_pretrained``
-    reads safetensors as. (Paddle layout, ``save_to_hf=False``, loads transposed.)"""
-    _refuse_partial_export(model)  # tensor / pipeline parallel: before any collective
-    full = full_state_dict(model)
-    if dist.get_rank() == 0:
+    """Write ``model`` (sharded, and split over tensor-parallel ranks and pipeline
+    stages or not) as a directory PaddleFormers' ``from_pretrained`` loads exactly in
+    one plain process. A collective: call it on every rank. Every sharded block,
+    tensor-parallel slice and pipeline stage is joined on rank 0
+    (:func:`paddle_hsdp.checkpoint.full_model.full_model`; a pipeline model's tensors
+    under its one-process model's names), which writes them with the model class's own
+    ``save_pretrained`` in Hugging Face layout (PaddleFormers' own transposes) and a
+    config for one process (``tensor_model_parallel_size`` 1; ``architectures`` without
+    ``Pipe``). Expert parallelism is refused before any collective."""
+    full = full_model(model, "export_pretrained")
+    if full is not None:
+        config = copy.deepcopy(model.config)
+        config.tensor_model_parallel_size = 1
+        config.tensor_parallel_rank = 0
         # the model class's own save_pretrained (a sharded model's refuses: it would
         # write shards), given the full weights
         super(FSDPModule, model).save_pretrained(
-            output_dir, is_main_process=True, state_dict=full,
+            output_dir, is_main_process=True, state_dict=full, config_to_save=config,
             save_checkpoint_format="safetensors", save_to_hf=True, safe_serialization=True)
     if dist.get_world_size() > 1:
         dist.barrier()  # every rank returns once the directory is complete

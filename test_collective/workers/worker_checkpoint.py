@@ -66,7 +66,7 @@ assert meta["aliases"] == {"head.weight": "embed.weight"}, meta["aliases"]
 writers = {p["file"] for t in meta["tensors"].values() for p in t["pieces"]}
 assert len(writers) == 4, writers  # both outer replicas write: the work is spread
 for name, t in meta["tensors"].items():  # each distinct block once
-    assert sum(p["rows"] for p in t["pieces"]) == (t["shape"][0] if t["shape"] else 1), name
+    assert sum(np.prod(p["shape"]) for p in t["pieces"]) == np.prod(t["shape"] or [1]), name
 
 # resume in each layout and train the last 2 steps
 for label, mesh in (("2x2", None), ("1x4", ProcessMesh([0, 1, 2, 3])),

@@ -40,7 +40,7 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from paddle_hsdp.checkpoint.format import _Reader, _read_rows
+from paddle_hsdp.checkpoint.format import _Reader, read_whole
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import (batches, build_model, lm_loss, make_optimizer, shard_tinylm,
@@ -261,8 +261,7 @@ ck_data = batches(SAVE_AT + MORE, 2, world, PER_RANK, seed=3)
 def states(path) -> dict:
     """Every tensor of a checkpoint, whole (params and optimizer states)."""
     meta, reader = checkpoint.read_metadata(path), _Reader(path)
-    return {name: _read_rows(reader, name, entry, 0, entry["shape"][0] if entry["shape"] else 1)
-            for name, entry in meta["tensors"].items()}
+    return {name: read_whole(reader, name, entry) for name, entry in meta["tensors"].items()}
 
 
 def shard(mode, seed=2024):
