@@ -1,7 +1,8 @@
 """The ``flex_checkpoint`` bridge: this rank's shards (and its optimizer's states) as
 ``ShardedWeight``s for Paddle's ``flex_checkpoint.dcp`` save/load, each a view of the
-unpadded rows at the parameter's global row offset, so a dcp load writes straight into
-the shard storage. ``FSDPModule.sharded_state_dict`` gives the model's; the
+unpadded rows at the parameter's global offset (its tensor-parallel slice's place in
+the full tensor, as Paddle's own mp layers give it, plus its row offset), so a dcp
+load writes straight into the shard storage. ``FSDPModule.sharded_state_dict`` gives the model's; the
 ``AdamW.sharded_state_dict`` patch (:mod:`paddle_hsdp.patches.flex_optimizer`) the
 optimizer's."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
+from ..topology.placement import ModelAxes
 from .experts import names_and_aliases
 from .optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from .registry import managed_param, registry
@@ -17,21 +19,25 @@ from .registry import managed_param, registry
 def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
     """``{name: ShardedWeight}`` for Paddle's ``flex_checkpoint.dcp`` save/load: each
     managed parameter as this rank's unpadded rows (a view of the shard storage, so a
-    dcp load writes straight into it) at its global row offset; everything else whole.
+    dcp load writes straight into it) at its global offset (with its tensor-parallel
+    slice's place in the full tensor); everything else whole (an mp slice at its place).
     Outer replicas describe the same pieces; dcp keeps one. With outer sub-shards
     (``fsdp_outer_sharding="optim"``) each rank describes the sub-block its optimizer
     sees, distinct on every rank; since a dcp load writes only those, the rest of each
     shard is rebuilt (one outer all-gather per buffer) before the next read of it.
     Tied aliases are left out (their one tensor is saved under the first name)."""
     canonical, _ = names_and_aliases(model)
+    axes = ModelAxes()
     out, rebuild = {}, []
     for name, value in canonical.items():
         key = structured_name_prefix + name
         sp = managed_param(value)
         if sp is None:
-            shape = tuple(int(d) for d in value.shape)
-            out[key] = ShardedWeight(key, value, shape, shape, (0,) * len(shape))
+            place = axes.place(value, value.shape)
+            out[key] = ShardedWeight(key, value, tuple(place.local_shape),
+                                     tuple(place.full_shape), tuple(place.offset))
             continue
+        place = axes.place(sp.full, sp.shape)
         start, count = sp.row_range(sub=True)
         buf = registry.buffer_of(sp)
         if buf.parts > 1 and buf not in rebuild:
@@ -41,8 +47,9 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
         local = buf.flat[sp.flat_offset:sp.flat_offset + count * sp.row_numel]
         local = local.reshape([count] + sp.rest)
         local.name = sp.shard.name
-        out[key] = ShardedWeight(key, local, (count, *sp.rest), tuple(sp.shape),
-                                 (start,) + (0,) * len(sp.rest))
+        offset, size = place.rows(start, count)
+        out[key] = ShardedWeight(key, local, tuple(size), tuple(place.full_shape),
+                                 tuple(offset))
     for buf in rebuild:  # after the views above: a load may write them
         buf.rebuild_due = True
     return out
