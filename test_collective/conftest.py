@@ -16,7 +16,8 @@ import tempfile
 
 import pytest
 
-from launcher import HERE, PARITY_RECORDS, ROOT, WORKER_TIMES, launch, worker_sections
+from launcher import (HERE, PARITY_RECORDS, ROOT, WORKER_TIMES, launch, run_single,
+                      worker_sections)
 
 # The 4-rank HSDP 2 x 2 workers that share one launch (workers/run_many.py); the
 # comm worker first, since it shows a misspelt option refused before any group exists.
@@ -136,25 +137,42 @@ def crashed_save():
 
 
 # The second 4-rank launch: the workers of layouts other than the shared 2 x 2 (and
-# nothing but workers that end with a barrier before the last). worker_mesh.py first: it
-# shards on explicit meshes after init_parallel_env alone (no fleet HCG may exist yet;
-# test_mesh_parity.py); then worker_config.py, whose YAML file initialises fleet (2 x 2,
-# the launch's first fleet.init; test_config_driven.py); then fleet's dp2 x sharding2
-# (outer 2) with an explicit mesh (test_degenerate_layouts.py), sharding4 x EP 2 x
-# moe_sharding2 (outer 2) for the expert checkpoints (test_checkpoint.py) and 2 x 2 for
-# the resume after crashed_save (test_faults.py), one fleet.init each
-# (common.init_fleet); Paddle's pipeline schedule at pp2 x sharding2 outer 2
-# (test_3d.py); worker_exit.py's check mode last, which stops every store server of the
-# launch and exits without a final barrier (test_exit.py).
+# nothing but workers that end with a barrier before the last), one fleet.init per
+# layout (common.init_fleet). worker_mesh.py first: it shards on explicit meshes after
+# init_parallel_env alone (no fleet HCG may exist yet; test_mesh_parity.py); then
+# worker_config.py, whose YAML file initialises fleet (2 x 2, the launch's first
+# fleet.init; test_config_driven.py); fleet's dp2 x sharding2 (outer 2) with an explicit
+# mesh (test_degenerate_layouts.py); sharding4 x EP 2 x moe_sharding2 (outer 2) for the
+# expert checkpoints (test_checkpoint.py); Paddle's pipeline schedule at pp2 x sharding2
+# outer 2, saving a checkpoint it resumes there (test_3d.py, test_checkpoint.py); 2 x 2
+# for the resume after crashed_save (test_faults.py) and, in that layout, the pipeline's
+# checkpoint resumed in one stage (pp1 x sharding4 outer 2; test_checkpoint.py);
+# worker_exit.py's check mode last, which stops every store server of the launch and
+# exits without a final barrier (test_exit.py).
 @pytest.fixture(scope="session")
-def launch_4_log(crashed_save):
+def moe_work():
+    """The folder worker_checkpoint_moe.py saves its EP-2 checkpoint into (the second
+    4-rank launch), which single_process_resume.py loads into one process."""
+    return tempfile.mkdtemp(prefix="hsdp_moe_ckpt_")
+
+
+@pytest.fixture(scope="session")
+def launch_4_log(crashed_save, moe_work):
+    pipeline = dict(PIPELINE_4, work=tempfile.mkdtemp(prefix="hsdp_pipeline_"))
     jobs = [["worker_mesh.py"], ["worker_config.py", tempfile.mkdtemp(prefix="hsdp_config_")],
-            ["worker_dp_mesh.py"],
-            ["worker_checkpoint_moe.py", tempfile.mkdtemp(prefix="hsdp_moe_ckpt_")],
+            ["worker_dp_mesh.py"], ["worker_checkpoint_moe.py", moe_work],
+            ["worker_pipeline.py", json.dumps(pipeline)],
             ["worker_resume_after_fault.py", crashed_save[0], "resume"],
-            ["worker_pipeline.py", json.dumps(PIPELINE_4)],
+            ["worker_pipeline.py", json.dumps(dict(HSDP_2X2, resume=pipeline))],
             ["worker_exit.py", "check"]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
+
+
+@pytest.fixture(scope="session")
+def single_resume_out(hsdp_2x2_log, shared_2x2_work, launch_2_log, launch_4_log, moe_work):
+    """One plain process resuming what the launches saved (single_process_resume.py):
+    the 2 x 2 checkpoint, the HFSDP one, the EP-2 one (test_checkpoint.py, test_hfsdp.py)."""
+    return run_single("single_process_resume.py", shared_2x2_work, moe_work)
 
 
 # The 4-rank launch that imports PaddleFormers (about 15 s on 4 CPU ranks), so every
@@ -162,7 +180,10 @@ def launch_4_log(crashed_save):
 # resume; test_trainer.py), then HSDP inside a tensor-parallel PaddleFormers Llama at
 # mp2 x sharding2, outer 1 then 2, with and without sequence parallelism (test_3d.py),
 # and the CPU shims against the ops' definitions on the last layout's mp group (no
-# fleet.init of its own; test_3d.py).
+# fleet.init of its own; test_3d.py); then the tensor-parallel Llama's checkpoints and
+# export (the same layout, then mp1 x sharding4 outer 2) and PaddleFormers' pipeline
+# Llama's at pp2 x sharding2 outer 2 (test_checkpoint.py, which resumes them in one
+# process with single_process_3d.py).
 TP_LLAMA = {"layouts": [
     {"mp_degree": 2, "sharding_degree": 2, "outer": 1,
      "runs": ["tpo", "sp_before", "sp_after_fused", "sp_no_hooks"]},
@@ -177,13 +198,22 @@ def trainer_work():
 
 
 @pytest.fixture(scope="session")
-def paddleformers_4_log(trainer_work):
+def threed_work():
+    """The folder the 3D checkpoint workers save into (worker_tp_checkpoint.py,
+    worker_llama_pipe.py) and single_process_3d.py reads (test_checkpoint.py)."""
+    return tempfile.mkdtemp(prefix="hsdp_3d_")
+
+
+@pytest.fixture(scope="session")
+def paddleformers_4_log(trainer_work, threed_work):
     pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional "
                         "extra: pip install paddle_hsdp[paddleformers] (tools/test.sh "
                         "installs it)")
     jobs = [["worker_trainer.py", trainer_work, "2,1"],
             ["worker_tp_llama.py", json.dumps(TP_LLAMA)],
-            ["worker_cpu_ops.py", json.dumps(TP_LLAMA["layouts"][-1])]]
+            ["worker_cpu_ops.py", json.dumps(TP_LLAMA["layouts"][-1])],
+            ["worker_tp_checkpoint.py", json.dumps({"work": threed_work})],
+            ["worker_llama_pipe.py", json.dumps(dict(PIPELINE_4, work=threed_work))]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 

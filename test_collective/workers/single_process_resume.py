@@ -56,3 +56,33 @@ assert sorted(full.files) == sorted(k.replace(".", "__") for k in plain.state_di
 for name, value in plain.state_dict().items():
     assert np.array_equal(value.numpy(), full[name.replace(".", "__")]), name
 print("HFSDP_SINGLE_LOAD: equals full_state_dict", flush=True)
+
+# the EP-2 checkpoint worker_checkpoint_moe.py saved (argv[2]) in one plain process
+# holding every expert, against the uninterrupted one-process run (float64)
+import moe_model  # noqa: E402
+
+set_dtype("float64")
+moe_work = sys.argv[2]
+n_experts, ep = 2 * moe_model.LOCAL_EXPERTS, 2
+data = moe_model.make_data(WORLD)
+
+
+def plain_moe():
+    paddle.seed(5)
+    net = moe_model.Net(n_experts, list(range(n_experts)))
+    return net, moe_model.make_opt(net, moe_model.CLIP)
+
+
+ref, ref_opt = plain_moe()
+ref_losses = moe_model.train_plain(ref, ref_opt, data, WORLD, ep)
+net, net_opt = plain_moe()
+for p in net.parameters():  # other weights than the saved ones: loading must matter
+    p.set_value(paddle.zeros_like(p))
+assert checkpoint.load_checkpoint(os.path.join(moe_work, "ep2"), net, net_opt) == {"step": 2}
+losses = moe_model.train_plain(net, net_opt, data[2:], WORLD, ep)
+worst = {"loss": max_rel(np.array(losses), np.array(ref_losses[2:]))}
+want = ref.state_dict()
+for name, value in net.state_dict().items():
+    worst[name] = max_rel(value.numpy(), want[name].numpy())
+worst = report("moe resume ep2 -> one process", worst)
+print(f"MOE_SINGLE_RESUME ep2 -> one process: max rel diff {worst:.2e}", flush=True)

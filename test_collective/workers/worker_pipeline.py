@@ -23,8 +23,11 @@ Both count the outer all-reduces of each step: one per trainable buffer. First, 
 ``PipelineLayer`` built without fleet's ``topology`` is refused on every rank.
 """
 
+import os
+
 import numpy as np
-from common import config_from_argv, finish, init_fleet, max_rel, report_over
+from common import (assert_same_params, compare_with_reference, config_from_argv, finish,
+                    init_fleet, max_rel, report_over, train_loop)
 import parity
 
 import paddle
@@ -34,11 +37,13 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, PipelineLayer
 
 import paddle_hsdp
+from paddle_hsdp import checkpoint
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 VOCAB, HIDDEN, FF, SEQ, BLOCKS = 37, 8, 25, 6, 4
 STEPS, CLIP, LR = 3, 0.3, 0.02
+SAVE_AT = 2  # with a work dir, the float64 run saves after this step
 
 
 class Embed(nn.Layer):
@@ -163,15 +168,22 @@ def outer_buffers(model) -> int:
                if b.trainable)
 
 
-def train_pipeline(hcg, model, data, rows, clip):
+def make_opt(model, clip=False):
+    grad_clip = paddle.nn.ClipGradByGlobalNorm(CLIP) if clip else None
+    return paddle.optimizer.AdamW(learning_rate=LR, parameters=model.parameters(),
+                                  grad_clip=grad_clip)
+
+
+def train_pipeline(hcg, model, data, rows, clip, opt=None, after_step=None):
+    """``train_batch`` on each step of ``data``; ``after_step(index, optimizer)`` after
+    each. Returns the losses, the pre-clip norms (with ``clip``) and each step's count
+    of outer all-reduces."""
     sharding = hcg.get_sharding_parallel_group()
     d, n = hcg.get_sharding_parallel_rank(), sharding.nranks
-    grad_clip = paddle.nn.ClipGradByGlobalNorm(CLIP) if clip else None
-    opt = paddle.optimizer.AdamW(learning_rate=LR, parameters=model.parameters(),
-                                 grad_clip=grad_clip)
+    opt = make_opt(model, clip) if opt is None else opt
     pipe, opt = fleet.distributed_model(model), fleet.distributed_optimizer(opt)
     losses, norms, outer_calls = [], [], []
-    for ids, labels in data:
+    for index, (ids, labels) in enumerate(data):
         before = comm.counter.get("outer", "all_reduce").calls
         mine = slice(d * rows, (d + 1) * rows)
         loss = pipe.train_batch([paddle.to_tensor(ids[mine]), paddle.to_tensor(labels[mine])],
@@ -182,6 +194,8 @@ def train_pipeline(hcg, model, data, rows, clip):
         losses.append(t.item() / n)
         if clip:
             norms.append(paddle_hsdp.last_global_norm(opt))
+        if after_step is not None:
+            after_step(index, opt)
     return losses, norms, outer_calls
 
 
@@ -193,7 +207,10 @@ def run(hcg, layout, dtype, clip):
     weights, data = full_weights(), batches(n, micro * mbs)
     ref_losses, ref_norms, ref_params = train_reference(weights, data, n, micro, mbs, clip)
     model = build_pipeline(hcg, weights)
-    losses, norms, outer_calls = train_pipeline(hcg, model, data, micro * mbs, clip)
+    # with a work dir, the float64 run saves the checkpoint of step SAVE_AT (resumed below)
+    save = saver(layout["work"], model) if "work" in layout and not clip else None
+    losses, norms, outer_calls = train_pipeline(hcg, model, data, micro * mbs, clip,
+                                                after_step=save)
     buffers = outer_buffers(model) if hcg.get_fsdp_outer_degree() > 1 else 0
     assert outer_calls == [buffers] * STEPS, (outer_calls, buffers)
     worst = {}
@@ -208,6 +225,63 @@ def run(hcg, layout, dtype, clip):
     both = report_over(hcg.get_pipe_parallel_group(), label, worst)  # every stage's
     print(f"{label}: max rel diff {both:.2e} over the stages (stage {hcg.get_stage_id()}: "
           f"loss {worst['loss']:.2e}); {buffers} outer all-reduces per step", flush=True)
+    if save is not None:
+        resume_same_layout(hcg, layout, model, data, micro * mbs, losses)
+
+
+def saver(work: str, model):
+    def save(index, opt):
+        if index == SAVE_AT - 1:
+            checkpoint.save_checkpoint(os.path.join(work, "pipeline_ckpt"), model, opt,
+                                       extra={"step": SAVE_AT})
+    return save
+
+
+def other_weights() -> dict:
+    """Weights unlike the saved ones: a load must replace every one."""
+    return {k: v[::-1].copy() for k, v in full_weights().items()}
+
+
+def resume_same_layout(hcg, layout, model, data, rows, losses) -> None:
+    """The checkpoint of step SAVE_AT in the layout that saved it: the last steps and
+    every final parameter bit-identical to the uninterrupted run."""
+    resumed = build_pipeline(hcg, other_weights())
+    opt = make_opt(resumed)
+    extra = checkpoint.load_checkpoint(os.path.join(layout["work"], "pipeline_ckpt"), resumed,
+                                       opt)
+    assert extra == {"step": SAVE_AT}, extra
+    again, _, _ = train_pipeline(hcg, resumed, data[SAVE_AT:], rows, False, opt=opt)
+    assert again == losses[SAVE_AT:], (again, losses[SAVE_AT:])
+    assert_same_params(resumed, model)
+    print(f"PIPELINE checkpoint pp{hcg.get_pipe_parallel_world_size()}: resumed in the same "
+          "layout, bit-identical", flush=True)
+
+
+def resume_in_one_stage(hcg, saved: dict) -> None:
+    """The float64 run's checkpoint (saved at ``saved``'s layout: pp2) in this layout, one
+    stage (``PipelineLayer(num_stages=1)`` sharded over every rank, trained by plain
+    forward and backward): the last steps against the one-process reference."""
+    parity.set_dtype("float64")
+    micro = saved["pipeline_configs"]["accumulate_steps"]
+    mbs = saved["pipeline_configs"]["micro_batch_size"]
+    n_saved, n = saved["sharding_degree"], hcg.get_sharding_parallel_world_size()
+    data = batches(n_saved, micro * mbs)
+    ref_losses, _, ref_params = train_reference(full_weights(), data, n_saved, micro, mbs,
+                                                False)
+    model = build_pipeline(hcg, other_weights())
+    opt = make_opt(model)
+    extra = checkpoint.load_checkpoint(os.path.join(saved["work"], "pipeline_ckpt"), model, opt)
+    assert extra == {"step": SAVE_AT}, extra
+    per = n_saved * micro * mbs // n
+    mine = slice(hcg.get_sharding_parallel_rank() * per, (hcg.get_sharding_parallel_rank() + 1) * per)
+    losses = train_loop(opt, [[step] for step in data[SAVE_AT:]],
+                        lambda step, _: loss_fn(model(paddle.to_tensor(step[0][mine])),
+                                                paddle.to_tensor(step[1][mine])), n)
+    worst = compare_with_reference("pipeline checkpoint pp2 -> pp1", {
+        k: v for k, v in paddle_hsdp.full_state_dict(model).items()}, ref_params, losses,
+        ref_losses[SAVE_AT:], {})
+    print(f"PIPELINE checkpoint pp{saved['pp_degree']} -> pp1 sharding{n} "
+          f"outer{hcg.get_fsdp_outer_degree()}: max rel diff {worst:.2e}", flush=True)
 
 
 def refuses_its_own_topology(hcg) -> None:
@@ -225,8 +299,11 @@ def refuses_its_own_topology(hcg) -> None:
 
 config = config_from_argv()
 hcg = init_fleet(config)
-refuses_its_own_topology(hcg)
-for dtype, clip in (("float64", False), ("float32", True)):
-    run(hcg, config, dtype, clip)
+if "resume" in config:
+    resume_in_one_stage(hcg, config["resume"])
+else:
+    refuses_its_own_topology(hcg)
+    for dtype, clip in (("float64", False), ("float32", True)):
+        run(hcg, config, dtype, clip)
 paddle.set_default_dtype("float32")
 finish()

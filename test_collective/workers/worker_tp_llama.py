@@ -27,22 +27,19 @@ labels=...)``) is compared with the reference's, within the float32 bound.
 
 import time
 
-import numpy as np
 from common import config_from_argv, finish, init_fleet, max_rel, report_over
 import parity
 
 import paddle
-import paddle.nn.functional as F
-from paddle.distributed.fleet.meta_parallel import ParallelCrossEntropy
 from paddle.distributed.fleet.utils.sequence_parallel_utils import (
     register_sequence_parallel_allreduce_hooks)
 
 import paddle_hsdp
-from paddle_hsdp.comm import collectives as comm
 from paddleformers.trainer.trainer_callback import SPGradSyncCallback
-from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+from tp_llama import (CLIP, batches, full_weights, llama, make_opt, mp_slice, reference,
+                      set_slices, train)
 
-STEPS, MICRO, PER_RANK, SEQ, VOCAB, CLIP = 3, 2, 2, 8, 64, 0.5
+STEPS, MICRO, PER_RANK = 3, 2, 2
 RUNS = {  # name: (tensor_parallel_output, sequence_parallel, hooks, fused)
     "tpo": (True, False, None, False), "concat": (False, False, None, False),
     "sp_before": (True, True, "before", False), "sp_after": (True, True, "after", False),
@@ -51,69 +48,10 @@ RUNS = {  # name: (tensor_parallel_output, sequence_parallel, hooks, fused)
     "sp_callback": (True, True, "callback", False)}
 
 
-def llama(mp: int = 1, mp_rank: int = 0, tpo: bool = True, sp: bool = False):
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=SEQ, max_sequence_length=SEQ,
-                         tie_word_embeddings=False, fuse_rms_norm=False,
-                         tensor_model_parallel_size=mp, tensor_parallel_rank=mp_rank,
-                         tensor_parallel_output=tpo, sequence_parallel=sp)
-    return LlamaForCausalLM(config)
-
-
-def mp_slice(param, full: np.ndarray, mp: int, mp_rank: int) -> np.ndarray:
-    if mp > 1 and getattr(param, "is_distributed", False):
-        return np.split(full, mp, axis=param.split_axis)[mp_rank]
-    return full
-
-
-def logits_of(model, ids):
-    out = model(input_ids=ids)
-    return out[0] if isinstance(out, tuple) else out.logits
-
-
-def lm_loss(model, ids, split_vocab: bool):
-    ids = paddle.to_tensor(ids)
-    logits, labels = logits_of(model, ids[:, :-1]), ids[:, 1:]
-    if split_vocab:  # vocabulary-split logits: the c_softmax_with_cross_entropy path
-        return ParallelCrossEntropy()(logits, labels.unsqueeze(-1)).mean()
-    return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1]))
-
-
-def make_opt(params):
-    return paddle.optimizer.AdamW(learning_rate=0.02, parameters=params, weight_decay=0.01,
-                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
-
-
-def batches(n: int):
-    """Token 0 is the pad token, which the one-process embedding (padding_idx) skips
-    and the vocabulary-parallel one does not (Paddle 3.3): the data never holds it."""
-    rng = np.random.default_rng(11)
-    return [[rng.integers(1, VOCAB, size=(n * PER_RANK, SEQ + 1)).astype("int64")
-             for _ in range(MICRO)] for _ in range(STEPS)]
-
-
-def grad_norm(params) -> float:
-    return sum(float((p.grad ** 2).sum()) for p in params if p.grad is not None) ** 0.5
-
-
 def train_reference(weights, data):
-    model = llama()
-    model.set_state_dict(weights)
-    opt = make_opt(model.parameters())
-    losses, norms = [], []
-    for micro_batches in data:
-        total = 0.0
-        for ids in micro_batches:
-            loss = lm_loss(model, ids, split_vocab=False)
-            (loss / MICRO).backward()
-            total += float(loss) / MICRO
-        norms.append(grad_norm(model.parameters()))
-        opt.step()
-        opt.clear_grad()
-        losses.append(total)
-    assert min(norms) > CLIP, norms  # clipping is active at every step
-    return losses, norms, {k: v.numpy() for k, v in model.state_dict().items()}
+    ref = reference(weights, data)
+    assert min(ref["norms"]) > CLIP, ref["norms"]  # clipping is active at every step
+    return ref["losses"], ref["norms"], ref["params"]
 
 
 def criterion_loss(model, ids) -> float:
@@ -126,8 +64,7 @@ def criterion_loss(model, ids) -> float:
 def build_sharded(hcg, weights, tpo, sp, hooks, fused):
     mp, mp_rank = hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()
     model = llama(mp, mp_rank, tpo, sp)
-    for name, p in model.named_parameters():
-        p.set_value(mp_slice(p, weights[name], mp, mp_rank))
+    set_slices(model, weights, mp, mp_rank)
     if hooks == "before":
         register_sequence_parallel_allreduce_hooks(model, MICRO, fused)
     for layer in model.model.layers:
@@ -145,25 +82,11 @@ def build_sharded(hcg, weights, tpo, sp, hooks, fused):
 
 
 def train_sharded(hcg, model, data, split_vocab, before_step=None):
-    sharding = hcg.get_sharding_parallel_group()
-    n, chunk = sharding.nranks, hcg.get_sharding_parallel_rank()
-    opt = make_opt(model.parameters())
-    losses, norms = [], []
-    for micro_batches in data:
-        total = 0.0
-        for ids in micro_batches:
-            loss = lm_loss(model, ids[chunk * PER_RANK:(chunk + 1) * PER_RANK], split_vocab)
-            (loss / MICRO).backward()
-            t = paddle.to_tensor([float(loss)], dtype="float64")
-            comm.all_reduce(t, sharding, tag="log")
-            total += t.item() / n / MICRO
-        if before_step is not None:
-            before_step()
-        opt.step()
-        norms.append(paddle_hsdp.last_global_norm(opt))
-        opt.clear_grad()
-        losses.append(total)
-    return losses, norms
+    chunk = hcg.get_sharding_parallel_rank()
+    return train(model, make_opt(model.parameters()), data,
+                 rows=slice(chunk * PER_RANK, (chunk + 1) * PER_RANK),
+                 group=hcg.get_sharding_parallel_group(), split_vocab=split_vocab,
+                 before_step=before_step, norm_of=paddle_hsdp.last_global_norm)
 
 
 def compare(hcg, model, got, ref) -> dict:
@@ -207,9 +130,7 @@ def check_criterion(hcg, weights, data):
     ref = llama()
     ref.set_state_dict({k: v.astype("float32") for k, v in weights.items()})
     model = llama(hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank())
-    for name, p in model.named_parameters():
-        p.set_value(mp_slice(p, weights[name].astype("float32"),
-                             hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank()))
+    set_slices(model, weights, hcg.get_model_parallel_world_size(), hcg.get_model_parallel_rank())
     ids = data[0][0]
     got, want = criterion_loss(model, ids), criterion_loss(ref, ids)
     print(f"TP_LLAMA criterion loss {got!r} (one process: {want!r})", flush=True)
@@ -219,14 +140,13 @@ def check_criterion(hcg, weights, data):
 
 config = config_from_argv()
 parity.set_dtype("float64")
-paddle.seed(7)
-weights = {k: v.numpy() for k, v in llama().state_dict().items()}
+weights = full_weights(7)
 data, ref = None, None
 for layout in config["layouts"]:
     hcg = init_fleet(layout)
     assert hcg.get_model_parallel_world_size() == 2
     if ref is None:  # the same global batch for every layout of sharding degree 2
-        data = batches(hcg.get_sharding_parallel_world_size())
+        data = batches(hcg.get_sharding_parallel_world_size() * PER_RANK, STEPS, MICRO)
         ref = train_reference(weights, data)
         check_criterion(hcg, weights, data)
     for name in layout["runs"]:
