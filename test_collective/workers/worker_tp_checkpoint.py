@@ -130,6 +130,7 @@ assert q.global_shape == (32, 32) and q.global_offset[1] == 16 * hcg.get_model_p
     (q.global_shape, q.global_offset)
 save_state_dict({**sd, **opt.sharded_state_dict(sd)}, os.path.join(work, "tp_dcp"),
                 save_replicas=True)
+dist.barrier()  # one rank writes dcp's metadata; the others return before it is complete
 dcp_meta = paddle.load(os.path.join(work, "tp_dcp", "0.metadata"))  # dcp's own record
 offsets = {index.global_offset for index in dcp_meta.storage_metadata
            if index.tensor_key == "model.layers.0.self_attn.q_proj.weight"}
