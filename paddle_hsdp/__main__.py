@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import importlib.util
 import sys
 
-from .config import planner
+from .config import layouts, planner
 from .config.patterns import PatternError
 from .config.plan import (build_lazily, build_plan, compare_outer_sharding,
                           reshard_after_forward_of, resolve_modules)
@@ -93,15 +94,21 @@ def _lazy_model(args, cfg):
 
 def _plan_cluster(args, cfg) -> int:
     """Every layout of ``--cluster``: memory, communication time, a recommendation."""
+    _refuse_with_cluster(args)
     cluster = planner.load_cluster(args.cluster)
+    # 'auto' compares both: HFSDP is recommended where only it fits
+    modes = (("none", "optim") if cfg.fsdp_outer_sharding == "auto"
+             else (cfg.fsdp_outer_sharding,))
     if args.model_shape:
         shape = planner.parse_model_shape(args.model_shape)
         title = f"{shape.params() / 1e9:.2f}B-parameter model ({args.model_shape})"
-        reshard = reshard_after_forward_of(cfg, is_root=False)
-
-        def units_for(outer, inner, outer_sharding="none"):
-            return planner.shape_units(shape, inner, outer, planner.dtype_bytes(cfg), reshard,
-                                       outer_sharding)
+        tps, pps = _degrees(args, shape, cluster)
+        work = layouts.Workload(args.seq_len, args.micro_batch, args.global_batch,
+                                args.recompute)
+        options = planner.evaluate_layouts(
+            cluster, shape, work, planner.dtype_bytes(cfg), tps, pps, args.micro_steps,
+            cfg.zero_stage, reshard_after_forward_of(cfg, is_root=False),
+            cfg.num_to_forward_prefetch, modes)
     elif args.model and args.config:
         model, choice = _lazy_model(args, cfg)
         title = f"{args.model} with {args.config}"
@@ -109,16 +116,59 @@ def _plan_cluster(args, cfg) -> int:
         def units_for(outer, inner, outer_sharding="none"):
             return build_plan(model, cfg, choice, outer=outer, inner=inner,
                               outer_sharding=outer_sharding).units
+        options = planner.evaluate(cluster, units_for, args.micro_steps, cfg.zero_stage,
+                                   cfg.num_to_forward_prefetch, outer_shardings=modes)
     else:
         raise ValueError("plan --cluster: give --model-shape, or --model with --config")
-    # 'auto' compares both: HFSDP is recommended where only it fits
-    modes = (("none", "optim") if cfg.fsdp_outer_sharding == "auto"
-             else (cfg.fsdp_outer_sharding,))
-    options = planner.evaluate(cluster, units_for, args.micro_steps, cfg.zero_stage,
-                               cfg.num_to_forward_prefetch, outer_shardings=modes)
     best, why = planner.recommend(options)
-    print(planner.table(cluster, options, best, why, title))
+    if args.json:
+        print(json.dumps(planner.as_json(cluster, options, best, why, title), indent=1))
+    else:
+        print(planner.table(cluster, options, best, why, title))
     return 0
+
+
+def _refuse_with_cluster(args) -> None:
+    """Arguments a cluster file overrides, or that need a model shape, refused by name."""
+    if args.world_size is not None:
+        raise ValueError(f"--world-size {args.world_size}: the cluster file sets the world "
+                         "(nodes x ranks_per_node); drop --world-size, or drop --cluster to "
+                         "plan one world size")
+    if args.ranks_per_node is not None:
+        raise ValueError(f"--ranks-per-node {args.ranks_per_node}: the cluster file sets it; "
+                         "drop one of them")
+    axes = [name for name, value in (("--tp", args.tp), ("--pp", args.pp),
+                                     ("--search", args.search)) if value]
+    if axes and not args.model_shape:
+        raise ValueError(f"{', '.join(axes)}: tensor and pipeline degrees are planned for a "
+                         "model shape (--model-shape layers=..,hidden=..,...), not a built "
+                         "model")
+
+
+def _degrees(args, shape, cluster) -> tuple[list, list]:
+    """The tensor and pipeline degrees to compare: fixed (--tp, --pp), searched
+    (--search tp,pp), or 1."""
+    search = {a.strip() for a in (args.search or "").split(",") if a.strip()}
+    unknown = sorted(search - {"tp", "pp"})
+    if unknown:
+        raise ValueError(f"--search: unknown axis {', '.join(unknown)}; allowed: tp, pp "
+                         "(e.g. --search tp,pp)")
+    for axis in ("tp", "pp"):
+        if axis in search and getattr(args, axis):
+            raise ValueError(f"--{axis} {getattr(args, axis)} and --search {args.search}: "
+                             f"fix {axis} or search it, not both")
+    allowed = {"tp": layouts.tp_choices(shape, cluster.ranks_per_node),
+               "pp": layouts.pp_choices(shape)}
+    out = []
+    for axis in ("tp", "pp"):
+        value = getattr(args, axis)
+        if value and value not in allowed[axis]:
+            raise ValueError(f"--{axis} {value}: not one of {allowed[axis]} (" + (
+                f"tensor degrees divide the {cluster.ranks_per_node} ranks of a machine and "
+                f"the {shape.heads} heads" if axis == "tp"
+                else f"pipeline degrees divide the {shape.layers} layers") + ")")
+        out.append(allowed[axis] if axis in search else [value or 1])
+    return out[0], out[1]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,7 +195,26 @@ def _parser() -> argparse.ArgumentParser:
                       help="expert parallelism: experts shard over world / ep / outer ranks")
     plan.add_argument("--cluster", default=None,
                       help="a cluster file (tools/clusters/): compare every fsdp_outer_degree, "
-                           "pure FSDP and DDP, and recommend one")
+                           "pure FSDP and DDP (and tensor / pipeline degrees), recommend one")
+    plan.add_argument("--tp", type=int, default=None,
+                      help="with --cluster --model-shape: a fixed tensor-parallel degree")
+    plan.add_argument("--pp", type=int, default=None,
+                      help="with --cluster --model-shape: a fixed pipeline degree")
+    plan.add_argument("--search", default=None,
+                      help="with --cluster --model-shape: axes to search, e.g. tp,pp (tensor "
+                           "degrees inside a machine dividing the heads, pipeline degrees "
+                           "dividing the layers)")
+    plan.add_argument("--seq-len", type=int, default=4096,
+                      help="tokens per sequence, for activation memory and TP/PP traffic")
+    plan.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    plan.add_argument("--global-batch", type=int, default=None,
+                      help="sequences per optimizer step, the same for every layout (default: "
+                           "--micro-steps micro-batches per rank of pure data parallelism)")
+    plan.add_argument("--recompute", action="store_true",
+                      help="full activation recompute (each layer keeps only its input)")
+    plan.add_argument("--json", action="store_true",
+                      help="with --cluster: one JSON object (recommended, layouts) instead "
+                           "of the table")
     plan.set_defaults(run=_plan)
     return parser
 

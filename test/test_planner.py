@@ -174,3 +174,92 @@ def test_plan_command_compares_both_outer_shardings(capsys):
     none, optim = rows
     assert float(optim[4]) == pytest.approx(float(none[4]) / 2, abs=0.01)  # optimizer MB
     assert optim[-1] == none[-1]  # outer bytes per step
+
+
+# ---------------------------------------------------------------- tensor and pipeline axes
+SHAPE_70B = "layers=80,hidden=8192,ffn=28672,vocab=128256,kv=0.125"
+
+
+def test_activation_and_model_parallel_bytes_by_hand():
+    from paddle_hsdp.config import layouts
+
+    shape = planner.ModelShape(layers=8, hidden=64, ffn=256, vocab=1000, heads=8)
+    work = layouts.Workload(seq_len=128, micro_batch=2)
+    sbh = 128 * 2 * 64
+    logits = 4 * 128 * 2 * 1000
+    # no tensor parallelism: sbh (10 + 24) per layer, one micro-batch in flight
+    assert layouts.activation_bytes(shape, work, 1, 1, 4) == 8 * 34 * sbh + logits
+    # tp 4 with sequence parallelism: 34 sbh / 4; pp 2: 4 layers, 2 micro-batches in flight
+    assert layouts.activation_bytes(shape, work, 4, 2, 4) == 4 * 34 * sbh / 4 * 2 + logits / 4
+    recompute = layouts.Workload(seq_len=128, micro_batch=2, recompute=True)
+    assert layouts.activation_bytes(shape, recompute, 1, 1, 4) == 8 * 2 * sbh + logits
+    # per layer and micro-batch, the implementation's all-reduces of 2 sbh bytes each
+    per_layer = shape.tp_collectives_per_layer * 2 * sbh
+    assert layouts.tp_bytes(shape, work, 2, 1, 3) == 3 * (8 * per_layer + 2 * 2 * sbh)
+    assert layouts.tp_bytes(shape, work, 1, 1, 3) == 0
+    assert layouts.pp_bytes(shape, work, 2, 4, 3) == 2 * 3 * 2 * sbh / 2  # act + grad, / tp
+    assert layouts.bubble_fraction(4, 12) == 3 / 15
+    assert layouts.tp_choices(shape, 8) == [1, 2, 4, 8]
+    assert layouts.tp_choices(planner.ModelShape(8, 64, 256, 1000, kv_heads_fraction=0.25,
+                                                 heads=8), 8) == [1, 2]  # 2 kv heads
+    assert layouts.pp_choices(shape) == [1, 2, 4, 8]
+    # the same tokens per step in every layout: fewer data-parallel ranks, more micro-batches
+    assert work.micro_steps(4, 2, 16) == 8 and work.micro_steps(16, 2, 16) == 2
+
+
+def test_inner_groups_between_tensor_parallel_ranks_leave_the_machine():
+    c = planner.load_cluster(dict(CLUSTER, ranks_per_node=4))
+    # inner 2 at tp 2: ranks 0 and 2 of a machine of 4; inner 4 at tp 2 spans two machines
+    assert planner._group_link(c, 2, 2) == (c.intra, 1)
+    assert planner._group_link(c, 4, 2) == (c.inter, 2)
+
+
+def test_plan_searches_tensor_and_pipeline_degrees_and_keeps_tp_inside_a_machine(capsys):
+    """The 70.6B decoder on 16 machines x 8: the recommendation fits, keeps tensor
+    parallelism inside a machine and exposes far less than the 89.6 s of the planner
+    without tensor and pipeline axes (which recommended an outer degree of 8 with a
+    shard group across two machines)."""
+    import json
+
+    assert cli(["plan", "--cluster", os.path.join(ROOT, "tools/clusters/16x8_400g.yaml"),
+                "--model-shape", SHAPE_70B, "--micro-steps", "8", "--search", "tp,pp",
+                "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    keys = {"mp_degree", "pp_degree", "sharding_degree", "fsdp_outer_degree",
+            "fsdp_outer_sharding", "gib_per_rank", "exposed_ms", "fits"}
+    assert plan["layouts"] and all(keys <= set(layout) for layout in plan["layouts"])
+    best = plan["recommended"]
+    assert keys <= set(best) and best["fits"] and 1 < best["mp_degree"] <= 8
+    assert best["mp_degree"] * best["pp_degree"] * best["sharding_degree"] == 128
+    assert best["exposed_ms"] < 89600 / 5, best
+    assert best["gib_per_rank"] <= 0.9 * 80
+    fitting = [layout for layout in plan["layouts"] if layout["fits"]]
+    assert best["exposed_ms"] == min(layout["exposed_ms"] for layout in fitting)
+    # fixed degrees: only those layouts
+    assert cli(["plan", "--cluster", os.path.join(ROOT, "tools/clusters/16x8_400g.yaml"),
+                "--model-shape", SHAPE_70B, "--tp", "8", "--pp", "4", "--recompute"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("TP8 PP4 ")]
+    assert rows and len(rows) == len([ln for ln in out.splitlines()
+                                      if ln[:2] in ("TP", "HS", "HF", "FS", "DD", "Ze")])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--world-size", "64"], "--world-size 64: the cluster file sets the world"),
+    (["--search", "tp,dp"], "--search: unknown axis dp; allowed: tp, pp"),
+    (["--tp", "3"], "--tp 3: not one of [1, 2, 4, 8]"),
+    (["--pp", "7"], "--pp 7: not one of [1, 2, 4, 5, 8, 10, 16, 20, 40, 80]"),
+    (["--tp", "2", "--search", "tp"], "fix tp or search it, not both"),
+])
+def test_plan_refuses_arguments_that_cannot_mean_anything(capsys, argv, says):
+    assert cli(["plan", "--cluster", os.path.join(ROOT, "tools/clusters/16x8_400g.yaml"),
+                "--model-shape", SHAPE_70B, *argv]) == 1
+    assert says in capsys.readouterr().err
+
+
+def test_tensor_and_pipeline_degrees_need_a_model_shape(capsys):
+    assert cli(["plan", "--cluster", os.path.join(ROOT, "tools/clusters/2x8_100g.yaml"),
+                "--config", os.path.join(ROOT, "tools/configs/dense_lm.yaml"),
+                "--model", os.path.join(ROOT, "tools/demo.py:build_model"), "--tp", "2"]) == 1
+    assert "--tp: tensor and pipeline degrees are planned for a model shape" in \
+        capsys.readouterr().err

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import yaml
 
 from ..topology import cost
+from . import layouts
 from .schema import ConfigError
 
 _GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -63,6 +64,7 @@ class Cluster:
     device_memory_bytes: float
     overlap_intra_node: bool = True  # prefetch hides intra-node collectives behind compute
     backend: str = "nccl"  # "gloo": reduce-scatter is one reduce per slice ((1 + 1/n) x ring)
+    achieved_tflops: float | None = None  # per device, at a realistic MFU: times the bubble
 
     @property
     def world(self) -> int:
@@ -70,7 +72,7 @@ class Cluster:
 
 
 _CLUSTER_KEYS = {"name", "nodes", "ranks_per_node", "intra_node", "inter_node",
-                 "device_memory_gib", "overlap_intra_node", "backend"}
+                 "device_memory_gib", "overlap_intra_node", "backend", "achieved_tflops"}
 _LINK_KEYS = {"bandwidth_gbit", "latency_us"}
 
 
@@ -85,6 +87,8 @@ def load_cluster(source) -> Cluster:
         device_memory_gib: 80
         overlap_intra_node: true   # GPUs: prefetch hides them; false on CPU/gloo
         backend: nccl              # or gloo (its reduce-scatter moves more, see below)
+        achieved_tflops: 400       # optional: dense bf16 per device at a realistic MFU,
+                                   # times the pipeline bubble (config/layouts.py)
     """
     if not isinstance(source, dict):
         try:
@@ -116,11 +120,15 @@ def load_cluster(source) -> Cluster:
     backend = source.get("backend", "nccl")
     if backend not in ("nccl", "gloo"):
         errors.append(f"backend: expected nccl or gloo, got {backend!r}")
+    tflops = source.get("achieved_tflops")
+    if tflops is not None and (not isinstance(tflops, (int, float)) or isinstance(tflops, bool)
+                               or tflops <= 0):
+        errors.append(f"achieved_tflops: expected a number > 0, got {tflops!r}")
     if errors:
         raise ConfigError(errors)
     return Cluster(str(source.get("name", "cluster")), source["nodes"],
                    source["ranks_per_node"], links["intra_node"], links["inter_node"],
-                   memory * 2.0 ** 30, overlap, backend)
+                   memory * 2.0 ** 30, overlap, backend, tflops)
 
 
 # ---------------------------------------------------------------- time
@@ -152,10 +160,12 @@ def collective_seconds(op: str, members: int, payload: float, link: Link,
 
 
 def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
-                 zero_stage: int | None = None) -> dict[str, float]:
+                 zero_stage: int | None = None, stride: int = 1) -> dict[str, float]:
     """Predicted seconds per optimizer step, per group kind, and ``exposed``: what is
     not hidden behind compute (everything, unless the cluster overlaps intra-node
-    collectives; inter-node ones and the step's outer all-reduce always count)."""
+    collectives; inter-node ones and the step's outer all-reduce always count).
+    ``stride``: the rank distance inside an inner group (the tensor degree: fleet puts
+    the mp ranks between them)."""
     # "outer all_reduce": the step's outer sync (with outer sub-shards its reduce-scatter
     # and all-gather: the same bytes and ring steps)
     out = {"inner all_gather": 0.0, "inner reduce_scatter": 0.0, "outer all_reduce": 0.0,
@@ -171,8 +181,8 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
                                                            else 1)
         reduces = 1 if zero_stage == 1 else micro_steps
         for b in unit.buffers:
-            inner_link, inner_n = _group_link(cluster, b.inner, 1)
-            outer_link, outer_n = _group_link(cluster, b.outer, b.inner)
+            inner_link, inner_n = _group_link(cluster, b.inner, stride)
+            outer_link, outer_n = _group_link(cluster, b.outer, b.inner * stride)
             gather = b.inner * (b.shard_numel + cost.TAG_NUMEL) * b.gather_bytes
             add("inner all_gather", gathers * collective_seconds(
                 "all_gather", b.inner, gather, inner_link, inner_n), inner_link)
@@ -206,23 +216,50 @@ class ModelShape:
     vocab: int
     kv_heads_fraction: float = 1.0  # grouped-query attention: kv heads / heads
     tied: bool = False
+    heads: int = 0  # attention heads (0: hidden / 128, the usual head size)
+    fused: bool = False  # q/k/v and gate/up each one column-parallel layer (Megatron-LM)
 
-    def layer_params(self) -> int:
+    def __post_init__(self):
+        if not self.heads:
+            object.__setattr__(self, "heads", max(1, self.hidden // 128))
+
+    @property
+    def tp_collectives_per_layer(self) -> int:
+        """Tensor-parallel all-reduces of a layer's activations per micro-batch: one in
+        forward per row-parallel layer (o, down), one in backward per column-parallel
+        layer's input (q, k, v, gate, up; fused: qkv, gate_up)."""
+        return 4 if self.fused else 7
+
+    def layer_params(self, tp: int = 1) -> int:
+        """One decoder layer's parameters on one of ``tp`` tensor-parallel ranks (its
+        matrices split, its two norms whole)."""
         h = self.hidden
         kv = int(h * self.kv_heads_fraction)
-        return 2 * h * h + 2 * h * kv + 3 * h * self.ffn + 2 * h
+        return (2 * h * h + 2 * h * kv + 3 * h * self.ffn) // tp + 2 * h
 
-    def root_params(self) -> int:
-        return (1 if self.tied else 2) * self.vocab * self.hidden + self.hidden
+    def embedding_params(self, tp: int = 1) -> int:
+        return self.vocab * self.hidden // tp
+
+    def head_params(self, tp: int = 1) -> int:
+        """The output layer (none of its own when tied) and the final norm."""
+        return (0 if self.tied else self.vocab * self.hidden // tp) + self.hidden
+
+    def root_params(self, tp: int = 1, pp: int = 1) -> int:
+        """What a stage holds beside its layers: embedding and head with one stage, the
+        heavier of the two (first or last stage) with more."""
+        if pp == 1:
+            return self.embedding_params(tp) + self.head_params(tp)
+        return max(self.embedding_params(tp), self.head_params(tp))
 
     def params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
 
 
 def parse_model_shape(text: str) -> ModelShape:
-    """``layers=32,hidden=4096,ffn=11008,vocab=32000[,kv=0.25][,tied=1]``."""
+    """``layers=32,hidden=4096,ffn=11008,vocab=32000[,kv=0.25][,tied=1][,heads=32]
+    [,fused=1]``."""
     names = {"layers": "layers", "hidden": "hidden", "ffn": "ffn", "vocab": "vocab",
-             "kv": "kv_heads_fraction", "tied": "tied"}
+             "kv": "kv_heads_fraction", "tied": "tied", "heads": "heads", "fused": "fused"}
     values = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
@@ -234,13 +271,17 @@ def parse_model_shape(text: str) -> ModelShape:
     if missing:
         raise ValueError(f"--model-shape: missing {', '.join(missing)}")
     values["tied"] = bool(values.get("tied", 0))
+    values["fused"] = bool(values.get("fused", 0))
     return ModelShape(**values)
 
 
 def shape_units(shape: ModelShape, inner: int, outer: int, dtypes: dict,
-                reshard_after_forward: bool = True, outer_sharding: str = "none") -> list:
-    """One unit per decoder layer and a root (embedding, head, final norm), each one
-    buffer; per-parameter padding ignored (under one row per parameter)."""
+                reshard_after_forward: bool = True, outer_sharding: str = "none",
+                tp: int = 1, pp: int = 1) -> list:
+    """One unit per decoder layer of the heaviest pipeline stage and a root (embedding,
+    head, final norm; the heavier of the two with ``pp > 1``), each one buffer, of one
+    of ``tp`` tensor-parallel ranks; per-parameter padding ignored (under one row per
+    parameter)."""
     parts = outer if outer_sharding == "optim" else 1
 
     def unit(path, params, reshard):
@@ -249,9 +290,9 @@ def shape_units(shape: ModelShape, inner: int, outer: int, dtypes: dict,
                              outer_parts=parts, **dtypes)
         return cost.UnitShape(path, (b,), reshard, params)
 
-    layers = [unit(f"layers.{i}", shape.layer_params(), reshard_after_forward)
-              for i in range(shape.layers)]
-    return layers + [unit("<root>", shape.root_params(), False)]
+    layers = [unit(f"layers.{i}", shape.layer_params(tp), reshard_after_forward)
+              for i in range(shape.layers // pp)]
+    return layers + [unit("<root>", shape.root_params(tp, pp), False)]
 
 
 def dtype_bytes(config) -> dict:
@@ -275,19 +316,40 @@ class Option:
     fits: bool
     ranks_per_node: int = 1
     outer_sharding: str = "none"
+    mp_degree: int = 1
+    pp_degree: int = 1
+    micro_steps: int = 1
+    bubble: float = 0.0  # the pipeline's idle fraction of the step
 
     @property
     def comm_seconds(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k != "exposed")
+        return sum(v for k, v in self.seconds.items() if k not in ("exposed", "bubble"))
 
     @property
     def exposed_seconds(self) -> float:
+        """Communication compute does not hide, plus the pipeline bubble (idle time)."""
         return self.seconds["exposed"]
 
     @property
     def memory_total(self) -> float:
         return self.memory["params"] + self.memory["grads"] + self.memory["optimizer"] \
-            + self.memory["peak_gathered"]
+            + self.memory["peak_gathered"] + self.memory.get("activations", 0)
+
+    @property
+    def sharding_degree(self) -> int:
+        return self.outer * self.inner
+
+    def as_dict(self) -> dict:
+        """The layout as fleet's degrees, with its memory and time (``plan --json``)."""
+        gib = 2.0 ** 30
+        return {"mp_degree": self.mp_degree, "pp_degree": self.pp_degree,
+                "sharding_degree": self.sharding_degree, "fsdp_outer_degree": self.outer,
+                "fsdp_outer_sharding": self.outer_sharding, "label": self.label,
+                "gib_per_rank": round(self.memory_total / gib, 3),
+                "exposed_ms": round(self.exposed_seconds * 1e3, 3), "fits": self.fits,
+                "micro_steps": self.micro_steps, "bubble_fraction": round(self.bubble, 4),
+                "memory_gib": {k: round(v / gib, 3) for k, v in self.memory.items()},
+                "ms": {k: round(v * 1e3, 3) for k, v in self.seconds.items()}}
 
 
 def evaluate(cluster: Cluster, units_for, micro_steps: int = 1, zero_stage=None,
@@ -295,7 +357,10 @@ def evaluate(cluster: Cluster, units_for, micro_steps: int = 1, zero_stage=None,
              outer_shardings: tuple = ("none",)) -> list[Option]:
     """Every ``outer`` dividing the world: ``units_for(outer, inner)`` gives the units
     (``units_for(outer, inner, "optim")`` those with outer sub-shards, for every
-    ``outer > 1`` when ``outer_shardings`` names "optim")."""
+    ``outer > 1`` when ``outer_shardings`` names "optim"). Activations are not
+    modelled: a layout fits when its state and gathered parameters leave
+    ``activation_fraction`` of the device free (a model built from its factory;
+    :func:`evaluate_layouts` models them for a model shape)."""
     options = []
     world = cluster.world
     for outer in [o for o in range(1, world + 1) if world % o == 0]:
@@ -304,88 +369,187 @@ def evaluate(cluster: Cluster, units_for, micro_steps: int = 1, zero_stage=None,
         for mode in modes:
             units = units_for(outer, inner) if mode == "none" else units_for(outer, inner,
                                                                              mode)
-            options.append(_option(cluster, outer, inner, mode, units, micro_steps,
-                                   zero_stage, forward_prefetch, activation_fraction))
+            memory = cost.memory_per_rank(units, forward_prefetch)
+            seconds = step_seconds(units, cluster, micro_steps, zero_stage)
+            option = Option(outer, inner, _label(outer, inner, mode, 1, 1), memory, seconds,
+                            False, cluster.ranks_per_node, mode, micro_steps=micro_steps)
+            option.fits = option.memory_total <= (1 - activation_fraction) \
+                * cluster.device_memory_bytes
+            options.append(option)
     return options
 
 
-def _option(cluster, outer, inner, mode, units, micro_steps, zero_stage, forward_prefetch,
-            activation_fraction) -> Option:
+def evaluate_layouts(cluster: Cluster, shape: ModelShape, work: layouts.Workload,
+                     dtypes: dict, tps=(1,), pps=(1,), micro_steps: int = 1,
+                     zero_stage=None, reshard_after_forward: bool = True,
+                     forward_prefetch: int = 1,
+                     outer_shardings: tuple = ("none",)) -> list[Option]:
+    """Every tensor degree of ``tps`` x pipeline degree of ``pps`` x outer degree x
+    ``outer_shardings`` the cluster's world allows, for a model shape: HSDP's state and
+    traffic (the heaviest stage's tensor-parallel slice), activations, tensor-parallel
+    and pipeline traffic and the bubble (config/layouts.py). ``micro_steps``: the pure
+    data-parallel layout's, which sets the global batch unless ``work.global_batch``
+    does."""
+    options = []
+    for tp in tps:
+        for pp in pps:
+            if cluster.world % (tp * pp):
+                continue
+            data = cluster.world // (tp * pp)
+            micro = work.micro_steps(data, micro_steps, cluster.world)
+            for outer in layouts.divisors(data):
+                inner = data // outer
+                modes = [m for m in outer_shardings if m == "none" or outer > 1] or ["none"]
+                for mode in modes:
+                    units = shape_units(shape, inner, outer, dtypes, reshard_after_forward,
+                                        mode, tp, pp)
+                    options.append(_layout_option(cluster, shape, work, units, tp, pp, outer,
+                                                  inner, mode, micro, zero_stage,
+                                                  forward_prefetch))
+    return options
+
+
+def _layout_option(cluster, shape, work, units, tp, pp, outer, inner, mode, micro,
+                   zero_stage, forward_prefetch) -> Option:
     memory = cost.memory_per_rank(units, forward_prefetch)
-    seconds = step_seconds(units, cluster, micro_steps, zero_stage)
+    memory["activations"] = layouts.activation_bytes(shape, work, tp, pp, micro)
+    seconds = step_seconds(units, cluster, micro, zero_stage, stride=tp)
+    tp_link, tp_n = _group_link(cluster, tp, 1)
+    seconds["tensor parallel"] = collective_seconds(
+        "all_reduce", tp, layouts.tp_bytes(shape, work, tp, pp, micro), tp_link, tp_n)
+    pp_link, pp_n = _group_link(cluster, pp, inner * outer * tp)
+    p2p = layouts.pp_bytes(shape, work, tp, pp, micro)
+    seconds["pipeline p2p"] = pp_link.seconds(2 * micro if pp > 1 else 0, pp_n * p2p)
+    compute = layouts.compute_seconds(shape, work, tp, pp, micro, cluster.achieved_tflops)
+    seconds["bubble"] = 0.0 if compute is None else compute * (pp - 1) / micro
+    seconds["exposed"] += seconds["tensor parallel"] + seconds["pipeline p2p"] \
+        + seconds["bubble"]
+    option = Option(outer, inner, _label(outer, inner, mode, tp, pp), memory, seconds, False,
+                    cluster.ranks_per_node, mode, tp, pp, micro,
+                    layouts.bubble_fraction(pp, micro))
+    option.fits = option.memory_total <= (1 - layouts.RESERVE) * cluster.device_memory_bytes
+    return option
+
+
+def _label(outer: int, inner: int, mode: str, tp: int, pp: int) -> str:
     if inner == 1:
-        label = "DDP (no sharding)"
+        label = "ZeRO-1 (HFSDP)" if mode == "optim" else "DDP (no sharding)"
     elif outer == 1:
         label = "FSDP (pure)"
     else:
         label = "HFSDP" if mode == "optim" else "HSDP"
-    if inner == 1 and mode == "optim":
-        label = "ZeRO-1 (HFSDP)"
-    total = memory["params"] + memory["grads"] + memory["optimizer"] \
-        + memory["peak_gathered"]
-    fits = total <= (1 - activation_fraction) * cluster.device_memory_bytes
-    return Option(outer, inner, label, memory, seconds, fits, cluster.ranks_per_node, mode)
+    split = "".join(f"{axis}{n} " for axis, n in (("TP", tp), ("PP", pp)) if n > 1)
+    return split + label
 
 
 def _ranks_per_node_of(options: list[Option]) -> int:
     return options[0].ranks_per_node if options else 1
 
 
+def _where(o: Option) -> str:
+    split = "".join(f"tp {n} x " for n in (o.mp_degree,) if n > 1) + \
+        "".join(f"pp {n} x " for n in (o.pp_degree,) if n > 1)
+    return f"{split}outer {o.outer} x inner {o.inner}"
+
+
 def recommend(options: list[Option]) -> tuple[Option | None, str]:
-    """The fitting option with the least communication time (ties: more sharding, so
-    more memory left); the reason in words."""
+    """The fitting option with the least exposed time per step (communication compute
+    does not hide, and the pipeline bubble; ties: less communication, then fewer
+    model-splitting ranks, then more sharding); the reason in words."""
     fitting = [o for o in options if o.fits]
     if not fitting:
         return None, ("no layout fits in device memory: shard more (tensor or pipeline "
                       "parallelism), offload, or use devices with more memory")
-    def rank(o):
-        return (round(o.exposed_seconds, 6), round(o.comm_seconds, 6), -o.inner)
 
-    best = min(fitting, key=rank)
-    why = (f"fits in memory ({best.memory_total / 2 ** 30:.1f} GiB of state + gathered "
-           f"params per rank) and has the least exposed communication per step "
-           f"({best.exposed_seconds * 1e3:.1f} ms of {best.comm_seconds * 1e3:.1f} ms")
+    def rank(o):
+        return (round(o.exposed_seconds, 6), round(o.comm_seconds, 6),
+                o.mp_degree * o.pp_degree, -o.inner)
+
     runner = sorted(fitting, key=rank)
+    best = runner[0]
+    activations = best.memory.get("activations")
+    held = "state + gathered params" + (" + activations" if activations is not None else "")
+    why = (f"fits in memory ({best.memory_total / 2 ** 30:.1f} GiB of {held} per rank) "
+           f"and has the least exposed communication{' and bubble' if best.pp_degree > 1 else ''}"
+           f" per step ({best.exposed_seconds * 1e3:.1f} ms; {best.comm_seconds * 1e3:.1f} ms "
+           "of communication in all")
     if len(runner) > 1:
         # another layout (the same layout's other fsdp_outer_sharding is in the table)
-        second = next((o for o in runner if o.outer != best.outer),
+        second = next((o for o in runner if (o.outer, o.mp_degree, o.pp_degree)
+                       != (best.outer, best.mp_degree, best.pp_degree)),
                       next(o for o in runner if o is not best))
-        why += (f"; next: outer {second.outer} x inner {second.inner} at "
-                f"{second.exposed_seconds * 1e3:.1f} ms exposed")
-    if best.inner > _ranks_per_node_of(options):
+        why += f"; next: {_where(second)} at {second.exposed_seconds * 1e3:.1f} ms exposed"
+    rpn = _ranks_per_node_of(options)
+    if best.mp_degree > 1:
+        why += f"; tensor parallelism {best.mp_degree} stays inside a machine of {rpn}"
+    if best.inner * best.mp_degree > rpn:
         why += ("; its shard group spans machines, so every all-gather crosses the slow "
-                "link: tensor or pipeline parallelism inside a machine would let a smaller "
-                "shard group fit")
+                "link" + ("" if best.mp_degree > 1 or best.pp_degree > 1 else
+                          ": tensor or pipeline parallelism inside a machine would let a "
+                          "smaller shard group fit"))
     unfit = [o for o in options if not o.fits]
     if unfit:
-        why += f"; {len(unfit)} layout(s) do not fit, e.g. {unfit[-1].label} " \
-               f"({unfit[-1].memory_total / 2 ** 30:.1f} GiB)"
+        worst = unfit[-1]
+        why += f"; {len(unfit)} layout(s) do not fit, e.g. {worst.label} " \
+               f"({worst.memory_total / 2 ** 30:.1f} GiB)"
     return best, why + ")"
+
+
+def recommendation_line(best: Option | None, why: str) -> str:
+    if best is None:
+        return f"recommended: none: {why}"
+    split = "".join(f"{key}={n}, " for key, n in (("mp_degree", best.mp_degree),
+                                                  ("pp_degree", best.pp_degree)) if n > 1)
+    mode = f", fsdp_outer_sharding={best.outer_sharding}" \
+        if best.outer_sharding != "none" else ""
+    return (f"recommended: {split}fsdp_outer_degree={best.outer}{mode} "
+            f"(inner {best.inner}): {why}")
 
 
 def table(cluster: Cluster, options: list[Option], best: Option | None, why: str,
           title: str) -> str:
     gib = 2.0 ** 30
+    split = any(o.mp_degree > 1 or o.pp_degree > 1 or "activations" in o.memory
+                for o in options)
+    tflops = f", {cluster.achieved_tflops:g} TFLOPS achieved per device" \
+        if cluster.achieved_tflops else ""
     lines = [f"{title} on {cluster.name}: {cluster.nodes} nodes x {cluster.ranks_per_node} "
              f"ranks, intra {cluster.intra.bandwidth / _GBIT:g} Gbit/s "
              f"{cluster.intra.latency_s * 1e6:g} us, inter {cluster.inter.bandwidth / _GBIT:g} "
              f"Gbit/s {cluster.inter.latency_s * 1e6:g} us, "
              f"{cluster.device_memory_bytes / gib:g} GiB per device, intra-node "
-             f"collectives {'hidden by prefetch' if cluster.overlap_intra_node else 'exposed'}",
-             "",
-             f"{'layout':<18s} {'outer x inner':>13s} {'GiB/rank':>9s} {'fits':>5s} "
-             f"{'inner AG ms':>11s} {'inner RS ms':>11s} {'outer AR ms':>11s} "
-             f"{'comm ms':>9s} {'exposed ms':>10s}"]
+             f"collectives {'hidden by prefetch' if cluster.overlap_intra_node else 'exposed'}"
+             f"{tflops}", ""]
+    head = (f"{'layout':<27s} {'tp':>3s} {'pp':>3s} " if split else f"{'layout':<18s} ") + \
+        f"{'outer x inner':>13s} {'GiB/rank':>9s} {'fits':>5s} "
+    if split:
+        head += f"{'act GiB':>8s} {'micro':>6s} "
+    head += f"{'inner AG ms':>11s} {'inner RS ms':>11s} {'outer AR ms':>11s} "
+    if split:
+        head += f"{'TP ms':>9s} {'PP p2p ms':>9s} {'bubble ms':>9s} "
+    lines.append(head + f"{'comm ms':>9s} {'exposed ms':>10s}")
     for o in options:
+        s = o.seconds
+        row = (f"{o.label:<27s} {o.mp_degree:>3d} {o.pp_degree:>3d} " if split
+               else f"{o.label:<18s} ") + \
+            f"{o.outer:>5d} x {o.inner:<5d} {o.memory_total / gib:>9.2f} " \
+            f"{'yes' if o.fits else 'no':>5s} "
+        if split:
+            row += f"{o.memory.get('activations', 0) / gib:>8.2f} {o.micro_steps:>6d} "
+        row += (f"{s['inner all_gather'] * 1e3:>11.1f} {s['inner reduce_scatter'] * 1e3:>11.1f} "
+                f"{s['outer all_reduce'] * 1e3:>11.1f} ")
+        if split:
+            row += (f"{s.get('tensor parallel', 0) * 1e3:>9.1f} "
+                    f"{s.get('pipeline p2p', 0) * 1e3:>9.1f} {s.get('bubble', 0) * 1e3:>9.1f} ")
         mark = " <- recommended" if o is best else ""
-        lines.append(f"{o.label:<18s} {o.outer:>5d} x {o.inner:<5d} "
-                     f"{o.memory_total / gib:>9.2f} {'yes' if o.fits else 'no':>5s} "
-                     f"{o.seconds['inner all_gather'] * 1e3:>11.1f} "
-                     f"{o.seconds['inner reduce_scatter'] * 1e3:>11.1f} "
-                     f"{o.seconds['outer all_reduce'] * 1e3:>11.1f} "
-                     f"{o.comm_seconds * 1e3:>9.1f} {o.exposed_seconds * 1e3:>10.1f}{mark}")
-    mode = (f", fsdp_outer_sharding={best.outer_sharding}"
-            if best is not None and best.outer_sharding != "none" else "")
-    lines += ["", (f"recommended: fsdp_outer_degree={best.outer}{mode} (inner {best.inner}): "
-                   f"{why}" if best else f"recommended: none: {why}")]
-    return "\n".join(lines)
+        lines.append(row + f"{o.comm_seconds * 1e3:>9.1f} {o.exposed_seconds * 1e3:>10.1f}{mark}")
+    return "\n".join(lines + ["", recommendation_line(best, why)])
+
+
+def as_json(cluster: Cluster, options: list[Option], best: Option | None, why: str,
+            title: str) -> dict:
+    """What ``plan --json`` prints: ``recommended`` (a layout, or None) and ``layouts``."""
+    return {"model": title, "cluster": cluster.name, "world_size": cluster.world,
+            "ranks_per_node": cluster.ranks_per_node,
+            "recommended": best.as_dict() if best is not None else None, "why": why,
+            "layouts": [o.as_dict() for o in options]}
