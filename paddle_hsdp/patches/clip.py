@@ -3,8 +3,8 @@
 Patches ``paddle.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` (:func:`install`): on
 shards Paddle's would compute each rank's norm of its own rows and clip stale grads. At
 the step boundary (:mod:`.optim`) a plain ``ClipGradByGlobalNorm`` of the optimizer is
-swapped for :class:`HSDPClipGradByGlobalNorm`, and a ``HybridParallelClipGrad`` keeps its
-norm readable (:func:`record_norm_of_hybrid_clip`).
+swapped for :class:`HSDPClipGradByGlobalNorm`, and so is the ``HybridParallelClipGrad``
+``fleet.distributed_optimizer`` puts there (:mod:`.optim`).
 
 What a rank holds, and who else holds the same values:
 
@@ -23,9 +23,10 @@ so the world is pp x sharding x sep x mp). No rank returns early: a rank with no
 to count (an outer replica, an all-padding shard, experts that got no tokens) adds zero
 and still joins the all-reduce, so no rank hangs.
 
-``fleet.distributed_optimizer`` keeps Paddle's own ``HybridParallelClipGrad``, which
+Paddle's own ``HybridParallelClipGrad`` (what ``fleet.distributed_optimizer`` installs)
 reads the same ``is_firstly_shared`` / ``is_distributed`` marks and all-reduces over the
-sharding, mp and pp groups; :func:`record_norm_of_hybrid_clip` makes its norm readable.
+sharding, mp and pp groups, but sums float16, bfloat16 and float32 grads only: on HSDP
+shards it is replaced by this clip, which counts every dtype.
 """
 
 from __future__ import annotations
@@ -221,18 +222,6 @@ def _hsdp_aware(clip, mesh):
             "ClipGradByNorm clips each parameter by its own norm, which a shard cannot "
             "know; use paddle.nn.ClipGradByGlobalNorm (or ClipGradByValue) with paddle_hsdp.")
     return clip
-
-
-def record_norm_of_hybrid_clip(clip) -> None:
-    """Let a ``HybridParallelClipGrad`` keep its global norm in ``last_global_norm``."""
-    original = clip._global_norm
-
-    def _global_norm(norm_dist, norm_not_dist):
-        original(norm_dist, norm_not_dist)  # all-reduces both in place
-        clip.last_global_norm = paddle.sqrt(norm_dist + norm_not_dist)
-
-    clip._global_norm = _global_norm
-    clip.last_global_norm = None
 
 
 def last_global_norm(optimizer) -> float | None:

@@ -17,7 +17,9 @@ grads before ``step`` (for logging or custom clipping).
 ``fleet.distributed_optimizer(opt)`` works too: Paddle wraps optimizers in its own
 ZeRO-1 ``DygraphShardingOptimizer`` when ``sharding_degree > 1``; for HSDP-managed
 params that would shard an already sharded state and reduce grads twice, so the
-wrapper is skipped and Paddle's ``HybridParallelClipGrad`` is kept, reading the real HCG.
+wrapper is skipped, and the ``HybridParallelClipGrad`` it puts in the optimizer is
+replaced by the HSDP clip (the same marks, summed over the whole job; Paddle's sums
+float16, bfloat16 and float32 grads only, so float64 ones went unclipped).
 """
 
 from __future__ import annotations
@@ -126,14 +128,16 @@ def _patch_hybrid_parallel_optimizer() -> None:
         original_init(self, optimizer, _WithoutPaddleSharding(hcg), strategy)
         self._hcg = hcg
         self._sharding_enable = False  # grads are already reduced by the HSDP units
-        inner = self._inner_opt
-        clips = [inner._grad_clip] + [g.get("grad_clip") for g in
-                                      getattr(inner, "_param_groups", None) or []
-                                      if isinstance(g, dict)]
-        for c in clips:
-            if isinstance(c, hpo_mod.HybridParallelClipGrad):
-                c._hcg = hcg  # its norm all-reduce spans the sharding group
-                clip.record_norm_of_hybrid_clip(c)
+        # Paddle's HybridParallelClipGrad sums float16, bfloat16 and float32 grads only
+        # (float64 ones would go unclipped, silently): the HSDP clip, which counts the
+        # same marks over the whole job in every dtype, takes its place
+        inner, mesh = self._inner_opt, _sharded_params_of(optimizer)[0]._hsdp_sharded_param.mesh
+        if isinstance(inner._grad_clip, hpo_mod.HybridParallelClipGrad):
+            inner._grad_clip = clip.hsdp_clip_for(inner._grad_clip._clip, mesh)
+        for group in getattr(inner, "_param_groups", None) or []:
+            if isinstance(group, dict) and isinstance(group.get("grad_clip"),
+                                                      hpo_mod.HybridParallelClipGrad):
+                group["grad_clip"] = clip.hsdp_clip_for(group["grad_clip"]._clip, mesh)
 
     replace(cls, "__init__", __init__,
             "no DygraphShardingOptimizer over HSDP shards (they are sharded and reduced already)")

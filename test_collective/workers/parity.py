@@ -38,7 +38,9 @@ import paddle
 BOUNDS = {"float64": 1e-10, "float32": 3e-5}
 # fleet.distributed_optimizer's HybridParallelClipGrad sums fp16, bf16 and fp32 grads
 # only (Paddle 3.3.1, hybrid_parallel_optimizer.py): float64 grads would not count in
-# its global norm, so checks that go through fleet's optimizer run in float32.
+# its global norm. paddle_hsdp replaces it by its own clip on HSDP shards (every dtype);
+# the checks written before that run in float32, those after (the Trainer's 3D runs) in
+# float64.
 FLEET_OPTIMIZER_DTYPE = "float32"
 
 

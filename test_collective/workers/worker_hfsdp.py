@@ -135,8 +135,8 @@ def hsdp_baseline():
 
 
 def train_variant(ref, zero_stage=None, via_fleet=False):
-    """ZeRO-1/2 (set_zero_stage) or fleet.distributed_optimizer (Paddle's
-    HybridParallelClipGrad over the sub-blocks): parity and identical replicas."""
+    """ZeRO-1/2 (set_zero_stage) or fleet.distributed_optimizer (its clip replaced by
+    the HSDP one over the sub-blocks): parity and identical replicas."""
     from paddle.distributed import fleet
 
     ref_losses, ref_params, ref_norms, _ = ref

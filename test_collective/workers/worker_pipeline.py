@@ -11,14 +11,16 @@ layers in one sequential model, the mean loss over the sharding ranks' rows per
 micro-batch, averaged over micro-batches, the same AdamW.
 
 Runs (argv JSON: a layout for common.init_fleet, with ``pipeline_configs``):
-* float64, no clipping: every final parameter of the stage and the loss ``train_batch``
-  returns (broadcast from the last stage in float64: the final-loss shim) within
-  workers/parity.py's float64 bound;
-* float32 with ``ClipGradByGlobalNorm`` active at every step: fleet's optimizer keeps
-  Paddle's ``HybridParallelClipGrad``, which sums float16, bfloat16 and float32 grads
-  only (float64 ones would not count), so this run is float32, within the float32
-  bound; the reference clips with that class's formula (``clip / (max(norm, clip) +
-  1e-6)``); the pre-clip global norm of every step is compared too.
+* float64 and float32, with ``ClipGradByGlobalNorm`` active at every step: every final
+  parameter of the stage, the loss ``train_batch`` returns (broadcast from the last
+  stage in its dtype: the final-loss shim) and the pre-clip global norm of every step,
+  within workers/parity.py's bound of the dtype. Fleet's optimizer installs Paddle's
+  ``HybridParallelClipGrad``, which sums float16, bfloat16 and float32 grads only; on
+  HSDP shards paddle_hsdp replaces it by its own clip, so float64 grads are clipped too
+  (with Paddle's, the float64 run would miss the reference);
+* with a work dir, the float64 run saves after step SAVE_AT and resumes there (the
+  last step bit-identical) and, in a later run of this worker at pp1 x sharding4, in
+  one stage.
 Both count the outer all-reduces of each step: one per trainable buffer. First, a
 ``PipelineLayer`` built without fleet's ``topology`` is refused on every rank.
 """
@@ -117,10 +119,10 @@ def batches(n: int, rows: int) -> list:
 
 
 @paddle.no_grad()
-def clip_like_hybrid(params) -> float:
-    """HybridParallelClipGrad's clipping, in place: returns the pre-clip norm."""
+def clip_like_paddle(params) -> float:
+    """ClipGradByGlobalNorm's clipping, in place: returns the pre-clip norm."""
     norm = sum(float((p.grad.astype("float64") ** 2).sum()) for p in params) ** 0.5
-    scale = CLIP / (max(norm, CLIP) + 1e-6)
+    scale = CLIP / max(norm, CLIP)
     for p in params:
         p.grad.scale_(scale)
     return norm
@@ -141,7 +143,7 @@ def train_reference(weights, data, n, micro, mbs, clip):
             (loss / micro).backward()
             total += float(loss) / micro
         if clip:
-            norms.append(clip_like_hybrid(model.parameters()))
+            norms.append(clip_like_paddle(model.parameters()))
         opt.step()
         opt.clear_grad()
         losses.append(total)
@@ -208,7 +210,7 @@ def run(hcg, layout, dtype, clip):
     ref_losses, ref_norms, ref_params = train_reference(weights, data, n, micro, mbs, clip)
     model = build_pipeline(hcg, weights)
     # with a work dir, the float64 run saves the checkpoint of step SAVE_AT (resumed below)
-    save = saver(layout["work"], model) if "work" in layout and not clip else None
+    save = saver(layout["work"], model) if "work" in layout and dtype == "float64" else None
     losses, norms, outer_calls = train_pipeline(hcg, model, data, micro * mbs, clip,
                                                 after_step=save)
     buffers = outer_buffers(model) if hcg.get_fsdp_outer_degree() > 1 else 0
@@ -226,7 +228,7 @@ def run(hcg, layout, dtype, clip):
     print(f"{label}: max rel diff {both:.2e} over the stages (stage {hcg.get_stage_id()}: "
           f"loss {worst['loss']:.2e}); {buffers} outer all-reduces per step", flush=True)
     if save is not None:
-        resume_same_layout(hcg, layout, model, data, micro * mbs, losses)
+        resume_same_layout(hcg, layout, model, data, micro * mbs, losses, clip)
 
 
 def saver(work: str, model):
@@ -242,15 +244,15 @@ def other_weights() -> dict:
     return {k: v[::-1].copy() for k, v in full_weights().items()}
 
 
-def resume_same_layout(hcg, layout, model, data, rows, losses) -> None:
+def resume_same_layout(hcg, layout, model, data, rows, losses, clip) -> None:
     """The checkpoint of step SAVE_AT in the layout that saved it: the last steps and
     every final parameter bit-identical to the uninterrupted run."""
     resumed = build_pipeline(hcg, other_weights())
-    opt = make_opt(resumed)
+    opt = make_opt(resumed, clip)
     extra = checkpoint.load_checkpoint(os.path.join(layout["work"], "pipeline_ckpt"), resumed,
                                        opt)
     assert extra == {"step": SAVE_AT}, extra
-    again, _, _ = train_pipeline(hcg, resumed, data[SAVE_AT:], rows, False, opt=opt)
+    again, _, _ = train_pipeline(hcg, resumed, data[SAVE_AT:], rows, clip, opt=opt)
     assert again == losses[SAVE_AT:], (again, losses[SAVE_AT:])
     assert_same_params(resumed, model)
     print(f"PIPELINE checkpoint pp{hcg.get_pipe_parallel_world_size()}: resumed in the same "
@@ -267,9 +269,9 @@ def resume_in_one_stage(hcg, saved: dict) -> None:
     n_saved, n = saved["sharding_degree"], hcg.get_sharding_parallel_world_size()
     data = batches(n_saved, micro * mbs)
     ref_losses, _, ref_params = train_reference(full_weights(), data, n_saved, micro, mbs,
-                                                False)
+                                                True)
     model = build_pipeline(hcg, other_weights())
-    opt = make_opt(model)
+    opt = make_opt(model, clip=True)
     extra = checkpoint.load_checkpoint(os.path.join(saved["work"], "pipeline_ckpt"), model, opt)
     assert extra == {"step": SAVE_AT}, extra
     per = n_saved * micro * mbs // n
@@ -303,7 +305,7 @@ if "resume" in config:
     resume_in_one_stage(hcg, config["resume"])
 else:
     refuses_its_own_topology(hcg)
-    for dtype, clip in (("float64", False), ("float32", True)):
-        run(hcg, config, dtype, clip)
+    for dtype in ("float64", "float32"):
+        run(hcg, config, dtype, clip=True)
 paddle.set_default_dtype("float32")
 finish()
