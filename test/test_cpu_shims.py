@@ -175,19 +175,23 @@ def test_pipeline_p2p_over_nccl_is_paddles(monkeypatch):
 
 @pytest.mark.parametrize("dtype,index", [("float32", 0), ("float16", 1), ("bfloat16", 2),
                                          ("float64", 3)])
-def test_final_loss_travels_in_its_own_dtype(monkeypatch, dtype, index):
+@pytest.mark.parametrize("shape", [[1], []])
+def test_final_loss_travels_in_its_own_dtype_and_shape(monkeypatch, dtype, index, shape):
+    """A 0-d loss stays 0-d on the other stages: PaddleFormers' Trainer adds it to a 0-d
+    running loss and all-gathers that over the job (a [1] loss on some ranks made
+    those ranks' sum float32 [1] and the others' float64 [], and gloo aborted)."""
     sent = []
     monkeypatch.setattr(comm, "broadcast", lambda t, src, group, tag: sent.append(t.numpy().copy()))
-    loss = paddle.to_tensor([1.5], dtype=dtype)
+    loss = paddle.full(shape, 1.5, dtype=dtype)
     assert cpu_pipeline.broadcast_loss(loss, 3, "pipe") is loss
-    assert sent[0].tolist() == [index, 1]
+    assert sent[0].tolist() == [index, 1, int(shape == [])]
 
     def receive(t, src, group, tag):  # a peer: the header arrives, then the values
         if t.dtype == paddle.int64:
-            paddle.assign(paddle.to_tensor([index, 1], dtype="int64"), output=t)
+            paddle.assign(paddle.to_tensor(sent[0], dtype="int64"), output=t)
     monkeypatch.setattr(comm, "broadcast", receive)
     got = cpu_pipeline.broadcast_loss(None, 3, "pipe")
-    assert got.dtype == loss.dtype and got.shape == [1]
+    assert got.dtype == loss.dtype and got.shape == shape
 
 
 def _pipeline_layer():

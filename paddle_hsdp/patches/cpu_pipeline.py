@@ -17,7 +17,8 @@
 * ``PipelineParallel._broadcast_final_loss``: the last stage broadcasts a flag that
   says float32 or not, and the other stages allocate float16 for "not": a float64 loss
   (8 bytes into 2) aborts gloo. Over a gloo pipe group the flag names the dtype
-  (float32, float16, bfloat16 or float64) and the element count.
+  (float32, float16, bfloat16 or float64), the element count and whether the loss is
+  0-d, so every stage holds the last stage's loss in its dtype and shape.
 """
 
 from __future__ import annotations
@@ -93,15 +94,17 @@ def _last_stage_losses(pp, per_micro_batch: bool) -> list:
 
 def broadcast_loss(loss: paddle.Tensor | None, src: int, group) -> paddle.Tensor:
     """``loss`` (on rank ``src``; None elsewhere) on every rank of ``group``, in its own
-    dtype: a header ``[dtype index, element count]`` first, then the values."""
-    header = paddle.zeros([2], "int64")
+    dtype and shape (a 0-d loss stays 0-d: a stage's loss of another shape or dtype
+    than the last stage's would make the ranks' later collectives of it differ): a
+    header ``[dtype index, element count, 0-d]`` first, then the values."""
+    header = paddle.zeros([3], "int64")
     if loss is not None:  # (paddle.to_tensor would leak two Python blocks per step)
-        paddle.assign(np.array([_LOSS_DTYPES.index(loss.dtype), math.prod(loss.shape)],
-                               "int64"), output=header)
+        paddle.assign(np.array([_LOSS_DTYPES.index(loss.dtype), math.prod(loss.shape),
+                                len(loss.shape) == 0], "int64"), output=header)
     comm.broadcast(header, src, group, tag="pipeline_loss")
     if loss is None:
-        dtype, count = header.tolist()
-        loss = paddle.zeros([count], _LOSS_DTYPES[dtype])
+        dtype, count, scalar = header.tolist()
+        loss = paddle.zeros([] if scalar else [count], _LOSS_DTYPES[dtype])
     comm.broadcast(loss, src, group, tag="pipeline_loss")
     return loss
 
