@@ -13,7 +13,10 @@
   ``c_embedding`` (its float64 CPU grad is garbage): their definitions in
   :mod:`.cpu_mp_ops`, built from ops with CPU kernels and paddle_hsdp's collectives;
 * ``paddle.distributed.stream.reduce_scatter`` over a gloo group (gloo has none; sequence
-  parallel's reduce-scatter): :func:`paddle_hsdp.comm.reduce_scatter`'s fallback.
+  parallel's reduce-scatter): :func:`paddle_hsdp.comm.reduce_scatter`'s fallback;
+* ``broadcast_input_data`` (fleet's ``TensorParallel`` wrapper broadcasts each forward's
+  inputs over the mp group): it asserts a GPU, XPU or custom device; on CPU the same
+  broadcasts, in place, without the copy to a device.
 
 Each replacement takes the CPU path only for CPU tensors (the collective for gloo
 groups) and calls Paddle's original everywhere else, so device tensors and NCCL keep
@@ -115,6 +118,25 @@ def _patch_stream_reduce_scatter() -> None:
             "gloo has no reduce-scatter (sequence parallel's): paddle_hsdp's fallback")
 
 
+def _patch_broadcast_input_data() -> None:
+    from paddle.distributed.fleet.meta_parallel import tensor_parallel
+    from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+
+    PADDLE["broadcast_input_data"] = util.broadcast_input_data
+
+    def broadcast_input_data(hcg, *inputs, **kwargs):
+        if paddle.get_device().split(":")[0] != "cpu":
+            return PADDLE["broadcast_input_data"](hcg, *inputs, **kwargs)
+        for data in (inputs, kwargs):  # Paddle's own per-element broadcasts, on CPU
+            if data:
+                util._broadcast_nested_data(hcg, "cpu", paddle.CPUPlace(), data)
+        return inputs, kwargs
+
+    why = "asserts a GPU/XPU/custom device; on CPU the same broadcasts, without the copy"
+    replace(util, "broadcast_input_data", broadcast_input_data, why)
+    replace(tensor_parallel, "broadcast_input_data", broadcast_input_data, why)
+
+
 def install() -> None:
     global _installed
     if _installed:
@@ -128,4 +150,5 @@ def install() -> None:
     _patch_c_softmax_with_cross_entropy()
     _patch_c_embedding()
     _patch_stream_reduce_scatter()
+    _patch_broadcast_input_data()
     _installed = True
