@@ -27,8 +27,15 @@ def make(tmp_path, **kwargs):
 @pytest.mark.parametrize("bad,named", [
     ({"sharding": "stage1"}, "sharding: 'stage1' is PaddleFormers' own sharding"),
     ({"sharding": "stage3"}, "sharding: 'stage3'"),
-    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size: 2"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: 2"),
+    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size: 2 x "
+     "pipeline_model_parallel_size: 1 = 2 does not divide the 1 ranks"),
+    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: 2 = 2 does not divide"),
+    ({"sep_parallel_size": 2}, "sep_parallel_size: 2; HSDPTrainer does not set up"),
+    ({"expert_model_parallel_size": 2}, "expert_model_parallel_size: 2; HSDPTrainer"),
+    ({"fsdp_outer_sharding": "params"}, "fsdp_outer_sharding: 'params'; allowed: 'none', "
+     "'optim'"),
+    ({"hsdp_config": {"fsdp_outer_sharding": "optim"}, "fsdp_outer_sharding": "none"},
+     "fsdp_outer_sharding: 'none' disagrees with hsdp_config's"),
     ({"use_expert_parallel": True}, "use_expert_parallel: True is not supported"),
     ({"fp16": True}, "fp16: not supported"),
     ({"fsdp_outer_degree": "two"}, "fsdp_outer_degree: 'two'; allowed: an int >= 1 or 'auto'"),

@@ -176,8 +176,9 @@ def single_resume_out(hsdp_2x2_log, shared_2x2_work, launch_2_log, launch_4_log,
 
 
 # The 4-rank launch that imports PaddleFormers (about 15 s on 4 CPU ranks), so every
-# worker that needs it shares it: PaddleFormers' Trainer with HSDP (2 x 2, then the 1 x 4
-# resume; test_trainer.py), then HSDP inside a tensor-parallel PaddleFormers Llama at
+# worker that needs it shares it: PaddleFormers' Trainer with HSDP (2 x 2; then inside
+# tensor parallelism mp2 x sharding2 and pipeline parallelism pp2 x sharding2, outer 2;
+# then the 1 x 4 resumes of the 2 x 2, TP and PP checkpoints; test_trainer.py), then HSDP inside a tensor-parallel PaddleFormers Llama at
 # mp2 x sharding2, outer 1 then 2, with and without sequence parallelism (test_3d.py),
 # and the CPU shims against the ops' definitions on the last layout's mp group (no
 # fleet.init of its own; test_3d.py); then the tensor-parallel Llama's checkpoints and
@@ -209,7 +210,9 @@ def paddleformers_4_log(trainer_work, threed_work):
     pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional "
                         "extra: pip install paddle_hsdp[paddleformers] (tools/test.sh "
                         "installs it)")
-    jobs = [["worker_trainer.py", trainer_work, "2,1"],
+    jobs = [["worker_trainer.py", trainer_work, "2"],
+            ["worker_trainer_3d.py", trainer_work, "tp,pp"],
+            ["worker_trainer.py", trainer_work, "1", "tp,pp"],
             ["worker_tp_llama.py", json.dumps(TP_LLAMA)],
             ["worker_cpu_ops.py", json.dumps(TP_LLAMA["layouts"][-1])],
             ["worker_tp_checkpoint.py", json.dumps({"work": threed_work})],

@@ -67,3 +67,23 @@ def test_save_model_loads_with_from_pretrained_exactly(trainer_logs):
     _, checks = trainer_logs
     for folder in ("hf", "paddle_layout", "hf_untied"):
         assert f"TRAINER_FROM_PRETRAINED_EXACT {folder}" in checks, checks[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_tensor_and_pipeline_parallel_runs_match_resume_and_export(trainer_logs, layout,
+                                                                   paddleformers_4_log):
+    """workers/worker_trainer_3d.py (issue 34): HSDPTrainer with tensor parallelism 2 and
+    with LlamaForCausalLMPipe at pipeline 2, sharding 2 outer 2 each: per-step loss,
+    pre-clip norm, eval loss and final parameters against the one-process Trainer;
+    resumed bit for bit in the same layout and within the bounds in plain HSDP 1 x 4;
+    save_model loaded with from_pretrained exactly."""
+    log = part_of(paddleformers_4_log, "worker_trainer_3d.py")
+    hcg = {"tp": "(2, 1, 2, 2, 1)", "pp": "(1, 2, 2, 2, 1)"}[layout]  # mp, pp, sharding, outer, dp
+    assert f"TRAINER_3D_HCG {layout} {hcg}" in log, log[-3000:]
+    _, checks = trainer_logs
+    lines = {"tp": ["TRAINER_MATCHES tp_base\n", "TRAINER_MATCHES resume_dp_tp\n"],
+             "pp": ["TRAINER_MATCHES pp_base vs pp_plain\n", "TRAINER_MATCHES pp_base\n",
+                    "TRAINER_MATCHES resume_dp_pp vs one process\n"]}[layout]
+    for line in lines + [f"TRAINER_RESUME_BIT_EXACT {layout}",
+                         f"TRAINER_FROM_PRETRAINED_EXACT {layout}_hf"]:
+        assert line in checks, checks[-3000:]

@@ -62,14 +62,15 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
 
 
 # ---------------------------------------------------------------- topology
-def _live_hcg():
+def live_hcg():
+    """fleet's hybrid communicate group, or None before ``fleet.init``."""
     return fleet_topology._HYBRID_PARALLEL_GROUP
 
 
 def topology_of(cfg) -> tuple[int, int, int, int]:
     """``(outer, inner, expert inner, expert outer)`` the config means here: checked
     against the live topology when fleet is up, else against the launcher's world."""
-    hcg = _live_hcg()
+    hcg = live_hcg()
     if hcg is None:
         world = dist.get_world_size()  # the launcher's PADDLE_TRAINERS_NUM before init
         outer, inner = resolve_degrees(cfg, world, ranks_per_node_from_env())
@@ -100,14 +101,14 @@ def outer_sharding_of(cfg) -> str:
     'auto' the live fleet's (``sharding_configs``), "none" when fleet is not up."""
     if cfg.fsdp_outer_sharding != AUTO:
         return cfg.fsdp_outer_sharding
-    hcg = _live_hcg()
+    hcg = live_hcg()
     return hcg.get_fsdp_outer_sharding() if hcg is not None else "none"
 
 
 def init_fleet_if_needed(outer: int, inner: int, outer_sharding: str = "none") -> None:
     """``fleet.init`` with HSDP ``outer x inner`` over the whole world, unless fleet is
     up already (:func:`topology_of` has checked that it agrees)."""
-    if _live_hcg() is not None:
+    if live_hcg() is not None:
         return
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,

@@ -18,6 +18,7 @@ rotation) stay its own. See docs/paddleformers.md.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -27,13 +28,16 @@ from typing import Optional
 
 import paddle
 import paddle.distributed as dist
+from paddle.distributed import fleet
+from paddle.distributed.fleet.utils.hybrid_parallel_util import broadcast_mp_parameters
 from paddleformers.trainer import Trainer, TrainingArguments
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config.apply import apply_config, init_fleet_if_needed, outer_sharding_of, topology_of
-from ..config.schema import (AUTO, ConfigError, HSDPConfig, load_config,
-                             ranks_per_node_from_env, resolve_degrees)
 from ..checkpoint.full_model import full_model
+from ..config.apply import (live_hcg, apply_config, init_fleet_if_needed, outer_sharding_of,
+                            topology_of)
+from ..config.schema import (AUTO, OUTER_SHARDING, ConfigError, HSDPConfig, load_config,
+                             ranks_per_node_from_env, resolve_degrees)
 from ..engine.api import FSDPModule
 from ..patches.clip import last_global_norm
 
@@ -64,6 +68,9 @@ class HSDPTrainingArguments(TrainingArguments):
     fsdp_outer_degree: Optional[str] = field(default=None, metadata=_help(
         "HSDP replicas (the outer degree): an int, or 'auto' for one replica per "
         "machine. Default: hsdp_config's value, else 'auto'."))
+    fsdp_outer_sharding: Optional[str] = field(default=None, metadata=_help(
+        "'none' (HSDP) or 'optim' (HFSDP: the optimizer state sharded across the "
+        "replicas too). Default: hsdp_config's value, else 'none'."))
     hsdp_config: Optional[str] = field(default=None, metadata=_help(
         "A paddle_hsdp config (YAML path, or a dict from Python) in apply_config's "
         "schema; its degrees must agree with fsdp_outer_degree."))
@@ -82,20 +89,95 @@ class HSDPTrainingArguments(TrainingArguments):
         with _named_for_the_arguments():
             _refuse_what_cannot_work(self)
             self.hsdp_config_resolved = _hsdp_config_of(self)
-            world = dist.get_world_size()
-            self.hsdp_degrees = resolve_degrees(self.hsdp_config_resolved, world,
-                                                ranks_per_node_from_env())
-            if world > 1:
-                self.hsdp_degrees = _live_topology(self.hsdp_config_resolved)[:2]
-        if world > 1:
+            world, split = dist.get_world_size(), _model_split(self)
+            self.hsdp_degrees = _hsdp_degrees(self.hsdp_config_resolved, world, self)
+        outer_sharding = outer_sharding_of(self.hsdp_config_resolved)
+        if world > 1 and split == 1:
             # hsdp_config's fsdp_outer_sharding goes into sharding_configs too
-            init_fleet_if_needed(*self.hsdp_degrees,
-                                 outer_sharding_of(self.hsdp_config_resolved))
+            init_fleet_if_needed(*self.hsdp_degrees, outer_sharding)
         if self.hsdp_checkpoint:
             # the Trainer's flex-checkpoint paths call the hooks HSDPTrainer overrides,
             # on every rank
             self.save_checkpoint_format = self.load_checkpoint_format = _FLEX
-        super().__post_init__()
+        if world > 1 and split > 1 and live_hcg() is None:
+            with _data_ranks_as_hsdp(self.hsdp_degrees[0], outer_sharding):
+                super().__post_init__()  # PaddleFormers' hybrid strategy, HSDP data axes
+        else:
+            super().__post_init__()
+
+    @property
+    def dataset_rank(self):
+        """The rank's data shard: its place in the HSDP group (every outer x inner rank
+        reads other rows; tensor-parallel ranks and stages of one replica the same)."""
+        hcg = live_hcg()
+        if hcg is None or not self.use_hybrid_parallel:
+            return super().dataset_rank
+        return hcg.get_sharding_parallel_rank()
+
+    @property
+    def dataset_world_size(self):
+        hcg = live_hcg()
+        if hcg is None or not self.use_hybrid_parallel:
+            return super().dataset_world_size
+        return hcg.get_sharding_parallel_world_size()
+
+
+def _model_split(args) -> int:
+    """Ranks one model replica's data is split over: tensor x pipeline degree."""
+    return max(args.tensor_model_parallel_size, 1) * max(args.pipeline_model_parallel_size, 1)
+
+
+def _hsdp_degrees(cfg: HSDPConfig, world: int, args) -> tuple[int, int]:
+    """``(outer, inner)`` over the data-parallel ranks (the world over tensor x pipeline
+    degree): the live fleet's when it is up (checked against the config), else the
+    config's ('auto': one replica per machine, a machine holding ``ranks per node /
+    tensor degree`` data-parallel ranks)."""
+    split = _model_split(args)
+    if world % split:
+        raise ConfigError([
+            f"tensor_model_parallel_size: {max(args.tensor_model_parallel_size, 1)} x "
+            f"pipeline_model_parallel_size: {max(args.pipeline_model_parallel_size, 1)} = "
+            f"{split} does not divide the {world} ranks"])
+    if world > 1 and live_hcg() is not None:
+        hcg = live_hcg()
+        live = {"tensor_model_parallel_size": hcg.get_model_parallel_world_size(),
+                "pipeline_model_parallel_size": hcg.get_pipe_parallel_world_size()}
+        if live["tensor_model_parallel_size"] * live["pipeline_model_parallel_size"] != split:
+            raise ConfigError([f"tensor / pipeline degrees: fleet.init ran before these "
+                               f"arguments with {live}; build HSDPTrainingArguments first "
+                               "or pass the same degrees"])
+        return _live_topology(cfg)[:2]
+    per_node, tp = ranks_per_node_from_env(), max(args.tensor_model_parallel_size, 1)
+    if per_node is not None:
+        per_node = per_node // tp if per_node % tp == 0 else None
+    return resolve_degrees(cfg, world // split, per_node)
+
+
+@contextlib.contextmanager
+def _data_ranks_as_hsdp(outer: int, outer_sharding: str):
+    """While PaddleFormers' ``__post_init__`` runs: its ``fleet.init`` gets the hybrid
+    strategy it built for a tensor- or pipeline-parallel job (mp and pipeline configs
+    included) with its data-parallel ranks moved into HSDP's sharding axis (dp 1,
+    sharding ``dp x sharding``, ``fsdp_outer_degree``). Its own sharding stages are
+    off (``sharding`` is empty here), so nothing else of it changes."""
+    original = fleet.init
+
+    def init(*args, **kwargs):
+        strategy = kwargs.get("strategy")
+        if strategy is not None:
+            hybrid = strategy.hybrid_configs
+            data = max(hybrid["dp_degree"], 1) * max(hybrid["sharding_degree"], 1)
+            strategy.hybrid_configs = {
+                "dp_degree": 1, "sharding_degree": data,
+                "sharding_configs": {"fsdp_outer_degree": outer,
+                                     "fsdp_outer_sharding": outer_sharding}}
+        return original(*args, **kwargs)
+
+    fleet.init = init
+    try:
+        yield
+    finally:
+        fleet.init = original
 
 
 @contextlib.contextmanager
@@ -117,13 +199,16 @@ def _refuse_what_cannot_work(args) -> None:
     if getattr(args, "sharding_parallel_size", -1) > 1 or getattr(args, "sharding_degree", -1) > 1:
         errors.append("sharding_parallel_size: the HSDP inner size comes from hsdp_config's "
                       "sharding_size (default: world / fsdp_outer_degree); leave it unset")
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "sep_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+    for name in ("sep_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         if getattr(args, name, -1) > 1:
             errors.append(f"{name}: {getattr(args, name)}; HSDPTrainer does not set up "
-                          "tensor, pipeline, sequence or expert parallelism yet (shard such "
-                          "a model yourself and train it in your own loop: docs/3d.md); "
-                          "allowed: -1 or 1")
+                          "sequence-segment, context or expert parallelism yet (tensor and "
+                          "pipeline parallelism it does: tensor_model_parallel_size, "
+                          "pipeline_model_parallel_size); allowed: -1 or 1")
+    sharding_mode = args.fsdp_outer_sharding
+    if sharding_mode is not None and sharding_mode not in OUTER_SHARDING:
+        errors.append(f"fsdp_outer_sharding: {sharding_mode!r}; allowed: "
+                      f"{', '.join(repr(m) for m in OUTER_SHARDING)}")
     if args.use_expert_parallel:
         errors.append("use_expert_parallel: True is not supported by HSDPTrainer yet; train "
                       "MoE models with paddle_hsdp.apply_config in your own loop")
@@ -171,6 +256,12 @@ def _hsdp_config_of(args) -> HSDPConfig:
             errors.append(f"fsdp_outer_degree: {outer} disagrees with hsdp_config's "
                           f"fsdp_outer_degree {base.fsdp_outer_degree}; set one of them")
         values["fsdp_outer_degree"] = outer
+    mode = args.fsdp_outer_sharding
+    if mode is not None and mode in OUTER_SHARDING:
+        if args.hsdp_config is not None and base.fsdp_outer_sharding not in (AUTO, mode):
+            errors.append(f"fsdp_outer_sharding: {mode!r} disagrees with hsdp_config's "
+                          f"fsdp_outer_sharding {base.fsdp_outer_sharding!r}; set one of them")
+        values["fsdp_outer_sharding"] = mode
     if args.hsdp_wrap_modules is not None:
         wrap = tuple(p.strip() for p in str(args.hsdp_wrap_modules).split(",") if p.strip())
         if base.sub_modules_to_wrap and wrap != base.sub_modules_to_wrap:
@@ -202,8 +293,16 @@ def _live_topology(cfg: HSDPConfig):
 
 
 def main_stack_patterns(model) -> tuple:
-    """``('<path>.{*}',)`` for the model's longest ``LayerList`` (its decoder blocks),
-    or ``()`` when it has none: what ``hsdp_wrap_modules='auto'`` wraps."""
+    """What ``hsdp_wrap_modules='auto'`` wraps: ``('<path>.{*}',)`` for the model's
+    longest ``LayerList`` (its decoder blocks); for a pipeline model (a
+    ``PipelineLayer``, e.g. ``LlamaForCausalLMPipe``) the class the pipeline's layer
+    list repeats (its decoder layers; a stage may hold one); ``()`` when it has
+    neither."""
+    descs = getattr(model, "_layers_desc", None)
+    if descs is not None:  # every stage reads the whole pipeline's layer list alike
+        counts = collections.Counter(d.layer_func.__name__ for d in descs
+                                     if isinstance(getattr(d, "layer_func", None), type))
+        return tuple(name for name, n in counts.most_common(1) if n > 1)
     best_path, best_len = None, 1
     for path, layer in model.named_sublayers():
         if isinstance(layer, paddle.nn.LayerList) and len(layer) > best_len:
@@ -276,6 +375,10 @@ class HSDPTrainer(Trainer):
                              "let the trainer build it after sharding (or override "
                              "create_optimizer)")
         if not isinstance(self.model, FSDPModule):
+            if self.args.tensor_model_parallel_size > 1:
+                # what fleet's TensorParallel wrapper does, before sharding: the params
+                # tensor parallelism does not split start equal on every mp rank
+                broadcast_mp_parameters(self.model, fleet.get_hybrid_communicate_group())
             _, self.hsdp_plan = shard_for_training(self.model, self.args.hsdp_config_resolved)
             logger.info("HSDPTrainer: %s", self.hsdp_plan)
         # the MixedPrecisionPolicy casts (bf16 compute, fp32 shards and reduction);
@@ -287,7 +390,18 @@ class HSDPTrainer(Trainer):
     def _wrap_model(self, model, training=True):
         # No DataParallel, no MixPrecisionLayer: HSDP reduces the grads itself, and the
         # Trainer's fused all-reduce of DataParallel grads must not run on shards.
-        return model
+        if not self.args.use_hybrid_parallel:
+            return model
+        # Tensor or pipeline parallel: PaddleFormers' own wrappers (TensorParallel,
+        # PipelineParallel and fleet's optimizer, sequence parallel's grad sync). With
+        # dp 1 and its sharding stages off they add no data-parallel reduction.
+        return super()._wrap_model(model, training)
+
+    def _wrap_distributed_optimizer(self, optimizer):
+        # fleet's optimizer over the shards (its clip replaced by HSDP's, whose norm
+        # log() reads); PaddleFormers' own version wraps HybridParallelClipGrad's
+        # internals to log the norm, which the HSDP clip has no need of
+        return fleet.distributed_optimizer(optimizer)
 
     def train(self, *args, **kwargs):
         with cpu_synchronize_is_a_no_op():

@@ -11,7 +11,13 @@ them (issue 18). argv: the work folder worker_trainer.py wrote into.
   (when run) and here in one process (HSDPTrainer on a single rank), within the bounds;
 * ``save_model(last_fc_to_hf=True)`` and the plain ``save_model`` load with
   ``from_pretrained`` in this fresh process equal to the 2 x 2 ``export`` run's full
-  state dict, exactly; the same for a model with untied embeddings.
+  state dict, exactly; the same for a model with untied embeddings;
+* worker_trainer_3d.py's runs (issue 34): ``tp_base`` (mp2 x sharding2) and ``pp_base``
+  (``LlamaForCausalLMPipe``, pp2 x sharding2) against the one-process Trainer on the
+  untied model, as above; their resumes from step 3 in the same layout equal the bases'
+  steps 4-6 bit for bit, and in plain HSDP 1 x 4 (``resume_dp_<layout>``) are within the
+  bounds; their float32 ``save_model`` directories load with ``from_pretrained`` equal
+  to the full parameters joined from every slice and stage, exactly.
 """
 
 import json
@@ -35,12 +41,14 @@ parity.set_dtype(tc.DTYPE)
 LOSS_BOUND, NORM_BOUND, PARAM_BOUND = tc.LOSS_BOUND, parity.bound(), parity.bound()
 
 
-def reference(run, per_device=8, accumulation=1, eval_data=None):
-    model = tc.build_model()
+def reference(run, per_device=8, accumulation=1, eval_data=None, tied=True, low=0,
+              causal_mask=False, **extra):
+    model = tc.build_model(tied=tied)
     args = TrainingArguments(**tc.common_args(os.path.join(work, "ref_" + run), per_device,
-                                              accumulation),
+                                              accumulation, **extra),
                              sharding="", amp_master_grad=False)
-    trainer = Trainer(model=model, args=args, train_dataset=tc.TokenData(),
+    trainer = Trainer(model=model, args=args,
+                      train_dataset=tc.TokenData(low=low, causal_mask=causal_mask),
                       eval_dataset=eval_data)
     recorder = tc.Recorder(norm_before=tc.grad_norm_of(model))
     trainer.add_callback(recorder)
@@ -60,13 +68,16 @@ def load_run(run):
     return record
 
 
-def compare(run, got, ref, steps=slice(None)):
+def compare(run, got, ref, steps=slice(None), norm_bound=NORM_BOUND, params=True):
+    """Losses, pre-clip norms (within ``norm_bound``), eval loss and (``params``) final
+    parameters of ``got`` against ``ref``."""
     assert len(got["losses"]) == len(ref["losses"][steps]), (run, got["losses"])
     checks = {"losses": (parity.max_rel(got["losses"], ref["losses"][steps]), LOSS_BOUND),
-              "norms": (parity.max_rel(got["norms"], ref["norms"][steps]), NORM_BOUND),
-              "params": (max(parity.max_rel(got["params"][k], ref["params"][k])
-                             for k in ref["params"]), PARAM_BOUND)}
-    if "eval_loss" in got:
+              "norms": (parity.max_rel(got["norms"], ref["norms"][steps]), norm_bound)}
+    if params:
+        checks["params"] = (max(parity.max_rel(got["params"][k], ref["params"][k])
+                                for k in ref["params"]), PARAM_BOUND)
+    if "eval_loss" in got and "eval_loss" in ref:
         checks["eval_loss"] = (parity.max_rel(got["eval_loss"], ref["eval_loss"]), LOSS_BOUND)
     assert set(got["params"]) == set(ref["params"]), (run, sorted(got["params"]))
     for what, (measured, limit) in checks.items():
@@ -115,3 +126,62 @@ for folder, run in (("hf", "export"), ("paddle_layout", "export"),
     for name, value in exported.items():
         assert np.array_equal(got[name], value), (folder, name)
     print(f"TRAINER_FROM_PRETRAINED_EXACT {folder}", flush=True)
+
+# ---- tensor and pipeline parallel (worker_trainer_3d.py), against the untied model
+paddle.set_default_dtype(tc.DTYPE)
+ref_untied = reference("untied", eval_data=tc.TokenData(16, seed=2, low=1, causal_mask=True),
+                       tied=False, low=1, causal_mask=True, weight_decay=tc.WEIGHT_DECAY_3D)
+# PaddleFormers' pipeline criterion (LlamaForCausalLMPipe's loss layer) rounds its
+# float32 loss otherwise than LlamaForCausalLM's: in a plain Paddle pp2 job, no HSDP,
+# every grad of the first step differs from the one-process model's by 8e-8 to 5.7e-7
+# relative (measured), and AdamW turns that into 4e-4 on the near-zero-grad q_proj
+# weights after 6 steps, with or without HSDP (pp_plain's figure is printed below). So
+# pp_base meets the one-process Trainer on losses, eval loss (float32-level, as every
+# run) and pre-clip norms (parity.py's float32 bound), and PaddleFormers' own pipeline
+# without HSDP (pp_plain) on everything, parameters included, within float64's bound;
+# its checkpoint resumed in plain HSDP 1 x 4 (LlamaForCausalLM) meets the same resume in
+# one process (HSDPTrainer on a single rank) within float64's bound.
+for layout in ("tp", "pp"):
+    layout_base = load_run(f"{layout}_base")
+    if layout == "tp":
+        compare("tp_base", layout_base, ref_untied)
+    else:
+        plain = load_run("pp_plain")
+        compare("pp_base vs pp_plain", layout_base, plain)
+        compare("pp_base", layout_base, ref_untied, norm_bound=parity.BOUNDS["float32"],
+                params=False)
+        floor = max(parity.max_rel(plain["params"][k], ref_untied["params"][k])
+                    for k in ref_untied["params"])
+        print(f"TRAINER_PIPELINE_FLOOR PaddleFormers' pipeline without HSDP vs one process: "
+              f"params {floor:.2e}", flush=True)
+    resumed = load_run(f"{layout}_resume")
+    assert resumed["losses"] == layout_base["losses"][3:], (layout, resumed["losses"])
+    assert resumed["norms"] == layout_base["norms"][3:], (layout, resumed["norms"])
+    assert sorted(resumed["params"]) == sorted(layout_base["params"])
+    for name, value in layout_base["params"].items():
+        assert np.array_equal(resumed["params"][name], value), (layout, name)
+    print(f"TRAINER_RESUME_BIT_EXACT {layout}", flush=True)
+    resumed_dp = load_run(f"resume_dp_{layout}")
+    if layout == "tp":
+        compare("resume_dp_tp", resumed_dp, ref_untied, steps=slice(3, None))
+    else:  # from the pipeline's own rounding until step 3 (see above)
+        args = HSDPTrainingArguments(**tc.common_args(os.path.join(work, "resume_one_pp"), 8,
+                                                      weight_decay=tc.WEIGHT_DECAY_3D))
+        one = HSDPTrainer(model=tc.build_model(tied=False), args=args,
+                          train_dataset=tc.TokenData(low=1, causal_mask=True))
+        recorder = tc.Recorder(norm_after=lambda: paddle_hsdp.last_global_norm(one.optimizer))
+        one.add_callback(recorder)
+        one.train(resume_from_checkpoint=os.path.join(work, "pp_base", "checkpoint-3"))
+        compare("resume_dp_pp vs one process", resumed_dp, {
+            "losses": recorder.losses, "norms": recorder.norms,
+            "params": tc.params_of(paddle_hsdp.full_state_dict(one.model))})
+    paddle.set_default_dtype("float32")
+    exported = load_run(f"{layout}_export")["params"]
+    loaded = LlamaForCausalLM.from_pretrained(os.path.join(work, f"{layout}_hf"))
+    assert loaded.config.tensor_model_parallel_size == 1
+    got = tc.params_of(loaded.state_dict())
+    assert set(got) == set(exported), (layout, sorted(got))
+    for name, value in exported.items():
+        assert np.array_equal(got[name], value), (layout, name)
+    print(f"TRAINER_FROM_PRETRAINED_EXACT {layout}_hf", flush=True)
+    paddle.set_default_dtype(tc.DTYPE)

@@ -30,29 +30,55 @@ CLIP = 0.5
 DTYPE = "float64"
 # losses: float32-level (see above), 16x the measured 6e-8; norms and parameters: float64
 LOSS_BOUND = 1e-6
+# The tensor- and pipeline-parallel runs (worker_trainer_3d.py) and their reference: no
+# weight decay. PaddleFormers' Trainer exempts parameters whose structured name holds
+# "bias" or "norm"; a pipeline model's final norm is named "<layer index>.weight", so
+# it would be decayed there and not in the one-process model (a 3e-5 relative loss
+# difference at step 2, measured): the Trainer's choice, not HSDP's.
+WEIGHT_DECAY_3D = 0.0
 
 
-def build_model(recompute: bool = False, dtype: str = DTYPE, tied: bool = True):
-    paddle.set_default_dtype(dtype)
-    paddle.seed(7)
+def build_config(recompute: bool = False, tied: bool = True) -> LlamaConfig:
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=SEQ, tie_word_embeddings=tied,
                          fuse_rms_norm=False)
     if recompute:
         config.recompute_granularity = "full"
-    return LlamaForCausalLM(config)
+    return config
+
+
+def build_model(recompute: bool = False, dtype: str = DTYPE, tied: bool = True):
+    """The one-process model, the same weights every time (seed 7)."""
+    paddle.set_default_dtype(dtype)
+    paddle.seed(7)
+    return LlamaForCausalLM(build_config(recompute, tied))
 
 
 class TokenData(paddle.io.Dataset):
-    def __init__(self, n=SAMPLES, seed=1):
-        self.x = np.random.RandomState(seed).randint(0, VOCAB, size=(n, SEQ)).astype("int64")
+    """``low=1``: without token 0, the pad token, which a one-process embedding
+    (``padding_idx``) gives no grad and tensor-parallel and pipeline embeddings do
+    (Paddle 3.3's VocabParallelEmbedding, PaddleFormers' EmbeddingPipe).
+    ``causal_mask``: each sample also carries a causal attention mask ``[1, SEQ, SEQ]``:
+    PaddleFormers' ``LlamaForCausalLMPipe`` attends without one to every position on CPU
+    (its first stage passes no mask on; measured: the loss of a batch 5.022 against the
+    one-process model's 5.100, equal with the mask), and ``LlamaForCausalLM`` gives the
+    same loss with or without it."""
+
+    CAUSAL = np.tril(np.ones([SEQ, SEQ]))[None]
+
+    def __init__(self, n=SAMPLES, seed=1, low=0, causal_mask=False):
+        self.x = np.random.RandomState(seed).randint(low, VOCAB, size=(n, SEQ)).astype("int64")
+        self.causal_mask = causal_mask
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
+        sample = {"input_ids": self.x[i], "labels": self.x[i]}
+        if self.causal_mask:
+            sample["attention_mask"] = self.CAUSAL.astype(paddle.get_default_dtype())
+        return sample
 
 
 def common_args(output_dir: str, per_device: int, accumulation: int = 1, **extra) -> dict:

@@ -21,9 +21,12 @@ With outer 2, in one launch:
    parameter's grad must leave the shards alone (the guard in paddle_hsdp.patches).
 
 With outer 1 or 4: resume base's step-3 checkpoint in that layout (``resume_1`` /
-``resume_4``). After another layout in the same launch, the fleet HCG is forgotten
-first, so the resume's arguments run fleet.init with their own layout, as in a launch
-of their own (their __post_init__ would otherwise check the live 2 x 2 and refuse).
+``resume_4``), and with a third argument (``tp,pp``) also worker_trainer_3d.py's
+tensor- and pipeline-parallel checkpoints of step 3, in plain HSDP
+(``resume_dp_<layout>``, the untied model). After another layout in the same launch,
+the fleet HCG is forgotten first, so the resume's arguments run fleet.init with their
+own layout, as in a launch of their own (their __post_init__ would otherwise check the
+live topology and refuse).
 """
 
 import os
@@ -45,6 +48,8 @@ from paddle_hsdp import ConfigError
 from paddle_hsdp.integrations.paddleformers import HSDPTrainer, HSDPTrainingArguments
 
 work, outers = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+# worker_trainer_3d.py's layouts whose step-3 checkpoints the resume layouts also resume
+resume_3d = sys.argv[3].split(",") if len(sys.argv) > 3 else []
 rank = dist.get_rank()
 
 
@@ -83,8 +88,9 @@ def full_runs():
     """Outer 2: parts 1-4 of the module docstring."""
     # 1. refusals, before any group exists
     REFUSALS = [({"sharding": "stage1"}, "sharding:"),
-                ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size:"),
-                ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size:"),
+                ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size: 3"),
+                ({"sep_parallel_size": 2}, "sep_parallel_size:"),
+                ({"fsdp_outer_sharding": "all"}, "fsdp_outer_sharding:"),
                 ({"fp16": True}, "fp16:"),
                 ({"fsdp_outer_degree": "two"}, "fsdp_outer_degree:"),
                 ({"fsdp_outer_degree": 3}, "fsdp_outer_degree: 3 does not divide"),
@@ -168,10 +174,17 @@ def resume_in_another_layout():
     train(f"resume_{outer}", HSDPTrainer(model=tc.build_model(), args=args,
                                          train_dataset=tc.TokenData()),
           resume=os.path.join(work, "base", "checkpoint-3"))
+    for layout in resume_3d:  # tensor / pipeline parallel checkpoints, in plain HSDP
+        run = f"resume_dp_{layout}"
+        train(run, HSDPTrainer(model=tc.build_model(tied=False),
+                               args=hsdp_args(run, weight_decay=tc.WEIGHT_DECAY_3D),
+                               train_dataset=tc.TokenData(low=1, causal_mask=True)),
+              resume=os.path.join(work, f"{layout}_base", "checkpoint-3"))
 
 
 for index, outer in enumerate(outers):
-    if index:  # another layout: the arguments below run fleet.init with it
+    if fleet_topology._HYBRID_PARALLEL_GROUP is not None:
+        # another layout ran in this launch: the arguments below run fleet.init with this one
         fleet_topology._HYBRID_PARALLEL_GROUP = None
     print(f"TRAINER_LAYOUT outer {outer}", flush=True)
     if outer == 2:
