@@ -185,12 +185,15 @@ def train_pipeline(hcg, model, data, rows, clip, opt=None, after_step=None):
     opt = make_opt(model, clip) if opt is None else opt
     pipe, opt = fleet.distributed_model(model), fleet.distributed_optimizer(opt)
     losses, norms, outer_calls = [], [], []
+    reduces = []  # inner reduce-scatters per step
     for index, (ids, labels) in enumerate(data):
+        reduced = comm.counter.get("inner", "reduce_scatter").calls
         before = comm.counter.get("outer", "all_reduce").calls
         mine = slice(d * rows, (d + 1) * rows)
         loss = pipe.train_batch([paddle.to_tensor(ids[mine]), paddle.to_tensor(labels[mine])],
                                 opt)
         outer_calls.append(comm.counter.get("outer", "all_reduce").calls - before)
+        reduces.append(comm.counter.get("inner", "reduce_scatter").calls - reduced)
         t = loss.reshape([1]).astype("float64")
         comm.all_reduce(t, sharding, tag="log")
         losses.append(t.item() / n)
@@ -198,6 +201,11 @@ def train_pipeline(hcg, model, data, rows, clip, opt=None, after_step=None):
             norms.append(paddle_hsdp.last_global_norm(opt))
         if after_step is not None:
             after_step(index, opt)
+    accumulate = pipe.accumulate_steps
+    trainable = outer_buffers(model)
+    # one reduce-scatter per buffer per micro-batch (1F1B runs a micro-batch's forward
+    # before the previous one's backward: an extra one per unit was the bug)
+    assert reduces == [trainable * accumulate] * len(data), (reduces, trainable, accumulate)
     return losses, norms, outer_calls
 
 
