@@ -103,10 +103,11 @@ def _plan_cluster(args, cfg) -> int:
         shape = planner.parse_model_shape(args.model_shape)
         title = f"{shape.params() / 1e9:.2f}B-parameter model ({args.model_shape})"
         tps, pps = _degrees(args, shape, cluster)
+        dtypes = planner.dtype_bytes(cfg)
         work = layouts.Workload(args.seq_len, args.micro_batch, args.global_batch,
-                                args.recompute)
+                                args.recompute, dtypes["compute_bytes"])
         options = planner.evaluate_layouts(
-            cluster, shape, work, planner.dtype_bytes(cfg), tps, pps, args.micro_steps,
+            cluster, shape, work, dtypes, tps, pps, args.micro_steps,
             cfg.zero_stage, reshard_after_forward_of(cfg, is_root=False),
             cfg.num_to_forward_prefetch, modes)
     elif args.model and args.config:
@@ -124,7 +125,7 @@ def _plan_cluster(args, cfg) -> int:
     if args.json:
         print(json.dumps(planner.as_json(cluster, options, best, why, title), indent=1))
     else:
-        print(planner.table(cluster, options, best, why, title))
+        print(planner.table(cluster, options, best, why, title, args.top))
     return 0
 
 
@@ -212,6 +213,9 @@ def _parser() -> argparse.ArgumentParser:
                            "--micro-steps micro-batches per rank of pure data parallelism)")
     plan.add_argument("--recompute", action="store_true",
                       help="full activation recompute (each layer keeps only its input)")
+    plan.add_argument("--top", type=int, default=None,
+                      help="with --cluster: the table shows only the N least exposed "
+                           "layouts that fit")
     plan.add_argument("--json", action="store_true",
                       help="with --cluster: one JSON object (recommended, layouts) instead "
                            "of the table")

@@ -197,7 +197,11 @@ def test_activation_and_model_parallel_bytes_by_hand():
     per_layer = shape.tp_collectives_per_layer * 2 * sbh
     assert layouts.tp_bytes(shape, work, 2, 1, 3) == 3 * (8 * per_layer + 2 * 2 * sbh)
     assert layouts.tp_bytes(shape, work, 1, 1, 3) == 0
-    assert layouts.pp_bytes(shape, work, 2, 4, 3) == 2 * 3 * 2 * sbh / 2  # act + grad, / tp
+    # act forward + grad back (/ tp), with the positions: int64 ids and RoPE's cos and sin
+    positions = 8 * 128 * 2 + 2 * 2 * 128 * 2 * 64 // 8
+    assert layouts.pp_bytes(shape, work, 2, 4, 3) == 3 * (2 * 2 * sbh / 2 + positions)
+    fp32 = layouts.Workload(seq_len=128, micro_batch=2, act_bytes=4)  # twice bf16's
+    assert layouts.activation_bytes(shape, fp32, 1, 1, 4) == 2 * 8 * 34 * sbh + logits
     assert layouts.bubble_fraction(4, 12) == 3 / 15
     assert layouts.tp_choices(shape, 8) == [1, 2, 4, 8]
     assert layouts.tp_choices(planner.ModelShape(8, 64, 256, 1000, kv_heads_fraction=0.25,
@@ -215,10 +219,11 @@ def test_inner_groups_between_tensor_parallel_ranks_leave_the_machine():
 
 
 def test_plan_searches_tensor_and_pipeline_degrees_and_keeps_tp_inside_a_machine(capsys):
-    """The 70.6B decoder on 16 machines x 8: the recommendation fits, keeps tensor
-    parallelism inside a machine and exposes far less than the 89.6 s of the planner
-    without tensor and pipeline axes (which recommended an outer degree of 8 with a
-    shard group across two machines)."""
+    """The 70.6B decoder on 16 machines x 8, the issue's command (no config: float32
+    gathers and activations): the recommendation fits, keeps tensor parallelism inside
+    a machine and exposes under a quarter of the 89.6 s of the planner without tensor
+    and pipeline axes (which recommended an outer degree of 8 with a shard group across
+    two machines)."""
     import json
 
     assert cli(["plan", "--cluster", os.path.join(ROOT, "tools/clusters/16x8_400g.yaml"),
@@ -231,7 +236,7 @@ def test_plan_searches_tensor_and_pipeline_degrees_and_keeps_tp_inside_a_machine
     best = plan["recommended"]
     assert keys <= set(best) and best["fits"] and 1 < best["mp_degree"] <= 8
     assert best["mp_degree"] * best["pp_degree"] * best["sharding_degree"] == 128
-    assert best["exposed_ms"] < 89600 / 5, best
+    assert best["exposed_ms"] < 89600 / 4, best
     assert best["gib_per_rank"] <= 0.9 * 80
     fitting = [layout for layout in plan["layouts"] if layout["fits"]]
     assert best["exposed_ms"] == min(layout["exposed_ms"] for layout in fitting)

@@ -1,7 +1,20 @@
-"""Check the planner against the slow-link benchmark: predicted and measured step times.
+"""Check the planner against measured runs: the slow-link benchmark's step times, and
+a tensor-parallel and a pipeline layout's bytes and communication times on CPU ranks.
 
     python tools/validate_planner.py --limited /tmp/th/two_hosts.json \\
         --unlimited /tmp/th_none/two_hosts.json --cluster tools/clusters/two_hosts_100mbit.yaml
+    python tools/validate_planner.py --measure tools/results/cpu_layouts.json   # 4 CPU ranks
+    python tools/validate_planner.py --layouts tools/results/cpu_layouts.json
+
+``--measure`` trains a small PaddleFormers Llama on 4 CPU ranks in three layouts
+(``hsdp2x2``; ``tp2``: mp 2 x sharding 2; ``pp2``: ``LlamaForCausalLMPipe``, pp 2 x
+sharding 2) with ``tools/layouts_worker.py`` and records, for rank 0's last step, the
+bytes per kind of traffic (HSDP's from paddle_hsdp's counter, tensor and pipeline
+parallel ones from every gloo call on their groups) and its communication time per
+kind (each call replayed alone after a barrier, so a slower rank's compute is not
+counted), with a calibration of the link (2-rank all-reduces of 4 B and 4 MiB).
+``--layouts`` compares those with the planner's figures for the same model, layouts and
+link: bytes within 1%, each kind's time and the total within 25%.
 
 ``--limited``: ``tools/bench.py --two-hosts 100mbit --out DIR``'s result; ``--unlimited``:
 the same with ``--two-hosts none`` (the time each variant spends off the slow link:
@@ -65,14 +78,149 @@ def predict(cluster, shape) -> dict[str, float]:
     return out
 
 
+# ---------------------------------------------------------------- tensor / pipeline layouts
+KINDS = {"inner all_gather": ("inner", "all_gather"), "inner reduce_scatter":
+         ("inner", "reduce_scatter"), "outer all_reduce": ("outer", "all_reduce")}
+
+
+def layout_predictions(result: dict, name: str) -> dict:
+    """The planner's bytes and seconds per kind for one measured layout (rank 0)."""
+    from paddle_hsdp.config import layouts
+    from paddle_hsdp.topology import cost
+
+    s, lay = result["shape"], result["layouts"][name]["layout"]
+    shape = planner.ModelShape(s["layers"], s["hidden"], s["ffn"], s["vocab"],
+                               s["kv_heads"] / s["heads"], False, s["heads"])
+    tp, pp = lay.get("mp_degree", 1), lay.get("pp_degree", 1)
+    outer = lay["outer"]
+    inner = lay["sharding_degree"] // outer
+    micro = result["micro_steps"]
+    work = layouts.Workload(result["seq"], result["micro_batch"], act_bytes=4)
+    dtypes = {"master_bytes": 4, "gather_bytes": 4, "reduce_bytes": 4, "compute_bytes": 4}
+    units = planner.shape_units(shape, inner, outer, dtypes, True, "none", tp, pp)
+    cluster = calibrated_cluster(result["calibration"])
+    option = planner._layout_option(cluster, shape, work, units, tp, pp, outer, inner,
+                                    "none", micro, None, 1)
+    wire = cost.step_comm(units, micro)
+    bytes_ = {kind: wire.get(key, 0.0) for kind, key in KINDS.items()}
+    bytes_["tensor parallel"] = 2 * (tp - 1) / tp * layouts.tp_bytes(shape, work, tp, pp, micro)
+    bytes_["pipeline p2p"] = layouts.pp_bytes(shape, work, tp, pp, micro)
+    return {"bytes": bytes_, "seconds": {k: option.seconds.get(k, 0.0) for k in
+                                         list(KINDS) + ["tensor parallel", "pipeline p2p"]}}
+
+
+def fit_link(calibration: list) -> tuple[float, float]:
+    """``(latency per ring step, bytes per second)`` that fit the calibration's 2-rank
+    all-reduces and all-gathers best (least squares on the ring model's time, relative
+    to each measurement): a 2-rank all-reduce of S bytes is 2 steps and S wire bytes, an
+    all-gather of S gathered bytes 1 step and S / 2."""
+    import numpy as np
+
+    rows, times = [], []
+    for op, payload, seconds in calibration:
+        steps, wire = (2, payload) if op == "all_reduce" else (1, payload / 2)
+        rows.append([steps / seconds, wire / seconds])
+        times.append(1.0)
+    (latency, seconds_per_byte), *_ = np.linalg.lstsq(np.array(rows), np.array(times),
+                                                      rcond=None)
+    return max(latency, 1e-7), 1 / max(seconds_per_byte, 1e-15)
+
+
+def calibrated_cluster(calibration: list):
+    """One machine of 4 ranks whose link is the calibrated loopback (gloo, nothing
+    overlapped)."""
+    latency, bandwidth = fit_link(calibration)
+    link = {"bandwidth_gbit": bandwidth * 8 / 1e9, "latency_us": latency * 1e6}
+    return planner.load_cluster({"name": "this machine, 4 CPU ranks (gloo loopback)",
+                                 "nodes": 1, "ranks_per_node": 4, "intra_node": link,
+                                 "inter_node": link, "device_memory_gib": 24,
+                                 "overlap_intra_node": False, "backend": "gloo"})
+
+
+def layout_measurements(result: dict, name: str) -> dict:
+    entry = result["layouts"][name]
+    payload, seconds = entry["pg_payload_bytes"], entry["replayed_s"]
+    tp = entry["layout"].get("mp_degree", 1)
+    bytes_ = {kind: entry["hsdp_wire_bytes"].get(kind, 0.0) for kind in KINDS}
+    bytes_["tensor parallel"] = 2 * (tp - 1) / tp * payload.get("mp all_reduce", 0.0)
+    bytes_["pipeline p2p"] = payload.get("pp send", 0.0) + payload.get("pp recv", 0.0)
+    times = {"inner all_gather": seconds.get("inner all_gather", 0.0),
+             # gloo has no reduce-scatter: paddle_hsdp's fallback's calls on the inner group
+             "inner reduce_scatter": sum(v for k, v in seconds.items()
+                                         if k.startswith("inner ") and k != "inner all_gather"),
+             "outer all_reduce": sum(v for k, v in seconds.items() if k.startswith("outer ")),
+             "tensor parallel": sum(v for k, v in seconds.items() if k.startswith("mp ")),
+             "pipeline p2p": seconds.get("pp send", 0.0) + seconds.get("pp recv", 0.0)}
+    return {"bytes": bytes_, "seconds": times}
+
+
+def compare_layouts(path: str, max_time_error: float, max_bytes_error: float) -> bool:
+    result = json.load(open(path))
+    latency, bandwidth = fit_link(result["calibration"])
+    print(f"planner vs {path}: a {result['shape']} Llama, seq {result['seq']}, "
+          f"{result['micro_steps']} micro-batches of {result['micro_batch']} per rank; link "
+          f"fitted to 2-rank all-reduces and all-gathers of 4 B to 4 MiB: "
+          f"{latency * 1e6:.0f} us per ring step, {bandwidth / 1e9:.2f} GB/s")
+    print(f"{'layout':8s} {'kind':22s} {'bytes pred':>11s} {'measured':>11s} {'error':>7s} "
+          f"{'ms pred':>9s} {'measured':>9s} {'error':>7s}")
+    ok = True
+    for name in result["layouts"]:
+        pred, meas = layout_predictions(result, name), layout_measurements(result, name)
+        total = [0.0, 0.0]
+        for kind in pred["bytes"]:
+            pb, mb = pred["bytes"][kind], meas["bytes"][kind]
+            ps, ms = pred["seconds"][kind], meas["seconds"][kind]
+            if not (pb or mb):
+                continue
+            be = pb / mb - 1 if mb else float("inf")
+            te = ps / ms - 1 if ms else float("inf")
+            ok &= abs(be) <= max_bytes_error
+            total[0] += ps
+            total[1] += ms
+            print(f"{name:8s} {kind:22s} {pb:>11,.0f} {mb:>11,.0f} {be:>+7.1%} "
+                  f"{ps * 1e3:>9.2f} {ms * 1e3:>9.2f} {te:>+7.1%}")
+        te = total[0] / total[1] - 1
+        ok &= abs(te) <= max_time_error
+        print(f"{name:8s} {'all communication':22s} {'':>11s} {'':>11s} {'':>7s} "
+              f"{total[0] * 1e3:>9.2f} {total[1] * 1e3:>9.2f} {te:>+7.1%}")
+    print(f"bytes within {max_bytes_error:.0%} and each layout's communication time within "
+          f"{max_time_error:.0%}: {'yes' if ok else 'NO'}")
+    return ok
+
+
+def measure(out: str) -> int:
+    import subprocess
+    import tempfile
+
+    log_dir = tempfile.mkdtemp(prefix="validate_layouts_")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
+           "--log_dir", log_dir, os.path.join(HERE, "layouts_worker.py"),
+           json.dumps({"out": os.path.abspath(out)})]
+    code = subprocess.call(cmd, env=env, cwd=log_dir)
+    print(f"{'wrote ' + out if code == 0 else 'failed'} (logs in {log_dir})")
+    return code
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--limited", required=True)
-    ap.add_argument("--unlimited", required=True)
+    ap.add_argument("--limited")
+    ap.add_argument("--unlimited")
+    ap.add_argument("--measure", metavar="OUT.json",
+                    help="run the tensor / pipeline layouts on 4 CPU ranks, write OUT.json")
+    ap.add_argument("--layouts", metavar="RESULT.json",
+                    help="compare --measure's result with the planner")
+    ap.add_argument("--max-bytes-error", type=float, default=0.01)
     ap.add_argument("--cluster", default=os.path.join(HERE, "clusters",
                                                       "two_hosts_100mbit.yaml"))
     ap.add_argument("--max-error", type=float, default=0.25)
     args = ap.parse_args(argv)
+    if args.measure:
+        return measure(args.measure)
+    if args.layouts:
+        return 0 if compare_layouts(args.layouts, args.max_error, args.max_bytes_error) else 1
+    if not (args.limited and args.unlimited):
+        ap.error("give --limited and --unlimited, or --measure, or --layouts")
     limited = json.load(open(args.limited))
     unlimited = json.load(open(args.unlimited))
     cluster = planner.load_cluster(args.cluster)

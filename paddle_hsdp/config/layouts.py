@@ -15,23 +15,26 @@ an outer group ``O`` ranks ``I * T`` apart, and the stages of a pipeline ``D * T
 * **Parameters per rank** of the heaviest stage: its ``layers / pp`` decoder layers and
   the embedding or the head (both with pp 1), every matrix split ``T`` ways (norms are
   replicated), then sharded by HSDP as today.
-* **Activations** (bf16, flash attention: no ``s^2`` term; Korthikanti et al. 2022):
-  per layer and micro-batch of ``b`` sequences of ``s`` tokens, ``s b h (10 + 24 / T)``
-  bytes, ``34 s b h / T`` with sequence parallelism (assumed whenever ``T > 1``, as
+* **Activations** (flash attention: no ``s^2`` term; Korthikanti et al. 2022, for
+  2-byte activations, scaled to the compute dtype's size ``a``): per layer and
+  micro-batch of ``b`` sequences of ``s`` tokens, ``a/2 s b h (10 + 24 / T)`` bytes,
+  ``a/2 34 s b h / T`` with sequence parallelism (assumed whenever ``T > 1``, as
   Megatron-LM and PaddleFormers run it); with full recompute only each layer's input,
-  ``2 s b h`` (``/ T`` with sequence parallelism). Under 1F1B the first stage holds
+  ``a s b h`` (``/ T`` with sequence parallelism). Under 1F1B the first stage holds
   ``min(pp, micro-batches)`` micro-batches in flight; the last stage adds the float32
   logits of one micro-batch, ``4 s b V / T``.
 * **Tensor parallel traffic**: per layer and micro-batch, forward and backward, one
-  all-reduce of ``2 s b h`` bytes over the tensor-parallel group per row-parallel layer
+  all-reduce of ``a s b h`` bytes over the tensor-parallel group per row-parallel layer
   (forward) and per column-parallel layer's input (backward): 7 for PaddleFormers'
   Llama (q, k, v, gate and up apart), 4 with fused q/k/v and gate/up (``fused=1``, as
   Megatron-LM); with sequence parallelism all-gathers and reduce-scatters of the same
   bytes. Beside the layers, the vocabulary-parallel embedding (forward) and head
   (backward) one each. They sit on the critical path: always exposed.
 * **Pipeline**: per micro-batch and stage boundary, one activation forward and one grad
-  backward, ``2 s b h`` bytes each (``/ T`` with sequence parallelism), point to point;
-  exposed. The bubble, ``(pp - 1) / (m + pp - 1)`` of the step for ``m`` micro-batches,
+  backward, ``a s b h`` bytes each (``/ T`` with sequence parallelism), point to point;
+  exposed. PaddleFormers' pipeline models send the positions along (int64 ids ``s b``,
+  RoPE's cos and sin ``2 s b h / heads`` in the compute dtype) with each forward
+  activation. The bubble, ``(pp - 1) / (m + pp - 1)`` of the step for ``m`` micro-batches,
   is idle time: ``compute * (pp - 1) / m``, with compute from ``6 * params * tokens``
   FLOPs at the cluster's ``achieved_tflops`` per device (without that key the bubble is
   shown as a fraction only, not timed).
@@ -42,7 +45,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ACT_BYTES = 2  # bf16 activations
 RESERVE = 0.1  # of device memory kept free: allocator fragmentation, workspaces, buffers
 
 
@@ -55,6 +57,7 @@ class Workload:
     micro_batch: int = 1
     global_batch: int | None = None
     recompute: bool = False
+    act_bytes: int = 2  # the compute dtype's element size (bf16)
 
     def micro_steps(self, data_parallel: int, default_micro_steps: int, world: int) -> int:
         """Micro-batches per step per data-parallel rank, for ``data_parallel`` ranks."""
@@ -81,32 +84,51 @@ def pp_choices(shape) -> list[int]:
 def activation_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
     """Activation bytes per rank of the heaviest stage (see the module docstring)."""
     sbh = work.seq_len * work.micro_batch * shape.hidden
-    sp = tp > 1
+    sp, half = tp > 1, work.act_bytes / 2
     if work.recompute:
-        per_layer = ACT_BYTES * sbh / (tp if sp else 1)
+        per_layer = work.act_bytes * sbh / (tp if sp else 1)
     else:
-        per_layer = 34 * sbh / tp if sp else sbh * (10 + 24 / tp)
+        per_layer = half * (34 * sbh / tp if sp else sbh * (10 + 24 / tp))
     in_flight = min(pp, micro)
     logits = 4 * work.seq_len * work.micro_batch * shape.vocab / tp
     return shape.layers // pp * per_layer * in_flight + logits
 
 
-def tp_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
-    """Payload bytes of the tensor-parallel all-reduces per rank and step, on the
-    heaviest stage (with one stage: embedding and head too)."""
+def tp_calls(shape, tp: int, pp: int, micro: int) -> int:
+    """Tensor-parallel all-reduces per rank and step, on the heaviest stage (with one
+    stage: embedding and head too)."""
     if tp == 1:
-        return 0.0
-    activation = ACT_BYTES * work.seq_len * work.micro_batch * shape.hidden
+        return 0
     root = 2 if pp == 1 else 1
-    return micro * (shape.layers // pp * shape.tp_collectives_per_layer + root) * activation
+    return micro * (shape.layers // pp * shape.tp_collectives_per_layer + root)
+
+
+def tp_payload(shape, work: Workload) -> float:
+    """Bytes of one tensor-parallel all-reduce: one micro-batch's activations."""
+    return work.act_bytes * work.seq_len * work.micro_batch * shape.hidden
+
+
+def tp_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
+    """Payload bytes of the tensor-parallel all-reduces per rank and step."""
+    return tp_calls(shape, tp, pp, micro) * tp_payload(shape, work)
 
 
 def pp_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
-    """Bytes one rank sends (and receives) point to point per step."""
+    """Bytes a rank sends and receives point to point per step over one stage boundary
+    (the activations forward with the positions, the grads back; a middle stage has
+    two boundaries, on two links)."""
     if pp == 1:
         return 0.0
-    activation = ACT_BYTES * work.seq_len * work.micro_batch * shape.hidden / tp
-    return 2 * micro * activation
+    tokens = work.seq_len * work.micro_batch
+    activation = work.act_bytes * tokens * shape.hidden / tp
+    positions = 8 * tokens + work.act_bytes * 2 * tokens * shape.hidden // shape.heads
+    return micro * (2 * activation + positions)
+
+
+def pp_messages(pp: int, micro: int) -> int:
+    """Point-to-point messages per rank and step over one boundary: per micro-batch the
+    activations, the position ids, RoPE's cos and sin, and the grads back."""
+    return 4 * micro if pp > 1 else 0
 
 
 def compute_seconds(shape, work: Workload, tp: int, pp: int, micro: int,

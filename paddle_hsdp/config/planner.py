@@ -415,11 +415,11 @@ def _layout_option(cluster, shape, work, units, tp, pp, outer, inner, mode, micr
     memory["activations"] = layouts.activation_bytes(shape, work, tp, pp, micro)
     seconds = step_seconds(units, cluster, micro, zero_stage, stride=tp)
     tp_link, tp_n = _group_link(cluster, tp, 1)
-    seconds["tensor parallel"] = collective_seconds(
-        "all_reduce", tp, layouts.tp_bytes(shape, work, tp, pp, micro), tp_link, tp_n)
+    seconds["tensor parallel"] = layouts.tp_calls(shape, tp, pp, micro) * collective_seconds(
+        "all_reduce", tp, layouts.tp_payload(shape, work), tp_link, tp_n)
     pp_link, pp_n = _group_link(cluster, pp, inner * outer * tp)
     p2p = layouts.pp_bytes(shape, work, tp, pp, micro)
-    seconds["pipeline p2p"] = pp_link.seconds(2 * micro if pp > 1 else 0, pp_n * p2p)
+    seconds["pipeline p2p"] = pp_link.seconds(layouts.pp_messages(pp, micro), pp_n * p2p)
     compute = layouts.compute_seconds(shape, work, tp, pp, micro, cluster.achieved_tflops)
     seconds["bubble"] = 0.0 if compute is None else compute * (pp - 1) / micro
     seconds["exposed"] += seconds["tensor parallel"] + seconds["pipeline p2p"] \
@@ -507,8 +507,13 @@ def recommendation_line(best: Option | None, why: str) -> str:
 
 
 def table(cluster: Cluster, options: list[Option], best: Option | None, why: str,
-          title: str) -> str:
+          title: str, top: int | None = None) -> str:
+    """The layouts as a table (``top``: only that many fitting ones, least exposed
+    first, and a line counting the rest), then the recommendation."""
     gib = 2.0 ** 30
+    shown = options
+    if top is not None:
+        shown = sorted((o for o in options if o.fits), key=lambda o: o.exposed_seconds)[:top]
     split = any(o.mp_degree > 1 or o.pp_degree > 1 or "activations" in o.memory
                 for o in options)
     tflops = f", {cluster.achieved_tflops:g} TFLOPS achieved per device" \
@@ -528,7 +533,7 @@ def table(cluster: Cluster, options: list[Option], best: Option | None, why: str
     if split:
         head += f"{'TP ms':>9s} {'PP p2p ms':>9s} {'bubble ms':>9s} "
     lines.append(head + f"{'comm ms':>9s} {'exposed ms':>10s}")
-    for o in options:
+    for o in shown:
         s = o.seconds
         row = (f"{o.label:<27s} {o.mp_degree:>3d} {o.pp_degree:>3d} " if split
                else f"{o.label:<18s} ") + \
@@ -543,6 +548,9 @@ def table(cluster: Cluster, options: list[Option], best: Option | None, why: str
                     f"{s.get('pipeline p2p', 0) * 1e3:>9.1f} {s.get('bubble', 0) * 1e3:>9.1f} ")
         mark = " <- recommended" if o is best else ""
         lines.append(row + f"{o.comm_seconds * 1e3:>9.1f} {o.exposed_seconds * 1e3:>10.1f}{mark}")
+    if len(shown) < len(options):
+        lines.append(f"({len(options) - len(shown)} more layouts, "
+                     f"{sum(not o.fits for o in options)} of them not fitting; --json lists all)")
     return "\n".join(lines + ["", recommendation_line(best, why)])
 
 
