@@ -120,6 +120,25 @@ def test_reduce_scatter_over_nccl_is_paddles(monkeypatch):
     assert calls[0][3] is group
 
 
+def test_tensor_parallel_input_broadcast_runs_on_cpu(monkeypatch):
+    """fleet's TensorParallel wrapper broadcasts every forward's inputs over the mp group;
+    Paddle asserts a GPU, XPU or custom device there. On CPU the shim makes Paddle's own
+    per-element broadcasts (here recorded), in place, and returns the inputs as they were;
+    on a device Paddle's function runs."""
+    from paddle.distributed.fleet.meta_parallel import tensor_parallel
+    from paddle.distributed.fleet.utils import hybrid_parallel_util as util
+
+    seen = []
+    monkeypatch.setattr(util, "_broadcast_nested_data",
+                        lambda hcg, dev, place, data: seen.append((dev, data)))
+    x, kw = paddle.ones([2, 3]), {"labels": paddle.zeros([2])}
+    assert tensor_parallel.broadcast_input_data("hcg", x, labels=kw["labels"]) == ((x,), kw)
+    assert [dev for dev, _ in seen] == ["cpu", "cpu"] and seen[0][1] == (x,)
+    monkeypatch.setitem(cpu_compat.PADDLE, "broadcast_input_data", lambda *a, **k: "paddle")
+    monkeypatch.setattr(paddle, "get_device", lambda: "gpu:0")
+    assert util.broadcast_input_data("hcg", x) == "paddle"
+
+
 def test_parallel_env_device_id_answers_on_a_cpu_build():
     assert paddle.distributed.ParallelEnv().device_id == 0
 
