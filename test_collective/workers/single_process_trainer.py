@@ -115,17 +115,25 @@ compare("resume_one_process", {"losses": recorder.losses, "norms": recorder.norm
                                "params": tc.params_of(paddle_hsdp.full_state_dict(one.model))},
         ref, steps=slice(3, None))
 
-# the exports load with from_pretrained, exactly (float32: the loader has no float64)
-paddle.set_default_dtype("float32")
-for folder, run in (("hf", "export"), ("paddle_layout", "export"),
-                    ("hf_untied", "export_untied")):
+def loads_exactly(folder: str, run: str) -> None:
+    """``from_pretrained(folder)`` in this process holds ``run``'s recorded full
+    parameters exactly, with a config for one process (float32: the loader has no
+    float64)."""
+    paddle.set_default_dtype("float32")
     exported = load_run(run)["params"]
     loaded = LlamaForCausalLM.from_pretrained(os.path.join(work, folder))
+    assert loaded.config.tensor_model_parallel_size == 1
     got = tc.params_of(loaded.state_dict())
     assert set(got) == set(exported), (folder, sorted(got))
     for name, value in exported.items():
         assert np.array_equal(got[name], value), (folder, name)
     print(f"TRAINER_FROM_PRETRAINED_EXACT {folder}", flush=True)
+    paddle.set_default_dtype(tc.DTYPE)
+
+
+for folder, run in (("hf", "export"), ("paddle_layout", "export"),
+                    ("hf_untied", "export_untied")):
+    loads_exactly(folder, run)
 
 # ---- tensor and pipeline parallel (worker_trainer_3d.py), against the untied model
 paddle.set_default_dtype(tc.DTYPE)
@@ -175,13 +183,4 @@ for layout in ("tp", "pp"):
         compare("resume_dp_pp vs one process", resumed_dp, {
             "losses": recorder.losses, "norms": recorder.norms,
             "params": tc.params_of(paddle_hsdp.full_state_dict(one.model))})
-    paddle.set_default_dtype("float32")
-    exported = load_run(f"{layout}_export")["params"]
-    loaded = LlamaForCausalLM.from_pretrained(os.path.join(work, f"{layout}_hf"))
-    assert loaded.config.tensor_model_parallel_size == 1
-    got = tc.params_of(loaded.state_dict())
-    assert set(got) == set(exported), (layout, sorted(got))
-    for name, value in exported.items():
-        assert np.array_equal(got[name], value), (layout, name)
-    print(f"TRAINER_FROM_PRETRAINED_EXACT {layout}_hf", flush=True)
-    paddle.set_default_dtype(tc.DTYPE)
+    loads_exactly(f"{layout}_hf", f"{layout}_export")
