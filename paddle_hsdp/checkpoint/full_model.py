@@ -24,7 +24,7 @@ from ..engine.registry import managed_param
 from ..patches.state_dict import gather_full
 from ..topology.placement import ModelAxes, split_axis
 from .format import _gather_json
-from .items import _dtype_name
+from .items import _dtype_name, original_and_local
 from .names import checkpoint_names
 from .tp_merge import check_merge_is_concat
 
@@ -53,14 +53,15 @@ def full_model(model, call: str = "full_model") -> dict | None:
     if why is not None:
         raise NotImplementedError(why)
     canonical, aliases = checkpoint_names(model)
-    split = {name: _original(value) for name, value in canonical.items()
-             if axes.mp_degree > 1 and split_axis(_original(value)) is not None}
+    split = {}  # {name: (parameter with the marks, local shape)} of mp-split tensors
+    if axes.mp_degree > 1:
+        split = {name: pair for name, value in canonical.items()
+                 if split_axis((pair := original_and_local(value))[0]) is not None}
     if split:
-        check_merge_is_concat(model, {n: (p, _local_shape(canonical[n])) for n, p in split.items()},
-                              axes.mp_degree)
+        check_merge_is_concat(model, split, axes.mp_degree)
     tensors = _gathered_over_sharding(canonical)
     for name in sorted(split):
-        tensors[name] = _joined_over_mp(tensors[name], split_axis(split[name]), axes, name)
+        tensors[name] = _joined_over_mp(tensors[name], split_axis(split[name][0]), axes, name)
     if axes.pp_degree > 1:
         tensors = _joined_over_stages(tensors, axes)
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -68,16 +69,6 @@ def full_model(model, call: str = "full_model") -> dict | None:
     for alias, name in aliases.items():
         tensors.setdefault(alias, tensors[name])
     return tensors
-
-
-def _original(value):
-    sp = managed_param(value)
-    return value if sp is None else sp.full
-
-
-def _local_shape(value) -> list:
-    sp = managed_param(value)
-    return list(value.shape) if sp is None else list(sp.shape)
 
 
 def _gathered_over_sharding(canonical: dict) -> dict:

@@ -56,14 +56,20 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("paddle.", "")
 
 
+def original_and_local(value) -> tuple:
+    """``(the parameter Paddle's marks are on, its shape on this rank before sharding)``
+    of a model tensor: for an HSDP shard its original parameter, else itself."""
+    sp = managed_param(value)
+    return (value, list(value.shape)) if sp is None else (sp.full, list(sp.shape))
+
+
 def _param_items(model, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
     canonical, aliases = checkpoint_names(model)
     renamed_experts = tuple(global_names(model).values())
     items, by_shard, split = [], {}, {}
     for name, value in canonical.items():
         sp = managed_param(value)
-        original = value if sp is None else sp.full  # the one with Paddle's marks
-        local = list(value.shape) if sp is None else sp.shape
+        original, local = original_and_local(value)
         place = axes.place(original, local, name.startswith(renamed_experts))
         if place.split is not None:
             split[name] = (original, local)
