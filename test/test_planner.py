@@ -57,6 +57,26 @@ def test_cluster_file_errors_name_the_key():
     assert "extra: unknown cluster key" in text
 
 
+def test_a_link_may_carry_a_fit_per_operation():
+    """per_op: an operation's own alpha-beta (gloo's all-reduce sums on the CPU); the
+    others keep the link's."""
+    spec = dict(CLUSTER["intra_node"], per_op={"all_reduce": {"bandwidth_gbit": 8,
+                                                              "latency_us": 50}})
+    c = planner.load_cluster(dict(CLUSTER, intra_node=spec))
+    assert planner.collective_seconds("all_reduce", 2, 1e6, c.intra) == pytest.approx(
+        2 * 50e-6 + 1e6 / 1e9)
+    assert planner.collective_seconds("all_gather", 2, 1e6, c.intra) == pytest.approx(
+        10e-6 + 0.5e6 / 1e10)
+    bad = dict(CLUSTER, intra_node=dict(spec, per_op={"broadcast": spec["per_op"]["all_reduce"],
+                                                      "send": {"latency_us": 1}}))
+    with pytest.raises(ConfigError) as e:
+        planner.load_cluster(bad)
+    text = str(e.value)
+    assert "intra_node.per_op: unknown operation 'broadcast' (valid: all_reduce, " \
+        "all_gather, reduce_scatter, send)" in text
+    assert "intra_node.per_op.send: expected {bandwidth_gbit: > 0, latency_us: > 0}" in text
+
+
 def test_recommendation_prefers_what_fits_then_least_communication():
     c = planner.load_cluster(dict(CLUSTER, device_memory_gib=0.05))
     shape = planner.ModelShape(layers=4, hidden=256, ffn=512, vocab=1000)
@@ -111,6 +131,21 @@ def test_planner_predicts_the_recorded_slow_link_benchmark_within_25_percent():
     assert validate_planner.main(["--limited", os.path.join(results, "two_hosts_100mbit.json"),
                                   "--unlimited",
                                   os.path.join(results, "two_hosts_unlimited.json")]) == 0
+
+
+def test_planner_predicts_the_recorded_tensor_and_pipeline_layouts():
+    """tools/results/layouts_two_hosts_400mbit.json (validate_planner.py --measure X
+    --two-hosts 400mbit, 2026-12-04: a PaddleFormers Llama on 2 namespace hosts x 2 CPU
+    ranks, every link limited to 400 Mbit/s, as HSDP 2 x 2, TP 2 x sharding 2 and PP 2 x
+    sharding 2): bytes per kind within 1% and each layout's communication time within
+    25% of the planner's, its links fitted to the run's own calibration."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import validate_planner
+
+    recorded = os.path.join(ROOT, "tools", "results", "layouts_two_hosts_400mbit.json")
+    assert validate_planner.main(["--layouts", recorded]) == 0
 
 
 # ---------------------------------------------------------------- HFSDP (issue 20)

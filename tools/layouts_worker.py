@@ -7,12 +7,16 @@ Layouts (float32, 2 micro-batches of 2 sequences per data-parallel rank and step
 (``LlamaForCausalLMPipe``, pp 2 x sharding 2, ``train_batch`` 1F1B). Every collective and
 point-to-point call a step makes is recorded where gloo runs it
 (``ProcessGroupGloo``), with its group; HSDP's are also counted by paddle_hsdp's
-counter. After the steps, rank 0's record of the last step is replayed on every rank,
-each call alone after a barrier of its group, and timed: the step's communication time
+counter. After the steps, rank 0's record of the last step is replayed on every rank
+(7 times, each kind's median kept), back to back after one barrier, each call timed: the step's communication time
 per kind without the wait for slower ranks that a training step adds. A calibration
-first times 2-rank all-reduces of two sizes (the link's latency and bandwidth).
+first times each operation the planner fits on its own (all-reduce, all-gather,
+reduce-scatter, send) in 2-rank groups at 16 KiB to 4 MiB.
 
-argv: JSON ``{"out": path}``; rank 0 writes the JSON result there.
+argv: JSON ``{"out": path, "two_hosts": rate or null}``; rank 0 writes the JSON result
+there. With ``two_hosts`` the 4 ranks run as 2 hosts x 2 (``tools/two_hosts.py``), every
+link limited to that rate (the veth between the hosts and each host's loopback), so
+communication, not this machine's 2 cores, sets its time.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from paddle_hsdp.comm import collectives as comm
 
 SHAPE = {"layers": 4, "hidden": 256, "ffn": 512, "vocab": 512, "heads": 4, "kv_heads": 2}
 SEQ, MICRO_BATCH, MICRO_STEPS, STEPS = 64, 2, 2, 3
+REPLAYS = 7  # the step's calls replayed this often; each kind's median time is kept
 LAYOUTS = {
     "hsdp2x2": {"sharding_degree": 4, "outer": 2},
     "tp2": {"mp_degree": 2, "sharding_degree": 2, "outer": 1},
@@ -170,7 +175,9 @@ def train_layout(name: str, layout: dict) -> dict:
     hsdp = {k: s for k, s in comm.counter.snapshot().items() if k[0] in ("inner", "outer")}
     counted = {f"{label} {op}": s.wire_bytes for (label, op), s in hsdp.items()}
     calls_by_kind = {f"{label} {op}": s.calls for (label, op), s in hsdp.items()}
-    seconds = replay(calls, {kind: group for kind, group in kinds.values()})
+    groups = {kind: group for kind, group in kinds.values()}
+    rounds = [replay(calls, groups) for _ in range(REPLAYS)]
+    seconds = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     return {"layout": layout, "calls": len(calls), "hsdp_calls": calls_by_kind,
             "hsdp_wire_bytes": counted,
             "pg_payload_bytes": _payload_by_kind(calls), "replayed_s": seconds}
@@ -186,69 +193,88 @@ def _payload_by_kind(calls) -> dict:
     return out
 
 
+def _caller(op: str, group, tensor):
+    """A function that makes one call of ``op`` on ``group`` with ``tensor`` (every
+    buffer it needs made now, so timing it times only the call). Point-to-point: the
+    lower rank of the pair sends; ``reduce_scatter``: paddle_hsdp's (gloo's fallback)."""
+    me = dist.get_rank()
+    if op in ("send", "recv"):
+        peer = [r for r in group.ranks if r != me][0]
+        return (lambda: dist.send(tensor, dst=peer, group=group)) if me < peer else \
+            (lambda: dist.recv(tensor, src=peer, group=group))
+    if op.startswith("all_gather"):  # the shard into one flat tensor, as HSDP does
+        flat = tensor.reshape([-1])
+        gathered = paddle.zeros([group.nranks * flat.shape[0]], dtype=tensor.dtype)
+        return lambda: dist.stream.all_gather(gathered, flat, group=group)
+    if op == "reduce_scatter":
+        shard = paddle.zeros([tensor.shape[0] // group.nranks], dtype=tensor.dtype)
+        return lambda: comm.reduce_scatter(shard, tensor, group)
+    if op == "reduce":
+        return lambda: dist.reduce(tensor, dst=group.ranks[0], group=group)
+    if op == "broadcast":
+        return lambda: dist.broadcast(tensor, src=group.ranks[0], group=group)
+    return lambda: dist.all_reduce(tensor, group=group)
+
+
 def replay(calls, groups: dict) -> dict:
-    """Rank 0's calls of the step, each after a barrier of every rank, timed on rank 0:
-    ``{kind op: seconds}``. Every rank replays rank 0's list on its own group of the
-    kind (its peers make the same calls: the same layers on the same sizes), so each
-    call runs in both pairs at once, as in the calibration; point-to-point calls paired
-    (the lower rank of the pair sends)."""
+    """Rank 0's calls of the step, back to back after one barrier of every rank, each
+    timed on rank 0: ``{kind op: seconds}``. Every rank replays rank 0's list on its own
+    group of the kind (its peers make the same calls: the same layers on the same
+    sizes), so each call runs in both pairs at once, as in the calibration."""
     mine = calls if dist.get_rank() == 0 else None
     box = [mine]
     dist.broadcast_object_list(box, src=0)
+    todo = [(f"{kind} {served}", _caller(op, groups[kind], paddle.zeros(
+        shape, dtype=dtype.replace("paddle.", ""))))
+        for kind, op, shape, dtype, served in box[0] if dist.get_rank() in groups[kind].ranks]
     out: dict = {}
-    for kind, op, shape, dtype, served in box[0]:
-        group = groups[kind]
-        if dist.get_rank() not in group.ranks:
-            continue
-        tensor = paddle.zeros(shape, dtype=dtype.replace("paddle.", ""))
-        dist.barrier()  # every pair's call at once, as in the calibration
+    dist.barrier()
+    for key, call in todo:
         start = time.perf_counter()
-        if op in ("send", "recv"):
-            peer = [r for r in group.ranks if r != dist.get_rank()][0]
-            if dist.get_rank() < peer:
-                dist.send(tensor, dst=peer, group=group)
-            else:
-                dist.recv(tensor, src=peer, group=group)
-        elif op.startswith("all_gather"):  # the shard into one flat tensor, as HSDP does
-            gathered = paddle.zeros([group.nranks * int(np.prod(shape))], dtype=tensor.dtype)
-            dist.stream.all_gather(gathered, tensor.reshape([-1]), group=group)
-        elif op == "reduce":
-            dist.reduce(tensor, dst=group.ranks[0], group=group)
-        elif op == "broadcast":
-            dist.broadcast(tensor, src=group.ranks[0], group=group)
-        else:
-            dist.all_reduce(tensor, group=group)
-        key = f"{kind} {served}"
+        call()
         out[key] = out.get(key, 0.0) + time.perf_counter() - start
     return out
 
 
-CALIBRATION_NUMELS = (1, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
+# float32 elements per rank: 16 KiB to 4 MiB, the range of the step's messages (128 KiB
+# activations and tensor-parallel sums to 2 MiB gathers)
+CALIBRATION_NUMELS = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
+CALIBRATION_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+WARMUP, ROUNDS, BURST = 2, 5, 8  # untimed calls; rounds of BURST calls back to back
 
 
-def calibrate() -> list:
-    """``[[op, payload bytes, median seconds], ...]`` on rank 0 of float32 all-reduces
-    and all-gathers (into one flat tensor) of 4 B to 4 MiB in ranks 0 and 1, while ranks
-    2 and 3 run the same in their pair: the replayed steps' groups are pairs too, each
-    pair's calls with the other pair's at once, on this machine's cores."""
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    group = pairs[dist.get_rank() // 2]
+def calibrate(two_hosts: bool) -> list:
+    """``[[link, op, payload bytes, seconds per call], ...]`` on rank 0 for each operation
+    the planner gives a fit of its own (float32: all-reduce, all-gather into one flat
+    tensor, paddle_hsdp's reduce-scatter (its gloo fallback), a send to the pair's other
+    rank). ``intra``: ranks 0 and 1 while ranks 2 and 3 run the same in their pair (one
+    machine: the replayed steps' pairs share its cores as these do; two hosts: each pair
+    on its own host). ``inter`` (two hosts): ranks 0 and 2 alone, the other pair idle
+    (the planner multiplies by the rings that cross at once). Calls run back to back as
+    the replay runs them (one barrier per round: a barrier per call would time its
+    skew); the median round's mean is kept. Payload: the all-gather's gathered bytes,
+    the reduce-scatter's input, the others' tensor."""
+    me = dist.get_rank()
+    intra = [dist.new_group([0, 1]), dist.new_group([2, 3])][me // 2]
+    inter = [dist.new_group([0, 2]), dist.new_group([1, 3])][me % 2]
+    links = [("intra", intra, True)] + ([("inter", inter, me in (0, 2))] if two_hosts else [])
     rows = []
-    for op in ("all_reduce", "all_gather"):
-        for numel in CALIBRATION_NUMELS:
-            times = []
-            for _ in range(7):
-                t = paddle.zeros([numel], "float32")
-                out = paddle.zeros([2 * numel], "float32")
-                dist.barrier()
-                start = time.perf_counter()
-                if op == "all_reduce":
-                    dist.all_reduce(t, group=group)
-                else:
-                    dist.stream.all_gather(out, t, group=group)
-                times.append(time.perf_counter() - start)
-            payload = 4 * numel * (2 if op == "all_gather" else 1)
-            rows.append([op, payload, statistics.median(times)])
+    for link, group, active in links:
+        for op in CALIBRATION_OPS:
+            for numel in CALIBRATION_NUMELS:
+                call = _caller(op, group, paddle.zeros([numel], "float32")) if active \
+                    else (lambda: None)
+                for _ in range(WARMUP):  # the first calls set up gloo's pairs
+                    call()
+                rounds = []
+                for _ in range(ROUNDS):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(BURST):
+                        call()
+                    rounds.append((time.perf_counter() - start) / BURST)
+                payload = 4 * numel * (2 if op == "all_gather" else 1)
+                rows.append([link, op, payload, statistics.median(rounds)])
     return rows
 
 
@@ -256,8 +282,10 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     dist.init_parallel_env()
     _record_calls()
+    two_hosts = cfg.get("two_hosts")
     result = {"shape": SHAPE, "seq": SEQ, "micro_batch": MICRO_BATCH,
-              "micro_steps": MICRO_STEPS, "calibration": calibrate(), "layouts": {}}
+              "micro_steps": MICRO_STEPS, "two_hosts": two_hosts,
+              "calibration": calibrate(bool(two_hosts)), "layouts": {}}
     for name, layout in LAYOUTS.items():
         result["layouts"][name] = train_layout(name, layout)
         print(f"LAYOUT {name} measured", flush=True)

@@ -5,7 +5,8 @@ Each host is a network namespace with its own loopback and one end of a veth pai
 addressed from TEST-NET-1 (192.0.2.0/24, RFC 5737: never routed anywhere real). Names
 carry a tag (by default this process's id), so parallel runs never collide. ``rate``
 (e.g. ``100mbit``) puts a tbf qdisc on both veth ends: each direction of the cross-host
-link then carries at most that rate, while ranks on the same host talk over its loopback.
+link then carries at most that rate, while ranks on the same host talk over its loopback
+(``loopback_rate`` limits that too: both directions of a host's own traffic share it).
 
     python tools/two_hosts.py check              # root, ip, tc, and can we make a namespace?
     python tools/two_hosts.py up 100mbit         # create (tag "cli") and leave them up
@@ -212,10 +213,16 @@ def _raise_exit(signum, _frame):
 class TwoHosts:
     """Two network namespaces joined by a veth pair; see the module docstring."""
 
-    def __init__(self, rate: str | None = None, tag: str | None = None):
+    def __init__(self, rate: str | None = None, tag: str | None = None,
+                 loopback_rate: str | None = None):
         self.rate = None if rate is None or str(rate).lower() == "none" else str(rate)
-        if self.rate is not None:
-            parse_rate(self.rate)  # refuse a malformed rate before touching anything
+        # a limit on each host's loopback too: traffic between ranks of one host (both
+        # directions share it), so every link is slower than the CPU that drives it
+        self.loopback_rate = None if loopback_rate is None or \
+            str(loopback_rate).lower() == "none" else str(loopback_rate)
+        for r in (self.rate, self.loopback_rate):
+            if r is not None:
+                parse_rate(r)  # refuse a malformed rate before touching anything
         self.tag = tag or str(os.getpid() % 10_000_000)
         self.hosts = hosts_for(self.tag)
         self._made = False
@@ -251,7 +258,7 @@ class TwoHosts:
 
     def create(self) -> None:
         """Make both hosts (and the rate limit). Raises :class:`Unavailable`."""
-        missing = missing_requirements(need_tc=self.rate is not None)
+        missing = missing_requirements(need_tc=(self.rate or self.loopback_rate) is not None)
         if missing:
             raise Unavailable("; ".join(missing))
         taken = set(existing_namespaces()) & {h.namespace for h in self.hosts}
@@ -278,6 +285,9 @@ class TwoHosts:
             if self.rate is not None:
                 _run("tc", "-n", h.namespace, "qdisc", "add", "dev", h.device, "root", "tbf",
                      *tbf_args(self.rate))
+            if self.loopback_rate is not None:
+                _run("tc", "-n", h.namespace, "qdisc", "add", "dev", "lo", "root", "tbf",
+                     *tbf_args(self.loopback_rate))
 
     def destroy(self) -> None:
         """End our processes in the hosts and delete them (idempotent)."""

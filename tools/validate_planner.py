@@ -3,18 +3,24 @@ a tensor-parallel and a pipeline layout's bytes and communication times on CPU r
 
     python tools/validate_planner.py --limited /tmp/th/two_hosts.json \\
         --unlimited /tmp/th_none/two_hosts.json --cluster tools/clusters/two_hosts_100mbit.yaml
-    python tools/validate_planner.py --measure tools/results/cpu_layouts.json   # 4 CPU ranks
-    python tools/validate_planner.py --layouts tools/results/cpu_layouts.json
+    python tools/validate_planner.py --measure OUT.json --two-hosts 400mbit   # 2 x 2 ranks
+    python tools/validate_planner.py --layouts tools/results/layouts_two_hosts_400mbit.json
 
 ``--measure`` trains a small PaddleFormers Llama on 4 CPU ranks in three layouts
 (``hsdp2x2``; ``tp2``: mp 2 x sharding 2; ``pp2``: ``LlamaForCausalLMPipe``, pp 2 x
 sharding 2) with ``tools/layouts_worker.py`` and records, for rank 0's last step, the
 bytes per kind of traffic (HSDP's from paddle_hsdp's counter, tensor and pipeline
 parallel ones from every gloo call on their groups) and its communication time per
-kind (each call replayed alone after a barrier, so a slower rank's compute is not
-counted), with a calibration of the link (2-rank all-reduces of 4 B and 4 MiB).
-``--layouts`` compares those with the planner's figures for the same model, layouts and
-link: bytes within 1%, each kind's time and the total within 25%.
+kind (the step's calls replayed back to back without compute, so a slower rank's
+compute is not counted), with a calibration of each link: each operation's 2-rank calls
+of 16 KiB to 4 MiB (all-reduce, all-gather, paddle_hsdp's reduce-scatter, send), fitted
+per operation (``per_op`` in a cluster file). ``--two-hosts RATE`` runs the ranks as
+2 namespace hosts x 2 with every link (the veth between them, each host's loopback)
+limited to RATE: communication then takes its time from the links, as on a cluster; on
+this machine's bare loopback a gloo call's time is mostly the scheduling of 4 processes
+on 2 cores, which moves the same measurement by 30% between runs.
+``--layouts`` compares a recording with the planner's figures for the same model,
+layouts and links: bytes within 1%, each layout's communication time within 25%.
 
 ``--limited``: ``tools/bench.py --two-hosts 100mbit --out DIR``'s result; ``--unlimited``:
 the same with ``--two-hosts none`` (the time each variant spends off the slow link:
@@ -109,32 +115,52 @@ def layout_predictions(result: dict, name: str) -> dict:
                                          list(KINDS) + ["tensor parallel", "pipeline p2p"]}}
 
 
-def fit_link(calibration: list) -> tuple[float, float]:
+# ring steps and wire bytes of one 2-rank call of ``payload`` bytes, as the planner
+# counts them (point-to-point: one message of the payload)
+_RING_2 = {"all_reduce": lambda p: (2, p), "all_gather": lambda p: (1, p / 2),
+           "reduce_scatter": lambda p: (1, p / 2), "send": lambda p: (1, p)}
+
+
+def _calibration_rows(calibration: list) -> list:
+    """``[link, op, payload, seconds]`` rows (a recording older than two-host runs has no
+    link: it is this machine's loopback, "intra")."""
+    return [row if len(row) == 4 else ["intra", *row] for row in calibration]
+
+
+def fit_link(calibration: list, op: str, link: str = "intra") -> tuple[float, float]:
     """``(latency per ring step, bytes per second)`` that fit the calibration's 2-rank
-    all-reduces and all-gathers best (least squares on the ring model's time, relative
-    to each measurement): a 2-rank all-reduce of S bytes is 2 steps and S wire bytes, an
-    all-gather of S gathered bytes 1 step and S / 2."""
+    calls of ``op`` on ``link`` best (least squares on the ring model's time, relative to
+    each measurement)."""
     import numpy as np
 
-    rows, times = [], []
-    for op, payload, seconds in calibration:
-        steps, wire = (2, payload) if op == "all_reduce" else (1, payload / 2)
-        rows.append([steps / seconds, wire / seconds])
-        times.append(1.0)
-    (latency, seconds_per_byte), *_ = np.linalg.lstsq(np.array(rows), np.array(times),
+    rows = []
+    for where, name, payload, seconds in _calibration_rows(calibration):
+        if (where, name) == (link, op):
+            steps, wire = _RING_2[op](payload)
+            rows.append([steps / seconds, wire / seconds])
+    (latency, seconds_per_byte), *_ = np.linalg.lstsq(np.array(rows), np.ones(len(rows)),
                                                       rcond=None)
     return max(latency, 1e-7), 1 / max(seconds_per_byte, 1e-15)
 
 
 def calibrated_cluster(calibration: list):
-    """One machine of 4 ranks whose link is the calibrated loopback (gloo, nothing
-    overlapped)."""
-    latency, bandwidth = fit_link(calibration)
-    link = {"bandwidth_gbit": bandwidth * 8 / 1e9, "latency_us": latency * 1e6}
-    return planner.load_cluster({"name": "this machine, 4 CPU ranks (gloo loopback)",
-                                 "nodes": 1, "ranks_per_node": 4, "intra_node": link,
-                                 "inter_node": link, "device_memory_gib": 24,
-                                 "overlap_intra_node": False, "backend": "gloo"})
+    """The measured machine as the planner sees it, each link fitted per operation: one
+    machine of 4 ranks on the gloo loopback, or (two-host runs) 2 hosts x 2 ranks, the
+    loopback inside a host and the veth between them (gloo, nothing overlapped)."""
+    def spec(op, link):
+        latency, bandwidth = fit_link(calibration, op, link)
+        return {"bandwidth_gbit": bandwidth * 8 / 1e9, "latency_us": latency * 1e6}
+
+    def fitted(link):
+        return dict(spec("all_gather", link), per_op={op: spec(op, link) for op in _RING_2})
+
+    two = any(row[0] == "inter" for row in _calibration_rows(calibration))
+    return planner.load_cluster({
+        "name": "this machine as 2 hosts x 2 CPU ranks, every link limited" if two else
+                "this machine, 4 CPU ranks (gloo loopback)",
+        "nodes": 2 if two else 1, "ranks_per_node": 2 if two else 4,
+        "intra_node": fitted("intra"), "inter_node": fitted("inter" if two else "intra"),
+        "device_memory_gib": 24, "overlap_intra_node": False, "backend": "gloo"})
 
 
 def layout_measurements(result: dict, name: str) -> dict:
@@ -156,11 +182,17 @@ def layout_measurements(result: dict, name: str) -> dict:
 
 def compare_layouts(path: str, max_time_error: float, max_bytes_error: float) -> bool:
     result = json.load(open(path))
-    latency, bandwidth = fit_link(result["calibration"])
+    cluster = calibrated_cluster(result["calibration"])
     print(f"planner vs {path}: a {result['shape']} Llama, seq {result['seq']}, "
-          f"{result['micro_steps']} micro-batches of {result['micro_batch']} per rank; link "
-          f"fitted to 2-rank all-reduces and all-gathers of 4 B to 4 MiB: "
-          f"{latency * 1e6:.0f} us per ring step, {bandwidth / 1e9:.2f} GB/s")
+          f"{result['micro_steps']} micro-batches of {result['micro_batch']} per rank on "
+          f"{cluster.name}; links fitted per operation to 2-rank calls of 16 KiB to 4 MiB "
+          f"(latency per ring step + bandwidth):")
+    for where, link in (("intra", cluster.intra), ("inter", cluster.inter)):
+        if where == "inter" and cluster.nodes == 1:
+            continue
+        print(f"  {where}: " + ", ".join(
+            f"{op} {link.for_op(op).latency_s * 1e6:.0f} us + "
+            f"{link.for_op(op).bandwidth / 1e6:.1f} MB/s" for op in _RING_2))
     print(f"{'layout':8s} {'kind':22s} {'bytes pred':>11s} {'measured':>11s} {'error':>7s} "
           f"{'ms pred':>9s} {'measured':>9s} {'error':>7s}")
     ok = True
@@ -188,16 +220,30 @@ def compare_layouts(path: str, max_time_error: float, max_bytes_error: float) ->
     return ok
 
 
-def measure(out: str) -> int:
+def measure(out: str, two_hosts: str | None = None) -> int:
+    """Run tools/layouts_worker.py on 4 ranks: on this machine's loopback, or as 2 hosts x
+    2 ranks with every link limited to ``two_hosts`` (a tc rate)."""
     import subprocess
     import tempfile
 
     log_dir = tempfile.mkdtemp(prefix="validate_layouts_")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
-           "--log_dir", log_dir, os.path.join(HERE, "layouts_worker.py"),
-           json.dumps({"out": os.path.abspath(out)})]
-    code = subprocess.call(cmd, env=env, cwd=log_dir)
+    script = os.path.join(HERE, "layouts_worker.py")
+    cfg = json.dumps({"out": os.path.abspath(out), "two_hosts": two_hosts})
+    if two_hosts:
+        from two_hosts import TwoHosts, Unavailable
+
+        try:
+            with TwoHosts(rate=two_hosts, loopback_rate=two_hosts) as hosts:
+                codes = hosts.launch(2, script, [cfg], log_dir=log_dir, env=env)
+        except Unavailable as e:
+            print(f"two hosts unavailable here: {e}")
+            return 2
+        code = max(codes)
+    else:
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
+               "--log_dir", log_dir, script, cfg]
+        code = subprocess.call(cmd, env=env, cwd=log_dir)
     print(f"{'wrote ' + out if code == 0 else 'failed'} (logs in {log_dir})")
     return code
 
@@ -208,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unlimited")
     ap.add_argument("--measure", metavar="OUT.json",
                     help="run the tensor / pipeline layouts on 4 CPU ranks, write OUT.json")
+    ap.add_argument("--two-hosts", metavar="RATE",
+                    help="with --measure: 2 namespace hosts x 2 ranks, every link (the veth "
+                         "and each host's loopback) limited to RATE (e.g. 400mbit)")
     ap.add_argument("--layouts", metavar="RESULT.json",
                     help="compare --measure's result with the planner")
     ap.add_argument("--max-bytes-error", type=float, default=0.01)
@@ -216,7 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-error", type=float, default=0.25)
     args = ap.parse_args(argv)
     if args.measure:
-        return measure(args.measure)
+        return measure(args.measure, args.two_hosts)
     if args.layouts:
         return 0 if compare_layouts(args.layouts, args.max_error, args.max_bytes_error) else 1
     if not (args.limited and args.unlimited):

@@ -45,13 +45,22 @@ _GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
 @dataclass(frozen=True)
 class Link:
-    """Alpha-beta: ``latency_s`` per ring step, ``bandwidth`` bytes per second."""
+    """Alpha-beta: ``latency_s`` per ring step, ``bandwidth`` bytes per second.
+    ``per_op``: optional fits of their own for some operations (``all_reduce``,
+    ``all_gather``, ``reduce_scatter``, ``send``: point-to-point), as nccl-tests reports
+    a bus bandwidth per collective: on
+    CPU/gloo an all-reduce also sums on the CPU and runs at about half an all-gather's
+    rate."""
 
     latency_s: float
     bandwidth: float
+    per_op: tuple = ()  # ((op, Link), ...)
 
     def seconds(self, steps: int, nbytes: float) -> float:
         return steps * self.latency_s + nbytes / self.bandwidth
+
+    def for_op(self, op: str) -> "Link":
+        return dict(self.per_op).get(op, self)
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,34 @@ class Cluster:
 _CLUSTER_KEYS = {"name", "nodes", "ranks_per_node", "intra_node", "inter_node",
                  "device_memory_gib", "overlap_intra_node", "backend", "achieved_tflops"}
 _LINK_KEYS = {"bandwidth_gbit", "latency_us"}
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def _link(key: str, spec, errors: list, nested: bool = True) -> Link | None:
+    """``{bandwidth_gbit, latency_us[, per_op: {op: {bandwidth_gbit, latency_us}}]}``."""
+    per_op = spec.get("per_op", {}) if isinstance(spec, dict) and nested else {}
+    plain = {k: v for k, v in spec.items() if k != "per_op"} if isinstance(spec, dict) \
+        else spec
+    if not isinstance(plain, dict) or set(plain) != _LINK_KEYS or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for v in plain.values()):
+        errors.append(f"{key}: expected {{bandwidth_gbit: > 0, latency_us: > 0"
+                      f"{', per_op: {...}' if nested else ''}}}, got {spec!r}")
+        return None
+    ops = []
+    if not isinstance(per_op, dict):
+        errors.append(f"{key}.per_op: expected {{op: {{bandwidth_gbit, latency_us}}}}, "
+                      f"got {per_op!r}")
+        per_op = {}
+    for op, sub in per_op.items():
+        if op not in LINK_OPS:
+            errors.append(f"{key}.per_op: unknown operation {op!r} (valid: "
+                          f"{', '.join(LINK_OPS)})")
+            continue
+        fitted = _link(f"{key}.per_op.{op}", sub, errors, nested=False)
+        if fitted is not None:
+            ops.append((op, fitted))
+    return Link(plain["latency_us"] * 1e-6, plain["bandwidth_gbit"] * _GBIT, tuple(ops))
 
 
 def load_cluster(source) -> Cluster:
@@ -84,6 +121,9 @@ def load_cluster(source) -> Cluster:
         ranks_per_node: 8
         intra_node: {bandwidth_gbit: 2400, latency_us: 5}
         inter_node: {bandwidth_gbit: 100, latency_us: 20}
+        # optional, on either link: an operation's own fit (all_reduce, all_gather,
+        # reduce_scatter, send)
+        #   per_op: {all_reduce: {bandwidth_gbit: 80, latency_us: 25}}
         device_memory_gib: 80
         overlap_intra_node: true   # GPUs: prefetch hides them; false on CPU/gloo
         backend: nccl              # or gloo (its reduce-scatter moves more, see below)
@@ -104,13 +144,7 @@ def load_cluster(source) -> Cluster:
             errors.append(f"{key}: expected an int >= 1, got {source.get(key)!r}")
     links = {}
     for key in ("intra_node", "inter_node"):
-        spec = source.get(key)
-        if not isinstance(spec, dict) or set(spec) != _LINK_KEYS or not all(
-                isinstance(v, (int, float)) and v > 0 for v in spec.values()):
-            errors.append(f"{key}: expected {{bandwidth_gbit: > 0, latency_us: > 0}}, "
-                          f"got {spec!r}")
-            continue
-        links[key] = Link(spec["latency_us"] * 1e-6, spec["bandwidth_gbit"] * _GBIT)
+        links[key] = _link(key, source.get(key), errors)
     memory = source.get("device_memory_gib")
     if not isinstance(memory, (int, float)) or memory <= 0:
         errors.append(f"device_memory_gib: expected a number > 0, got {memory!r}")
@@ -156,7 +190,7 @@ def collective_seconds(op: str, members: int, payload: float, link: Link,
     nbytes = concurrent * factor * (members - 1) / members * payload
     if op == "reduce_scatter" and backend == "gloo" and members > 2:
         nbytes *= 1 + 1 / members  # two ranks exchange their slices: a ring's bytes
-    return link.seconds(steps, nbytes)
+    return link.for_op(op).seconds(steps, nbytes)
 
 
 def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
@@ -419,7 +453,8 @@ def _layout_option(cluster, shape, work, units, tp, pp, outer, inner, mode, micr
         "all_reduce", tp, layouts.tp_payload(shape, work), tp_link, tp_n)
     pp_link, pp_n = _group_link(cluster, pp, inner * outer * tp)
     p2p = layouts.pp_bytes(shape, work, tp, pp, micro)
-    seconds["pipeline p2p"] = pp_link.seconds(layouts.pp_messages(pp, micro), pp_n * p2p)
+    seconds["pipeline p2p"] = pp_link.for_op("send").seconds(layouts.pp_messages(pp, micro),
+                                                            pp_n * p2p)
     compute = layouts.compute_seconds(shape, work, tp, pp, micro, cluster.achieved_tflops)
     seconds["bubble"] = 0.0 if compute is None else compute * (pp - 1) / micro
     seconds["exposed"] += seconds["tensor parallel"] + seconds["pipeline p2p"] \
