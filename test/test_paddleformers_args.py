@@ -31,12 +31,15 @@ def make(tmp_path, **kwargs):
      "pipeline_model_parallel_size: 1 = 2 does not divide the 1 ranks"),
     ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: 2 = 2 does not divide"),
     ({"sep_parallel_size": 2}, "sep_parallel_size: 2; HSDPTrainer does not set up"),
-    ({"expert_model_parallel_size": 2}, "expert_model_parallel_size: 2; HSDPTrainer"),
+    ({"expert_model_parallel_size": 2}, "expert_model_parallel_size: 2 does not divide the "
+     "1 ranks"),
+    ({"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+     "expert_model_parallel_size: 2 together with tensor or pipeline parallelism"),
     ({"fsdp_outer_sharding": "params"}, "fsdp_outer_sharding: 'params'; allowed: 'none', "
      "'optim'"),
     ({"hsdp_config": {"fsdp_outer_sharding": "optim"}, "fsdp_outer_sharding": "none"},
      "fsdp_outer_sharding: 'none' disagrees with hsdp_config's"),
-    ({"use_expert_parallel": True}, "use_expert_parallel: True is not supported"),
+    ({"use_expert_parallel": True}, "use_expert_parallel: True switches on PaddleFormers'"),
     ({"fp16": True}, "fp16: not supported"),
     ({"fsdp_outer_degree": "two"}, "fsdp_outer_degree: 'two'; allowed: an int >= 1 or 'auto'"),
     ({"fsdp_outer_degree": 0}, "fsdp_outer_degree: 0"),

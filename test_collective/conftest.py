@@ -212,6 +212,7 @@ def paddleformers_4_log(trainer_work, threed_work):
                         "installs it)")
     jobs = [["worker_trainer.py", trainer_work, "2"],
             ["worker_trainer_3d.py", trainer_work, "tp,pp"],
+            ["worker_trainer_ep.py", trainer_work],
             ["worker_trainer.py", trainer_work, "1", "tp,pp"],
             ["worker_tp_llama.py", json.dumps(TP_LLAMA)],
             ["worker_cpu_ops.py", json.dumps(TP_LLAMA["layouts"][-1])],

@@ -87,3 +87,20 @@ def test_tensor_and_pipeline_parallel_runs_match_resume_and_export(trainer_logs,
     for line in lines + [f"TRAINER_RESUME_BIT_EXACT {layout}",
                          f"TRAINER_FROM_PRETRAINED_EXACT {layout}_hf"]:
         assert line in checks, checks[-3000:]
+
+
+def test_expert_parallel_run_matches_resumes_and_loads_in_one_process(trainer_logs,
+                                                                      paddleformers_4_log):
+    """workers/worker_trainer_ep.py (issue 34): HSDPTrainer with
+    expert_model_parallel_size 2 and fsdp_outer_degree 2 on the project's MoE model
+    (PaddleFormers' MoE models need paddlefleet, which does not build on CPU): fleet's
+    expert groups under HSDP (dense 2 x 2, experts 1 x 2, one outer group for both);
+    per-step loss, pre-clip norm, eval loss and final parameters against the one-process
+    Trainer holding every expert; resumed bit for bit in the same layout and within the
+    bounds in one process."""
+    log = part_of(paddleformers_4_log, "worker_trainer_ep.py")
+    assert "TRAINER_EP_HCG (2, 2, 2, 1, 2)" in log and "TRAINER_EP_DONE" in log, log[-3000:]
+    _, checks = trainer_logs
+    for line in ("TRAINER_MATCHES ep_base\n", "TRAINER_RESUME_BIT_EXACT ep",
+                 "TRAINER_MATCHES resume_ep_one_process\n"):
+        assert line in checks, checks[-3000:]

@@ -20,6 +20,7 @@ from paddle.distributed.fleet.utils import recompute
 from ..engine.api import fully_shard, set_zero_stage
 from ..engine.policies import CPUOffloadPolicy
 from ..hints import expect_layer
+from ..topology.fleet import MOE_ORDER_HINT
 from .plan import Plan, build_plan, mp_policy_of, resolve_modules
 from .schema import (AUTO, ConfigError, load_config, ranks_per_node_from_env,
                      resolve_degrees)
@@ -105,16 +106,23 @@ def outer_sharding_of(cfg) -> str:
     return hcg.get_fsdp_outer_sharding() if hcg is not None else "none"
 
 
-def init_fleet_if_needed(outer: int, inner: int, outer_sharding: str = "none") -> None:
+def init_fleet_if_needed(outer: int, inner: int, outer_sharding: str = "none",
+                         ep: int = 1) -> None:
     """``fleet.init`` with HSDP ``outer x inner`` over the whole world, unless fleet is
-    up already (:func:`topology_of` has checked that it agrees)."""
+    up already (:func:`topology_of` has checked that it agrees). ``ep`` > 1: expert
+    parallelism over the same ranks, experts sharded over ``outer x inner / ep`` expert
+    data-parallel ranks (fleet's moe_sharding group, reshaped by HSDP as the dense one)."""
     if live_hcg() is not None:
         return
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,
-                               "sharding_degree": outer * inner,
-                               "sharding_configs": {"fsdp_outer_degree": outer,
-                                                    "fsdp_outer_sharding": outer_sharding}}
+    hybrid = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,
+              "sharding_degree": outer * inner,
+              "sharding_configs": {"fsdp_outer_degree": outer,
+                                   "fsdp_outer_sharding": outer_sharding}}
+    if ep > 1:
+        hybrid.update(ep_degree=ep, moe_sharding_degree=outer * inner // ep)
+        strategy.hybrid_parallel_order = list(MOE_ORDER_HINT)
+    strategy.hybrid_configs = hybrid
     fleet.init(is_collective=True, strategy=strategy)
 
 

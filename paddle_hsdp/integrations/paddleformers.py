@@ -92,9 +92,10 @@ class HSDPTrainingArguments(TrainingArguments):
             world, split = dist.get_world_size(), _model_split(self)
             self.hsdp_degrees = _hsdp_degrees(self.hsdp_config_resolved, world, self)
         outer_sharding = outer_sharding_of(self.hsdp_config_resolved)
+        ep = _expert_degree(self)
         if world > 1 and split == 1:
             # hsdp_config's fsdp_outer_sharding goes into sharding_configs too
-            init_fleet_if_needed(*self.hsdp_degrees, outer_sharding)
+            init_fleet_if_needed(*self.hsdp_degrees, outer_sharding, ep)
         if self.hsdp_checkpoint:
             # the Trainer's flex-checkpoint paths call the hooks HSDPTrainer overrides,
             # on every rank
@@ -102,6 +103,17 @@ class HSDPTrainingArguments(TrainingArguments):
         if world > 1 and split > 1 and live_hcg() is None:
             with _data_ranks_as_hsdp(self.hsdp_degrees[0], outer_sharding):
                 super().__post_init__()  # PaddleFormers' hybrid strategy, HSDP data axes
+        elif ep > 1:
+            # PaddleFormers' own expert parallelism is built for its sharding stages
+            # (it refuses data parallelism beside it and scales expert grads by 1 / ep);
+            # here fleet already runs the expert groups and HSDP reduces expert grads
+            # over the expert data-parallel ranks, so it sees plain data parallelism
+            self.expert_model_parallel_size = -1
+            try:
+                super().__post_init__()
+            finally:
+                self.expert_model_parallel_size = ep
+            self.hybrid_parallel_expert_grad_scale = 1.0
         else:
             super().__post_init__()
 
@@ -120,6 +132,10 @@ class HSDPTrainingArguments(TrainingArguments):
         if hcg is None or not self.use_hybrid_parallel:
             return super().dataset_world_size
         return hcg.get_sharding_parallel_world_size()
+
+
+def _expert_degree(args) -> int:
+    return max(getattr(args, "expert_model_parallel_size", 1) or 1, 1)
 
 
 def _model_split(args) -> int:
@@ -146,11 +162,23 @@ def _hsdp_degrees(cfg: HSDPConfig, world: int, args) -> tuple[int, int]:
             raise ConfigError([f"tensor / pipeline degrees: fleet.init ran before these "
                                f"arguments with {live}; build HSDPTrainingArguments first "
                                "or pass the same degrees"])
+        live_ep = getattr(hcg, "get_expert_parallel_world_size", lambda: 1)() or 1
+        if live_ep != _expert_degree(args):
+            raise ConfigError([f"expert_model_parallel_size: fleet.init ran before these "
+                               f"arguments with ep_degree {live_ep}; build "
+                               "HSDPTrainingArguments first or pass the same degree"])
         return _live_topology(cfg)[:2]
     per_node, tp = ranks_per_node_from_env(), max(args.tensor_model_parallel_size, 1)
     if per_node is not None:
         per_node = per_node // tp if per_node % tp == 0 else None
-    return resolve_degrees(cfg, world // split, per_node)
+    outer, inner = resolve_degrees(cfg, world // split, per_node)
+    ep = _expert_degree(args)
+    if ep > 1 and (world // ep) % outer:
+        raise ConfigError([f"fsdp_outer_degree: {outer} does not divide the {world // ep} "
+                           f"expert data-parallel ranks (world {world} / "
+                           f"expert_model_parallel_size {ep}): every expert replica set "
+                           "must hold whole outer replicas"])
+    return outer, inner
 
 
 @contextlib.contextmanager
@@ -199,19 +227,30 @@ def _refuse_what_cannot_work(args) -> None:
     if getattr(args, "sharding_parallel_size", -1) > 1 or getattr(args, "sharding_degree", -1) > 1:
         errors.append("sharding_parallel_size: the HSDP inner size comes from hsdp_config's "
                       "sharding_size (default: world / fsdp_outer_degree); leave it unset")
-    for name in ("sep_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+    for name in ("sep_parallel_size", "context_parallel_size"):
         if getattr(args, name, -1) > 1:
             errors.append(f"{name}: {getattr(args, name)}; HSDPTrainer does not set up "
-                          "sequence-segment, context or expert parallelism yet (tensor and "
-                          "pipeline parallelism it does: tensor_model_parallel_size, "
-                          "pipeline_model_parallel_size); allowed: -1 or 1")
+                          "sequence-segment or context parallelism yet (tensor, pipeline "
+                          "and expert parallelism it does: tensor_model_parallel_size, "
+                          "pipeline_model_parallel_size, expert_model_parallel_size); "
+                          "allowed: -1 or 1")
+    ep = _expert_degree(args)
+    if ep > 1 and _model_split(args) > 1:
+        errors.append(f"expert_model_parallel_size: {ep} together with tensor or pipeline "
+                      "parallelism is not supported by HSDPTrainer yet; allowed with "
+                      "tensor_model_parallel_size and pipeline_model_parallel_size 1")
+    elif ep > 1 and dist.get_world_size() % ep:
+        errors.append(f"expert_model_parallel_size: {ep} does not divide the "
+                      f"{dist.get_world_size()} ranks")
     sharding_mode = args.fsdp_outer_sharding
     if sharding_mode is not None and sharding_mode not in OUTER_SHARDING:
         errors.append(f"fsdp_outer_sharding: {sharding_mode!r}; allowed: "
                       f"{', '.join(repr(m) for m in OUTER_SHARDING)}")
     if args.use_expert_parallel:
-        errors.append("use_expert_parallel: True is not supported by HSDPTrainer yet; train "
-                      "MoE models with paddle_hsdp.apply_config in your own loop")
+        errors.append("use_expert_parallel: True switches on PaddleFormers' expert-parallel "
+                      "machinery for its own sharding stages (MoEHybridParallelOptimizer, "
+                      "no_sync, expert grad scaling); with HSDP set expert_model_parallel_size "
+                      "alone (HSDP reduces expert grads over the expert data-parallel ranks)")
     if args.fp16:
         errors.append("fp16: not supported by HSDPTrainer (it would need loss scaling over "
                       "shards); use --bf16, which maps to HSDP's MixedPrecisionPolicy")
@@ -379,6 +418,14 @@ class HSDPTrainer(Trainer):
                 # what fleet's TensorParallel wrapper does, before sharding: the params
                 # tensor parallelism does not split start equal on every mp rank
                 broadcast_mp_parameters(self.model, fleet.get_hybrid_communicate_group())
+            ep = _expert_degree(self.args)
+            if ep > 1 and not (self.args.hsdp_config_resolved.expert_modules or any(
+                    getattr(p, "is_moe_param", False) for p in self.model.parameters())):
+                raise ConfigError([  # alike on every rank: before any collective
+                    f"HSDPTrainer: expert_model_parallel_size {ep}, but the model has no "
+                    "expert parameters: mark them with paddle_hsdp.mark_expert_params "
+                    "(global_indices: which experts this rank holds) or name them in "
+                    "hsdp_config's expert_modules"])
             _, self.hsdp_plan = shard_for_training(self.model, self.args.hsdp_config_resolved)
             logger.info("HSDPTrainer: %s", self.hsdp_plan)
         # the MixedPrecisionPolicy casts (bf16 compute, fp32 shards and reduction);

@@ -12,6 +12,11 @@ them (issue 18). argv: the work folder worker_trainer.py wrote into.
 * ``save_model(last_fc_to_hf=True)`` and the plain ``save_model`` load with
   ``from_pretrained`` in this fresh process equal to the 2 x 2 ``export`` run's full
   state dict, exactly; the same for a model with untied embeddings;
+* worker_trainer_ep.py's runs (issue 34): ``ep_base`` (expert parallel 2, dense 2 x 2,
+  experts 1 x 2) against the one-process Trainer on the same MoE model holding every
+  expert, as above (its final parameters joined from both expert sets); ``ep_resume``
+  equals its steps 4-6 bit for bit; its step-3 checkpoint resumed here in one process
+  (HSDPTrainer, every expert local) within the bounds;
 * worker_trainer_3d.py's runs (issue 34): ``tp_base`` (mp2 x sharding2) and ``pp_base``
   (``LlamaForCausalLMPipe``, pp2 x sharding2) against the one-process Trainer on the
   untied model, as above; their resumes from step 3 in the same layout equal the bases'
@@ -61,9 +66,13 @@ def reference(run, per_device=8, accumulation=1, eval_data=None, tied=True, low=
     return record
 
 
-def load_run(run):
+def load_run_record(run):
     with open(os.path.join(work, f"{run}.json")) as f:
-        record = json.load(f)
+        return json.load(f)
+
+
+def load_run(run):
+    record = load_run_record(run)
     record["params"] = dict(np.load(os.path.join(work, f"{run}_params.npz")))
     return record
 
@@ -85,6 +94,27 @@ def compare(run, got, ref, steps=slice(None), norm_bound=NORM_BOUND, params=True
     print(f"TRAINER_MATCHES {run}", flush=True)
 
 
+def resumed_in_one_process(run, model, dataset, args: dict) -> dict:
+    """HSDPTrainer on this single rank resumes ``run``'s step-3 checkpoint (written on
+    4 ranks) with ``args``; its record."""
+    one = HSDPTrainer(model=model, args=HSDPTrainingArguments(**args), train_dataset=dataset)
+    recorder = tc.Recorder(norm_after=lambda: paddle_hsdp.last_global_norm(one.optimizer))
+    one.add_callback(recorder)
+    one.train(resume_from_checkpoint=os.path.join(work, run, "checkpoint-3"))
+    return {"losses": recorder.losses, "norms": recorder.norms,
+            "params": tc.params_of(paddle_hsdp.full_state_dict(one.model))}
+
+
+def assert_resumed_bit_exact(label: str, resumed: dict, base: dict) -> None:
+    """A resume from step 3 in the base run's layout: its steps 4-6 bit for bit."""
+    assert resumed["losses"] == base["losses"][3:], (label, resumed["losses"], base["losses"])
+    assert resumed["norms"] == base["norms"][3:], (label, resumed["norms"], base["norms"])
+    assert sorted(resumed["params"]) == sorted(base["params"]), label
+    for name, value in base["params"].items():
+        assert np.array_equal(resumed["params"][name], value), (label, name)
+    print(f"TRAINER_RESUME_BIT_EXACT {label}", flush=True)
+
+
 ref = reference("base", eval_data=tc.TokenData(16, seed=2))
 ref_ga2 = reference("ga2", per_device=4, accumulation=2)
 base = load_run("base")
@@ -95,25 +125,15 @@ for run in ("ga2_zero3", "ga2_zero1"):
     compare(run, load_run(run), ref_ga2)
 
 # resumed from step 3: in 2 x 2 bit for bit, in other layouts within the bounds
-resumed = load_run("resume")
-assert resumed["losses"] == base["losses"][3:], (resumed["losses"], base["losses"])
-assert resumed["norms"] == base["norms"][3:], (resumed["norms"], base["norms"])
-for name, value in base["params"].items():
-    assert np.array_equal(resumed["params"][name], value), name
-print("TRAINER_RESUME_BIT_EXACT 2x2", flush=True)
+assert_resumed_bit_exact("2x2", load_run("resume"), base)
 for outer in (1, 4):
     if os.path.exists(os.path.join(work, f"resume_{outer}.json")):
         compare(f"resume_{outer}", load_run(f"resume_{outer}"), ref, steps=slice(3, None))
 
 # one process: HSDPTrainer on a single rank resumes the 4-rank checkpoint
-args = HSDPTrainingArguments(**tc.common_args(os.path.join(work, "resume_one"), 8))
-one = HSDPTrainer(model=tc.build_model(), args=args, train_dataset=tc.TokenData())
-recorder = tc.Recorder(norm_after=lambda: paddle_hsdp.last_global_norm(one.optimizer))
-one.add_callback(recorder)
-one.train(resume_from_checkpoint=os.path.join(work, "base", "checkpoint-3"))
-compare("resume_one_process", {"losses": recorder.losses, "norms": recorder.norms,
-                               "params": tc.params_of(paddle_hsdp.full_state_dict(one.model))},
-        ref, steps=slice(3, None))
+compare("resume_one_process", resumed_in_one_process(
+    "base", tc.build_model(), tc.TokenData(),
+    tc.common_args(os.path.join(work, "resume_one"), 8)), ref, steps=slice(3, None))
 
 def loads_exactly(folder: str, run: str) -> None:
     """``from_pretrained(folder)`` in this process holds ``run``'s recorded full
@@ -162,25 +182,53 @@ for layout in ("tp", "pp"):
                     for k in ref_untied["params"])
         print(f"TRAINER_PIPELINE_FLOOR PaddleFormers' pipeline without HSDP vs one process: "
               f"params {floor:.2e}", flush=True)
-    resumed = load_run(f"{layout}_resume")
-    assert resumed["losses"] == layout_base["losses"][3:], (layout, resumed["losses"])
-    assert resumed["norms"] == layout_base["norms"][3:], (layout, resumed["norms"])
-    assert sorted(resumed["params"]) == sorted(layout_base["params"])
-    for name, value in layout_base["params"].items():
-        assert np.array_equal(resumed["params"][name], value), (layout, name)
-    print(f"TRAINER_RESUME_BIT_EXACT {layout}", flush=True)
+    assert_resumed_bit_exact(layout, load_run(f"{layout}_resume"), layout_base)
     resumed_dp = load_run(f"resume_dp_{layout}")
     if layout == "tp":
         compare("resume_dp_tp", resumed_dp, ref_untied, steps=slice(3, None))
     else:  # from the pipeline's own rounding until step 3 (see above)
-        args = HSDPTrainingArguments(**tc.common_args(os.path.join(work, "resume_one_pp"), 8,
-                                                      weight_decay=tc.WEIGHT_DECAY_3D))
-        one = HSDPTrainer(model=tc.build_model(tied=False), args=args,
-                          train_dataset=tc.TokenData(low=1, causal_mask=True))
-        recorder = tc.Recorder(norm_after=lambda: paddle_hsdp.last_global_norm(one.optimizer))
-        one.add_callback(recorder)
-        one.train(resume_from_checkpoint=os.path.join(work, "pp_base", "checkpoint-3"))
-        compare("resume_dp_pp vs one process", resumed_dp, {
-            "losses": recorder.losses, "norms": recorder.norms,
-            "params": tc.params_of(paddle_hsdp.full_state_dict(one.model))})
+        compare("resume_dp_pp vs one process", resumed_dp, resumed_in_one_process(
+            "pp_base", tc.build_model(tied=False), tc.TokenData(low=1, causal_mask=True),
+            tc.common_args(os.path.join(work, "resume_one_pp"), 8,
+                           weight_decay=tc.WEIGHT_DECAY_3D)))
     loads_exactly(f"{layout}_hf", f"{layout}_export")
+
+# ---- expert parallel (worker_trainer_ep.py), the project's own MoE model
+from trainer_moe import CLIP as EP_CLIP, MoEData, MoELM  # noqa: E402
+
+
+def ep_params(run):
+    """The full parameters of an expert-parallel run: the dense ones (alike in both
+    expert sets' files) and each set's experts, under their global names."""
+    sets = [dict(np.load(os.path.join(work, f"{run}_params_ep{k}.npz"))) for k in (0, 1)]
+    dense = {k for k in sets[0] if not k.startswith("experts.")}
+    for name in dense:
+        assert np.array_equal(sets[0][name], sets[1][name]), (run, name)
+    return {**sets[0], **sets[1]}
+
+
+def ep_args(run, per_device, **extra):
+    return tc.common_args(os.path.join(work, run), per_device, dataloader_shuffle=False,
+                          max_grad_norm=EP_CLIP, **extra)
+
+
+paddle.set_default_dtype(tc.DTYPE)
+moe_ref = MoELM()
+trainer = Trainer(model=moe_ref, args=TrainingArguments(**ep_args("ref_ep", 8), sharding="",
+                                                         amp_master_grad=False),
+                  train_dataset=MoEData(tc.SAMPLES, 1, 4), eval_dataset=MoEData(16, 2, 4))
+recorder = tc.Recorder(norm_before=tc.grad_norm_of(moe_ref))
+trainer.add_callback(recorder)
+trainer.train()
+assert min(recorder.norms) > EP_CLIP, recorder.norms  # clipping is active every step
+ref_ep = {"losses": recorder.losses, "norms": recorder.norms,
+          "params": tc.params_of(moe_ref.state_dict()),
+          "eval_loss": trainer.evaluate()["eval_loss"]}
+ep_base = dict(load_run_record("ep_base"), params=ep_params("ep_base"))
+compare("ep_base", ep_base, ref_ep)
+assert_resumed_bit_exact("ep", dict(load_run_record("ep_resume"),
+                                   params=ep_params("ep_resume")), ep_base)
+# the expert-parallel checkpoint in one process, every expert local (plain HSDP)
+compare("resume_ep_one_process", resumed_in_one_process(
+    "ep_base", MoELM(), MoEData(tc.SAMPLES, 1, 4), ep_args("resume_one_ep", 8)),
+    ref_ep, steps=slice(3, None))
