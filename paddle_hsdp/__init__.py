@@ -16,9 +16,9 @@ from .comm.fingerprint import check_collectives
 from .comm.gather_tags import CollectiveMismatchError
 from .config.apply import apply_config
 from .config.schema import ConfigError, HSDPConfig, load_config
-from .engine.api import (FSDPModule, full_grads, full_state_dict, fully_shard, memory_report,
-                         reset_peak_memory, set_zero_stage)
+from .engine.api import FSDPModule, full_grads, full_state_dict, fully_shard, set_zero_stage
 from .engine.experts import mark_expert_params
+from .engine.memory import memory_report, reset_peak_memory
 from .engine.optimizers import finish_grad_sync
 from .engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .patches.clip import HSDPClipGradByGlobalNorm, last_global_norm

@@ -20,7 +20,7 @@ from paddle.autograd import PyLayer
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import outer_sync, unit as unit_module
+from paddle_hsdp.engine import outer_sync, reductions
 from paddle_hsdp.engine.buffer import ShardBuffer
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
@@ -59,7 +59,7 @@ def _assert_all_waited(delta):
     assert d["issued"] > 0, d
     assert d["dropped"] == 0, f"handles garbage-collected without wait(): {d}"
     assert d["outstanding"] == 0, f"handles issued and never waited: {d}"
-    assert not unit_module._pending_reduces
+    assert not reductions.in_flight
     assert all(u._pending_gather is None for u in hsdp_registry.units)
 
 
@@ -281,7 +281,7 @@ def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
 
     def failing(self, *args, **kwargs):
         if self is head:
-            assert unit_module._pending_reduces  # the embedding's reduction is in flight
+            assert reductions.in_flight  # the embedding's reduction is in flight
             raise Boom("simulated OOM building the reduce-scatter input")
         return original(self, *args, **kwargs)
     _backward_raises_boom(model, monkeypatch, failing)

@@ -13,7 +13,7 @@ from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
 from paddle_hsdp.comm import gather_tags
-from paddle_hsdp.engine.unit import GatheredBytes
+from paddle_hsdp.engine.memory import GatheredBytes
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
 
 PACKAGE = pathlib.Path(paddle_hsdp.__file__).parent

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import paddle
 
-from ..engine.buffer import _element_size, dtypes_of
+from ..engine.dtypes import dtypes_of, element_size
 from ..engine.experts import mark_expert_params
 from ..engine.param import ShardedParam
 from ..engine.policies import MixedPrecisionPolicy
@@ -213,8 +213,8 @@ def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cos
         shard_numel=sum(sp.chunk_numel for sp in params), outer_parts=params[0].parts,
         logical_numel=sum(sp.numel for sp in params),
         inner=params[0].inner_size, outer=outer,
-        master_bytes=_element_size(params[0].dtype), gather_bytes=_element_size(gather),
-        reduce_bytes=_element_size(reduce), compute_bytes=_element_size(compute),
+        master_bytes=element_size(params[0].dtype), gather_bytes=element_size(gather),
+        reduce_bytes=element_size(reduce), compute_bytes=element_size(compute),
         trainable=params[0].trainable,
         inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"])
 

@@ -15,14 +15,13 @@ from paddle.distributed import Replicate, Shard
 from ..comm import collectives as comm
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
-from . import hooks, staging
+from . import direct_calls, grad_hooks, hooks
 from .flex import sharded_state_dict
-from .optimizers import optimizer_state_bytes
 from .param import ShardedParam
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
-from .unit import (FSDPUnit, FullGradBytes, GatheredBytes, UnitState, _is_expert,
-                   expect_everyone_in)
+from .states import ParamState
+from .unit import FSDPUnit, _is_expert, expect_everyone_in
 
 
 class FSDPModule:
@@ -399,16 +398,16 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     unit.overlap = bool(enable_tensor_fusion_and_overlap)
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
-    hooks.watch_grads(unit)
+    grad_hooks.watch_grads(unit)
     unit.shard_initial()  # first collective: broadcast over the outer group
-    hooks.watch_shard_grads(unit)
+    grad_hooks.watch_shard_grads(unit)
     registry.units.append(unit)
     hooks.register_unit_hooks(unit, registry.units)
     module.__dict__["_hsdp_unit_"] = unit
     _make_fsdp_class(module)
     for sp in unit.params:
         for sub, _ in sp.users:
-            hooks.watch_direct_calls(sub, unit, registry.units)
+            direct_calls.watch_direct_calls(sub, unit, registry.units)
     return module
 
 
@@ -440,12 +439,12 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
         if owner is not None:
             owner_unit, sp = owner
             sp.users.append((sub, name))
-            sub._parameters[name] = sp.full if owner_unit.state is UnitState.UNSHARDED \
+            sub._parameters[name] = sp.full if owner_unit.state is ParamState.UNSHARDED \
                 else sp.shard
             if owner_unit is not unit and owner_unit not in unit.borrowed:
                 unit.borrowed.append(owner_unit)
                 owner_unit.borrowed_by.append(unit)
-            hooks.watch_direct_calls(sub, owner_unit, registry.units)
+            direct_calls.watch_direct_calls(sub, owner_unit, registry.units)
             continue
         if id(p) not in claimed:
             if placements.get(id(p)) == "replicate":
@@ -493,37 +492,3 @@ def _gather_named(model, grads: bool) -> dict:
                 full_of[id(sp.shard)] = full
     own = (lambda p: p.grad) if grads else (lambda p: p.detach().clone())
     return {name: full_of.get(id(p), own(p)) for name, p in model.named_parameters()}
-
-
-def memory_report(model, optimizer=None) -> dict[str, int]:
-    """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
-    ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
-    ``staging``: what the collectives' staging pool holds (all models; see
-    engine/staging.py); ``peak_gathered`` / ``peak_gathered_units``: the most
-    full-size param bytes and units gathered at once (all models), and
-    ``peak_full_grads``: the most full-size grad bytes alive at a post-backward, an
-    early reduction or end of backward, since :func:`reset_peak_memory`. With
-    ``optimizer``: ``optimizer``, the bytes of its states (accumulators, master
-    weights) for the model's shards on this rank (with ``fsdp_outer_sharding="optim"``
-    1/O of HSDP's). The same figures at every engine event:
-    ``paddle_hsdp.engine.trace.enable(memory=True)``."""
-    expect_layer(model, "memory_report")
-    total = {"shard": 0, "grad": 0, "gathered": 0}
-    units = units_under(model)
-    for unit in units:
-        for key, value in unit.held_bytes().items():
-            total[key] += value
-    total["staging"] = staging.pool.held_bytes
-    total["peak_gathered"] = GatheredBytes.peak
-    total["peak_gathered_units"] = GatheredBytes.units_peak
-    total["peak_full_grads"] = FullGradBytes.peak
-    if optimizer is not None:
-        total["optimizer"] = optimizer_state_bytes(optimizer, units)
-    return total
-
-
-def reset_peak_memory() -> None:
-    """Restart the peaks ``memory_report`` gives; also turns on the sampling of
-    full-size grad bytes during backward (``peak_full_grads``)."""
-    GatheredBytes.reset_peak()
-    FullGradBytes.tracking, FullGradBytes.peak = True, 0

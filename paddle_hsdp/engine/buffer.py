@@ -14,25 +14,13 @@ sub-shards] in :mod:`~paddle_hsdp.engine.param`) the shard is ``Q`` pieces of ``
 elements, piece ``q`` the concatenation of every parameter's sub-block ``q``; outer
 rank ``q``'s optimizer sees piece ``q``. The step's outer all-reduce becomes an outer
 reduce-scatter of the grad shard (this rank keeps its piece), and after the update an
-outer all-gather of the pieces rebuilds the shard (:meth:`ShardBuffer.start_rebuild`),
+outer all-gather of the pieces rebuilds the shard (:mod:`~paddle_hsdp.engine.outer_pieces`),
 waited before anything reads the shard again.
-
-[Note: edits under outer sub-shards] A shard parameter is this rank's piece only, so an
-in-place change of ``model.parameters()`` outside the optimizer (weight clipping, a
-re-initialisation, an EMA swap, ``set_value``) changes one piece of the flat shard;
-the others are other replicas' pieces, which their own ranks changed. The rebuild is
-therefore not issued at the step but owed (``rebuild_due``) and issued at the next
-root forward (or the next read of the shard), so edits made in between travel with
-it; and an edit made after that (between two forwards of one step) is detected at the
-next root forward or read (the shard's inplace version, new storage, or a
-``set_value`` / ``copy_`` call: patches/shard_edits.py) and makes one owed again.
-Every rank must make the same edits, as with any call that leads to a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import paddle
 from paddle import _C_ops
@@ -41,8 +29,13 @@ from ..comm import collectives as comm
 from ..comm import gather_tags
 from ..topology.cost import BufferShape
 from . import master_grad, offload, staging, trace
+from .dtypes import as_dtype, dtypes_of, element_size
+from .outer_pieces import OuterPieces
+from .shard_grads import ShardGrads
 from .param import ShardedParam
+from .pending import PendingGather, PendingRebuild, PendingReduce, give_back, release_staging
 from .registry import registry
+from .states import GradState, RebuildState, expect
 
 # A mismatched all-gather's message names the peer's buffer and the units that ran
 # through the registry.
@@ -50,7 +43,7 @@ gather_tags.set_buffer_describer(registry.describe_buffer)
 gather_tags.set_unit_describer(registry.describe_unit)
 
 
-class ShardBuffer:
+class ShardBuffer(ShardGrads, OuterPieces):
     """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
     in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
     the optimizer stay in the parameters' own dtype (the float32 master copy).
@@ -71,7 +64,7 @@ class ShardBuffer:
         self.trainable = params[0].trainable
         self.gather_dtype, self.reduce_dtype, self.compute_dtype = dtypes_of(self.dtype,
                                                                              mp_policy)
-        self.policy_reduce_dtype = _dtype(getattr(mp_policy, "reduce_dtype", None))
+        self.policy_reduce_dtype = as_dtype(getattr(mp_policy, "reduce_dtype", None))
         # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
         # state) live in host storage; collectives and compute run on the device.
         self.host = (offload.HostStorage(getattr(offload_policy, "pin_memory", False))
@@ -93,8 +86,8 @@ class ShardBuffer:
         self.shard_numel = offset * self.parts
         self.inner_size = inner_group.nranks
         # Fixed per buffer; every unshard/reshard reads them for the memory report.
-        self.element_size = _element_size(self.dtype)
-        self.compute_element_size = _element_size(self.compute_dtype)
+        self.element_size = element_size(self.dtype)
+        self.compute_element_size = element_size(self.compute_dtype)
         self.compute_nbytes = sum(sp.numel for sp in params) * self.compute_element_size
         # Set by the unit: which unit this buffer belongs to, for tags and messages.
         self.unit_index, self.index, self.owner = 0, 0, None
@@ -113,11 +106,15 @@ class ShardBuffer:
         # buffer was reduced before the end of backward (reset there).
         self.grads_ready: set[int] = set()
         self.reduced_early = False
+        # the grad shard within the step (engine/states.py); what it was before the
+        # reduce-scatter in flight, for a backward that abandons it
+        self.grad_state = GradState.EMPTY
+        self._before_reduce = GradState.EMPTY
         # Outer sub-shards: the post-step all-gather in flight, a rebuild owed before
         # the next read (sharded_state_dict handed out views a load may write), and
         # whether the grad shard holds only this rank's reduced piece (others zero).
-        self._rebuild: _PendingRebuild | None = None
-        self.rebuild_due = False
+        self._rebuild: PendingRebuild | None = None
+        self.rebuild_state = RebuildState.CURRENT
         self.grads_scattered = False
         # [Note: edits under outer sub-shards]: the shards' inplace versions when the
         # last rebuild was issued, an edit seen by set_value / copy_, and the
@@ -130,7 +127,7 @@ class ShardBuffer:
     def flat(self):
         """The flat shard (plus the tag's slots). Reading it first waits for a post-step
         outer all-gather in flight (one already issued on every rank: no new collective)."""
-        if self._rebuild is not None:
+        if self.rebuild_state is RebuildState.REBUILDING:
             self.finish_rebuild()
         return self._flat
 
@@ -167,8 +164,8 @@ class ShardBuffer:
         return BufferShape(
             shard_numel=self.shard_numel, logical_numel=self.logical_numel,
             inner=self.inner.nranks, outer=self.outer.nranks,
-            master_bytes=self.element_size, gather_bytes=_element_size(self.gather_dtype),
-            reduce_bytes=_element_size(self.grad_reduce_dtype()),
+            master_bytes=self.element_size, gather_bytes=element_size(self.gather_dtype),
+            reduce_bytes=element_size(self.grad_reduce_dtype()),
             compute_bytes=self.compute_element_size, trainable=self.trainable,
             inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer),
             outer_parts=self.parts)
@@ -195,111 +192,6 @@ class ShardBuffer:
                 paddle.assign(sp.shard.detach().reshape([-1]), output=sp.piece_of(self.flat))
                 sp.attach_shard(self.flat)
                 self.edited = True
-
-    def grad_flat(self) -> paddle.Tensor:
-        """The flat grad storage, every shard param's ``.grad`` a view of it. Grads that
-        were released (``clear_grad(set_to_zero=False)``) read as zeros; a grad the user
-        replaced by another tensor is copied in."""
-        if self.host is not None:
-            self.host.settle()  # grads still on their way back from the device
-        if self.flat_grad is None:
-            self.flat_grad = self._new_storage(self.dtype)
-            self._grads_epoch = -1
-        self.repoint_grads()
-        if self._grads_epoch != registry.storage_epoch:  # once per epoch, as the views
-            self._grads_epoch = registry.storage_epoch
-            with self.on_host():
-                self._attach_grads()
-        return self.flat_grad
-
-    def _attach_grads(self) -> None:
-        for sp in self.params:
-            grad = sp.shard.grad
-            if grad is None:  # released (clear_grad(set_to_zero=False)), or never made
-                sp.grad_here = sp.grad_anywhere = False
-                piece = sp.piece_of(self.flat_grad)
-                paddle.assign(paddle.zeros_like(piece), output=piece)
-            elif not sp.grad_is_view_of(self.flat_grad):
-                paddle.assign(grad.reshape([-1]), output=sp.piece_of(self.flat_grad))
-            else:
-                continue
-            sp.attach_grad(self.flat_grad)
-
-    # -------------------------------------------------------------- main grads
-    @property
-    def main_grads(self) -> bool:
-        """Whether Paddle's MixPrecisionLayer covers this buffer (asked afresh each time:
-        the wrapper may come after fully_shard)."""
-        return self.trainable and master_grad.uses_main_grad(self.params, self.describe)
-
-    def main_grad_flat(self) -> paddle.Tensor:
-        """The float32 flat main-grad storage, every shard's ``main_grad`` a view of it.
-        A ``main_grad`` that ``MixPrecisionOptimizer.clear_grad(set_to_zero=False)``
-        released reads as zeros; one the user replaced is copied in."""
-        if self.host is not None:
-            self.host.settle()
-        if self.flat_main_grad is None:
-            self.flat_main_grad = self._new_storage(master_grad.MAIN_GRAD_DTYPE)
-            self._main_grads_epoch = -1
-        if self._main_grads_epoch != registry.storage_epoch:
-            self._main_grads_epoch = registry.storage_epoch
-            with self.on_host():
-                self._attach_main_grads()
-        return self.flat_main_grad
-
-    def _attach_main_grads(self) -> None:
-        for sp in self.params:
-            main = getattr(sp.shard, "main_grad", None)
-            if main is None or not main._is_initialized():  # released, or never made
-                sp.grad_here = sp.grad_anywhere = False
-                piece = sp.piece_of(self.flat_main_grad)
-                paddle.assign(paddle.zeros_like(piece), output=piece)
-            elif not sp.main_grad_is_view_of(self.flat_main_grad):
-                paddle.assign(main.astype(master_grad.MAIN_GRAD_DTYPE).reshape([-1]),
-                              output=sp.piece_of(self.flat_main_grad))
-            else:
-                continue
-            sp.attach_main_grad(self.flat_main_grad)
-
-    def add_to_grad(self, sp: ShardedParam, grad) -> None:
-        """Add ``grad`` (in ``sp``'s shard shape) to ``sp``'s piece of the storage grads
-        accumulate in (:meth:`acc_flat`). Autograd then adds zeros to the shard's grad,
-        or after ``clear_grad()`` replaces it by them (Paddle marks a zeroed grad
-        "fake empty"): the next :meth:`grad_flat` makes it a view again, no copy."""
-        acc = self.acc_flat()
-        piece = sp.piece_of(acc)
-        grad = grad.reshape([-1])
-        if grad.dtype != acc.dtype:
-            grad = grad.astype(acc.dtype)
-        if self.host is not None:
-            self.host.download(grad, into=piece, add=True)
-        else:
-            piece.add_(grad)
-        self._repoint.add(id(sp))
-
-    def repoint_grads(self) -> None:
-        """Shard grads that autograd replaced by zeros after :meth:`add_to_grad` become
-        views of the flat grad storage again (which holds their value)."""
-        if self._repoint:
-            for sp in self.params:
-                if id(sp) in self._repoint:
-                    sp.attach_grad(self.flat_grad)
-            self._repoint.clear()
-
-    def acc_flat(self) -> paddle.Tensor:
-        """Where reduced grads accumulate: the main grads under MixPrecisionLayer, else
-        the shard grads."""
-        return self.main_grad_flat() if self.main_grads else self.grad_flat()
-
-    def has_full_grads(self) -> bool:
-        return any(master_grad.has_full_grad(sp) for sp in self.params)
-
-    def grad_reduce_dtype(self):
-        """The dtype grads travel in: main grads in float32 unless the policy names a
-        ``reduce_dtype``, other grads in ``reduce_dtype``."""
-        if self.policy_reduce_dtype is None and self.main_grads:
-            return master_grad.MAIN_GRAD_DTYPE
-        return self.reduce_dtype
 
     # -------------------------------------------------------------- sharding
     def shard_from_full(self, src_outer_rank: int) -> None:
@@ -345,7 +237,7 @@ class ShardBuffer:
         return self.finish_gather(self.start_gather(grads, compute))
 
     def start_gather(self, grads: bool = False, compute: bool = False,
-                     async_op: bool = False) -> "_PendingGather":
+                     async_op: bool = False) -> "PendingGather":
         """Issue the all-gather of this rank's shard (or, with ``grads=True``, of its
         grad shard as it is now). ``compute=True``: gather in the policy's
         ``param_dtype``. With ``async_op`` it returns at once on NCCL (the collective runs
@@ -388,13 +280,13 @@ class ShardBuffer:
             handle = comm.all_gather_into(out, send, self.inner, async_op=True,
                                           what=self.describe)
         except BaseException:
-            _give_back(staged)  # nothing was issued (or the issue failed): not in flight
+            give_back(staged)  # nothing was issued (or the issue failed): not in flight
             raise
         if not async_op:
             handle.wait()
         # send and out stay referenced until the wait: an async collective reads and
         # writes them on the communication stream.
-        return _PendingGather(handle, send, out, tag, compute, tuple(staged))
+        return PendingGather(handle, send, out, tag, compute, tuple(staged))
 
     def _cast_for_sending(self, send, dtype, staged: list) -> paddle.Tensor:
         """``send`` in ``dtype``: cast into a staging tensor (Paddle 3.3's public cast
@@ -408,7 +300,7 @@ class ShardBuffer:
         _C_ops.cast(send, dtype, out=into)
         return into
 
-    def finish_gather(self, pending: "_PendingGather") -> list[paddle.Tensor]:
+    def finish_gather(self, pending: "PendingGather") -> list[paddle.Tensor]:
         """Wait for :meth:`start_gather`, check the tags, and copy each parameter's
         full tensor out of the gathered grid (the one copy per parameter)."""
         pending.handle.wait()
@@ -432,7 +324,7 @@ class ShardBuffer:
         return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
 
     # -------------------------------------------------------------- gradients
-    def start_reduce_scatter(self, async_op: bool = False) -> "_PendingReduce":
+    def start_reduce_scatter(self, async_op: bool = False) -> "PendingReduce":
         """Issue the inner reduce-scatter of the full grads and release them.
 
         The reduce-scatter input is written once: one concatenation of every grad seen
@@ -441,6 +333,8 @@ class ShardBuffer:
         this rank (unused) contributes zeros: every rank joins the collective whatever
         its data did. :meth:`finish_reduce_scatter` waits and accumulates.
         """
+        expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "start_reduce_scatter",
+               self.describe)  # synced grads go back to summed form first (the unit)
         trace.record("ready", "reduce_scatter", self.unit_index)  # full grads complete
         blocks = []
         dtype = self.grad_reduce_dtype()
@@ -474,11 +368,18 @@ class ShardBuffer:
             handle = comm.reduce_scatter(out, grid.reshape([-1]), self.reduce_group,
                                          async_op=True, what=self.describe)
         except BaseException:
-            _give_back(staged)  # nothing was issued (or the issue failed)
+            give_back(staged)  # nothing was issued (or the issue failed)
             raise
+        self._before_reduce, self.grad_state = self.grad_state, GradState.REDUCING
         if not async_op:
             handle.wait()
-        return _PendingReduce(handle, grid, out, tuple(staged), tuple(present))
+        return PendingReduce(handle, grid, out, tuple(staged), tuple(present))
+
+    def abandon_reduce(self) -> None:
+        """The reduce-scatter in flight was waited for without using it (a failed
+        backward): the grad shard is as before it."""
+        if self.grad_state is GradState.REDUCING:
+            self.grad_state = self._before_reduce
 
     def _reduce_input(self, blocks, dtype, staged: list) -> paddle.Tensor:
         """The ``[I, S]`` reduce-scatter input (``[I, parts, S / parts]`` with outer
@@ -494,9 +395,10 @@ class ShardBuffer:
         grid = base[0:self.inner_size * self.shard_numel].reshape(shape)
         return paddle.concat(blocks, axis=-1, out=grid)
 
-    def finish_reduce_scatter(self, pending: "_PendingReduce") -> None:
+    def finish_reduce_scatter(self, pending: "PendingReduce") -> None:
         """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
         (one op, in the master dtype), or to the main grads under MixPrecisionLayer."""
+        expect(self.grad_state, (GradState.REDUCING,), "finish_reduce_scatter", self.describe)
         pending.handle.wait()
         trace.record("wait", "reduce_scatter", self.unit_index)
         acc = self.acc_flat()  # (a released grad's flags reset here, before the new ones)
@@ -504,6 +406,7 @@ class ShardBuffer:
             sp.grad_here = sp.grad_here or had
         out = pending.out
         self.grads_scattered = False  # (after a sync: the unit rescaled it, see there)
+        self.grad_state = GradState.REDUCED
         if self.host is not None:  # added on the host once the copy is in
             self.host.download(out, into=acc, add=True)
             release_staging(pending)  # the grid (the download reads out, not pooled)
@@ -512,205 +415,6 @@ class ShardBuffer:
             out = out.astype(acc.dtype)
         acc.add_(out)
         release_staging(pending)  # the add is issued: grid and out serve the next call
-
-    def start_all_reduce(self, async_op: bool = False, on_thread: bool = False
-                         ) -> "_PendingReduce":
-        """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
-        device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
-        are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
-        Under MixPrecisionLayer it reduces the main grads."""
-        flat = self.acc_flat()
-        # offloaded: a device copy to reduce (none for one replica: nothing to reduce)
-        moves = self.host is not None and self.outer.nranks > 1
-        target = self.host.upload(flat) if moves else flat
-        dtype = self.grad_reduce_dtype()
-        if dtype != flat.dtype and self.outer.nranks > 1:
-            target = target.astype(dtype)
-        trace.record("issue", "all_reduce", self.unit_index)
-        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe,
-                                 on_thread=on_thread)
-        if not async_op:
-            handle.wait()
-        return _PendingReduce(handle, target, flat)
-
-    def finish_all_reduce(self, pending: "_PendingReduce", scale: float) -> None:
-        pending.handle.wait()
-        trace.record("wait", "all_reduce", self.unit_index)
-        trace.record_span("all_reduce", self.unit_index, pending.handle.span())
-        flat = pending.out
-        if pending.grid is flat:
-            with self.on_host():
-                flat.scale_(scale)
-            return
-        reduced = pending.grid  # a reduce_dtype or offloaded copy comes back
-        if reduced.dtype != flat.dtype:
-            reduced = reduced.astype(flat.dtype)
-        reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
-        if self.host is not None:
-            self.host.download(reduced, into=flat, add=False)
-        else:
-            paddle.assign(reduced, output=flat)
-
-    def scale_grads(self, scale: float) -> None:
-        """Scale the grad shard (or main grads) in place, without an outer all-reduce."""
-        flat = self.acc_flat()
-        with self.on_host():
-            flat.scale_(scale)
-
-    # -------------------------------------------------------------- outer sub-shards
-    def start_outer_sync(self, async_op: bool = False, on_thread: bool = False):
-        """The step's one outer collective of the grad shard: the all-reduce, or with
-        outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`). ``on_thread``:
-        on gloo, on the communication thread (engine/outer_sync.py)."""
-        if self.parts > 1:
-            return self.start_outer_reduce(async_op, on_thread)
-        return self.start_all_reduce(async_op, on_thread)
-
-    def finish_outer_sync(self, pending, scale: float) -> None:
-        if isinstance(pending, _PendingOuterReduce):
-            self.finish_outer_reduce(pending, scale)
-        else:
-            self.finish_all_reduce(pending, scale)
-
-    def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
-                           ) -> "_PendingOuterReduce":
-        """Issue the outer reduce-scatter of the accumulated grad shard (or main grads)
-        in ``reduce_dtype``: the first half of an all-reduce, the same bytes across
-        machines; this rank receives the sum of its piece."""
-        acc = self.acc_flat()
-        send = self.host.upload(acc) if self.host is not None else acc  # offloaded: a copy
-        dtype = self.grad_reduce_dtype()
-        if dtype != acc.dtype:
-            send = send.astype(dtype)
-        out = paddle.empty([self.piece_numel], dtype=dtype)
-        trace.record("issue", "outer_reduce_scatter", self.unit_index)
-        # send is scratch on gloo (its other pieces are overwritten): they are zeroed
-        # when the result lands, as the piece model needs anyway
-        handle = comm.reduce_scatter(out, send, self.outer, async_op=True, what=self.describe,
-                                     on_thread=on_thread)
-        if not async_op:
-            handle.wait()
-        return _PendingOuterReduce(handle, send, out, acc)
-
-    def finish_outer_reduce(self, pending: "_PendingOuterReduce", scale: float) -> None:
-        """Wait for :meth:`start_outer_reduce`; this rank's piece of the grad shard
-        becomes the scaled sum, every other piece zero (what the optimizer does not see
-        must not carry into the next step's accumulation)."""
-        pending.handle.wait()
-        trace.record("wait", "outer_reduce_scatter", self.unit_index)
-        trace.record_span("outer_reduce_scatter", self.unit_index, pending.handle.span())
-        acc, reduced = pending.acc, pending.out
-        if reduced.dtype != acc.dtype:
-            reduced = reduced.astype(acc.dtype)
-        reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
-        if self.host is not None:  # assigned on the host when the copy is in
-            self.host.download(reduced, into=self.piece(acc, self.part), add=False)
-        else:
-            paddle.assign(reduced, output=self.piece(acc, self.part))
-        self.zero_other_pieces(acc)
-        self.grads_scattered = True
-
-    def piece(self, flat, q: int) -> paddle.Tensor:
-        """Piece ``q`` of a flat shard-layout tensor (a view)."""
-        return flat[q * self.piece_numel:(q + 1) * self.piece_numel]
-
-    def zero_other_pieces(self, flat) -> None:
-        with self.on_host():
-            for q in range(self.parts):
-                if q != self.part:
-                    piece = self.piece(flat, q)
-                    paddle.assign(paddle.zeros_like(piece), output=piece)
-
-    def drop_grad_pieces(self) -> None:
-        """After ``clear_grad`` (the unit dropped pending downloads first): zero the grad
-        pieces the optimizer does not see (its own it zeroed or released), so a skipped
-        batch leaves nothing behind."""
-        if self.parts == 1:
-            return
-        for flat in (self.flat_grad, self.flat_main_grad):
-            if flat is not None:
-                self.zero_other_pieces(flat)
-        self.grads_scattered = False
-
-    def _outer_gather(self, flat, what: str) -> paddle.Tensor:
-        """Every rank's piece of ``flat`` gathered over the outer group (synchronous):
-        a new tensor in shard layout, where ``flat`` lives (offloaded: the host)."""
-        mine = self.piece(flat, self.part)
-        send = self.host.upload(mine) if self.host is not None else mine.clone()
-        out = paddle.empty([self.shard_numel], dtype=flat.dtype)
-        comm.all_gather_into(out, send, self.outer, what=lambda: f"{self.describe()}: {what}")
-        return self.host.keep(out) if self.host is not None else out
-
-    @property
-    def rebuilds(self) -> bool:
-        """Whether this buffer has outer sub-shards to rebuild (trainable, parts > 1)."""
-        return self.parts > 1 and self.trainable
-
-    def owe_rebuild(self) -> None:
-        """The optimizer updated this rank's piece: the rebuild is owed, issued at the
-        next root forward or read ([Note: edits under outer sub-shards])."""
-        if self.rebuilds:
-            self.rebuild_due = True
-
-    def check_edits(self) -> None:
-        """Whether a shard param changed since the last rebuild was issued (its
-        inplace version, new storage, ``set_value`` / ``copy_``): if so a rebuild is
-        owed. Once per ``registry.storage_epoch``; local, no collective."""
-        if not self.rebuilds or self._edits_epoch == registry.storage_epoch:
-            return
-        self._edits_epoch = registry.storage_epoch
-        self._repair_views()  # new storage is copied into the flat shard here
-        if self.edited or [sp.shard._inplace_version() for sp in self.params] != self._versions:
-            self.rebuild_due = True
-
-    def start_owed_rebuild(self, async_op: bool = False) -> None:
-        """Issue the rebuild if one is owed (the root forward's start: every rank
-        alike)."""
-        self.finish_rebuild()
-        self.check_edits()
-        if self.rebuild_due:
-            self.start_rebuild(async_op)
-
-    def start_rebuild(self, async_op: bool = False) -> None:
-        """Issue the outer all-gather of every replica's piece into the flat shard (in
-        the parameters' own dtype, so every replica holds the same exact values). The
-        next read of :attr:`flat` waits for it; the next forward's first all-gather of
-        the unit reads it."""
-        if not self.rebuilds:
-            return
-        self.finish_rebuild()  # one in flight per buffer
-        self._repair_views()
-        flat = self._flat
-        mine = self.piece(flat, self.part)
-        # offloaded: a device copy out, the gathered pieces copied back in at the wait
-        send = self.host.upload(mine) if self.host is not None else mine.clone()
-        out = (paddle.empty([self.shard_numel], dtype=self.dtype) if self.host is not None
-               else flat[0:self.shard_numel])
-        trace.record("issue", "outer_all_gather", self.unit_index)
-        handle = comm.all_gather_into(out, send, self.outer, async_op=True,
-                                      what=self.describe)
-        self._rebuild = _PendingRebuild(handle, send, out)
-        self.rebuild_due = self.edited = False
-        self._versions = [sp.shard._inplace_version() for sp in self.params]
-        if not async_op:
-            self.finish_rebuild()
-
-    def finish_rebuild(self) -> None:
-        pending, self._rebuild = self._rebuild, None
-        if pending is None:
-            return
-        pending.handle.wait()
-        trace.record("wait", "outer_all_gather", self.unit_index)
-        if self.host is not None:
-            gathered = self.host.keep(pending.out)
-            with self.on_host():
-                paddle.assign(gathered, output=self._flat[0:self.shard_numel])
-
-    def ensure_rebuilt(self) -> None:
-        """Finish a rebuild in flight, or run one that is owed (edits included: a
-        collective, so only from calls every rank makes alike: gathers, checkpoints)."""
-        self.start_owed_rebuild()
-        self.finish_rebuild()
 
     def read_block(self, sp: ShardedParam) -> paddle.Tensor:
         """``sp``'s inner block ``[rows_per_rank, ...]`` from the flat shard (its pieces
@@ -733,87 +437,3 @@ class ShardBuffer:
             block = block.reshape([sp.parts, sp.sub_numel]).astype(self.dtype)
             for q, piece in enumerate(sp.pieces_of(self._flat)):
                 paddle.assign(block[q], output=piece)
-
-
-@dataclass
-class _PendingGather:
-    handle: comm.Handle
-    send: paddle.Tensor
-    out: paddle.Tensor
-    tag: paddle.Tensor | None
-    compute: bool
-    staged: tuple = ()  # from the staging pool: given back once, after the wait
-
-
-@dataclass
-class _PendingReduce:
-    handle: comm.Handle
-    grid: paddle.Tensor  # the input (kept alive until the wait)
-    out: paddle.Tensor
-    staged: tuple = ()
-    present: tuple = ()  # per param: whether this rank had a grad for it (reduce-scatter)
-
-
-def release_staging(pending) -> None:
-    """Give a waited collective's staging tensors back to the pool (once)."""
-    staged, pending.staged = pending.staged, ()
-    _give_back(staged)
-
-
-def _give_back(staged) -> None:
-    for t in staged:
-        staging.pool.give(t)
-
-
-def settle(pendings) -> list[Exception]:
-    """Wait for every pending collective (None skipped) even when some fail, then give
-    their staging back: for error paths and prefetches never used (see
-    :func:`paddle_hsdp.comm.collectives.settle`). Returns the failures."""
-    pendings = [p for p in pendings if p is not None]
-    failures = comm.settle(p.handle for p in pendings)
-    for p in pendings:
-        release_staging(p)
-    return failures
-
-
-@dataclass
-class _PendingOuterReduce:
-    handle: comm.Handle
-    send: paddle.Tensor  # the input (kept alive until the wait)
-    out: paddle.Tensor  # this rank's reduced piece
-    acc: paddle.Tensor  # the grad shard it lands in
-
-
-@dataclass
-class _PendingRebuild:
-    handle: comm.Handle
-    send: paddle.Tensor
-    out: paddle.Tensor
-
-
-def _dtype(d):
-    if d is None:
-        return None
-    return paddle.base.framework.convert_np_dtype_to_dtype_(d) if isinstance(d, str) else d
-
-
-def dtypes_of(dtype, mp_policy) -> tuple:
-    """``(gather, reduce, compute)`` dtypes of a buffer of ``dtype`` params under
-    ``mp_policy`` (a ``MixedPrecisionPolicy`` or None); integer buffers ignore it."""
-    floating = dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
-    policy = mp_policy if floating else None
-    gather = _dtype(getattr(policy, "param_dtype", None)) or dtype
-    reduce = _dtype(getattr(policy, "reduce_dtype", None)) or gather
-    return gather, reduce, compute_dtype_of(gather)
-
-
-def _element_size(dtype) -> int:
-    return paddle.zeros([1], dtype=dtype).element_size()
-
-
-def compute_dtype_of(param_dtype):
-    """Paddle's CPU kernels have no bfloat16/float16 matmul: on CPU, parameters gathered
-    in those dtypes are computed in float32 (keeping their rounding)."""
-    param_dtype = _dtype(param_dtype)
-    low = param_dtype in (paddle.bfloat16, paddle.float16)
-    return paddle.float32 if low and paddle.get_device().startswith("cpu") else param_dtype

@@ -51,7 +51,7 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
         out[key] = ShardedWeight(key, local, tuple(size), tuple(place.full_shape),
                                  tuple(offset))
     for buf in rebuild:  # after the views above: a load may write them
-        buf.rebuild_due = True
+        buf.owe_rebuild()
     return out
 
 

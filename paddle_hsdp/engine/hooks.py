@@ -17,11 +17,9 @@
   exist, i.e. after the ops that read its parameters): reduce-scatter and reshard, so a
   ZeRO-3 backward holds about one unit gathered at a time. Units other units borrow
   from (tied params) wait for the end of backward.
-* Grad accumulated (Paddle's post-accumulation hook on each trainable full parameter,
-  :func:`_on_grad_accumulated`): for a unit whose post-backward does not fire (no input
-  requires grad: the root, an embedding unit), a buffer whose every parameter has its
-  grad is reduce-scattered at once; the root's final norm and head (a buffer of their
-  own: unit.buffer_groups) so go right after their backward.
+* Grad accumulated (:mod:`~paddle_hsdp.engine.grad_hooks`): a unit whose post-backward
+  does not fire (the root, an embedding unit) reduce-scatters a buffer as soon as every
+  parameter of it has its grad.
 * End of backward: Paddle 3.3 has no queue-callback, so :func:`install` wraps
   ``core.eager.run_backward`` (what ``Tensor.backward`` and ``paddle.autograd.backward``
   call) and ``run_partial_grad`` (``paddle.grad``). After the engine returns, every
@@ -50,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import weakref
 
@@ -61,10 +58,11 @@ from paddle.base import core
 from ..comm import gather_tags
 from . import master_grad, trace
 from .outer_sync import OuterSyncSchedule
-from . import unit as unit_module
-from .buffer import compute_dtype_of
+from .dtypes import compute_dtype_of
 from .registry import registry
-from .unit import FSDPUnit, FullGradBytes, UnitState, wait_pending_reduces
+from .memory import FullGradBytes
+from .reductions import drop_pending_reduces, wait_pending_reduces
+from .unit import FSDPUnit
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
 # entries; the next unit not contained in any of them is a root and clears them.
@@ -210,74 +208,6 @@ def _reset_backward(unit: FSDPUnit, failed: bool = False) -> None:
     for buf in unit.buffers:
         buf.reduced_early = False
         buf.grads_ready.clear()
-
-
-def watch_grads(unit: FSDPUnit) -> None:
-    """Register :func:`_on_grad_accumulated` on every trainable parameter of ``unit``
-    (once: Paddle 3.3 returns no handle to remove it by)."""
-    for buf in unit.buffers:
-        if buf.trainable:
-            for sp in buf.params:
-                sp.full._register_backward_hook(functools.partial(_on_grad_accumulated, sp))
-
-
-def watch_shard_grads(unit: FSDPUnit) -> None:
-    """Register :func:`_on_shard_grad` on every trainable shard param of ``unit`` (once
-    the unit is sharded)."""
-    for buf in unit.buffers:
-        if buf.trainable:
-            for sp in buf.params:
-                sp.shard.register_hook(functools.partial(_on_shard_grad, sp))
-
-
-@paddle.no_grad()
-def _on_shard_grad(sp, grad):
-    """A grad that reaches a shard param itself, not through its unit's gathered full
-    param: a loss term computed from ``model.parameters()`` while the unit is sharded
-    (``wd * sum((p ** 2).sum() for p in model.parameters())``). The engine adds it,
-    scaled, to the storage its sync reduces (:meth:`FSDPUnit.add_direct_grad`) and
-    hands autograd zeros: after ``clear_grad()`` Paddle would not add a grad into the
-    shard's grad but replace it, and the flat grad storage would miss it."""
-    sp.buffer.owner.add_direct_grad(sp, grad)
-    return paddle.zeros_like(grad)
-
-
-@paddle.no_grad()
-def _on_grad_accumulated(sp, *_) -> None:
-    """Paddle's post-accumulation hook of a full parameter: its grad for this backward
-    is complete (every use of it is accumulated). Used by units whose post-backward
-    does not fire (no input requires grad: the root, an embedding unit): once every
-    parameter of one of their buffers has its grad, that buffer is reduce-scattered at
-    once instead of at the end of backward. The root's final norm and untied head
-    (their own buffer, see unit.buffer_groups) are so reduced right after their
-    backward, while the layers' backward runs; the embedding's buffer at the end.
-
-    Every rank takes this path alike when every rank runs the same units and the
-    parameters such a unit holds get a grad on every rank or on none (the condition of
-    docs/engine.md); ``set_reduce_grads_at_end_of_backward(True)`` turns it off with
-    the per-unit reduction. Owners of tied params a borrower uses still wait for the
-    end of backward; so does every unit when ``requires_gradient_sync`` is False."""
-    buf = sp.buffer
-    unit = buf.owner
-    if (_backward_depth == 0 or buf.reduced_early or unit.reduced_in_backward
-            or unit.pending_calls or unit.borrowed_by
-            or not unit.reduce_grads_in_backward or not unit.requires_gradient_sync
-            or not master_grad.has_full_grad(sp)):
-        return  # its post-backward reduces it, or the end of backward does
-    root = _root_of(unit)
-    if root is None or root not in _roots_in_backward:
-        return
-    buf.grads_ready.add(id(sp))
-    if len(buf.grads_ready) < len(buf.params) or _hook_errors:
-        return
-    try:
-        FullGradBytes.sample(root.units)
-        unit.reduce_buffer_early(buf)
-    except BaseException as e:
-        # Paddle 3.3 does not carry an exception out of this hook (the next node of the
-        # backward fails with an unrelated message): keep it for the end of backward,
-        # which abandons the backward and raises it (_then_post_backward).
-        _hook_errors.append(e)
 
 
 def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
@@ -456,60 +386,6 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
     unit.module.register_forward_post_hook(post_forward)
 
 
-# ---------------------------------------------------------------- direct sub-module calls
-def watch_direct_calls(module, unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
-    """Let ``module`` (a plain sub-module whose slots hold ``unit``'s params) be called
-    on its own while ``unit`` is sharded: ``model.embed_tokens(ids)`` outside the model's
-    forward, ``model.lm_head(h)`` in a generation loop. Without this the call would
-    compute on this rank's shard. The call gathers the unit first (a collective: every
-    rank must make it), wraps the outputs so backward gathers again, and reshards per
-    the unit's policy. Unit modules are covered by their own hooks."""
-    if "_hsdp_unit_" in module.__dict__:
-        return
-    owners = module.__dict__.get("_hsdp_direct_owners")
-    if owners is None:
-        owners = module.__dict__["_hsdp_direct_owners"] = []
-        module.__dict__["_hsdp_direct_stack"] = []
-        module.register_forward_pre_hook(_direct_pre_forward(all_units))
-        module.register_forward_post_hook(_direct_post_forward)
-    if unit not in owners:
-        owners.append(unit)
-
-
-def _direct_pre_forward(all_units):
-    def pre_forward(module, inputs):
-        gathered = [u for u in module.__dict__["_hsdp_direct_owners"]
-                    if u.state is UnitState.SHARDED]
-        module.__dict__["_hsdp_direct_stack"].append(gathered)
-        for u in gathered:
-            if _root_of(u) is None:  # never ran: make the root that ends its backward
-                _make_root_state(_outermost_unit(u, all_units), all_units)
-            u.unshard()
-            u.pins += 1
-    return pre_forward
-
-
-def _direct_post_forward(module, inputs, outputs):
-    gathered = module.__dict__["_hsdp_direct_stack"].pop()
-    grad_on = paddle.is_grad_enabled()
-    for u in gathered:
-        u.pins -= 1
-        if grad_on:
-            outputs = _wrap_tensors(_on_pre_backward, u, outputs)
-        if _backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
-            u.reshard()
-    if gathered and not grad_on and _backward_depth == 0:
-        gather_tags.raise_pending()  # generation: lm_head(h) called alone, no step
-    return outputs
-
-
-def _outermost_unit(unit: FSDPUnit, all_units: list[FSDPUnit]) -> FSDPUnit:
-    for outer in reversed(all_units):  # registered bottom-up: the root comes last
-        if outer is unit or id(unit.module) in _subtree_ids(outer):
-            return outer
-    return unit
-
-
 def abandon_forward(units: list[FSDPUnit]) -> None:
     """After a forward that raised: unpin and reshard ``units`` and the owners they
     borrow from (local work, no collective), so the module slots hold shards again."""
@@ -617,7 +493,7 @@ def _abandon_backward() -> None:
     collectives this backward issued are waited for first (reduce-scatters in flight
     here, prefetched all-gathers in ``reshard``): on a device their buffers must not go
     back to the allocator while the communication stream may still write them."""
-    unit_module.drop_pending_reduces()
+    drop_pending_reduces()
     while _roots_in_backward:
         root = _roots_in_backward.pop(0)
         root.outer_sync.abandon()

@@ -22,7 +22,7 @@ from ..comm import collectives as comm
 from ..comm import watchdog
 from . import offload
 from .registry import managed_param, owning_unit, units_under
-from .unit import FSDPUnit, sync_grads
+from .reductions import sync_grads
 
 
 def _params_of(optimizer) -> list:
@@ -72,7 +72,7 @@ def check_optimizer(optimizer) -> list:
     return shards
 
 
-def _units_of(params) -> list[FSDPUnit]:
+def _units_of(params) -> list:  # of FSDPUnit
     units = {}
     for p in params:
         unit = owning_unit(p._hsdp_sharded_param)
@@ -126,7 +126,7 @@ def unwrap_optimizer(optimizer):
     return optimizer
 
 
-def _units_for(target, what: str) -> list[FSDPUnit]:
+def _units_for(target, what: str) -> list:  # of FSDPUnit
     target = unwrap_optimizer(target)
     if hasattr(target, "_parameter_list"):
         return _units_of(_sharded_params_of(target))

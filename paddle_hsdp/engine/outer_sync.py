@@ -42,6 +42,7 @@ import paddle
 
 from ..comm import collectives as comm
 from .registry import registry
+from .states import GradState
 
 # Tests switch it off to compare with the step-time sync (same numbers, other schedule).
 ENABLED = True
@@ -112,10 +113,7 @@ class OuterSyncSchedule:
                 if buf.trainable and id(buf) not in done:
                     self._issue(buf)
         work, self._work = self._work, []
-        finish_outer_syncs(work)
-        for unit in units:  # the step will not sync them again
-            unit.grads_pending_outer_sync = False
-            unit.grads_synced = True
+        finish_outer_syncs(work)  # synced: the step will not sync them again
 
     def restart_count(self) -> None:
         """Grads were dropped without a step (``clear_grad``): a new count starts."""
@@ -132,7 +130,7 @@ class OuterSyncSchedule:
             if other is buf:
                 del self._work[i]  # finish_outer_sync waits first
                 buf.finish_outer_sync(pending, scale)
-                buf.scale_grads(buf.owner.summed_scale(buf))
+                buf.unsync(buf.owner.summed_scale(buf))
                 return
 
     def abandon(self) -> None:
@@ -143,6 +141,8 @@ class OuterSyncSchedule:
         if self.recording:
             self.order.clear()  # a partial order may differ across ranks
         comm.settle(pending.handle for _, pending, _ in work)
+        for buf, _, _ in work:  # waited, not landed: its grads are still owed a sync
+            buf.reset_grad_state(GradState.REDUCED)
 
     # ------------------------------------------------------------ issuing
     def _issue_ready(self) -> None:

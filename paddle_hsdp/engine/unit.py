@@ -19,101 +19,23 @@ Gradient flow of one optimizer step (k micro-steps):
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections import OrderedDict
 
 import paddle.distributed as dist
 
 from ..comm import arrival
-from ..comm import collectives as comm
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
-from . import master_grad, offload
-from .outer_sync import finish_outer_syncs, schedule_of
-from .buffer import ShardBuffer, settle
+from . import master_grad
+from .outer_sync import schedule_of
+from .buffer import ShardBuffer
+from .pending import settle
+from .memory import GatheredBytes
 from .param import ShardedParam
+from .reductions import in_flight, wait_pending_reduces
 from .registry import registry
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDED = "unsharded"
-
-
-class GatheredBytes:
-    """Full-size parameter bytes (and units) gathered across all units, now and at peak."""
-
-    now = peak = 0
-    units_now = units_peak = 0
-
-    @classmethod
-    def add(cls, nbytes: int, units: int) -> None:
-        cls.now += nbytes
-        cls.units_now += units
-        cls.peak = max(cls.peak, cls.now)
-        cls.units_peak = max(cls.units_peak, cls.units_now)
-
-    @classmethod
-    def reset_peak(cls) -> None:
-        cls.peak, cls.units_peak = cls.now, cls.units_now
-
-
-class FullGradBytes:
-    """The most full-size grad bytes alive at once during backward, sampled at every
-    post-backward and end of backward while tracking is on (:func:`reset_peak_memory`
-    turns it on: the sampling walks every parameter of the root)."""
-
-    tracking = False
-    peak = 0
-
-    @classmethod
-    def sample(cls, units) -> None:
-        if cls.tracking:
-            cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
-
-
-# Reduce-scatters issued and not waited for yet (one unit's, across all units). An
-# entry leaves the list only to be waited for (finish_reduce_scatter waits first), so
-# an error anywhere leaves the rest here for the next wait or for drop_pending_reduces.
-_pending_reduces: list = []
-
-
-def wait_pending_reduces() -> None:
-    """Wait for every reduce-scatter in flight and accumulate its result."""
-    while _pending_reduces:
-        buf, pending = _pending_reduces.pop(0)
-        buf.finish_reduce_scatter(pending)
-        schedule = schedule_of(buf.owner)
-        if schedule is not None:  # its outer sync may start now (engine/outer_sync.py)
-            schedule.reduced(buf)
-
-
-def drop_pending_reduces() -> None:
-    """After a failed backward: wait for the reduce-scatters in flight without using
-    their results (their buffers may not be freed before the collective is done)."""
-    pending, _pending_reduces[:] = list(_pending_reduces), []
-    settle(p for _, p in pending)
-
-
-def sync_grads(units) -> None:
-    """The step boundary for ``units`` (in one global order): their outer all-reduces
-    are issued back to back, then waited for and scaled. If anything raises, every
-    all-reduce already issued is waited for before the error propagates."""
-    for unit in units:  # before any collective: a refusal comes on every rank alike
-        unit.check_outer_sync()
-    work: list = []
-    try:
-        for unit in units:
-            unit.finish_reductions()
-        # offloaded grads: every copy back from the reduce-scatters in, after one wait
-        offload.settle_all(b for unit in units for b in unit.buffers)
-        for unit in units:
-            unit.start_grad_sync(work)
-    except BaseException:
-        comm.settle(pending.handle for _, pending, _ in work)
-        raise
-    finish_outer_syncs(work)
+from .states import GradState, ParamState, expect
 
 
 def expect_everyone_in(units, what: str) -> None:
@@ -143,7 +65,7 @@ class FSDPUnit:
         self.buffers: list[ShardBuffer] = []
         self.borrowed: list[FSDPUnit] = []  # owners of tied params this unit's modules use
         self.borrowed_by: list[FSDPUnit] = []
-        self.state = UnitState.UNSHARDED
+        self.state = ParamState.UNSHARDED
         self.pins = 0  # a borrower's forward is using our params: do not reshard
         self.is_root = False
         self.root_state = None  # hooks.RootState, when this unit ran as a root
@@ -172,8 +94,7 @@ class FSDPUnit:
         # early, reductions waited late); False: every collective synchronous.
         self.overlap = True
         self._pending_gather = None  # a prefetch's issued all-gathers
-        self.grads_pending_outer_sync = False
-        self.grads_synced = False  # shard grads hold this step's synced, scaled values
+        # the step's grad shards: each buffer's GradState (engine/states.py)
 
     # -------------------------------------------------------------- construction
     def build_buffers(self, placements: dict | None = None) -> None:
@@ -232,7 +153,7 @@ class FSDPUnit:
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
-        self.state = UnitState.SHARDED
+        self.state = ParamState.SHARDED
 
     # -------------------------------------------------------------- transitions
     def check_params(self) -> None:
@@ -256,7 +177,7 @@ class FSDPUnit:
         """Issue this unit's all-gathers without waiting (asynchronous with overlap on:
         on NCCL they run on the communication stream while the caller computes);
         :meth:`unshard` waits for them."""
-        if self.state is UnitState.SHARDED and self._pending_gather is None:
+        if self.state is ParamState.SHARDED:
             pending = []
             try:
                 for buf in self.buffers:
@@ -265,13 +186,15 @@ class FSDPUnit:
                 settle(pending)  # in flight land first
                 raise
             self._pending_gather = pending
+            self.state = ParamState.GATHERING
             # the gathered storage exists from the issue on: count it from there
             GatheredBytes.add(self.gathered_nbytes(), 1)
 
     def unshard(self) -> None:
-        if self.state is UnitState.UNSHARDED:
+        if self.state is ParamState.UNSHARDED:
             return
         self.prefetch()
+        expect(self.state, (ParamState.GATHERING,), "unshard", self.label)
         pending, self._pending_gather = self._pending_gather, None
         try:
             for i, buf in enumerate(self.buffers):
@@ -285,26 +208,28 @@ class FSDPUnit:
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
             GatheredBytes.add(-self.gathered_nbytes(), -1)
+            self.state = ParamState.SHARDED
             raise
         for sp in self.params:
             sp.point_users_to(sp.full)
-        self.state = UnitState.UNSHARDED
+        self.state = ParamState.UNSHARDED
 
     def reshard(self, force: bool = False) -> None:
         if self.pins > 0 and not force:
             return
-        if self._pending_gather is not None:  # prefetched, never used: let it land
+        if self.state is ParamState.GATHERING:  # prefetched, never used: let it land
             pending, self._pending_gather = self._pending_gather, None
             GatheredBytes.add(-self.gathered_nbytes(), -1)
+            self.state = ParamState.SHARDED
             failures = settle(pending)
             if failures:
                 raise failures[0]
-        if self.state is UnitState.SHARDED:
+        if self.state is ParamState.SHARDED:
             return
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
-        self.state = UnitState.SHARDED
+        self.state = ParamState.SHARDED
         GatheredBytes.add(-self.gathered_nbytes(), -1)
 
     @property
@@ -344,10 +269,9 @@ class FSDPUnit:
         self.expect_more_grads(trainable)
         wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
-            _pending_reduces.append((buf, buf.start_reduce_scatter(async_op=self.overlap)))
+            in_flight.append((buf, buf.start_reduce_scatter(async_op=self.overlap)))
         if buffers is None:
             self.full_grads_pending = False
-        self.grads_pending_outer_sync = self.grads_pending_outer_sync or bool(trainable)
 
     def expect_more_grads(self, buffers: list[ShardBuffer]) -> None:
         """More grads are about to reach ``buffers``' shard grads: an outer sync
@@ -361,11 +285,9 @@ class FSDPUnit:
         if schedule is not None:
             for buf in buffers:
                 schedule.reopen(buf)
-        if self.grads_synced:
-            for buf in self.buffers:
-                if buf.trainable:
-                    buf.scale_grads(self.summed_scale(buf))
-            self.grads_synced = False
+        for buf in self.buffers:  # the unit was synced whole: every trainable buffer
+            if buf.trainable and buf.grad_state is GradState.SYNCED:
+                buf.unsync(self.summed_scale(buf))
 
     def summed_scale(self, buf: ShardBuffer) -> float:
         """What a synced grad of ``buf`` is multiplied by to be in summed form again
@@ -383,11 +305,10 @@ class FSDPUnit:
         self.expect_more_grads([buf])
         buf.add_to_grad(sp, grad * self.summed_scale(buf))
         sp.grad_here = True
-        self.grads_pending_outer_sync = True
 
     def reduce_buffer_early(self, buf: ShardBuffer) -> None:
         """Reduce-scatter one buffer whose parameters all have this backward's grads
-        (:func:`paddle_hsdp.engine.hooks._on_grad_accumulated`), before the end of
+        (:func:`paddle_hsdp.engine.grad_hooks._on_grad_accumulated`), before the end of
         backward; :meth:`reduce_rest` takes the others there."""
         self.reduce_scatter_grads([buf])
         buf.reduced_early = True
@@ -412,13 +333,25 @@ class FSDPUnit:
             if buf.host is not None:
                 buf.host.drop()  # offloaded grads still on their way: not added now
         self.full_grads_pending = False
-        self.grads_pending_outer_sync = False
-        self.grads_synced = False
         for buf in self.buffers:
             buf.drop_grad_pieces()
+            buf.reset_grad_state(GradState.EMPTY)
         schedule = schedule_of(self)
         if schedule is not None:
             schedule.restart_count()
+
+    @property
+    def grads_pending_outer_sync(self) -> bool:
+        """A trainable buffer holds (or is receiving) inner-reduced grads not synced
+        across the replicas yet."""
+        return any(b.trainable and b.grad_state in (GradState.REDUCING, GradState.REDUCED)
+                   for b in self.buffers)
+
+    @property
+    def grads_synced(self) -> bool:
+        """The shard grads hold (or are receiving) this step's synced, scaled values."""
+        return any(b.trainable and b.grad_state in (GradState.SYNCING, GradState.SYNCED)
+                   for b in self.buffers)
 
     def divisor(self, buf) -> float:
         """What the step's summed grads of ``buf`` are divided by: the data-parallel
@@ -451,9 +384,7 @@ class FSDPUnit:
                 work.append((buf, buf.start_outer_sync(async_op=self.overlap),
                              1.0 / self.divisor(buf)))
             else:
-                buf.scale_grads(buf.outer.nranks / self.divisor(buf))
-        self.grads_pending_outer_sync = False
-        self.grads_synced = True
+                buf.sync_locally(buf.outer.nranks / self.divisor(buf))
 
     def check_outer_sync(self) -> None:
         """With outer sub-shards each replica's optimizer holds only its piece of the
@@ -542,7 +473,7 @@ def buffer_groups(params: list[ShardedParam], placements: dict) -> "OrderedDict"
     (``ShardedParam.segment``). A unit without sharded sub-modules has one stretch; a
     root's embedding (before the layers) and its final norm and head (after them) get
     buffers of their own, so the head's grads can be reduced as soon as the head's
-    backward is done (hooks._on_grad_accumulated) instead of waiting for the
+    backward is done (grad_hooks._on_grad_accumulated) instead of waiting for the
     embedding's at the end of backward."""
     groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
     for sp in params:

@@ -43,7 +43,7 @@ from ..comm import watchdog
 from ..engine import offload
 from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
 from ..engine.registry import managed_param
-from ..engine.unit import sync_grads
+from ..engine.reductions import sync_grads
 from ..hints import expect_optimizer
 from .patching import replace
 

@@ -44,7 +44,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 import paddle_hsdp
-from paddle_hsdp.engine.unit import GatheredBytes
+from paddle_hsdp.engine.memory import GatheredBytes
 from models import (HIDDEN, VOCAB, TinyLM, batches, decay_filter, lm_loss, shard_tinylm)
 
 parity.set_dtype("float64")

@@ -1,0 +1,65 @@
+"""Plain sub-modules called on their own while their unit is sharded
+(``model.embed_tokens(ids)`` outside the model's forward, ``model.lm_head(h)`` in a
+generation loop): the call gathers the unit first, so it never computes on a shard."""
+
+from __future__ import annotations
+
+import paddle
+
+from ..comm import gather_tags
+from . import hooks
+from .states import ParamState
+from .unit import FSDPUnit
+
+
+def watch_direct_calls(module, unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
+    """Let ``module`` (a plain sub-module whose slots hold ``unit``'s params) be called
+    on its own while ``unit`` is sharded: ``model.embed_tokens(ids)`` outside the model's
+    forward, ``model.lm_head(h)`` in a generation loop. Without this the call would
+    compute on this rank's shard. The call gathers the unit first (a collective: every
+    rank must make it), wraps the outputs so backward gathers again, and reshards per
+    the unit's policy. Unit modules are covered by their own hooks."""
+    if "_hsdp_unit_" in module.__dict__:
+        return
+    owners = module.__dict__.get("_hsdp_direct_owners")
+    if owners is None:
+        owners = module.__dict__["_hsdp_direct_owners"] = []
+        module.__dict__["_hsdp_direct_stack"] = []
+        module.register_forward_pre_hook(_direct_pre_forward(all_units))
+        module.register_forward_post_hook(_direct_post_forward)
+    if unit not in owners:
+        owners.append(unit)
+
+
+def _direct_pre_forward(all_units):
+    def pre_forward(module, inputs):
+        gathered = [u for u in module.__dict__["_hsdp_direct_owners"]
+                    if u.state is not ParamState.UNSHARDED]
+        module.__dict__["_hsdp_direct_stack"].append(gathered)
+        for u in gathered:
+            if hooks._root_of(u) is None:  # never ran: make the root that ends its backward
+                hooks._make_root_state(_outermost_unit(u, all_units), all_units)
+            u.unshard()
+            u.pins += 1
+    return pre_forward
+
+
+def _direct_post_forward(module, inputs, outputs):
+    gathered = module.__dict__["_hsdp_direct_stack"].pop()
+    grad_on = paddle.is_grad_enabled()
+    for u in gathered:
+        u.pins -= 1
+        if grad_on:
+            outputs = hooks._wrap_tensors(hooks._on_pre_backward, u, outputs)
+        if hooks._backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
+            u.reshard()
+    if gathered and not grad_on and hooks._backward_depth == 0:
+        gather_tags.raise_pending()  # generation: lm_head(h) called alone, no step
+    return outputs
+
+
+def _outermost_unit(unit: FSDPUnit, all_units: list[FSDPUnit]) -> FSDPUnit:
+    for outer in reversed(all_units):  # registered bottom-up: the root comes last
+        if outer is unit or id(unit.module) in hooks._subtree_ids(outer):
+            return outer
+    return unit

@@ -1,0 +1,77 @@
+"""What the engine holds, for ``memory_report``: the full-size parameter bytes gathered
+across units (now and at peak), the peak of full-size grads during backward, and the
+report itself (the same figures at every engine event:
+``paddle_hsdp.engine.trace.enable(memory=True)``)."""
+
+from __future__ import annotations
+
+from ..hints import expect_layer
+from . import staging
+from .optimizers import optimizer_state_bytes
+from .registry import units_under
+
+
+class GatheredBytes:
+    """Full-size parameter bytes (and units) gathered across all units, now and at peak."""
+
+    now = peak = 0
+    units_now = units_peak = 0
+
+    @classmethod
+    def add(cls, nbytes: int, units: int) -> None:
+        cls.now += nbytes
+        cls.units_now += units
+        cls.peak = max(cls.peak, cls.now)
+        cls.units_peak = max(cls.units_peak, cls.units_now)
+
+    @classmethod
+    def reset_peak(cls) -> None:
+        cls.peak, cls.units_peak = cls.now, cls.units_now
+
+
+class FullGradBytes:
+    """The most full-size grad bytes alive at once during backward, sampled at every
+    post-backward and end of backward while tracking is on (:func:`reset_peak_memory`
+    turns it on: the sampling walks every parameter of the root)."""
+
+    tracking = False
+    peak = 0
+
+    @classmethod
+    def sample(cls, units) -> None:
+        if cls.tracking:
+            cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
+
+
+def memory_report(model, optimizer=None) -> dict[str, int]:
+    """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
+    ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
+    ``staging``: what the collectives' staging pool holds (all models; see
+    engine/staging.py); ``peak_gathered`` / ``peak_gathered_units``: the most
+    full-size param bytes and units gathered at once (all models), and
+    ``peak_full_grads``: the most full-size grad bytes alive at a post-backward, an
+    early reduction or end of backward, since :func:`reset_peak_memory`. With
+    ``optimizer``: ``optimizer``, the bytes of its states (accumulators, master
+    weights) for the model's shards on this rank (with ``fsdp_outer_sharding="optim"``
+    1/O of HSDP's). The same figures at every engine event:
+    ``paddle_hsdp.engine.trace.enable(memory=True)``."""
+    expect_layer(model, "memory_report")
+    total = {"shard": 0, "grad": 0, "gathered": 0}
+    units = units_under(model)
+    for unit in units:
+        for key, value in unit.held_bytes().items():
+            total[key] += value
+    total["staging"] = staging.pool.held_bytes
+    total["peak_gathered"] = GatheredBytes.peak
+    total["peak_gathered_units"] = GatheredBytes.units_peak
+    total["peak_full_grads"] = FullGradBytes.peak
+    if optimizer is not None:
+        total["optimizer"] = optimizer_state_bytes(optimizer, units)
+    return total
+
+
+def reset_peak_memory() -> None:
+    """Restart the peaks ``memory_report`` gives; also turns on the sampling of
+    full-size grad bytes during backward (``peak_full_grads``)."""
+    GatheredBytes.reset_peak()
+    FullGradBytes.tracking, FullGradBytes.peak = True, 0

@@ -1,0 +1,263 @@
+"""The outer half of a buffer's step: the outer sync of the grad shard, and with outer
+sub-shards (``fsdp_outer_sharding="optim"``, HFSDP) the pieces each replica's optimizer
+sees and the rebuild of the shard from them. :class:`OuterPieces` is a part of
+:class:`~paddle_hsdp.engine.buffer.ShardBuffer` (a mixin: the buffer's storage, groups
+and dtypes are its own).
+
+[Note: edits under outer sub-shards] A shard parameter is this rank's piece only, so an
+in-place change of ``model.parameters()`` outside the optimizer (weight clipping, a
+re-initialisation, an EMA swap, ``set_value``) changes one piece of the flat shard;
+the others are other replicas' pieces, which their own ranks changed. The rebuild is
+therefore not issued at the step but owed (``RebuildState.OWED``) and issued at the next
+root forward (or the next read of the shard), so edits made in between travel with
+it; and an edit made after that (between two forwards of one step) is detected at the
+next root forward or read (the shard's inplace version, new storage, or a
+``set_value`` / ``copy_`` call: patches/shard_edits.py) and makes one owed again.
+Every rank must make the same edits, as with any call that leads to a collective.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from ..comm import collectives as comm
+from . import trace
+from .pending import PendingOuterReduce, PendingRebuild, PendingReduce
+from .registry import registry
+from .states import GradState, RebuildState, expect
+
+
+class OuterPieces:
+    """The outer sync and the outer sub-shards of a :class:`ShardBuffer`."""
+
+    def start_outer_sync(self, async_op: bool = False, on_thread: bool = False):
+        """The step's one outer collective of the grad shard: the all-reduce, or with
+        outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`). ``on_thread``:
+        on gloo, on the communication thread (engine/outer_sync.py)."""
+        expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "start_outer_sync",
+               self.describe)
+        pending = (self.start_outer_reduce(async_op, on_thread) if self.parts > 1 else
+                   self.start_all_reduce(async_op, on_thread))
+        self.grad_state = GradState.SYNCING
+        return pending
+
+    def start_all_reduce(self, async_op: bool = False, on_thread: bool = False
+                         ) -> "PendingReduce":
+        """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
+        device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
+        are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
+        Under MixPrecisionLayer it reduces the main grads."""
+        flat = self.acc_flat()
+        # offloaded: a device copy to reduce (none for one replica: nothing to reduce)
+        moves = self.host is not None and self.outer.nranks > 1
+        target = self.host.upload(flat) if moves else flat
+        dtype = self.grad_reduce_dtype()
+        if dtype != flat.dtype and self.outer.nranks > 1:
+            target = target.astype(dtype)
+        trace.record("issue", "all_reduce", self.unit_index)
+        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe,
+                                 on_thread=on_thread)
+        if not async_op:
+            handle.wait()
+        return PendingReduce(handle, target, flat)
+
+    def finish_all_reduce(self, pending: "PendingReduce", scale: float) -> None:
+        pending.handle.wait()
+        trace.record("wait", "all_reduce", self.unit_index)
+        trace.record_span("all_reduce", self.unit_index, pending.handle.span())
+        flat = pending.out
+        if pending.grid is flat:
+            with self.on_host():
+                flat.scale_(scale)
+            return
+        reduced = pending.grid  # a reduce_dtype or offloaded copy comes back
+        if reduced.dtype != flat.dtype:
+            reduced = reduced.astype(flat.dtype)
+        reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
+        if self.host is not None:
+            self.host.download(reduced, into=flat, add=False)
+        else:
+            paddle.assign(reduced, output=flat)
+
+    def scale_grads(self, scale: float) -> None:
+        """Scale the grad shard (or main grads) in place, without an outer all-reduce."""
+        flat = self.acc_flat()
+        with self.on_host():
+            flat.scale_(scale)
+
+    def finish_outer_sync(self, pending, scale: float) -> None:
+        expect(self.grad_state, (GradState.SYNCING,), "finish_outer_sync", self.describe)
+        if isinstance(pending, PendingOuterReduce):
+            self.finish_outer_reduce(pending, scale)
+        else:
+            self.finish_all_reduce(pending, scale)
+        self.grad_state = GradState.SYNCED
+
+    def sync_locally(self, scale: float) -> None:
+        """``set_requires_all_reduce(False)``: no outer collective; the grad shard,
+        scaled, is this replica's step."""
+        expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "sync_locally",
+               self.describe)
+        self.scale_grads(scale)
+        self.grad_state = GradState.SYNCED
+
+    def unsync(self, scale: float) -> None:
+        """More grads are coming after the sync: bring the synced grad shard back to
+        its summed form (``scale``: :meth:`FSDPUnit.summed_scale`), so the next sync's
+        outer sum and 1 / N leave it unchanged."""
+        expect(self.grad_state, (GradState.SYNCED,), "unsync", self.describe)
+        self.scale_grads(scale)
+        self.grad_state = GradState.REDUCED
+
+    def reset_grad_state(self, state: GradState) -> None:
+        """Error paths and ``clear_grad``: the collectives in flight were waited for
+        (or none was) and the grad shard is taken to be in ``state``."""
+        self.grad_state = state
+
+    def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
+                           ) -> "PendingOuterReduce":
+        """Issue the outer reduce-scatter of the accumulated grad shard (or main grads)
+        in ``reduce_dtype``: the first half of an all-reduce, the same bytes across
+        machines; this rank receives the sum of its piece."""
+        acc = self.acc_flat()
+        send = self.host.upload(acc) if self.host is not None else acc  # offloaded: a copy
+        dtype = self.grad_reduce_dtype()
+        if dtype != acc.dtype:
+            send = send.astype(dtype)
+        out = paddle.empty([self.piece_numel], dtype=dtype)
+        trace.record("issue", "outer_reduce_scatter", self.unit_index)
+        # send is scratch on gloo (its other pieces are overwritten): they are zeroed
+        # when the result lands, as the piece model needs anyway
+        handle = comm.reduce_scatter(out, send, self.outer, async_op=True, what=self.describe,
+                                     on_thread=on_thread)
+        if not async_op:
+            handle.wait()
+        return PendingOuterReduce(handle, send, out, acc)
+
+    def finish_outer_reduce(self, pending: "PendingOuterReduce", scale: float) -> None:
+        """Wait for :meth:`start_outer_reduce`; this rank's piece of the grad shard
+        becomes the scaled sum, every other piece zero (what the optimizer does not see
+        must not carry into the next step's accumulation)."""
+        pending.handle.wait()
+        trace.record("wait", "outer_reduce_scatter", self.unit_index)
+        trace.record_span("outer_reduce_scatter", self.unit_index, pending.handle.span())
+        acc, reduced = pending.acc, pending.out
+        if reduced.dtype != acc.dtype:
+            reduced = reduced.astype(acc.dtype)
+        reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
+        if self.host is not None:  # assigned on the host when the copy is in
+            self.host.download(reduced, into=self.piece(acc, self.part), add=False)
+        else:
+            paddle.assign(reduced, output=self.piece(acc, self.part))
+        self.zero_other_pieces(acc)
+        self.grads_scattered = True
+
+    def piece(self, flat, q: int) -> paddle.Tensor:
+        """Piece ``q`` of a flat shard-layout tensor (a view)."""
+        return flat[q * self.piece_numel:(q + 1) * self.piece_numel]
+
+    def zero_other_pieces(self, flat) -> None:
+        with self.on_host():
+            for q in range(self.parts):
+                if q != self.part:
+                    piece = self.piece(flat, q)
+                    paddle.assign(paddle.zeros_like(piece), output=piece)
+
+    def drop_grad_pieces(self) -> None:
+        """After ``clear_grad`` (the unit dropped pending downloads first): zero the grad
+        pieces the optimizer does not see (its own it zeroed or released), so a skipped
+        batch leaves nothing behind."""
+        if self.parts == 1:
+            return
+        for flat in (self.flat_grad, self.flat_main_grad):
+            if flat is not None:
+                self.zero_other_pieces(flat)
+        self.grads_scattered = False
+
+    def _outer_gather(self, flat, what: str) -> paddle.Tensor:
+        """Every rank's piece of ``flat`` gathered over the outer group (synchronous):
+        a new tensor in shard layout, where ``flat`` lives (offloaded: the host)."""
+        mine = self.piece(flat, self.part)
+        send = self.host.upload(mine) if self.host is not None else mine.clone()
+        out = paddle.empty([self.shard_numel], dtype=flat.dtype)
+        comm.all_gather_into(out, send, self.outer, what=lambda: f"{self.describe()}: {what}")
+        return self.host.keep(out) if self.host is not None else out
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether this buffer has outer sub-shards to rebuild (trainable, parts > 1)."""
+        return self.parts > 1 and self.trainable
+
+    def owe_rebuild(self) -> None:
+        """The optimizer updated this rank's piece: the rebuild is owed, issued at the
+        next root forward or read ([Note: edits under outer sub-shards])."""
+        if self.rebuilds:
+            self._mark_owed()
+
+    def _mark_owed(self) -> None:
+        self.finish_rebuild()  # one in flight lands first: it must not overwrite what follows
+        self.rebuild_state = RebuildState.OWED
+
+    def check_edits(self) -> None:
+        """Whether a shard param changed since the last rebuild was issued (its
+        inplace version, new storage, ``set_value`` / ``copy_``): if so a rebuild is
+        owed. Once per ``registry.storage_epoch``; local, no collective."""
+        if not self.rebuilds or self._edits_epoch == registry.storage_epoch:
+            return
+        self._edits_epoch = registry.storage_epoch
+        self._repair_views()  # new storage is copied into the flat shard here
+        if self.edited or [sp.shard._inplace_version() for sp in self.params] != self._versions:
+            self._mark_owed()
+
+    def start_owed_rebuild(self, async_op: bool = False) -> None:
+        """Issue the rebuild if one is owed (the root forward's start: every rank
+        alike)."""
+        self.finish_rebuild()
+        self.check_edits()
+        if self.rebuild_state is RebuildState.OWED:
+            self.start_rebuild(async_op)
+
+    def start_rebuild(self, async_op: bool = False) -> None:
+        """Issue the outer all-gather of every replica's piece into the flat shard (in
+        the parameters' own dtype, so every replica holds the same exact values). The
+        next read of :attr:`flat` waits for it; the next forward's first all-gather of
+        the unit reads it."""
+        if not self.rebuilds:
+            return
+        self.finish_rebuild()  # one in flight per buffer
+        expect(self.rebuild_state, (RebuildState.CURRENT, RebuildState.OWED), "start_rebuild",
+               self.describe)
+        self._repair_views()
+        flat = self._flat
+        mine = self.piece(flat, self.part)
+        # offloaded: a device copy out, the gathered pieces copied back in at the wait
+        send = self.host.upload(mine) if self.host is not None else mine.clone()
+        out = (paddle.empty([self.shard_numel], dtype=self.dtype) if self.host is not None
+               else flat[0:self.shard_numel])
+        trace.record("issue", "outer_all_gather", self.unit_index)
+        handle = comm.all_gather_into(out, send, self.outer, async_op=True,
+                                      what=self.describe)
+        self._rebuild = PendingRebuild(handle, send, out)
+        self.rebuild_state = RebuildState.REBUILDING
+        self.edited = False
+        self._versions = [sp.shard._inplace_version() for sp in self.params]
+        if not async_op:
+            self.finish_rebuild()
+
+    def finish_rebuild(self) -> None:
+        if self.rebuild_state is not RebuildState.REBUILDING:
+            return
+        pending, self._rebuild = self._rebuild, None
+        self.rebuild_state = RebuildState.CURRENT  # waited for, even if the wait raises
+        pending.handle.wait()
+        trace.record("wait", "outer_all_gather", self.unit_index)
+        if self.host is not None:
+            gathered = self.host.keep(pending.out)
+            with self.on_host():
+                paddle.assign(gathered, output=self._flat[0:self.shard_numel])
+
+    def ensure_rebuilt(self) -> None:
+        """Finish a rebuild in flight, or run one that is owed (edits included: a
+        collective, so only from calls every rank makes alike: gathers, checkpoints)."""
+        self.start_owed_rebuild()
+        self.finish_rebuild()

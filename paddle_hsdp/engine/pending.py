@@ -1,0 +1,67 @@
+"""Collectives a buffer issued and has not waited for yet: what each keeps alive until
+its wait, and the staging tensors it gives back to the pool after it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import paddle
+
+from ..comm import collectives as comm
+from . import staging
+
+
+@dataclass
+class PendingGather:
+    handle: comm.Handle
+    send: paddle.Tensor
+    out: paddle.Tensor
+    tag: paddle.Tensor | None
+    compute: bool
+    staged: tuple = ()  # from the staging pool: given back once, after the wait
+
+
+@dataclass
+class PendingReduce:
+    handle: comm.Handle
+    grid: paddle.Tensor  # the input (kept alive until the wait)
+    out: paddle.Tensor
+    staged: tuple = ()
+    present: tuple = ()  # per param: whether this rank had a grad for it (reduce-scatter)
+
+
+def release_staging(pending) -> None:
+    """Give a waited collective's staging tensors back to the pool (once)."""
+    staged, pending.staged = pending.staged, ()
+    give_back(staged)
+
+
+def give_back(staged) -> None:
+    for t in staged:
+        staging.pool.give(t)
+
+
+def settle(pendings) -> list[Exception]:
+    """Wait for every pending collective (None skipped) even when some fail, then give
+    their staging back: for error paths and prefetches never used (see
+    :func:`paddle_hsdp.comm.collectives.settle`). Returns the failures."""
+    pendings = [p for p in pendings if p is not None]
+    failures = comm.settle(p.handle for p in pendings)
+    for p in pendings:
+        release_staging(p)
+    return failures
+
+
+@dataclass
+class PendingOuterReduce:
+    handle: comm.Handle
+    send: paddle.Tensor  # the input (kept alive until the wait)
+    out: paddle.Tensor  # this rank's reduced piece
+    acc: paddle.Tensor  # the grad shard it lands in
+
+
+@dataclass
+class PendingRebuild:
+    handle: comm.Handle
+    send: paddle.Tensor
+    out: paddle.Tensor

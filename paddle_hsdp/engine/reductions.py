@@ -1,0 +1,56 @@
+"""Gradient reductions across units: the reduce-scatters in flight (one unit's while the
+next unit's backward computes) and the step boundary's outer syncs."""
+
+from __future__ import annotations
+
+from ..comm import collectives as comm
+from . import offload
+from .outer_sync import finish_outer_syncs, schedule_of
+from .pending import settle
+from .states import GradState
+
+# Reduce-scatters issued and not waited for yet (one unit's, across all units). An
+# entry leaves the list only to be waited for (finish_reduce_scatter waits first), so
+# an error anywhere leaves the rest here for the next wait or for drop_pending_reduces.
+in_flight: list = []
+
+
+def wait_pending_reduces() -> None:
+    """Wait for every reduce-scatter in flight and accumulate its result."""
+    while in_flight:
+        buf, pending = in_flight.pop(0)
+        buf.finish_reduce_scatter(pending)
+        schedule = schedule_of(buf.owner)
+        if schedule is not None:  # its outer sync may start now (engine/outer_sync.py)
+            schedule.reduced(buf)
+
+
+def drop_pending_reduces() -> None:
+    """After a failed backward: wait for the reduce-scatters in flight without using
+    their results (their buffers may not be freed before the collective is done)."""
+    pending, in_flight[:] = list(in_flight), []
+    settle(p for _, p in pending)
+    for buf, _ in pending:
+        buf.abandon_reduce()
+
+
+def sync_grads(units) -> None:
+    """The step boundary for ``units`` (in one global order): their outer all-reduces
+    are issued back to back, then waited for and scaled. If anything raises, every
+    all-reduce already issued is waited for before the error propagates."""
+    for unit in units:  # before any collective: a refusal comes on every rank alike
+        unit.check_outer_sync()
+    work: list = []
+    try:
+        for unit in units:
+            unit.finish_reductions()
+        # offloaded grads: every copy back from the reduce-scatters in, after one wait
+        offload.settle_all(b for unit in units for b in unit.buffers)
+        for unit in units:
+            unit.start_grad_sync(work)
+    except BaseException:
+        comm.settle(pending.handle for _, pending, _ in work)
+        for buf, _, _ in work:  # waited, not landed: taken as synced, as before the wait
+            buf.reset_grad_state(GradState.SYNCED)
+        raise
+    finish_outer_syncs(work)
