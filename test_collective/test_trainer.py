@@ -96,11 +96,12 @@ def test_expert_parallel_run_matches_resumes_and_loads_in_one_process(trainer_lo
     (PaddleFormers' MoE models need paddlefleet, which does not build on CPU): fleet's
     expert groups under HSDP (dense 2 x 2, experts 1 x 2, one outer group for both);
     per-step loss, pre-clip norm, eval loss and final parameters against the one-process
-    Trainer holding every expert; resumed bit for bit in the same layout and within the
-    bounds in one process."""
+    Trainer holding every expert, also with fsdp_outer_sharding "optim" (HFSDP); resumed
+    bit for bit in the same layout and within the bounds in one process."""
     log = part_of(paddleformers_4_log, "worker_trainer_ep.py")
     assert "TRAINER_EP_HCG (2, 2, 2, 1, 2)" in log and "TRAINER_EP_DONE" in log, log[-3000:]
     _, checks = trainer_logs
-    for line in ("TRAINER_MATCHES ep_base\n", "TRAINER_RESUME_BIT_EXACT ep",
+    for line in ("TRAINER_MATCHES ep_base\n", "TRAINER_MATCHES ep_optim\n",
+                 "TRAINER_RESUME_BIT_EXACT ep",
                  "TRAINER_MATCHES resume_ep_one_process\n"):
         assert line in checks, checks[-3000:]

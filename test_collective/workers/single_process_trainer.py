@@ -14,7 +14,8 @@ them (issue 18). argv: the work folder worker_trainer.py wrote into.
   state dict, exactly; the same for a model with untied embeddings;
 * worker_trainer_ep.py's runs (issue 34): ``ep_base`` (expert parallel 2, dense 2 x 2,
   experts 1 x 2) against the one-process Trainer on the same MoE model holding every
-  expert, as above (its final parameters joined from both expert sets); ``ep_resume``
+  expert, as above (its final parameters joined from both expert sets), and the same
+  with ``fsdp_outer_sharding="optim"`` (``ep_optim``); ``ep_resume``
   equals its steps 4-6 bit for bit; its step-3 checkpoint resumed here in one process
   (HSDPTrainer, every expert local) within the bounds;
 * worker_trainer_3d.py's runs (issue 34): ``tp_base`` (mp2 x sharding2) and ``pp_base``
@@ -226,6 +227,7 @@ ref_ep = {"losses": recorder.losses, "norms": recorder.norms,
           "eval_loss": trainer.evaluate()["eval_loss"]}
 ep_base = dict(load_run_record("ep_base"), params=ep_params("ep_base"))
 compare("ep_base", ep_base, ref_ep)
+compare("ep_optim", dict(load_run_record("ep_optim"), params=ep_params("ep_optim")), ref_ep)
 assert_resumed_bit_exact("ep", dict(load_run_record("ep_resume"),
                                    params=ep_params("ep_resume")), ep_base)
 # the expert-parallel checkpoint in one process, every expert local (plain HSDP)

@@ -10,7 +10,9 @@ argv: the work folder. Runs, each recorded for single_process_trainer.py:
   checkpoint at step 3, then evaluating; the final parameters are written per expert
   set (``ep_base_params_ep<k>.npz`` from the first rank of set k: the dense params and
   that set's experts under their global names);
-* ``ep_resume``: from ``ep_base/checkpoint-3`` in the same layout (bit for bit).
+* ``ep_resume``: from ``ep_base/checkpoint-3`` in the same layout (bit for bit);
+* ``ep_optim``: ``ep_base`` with ``fsdp_outer_sharding="optim"`` (HFSDP: the dense and
+  the expert optimizer state each cut across their outer group).
 """
 
 import os
@@ -28,6 +30,7 @@ from paddle.distributed.parallel import parallel_helper
 import trainer_common as tc
 from common import finish
 from trainer_moe import CLIP, EP, MoEData, MoELM
+from paddle_hsdp.engine.registry import units_under
 from paddle_hsdp.integrations.paddleformers import HSDPTrainer, HSDPTrainingArguments
 
 work = sys.argv[1]
@@ -35,19 +38,20 @@ rank, world = dist.get_rank(), dist.get_world_size()
 PER_DEVICE = 2
 
 
-def arguments(run: str, **extra):
+def arguments(run: str, outer_sharding: str = "none", **extra):
     paddle.set_default_dtype(tc.DTYPE)
     return HSDPTrainingArguments(**tc.common_args(os.path.join(work, run), PER_DEVICE,
                                                   dataloader_shuffle=False,
                                                   max_grad_norm=CLIP, **extra),
-                                 fsdp_outer_degree=2, expert_model_parallel_size=EP)
+                                 fsdp_outer_degree=2, expert_model_parallel_size=EP,
+                                 fsdp_outer_sharding=outer_sharding)
 
 
-def run(name: str, resume=None, **extra):
+def run(name: str, resume=None, outer_sharding="none", **extra):
     # as a job of its own: forget the launch's earlier fleet
     fleet_topology._HYBRID_PARALLEL_GROUP = None
     parallel_helper.__parallel_ctx__clz__ = None
-    args = arguments(name, **extra)
+    args = arguments(name, outer_sharding, **extra)
     hcg = fleet.get_hybrid_communicate_group()
     ep_rank = hcg.get_expert_parallel_rank()
     assert ep_rank == rank % EP, (rank, ep_rank)  # what MoEData's expert sets assume
@@ -61,6 +65,10 @@ def run(name: str, resume=None, **extra):
                           train_dataset=MoEData(tc.SAMPLES, 1, world),
                           eval_dataset=MoEData(16, 2, world)
                           if resume is None else None)
+    cut = {(b.is_expert, b.parts) for u in units_under(trainer.model) for b in u.buffers
+           if b.trainable}
+    assert cut == {(False, 1 if outer_sharding == "none" else 2),
+                   (True, 1 if outer_sharding == "none" else 2)}, cut  # HFSDP: both cut
     recorder = tc.Recorder(norm_after=lambda: paddle_hsdp.last_global_norm(trainer.optimizer))
     trainer.add_callback(recorder)
     trainer.train(resume_from_checkpoint=resume)
@@ -85,6 +93,7 @@ def run(name: str, resume=None, **extra):
 
 run("ep_base", save_strategy="steps", save_steps=3)
 run("ep_resume", resume=os.path.join(work, "ep_base", "checkpoint-3"))
+run("ep_optim", outer_sharding="optim")  # HFSDP: dense and expert optimizer state cut over outer
 paddle.set_default_dtype("float32")
 print("TRAINER_EP_DONE", flush=True)
 finish()
