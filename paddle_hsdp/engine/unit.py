@@ -10,8 +10,9 @@ Gradient flow of one optimizer step (k micro-steps):
 * when a unit's backward is done (its post-backward; else at the end of the whole
   backward): reduce-scatter its full grads into the shard grads
   (``requires_gradient_sync``), or keep accumulating full-size grads locally;
-* step boundary (:func:`sync_grads`): reduce-scatter whatever full grads are
-  still pending, then one outer all-reduce per buffer (``requires_all_reduce``);
+* step boundary (:func:`~paddle_hsdp.engine.reductions.sync_grads`): reduce-scatter
+  whatever full grads are still pending, then one outer all-reduce per buffer
+  (``requires_all_reduce``);
   with outer sub-shards (``fsdp_outer_sharding="optim"``) one outer reduce-scatter per
   buffer instead, and after the optimizer's update one outer all-gather, owed and
   issued at the next root forward (:meth:`FSDPUnit.start_owed_rebuilds`).
@@ -367,7 +368,7 @@ class FSDPUnit:
     def start_grad_sync(self, work: list) -> None:
         """Pending reduce-scatter, then issue the one outer all-reduce per buffer;
         appends ``(buffer, pending, scale)`` to ``work`` (as each is issued) for
-        :func:`sync_grads` to wait on.
+        :func:`~paddle_hsdp.engine.reductions.sync_grads` to wait on.
 
         Grads end up as the gradient of the mean loss over all data-parallel ranks
         (``1 / N``, or ``1 / gradient_divide_factor`` when set). With
