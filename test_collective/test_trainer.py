@@ -39,7 +39,7 @@ def trainer_logs(paddleformers_4_log, trainer_work):
 
 def test_bad_arguments_are_refused_before_any_group_exists(trainer_logs):
     logs, _ = trainer_logs
-    assert "TRAINER_REFUSED 11 on rank 0" in logs[2], logs[2][-2000:]
+    assert "TRAINER_REFUSED 15 on rank 0" in logs[2], logs[2][-2000:]
 
 
 def test_arguments_before_or_after_the_model_give_the_hsdp_groups(trainer_logs):

@@ -98,7 +98,15 @@ def full_runs():
                 ({"hsdp_checkpoint": False, "save_checkpoint_format": None},
                  "save_checkpoint_format: None saves or loads on rank 0 only"),
                 ({"hsdp_config": {"fsdp_outer_degree": 4}}, "disagrees with hsdp_config"),
-                ({"hsdp_config": {"sharding_sise": 2}}, "sharding_size")]
+                ({"hsdp_config": {"sharding_sise": 2}}, "sharding_size"),
+                ({"expert_model_parallel_size": 3}, "expert_model_parallel_size: 3 does not "
+                 "divide the 4 ranks"),
+                ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+                 "expert_model_parallel_size: 2 together with tensor or pipeline"),
+                ({"expert_model_parallel_size": 2, "fsdp_outer_degree": 4},
+                 "fsdp_outer_degree: 4 does not divide the 2 expert data-parallel ranks"),
+                ({"expert_model_parallel_size": 2, "use_expert_parallel": True},
+                 "use_expert_parallel: True switches on")]
     for bad, fragment in REFUSALS:
         kwargs = dict(tc.common_args(os.path.join(work, "refused"), 2), fsdp_outer_degree=2)
         kwargs.update(bad)
