@@ -92,6 +92,21 @@ def test_the_trainer_wants_hsdp_arguments(tmp_path):
         HSDPTrainer(model=LlamaForCausalLM(config), args=args)
 
 
+def test_expert_parallelism_needs_a_model_with_experts(tmp_path):
+    """expert_model_parallel_size > 1 over a model with no expert parameters (neither
+    marked nor named in hsdp_config's expert_modules) is refused before sharding (alike
+    on every rank; the degree is forced here: one process cannot hold ep 2)."""
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    args = make(tmp_path)
+    args.expert_model_parallel_size = 2
+    model = LlamaForCausalLM(config)
+    with pytest.raises(ConfigError, match="expert_model_parallel_size 2, but the model has "
+                                          "no expert parameters: mark them"):
+        HSDPTrainer(model=model, args=args)
+    assert not hasattr(model, "_hsdp_unit")  # nothing was sharded
+
+
 def test_importing_the_package_does_not_import_paddleformers():
     code = "import sys, paddle_hsdp; assert 'paddleformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
