@@ -8,8 +8,9 @@ Layouts (float32, 2 micro-batches of 2 sequences per data-parallel rank and step
 point-to-point call a step makes is recorded where gloo runs it
 (``ProcessGroupGloo``), with its group; HSDP's are also counted by paddle_hsdp's
 counter. After the steps, rank 0's record of the last step is replayed on every rank
-(7 times, each kind's median kept), back to back after one barrier, each call timed: the step's communication time
-per kind without the wait for slower ranks that a training step adds. A calibration
+(``REPLAYS`` times, each kind's median kept), back to back after one barrier, each call
+timed: the step's communication time per kind without the wait for slower ranks that a
+training step adds. A calibration
 first times each operation the planner fits on its own (all-reduce, all-gather,
 reduce-scatter, send) in 2-rank groups at 16 KiB to 4 MiB.
 

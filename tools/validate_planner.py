@@ -121,12 +121,6 @@ _RING_2 = {"all_reduce": lambda p: (2, p), "all_gather": lambda p: (1, p / 2),
            "reduce_scatter": lambda p: (1, p / 2), "send": lambda p: (1, p)}
 
 
-def _calibration_rows(calibration: list) -> list:
-    """``[link, op, payload, seconds]`` rows (a recording older than two-host runs has no
-    link: it is this machine's loopback, "intra")."""
-    return [row if len(row) == 4 else ["intra", *row] for row in calibration]
-
-
 def fit_link(calibration: list, op: str, link: str = "intra") -> tuple[float, float]:
     """``(latency per ring step, bytes per second)`` that fit the calibration's 2-rank
     calls of ``op`` on ``link`` best (least squares on the ring model's time, relative to
@@ -134,7 +128,7 @@ def fit_link(calibration: list, op: str, link: str = "intra") -> tuple[float, fl
     import numpy as np
 
     rows = []
-    for where, name, payload, seconds in _calibration_rows(calibration):
+    for where, name, payload, seconds in calibration:
         if (where, name) == (link, op):
             steps, wire = _RING_2[op](payload)
             rows.append([steps / seconds, wire / seconds])
@@ -154,7 +148,7 @@ def calibrated_cluster(calibration: list):
     def fitted(link):
         return dict(spec("all_gather", link), per_op={op: spec(op, link) for op in _RING_2})
 
-    two = any(row[0] == "inter" for row in _calibration_rows(calibration))
+    two = any(row[0] == "inter" for row in calibration)
     return planner.load_cluster({
         "name": "this machine as 2 hosts x 2 CPU ranks, every link limited" if two else
                 "this machine, 4 CPU ranks (gloo loopback)",

@@ -21,7 +21,8 @@ from ..engine.dtypes import dtypes_of, element_size
 from ..engine.experts import mark_expert_params
 from ..engine.param import ShardedParam
 from ..engine.policies import MixedPrecisionPolicy
-from ..engine.unit import _is_expert, buffer_groups
+from ..engine.unit import buffer_groups
+from ..topology.placement import is_expert
 from ..topology import cost
 from .patterns import match_modules, order_bottom_up
 from .schema import ConfigError, HSDPConfig
@@ -172,9 +173,9 @@ def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, i
                 if p is None or id(p) in claimed:
                     continue
                 claimed.add(id(p))
-                size = expert_inner if _is_expert(p) else inner
+                size = expert_inner if is_expert(p) else inner
                 fqn = ".".join(x for x in (path, prefix, name) if x)
-                parts = expert_outer if _is_expert(p) else outer
+                parts = expert_outer if is_expert(p) else outer
                 parts = parts if outer_sharding == "optim" and not p.stop_gradient else 1
                 sps.append(ShardedParam(p, fqn, size, 0, parts))
                 sps[-1].segment = segment

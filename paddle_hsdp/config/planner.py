@@ -48,9 +48,8 @@ class Link:
     """Alpha-beta: ``latency_s`` per ring step, ``bandwidth`` bytes per second.
     ``per_op``: optional fits of their own for some operations (``all_reduce``,
     ``all_gather``, ``reduce_scatter``, ``send``: point-to-point), as nccl-tests reports
-    a bus bandwidth per collective: on
-    CPU/gloo an all-reduce also sums on the CPU and runs at about half an all-gather's
-    rate."""
+    a bus bandwidth per collective: on CPU/gloo an all-reduce also sums on the CPU and
+    runs at about half an all-gather's rate."""
 
     latency_s: float
     bandwidth: float

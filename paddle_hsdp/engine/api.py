@@ -15,13 +15,14 @@ from paddle.distributed import Replicate, Shard
 from ..comm import collectives as comm
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
+from ..topology.placement import is_expert
 from . import direct_calls, grad_hooks, hooks
 from .flex import sharded_state_dict
 from .param import ShardedParam
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
 from .states import ParamState
-from .unit import FSDPUnit, _is_expert, expect_everyone_in
+from .unit import FSDPUnit, expect_everyone_in
 
 
 class FSDPModule:
@@ -450,8 +451,8 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
             if placements.get(id(p)) == "replicate":
                 claimed[id(p)] = ShardedParam(p, fqn, 1, 0)  # whole on every rank
             else:
-                inner = unit.mesh.inner(_is_expert(p))
-                parts, part = unit.outer_parts(_is_expert(p), not p.stop_gradient)
+                inner = unit.mesh.inner(is_expert(p))
+                parts, part = unit.outer_parts(is_expert(p), not p.stop_gradient)
                 claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank, parts, part)
             claimed[id(p)].segment = segment  # where it is first met
         claimed[id(p)].users.append((sub, name))

@@ -28,6 +28,7 @@ import paddle.distributed as dist
 from ..comm import arrival
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
+from ..topology.placement import is_expert
 from . import master_grad
 from .outer_sync import schedule_of
 from .buffer import ShardBuffer
@@ -479,10 +480,8 @@ def buffer_groups(params: list[ShardedParam], placements: dict) -> "OrderedDict"
     groups: "OrderedDict[tuple, list[ShardedParam]]" = OrderedDict()
     for sp in params:
         whole = placements.get(id(sp.full)) == "replicate"
-        key = (sp.segment, str(sp.dtype), sp.trainable, _is_expert(sp.full), whole)
+        key = (sp.segment, str(sp.dtype), sp.trainable, is_expert(sp.full), whole)
         groups.setdefault(key, []).append(sp)
     return groups
 
 
-def _is_expert(param) -> bool:
-    return bool(getattr(param, "is_moe_param", False) or getattr(param, "expert", False))

@@ -40,6 +40,7 @@ from ..config.schema import (AUTO, OUTER_SHARDING, ConfigError, HSDPConfig, load
                              ranks_per_node_from_env, resolve_degrees)
 from ..engine.api import FSDPModule
 from ..patches.clip import last_global_norm
+from ..topology.placement import is_expert
 
 logger = logging.getLogger(__name__)
 
@@ -420,7 +421,7 @@ class HSDPTrainer(Trainer):
                 broadcast_mp_parameters(self.model, fleet.get_hybrid_communicate_group())
             ep = _expert_degree(self.args)
             if ep > 1 and not (self.args.hsdp_config_resolved.expert_modules or any(
-                    getattr(p, "is_moe_param", False) for p in self.model.parameters())):
+                    is_expert(p) for p in self.model.parameters())):
                 raise ConfigError([  # alike on every rank: before any collective
                     f"HSDPTrainer: expert_model_parallel_size {ep}, but the model has no "
                     "expert parameters: mark them with paddle_hsdp.mark_expert_params "

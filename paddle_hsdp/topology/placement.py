@@ -63,7 +63,7 @@ class ModelAxes:
         local = [int(d) for d in local_shape]
         offset = [0] * len(local)
         tag = ""
-        if self.ep_degree > 1 and _is_expert(tensor) and not renamed_expert:
+        if self.ep_degree > 1 and is_expert(tensor) and not renamed_expert:
             tag = f"ep{self.ep_rank}"
         axis = split_axis(tensor) if self.mp_degree > 1 else None
         if axis is None:
@@ -100,5 +100,7 @@ def split_axis(tensor) -> int | None:
     return int(axis) % max(len(tensor.shape), 1)
 
 
-def _is_expert(tensor) -> bool:
+def is_expert(tensor) -> bool:
+    """Whether ``tensor`` is an expert (MoE) parameter: the marks Paddle's engines and
+    ``paddle_hsdp.mark_expert_params`` set."""
     return bool(getattr(tensor, "is_moe_param", False) or getattr(tensor, "expert", False))
