@@ -392,34 +392,56 @@ def test_explicit_forward_prefetch_gathers_the_listed_module_early(fake_mesh):
         model.blocks[0].set_modules_to_forward_prefetch([paddle.nn.Linear(2, 2)])
 
 
-# ---------------------------------------------------------------- HFSDP's sub-blocks
-@pytest.mark.parametrize("inner,parts", [(1, 2), (2, 2), (2, 3), (3, 2), (4, 4)])
-def test_outer_sub_blocks_tile_every_parameter_once(inner, parts):
-    """[Note: outer sub-shards] (engine/param.py): the I x O sub-blocks, each the rows of
-    one (inner rank, outer rank) pair, are whole rows, never empty, padded with zeros,
-    and tile the parameter exactly once; the inner block is its O sub-blocks in order,
-    and the virtual blocks side by side give the full tensor back."""
+# ---------------------------------------------------------------- the segment layout
+@pytest.mark.parametrize("inner,parts", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2),
+                                         (2, 3), (3, 2), (4, 4)])
+def test_shards_concatenate_to_the_full_buffer_of_whole_row_views(inner, parts):
+    """[Note: the segment layout] (engine/layout.py): every rank's flat shard, cut from
+    the full parameters, concatenated in rank order is the full buffer, in which each
+    parameter is a contiguous view (what lets the all-gather's output serve as the
+    parameters); each (inner rank, outer part) holds a box of whole rows of each
+    parameter (possibly none), the boxes tile every parameter once, the inner block is
+    its parts' boxes in order, and gaps and padding are zeros."""
+    from paddle_hsdp.engine.layout import ALIGN, segment_layout
     from paddle_hsdp.engine.param import ShardedParam
 
-    full = np.arange(10 * 3, dtype="float32").reshape(10, 3)
-    p = paddle.create_parameter([10, 3], "float32")
-    p.set_value(full)
-    covered, blocks = [], []
+    shapes = [[10, 3], [7], [], [5, 13], [1, 4], [33]]
+    fulls = [np.asarray(np.arange(1, 1 + int(np.prod(s))).reshape(s) + 100 * k, "float32")
+             for k, s in enumerate(shapes)]
+    params = []
+    for full in fulls:
+        p = paddle.create_parameter(list(full.shape), "float32")
+        p.set_value(full)
+        params.append(p)
+    layout = segment_layout(shapes, inner * parts)
+    shard_numel = layout.segment_numel * parts
+    flats, covered = [], {k: [] for k in range(len(shapes))}
     for i in range(inner):
-        inner_start, inner_count = ShardedParam(p, "w", inner, i, parts, 0).row_range(sub=False)
-        subs = []
-        for q in range(parts):
-            sp = ShardedParam(p, "w", inner, i, parts, q)
-            start, count = sp.row_range(sub=True)
-            sub = sp.sub_block(p).numpy()
-            assert list(sub.shape) == sp.shard_shape == [sp.sub_rows, 3] and sp.sub_rows >= 1
-            assert np.array_equal(sub[:count], full[start:start + count])
-            assert not sub[count:].any()  # padding rows are zeros
-            covered += range(start, start + count)
-            subs.append((start, count))
-            blocks.append(sub.reshape([-1]))
-        assert subs[0][0] == inner_start and sum(c for _, c in subs) == inner_count
-    assert covered == list(range(10))
-    sp = ShardedParam(p, "w", inner, 0, parts, 0)
-    rebuilt = sp.from_rank_blocks(paddle.to_tensor(np.stack(blocks)))
-    assert np.array_equal(rebuilt.numpy(), full)
+        flat = np.zeros(shard_numel, dtype="float32")
+        for k, p in enumerate(params):
+            subs = []
+            for q in range(parts):
+                sp = ShardedParam(p, f"w{k}", inner, i, parts, q)
+                sp.place(layout, k)
+                start, count = sp.row_range(sub=True)
+                rows = sp.rows_of(p, sub=True).numpy()
+                assert list(rows.shape) == sp.shard_shape == [count] + sp.rest
+                assert np.array_equal(rows.reshape([count] + sp.rest),
+                                      fulls[k].reshape([sp.rows] + sp.rest)[start:start + count])
+                flat[sp.flat_offset:sp.flat_offset + sp.sub_numel] = rows.reshape(-1)
+                covered[k] += range(start, start + count)
+                subs.append((start, count))
+            inner_start, inner_count = sp.row_range(sub=False)
+            assert sum(c for _, c in subs) == inner_count
+            assert inner_count == 0 or subs[0][0] == inner_start or subs[0][1] == 0
+        flats.append(flat)
+    gathered = np.concatenate(flats)
+    end = 0
+    for k, full in enumerate(fulls):
+        assert covered[k] == list(range(full.shape[0] if full.ndim else 1)), k
+        start = layout.offsets[k]
+        assert start >= end and start - -(-end // ALIGN) * ALIGN < layout.row_numels[k]
+        end = start + full.size
+        assert np.array_equal(gathered[start:start + full.size].reshape(full.shape), full)
+    for start, stop in layout.gaps():
+        assert not gathered[start:stop].any()

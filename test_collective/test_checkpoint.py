@@ -1,6 +1,7 @@
 """Sharded checkpoints (workers/worker_checkpoint.py): save in 2x2 on 4 ranks, resume in
 2x2 (bit for bit), 1x4, 4x1, 1x2 on 2 ranks and one plain process (float64, within
-workers/parity.py's bound of the uninterrupted run);
+workers/parity.py's bound of the uninterrupted run), and from a checkpoint the engine
+wrote before its segment layout (test/data/checkpoint_v2_row_blocks) in 2x2;
 a failed save keeps the previous checkpoint on every rank; corruption and another
 model are refused on every rank."""
 
@@ -11,7 +12,7 @@ def test_save_resume_across_layouts_and_failures(hsdp_2x2_log, launch_2_log, sin
     # worker_checkpoint.py runs in the shared 2 x 2 launch (conftest.py), saving into
     # shared_2x2_work
     log = hsdp_2x2_log
-    for label in ("2x2", "1x4", "4x1"):
+    for label in ("2x2", "1x4", "4x1", "row-block checkpoint"):
         assert log.count(f"RESUME {label}:") == 1, log[-3000:]
     assert "SAVE_FAILURE" in log and "REFUSED" in log and "CORRUPTED rank 0" in log, log[-3000:]
     assert "FLEX_CHECKPOINT" in log, log[-3000:]

@@ -101,12 +101,10 @@ def _block_getter(buf, sp, rows):
 
 
 def _block_putter(buf, sp, rows):
-    """Write ``rows`` rows into ``sp``'s inner block, padding rows zero."""
+    """Write ``rows`` rows into ``sp``'s inner block (every row it holds)."""
     @paddle.no_grad()
     def put(array):
-        full = np.zeros([sp.rows_per_rank] + sp.rest, dtype=array.dtype)
-        full[:rows] = array
-        buf.write_block(sp, paddle.to_tensor(full, dtype=sp.dtype))
+        buf.write_block(sp, paddle.to_tensor(array.reshape([rows] + sp.rest), dtype=sp.dtype))
     return put
 
 

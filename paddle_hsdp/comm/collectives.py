@@ -384,13 +384,15 @@ def _needs_fp32_staging(tensor, group) -> bool:
 
 
 def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None,
-                    what: str | None = None):
+                    what: str | None = None, counted_as: str = "all_gather"):
     """Gather equal shards of the group into ``out_flat`` (rank order), in place.
-    ``what`` names the caller's tensors in error messages and fingerprints."""
+    ``what`` names the caller's tensors in error messages and fingerprints;
+    ``counted_as``: the op the byte counter files it under (``all_gather_tags`` for
+    the all-gather check's own small call, engine/buffer.py)."""
     n = group.nranks
     _check_split("all_gather_into: output", out_flat, shard, n)
     payload = _nbytes(out_flat)
-    counter.record(tag or group_label(group), "all_gather", payload, payload * (n - 1) / n)
+    counter.record(tag or group_label(group), counted_as, payload, payload * (n - 1) / n)
     if n == 1:
         paddle.assign(shard.reshape(out_flat.shape), output=out_flat)
         return _finish(Handle(), async_op)

@@ -3,7 +3,9 @@
 A unit that runs on some ranks but not on others makes ranks pair up different
 all-gathers. When the buffers have the same size nothing fails: each rank silently
 combines its own rows with another unit's rows. So every all-gather a buffer issues
-carries a short tag after this rank's shard, and the tags that come back are compared
+has a short tag gathered beside it (a second, tiny all-gather issued just before it:
+the tag cannot ride in the shard, since the gathered buffer must hold parameters that
+straddle two ranks' segments contiguously), and the tags that come back are compared
 with our own before the result is used:
 
     [unit index mod 256, unit index div 256, buffer index, purpose, call number mod 256,
@@ -22,7 +24,8 @@ ranks only part at a later collective, often one of another size, which gloo abo
 on and NCCL hangs on. The position differs from the first all-gather after the skip,
 so the skip is named there, at any step.
 
-Cost: ``TAG_NUMEL`` elements per rank per all-gather on the wire, and a comparison of
+Cost: one small collective (``TAG_NUMEL`` elements per rank) per all-gather, counted
+as ``all_gather_tags`` by the byte counter, and a comparison of
 an ``[inner, TAG_NUMEL]`` array. On CPU the comparison runs at once; on a device it is
 kept as a device-side flag, so that no all-gather forces a host sync, and the flags are
 read together (one stacked device-to-host copy, :func:`raise_pending`):

@@ -19,6 +19,7 @@ import paddle
 
 from ..engine.dtypes import dtypes_of, element_size
 from ..engine.experts import mark_expert_params
+from ..engine.layout import segment_layout
 from ..engine.param import ShardedParam
 from ..engine.policies import MixedPrecisionPolicy
 from ..engine.unit import buffer_groups
@@ -211,7 +212,9 @@ def compare_outer_sharding(plans: dict) -> str:
 def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cost.BufferShape:
     gather, reduce, compute = dtypes_of(params[0].dtype, policy)
     return cost.BufferShape(
-        shard_numel=sum(sp.chunk_numel for sp in params), outer_parts=params[0].parts,
+        shard_numel=segment_layout([sp.shape for sp in params], params[0].inner_size
+                                   * params[0].parts).segment_numel * params[0].parts,
+        outer_parts=params[0].parts,
         logical_numel=sum(sp.numel for sp in params),
         inner=params[0].inner_size, outer=outer,
         master_bytes=element_size(params[0].dtype), gather_bytes=element_size(gather),

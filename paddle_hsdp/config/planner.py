@@ -216,9 +216,12 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
         for b in unit.buffers:
             inner_link, inner_n = _group_link(cluster, b.inner, stride)
             outer_link, outer_n = _group_link(cluster, b.outer, b.inner * stride)
-            gather = b.inner * (b.shard_numel + cost.TAG_NUMEL) * b.gather_bytes
-            add("inner all_gather", gathers * collective_seconds(
-                "all_gather", b.inner, gather, inner_link, inner_n), inner_link)
+            gather = b.inner * b.shard_numel * b.gather_bytes
+            tags = b.inner * cost.TAG_NUMEL * b.gather_bytes  # the check's own call
+            add("inner all_gather", gathers * (
+                collective_seconds("all_gather", b.inner, gather, inner_link, inner_n)
+                + collective_seconds("all_gather", b.inner, tags, inner_link, inner_n)),
+                inner_link)
             if b.trainable:
                 add("inner reduce_scatter", reduces * collective_seconds(
                     "reduce_scatter", b.inner, b.inner * b.shard_numel * b.reduce_bytes,

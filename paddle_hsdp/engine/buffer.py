@@ -5,17 +5,17 @@ frozen, dense or expert (expert buffers use the expert groups).  Optimizer attri
 need not agree, because the optimizer sees per-parameter shards (see
 :mod:`~paddle_hsdp.engine.param`).
 
-This rank's shard of the buffer is the concatenation of its block of every parameter,
-``S`` elements; the all-gather output is ``[I, S]`` row-major (rank ``i``'s shard in row
-``i``), and the reduce-scatter input is built in the same layout.
+The parameters lie in one full flat buffer of ``I * S`` elements and this rank's shard
+is its ``S`` of them ([Note: the segment layout] in :mod:`~paddle_hsdp.engine.layout`):
+the all-gather's output is the full buffer, every full parameter a view of it, and the
+reduce-scatter's input is the full grads written once in the same layout.
 
-With outer sub-shards (``fsdp_outer_sharding="optim"``, HFSDP; see [Note: outer
-sub-shards] in :mod:`~paddle_hsdp.engine.param`) the shard is ``Q`` pieces of ``S / Q``
-elements, piece ``q`` the concatenation of every parameter's sub-block ``q``; outer
-rank ``q``'s optimizer sees piece ``q``. The step's outer all-reduce becomes an outer
-reduce-scatter of the grad shard (this rank keeps its piece), and after the update an
-outer all-gather of the pieces rebuilds the shard (:mod:`~paddle_hsdp.engine.outer_pieces`),
-waited before anything reads the shard again.
+With outer sub-shards (``fsdp_outer_sharding="optim"``, HFSDP) the shard is ``Q`` pieces
+of ``S / Q`` elements (segments of the layout); outer rank ``q``'s optimizer sees the
+rows in piece ``q``. The step's outer all-reduce becomes an outer reduce-scatter of the
+grad shard (this rank keeps its piece), and after the update an outer all-gather of the
+pieces rebuilds the shard (:mod:`~paddle_hsdp.engine.outer_pieces`), waited before
+anything reads the shard again.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..comm import gather_tags
 from ..topology.cost import BufferShape
 from . import master_grad, offload, staging, trace
 from .dtypes import as_dtype, dtypes_of, element_size
+from .layout import segment_layout
 from .outer_pieces import OuterPieces
 from .shard_grads import ShardGrads
 from .param import ShardedParam
@@ -75,23 +76,20 @@ class ShardBuffer(ShardGrads, OuterPieces):
                 self.parts not in (1, outer_group.nranks):
             raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "
                                  "their outer sub-shards")
-        offset = 0
-        for sp in params:
-            sp.offset = offset
-            sp.buffer = self
-            offset += sp.sub_numel
-        self.piece_numel = offset
-        for sp in params:
-            sp.piece_numel = offset
-        self.shard_numel = offset * self.parts
         self.inner_size = inner_group.nranks
+        self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts)
+        for index, sp in enumerate(params):
+            sp.place(self.layout, index)
+            sp.buffer = self
+        self.piece_numel = self.layout.segment_numel  # one outer part of the shard
+        self.shard_numel = self.piece_numel * self.parts
         # Fixed per buffer; every unshard/reshard reads them for the memory report.
         self.element_size = element_size(self.dtype)
         self.compute_element_size = element_size(self.compute_dtype)
-        self.compute_nbytes = sum(sp.numel for sp in params) * self.compute_element_size
+        self.compute_nbytes = self.padded_numel * self.compute_element_size  # gathered
         # Set by the unit: which unit this buffer belongs to, for tags and messages.
         self.unit_index, self.index, self.owner = 0, 0, None
-        # Storage: the flat shard (plus the tag's slots; shard params are views of it)
+        # Storage: the flat shard (shard params are views of it)
         # and, once grads arrive, the flat grad (shard grads are views of it).
         self._flat = None
         self.flat_grad = None
@@ -125,7 +123,7 @@ class ShardBuffer(ShardGrads, OuterPieces):
 
     @property
     def flat(self):
-        """The flat shard (plus the tag's slots). Reading it first waits for a post-step
+        """The flat shard. Reading it first waits for a post-step
         outer all-gather in flight (one already issued on every rank: no new collective)."""
         if self.rebuild_state is RebuildState.REBUILDING:
             self.finish_rebuild()
@@ -195,23 +193,19 @@ class ShardBuffer(ShardGrads, OuterPieces):
 
     # -------------------------------------------------------------- sharding
     def shard_from_full(self, src_outer_rank: int) -> None:
-        """Cut this rank's blocks out of the local full params into one flat shard
-        (plus the all-gather tag's slots), make outer replicas identical (broadcast from
-        outer rank ``src_outer_rank``), and make the shard params views of it."""
-        rank = self.inner.rank
-        blocks = []
+        """Cut this rank's rows out of the local full params into one flat shard, make
+        outer replicas identical (broadcast from outer rank ``src_outer_rank``), and
+        make the shard params views of it."""
+        flat = paddle.zeros([self.shard_numel], self.dtype)  # gaps and padding stay zero
         for sp in self.params:
             # A param built under paddle.LazyGuard() has no data yet: materialise it
-            # alone, keep this rank's block, free it; no rank ever holds the full model.
-            if not sp.full._is_initialized():
+            # alone, keep this rank's rows, free it; no rank ever holds the full model.
+            if not sp.full._is_initialized() and sp.numel:
                 sp.full.initialize()
-            blocks.append(sp.rank_block(sp.full.detach(), rank).clone())
+            if sp.inner_numel:
+                rows = sp.rows_of(sp.full.detach(), sub=False)
+                paddle.assign(rows.reshape([-1]), output=sp.inner_block_of(flat))
             sp.free_full_data()
-        if self.parts > 1:  # piece-major: every param's sub-block q makes piece q
-            blocks = [paddle.concat([b.reshape([self.parts, sp.sub_numel]) for b, sp in
-                                     zip(blocks, self.params)], axis=1).reshape([-1])]
-        blocks.append(paddle.zeros([gather_tags.TAG_NUMEL], self.dtype))
-        flat = paddle.concat(blocks)
         comm.broadcast(flat, src=self.outer.ranks[src_outer_rank], group=self.outer,
                        what=self.describe)
         for sp in self.params:
@@ -239,54 +233,62 @@ class ShardBuffer(ShardGrads, OuterPieces):
     def start_gather(self, grads: bool = False, compute: bool = False,
                      async_op: bool = False) -> "PendingGather":
         """Issue the all-gather of this rank's shard (or, with ``grads=True``, of its
-        grad shard as it is now). ``compute=True``: gather in the policy's
-        ``param_dtype``. With ``async_op`` it returns at once on NCCL (the collective runs
-        on the communication stream); :meth:`finish_gather` waits.
+        grad shard as it is now) into a new full flat buffer. ``compute=True``: gather in
+        the policy's ``param_dtype``. With ``async_op`` it returns at once on NCCL (the
+        collective runs on the communication stream); :meth:`finish_gather` waits.
 
-        The flat shard is sent as it is (cast once when the gather dtype differs), with
-        a few tag elements in its trailing slots (see :mod:`paddle_hsdp.comm.gather_tags`):
-        ranks that pair up different all-gathers raise instead of computing on each other's rows."""
+        The flat shard is sent as it is (cast once when the gather dtype differs). A
+        short tag travels beside it in a second, tiny all-gather (see
+        :mod:`paddle_hsdp.comm.gather_tags`): ranks that pair up different all-gathers
+        raise instead of computing on each other's rows. It cannot ride in the shard's
+        own slots as it once did: a parameter that straddles two ranks' segments must
+        be contiguous in the output.
+
+        The output is not from the staging pool: the full parameters are views of it
+        for as long as the unit is unsharded, and a view autograd saved may outlive the
+        reshard, so the storage must not serve another unit's gather meanwhile."""
         purpose = "grads" if grads else ("compute" if compute else "params")
         staged = []  # tensors from the staging pool, given back after the wait
         if grads:
-            acc = self.acc_flat()  # float32 main grads travel as they are
+            send = self.acc_flat()  # float32 main grads travel as they are
             if self.grads_scattered:  # each outer rank holds its reduced piece only
-                acc = self._outer_gather(acc, what="the synced grad pieces")
-            base = acc.dtype
-            with self.on_host():
-                send = paddle.concat([acc, paddle.zeros([gather_tags.TAG_NUMEL], base)])
+                send = self._outer_gather(send, what="the synced grad pieces")
+            base = send.dtype
         else:
             self.ensure_rebuilt()
             self._repair_views()
             send, base = self.flat, self.dtype
         dtype = self.gather_dtype if compute else base
+        tag = tag_handle = None
         try:
             if send.dtype != dtype:
                 send = self._cast_for_sending(send, dtype, staged)
             if self.host is not None:
                 send = self.host.upload(send)  # a device copy; the host shard stays as is
-            tag = None
             if gather_tags.can_tag(base) and gather_tags.can_tag(dtype):
-                # written last, where the collective reads it: a view of a table
-                # already in this dtype on this place, so no copy from the host per call
+                # a view of a table already in this dtype on this place: no copy per call
                 tag = gather_tags.make_tag(self.inner, self.unit_index, self.index,
                                             purpose, self.describe, dtype, send.place)
-                tail = send[self.shard_numel:self.shard_numel + gather_tags.TAG_NUMEL]
-                paddle.assign(tag, output=tail)
-            row = self.shard_numel + gather_tags.TAG_NUMEL
-            out = staging.pool.take(self.inner_size * row, dtype)
-            staged.append(out)
+                tags = staging.pool.take(self.inner_size * gather_tags.TAG_NUMEL, dtype)
+                staged.append(tags)
+                tag_handle = comm.all_gather_into(tags, tag, self.inner, async_op=True,
+                                                  what=self.describe,
+                                                  counted_as="all_gather_tags")
+            out = paddle.empty([self.padded_numel], dtype=dtype)
             trace.record("issue", "all_gather", self.unit_index)
             handle = comm.all_gather_into(out, send, self.inner, async_op=True,
                                           what=self.describe)
         except BaseException:
+            if tag_handle is not None:
+                comm.settle([tag_handle])
             give_back(staged)  # nothing was issued (or the issue failed): not in flight
             raise
         if not async_op:
             handle.wait()
         # send and out stay referenced until the wait: an async collective reads and
         # writes them on the communication stream.
-        return PendingGather(handle, send, out, tag, compute, tuple(staged))
+        return PendingGather(handle, send, out, tag, compute, tuple(staged),
+                             tag_handle, staged[-1] if tag_handle is not None else None)
 
     def _cast_for_sending(self, send, dtype, staged: list) -> paddle.Tensor:
         """``send`` in ``dtype``: cast into a staging tensor (Paddle 3.3's public cast
@@ -301,72 +303,68 @@ class ShardBuffer(ShardGrads, OuterPieces):
         return into
 
     def finish_gather(self, pending: "PendingGather") -> list[paddle.Tensor]:
-        """Wait for :meth:`start_gather`, check the tags, and copy each parameter's
-        full tensor out of the gathered grid (the one copy per parameter)."""
+        """Wait for :meth:`start_gather`, check the tags, and return each parameter's
+        full tensor: a view of the gathered buffer (cast once when the compute dtype
+        differs from the gather dtype)."""
         pending.handle.wait()
         trace.record("wait", "all_gather", self.unit_index)
-        out = pending.out
-        row = self.shard_numel + gather_tags.TAG_NUMEL
-        grid = out.reshape([self.inner_size, row])
-        sizes = [sp.sub_numel for _ in range(self.parts) for sp in self.params]
-        parts = paddle.split(grid, sizes + [gather_tags.TAG_NUMEL], axis=1)
-        tags = parts.pop()
-        if self.parts > 1:  # each param's sub-blocks of every piece, side by side
-            n = len(self.params)
-            parts = [paddle.concat(parts[j::n], axis=1) for j in range(n)]
-        if pending.tag is not None:
+        if pending.tag_handle is not None:
+            pending.tag_handle.wait()
+            tags = pending.tags.reshape([self.inner_size, gather_tags.TAG_NUMEL])
             gather_tags.check(tags, pending.tag, self.inner)  # same dtype and place
+        out = pending.out
         if pending.compute and self.compute_dtype != out.dtype:
-            parts = [p.astype(self.compute_dtype) for p in parts]
-        # the copy-out and the tag check are issued: the grid (and the send copy) can
-        # serve the next collective (engine/staging.py says why that is safe on NCCL)
+            out = out.astype(self.compute_dtype)
+        # the tag check is issued: its tensors (and the send copy) can serve the next
+        # collective (engine/staging.py says why that is safe on NCCL)
         release_staging(pending)
-        return [sp.from_rank_blocks(part) for sp, part in zip(self.params, parts)]
+        return [sp.full_of(out) for sp in self.params]
 
     # -------------------------------------------------------------- gradients
     def start_reduce_scatter(self, async_op: bool = False) -> "PendingReduce":
         """Issue the inner reduce-scatter of the full grads and release them.
 
-        The reduce-scatter input is written once: one concatenation of every grad seen
-        as ``[I, chunk]`` rank blocks (a view of the grad, except for parameters whose
-        rows need padding), so the full grads can be freed as soon as it is issued. A parameter with no grad on
-        this rank (unused) contributes zeros: every rank joins the collective whatever
-        its data did. :meth:`finish_reduce_scatter` waits and accumulates.
+        The reduce-scatter input is written once: the full grads in the full buffer's
+        layout (one concatenation, zeros in its gaps), so the full grads can be freed as
+        soon as it is issued. A parameter with no grad on this rank (unused)
+        contributes zeros: every rank joins the collective whatever its data did.
+        :meth:`finish_reduce_scatter` waits and accumulates.
         """
         expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "start_reduce_scatter",
                self.describe)  # synced grads go back to summed form first (the unit)
         trace.record("ready", "reduce_scatter", self.unit_index)  # full grads complete
-        blocks = []
         dtype = self.grad_reduce_dtype()
-        # with parts, [I, parts, sub-block]: concatenated on the last axis, every inner
-        # rank's row is its flat shard, piece-major
-        grid_of = ((lambda b, sp: b) if self.parts == 1 else
-                   (lambda b, sp: b.reshape([sp.inner_size, self.parts, sp.sub_numel])))
+        pieces, pos = [], 0  # 1-D, in the full buffer's order, gaps as zeros
         present = []  # per param: a grad on this rank (untouched params: optimizers.py)
         for sp in self.params:
+            if sp.full_offset > pos:
+                pieces.append(paddle.zeros([sp.full_offset - pos], dtype))
             g = master_grad.full_grad(sp)  # .grad, or the hook's main_grad (see there)
             present.append(g is not None)
             if g is None:  # unused on this rank: zeros, so every rank joins the call
-                blocks.append(grid_of(paddle.zeros([sp.inner_size, sp.chunk_numel], dtype),
-                                      sp))
-                continue
-            if g.dtype != dtype:
+                g = paddle.zeros([sp.numel], dtype)
+            elif g.dtype != dtype:
                 g = g.astype(dtype)
-            blocks.append(grid_of(sp.as_rank_blocks(g), sp))  # a view unless padded
-            master_grad.release_full_grad(sp)
+            if sp.numel:
+                pieces.append(g.reshape([-1]))  # a view: the storage outlives the release
+            if present[-1]:
+                master_grad.release_full_grad(sp)
+            pos = sp.full_offset + sp.numel
+        if pos < self.padded_numel:
+            pieces.append(paddle.zeros([self.padded_numel - pos], dtype))
         staged = []
         try:
-            # one param: its own grad storage is the input (released above, kept alive
-            # here); more: one concatenation into a staging grid
-            grid = self._reduce_input(blocks, dtype, staged) if len(blocks) > 1 else blocks[0]
-            del blocks  # the full grads' storage goes now, before the collective runs
+            # one param filling the buffer: its own grad storage is the input (released
+            # above, kept alive here); more: one concatenation into a staging tensor
+            grid = self._reduce_input(pieces, dtype, staged) if len(pieces) > 1 else pieces[0]
+            del pieces  # the full grads' storage goes now, before the collective runs
             out = staging.pool.take(self.shard_numel, dtype) if self.host is None else \
                 paddle.empty([self.shard_numel], dtype=dtype)
             if self.host is None:
                 staged.append(out)
             trace.record("issue", "reduce_scatter", self.unit_index)
-            handle = comm.reduce_scatter(out, grid.reshape([-1]), self.reduce_group,
-                                         async_op=True, what=self.describe)
+            handle = comm.reduce_scatter(out, grid, self.reduce_group, async_op=True,
+                                         what=self.describe)
         except BaseException:
             give_back(staged)  # nothing was issued (or the issue failed)
             raise
@@ -381,19 +379,14 @@ class ShardBuffer(ShardGrads, OuterPieces):
         if self.grad_state is GradState.REDUCING:
             self.grad_state = self._before_reduce
 
-    def _reduce_input(self, blocks, dtype, staged: list) -> paddle.Tensor:
-        """The ``[I, S]`` reduce-scatter input (``[I, parts, S / parts]`` with outer
-        sub-shards): ``blocks`` concatenated on their last axis into a staging grid of
-        the all-gather grid's size (so the two share the pool's tensors)."""
+    def _reduce_input(self, pieces, dtype, staged: list) -> paddle.Tensor:
+        """The ``[I * S]`` reduce-scatter input: ``pieces`` concatenated into a staging
+        tensor (every buffer of one shape shares the pool's)."""
         if self.host is not None:
-            return paddle.concat(blocks, axis=-1)
-        row = self.shard_numel + gather_tags.TAG_NUMEL
-        base = staging.pool.take(self.inner_size * row, dtype)
-        staged.append(base)
-        shape = [self.inner_size, self.shard_numel] if self.parts == 1 else \
-            [self.inner_size, self.parts, self.piece_numel]
-        grid = base[0:self.inner_size * self.shard_numel].reshape(shape)
-        return paddle.concat(blocks, axis=-1, out=grid)
+            return paddle.concat(pieces)
+        grid = staging.pool.take(self.padded_numel, dtype)
+        staged.append(grid)
+        return paddle.concat(pieces, out=grid)
 
     def finish_reduce_scatter(self, pending: "PendingReduce") -> None:
         """Wait for :meth:`start_reduce_scatter`; add the result to the grad shard
@@ -417,23 +410,24 @@ class ShardBuffer(ShardGrads, OuterPieces):
         release_staging(pending)  # the add is issued: grid and out serve the next call
 
     def read_block(self, sp: ShardedParam) -> paddle.Tensor:
-        """``sp``'s inner block ``[rows_per_rank, ...]`` from the flat shard (its pieces
-        joined; a view with one part)."""
+        """``sp``'s inner block ``[rows held, ...]`` of the flat shard (a view)."""
         self.ensure_rebuilt()
         self._repair_views()
-        pieces = sp.pieces_of(self._flat)
+        first, count = sp.row_range(sub=False)
+        if count == 0:
+            return paddle.zeros([0] + sp.rest, dtype=self.dtype)
         with self.on_host():
-            block = pieces[0] if len(pieces) == 1 else paddle.concat(pieces)
-            return block.reshape([sp.rows_per_rank] + sp.rest)
+            return sp.inner_block_of(self._flat).reshape([count] + sp.rest)
 
     def write_block(self, sp: ShardedParam, block) -> None:
-        """Write ``sp``'s inner block (``[chunk_numel]`` elements, padding rows zero)
-        into every piece of the flat shard: a full load needs no outer collective."""
+        """Write ``sp``'s inner block (its rows held) into the flat shard, every outer
+        piece of it: a full load needs no outer collective."""
         self.finish_rebuild()  # a late all-gather would overwrite what is written here
         self._repair_views()
+        if sp.inner_numel == 0:
+            return
         if self.host is not None:
             block = self.host.keep(block)  # host storage: CPU kernels only
         with self.on_host():
-            block = block.reshape([sp.parts, sp.sub_numel]).astype(self.dtype)
-            for q, piece in enumerate(sp.pieces_of(self._flat)):
-                paddle.assign(block[q], output=piece)
+            block = block.reshape([-1]).astype(self.dtype)
+            paddle.assign(block, output=sp.inner_block_of(self._flat))

@@ -1,28 +1,17 @@
 """Per-parameter state: one original parameter, its local shard, and where they live.
 
-Layout choice (why per-parameter dim-0 shards): every parameter is padded along dim 0 to
-a multiple of the inner size ``I`` and split into ``I`` equal row blocks; inner rank
-``i`` keeps block ``i`` as a real ``EagerParamBase`` that carries the original
-parameter's name and attributes.  The optimizer therefore sees one tensor per original
-parameter, never empty, never straddling two parameters, so everything Paddle keys per
-parameter behaves exactly as in single-process training: ``apply_decay_param_fun``
-(called with ``param.name``), ``optimize_attr["learning_rate"]``, ``need_clip``,
-``regularizer``, frozen parameters (``stop_gradient``), ``is_distributed``.  Element-wise
-optimizers give bit-identical updates on any such split.  The price is at most
-``(I - 1)`` padding rows per parameter and a copy-out after each all-gather.
-
-[Note: outer sub-shards] With ``fsdp_outer_sharding="optim"`` (HFSDP) a buffer's inner
-block is cut once more, across its ``Q`` outer replicas (``parts``): every parameter is
-padded to a multiple of ``I * Q`` rows and split into ``I * Q`` *virtual* blocks of
-``sub_rows`` rows; inner rank ``i`` holds virtual blocks ``i*Q .. i*Q + Q-1`` (its
-inner block, ``rows_per_rank = Q * sub_rows`` rows, as every replica needs for the
-forward), and outer rank ``q`` of it is the one whose optimizer sees virtual block
-``i*Q + q``: the shard parameter is that sub-block, still whole rows, never empty. The
-buffer lays its flat shard out piece-major (``Q`` contiguous pieces, each the
-concatenation of every parameter's sub-block for that ``q``), so the outer
-reduce-scatter and all-gather move one contiguous piece per rank and the shard
-parameters stay views. With ``Q = 1`` (HSDP, the default) everything reduces to the
-layout above.
+Where the shard comes from is the buffer's (see [Note: the segment layout] in
+:mod:`~paddle_hsdp.engine.layout`): every inner rank holds a box of whole rows of each
+parameter of its buffer (possibly none), its ``inner block``; with outer sub-shards
+(``fsdp_outer_sharding="optim"``, HFSDP) each outer part ``q`` of the rank holds a
+sub-box of it, the rows its optimizer sees. The shard is a real ``EagerParamBase`` with
+the original parameter's name and attributes and shape ``[rows held] + trailing dims``,
+so everything Paddle keys per parameter behaves as in single-process training:
+``apply_decay_param_fun`` (called with ``param.name``), ``optimize_attr["learning_rate"]``,
+``need_clip``, ``regularizer``, frozen parameters (``stop_gradient``),
+``is_distributed``; element-wise optimizers give bit-identical updates on any split. A
+rank that holds no row of a parameter has a 0-row shard (Paddle's optimizers and clip
+take those: nothing to update), so every rank's optimizer sees the same parameters.
 """
 
 from __future__ import annotations
@@ -70,25 +59,20 @@ class ShardedParam:
         self.shape = list(param.shape)
         self.dtype = param.dtype
         self.trainable = not param.stop_gradient
-        rows = self.shape[0] if self.shape else 1
+        self.rows = self.shape[0] if self.shape else 1
         self.rest = self.shape[1:] if self.shape else []
         self.row_numel = math.prod(self.rest) if self.rest else 1
-        self.rows = rows
-        # outer sub-shards (see [Note: outer sub-shards]); 1 and 0 without them
-        self.parts, self.part = parts, part
-        self.sub_rows = -(-rows // (inner_size * parts))  # ceil
-        self.sub_numel = self.sub_rows * self.row_numel
-        self.rows_per_rank = self.sub_rows * parts
-        self.padded_rows = self.rows_per_rank * inner_size
-        self.chunk_numel = self.rows_per_rank * self.row_numel
-        self.numel = rows * self.row_numel
+        self.numel = self.rows * self.row_numel
         self.inner_size = inner_size
         self.inner_rank = inner_rank
-        # set by the buffer that holds this param: where its sub-block sits in one piece
-        # of the flat shard, and the piece's size (with one part: the chunk's offset,
-        # the shard)
-        self.offset = 0
-        self.piece_numel = 0
+        # outer sub-shards (HFSDP); 1 and 0 without them
+        self.parts, self.part = parts, part
+        # Set by the buffer that holds this param (:meth:`place`): where it starts in
+        # the full flat buffer, the rows this rank holds (its inner block, and the
+        # sub-block its optimizer sees) and where they start in the rank's flat shard.
+        self.full_offset = 0
+        self.inner_rows = self.sub_rows = (0, 0)
+        self.inner_offset = self.flat_offset = 0
         self.buffer = None
         self.users: list[tuple[object, str]] = []  # (module, attribute name)
         self.shard: EagerParamBase | None = None
@@ -104,78 +88,65 @@ class ShardedParam:
         # root's head and its embedding travel apart (unit.buffer_groups).
         self.segment = 0
 
+    def place(self, layout, index: int) -> None:
+        """Take parameter ``index`` of a buffer's :class:`~.layout.SegmentLayout`."""
+        self.full_offset = layout.offsets[index]
+        rank_numel = self.parts * layout.segment_numel  # the rank's flat shard
+        first_segment = self.inner_rank * self.parts
+        self.inner_rows = layout.rows_in(index, first_segment, self.parts)
+        self.sub_rows = layout.rows_in(index, first_segment + self.part)
+        base = self.full_offset - self.inner_rank * rank_numel
+        self.inner_offset = base + self.inner_rows[0] * self.row_numel if self.inner_numel \
+            else 0
+        self.flat_offset = base + self.sub_rows[0] * self.row_numel if self.sub_numel else 0
+
+    @property
+    def inner_numel(self) -> int:
+        """Elements of this rank's inner block (0 when it holds no row)."""
+        return self.inner_rows[1] * self.row_numel
+
+    @property
+    def sub_numel(self) -> int:
+        """Elements of the shard parameter (the sub-block with parts, else the inner
+        block)."""
+        return self.sub_rows[1] * self.row_numel
+
     @property
     def shard_shape(self) -> list[int]:
-        """The shape of the parameter the optimizer sees (the sub-block with parts)."""
-        return [self.sub_rows] + self.rest
-
-    @property
-    def flat_offset(self) -> int:
-        """Where the shard parameter's elements start in the buffer's flat shard."""
-        return self.part * self.piece_numel + self.offset
+        """The shape of the parameter the optimizer sees."""
+        return [self.sub_rows[1]] + self.rest
 
     def row_range(self, sub: bool) -> tuple[int, int]:
-        """``(first row, row count)`` of the unpadded rows this rank holds: its inner
-        block (``sub=False``) or the sub-block its optimizer sees (``sub=True``; the
-        same with one part). The count is 0 for an all-padding block."""
-        size = self.sub_rows if sub else self.rows_per_rank
-        index = self.inner_rank * self.parts + self.part if sub else self.inner_rank
-        start = min(index * size, self.rows)
-        return start, min(start + size, self.rows) - start
+        """``(first row, row count)`` this rank holds: its inner block (``sub=False``)
+        or the sub-block its optimizer sees (``sub=True``; the same with one part)."""
+        return self.sub_rows if sub else self.inner_rows
 
     # -------------------------------------------------------------- layout helpers
-    def padded_rows_of(self, full) -> paddle.Tensor:
-        """``full`` reshaped to ``[padded_rows, row_numel]``, zero rows appended."""
-        t = full.reshape([self.rows, self.row_numel])
-        if self.padded_rows > self.rows:
-            pad = paddle.zeros([self.padded_rows - self.rows, self.row_numel], dtype=t.dtype)
-            t = paddle.concat([t, pad], axis=0)
-        return t
-
-    def as_rank_blocks(self, full) -> paddle.Tensor:
-        """``full`` as ``[I, chunk_numel]``: row ``i`` is the block inner rank ``i`` owns
-        (a view when no padding rows are needed, else a padded copy)."""
-        return self.padded_rows_of(full).reshape([self.inner_size, self.chunk_numel])
+    def rows_of(self, full, sub: bool) -> paddle.Tensor:
+        """The rows of ``full`` (this parameter's full value) this rank holds, shaped
+        ``[count] + trailing dims`` (see :meth:`row_range`)."""
+        first, count = self.row_range(sub)
+        if count == 0:  # (then the sub-block holds none either: the shard's shape)
+            return self.empty(full.dtype)
+        return full.reshape([self.rows, self.row_numel])[first:first + count] \
+            .reshape([count] + self.rest)
 
     def piece_of(self, flat) -> paddle.Tensor:
-        """The shard parameter's elements of a flat shard-layout tensor (its chunk, or
-        with parts its sub-block): a 1-D view, no copy.
+        """The shard parameter's elements of a flat shard-layout tensor: a 1-D view, no
+        copy (callers skip a 0-row shard: Paddle will not share an empty slice).
 
         Views of flat storage are taken with ``t[start:stop]`` throughout the package,
         never ``Tensor._slice``: in Paddle 3.3 ``_slice`` leaks a small Python list per
         call (64 bytes here), and the engine takes views on every step."""
         return flat[self.flat_offset:self.flat_offset + self.sub_numel]
 
-    def pieces_of(self, flat) -> list[paddle.Tensor]:
-        """The param's sub-blocks of every part in a flat shard-layout tensor, in row
-        order (together its inner block): 1-D views, no copy."""
-        starts = [q * self.piece_numel + self.offset for q in range(self.parts)]
-        return [flat[start:start + self.sub_numel] for start in starts]
+    def inner_block_of(self, flat) -> paddle.Tensor:
+        """This rank's inner block in a flat shard-layout tensor (a 1-D view)."""
+        return flat[self.inner_offset:self.inner_offset + self.inner_numel]
 
-    def rank_block(self, full, rank: int) -> paddle.Tensor:
-        """Inner rank ``rank``'s block of ``full`` (``[chunk_numel]``), built without a
-        padded copy of the whole parameter."""
-        start = min(rank * self.rows_per_rank, self.rows)
-        stop = min(start + self.rows_per_rank, self.rows)
-        block = full.reshape([self.rows, self.row_numel])[start:stop]
-        if stop - start < self.rows_per_rank:
-            pad = paddle.zeros([self.rows_per_rank - (stop - start), self.row_numel], full.dtype)
-            block = paddle.concat([block, pad], axis=0)
-        return block.reshape([self.chunk_numel])
-
-    def sub_block(self, full) -> paddle.Tensor:
-        """The rows of ``full`` the shard parameter holds (padded), in its shape."""
-        block = self.rank_block(full, self.inner_rank)
-        start = self.part * self.sub_numel
-        return block[start:start + self.sub_numel].reshape(self.shard_shape)
-
-    def from_rank_blocks(self, blocks) -> paddle.Tensor:
-        """Inverse of :meth:`as_rank_blocks`: ``[I, chunk_numel]`` (or, with parts, the
-        ``[I * parts, sub_numel]`` virtual blocks) -> full shape."""
-        t = blocks.reshape([self.padded_rows, self.row_numel])
-        if self.padded_rows > self.rows:
-            t = t[: self.rows]
-        return t.reshape(self.shape)
+    def full_of(self, full_flat) -> paddle.Tensor:
+        """The parameter's full tensor in its buffer's full flat buffer (a view)."""
+        return full_flat[self.full_offset:self.full_offset + self.numel].reshape(self.shape)
 
     # -------------------------------------------------------------- shard param
     def make_shard_param(self) -> EagerParamBase:
@@ -192,6 +163,10 @@ class ShardedParam:
             # shard's main_grad, which the buffer fills (engine/master_grad.py)
             shard.main_grad = None
         shard._hsdp_sharded_param = self  # lets optimizer/clip/state find the owner
+        if self.sub_numel == 0:
+            # paddle.DataParallel's reducer (a plain Trainer over a sharded model)
+            # refuses a parameter of no elements; a 0-row shard has nothing to sync
+            shard.no_sync = True
         self.shard = shard
         return shard
 
@@ -211,15 +186,34 @@ class ShardedParam:
                 f"then: the parameters are cast already). {POLICY_HINT}")
 
     # -------------------------------------------------------------- views of flat storage
+    def empty(self, dtype) -> paddle.Tensor:
+        """A 0-row tensor of the shard's shape that holds storage (one element): Paddle
+        shares no empty slice, and a tensor without storage has no place, which casts
+        and ``set_value`` (``paddle.amp.decorate``, ``set_state_dict``) need."""
+        t = paddle.zeros([1], dtype=dtype)
+        t.get_tensor()._set_dims(self.shard_shape)
+        return t
+
     def attach_shard(self, flat) -> None:
         """Make the shard param a view of its chunk of the buffer's flat storage."""
+        if self.sub_numel == 0:
+            shard = self.shard
+            if not shard._is_initialized() or shard.dtype != flat.dtype or \
+                    list(shard.shape) != self.shard_shape:
+                self.empty(flat.dtype)._share_buffer_to(shard)
+            return
         self.piece_of(flat)._share_buffer_to(self.shard)
         self.shard.get_tensor()._set_dims(self.shard_shape)
 
     def views(self, tensor, flat) -> bool:
         """Whether ``tensor`` (this param's shard, grad or main grad) is its chunk of
-        the buffer's flat storage ``flat``, not a copy: one pointer comparison."""
-        return (tensor is not None and tensor._is_initialized() and tensor.data_ptr()
+        the buffer's flat storage ``flat``, not a copy: one pointer comparison (a 0-row
+        one is, whatever its storage, once it has the right shape)."""
+        if tensor is None:
+            return False
+        if self.sub_numel == 0:
+            return list(tensor.shape) == self.shard_shape
+        return (tensor._is_initialized() and tensor.data_ptr()
                 == flat.data_ptr() + self.flat_offset * flat.element_size())
 
     def shard_is_view_of(self, flat) -> bool:
@@ -227,7 +221,11 @@ class ShardedParam:
 
     def attach_grad(self, flat_grad) -> None:
         """Make the shard's ``.grad`` a view of its chunk of the flat grad storage."""
-        self.shard._copy_gradient_from(self.piece_of(flat_grad).reshape(self.shard_shape))
+        # a 0-row grad holds no storage: autograd adds a new grad to a stored one only
+        # when both hold storage, and its 0-row grads hold none
+        grad = self.piece_of(flat_grad).reshape(self.shard_shape) if self.sub_numel else \
+            paddle.zeros(self.shard_shape, dtype=flat_grad.dtype)
+        self.shard._copy_gradient_from(grad)
 
     def grad_is_view_of(self, flat_grad) -> bool:
         return self.views(self.shard.grad, flat_grad)
@@ -235,7 +233,8 @@ class ShardedParam:
     def attach_main_grad(self, flat_main_grad) -> None:
         """Make the shard's ``main_grad`` (MixPrecisionLayer's float32 grad) a view of its
         chunk of the buffer's flat main-grad storage."""
-        self.shard.main_grad = self.piece_of(flat_main_grad).reshape(self.shard_shape)
+        self.shard.main_grad = self.piece_of(flat_main_grad).reshape(self.shard_shape) \
+            if self.sub_numel else paddle.zeros(self.shard_shape, dtype=flat_main_grad.dtype)
 
     def main_grad_is_view_of(self, flat_main_grad) -> bool:
         return self.views(getattr(self.shard, "main_grad", None), flat_main_grad)

@@ -19,6 +19,8 @@ class PendingGather:
     tag: paddle.Tensor | None
     compute: bool
     staged: tuple = ()  # from the staging pool: given back once, after the wait
+    tag_handle: comm.Handle | None = None  # the tags' own all-gather
+    tags: paddle.Tensor | None = None  # every rank's tag, [inner * TAG_NUMEL]
 
 
 @dataclass
@@ -46,7 +48,9 @@ def settle(pendings) -> list[Exception]:
     their staging back: for error paths and prefetches never used (see
     :func:`paddle_hsdp.comm.collectives.settle`). Returns the failures."""
     pendings = [p for p in pendings if p is not None]
-    failures = comm.settle(p.handle for p in pendings)
+    handles = [p.handle for p in pendings]
+    handles += [p.tag_handle for p in pendings if getattr(p, "tag_handle", None) is not None]
+    failures = comm.settle(handles)
     for p in pendings:
         release_staging(p)
     return failures

@@ -37,8 +37,9 @@ class ShardGrads:
             grad = sp.shard.grad
             if grad is None:  # released (clear_grad(set_to_zero=False)), or never made
                 sp.grad_here = sp.grad_anywhere = False
-                piece = sp.piece_of(self.flat_grad)
-                paddle.assign(paddle.zeros_like(piece), output=piece)
+                if sp.sub_numel:  # (a 0-row shard has no piece to zero)
+                    piece = sp.piece_of(self.flat_grad)
+                    paddle.assign(paddle.zeros_like(piece), output=piece)
             elif not sp.grad_is_view_of(self.flat_grad):
                 paddle.assign(grad.reshape([-1]), output=sp.piece_of(self.flat_grad))
             else:
@@ -70,10 +71,13 @@ class ShardGrads:
     def _attach_main_grads(self) -> None:
         for sp in self.params:
             main = getattr(sp.shard, "main_grad", None)
-            if main is None or not main._is_initialized():  # released, or never made
+            # released, or never made (a 0-row main grad holds no storage: it is
+            # released when None, as on the ranks holding rows, so all reset alike)
+            if main is None or (sp.sub_numel and not main._is_initialized()):
                 sp.grad_here = sp.grad_anywhere = False
-                piece = sp.piece_of(self.flat_main_grad)
-                paddle.assign(paddle.zeros_like(piece), output=piece)
+                if sp.sub_numel:
+                    piece = sp.piece_of(self.flat_main_grad)
+                    paddle.assign(paddle.zeros_like(piece), output=piece)
             elif not sp.main_grad_is_view_of(self.flat_main_grad):
                 paddle.assign(main.astype(master_grad.MAIN_GRAD_DTYPE).reshape([-1]),
                               output=sp.piece_of(self.flat_main_grad))

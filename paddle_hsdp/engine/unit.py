@@ -446,13 +446,13 @@ class FSDPUnit:
         for buf in self.buffers:
             esize = buf.element_size
             shard += buf.shard_numel * esize
+            if any(sp.full_is_materialized() for sp in buf.params):
+                gathered += buf.compute_nbytes  # the full buffer the params are views of
             for sp in buf.params:
                 if sp.shard.grad is not None:
-                    shard_grad += sp.chunk_numel * esize
+                    shard_grad += sp.inner_numel * esize
                 if getattr(sp.shard, "main_grad", None) is not None:
-                    shard_grad += sp.chunk_numel * sp.shard.main_grad.element_size()
-                if sp.full_is_materialized():
-                    gathered += sp.numel * buf.compute_element_size
+                    shard_grad += sp.inner_numel * sp.shard.main_grad.element_size()
         return {"shard": shard, "shard_grad": shard_grad,
                 "full_grad": self.full_grad_nbytes(), "gathered": gathered}
 

@@ -142,6 +142,21 @@ def _patch_hybrid_parallel_optimizer() -> None:
     replace(cls, "__init__", __init__,
             "no DygraphShardingOptimizer over HSDP shards (they are sharded and reduced already)")
 
+    # Its tensor-parallel syncs broadcast (or average) replicated params, grads and
+    # moments over the mp group; the collectives refuse a tensor of no elements, which
+    # a 0-row shard is (engine/layout.py). Every rank of an mp group holds the same
+    # rows (one sharding rank), so all skip it alike.
+    original_sync = cls._insert_sync
+
+    @functools.wraps(original_sync)
+    def _insert_sync(self, sync_var, src, mp_group, sync_mode):
+        if 0 in list(sync_var.shape):
+            return None
+        return original_sync(self, sync_var, src, mp_group, sync_mode)
+
+    replace(cls, "_insert_sync", _insert_sync,
+            "tensor-parallel syncs skip 0-row shards (nothing to send; collectives refuse them)")
+
 
 class _WithoutPaddleSharding:
     """An HCG view that hides the sharding degree from HybridParallelOptimizer's

@@ -118,7 +118,7 @@ def _patch_set_state_dict(layer_cls) -> None:
         result = original(self, {**state_dict, **blocks}, use_structured_name, *args, **kwargs)
         for sp, name in whole:
             value = _as_tensor(state_dict[name])
-            registry.buffer_of(sp).write_block(sp, sp.rank_block(value, sp.inner_rank))
+            registry.buffer_of(sp).write_block(sp, sp.rows_of(value, sub=False))
         return result
 
     replace(layer_cls, "set_state_dict", set_state_dict,
@@ -137,7 +137,7 @@ def _block_of(sp, key: str, value):
             f"set_state_dict: '{key}' has shape {list(value.shape)}, but the sharded model "
             f"expects the full parameter, shape {list(sp.shape)}: pass a full state dict "
             "(what model.state_dict() returns on a sharded model too). Nothing was loaded.")
-    return sp.sub_block(value)
+    return sp.rows_of(value, sub=True)
 
 
 def install() -> None:

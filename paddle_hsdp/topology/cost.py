@@ -8,12 +8,14 @@ travels in one collective); a live :class:`~paddle_hsdp.engine.buffer.ShardBuffe
 own (``buffer.shape()``), and :mod:`paddle_hsdp.config.plan` derives the same from parameter
 shapes alone, without processes or memory.
 
-Per buffer with shard ``S`` elements (padding rows included), inner size ``I``, outer
-size ``O`` and ``k`` micro-steps per optimizer step, the counter's ring accounting:
+Per buffer with shard ``S`` elements (its share of the full buffer, padding included:
+engine/layout.py), inner size ``I``, outer size ``O`` and ``k`` micro-steps per optimizer
+step, the counter's ring accounting:
 
-* inner all-gather: payload ``I * (S + TAG) * gather bytes``, wire ``(I - 1) / I`` of it,
+* inner all-gather: payload ``I * S * gather bytes``, wire ``(I - 1) / I`` of it,
   ``2k`` times when the unit reshards after forward (ZeRO-3), ``k`` times otherwise
-  (ZeRO-2), once at ZeRO-1 (params stay gathered through the micro-steps);
+  (ZeRO-2), once at ZeRO-1 (params stay gathered through the micro-steps); beside each,
+  the check's own all-gather of ``I * TAG`` elements (op ``all_gather_tags``);
 * inner reduce-scatter (trainable buffers): payload ``I * S * reduce bytes``, wire
   ``(I - 1) / I``, ``k`` times (once at ZeRO-1);
 * outer all-reduce (trainable): payload ``S * reduce bytes``, wire ``2 (O - 1) / O``, once
@@ -86,7 +88,9 @@ def step_comm(units: list[UnitShape], micro_steps: int = 1,
         for b in unit.buffers:
             ring = (b.inner - 1) / b.inner
             add(b.inner_label, "all_gather",
-                gathers * b.inner * (b.shard_numel + TAG_NUMEL) * b.gather_bytes, ring)
+                gathers * b.inner * b.shard_numel * b.gather_bytes, ring)
+            add(b.inner_label, "all_gather_tags", gathers * b.inner * TAG_NUMEL * b.gather_bytes,
+                ring)
             if b.trainable:
                 add(b.inner_label, "reduce_scatter",
                     reduces * b.inner * b.shard_numel * b.reduce_bytes, ring)

@@ -1,6 +1,7 @@
 """Checkpoints on 4 CPU ranks (fleet sharding 4, fsdp_outer_degree 2): train 3 steps in
 2x2, save, load into 2x2 (bit-exact continuation), 1x4 and 4x1 explicit meshes (float64,
-parity.py's bound), train 2 more steps and compare with an uninterrupted 5-step run; a save that
+parity.py's bound), train 2 more steps and compare with an uninterrupted 5-step run; the
+same from the step-3 checkpoint the engine wrote before its segment layout; a save that
 fails on one rank leaves the previous checkpoint intact on every rank; a corrupted
 file and another model are refused on every rank with nothing changed.
 
@@ -86,6 +87,21 @@ for label, mesh in (("2x2", None), ("1x4", ProcessMesh([0, 1, 2, 3])),
             loss=max_rel(np.array(losses), np.array(ref_losses[SAVE_AT:]))))
     print(f"RESUME {label}: max rel diff {worst:.2e}", flush=True)
 
+# test/data/checkpoint_v2_row_blocks: this run's step-3 checkpoint as the engine wrote it
+# before the segment layout (commit b589f06: every parameter in equal dim-0 blocks, the
+# same format, other boxes); it loads into today's layout and continues as the
+# uninterrupted run does
+OLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "test",
+                   "data", "checkpoint_v2_row_blocks")
+resumed, resumed_opt = shard()
+assert checkpoint.load_checkpoint(OLD, resumed, resumed_opt) == {"step": SAVE_AT}
+losses = train(resumed, resumed_opt, range(SAVE_AT, STEPS))
+got = params(resumed)
+worst = report("resume from the row-block layout", dict(
+    {k: max_rel(got[k], ref_params[k]) for k in ref_params},
+    loss=max_rel(np.array(losses), np.array(ref_losses[SAVE_AT:]))))
+print(f"RESUME row-block checkpoint: max rel diff {worst:.2e}", flush=True)
+
 # a save that fails on one rank: every rank raises, the previous checkpoint stays
 before = open(os.path.join(CK, "metadata.json")).read()
 original_write = checkpoint_save._write_rank_file
@@ -145,9 +161,15 @@ from paddle.distributed.flex_checkpoint.dcp.save_state_dict import save_state_di
 
 dcp_path = os.path.join(work, "dcp")
 sd = model.sharded_state_dict()
-assert sd["blocks.0.fc1.weight"].global_shape == (8, 25), sd["blocks.0.fc1.weight"].global_shape
 osd = opt.sharded_state_dict(sd)  # Paddle's AdamW naming: KEY.moment1_0, KEY.beta1_pow_acc_0
-assert osd["blocks.0.fc1.weight.moment1_0"].global_shape == (8, 25), osd.keys()
+# a rank that holds no row of a parameter describes none of it (engine/layout.py)
+holds = "blocks.0.fc1.weight" in sd
+assert holds == ("blocks.0.fc1.weight.moment1_0" in osd), osd.keys()
+assert not holds or sd["blocks.0.fc1.weight"].global_shape == (8, 25)
+assert not holds or osd["blocks.0.fc1.weight.moment1_0"].global_shape == (8, 25)
+holders = paddle.to_tensor([int(holds)], dtype="int64")
+dist.all_reduce(holders)
+assert int(holders) >= 1, "no rank holds blocks.0.fc1.weight"
 save_state_dict({**sd, **osd}, dcp_path, save_replicas=True)
 fresh, fresh_opt = shard()
 fresh_sd = fresh.sharded_state_dict()

@@ -23,6 +23,7 @@ import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.comm.gather_tags import TAG_NUMEL
+from paddle_hsdp.engine.layout import ALIGN
 from paddle_hsdp.topology.mesh import resolve_mesh
 from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
                     uses_extra)
@@ -141,12 +142,20 @@ def check_counter(units, esize):
     assert ar.calls == len(trainable), comm.counter.snapshot()  # exactly one outer all-reduce per buffer per step
     assert ar.wire_bytes == 2 * (O - 1) / O * grad_bytes / I, ar
     ag = comm.counter.get("inner", "all_gather")
-    # each rank's shard travels with gather_check's tag (TAG_NUMEL elements)
-    expected = sum((2 if u.should_reshard_after_forward() else 1) * MICRO * (I - 1) / I
-                   * (b.padded_numel + I * TAG_NUMEL) * esize for u in units for b in u.buffers)
+    tags = comm.counter.get("inner", "all_gather_tags")  # gather_check's own calls
+    passes = [(2 if u.should_reshard_after_forward() else 1) * MICRO for u in units
+              for b in u.buffers]
+    expected = sum(n * (I - 1) / I * b.padded_numel * esize
+                   for n, b in zip(passes, [b for u in units for b in u.buffers]))
     assert ag.wire_bytes == expected, (ag, expected)
-    padding = sum(b.padded_numel - b.logical_numel for b in trainable)
-    assert padding <= sum((I - 1) * sp.row_numel for b in trainable for sp in b.params)
+    assert tags.calls == ag.calls == sum(passes), (tags, ag)
+    assert tags.wire_bytes == sum(passes) * (I - 1) * TAG_NUMEL * esize, tags
+    # padding per buffer ([Note: the segment layout]): every gap is under ALIGN + one
+    # row, the tail under one segment's rounding to whole rows
+    for b in trainable:
+        gaps = b.layout.gaps()
+        assert b.padded_numel - b.logical_numel == sum(e - s for s, e in gaps)
+        assert all(e - s < ALIGN + max(sp.row_numel for sp in b.params) for s, e in gaps[:-1])
 
 
 for variant in config.get("variants", [[True, False], [False, True], [True, False, True]]):

@@ -169,7 +169,7 @@ def train_hfsdp(ref, hsdp):
         assert buf.parts == O, (buf.parts, buf.describe())
         for sp in buf.params:  # distinct sub-blocks: the clip counts them on every rank
             assert getattr(sp.shard, "is_firstly_shared", True) is not False, sp.fqn
-            assert list(sp.shard.shape) == [sp.sub_rows] + sp.rest, sp.fqn
+            assert list(sp.shard.shape) == [sp.sub_rows[1]] + sp.rest, sp.fqn
     opt = make_optimizer(model, model.parameters(), CLIP)
     losses, worst = [], {"norm": 0.0, "outer_bytes": 0.0}
     hsdp_wire, hsdp_opt_bytes, logical = hsdp
@@ -219,17 +219,19 @@ def train_hfsdp(ref, hsdp):
 
 
 def check_optimizer_bytes(model, opt_bytes, hsdp_opt_bytes):
-    """AdamW's two moments cover exactly the rank's sub-blocks: 1/O of the inner shard,
-    whose rows exceed HSDP's by padding only (at most I*O - 1 rows per param; on this
-    tiny model that padding is a visible part); two scalar beta powers per param as in
-    HSDP."""
+    """AdamW's two moments cover exactly the rank's sub-blocks (whole rows, no padding:
+    engine/layout.py), and over the job every parameter once, where HSDP holds every
+    parameter once per outer replica: 1/O of HSDP's; two scalar beta powers per param
+    as in HSDP."""
     params = [sp for b in trainable(model) for sp in b.params]
     scalars = 2 * 4 * len(params)
     moments = opt_bytes - scalars
     assert moments == 2 * esize * sum(sp.sub_numel for sp in params), (opt_bytes, moments)
-    hsdp_moments = hsdp_opt_bytes - scalars
-    extra = 2 * esize * sum((I * O - 1) * sp.row_numel for sp in params) // I
-    assert hsdp_moments <= moments * O <= hsdp_moments + extra, (moments, hsdp_moments)
+    totals = paddle.to_tensor([moments, hsdp_opt_bytes - scalars], dtype="int64")
+    dist.all_reduce(totals)  # over the job
+    total, hsdp_total = (int(v) for v in totals.numpy())
+    logical = sum(sp.numel for sp in params)
+    assert total * O == hsdp_total == O * 2 * esize * logical, (total, hsdp_total, logical)
 
 
 def check_refusal(model, opt):

@@ -110,8 +110,8 @@ calls = []
 def _logged(op, fn):
     def run(out, inp, group, *args, **kwargs):
         payload = out if op == "all_gather" else inp
-        calls.append((kwargs.get("tag") or comm.group_label(group), op, payload.dtype,
-                      int(payload.numel())))
+        calls.append((kwargs.get("tag") or comm.group_label(group),
+                      kwargs.get("counted_as", op), payload.dtype, int(payload.numel())))
         return fn(out, inp, group, *args, **kwargs)
     return run
 
@@ -491,8 +491,10 @@ assert hasattr(shard_param, "_hsdp_sharded_param") and shard_param is not target
 assert list(shard_param.shape) == full_shape, (shard_param.shape, full_shape)  # whole
 others = [p for n, p in model.named_parameters() if n != REPLICATED and len(p.shape) == 2
           and hasattr(p, "_hsdp_sharded_param")]
-assert others and all(p.shape[0] < p._hsdp_sharded_param.shape[0] for p in others
-                      if p._hsdp_sharded_param.shape[0] > 1)  # the rest stays sharded
+# the rest stays sharded: in buffers cut over the inner group, this rank's rows only
+assert others and all(p._hsdp_sharded_param.buffer.inner.nranks > 1
+                      and p.shape[0] == p._hsdp_sharded_param.row_range(sub=True)[1]
+                      for p in others)
 run = train_hsdp(model)
 worst = compare(run, ref32)
 compare_params(model, ref32[1], worst)

@@ -164,7 +164,9 @@ def checkpoint_round_trip(wrapper, opt):
             continue  # no optimizer state
         sa, sb = _states_of(a, p), _states_of(b, q)
         assert sorted(sa) == sorted(sb) and sa, (p.name, sorted(sa), sorted(sb))
-        assert all(np.array_equal(sa[k].numpy(), sb[k].numpy()) for k in sa), p.name
+        differ = [k for k in sa if not np.array_equal(sa[k].numpy(), sb[k].numpy())]
+        assert not differ, (p.name, list(p.shape), {k: (sa[k].numpy().ravel()[:3],
+                                                        sb[k].numpy().ravel()[:3]) for k in differ})
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path)
