@@ -1,8 +1,10 @@
 """Staging tensors of the collectives, reused across calls, units and steps.
 
-Every all-gather needs an output grid (``[I, S + tag]``), under mixed precision a copy
-of the shard in the gather dtype, and every reduce-scatter an input grid (the full
-grads written once in ``[I, S]`` rank blocks) and an output shard. Allocated per call,
+Every all-gather needs, under mixed precision, a copy of the shard in the gather dtype
+and a few elements for its tags, and every reduce-scatter an input (the full grads
+written once in the full buffer's layout) and an output shard. (The all-gather's own
+output is not staging: the full parameters are views of it while they are gathered,
+engine/buffer.py.) Allocated per call,
 each distinct size leaves its own blocks in the allocator (on CPU, glibc keeps freed
 blocks below its mmap threshold in the heap; on a device the caching allocator keeps
 one pool of blocks per size class), so the high-water mark grows with the number of
@@ -11,14 +13,12 @@ distinct buffer shapes. :data:`pool` hands out 1-D tensors and takes them back:
 * **Fit.** A request for ``n`` elements of a dtype on a place takes the smallest free
   tensor holding between ``n`` and ``n * FIT`` elements (a view of its first ``n``
   when it is larger), else a new one of exactly ``n``. Units of one shape (the decoder
-  layers) share their tensors; an all-gather grid and a reduce-scatter grid of one
-  unit differ by the tag's few elements and share them too; the root's buffers (a
-  quarter of a layer's in the benchmark's model) borrow a layer's when one is free
-  (when the root gathers at the start of forward, when its head and embedding reduce),
-  instead of holding tensors of their own through the layers' backward.
+  layers) share their tensors; the root's buffers (a quarter of a layer's in the
+  benchmark's model) borrow a layer's when one is free (when its head and embedding
+  reduce), instead of holding tensors of their own through the layers' backward.
 * **In flight.** A tensor goes back (:meth:`StagingPool.give`) only after its
-  collective's ``wait()`` and after the ops that read it were issued (the copy-out of a
-  gathered grid, the add of a reduced shard). On NCCL that is enough: Paddle's process
+  collective's ``wait()`` and after the ops that read it were issued (the tag check of
+  an all-gather, the add of a reduced shard). On NCCL that is enough: Paddle's process
   group makes the communication stream wait for the compute stream before every
   collective it issues (``SyncCalcStream``), and ``wait()`` makes the compute stream
   wait for the communication stream, so a collective that reuses a tensor runs after
@@ -26,9 +26,9 @@ distinct buffer shapes. :data:`pool` hands out 1-D tensors and takes them back:
   flight (one reads or writes it until its wait, and it is not given back before).
   An error path never gives a tensor back: the handle keeps it until its wait and the
   allocator gets it after that.
-* **Bounded.** The pool holds what was in use at once at its busiest moment (a layer's
-  gather grids in flight with prefetch, one or two reduce-scatter grids, the root's),
-  the same tensors every step. :meth:`StagingPool.release` gives the free ones back to
+* **Bounded.** The pool holds what was in use at once at its busiest moment (one or
+  two reduce-scatter inputs, the tags and casts in flight), the same tensors every
+  step. :meth:`StagingPool.release` gives the free ones back to
   the allocator (nothing in flight is touched).
 
 ``allocations`` counts the tensors the pool made, so a test can check that a steady

@@ -25,7 +25,8 @@ unit of the process:
   parameters gathered now (``memory_report`` gives the same figures: ``grad`` is
   ``shard_grad + full_grad``);
 * ``staging``: what the staging pool holds, free or in flight (engine/staging.py:
-  all-gather grids, reduce-scatter grids and outputs, mixed-precision send copies);
+  reduce-scatter inputs and outputs, all-gather tags, mixed-precision send copies;
+  an all-gather's output is the gathered parameters themselves, ``gathered``);
 * ``optimizer``: the optimizer's state (moments, master weights) as of its last step
   since :func:`enable` (0 before it).
 

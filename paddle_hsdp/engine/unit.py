@@ -201,11 +201,11 @@ class FSDPUnit:
         try:
             for i, buf in enumerate(self.buffers):
                 fulls = buf.finish_gather(pending[i])
-                pending[i] = None  # the gathered grid goes as soon as it is copied out
+                pending[i] = None  # waited for: the parameters are views of its output
                 for sp, full in zip(buf.params, fulls):
                     sp.set_full_data(full)
         except BaseException:
-            # the all-gathers not copied out yet are waited for before their buffers go
+            # the all-gathers not finished yet are waited for before their buffers go
             settle(pending)
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
