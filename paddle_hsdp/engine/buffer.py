@@ -259,7 +259,7 @@ class ShardBuffer(ShardGrads, OuterPieces):
             self._repair_views()
             send, base = self.flat, self.dtype
         dtype = self.gather_dtype if compute else base
-        tag = tag_handle = None
+        tag = tags = tag_handle = None
         try:
             if send.dtype != dtype:
                 send = self._cast_for_sending(send, dtype, staged)
@@ -287,8 +287,7 @@ class ShardBuffer(ShardGrads, OuterPieces):
             handle.wait()
         # send and out stay referenced until the wait: an async collective reads and
         # writes them on the communication stream.
-        return PendingGather(handle, send, out, tag, compute, tuple(staged),
-                             tag_handle, staged[-1] if tag_handle is not None else None)
+        return PendingGather(handle, send, out, tag, compute, tuple(staged), tag_handle, tags)
 
     def _cast_for_sending(self, send, dtype, staged: list) -> paddle.Tensor:
         """``send`` in ``dtype``: cast into a staging tensor (Paddle 3.3's public cast
