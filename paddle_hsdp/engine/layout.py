@@ -48,10 +48,6 @@ class SegmentLayout:
     def total_numel(self) -> int:
         return self.segments * self.segment_numel
 
-    @property
-    def logical_numel(self) -> int:
-        return sum(r * n for r, n in zip(self.rows, self.row_numels))
-
     def numel(self, k: int) -> int:
         return self.rows[k] * self.row_numels[k]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import paddle
 
 from . import master_grad
+from .param import ShardedParam
 from .registry import registry
 from .states import GradState, expect
 
@@ -33,18 +34,28 @@ class ShardGrads:
         return self.flat_grad
 
     def _attach_grads(self) -> None:
+        # released by clear_grad(set_to_zero=False), or never made: None
+        self._attach_views(self.flat_grad, lambda sp: sp.shard.grad,
+                           lambda sp, grad: grad is None, ShardedParam.attach_grad)
+
+    def _attach_views(self, flat, held_of, released, attach) -> None:
+        """Make every shard's grad (or main grad: ``held_of`` reads it, ``attach`` sets
+        it) a view of its piece of ``flat`` again: a released one reads as zeros (and
+        resets the param's grad flags), one the user replaced is copied in."""
         for sp in self.params:
-            grad = sp.shard.grad
-            if grad is None:  # released (clear_grad(set_to_zero=False)), or never made
+            held = held_of(sp)
+            if released(sp, held):
                 sp.grad_here = sp.grad_anywhere = False
                 if sp.sub_numel:  # (a 0-row shard has no piece to zero)
-                    piece = sp.piece_of(self.flat_grad)
+                    piece = sp.piece_of(flat)
                     paddle.assign(paddle.zeros_like(piece), output=piece)
-            elif not sp.grad_is_view_of(self.flat_grad):
-                paddle.assign(grad.reshape([-1]), output=sp.piece_of(self.flat_grad))
+            elif not sp.views(held, flat):
+                if held.dtype != flat.dtype:
+                    held = held.astype(flat.dtype)
+                paddle.assign(held.reshape([-1]), output=sp.piece_of(flat))
             else:
                 continue
-            sp.attach_grad(self.flat_grad)
+            attach(sp, flat)
 
     # -------------------------------------------------------------- main grads
     @property
@@ -69,21 +80,13 @@ class ShardGrads:
         return self.flat_main_grad
 
     def _attach_main_grads(self) -> None:
-        for sp in self.params:
-            main = getattr(sp.shard, "main_grad", None)
-            # released, or never made (a 0-row main grad holds no storage: it is
-            # released when None, as on the ranks holding rows, so all reset alike)
-            if main is None or (sp.sub_numel and not main._is_initialized()):
-                sp.grad_here = sp.grad_anywhere = False
-                if sp.sub_numel:
-                    piece = sp.piece_of(self.flat_main_grad)
-                    paddle.assign(paddle.zeros_like(piece), output=piece)
-            elif not sp.main_grad_is_view_of(self.flat_main_grad):
-                paddle.assign(main.astype(master_grad.MAIN_GRAD_DTYPE).reshape([-1]),
-                              output=sp.piece_of(self.flat_main_grad))
-            else:
-                continue
-            sp.attach_main_grad(self.flat_main_grad)
+        # released (MixPrecisionOptimizer clears its storage, or sets None), or never
+        # made; a 0-row main grad holds no storage: it is released when None, as on the
+        # ranks holding rows, so every rank resets the flags alike
+        self._attach_views(
+            self.flat_main_grad, lambda sp: getattr(sp.shard, "main_grad", None),
+            lambda sp, main: main is None or (sp.sub_numel and not main._is_initialized()),
+            ShardedParam.attach_main_grad)
 
     def add_to_grad(self, sp, grad) -> None:
         """Add ``grad`` (in ``sp``'s shard shape) to ``sp``'s piece of the storage grads
