@@ -188,6 +188,12 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done
 
+    def transferred(self) -> bool:
+        """Whether ``wait()`` would not wait for the network: the tasks are done (gloo's
+        emulations exchange at the issue; a device's task reports its kernel done).
+        Never blocks."""
+        return self._done or all(t.is_completed() for t in self._tasks)
+
     def span(self) -> tuple[float, float] | None:
         """When the collective ran on the communication thread (``time.perf_counter()``
         start and end), once waited; None for one issued on the caller's thread."""
@@ -345,6 +351,9 @@ class _FutureTask:
 
     def wait(self):
         return self.future.result()
+
+    def is_completed(self) -> bool:
+        return self.future is not None and self.future.done()
 
 
 def _issue(op: str, group, what: str | None, call, on_thread: bool = False):

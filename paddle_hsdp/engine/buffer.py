@@ -8,7 +8,8 @@ need not agree, because the optimizer sees per-parameter shards (see
 The parameters lie in one full flat buffer of ``I * S`` elements and this rank's shard
 is its ``S`` of them ([Note: the segment layout] in :mod:`~paddle_hsdp.engine.layout`):
 the all-gather's output is the full buffer, every full parameter a view of it, and the
-reduce-scatter's input is the full grads written once in the same layout.
+reduce-scatter's input is the full grads in the same layout (autograd adds them
+there in place: :mod:`~paddle_hsdp.engine.full_grads`).
 
 With outer sub-shards (``fsdp_outer_sharding="optim"``, HFSDP) the shard is ``Q`` pieces
 of ``S / Q`` elements (segments of the layout); outer rank ``q``'s optimizer sees the
@@ -31,6 +32,7 @@ from ..topology.cost import BufferShape
 from . import master_grad, offload, staging, trace
 from .dtypes import as_dtype, dtypes_of, element_size
 from .layout import segment_layout
+from .full_grads import FullGrads
 from .outer_pieces import OuterPieces
 from .shard_grads import ShardGrads
 from .param import ShardedParam
@@ -44,7 +46,7 @@ gather_tags.set_buffer_describer(registry.describe_buffer)
 gather_tags.set_unit_describer(registry.describe_unit)
 
 
-class ShardBuffer(ShardGrads, OuterPieces):
+class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
     """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
     in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
     the optimizer stay in the parameters' own dtype (the float32 master copy).
@@ -323,18 +325,50 @@ class ShardBuffer(ShardGrads, OuterPieces):
     def start_reduce_scatter(self, async_op: bool = False) -> "PendingReduce":
         """Issue the inner reduce-scatter of the full grads and release them.
 
-        The reduce-scatter input is written once: the full grads in the full buffer's
-        layout (one concatenation, zeros in its gaps), so the full grads can be freed as
-        soon as it is issued. A parameter with no grad on this rank (unused)
-        contributes zeros: every rank joins the collective whatever its data did.
-        :meth:`finish_reduce_scatter` waits and accumulates.
+        The input is the full grads in the full buffer's layout, zeros in its gaps:
+        the grad grid autograd accumulated them in (:mod:`~.full_grads`), else one
+        concatenation of them, so the full grads can be freed as soon as it is issued.
+        A parameter with no grad on this rank (unused) contributes zeros: every rank
+        joins the collective whatever its data did. :meth:`finish_reduce_scatter`
+        waits and accumulates.
         """
         expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "start_reduce_scatter",
                self.describe)  # synced grads go back to summed form first (the unit)
         trace.record("ready", "reduce_scatter", self.unit_index)  # full grads complete
         dtype = self.grad_reduce_dtype()
-        pieces, pos = [], 0  # 1-D, in the full buffer's order, gaps as zeros
-        present = []  # per param: a grad on this rank (untouched params: optimizers.py)
+        staged = []
+        try:
+            if self.grad_grid is not None:  # the grads are in the reduce input already
+                grid, present = self.take_grad_grid()
+                staged.append(grid)
+            else:
+                pieces, present = self._full_grad_pieces(dtype)
+                # one param filling the buffer: its own grad storage is the input
+                # (released, kept alive here); more: one concatenation into a staging
+                # tensor
+                grid = self._reduce_input(pieces, dtype, staged) if len(pieces) > 1 \
+                    else pieces[0]
+                del pieces  # the full grads' storage goes now, before the collective runs
+            out = staging.pool.take(self.shard_numel, dtype) if self.host is None else \
+                paddle.empty([self.shard_numel], dtype=dtype)
+            if self.host is None:
+                staged.append(out)
+            trace.record("issue", "reduce_scatter", self.unit_index)
+            handle = comm.reduce_scatter(out, grid, self.reduce_group, async_op=True,
+                                         what=self.describe)
+        except BaseException:
+            give_back(staged)  # nothing was issued (or the issue failed)
+            raise
+        self._before_reduce, self.grad_state = self.grad_state, GradState.REDUCING
+        if not async_op:
+            handle.wait()
+        return PendingReduce(handle, grid, out, tuple(staged), tuple(present))
+
+    def _full_grad_pieces(self, dtype) -> tuple[list[paddle.Tensor], list[bool]]:
+        """The full grads as autograd made them (no grad grid), 1-D in the full
+        buffer's order with zeros for its gaps, released as they are taken (the pieces
+        keep their storage); and per param, whether it had one on this rank."""
+        pieces, present, pos = [], [], 0
         for sp in self.params:
             if sp.full_offset > pos:
                 pieces.append(paddle.zeros([sp.full_offset - pos], dtype))
@@ -351,26 +385,7 @@ class ShardBuffer(ShardGrads, OuterPieces):
             pos = sp.full_offset + sp.numel
         if pos < self.padded_numel:
             pieces.append(paddle.zeros([self.padded_numel - pos], dtype))
-        staged = []
-        try:
-            # one param filling the buffer: its own grad storage is the input (released
-            # above, kept alive here); more: one concatenation into a staging tensor
-            grid = self._reduce_input(pieces, dtype, staged) if len(pieces) > 1 else pieces[0]
-            del pieces  # the full grads' storage goes now, before the collective runs
-            out = staging.pool.take(self.shard_numel, dtype) if self.host is None else \
-                paddle.empty([self.shard_numel], dtype=dtype)
-            if self.host is None:
-                staged.append(out)
-            trace.record("issue", "reduce_scatter", self.unit_index)
-            handle = comm.reduce_scatter(out, grid, self.reduce_group, async_op=True,
-                                         what=self.describe)
-        except BaseException:
-            give_back(staged)  # nothing was issued (or the issue failed)
-            raise
-        self._before_reduce, self.grad_state = self.grad_state, GradState.REDUCING
-        if not async_op:
-            handle.wait()
-        return PendingReduce(handle, grid, out, tuple(staged), tuple(present))
+        return pieces, present
 
     def abandon_reduce(self) -> None:
         """The reduce-scatter in flight was waited for without using it (a failed

@@ -59,6 +59,7 @@ def _on_grad_accumulated(sp, *_) -> None:
     the per-unit reduction. Owners of tied params a borrower uses still wait for the
     end of backward; so does every unit when ``requires_gradient_sync`` is False."""
     buf = sp.buffer
+    buf.note_grad_arrived(sp)  # (its grad grid cannot tell: every .grad is a view)
     unit = buf.owner
     if (hooks._backward_depth == 0 or buf.reduced_early or unit.reduced_in_backward
             or unit.pending_calls or unit.borrowed_by

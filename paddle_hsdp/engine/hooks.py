@@ -38,7 +38,7 @@
 
 [Note: engine work without autograd] A parameter's ``.grad`` has ``stop_gradient=False``
 in Paddle 3.3, and the hooks run while grad mode is on, so every op the engine applies
-to grads (the reduce-scatter input's concatenation into a staging grid, views of it)
+to grads (a reduce-scatter input's concatenation into a staging grid, views of it)
 would record autograd nodes, chained onto the staging tensors the pool keeps for the
 whole run: the resident set grew ~110 KB per step here, outside Paddle's tensor
 allocator. Every hook that touches grads runs under ``paddle.no_grad()``.
@@ -61,7 +61,7 @@ from .outer_sync import OuterSyncSchedule
 from .dtypes import compute_dtype_of
 from .registry import registry
 from .memory import FullGradBytes
-from .reductions import drop_pending_reduces, wait_pending_reduces
+from .reductions import drop_pending_reduces, finish_transferred_reduces, wait_pending_reduces
 from .unit import FSDPUnit
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
@@ -214,6 +214,11 @@ def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     for owner in unit.borrowed:
         owner.unshard()
     unit.unshard()
+    # the grads land in place in the reduce input (engine/full_grads.py); a finished
+    # reduce-scatter's input goes back to the pool first, to serve as this one
+    finish_transferred_reduces()
+    for buf in unit.buffers:
+        buf.attach_grad_grid()
     root = _root_of(unit)
     if root is not None:
         for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
@@ -498,6 +503,8 @@ def _abandon_backward() -> None:
         root = _roots_in_backward.pop(0)
         root.outer_sync.abandon()
         for unit in root.units:
+            for buf in unit.buffers:
+                buf.drop_grad_grid()
             for sp in unit.params:
                 master_grad.release_full_grad(sp)
             unit.full_grads_pending = False

@@ -46,8 +46,9 @@ class FullGradBytes:
 def memory_report(model, optimizer=None) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
     ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
-    ``staging``: what the collectives' staging pool holds (all models; see
-    engine/staging.py); ``peak_gathered`` / ``peak_gathered_units``: the most
+    ``staging``: what the collectives' staging pool holds, less the grad grids in use,
+    which count as the full grads they hold (all models; see engine/staging.py and
+    engine/full_grads.py); ``peak_gathered`` / ``peak_gathered_units``: the most
     full-size param bytes and units gathered at once (all models), and
     ``peak_full_grads``: the most full-size grad bytes alive at a post-backward, an
     early reduction or end of backward, since :func:`reset_peak_memory`. With
@@ -61,7 +62,7 @@ def memory_report(model, optimizer=None) -> dict[str, int]:
     for unit in units:
         for key, value in unit.held_bytes().items():
             total[key] += value
-    total["staging"] = staging.pool.held_bytes
+    total["staging"] = staging.pool.staging_bytes
     total["peak_gathered"] = GatheredBytes.peak
     total["peak_gathered_units"] = GatheredBytes.units_peak
     total["peak_full_grads"] = FullGradBytes.peak

@@ -223,9 +223,14 @@ class ShardedParam:
         """Make the shard's ``.grad`` a view of its chunk of the flat grad storage."""
         # a 0-row grad holds no storage: autograd adds a new grad to a stored one only
         # when both hold storage, and its 0-row grads hold none
-        grad = self.piece_of(flat_grad).reshape(self.shard_shape) if self.sub_numel else \
-            paddle.zeros(self.shard_shape, dtype=flat_grad.dtype)
+        grad = own_view(self.piece_of(flat_grad), self.shard_shape) if self.sub_numel \
+            else paddle.zeros(self.shard_shape, dtype=flat_grad.dtype)
         self.shard._copy_gradient_from(grad)
+
+    def attach_full_grad(self, grid) -> None:
+        """Make the full parameter's ``.grad`` a view of its place in ``grid``, a full
+        flat buffer (engine/full_grads.py)."""
+        self.full._copy_gradient_from(own_view(self.full_of(grid), self.shape))
 
     def grad_is_view_of(self, flat_grad) -> bool:
         return self.views(self.shard.grad, flat_grad)
@@ -233,7 +238,7 @@ class ShardedParam:
     def attach_main_grad(self, flat_main_grad) -> None:
         """Make the shard's ``main_grad`` (MixPrecisionLayer's float32 grad) a view of its
         chunk of the buffer's flat main-grad storage."""
-        self.shard.main_grad = self.piece_of(flat_main_grad).reshape(self.shard_shape) \
+        self.shard.main_grad = own_view(self.piece_of(flat_main_grad), self.shard_shape) \
             if self.sub_numel else paddle.zeros(self.shard_shape, dtype=flat_main_grad.dtype)
 
     def main_grad_is_view_of(self, flat_main_grad) -> bool:
@@ -255,6 +260,17 @@ class ShardedParam:
 
     def full_is_materialized(self) -> bool:
         return self.full._is_initialized()
+
+
+def own_view(view, shape) -> paddle.Tensor:
+    """``view``'s storage in a tensor object of its own, shaped ``shape``. A slice of a
+    tensor's whole range is the tensor itself to Paddle (the same DenseTensor), so a
+    grad that is such a "view" and is released (``clear_gradient(False)`` moves its
+    storage out) would free the flat buffer it belongs to."""
+    t = paddle.zeros([1], dtype=view.dtype)  # its one element is dropped by the share
+    view._share_buffer_to(t)
+    t.get_tensor()._set_dims(shape)
+    return t
 
 
 def _name(dtype) -> str:

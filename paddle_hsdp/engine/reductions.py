@@ -18,11 +18,24 @@ in_flight: list = []
 def wait_pending_reduces() -> None:
     """Wait for every reduce-scatter in flight and accumulate its result."""
     while in_flight:
-        buf, pending = in_flight.pop(0)
-        buf.finish_reduce_scatter(pending)
-        schedule = schedule_of(buf.owner)
-        if schedule is not None:  # its outer sync may start now (engine/outer_sync.py)
-            schedule.reduced(buf)
+        _finish_first()
+
+
+def finish_transferred_reduces() -> None:
+    """Accumulate the reduce-scatters in flight whose transfer is over, oldest first,
+    without waiting for any: their inputs go back to the staging pool, where the next
+    unit's grad grid finds one (on gloo every one: its emulation exchanges at the
+    issue; on a device one whose kernel finished)."""
+    while in_flight and in_flight[0][1].handle.transferred():
+        _finish_first()
+
+
+def _finish_first() -> None:
+    buf, pending = in_flight.pop(0)
+    buf.finish_reduce_scatter(pending)
+    schedule = schedule_of(buf.owner)
+    if schedule is not None:  # its outer sync may start now (engine/outer_sync.py)
+        schedule.reduced(buf)
 
 
 def drop_pending_reduces() -> None:

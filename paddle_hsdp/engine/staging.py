@@ -1,8 +1,9 @@
 """Staging tensors of the collectives, reused across calls, units and steps.
 
 Every all-gather needs, under mixed precision, a copy of the shard in the gather dtype
-and a few elements for its tags, and every reduce-scatter an input (the full grads
-written once in the full buffer's layout) and an output shard. (The all-gather's own
+and a few elements for its tags, and every reduce-scatter an input (the full grads in
+the full buffer's layout: the grad grid autograd adds them to, engine/full_grads.py,
+or their one concatenation) and an output shard. (The all-gather's own
 output is not staging: the full parameters are views of it while they are gathered,
 engine/buffer.py.) Allocated per call,
 each distinct size leaves its own blocks in the allocator (on CPU, glibc keeps freed
@@ -58,6 +59,9 @@ class StagingPool:
         self.allocations = 0  # tensors made since the process started
         self.held_bytes = 0  # every tensor the pool made and has not released
         self.taken_bytes = 0  # of which handed out now
+        # of which serving as full grads now (grad grids, engine/full_grads.py): memory
+        # reports count them as full grads, not staging
+        self.grad_bytes = 0
 
     def take(self, numel: int, dtype) -> paddle.Tensor:
         """A 1-D tensor of ``numel`` elements of ``dtype`` on the current place,
@@ -80,6 +84,11 @@ class StagingPool:
         self._out[id(t)] = (t, base, key)
         self.taken_bytes += _nbytes(base)
         return t
+
+    @property
+    def staging_bytes(self) -> int:
+        """What the pool holds, less the grad grids in use (reported as full grads)."""
+        return self.held_bytes - self.grad_bytes
 
     def give(self, t) -> None:
         """Take back a tensor from :meth:`take` (see the module docstring for when)."""

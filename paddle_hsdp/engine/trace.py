@@ -4,8 +4,8 @@ benchmark and reading a step.
 Off by default (one ``if`` per event). ``paddle_hsdp.engine.trace.enable()`` starts recording
 ``(kind, op, unit index)`` tuples: ``issue`` / ``wait`` for every collective a buffer
 issues and waits (``all_gather``, ``reduce_scatter``, ``all_reduce``), and ``ready``
-``reduce_scatter`` when a buffer's full grads are about to be copied into the
-reduce-scatter's input (the last moment they are all alive); ``forward`` /
+``reduce_scatter`` when a buffer's full grads are complete, about to be reduced
+(the last moment they are all alive); ``forward`` /
 ``backward`` ``compute`` when a unit's compute is about to start (after its gather and
 prefetch: its pre-forward / pre-backward) and ``done`` when it is over (its
 post-forward / post-backward); ``backward end`` (unit: the root) when the end of
@@ -21,7 +21,8 @@ and the bytes the engine holds on this rank by kind (:data:`KINDS`), summed over
 unit of the process:
 
 * ``shard``: the parameter shards; ``shard_grad``: their grads (and float32 main
-  grads); ``full_grad``: full-size grads not reduce-scattered yet; ``gathered``: full
+  grads); ``full_grad``: full-size grads not reduce-scattered yet (a grad grid in use
+  counts here, not in ``staging``: engine/full_grads.py); ``gathered``: full
   parameters gathered now (``memory_report`` gives the same figures: ``grad`` is
   ``shard_grad + full_grad``);
 * ``staging``: what the staging pool holds, free or in flight (engine/staging.py:
@@ -106,7 +107,7 @@ def sample(event: str, unit_index: int) -> dict:
     for unit in registry.units:
         for kind, nbytes in unit.bytes_by_kind().items():
             row[kind] += nbytes
-    row["staging"] = staging.pool.held_bytes
+    row["staging"] = staging.pool.staging_bytes
     row["optimizer"] = _optimizer_bytes
     if _rss:
         rss = rss_bytes()

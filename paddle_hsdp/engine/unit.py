@@ -329,6 +329,8 @@ class FSDPUnit:
         """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
         registry.storage_may_have_changed()  # grads released or replaced
         if self.full_grads_pending:
+            for buf in self.buffers:
+                buf.drop_grad_grid()
             for sp in self.params:
                 master_grad.release_full_grad(sp)
         for buf in self.buffers:
@@ -433,7 +435,7 @@ class FSDPUnit:
 
     # -------------------------------------------------------------- memory report
     def full_grad_nbytes(self) -> int:
-        return sum(master_grad.full_grad_nbytes(sp) for sp in self.params)
+        return sum(buf.full_grad_nbytes() for buf in self.buffers)
 
     def gathered_nbytes(self) -> int:
         return sum(buf.compute_nbytes for buf in self.buffers)

@@ -109,7 +109,13 @@ def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
 
 
 def full_grad_bytes(unit, esize) -> int:
-    return sum(sp.numel * esize for b in unit.buffers if b.trainable for sp in b.params)
+    """A unit's full grads: a buffer's whole grad grid (padding included) when autograd
+    adds them there (engine/full_grads.py; the tied embedding's too: Paddle accumulates
+    a leaf's grads from both uses at once, after the embedding's pre-backward), else its
+    parameters' grads."""
+    return sum(b.padded_numel * esize if b.grads_in_place()
+               else sum(sp.numel * esize for sp in b.params)
+               for b in unit.buffers if b.trainable)
 
 
 def check_full_grad_peak(units, peak, end_of_backward, esize):
