@@ -76,22 +76,15 @@ class FullGrads:
             if not sp.numel:
                 present.append(False)
             elif grad is None:  # released since it was attached: no grad this backward
-                place = grid[sp.full_offset:sp.full_offset + sp.numel]
-                place.zero_()
+                sp.full_of(grid).zero_()
                 present.append(False)
-            elif not self._grid_holds(sp, grad, grid):  # replaced: copied in
-                paddle.assign(grad.reshape([-1]).astype(grid.dtype),
-                              output=grid[sp.full_offset:sp.full_offset + sp.numel])
+            elif not sp.full_grad_is_view_of(grid):  # replaced: copied in
+                paddle.assign(grad.astype(grid.dtype), output=sp.full_of(grid))
                 present.append(True)
             else:
                 present.append(id(sp) in arrived)
             master_grad.release_full_grad(sp)
         return grid, present
-
-    @staticmethod
-    def _grid_holds(sp, grad, grid) -> bool:
-        return (grad._is_initialized() and grad.dtype == grid.dtype and grad.data_ptr()
-                == grid.data_ptr() + sp.full_offset * grid.element_size())
 
     def drop_grad_grid(self) -> None:
         """Forget the grads in the grid (a failed backward, ``clear_grad`` with grads

@@ -75,12 +75,17 @@ class SegmentLayout:
         return out
 
 
+def row_split(shape) -> tuple[int, int]:
+    """``(rows, elements per row)`` of a parameter of ``shape``: its first dim and the
+    product of the others (a 0-d parameter is one row of one element)."""
+    return (int(shape[0]) if len(shape) else 1,
+            math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1)
+
+
 def segment_layout(shapes, segments: int) -> SegmentLayout:
     """The smallest ``s`` (and the placement under it) this module's rules allow for
     parameters of ``shapes`` (in order) over ``segments`` segments."""
-    rows = tuple(int(shape[0]) if len(shape) else 1 for shape in shapes)
-    row_numels = tuple(math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1
-                       for shape in shapes)
+    rows, row_numels = zip(*(row_split(shape) for shape in shapes))
     numels = [r * n for r, n in zip(rows, row_numels)]
     size = max(1, -(-sum(numels) // segments))
     while True:

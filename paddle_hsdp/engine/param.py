@@ -16,11 +16,11 @@ take those: nothing to update), so every rank's optimizer sees the same paramete
 
 from __future__ import annotations
 
-import math
 
 import paddle
 from paddle.base.framework import EagerParamBase
 
+from .layout import row_split
 from .policies import POLICY_HINT
 
 # Marks Paddle's optimizers, clip and hybrid-parallel helpers (and PaddleFormers) read
@@ -59,9 +59,8 @@ class ShardedParam:
         self.shape = list(param.shape)
         self.dtype = param.dtype
         self.trainable = not param.stop_gradient
-        self.rows = self.shape[0] if self.shape else 1
-        self.rest = self.shape[1:] if self.shape else []
-        self.row_numel = math.prod(self.rest) if self.rest else 1
+        self.rows, self.row_numel = row_split(self.shape)  # as the buffer's layout
+        self.rest = self.shape[1:]
         self.numel = self.rows * self.row_numel
         self.inner_size = inner_size
         self.inner_rank = inner_rank
@@ -213,8 +212,7 @@ class ShardedParam:
             return False
         if self.sub_numel == 0:
             return list(tensor.shape) == self.shard_shape
-        return (tensor._is_initialized() and tensor.data_ptr()
-                == flat.data_ptr() + self.flat_offset * flat.element_size())
+        return is_view_at(tensor, flat, self.flat_offset)
 
     def shard_is_view_of(self, flat) -> bool:
         return self.views(self.shard, flat)
@@ -231,6 +229,11 @@ class ShardedParam:
         """Make the full parameter's ``.grad`` a view of its place in ``grid``, a full
         flat buffer (engine/full_grads.py)."""
         self.full._copy_gradient_from(own_view(self.full_of(grid), self.shape))
+
+    def full_grad_is_view_of(self, grid) -> bool:
+        """Whether the full parameter's ``.grad`` is still its place in ``grid``."""
+        grad = self.full.grad
+        return grad is not None and is_view_at(grad, grid, self.full_offset)
 
     def grad_is_view_of(self, flat_grad) -> bool:
         return self.views(self.shard.grad, flat_grad)
@@ -260,6 +263,13 @@ class ShardedParam:
 
     def full_is_materialized(self) -> bool:
         return self.full._is_initialized()
+
+
+def is_view_at(tensor, flat, offset: int) -> bool:
+    """Whether ``tensor``'s storage starts at element ``offset`` of ``flat``'s: one
+    pointer comparison."""
+    return (tensor._is_initialized()
+            and tensor.data_ptr() == flat.data_ptr() + offset * flat.element_size())
 
 
 def own_view(view, shape) -> paddle.Tensor:
