@@ -82,3 +82,23 @@ def test_single_rank_group_counts_without_communicating(op, monkeypatch):
     assert run() is None
     assert out.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
     assert comm.counter.get("group-1", op) == comm.OpStats(1, 16, 0.0)
+
+
+def test_transferred_never_asks_the_backend():
+    """``Handle.transferred()`` (the engine accumulates such reduce-scatters early, which
+    may issue an outer sync): True once waited or when nothing was left in flight at
+    the issue, and False for a task in flight even when the backend says it finished,
+    so timing never makes ranks order their collectives differently."""
+
+    class FinishedTask:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            return None
+
+    assert comm.Handle().transferred()  # exchanged at the issue (gloo's emulations)
+    in_flight = comm.Handle([FinishedTask()])
+    assert not in_flight.transferred()
+    in_flight.wait()
+    assert in_flight.transferred()

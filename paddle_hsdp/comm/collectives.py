@@ -189,10 +189,11 @@ class Handle:
         return self._done
 
     def transferred(self) -> bool:
-        """Whether ``wait()`` would not wait for the network: the tasks are done (gloo's
-        emulations exchange at the issue; a device's task reports its kernel done).
-        Never blocks."""
-        return self._done or all(t.is_completed() for t in self._tasks)
+        """Whether the exchange is over whatever the timing: waited for, or run at the
+        issue (gloo's emulations; what is left is the caller's own kernels). A task in
+        flight counts as not transferred even if it has finished: asking the backend
+        would make the answer, and so what the caller does next, differ across ranks."""
+        return self._done or not self._tasks
 
     def span(self) -> tuple[float, float] | None:
         """When the collective ran on the communication thread (``time.perf_counter()``
@@ -351,9 +352,6 @@ class _FutureTask:
 
     def wait(self):
         return self.future.result()
-
-    def is_completed(self) -> bool:
-        return self.future is not None and self.future.done()
 
 
 def _issue(op: str, group, what: str | None, call, on_thread: bool = False):

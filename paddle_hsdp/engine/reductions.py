@@ -24,8 +24,11 @@ def wait_pending_reduces() -> None:
 def finish_transferred_reduces() -> None:
     """Accumulate the reduce-scatters in flight whose transfer is over, oldest first,
     without waiting for any: their inputs go back to the staging pool, where the next
-    unit's grad grid finds one (on gloo every one: its emulation exchanges at the
-    issue; on a device one whose kernel finished)."""
+    unit's grad grid finds one. On gloo that is every one (its emulation exchanges at
+    the issue); on a device none, so they keep overlapping the next unit's backward
+    (with a second grid). Never decided by timing: accumulating one lets its outer
+    sync be issued (outer_sync.py), and the order of collectives across groups must
+    not differ between ranks."""
     while in_flight and in_flight[0][1].handle.transferred():
         _finish_first()
 
