@@ -58,18 +58,22 @@ def _store_timeout_s() -> int:
     return int(os.environ.get("PADDLE_HSDP_GLOO_STORE_TIMEOUT", "300"))
 
 
-def make_group_store(global_store, group_rank: int, group_size: int, group_id: int):
-    """A rendezvous store private to one sub-group (see the module docstring)."""
-    key = f"{_KEY_PREFIX}/{group_id}"
+def make_group_store(global_store, group_rank: int, group_size: int, group_id: int,
+                     key: str | None = None, timeout_s: int | None = None):
+    """A rendezvous store private to one sub-group (see the module docstring).
+    ``key``: where the address is published (default: by group id); ``timeout_s``: how
+    long members wait for each other (default ``PADDLE_HSDP_GLOO_STORE_TIMEOUT``)."""
+    key = key or f"{_KEY_PREFIX}/{group_id}"
+    timeout_s = timeout_s or _store_timeout_s()
     if group_rank == 0:
         host = _host_address()
         port = _free_port(host)
         global_store.set(key, f"{host}:{port}")
         # The master's constructor returns once all group_size members have connected.
-        _servers[group_id] = core.TCPStore(host, port, True, group_size, _store_timeout_s())
+        _servers[group_id] = core.TCPStore(host, port, True, group_size, timeout_s)
     else:
         host, port = global_store.get(key).decode().rsplit(":", 1)
-    store = core.TCPStore(host, int(port), False, group_size, _store_timeout_s())
+    store = core.TCPStore(host, int(port), False, group_size, timeout_s)
     _group_stores[group_id] = store
     return store
 

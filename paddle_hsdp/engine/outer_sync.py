@@ -187,8 +187,10 @@ def finish_outer_syncs(work: list) -> None:
 
 
 def _takes_part(unit, buf) -> bool:
+    # ``early_sync`` False on the outer group: its members do not share this root's
+    # FSDP group, so the order agreed there binds no other replica (paddle_hsdp.ft).
     return (buf.trainable and unit.overlap and unit.requires_all_reduce
-            and unit.grads_pending_outer_sync
+            and unit.grads_pending_outer_sync and getattr(buf.outer, "early_sync", True)
             and not any(b.host is not None for b in unit.buffers))
 
 

@@ -134,6 +134,7 @@ class HSDPGroups:
         self._groups = groups  # member tuple -> paddle Group
         self._fsdp = {False: fsdp_dense, True: fsdp_expert}
         self._twins = reduce_scatter_twins or {}  # inner member tuple -> its twin
+        self.live_outer = None  # set by paddle_hsdp.ft: the outer group across replicas
 
     def fsdp(self, is_expert: bool):
         return self._fsdp[bool(is_expert)]
@@ -142,7 +143,14 @@ class HSDPGroups:
         return self._groups[self.layout.groups_of(rank, is_expert).inner]
 
     def outer(self, rank: int, is_expert: bool):
+        if self.live_outer is not None:
+            return self.live_outer
         return self._groups[self.layout.groups_of(rank, is_expert).outer]
+
+    def use_live_outer(self, group) -> None:
+        """A fault-tolerant job (paddle_hsdp.ft): ``group`` is this rank's outer group for
+        dense and expert buffers alike, across replica groups (fleet's outer degree is 1)."""
+        self.live_outer = group
 
     def reduce_scatter(self, rank: int, is_expert: bool):
         """The group inner reduce-scatters run on: the inner group's twin where one was

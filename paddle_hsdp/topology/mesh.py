@@ -96,7 +96,9 @@ class HCGMesh:
         return self.hcg.get_fsdp_group(is_expert)
 
     def fsdp_size(self, is_expert: bool = False) -> int:
-        return self.hcg.get_fsdp_group(False).nranks
+        # outer x inner (the dense FSDP group's size), read each time: a fault-tolerant
+        # job's outer group follows the live replicas (paddle_hsdp.ft)
+        return self.outer(False).nranks * self.inner(False).nranks
 
     def mp_rank(self) -> int:
         return self.hcg.get_model_parallel_rank()

@@ -1,0 +1,12 @@
+"""Fault-tolerant HSDP: replica groups that outlive each other (docs/fault_tolerance.md).
+
+Start a coordinator (``python -m paddle_hsdp.ft.coordinator --port P``), then each
+replica group as its own ``paddle.distributed.launch`` job; in the training script,
+``replica = paddle_hsdp.ft.init()`` after ``fleet.init`` and before ``fully_shard``,
+``replica.attach(model, optimizer)``, and ``replica.train_step(fn)`` for each step.
+"""
+
+from .replica import Replica, init
+from .rounds import FaultToleranceError
+
+__all__ = ["FaultToleranceError", "Replica", "init"]

@@ -1,0 +1,39 @@
+"""The coordinator of a fault-tolerant job: a Paddle ``TCPStore`` no replica hosts.
+
+    python -m paddle_hsdp.ft.coordinator --port 29600 [--host 0.0.0.0]
+
+It keeps the rounds' records and the replicas' heartbeats (paddle_hsdp.ft.store) and
+runs until stopped. It holds no model state: every replica group can die and restart
+around it. If it dies, running replicas fail their next round (they cannot agree on
+one) and stop; restart it and the replica groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from .store import serve
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paddle_hsdp.ft.coordinator",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="address to listen on (default: every interface)")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    server = serve(args.host, args.port)  # serves while it lives
+    print(f"paddle_hsdp.ft coordinator listening on {args.host}:{args.port}", flush=True)
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    signal.sigwait(stop)
+    del server
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The outer groups of a fault-tolerant job: one per local rank, across replica groups.
+
+Inside a replica group (one ``paddle.distributed.launch`` job) fleet's groups are the
+usual ones, and the inner group is the replica's sharding group. Across replicas
+nothing of fleet's exists: local rank ``i`` of every live replica forms outer group
+``i``, created for a round straight from Paddle's process-group classes on a
+rendezvous store of its own (:func:`paddle_hsdp.comm.gloo_store.make_group_store`,
+its address published in the coordinator's store under the round's key).
+
+Ranks across replicas are *virtual*: ``replica * inner + local_rank``. The engine
+holds one :class:`LiveOuterGroup` per process from ``fully_shard`` on; each new round
+points it at the round's process group (``adopt``), so the buffers, the grad divisor
+(``outer.nranks x inner``) and the comm counter follow the live replicas without a
+rebuild of the engine.
+"""
+
+from __future__ import annotations
+
+from paddle.base import core
+from paddle.distributed import collective
+from paddle.distributed.communication.group import Group
+
+from ..comm import collectives as comm
+from ..comm.gloo_store import make_group_store
+from .store import key
+
+# Negative (never one of Paddle's ring ids) and fixed, so the comm counter files all
+# rounds' traffic under one label.
+LIVE_GROUP_ID = -(10 ** 6)
+# Process-group ids of the rounds' groups (Paddle's own count up from 0).
+_ROUND_GROUP_BASE = 10 ** 7
+
+
+class LiveOuterGroup(Group):
+    """This rank's outer group, whichever replicas are live (a ``Group``, so Paddle's
+    collectives take it). Until the first round it is this rank alone."""
+
+    # No outer all-reduce during backward (engine/outer_sync.py): its order is agreed
+    # inside one replica group, and a replica that just joined has no step to predict
+    # from; at the step every replica issues them in the units' one global order.
+    early_sync = False
+
+    def __init__(self, replica: int, local_rank: int, inner: int):
+        self.replica, self.local_rank, self.inner_size = replica, local_rank, inner
+        super().__init__(0, LIVE_GROUP_ID, [self.virtual_rank(replica)], pg=None,
+                         name=f"hsdp_ft_outer_{local_rank}")
+        self.retired: list = []  # process groups of past rounds (never destroyed mid-job)
+        comm.name_group(self, "outer")
+
+    def virtual_rank(self, replica: int) -> int:
+        return replica * self.inner_size + self.local_rank
+
+    def adopt(self, replicas: list[int], process_group) -> None:
+        """Point at a round's process group over ``replicas`` (sorted)."""
+        if self._pg is not None:
+            self.retired.append(self._pg)
+        self._ranks = [self.virtual_rank(r) for r in replicas]
+        self._rank_in_group = replicas.index(self.replica)
+        self._world_size = len(replicas)
+        self._pg = process_group
+
+    @property
+    def replicas(self) -> list[int]:
+        return [r // self.inner_size for r in self._ranks]
+
+
+def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup,
+            timeout_s: float):
+    """Create this rank's outer process group for a round (every member calls it); None
+    for a round of one replica (nothing to talk to)."""
+    if len(replicas) == 1:
+        return None
+    rank, size = replicas.index(group.replica), len(replicas)
+    group_id = _ROUND_GROUP_BASE + round_number * 1024 + group.local_rank
+    group_store = make_group_store(
+        store, rank, size, group_id,
+        key=key("r", round_number, "outer_store", group.local_rank),
+        timeout_s=max(1, int(timeout_s)))
+    if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
+        return core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
+                                            collective._get_global_env().pg_timeout, 0, None)
+    return core.ProcessGroupGloo.create(group_store, rank, size, group_id)

@@ -1,0 +1,313 @@
+"""One replica group of a fault-tolerant job: attempts, votes, commits, rounds, rejoins.
+
+Each optimizer step is *attempted*: the user's forward and backward, one tiny
+all-reduce (max) over the outer group that tells every member whether a replica group
+waits to join, and the outer all-reduce of the grads. Nothing in the optimizer's step
+crosses replicas (the clip's norm and the update stay inside the replica group). The
+replica's ranks then vote (an all-reduce inside the replica group, whose ranks live
+and die together). If any of them saw a collective fail, no rank steps, every grad is
+dropped and the step is attempted again, so the optimizer state of every survivor is
+as before the failed step.
+
+A *round* (:mod:`.rounds`, through the coordinator's store: slow, ~50 ms an access) is
+formed only when needed: at the start, after a failed attempt, or when a replica waits
+to join. It fixes the live replicas, rebuilds the outer groups over them, and copies
+a donor's state to replicas that need it (:mod:`.transfer`). In steady state a step
+costs two one-element all-reduces and no store access.
+
+Replicas that disagree (one committed a step whose all-reduce finished for it while
+it failed for another) are set right in the next round: every replica arrives with
+its step count, and those behind the furthest take the state of a replica there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+
+from ..comm import collectives as comm
+from ..comm.collectives import CollectiveError
+from ..engine.optimizers import finish_grad_sync
+from ..engine.registry import registry
+from . import groups, transfer
+from .rounds import Arrival, FaultToleranceError, Round, Rounds
+from .store import (COORDINATOR_ENV, Heartbeat, Liveness, _float_env, connect,
+                    heartbeat_timeout_s, key, wait_count)
+
+logger = logging.getLogger("paddle_hsdp.ft")
+
+REPLICA_ENV = "PADDLE_HSDP_FT_REPLICA_ID"
+START_REPLICAS_ENV = "PADDLE_HSDP_FT_START_REPLICAS"
+ROUND_TIMEOUT_ENV = "PADDLE_HSDP_FT_ROUND_TIMEOUT"
+
+
+def _int_env(name: str, default: int | None) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        if default is None:
+            raise ValueError(f"paddle_hsdp.ft.init needs {name} (or the matching argument)")
+        return default
+    if not raw.lstrip("-").isdigit() or int(raw) < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {raw!r}")
+    return int(raw)
+
+
+class Replica:
+    """This process's view of its replica group (build it with :func:`paddle_hsdp.ft.init`)."""
+
+    def __init__(self, replica_id: int, coordinator: str, start_replicas: int,
+                 min_replicas: int, round_timeout_s: float, max_failed_attempts: int):
+        hcg = fleet.get_hybrid_communicate_group()
+        hsdp = getattr(hcg, "_hsdp_groups", None)
+        if hsdp is None:
+            raise RuntimeError("paddle_hsdp.ft.init(): call fleet.init first (after "
+                               "`import paddle_hsdp`); the replica group is that job.")
+        if hsdp.outer_degree != 1:
+            raise ValueError(
+                "paddle_hsdp.ft.init(): sharding_configs['fsdp_outer_degree'] must be 1 in "
+                f"a fault-tolerant job, got {hsdp.outer_degree}: each replica group is its "
+                "own launch job, and the outer groups join the replica groups.")
+        if min_replicas < 1 or start_replicas < min_replicas:
+            raise ValueError(f"paddle_hsdp.ft.init(): need 1 <= min_replicas <= "
+                             f"start_replicas, got min_replicas={min_replicas}, "
+                             f"start_replicas={start_replicas}")
+        self.replica_id = replica_id
+        self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
+        self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
+        hsdp.use_live_outer(self.outer)
+        self.round_timeout_s = round_timeout_s
+        self.max_failed_attempts = max_failed_attempts
+        self.store = connect(coordinator, round_timeout_s)
+        self._rounds = self._heartbeat = None
+        if self.rank == 0:
+            timeout = heartbeat_timeout_s()
+            self._heartbeat = Heartbeat(coordinator, replica_id, round_timeout_s)
+            self._rounds = Rounds(self.store, replica_id, start_replicas, min_replicas,
+                                  Liveness(self.store, timeout), round_timeout_s)
+        # this process's run of the replica group: keys of a restarted one never
+        # meet its predecessor's
+        self._world = dist.collective._get_global_group()  # this replica group's ranks
+        token = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(token, src=0)
+        self._token = token[0]
+        self._arrivals = 0
+        self.step = 0  # optimizer steps taken
+        self.fresh = True  # state not (yet) known to match a replica's
+        self._failed = False  # the last attempt failed
+        self._need_round = True  # the next attempt starts with a round
+        self._members: list[int] | None = None  # the last round's replicas (leader)
+        self._next_round: int | None = None
+        self.round: Round | None = None
+        self.history: list[dict] = []  # one entry per committed step and per failure
+        self.model = self.optimizer = self.lr_scheduler = None
+        self._state_fn = self._load_state_fn = None
+
+    # ------------------------------------------------------------ set-up
+    def attach(self, model, optimizer, lr_scheduler=None, state_dict=None,
+               load_state_dict=None) -> None:
+        """What a step trains and what a rejoining replica receives: the sharded
+        ``model``, its ``optimizer`` (and ``lr_scheduler``, stepped after each committed
+        step), and optionally the user's own plain state (``state_dict()`` returns a
+        picklable object, ``load_state_dict(obj)`` takes it)."""
+        for unit in registry.units_under(model):
+            for buf in unit.buffers:
+                if buf.outer is not self.outer:
+                    raise NotImplementedError(
+                        f"paddle_hsdp.ft: {buf.describe()} is not sharded over the inner "
+                        "group (a replicated placement, or sharded before "
+                        "paddle_hsdp.ft.init): its grads would not cross replicas. Call "
+                        "ft.init() before fully_shard and shard every parameter.")
+                if buf.parts != 1:
+                    raise NotImplementedError(
+                        "paddle_hsdp.ft: fsdp_outer_sharding='optim' (HFSDP) is not "
+                        "fault-tolerant: a dead replica takes its 1/O of the optimizer "
+                        "state with it. Use fsdp_outer_sharding='none'.")
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self._state_fn, self._load_state_fn = state_dict, load_state_dict
+
+    @property
+    def live_replicas(self) -> list[int]:
+        """The replicas of the current round (sorted ids)."""
+        return list(self.round.replicas) if self.round is not None else [self.replica_id]
+
+    # ------------------------------------------------------------ the step
+    def train_step(self, forward_backward):
+        """Take one optimizer step: ``forward_backward()`` runs forward and backward on
+        this step's batch (choose it from ``self.step``) and returns the loss. Run again
+        if the attempt fails; returns the loss of the committed attempt."""
+        if self.model is None:
+            raise RuntimeError("Replica.train_step: call attach(model, optimizer) first")
+        failures = 0
+        while True:
+            started = time.perf_counter()
+            self._timing = {}
+            loss, error, receiving, join_wanted = None, None, False, False
+            if self._need_round:
+                self.round = self._arrive()
+                receiving = self.replica_id in self.round.receivers
+                self._timing["round_s"] = time.perf_counter() - started
+                error = self._set_up_round(self.round, receiving)
+                logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
+                             error or "ok")
+                self._timing["set_up_s"] = time.perf_counter() - started - \
+                    self._timing["round_s"]
+                # a set-up that failed on one rank fails the attempt on all of them
+                # before any inner collective of the step (which the failed rank skips)
+                if self._replica_votes(error is not None, False)[0]:
+                    error = error or FaultToleranceError(
+                        "paddle_hsdp.ft: a replica-mate's round set-up failed")
+            if error is None:
+                self._need_round = False
+                try:
+                    loss = forward_backward()
+                    join_wanted = self._joiners_waiting()
+                    finish_grad_sync(self.optimizer)
+                except (CollectiveError, FaultToleranceError) as e:
+                    error = e
+            failed, join_wanted = self._replica_votes(error is not None, join_wanted)
+            logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
+                         self.step + 1, failed, error, join_wanted)
+            self._need_round = failed or join_wanted
+            if not failed:
+                self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                self.optimizer.clear_grad()
+                self.step += 1
+                self._failed = self.fresh = False
+                self._log(started, "step")
+                return loss
+            self.optimizer.clear_grad()  # every grad of the attempt, synced or not
+            self._failed = True
+            self.fresh = self.fresh or receiving
+            failures += 1
+            self._log(started, "failed", error)
+            if failures > self.max_failed_attempts:
+                raise FaultToleranceError(
+                    f"paddle_hsdp.ft: step {self.step} failed {failures} times in a row; "
+                    f"the last error: {error}")
+
+    def _joiners_waiting(self) -> bool:
+        """Whether any replica group waits to join, as every member learns it: this
+        rank's view (the leader's heartbeat thread watches the store) all-reduced (max)
+        over the outer group; the replica's vote then spreads the leader's column's
+        answer to its mates. One tiny all-reduce per step, no store access."""
+        flag = paddle.to_tensor(np.array(
+            [1.0 if self._heartbeat is not None and self._heartbeat.joiners_waiting
+             else 0.0], dtype="float32"))
+        comm.all_reduce(flag, self.outer, op="max", tag="ft control")
+        return bool(flag.numpy()[0])
+
+    def _replica_votes(self, failed: bool, join_wanted: bool) -> tuple[bool, bool]:
+        """Every rank of this replica group learns whether any of them failed the attempt
+        and whether a replica waits to join (an all-reduce inside the replica group,
+        whose ranks live and die together)."""
+        flags = paddle.to_tensor(np.array([float(failed), float(join_wanted)], "float32"))
+        comm.all_reduce(flags, self._world, op="max", tag="ft vote")
+        failed_any, join_any = flags.numpy().tolist()
+        return bool(failed_any), bool(join_any)
+
+    def _arrive(self) -> Round:
+        """The round of this attempt: the leader forms it, its replica-mates read it from
+        the store (a gloo collective here could time out while the leader waits for
+        other replicas)."""
+        self._arrivals += 1
+        base = self._replica_key(self._arrivals)
+        if self.rank == 0:
+            number = self._next_round if self._next_round is not None \
+                else self._rounds.next_open()
+            while True:
+                arrival = Arrival(self.step, self.fresh, self._failed)
+                record = self._rounds.form(number, self._members, arrival)
+                if record is not None:
+                    break
+                number, self._members, self.fresh = number + 1, None, True  # left out
+            self._members = record.replicas
+            self.store.set(base + "/round", record.to_json())
+            self.store.add(base + "/round_ready", 1)
+        else:
+            wait_count(self.store, base + "/round_ready", 1, 2 * self.round_timeout_s,
+                       f"replica {self.replica_id}'s leader to join a round")
+            record = Round.from_json(self.store.get(base + "/round").decode())
+        self._next_round, self.round = record.number + 1, record
+        return record
+
+    def _replica_key(self, arrival: int) -> str:
+        return key("replica", self.replica_id, self._token, arrival)
+
+    def _set_up_round(self, record: Round, receiving: bool) -> Exception | None:
+        """New outer groups and the donor's state where the round needs them; the error
+        if that failed (a peer died or never came), None if it worked."""
+        try:
+            if record.rebuild:
+                self.outer.adopt(record.replicas, groups.connect(
+                    self.store, record.number, record.replicas, self.outer,
+                    self.round_timeout_s))
+            if record.receivers:
+                extra = transfer.stream_state(
+                    self.store, record.number, self.outer, record.donor, receiving,
+                    self.model, self.optimizer, self._plain_state())
+                if receiving:
+                    self._load_plain_state(extra)
+        except (CollectiveError, FaultToleranceError) as e:
+            return e
+        except (RuntimeError, TimeoutError) as e:  # the store or a process group
+            return FaultToleranceError(f"paddle_hsdp.ft: round {record.number} set-up "
+                                       f"failed: {e}")
+        return None
+
+    def _plain_state(self) -> dict:
+        return {"step": self.step, "rng": paddle.get_rng_state(),
+                "lr_scheduler": (self.lr_scheduler.state_dict()
+                                 if self.lr_scheduler is not None else None),
+                "user": self._state_fn() if self._state_fn is not None else None}
+
+    def _load_plain_state(self, extra: dict) -> None:
+        self.step = extra["step"]
+        paddle.set_rng_state(extra["rng"])
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.set_state_dict(extra["lr_scheduler"])
+        if self._load_state_fn is not None:
+            self._load_state_fn(extra["user"])
+        self.fresh = False
+
+    def _log(self, started: float, kind: str, error=None) -> None:
+        record = self.round
+        entry = {"kind": kind, "step": self.step, "round": record.number,
+                 "replicas": record.replicas, "seconds": time.perf_counter() - started,
+                 "time": time.time(), **self._timing}
+        if "round_s" in self._timing:
+            entry.update(rebuild=record.rebuild, receivers=record.receivers)
+        if error is not None:
+            entry["error"] = str(error)[:300]
+        self.history.append(entry)
+        if self.rank == 0:
+            if kind == "step":
+                logger.info("step %d: %d replicas %s", self.step, len(record.replicas),
+                            record.replicas)
+            else:
+                logger.warning("step %d failed (replicas %s): %s", self.step + 1,
+                               record.replicas, str(error)[:200])
+
+
+def init(replica_id: int | None = None, coordinator: str | None = None,
+         start_replicas: int | None = None, min_replicas: int = 1,
+         round_timeout_s: float | None = None, max_failed_attempts: int = 10) -> Replica:
+    """Join this launch job, as one replica group, to a fault-tolerant HSDP job (after
+    ``fleet.init`` with ``fsdp_outer_degree`` 1, before ``fully_shard``). Arguments
+    default to the environment: ``PADDLE_HSDP_FT_REPLICA_ID`` (this group's id, stable
+    across restarts), ``PADDLE_HSDP_FT_COORDINATOR`` (``host:port``),
+    ``PADDLE_HSDP_FT_START_REPLICAS`` (how many groups the job starts with; the first
+    step waits for them), ``PADDLE_HSDP_FT_ROUND_TIMEOUT`` (seconds, default 120)."""
+    replica_id = replica_id if replica_id is not None else _int_env(REPLICA_ENV, None)
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
+    start = start_replicas if start_replicas is not None else _int_env(START_REPLICAS_ENV, 1)
+    timeout = round_timeout_s or _float_env(ROUND_TIMEOUT_ENV, 120.0)
+    return Replica(replica_id, coordinator, start, min_replicas, timeout, max_failed_attempts)

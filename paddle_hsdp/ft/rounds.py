@@ -1,0 +1,156 @@
+"""Rounds: which replica groups take part in the next attempt at a step.
+
+Every attempt at a step (a step that failed is attempted again) is one *round*,
+numbered from 0 on every replica alike: a member of round ``q`` arrives at ``q + 1``
+after its attempt, whatever the attempt's outcome. Arriving writes the replica's
+:class:`Arrival` (its step count, whether its state is unknown, whether its attempt
+failed) and takes a slot. A round *closes* once every member of the previous round
+has arrived or has a stopped heartbeat, and at least ``min_replicas`` are in (round
+0: once ``start_replicas`` are in). The first replica to see that takes the round's
+one closer ticket (an atomic ``add``) and writes the record: the replicas that
+arrived by then. Every other replica reads that record, so all agree on it even when
+their views of the heartbeats differ; a replica that arrived too late finds itself
+out and arrives at the next round as a joiner.
+
+A replica started later (or left out) is a *joiner*: it arrives at the round after
+the last closed one and waits; it never closes a round after round 0 (only members
+know whom to wait for), so it is taken in by the next round its members close.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+from .store import count, key
+
+
+class FaultToleranceError(RuntimeError):
+    """A round could not be formed (too few replicas, the coordinator gone)."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int  # optimizer steps this replica has taken
+    fresh: bool = False  # its state matches no replica's (just started, or left out)
+    failed: bool = False  # its last attempt failed: the outer groups are rebuilt
+
+
+@dataclass(frozen=True)
+class Round:
+    number: int
+    members: dict[int, Arrival]  # replica -> its arrival
+    rebuild: bool  # new outer groups (membership changed or an attempt failed)
+    replicas: list[int] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "replicas", sorted(self.members))
+
+    @property
+    def step(self) -> int:
+        """The step the round trains: the furthest step of a replica whose state is known."""
+        known = [a.step for a in self.members.values() if not a.fresh]
+        return max(known) if known else 0
+
+    @property
+    def donor(self) -> int:
+        """The replica the others' state is copied from: the lowest id at the round's step
+        (in the very first round, where every state is fresh, the lowest id)."""
+        known = [r for r in self.replicas
+                 if not self.members[r].fresh and self.members[r].step == self.step]
+        return min(known) if known else self.replicas[0]
+
+    @property
+    def receivers(self) -> list[int]:
+        """Replicas whose state is replaced by the donor's before the attempt."""
+        return [r for r in self.replicas if r != self.donor and
+                (self.members[r].fresh or self.members[r].step != self.step)]
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "rebuild": self.rebuild,
+                           "members": {str(r): asdict(a) for r, a in self.members.items()}})
+
+    @staticmethod
+    def from_json(text: str) -> "Round":
+        data = json.loads(text)
+        return Round(data["number"], {int(r): Arrival(**a) for r, a in data["members"].items()},
+                     data["rebuild"])
+
+
+class Rounds:
+    """One replica's side of the round protocol (its leader runs it)."""
+
+    def __init__(self, store, replica: int, start_replicas: int, min_replicas: int,
+                 liveness, timeout_s: float, poll_s: float = 0.01, clock=time.monotonic):
+        self.store, self.replica = store, replica
+        self.start_replicas, self.min_replicas = start_replicas, min_replicas
+        self.liveness, self.timeout_s, self.poll_s, self.clock = liveness, timeout_s, poll_s, clock
+        self._counted_in = False  # this joiner added itself to ``joiners_in``
+
+    def next_open(self) -> int:
+        """The round a joiner arrives at: the one after the last closed round."""
+        return count(self.store, key("closed_rounds"))
+
+    def form(self, number: int, expected: list[int] | None, arrival: Arrival) -> Round | None:
+        """Arrive at round ``number`` and return its record, or None if it closed without
+        this replica. ``expected``: the previous round's members (None: a joiner)."""
+        store = self.store
+        if expected is None and not self._counted_in:  # members learn that one waits
+            store.add(key("joiners_in"), 1)
+            self._counted_in = True
+        store.set(key("r", number, "arrival", self.replica), json.dumps(asdict(arrival)))
+        slot = store.add(key("r", number, "slots"), 1)
+        store.set(key("r", number, "slot", slot), str(self.replica))
+        store.add(key("r", number, "slot_set", slot), 1)
+        deadline = self.clock() + self.timeout_s
+        while not count(store, key("r", number, "closed")):
+            if self._may_close(number, expected) and \
+                    store.add(key("r", number, "closer"), 1) == 1:
+                self._close(number, expected)
+                break
+            if self.clock() > deadline:
+                raise FaultToleranceError(self._timeout_message(number, expected))
+            time.sleep(self.poll_s)
+        record = Round.from_json(store.get(key("r", number, "record")).decode())
+        if self.replica not in record.members:
+            return None
+        self._counted_in = False
+        return record
+
+    def arrived(self, number: int) -> list[int]:
+        """The replicas that have arrived at round ``number`` so far."""
+        out = []
+        for slot in range(1, count(self.store, key("r", number, "slots")) + 1):
+            if count(self.store, key("r", number, "slot_set", slot)):
+                out.append(int(self.store.get(key("r", number, "slot", slot)).decode()))
+        return out
+
+    def _may_close(self, number: int, expected: list[int] | None) -> bool:
+        arrived = set(self.arrived(number))
+        if expected is None:  # a joiner closes only the very first round
+            return number == 0 and len(arrived) >= self.start_replicas
+        waiting = [r for r in expected if r not in arrived and not self.liveness.dead(r)]
+        return not waiting and len(arrived) >= self.min_replicas
+
+    def _close(self, number: int, expected: list[int] | None) -> None:
+        members = {r: Arrival(**json.loads(self.store.get(key("r", number, "arrival", r))))
+                   for r in self.arrived(number)}
+        rebuild = (expected is None or sorted(members) != sorted(expected)
+                   or any(a.fresh or a.failed for a in members.values()))
+        self.store.set(key("r", number, "record"),
+                       Round(number, members, rebuild).to_json())
+        newcomers = [r for r in members if expected is None or r not in expected]
+        self.store.add(key("joiners_admitted"), len(newcomers))
+        self.store.add(key("r", number, "closed"), 1)
+        self.store.add(key("closed_rounds"), 1)
+
+    def _timeout_message(self, number: int, expected) -> str:
+        need = (f"the previous round's replicas {expected} (or their heartbeats to stop) "
+                f"and at least {self.min_replicas}" if expected is not None else
+                f"{self.start_replicas} replicas to start" if number == 0 else
+                "the running replicas to reach a step boundary")
+        return (f"paddle_hsdp.ft: replica {self.replica} waited {self.timeout_s:g} s for round "
+                f"{number} to close: it needs {need}; arrived: {self.arrived(number)}. "
+                "Is the coordinator's address right, and are enough replica groups running? "
+                "(PADDLE_HSDP_FT_ROUND_TIMEOUT sets the bound.)")

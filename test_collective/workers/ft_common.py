@@ -1,0 +1,52 @@
+"""The model, data and optimizer of the fault-tolerance test, shared by the replica
+worker (worker_ft.py) and its single-process reference (single_process_ft.py)."""
+
+import numpy as np
+import paddle
+from paddle import nn
+
+SIZES = (8, 24, 24, 4)
+BATCH = 3  # rows per rank and step
+RANKS_PER_REPLICA = 2
+CLIP = 0.05  # below every step's global norm here: the clip scales every step
+
+
+class MLP(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.LayerList([nn.Linear(a, b) for a, b in zip(SIZES, SIZES[1:])])
+
+    def forward(self, x, middle_hook=None):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = paddle.tanh(x)
+            if i == 1 and middle_hook is not None:
+                x.register_hook(middle_hook)  # runs mid-backward
+        return x
+
+
+def build_model():
+    paddle.seed(1234)
+    return MLP()
+
+
+def batch(step: int, replica: int, rank: int):
+    """Step ``step``'s (0-based) rows of one rank of one replica."""
+    rng = np.random.default_rng([step, replica, rank])
+    x = rng.standard_normal((BATCH, SIZES[0]))
+    y = rng.standard_normal((BATCH, SIZES[-1]))
+    return x, y
+
+
+def loss_of(model, x, y, middle_hook=None):
+    out = model(paddle.to_tensor(x), middle_hook)
+    return ((out - paddle.to_tensor(y)) ** 2).mean()
+
+
+def make_optimizer(params):
+    scheduler = paddle.optimizer.lr.StepDecay(learning_rate=0.05, step_size=3, gamma=0.7)
+    opt = paddle.optimizer.AdamW(learning_rate=scheduler, parameters=params,
+                                 weight_decay=0.01,
+                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
+    return opt, scheduler

@@ -1,0 +1,64 @@
+"""The single-process reference of the fault-tolerance test: step t trains on the
+batches of the replicas live at step t (as every replica recorded it), the mean loss
+over their ranks' rows; then every rank's committed losses and every replica's final
+parameters are compared with it (float64, the parity bound of workers/parity.py).
+
+argv: the folder worker_ft.py wrote into, the number of steps. Prints the membership
+per step and FT_PARITY_OK.
+"""
+
+import glob
+import json
+import sys
+
+from ft_common import RANKS_PER_REPLICA, batch, build_model, loss_of, make_optimizer
+from parity import max_rel, report, set_dtype
+
+import paddle
+
+out_dir, steps = sys.argv[1], int(sys.argv[2])
+set_dtype("float64")
+runs = [json.load(open(p)) for p in sorted(glob.glob(f"{out_dir}/replica*_rank*.json"))]
+assert runs, f"no replica wrote its results into {out_dir}"
+
+# the replicas of each committed step, as every rank recorded it: they must agree
+members: dict[int, list[int]] = {}
+for run in runs:
+    for entry in run["history"]:
+        if entry["kind"] == "step":
+            t = entry["step"] - 1
+            assert members.setdefault(t, entry["replicas"]) == entry["replicas"], (
+                f"replica {run['replica']} rank {run['rank']} trained step {t + 1} with "
+                f"replicas {entry['replicas']}, another rank with {members[t]}")
+assert sorted(members) == list(range(steps)), f"steps without a record: {sorted(members)}"
+print("MEMBERS " + json.dumps({t + 1: members[t] for t in range(steps)}), flush=True)
+
+model = build_model()
+opt, scheduler = make_optimizer(model.parameters())
+want_losses: dict[tuple, float] = {}  # (step, replica, rank) -> loss before the update
+for t in range(steps):
+    per_rank = []
+    for replica in members[t]:
+        for rank in range(RANKS_PER_REPLICA):
+            loss = loss_of(model, *batch(t, replica, rank))
+            want_losses[(t, replica, rank)] = float(loss)
+            per_rank.append(loss)
+    (paddle.add_n(per_rank) / len(per_rank)).backward()  # equal rows: the global mean
+    opt.step()
+    scheduler.step()
+    opt.clear_grad()
+want_params = {k: v.numpy() for k, v in model.state_dict().items()}
+
+loss_diffs, param_diffs = {}, {}
+for run in runs:
+    who = f"replica {run['replica']} rank {run['rank']}"
+    for step, loss in run["losses"].items():
+        want = want_losses[(int(step), run["replica"], run["rank"])]
+        loss_diffs[f"{who} step {int(step) + 1}"] = abs(loss - want) / abs(want)
+    assert sorted(run["params"]) == sorted(want_params), (sorted(run["params"]),
+                                                          sorted(want_params))
+    for name, value in run["params"].items():
+        param_diffs[f"{who} {name}"] = max_rel(value, want_params[name])
+report("ft: per-step losses of every rank vs the reference", loss_diffs)
+report("ft: final parameters of every replica vs the reference", param_diffs)
+print(f"FT_PARITY_OK {len(loss_diffs)} losses, {len(param_diffs)} parameters", flush=True)

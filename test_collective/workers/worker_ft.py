@@ -1,0 +1,75 @@
+"""One replica group (2 ranks) of a fault-tolerant HSDP job; test_fault_tolerance.py
+starts a coordinator and three of these, kills one mid-backward and restarts it.
+
+argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
+(every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_WAIT_JOIN=r@k
+(before step k the leader waits until replica r has arrived to join). Each rank writes
+out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
+(rounds, failures, timings) and the final full parameters; the leader also writes
+out_dir/progress<r> (steps done) after each step.
+"""
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from common import init_fleet
+from ft_common import batch, build_model, loss_of, make_optimizer
+
+import paddle
+import paddle.distributed as dist
+
+import paddle_hsdp
+from paddle_hsdp import ft
+
+out_dir, steps = sys.argv[1], int(sys.argv[2])
+kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
+wait_join = os.environ.get("FT_TEST_WAIT_JOIN", "")
+if os.environ.get("FT_DEBUG"):
+    logging.getLogger("paddle_hsdp.ft").setLevel(logging.DEBUG)
+paddle.set_default_dtype("float64")
+init_fleet({"sharding_degree": 2, "outer": 1})
+replica = ft.init()
+rank = dist.get_rank()
+model = build_model()
+for layer in model.layers:
+    paddle_hsdp.fully_shard(layer)
+paddle_hsdp.fully_shard(model)
+opt, scheduler = make_optimizer(model.parameters())
+replica.attach(model, opt, lr_scheduler=scheduler)
+
+
+def die(_grad):
+    with open(os.path.join(out_dir, f"killed{replica.replica_id}_rank{rank}"), "w") as f:
+        f.write(str(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def forward_backward():
+    x, y = batch(replica.step, replica.replica_id, rank)
+    loss = loss_of(model, x, y, die if replica.step + 1 == kill_at else None)
+    loss.backward()
+    return loss
+
+
+losses = {}
+while replica.step < steps:
+    if wait_join and rank == 0 and replica.step + 1 == int(wait_join.split("@")[1]):
+        joiner, deadline = int(wait_join.split("@")[0]), time.time() + 120
+        while joiner not in replica._rounds.arrived(replica._next_round):  # test only
+            assert time.time() < deadline, "the joiner never arrived"
+            time.sleep(0.05)
+    loss = replica.train_step(forward_backward)
+    losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
+    if rank == 0:
+        with open(os.path.join(out_dir, f"progress{replica.replica_id}"), "w") as f:
+            f.write(str(replica.step))
+full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(model).items()}
+with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
+          "w") as f:
+    json.dump({"replica": replica.replica_id, "rank": rank, "losses": losses,
+               "history": replica.history, "params": full}, f)
+print("WORKER_OK", flush=True)
