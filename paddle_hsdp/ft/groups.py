@@ -16,6 +16,9 @@ rebuild of the engine.
 
 from __future__ import annotations
 
+import os
+import socket
+
 from paddle.base import core
 from paddle.distributed import collective
 from paddle.distributed.communication.group import Group
@@ -44,16 +47,41 @@ class LiveOuterGroup(Group):
         self.replica, self.local_rank, self.inner_size = replica, local_rank, inner
         super().__init__(0, LIVE_GROUP_ID, [self.virtual_rank(replica)], pg=None,
                          name=f"hsdp_ft_outer_{local_rank}")
-        self.retired: list = []  # process groups of past rounds (never destroyed mid-job)
+        # process groups of past rounds, kept (never destroyed mid-job): those that
+        # ended well and those abandoned after a failure
+        self.retired: list = []
+        self.broken: list = []
+        self._sockets: set[int] = set()
         comm.name_group(self, "outer")
 
     def virtual_rank(self, replica: int) -> int:
         return replica * self.inner_size + self.local_rank
 
-    def adopt(self, replicas: list[int], process_group) -> None:
-        """Point at a round's process group over ``replicas`` (sorted)."""
+    def adopt(self, replicas: list[int], connection) -> None:
+        """Point at a round's process group over ``replicas`` (sorted); ``connection``:
+        what :func:`connect` returned."""
         if self._pg is not None:
             self.retired.append(self._pg)
+        self._set(replicas, *connection)
+
+    def abandon(self) -> None:
+        """A collective of this group failed: shut its connections down at once, so
+        peers blocked on this rank in gloo (those across the ring from the dead
+        replica, still waiting for this rank's share) fail now instead of after gloo's
+        fixed 30 s timeout. Paddle's process groups have no abort and outlive their
+        Python object, so this shuts down the sockets the group's creation opened
+        (:func:`connect`); the descriptors stay open, so no other connection can take
+        their numbers under gloo. Until the next round the group is this rank alone."""
+        for fd in self._sockets:
+            _shut_down(fd)
+        self._sockets = set()
+        if self._pg is not None:
+            self.broken.append(self._pg)
+        self._set([self.replica], None)
+
+    def _set(self, replicas: list[int], process_group, sockets=frozenset()) -> None:
+        self._sockets = set(sockets)
+
         self._ranks = [self.virtual_rank(r) for r in replicas]
         self._rank_in_group = replicas.index(self.replica)
         self._world_size = len(replicas)
@@ -65,18 +93,51 @@ class LiveOuterGroup(Group):
 
 
 def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup,
-            timeout_s: float):
-    """Create this rank's outer process group for a round (every member calls it); None
-    for a round of one replica (nothing to talk to)."""
+            timeout_s: float) -> tuple:
+    """Create this rank's outer process group for a round (every member calls it):
+    ``(process group, the socket descriptors its creation opened)``, ``(None, ())`` for
+    a round of one replica (nothing to talk to)."""
     if len(replicas) == 1:
-        return None
+        return None, ()
     rank, size = replicas.index(group.replica), len(replicas)
     group_id = _ROUND_GROUP_BASE + round_number * 1024 + group.local_rank
+    before = _socket_fds()
     group_store = make_group_store(
         store, rank, size, group_id,
         key=key("r", round_number, "outer_store", group.local_rank),
         timeout_s=max(1, int(timeout_s)))
     if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
-        return core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
-                                            collective._get_global_env().pg_timeout, 0, None)
-    return core.ProcessGroupGloo.create(group_store, rank, size, group_id)
+        pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
+                                          collective._get_global_env().pg_timeout, 0, None)
+    else:
+        pg = core.ProcessGroupGloo.create(group_store, rank, size, group_id)
+    return pg, _socket_fds() - before
+
+
+def _socket_fds() -> set[int]:
+    """This process's open socket descriptors (Linux: /proc/self/fd)."""
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: abandon() shuts nothing down (gloo's timeout applies)
+        return found
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:  # closed meanwhile
+            continue
+    return found
+
+
+def _shut_down(fd: int) -> None:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected (a listening socket) or already down
+        pass
+    finally:
+        sock.detach()  # the descriptor stays gloo's

@@ -171,6 +171,8 @@ class Replica:
                     finish_grad_sync(self.optimizer)
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
+            if error is not None:
+                self.outer.abandon()  # before the vote: a peer may be blocked on us
             failed, join_wanted = self._replica_votes(error is not None, join_wanted)
             logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
                          self.step + 1, failed, error, join_wanted)

@@ -1,0 +1,127 @@
+"""Fault-tolerant HSDP (paddle_hsdp.ft): three replica groups of two ranks, each its own
+launch job, around a coordinator. Replica 2 kills every one of its processes
+(SIGKILL) in the middle of step 4's backward; replicas 0 and 1 abandon the step, form a
+round without it and go on; replica 2 is started again with the same command once they
+have finished step 6, and rejoins from a healthy replica's state. Every rank's losses
+and every replica's final parameters must equal a single-process reference that
+trains step t on the batches of the replicas live at step t (workers/single_process_ft.py),
+and every process that should end exits 0, within a bound.
+"""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from launcher import HERE, ROOT, run_single
+
+STEPS = 10
+KILL_AT = 4  # replica 2 dies in the middle of this step's backward
+RESTART_AFTER = 6  # ... and is started again once the others have finished this step
+BOUND_S = 240  # the whole scenario: three launches, a restart, a rejoin
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FaultTolerantJob:
+    """A coordinator and replica-group launches in one scratch folder; ``stop()`` kills
+    whatever still runs (a failed test leaves nothing behind)."""
+
+    def __init__(self, replicas: int):
+        self.work = tempfile.mkdtemp(prefix="hsdp_ft_")
+        self.env = dict(os.environ, GLOG_minloglevel="2",
+                        PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]))
+        port = _free_port()
+        self.coordinator = subprocess.Popen(
+            [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", "127.0.0.1",
+             "--port", str(port)], env=self.env, stdout=subprocess.PIPE,
+            stderr=open(os.path.join(self.work, "coordinator.err"), "w"), text=True)
+        assert "listening" in self.coordinator.stdout.readline()
+        self.env.update(PADDLE_HSDP_FT_COORDINATOR=f"127.0.0.1:{port}",
+                        PADDLE_HSDP_FT_START_REPLICAS=str(replicas))
+        self.launches: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, replica: int, name: str, **env) -> subprocess.Popen:
+        log_dir = os.path.join(self.work, name)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+             "--log_dir", log_dir, os.path.join(HERE, "workers", "worker_ft.py"),
+             self.work, str(STEPS)],
+            env=dict(self.env, PADDLE_HSDP_FT_REPLICA_ID=str(replica), **env),
+            cwd=self.work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.launches.append((log_dir, proc))
+        return proc
+
+    def steps_done(self, replica: int) -> int:
+        try:
+            with open(os.path.join(self.work, f"progress{replica}")) as f:
+                return int(f.read() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p} ---\n" + "\n".join(open(p, errors="replace")
+                                                       .read().splitlines()[-25:])
+                         for log_dir, _ in self.launches
+                         for p in sorted(glob.glob(os.path.join(log_dir, "workerlog.*"))))
+
+    def stop(self) -> None:
+        for _, proc in self.launches:
+            if proc.poll() is None:
+                proc.kill()
+        self.coordinator.terminate()
+        self.coordinator.wait(timeout=10)
+
+
+def _wait(condition, deadline: float, job: FaultTolerantJob, what: str) -> None:
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}\n{job.logs()}"
+        time.sleep(0.2)
+
+
+def test_a_killed_replica_leaves_the_others_training_and_rejoins():
+    job = FaultTolerantJob(replicas=3)
+    start = time.time()
+    deadline = start + BOUND_S
+    try:
+        survivors = [job.start(r, f"replica{r}", FT_TEST_WAIT_JOIN=f"2@{RESTART_AFTER + 1}")
+                     for r in (0, 1)]
+        doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT))
+        _wait(lambda: doomed.poll() is not None, deadline, job, "replica 2 to die")
+        assert doomed.returncode != 0
+        _wait(lambda: min(job.steps_done(0), job.steps_done(1)) >= RESTART_AFTER, deadline,
+              job, f"replicas 0 and 1 to finish step {RESTART_AFTER}")
+        rejoined = job.start(2, "replica2_again")
+        for proc in survivors + [rejoined]:
+            _wait(lambda: proc.poll() is not None, deadline, job, "every replica to end")
+        assert [p.returncode for p in survivors + [rejoined]] == [0, 0, 0], job.logs()
+    finally:
+        job.stop()
+    took = time.time() - start
+
+    out = run_single("single_process_ft.py", job.work, str(STEPS))
+    assert "FT_PARITY_OK" in out, out[-2000:]
+    members = json.loads(out.split("MEMBERS ", 1)[1].splitlines()[0])
+    assert all(members[str(t)] == [0, 1, 2] for t in range(1, KILL_AT)), members
+    assert all(members[str(t)] == [0, 1] for t in range(KILL_AT, RESTART_AFTER + 2)), members
+    assert members[str(STEPS)] == [0, 1, 2], members
+
+    # what it cost: from the kill to replica 0's next committed step, and the rejoin
+    runs = [json.load(open(p)) for p in glob.glob(os.path.join(job.work, "replica*.json"))]
+    killed_at = min(float(open(p).read()) for p in glob.glob(os.path.join(job.work, "killed2_*")))
+    leader = next(r for r in runs if r["replica"] == 0 and r["rank"] == 0)
+    resumed = min(e["time"] for e in leader["history"]
+                  if e["kind"] == "step" and e["time"] > killed_at)
+    joiner = next(r for r in runs if r["replica"] == 2 and r["rank"] == 0)
+    rejoin = next(e for e in joiner["history"] if "set_up_s" in e)
+    print(f"fault tolerance: stall from the kill to the next step {resumed - killed_at:.1f} s; "
+          f"rejoin set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s); "
+          f"scenario {took:.0f} s")
