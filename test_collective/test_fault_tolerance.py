@@ -2,10 +2,14 @@
 launch job, around a coordinator. Replica 2 kills every one of its processes
 (SIGKILL) in the middle of step 4's backward; replicas 0 and 1 abandon the step, form a
 round without it and go on; replica 2 is started again with the same command once they
-have finished step 6, and rejoins from a healthy replica's state. Every rank's losses
-and every replica's final parameters must equal a single-process reference that
-trains step t on the batches of the replicas live at step t (workers/single_process_ft.py),
-and every process that should end exits 0, within a bound.
+have finished step 6, and rejoins from a healthy replica's state. Then rank 1 of
+replica 1 hangs (SIGSTOP) in the middle of step 12's backward: replicas 0 and 2 see its
+heartbeat stop and go on without replica 1. Every rank's losses and every replica's
+final parameters must equal a single-process reference that trains step t on the
+batches of the replicas live at step t (workers/single_process_ft.py), and every
+process that should end exits 0, within a bound. Replica 1's launch is not waited for:
+its other rank leaves through the watchdog (PADDLE_HSDP_COLLECTIVE_TIMEOUT, 10 s here),
+and the launcher kills the stopped one 30 s later; the test kills what is left.
 """
 
 import glob
@@ -19,9 +23,10 @@ import time
 
 from launcher import HERE, ROOT, run_single
 
-STEPS = 10
+STEPS = 14
 KILL_AT = 4  # replica 2 dies in the middle of this step's backward
 RESTART_AFTER = 6  # ... and is started again once the others have finished this step
+STOP_AT = 12  # rank 1 of replica 1 hangs in the middle of this step's backward
 BOUND_S = 240  # the whole scenario: three launches, a restart, a rejoin
 
 
@@ -92,17 +97,19 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     start = time.time()
     deadline = start + BOUND_S
     try:
-        survivors = [job.start(r, f"replica{r}", FT_TEST_WAIT_JOIN=f"2@{RESTART_AFTER + 1}")
-                     for r in (0, 1)]
+        first = job.start(0, "replica0", FT_TEST_WAIT_JOIN=f"2@{RESTART_AFTER + 1}")
+        hung = job.start(1, "replica1", FT_TEST_WAIT_JOIN=f"2@{RESTART_AFTER + 1}",
+                         FT_TEST_STOP_AT=f"{STOP_AT}@1", PADDLE_HSDP_COLLECTIVE_TIMEOUT="10")
         doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT))
         _wait(lambda: doomed.poll() is not None, deadline, job, "replica 2 to die")
         assert doomed.returncode != 0
         _wait(lambda: min(job.steps_done(0), job.steps_done(1)) >= RESTART_AFTER, deadline,
               job, f"replicas 0 and 1 to finish step {RESTART_AFTER}")
         rejoined = job.start(2, "replica2_again")
-        for proc in survivors + [rejoined]:
-            _wait(lambda: proc.poll() is not None, deadline, job, "every replica to end")
-        assert [p.returncode for p in survivors + [rejoined]] == [0, 0, 0], job.logs()
+        for proc in (first, rejoined):
+            _wait(lambda: proc.poll() is not None, deadline, job, "replicas 0 and 2 to end")
+        assert [first.returncode, rejoined.returncode] == [0, 0], job.logs()
+        assert hung.poll() != 0, "replica 1 hung, yet its launch exited 0"
     finally:
         job.stop()
     took = time.time() - start
@@ -112,16 +119,20 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     members = json.loads(out.split("MEMBERS ", 1)[1].splitlines()[0])
     assert all(members[str(t)] == [0, 1, 2] for t in range(1, KILL_AT)), members
     assert all(members[str(t)] == [0, 1] for t in range(KILL_AT, RESTART_AFTER + 2)), members
-    assert members[str(STEPS)] == [0, 1, 2], members
+    assert all(members[str(t)] == [0, 1, 2] for t in range(RESTART_AFTER + 2, STOP_AT)), members
+    assert all(members[str(t)] == [0, 2] for t in range(STOP_AT, STEPS + 1)), members
 
     # what it cost: from the kill to replica 0's next committed step, and the rejoin
     runs = [json.load(open(p)) for p in glob.glob(os.path.join(job.work, "replica*.json"))]
     killed_at = min(float(open(p).read()) for p in glob.glob(os.path.join(job.work, "killed2_*")))
     leader = next(r for r in runs if r["replica"] == 0 and r["rank"] == 0)
     resumed = min(e["time"] for e in leader["history"]
-                  if e["kind"] == "step" and e["time"] > killed_at)
+                  if e["kind"] == "step" and e["step"] >= KILL_AT)
     joiner = next(r for r in runs if r["replica"] == 2 and r["rank"] == 0)
     rejoin = next(e for e in joiner["history"] if "set_up_s" in e)
-    print(f"fault tolerance: stall from the kill to the next step {resumed - killed_at:.1f} s; "
-          f"rejoin set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s); "
-          f"scenario {took:.0f} s")
+    stopped_at = float(open(os.path.join(job.work, "stopped1_rank1")).read())
+    after_hang = min(e["time"] for e in leader["history"]
+                     if e["kind"] == "step" and e["step"] >= STOP_AT)
+    print(f"fault tolerance: from the kill to the next step {resumed - killed_at:.1f} s, from "
+          f"the hang {after_hang - stopped_at:.1f} s; rejoin set-up {rejoin['set_up_s']:.2f} s "
+          f"(round {rejoin['round_s']:.2f} s); scenario {took:.0f} s")

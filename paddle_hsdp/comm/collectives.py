@@ -20,6 +20,7 @@ all-reduce). Those are the quantities of the volume formulas (docs/architecture.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -370,8 +371,12 @@ def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     drain_comm_thread()
     waiting_for = _waiting_for(op, group, what)
     watchdog.note_issued(waiting_for)
+    # A group whose hangs something else ends (paddle_hsdp.ft's outer groups: a
+    # stopped peer fails the attempt, and the rank must live on) is not watched.
+    watched = (contextlib.nullcontext() if getattr(group, "watchdog_exempt", False)
+               else watchdog.watched(waiting_for))
     try:
-        with watchdog.watched(waiting_for):
+        with watched:
             return call()
     except Exception as e:
         raise _failure(op, group, what)(e) from e

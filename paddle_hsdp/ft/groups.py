@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 from paddle.base import core
 from paddle.distributed import collective
@@ -42,6 +43,9 @@ class LiveOuterGroup(Group):
     # inside one replica group, and a replica that just joined has no step to predict
     # from; at the step every replica issues them in the units' one global order.
     early_sync = False
+    # A hung peer fails the attempt (the watcher shuts the group down): the watchdog,
+    # which would end this rank, stays out of it.
+    watchdog_exempt = True
 
     def __init__(self, replica: int, local_rank: int, inner: int):
         self.replica, self.local_rank, self.inner_size = replica, local_rank, inner
@@ -52,6 +56,7 @@ class LiveOuterGroup(Group):
         self.retired: list = []
         self.broken: list = []
         self._sockets: set[int] = set()
+        self._lock = threading.Lock()
         comm.name_group(self, "outer")
 
     def virtual_rank(self, replica: int) -> int:
@@ -60,28 +65,35 @@ class LiveOuterGroup(Group):
     def adopt(self, replicas: list[int], connection) -> None:
         """Point at a round's process group over ``replicas`` (sorted); ``connection``:
         what :func:`connect` returned."""
-        if self._pg is not None:
-            self.retired.append(self._pg)
-        self._set(replicas, *connection)
+        with self._lock:
+            if self._pg is not None:
+                self.retired.append(self._pg)
+            self._set(replicas, *connection)
+
+    def shut_down(self) -> None:
+        """A collective of this round failed somewhere: shut this group's connections
+        down at once, so a collective this rank is blocked in (waiting for a peer that
+        failed out of it, or for a dead or stopped one) fails now instead of after
+        gloo's fixed 30 s timeout. Paddle's process groups have no abort and outlive
+        their Python object, so this shuts down the sockets the group's creation
+        opened (:func:`connect`); the descriptors stay open, so no other connection can
+        take their numbers under gloo. Safe from any thread (the watcher calls it)."""
+        with self._lock:
+            for fd in self._sockets:
+                _shut_down(fd)
+            self._sockets = set()
 
     def abandon(self) -> None:
-        """A collective of this group failed: shut its connections down at once, so
-        peers blocked on this rank in gloo (those across the ring from the dead
-        replica, still waiting for this rank's share) fail now instead of after gloo's
-        fixed 30 s timeout. Paddle's process groups have no abort and outlive their
-        Python object, so this shuts down the sockets the group's creation opened
-        (:func:`connect`); the descriptors stay open, so no other connection can take
-        their numbers under gloo. Until the next round the group is this rank alone."""
-        for fd in self._sockets:
-            _shut_down(fd)
-        self._sockets = set()
-        if self._pg is not None:
-            self.broken.append(self._pg)
-        self._set([self.replica], None)
+        """This rank's attempt failed: shut down, and be this rank alone until the next
+        round."""
+        self.shut_down()
+        with self._lock:
+            if self._pg is not None:
+                self.broken.append(self._pg)
+            self._set([self.replica], None)
 
     def _set(self, replicas: list[int], process_group, sockets=frozenset()) -> None:
         self._sockets = set(sockets)
-
         self._ranks = [self.virtual_rank(r) for r in replicas]
         self._rank_in_group = replicas.index(self.replica)
         self._world_size = len(replicas)

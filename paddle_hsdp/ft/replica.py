@@ -38,8 +38,8 @@ from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from . import groups, transfer
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
-from .store import (COORDINATOR_ENV, Heartbeat, Liveness, _float_env, connect,
-                    heartbeat_timeout_s, key, wait_count)
+from .store import (COORDINATOR_ENV, Liveness, Watcher, _float_env, announce_failure,
+                    connect, heartbeat_timeout_s, join_window_s, key, wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -85,12 +85,14 @@ class Replica:
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
         self.store = connect(coordinator, round_timeout_s)
-        self._rounds = self._heartbeat = None
+        liveness_s = heartbeat_timeout_s()
+        self._watcher = Watcher(coordinator, replica_id, self.rank, liveness_s,
+                                round_timeout_s, self.outer.shut_down, leader=self.rank == 0)
+        self._rounds = None
         if self.rank == 0:
-            timeout = heartbeat_timeout_s()
-            self._heartbeat = Heartbeat(coordinator, replica_id, round_timeout_s)
             self._rounds = Rounds(self.store, replica_id, start_replicas, min_replicas,
-                                  Liveness(self.store, timeout), round_timeout_s)
+                                  Liveness(self.store, liveness_s, self.ranks_per_replica),
+                                  round_timeout_s, join_window_s())
         # this process's run of the replica group: keys of a restarted one never
         # meet its predecessor's
         self._world = dist.collective._get_global_group()  # this replica group's ranks
@@ -171,8 +173,9 @@ class Replica:
                     finish_grad_sync(self.optimizer)
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
-            if error is not None:
-                self.outer.abandon()  # before the vote: a peer may be blocked on us
+            if error is not None:  # before the vote: peers may be blocked on us
+                announce_failure(self.store)
+                self.outer.abandon()
             failed, join_wanted = self._replica_votes(error is not None, join_wanted)
             logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
                          self.step + 1, failed, error, join_wanted)
@@ -202,8 +205,7 @@ class Replica:
         over the outer group; the replica's vote then spreads the leader's column's
         answer to its mates. One tiny all-reduce per step, no store access."""
         flag = paddle.to_tensor(np.array(
-            [1.0 if self._heartbeat is not None and self._heartbeat.joiners_waiting
-             else 0.0], dtype="float32"))
+            [1.0 if self._watcher.joiners_waiting else 0.0], dtype="float32"))
         comm.all_reduce(flag, self.outer, op="max", tag="ft control")
         return bool(flag.numpy()[0])
 
@@ -222,6 +224,7 @@ class Replica:
         other replicas)."""
         self._arrivals += 1
         base = self._replica_key(self._arrivals)
+        self._watcher.peers = []  # the last round's members are not watched meanwhile
         if self.rank == 0:
             number = self._next_round if self._next_round is not None \
                 else self._rounds.next_open()
@@ -239,6 +242,8 @@ class Replica:
                        f"replica {self.replica_id}'s leader to join a round")
             record = Round.from_json(self.store.get(base + "/round").decode())
         self._next_round, self.round = record.number + 1, record
+        self._watcher.baseline, self._watcher.round_number = record.failures, record.number
+        self._watcher.peers = [(r, self.rank) for r in record.replicas if r != self.replica_id]
         return record
 
     def _replica_key(self, arrival: int) -> str:

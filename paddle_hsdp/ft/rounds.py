@@ -1,12 +1,16 @@
 """Rounds: which replica groups take part in the next attempt at a step.
 
-Every attempt at a step (a step that failed is attempted again) is one *round*,
-numbered from 0 on every replica alike: a member of round ``q`` arrives at ``q + 1``
-after its attempt, whatever the attempt's outcome. Arriving writes the replica's
+A round is formed at the start, after an attempt at a step failed, and when a replica
+waits to join (:mod:`.replica`); rounds are numbered from 0, and the members of round
+``q`` all arrive at ``q + 1`` next. Arriving writes the replica's
 :class:`Arrival` (its step count, whether its state is unknown, whether its attempt
-failed) and takes a slot. A round *closes* once every member of the previous round
-has arrived or has a stopped heartbeat, and at least ``min_replicas`` are in (round
-0: once ``start_replicas`` are in). The first replica to see that takes the round's
+failed) and takes a slot. A round *closes* once at least ``min_replicas`` are in
+(round 0: ``start_replicas``) and every member of the previous round has arrived or is
+gone (a watcher saw one of its ranks stop during the last round, or its heartbeats
+stopped while this one waits), or ``PADDLE_HSDP_FT_JOIN_WINDOW`` seconds (default 3)
+after this replica arrived: the survivors of a failure arrive together, and a member
+missing then is dead or slow (a slow one is left out, and joins the next round with a
+copy of the state). The first replica to see that takes the round's
 one closer ticket (an atomic ``add``) and writes the record: the replicas that
 arrived by then. Every other replica reads that record, so all agree on it even when
 their views of the heartbeats differ; a replica that arrived too late finds itself
@@ -42,6 +46,7 @@ class Round:
     number: int
     members: dict[int, Arrival]  # replica -> its arrival
     rebuild: bool  # new outer groups (membership changed or an attempt failed)
+    failures: int = 0  # failures announced when it closed (older ones are its past)
     replicas: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -69,21 +74,33 @@ class Round:
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "rebuild": self.rebuild,
+                           "failures": self.failures,
                            "members": {str(r): asdict(a) for r, a in self.members.items()}})
 
     @staticmethod
     def from_json(text: str) -> "Round":
         data = json.loads(text)
         return Round(data["number"], {int(r): Arrival(**a) for r, a in data["members"].items()},
-                     data["rebuild"])
+                     data["rebuild"], data["failures"])
+
+
+def arrived(store, number: int) -> list[int]:
+    """The replicas that have arrived at round ``number`` so far."""
+    out = []
+    for slot in range(1, count(store, key("r", number, "slots")) + 1):
+        if count(store, key("r", number, "slot_set", slot)):
+            out.append(int(store.get(key("r", number, "slot", slot)).decode()))
+    return out
 
 
 class Rounds:
     """One replica's side of the round protocol (its leader runs it)."""
 
     def __init__(self, store, replica: int, start_replicas: int, min_replicas: int,
-                 liveness, timeout_s: float, poll_s: float = 0.01, clock=time.monotonic):
+                 liveness, timeout_s: float, join_window_s: float, poll_s: float = 0.01,
+                 clock=time.monotonic):
         self.store, self.replica = store, replica
+        self.join_window_s, self._arrived_at = join_window_s, 0.0
         self.start_replicas, self.min_replicas = start_replicas, min_replicas
         self.liveness, self.timeout_s, self.poll_s, self.clock = liveness, timeout_s, poll_s, clock
         self._counted_in = False  # this joiner added itself to ``joiners_in``
@@ -103,7 +120,8 @@ class Rounds:
         slot = store.add(key("r", number, "slots"), 1)
         store.set(key("r", number, "slot", slot), str(self.replica))
         store.add(key("r", number, "slot_set", slot), 1)
-        deadline = self.clock() + self.timeout_s
+        self._arrived_at = self.clock()
+        deadline = self._arrived_at + self.timeout_s
         while not count(store, key("r", number, "closed")):
             if self._may_close(number, expected) and \
                     store.add(key("r", number, "closer"), 1) == 1:
@@ -119,19 +137,23 @@ class Rounds:
         return record
 
     def arrived(self, number: int) -> list[int]:
-        """The replicas that have arrived at round ``number`` so far."""
-        out = []
-        for slot in range(1, count(self.store, key("r", number, "slots")) + 1):
-            if count(self.store, key("r", number, "slot_set", slot)):
-                out.append(int(self.store.get(key("r", number, "slot", slot)).decode()))
-        return out
+        return arrived(self.store, number)
 
     def _may_close(self, number: int, expected: list[int] | None) -> bool:
         arrived = set(self.arrived(number))
         if expected is None:  # a joiner closes only the very first round
             return number == 0 and len(arrived) >= self.start_replicas
-        waiting = [r for r in expected if r not in arrived and not self.liveness.dead(r)]
-        return not waiting and len(arrived) >= self.min_replicas
+        if len(arrived) < self.min_replicas:
+            return False
+        if self.clock() - self._arrived_at > self.join_window_s:
+            return True  # the missing ones are dead or slow: a slow one joins next round
+        return all(r in arrived or self._dead(number - 1, r) for r in expected)
+
+    def _dead(self, last_round: int, replica: int) -> bool:
+        """A member of the last round is gone: a watcher saw a rank of it stop, or its
+        heartbeats stopped while this round waited."""
+        return bool(count(self.store, key("r", last_round, "dead", replica))) or \
+            self.liveness.dead(replica)
 
     def _close(self, number: int, expected: list[int] | None) -> None:
         members = {r: Arrival(**json.loads(self.store.get(key("r", number, "arrival", r))))
@@ -139,7 +161,7 @@ class Rounds:
         rebuild = (expected is None or sorted(members) != sorted(expected)
                    or any(a.fresh or a.failed for a in members.values()))
         self.store.set(key("r", number, "record"),
-                       Round(number, members, rebuild).to_json())
+                       Round(number, members, rebuild, count(self.store, key("failures"))).to_json())
         newcomers = [r for r in members if expected is None or r not in expected]
         self.store.add(key("joiners_admitted"), len(newcomers))
         self.store.add(key("r", number, "closed"), 1)

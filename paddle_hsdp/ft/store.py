@@ -7,16 +7,19 @@ so the rendezvous outlives any replica. Paddle's store has only ``set``, ``get``
 every "has this happened" question here is a counter, and a value is written before
 the counter that announces it.
 
-Each replica's leader (its local rank 0) also bumps a heartbeat counter a few times a
-second from a thread of its own, on a connection of its own (a store client is not
-shared between threads). Others call a replica dead when its counter has not moved
-for ``PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT`` seconds: a killed replica is noticed within
-that bound, without waiting for any collective timeout.
+Every rank also bumps a heartbeat counter a few times a second from a thread of its
+own, on a connection of its own (a store client is not shared between threads).
+Others call a rank dead, or hung, when its counter has not moved for
+``PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT`` seconds (default 10: long enough for a loaded host
+to leave a thread unscheduled for a while): a stopped rank is noticed within that
+bound, without waiting for a collective's timeout. A killed one fails the collectives
+of its peers at once.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -25,7 +28,9 @@ from paddle.base import core
 
 COORDINATOR_ENV = "PADDLE_HSDP_FT_COORDINATOR"
 HEARTBEAT_TIMEOUT_ENV = "PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT"
+JOIN_WINDOW_ENV = "PADDLE_HSDP_FT_JOIN_WINDOW"
 PREFIX = "paddle_hsdp/ft"
+logger = logging.getLogger("paddle_hsdp.ft")
 HEARTBEAT_INTERVAL_S = 0.25
 
 
@@ -43,7 +48,11 @@ def _float_env(name: str, default: float) -> float:
 
 
 def heartbeat_timeout_s() -> float:
-    return _float_env(HEARTBEAT_TIMEOUT_ENV, 3.0)
+    return _float_env(HEARTBEAT_TIMEOUT_ENV, 10.0)
+
+
+def join_window_s() -> float:
+    return _float_env(JOIN_WINDOW_ENV, 3.0)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -76,19 +85,35 @@ def count(store, name: str) -> int:
     return int(store.add(name, 0))
 
 
-class Heartbeat:
-    """A daemon thread that bumps ``hb/<replica>`` while this process lives, and
-    watches whether a replica group waits to join (``joiners_waiting``: more joiners
-    counted in than rounds admitted)."""
+class Watcher:
+    """Every rank's daemon thread (on a store connection of its own), a few times a
+    second:
 
-    def __init__(self, address: str, replica: int, timeout_s: float):
-        self._store = connect(address, timeout_s)
-        self._key = key("hb", replica)
+    * bumps ``hb/<replica>/<rank>``: this rank lives and is not stopped;
+    * watches the ranks this rank shares an outer group with (``peers``, set each
+      round): one whose heartbeat stopped for ``timeout_s`` hangs or died; it is
+      announced as a failure (``failures`` counter) like a failed collective, and
+      its replica marked dead in the round (``r/<round>/dead/<replica>``);
+    * calls ``on_failure()`` once a failure is announced after the round's own count
+      (``baseline``): the outer group's connections are shut down, so a collective
+      this rank is blocked in fails now instead of after gloo's 30 s;
+    * on the leader, tells whether a replica group waits to join (``joiners_waiting``).
+    """
+
+    def __init__(self, address: str, replica: int, rank: int, liveness_timeout_s: float,
+                 store_timeout_s: float, on_failure, leader: bool):
+        self._store = connect(address, store_timeout_s)
+        self._key = key("hb", replica, rank)
+        self._leader, self._on_failure = leader, on_failure
+        self.liveness = Liveness(self._store, liveness_timeout_s)
+        self.peers: list[tuple[int, int]] = []  # (replica, rank) to watch
+        self.round_number = 0  # the round the peers are members of
+        self.baseline = 0  # failures announced up to this round's start
+        self.joiners_waiting = False
         self._stop = threading.Event()
         self._store.add(self._key, 1)
-        self.joiners_waiting = False
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="paddle_hsdp-ft-heartbeat")
+                                        name="paddle_hsdp-ft-watcher")
         self._thread.start()
         # joined before the interpreter tears down: a store call cut short at exit
         # aborts the process
@@ -97,31 +122,59 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self._store.add(self._key, 1)
-                self.joiners_waiting = (count(self._store, key("joiners_in"))
-                                        > count(self._store, key("joiners_admitted")))
+                self._tick()
             except Exception:  # the coordinator is gone: rounds will say so
                 return
+
+    def _tick(self) -> None:
+        store = self._store
+        store.add(self._key, 1)
+        peers, round_number = list(self.peers), self.round_number
+        hung = [replica for replica, rank in peers if self.liveness.rank_dead(replica, rank)]
+        if hung:  # the next round need not wait for their heartbeats again
+            logger.warning("paddle_hsdp.ft: no heartbeat from rank %s for %g s: a failure",
+                           [f"{replica}/{rank}" for replica, rank in peers
+                            if replica in hung], self.liveness.timeout_s)
+            for replica in hung:
+                store.add(key("r", round_number, "dead", replica), 1)
+            store.add(key("failures"), 1)
+            self.peers = []  # announced once
+        if count(store, key("failures")) > self.baseline:
+            self._on_failure()
+        if self._leader:
+            self.joiners_waiting = (count(store, key("joiners_in"))
+                                    > count(store, key("joiners_admitted")))
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
 
+def announce_failure(store) -> None:
+    """Tell every rank of the job that the current attempt failed."""
+    store.add(key("failures"), 1)
+
+
 class Liveness:
-    """Which replicas' heartbeats have stopped, as seen by one observer over time."""
+    """Which ranks' heartbeats have stopped, as seen by one observer over time."""
 
-    def __init__(self, store, timeout_s: float, clock=time.monotonic):
+    def __init__(self, store, timeout_s: float, ranks_per_replica: int = 1,
+                 clock=time.monotonic):
         self.store, self.timeout_s, self.clock = store, timeout_s, clock
-        self._seen: dict[int, tuple[int, float]] = {}  # replica -> (count, when it moved)
+        self.ranks_per_replica = ranks_per_replica
+        self._seen: dict[tuple, tuple[int, float]] = {}  # (replica, rank) -> (count, since)
 
-    def dead(self, replica: int) -> bool:
-        value, now = count(self.store, key("hb", replica)), self.clock()
-        last = self._seen.get(replica)
+    def rank_dead(self, replica: int, rank: int) -> bool:
+        value, now = count(self.store, key("hb", replica, rank)), self.clock()
+        last = self._seen.get((replica, rank))
         if last is None or last[0] != value:
-            self._seen[replica] = (value, now)
+            self._seen[(replica, rank)] = (value, now)
             return False
         return now - last[1] > self.timeout_s
+
+    def dead(self, replica: int) -> bool:
+        """A replica group is gone when any of its ranks is (it leaves as a whole)."""
+        return any([self.rank_dead(replica, rank) for rank in range(self.ranks_per_replica)])
 
 
 def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,

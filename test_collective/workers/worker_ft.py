@@ -1,8 +1,10 @@
 """One replica group (2 ranks) of a fault-tolerant HSDP job; test_fault_tolerance.py
-starts a coordinator and three of these, kills one mid-backward and restarts it.
+starts a coordinator and three of these, kills one mid-backward and restarts it,
+then stops (hangs) a rank of another.
 
 argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
-(every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_WAIT_JOIN=r@k
+(every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
+(rank i SIGSTOPs itself there: it hangs), FT_TEST_WAIT_JOIN=r@k
 (before step k the leader waits until replica r has arrived to join). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings) and the final full parameters; the leader also writes
@@ -24,10 +26,13 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import ft
+from paddle_hsdp.ft.rounds import arrived
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
 wait_join = os.environ.get("FT_TEST_WAIT_JOIN", "")
+stop_at = [int(v) for v in os.environ["FT_TEST_STOP_AT"].split("@")] \
+    if os.environ.get("FT_TEST_STOP_AT") else None
 if os.environ.get("FT_DEBUG"):
     logging.getLogger("paddle_hsdp.ft").setLevel(logging.DEBUG)
 paddle.set_default_dtype("float64")
@@ -48,20 +53,36 @@ def die(_grad):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hang(_grad):
+    with open(os.path.join(out_dir, f"stopped{replica.replica_id}_rank{rank}"), "w") as f:
+        f.write(str(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def fault_hook():
+    if replica.step + 1 == kill_at:
+        return die
+    if stop_at and replica.step + 1 == stop_at[0] and rank == stop_at[1]:
+        return hang
+    return None
+
+
 def forward_backward():
     x, y = batch(replica.step, replica.replica_id, rank)
-    loss = loss_of(model, x, y, die if replica.step + 1 == kill_at else None)
+    loss = loss_of(model, x, y, fault_hook())
     loss.backward()
     return loss
 
 
 losses = {}
 while replica.step < steps:
-    if wait_join and rank == 0 and replica.step + 1 == int(wait_join.split("@")[1]):
+    if wait_join and replica.step + 1 == int(wait_join.split("@")[1]):
+        # every rank waits (a rank blocked in a collective with a waiting one would
+        # meet the watchdog)
         joiner, deadline = int(wait_join.split("@")[0]), time.time() + 120
-        while joiner not in replica._rounds.arrived(replica._next_round):  # test only
+        while joiner not in arrived(replica.store, replica._next_round):  # test only
             assert time.time() < deadline, "the joiner never arrived"
-            time.sleep(0.05)
+            time.sleep(0.1)
     loss = replica.train_step(forward_backward)
     losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
     if rank == 0:
