@@ -103,7 +103,6 @@ class Rounds:
         self.join_window_s, self._arrived_at = join_window_s, 0.0
         self.start_replicas, self.min_replicas = start_replicas, min_replicas
         self.liveness, self.timeout_s, self.poll_s, self.clock = liveness, timeout_s, poll_s, clock
-        self._counted_in = False  # this joiner added itself to ``joiners_in``
 
     def next_open(self) -> int:
         """The round a joiner arrives at: the one after the last closed round."""
@@ -113,9 +112,6 @@ class Rounds:
         """Arrive at round ``number`` and return its record, or None if it closed without
         this replica. ``expected``: the previous round's members (None: a joiner)."""
         store = self.store
-        if expected is None and not self._counted_in:  # members learn that one waits
-            store.add(key("joiners_in"), 1)
-            self._counted_in = True
         store.set(key("r", number, "arrival", self.replica), json.dumps(asdict(arrival)))
         slot = store.add(key("r", number, "slots"), 1)
         store.set(key("r", number, "slot", slot), str(self.replica))
@@ -131,10 +127,7 @@ class Rounds:
                 raise FaultToleranceError(self._timeout_message(number, expected))
             time.sleep(self.poll_s)
         record = Round.from_json(store.get(key("r", number, "record")).decode())
-        if self.replica not in record.members:
-            return None
-        self._counted_in = False
-        return record
+        return record if self.replica in record.members else None
 
     def arrived(self, number: int) -> list[int]:
         return arrived(self.store, number)
@@ -162,8 +155,6 @@ class Rounds:
                    or any(a.fresh or a.failed for a in members.values()))
         self.store.set(key("r", number, "record"),
                        Round(number, members, rebuild, count(self.store, key("failures"))).to_json())
-        newcomers = [r for r in members if expected is None or r not in expected]
-        self.store.add(key("joiners_admitted"), len(newcomers))
         self.store.add(key("r", number, "closed"), 1)
         self.store.add(key("closed_rounds"), 1)
 

@@ -97,7 +97,9 @@ class Watcher:
     * calls ``on_failure()`` once a failure is announced after the round's own count
       (``baseline``): the outer group's connections are shut down, so a collective
       this rank is blocked in fails now instead of after gloo's 30 s;
-    * on the leader, tells whether a replica group waits to join (``joiners_waiting``).
+    * on the leader, tells whether a replica group waits to join (``joiners_waiting``:
+      one has arrived at the round after this one; members arrive there only when
+      they form it).
     """
 
     def __init__(self, address: str, replica: int, rank: int, liveness_timeout_s: float,
@@ -141,9 +143,8 @@ class Watcher:
             self.peers = []  # announced once
         if count(store, key("failures")) > self.baseline:
             self._on_failure()
-        if self._leader:
-            self.joiners_waiting = (count(store, key("joiners_in"))
-                                    > count(store, key("joiners_admitted")))
+        if self._leader:  # only joiners arrive at the next round before it is formed
+            self.joiners_waiting = count(store, key("r", round_number + 1, "slots")) > 0
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,257 @@
+"""paddle_hsdp.ft in one process: the round protocol on an in-memory store (who is in,
+when a round closes, who gives and who takes the state), the live outer group, and the
+refusals. The multi-process behaviour (a killed and a hung replica group, a rejoin,
+parity with a single-process reference) is test_collective/test_fault_tolerance.py."""
+
+import socket
+import threading
+import time
+import types
+
+import numpy as np
+import paddle
+import pytest
+
+from paddle_hsdp.ft import groups, transfer
+from paddle_hsdp.ft.rounds import Arrival, FaultToleranceError, Round, Rounds
+from paddle_hsdp.ft.store import Liveness, key, parse_address
+
+
+class MemoryStore:
+    """Paddle's TCPStore interface (set, get, add), in memory and thread-safe."""
+
+    def __init__(self):
+        self.data, self.lock = {}, threading.Lock()
+
+    def set(self, name, value):
+        with self.lock:
+            self.data[name] = value.encode() if isinstance(value, str) else value
+
+    def get(self, name):
+        deadline = time.monotonic() + 5
+        while True:
+            with self.lock:
+                if name in self.data:
+                    return self.data[name]
+            assert time.monotonic() < deadline, f"get({name!r}) never answered"
+            time.sleep(0.001)
+
+    def add(self, name, amount):
+        with self.lock:
+            value = int(self.data.get(name, b"0")) + amount
+            self.data[name] = str(value).encode()
+            return value
+
+
+class NeverDead:
+    def dead(self, replica):
+        return False
+
+
+def rounds_for(store, replica, start=1, minimum=1, window=30.0, timeout=10.0):
+    return Rounds(store, replica, start, minimum, NeverDead(), timeout, window, poll_s=0.001)
+
+
+def form_together(store, calls):
+    """Run ``Rounds.form`` for several replicas at once: {replica: record or error}."""
+    results = {}
+
+    def run(replica, rounds, number, expected, arrival):
+        try:
+            results[replica] = rounds.form(number, expected, arrival)
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            results[replica] = e
+
+    threads = [threading.Thread(target=run, args=call) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+# ---------------------------------------------------------------- the record
+def test_the_first_round_copies_the_lowest_replica_to_every_other():
+    record = Round(0, {r: Arrival(0, fresh=True) for r in (2, 0, 1)}, rebuild=True)
+    assert record.replicas == [0, 1, 2] and record.step == 0
+    assert record.donor == 0 and record.receivers == [1, 2]
+
+
+def test_a_replica_behind_or_fresh_takes_the_state_of_one_at_the_furthest_step():
+    record = Round(5, {0: Arrival(7), 1: Arrival(6, failed=True), 2: Arrival(0, fresh=True),
+                       3: Arrival(7)}, rebuild=True)
+    assert record.step == 7 and record.donor == 0
+    assert record.receivers == [1, 2]
+    same = Round(6, {0: Arrival(7), 3: Arrival(7)}, rebuild=False)
+    assert same.receivers == []
+
+
+def test_a_record_survives_its_json():
+    record = Round(3, {0: Arrival(4), 2: Arrival(0, fresh=True)}, rebuild=True, failures=2)
+    assert Round.from_json(record.to_json()) == record
+
+
+# ---------------------------------------------------------------- the protocol
+def test_the_first_round_closes_once_the_starting_replicas_are_in():
+    store = MemoryStore()
+    results = form_together(store, [(r, rounds_for(store, r, start=3), 0, None, Arrival(0, True))
+                                    for r in range(3)])
+    records = [results[r] for r in range(3)]
+    assert all(isinstance(x, Round) for x in records), results
+    assert {x.to_json() for x in records} == {records[0].to_json()}  # one record
+    assert records[0].replicas == [0, 1, 2] and records[0].rebuild
+    assert int(store.get(key("closed_rounds"))) == 1
+
+
+def test_a_member_marked_dead_is_not_waited_for_and_the_groups_are_rebuilt():
+    store = MemoryStore()
+    store.add(key("r", 4, "dead", 2), 1)  # a watcher saw replica 2 stop in round 4
+    results = form_together(store, [(r, rounds_for(store, r), 5, [0, 1, 2], Arrival(9, failed=True))
+                                    for r in (0, 1)])
+    assert results[0].replicas == [0, 1] == results[1].replicas
+    assert results[0].rebuild
+
+
+def test_a_missing_member_is_left_out_after_the_join_window_and_rejoins_later():
+    store = MemoryStore()
+    start = time.monotonic()
+    results = form_together(store, [(r, rounds_for(store, r, window=0.3), 5, [0, 1, 2],
+                                     Arrival(9)) for r in (0, 1)])
+    assert results[0].replicas == [0, 1] and time.monotonic() - start >= 0.3
+    late = rounds_for(store, 2).form(5, [0, 1, 2], Arrival(9))
+    assert late is None  # the round closed without it: it arrives at the next as a joiner
+
+
+def test_a_joiner_is_taken_in_by_the_members_next_round_and_never_closes_one():
+    store = MemoryStore()
+    store.add(key("closed_rounds"), 6)  # rounds 0..5 closed
+    joiner = rounds_for(store, 2, window=30.0)
+    assert joiner.next_open() == 6
+    only_joiner = form_together(store, [(2, rounds_for(store, 2, timeout=0.3), 6, None,
+                                         Arrival(0, True))])
+    assert isinstance(only_joiner[2], FaultToleranceError)  # nobody closed round 6
+    assert "round 6" in str(only_joiner[2])
+    results = form_together(store, [(0, rounds_for(store, 0), 6, [0, 1], Arrival(7)),
+                                    (1, rounds_for(store, 1), 6, [0, 1], Arrival(7)),
+                                    (2, joiner, 6, None, Arrival(0, fresh=True))])
+    assert [results[r].replicas for r in range(3)] == [[0, 1, 2]] * 3, results
+    assert results[0].receivers == [2] and results[0].donor == 0
+
+
+def test_too_few_replicas_is_an_error_that_names_the_bound():
+    store = MemoryStore()
+    rounds = Rounds(store, 0, 1, 2, NeverDead(), 0.2, 0.05, poll_s=0.001)
+    with pytest.raises(FaultToleranceError, match="PADDLE_HSDP_FT_ROUND_TIMEOUT"):
+        rounds.form(3, [0, 1], Arrival(4))
+
+
+def test_liveness_calls_a_replica_dead_when_any_rank_stops():
+    store, now = MemoryStore(), [0.0]
+    live = Liveness(store, 1.0, ranks_per_replica=2, clock=lambda: now[0])
+    assert not live.dead(3)
+    now[0] = 0.5
+    store.add(key("hb", 3, 0), 1)  # rank 0 beats, rank 1 does not
+    assert not live.dead(3)
+    now[0] = 1.6
+    store.add(key("hb", 3, 0), 1)
+    assert live.dead(3)
+
+
+# ---------------------------------------------------------------- the outer group
+def test_the_live_outer_group_follows_the_rounds():
+    group = groups.LiveOuterGroup(replica=2, local_rank=1, inner=4)
+    assert group.ranks == [9] and group.nranks == 1 and group.rank == 0
+    assert group.early_sync is False and group.watchdog_exempt is True
+    group.adopt([0, 2, 3], ("pg", {}))
+    assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
+    assert group.process_group == "pg"
+    group.abandon()
+    assert group.ranks == [9] and group.process_group is None and group.broken == ["pg"]
+
+
+def test_shutting_an_outer_group_down_ends_its_peers_reads():
+    ours, theirs = socket.socketpair()
+    try:
+        group = groups.LiveOuterGroup(replica=0, local_rank=0, inner=1)
+        group.adopt([0, 1], ("pg", {ours.fileno()}))
+        group.shut_down()
+        theirs.settimeout(2)
+        assert theirs.recv(1) == b""  # the peer sees the connection end at once
+        assert ours.fileno() >= 0  # the descriptor itself stays open (gloo's)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+# ---------------------------------------------------------------- state and refusals
+def test_optimizer_state_flattens_to_tensors_and_back():
+    a, b = paddle.ones([2]), paddle.zeros([3])
+    state = {"w_moment1_0": a, "master_weights": {"w": b}, "LR_Scheduler": {"last_epoch": 3}}
+    pairs, rest = transfer._flatten(state)
+    assert [p for p, _ in pairs] == [("master_weights", "w"), ("w_moment1_0",)]
+    assert rest == {"LR_Scheduler": {"last_epoch": 3}}
+    back = transfer._unflatten(pairs, rest)
+    assert back["master_weights"]["w"] is b and back["w_moment1_0"] is a
+    assert transfer._checksum(paddle.to_tensor(np.arange(4.0))) == \
+        transfer._checksum(paddle.to_tensor(np.arange(4.0)))
+
+
+@pytest.mark.parametrize("address", ["", "host", "host:", ":1234", "host:port"])
+def test_a_bad_coordinator_address_names_the_variable(address):
+    with pytest.raises(ValueError, match="PADDLE_HSDP_FT_COORDINATOR must be host:port"):
+        parse_address(address)
+
+
+def test_ft_init_refuses_a_fleet_outer_degree(monkeypatch):
+    from paddle_hsdp.ft import replica
+    hcg = types.SimpleNamespace(_hsdp_groups=types.SimpleNamespace(outer_degree=2))
+    monkeypatch.setattr(replica.fleet, "get_hybrid_communicate_group", lambda: hcg)
+    with pytest.raises(ValueError, match="fsdp_outer_degree'\\] must be 1"):
+        replica.Replica(0, "127.0.0.1:1", 1, 1, 5.0, 3)
+
+
+def test_ft_init_needs_a_replica_id(monkeypatch):
+    from paddle_hsdp.ft import replica
+    monkeypatch.delenv("PADDLE_HSDP_FT_REPLICA_ID", raising=False)
+    with pytest.raises(ValueError, match="PADDLE_HSDP_FT_REPLICA_ID"):
+        replica.init()
+    monkeypatch.setenv("PADDLE_HSDP_FT_REPLICA_ID", "two")
+    with pytest.raises(ValueError, match="integer >= 0"):
+        replica.init()
+
+
+def test_attach_refuses_hfsdp_and_unsharded_buffers(monkeypatch):
+    from paddle_hsdp.ft import replica
+    ft = object.__new__(replica.Replica)
+    ft.outer = object()
+    buffers = [types.SimpleNamespace(outer=ft.outer, parts=2, describe=lambda: "buffer 0")]
+    monkeypatch.setattr(replica.registry, "units_under",
+                        lambda model: [types.SimpleNamespace(buffers=buffers)])
+    with pytest.raises(NotImplementedError, match="HFSDP\\) is not fault-tolerant"):
+        ft.attach(object(), object())
+    buffers[0] = types.SimpleNamespace(outer=object(), parts=1, describe=lambda: "buffer 0")
+    with pytest.raises(NotImplementedError, match="not sharded over the inner group"):
+        ft.attach(object(), object())
+
+
+def test_an_exempt_group_is_not_watched_and_others_are(monkeypatch):
+    from paddle_hsdp.comm import collectives, watchdog
+    watched = []
+    real = watchdog.watched
+
+    def spy(describe):
+        watched.append(describe)
+        return real(describe)
+    monkeypatch.setattr(watchdog, "watched", spy)
+    group = groups.LiveOuterGroup(replica=0, local_rank=0, inner=1)
+    assert collectives._issue("all_reduce", group, None, lambda: "done") == "done"
+    assert watched == []
+    plain = types.SimpleNamespace(id=-5, ranks=[0, 1])
+    assert collectives._issue("all_reduce", plain, None, lambda: "done") == "done"
+    assert len(watched) == 1
+
+
+def test_the_coordinator_refuses_a_bad_port():
+    from paddle_hsdp.ft import coordinator
+    with pytest.raises(SystemExit):
+        coordinator.main(["--port", "70000"])
