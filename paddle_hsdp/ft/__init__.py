@@ -1,4 +1,4 @@
-"""Fault-tolerant HSDP: replica groups that outlive each other (docs/fault_tolerance.md).
+"""Fault-tolerant HSDP: replica groups that outlive each other (docs/fault-tolerance.md).
 
 Start a coordinator (``python -m paddle_hsdp.ft.coordinator --port P``), then each
 replica group as its own ``paddle.distributed.launch`` job; in the training script,
