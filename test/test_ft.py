@@ -138,6 +138,13 @@ def test_a_joiner_is_taken_in_by_the_members_next_round_and_never_closes_one():
     assert results[0].receivers == [2] and results[0].donor == 0
 
 
+def test_a_joiner_stops_when_the_job_has_finished():
+    store = MemoryStore()
+    store.add(key("finished"), 1)
+    with pytest.raises(FaultToleranceError, match="the job has finished"):
+        rounds_for(store, 3).form(9, None, Arrival(0, fresh=True))
+
+
 def test_too_few_replicas_is_an_error_that_names_the_bound():
     store = MemoryStore()
     rounds = Rounds(store, 0, 1, 2, NeverDead(), 0.2, 0.05, poll_s=0.001)

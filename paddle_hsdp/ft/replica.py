@@ -199,6 +199,12 @@ class Replica:
                     f"paddle_hsdp.ft: step {self.step} failed {failures} times in a row; "
                     f"the last error: {error}")
 
+    def finish(self) -> None:
+        """The training loop is over: a replica group still waiting to join stops with
+        a message instead of waiting out the round timeout (call it on every rank)."""
+        if self.rank == 0:
+            self.store.add(key("finished"), 1)
+
     def _joiners_waiting(self) -> bool:
         """Whether any replica group waits to join, as every member learns it: this
         rank's view (the leader's heartbeat thread watches the store) all-reduced (max)

@@ -125,6 +125,10 @@ class Rounds:
                 break
             if self.clock() > deadline:
                 raise FaultToleranceError(self._timeout_message(number, expected))
+            if expected is None and count(store, key("finished")):
+                raise FaultToleranceError(
+                    f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
+                    "finished (a replica group called Replica.finish())")
             time.sleep(self.poll_s)
         record = Round.from_json(store.get(key("r", number, "record")).decode())
         return record if self.replica in record.members else None

@@ -88,6 +88,7 @@ while replica.step < steps:
     if rank == 0:
         with open(os.path.join(out_dir, f"progress{replica.replica_id}"), "w") as f:
             f.write(str(replica.step))
+replica.finish()
 full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(model).items()}
 with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
           "w") as f:

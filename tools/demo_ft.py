@@ -1,0 +1,204 @@
+"""paddle_hsdp.ft demo: three replica groups of 2 CPU ranks train the demo's character LM;
+one group is killed (every process, SIGKILL) mid-run and started again a few seconds
+later; the others keep going and the restarted group rejoins from a healthy one.
+
+Run ``bash tools/demo_ft.sh`` (``--steps``, ``--kill-at``, ``--restart-after``); it
+starts the coordinator and the launches, and prints one line per step from replica 0:
+step, loss, the live replica groups. Each group trains on its own rows of the text
+(chosen from the step and its id, so a redone step sees the same rows). The run ends
+with what the fault cost: the stall from the kill to the next step and the rejoin.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RANKS = 2
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--replicas", type=int, default=3, help="replica groups (>= 2)")
+    parser.add_argument("--kill-at", type=int, default=10,
+                        help="kill the last group once replica 0 has finished this step")
+    parser.add_argument("--restart-after", type=float, default=3.0,
+                        help="seconds between the kill and the restart")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.replicas < 2:
+        parser.error(f"--replicas must be >= 2 (one is killed), got {args.replicas}")
+    if not 0 < args.kill_at < args.steps:
+        parser.error(f"--kill-at must be in 1..{args.steps - 1} (--steps {args.steps}), "
+                     f"got {args.kill_at}")
+    return args
+
+
+# ---------------------------------------------------------------- one replica group's rank
+def worker(args) -> None:
+    import numpy as np
+    import paddle
+    import paddle.distributed as dist
+    import paddle.nn.functional as F
+
+    import paddle_hsdp
+    from paddle_hsdp import ft
+    sys.path.insert(0, HERE)
+    from demo import build_model, corpus, init_hsdp
+
+    init_hsdp(RANKS, 1)
+    replica = ft.init()
+    rank = dist.get_rank()
+    paddle.seed(0)
+    model = build_model()
+    for block in model.blocks:
+        paddle_hsdp.fully_shard(block)
+    paddle_hsdp.fully_shard(model)
+    opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters(),
+                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    replica.attach(model, opt)
+    data, seq, batch = corpus(), 64, 8
+
+    def forward_backward():
+        rng = np.random.default_rng([replica.step, replica.replica_id, rank])
+        starts = rng.integers(0, len(data) - seq - 1, size=batch)
+        ids = paddle.to_tensor(np.stack([data[s:s + seq + 1] for s in starts]))
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.reshape([-1, 256]), ids[:, 1:].reshape([-1, 1]))
+        loss.backward()
+        return loss
+
+    progress = os.path.join(args.worker, f"progress{replica.replica_id}")
+    while replica.step < args.steps:
+        t0 = time.perf_counter()
+        loss = float(replica.train_step(forward_backward))
+        if rank == 0:
+            line = {"step": replica.step, "loss": loss, "replicas": replica.live_replicas,
+                    "seconds": time.perf_counter() - t0, "time": time.time(),
+                    "history": replica.history[-1]}
+            with open(progress, "a") as f:
+                f.write(json.dumps(line) + "\n")
+    replica.finish()
+
+
+# ---------------------------------------------------------------- the driver
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (the launcher puts each rank in a
+    process group of its own, so killing its group alone would leave the ranks)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    for victim in tree:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _lines(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def driver(args) -> int:
+    import tempfile
+    work = tempfile.mkdtemp(prefix="hsdp_demo_ft_")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               GLOG_minloglevel="2")
+    port = _free_port()
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", "127.0.0.1",
+         "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+        stderr=open(os.path.join(work, "coordinator.err"), "w"))
+    env.update(PADDLE_HSDP_FT_COORDINATOR=f"127.0.0.1:{port}",
+               PADDLE_HSDP_FT_START_REPLICAS=str(args.replicas))
+    print(f"coordinator on 127.0.0.1:{port}; {args.replicas} replica groups of {RANKS} CPU "
+          f"ranks (logs in {work})", flush=True)
+
+    def start(replica: int, name: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
+             str(RANKS), "--log_dir", os.path.join(work, name), os.path.abspath(__file__),
+             "--worker", work, "--steps", str(args.steps)],
+            env=dict(env, PADDLE_HSDP_FT_REPLICA_ID=str(replica)), cwd=work,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    groups = {r: start(r, f"replica{r}") for r in range(args.replicas)}
+    victim, shown, killed_at, restarted = args.replicas - 1, 0, None, False
+    progress = os.path.join(work, "progress0")
+    deadline = time.time() + 600
+    try:
+        while groups[0].poll() is None and time.time() < deadline:
+            lines = _lines(progress)
+            for line in lines[shown:]:
+                print(f"step {line['step']:3d}  loss {line['loss']:.3f}  replicas "
+                      f"{line['replicas']}  ({line['seconds']:.2f} s)", flush=True)
+            shown = len(lines)
+            if killed_at is None and shown >= args.kill_at:
+                _kill_tree(groups[victim].pid)
+                killed_at = time.time()
+                print(f"--- killed replica group {victim} (every process, SIGKILL)", flush=True)
+            if killed_at and not restarted and time.time() - killed_at > args.restart_after:
+                groups[victim] = start(victim, f"replica{victim}_again")
+                restarted = True
+                print(f"--- started replica group {victim} again", flush=True)
+            time.sleep(0.1)
+        for proc in groups.values():
+            proc.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        for proc in groups.values():
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+        coordinator.terminate()
+    lines = _lines(progress)
+    for line in lines[shown:]:
+        print(f"step {line['step']:3d}  loss {line['loss']:.3f}  replicas {line['replicas']}  "
+              f"({line['seconds']:.2f} s)", flush=True)
+    codes = {r: p.returncode for r, p in groups.items()}
+    if any(codes.values()) or len(lines) < args.steps:
+        print(f"demo failed: exit codes {codes}; logs in {work}")
+        return 1
+    after = next(line for line in lines if line["time"] > killed_at)
+    joined = next((line for line in lines if victim in line["replicas"]
+                   and line["time"] > killed_at), None)
+    print(f"loss {lines[0]['loss']:.3f} -> {lines[-1]['loss']:.3f} in {args.steps} steps; "
+          f"from the kill to the next step {after['time'] - killed_at:.1f} s; replica group "
+          f"{victim} back at step {joined['step'] if joined else '-'} "
+          f"(state copied in {joined['history'].get('set_up_s', 0):.2f} s)" if joined else "")
+    return 0
+
+
+if __name__ == "__main__":
+    parsed = parse_args()
+    if parsed.worker:
+        worker(parsed)
+    else:
+        sys.exit(driver(parsed))
