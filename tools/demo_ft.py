@@ -128,28 +128,54 @@ def _lines(path: str) -> list[dict]:
         return []
 
 
+def worker_command(work: str, steps: int) -> list[str]:
+    """What each rank of a replica group runs (under a launcher)."""
+    return [os.path.abspath(__file__), "--worker", work, "--steps", str(steps)]
+
+
 def driver(args) -> int:
+    """One host: the coordinator and every replica group on this machine."""
     import tempfile
     work = tempfile.mkdtemp(prefix="hsdp_demo_ft_")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                GLOG_minloglevel="2")
     port = _free_port()
-    coordinator = subprocess.Popen(
+
+    def group_command(replica: int, log_dir: str) -> list[str]:
+        return [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
+                str(RANKS), "--log_dir", log_dir, *worker_command(work, args.steps)]
+
+    return run_scenario(
+        args, work, env,
         [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", "127.0.0.1",
-         "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-        stderr=open(os.path.join(work, "coordinator.err"), "w"))
-    env.update(PADDLE_HSDP_FT_COORDINATOR=f"127.0.0.1:{port}",
+         "--port", str(port)], f"127.0.0.1:{port}", group_command,
+        lambda replica, proc: _kill_tree(proc.pid))
+
+
+def run_scenario(args, work: str, env: dict, coordinator_command: list[str], address: str,
+                 group_command, kill_group) -> int:
+    """Start the coordinator and ``args.replicas`` groups (``group_command(replica,
+    log_dir)``), show replica 0's steps, kill the last group (``kill_group(replica,
+    proc)``) once replica 0 has finished ``args.kill_at`` steps, start it again
+    ``args.restart_after`` s later, and report the stall and the rejoin. Returns 0 if
+    every group ended well."""
+    coordinator = subprocess.Popen(coordinator_command, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=open(os.path.join(work, "coordinator.err"), "w"))
+    env = dict(env, PADDLE_HSDP_FT_COORDINATOR=address,
                PADDLE_HSDP_FT_START_REPLICAS=str(args.replicas))
-    print(f"coordinator on 127.0.0.1:{port}; {args.replicas} replica groups of {RANKS} CPU "
+    print(f"coordinator on {address}; {args.replicas} replica groups of {RANKS} CPU "
           f"ranks (logs in {work})", flush=True)
 
     def start(replica: int, name: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
-             str(RANKS), "--log_dir", os.path.join(work, name), os.path.abspath(__file__),
-             "--worker", work, "--steps", str(args.steps)],
+            group_command(replica, os.path.join(work, name)),
             env=dict(env, PADDLE_HSDP_FT_REPLICA_ID=str(replica)), cwd=work,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def show(lines):
+        for line in lines:
+            print(f"step {line['step']:3d}  loss {line['loss']:.3f}  replicas "
+                  f"{line['replicas']}  ({line['seconds']:.2f} s)", flush=True)
 
     groups = {r: start(r, f"replica{r}") for r in range(args.replicas)}
     victim, shown, killed_at, restarted = args.replicas - 1, 0, None, False
@@ -158,12 +184,10 @@ def driver(args) -> int:
     try:
         while groups[0].poll() is None and time.time() < deadline:
             lines = _lines(progress)
-            for line in lines[shown:]:
-                print(f"step {line['step']:3d}  loss {line['loss']:.3f}  replicas "
-                      f"{line['replicas']}  ({line['seconds']:.2f} s)", flush=True)
+            show(lines[shown:])
             shown = len(lines)
             if killed_at is None and shown >= args.kill_at:
-                _kill_tree(groups[victim].pid)
+                kill_group(victim, groups[victim])
                 killed_at = time.time()
                 print(f"--- killed replica group {victim} (every process, SIGKILL)", flush=True)
             if killed_at and not restarted and time.time() - killed_at > args.restart_after:
@@ -174,25 +198,24 @@ def driver(args) -> int:
         for proc in groups.values():
             proc.wait(timeout=max(1, deadline - time.time()))
     finally:
-        for proc in groups.values():
+        for replica, proc in groups.items():
             if proc.poll() is None:
-                _kill_tree(proc.pid)
+                kill_group(replica, proc)
         coordinator.terminate()
     lines = _lines(progress)
-    for line in lines[shown:]:
-        print(f"step {line['step']:3d}  loss {line['loss']:.3f}  replicas {line['replicas']}  "
-              f"({line['seconds']:.2f} s)", flush=True)
+    show(lines[shown:])
     codes = {r: p.returncode for r, p in groups.items()}
     if any(codes.values()) or len(lines) < args.steps:
-        print(f"demo failed: exit codes {codes}; logs in {work}")
+        print(f"failed: exit codes {codes}; logs in {work}")
         return 1
     after = next(line for line in lines if line["time"] > killed_at)
     joined = next((line for line in lines if victim in line["replicas"]
                    and line["time"] > killed_at), None)
     print(f"loss {lines[0]['loss']:.3f} -> {lines[-1]['loss']:.3f} in {args.steps} steps; "
-          f"from the kill to the next step {after['time'] - killed_at:.1f} s; replica group "
-          f"{victim} back at step {joined['step'] if joined else '-'} "
-          f"(state copied in {joined['history'].get('set_up_s', 0):.2f} s)" if joined else "")
+          f"from the kill to the next step {after['time'] - killed_at:.1f} s; " +
+          (f"replica group {victim} back at step {joined['step']} (state copied in "
+           f"{joined['history'].get('set_up_s', 0):.2f} s)" if joined else
+           f"replica group {victim} did not rejoin before the end"), flush=True)
     return 0
 
 

@@ -12,6 +12,7 @@ link then carries at most that rate, while ranks on the same host talk over its 
     python tools/two_hosts.py up 100mbit         # create (tag "cli") and leave them up
     python tools/two_hosts.py down               # delete the "cli" hosts and stale ones
     python tools/two_hosts.py calibrate 100mbit  # alpha-beta figures, printed as JSON
+    python tools/two_hosts.py ft 100mbit         # fault-tolerant HSDP: host 1 dies, rejoins
 
 From Python::
 
@@ -506,6 +507,45 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def kill_host(host: Host) -> None:
+    """A machine dies: SIGKILL every process in the host's namespace at once."""
+    for pid in pids_in(host.namespace):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def cmd_ft(args) -> int:
+    """Fault-tolerant HSDP across the two hosts (tools/demo_ft.py's scenario): the
+    coordinator and replica group 0 on host 0, group 1 on host 1; host 1's processes
+    are all killed mid-run, and group 1 is started there again."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import demo_ft
+    work = tempfile.mkdtemp(prefix="two_hosts_ft_")
+    with TwoHosts(rate=None if args.rate == "none" else args.rate) as hosts:
+        def on(host: Host, cmd: list[str]) -> list[str]:
+            return ["ip", "netns", "exec", host.namespace, "env",
+                    f"GLOO_SOCKET_IFNAME={host.device}", *cmd]
+
+        def group_command(replica: int, log_dir: str) -> list[str]:
+            host = hosts.hosts[replica]
+            return on(host, [sys.executable, "-m", "paddle.distributed.launch", "--host",
+                             host.ip, "--nproc_per_node", str(demo_ft.RANKS), "--log_dir",
+                             log_dir, *demo_ft.worker_command(work, args.steps)])
+
+        h0 = hosts.hosts[0]
+        port = random.randint(30000, 45000)
+        scenario = argparse.Namespace(replicas=2, steps=args.steps, kill_at=args.kill_at,
+                                      restart_after=args.restart_after)
+        return demo_ft.run_scenario(
+            scenario, work, _child_env(),
+            on(h0, [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", h0.ip,
+                    "--port", str(port)]),
+            f"{h0.ip}:{port}", group_command,
+            lambda replica, proc: kill_host(hosts.hosts[replica]))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_calibrate_worker"]:  # under paddle.distributed.launch
@@ -523,8 +563,14 @@ def main(argv=None) -> int:
     cal.add_argument("rate", help="cross-host rate limit (e.g. 100mbit) or none")
     cal.add_argument("--bytes", type=int, default=CALIBRATION_BYTES)
     cal.add_argument("--repeats", type=int, default=5)
+    ft = sub.add_parser("ft", help="fault-tolerant HSDP: host 1 dies mid-run and rejoins")
+    ft.add_argument("rate", help="cross-host rate limit (e.g. 100mbit) or none")
+    ft.add_argument("--steps", type=int, default=40)
+    ft.add_argument("--kill-at", type=int, default=10)
+    ft.add_argument("--restart-after", type=float, default=3.0)
     args = ap.parse_args(argv)
-    commands = {"check": cmd_check, "up": cmd_up, "down": cmd_down, "calibrate": cmd_calibrate}
+    commands = {"check": cmd_check, "up": cmd_up, "down": cmd_down, "calibrate": cmd_calibrate,
+                "ft": cmd_ft}
     try:
         return commands[args.command](args)
     except (Unavailable, ValueError) as e:
