@@ -74,6 +74,9 @@ class Replica:
                 "paddle_hsdp.ft.init(): sharding_configs['fsdp_outer_degree'] must be 1 in "
                 f"a fault-tolerant job, got {hsdp.outer_degree}: each replica group is its "
                 "own launch job, and the outer groups join the replica groups.")
+        if not isinstance(replica_id, int) or replica_id < 0:
+            raise ValueError(f"paddle_hsdp.ft.init(): replica_id must be an integer >= 0, "
+                             f"got {replica_id!r}")
         if min_replicas < 1 or start_replicas < min_replicas:
             raise ValueError(f"paddle_hsdp.ft.init(): need 1 <= min_replicas <= "
                              f"start_replicas, got min_replicas={min_replicas}, "
@@ -81,7 +84,6 @@ class Replica:
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
-        hsdp.use_live_outer(self.outer)
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
         self.store = connect(coordinator, round_timeout_s)
@@ -93,9 +95,9 @@ class Replica:
             self._rounds = Rounds(self.store, replica_id, start_replicas, min_replicas,
                                   Liveness(self.store, liveness_s, self.ranks_per_replica),
                                   round_timeout_s, join_window_s())
+        self._world = dist.collective._get_global_group()  # this replica group's ranks
         # this process's run of the replica group: keys of a restarted one never
         # meet its predecessor's
-        self._world = dist.collective._get_global_group()  # this replica group's ranks
         token = [uuid.uuid4().hex[:12]]
         dist.broadcast_object_list(token, src=0)
         self._token = token[0]
@@ -110,6 +112,7 @@ class Replica:
         self.history: list[dict] = []  # one entry per committed step and per failure
         self.model = self.optimizer = self.lr_scheduler = None
         self._state_fn = self._load_state_fn = None
+        hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
 
     # ------------------------------------------------------------ set-up
     def attach(self, model, optimizer, lr_scheduler=None, state_dict=None,
