@@ -50,8 +50,10 @@ class FaultTolerantJob:
              "--port", str(port)], env=self.env, stdout=subprocess.PIPE,
             stderr=open(os.path.join(self.work, "coordinator.err"), "w"), text=True)
         assert "listening" in self.coordinator.stdout.readline()
+        # a hung rank is declared after 5 s here (default 10): the suite's time
         self.env.update(PADDLE_HSDP_FT_COORDINATOR=f"127.0.0.1:{port}",
-                        PADDLE_HSDP_FT_START_REPLICAS=str(replicas))
+                        PADDLE_HSDP_FT_START_REPLICAS=str(replicas),
+                        PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT="5")
         self.launches: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, replica: int, name: str, **env) -> subprocess.Popen:
@@ -117,10 +119,13 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     out = run_single("single_process_ft.py", job.work, str(STEPS))
     assert "FT_PARITY_OK" in out, out[-2000:]
     members = json.loads(out.split("MEMBERS ", 1)[1].splitlines()[0])
-    assert all(members[str(t)] == [0, 1, 2] for t in range(1, KILL_AT)), members
-    assert all(members[str(t)] == [0, 1] for t in range(KILL_AT, RESTART_AFTER + 2)), members
-    assert all(members[str(t)] == [0, 1, 2] for t in range(RESTART_AFTER + 2, STOP_AT)), members
-    assert all(members[str(t)] == [0, 2] for t in range(STOP_AT, STEPS + 1)), members
+    # replica 2 joins at a step boundary once the others have seen it waiting (their
+    # watcher's next look): the step after the one it arrived before, or one later
+    rejoined_at = next(t for t in range(KILL_AT, STEPS + 1) if 2 in members[str(t)])
+    assert RESTART_AFTER + 2 <= rejoined_at <= RESTART_AFTER + 4, members
+    expected = {t: [0, 1, 2] if t < KILL_AT else [0, 1] if t < rejoined_at
+                else [0, 1, 2] if t < STOP_AT else [0, 2] for t in range(1, STEPS + 1)}
+    assert members == {str(t): m for t, m in expected.items()}, members
 
     # what it cost: from the kill to replica 0's next committed step, and the rejoin
     runs = [json.load(open(p)) for p in glob.glob(os.path.join(job.work, "replica*.json"))]

@@ -59,18 +59,26 @@ def _store_timeout_s() -> int:
 
 
 def make_group_store(global_store, group_rank: int, group_size: int, group_id: int,
-                     key: str | None = None, timeout_s: int | None = None):
+                     key: str | None = None, timeout_s: int | None = None,
+                     listen_first: bool = False):
     """A rendezvous store private to one sub-group (see the module docstring).
     ``key``: where the address is published (default: by group id); ``timeout_s``: how
-    long members wait for each other (default ``PADDLE_HSDP_GLOO_STORE_TIMEOUT``)."""
+    long members wait for each other (default ``PADDLE_HSDP_GLOO_STORE_TIMEOUT``).
+    ``listen_first``: publish the address only once the server listens, so members
+    that read it at once do not meet a refused connection and the client's retry
+    back-off (seconds; paddle_hsdp.ft's rounds, whose members all read it at once)."""
     key = key or f"{_KEY_PREFIX}/{group_id}"
     timeout_s = timeout_s or _store_timeout_s()
     if group_rank == 0:
         host = _host_address()
         port = _free_port(host)
-        global_store.set(key, f"{host}:{port}")
-        # The master's constructor returns once all group_size members have connected.
-        _servers[group_id] = core.TCPStore(host, port, True, group_size, timeout_s)
+        if listen_first:  # a master that waits for itself only: it returns listening
+            _servers[group_id] = core.TCPStore(host, port, True, 1, timeout_s)
+            global_store.set(key, f"{host}:{port}")
+        else:
+            global_store.set(key, f"{host}:{port}")
+            # The master's constructor returns once all group_size members connected.
+            _servers[group_id] = core.TCPStore(host, port, True, group_size, timeout_s)
     else:
         host, port = global_store.get(key).decode().rsplit(":", 1)
     store = core.TCPStore(host, int(port), False, group_size, timeout_s)

@@ -16,7 +16,6 @@ rebuild of the engine.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 
@@ -26,7 +25,7 @@ from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import make_group_store
-from .store import key
+from .store import key, socket_fds
 
 # Negative (never one of Paddle's ring ids) and fixed, so the comm counter files all
 # rounds' traffic under one label.
@@ -113,33 +112,17 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
         return None, ()
     rank, size = replicas.index(group.replica), len(replicas)
     group_id = _ROUND_GROUP_BASE + round_number * 1024 + group.local_rank
-    before = _socket_fds()
+    before = socket_fds()
     group_store = make_group_store(
         store, rank, size, group_id,
         key=key("r", round_number, "outer_store", group.local_rank),
-        timeout_s=max(1, int(timeout_s)))
+        timeout_s=max(1, int(timeout_s)), listen_first=True)
     if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
         pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
                                           collective._get_global_env().pg_timeout, 0, None)
     else:
         pg = core.ProcessGroupGloo.create(group_store, rank, size, group_id)
-    return pg, _socket_fds() - before
-
-
-def _socket_fds() -> set[int]:
-    """This process's open socket descriptors (Linux: /proc/self/fd)."""
-    found = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # no procfs: abandon() shuts nothing down (gloo's timeout applies)
-        return found
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.add(int(name))
-        except OSError:  # closed meanwhile
-            continue
-    return found
+    return pg, socket_fds() - before
 
 
 def _shut_down(fd: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -66,9 +67,46 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def connect(address: str, timeout_s: float):
-    """A client of the coordinator's store (raises if none answers within the timeout)."""
+    """A client of the coordinator's store (raises if none answers within the timeout).
+
+    Paddle's client does not set ``TCP_NODELAY``: each request then waits out the
+    peer's delayed ACK (measured: 44 ms an ``add``, 88 ms a ``get`` on loopback; 0.09 and
+    0.14 ms with it). So the socket the client opened gets it here."""
     host, port = parse_address(address)
-    return core.TCPStore(host, port, False, 1, max(1, int(timeout_s)))
+    before = socket_fds()
+    store = core.TCPStore(host, port, False, 1, max(1, int(timeout_s)))
+    for fd in socket_fds() - before:
+        _set_nodelay(fd)
+    return store
+
+
+def socket_fds() -> set[int]:
+    """This process's open socket descriptors (Linux: /proc/self/fd; empty elsewhere)."""
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except OSError:  # closed meanwhile
+            continue
+    return found
+
+
+def _set_nodelay(fd: int) -> None:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:  # not a TCP socket
+        pass
+    finally:
+        sock.detach()  # the descriptor stays the store's
 
 
 def serve(host: str, port: int, timeout_s: int = 900):
