@@ -97,7 +97,7 @@ class Rounds:
     """One replica's side of the round protocol (its leader runs it)."""
 
     def __init__(self, store, replica: int, start_replicas: int, min_replicas: int,
-                 liveness, timeout_s: float, join_window_s: float, poll_s: float = 0.01,
+                 liveness, timeout_s: float, join_window_s: float, poll_s: float = 0.002,
                  clock=time.monotonic):
         self.store, self.replica = store, replica
         self.join_window_s, self._arrived_at = join_window_s, 0.0
@@ -118,6 +118,7 @@ class Rounds:
         store.add(key("r", number, "slot_set", slot), 1)
         self._arrived_at = self.clock()
         deadline = self._arrived_at + self.timeout_s
+        pause = self.poll_s  # grows to 50 ms: a joiner may wait here for many steps
         while not count(store, key("r", number, "closed")):
             if self._may_close(number, expected) and \
                     store.add(key("r", number, "closer"), 1) == 1:
@@ -129,7 +130,8 @@ class Rounds:
                 raise FaultToleranceError(
                     f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
                     "finished (a replica group called Replica.finish())")
-            time.sleep(self.poll_s)
+            time.sleep(pause)
+            pause = min(2 * pause, max(self.poll_s, 0.05))
         record = Round.from_json(store.get(key("r", number, "record")).decode())
         return record if self.replica in record.members else None
 

@@ -217,9 +217,10 @@ class Liveness:
 
 
 def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
-               poll_s: float = 0.005) -> int:
-    """Poll the counter ``name`` until it reaches ``at_least``; a clear error after
-    ``timeout_s`` naming ``what`` was awaited."""
+               poll_s: float = 0.002) -> int:
+    """Poll the counter ``name`` until it reaches ``at_least`` (every ``poll_s`` at
+    first, backing off to 50 ms); a clear error after ``timeout_s`` naming ``what``
+    was awaited."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = count(store, name)
@@ -228,3 +229,4 @@ def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
         if time.monotonic() > deadline:
             raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s:g} s for {what}")
         time.sleep(poll_s)
+        poll_s = min(2 * poll_s, 0.05)
