@@ -565,7 +565,7 @@ def main(argv=None) -> int:
     cal.add_argument("--repeats", type=int, default=5)
     ft = sub.add_parser("ft", help="fault-tolerant HSDP: host 1 dies mid-run and rejoins")
     ft.add_argument("rate", help="cross-host rate limit (e.g. 100mbit) or none")
-    ft.add_argument("--steps", type=int, default=40)
+    ft.add_argument("--steps", type=int, default=80)
     ft.add_argument("--kill-at", type=int, default=10)
     ft.add_argument("--restart-after", type=float, default=3.0)
     args = ap.parse_args(argv)

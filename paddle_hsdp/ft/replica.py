@@ -9,7 +9,7 @@ and die together). If any of them saw a collective fail, no rank steps, every gr
 dropped and the step is attempted again, so the optimizer state of every survivor is
 as before the failed step.
 
-A *round* (:mod:`.rounds`, through the coordinator's store: slow, ~50 ms an access) is
+A *round* (:mod:`.rounds`, through the coordinator's store) is
 formed only when needed: at the start, after a failed attempt, or when a replica waits
 to join. It fixes the live replicas, rebuilds the outer groups over them, and copies
 a donor's state to replicas that need it (:mod:`.transfer`). In steady state a step
