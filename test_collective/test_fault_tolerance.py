@@ -1,15 +1,22 @@
-"""Fault-tolerant HSDP (paddle_hsdp.ft): three replica groups of two ranks, each its own
-launch job, around a coordinator. Replica 2 kills every one of its processes
-(SIGKILL) in the middle of step 4's backward; replicas 0 and 1 abandon the step, form a
-round without it and go on; replica 2 is started again with the same command once they
-have finished step 6, and rejoins from a healthy replica's state. Then rank 1 of
-replica 1 hangs (SIGSTOP) in the middle of step 12's backward: replicas 0 and 2 see its
-heartbeat stop and go on without replica 1. Every rank's losses and every replica's
-final parameters must equal a single-process reference that trains step t on the
-batches of the replicas live at step t (workers/single_process_ft.py), and every
-process that should end exits 0, within a bound. Replica 1's launch is not waited for:
-its other rank leaves through the watchdog (PADDLE_HSDP_COLLECTIVE_TIMEOUT, 10 s here),
-and the launcher kills the stopped one 30 s later; the test kills what is left.
+"""Fault-tolerant HSDP (paddle_hsdp.ft): replica groups of two ranks, each its own launch
+job, around a coordinator; three start.
+
+1. Replica 2 kills every one of its processes (SIGKILL) in the middle of step 4's
+   backward; replicas 0 and 1 abandon the step, form a round without it and go on.
+2. Once they have finished step 6, replica 2 is started again with the same command,
+   and a new replica 3 with it. Both arrive to join; replica 3's ranks die (SIGKILL)
+   while they receive the state, which fails the round's set-up for everyone; the
+   next round goes on without replica 3, and replica 2 rejoins from a healthy
+   replica's state.
+3. Rank 1 of replica 1 hangs (SIGSTOP) in the middle of step 12's backward: replicas 0
+   and 2 see its heartbeat stop and go on without replica 1.
+
+Every rank's losses and every replica's final parameters must equal a single-process
+reference that trains step t on the batches of the replicas live at step t
+(workers/single_process_ft.py), and every process that should end exits 0, within a
+bound. Replica 1's launch is not waited for: its other rank leaves through the watchdog
+(PADDLE_HSDP_COLLECTIVE_TIMEOUT, 10 s here), and the launcher kills the stopped one 30 s
+later; the test kills what is left.
 """
 
 import glob
@@ -23,11 +30,11 @@ import time
 
 from launcher import HERE, ROOT, run_single
 
-STEPS = 14
+STEPS = 15
 KILL_AT = 4  # replica 2 dies in the middle of this step's backward
-RESTART_AFTER = 6  # ... and is started again once the others have finished this step
+RESTART_AFTER = 6  # ... is started again after this step, with replica 3 (which dies)
 STOP_AT = 12  # rank 1 of replica 1 hangs in the middle of this step's backward
-BOUND_S = 240  # the whole scenario: three launches, a restart, a rejoin
+BOUND_S = 300  # the whole scenario: five launches, a restart, a rejoin
 
 
 def _free_port() -> int:
@@ -99,8 +106,9 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     start = time.time()
     deadline = start + BOUND_S
     try:
-        first = job.start(0, "replica0", FT_TEST_WAIT_JOIN=f"2@{RESTART_AFTER + 1}")
-        hung = job.start(1, "replica1", FT_TEST_WAIT_JOIN=f"2@{RESTART_AFTER + 1}",
+        waits = f"2@{RESTART_AFTER + 1},3@{RESTART_AFTER + 1}"
+        first = job.start(0, "replica0", FT_TEST_WAIT_JOIN=waits)
+        hung = job.start(1, "replica1", FT_TEST_WAIT_JOIN=waits,
                          FT_TEST_STOP_AT=f"{STOP_AT}@1", PADDLE_HSDP_COLLECTIVE_TIMEOUT="10")
         doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT))
         _wait(lambda: doomed.poll() is not None, deadline, job, "replica 2 to die")
@@ -108,9 +116,12 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
         _wait(lambda: min(job.steps_done(0), job.steps_done(1)) >= RESTART_AFTER, deadline,
               job, f"replicas 0 and 1 to finish step {RESTART_AFTER}")
         rejoined = job.start(2, "replica2_again")
-        for proc in (first, rejoined):
+        newcomer = job.start(3, "replica3", FT_TEST_DIE_IN_TRANSFER="3")
+        for proc in (first, rejoined, newcomer):
             _wait(lambda: proc.poll() is not None, deadline, job, "replicas 0 and 2 to end")
         assert [first.returncode, rejoined.returncode] == [0, 0], job.logs()
+        assert newcomer.returncode != 0
+        assert glob.glob(os.path.join(job.work, "died_in_transfer_rank*")), job.logs()
         assert hung.poll() != 0, "replica 1 hung, yet its launch exited 0"
     finally:
         job.stop()
@@ -119,10 +130,11 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     out = run_single("single_process_ft.py", job.work, str(STEPS))
     assert "FT_PARITY_OK" in out, out[-2000:]
     members = json.loads(out.split("MEMBERS ", 1)[1].splitlines()[0])
-    # replica 2 joins at a step boundary once the others have seen it waiting (their
-    # watcher's next look): the step after the one it arrived before, or one later
+    # replica 2 joins at a step boundary once the others have seen it waiting: the
+    # step after the one it arrived before, or one later; replica 3 never got through
+    # the transfer
     rejoined_at = next(t for t in range(KILL_AT, STEPS + 1) if 2 in members[str(t)])
-    assert RESTART_AFTER + 2 <= rejoined_at <= RESTART_AFTER + 4, members
+    assert RESTART_AFTER + 2 <= rejoined_at <= RESTART_AFTER + 3, members
     expected = {t: [0, 1, 2] if t < KILL_AT else [0, 1] if t < rejoined_at
                 else [0, 1, 2] if t < STOP_AT else [0, 2] for t in range(1, STEPS + 1)}
     assert members == {str(t): m for t, m in expected.items()}, members
@@ -134,7 +146,10 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     resumed = min(e["time"] for e in leader["history"]
                   if e["kind"] == "step" and e["step"] >= KILL_AT)
     joiner = next(r for r in runs if r["replica"] == 2 and r["rank"] == 0)
-    rejoin = next(e for e in joiner["history"] if "set_up_s" in e)
+    rejoin = next(e for e in joiner["history"] if "set_up_s" in e and e["kind"] == "step")
+    # the others saw replica 3 die in their round's set-up, and went on
+    assert any(e["kind"] == "failed" and 3 in e["replicas"] for e in leader["history"]), \
+        leader["history"]
     stopped_at = float(open(os.path.join(job.work, "stopped1_rank1")).read())
     after_hang = min(e["time"] for e in leader["history"]
                      if e["kind"] == "step" and e["step"] >= STOP_AT)

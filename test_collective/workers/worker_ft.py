@@ -1,11 +1,13 @@
 """One replica group (2 ranks) of a fault-tolerant HSDP job; test_fault_tolerance.py
-starts a coordinator and three of these, kills one mid-backward and restarts it,
-then stops (hangs) a rank of another.
+starts a coordinator and three of these, kills one mid-backward, restarts it (it
+dies again while it receives the state), restarts it again, then stops (hangs) a rank
+of another.
 
 argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
 (every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
-(rank i SIGSTOPs itself there: it hangs), FT_TEST_WAIT_JOIN=r@k
-(before step k the leader waits until replica r has arrived to join). Each rank writes
+(rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
+SIGKILLs itself at the n-th state tensor it receives), FT_TEST_WAIT_JOIN=r@k[,r@k...]
+(before step k every rank waits until replica r has arrived to join). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings) and the final full parameters; the leader also writes
 out_dir/progress<r> (steps done) after each step.
@@ -27,10 +29,13 @@ import paddle.distributed as dist
 import paddle_hsdp
 from paddle_hsdp import ft
 from paddle_hsdp.ft.rounds import arrived
+from paddle_hsdp.ft.store import HEARTBEAT_INTERVAL_S
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
-wait_join = os.environ.get("FT_TEST_WAIT_JOIN", "")
+wait_join = {int(step): int(joiner) for joiner, step in  # step -> replica awaited
+             (item.split("@") for item in os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")
+              if item)}
 stop_at = [int(v) for v in os.environ["FT_TEST_STOP_AT"].split("@")] \
     if os.environ.get("FT_TEST_STOP_AT") else None
 if os.environ.get("FT_DEBUG"):
@@ -45,6 +50,19 @@ for layer in model.layers:
 paddle_hsdp.fully_shard(model)
 opt, scheduler = make_optimizer(model.parameters())
 replica.attach(model, opt, lr_scheduler=scheduler)
+if os.environ.get("FT_TEST_DIE_IN_TRANSFER"):  # die at the n-th tensor received
+    from paddle_hsdp.comm import collectives
+    received, broadcast = [0], collectives.broadcast
+
+    def broadcast_then_die(tensor, *args, tag=None, **kwargs):
+        if tag == "ft state":
+            received[0] += 1
+            if received[0] == int(os.environ["FT_TEST_DIE_IN_TRANSFER"]):
+                with open(os.path.join(out_dir, f"died_in_transfer_rank{rank}"), "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return broadcast(tensor, *args, tag=tag, **kwargs)
+    collectives.broadcast = broadcast_then_die
 
 
 def die(_grad):
@@ -76,13 +94,15 @@ def forward_backward():
 
 losses = {}
 while replica.step < steps:
-    if wait_join and replica.step + 1 == int(wait_join.split("@")[1]):
+    if replica.step + 1 in wait_join:
         # every rank waits (a rank blocked in a collective with a waiting one would
         # meet the watchdog)
-        joiner, deadline = int(wait_join.split("@")[0]), time.time() + 120
+        joiner, deadline = wait_join[replica.step + 1], time.time() + 120
         while joiner not in arrived(replica.store, replica._next_round):  # test only
             assert time.time() < deadline, "the joiner never arrived"
             time.sleep(0.1)
+        # the leader's watcher sees it within two looks: the next step's round takes it
+        time.sleep(2 * HEARTBEAT_INTERVAL_S + 0.1)
     loss = replica.train_step(forward_backward)
     losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
     if rank == 0:
