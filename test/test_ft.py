@@ -169,7 +169,7 @@ def test_the_live_outer_group_follows_the_rounds():
     group = groups.LiveOuterGroup(replica=2, local_rank=1, inner=4)
     assert group.ranks == [9] and group.nranks == 1 and group.rank == 0
     assert group.early_sync is False and group.watchdog_exempt is True
-    group.adopt([0, 2, 3], ("pg", {}))
+    group.adopt([0, 2, 3], ("pg", {}), 4)
     assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
     assert group.process_group == "pg"
     group.abandon()
@@ -180,8 +180,13 @@ def test_shutting_an_outer_group_down_ends_its_peers_reads():
     ours, theirs = socket.socketpair()
     try:
         group = groups.LiveOuterGroup(replica=0, local_rank=0, inner=1)
-        group.adopt([0, 1], ("pg", {ours.fileno()}))
-        group.shut_down()
+        group.adopt([0, 1], ("pg", {ours.fileno()}), 7)
+        group.shut_down(6)  # a watcher's judgement of an earlier round: not this group's
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1)  # still connected, nothing sent
+        group.carry_into(8)  # a round that kept the group: the watcher judges round 8
+        group.shut_down(8)
         theirs.settimeout(2)
         assert theirs.recv(1) == b""  # the peer sees the connection end at once
         assert ours.fileno() >= 0  # the descriptor itself stays open (gloo's)

@@ -55,29 +55,39 @@ class LiveOuterGroup(Group):
         self.retired: list = []
         self.broken: list = []
         self._sockets: set[int] = set()
+        self._round = -1  # the round whose process group this is
         self._lock = threading.Lock()
         comm.name_group(self, "outer")
 
     def virtual_rank(self, replica: int) -> int:
         return replica * self.inner_size + self.local_rank
 
-    def adopt(self, replicas: list[int], connection) -> None:
-        """Point at a round's process group over ``replicas`` (sorted); ``connection``:
-        what :func:`connect` returned."""
+    def adopt(self, replicas: list[int], connection, round_number: int) -> None:
+        """Point at round ``round_number``'s process group over ``replicas`` (sorted);
+        ``connection``: what :func:`connect` returned."""
         with self._lock:
             if self._pg is not None:
                 self.retired.append(self._pg)
             self._set(replicas, *connection)
+            self._round = round_number
 
-    def shut_down(self) -> None:
+    def carry_into(self, round_number: int) -> None:
+        """A round that keeps the last one's process group (same members, no failure)."""
+        with self._lock:
+            self._round = round_number
+
+    def shut_down(self, round_number: int | None = None) -> None:
         """A collective of this round failed somewhere: shut this group's connections
         down at once, so a collective this rank is blocked in (waiting for a peer that
         failed out of it, or for a dead or stopped one) fails now instead of after
         gloo's fixed 30 s timeout. Paddle's process groups have no abort and outlive
         their Python object, so this shuts down the sockets the group's creation
         opened (:func:`connect`); the descriptors stay open, so no other connection can
-        take their numbers under gloo. Safe from any thread (the watcher calls it)."""
+        take their numbers under gloo. Safe from any thread: the watcher calls it with
+        the round it judged, and a group of a later round is left alone."""
         with self._lock:
+            if round_number is not None and round_number != self._round:
+                return
             for fd in self._sockets:
                 _shut_down(fd)
             self._sockets = set()

@@ -251,7 +251,7 @@ class Replica:
                        f"replica {self.replica_id}'s leader to join a round")
             record = Round.from_json(self.store.get(base + "/round").decode())
         self._next_round, self.round = record.number + 1, record
-        self._watcher.baseline, self._watcher.round_number = record.failures, record.number
+        self._watcher.armed = (record.number, record.failures)
         self._watcher.peers = [(r, self.rank) for r in record.replicas if r != self.replica_id]
         return record
 
@@ -265,7 +265,9 @@ class Replica:
             if record.rebuild:
                 self.outer.adopt(record.replicas, groups.connect(
                     self.store, record.number, record.replicas, self.outer,
-                    self.round_timeout_s))
+                    self.round_timeout_s), record.number)
+            else:
+                self.outer.carry_into(record.number)
             if record.receivers:
                 extra = transfer.stream_state(
                     self.store, record.number, self.outer, record.donor, receiving,

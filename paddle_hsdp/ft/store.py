@@ -132,8 +132,8 @@ class Watcher:
       round): one whose heartbeat stopped for ``timeout_s`` hangs or died; it is
       announced as a failure (``failures`` counter) like a failed collective, and
       its replica marked dead in the round (``r/<round>/dead/<replica>``);
-    * calls ``on_failure()`` once a failure is announced after the round's own count
-      (``baseline``): the outer group's connections are shut down, so a collective
+    * calls ``on_failure(round)`` once a failure is announced after the round's own
+      count (``armed``): the round's outer group is shut down, so a collective
       this rank is blocked in fails now instead of after gloo's 30 s;
     * on the leader, tells whether a replica group waits to join (``joiners_waiting``:
       one has arrived at the round after this one; members arrive there only when
@@ -147,8 +147,10 @@ class Watcher:
         self._leader, self._on_failure = leader, on_failure
         self.liveness = Liveness(self._store, liveness_timeout_s)
         self.peers: list[tuple[int, int]] = []  # (replica, rank) to watch
-        self.round_number = 0  # the round the peers are members of
-        self.baseline = 0  # failures announced up to this round's start
+        # (the round the peers are members of, the failures announced by its start),
+        # set together by the main thread at each round (one assignment: the thread
+        # never sees one round's number with another's count)
+        self.armed = (0, 0)
         self.joiners_waiting = False
         self._stop = threading.Event()
         self._store.add(self._key, 1)
@@ -169,7 +171,7 @@ class Watcher:
     def _tick(self) -> None:
         store = self._store
         store.add(self._key, 1)
-        peers, round_number = list(self.peers), self.round_number
+        peers, (round_number, baseline) = list(self.peers), self.armed
         hung = [replica for replica, rank in peers if self.liveness.rank_dead(replica, rank)]
         if hung:  # the next round need not wait for their heartbeats again
             logger.warning("paddle_hsdp.ft: no heartbeat from rank %s for %g s: a failure",
@@ -179,8 +181,8 @@ class Watcher:
                 store.add(key("r", round_number, "dead", replica), 1)
             store.add(key("failures"), 1)
             self.peers = []  # announced once
-        if count(store, key("failures")) > self.baseline:
-            self._on_failure()
+        if count(store, key("failures")) > baseline:
+            self._on_failure(round_number)  # acts on that round's group only
         if self._leader:  # only joiners arrive at the next round before it is formed
             self.joiners_waiting = count(store, key("r", round_number + 1, "slots")) > 0
 
