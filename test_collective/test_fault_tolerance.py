@@ -57,10 +57,12 @@ class FaultTolerantJob:
              "--port", str(port)], env=self.env, stdout=subprocess.PIPE,
             stderr=open(os.path.join(self.work, "coordinator.err"), "w"), text=True)
         assert "listening" in self.coordinator.stdout.readline()
-        # a hung rank is declared after 5 s here (default 10): the suite's time
+        # for the suite's time: a hung rank is declared after 5 s (default 10), and a
+        # round waits 1.5 s for a missing member (default 3; survivors of a failure
+        # arrive within a fraction of a second of each other)
         self.env.update(PADDLE_HSDP_FT_COORDINATOR=f"127.0.0.1:{port}",
                         PADDLE_HSDP_FT_START_REPLICAS=str(replicas),
-                        PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT="5")
+                        PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT="5", PADDLE_HSDP_FT_JOIN_WINDOW="1.5")
         self.launches: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, replica: int, name: str, **env) -> subprocess.Popen:
