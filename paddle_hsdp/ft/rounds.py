@@ -139,14 +139,14 @@ class Rounds:
         return arrived(self.store, number)
 
     def _may_close(self, number: int, expected: list[int] | None) -> bool:
-        arrived = set(self.arrived(number))
+        present = set(self.arrived(number))
         if expected is None:  # a joiner closes only the very first round
-            return number == 0 and len(arrived) >= self.start_replicas
-        if len(arrived) < self.min_replicas:
+            return number == 0 and len(present) >= self.start_replicas
+        if len(present) < self.min_replicas:
             return False
         if self.clock() - self._arrived_at > self.join_window_s:
             return True  # the missing ones are dead or slow: a slow one joins next round
-        return all(r in arrived or self._dead(number - 1, r) for r in expected)
+        return all(r in present or self._dead(number - 1, r) for r in expected)
 
     def _dead(self, last_round: int, replica: int) -> bool:
         """A member of the last round is gone: a watcher saw a rank of it stop, or its
