@@ -29,7 +29,6 @@ import paddle.distributed as dist
 import paddle_hsdp
 from paddle_hsdp import ft
 from paddle_hsdp.ft.rounds import arrived
-from paddle_hsdp.ft.store import HEARTBEAT_INTERVAL_S
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
@@ -101,8 +100,11 @@ while replica.step < steps:
         while joiner not in arrived(replica.store, replica._next_round):  # test only
             assert time.time() < deadline, "the joiner never arrived"
             time.sleep(0.1)
-        # the leader's watcher sees it within two looks: the next step's round takes it
-        time.sleep(2 * HEARTBEAT_INTERVAL_S + 0.1)
+        # and the leader's watcher has seen it: this step's vote then calls the round
+        # at the next step (its mates wait for it in their first collective)
+        while rank == 0 and not replica._watcher.joiners_waiting:  # test only
+            assert time.time() < deadline, "the watcher never saw the joiner"
+            time.sleep(0.05)
     loss = replica.train_step(forward_backward)
     losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
     if rank == 0:
