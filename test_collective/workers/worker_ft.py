@@ -32,9 +32,10 @@ from paddle_hsdp.ft.rounds import arrived
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
-wait_join = {int(step): int(joiner) for joiner, step in  # step -> replica awaited
-             (item.split("@") for item in os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")
-              if item)}
+wait_join: dict[int, list[int]] = {}  # step -> the replicas awaited before it
+for item in filter(None, os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")):
+    joiner, step = item.split("@")
+    wait_join.setdefault(int(step), []).append(int(joiner))
 stop_at = [int(v) for v in os.environ["FT_TEST_STOP_AT"].split("@")] \
     if os.environ.get("FT_TEST_STOP_AT") else None
 if os.environ.get("FT_DEBUG"):
@@ -96,9 +97,9 @@ while replica.step < steps:
     if replica.step + 1 in wait_join:
         # every rank waits (a rank blocked in a collective with a waiting one would
         # meet the watchdog)
-        joiner, deadline = wait_join[replica.step + 1], time.time() + 120
-        while joiner not in arrived(replica.store, replica._next_round):  # test only
-            assert time.time() < deadline, "the joiner never arrived"
+        joiners, deadline = wait_join[replica.step + 1], time.time() + 120
+        while not set(joiners) <= set(arrived(replica.store, replica._next_round)):
+            assert time.time() < deadline, f"joiners {joiners} never all arrived"  # test only
             time.sleep(0.1)
         # and the leader's watcher has seen it: this step's vote then calls the round
         # at the next step (its mates wait for it in their first collective)
