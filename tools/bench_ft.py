@@ -14,7 +14,6 @@ runs. This machine is shared and noisy: read the ratio, not the seconds.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,40 +26,24 @@ WARMUP = 5
 
 
 def worker(mode: str, out: str, steps: int) -> None:
-    import numpy as np
-    import paddle
     import paddle.distributed as dist
-    import paddle.nn.functional as F
 
-    import paddle_hsdp
     sys.path.insert(0, HERE)
-    from demo import build_model, corpus, init_hsdp
+    from demo import init_hsdp
+    from demo_ft import batch_loss, sharded_model
 
     init_hsdp(4, 2) if mode == "plain" else init_hsdp(2, 1)
     replica = None
     if mode == "ft":
         from paddle_hsdp import ft
         replica = ft.init()
-    paddle.seed(0)
-    model = build_model()
-    for block in model.blocks:
-        paddle_hsdp.fully_shard(block)
-    paddle_hsdp.fully_shard(model)
-    opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters(),
-                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    model, opt = sharded_model()
     if replica is not None:
         replica.attach(model, opt)
     rank = dist.get_rank() + (2 * replica.replica_id if replica is not None else 0)
-    data, seq, batch = corpus(), 64, 8
 
     def forward_backward(step):
-        rng = np.random.default_rng([step, rank])
-        starts = rng.integers(0, len(data) - seq - 1, size=batch)
-        ids = paddle.to_tensor(np.stack([data[s:s + seq + 1] for s in starts]))
-        loss = F.cross_entropy(model(ids[:, :-1]).reshape([-1, 256]),
-                               ids[:, 1:].reshape([-1, 1]))
-        loss.backward()
-        return loss
+        return batch_loss(model, [step, rank])
 
     times = []
     for step in range(steps):
@@ -79,12 +62,6 @@ def worker(mode: str, out: str, steps: int) -> None:
             json.dump(times, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(mode: str, steps: int, work: str) -> float:
     env = dict(os.environ, GLOG_minloglevel="2",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -92,6 +69,7 @@ def run(mode: str, steps: int, work: str) -> float:
     launch = [sys.executable, "-m", "paddle.distributed.launch"]
     me = [os.path.abspath(__file__), "--worker", mode, "--out", out, "--steps", str(steps)]
     procs, coordinator = [], None
+    from demo_ft import _free_port
     if mode == "plain":
         procs.append(subprocess.Popen([*launch, "--nproc_per_node", "4", "--log_dir",
                                        os.path.join(work, "plain"), *me], env=env,

@@ -10,6 +10,7 @@ with what the fault cost: the stall from the kill to the next step and the rejoi
 """
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -43,20 +44,13 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------- one replica group's rank
-def worker(args) -> None:
-    import numpy as np
+def sharded_model():
+    """The demo's character LM, one unit per block and the root, and its optimizer
+    (the same on every rank: seeded). Also tools/bench_ft.py's."""
     import paddle
-    import paddle.distributed as dist
-    import paddle.nn.functional as F
-
     import paddle_hsdp
-    from paddle_hsdp import ft
     sys.path.insert(0, HERE)
-    from demo import build_model, corpus, init_hsdp
-
-    init_hsdp(RANKS, 1)
-    replica = ft.init()
-    rank = dist.get_rank()
+    from demo import build_model
     paddle.seed(0)
     model = build_model()
     for block in model.blocks:
@@ -64,17 +58,44 @@ def worker(args) -> None:
     paddle_hsdp.fully_shard(model)
     opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=model.parameters(),
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    return model, opt
+
+
+def batch_loss(model, seed, seq: int = 64, batch: int = 8):
+    """Forward and backward on ``batch`` rows of the demo's text, chosen by ``seed`` (a
+    step's rows, so a redone step trains on the same ones); returns the loss."""
+    import numpy as np
+    import paddle
+    import paddle.nn.functional as F
+    data = _text()
+    starts = np.random.default_rng(seed).integers(0, len(data) - seq - 1, size=batch)
+    ids = paddle.to_tensor(np.stack([data[s:s + seq + 1] for s in starts]))
+    loss = F.cross_entropy(model(ids[:, :-1]).reshape([-1, 256]), ids[:, 1:].reshape([-1, 1]))
+    loss.backward()
+    return loss
+
+
+@functools.lru_cache(maxsize=1)
+def _text():
+    from demo import corpus
+    return corpus()  # read once per process
+
+
+def worker(args) -> None:
+    import paddle.distributed as dist
+
+    from paddle_hsdp import ft
+    sys.path.insert(0, HERE)
+    from demo import init_hsdp
+
+    init_hsdp(RANKS, 1)
+    replica = ft.init()
+    rank = dist.get_rank()
+    model, opt = sharded_model()
     replica.attach(model, opt)
-    data, seq, batch = corpus(), 64, 8
 
     def forward_backward():
-        rng = np.random.default_rng([replica.step, replica.replica_id, rank])
-        starts = rng.integers(0, len(data) - seq - 1, size=batch)
-        ids = paddle.to_tensor(np.stack([data[s:s + seq + 1] for s in starts]))
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.reshape([-1, 256]), ids[:, 1:].reshape([-1, 1]))
-        loss.backward()
-        return loss
+        return batch_loss(model, [replica.step, replica.replica_id, rank])
 
     progress = os.path.join(args.worker, f"progress{replica.replica_id}")
     while replica.step < args.steps:

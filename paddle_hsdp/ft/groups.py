@@ -25,7 +25,7 @@ from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import make_group_store
-from .store import key, socket_fds
+from .store import key, on_socket, socket_fds
 
 # Negative (never one of Paddle's ring ids) and fixed, so the comm counter files all
 # rounds' traffic under one label.
@@ -136,13 +136,5 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
 
 
 def _shut_down(fd: int) -> None:
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:  # not connected (a listening socket) or already down
-        pass
-    finally:
-        sock.detach()  # the descriptor stays gloo's
+    # a listening socket or one already down raises OSError: nothing to do
+    on_socket(fd, lambda sock: sock.shutdown(socket.SHUT_RDWR))

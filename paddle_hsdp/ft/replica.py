@@ -38,7 +38,7 @@ from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from . import groups, transfer
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
-from .store import (COORDINATOR_ENV, Liveness, Watcher, _float_env, announce_failure,
+from .store import (COORDINATOR_ENV, Liveness, Watcher, float_env, announce_failure,
                     connect, heartbeat_timeout_s, join_window_s, key, wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -327,5 +327,5 @@ def init(replica_id: int | None = None, coordinator: str | None = None,
     replica_id = replica_id if replica_id is not None else _int_env(REPLICA_ENV, None)
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
     start = start_replicas if start_replicas is not None else _int_env(START_REPLICAS_ENV, 1)
-    timeout = round_timeout_s or _float_env(ROUND_TIMEOUT_ENV, 120.0)
+    timeout = round_timeout_s or float_env(ROUND_TIMEOUT_ENV, 120.0)
     return Replica(replica_id, coordinator, start, min_replicas, timeout, max_failed_attempts)

@@ -35,7 +35,7 @@ logger = logging.getLogger("paddle_hsdp.ft")
 HEARTBEAT_INTERVAL_S = 0.25
 
 
-def _float_env(name: str, default: float) -> float:
+def float_env(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
     if not raw:
         return default
@@ -49,11 +49,11 @@ def _float_env(name: str, default: float) -> float:
 
 
 def heartbeat_timeout_s() -> float:
-    return _float_env(HEARTBEAT_TIMEOUT_ENV, 10.0)
+    return float_env(HEARTBEAT_TIMEOUT_ENV, 10.0)
 
 
 def join_window_s() -> float:
-    return _float_env(JOIN_WINDOW_ENV, 3.0)
+    return float_env(JOIN_WINDOW_ENV, 3.0)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -96,17 +96,24 @@ def socket_fds() -> set[int]:
     return found
 
 
-def _set_nodelay(fd: int) -> None:
+def on_socket(fd: int, action) -> None:
+    """``action(sock)`` on the socket behind descriptor ``fd``, which stays its owner's
+    (Paddle's store, gloo): never closed here. An ``OSError`` (not a TCP socket, not
+    connected, already gone) is ignored."""
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
         return
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:  # not a TCP socket
+        action(sock)
+    except OSError:
         pass
     finally:
-        sock.detach()  # the descriptor stays the store's
+        sock.detach()
+
+
+def _set_nodelay(fd: int) -> None:
+    on_socket(fd, lambda sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
 
 
 def serve(host: str, port: int, timeout_s: int = 900):

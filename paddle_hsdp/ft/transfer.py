@@ -33,13 +33,8 @@ from .store import key
 def _model_tensors(model) -> list[tuple[str, paddle.Tensor]]:
     """The tensors a replica's model state is made of, in one order on every replica."""
     out = []
-    for unit in registry.units_under(model):
+    for unit in registry.units_under(model):  # outer sub-shards: refused by attach
         for buf in unit.buffers:
-            if buf.parts != 1:
-                raise NotImplementedError(
-                    "paddle_hsdp.ft: outer sub-shards (fsdp_outer_sharding='optim') are "
-                    "not fault-tolerant: a dead replica takes its piece of the optimizer "
-                    "state with it.")
             out.append((f"unit{unit.index}.buffer{buf.index}", buf.flat))
     for name, param in model.named_parameters():
         if not hasattr(param, "_hsdp_sharded_param"):  # ignored params: kept whole
@@ -104,11 +99,12 @@ def stream_state(store, round_number: int, group, donor: int, receiving: bool, m
         opt_tensors = None
     mine = [(n, list(t.shape), _dtype(t)) for n, t in model_tensors]
     if mine != meta["model"]:
+        first = next(((a, b) for a, b in zip(mine, meta["model"]) if a != b),
+                     f"{len(mine)} tensors here, {len(meta['model'])} there")
         raise FaultToleranceError(
             f"paddle_hsdp.ft: replica {group.replica} cannot take replica {donor}'s state: "
             "their models differ (names, shapes or dtypes of the shards; the inner degree "
-            "or the sharding must be the same). First difference: "
-            f"{next((a, b) for a, b in zip(mine, meta['model']) if a != b) if len(mine) == len(meta['model']) else (len(mine), len(meta['model']))}")
+            f"or the sharding must be the same). First difference: {first}")
     sums = []
 
     def move(target):
