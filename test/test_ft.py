@@ -232,18 +232,70 @@ def test_ft_init_needs_a_replica_id(monkeypatch):
         replica.init()
 
 
-def test_attach_refuses_hfsdp_and_unsharded_buffers(monkeypatch):
+def test_attach_refuses_unshared_outer_pieces_and_unsharded_buffers(monkeypatch):
     from paddle_hsdp.ft import replica
     ft = object.__new__(replica.Replica)
     ft.outer = object()
-    buffers = [types.SimpleNamespace(outer=ft.outer, parts=2, describe=lambda: "buffer 0")]
+    buffers = [types.SimpleNamespace(outer=ft.outer, parts=2, shared_pieces=False,
+                                     describe=lambda: "buffer 0")]
     monkeypatch.setattr(replica.registry, "units_under",
                         lambda model: [types.SimpleNamespace(buffers=buffers)])
-    with pytest.raises(NotImplementedError, match="HFSDP\\) is not fault-tolerant"):
+    with pytest.raises(NotImplementedError, match="outer sub-shards of its own"):
         ft.attach(object(), object())
+    buffers[0].shared_pieces = True  # cut by ft.init's plan: taken
+    ft.attach(object(), object())
     buffers[0] = types.SimpleNamespace(outer=object(), parts=1, describe=lambda: "buffer 0")
     with pytest.raises(NotImplementedError, match="not sharded over the inner group"):
         ft.attach(object(), object())
+
+
+def test_hfsdp_needs_a_redundancy_of_two_or_more():
+    from paddle_hsdp.ft.replica import _pieces_of
+    assert _pieces_of("none", 4, 1) == 1  # HSDP: every replica holds everything
+    assert _pieces_of("optim", 4, 2) == 2 and _pieces_of("optim", 5, 2) == 2
+    assert _pieces_of("optim", 3, 2) == 1  # one piece, held by all: plain HSDP
+    for bad in (1, 0, 5, "2"):
+        with pytest.raises(ValueError, match="needs a redundancy .* from 2 to "
+                                             "start_replicas=4, got"):
+            _pieces_of("optim", 4, bad)
+
+
+def _round(number, arrivals):
+    return Round(number, {r: Arrival(*a) for r, a in arrivals.items()}, True)
+
+
+def test_each_piece_is_served_by_its_lowest_valid_holder():
+    from paddle_hsdp.ft.pieces import PiecePlan
+    plan = PiecePlan(2, 3, lambda r: 10 * r)  # replica 3 holds piece 1
+    assert (plan.parts, plan.part) == (2, 1)
+    # the first round: every state fresh, each piece from its lowest holder
+    first = _round(0, {r: (0, True) for r in range(4)})
+    plan.arrange(first)
+    assert [plan.donor(q) for q in (0, 1)] == [0, 1] and plan.src(1) == 10
+    assert plan.receivers(first, 0) == [2] and plan.receivers(first, 1) == [3]
+    assert plan.keeps(1) and not plan.keeps(0)
+    # replica 0 (the model's donor) and 1 are gone; 3 was restarted (fresh)
+    later = _round(5, {2: (7,), 3: (0, True)})
+    with pytest.raises(FaultToleranceError, match="piece 1 of 2 .* has no live holder in "
+                                                  "round 5: .*\[3\] hold it without a "
+                                                  "valid copy"):
+        plan.arrange(later)
+    # with replica 1 alive, piece 1 comes from it, piece 0 from replica 2; 3 takes
+    # piece 1 and does not keep its own (it is a receiver)
+    later = _round(6, {1: (7,), 2: (7,), 3: (0, True)})
+    plan.arrange(later)
+    assert [plan.donor(q) for q in (0, 1)] == [2, 1] and later.donor == 1
+    assert plan.receivers(later, 0) == [] and plan.receivers(later, 1) == [3]
+    assert not plan.keeps(1)
+
+
+def test_each_piece_with_a_receiver_is_one_optimizer_copy():
+    from paddle_hsdp.ft.pieces import PiecePlan
+    record = _round(6, {0: (0, True), 1: (7,), 2: (7,), 3: (7,)})
+    assert transfer._optimizer_phases(record, None) == [(0, 1, [0])]
+    plan = PiecePlan(2, 1, lambda r: r)
+    plan.arrange(record)
+    assert transfer._optimizer_phases(record, plan) == [(0, 2, [0])]
 
 
 def test_an_exempt_group_is_not_watched_and_others_are(monkeypatch):

@@ -11,7 +11,17 @@ job, around a coordinator; three start.
 3. Rank 1 of replica 1 hangs (SIGSTOP) in the middle of step 12's backward: replicas 0
    and 2 see its heartbeat stop and go on without replica 1.
 
-Every rank's losses and every replica's final parameters must equal a single-process
+With HFSDP (fsdp_outer_sharding="optim", redundancy 2), four replica groups of one
+rank: each of the optimizer state's two pieces is held by two groups.
+
+1. Replica 3 dies (SIGKILL) in step 3's backward: piece 1 is left with replica 1.
+2. Replica 3 is started again; while replica 0, the round's donor, sends it the
+   state, replica 0 dies: the others go on with replica 3, which takes the model from
+   replica 1 and piece 1 from replica 1, while piece 0 is served by replica 2 alone.
+3. Replica 0 is started again and rejoins: the model from replica 1, its piece of the
+   optimizer state from replica 2.
+
+In each scenario every rank's losses and every replica's final parameters must equal a single-process
 reference that trains step t on the batches of the replicas live at step t
 (workers/single_process_ft.py), and every process that should end exits 0, within a
 bound. Replica 1's launch is not waited for: its other rank leaves through the watchdog
@@ -47,7 +57,7 @@ class FaultTolerantJob:
     """A coordinator and replica-group launches in one scratch folder; ``stop()`` kills
     whatever still runs (a failed test leaves nothing behind)."""
 
-    def __init__(self, replicas: int):
+    def __init__(self, replicas: int, ranks: int = 2, steps: int = STEPS):
         self.work = tempfile.mkdtemp(prefix="hsdp_ft_")
         self.env = dict(os.environ, GLOG_minloglevel="2",
                         PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]))
@@ -64,13 +74,14 @@ class FaultTolerantJob:
                         PADDLE_HSDP_FT_START_REPLICAS=str(replicas),
                         PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT="5", PADDLE_HSDP_FT_JOIN_WINDOW="1.5")
         self.launches: list[tuple[str, subprocess.Popen]] = []
+        self.ranks, self.steps = ranks, steps
 
     def start(self, replica: int, name: str, **env) -> subprocess.Popen:
         log_dir = os.path.join(self.work, name)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-             "--log_dir", log_dir, os.path.join(HERE, "workers", "worker_ft.py"),
-             self.work, str(STEPS)],
+            [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
+             str(self.ranks), "--log_dir", log_dir,
+             os.path.join(HERE, "workers", "worker_ft.py"), self.work, str(self.steps)],
             env=dict(self.env, PADDLE_HSDP_FT_REPLICA_ID=str(replica), **env),
             cwd=self.work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.launches.append((log_dir, proc))
@@ -157,3 +168,61 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     print(f"fault tolerance: from the kill to the next step {resumed - killed_at:.1f} s, from "
           f"the hang {after_hang - stopped_at:.1f} s; rejoin set-up {rejoin['set_up_s']:.2f} s "
           f"(round {rejoin['round_s']:.2f} s); scenario {took:.0f} s")
+
+
+def _history(job: FaultTolerantJob, replica: int) -> list:
+    """Rank 0's history of ``replica`` (its one start that wrote results)."""
+    runs = [json.load(open(p)) for p in
+            glob.glob(os.path.join(job.work, f"replica{replica}_rank0_*.json"))]
+    assert len(runs) == 1, f"replica {replica}: {len(runs)} result files"
+    return runs[0]["history"]
+
+
+def _members(out: str) -> dict:
+    return {int(t): m for t, m in json.loads(out.split("MEMBERS ", 1)[1].splitlines()[0])
+            .items()}
+
+
+HFSDP_STEPS = 14
+
+
+def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
+    """[module docstring, HFSDP] replicas 0-3, pieces {0, 2} and {1, 3}."""
+    job = FaultTolerantJob(replicas=4, ranks=1, steps=HFSDP_STEPS)
+    job.env.update(FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2")
+    deadline = time.time() + BOUND_S
+    try:
+        waits = "3@6,0@10"  # replica 3 is back before step 6, replica 0 before step 10
+        donor = job.start(0, "replica0", FT_TEST_WAIT_JOIN=waits, FT_TEST_DIE_IN_TRANSFER="3@5")
+        survivors = [job.start(r, f"replica{r}", FT_TEST_WAIT_JOIN=waits) for r in (1, 2)]
+        doomed = job.start(3, "replica3", FT_TEST_KILL_AT="3")
+        _wait(lambda: doomed.poll() is not None, deadline, job, "replica 3 to die")
+        _wait(lambda: min(job.steps_done(r) for r in (0, 1, 2)) >= 5, deadline, job,
+              "replicas 0-2 to finish step 5")
+        survivors.append(job.start(3, "replica3_again", FT_TEST_WAIT_JOIN="0@10"))
+        _wait(lambda: donor.poll() is not None, deadline, job, "replica 0 to die as donor")
+        _wait(lambda: min(job.steps_done(r) for r in (1, 2, 3)) >= 9, deadline, job,
+              "replicas 1-3 to finish step 9")
+        survivors.append(job.start(0, "replica0_again"))
+        for proc in survivors:
+            _wait(lambda: proc.poll() is not None, deadline, job, "replicas to end")
+        assert [p.returncode for p in survivors] == [0, 0, 0, 0], job.logs()
+        assert donor.returncode != 0 and doomed.returncode != 0
+        assert glob.glob(os.path.join(job.work, "died_in_transfer_rank0")), job.logs()
+    finally:
+        job.stop()
+
+    out = run_single("single_process_ft.py", job.work, str(HFSDP_STEPS), "1")
+    assert "FT_PARITY_OK" in out, out[-2000:]
+    expected = {t: [0, 1, 2, 3] if t < 3 else [0, 1, 2] if t < 7 else [1, 2, 3] if t < 11
+                else [0, 1, 2, 3] for t in range(1, HFSDP_STEPS + 1)}
+    assert _members(out) == expected, _members(out)
+    # who sent what: replica 0 rejoined with the model from replica 1 and its piece
+    # (0) from replica 2
+    rejoin = next(e for e in _history(job, 0) if e["kind"] == "step" and "receivers" in e)
+    assert rejoin["receivers"] == [0] and rejoin["donor"] == 1 and \
+        rejoin["piece_donors"] == {"0": 2, "1": 1}, rejoin
+    died = float(open(os.path.join(job.work, "died_in_transfer_rank0")).read())
+    resumed = min(e["time"] for e in _history(job, 1) if e["kind"] == "step" and e["time"] > died)
+    print(f"hfsdp fault tolerance: from the donor's death to the next step {resumed - died:.1f} s;"
+          f" rejoin set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s)")

@@ -72,10 +72,13 @@ class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
         # state) live in host storage; collectives and compute run on the device.
         self.host = (offload.HostStorage(getattr(offload_policy, "pin_memory", False))
                      if offload.enabled(offload_policy) else None)
-        # outer sub-shards: every param of a buffer is cut into the same parts
+        # outer sub-shards: every param of a buffer is cut into the same parts, one per
+        # outer rank, or shared by several replicas (the outer group's ``pieces``: a
+        # fault-tolerant job's redundancy, ft/pieces.py)
         self.parts, self.part = params[0].parts, params[0].part
+        self.shared_pieces = self.parts > 1 and getattr(outer_group, "pieces", None) is not None
         if any((sp.parts, sp.part) != (self.parts, self.part) for sp in params) or \
-                self.parts not in (1, outer_group.nranks):
+                (self.parts not in (1, outer_group.nranks) and not self.shared_pieces):
             raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "
                                  "their outer sub-shards")
         self.inner_size = inner_group.nranks

@@ -14,6 +14,16 @@ it; and an edit made after that (between two forwards of one step) is detected a
 next root forward or read (the shard's inplace version, new storage, or a
 ``set_value`` / ``copy_`` call: patches/shard_edits.py) and makes one owed again.
 Every rank must make the same edits, as with any call that leads to a collective.
+
+[Note: shared pieces] In a fault-tolerant job (ft/pieces.py) each piece is held by
+several replicas, and the outer group says who (``outer.pieces``, a
+:class:`~paddle_hsdp.ft.pieces.PiecePlan`). The grad shard is then all-reduced whole
+(a reduce-scatter would give each piece to one rank only), every piece stays in it
+until ``clear_grad`` (the clip counts the whole shard), and the rebuild broadcasts
+each piece from one holder the plan names. It is synchronous and stays owed until
+every piece arrived, so a failed attempt rebuilds again; a piece this rank holds
+itself arrives in scratch (a broadcast cut short must not corrupt what its optimizer
+updates).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ class OuterPieces:
         on gloo, on the communication thread (engine/outer_sync.py)."""
         expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "start_outer_sync",
                self.describe)
-        pending = (self.start_outer_reduce(async_op, on_thread) if self.parts > 1 else
+        pending = (self.start_outer_reduce(async_op, on_thread) if self.scatters_outer else
                    self.start_all_reduce(async_op, on_thread))
         self.grad_state = GradState.SYNCING
         return pending
@@ -184,6 +194,12 @@ class OuterPieces:
         return self.host.keep(out) if self.host is not None else out
 
     @property
+    def scatters_outer(self) -> bool:
+        """Whether the outer sync is a reduce-scatter (one piece per outer rank), not an
+        all-reduce (no pieces, or shared ones: [Note: shared pieces])."""
+        return self.parts > 1 and not self.shared_pieces
+
+    @property
     def rebuilds(self) -> bool:
         """Whether this buffer has outer sub-shards to rebuild (trainable, parts > 1)."""
         return self.parts > 1 and self.trainable
@@ -228,6 +244,9 @@ class OuterPieces:
         expect(self.rebuild_state, (RebuildState.CURRENT, RebuildState.OWED), "start_rebuild",
                self.describe)
         self._repair_views()
+        if self.shared_pieces:
+            self._copy_pieces_from_holders()
+            return
         flat = self._flat
         mine = self.piece(flat, self.part)
         # offloaded: a device copy out, the gathered pieces copied back in at the wait
@@ -243,6 +262,28 @@ class OuterPieces:
         self._versions = [sp.shard._inplace_version() for sp in self.params]
         if not async_op:
             self.finish_rebuild()
+
+    def _copy_pieces_from_holders(self) -> None:
+        """[Note: shared pieces]: one broadcast per piece, in piece order on every rank,
+        from the holder the outer group's plan names; current only once all arrived."""
+        plan, flat = self.outer.pieces, self._flat
+        me = self.outer.ranks[self.outer.rank]
+        for q in range(self.parts):
+            piece = self.piece(flat, q)
+            src = plan.src(q)
+            scratch = src != me and plan.keeps(q)
+            target = paddle.empty_like(piece) if scratch else piece
+            # offloaded: a device copy travels, copied back into the host storage
+            moved = self.host.upload(target) if self.host is not None else target
+            trace.record("issue", "outer_broadcast", self.unit_index)
+            comm.broadcast(moved, src=src, group=self.outer,
+                           what=lambda q=q: f"{self.describe()}: piece {q}")
+            trace.record("wait", "outer_broadcast", self.unit_index)
+            if self.host is not None and not scratch and src != me:
+                self.host.download(moved, into=piece, add=False)
+        self.rebuild_state = RebuildState.CURRENT
+        self.edited = False
+        self._versions = [sp.shard._inplace_version() for sp in self.params]
 
     def finish_rebuild(self) -> None:
         if self.rebuild_state is not RebuildState.REBUILDING:

@@ -127,6 +127,9 @@ class FSDPUnit:
         if self.outer_sharding != "optim" or not trainable:
             return 1, 0
         outer = self.mesh.outer(is_expert)
+        pieces = getattr(outer, "pieces", None)  # shared pieces (ft/pieces.py)
+        if pieces is not None:
+            return (pieces.parts, pieces.part) if pieces.parts > 1 else (1, 0)
         return (outer.nranks, outer.rank) if outer.nranks > 1 else (1, 0)
 
     def shape(self):
@@ -293,8 +296,9 @@ class FSDPUnit:
 
     def summed_scale(self, buf: ShardBuffer) -> float:
         """What a synced grad of ``buf`` is multiplied by to be in summed form again
-        (N / O, or N with outer sub-shards; ``gradient_divide_factor`` in place of N)."""
-        return self.divisor(buf) * buf.parts / buf.outer.nranks
+        (N / O, or N with outer sub-shards reduce-scattered; ``gradient_divide_factor`` in
+        place of N)."""
+        return self.divisor(buf) * (buf.parts if buf.scatters_outer else 1) / buf.outer.nranks
 
     def add_direct_grad(self, sp: ShardedParam, grad) -> None:
         """``grad`` reached shard param ``sp`` directly (a loss term on

@@ -37,6 +37,7 @@ from ..comm.collectives import CollectiveError
 from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from . import groups, transfer
+from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
 from .store import (COORDINATOR_ENV, Liveness, Watcher, float_env, announce_failure,
                     connect, heartbeat_timeout_s, join_window_s, key, wait_count)
@@ -46,6 +47,7 @@ logger = logging.getLogger("paddle_hsdp.ft")
 REPLICA_ENV = "PADDLE_HSDP_FT_REPLICA_ID"
 START_REPLICAS_ENV = "PADDLE_HSDP_FT_START_REPLICAS"
 ROUND_TIMEOUT_ENV = "PADDLE_HSDP_FT_ROUND_TIMEOUT"
+REDUNDANCY_ENV = "PADDLE_HSDP_FT_REDUNDANCY"
 
 
 def _int_env(name: str, default: int | None) -> int:
@@ -63,7 +65,8 @@ class Replica:
     """This process's view of its replica group (build it with :func:`paddle_hsdp.ft.init`)."""
 
     def __init__(self, replica_id: int, coordinator: str, start_replicas: int,
-                 min_replicas: int, round_timeout_s: float, max_failed_attempts: int):
+                 min_replicas: int, round_timeout_s: float, max_failed_attempts: int,
+                 redundancy: int = 2):
         hcg = fleet.get_hybrid_communicate_group()
         hsdp = getattr(hcg, "_hsdp_groups", None)
         if hsdp is None:
@@ -81,9 +84,12 @@ class Replica:
             raise ValueError(f"paddle_hsdp.ft.init(): need 1 <= min_replicas <= "
                              f"start_replicas, got min_replicas={min_replicas}, "
                              f"start_replicas={start_replicas}")
+        pieces = _pieces_of(hsdp.outer_sharding, start_replicas, redundancy)
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
+        if pieces > 1:  # HFSDP: the engine cuts the optimizer state by this plan
+            self.outer.pieces = PiecePlan(pieces, replica_id, self.outer.virtual_rank)
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
         self.store = connect(coordinator, round_timeout_s)
@@ -95,11 +101,15 @@ class Replica:
             self._rounds = Rounds(self.store, replica_id, start_replicas, min_replicas,
                                   Liveness(self.store, liveness_s, self.ranks_per_replica),
                                   round_timeout_s, join_window_s())
-        self._world = dist.collective._get_global_group()  # this replica group's ranks
+        # this replica group's ranks (a group of one rank has no global group: nothing
+        # to vote with)
+        self._world = dist.collective._get_global_group() if self.ranks_per_replica > 1 \
+            else None
         # this process's run of the replica group: keys of a restarted one never
         # meet its predecessor's
         token = [uuid.uuid4().hex[:12]]
-        dist.broadcast_object_list(token, src=0)
+        if self._world is not None:
+            dist.broadcast_object_list(token, src=0)
         self._token = token[0]
         self._arrivals = 0
         self.step = 0  # optimizer steps taken
@@ -129,11 +139,12 @@ class Replica:
                         "group (a replicated placement, or sharded before "
                         "paddle_hsdp.ft.init): its grads would not cross replicas. Call "
                         "ft.init() before fully_shard and shard every parameter.")
-                if buf.parts != 1:
+                if buf.parts != 1 and not buf.shared_pieces:
                     raise NotImplementedError(
-                        "paddle_hsdp.ft: fsdp_outer_sharding='optim' (HFSDP) is not "
-                        "fault-tolerant: a dead replica takes its 1/O of the optimizer "
-                        "state with it. Use fsdp_outer_sharding='none'.")
+                        f"paddle_hsdp.ft: {buf.describe()} has outer sub-shards of its "
+                        "own (one per replica): a dead replica would take its piece of "
+                        "the optimizer state along. Shard after paddle_hsdp.ft.init(), "
+                        "which cuts them by its redundancy.")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
 
@@ -157,6 +168,9 @@ class Replica:
             if self._need_round:
                 self.round = self._arrive()
                 receiving = self.replica_id in self.round.receivers
+                pieces = getattr(self.outer, "pieces", None)
+                if pieces is not None:  # a lost piece ends the job on every rank alike
+                    pieces.arrange(self.round)
                 self._timing["round_s"] = time.perf_counter() - started
                 error = self._set_up_round(self.round, receiving)
                 logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
@@ -222,6 +236,8 @@ class Replica:
         """Every rank of this replica group learns whether any of them failed the attempt
         and whether a replica waits to join (an all-reduce inside the replica group,
         whose ranks live and die together)."""
+        if self._world is None:
+            return failed, join_wanted
         flags = paddle.to_tensor(np.array([float(failed), float(join_wanted)], "float32"))
         comm.all_reduce(flags, self._world, op="max", tag="ft vote")
         failed_any, join_any = flags.numpy().tolist()
@@ -269,11 +285,16 @@ class Replica:
             else:
                 self.outer.carry_into(record.number)
             if record.receivers:
-                extra = transfer.stream_state(
-                    self.store, record.number, self.outer, record.donor, receiving,
-                    self.model, self.optimizer, self._plain_state())
+                extra = transfer.stream_state(self.store, record, self.outer, self.model,
+                                              self.optimizer, self._plain_state())
                 if receiving:
                     self._load_plain_state(extra)
+            if getattr(self.outer, "pieces", None) is not None:
+                # every member rebuilds every piece from its round's holders before the
+                # next forward, whatever its last rebuild did (it may have failed half-way
+                # on one rank and not another; a receiver holds the donor's pieces)
+                for unit in registry.units_under(self.model):
+                    unit.owe_rebuild()
         except (CollectiveError, FaultToleranceError) as e:
             return e
         except (RuntimeError, TimeoutError) as e:  # the store or a process group
@@ -302,7 +323,11 @@ class Replica:
                  "replicas": record.replicas, "seconds": time.perf_counter() - started,
                  "time": time.time(), **self._timing}
         if "round_s" in self._timing:
-            entry.update(rebuild=record.rebuild, receivers=record.receivers)
+            entry.update(rebuild=record.rebuild, receivers=record.receivers,
+                         donor=record.donor)
+            pieces = getattr(self.outer, "pieces", None)
+            if pieces is not None:
+                entry["piece_donors"] = {q: pieces.donor(q) for q in range(pieces.parts)}
         if error is not None:
             entry["error"] = str(error)[:300]
         self.history.append(entry)
@@ -315,17 +340,37 @@ class Replica:
                                record.replicas, str(error)[:200])
 
 
+def _pieces_of(outer_sharding: str, start_replicas: int, redundancy: int) -> int:
+    """How many pieces HFSDP's optimizer state is cut into (1: HSDP, nothing cut)."""
+    if outer_sharding != "optim":
+        return 1
+    if not isinstance(redundancy, int) or not 2 <= redundancy <= max(2, start_replicas):
+        raise ValueError(
+            "paddle_hsdp.ft.init(): fsdp_outer_sharding='optim' (HFSDP) needs a redundancy "
+            f"(replica groups holding each piece of the optimizer state) from 2 to "
+            f"start_replicas={start_replicas}, got {redundancy!r}: with 1 a dead group "
+            "would take its piece along, and HFSDP would not be fault-tolerant. Use "
+            "redundancy >= 2 (PADDLE_HSDP_FT_REDUNDANCY) or fsdp_outer_sharding='none'.")
+    return max(1, start_replicas // redundancy)
+
+
 def init(replica_id: int | None = None, coordinator: str | None = None,
          start_replicas: int | None = None, min_replicas: int = 1,
-         round_timeout_s: float | None = None, max_failed_attempts: int = 10) -> Replica:
+         round_timeout_s: float | None = None, max_failed_attempts: int = 10,
+         redundancy: int | None = None) -> Replica:
     """Join this launch job, as one replica group, to a fault-tolerant HSDP job (after
     ``fleet.init`` with ``fsdp_outer_degree`` 1, before ``fully_shard``). Arguments
     default to the environment: ``PADDLE_HSDP_FT_REPLICA_ID`` (this group's id, stable
     across restarts), ``PADDLE_HSDP_FT_COORDINATOR`` (``host:port``),
     ``PADDLE_HSDP_FT_START_REPLICAS`` (how many groups the job starts with; the first
-    step waits for them), ``PADDLE_HSDP_FT_ROUND_TIMEOUT`` (seconds, default 120)."""
+    step waits for them), ``PADDLE_HSDP_FT_ROUND_TIMEOUT`` (seconds, default 120) and, with
+    ``fsdp_outer_sharding="optim"``, ``PADDLE_HSDP_FT_REDUNDANCY`` (how many replica
+    groups hold each piece of the optimizer state, default 2: it is cut into
+    ``start_replicas // redundancy`` pieces, see :mod:`paddle_hsdp.ft.pieces`)."""
     replica_id = replica_id if replica_id is not None else _int_env(REPLICA_ENV, None)
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
     start = start_replicas if start_replicas is not None else _int_env(START_REPLICAS_ENV, 1)
     timeout = round_timeout_s or float_env(ROUND_TIMEOUT_ENV, 120.0)
-    return Replica(replica_id, coordinator, start, min_replicas, timeout, max_failed_attempts)
+    redundancy = redundancy if redundancy is not None else _int_env(REDUNDANCY_ENV, 2)
+    return Replica(replica_id, coordinator, start, min_replicas, timeout, max_failed_attempts,
+                   redundancy)

@@ -7,6 +7,9 @@ so no rank ever holds more than its own shard plus one tensor in flight. What is
 a tensor (names, shapes and dtypes, the step count, the RNG state, an LR scheduler's
 and the user's extra state) goes first, pickled, through the coordinator's store.
 
+With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model comes
+from the donor and each piece's optimizer state from a holder of that piece.
+
 Members of the round that are neither donor nor receiver take part in each broadcast
 with a scratch tensor (a broadcast needs every member). Receivers take the model's
 tensors in place and hand the optimizer its state once everything arrived and the
@@ -33,7 +36,7 @@ from .store import key
 def _model_tensors(model) -> list[tuple[str, paddle.Tensor]]:
     """The tensors a replica's model state is made of, in one order on every replica."""
     out = []
-    for unit in registry.units_under(model):  # outer sub-shards: refused by attach
+    for unit in registry.units_under(model):  # shared pieces: every piece is in the flat
         for buf in unit.buffers:
             out.append((f"unit{unit.index}.buffer{buf.index}", buf.flat))
     for name, param in model.named_parameters():
@@ -79,55 +82,90 @@ def _checksum(tensor) -> int:
     return zlib.crc32(data.view(np.uint8).reshape(-1)) if data.size else 0
 
 
-def stream_state(store, round_number: int, group, donor: int, receiving: bool, model,
-                 optimizer, extra: dict) -> dict | None:
-    """Copy the donor replica's state to this rank (if ``receiving``). Every member of
-    ``group`` calls it. ``extra``: the donor's plain state (step, RNG, scheduler, user);
-    returns the donor's ``extra`` on a receiver, None elsewhere."""
-    donor_rank = group.virtual_rank(donor)
-    sending = group.replica == donor
-    meta_key = key("r", round_number, "state", group.local_rank)
+def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | None:
+    """Copy round ``record``'s donor state to this rank if its replica is a receiver.
+    Every member of ``group`` calls it. ``extra``: this replica's plain state (step,
+    RNG, scheduler, user; the donor's is sent); returns the donor's ``extra`` on a
+    receiver, None elsewhere. With shared optimizer pieces (``group.pieces``,
+    :mod:`.pieces`) each piece's optimizer state comes from a holder of that piece."""
+    donor, replica = record.donor, group.replica
+    receiving = replica in record.receivers
     model_tensors = _model_tensors(model)
-    if sending:
-        opt_tensors, opt_rest = _flatten(optimizer.state_dict())
-        meta = {"model": [(n, list(t.shape), _dtype(t)) for n, t in model_tensors],
-                "optimizer": [(p, list(t.shape), _dtype(t)) for p, t in opt_tensors],
-                "optimizer_rest": opt_rest, "extra": extra}
-        store.set(meta_key, pickle.dumps(meta))
-    else:
-        meta = pickle.loads(store.get(meta_key))
-        opt_tensors = None
-    mine = [(n, list(t.shape), _dtype(t)) for n, t in model_tensors]
+    meta = _exchange_meta(store, (record.number, group.local_rank, "model"), replica == donor,
+                          lambda: {"model": _described(model_tensors), "extra": extra})
+    mine = _described(model_tensors)
     if mine != meta["model"]:
         first = next(((a, b) for a, b in zip(mine, meta["model"]) if a != b),
                      f"{len(mine)} tensors here, {len(meta['model'])} there")
         raise FaultToleranceError(
-            f"paddle_hsdp.ft: replica {group.replica} cannot take replica {donor}'s state: "
+            f"paddle_hsdp.ft: replica {replica} cannot take replica {donor}'s state: "
             "their models differ (names, shapes or dtypes of the shards; the inner degree "
             f"or the sharding must be the same). First difference: {first}")
     sums = []
 
-    def move(target):
+    def move(target, src):
         if math.prod(target.shape) == 0:  # nothing to send (a rank's empty share of a buffer)
             return
-        comm.broadcast(target, src=donor_rank, group=group, tag="ft state")
+        comm.broadcast(target, src=group.virtual_rank(src), group=group, tag="ft state")
         sums.append(_checksum(target))
 
-    for name, tensor in model_tensors:  # a receiver takes it in place
-        move(tensor if sending or receiving else paddle.zeros(tensor.shape, tensor.dtype))
-    received_opt = []
-    for i, (path, shape, dtype) in enumerate(meta["optimizer"]):
-        target = opt_tensors[i][1] if sending else paddle.zeros(shape, dtype)
-        move(target)
-        received_opt.append((tuple(path), target))
+    for _, tensor in model_tensors:  # a receiver takes it in place
+        move(tensor if replica == donor or receiving
+             else paddle.zeros(tensor.shape, tensor.dtype), donor)
+    received = None
+    plan = getattr(group, "pieces", None)
+    for q, piece_donor, takers in _optimizer_phases(record, plan):
+        sending, taking = replica == piece_donor, replica in takers
+        opt_tensors, opt_rest = _flatten(optimizer.state_dict()) if sending else (None, None)
+        opt_meta = _exchange_meta(
+            store, (record.number, group.local_rank, "optimizer", q), sending,
+            lambda: {"tensors": _described(opt_tensors), "rest": opt_rest})
+        pairs = []
+        for i, (path, shape, dtype) in enumerate(opt_meta["tensors"]):
+            target = opt_tensors[i][1] if sending else paddle.zeros(shape, dtype)
+            move(target, piece_donor)
+            pairs.append((tuple(path), target))
+        if taking:
+            received = (pairs, opt_meta["rest"])
     _check_identical(sums, group)
     if not receiving:
         return None
-    optimizer.set_state_dict(_unflatten(received_opt, meta["optimizer_rest"]))
+    if received is not None:
+        optimizer.set_state_dict(_unflatten(*received))
     registry.storage_may_have_changed()
     for unit in registry.units_under(model):
         unit.reshard(force=True)  # params kept gathered hold the old values
     return meta["extra"]
+
+
+def _described(tensors) -> list:
+    """``(name, shape, dtype)`` of each named tensor: what a receiver allocates."""
+    return [(n, list(t.shape), _dtype(t)) for n, t in tensors]
+
+
+def _exchange_meta(store, where: tuple, sending: bool, build) -> dict:
+    """What is not a tensor goes pickled through the store: the sender writes
+    ``build()`` under the round's key ``where``, the others read it."""
+    meta_key = key("r", where[0], "state", *where[1:])
+    if sending:
+        meta = build()
+        store.set(meta_key, pickle.dumps(meta))
+        return meta
+    return pickle.loads(store.get(meta_key))
+
+
+def _optimizer_phases(record, plan) -> list[tuple[int, int, list[int]]]:
+    """``(piece, its donor, the replicas taking it)`` for each optimizer-state copy of
+    the round: the donor's whole state to every receiver, or with shared pieces one
+    copy per piece that has a receiver."""
+    if plan is None or plan.parts == 1:
+        return [(0, record.donor, list(record.receivers))]
+    phases = []
+    for q in range(plan.parts):
+        takers = plan.receivers(record, q)
+        if takers:
+            phases.append((q, plan.donor(q), takers))
+    return phases
 
 
 def _check_identical(sums: list[int], group) -> None:

@@ -125,8 +125,10 @@ def _by_storage(pairs):
     pairs)]``, and the rest: a buffer whose every param is here with its view of the
     flat storage is one tensor for the norm and the scaling (one kernel, not a few
     per parameter). With outer sub-shards that tensor is this rank's piece of the
-    storage (the other pieces are no grads of its params); either way a param's grad
-    starts ``sp.offset`` elements into it."""
+    storage (the other pieces are no grads of its params), unless the pieces are shared
+    ([Note: shared pieces] in engine/outer_pieces.py: every replica holds the whole
+    synced shard, which is then what counts); either way a param's grad starts
+    ``sp.offset`` elements into it."""
     groups, rest = {}, []
     for p, g in pairs:
         flat, buf = _storage_of(p, g)
@@ -137,7 +139,11 @@ def _by_storage(pairs):
     whole = []
     for flat, buf, members in groups.values():
         if len({id(p) for p, _ in members}) == len(buf.params) == len(members):
-            whole.append((buf.piece(flat, buf.part) if buf.parts > 1 else flat, members))
+            whole.append((buf.piece(flat, buf.part) if buf.scatters_outer else flat, members))
+        elif buf.shared_pieces:
+            # each replica holds the whole synced grad shard: a param's inner block
+            # counts, not its piece (scaling the block scales the piece with it)
+            rest.extend((p, p._hsdp_sharded_param.inner_block_of(flat)) for p, _ in members)
         else:
             rest.extend(members)
     return whole, rest

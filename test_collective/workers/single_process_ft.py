@@ -3,8 +3,8 @@ batches of the replicas live at step t (as every replica recorded it), the mean 
 over their ranks' rows; then every rank's committed losses and every replica's final
 parameters are compared with it (float64, the parity bound of workers/parity.py).
 
-argv: the folder worker_ft.py wrote into, the number of steps. Prints the membership
-per step and FT_PARITY_OK.
+argv: the folder worker_ft.py wrote into, the number of steps, and the ranks per
+replica (default 2). Prints the membership per step and FT_PARITY_OK.
 """
 
 import glob
@@ -17,6 +17,7 @@ from parity import max_rel, report, set_dtype
 import paddle
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
+ranks_per_replica = int(sys.argv[3]) if len(sys.argv) > 3 else RANKS_PER_REPLICA
 set_dtype("float64")
 runs = [json.load(open(p)) for p in sorted(glob.glob(f"{out_dir}/replica*_rank*.json"))]
 assert runs, f"no replica wrote its results into {out_dir}"
@@ -39,7 +40,7 @@ want_losses: dict[tuple, float] = {}  # (step, replica, rank) -> loss before the
 for t in range(steps):
     per_rank = []
     for replica in members[t]:
-        for rank in range(RANKS_PER_REPLICA):
+        for rank in range(ranks_per_replica):
             loss = loss_of(model, *batch(t, replica, rank))
             want_losses[(t, replica, rank)] = float(loss)
             per_rank.append(loss)

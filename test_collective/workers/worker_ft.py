@@ -1,13 +1,14 @@
-"""One replica group (2 ranks) of a fault-tolerant HSDP job; test_fault_tolerance.py
-starts a coordinator and three of these, kills one mid-backward, restarts it (it
-dies again while it receives the state), restarts it again, then stops (hangs) a rank
-of another.
+"""One replica group of a fault-tolerant HSDP job (its ranks: the launch's); the
+scenarios of test_fault_tolerance.py start a coordinator and several of these, kill and
+restart them, stop (hang) a rank, and kill a joiner or a donor in the state transfer.
 
 argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
 (every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
 (rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
-SIGKILLs itself at the n-th state tensor it receives), FT_TEST_WAIT_JOIN=r@k[,r@k...]
-(before step k every rank waits until replica r has arrived to join). Each rank writes
+SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
+taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
+replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
+with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings) and the final full parameters; the leader also writes
 out_dir/progress<r> (steps done) after each step.
@@ -41,7 +42,8 @@ stop_at = [int(v) for v in os.environ["FT_TEST_STOP_AT"].split("@")] \
 if os.environ.get("FT_DEBUG"):
     logging.getLogger("paddle_hsdp.ft").setLevel(logging.DEBUG)
 paddle.set_default_dtype("float64")
-init_fleet({"sharding_degree": 2, "outer": 1})
+init_fleet({"sharding_degree": int(os.environ["PADDLE_TRAINERS_NUM"]), "outer": 1,
+            "outer_sharding": "optim" if os.environ.get("FT_TEST_OPTIM") else "none"})
 replica = ft.init()
 rank = dist.get_rank()
 model = build_model()
@@ -50,14 +52,20 @@ for layer in model.layers:
 paddle_hsdp.fully_shard(model)
 opt, scheduler = make_optimizer(model.parameters())
 replica.attach(model, opt, lr_scheduler=scheduler)
-if os.environ.get("FT_TEST_DIE_IN_TRANSFER"):  # die at the n-th tensor received
+if os.environ.get("FT_TEST_OPTIM"):  # HFSDP as ft cut it: two pieces, each held twice
+    from paddle_hsdp.engine.registry import registry
+    buffers = [b for u in registry.units_under(model) for b in u.buffers if b.trainable]
+    assert buffers and all(b.shared_pieces and (b.parts, b.part) == (2, replica.replica_id % 2)
+                           for b in buffers), [(b.parts, b.part) for b in buffers]
+if os.environ.get("FT_TEST_DIE_IN_TRANSFER"):  # die at the n-th tensor moved
     from paddle_hsdp.comm import collectives
     received, broadcast = [0], collectives.broadcast
+    nth, _, armed_at = os.environ["FT_TEST_DIE_IN_TRANSFER"].partition("@")
 
     def broadcast_then_die(tensor, *args, tag=None, **kwargs):
-        if tag == "ft state":
+        if tag == "ft state" and replica.step >= int(armed_at or 0):
             received[0] += 1
-            if received[0] == int(os.environ["FT_TEST_DIE_IN_TRANSFER"]):
+            if received[0] == int(nth):
                 with open(os.path.join(out_dir, f"died_in_transfer_rank{rank}"), "w") as f:
                     f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)

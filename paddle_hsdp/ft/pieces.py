@@ -1,0 +1,86 @@
+"""HFSDP in a fault-tolerant job: who holds which piece of the optimizer state.
+
+Under ``fsdp_outer_sharding="optim"`` each replica's optimizer sees one *piece* of the
+shard (engine/outer_pieces.py). Plain HFSDP cuts the shard into one piece per replica,
+so a dead replica takes its piece along. Here the shard is cut into
+``P = start_replicas // redundancy`` pieces and replica ``r`` holds piece ``r % P``:
+every piece is held by ``redundancy`` replicas at the start, and a piece is lost only
+when every one of its holders is gone at once.
+
+The cut is fixed for the job: a piece's shape (and so its optimizer state's) follows
+from ``P``, and the shard parameters the optimizer was built over are views of it. The
+survivors of a failure therefore keep the cut; a piece whose holders died keeps being
+served by the ones that are left (its redundancy is down until a replica with that
+piece rejoins: a restarted replica takes its old piece, a new id ``r`` piece ``r % P``).
+
+The engine reads a :class:`PiecePlan` from the outer group (``group.pieces``): its grads
+are all-reduced whole (not reduce-scattered), and after each step a piece is
+broadcast from one valid holder (:meth:`src`) to the rest; a rank that holds a valid
+copy takes the broadcast into scratch (:meth:`keeps`), so a failed broadcast never
+touches the piece its optimizer updates.
+"""
+
+from __future__ import annotations
+
+from .rounds import FaultToleranceError, Round
+
+
+class PieceLostError(FaultToleranceError):
+    """Every replica holding one piece of the optimizer state is gone: training cannot
+    go on from the live replicas (restart from a checkpoint)."""
+
+
+class PiecePlan:
+    """The pieces of one rank's outer group: ``parts`` pieces, this replica's ``part``,
+    and per round the replica each piece is served from."""
+
+    def __init__(self, parts: int, replica: int, virtual_rank):
+        self.parts, self.part = parts, replica % parts
+        self.replica = replica
+        self._virtual_rank = virtual_rank  # replica -> its rank in the outer group
+        self._donors: dict[int, int] = {q: replica for q in range(parts)}
+        self._valid = True  # this replica's own piece holds the round's state
+
+    def piece_of(self, replica: int) -> int:
+        return replica % self.parts
+
+    def arrange(self, record: Round) -> None:
+        """Take round ``record``: each piece's donor is the lowest member with a valid
+        copy (not a receiver; in a round where every state is fresh, every member).
+        Raises :class:`PieceLostError` when a piece has none, on every member alike."""
+        receivers = set(record.receivers)
+        all_fresh = all(a.fresh for a in record.members.values())
+        valid = [r for r in record.replicas if all_fresh or r not in receivers]
+        donors = {}
+        for q in range(self.parts):
+            holders = [r for r in valid if self.piece_of(r) == q]
+            if not holders:
+                held_by = [r for r in record.replicas if self.piece_of(r) == q]
+                raise PieceLostError(
+                    f"paddle_hsdp.ft: piece {q} of {self.parts} of the optimizer state "
+                    f"(fsdp_outer_sharding='optim') has no live holder in round "
+                    f"{record.number}: replicas {record.replicas} are live, and "
+                    f"{held_by or 'none of them'} hold it without a valid copy. Every "
+                    "replica group holding it failed before one could rejoin; restart "
+                    "the job from a checkpoint (a larger redundancy survives more).")
+            donors[q] = holders[0]
+        self._donors = donors
+        self._valid = self.replica in valid
+
+    def donor(self, q: int) -> int:
+        """The replica piece ``q`` is copied from in this round."""
+        return self._donors[q]
+
+    def receivers(self, record: Round, q: int) -> list[int]:
+        """The members of ``record`` that take piece ``q``'s optimizer state."""
+        return [r for r in record.receivers
+                if self.piece_of(r) == q and r != self._donors[q]]
+
+    def src(self, q: int) -> int:
+        """The outer-group rank piece ``q`` is broadcast from after a step."""
+        return self._virtual_rank(self._donors[q])
+
+    def keeps(self, q: int) -> bool:
+        """Whether this rank holds a valid copy of piece ``q`` (it takes that piece's
+        broadcast into scratch)."""
+        return q == self.part and self._valid
