@@ -13,17 +13,20 @@ import paddle
 import pytest
 
 from paddle_hsdp.ft import groups, transfer
-from paddle_hsdp.ft.rounds import Arrival, FaultToleranceError, Round, Rounds
+from paddle_hsdp.ft.rounds import Arrival, FaultToleranceError, Round, Rounds, arrived
 from paddle_hsdp.ft.store import Liveness, key, parse_address
 
 
 class MemoryStore:
-    """Paddle's TCPStore interface (set, get, add), in memory and thread-safe."""
+    """Paddle's TCPStore interface (set, get, add) as ft.store.CoordinatorStore has it,
+    in memory and thread-safe; ``restart()`` is a coordinator restarted (empty, and
+    ``generation`` moves as a client's reconnection moves it)."""
 
     def __init__(self):
         self.data, self.lock = {}, threading.Lock()
+        self.generation = 0
 
-    def set(self, name, value):
+    def set(self, name, value, retry=True):
         with self.lock:
             self.data[name] = value.encode() if isinstance(value, str) else value
 
@@ -36,11 +39,16 @@ class MemoryStore:
             assert time.monotonic() < deadline, f"get({name!r}) never answered"
             time.sleep(0.001)
 
-    def add(self, name, amount):
+    def add(self, name, amount, retry=True):
         with self.lock:
             value = int(self.data.get(name, b"0")) + amount
             self.data[name] = str(value).encode()
             return value
+
+    def restart(self):
+        with self.lock:
+            self.data.clear()
+            self.generation += 1
 
 
 class NeverDead:
@@ -136,6 +144,71 @@ def test_a_joiner_is_taken_in_by_the_members_next_round_and_never_closes_one():
                                     (2, joiner, 6, None, Arrival(0, fresh=True))])
     assert [results[r].replicas for r in range(3)] == [[0, 1, 2]] * 3, results
     assert results[0].receivers == [2] and results[0].donor == 0
+
+
+def test_after_a_coordinator_restart_waiting_replicas_arrive_again():
+    store = MemoryStore()
+    results = {}
+    members = rounds_for(store, 0, window=30.0)
+
+    def wait_in_round():
+        results[0] = members.form(4, [0, 1], Arrival(9))
+
+    waiting = threading.Thread(target=wait_in_round)
+    waiting.start()
+    while not arrived(store, 4):  # replica 0 is in, waiting for replica 1
+        time.sleep(0.001)
+    store.restart()  # its arrival is gone with the old store
+    later = form_together(store, [(1, rounds_for(store, 1), 4, [0, 1], Arrival(9))])
+    waiting.join(10)
+    assert results[0].replicas == later[1].replicas == [0, 1]
+    # the closed rounds' count follows the round's number in the new store too
+    assert rounds_for(store, 2).next_open() == 5
+
+
+def test_a_joiner_after_a_coordinator_restart_takes_the_members_next_round():
+    store = MemoryStore()
+    store.add(key("closed_rounds"), 8)
+    store.restart()
+    assert rounds_for(store, 2).next_open() == 0  # nothing tells it yet
+    store.set(key("round_floor"), "8")  # what a member's watcher writes once it sees it
+    store.add(key("round_floor_set"), 1)
+    assert rounds_for(store, 2).next_open() == 8
+
+
+def test_a_close_cut_by_a_restart_writes_nothing_to_the_new_store():
+    from paddle_hsdp.ft.store import CoordinatorRestarted
+
+    class RestartsAtTheRecord(MemoryStore):
+        def set(self, name, value, retry=True):
+            if name.endswith("/record") and not self.generation:
+                self.restart()
+                assert retry is False  # the record belongs with the old store's round
+                raise CoordinatorRestarted("restarted")
+            super().set(name, value, retry)
+
+    store = RestartsAtTheRecord()
+    result = form_together(store, [(0, rounds_for(store, 0), 3, [0], Arrival(2))])
+    assert result[0].replicas == [0] and store.generation == 1  # formed again, there
+
+
+def test_a_store_client_outlives_a_restart_of_the_coordinator():
+    from paddle_hsdp.ft.store import CoordinatorRestarted, connect, serve
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = serve("127.0.0.1", port)
+    client = connect(f"127.0.0.1:{port}", 10)
+    assert client.add("k", 3) == 3 and client.generation == 0
+    del server
+    server = serve("127.0.0.1", port)
+    assert client.add("k", 1) == 1 and client.generation == 1  # again, on the new store
+    del server
+    server = serve("127.0.0.1", port)
+    with pytest.raises(CoordinatorRestarted, match="during a set of x"):
+        client.set("x", "1", retry=False)  # reconnected, not made again
+    assert client.add("x", 0) == 0 and client.generation == 2
+    del server
 
 
 def test_a_joiner_stops_when_the_job_has_finished():

@@ -18,8 +18,9 @@ rank: each of the optimizer state's two pieces is held by two groups.
 2. Replica 3 is started again; while replica 0, the round's donor, sends it the
    state, replica 0 dies: the others go on with replica 3, which takes the model from
    replica 1 and piece 1 from replica 1, while piece 0 is served by replica 2 alone.
-3. Replica 0 is started again and rejoins: the model from replica 1, its piece of the
-   optimizer state from replica 2.
+3. The coordinator is killed and started again (its records lost), then replica 0
+   is started again and rejoins: the model from replica 1, its piece of the optimizer
+   state from replica 2.
 
 In each scenario every rank's losses and every replica's final parameters must equal a single-process
 reference that trains step t on the batches of the replicas live at step t
@@ -61,12 +62,8 @@ class FaultTolerantJob:
         self.work = tempfile.mkdtemp(prefix="hsdp_ft_")
         self.env = dict(os.environ, GLOG_minloglevel="2",
                         PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers")]))
-        port = _free_port()
-        self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", "127.0.0.1",
-             "--port", str(port)], env=self.env, stdout=subprocess.PIPE,
-            stderr=open(os.path.join(self.work, "coordinator.err"), "w"), text=True)
-        assert "listening" in self.coordinator.stdout.readline()
+        port = self.port = _free_port()
+        self.coordinator = self._start_coordinator()
         # for the suite's time: a hung rank is declared after 5 s (default 10), and a
         # round waits 1.5 s for a missing member (default 3; survivors of a failure
         # arrive within a fraction of a second of each other)
@@ -75,6 +72,21 @@ class FaultTolerantJob:
                         PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT="5", PADDLE_HSDP_FT_JOIN_WINDOW="1.5")
         self.launches: list[tuple[str, subprocess.Popen]] = []
         self.ranks, self.steps = ranks, steps
+
+    def _start_coordinator(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", "127.0.0.1",
+             "--port", str(self.port)], env=self.env, stdout=subprocess.PIPE,
+            stderr=open(os.path.join(self.work, "coordinator.err"), "a"), text=True)
+        assert "listening" in proc.stdout.readline()
+        return proc
+
+    def restart_coordinator(self) -> None:
+        """Kill the coordinator (SIGKILL: its store's records are lost) and start it
+        again with the same command."""
+        self.coordinator.kill()
+        self.coordinator.wait(timeout=10)
+        self.coordinator = self._start_coordinator()
 
     def start(self, replica: int, name: str, **env) -> subprocess.Popen:
         log_dir = os.path.join(self.work, name)
@@ -170,12 +182,16 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
           f"(round {rejoin['round_s']:.2f} s); scenario {took:.0f} s")
 
 
-def _history(job: FaultTolerantJob, replica: int) -> list:
-    """Rank 0's history of ``replica`` (its one start that wrote results)."""
+def _result(job: FaultTolerantJob, replica: int) -> dict:
+    """Rank 0's results of ``replica`` (its one start that wrote them)."""
     runs = [json.load(open(p)) for p in
             glob.glob(os.path.join(job.work, f"replica{replica}_rank0_*.json"))]
     assert len(runs) == 1, f"replica {replica}: {len(runs)} result files"
-    return runs[0]["history"]
+    return runs[0]
+
+
+def _history(job: FaultTolerantJob, replica: int) -> list:
+    return _result(job, replica)["history"]
 
 
 def _members(out: str) -> dict:
@@ -203,6 +219,7 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
         _wait(lambda: donor.poll() is not None, deadline, job, "replica 0 to die as donor")
         _wait(lambda: min(job.steps_done(r) for r in (1, 2, 3)) >= 9, deadline, job,
               "replicas 1-3 to finish step 9")
+        job.restart_coordinator()
         survivors.append(job.start(0, "replica0_again"))
         for proc in survivors:
             _wait(lambda: proc.poll() is not None, deadline, job, "replicas to end")
@@ -222,6 +239,8 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     rejoin = next(e for e in _history(job, 0) if e["kind"] == "step" and "receivers" in e)
     assert rejoin["receivers"] == [0] and rejoin["donor"] == 1 and \
         rejoin["piece_donors"] == {"0": 2, "1": 1}, rejoin
+    # the members met the restarted coordinator (the rejoin's round was formed there)
+    assert [_result(job, r)["reconnections"] for r in (1, 2, 3)] == [1, 1, 1]
     died = float(open(os.path.join(job.work, "died_in_transfer_rank0")).read())
     resumed = min(e["time"] for e in _history(job, 1) if e["kind"] == "step" and e["time"] > died)
     print(f"hfsdp fault tolerance: from the donor's death to the next step {resumed - died:.1f} s;"

@@ -4,8 +4,9 @@
 
 It keeps the rounds' records and the replicas' heartbeats (paddle_hsdp.ft.store) and
 runs until stopped. It holds no model state: every replica group can die and restart
-around it. If it dies, running replicas fail their next round (they cannot agree on
-one) and stop; restart it and the replica groups.
+around it. If it dies, start it again with the same command within the replicas' round
+timeout (PADDLE_HSDP_FT_ROUND_TIMEOUT): their clients reconnect and write again what
+the rounds need (docs/fault-tolerance.md).
 """
 
 from __future__ import annotations

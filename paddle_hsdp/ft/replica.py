@@ -39,8 +39,9 @@ from ..engine.registry import registry
 from . import groups, transfer
 from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
-from .store import (COORDINATOR_ENV, Liveness, Watcher, float_env, announce_failure,
-                    connect, heartbeat_timeout_s, join_window_s, key, wait_count)
+from .store import (COORDINATOR_ENV, CoordinatorRestarted, Liveness, Watcher, float_env,
+                    announce_failure, connect, heartbeat_timeout_s, join_window_s, key,
+                    wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -260,16 +261,40 @@ class Replica:
                     break
                 number, self._members, self.fresh = number + 1, None, True  # left out
             self._members = record.replicas
-            self.store.set(base + "/round", record.to_json())
-            self.store.add(base + "/round_ready", 1)
+            self._publish(base, record)
         else:
             wait_count(self.store, base + "/round_ready", 1, 2 * self.round_timeout_s,
                        f"replica {self.replica_id}'s leader to join a round")
             record = Round.from_json(self.store.get(base + "/round").decode())
+            self.store.add(base + "/round_read", 1)
         self._next_round, self.round = record.number + 1, record
         self._watcher.armed = (record.number, record.failures)
         self._watcher.peers = [(r, self.rank) for r in record.replicas if r != self.replica_id]
         return record
+
+    def _publish(self, base: str, record: Round) -> None:
+        """The leader hands the round to its replica-mates through the store and waits
+        until each has read it. After a restart of the coordinator it writes it again
+        (the new store is empty); mates that read it from the old one do not say so
+        again, so that wait is bounded by the heartbeat timeout."""
+        if self.ranks_per_replica == 1:
+            return
+        restarted = False
+        while True:
+            try:
+                self.store.set(base + "/round", record.to_json(), retry=False)
+                self.store.add(base + "/round_ready", 1, retry=False)
+                wait_count(self.store, base + "/round_read", self.ranks_per_replica - 1,
+                           heartbeat_timeout_s() if restarted else 2 * self.round_timeout_s,
+                           f"replica {self.replica_id}'s ranks to read round {record.number}",
+                           retry=False)
+                return
+            except CoordinatorRestarted:
+                restarted = True
+            except TimeoutError:
+                if not restarted:
+                    raise
+                return  # they read it before the restart
 
     def _replica_key(self, arrival: int) -> str:
         return key("replica", self.replica_id, self._token, arrival)

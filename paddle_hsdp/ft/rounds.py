@@ -19,6 +19,11 @@ out and arrives at the next round as a joiner.
 A replica started later (or left out) is a *joiner*: it arrives at the round after
 the last closed one and waits; it never closes a round after round 0 (only members
 know whom to wait for), so it is taken in by the next round its members close.
+
+A restarted coordinator holds nothing: a replica waiting for a round arrives again
+(its store client tells it: ``generation``), and the members' watchers write the next
+round's number (``round_floor``), which a joiner takes when it is above the closed
+rounds' count (which restarts at 0).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from .store import count, key
+from .store import CoordinatorRestarted, count, key
 
 
 class FaultToleranceError(RuntimeError):
@@ -84,6 +89,11 @@ class Round:
                      data["rebuild"], data["failures"])
 
 
+def _generation(store) -> int:
+    """How many times ``store`` reconnected to a restarted coordinator."""
+    return getattr(store, "generation", 0)
+
+
 def arrived(store, number: int) -> list[int]:
     """The replicas that have arrived at round ``number`` so far."""
     out = []
@@ -105,25 +115,33 @@ class Rounds:
         self.liveness, self.timeout_s, self.poll_s, self.clock = liveness, timeout_s, poll_s, clock
 
     def next_open(self) -> int:
-        """The round a joiner arrives at: the one after the last closed round."""
-        return count(self.store, key("closed_rounds"))
+        """The round a joiner arrives at: the one after the last closed round (or after
+        a restart of the coordinator, the members' next one)."""
+        floor = int(self.store.get(key("round_floor"))) \
+            if count(self.store, key("round_floor_set")) else 0
+        return max(count(self.store, key("closed_rounds")), floor)
 
     def form(self, number: int, expected: list[int] | None, arrival: Arrival) -> Round | None:
         """Arrive at round ``number`` and return its record, or None if it closed without
         this replica. ``expected``: the previous round's members (None: a joiner)."""
         store = self.store
-        store.set(key("r", number, "arrival", self.replica), json.dumps(asdict(arrival)))
-        slot = store.add(key("r", number, "slots"), 1)
-        store.set(key("r", number, "slot", slot), str(self.replica))
-        store.add(key("r", number, "slot_set", slot), 1)
-        self._arrived_at = self.clock()
+        generation = self._arrive_at(number, arrival)
         deadline = self._arrived_at + self.timeout_s
         pause = self.poll_s  # grows to 50 ms: a joiner may wait here for many steps
-        while not count(store, key("r", number, "closed")):
+        while True:
+            if _generation(store) != generation:  # a restarted coordinator: arrive again
+                generation = self._arrive_at(number, arrival)
+            if count(store, key("r", number, "closed")):
+                text = store.get(key("r", number, "record"))
+                if _generation(store) == generation:
+                    break
+                continue  # read from a store that has just been replaced
             if self._may_close(number, expected) and \
                     store.add(key("r", number, "closer"), 1) == 1:
-                self._close(number, expected)
-                break
+                text = self._close(number, expected)
+                if text is not None and _generation(store) == generation:
+                    break
+                continue
             if self.clock() > deadline:
                 raise FaultToleranceError(self._timeout_message(number, expected))
             if expected is None and count(store, key("finished")):
@@ -132,8 +150,19 @@ class Rounds:
                     "finished (a replica group called Replica.finish())")
             time.sleep(pause)
             pause = min(2 * pause, max(self.poll_s, 0.05))
-        record = Round.from_json(store.get(key("r", number, "record")).decode())
+        record = Round.from_json(text.decode() if isinstance(text, bytes) else text)
         return record if self.replica in record.members else None
+
+    def _arrive_at(self, number: int, arrival: Arrival) -> int:
+        """Write this replica's arrival and take a slot; the store's generation then."""
+        store = self.store
+        generation = _generation(store)
+        store.set(key("r", number, "arrival", self.replica), json.dumps(asdict(arrival)))
+        slot = store.add(key("r", number, "slots"), 1)
+        store.set(key("r", number, "slot", slot), str(self.replica))
+        store.add(key("r", number, "slot_set", slot), 1)
+        self._arrived_at = self.clock()
+        return generation
 
     def arrived(self, number: int) -> list[int]:
         return arrived(self.store, number)
@@ -154,15 +183,25 @@ class Rounds:
         return bool(count(self.store, key("r", last_round, "dead", replica))) or \
             self.liveness.dead(replica)
 
-    def _close(self, number: int, expected: list[int] | None) -> None:
-        members = {r: Arrival(**json.loads(self.store.get(key("r", number, "arrival", r))))
+    def _close(self, number: int, expected: list[int] | None) -> str | None:
+        """Write round ``number``'s record and close it; None if the coordinator
+        restarted meanwhile (nothing is written to the new store: the round is formed
+        there again)."""
+        store = self.store
+        members = {r: Arrival(**json.loads(store.get(key("r", number, "arrival", r))))
                    for r in self.arrived(number)}
         rebuild = (expected is None or sorted(members) != sorted(expected)
                    or any(a.fresh or a.failed for a in members.values()))
-        self.store.set(key("r", number, "record"),
-                       Round(number, members, rebuild, count(self.store, key("failures"))).to_json())
-        self.store.add(key("r", number, "closed"), 1)
-        self.store.add(key("closed_rounds"), 1)
+        text = Round(number, members, rebuild, count(store, key("failures"))).to_json()
+        try:  # the record before the flag, in one store
+            store.set(key("r", number, "record"), text, retry=False)
+            store.add(key("r", number, "closed"), 1, retry=False)
+        except CoordinatorRestarted:
+            return None
+        # rounds closed: number + 1 (one closer at a time; a restarted coordinator's
+        # count starts at 0)
+        store.add(key("closed_rounds"), max(0, number + 1 - count(store, key("closed_rounds"))))
+        return text
 
     def _timeout_message(self, number: int, expected) -> str:
         need = (f"the previous round's replicas {expected} (or their heartbeats to stop) "

@@ -14,6 +14,13 @@ Others call a rank dead, or hung, when its counter has not moved for
 to leave a thread unscheduled for a while): a stopped rank is noticed within that
 bound, without waiting for a collective's timeout. A killed one fails the collectives
 of its peers at once.
+
+The coordinator may be restarted (the same command, the same port) while the job runs:
+every client here is a :class:`CoordinatorStore`, which on a broken connection waits
+for the coordinator to listen again, reconnects and makes the call again. The new
+store is empty; what the rounds keep in it is written again by those who know it
+(:mod:`.rounds`: arrivals, the next round's number; the watcher: its heartbeat and the
+failure count it compares against).
 """
 
 from __future__ import annotations
@@ -66,13 +73,95 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def connect(address: str, timeout_s: float):
-    """A client of the coordinator's store (raises if none answers within the timeout).
+def connect(address: str, timeout_s: float) -> "CoordinatorStore":
+    """A client of the coordinator's store that reconnects after a restart of the
+    coordinator (raises if none answers within the timeout)."""
+    return CoordinatorStore(address, timeout_s)
+
+
+class CoordinatorRestarted(RuntimeError):
+    """A call made with ``retry=False`` met a restarted coordinator: it reconnected,
+    and the call was not made again (what it wrote belongs with what the old store
+    held)."""
+
+
+class CoordinatorStore:
+    """A client of the coordinator's store (``set``, ``get``, ``add`` as Paddle's) that
+    outlives a restart of the coordinator: a call that meets a broken connection waits
+    up to ``timeout_s`` for the coordinator to listen again, reconnects, and is made
+    once more on the new (empty) store, unless made with ``retry=False``
+    (:class:`CoordinatorRestarted` then). ``generation`` counts the reconnections, so
+    a caller that keeps state in the store can tell it must write it again."""
+
+    def __init__(self, address: str, timeout_s: float):
+        self.address, self.timeout_s = address, timeout_s
+        self.generation = 0
+        self._client = _client(address, timeout_s)
+
+    def set(self, name: str, value, retry: bool = True) -> None:
+        self._call("set", retry, name, value)
+
+    def get(self, name: str) -> bytes:
+        return self._call("get", True, name)
+
+    def add(self, name: str, amount: int, retry: bool = True) -> int:
+        return self._call("add", retry, name, amount)
+
+    def _call(self, op: str, retry: bool, *args):
+        try:
+            return getattr(self._client, op)(*args)
+        except ValueError as e:
+            if not _broken(e):
+                raise
+        logger.warning("paddle_hsdp.ft: the coordinator at %s is gone; waiting up to %g s "
+                       "for it to listen again", self.address, self.timeout_s)
+        self._client = None  # closes the broken connection
+        self._client = _client(self.address, self.timeout_s)
+        self.generation += 1
+        logger.warning("paddle_hsdp.ft: reconnected to the coordinator at %s", self.address)
+        if not retry:
+            raise CoordinatorRestarted(f"paddle_hsdp.ft: the coordinator restarted during "
+                                       f"a {op} of {args[0]}")
+        return getattr(self._client, op)(*args)
+
+
+def _broken(error: ValueError) -> bool:
+    """Whether Paddle's store client raised for a lost connection ("TCP send error",
+    "TCP receive error", "connection reset by peer")."""
+    return "TCP" in str(error)
+
+
+def _client(address: str, timeout_s: float):
+    """A Paddle ``TCPStore`` client of the coordinator, made once one answers (within
+    ``timeout_s``).
+
+    Paddle's client retries a refused connection for far longer than its timeout, so it
+    is made only once something listens; and a coordinator still going down (killed,
+    its process not gone yet) may accept and then reset the connection: that is
+    retried too."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return _connect_client(host, port, timeout_s)
+        except (OSError, ValueError) as e:
+            if isinstance(e, ValueError) and not _broken(e):
+                raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"paddle_hsdp.ft: no coordinator answers at {address} ({e}) after "
+                    f"{timeout_s:g} s: start it with `python -m paddle_hsdp.ft.coordinator "
+                    f"--port {port}` ({COORDINATOR_ENV} names it)") from None
+            time.sleep(0.2)
+
+
+def _connect_client(host: str, port: int, timeout_s: float):
+    """A Paddle ``TCPStore`` client.
 
     Paddle's client does not set ``TCP_NODELAY``: each request then waits out the
     peer's delayed ACK (measured: 44 ms an ``add``, 88 ms a ``get`` on loopback; 0.09 and
     0.14 ms with it). So the socket the client opened gets it here."""
-    host, port = parse_address(address)
     before = socket_fds()
     store = core.TCPStore(host, port, False, 1, max(1, int(timeout_s)))
     for fd in socket_fds() - before:
@@ -125,9 +214,10 @@ def key(*parts) -> str:
     return "/".join([PREFIX, *map(str, parts)])
 
 
-def count(store, name: str) -> int:
-    """The counter ``name`` (0 if never added to), without blocking."""
-    return int(store.add(name, 0))
+def count(store, name: str, retry: bool = True) -> int:
+    """The counter ``name`` (0 if never added to), without blocking; ``retry=False``:
+    :class:`CoordinatorRestarted` if the coordinator restarted meanwhile."""
+    return int(store.add(name, 0) if retry else store.add(name, 0, retry=False))
 
 
 class Watcher:
@@ -150,14 +240,16 @@ class Watcher:
     def __init__(self, address: str, replica: int, rank: int, liveness_timeout_s: float,
                  store_timeout_s: float, on_failure, leader: bool):
         self._store = connect(address, store_timeout_s)
+        self._generation = 0  # the store's, when this thread last wrote its state
         self._key = key("hb", replica, rank)
         self._leader, self._on_failure = leader, on_failure
         self.liveness = Liveness(self._store, liveness_timeout_s)
         self.peers: list[tuple[int, int]] = []  # (replica, rank) to watch
         # (the round the peers are members of, the failures announced by its start),
         # set together by the main thread at each round (one assignment: the thread
-        # never sees one round's number with another's count)
-        self.armed = (0, 0)
+        # never sees one round's number with another's count); None before the first
+        self.armed: tuple[int, int] | None = None
+        self._restarted_at: tuple[int, int] | None = None  # (round, failures) see _tick
         self.joiners_waiting = False
         self._stop = threading.Event()
         self._store.add(self._key, 1)
@@ -178,7 +270,18 @@ class Watcher:
     def _tick(self) -> None:
         store = self._store
         store.add(self._key, 1)
-        peers, (round_number, baseline) = list(self.peers), self.armed
+        armed = self.armed
+        if armed is None:  # no round yet: nothing to watch
+            return
+        peers, (round_number, baseline) = list(self.peers), armed
+        if store.generation != self._generation:  # a restarted coordinator: empty
+            self._generation = store.generation
+            # joiners arrive at the round after this one (rounds.next_open)
+            store.set(key("round_floor"), str(round_number + 1))
+            store.add(key("round_floor_set"), 1)
+            self._restarted_at = (round_number, count(store, key("failures")))
+        if self._restarted_at is not None and self._restarted_at[0] == round_number:
+            baseline = self._restarted_at[1]  # the old count means nothing here
         hung = [replica for replica, rank in peers if self.liveness.rank_dead(replica, rank)]
         if hung:  # the next round need not wait for their heartbeats again
             logger.warning("paddle_hsdp.ft: no heartbeat from rank %s for %g s: a failure",
@@ -226,13 +329,13 @@ class Liveness:
 
 
 def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
-               poll_s: float = 0.002) -> int:
+               poll_s: float = 0.002, retry: bool = True) -> int:
     """Poll the counter ``name`` until it reaches ``at_least`` (every ``poll_s`` at
     first, backing off to 50 ms); a clear error after ``timeout_s`` naming ``what``
-    was awaited."""
+    was awaited. ``retry``: as :func:`count`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = count(store, name)
+        value = count(store, name, retry)
         if value >= at_least:
             return value
         if time.monotonic() > deadline:

@@ -124,5 +124,6 @@ full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(mode
 with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
           "w") as f:
     json.dump({"replica": replica.replica_id, "rank": rank, "losses": losses,
-               "history": replica.history, "params": full}, f)
+               "history": replica.history, "params": full,
+               "reconnections": replica.store.generation}, f)
 print("WORKER_OK", flush=True)
