@@ -30,7 +30,7 @@ class MemoryStore:
         with self.lock:
             self.data[name] = value.encode() if isinstance(value, str) else value
 
-    def get(self, name):
+    def get(self, name, timeout_s=None, abort=None):
         deadline = time.monotonic() + 5
         while True:
             with self.lock:
@@ -209,6 +209,44 @@ def test_a_store_client_outlives_a_restart_of_the_coordinator():
         client.set("x", "1", retry=False)  # reconnected, not made again
     assert client.add("x", 0) == 0 and client.generation == 2
     del server
+
+
+def test_a_read_of_a_value_never_written_is_bounded_and_a_restart_ends_it():
+    from paddle_hsdp.ft.store import CoordinatorRestarted, connect, serve
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = serve("127.0.0.1", port)
+    client = connect(f"127.0.0.1:{port}", 10)
+    client.set("a", "1")
+    assert client.get("a") == b"1"
+    with pytest.raises(TimeoutError, match="b was not written within 0.2 s"):
+        client.get("b", timeout_s=0.2)  # Paddle's own get would block for good
+
+    def give_up():
+        raise FaultToleranceError("a failure was announced")
+    with pytest.raises(FaultToleranceError, match="announced"):
+        client.get("b", abort=give_up)
+    del server
+    server = serve("127.0.0.1", port)
+    with pytest.raises(CoordinatorRestarted, match="while a was awaited"):
+        client.get("a")  # written to the store that is gone
+    del server
+
+
+def test_with_pieces_the_round_trains_the_furthest_step_every_piece_reached():
+    # replica 0 (piece 0) committed step 8; its piece-mate 2 and the holder of piece 1
+    # (replica 1) failed it: step 8 has no piece 1, so the round trains step 7 and
+    # replica 0 is taken back to it
+    members = {0: Arrival(8), 1: Arrival(7, failed=True), 2: Arrival(7, failed=True)}
+    record = Round(4, members, True, pieces=2)
+    assert record.step == 7 and record.donor == 1 and record.receivers == [0]
+    assert Round(4, members, True).step == 8  # without pieces: the furthest
+    assert Round.from_json(record.to_json()) == record
+    from paddle_hsdp.ft.pieces import PiecePlan
+    plan = PiecePlan(2, 0, lambda r: r)
+    plan.arrange(record)
+    assert plan.donor(0) == 2 and plan.holders == 2 and not plan.keeps(0)
 
 
 def test_a_joiner_stops_when_the_job_has_finished():

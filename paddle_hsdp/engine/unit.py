@@ -309,7 +309,10 @@ class FSDPUnit:
         parallel gives it (the term on every rank, grads averaged)."""
         buf = sp.buffer
         self.expect_more_grads([buf])
-        buf.add_to_grad(sp, grad * self.summed_scale(buf))
+        # shared pieces: only the replicas holding this piece compute it
+        scale = (self.divisor(buf) / buf.outer.pieces.holders if buf.shared_pieces
+                 else self.summed_scale(buf))
+        buf.add_to_grad(sp, grad * scale)
         sp.grad_here = True
 
     def reduce_buffer_early(self, buf: ShardBuffer) -> None:

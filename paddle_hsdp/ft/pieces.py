@@ -40,6 +40,7 @@ class PiecePlan:
         self._virtual_rank = virtual_rank  # replica -> its rank in the outer group
         self._donors: dict[int, int] = {q: replica for q in range(parts)}
         self._valid = True  # this replica's own piece holds the round's state
+        self.holders = 1  # members of the round holding this replica's piece
 
     def piece_of(self, replica: int) -> int:
         return replica % self.parts
@@ -66,6 +67,7 @@ class PiecePlan:
             donors[q] = holders[0]
         self._donors = donors
         self._valid = self.replica in valid
+        self.holders = sum(1 for r in record.replicas if self.piece_of(r) == self.part)
 
     def donor(self, q: int) -> int:
         """The replica piece ``q`` is copied from in this round."""

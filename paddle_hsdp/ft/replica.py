@@ -101,7 +101,7 @@ class Replica:
         if self.rank == 0:
             self._rounds = Rounds(self.store, replica_id, start_replicas, min_replicas,
                                   Liveness(self.store, liveness_s, self.ranks_per_replica),
-                                  round_timeout_s, join_window_s())
+                                  round_timeout_s, join_window_s(), pieces=pieces)
         # this replica group's ranks (a group of one rank has no global group: nothing
         # to vote with)
         self._world = dist.collective._get_global_group() if self.ranks_per_replica > 1 \
@@ -250,7 +250,9 @@ class Replica:
         other replicas)."""
         self._arrivals += 1
         base = self._replica_key(self._arrivals)
-        self._watcher.peers = []  # the last round's members are not watched meanwhile
+        # nothing is watched while a round forms (the last round's members may be gone,
+        # and a replica that is no member must not write the next round's number)
+        self._watcher.armed, self._watcher.peers = None, []
         if self.rank == 0:
             number = self._next_round if self._next_round is not None \
                 else self._rounds.next_open()
@@ -259,13 +261,20 @@ class Replica:
                 record = self._rounds.form(number, self._members, arrival)
                 if record is not None:
                     break
-                number, self._members, self.fresh = number + 1, None, True  # left out
+                # left out (or the members went past): a joiner at the next open round
+                number = max(number + 1, self._rounds.next_open())
+                self._members, self.fresh = None, True
             self._members = record.replicas
             self._publish(base, record)
         else:
-            wait_count(self.store, base + "/round_ready", 1, 2 * self.round_timeout_s,
-                       f"replica {self.replica_id}'s leader to join a round")
-            record = Round.from_json(self.store.get(base + "/round").decode())
+            while True:
+                wait_count(self.store, base + "/round_ready", 1, 2 * self.round_timeout_s,
+                           f"replica {self.replica_id}'s leader to join a round")
+                try:
+                    record = Round.from_json(self.store.get(base + "/round").decode())
+                    break
+                except CoordinatorRestarted:  # the leader writes it again
+                    continue
             self.store.add(base + "/round_read", 1)
         self._next_round, self.round = record.number + 1, record
         self._watcher.armed = (record.number, record.failures)

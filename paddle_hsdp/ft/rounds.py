@@ -52,6 +52,9 @@ class Round:
     members: dict[int, Arrival]  # replica -> its arrival
     rebuild: bool  # new outer groups (membership changed or an attempt failed)
     failures: int = 0  # failures announced when it closed (older ones are its past)
+    # pieces of the optimizer state (HFSDP in a fault-tolerant job, ft/pieces.py), 1
+    # without: replica r holds piece r % pieces
+    pieces: int = 1
     replicas: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -59,9 +62,16 @@ class Round:
 
     @property
     def step(self) -> int:
-        """The step the round trains: the furthest step of a replica whose state is known."""
-        known = [a.step for a in self.members.values() if not a.fresh]
-        return max(known) if known else 0
+        """The step the round trains: the furthest step of a replica whose state is
+        known, and with pieces the furthest at which a replica holds each piece (one
+        that committed a step its piece-mates failed is taken back to theirs)."""
+        known = {r: a.step for r, a in self.members.items() if not a.fresh}
+        steps = sorted(set(known.values()), reverse=True)
+        for step in steps:
+            if all(any(t == step and r % self.pieces == q for r, t in known.items())
+                   for q in range(self.pieces)):
+                return step
+        return steps[0] if steps else 0
 
     @property
     def donor(self) -> int:
@@ -79,14 +89,14 @@ class Round:
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "rebuild": self.rebuild,
-                           "failures": self.failures,
+                           "failures": self.failures, "pieces": self.pieces,
                            "members": {str(r): asdict(a) for r, a in self.members.items()}})
 
     @staticmethod
     def from_json(text: str) -> "Round":
         data = json.loads(text)
         return Round(data["number"], {int(r): Arrival(**a) for r, a in data["members"].items()},
-                     data["rebuild"], data["failures"])
+                     data["rebuild"], data["failures"], data.get("pieces", 1))
 
 
 def _generation(store) -> int:
@@ -108,8 +118,9 @@ class Rounds:
 
     def __init__(self, store, replica: int, start_replicas: int, min_replicas: int,
                  liveness, timeout_s: float, join_window_s: float, poll_s: float = 0.002,
-                 clock=time.monotonic):
+                 clock=time.monotonic, pieces: int = 1):
         self.store, self.replica = store, replica
+        self.pieces = pieces  # of the optimizer state (HFSDP with redundancy), or 1
         self.join_window_s, self._arrived_at = join_window_s, 0.0
         self.start_replicas, self.min_replicas = start_replicas, min_replicas
         self.liveness, self.timeout_s, self.poll_s, self.clock = liveness, timeout_s, poll_s, clock
@@ -131,23 +142,29 @@ class Rounds:
         while True:
             if _generation(store) != generation:  # a restarted coordinator: arrive again
                 generation = self._arrive_at(number, arrival)
-            if count(store, key("r", number, "closed")):
-                text = store.get(key("r", number, "record"))
-                if _generation(store) == generation:
+                continue
+            try:
+                if count(store, key("r", number, "closed")):
+                    text = store.get(key("r", number, "record"))
                     break
-                continue  # read from a store that has just been replaced
-            if self._may_close(number, expected) and \
-                    store.add(key("r", number, "closer"), 1) == 1:
-                text = self._close(number, expected)
-                if text is not None and _generation(store) == generation:
-                    break
+                # what _may_close saw must be this store's, and so must the ticket
+                if self._may_close(number, expected) and _generation(store) == generation \
+                        and store.add(key("r", number, "closer"), 1, retry=False) == 1:
+                    text = self._close(number, expected, generation)
+                    if text is not None:
+                        break
+                    continue
+            except CoordinatorRestarted:
                 continue
             if self.clock() > deadline:
                 raise FaultToleranceError(self._timeout_message(number, expected))
-            if expected is None and count(store, key("finished")):
-                raise FaultToleranceError(
-                    f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
-                    "finished (a replica group called Replica.finish())")
+            if expected is None:
+                if count(store, key("finished")):
+                    raise FaultToleranceError(
+                        f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
+                        "finished (a replica group called Replica.finish())")
+                if self.next_open() > number:  # the members have gone past (a restart)
+                    return None
             time.sleep(pause)
             pause = min(2 * pause, max(self.poll_s, 0.05))
         record = Round.from_json(text.decode() if isinstance(text, bytes) else text)
@@ -183,25 +200,36 @@ class Rounds:
         return bool(count(self.store, key("r", last_round, "dead", replica))) or \
             self.liveness.dead(replica)
 
-    def _close(self, number: int, expected: list[int] | None) -> str | None:
-        """Write round ``number``'s record and close it; None if the coordinator
-        restarted meanwhile (nothing is written to the new store: the round is formed
-        there again)."""
+    def _close(self, number: int, expected: list[int] | None, generation: int) -> str | None:
+        """Write round ``number``'s record and close it (this replica holds its closer
+        ticket, taken in store ``generation``). None if the coordinator restarted before
+        the record was written: nothing goes to the new store, where the round is
+        formed again. Once written, the record is the round's: a restart after that
+        writes it again into the new store, for replicas that had not read it."""
         store = self.store
         members = {r: Arrival(**json.loads(store.get(key("r", number, "arrival", r))))
                    for r in self.arrived(number)}
         rebuild = (expected is None or sorted(members) != sorted(expected)
                    or any(a.fresh or a.failed for a in members.values()))
-        text = Round(number, members, rebuild, count(store, key("failures"))).to_json()
+        text = Round(number, members, rebuild, count(store, key("failures")),
+                     self.pieces).to_json()
+        if _generation(store) != generation:  # what it read came from two stores
+            return None
         try:  # the record before the flag, in one store
             store.set(key("r", number, "record"), text, retry=False)
             store.add(key("r", number, "closed"), 1, retry=False)
         except CoordinatorRestarted:
             return None
-        # rounds closed: number + 1 (one closer at a time; a restarted coordinator's
-        # count starts at 0)
-        store.add(key("closed_rounds"), max(0, number + 1 - count(store, key("closed_rounds"))))
-        return text
+        while True:
+            try:
+                # rounds closed: number + 1 (one closer at a time; a restarted
+                # coordinator's count starts at 0)
+                closed = count(store, key("closed_rounds"), retry=False)
+                store.add(key("closed_rounds"), max(0, number + 1 - closed), retry=False)
+                return text
+            except CoordinatorRestarted:  # the record again, then the count
+                store.set(key("r", number, "record"), text)
+                store.add(key("r", number, "closed"), 1)
 
     def _timeout_message(self, number: int, expected) -> str:
         need = (f"the previous round's replicas {expected} (or their heartbeats to stop) "

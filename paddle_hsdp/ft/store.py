@@ -91,7 +91,13 @@ class CoordinatorStore:
     up to ``timeout_s`` for the coordinator to listen again, reconnects, and is made
     once more on the new (empty) store, unless made with ``retry=False``
     (:class:`CoordinatorRestarted` then). ``generation`` counts the reconnections, so
-    a caller that keeps state in the store can tell it must write it again."""
+    a caller that keeps state in the store can tell it must write it again.
+
+    Paddle's ``get`` of a missing key blocks for good (its timeout is not applied: a
+    reader of a value whose writer died, or of one written to a store since replaced,
+    would never return). So ``set`` also counts the key as written, and ``get`` waits
+    on that count, bounded, and raises :class:`CoordinatorRestarted` if the store was
+    replaced meanwhile."""
 
     def __init__(self, address: str, timeout_s: float):
         self.address, self.timeout_s = address, timeout_s
@@ -99,30 +105,59 @@ class CoordinatorStore:
         self._client = _client(address, timeout_s)
 
     def set(self, name: str, value, retry: bool = True) -> None:
-        self._call("set", retry, name, value)
+        while True:  # the value and its count in one store
+            generation = self.generation
+            self._call("set", retry, name, value)
+            self._call("add", retry, _written(name), 1)
+            if self.generation == generation:
+                return
 
-    def get(self, name: str) -> bytes:
-        return self._call("get", True, name)
+    def get(self, name: str, timeout_s: float | None = None, abort=None) -> bytes:
+        """``name``'s value once it is written (within ``timeout_s``, default the
+        client's: TimeoutError); ``abort()`` is called while it waits (it raises to
+        stop waiting)."""
+        generation = self.generation
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        pause = 0.002
+        while not self._call("add", True, _written(name), 0):
+            if self.generation != generation:
+                break
+            if abort is not None:
+                abort()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"paddle_hsdp.ft: {name} was not written within "
+                                   f"{timeout_s or self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        if self.generation != generation:
+            raise CoordinatorRestarted(f"paddle_hsdp.ft: the coordinator restarted while "
+                                       f"{name} was awaited")
+        return self._call("get", False, name)  # written: it returns at once
 
     def add(self, name: str, amount: int, retry: bool = True) -> int:
         return self._call("add", retry, name, amount)
 
     def _call(self, op: str, retry: bool, *args):
-        try:
-            return getattr(self._client, op)(*args)
-        except ValueError as e:
-            if not _broken(e):
-                raise
-        logger.warning("paddle_hsdp.ft: the coordinator at %s is gone; waiting up to %g s "
-                       "for it to listen again", self.address, self.timeout_s)
-        self._client = None  # closes the broken connection
-        self._client = _client(self.address, self.timeout_s)
+        if self._client is not None:
+            try:
+                return getattr(self._client, op)(*args)
+            except ValueError as e:
+                if not _broken(e):
+                    raise
+            logger.warning("paddle_hsdp.ft: the coordinator at %s is gone; waiting up to "
+                           "%g s for it to listen again", self.address, self.timeout_s)
+            self._client = None  # closes the broken connection
+        self._client = _client(self.address, self.timeout_s)  # raises if it stays away
         self.generation += 1
         logger.warning("paddle_hsdp.ft: reconnected to the coordinator at %s", self.address)
         if not retry:
             raise CoordinatorRestarted(f"paddle_hsdp.ft: the coordinator restarted during "
                                        f"a {op} of {args[0]}")
         return getattr(self._client, op)(*args)
+
+
+def _written(name: str) -> str:
+    return name + "/.written"
 
 
 def _broken(error: ValueError) -> bool:
@@ -264,8 +299,8 @@ class Watcher:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
                 self._tick()
-            except Exception:  # the coordinator is gone: rounds will say so
-                return
+            except Exception as e:  # the coordinator is away: try again next tick
+                logger.debug("paddle_hsdp.ft watcher: %s", e)
 
     def _tick(self) -> None:
         store = self._store
@@ -276,10 +311,13 @@ class Watcher:
         peers, (round_number, baseline) = list(self.peers), armed
         if store.generation != self._generation:  # a restarted coordinator: empty
             self._generation = store.generation
-            # joiners arrive at the round after this one (rounds.next_open)
+            # joiners arrive at the round after this one (rounds.next_open); only the
+            # members of a formed round write it (armed), so they all write one number
             store.set(key("round_floor"), str(round_number + 1))
             store.add(key("round_floor_set"), 1)
-            self._restarted_at = (round_number, count(store, key("failures")))
+            # the round's count came from the old store, or from this one if the round
+            # was formed here: the lower is the one to compare with
+            self._restarted_at = (round_number, min(baseline, count(store, key("failures"))))
         if self._restarted_at is not None and self._restarted_at[0] == round_number:
             baseline = self._restarted_at[1]  # the old count means nothing here
         hung = [replica for replica, rank in peers if self.liveness.rank_dead(replica, rank)]

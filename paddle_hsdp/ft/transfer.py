@@ -30,7 +30,7 @@ import paddle
 from ..comm import collectives as comm
 from ..engine.registry import registry
 from .rounds import FaultToleranceError
-from .store import key
+from .store import count, key
 
 
 def _model_tensors(model) -> list[tuple[str, paddle.Tensor]]:
@@ -91,7 +91,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | 
     donor, replica = record.donor, group.replica
     receiving = replica in record.receivers
     model_tensors = _model_tensors(model)
-    meta = _exchange_meta(store, (record.number, group.local_rank, "model"), replica == donor,
+    meta = _exchange_meta(store, record, (group.local_rank, "model"), replica == donor,
                           lambda: {"model": _described(model_tensors), "extra": extra})
     mine = _described(model_tensors)
     if mine != meta["model"]:
@@ -118,7 +118,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | 
         sending, taking = replica == piece_donor, replica in takers
         opt_tensors, opt_rest = _flatten(optimizer.state_dict()) if sending else (None, None)
         opt_meta = _exchange_meta(
-            store, (record.number, group.local_rank, "optimizer", q), sending,
+            store, record, (group.local_rank, "optimizer", q), sending,
             lambda: {"tensors": _described(opt_tensors), "rest": opt_rest})
         pairs = []
         for i, (path, shape, dtype) in enumerate(opt_meta["tensors"]):
@@ -143,15 +143,21 @@ def _described(tensors) -> list:
     return [(n, list(t.shape), _dtype(t)) for n, t in tensors]
 
 
-def _exchange_meta(store, where: tuple, sending: bool, build) -> dict:
+def _exchange_meta(store, record, where: tuple, sending: bool, build) -> dict:
     """What is not a tensor goes pickled through the store: the sender writes
-    ``build()`` under the round's key ``where``, the others read it."""
-    meta_key = key("r", where[0], "state", *where[1:])
+    ``build()`` under round ``record``'s key ``where``, the others read it; a reader
+    stops waiting once a failure is announced in the round (the sender may be dead)."""
+    meta_key = key("r", record.number, "state", *where)
     if sending:
         meta = build()
         store.set(meta_key, pickle.dumps(meta))
         return meta
-    return pickle.loads(store.get(meta_key))
+
+    def abort():
+        if count(store, key("failures")) > record.failures:
+            raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced while "
+                                      f"{meta_key} was awaited")
+    return pickle.loads(store.get(meta_key, abort=abort))
 
 
 def _optimizer_phases(record, plan) -> list[tuple[int, int, list[int]]]:
