@@ -26,13 +26,14 @@ In each scenario every rank's losses and every replica's final parameters must e
 reference that trains step t on the batches of the replicas live at step t
 (workers/single_process_ft.py), and every process that should end exits 0, within a
 bound. Replica 1's launch is not waited for: its other rank leaves through the watchdog
-(PADDLE_HSDP_COLLECTIVE_TIMEOUT, 10 s here), and the launcher kills the stopped one 30 s
-later; the test kills what is left.
+(PADDLE_HSDP_COLLECTIVE_TIMEOUT, 10 s here); the stopped one outlives its launch, and
+the test ends it with every other process it started (each launch's process group).
 """
 
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,11 +114,35 @@ class FaultTolerantJob:
                          for p in sorted(glob.glob(os.path.join(log_dir, "workerlog.*"))))
 
     def stop(self) -> None:
+        """End every process the job started: the launches and their workers (the
+        launcher starts each worker in a session of its own, so a killed launcher
+        leaves them running, and a stopped one outlives its launch): every process
+        whose command line names this job's folder."""
         for _, proc in self.launches:
             if proc.poll() is None:
                 proc.kill()
+            proc.wait(timeout=10)
+        for pid in _pids_naming(self.work):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
         self.coordinator.terminate()
         self.coordinator.wait(timeout=10)
+
+
+def _pids_naming(text: str) -> list[int]:
+    """This machine's processes whose command line contains ``text`` (Linux /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:  # ended meanwhile
+                continue
+    return pids
 
 
 def _wait(condition, deadline: float, job: FaultTolerantJob, what: str) -> None:
@@ -200,12 +225,14 @@ def _members(out: str) -> dict:
 
 
 HFSDP_STEPS = 14
+PENALTY = "0.01"
 
 
 def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     """[module docstring, HFSDP] replicas 0-3, pieces {0, 2} and {1, 3}."""
     job = FaultTolerantJob(replicas=4, ranks=1, steps=HFSDP_STEPS)
-    job.env.update(FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2")
+    # a penalty on model.parameters(): a term each group computes on its piece only
+    job.env.update(FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2", FT_TEST_PENALTY=PENALTY)
     deadline = time.time() + BOUND_S
     try:
         waits = "3@6,0@10"  # replica 3 is back before step 6, replica 0 before step 10
@@ -229,7 +256,7 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     finally:
         job.stop()
 
-    out = run_single("single_process_ft.py", job.work, str(HFSDP_STEPS), "1")
+    out = run_single("single_process_ft.py", job.work, str(HFSDP_STEPS), "1", PENALTY)
     assert "FT_PARITY_OK" in out, out[-2000:]
     expected = {t: [0, 1, 2, 3] if t < 3 else [0, 1, 2] if t < 7 else [1, 2, 3] if t < 11
                 else [0, 1, 2, 3] for t in range(1, HFSDP_STEPS + 1)}

@@ -163,7 +163,10 @@ class Rounds:
                     raise FaultToleranceError(
                         f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
                         "finished (a replica group called Replica.finish())")
-                if self.next_open() > number:  # the members have gone past (a restart)
+                # the members have gone past it (a restart): unless it closed just now
+                # (the count of closed rounds follows the flag), it never will
+                if self.next_open() > number and \
+                        not count(store, key("r", number, "closed")):
                     return None
             time.sleep(pause)
             pause = min(2 * pause, max(self.poll_s, 0.05))

@@ -44,6 +44,13 @@ def loss_of(model, x, y, middle_hook=None):
     return ((out - paddle.to_tensor(y)) ** 2).mean()
 
 
+def penalty_of(model, weight: float):
+    """``weight`` x the squared norm of ``model.parameters()``: a loss term on the
+    parameters themselves (while sharded, on the shards the optimizer sees, so its
+    value is each rank's part; its gradient must be plain data parallel's)."""
+    return weight * paddle.add_n([(p * p).sum() for p in model.parameters()])
+
+
 def make_optimizer(params):
     scheduler = paddle.optimizer.lr.StepDecay(learning_rate=0.05, step_size=3, gamma=0.7)
     opt = paddle.optimizer.AdamW(learning_rate=scheduler, parameters=params,

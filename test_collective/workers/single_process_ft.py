@@ -3,21 +3,23 @@ batches of the replicas live at step t (as every replica recorded it), the mean 
 over their ranks' rows; then every rank's committed losses and every replica's final
 parameters are compared with it (float64, the parity bound of workers/parity.py).
 
-argv: the folder worker_ft.py wrote into, the number of steps, and the ranks per
-replica (default 2). Prints the membership per step and FT_PARITY_OK.
+argv: the folder worker_ft.py wrote into, the number of steps, the ranks per replica
+(default 2) and the penalty on the parameters' squared norm (worker_ft.py's
+FT_TEST_PENALTY, default 0). Prints the membership per step and FT_PARITY_OK.
 """
 
 import glob
 import json
 import sys
 
-from ft_common import RANKS_PER_REPLICA, batch, build_model, loss_of, make_optimizer
+from ft_common import RANKS_PER_REPLICA, batch, build_model, loss_of, make_optimizer, penalty_of
 from parity import max_rel, report, set_dtype
 
 import paddle
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 ranks_per_replica = int(sys.argv[3]) if len(sys.argv) > 3 else RANKS_PER_REPLICA
+penalty = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 set_dtype("float64")
 runs = [json.load(open(p)) for p in sorted(glob.glob(f"{out_dir}/replica*_rank*.json"))]
 assert runs, f"no replica wrote its results into {out_dir}"
@@ -44,7 +46,8 @@ for t in range(steps):
             loss = loss_of(model, *batch(t, replica, rank))
             want_losses[(t, replica, rank)] = float(loss)
             per_rank.append(loss)
-    (paddle.add_n(per_rank) / len(per_rank)).backward()  # equal rows: the global mean
+    mean = paddle.add_n(per_rank) / len(per_rank)  # equal rows: the global mean
+    (mean + penalty_of(model, penalty) if penalty else mean).backward()
     opt.step()
     scheduler.step()
     opt.clear_grad()

@@ -8,7 +8,8 @@ argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_A
 SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
 taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
-with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY). Each rank writes
+with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
+the squared norm of model.parameters() added to each rank's loss). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings) and the final full parameters; the leader also writes
 out_dir/progress<r> (steps done) after each step.
@@ -22,7 +23,7 @@ import sys
 import time
 
 from common import init_fleet
-from ft_common import batch, build_model, loss_of, make_optimizer
+from ft_common import batch, build_model, loss_of, make_optimizer, penalty_of
 
 import paddle
 import paddle.distributed as dist
@@ -32,6 +33,7 @@ from paddle_hsdp import ft
 from paddle_hsdp.ft.rounds import arrived
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
+penalty = float(os.environ.get("FT_TEST_PENALTY", 0))
 kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
 wait_join: dict[int, list[int]] = {}  # step -> the replicas awaited before it
 for item in filter(None, os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")):
@@ -96,7 +98,7 @@ def fault_hook():
 def forward_backward():
     x, y = batch(replica.step, replica.replica_id, rank)
     loss = loss_of(model, x, y, fault_hook())
-    loss.backward()
+    (loss + penalty_of(model, penalty) if penalty else loss).backward()
     return loss
 
 
