@@ -176,6 +176,23 @@ def test_a_joiner_after_a_coordinator_restart_takes_the_members_next_round():
     assert rounds_for(store, 2).next_open() == 8
 
 
+def test_a_joiner_waiting_at_a_round_the_members_went_past_leaves_it():
+    store = MemoryStore()  # a restarted coordinator: a joiner that read no floor yet
+    joiner = rounds_for(store, 2, start=3, window=30.0)
+    assert joiner.next_open() == 0
+    later = threading.Timer(0.2, lambda: (store.set(key("round_floor"), "8"),
+                                          store.add(key("round_floor_set"), 1)))
+    later.start()
+    assert joiner.form(0, None, Arrival(0, fresh=True)) is None  # then it arrives at 8
+    later.join()
+    # joiners that form round 0 together read its record (the check for a round the
+    # members went past does not take them out of one that closed with them)
+    store = MemoryStore()
+    members = form_together(store, [(r, rounds_for(store, r, start=2), 0, None,
+                                     Arrival(0, True)) for r in (0, 1)])
+    assert [members[r].replicas for r in (0, 1)] == [[0, 1]] * 2
+
+
 def test_a_close_cut_by_a_restart_writes_nothing_to_the_new_store():
     from paddle_hsdp.ft.store import CoordinatorRestarted
 
