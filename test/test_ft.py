@@ -266,6 +266,20 @@ def test_with_pieces_the_round_trains_the_furthest_step_every_piece_reached():
     assert plan.donor(0) == 2 and plan.holders == 2 and not plan.keeps(0)
 
 
+def test_a_group_store_that_is_gone_is_an_error_not_a_wait():
+    # Paddle's client would retry a refused connection for minutes
+    from paddle_hsdp.comm.gloo_store import wait_until_listening
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: refused
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"nothing listens at 127.0.0.1:{port}"):
+            wait_until_listening("127.0.0.1", port, 0.3)
+        assert time.monotonic() - started < 3
+        sock.listen()
+        wait_until_listening("127.0.0.1", port, 0.3)
+
+
 def test_a_joiner_stops_when_the_job_has_finished():
     store = MemoryStore()
     store.add(key("finished"), 1)

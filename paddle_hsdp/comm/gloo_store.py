@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 from paddle.base import core
 
@@ -81,9 +82,28 @@ def make_group_store(global_store, group_rank: int, group_size: int, group_id: i
             _servers[group_id] = core.TCPStore(host, port, True, group_size, timeout_s)
     else:
         host, port = global_store.get(key).decode().rsplit(":", 1)
+        if listen_first:  # it listened before it published: gone now if it refuses
+            wait_until_listening(host, int(port), timeout_s)
     store = core.TCPStore(host, int(port), False, group_size, timeout_s)
     _group_stores[group_id] = store
     return store
+
+
+def wait_until_listening(host: str, port: int, timeout_s: float) -> None:
+    """Return once something accepts connections at ``host:port``; ``TimeoutError``
+    after ``timeout_s``. Paddle's ``TCPStore`` client retries a refused connection far
+    past its own timeout (measured: still retrying after 120 s with 3 s), so a client of
+    a server that may be gone is made only after this."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens at {host}:{port} after {timeout_s:g} s "
+                                   f"({e})") from None
+            time.sleep(0.2)
 
 
 def stop_servers() -> None:

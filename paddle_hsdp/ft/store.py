@@ -34,6 +34,8 @@ import time
 
 from paddle.base import core
 
+from ..comm.gloo_store import wait_until_listening
+
 COORDINATOR_ENV = "PADDLE_HSDP_FT_COORDINATOR"
 HEARTBEAT_TIMEOUT_ENV = "PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT"
 JOIN_WINDOW_ENV = "PADDLE_HSDP_FT_JOIN_WINDOW"
@@ -178,9 +180,9 @@ def _client(address: str, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((host, port), timeout=1.0).close()
+            wait_until_listening(host, port, max(0.0, deadline - time.monotonic()))
             return _connect_client(host, port, timeout_s)
-        except (OSError, ValueError) as e:
+        except (TimeoutError, ValueError) as e:
             if isinstance(e, ValueError) and not _broken(e):
                 raise
             if time.monotonic() > deadline:
