@@ -337,6 +337,24 @@ def test_shutting_an_outer_group_down_ends_its_peers_reads():
         theirs.close()
 
 
+def test_a_failure_cuts_short_the_creation_of_its_rounds_group():
+    from paddle_hsdp.ft.store import socket_fds
+    group = groups.LiveOuterGroup(replica=0, local_rank=0, inner=1)
+    with group.creating(9, socket_fds()):
+        ours, theirs = socket.socketpair()  # what the creation opened
+        try:
+            group.shut_down(8)  # another round's failure: left alone
+            theirs.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                theirs.recv(1)
+            group.shut_down(9)  # gloo's rendezvous would wait for a peer that left
+            theirs.settimeout(2)
+            assert theirs.recv(1) == b""
+        finally:
+            ours.close()
+            theirs.close()
+
+
 # ---------------------------------------------------------------- state and refusals
 def test_optimizer_state_flattens_to_tensors_and_back():
     a, b = paddle.ones([2]), paddle.zeros([3])

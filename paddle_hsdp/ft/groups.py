@@ -16,6 +16,7 @@ rebuild of the engine.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -55,6 +56,8 @@ class LiveOuterGroup(Group):
         self.retired: list = []
         self.broken: list = []
         self._sockets: set[int] = set()
+        # a round's group being created: (round, the sockets open before it began)
+        self._creating: tuple[int, frozenset] | None = None
         self._round = -1  # the round whose process group this is
         self._lock = threading.Lock()
         comm.name_group(self, "outer")
@@ -86,11 +89,31 @@ class LiveOuterGroup(Group):
         take their numbers under gloo. Safe from any thread: the watcher calls it with
         the round it judged, and a group of a later round is left alone."""
         with self._lock:
+            creating = self._creating
+            if creating is not None and round_number in (None, creating[0]):
+                # a creation in progress (gloo's rendezvous has no timeout of its
+                # own once a peer is gone): every socket opened since it began
+                for fd in socket_fds() - creating[1]:
+                    _shut_down(fd)
             if round_number is not None and round_number != self._round:
                 return
             for fd in self._sockets:
                 _shut_down(fd)
             self._sockets = set()
+
+    @contextlib.contextmanager
+    def creating(self, round_number: int, before: set[int]):
+        """Round ``round_number``'s group is being created (``before``: the sockets
+        open when it began): a failure announced meanwhile (:meth:`shut_down`) shuts
+        down what the creation opened, so a rendezvous waiting for a peer that left
+        fails instead of waiting for good."""
+        with self._lock:
+            self._creating = (round_number, frozenset(before))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._creating = None
 
     def abandon(self) -> None:
         """This rank's attempt failed: shut down, and be this rank alone until the next
@@ -123,15 +146,17 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
     rank, size = replicas.index(group.replica), len(replicas)
     group_id = _ROUND_GROUP_BASE + round_number * 1024 + group.local_rank
     before = socket_fds()
-    group_store = make_group_store(
-        store, rank, size, group_id,
-        key=key("r", round_number, "outer_store", group.local_rank),
-        timeout_s=max(1, int(timeout_s)), listen_first=True)
-    if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
-        pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
-                                          collective._get_global_env().pg_timeout, 0, None)
-    else:
-        pg = core.ProcessGroupGloo.create(group_store, rank, size, group_id)
+    with group.creating(round_number, before):  # a failure meanwhile cuts it short
+        group_store = make_group_store(
+            store, rank, size, group_id,
+            key=key("r", round_number, "outer_store", group.local_rank),
+            timeout_s=max(1, int(timeout_s)), listen_first=True)
+        if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
+            pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
+                                              collective._get_global_env().pg_timeout, 0,
+                                              None)
+        else:
+            pg = core.ProcessGroupGloo.create(group_store, rank, size, group_id)
     return pg, socket_fds() - before
 
 

@@ -192,7 +192,7 @@ class Replica:
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
             if error is not None:  # before the vote: peers may be blocked on us
-                announce_failure(self.store)
+                announce_failure(self.store, self.round.number)
                 self.outer.abandon()
             failed, join_wanted = self._replica_votes(error is not None, join_wanted)
             logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
@@ -277,7 +277,7 @@ class Replica:
                     continue
             self.store.add(base + "/round_read", 1)
         self._next_round, self.round = record.number + 1, record
-        self._watcher.armed = (record.number, record.failures)
+        self._watcher.armed = record.number
         self._watcher.peers = [(r, self.rank) for r in record.replicas if r != self.replica_id]
         return record
 

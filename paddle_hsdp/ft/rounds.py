@@ -51,7 +51,7 @@ class Round:
     number: int
     members: dict[int, Arrival]  # replica -> its arrival
     rebuild: bool  # new outer groups (membership changed or an attempt failed)
-    failures: int = 0  # failures announced when it closed (older ones are its past)
+    failures: int = 0  # failures the job had announced when it closed (for the log)
     # pieces of the optimizer state (HFSDP in a fault-tolerant job, ft/pieces.py), 1
     # without: replica r holds piece r % pieces
     pieces: int = 1

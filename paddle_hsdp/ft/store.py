@@ -264,11 +264,14 @@ class Watcher:
     * bumps ``hb/<replica>/<rank>``: this rank lives and is not stopped;
     * watches the ranks this rank shares an outer group with (``peers``, set each
       round): one whose heartbeat stopped for ``timeout_s`` hangs or died; it is
-      announced as a failure (``failures`` counter) like a failed collective, and
-      its replica marked dead in the round (``r/<round>/dead/<replica>``);
-    * calls ``on_failure(round)`` once a failure is announced after the round's own
-      count (``armed``): the round's outer group is shut down, so a collective
-      this rank is blocked in fails now instead of after gloo's 30 s;
+      announced as a failure of the round like a failed collective
+      (:func:`announce_failure`), and its replica marked dead in the round
+      (``r/<round>/dead/<replica>``);
+    * calls ``on_failure(round)`` once a failure of the round it watches (``armed``)
+      is announced: the round's outer group is shut down (or its creation cut short),
+      so a collective this rank is blocked in fails now instead of after gloo's 30 s.
+      Failures are counted per round, so a replica left out of this round that fails
+      its own attempt does not stop this one;
     * on the leader, tells whether a replica group waits to join (``joiners_waiting``:
       one has arrived at the round after this one; members arrive there only when
       they form it).
@@ -282,11 +285,9 @@ class Watcher:
         self._leader, self._on_failure = leader, on_failure
         self.liveness = Liveness(self._store, liveness_timeout_s)
         self.peers: list[tuple[int, int]] = []  # (replica, rank) to watch
-        # (the round the peers are members of, the failures announced by its start),
-        # set together by the main thread at each round (one assignment: the thread
-        # never sees one round's number with another's count); None before the first
-        self.armed: tuple[int, int] | None = None
-        self._restarted_at: tuple[int, int] | None = None  # (round, failures) see _tick
+        # the round the peers are members of, set by the main thread at each round;
+        # None before the first and while a round forms
+        self.armed: int | None = None
         self.joiners_waiting = False
         self._stop = threading.Event()
         self._store.add(self._key, 1)
@@ -307,21 +308,16 @@ class Watcher:
     def _tick(self) -> None:
         store = self._store
         store.add(self._key, 1)
-        armed = self.armed
-        if armed is None:  # no round yet: nothing to watch
+        round_number = self.armed
+        if round_number is None:  # no round: nothing to watch
             return
-        peers, (round_number, baseline) = list(self.peers), armed
+        peers = list(self.peers)
         if store.generation != self._generation:  # a restarted coordinator: empty
             self._generation = store.generation
             # joiners arrive at the round after this one (rounds.next_open); only the
             # members of a formed round write it (armed), so they all write one number
             store.set(key("round_floor"), str(round_number + 1))
             store.add(key("round_floor_set"), 1)
-            # the round's count came from the old store, or from this one if the round
-            # was formed here: the lower is the one to compare with
-            self._restarted_at = (round_number, min(baseline, count(store, key("failures"))))
-        if self._restarted_at is not None and self._restarted_at[0] == round_number:
-            baseline = self._restarted_at[1]  # the old count means nothing here
         hung = [replica for replica, rank in peers if self.liveness.rank_dead(replica, rank)]
         if hung:  # the next round need not wait for their heartbeats again
             logger.warning("paddle_hsdp.ft: no heartbeat from rank %s for %g s: a failure",
@@ -329,9 +325,9 @@ class Watcher:
                             if replica in hung], self.liveness.timeout_s)
             for replica in hung:
                 store.add(key("r", round_number, "dead", replica), 1)
-            store.add(key("failures"), 1)
+            announce_failure(store, round_number)
             self.peers = []  # announced once
-        if count(store, key("failures")) > baseline:
+        if count(store, failure_key(round_number)):
             self._on_failure(round_number)  # acts on that round's group only
         if self._leader:  # only joiners arrive at the next round before it is formed
             self.joiners_waiting = count(store, key("r", round_number + 1, "slots")) > 0
@@ -341,8 +337,15 @@ class Watcher:
         self._thread.join(timeout=5)
 
 
-def announce_failure(store) -> None:
-    """Tell every rank of the job that the current attempt failed."""
+def failure_key(round_number: int) -> str:
+    """The count of failures announced in round ``round_number``."""
+    return key("r", round_number, "failures")
+
+
+def announce_failure(store, round_number: int) -> None:
+    """Tell every rank of round ``round_number`` that its attempt failed (and count it
+    for the job: the next round's record keeps the total)."""
+    store.add(failure_key(round_number), 1)
     store.add(key("failures"), 1)
 
 

@@ -30,7 +30,7 @@ import paddle
 from ..comm import collectives as comm
 from ..engine.registry import registry
 from .rounds import FaultToleranceError
-from .store import count, key
+from .store import count, failure_key, key
 
 
 def _model_tensors(model) -> list[tuple[str, paddle.Tensor]]:
@@ -154,7 +154,7 @@ def _exchange_meta(store, record, where: tuple, sending: bool, build) -> dict:
         return meta
 
     def abort():
-        if count(store, key("failures")) > record.failures:
+        if count(store, failure_key(record.number)):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced while "
                                       f"{meta_key} was awaited")
     return pickle.loads(store.get(meta_key, abort=abort))
