@@ -209,13 +209,20 @@ def test_a_close_cut_by_a_restart_writes_nothing_to_the_new_store():
     assert result[0].replicas == [0] and store.generation == 1  # formed again, there
 
 
-def test_a_store_client_outlives_a_restart_of_the_coordinator():
-    from paddle_hsdp.ft.store import CoordinatorRestarted, connect, serve
+def serve_and_connect():
+    """A coordinator's store on a free local port and a client of it: ``(port, server,
+    client)``; ``del server`` stops it, ``serve("127.0.0.1", port)`` restarts it."""
+    from paddle_hsdp.ft.store import connect, serve
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = serve("127.0.0.1", port)
-    client = connect(f"127.0.0.1:{port}", 10)
+    return port, server, connect(f"127.0.0.1:{port}", 10)
+
+
+def test_a_store_client_outlives_a_restart_of_the_coordinator():
+    from paddle_hsdp.ft.store import CoordinatorRestarted, serve
+    port, server, client = serve_and_connect()
     assert client.add("k", 3) == 3 and client.generation == 0
     del server
     server = serve("127.0.0.1", port)
@@ -229,15 +236,11 @@ def test_a_store_client_outlives_a_restart_of_the_coordinator():
 
 
 def test_a_read_of_a_value_never_written_is_bounded_and_a_restart_ends_it():
-    from paddle_hsdp.ft.store import CoordinatorRestarted, connect, serve
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = serve("127.0.0.1", port)
-    client = connect(f"127.0.0.1:{port}", 10)
+    from paddle_hsdp.ft.store import CoordinatorRestarted, serve
+    port, server, client = serve_and_connect()
     client.set("a", "1")
     assert client.get("a") == b"1"
-    with pytest.raises(TimeoutError, match="b was not written within 0.2 s"):
+    with pytest.raises(TimeoutError, match="waited 0.2 s for b to be written"):
         client.get("b", timeout_s=0.2)  # Paddle's own get would block for good
 
     def give_up():

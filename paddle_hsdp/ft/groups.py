@@ -46,6 +46,9 @@ class LiveOuterGroup(Group):
     # A hung peer fails the attempt (the watcher shuts the group down): the watchdog,
     # which would end this rank, stays out of it.
     watchdog_exempt = True
+    # HFSDP with redundancy: who holds which piece of the optimizer state (a
+    # ft.pieces.PiecePlan, set by ft.init), read by the engine's buffers
+    pieces = None
 
     def __init__(self, replica: int, local_rank: int, inner: int):
         self.replica, self.local_rank, self.inner_size = replica, local_rank, inner

@@ -169,9 +169,8 @@ class Replica:
             if self._need_round:
                 self.round = self._arrive()
                 receiving = self.replica_id in self.round.receivers
-                pieces = getattr(self.outer, "pieces", None)
-                if pieces is not None:  # a lost piece ends the job on every rank alike
-                    pieces.arrange(self.round)
+                if self.outer.pieces is not None:  # a lost piece ends the job on every
+                    self.outer.pieces.arrange(self.round)  # rank alike
                 self._timing["round_s"] = time.perf_counter() - started
                 error = self._set_up_round(self.round, receiving)
                 logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
@@ -323,7 +322,7 @@ class Replica:
                                               self.optimizer, self._plain_state())
                 if receiving:
                     self._load_plain_state(extra)
-            if getattr(self.outer, "pieces", None) is not None:
+            if self.outer.pieces is not None:
                 # every member rebuilds every piece from its round's holders before the
                 # next forward, whatever its last rebuild did (it may have failed half-way
                 # on one rank and not another; a receiver holds the donor's pieces)
@@ -359,7 +358,7 @@ class Replica:
         if "round_s" in self._timing:
             entry.update(rebuild=record.rebuild, receivers=record.receivers,
                          donor=record.donor)
-            pieces = getattr(self.outer, "pieces", None)
+            pieces = self.outer.pieces
             if pieces is not None:
                 entry["piece_donors"] = {q: pieces.donor(q) for q in range(pieces.parts)}
         if error is not None:

@@ -119,21 +119,17 @@ class CoordinatorStore:
         client's: TimeoutError); ``abort()`` is called while it waits (it raises to
         stop waiting)."""
         generation = self.generation
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        pause = 0.002
-        while not self._call("add", True, _written(name), 0):
+
+        def still_this_store():
             if self.generation != generation:
-                break
+                raise CoordinatorRestarted(f"paddle_hsdp.ft: the coordinator restarted "
+                                           f"while {name} was awaited")
             if abort is not None:
                 abort()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"paddle_hsdp.ft: {name} was not written within "
-                                   f"{timeout_s or self.timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-        if self.generation != generation:
-            raise CoordinatorRestarted(f"paddle_hsdp.ft: the coordinator restarted while "
-                                       f"{name} was awaited")
+
+        wait_count(self, _written(name), 1, timeout_s or self.timeout_s,
+                   f"{name} to be written", abort=still_this_store)
+        still_this_store()
         return self._call("get", False, name)  # written: it returns at once
 
     def add(self, name: str, amount: int, retry: bool = True) -> int:
@@ -372,15 +368,18 @@ class Liveness:
 
 
 def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
-               poll_s: float = 0.002, retry: bool = True) -> int:
+               poll_s: float = 0.002, retry: bool = True, abort=None) -> int:
     """Poll the counter ``name`` until it reaches ``at_least`` (every ``poll_s`` at
     first, backing off to 50 ms); a clear error after ``timeout_s`` naming ``what``
-    was awaited. ``retry``: as :func:`count`."""
+    was awaited. ``retry``: as :func:`count`; ``abort()`` is called between polls (it
+    raises to stop waiting)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = count(store, name, retry)
         if value >= at_least:
             return value
+        if abort is not None:
+            abort()
         if time.monotonic() > deadline:
             raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s:g} s for {what}")
         time.sleep(poll_s)

@@ -113,7 +113,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | 
         move(tensor if replica == donor or receiving
              else paddle.zeros(tensor.shape, tensor.dtype), donor)
     received = None
-    plan = getattr(group, "pieces", None)
+    plan = group.pieces
     for q, piece_donor, takers in _optimizer_phases(record, plan):
         sending, taking = replica == piece_donor, replica in takers
         opt_tensors, opt_rest = _flatten(optimizer.state_dict()) if sending else (None, None)
