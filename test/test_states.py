@@ -13,11 +13,15 @@ from paddle_hsdp.engine.states import GradState, ParamState, RebuildState
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
 
 
-def _trained_one_backward():
+def _trained_one_backward(last: bool = False):
+    """A model after one backward: a micro-step (``set_is_last_backward(False)``: the
+    outer sync is left to the step) unless ``last``."""
     paddle.seed(3)
     model = _shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
+    model.set_is_last_backward(last)
     models.lm_loss(model, _ids(), True).backward()
+    model.set_is_last_backward(True)
     return model, opt
 
 
@@ -53,6 +57,20 @@ def test_a_step_walks_the_states_in_order(fake_mesh):
     opt.clear_grad()
     assert {b.grad_state for b in _trainable(units)} == {GradState.EMPTY}
     assert not any(u.grads_pending_outer_sync or u.grads_synced for u in units)
+
+
+def test_grads_are_final_when_the_first_steps_backward_returns(fake_mesh):
+    """No step has run, so nothing predicts the step's last backward: each backward
+    ends with the outer sync (grads final for an optimizer that reads them itself); a
+    micro-step declared not last (``set_is_last_backward(False)``) leaves it owed."""
+    model, opt = _trained_one_backward(last=True)
+    units = hsdp_registry.units
+    assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
+    models.lm_loss(model, _ids(seed=8), True).backward()  # a second micro-step
+    assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
+    opt.step()
+    opt.clear_grad()
+    assert {b.grad_state for b in _trainable(units)} == {GradState.EMPTY}
 
 
 def test_prefetch_is_its_own_state(fake_mesh):

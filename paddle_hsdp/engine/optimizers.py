@@ -192,3 +192,59 @@ def _ensure_accumulators(optimizer) -> None:
                         for p in params)
         with offload.on_host() if offloaded else contextlib.nullcontext():
             optimizer._create_accumulators(block, params)
+
+
+def needs_whole_matrices(optimizer) -> bool:
+    """Whether ``optimizer``'s update of a matrix reads the whole matrix (Muon's
+    Newton-Schulz orthogonalisation): declared by a class attribute
+    ``needs_whole_matrices = True``, else assumed for every class named ``*Muon*``."""
+    declared = getattr(type(optimizer), "needs_whole_matrices", None)
+    if declared is not None:
+        return bool(declared)
+    return any("muon" in klass.__name__.lower() for klass in type(optimizer).__mro__)
+
+
+def refuse_row_sharded_matrices(optimizer, shards) -> None:
+    """Refuse a whole-matrix optimizer over shards that cut a matrix across ranks (the
+    default row shards, or HFSDP's outer pieces): it would orthogonalise each rank's
+    rows on their own. Decided by the layout alone, so every rank refuses alike,
+    before the update."""
+    if not needs_whole_matrices(optimizer):
+        return
+    for p in shards:
+        sp = p._hsdp_sharded_param
+        if sp.trainable and len(sp.shape) >= 2 and sp.inner_size * sp.parts > 1:
+            raise NotImplementedError(
+                f"{type(optimizer).__name__} updates each matrix as a whole, and the "
+                f"parameter '{sp.fqn}' {sp.shape} is cut into rows across "
+                f"{sp.inner_size * sp.parts} ranks, so each rank would update its rows "
+                "on their own. Keep its matrices whole: fully_shard(module, "
+                "shard_placement_fn=lambda p: paddle.distributed.Replicate() if "
+                "len(p.shape) >= 2 else None). Nothing was updated.")
+
+
+def refuse_state_of_other_shape(optimizer, state_dict) -> None:
+    """Refuse, in ``set_state_dict``, optimizer state whose tensors do not have the
+    shape of this rank's shards (a full, unsharded state dict would be kept full-size
+    and fail in the first step's kernel): naming the parameter and the way to load
+    full state. Scalars (beta powers, steps) are shape-free. A full-size tensor for a
+    split parameter is refused on every rank alike (the layout decides)."""
+    masters = state_dict.get("master_weights") or {}
+    for p in _sharded_params_of(unwrap_optimizer(optimizer)):
+        sp = p._hsdp_sharded_param
+        found = [(key, value) for key, value in state_dict.items()
+                 if key.startswith(p.name + "_") and hasattr(value, "shape")]
+        if p.name in masters:
+            found.append(("master_weights", masters[p.name]))
+        for key, value in found:
+            shape = list(value.shape)
+            if math.prod(shape) == 1 or shape == list(p.shape):
+                continue
+            what = "the full parameter's" if shape == sp.shape else "another"
+            raise ValueError(
+                f"set_state_dict: the optimizer state '{key}' of parameter '{sp.fqn}' has "
+                f"shape {shape} ({what} shape), but this rank's shard of it is "
+                f"{list(p.shape)}: on HSDP shards the optimizer takes its own rows only. "
+                "Load state saved by paddle_hsdp.save_checkpoint with "
+                "paddle_hsdp.load_checkpoint(path, model, optimizer), which cuts it for "
+                "any layout. Nothing was loaded.")

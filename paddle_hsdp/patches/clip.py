@@ -36,12 +36,16 @@ import sys
 
 import paddle
 import paddle.nn.utils as utils
+from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.hybrid_parallel_optimizer import (  # noqa: E501
+    HybridParallelClipGrad,
+)
 from paddle.nn import ClipGradByGlobalNorm
 
 from ..comm import collectives as comm
 from ..comm import watchdog
 from ..engine import offload
-from ..engine.optimizers import _managed_shards, _units_of, unwrap_optimizer
+from ..engine.optimizers import (_managed_shards, _sharded_params_of, _units_of,
+                                 unwrap_optimizer)
 from ..engine.registry import managed_param
 from ..engine.reductions import sync_grads
 from ..hints import expect_optimizer
@@ -203,19 +207,37 @@ def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
 
 
 def make_clip_hsdp_aware(optimizer, params) -> None:
-    """Swap every plain ``ClipGradByGlobalNorm`` the optimizer uses (its own and each
-    parameter group's) for the HSDP one with the same settings; refuse clips that cannot
-    be right on shards, before any update happens."""
+    """The one place that decides which clip a step over HSDP shards uses: every clip
+    the optimizer and the optimizers it wraps keep (``_grad_clip`` of
+    ``HybridParallelOptimizer``, ``MixPrecisionOptimizer`` and the optimizer under them,
+    and each parameter group's ``grad_clip``) becomes the HSDP clip with the same
+    settings; clips that cannot be right on shards are refused, before any update."""
     mesh = params[0]._hsdp_sharded_param.mesh
-    optimizer._grad_clip = _hsdp_aware(optimizer._grad_clip, mesh)
-    for group in getattr(optimizer, "_param_groups", None) or []:
-        if isinstance(group, dict) and "grad_clip" in group:
-            group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh)
+    level = optimizer
+    while level is not None:
+        own = vars(level)
+        if "_grad_clip" in own:
+            level._grad_clip = _hsdp_aware(own["_grad_clip"], mesh)
+        for group in own.get("_param_groups") or []:
+            if isinstance(group, dict) and "grad_clip" in group:
+                group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh)
+        level = own.get("_inner_opt")
+
+
+def hsdp_aware_for(clip, optimizer):
+    """``clip`` as :func:`make_clip_hsdp_aware` decides it for ``optimizer``'s shards
+    (a parameter group's clip that ``Optimizer.step`` copied before the swap)."""
+    shards = _sharded_params_of(optimizer)
+    return _hsdp_aware(clip, shards[0]._hsdp_sharded_param.mesh) if shards else clip
 
 
 def _hsdp_aware(clip, mesh):
     if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
         return clip
+    if isinstance(clip, HybridParallelClipGrad):
+        # fleet's clip over the mp / pp / sharding groups: the HSDP clip counts the
+        # same marks over the whole job, in every dtype (Paddle's skips float64)
+        return _hsdp_aware(clip._clip, mesh)
     if type(clip) is ClipGradByGlobalNorm:
         return hsdp_clip_for(clip, mesh)
     if isinstance(clip, ClipGradByGlobalNorm):

@@ -1,18 +1,23 @@
-"""The step boundary: what the optimizer sees and when the outer all-reduce runs.
+"""The step boundary: what runs around every optimizer's update.
 
-Paddle 3.3's optimizers have no step hooks. Every optimizer's ``step`` (and
-``minimize``) goes through ``Optimizer._apply_optimize`` before clipping and updating,
-so :func:`install` wraps that method: the first call of a step finishes the deferred
-gradient sync of every unit whose shard params the optimizer holds, i.e. **one outer
-all-reduce per buffer per optimizer step**, however many backward passes accumulated
-into the shards. Grads are updated in place, so the grad list ``step`` collected just
-before stays valid. With outer sub-shards (``fsdp_outer_sharding="optim"``) that is one
-outer reduce-scatter per buffer, and after the update one outer all-gather per buffer
-rebuilds the shards (owed here, issued at the next root forward so that edits of the
-parameters made in between travel with it, and waited for by the unit's first
-all-gather).
-Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync` yourself to read synced
-grads before ``step`` (for logging or custom clipping).
+Grads are final when the backward that ends a step returns (engine/outer_sync.py): the
+outer all-reduce (with outer sub-shards the reduce-scatter) and the 1/N scale ran
+there. What a step still needs runs in :class:`_StepBoundary`, around the update of
+**every** optimizer, however it steps: Paddle 3.3's optimizers have no step hooks, so
+:func:`install` wraps ``Optimizer._apply_optimize`` (where Paddle's own optimizers and
+``MixPrecisionOptimizer`` update) and, the first time an optimizer of a class is built,
+that class's own ``step`` / ``minimize`` (an optimizer that overrides ``step`` without
+calling ``_apply_optimize``, as Paddle's Muon and hand-written ones do). Before the
+update: refusals (optimizers that cannot be right on shards), the sync of grads whose
+backward did not finish it (a step with fewer micro-steps than predicted, deferred or
+offloaded grads; one outer collective per buffer per step either way) and the HSDP clip
+in every place Paddle keeps one (:func:`paddle_hsdp.patches.clip.make_clip_hsdp_aware`).
+After it: with outer sub-shards (``fsdp_outer_sharding="optim"``) one outer all-gather
+per buffer rebuilds the shards (owed here, issued at the next root forward so that edits
+of the parameters made in between travel with it, and waited for by the unit's first
+all-gather); params kept gathered are resharded; the next step's backward count is
+learnt. Call :func:`~paddle_hsdp.engine.optimizers.finish_grad_sync` yourself to read
+synced grads between micro-steps.
 
 ``fleet.distributed_optimizer(opt)`` works too: Paddle wraps optimizers in its own
 ZeRO-1 ``DygraphShardingOptimizer`` when ``sharding_degree > 1``; for HSDP-managed
@@ -24,6 +29,7 @@ float16, bfloat16 and float32 grads only, so float64 ones went unclipped).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import paddle
@@ -37,6 +43,7 @@ from ..comm import gather_tags
 from ..engine import offload, outer_sync, trace
 from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes,
+                                 refuse_row_sharded_matrices, refuse_state_of_other_shape,
                                  untouched_shards)
 from ..engine.registry import registry
 from . import clip
@@ -45,23 +52,37 @@ from .patching import replace
 _installed = False
 
 
-def _patch_apply_optimize() -> None:
-    original = paddle.optimizer.Optimizer._apply_optimize
+class _StepBoundary:
+    """What every optimizer step runs around its update, once however the step is
+    nested: ``HybridParallelOptimizer.step`` -> ``MixPrecisionOptimizer.step`` ->
+    ``AdamW._apply_optimize``, or an optimizer's own ``step`` that never reaches
+    ``_apply_optimize`` (Paddle's Muon, hand-written ones). The outermost entry runs it;
+    the inner ones only run the update."""
 
-    @functools.wraps(original)
-    def _apply_optimize(self, loss, startup_program, params_grads, *args, **kwargs):
-        params = check_optimizer(self)
+    def __init__(self) -> None:
+        self.open: object | None = None  # the optimizer whose step is running
+
+    @contextlib.contextmanager
+    def around(self, optimizer):
+        if self.open is not None:
+            yield
+            return
+        params = check_optimizer(optimizer)
         gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
         units = _units_of(params)
         if params:
-            finish_grad_sync(params)
-            params_grads = _pairs_to_update(params_grads)
-            clip.make_clip_hsdp_aware(self, params)
+            refuse_row_sharded_matrices(optimizer, params)
+            finish_grad_sync(params)  # a no-op where backward finished it
+            clip.make_clip_hsdp_aware(optimizer, params)
             for unit in units:  # the update writes what an outer all-gather may still read
                 unit.finish_rebuild()
-        # offloaded shards: every grad copied back, then the update runs on the host
-        with offload.host_step(b for u in units for b in u.buffers if b.trainable):
-            result = original(self, loss, startup_program, params_grads, *args, **kwargs)
+        self.open = optimizer
+        try:
+            # offloaded shards: every grad copied back, then the update runs on the host
+            with offload.host_step(b for u in units for b in u.buffers if b.trainable):
+                yield
+        finally:
+            self.open = None
         registry.storage_may_have_changed()  # an optimizer may rebind what it updates
         for unit in units:
             unit.owe_rebuild()  # outer sub-shards: every replica needs every piece
@@ -69,15 +90,66 @@ def _patch_apply_optimize() -> None:
             unit.reshard(force=True)  # params kept gathered are stale after the update
         outer_sync.step_taken(units)  # how many backwards a step has: the next predicted
         if trace.recording_memory():
-            trace.note_optimizer_bytes(optimizer_state_bytes(self))
+            trace.note_optimizer_bytes(optimizer_state_bytes(optimizer))
         trace.record("step", "done", -1)
-        return result
-
-    replace(paddle.optimizer.Optimizer, "_apply_optimize", _apply_optimize,
-            "the step boundary: finish the deferred grad sync once per optimizer step")
 
 
-def _pairs_to_update(params_grads):
+_boundary = _StepBoundary()
+
+
+_STEPPING = ("step", "minimize", "_apply_optimize")
+
+
+def _with_boundary(original, name: str):
+    """``original`` (a class's own ``step``, ``minimize`` or ``_apply_optimize``) run
+    inside the step boundary; ``_apply_optimize`` also gets the pairs to update as
+    they are after the sync (:func:`_pairs_to_update`)."""
+
+    def stepping(self, *args, **kwargs):
+        with _boundary.around(self):
+            if name == "_apply_optimize" and _sharded_params_of(self):
+                if "params_grads" in kwargs:  # (loss, startup_program, params_grads, ...)
+                    kwargs["params_grads"] = _pairs_to_update(kwargs["params_grads"], self)
+                elif len(args) >= 3:
+                    args = (*args[:2], _pairs_to_update(args[2], self), *args[3:])
+            return original(self, *args, **kwargs)
+
+    wrapped = functools.wraps(original)(stepping)
+    wrapped._hsdp_step_boundary = True
+    return wrapped
+
+
+def _wrap_steps_of(cls) -> None:
+    """Give every class in ``cls``'s MRO that defines its own ``step``, ``minimize`` or
+    ``_apply_optimize`` the step boundary (once per class): an optimizer that overrides
+    ``step`` without calling Paddle's ``_apply_optimize`` still steps on synced grads
+    with the HSDP clip, and its update is followed by what the engine owes after one
+    (HFSDP's rebuild, resharding params kept gathered, the next step's prediction)."""
+    for klass in cls.__mro__:
+        for name in _STEPPING:
+            original = klass.__dict__.get(name)
+            if original is None or getattr(original, "_hsdp_step_boundary", False):
+                continue
+            replace(klass, name, _with_boundary(original, name),
+                    "the step boundary around every optimizer's own step, whether or not "
+                    "it goes through Paddle's _apply_optimize")
+
+
+def _patch_optimizer_init() -> None:
+    """Every optimizer class gets the boundary around its own ``step`` the first time
+    one is built (classes defined after ``import paddle_hsdp`` included)."""
+    original = paddle.optimizer.Optimizer.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _wrap_steps_of(type(self))
+
+    replace(paddle.optimizer.Optimizer, "__init__", __init__,
+            "wrap each optimizer class's own step in the step boundary")
+
+
+def _pairs_to_update(params_grads, optimizer):
     """``params_grads`` (``step``'s list of pairs, or a param group's dict with one)
     without the shards whose parameter got no grad on any rank (``untouched_shards``),
     as plain Paddle leaves a parameter whose grad is None out of the update; and with
@@ -89,6 +161,9 @@ def _pairs_to_update(params_grads):
     kept = [(p, _synced_grad(p, g)) for p, g in pairs if id(p) not in untouched]
     if isinstance(params_grads, dict):  # step's own dict (a defaultdict): kept as it is
         params_grads["params"] = kept
+        # a group's clip, copied into the dict by ``step`` before the boundary ran
+        params_grads["grad_clip"] = clip.hsdp_aware_for(params_grads.get("grad_clip"),
+                                                        optimizer)
         return params_grads
     return kept
 
@@ -99,22 +174,6 @@ def _synced_grad(param, grad):
     if not hasattr(param, "_hsdp_sharded_param") or grad is getattr(param, "main_grad", None):
         return grad
     return param.grad if param.grad is not None else grad
-
-
-def _patch_optimizers_that_bypass_apply_optimize() -> None:
-    """LBFGS steps without ``_apply_optimize``: check it at its own entry points."""
-    for cls in _not_elementwise_classes():
-        for name in ("step", "minimize"):
-            original = cls.__dict__.get(name)
-            if original is None:
-                continue
-
-            def checked(self, *args, __original=original, **kwargs):
-                check_optimizer(self)
-                return __original(self, *args, **kwargs)
-
-            replace(cls, name, functools.wraps(original)(checked),
-                    "refuse optimizers that are not element-wise on HSDP shards")
 
 
 def _patch_hybrid_parallel_optimizer() -> None:
@@ -130,14 +189,9 @@ def _patch_hybrid_parallel_optimizer() -> None:
         self._sharding_enable = False  # grads are already reduced by the HSDP units
         # Paddle's HybridParallelClipGrad sums float16, bfloat16 and float32 grads only
         # (float64 ones would go unclipped, silently): the HSDP clip, which counts the
-        # same marks over the whole job in every dtype, takes its place
-        inner, mesh = self._inner_opt, _sharded_params_of(optimizer)[0]._hsdp_sharded_param.mesh
-        if isinstance(inner._grad_clip, hpo_mod.HybridParallelClipGrad):
-            inner._grad_clip = clip.hsdp_clip_for(inner._grad_clip._clip, mesh)
-        for group in getattr(inner, "_param_groups", None) or []:
-            if isinstance(group, dict) and isinstance(group.get("grad_clip"),
-                                                      hpo_mod.HybridParallelClipGrad):
-                group["grad_clip"] = clip.hsdp_clip_for(group["grad_clip"]._clip, mesh)
+        # same marks over the whole job in every dtype, takes its place wherever
+        # Paddle put it (under a MixPrecisionOptimizer too)
+        clip.make_clip_hsdp_aware(self, _sharded_params_of(optimizer))
 
     replace(cls, "__init__", __init__,
             "no DygraphShardingOptimizer over HSDP shards (they are sharded and reduced already)")
@@ -174,18 +228,41 @@ class _WithoutPaddleSharding:
 
 def _patch_clear_grad() -> None:
     """``clear_grad`` also drops full-size grads a deferred reduce-scatter still holds
-    (ZeRO-1, ``set_requires_gradient_sync(False)``): a skipped batch is skipped."""
+    (ZeRO-1, ``set_requires_gradient_sync(False)``): a skipped batch is skipped; and it
+    clears the shards' ``main_grad`` (Paddle's master-grad wrapper fills it) as Paddle's
+    own ZeRO optimizer does: zeroed, or released with ``set_to_zero=False``."""
     original = paddle.optimizer.Optimizer.clear_grad
 
     @functools.wraps(original)
-    def clear_grad(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        for unit in _units_of(_sharded_params_of(self)):
+    def clear_grad(self, set_to_zero=True):
+        result = original(self, set_to_zero)
+        shards = _sharded_params_of(self)
+        for p in shards:
+            if getattr(p, "main_grad", None) is not None:
+                if set_to_zero:
+                    p.main_grad.zero_()
+                else:
+                    p.main_grad._clear()
+                    p.main_grad = None
+        for unit in _units_of(shards):
             unit.drop_pending_grads()
         return result
 
     replace(paddle.optimizer.Optimizer, "clear_grad", clear_grad,
-            "also drop full-size grads a deferred reduce-scatter still holds")
+            "also drop full-size grads a deferred reduce-scatter still holds, and clear "
+            "the shards' main_grad")
+
+
+def _patch_set_state_dict() -> None:
+    original = paddle.optimizer.Optimizer.set_state_dict
+
+    @functools.wraps(original)
+    def set_state_dict(self, state_dict, *args, **kwargs):
+        refuse_state_of_other_shape(self, state_dict)
+        return original(self, state_dict, *args, **kwargs)
+
+    replace(paddle.optimizer.Optimizer, "set_state_dict", set_state_dict,
+            "refuse optimizer state whose tensors are not this rank's shard's shape")
 
 
 def _patch_grad_scaler() -> None:
@@ -217,9 +294,12 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    _patch_apply_optimize()
-    _patch_optimizers_that_bypass_apply_optimize()
+    _wrap_steps_of(paddle.optimizer.Optimizer)
+    _patch_optimizer_init()
+    for cls in _not_elementwise_classes():  # refused at their step (built before import)
+        _wrap_steps_of(cls)
     _patch_clear_grad()
+    _patch_set_state_dict()
     _patch_grad_scaler()
     _patch_hybrid_parallel_optimizer()
     _installed = True
