@@ -215,3 +215,23 @@ def test_main_grads_travel_in_float32_unless_the_policy_names_a_reduce_dtype(
     shards = [p for p in model.parameters() if not p.stop_gradient]
     assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
 
+
+
+@pytest.mark.parametrize("set_to_zero", [True, False])
+def test_a_plain_optimizers_clear_grad_clears_the_shards_main_grad(fake_mesh, set_to_zero):
+    """MixPrecisionLayer with a plain optimizer (it steps on main_grad): its clear_grad
+    zeroes the shards' main_grad, or releases it with set_to_zero=False, as Paddle's
+    own ZeRO optimizer does (issue 47: it was left as it was)."""
+    model = _shard_tinylm(models.build_model())
+    net = MixPrecisionLayer(model, dtype="bfloat16")
+    opt = paddle.optimizer.AdamW(0.1, parameters=model.parameters())
+    models.lm_loss(net, _ids(), True).backward()
+    opt.step()
+    opt.clear_grad(set_to_zero=set_to_zero)
+    shards = [p for p in model.parameters() if not p.stop_gradient]
+    if set_to_zero:
+        assert all(not np.any(p.main_grad.numpy()) for p in shards)
+    else:
+        assert all(p.main_grad is None for p in shards)
+    models.lm_loss(net, _ids(seed=8), True).backward()  # the engine fills them again
+    assert all(p.main_grad is not None for p in shards)

@@ -35,7 +35,7 @@ SHARED_2X2_WORKERS = [
     ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[[0], [1], [2], [3]],
                                          dim_names=["outer", "inner"], variants=ON_MESH))],
     ["worker_fingerprint.py"], ["worker_one_rank_call.py"], ["worker_master_grad.py"],
-    ["worker_user_code.py"]]
+    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)]]
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +106,8 @@ def hsdp_2x4_log(launch_8_log):
 
 # The 2-rank launch: tensor parallelism without sharding (mp2 x sharding1,
 # test_degenerate_layouts.py), then the 1 x 2 resume of the checkpoint the shared 2 x 2
-# launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each.
+# launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each, and
+# Paddle's optimizer patterns at 1 x 2 on the latter (test_optimizer_patterns.py).
 MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
            "fleet_opt": [False, True]}
 
@@ -114,7 +115,8 @@ MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
 @pytest.fixture(scope="session")
 def launch_2_log(hsdp_2x2_log, shared_2x2_work):
     jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)],
-            ["worker_checkpoint_2ranks.py", shared_2x2_work]]
+            ["worker_checkpoint_2ranks.py", shared_2x2_work],
+            ["worker_optimizer_patterns.py", json.dumps({"sharding_degree": 2, "outer": 1})]]
     return launch(2, "run_many.py", json.dumps(jobs), timeout=900)
 
 
