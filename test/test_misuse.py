@@ -131,7 +131,6 @@ def test_mark_expert_params_after_fully_shard_raises(fake_mesh):
 def test_finish_grad_sync_takes_a_model_an_optimizer_or_params(fake_mesh):
     model = paddle_hsdp.fully_shard(_two_linears())
     opt = paddle.optimizer.SGD(parameters=model.parameters())
-    model.set_is_last_backward(False)  # a micro-step: its backward leaves the sync owed
     model(paddle.ones([2, 4])).sum().backward()
     unit = model._hsdp_unit
     assert unit.grads_pending_outer_sync

@@ -427,17 +427,9 @@ def assert_same_collectives(traces: dict[int, RankTrace]) -> None:
                     f"rank {peer} uses {traces[peer].calls[i].ranks}")
 
 
-def _outer_syncs_expected(step_number: int) -> int:
-    """Outer all-reduces of a trainable buffer in a step: one, except in the first step,
-    where nothing predicts which backward is last, so each ends with one (grads final
-    when backward returns, engine/outer_sync.py)."""
-    return MICRO_STEPS if step_number == 1 else 1
-
-
 def test_outer_all_reduce_once_per_buffer_per_step_reduce_scatter_per_micro_step(traces):
-    """Per optimizer step after the first: one outer all-reduce per trainable buffer (4
-    dense in the dense outer group, 1 expert in the expert one), ``MICRO_STEPS``
-    reduce-scatters per
+    """Per optimizer step: one outer all-reduce per trainable buffer (4 dense in the dense
+    outer group, 1 expert in the expert one), ``MICRO_STEPS`` reduce-scatters per
     trainable buffer in the matching inner groups, and no broadcast (fully_shard made
     one per buffer, frozen included) but the first backward's end, where every rank
     adopts the first FSDP rank's outer-sync order (one broadcast over the FSDP group)."""
@@ -446,14 +438,13 @@ def test_outer_all_reduce_once_per_buffer_per_step_reduce_scatter_per_micro_step
         n_dense = trace.trainable_buffers - trace.expert_buffers
         assert [c.op for c in trace.setup] == ["broadcast"] * (
             trace.trainable_buffers + trace.frozen_buffers)
-        for number, step in enumerate(trace.steps, start=1):
-            syncs = _outer_syncs_expected(number)
+        for step in trace.steps:
             outer = [c.ranks for c in step if c.op == "all_reduce" and c.tag is None]
             scatters = [c.ranks for c in step if c.op == "reduce_scatter"]
-            assert len(outer) == syncs * trace.trainable_buffers, (rank, outer)
+            assert len(outer) == trace.trainable_buffers, (rank, outer)
             assert len(scatters) == MICRO_STEPS * trace.trainable_buffers, (rank, scatters)
-            assert Counter(outer) == _tally([(mesh.outer(False), syncs * n_dense),
-                                             (mesh.outer(True), syncs)]), rank
+            assert Counter(outer) == _tally([(mesh.outer(False), n_dense),
+                                             (mesh.outer(True), 1)]), rank
             assert Counter(scatters) == _tally([(mesh.inner(False), MICRO_STEPS * n_dense),
                                                 (mesh.inner(True), MICRO_STEPS)]), rank
             broadcasts = [(c.ranks, c.tag) for c in step if c.op == "broadcast"]
@@ -463,23 +454,18 @@ def test_outer_all_reduce_once_per_buffer_per_step_reduce_scatter_per_micro_step
 
 
 def test_outer_all_reduce_of_the_steps_last_backward_is_issued_during_it(traces):
-    """Step 1 has no count of its backwards yet: each backward's outer all-reduces come
-    after all of its reduce-scatters (at its end). Step 2's last micro-step is predicted
-    (2 backwards, like step 1): buffers' outer all-reduces are issued as their
-    reduce-scatters finish, so the first of them comes before that backward's last
-    reduce-scatter, one per buffer, every rank in the same order (the test above)."""
+    """Step 1 has no count of its backwards yet: its outer all-reduces come after every
+    reduce-scatter (at the step). Step 2's last micro-step is predicted (2 backwards,
+    like step 1): buffers' outer all-reduces are issued as their reduce-scatters finish,
+    so the first of them comes before that backward's last reduce-scatter, still one
+    per buffer, every rank in the same order (the test above)."""
     for rank, trace in traces.items():
         for number, step in enumerate(trace.steps, start=1):
             outer = [i for i, c in enumerate(step) if c.op == "all_reduce" and c.tag is None]
             scatters = [i for i, c in enumerate(step) if c.op == "reduce_scatter"]
-            assert len(outer) == _outer_syncs_expected(number) * trace.trainable_buffers, (
-                rank, number)
+            assert len(outer) == trace.trainable_buffers, (rank, number)
             if number == 1:
-                per_backward = len(scatters) // MICRO_STEPS
-                first, second = scatters[:per_backward], scatters[per_backward:]
-                assert [i for i in outer if max(first) < i < min(second)] == \
-                    outer[:trace.trainable_buffers], (rank, step)
-                assert min(outer[trace.trainable_buffers:]) > max(second), (rank, step)
+                assert min(outer) > max(scatters), (rank, step)
             else:
                 assert min(outer) < max(scatters), (rank, step)
                 last_backward = scatters[len(scatters) // MICRO_STEPS:]
@@ -505,7 +491,6 @@ def test_expert_as_its_own_unit_on_an_empty_batch(layout_name):
     assert_same_collectives(traces)
     for trace in traces.values():
         assert len(trace.steps) == STEPS and trace.trainable_buffers == 5
-        for number, step in enumerate(trace.steps, start=1):
+        for step in trace.steps:
             assert sum(c.op == "reduce_scatter" for c in step) == MICRO_STEPS * 5
-            assert sum(c.op == "all_reduce" and c.tag is None for c in step) == \
-                _outer_syncs_expected(number) * 5
+            assert sum(c.op == "all_reduce" and c.tag is None for c in step) == 5

@@ -13,15 +13,11 @@ from paddle_hsdp.engine.states import GradState, ParamState, RebuildState
 from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
 
 
-def _trained_one_backward(last: bool = False):
-    """A model after one backward: a micro-step (``set_is_last_backward(False)``: the
-    outer sync is left to the step) unless ``last``."""
+def _trained_one_backward():
     paddle.seed(3)
     model = _shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
-    model.set_is_last_backward(last)
     models.lm_loss(model, _ids(), True).backward()
-    model.set_is_last_backward(True)
     return model, opt
 
 
@@ -57,20 +53,6 @@ def test_a_step_walks_the_states_in_order(fake_mesh):
     opt.clear_grad()
     assert {b.grad_state for b in _trainable(units)} == {GradState.EMPTY}
     assert not any(u.grads_pending_outer_sync or u.grads_synced for u in units)
-
-
-def test_grads_are_final_when_the_first_steps_backward_returns(fake_mesh):
-    """No step has run, so nothing predicts the step's last backward: each backward
-    ends with the outer sync (grads final for an optimizer that reads them itself); a
-    micro-step declared not last (``set_is_last_backward(False)``) leaves it owed."""
-    model, opt = _trained_one_backward(last=True)
-    units = hsdp_registry.units
-    assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
-    models.lm_loss(model, _ids(seed=8), True).backward()  # a second micro-step
-    assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
-    opt.step()
-    opt.clear_grad()
-    assert {b.grad_state for b in _trainable(units)} == {GradState.EMPTY}
 
 
 def test_prefetch_is_its_own_state(fake_mesh):
@@ -122,3 +104,23 @@ def test_unshard_needs_its_gather_issued(fake_mesh):
                                                       r"from 'gathering'"):
         block.unshard()
     assert block.state is ParamState.SHARDED
+
+
+def test_an_optimizer_that_overrides_step_gets_the_step_boundary(fake_mesh):
+    """An optimizer whose ``step`` never reaches Paddle's ``_apply_optimize`` (Paddle's
+    Muon, hand-written ones): its step is wrapped in the boundary all the same, so it
+    reads synced grads (the first step's sync runs there), and after its update the
+    engine learns the step (the next step's last backward is predicted)."""
+    model, _ = _trained_one_backward()
+    seen = []
+
+    class ReadsGrads(paddle.optimizer.SGD):
+        def step(self):
+            seen.extend(b.grad_state for b in _trainable(hsdp_registry.units))
+
+    opt = ReadsGrads(0.1, parameters=model.parameters())
+    opt.step()
+    assert set(seen) == {GradState.SYNCED}
+    opt.clear_grad()
+    models.lm_loss(model, _ids(seed=8), True).backward()  # predicted last: synced in it
+    assert {b.grad_state for b in _trainable(hsdp_registry.units)} == {GradState.SYNCED}

@@ -57,12 +57,11 @@ from paddle.base import core
 
 from ..comm import gather_tags
 from . import master_grad, trace
-from .outer_sync import OuterSyncSchedule, syncs_at_end_of_backward
+from .outer_sync import OuterSyncSchedule
 from .dtypes import compute_dtype_of
 from .registry import registry
 from .memory import FullGradBytes
-from .reductions import (drop_pending_reduces, finish_transferred_reduces, sync_grads,
-                         wait_pending_reduces)
+from .reductions import drop_pending_reduces, finish_transferred_reduces, wait_pending_reduces
 from .unit import FSDPUnit
 
 # Units whose forward is running, outermost first. A forward that raised leaves stale
@@ -125,12 +124,6 @@ class RootState:
         # the rest issued, all waited: grads are final
         self.outer_sync.end_backward(self.root.mesh.fsdp_group(False), [
             buf for unit in self.units for buf in unit.buffers if buf.trainable])
-        if self.outer_sync.unpredicted and self.root.is_last_backward:
-            # no step yet to predict the last backward from: this one may end the step,
-            # so its grads are made final here (a next micro-step brings them back to
-            # summed form, FSDPUnit.expect_more_grads, and syncs them again)
-            sync_grads(sorted((u for u in self.units if syncs_at_end_of_backward(u)),
-                              key=lambda u: u.index))
         trace.record("backward", "end", self.root.index)
 
 

@@ -12,12 +12,13 @@ backwards between optimizer steps (:func:`step_taken`; ``clear_grad`` without a 
 restarts the count) and predicts that this step has as many as the last one: one in plain training, k under
 k-step accumulation. A wrong guess costs bytes, never correctness: a backward after an
 early sync brings the synced grads back to their summed form (``FSDPUnit.grads_synced``)
-and the step syncs again. The first step has nothing to go by: each of its backwards
-ends with the sync (not overlapped), so grads are final after whichever is the last;
-under k-step accumulation that first step pays k - 1 extra outer collectives. A guess
-of more backwards than the step had leaves the sync to the step boundary, which runs
-around every optimizer's update (patches/optim.py), whether or not it goes through
-Paddle's ``_apply_optimize``.
+and the step syncs again. The first step has nothing to go by and syncs at the step,
+as does a step with fewer backwards than predicted: the step boundary runs around the
+update of every optimizer, whether or not it reaches Paddle's ``_apply_optimize``
+(patches/optim.py), so no optimizer steps on unsynced grads. (Syncing at the end of
+each of the first step's backwards instead would make its grads final earlier, but
+the next micro-step's return to summed form rounds differently from a predicted step,
+and a resumed run would no longer repeat the uninterrupted one bit for bit.)
 
 **Order.** Every rank must issue the outer collectives of a group in one order, and
 (on NCCL, where communicators share the device) at the same place among the inner
@@ -120,12 +121,6 @@ class OuterSyncSchedule:
         work, self._work = self._work, []
         finish_outer_syncs(work)  # synced: the step will not sync them again
 
-    @property
-    def unpredicted(self) -> bool:
-        """No step has taught this root how many backwards a step has (the first
-        step): every backward may be the last (hooks.RootState.post_backward)."""
-        return ENABLED and self.expected is None
-
     def restart_count(self) -> None:
         """Grads were dropped without a step (``clear_grad``): a new count starts."""
         self.backwards = 0
@@ -198,18 +193,10 @@ def finish_outer_syncs(work: list) -> None:
 
 
 def _takes_part(unit, buf) -> bool:
-    return buf.trainable and unit.overlap and syncs_at_end_of_backward(unit)
-
-
-def syncs_at_end_of_backward(unit) -> bool:
-    """Whether ``unit``'s outer sync may run in the backward that ends a step rather
-    than at the optimizer step: its grads are reduced (not deferred), owed a sync, on
-    the device, and its outer group lets it. ``early_sync`` False on the outer group:
-    its members do not share this root's FSDP group, so an order agreed there binds no
-    other replica, and the sync runs inside the fault-tolerant step (paddle_hsdp.ft)."""
-    return (unit.requires_all_reduce and unit.grads_pending_outer_sync
-            and not unit.full_grads_pending
-            and all(getattr(b.outer, "early_sync", True) for b in unit.buffers)
+    # ``early_sync`` False on the outer group: its members do not share this root's
+    # FSDP group, so the order agreed there binds no other replica (paddle_hsdp.ft).
+    return (buf.trainable and unit.overlap and unit.requires_all_reduce
+            and unit.grads_pending_outer_sync and getattr(buf.outer, "early_sync", True)
             and not any(b.host is not None for b in unit.buffers))
 
 

@@ -1,14 +1,15 @@
 """The step boundary: what runs around every optimizer's update.
 
-Grads are final when the backward that ends a step returns (engine/outer_sync.py): the
-outer all-reduce (with outer sub-shards the reduce-scatter) and the 1/N scale ran
-there. What a step still needs runs in :class:`_StepBoundary`, around the update of
+From the second step on, grads are final when the backward that ends a step returns
+(engine/outer_sync.py predicts it): the outer all-reduce (with outer sub-shards the
+reduce-scatter) and the 1/N scale ran there. What a step still needs runs in :class:`_StepBoundary`, around the update of
 **every** optimizer, however it steps: Paddle 3.3's optimizers have no step hooks, so
-:func:`install` wraps ``Optimizer._apply_optimize`` (where Paddle's own optimizers and
-``MixPrecisionOptimizer`` update) and, the first time an optimizer of a class is built,
-that class's own ``step`` / ``minimize`` (an optimizer that overrides ``step`` without
-calling ``_apply_optimize``, as Paddle's Muon and hand-written ones do). Before the
-update: refusals (optimizers that cannot be right on shards), the sync of grads whose
+:func:`install` wraps the own ``step``, ``minimize`` and ``_apply_optimize`` of every
+optimizer class (classes defined later too, through ``__init_subclass__``): Paddle's
+own optimizers and ``MixPrecisionOptimizer`` update in ``_apply_optimize``; an
+optimizer that overrides ``step`` without calling the base class (Paddle's Muon,
+hand-written ones) is caught at its ``step``; the outermost entry runs the boundary.
+Before the update: refusals (optimizers that cannot be right on shards), the sync of grads whose
 backward did not finish it (a step with fewer micro-steps than predicted, deferred or
 offloaded grads; one outer collective per buffer per step either way) and the HSDP clip
 in every place Paddle keeps one (:func:`paddle_hsdp.patches.clip.make_clip_hsdp_aware`).
@@ -135,18 +136,24 @@ def _wrap_steps_of(cls) -> None:
                     "it goes through Paddle's _apply_optimize")
 
 
-def _patch_optimizer_init() -> None:
-    """Every optimizer class gets the boundary around its own ``step`` the first time
-    one is built (classes defined after ``import paddle_hsdp`` included)."""
-    original = paddle.optimizer.Optimizer.__init__
+def _patch_every_optimizer_class() -> None:
+    """The boundary around the own step of every optimizer class: those that exist now
+    (Paddle's, and any defined before ``import paddle_hsdp``) and, through
+    ``__init_subclass__``, every one defined later. (Not at construction: Paddle's
+    AdamW never calls ``Optimizer.__init__``.)"""
+    base = paddle.optimizer.Optimizer
+    pending = [base]
+    while pending:
+        cls = pending.pop()
+        _wrap_steps_of(cls)
+        pending.extend(cls.__subclasses__())
 
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        _wrap_steps_of(type(self))
+    def __init_subclass__(cls, **kwargs):
+        super(base, cls).__init_subclass__(**kwargs)
+        _wrap_steps_of(cls)
 
-    replace(paddle.optimizer.Optimizer, "__init__", __init__,
-            "wrap each optimizer class's own step in the step boundary")
+    replace(base, "__init_subclass__", classmethod(__init_subclass__),
+            "wrap each later optimizer class's own step in the step boundary")
 
 
 def _pairs_to_update(params_grads, optimizer):
@@ -294,9 +301,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    _wrap_steps_of(paddle.optimizer.Optimizer)
-    _patch_optimizer_init()
-    for cls in _not_elementwise_classes():  # refused at their step (built before import)
+    _patch_every_optimizer_class()
+    for cls in _not_elementwise_classes():  # refused at their step (incubate's too)
         _wrap_steps_of(cls)
     _patch_clear_grad()
     _patch_set_state_dict()
