@@ -18,8 +18,8 @@ over the clip bound (above 1: the clip was active at every step).
 The ``floor`` column is the one-process reference against itself with only the float
 order changed (each row its own backward, rows and micro-batches in reverse order):
 the noise floor a parity bound must sit above (tools/noise_floor.py does the same for
-TinyLM). About 4 minutes for the default sweep on this project's 2-core machine (the
-16-rank launch alone about 2).
+TinyLM). About 6 minutes for the default sweep on this project's 2-core machine (the
+16-rank launch alone 100 s).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "test_collective", "workers")
