@@ -8,6 +8,7 @@ to FILE as JSON lines, so several runs can be compared (a flakiness sweep).
 """
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -105,16 +106,25 @@ def hsdp_2x4_log(launch_8_log):
 
 
 # The 2-rank launch: tensor parallelism without sharding (mp2 x sharding1,
-# test_degenerate_layouts.py), then the 1 x 2 resume of the checkpoint the shared 2 x 2
+# test_degenerate_layouts.py), in that layout the tensor-parallel Llama with the clip
+# active at every step of 6 (SGD and AdamW; issue 48's one-replica row; test_3d.py, when
+# PaddleFormers is installed), then the 1 x 2 resume of the checkpoint the shared 2 x 2
 # launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each, and
 # Paddle's optimizer patterns at 1 x 2 on the latter (test_optimizer_patterns.py).
 MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
            "fleet_opt": [False, True]}
+TP_LLAMA_2 = {"layouts": [{"mp_degree": 2, "sharding_degree": 1, "outer": 1,
+                           "runs": ["clip_sgd", "clip_adamw"]}]}
+
+
+def has_paddleformers() -> bool:
+    return importlib.util.find_spec("paddleformers") is not None
 
 
 @pytest.fixture(scope="session")
 def launch_2_log(hsdp_2x2_log, shared_2x2_work):
-    jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)],
+    tp_llama = [["worker_tp_llama.py", json.dumps(TP_LLAMA_2)]] if has_paddleformers() else []
+    jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)], *tp_llama,
             ["worker_checkpoint_2ranks.py", shared_2x2_work],
             ["worker_optimizer_patterns.py", json.dumps({"sharding_degree": 2, "outer": 1})]]
     return launch(2, "run_many.py", json.dumps(jobs), timeout=900)
@@ -189,9 +199,10 @@ def single_resume_out(hsdp_2x2_log, shared_2x2_work, launch_2_log, launch_4_log,
 # process with single_process_3d.py).
 TP_LLAMA = {"layouts": [
     {"mp_degree": 2, "sharding_degree": 2, "outer": 1,
-     "runs": ["tpo", "sp_before", "sp_after_fused", "sp_no_hooks"]},
+     "runs": ["tpo", "sp_before", "sp_after_fused", "sp_no_hooks", "clip_sgd", "clip_adamw"]},
     {"mp_degree": 2, "sharding_degree": 2, "outer": 2,
-     "runs": ["concat", "sp_after", "sp_before_fused", "sp_callback"]}]}
+     "runs": ["concat", "sp_after", "sp_before_fused", "sp_callback", "clip_sgd",
+              "clip_adamw"]}]}
 
 
 @pytest.fixture(scope="session")
@@ -221,6 +232,24 @@ def paddleformers_4_log(trainer_work, threed_work):
             ["worker_tp_checkpoint.py", json.dumps({"work": threed_work})],
             ["worker_llama_pipe.py", json.dumps(dict(PIPELINE_4, work=threed_work))]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
+
+
+# The 6-rank launch (issue 48): the tensor-parallel Llama at an outer degree that is not a
+# power of two, mp2 x sharding3: three replicas of one rank (outer 3), then one replica of
+# three (outer 1: the vocabulary slice's 32 rows cut 11 / 11 / 10), each with both
+# optimizers and the clip active at every step of 6 (test_3d.py).
+TP_LLAMA_6 = {"layouts": [
+    {"mp_degree": 2, "sharding_degree": 3, "outer": 3, "runs": ["tpo", "clip_sgd", "clip_adamw"]},
+    {"mp_degree": 2, "sharding_degree": 3, "outer": 1, "runs": ["clip_sgd", "clip_adamw"]}]}
+
+
+@pytest.fixture(scope="session")
+def paddleformers_6_log():
+    pytest.importorskip("paddleformers.trainer", reason="PaddleFormers is an optional "
+                        "extra: pip install paddle_hsdp[paddleformers] (tools/test.sh "
+                        "installs it)")
+    jobs = [["worker_tp_llama.py", json.dumps(TP_LLAMA_6)]]
+    return launch(6, "run_many.py", json.dumps(jobs), timeout=600)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -6,6 +6,19 @@ tensor parallelism 2 splits every projection, the embedding and the head. Losses
 computed from the model's logits (in the default dtype: float64 keeps its precision;
 PaddleFormers' own criterion casts to float32), through ``ParallelCrossEntropy`` on
 vocabulary-split logits or ``F.cross_entropy`` on whole ones.
+
+[Note: the Llama's float32 islands] Even in float64 PaddleFormers' Llama rounds to
+float32 inside: the RMSNorm's variance (``hidden_states.astype("float32")``) and the
+rotary embedding (``q.astype("float32") * cos``). A float64 difference in the last bit
+that reaches such a cast can move the float32 value by one of its ulps (6e-8). Data
+parallelism, and so HSDP, takes the mean over its N replicas by scaling the summed
+grads by 1/N after backward; a one-process run that scales the loss by 1/N before
+backward feeds the casts other bits unless N is a power of two (scaling by 2^-k is
+exact). Measured on 3 replicas of 2 rows (plain data parallelism and HSDP alike, against
+a one-process backward of all 6 rows with the loss divided first): 3.2e-7 relative in
+the grads, 2.6e-8 in the pre-clip norms, up to 8.5e-6 in AdamW's parameters after 3
+steps; on 2 replicas 3.8e-16 in the grads. So :func:`train`'s ``replicas`` takes the
+mean where data parallelism does.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from paddle_hsdp.comm import collectives as comm
 from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
 SEQ, VOCAB, CLIP, LR = 8, 64, 0.5, 0.02
+SGD_LR = 0.5  # plain SGD moves the tiny Llama too little at AdamW's rate
 
 
 def config(mp: int = 1, mp_rank: int = 0, tpo: bool = True, sp: bool = False,
@@ -68,10 +82,15 @@ def lm_loss(model, ids, split_vocab: bool):
     return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1, 1]))
 
 
-def make_opt(params, scheduler=None):
+def make_opt(params, scheduler=None, kind: str = "adamw"):
+    """AdamW (``kind="adamw"``) or plain SGD (``"sgd"``), global-norm clipping at CLIP."""
+    clip = paddle.nn.ClipGradByGlobalNorm(CLIP)
+    if kind == "sgd":
+        return paddle.optimizer.SGD(learning_rate=SGD_LR if scheduler is None else scheduler,
+                                    parameters=params, grad_clip=clip)
+    assert kind == "adamw", kind
     return paddle.optimizer.AdamW(learning_rate=LR if scheduler is None else scheduler,
-                                  parameters=params, weight_decay=0.01,
-                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
+                                  parameters=params, weight_decay=0.01, grad_clip=clip)
 
 
 def batches(rows: int, steps: int, micro: int, seed: int = 11) -> list:
@@ -88,25 +107,39 @@ def grad_norm(params) -> float:
 
 
 def train(model, opt, data, rows=None, group=None, split_vocab=False, scheduler=None,
-          before_step=None, norm_of=None):
+          before_step=None, norm_of=None, replicas: int = 1):
     """One optimizer step per entry of ``data``: this process's ``rows`` (a slice; all of
     them by default) of each micro-batch, the loss backpropagated divided by the number
     of micro-batches; the losses logged as the mean over ``group`` (the data-parallel
     ranks, all-reduced for the log). Returns ``(losses, norms)``: ``norm_of(opt)`` after
-    each step (the pre-clip global norm), or the plain grads' norm before it."""
+    each step (the pre-clip global norm), or the plain grads' norm before it.
+
+    ``replicas`` (the one-process reference of a data-parallel run on all rows): each
+    micro-batch's rows are ``replicas`` equal blocks, one forward and backward each (the
+    loss divided by the number of micro-batches, as each replica divides it), and the
+    summed grads are divided by ``replicas`` before the step, where data parallelism
+    takes the mean ([Note: the Llama's float32 islands])."""
     losses, norms = [], []
     n = 1 if group is None else group.nranks
     for micro_batches in data:
         total = 0.0
         for ids in micro_batches:
-            loss = lm_loss(model, ids if rows is None else ids[rows], split_vocab)
-            (loss / len(micro_batches)).backward()
-            value = float(loss)
-            if n > 1:
-                t = paddle.to_tensor([value], dtype="float64")
-                comm.all_reduce(t, group, tag="log")
-                value = t.item()
-            total += value / n / len(micro_batches)
+            ids = ids if rows is None else ids[rows]
+            block = len(ids) // replicas
+            for r in range(replicas):
+                loss = lm_loss(model, ids[r * block:(r + 1) * block], split_vocab)
+                (loss / len(micro_batches)).backward()
+                value = float(loss)
+                if n > 1:
+                    t = paddle.to_tensor([value], dtype="float64")
+                    comm.all_reduce(t, group, tag="log")
+                    value = t.item()
+                total += value / n / replicas / len(micro_batches)
+        if replicas > 1:
+            with paddle.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.scale_(1.0 / replicas)
         if before_step is not None:
             before_step()
         if norm_of is None:
@@ -121,13 +154,16 @@ def train(model, opt, data, rows=None, group=None, split_vocab=False, scheduler=
     return losses, norms
 
 
-def reference(weights: dict, data, scheduler_of=None) -> dict:
+def reference(weights: dict, data, scheduler_of=None, replicas: int = 1,
+              kind: str = "adamw") -> dict:
     """The one-process run on the global batch: ``{"losses", "norms", "params"}``
-    (``scheduler_of()``: a fresh LR scheduler, or a constant LR)."""
+    (``scheduler_of()``: a fresh LR scheduler, or a constant LR; ``replicas``: the
+    data-parallel ranks whose rows the batch holds, see :func:`train`; ``kind``: the
+    optimizer, see :func:`make_opt`)."""
     model = llama()
     model.set_state_dict(weights)
     scheduler = scheduler_of() if scheduler_of is not None else None
-    opt = make_opt(model.parameters(), scheduler)
-    losses, norms = train(model, opt, data, scheduler=scheduler)
+    opt = make_opt(model.parameters(), scheduler, kind)
+    losses, norms = train(model, opt, data, scheduler=scheduler, replicas=replicas)
     return {"losses": losses, "norms": norms,
             "params": {k: v.numpy() for k, v in model.state_dict().items()}}

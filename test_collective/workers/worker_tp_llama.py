@@ -1,9 +1,14 @@
-"""HSDP inside a tensor-parallel PaddleFormers ``LlamaForCausalLM`` (issue 32), on 4 CPU
-ranks: mp2 x sharding2 at outer 1 and 2, against one process on the global batch.
+"""HSDP inside a tensor-parallel PaddleFormers ``LlamaForCausalLM`` (issues 32, 48), on
+CPU ranks: mp2 x sharding S at outer degree O (conftest: mp2 x sharding2 at outer 1
+and 2 on 4 ranks, mp2 x sharding3 at outer 3 and 1 on 6, mp2 x sharding1 on 2), against
+one process on the global batch (S x PER_RANK rows per micro-batch, the mean over the
+S replicas taken after backward as data parallelism takes it: tp_llama.py's [Note: the
+Llama's float32 islands]).
 
 Every run trains the tiny Llama of trainer_common's shape (untied, 2 layers) for
-STEPS steps of MICRO micro-batches with AdamW and global-norm clipping (active at
-every step), in float64: the loss is computed here from the model's logits in
+STEPS (or LONG_STEPS) steps of MICRO micro-batches with AdamW (or SGD) and global-norm
+clipping (active at every step, asserted on the reference's pre-clip norms, which the
+run's own must equal), in float64: the loss is computed here from the model's logits in
 float64 (PaddleFormers' own criterion casts the logits to float32 first), through
 ``ParallelCrossEntropy`` on vocabulary-split logits (``tensor_parallel_output=True``:
 the ``c_softmax_with_cross_entropy`` CPU shim) or on gathered ones (False: ``c_concat``).
@@ -20,11 +25,16 @@ called before / after ``fully_shard``; ``sp_callback``: instead of the hooks,
 PaddleFormers' ``SPGradSyncCallback`` (its Trainer's route outside sharding stages 2
 and 3: a fused all-reduce of the marked grads over mp before the step);
 ``sp_no_hooks``: sequence parallelism with neither must miss the reference by more than
-the bound (the checks can fail).
+the bound (the checks can fail); ``clip_sgd`` / ``clip_adamw``: tensor parallelism alone
+for LONG_STEPS steps with SGD / AdamW, the clip active at each (issue 48: a clip that
+goes wrong after the first steps, an outer degree that is not a power of two).
+Each run also prints ``TP_LLAMA_FIGURES {json}`` on every rank (its worst parameter,
+loss and norm differences; tools/sweep_tp_layouts.py reads them).
 One PaddleFormers criterion forward (float32 logits, as a user's ``model(ids,
 labels=...)``) is compared with the reference's, within the float32 bound.
 """
 
+import json
 import time
 
 from common import config_from_argv, finish, init_fleet, max_rel, report_over
@@ -39,19 +49,37 @@ from paddleformers.trainer.trainer_callback import SPGradSyncCallback
 from tp_llama import (CLIP, batches, full_weights, llama, make_opt, mp_slice, reference,
                       set_slices, train)
 
-STEPS, MICRO, PER_RANK = 3, 2, 2
-RUNS = {  # name: (tensor_parallel_output, sequence_parallel, hooks, fused)
-    "tpo": (True, False, None, False), "concat": (False, False, None, False),
-    "sp_before": (True, True, "before", False), "sp_after": (True, True, "after", False),
-    "sp_before_fused": (True, True, "before", True),
-    "sp_after_fused": (True, True, "after", True), "sp_no_hooks": (True, True, None, False),
-    "sp_callback": (True, True, "callback", False)}
+STEPS, LONG_STEPS, MICRO, PER_RANK = 3, 6, 2, 2
+RUNS = {  # name: (tensor_parallel_output, sequence_parallel, hooks, fused, optimizer, steps)
+    "tpo": (True, False, None, False, "adamw", STEPS),
+    "concat": (False, False, None, False, "adamw", STEPS),
+    "sp_before": (True, True, "before", False, "adamw", STEPS),
+    "sp_after": (True, True, "after", False, "adamw", STEPS),
+    "sp_before_fused": (True, True, "before", True, "adamw", STEPS),
+    "sp_after_fused": (True, True, "after", True, "adamw", STEPS),
+    "sp_no_hooks": (True, True, None, False, "adamw", STEPS),
+    "sp_callback": (True, True, "callback", False, "adamw", STEPS),
+    "clip_sgd": (True, False, None, False, "sgd", LONG_STEPS),
+    "clip_adamw": (True, False, None, False, "adamw", LONG_STEPS)}
 
 
-def train_reference(weights, data):
-    ref = reference(weights, data)
+def train_reference(weights, data, replicas, kind):
+    ref = reference(weights, data, replicas=replicas, kind=kind)
     assert min(ref["norms"]) > CLIP, ref["norms"]  # clipping is active at every step
     return ref["losses"], ref["norms"], ref["params"]
+
+
+_references: dict = {}  # (sharding degree, optimizer, steps) -> (data, reference)
+
+
+def data_and_reference(weights, replicas: int, kind: str, steps: int):
+    """The global batch of ``replicas`` sharding ranks and the one-process run on it
+    (made once per sharding degree, optimizer and number of steps)."""
+    key = (replicas, kind, steps)
+    if key not in _references:
+        data = batches(replicas * PER_RANK, steps, MICRO)
+        _references[key] = data, train_reference(weights, data, replicas, kind)
+    return _references[key]
 
 
 def criterion_loss(model, ids) -> float:
@@ -81,9 +109,9 @@ def build_sharded(hcg, weights, tpo, sp, hooks, fused):
     return model, None
 
 
-def train_sharded(hcg, model, data, split_vocab, before_step=None):
+def train_sharded(hcg, model, data, split_vocab, kind, before_step=None):
     chunk = hcg.get_sharding_parallel_rank()
-    return train(model, make_opt(model.parameters()), data,
+    return train(model, make_opt(model.parameters(), kind=kind), data,
                  rows=slice(chunk * PER_RANK, (chunk + 1) * PER_RANK),
                  group=hcg.get_sharding_parallel_group(), split_vocab=split_vocab,
                  before_step=before_step, norm_of=paddle_hsdp.last_global_norm)
@@ -104,13 +132,21 @@ def compare(hcg, model, got, ref) -> dict:
     return worst
 
 
-def run(hcg, layout, name, weights, data, ref):
+def run(hcg, layout, name, weights):
     start = time.perf_counter()
-    tpo, sp, hooks, fused = RUNS[name]
+    tpo, sp, hooks, fused, kind, steps = RUNS[name]
+    sharding = hcg.get_sharding_parallel_world_size()
+    data, ref = data_and_reference(weights, sharding, kind, steps)
     model, before_step = build_sharded(hcg, weights, tpo, sp, hooks, fused)
-    got = train_sharded(hcg, model, data, split_vocab=tpo, before_step=before_step)
+    got = train_sharded(hcg, model, data, split_vocab=tpo, kind=kind, before_step=before_step)
     worst = compare(hcg, model, got, ref)
-    label = f"TP_LLAMA {name} outer={layout['outer']}"
+    label = f"TP_LLAMA {name} sharding={sharding} outer={layout['outer']}"
+    params = max(v for k, v in worst.items() if k not in ("loss", "norm"))
+    print("TP_LLAMA_FIGURES " + json.dumps(
+        {"run": name, "sharding": sharding, "outer": layout["outer"], "mp_rank":
+         hcg.get_model_parallel_rank(), "params": params, "loss": worst["loss"],
+         "norm": worst["norm"], "loss_abs": max(abs(a - b) for a, b in zip(got[0], ref[0])),
+         "min_norm_over_clip": min(ref[1]) / CLIP, "steps": len(ref[1])}), flush=True)
     if name == "sp_no_hooks":  # nothing sums the norms' grads over mp: it must show
         miss = max(worst.values())
         assert miss > 1e3 * parity.bound(), f"{label}: {miss:.2e}, the check cannot fail"
@@ -118,9 +154,15 @@ def run(hcg, layout, name, weights, data, ref):
               f"({time.perf_counter() - start:.1f} s)", flush=True)
         return
     both = report_over(hcg.get_model_parallel_group(), label, worst)  # both mp slices
-    print(f"{label}: max rel diff {both:.2e} over the mp ranks (here: loss "
-          f"{worst['loss']:.2e}, norm {worst['norm']:.2e}; {time.perf_counter() - start:.1f} s)",
-          flush=True)
+    active = sum(norm > CLIP for norm in ref[1])  # the reference's; the run's equal them
+    print(f"{label}: max rel diff {both:.2e} over the mp ranks (here: parameters "
+          f"{params:.2e}, loss {worst['loss']:.2e}, norm {worst['norm']:.2e}); clip active "
+          f"at {active}/{len(ref[1])} steps (pre-clip norm >= {min(ref[1]):.3g} > {CLIP}; "
+          f"{optimizer_name(kind)}; {time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def optimizer_name(kind: str) -> str:
+    return {"sgd": "SGD", "adamw": "AdamW"}[kind]
 
 
 def check_criterion(hcg, weights, data):
@@ -141,15 +183,13 @@ def check_criterion(hcg, weights, data):
 config = config_from_argv()
 parity.set_dtype("float64")
 weights = full_weights(7)
-data, ref = None, None
-for layout in config["layouts"]:
+for index, layout in enumerate(config["layouts"]):
     hcg = init_fleet(layout)
     assert hcg.get_model_parallel_world_size() == 2
-    if ref is None:  # the same global batch for every layout of sharding degree 2
-        data = batches(hcg.get_sharding_parallel_world_size() * PER_RANK, STEPS, MICRO)
-        ref = train_reference(weights, data)
-        check_criterion(hcg, weights, data)
+    if index == 0:
+        check_criterion(hcg, weights, batches(
+            hcg.get_sharding_parallel_world_size() * PER_RANK, STEPS, MICRO))
     for name in layout["runs"]:
-        run(hcg, layout, name, weights, data, ref)
+        run(hcg, layout, name, weights)
 paddle.set_default_dtype("float32")
 finish()
