@@ -482,3 +482,38 @@ def test_the_coordinator_refuses_a_bad_port():
     from paddle_hsdp.ft import coordinator
     with pytest.raises(SystemExit):
         coordinator.main(["--port", "70000"])
+
+
+@pytest.mark.parametrize("raised", [ValueError("(InvalidArgument) TCP receive error ... "
+                                               "Connection reset by peer"),
+                                    RuntimeError("connect failed"), TimeoutError("late"),
+                                    OSError("broken pipe")])
+def test_a_death_during_a_rounds_set_up_is_a_failed_round_whatever_paddle_raises(
+        monkeypatch, raised):
+    """Issue 49: a donor that dies while its peers create the round's groups reached
+    the survivors as a ValueError from ProcessGroupGloo.create, which the set-up did
+    not catch: the rank died and its mate with it. Every error there is the round's
+    failure (the next round goes on without the dead), caught at one place."""
+    from paddle_hsdp.ft import replica
+
+    def connect(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(replica.groups, "connect", connect)
+    ft = object.__new__(replica.Replica)
+    ft.rank, ft.store, ft.round_timeout_s = 0, None, 1.0
+    ft.outer = types.SimpleNamespace(adopt=lambda *args: None)
+    record = types.SimpleNamespace(number=4, rebuild=True, replicas=[0, 1], receivers=[])
+    error = ft._set_up_round(record, receiving=False)
+    assert isinstance(error, replica.FaultToleranceError), error
+    assert "round 4 set-up failed" in str(error) and type(raised).__name__ in str(error)
+
+
+def test_unknown_ft_variables_are_named_with_the_closest_known_one():
+    """A misspelt variable (PADDLE_HSDP_FT_START_REPLICA) was ignored in silence, so one
+    group trained the whole job alone; ft.init warns with the name it meant."""
+    from paddle_hsdp.ft import replica
+    found = replica.unknown_env_names({"PADDLE_HSDP_FT_START_REPLICA": "3",
+                                       "PADDLE_HSDP_FT_REPLICA_ID": "1", "OTHER": "x"})
+    assert found == [("PADDLE_HSDP_FT_START_REPLICA",
+                      "; did you mean 'PADDLE_HSDP_FT_START_REPLICAS'?")]

@@ -36,12 +36,13 @@ from ..comm import collectives as comm
 from ..comm.collectives import CollectiveError
 from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
+from ..hints import did_you_mean
 from . import groups, transfer
 from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
-from .store import (COORDINATOR_ENV, CoordinatorRestarted, Liveness, Watcher, float_env,
-                    announce_failure, connect, heartbeat_timeout_s, join_window_s, key,
-                    wait_count)
+from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV,
+                    CoordinatorRestarted, Liveness, Watcher, announce_failure, connect,
+                    float_env, heartbeat_timeout_s, join_window_s, key, wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -49,6 +50,19 @@ REPLICA_ENV = "PADDLE_HSDP_FT_REPLICA_ID"
 START_REPLICAS_ENV = "PADDLE_HSDP_FT_START_REPLICAS"
 ROUND_TIMEOUT_ENV = "PADDLE_HSDP_FT_ROUND_TIMEOUT"
 REDUNDANCY_ENV = "PADDLE_HSDP_FT_REDUNDANCY"
+
+
+KNOWN_ENV = (COORDINATOR_ENV, REPLICA_ENV, START_REPLICAS_ENV, ROUND_TIMEOUT_ENV,
+             REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV)
+
+
+def unknown_env_names(environ=None) -> list[tuple[str, str]]:
+    """``PADDLE_HSDP_FT_*`` variables this package does not read (a misspelt
+    ``PADDLE_HSDP_FT_START_REPLICA`` would otherwise be ignored in silence, and one
+    group would train the job alone), each with the closest known name."""
+    environ = os.environ if environ is None else environ
+    return [(name, did_you_mean(name, KNOWN_ENV)) for name in sorted(environ)
+            if name.startswith("PADDLE_HSDP_FT_") and name not in KNOWN_ENV]
 
 
 def _int_env(name: str, default: int | None) -> int:
@@ -330,9 +344,16 @@ class Replica:
                     unit.owe_rebuild()
         except (CollectiveError, FaultToleranceError) as e:
             return e
-        except (RuntimeError, TimeoutError) as e:  # the store or a process group
+        except Exception as e:  # noqa: BLE001 - see below
+            # A peer that dies during the set-up surfaces as whatever Paddle's store and
+            # process-group creation raise (RuntimeError, TimeoutError, and a ValueError
+            # "TCP receive error ... Connection reset by peer" from ProcessGroupGloo.create):
+            # every one is a failed round, and the next round goes on without the dead.
+            logger.warning("rank %d: round %d set-up failed (%s: %s); the next round goes "
+                           "on without whoever failed", self.rank, record.number,
+                           type(e).__name__, e)
             return FaultToleranceError(f"paddle_hsdp.ft: round {record.number} set-up "
-                                       f"failed: {e}")
+                                       f"failed: {type(e).__name__}: {e}")
         return None
 
     def _plain_state(self) -> dict:
@@ -400,6 +421,9 @@ def init(replica_id: int | None = None, coordinator: str | None = None,
     ``fsdp_outer_sharding="optim"``, ``PADDLE_HSDP_FT_REDUNDANCY`` (how many replica
     groups hold each piece of the optimizer state, default 2: it is cut into
     ``start_replicas // redundancy`` pieces, see :mod:`paddle_hsdp.ft.pieces`)."""
+    for name, hint in unknown_env_names():
+        logger.warning("paddle_hsdp.ft: %s is set, but paddle_hsdp.ft reads no such "
+                       "variable%s", name, hint)
     replica_id = replica_id if replica_id is not None else _int_env(REPLICA_ENV, None)
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
     start = start_replicas if start_replicas is not None else _int_env(START_REPLICAS_ENV, 1)
