@@ -517,3 +517,17 @@ def test_unknown_ft_variables_are_named_with_the_closest_known_one():
                                        "PADDLE_HSDP_FT_REPLICA_ID": "1", "OTHER": "x"})
     assert found == [("PADDLE_HSDP_FT_START_REPLICA",
                       "; did you mean 'PADDLE_HSDP_FT_START_REPLICAS'?")]
+
+
+def test_a_waiting_round_says_whom_it_waits_for(monkeypatch, caplog):
+    """Issue 49: a round that waits (no coordinator answer, a group missing) logged
+    nothing until its timeout; now a line every WAIT_LOG_S names who is in and who not."""
+    from paddle_hsdp.ft import rounds
+    monkeypatch.setattr(rounds, "WAIT_LOG_S", 0.05)
+    store = MemoryStore()
+    with caplog.at_level("WARNING", logger="paddle_hsdp.ft"):
+        with pytest.raises(FaultToleranceError, match="waited 0.3 s for round 5"):
+            rounds_for(store, 0, timeout=0.3).form(5, [0, 1, 2], Arrival(9))
+    lines = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert len(lines) >= 3, lines
+    assert "round 5" in lines[0] and "arrived [0], waiting for [1, 2]" in lines[0], lines[0]

@@ -29,10 +29,14 @@ rounds' count (which restarts at 0).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 
 from .store import CoordinatorRestarted, count, key
+
+logger = logging.getLogger("paddle_hsdp.ft")
+WAIT_LOG_S = 10.0  # how often a waiting replica says what it waits for
 
 
 class FaultToleranceError(RuntimeError):
@@ -139,7 +143,11 @@ class Rounds:
         generation = self._arrive_at(number, arrival)
         deadline = self._arrived_at + self.timeout_s
         pause = self.poll_s  # grows to 50 ms: a joiner may wait here for many steps
+        next_word = self._arrived_at + WAIT_LOG_S
         while True:
+            if self.clock() > next_word:  # a wait that says what it waits for
+                next_word += WAIT_LOG_S
+                self._log_wait(number, expected)
             if _generation(store) != generation:  # a restarted coordinator: arrive again
                 generation = self._arrive_at(number, arrival)
                 continue
@@ -233,6 +241,18 @@ class Rounds:
             except CoordinatorRestarted:  # the record again, then the count
                 store.set(key("r", number, "record"), text)
                 store.add(key("r", number, "closed"), 1)
+
+    def _log_wait(self, number: int, expected) -> None:
+        """One line per ``WAIT_LOG_S`` while a round waits: how long, who is in, whom
+        it waits for."""
+        present = self.arrived(number)
+        missing = [r for r in expected or [] if r not in present]
+        logger.warning("paddle_hsdp.ft: replica %d has waited %.0f s for round %d (bound "
+                       "%g s): arrived %s%s", self.replica, self.clock() - self._arrived_at,
+                       number, self.timeout_s, present,
+                       f", waiting for {missing}" if missing else
+                       f", {self.start_replicas} needed to start" if number == 0 and
+                       expected is None else ", waiting for the members to close it")
 
     def _timeout_message(self, number: int, expected) -> str:
         need = (f"the previous round's replicas {expected} (or their heartbeats to stop) "
