@@ -398,7 +398,7 @@ def test_ft_init_needs_a_replica_id(monkeypatch):
 def test_attach_refuses_unshared_outer_pieces_and_unsharded_buffers(monkeypatch):
     from paddle_hsdp.ft import replica
     ft = object.__new__(replica.Replica)
-    ft.outer = object()
+    ft.outer, ft.rank = object(), 1  # not the leader: it publishes no configuration
     buffers = [types.SimpleNamespace(outer=ft.outer, parts=2, shared_pieces=False,
                                      describe=lambda: "buffer 0")]
     monkeypatch.setattr(replica.registry, "units_under",
@@ -531,3 +531,59 @@ def test_a_waiting_round_says_whom_it_waits_for(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
     assert len(lines) >= 3, lines
     assert "round 5" in lines[0] and "arrived [0], waiting for [1, 2]" in lines[0], lines[0]
+
+
+def _joiner_then_members(store, joiner: Arrival, members_config: str) -> dict:
+    """Replica 2 waits at round 5 as a joiner; once it is in, members 0 and 1 (the last
+    round's) arrive and close it: {replica: record or error}."""
+    results = {}
+
+    def join():
+        try:
+            results[2] = rounds_for(store, 2).form(5, None, joiner)
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            results[2] = e
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while 2 not in arrived(store, 5):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    results.update(form_together(store, [(r, rounds_for(store, r), 5, [0, 1],
+                                          Arrival(9, config=members_config)) for r in (0, 1)]))
+    thread.join(30)
+    return results
+
+
+def _config(store, ranks=2, hidden=8):
+    from paddle_hsdp.ft import config
+    return config.publish(store, config.describe(
+        ranks, "none", 1, [("blocks.0/fc.weight", [hidden, 4], "paddle.float32")]))
+
+
+@pytest.mark.parametrize("what,ranks,hidden,fragment", [
+    ("ranks per group", 1, 8, "ranks_per_group 1 where the running groups have 2"),
+    ("model", 2, 16, "parameter blocks.0/fc.weight [16, 4] paddle.float32 where the running "
+                     "groups have blocks.0/fc.weight [8, 4]")])
+def test_a_joiner_of_another_configuration_is_refused_and_the_members_go_on(
+        what, ranks, hidden, fragment):
+    """Issue 49: a group restarted with another model or --nproc_per_node was taken into
+    round after round until every member died. Its arrival's configuration hash differs
+    from the members': the round leaves it out and tells it why (the first difference),
+    before any group is created for it; the members' round goes on."""
+    store = MemoryStore()
+    store.add(key("closed_rounds"), 5)
+    ours, theirs = _config(store), _config(store, ranks, hidden)
+    results = _joiner_then_members(store, Arrival(0, fresh=True, config=theirs), ours)
+    assert results[0].replicas == [0, 1] == results[1].replicas, results
+    assert isinstance(results[2], FaultToleranceError), results[2]
+    assert "replica 2 cannot join" in str(results[2]) and fragment in str(results[2]), what
+
+
+def test_the_same_configuration_joins():
+    store = MemoryStore()
+    store.add(key("closed_rounds"), 5)
+    ours = _config(store)
+    results = _joiner_then_members(store, Arrival(0, fresh=True, config=ours), ours)
+    assert all(results[r].replicas == [0, 1, 2] for r in range(3)), results

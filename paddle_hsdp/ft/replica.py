@@ -37,11 +37,11 @@ from ..comm.collectives import CollectiveError
 from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from ..hints import did_you_mean
-from . import groups, transfer
+from . import config, groups, transfer
 from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV,
-                    CoordinatorRestarted, Liveness, Watcher, announce_failure, connect,
+                    CoordinatorRestarted, Liveness, Watcher, announce_failure, connect, count,
                     float_env, heartbeat_timeout_s, join_window_s, key, wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -100,6 +100,8 @@ class Replica:
                              f"start_replicas, got min_replicas={min_replicas}, "
                              f"start_replicas={start_replicas}")
         pieces = _pieces_of(hsdp.outer_sharding, start_replicas, redundancy)
+        self._outer_sharding, self._pieces = hsdp.outer_sharding, pieces
+        self._config_hash = ""  # of what every group must share (attach computes it)
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
@@ -162,6 +164,11 @@ class Replica:
                         "which cuts them by its redundancy.")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
+        if self.rank == 0:  # the leader arrives with it: a misconfigured group is refused
+            tensors = [(f"{unit.path()}/{sp.fqn}", sp.shape, sp.dtype)
+                       for unit in registry.units_under(model) for sp in unit.params]
+            self._config_hash = config.publish(self.store, config.describe(
+                self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))
 
     @property
     def live_replicas(self) -> list[int]:
@@ -270,8 +277,14 @@ class Replica:
             number = self._next_round if self._next_round is not None \
                 else self._rounds.next_open()
             while True:
-                arrival = Arrival(self.step, self.fresh, self._failed)
-                record = self._rounds.form(number, self._members, arrival)
+                arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
+                try:
+                    record = self._rounds.form(number, self._members, arrival)
+                except FaultToleranceError as e:  # refused, or no round: mates hear it too
+                    self.store.set(base + "/refused", str(e))
+                    self.store.add(base + "/refused_set", 1)
+                    self.store.add(base + "/round_ready", 1)
+                    raise
                 if record is not None:
                     break
                 # left out (or the members went past): a joiner at the next open round
@@ -283,6 +296,8 @@ class Replica:
             while True:
                 wait_count(self.store, base + "/round_ready", 1, 2 * self.round_timeout_s,
                            f"replica {self.replica_id}'s leader to join a round")
+                if count(self.store, base + "/refused_set"):
+                    raise FaultToleranceError(self.store.get(base + "/refused").decode())
                 try:
                     record = Round.from_json(self.store.get(base + "/round").decode())
                     break

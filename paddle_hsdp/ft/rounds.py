@@ -31,8 +31,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from . import config
 from .store import CoordinatorRestarted, count, key
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -48,6 +50,7 @@ class Arrival:
     step: int  # optimizer steps this replica has taken
     fresh: bool = False  # its state matches no replica's (just started, or left out)
     failed: bool = False  # its last attempt failed: the outer groups are rebuilt
+    config: str = ""  # hash of what it must share with the others (ft/config.py)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,10 @@ class Rounds:
             time.sleep(pause)
             pause = min(2 * pause, max(self.poll_s, 0.05))
         record = Round.from_json(text.decode() if isinstance(text, bytes) else text)
+        if self.replica not in record.members and \
+                count(store, key("r", number, "refused_set", self.replica)):
+            why = store.get(key("r", number, "refused", self.replica))
+            raise FaultToleranceError(why.decode() if isinstance(why, bytes) else why)
         return record if self.replica in record.members else None
 
     def _arrive_at(self, number: int, arrival: Arrival) -> int:
@@ -220,6 +227,7 @@ class Rounds:
         store = self.store
         members = {r: Arrival(**json.loads(store.get(key("r", number, "arrival", r))))
                    for r in self.arrived(number)}
+        members = self._leave_out_other_configs(number, members, expected)
         rebuild = (expected is None or sorted(members) != sorted(expected)
                    or any(a.fresh or a.failed for a in members.values()))
         text = Round(number, members, rebuild, count(store, key("failures")),
@@ -241,6 +249,36 @@ class Rounds:
             except CoordinatorRestarted:  # the record again, then the count
                 store.set(key("r", number, "record"), text)
                 store.add(key("r", number, "closed"), 1)
+
+    def _leave_out_other_configs(self, number: int, members: dict, expected) -> dict:
+        """``members`` without the replicas whose configuration (ranks per group, outer
+        sharding, pieces, model) differs from the running groups' (the most common among
+        the previous round's members, or in round 0 among all, the lowest id breaking a
+        tie): each is told why (``refused``, read by it in :meth:`form`) and logged, so
+        a misconfigured restart is refused once, before any group is created for it,
+        and the members' training goes on."""
+        if len({a.config for a in members.values() if a.config}) <= 1:
+            return members
+        base = sorted(r for r in members if members[r].config
+                      and (expected is None or r in expected)) or \
+            sorted(r for r in members if members[r].config)
+        tally = Counter(members[r].config for r in base)  # ties: the lowest id first
+        reference = tally.most_common(1)[0][0]
+        ours = config.read(self.store, reference)
+        kept = {}
+        for r, arrival in members.items():
+            if not arrival.config or arrival.config == reference:
+                kept[r] = arrival
+                continue
+            why = (f"paddle_hsdp.ft: replica {r} cannot join the running replica groups: "
+                   f"{config.first_difference(config.read(self.store, arrival.config), ours)}"
+                   ". Restart it with the same model, ranks per group (--nproc_per_node), "
+                   "fsdp_outer_sharding and PADDLE_HSDP_FT_START_REPLICAS / REDUNDANCY as "
+                   "the others.")
+            logger.warning("paddle_hsdp.ft: round %d leaves replica %d out: %s", number, r, why)
+            self.store.set(key("r", number, "refused", r), why)
+            self.store.add(key("r", number, "refused_set", r), 1)
+        return kept
 
     def _log_wait(self, number: int, expected) -> None:
         """One line per ``WAIT_LOG_S`` while a round waits: how long, who is in, whom
