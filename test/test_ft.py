@@ -587,3 +587,31 @@ def test_the_same_configuration_joins():
     ours = _config(store)
     results = _joiner_then_members(store, Arrival(0, fresh=True, config=ours), ours)
     assert all(results[r].replicas == [0, 1, 2] for r in range(3)), results
+
+
+def test_a_second_launch_of_a_live_replica_id_is_refused_and_a_dead_ones_is_taken_over():
+    """Issue 49: a second launch with a running replica id joined, trained alone and
+    exited 0 with a wrong model. Each launch claims its id; the claim before it holds
+    while its leader's watcher bumps the lease."""
+    from paddle_hsdp.ft.store import claim_replica_id
+    store = MemoryStore()
+    assert claim_replica_id(store, 3, "aaaa", "host-a", watch_s=0.2) is None  # first
+    stop = threading.Event()
+
+    def heartbeat():  # the first launch's watcher
+        while not stop.wait(0.01):
+            store.add(key("lease", 3, "aaaa"), 1)
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    try:
+        why = claim_replica_id(store, 3, "bbbb", "host-b", watch_s=0.2)
+        also = claim_replica_id(store, 3, "dddd", "host-d", watch_s=0.2)  # after a refusal
+    finally:
+        stop.set()
+        thread.join()
+    for refusal in (why, also):
+        assert refusal is not None and "replica id 3 is already running" in refusal
+        assert "host host-a" in refusal and "PADDLE_HSDP_FT_REPLICA_ID=3" in refusal
+    # the first launch died: its lease stands still, and a restart takes the id
+    assert claim_replica_id(store, 3, "cccc", "host-c", watch_s=0.2) is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import uuid
 
@@ -41,7 +42,8 @@ from . import config, groups, transfer
 from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV,
-                    CoordinatorRestarted, Liveness, Watcher, announce_failure, connect, count,
+                    CoordinatorRestarted, Liveness, Watcher, announce_failure,
+                    claim_replica_id, connect, count,
                     float_env, heartbeat_timeout_s, join_window_s, key, wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -128,6 +130,16 @@ class Replica:
         if self._world is not None:
             dist.broadcast_object_list(token, src=0)
         self._token = token[0]
+        # one live group per replica id: a second launch of a running id is refused
+        refusal = [claim_replica_id(self.store, replica_id, self._token,
+                                    socket.gethostname()) if self.rank == 0 else None]
+        if self._world is not None:
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            self._watcher.stop()
+            raise FaultToleranceError(refusal[0])
+        if self.rank == 0:
+            self._watcher.lease = key("lease", replica_id, self._token)
         self._arrivals = 0
         self.step = 0  # optimizer steps taken
         self.fresh = True  # state not (yet) known to match a replica's

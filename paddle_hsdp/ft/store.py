@@ -285,6 +285,7 @@ class Watcher:
         # None before the first and while a round forms
         self.armed: int | None = None
         self.joiners_waiting = False
+        self.lease: str | None = None  # the leader's lease on its replica id, once held
         self._stop = threading.Event()
         self._store.add(self._key, 1)
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -304,6 +305,8 @@ class Watcher:
     def _tick(self) -> None:
         store = self._store
         store.add(self._key, 1)
+        if self.lease is not None:  # this launch holds its replica id (claim_replica_id)
+            store.add(self.lease, 1)
         round_number = self.armed
         if round_number is None:  # no round: nothing to watch
             return
@@ -343,6 +346,34 @@ def announce_failure(store, round_number: int) -> None:
     for the job: the next round's record keeps the total)."""
     store.add(failure_key(round_number), 1)
     store.add(key("failures"), 1)
+
+
+def claim_replica_id(store, replica: int, token: str, host: str,
+                     watch_s: float = 8 * HEARTBEAT_INTERVAL_S) -> str | None:
+    """Take replica id ``replica`` for this launch (``token``): None if taken, else why
+    not. The id's holder is the last launch that took it; it holds the id while its
+    leader's watcher bumps its lease (``lease/<replica>/<token>``, every heartbeat). A
+    lease that moves within ``watch_s`` is a live group: this launch is refused. One that
+    does not (the group died or hangs) is taken over. Claims are counted (an atomic
+    ``add``), so of two launches started at once the second waits for the first's
+    holding and is refused."""
+    if store.add(key("id", replica, "claims"), 1) > 1:
+        wait_count(store, key("id", replica, "holder_set"), 1, watch_s,
+                   f"the holder of replica id {replica}")
+        raw = store.get(key("id", replica, "holder"))
+        other, other_host = (raw.decode() if isinstance(raw, bytes) else raw).split(" ", 1)
+        lease = key("lease", replica, other)
+        before, deadline = count(store, lease), time.monotonic() + watch_s
+        while time.monotonic() < deadline:
+            if count(store, lease) != before:
+                return (f"paddle_hsdp.ft: replica id {replica} is already running (its "
+                        f"leader on host {other_host}): a second launch with "
+                        f"PADDLE_HSDP_FT_REPLICA_ID={replica} is refused. Give this group "
+                        "an id no running group has, or stop the running one first.")
+            time.sleep(HEARTBEAT_INTERVAL_S / 4)
+    store.set(key("id", replica, "holder"), f"{token} {host}")
+    store.add(key("id", replica, "holder_set"), 1)
+    return None
 
 
 class Liveness:
