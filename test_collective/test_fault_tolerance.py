@@ -89,11 +89,11 @@ class FaultTolerantJob:
         self.coordinator.wait(timeout=10)
         self.coordinator = self._start_coordinator()
 
-    def start(self, replica: int, name: str, **env) -> subprocess.Popen:
+    def start(self, replica: int, name: str, ranks: int | None = None, **env) -> subprocess.Popen:
         log_dir = os.path.join(self.work, name)
         proc = subprocess.Popen(
             [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
-             str(self.ranks), "--log_dir", log_dir,
+             str(ranks or self.ranks), "--log_dir", log_dir,
              os.path.join(HERE, "workers", "worker_ft.py"), self.work, str(self.steps)],
             env=dict(self.env, PADDLE_HSDP_FT_REPLICA_ID=str(replica), **env),
             cwd=self.work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -205,6 +205,43 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     print(f"fault tolerance: from the kill to the next step {resumed - killed_at:.1f} s, from "
           f"the hang {after_hang - stopped_at:.1f} s; rejoin set-up {rejoin['set_up_s']:.2f} s "
           f"(round {rejoin['round_s']:.2f} s); scenario {took:.0f} s")
+
+
+def test_a_misconfigured_joiner_and_a_second_launch_of_a_live_id_are_refused():
+    """Issue 49: a group restarted with another --nproc_per_node, and a second launch
+    with the id of a running group, each took the running job down or trained alone.
+    Now: the second launch of id 0 is refused at ft.init (its holder's lease moves),
+    the 1-rank group is left out of the round that would take it in (its ranks per
+    group differ), each stops with a message naming why on every rank, and replica 0
+    trains to the end."""
+    job = FaultTolerantJob(replicas=1, steps=8)
+    deadline = time.time() + BOUND_S
+    try:
+        # replica 0 waits before step 3 until the misfit has arrived (so it runs while
+        # the duplicate starts, and is in a round when the misfit arrives)
+        running = job.start(0, "replica0", FT_TEST_WAIT_JOIN="1@3")
+        _wait(lambda: job.steps_done(0) >= 1, deadline, job, "replica 0's first step")
+        duplicate = job.start(0, "replica0_twice")
+        _wait(lambda: duplicate.poll() is not None, deadline, job, "the duplicate to end")
+        misfit = job.start(1, "replica1_one_rank", ranks=1)
+        for proc in (running, misfit):
+            _wait(lambda: proc.poll() is not None, deadline, job, "the three launches to end")
+        assert running.returncode == 0, job.logs()
+        assert misfit.returncode != 0 and duplicate.returncode != 0, job.logs()
+        logs = {name: "\n".join(open(p, errors="replace").read() for p in sorted(
+            glob.glob(os.path.join(job.work, name, "workerlog.*"))))
+            for name in ("replica0", "replica1_one_rank", "replica0_twice")}
+        assert logs["replica0_twice"].count("replica id 0 is already running") == 2, \
+            logs["replica0_twice"][-3000:]  # on both of its ranks
+        refusal = "replica 1 cannot join the running replica groups: ranks_per_group 1 " \
+                  "where the running groups have 2"
+        assert refusal in logs["replica1_one_rank"], logs["replica1_one_rank"][-3000:]
+        assert refusal in logs["replica0"], logs["replica0"][-3000:]  # the closer's log
+    finally:
+        job.stop()
+    result = _result(job, 0)
+    assert len(result["losses"]) == 8 and all(e["replicas"] == [0] for e in result["history"]
+                                              if e["kind"] == "step"), result["history"]
 
 
 def _result(job: FaultTolerantJob, replica: int) -> dict:
