@@ -615,3 +615,21 @@ def test_a_second_launch_of_a_live_replica_id_is_refused_and_a_dead_ones_is_take
         assert "host host-a" in refusal and "PADDLE_HSDP_FT_REPLICA_ID=3" in refusal
     # the first launch died: its lease stands still, and a restart takes the id
     assert claim_replica_id(store, 3, "cccc", "host-c", watch_s=0.2) is None
+
+
+def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(caplog):
+    """Issue 49: the group that left was not named, nor where a rejoining group's state
+    came from; the leader now logs both, once per round that changes them."""
+    from paddle_hsdp.ft import replica
+    ft = object.__new__(replica.Replica)
+    ft._logged_replicas, ft._timing = [0, 1, 2], {"round_s": 0.1, "set_up_s": 1.2}
+    with caplog.at_level("WARNING", logger="paddle_hsdp.ft"):
+        ft._log_membership(Round(7, {0: Arrival(9), 1: Arrival(9)}, rebuild=True))
+        ft._log_membership(Round(8, {0: Arrival(9), 1: Arrival(9)}, rebuild=False))
+        ft._log_membership(Round(9, {0: Arrival(11), 1: Arrival(11), 2: Arrival(0, True)},
+                                 rebuild=True))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # round 8 changed nothing
+    assert "round 7: left [2]; 2 replicas [0, 1]" in lines[0], lines[0]
+    assert "round 9: joined [2], replica(s) [2] took the state of step 11 from replica 0" \
+        in lines[1] and "set-up 1.20 s" in lines[1], lines[1]

@@ -104,6 +104,7 @@ class Replica:
         pieces = _pieces_of(hsdp.outer_sharding, start_replicas, redundancy)
         self._outer_sharding, self._pieces = hsdp.outer_sharding, pieces
         self._config_hash = ""  # of what every group must share (attach computes it)
+        self._logged_replicas: list[int] = []  # the last round's, as the leader logged it
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
@@ -412,6 +413,8 @@ class Replica:
         if error is not None:
             entry["error"] = str(error)[:300]
         self.history.append(entry)
+        if self.rank == 0 and "round_s" in self._timing:
+            self._log_membership(record)
         if self.rank == 0:
             if kind == "step":
                 logger.info("step %d: %d replicas %s", self.step, len(record.replicas),
@@ -419,6 +422,25 @@ class Replica:
             else:
                 logger.warning("step %d failed (replicas %s): %s", self.step + 1,
                                record.replicas, str(error)[:200])
+
+
+    def _log_membership(self, record: Round) -> None:
+        """One line when a round changes who trains: the groups that left and joined
+        since the last round this leader logged, and where a receiver's state came from
+        and how long the round's set-up took."""
+        before, now = self._logged_replicas, record.replicas
+        left, joined = [r for r in before if r not in now], [r for r in now if r not in before]
+        self._logged_replicas = now
+        if not (left or joined or record.receivers):
+            return
+        parts = [f"left {left}"] if left else []
+        parts += [f"joined {joined}"] if joined else []
+        if record.receivers:
+            parts.append(f"replica(s) {record.receivers} took the state of step "
+                         f"{record.step} from replica {record.donor}")
+        logger.warning("paddle_hsdp.ft: round %d: %s; %d replicas %s (round %.2f s, "
+                       "set-up %.2f s)", record.number, ", ".join(parts), len(now), now,
+                       self._timing.get("round_s", 0.0), self._timing.get("set_up_s", 0.0))
 
 
 def _pieces_of(outer_sharding: str, start_replicas: int, redundancy: int) -> int:
