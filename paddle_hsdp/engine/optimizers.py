@@ -229,22 +229,26 @@ def refuse_state_of_other_shape(optimizer, state_dict) -> None:
     and fail in the first step's kernel): naming the parameter and the way to load
     full state. Scalars (beta powers, steps) are shape-free. A full-size tensor for a
     split parameter is refused on every rank alike (the layout decides)."""
+    shards = {p.name: p for p in _sharded_params_of(unwrap_optimizer(optimizer))}
     masters = state_dict.get("master_weights") or {}
-    for p in _sharded_params_of(unwrap_optimizer(optimizer)):
+    found = [("master_weights", shards[name], value) for name, value in masters.items()
+             if name in shards]
+    for key, value in state_dict.items():  # accumulators: "<param name>_<state>_<n>"
+        if hasattr(value, "shape"):  # one pass over the keys, not one per parameter
+            owner = next((key[:i] for i, c in enumerate(key)
+                          if c == "_" and key[:i] in shards), None)
+            if owner is not None:
+                found.append((key, shards[owner], value))
+    for key, p, value in found:
         sp = p._hsdp_sharded_param
-        found = [(key, value) for key, value in state_dict.items()
-                 if key.startswith(p.name + "_") and hasattr(value, "shape")]
-        if p.name in masters:
-            found.append(("master_weights", masters[p.name]))
-        for key, value in found:
-            shape = list(value.shape)
-            if math.prod(shape) == 1 or shape == list(p.shape):
-                continue
-            what = "the full parameter's" if shape == sp.shape else "another"
-            raise ValueError(
-                f"set_state_dict: the optimizer state '{key}' of parameter '{sp.fqn}' has "
-                f"shape {shape} ({what} shape), but this rank's shard of it is "
-                f"{list(p.shape)}: on HSDP shards the optimizer takes its own rows only. "
-                "Load state saved by paddle_hsdp.save_checkpoint with "
-                "paddle_hsdp.load_checkpoint(path, model, optimizer), which cuts it for "
-                "any layout. Nothing was loaded.")
+        shape = list(value.shape)
+        if math.prod(shape) == 1 or shape == list(p.shape):
+            continue
+        what = "the full parameter's" if shape == sp.shape else "another"
+        raise ValueError(
+            f"set_state_dict: the optimizer state '{key}' of parameter '{sp.fqn}' has "
+            f"shape {shape} ({what} shape), but this rank's shard of it is "
+            f"{list(p.shape)}: on HSDP shards the optimizer takes its own rows only. "
+            "Load state saved by paddle_hsdp.save_checkpoint with "
+            "paddle_hsdp.load_checkpoint(path, model, optimizer), which cuts it for "
+            "any layout. Nothing was loaded.")

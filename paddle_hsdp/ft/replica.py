@@ -43,8 +43,8 @@ from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV,
                     CoordinatorRestarted, Liveness, Watcher, announce_failure,
-                    claim_replica_id, connect, count,
-                    float_env, heartbeat_timeout_s, join_window_s, key, wait_count)
+                    claim_replica_id, connect, count, float_env, heartbeat_timeout_s,
+                    join_window_s, key, wait_count)
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -178,7 +178,9 @@ class Replica:
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
         if self.rank == 0:  # the leader arrives with it: a misconfigured group is refused
-            tensors = [(f"{unit.path()}/{sp.fqn}", sp.shape, sp.dtype)
+            paths = {id(sub): name or "<root>"  # one walk, not one per unit (unit.path)
+                     for name, sub in model.named_sublayers(include_self=True)}
+            tensors = [(f"{paths.get(id(unit.module), '?')}/{sp.fqn}", sp.shape, sp.dtype)
                        for unit in registry.units_under(model) for sp in unit.params]
             self._config_hash = config.publish(self.store, config.describe(
                 self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))

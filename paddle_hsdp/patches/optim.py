@@ -2,15 +2,16 @@
 
 From the second step on, grads are final when the backward that ends a step returns
 (engine/outer_sync.py predicts it): the outer all-reduce (with outer sub-shards the
-reduce-scatter) and the 1/N scale ran there. What a step still needs runs in :class:`_StepBoundary`, around the update of
-**every** optimizer, however it steps: Paddle 3.3's optimizers have no step hooks, so
-:func:`install` wraps the own ``step``, ``minimize`` and ``_apply_optimize`` of every
-optimizer class (classes defined later too, through ``__init_subclass__``): Paddle's
-own optimizers and ``MixPrecisionOptimizer`` update in ``_apply_optimize``; an
-optimizer that overrides ``step`` without calling the base class (Paddle's Muon,
-hand-written ones) is caught at its ``step``; the outermost entry runs the boundary.
-Before the update: refusals (optimizers that cannot be right on shards), the sync of grads whose
-backward did not finish it (a step with fewer micro-steps than predicted, deferred or
+reduce-scatter) and the 1/N scale ran there. What a step still needs runs in
+:class:`_StepBoundary`, around the update of **every** optimizer, however it steps:
+Paddle 3.3's optimizers have no step hooks, so :func:`install` wraps the own ``step``,
+``minimize`` and ``_apply_optimize`` of every optimizer class (classes defined later
+too, through ``__init_subclass__``): Paddle's own optimizers and
+``MixPrecisionOptimizer`` update in ``_apply_optimize``; an optimizer that overrides
+``step`` without calling the base class (Paddle's Muon, hand-written ones) is caught at
+its ``step``; the outermost entry runs the boundary. Before the update: refusals
+(optimizers that cannot be right on shards), the sync of grads whose backward did not
+finish it (the first step, a step with fewer micro-steps than predicted, deferred or
 offloaded grads; one outer collective per buffer per step either way) and the HSDP clip
 in every place Paddle keeps one (:func:`paddle_hsdp.patches.clip.make_clip_hsdp_aware`).
 After it: with outer sub-shards (``fsdp_outer_sharding="optim"``) one outer all-gather
