@@ -633,3 +633,90 @@ def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(
     assert "round 7: left [2]; 2 replicas [0, 1]" in lines[0], lines[0]
     assert "round 9: joined [2], replica(s) [2] took the state of step 11 from replica 0" \
         in lines[1] and "set-up 1.20 s" in lines[1], lines[1]
+
+
+def _replica_with_loader(monkeypatch, rounds):
+    """A leader whose rounds are ``rounds`` (one per attempt: (receives, fails)): each
+    receiving round loads the donor's loader position 10; a failing attempt is retried.
+    Returns the replica, the loader, and what forward_backward was given."""
+    from paddle_hsdp.ft import replica
+    ft = object.__new__(replica.Replica)
+    loader = types.SimpleNamespace(position=0)
+
+    def next_batch():
+        loader.position += 1
+        return loader.position - 1
+
+    ft.model, ft.optimizer, ft.lr_scheduler = object(), types.SimpleNamespace(
+        step=lambda: None, clear_grad=lambda: None), None
+    ft._state_fn = lambda: {"position": loader.position}
+    ft._load_state_fn = lambda state: setattr(loader, "position", state["position"])
+    ft.step, ft._loads, ft._failed, ft.fresh, ft.max_failed_attempts = 0, 0, False, True, 5
+    ft._need_round, ft.replica_id, ft.store, ft.rank = True, 1, None, 0
+    ft.outer = types.SimpleNamespace(pieces=None, abandon=lambda: None)
+    plan = iter(rounds)
+    sent = []
+
+    def arrive():
+        receives, fails = next(plan)
+        ft._fails, ft._ran = fails, False
+        return types.SimpleNamespace(number=0, receivers=[1] if receives else [],
+                                     replicas=[0, 1], to_json=lambda: "{}")
+
+    def set_up(record, receiving):
+        sent.append(ft._plain_state()["user"])  # what this group would send as donor
+        if receiving:
+            ft._load_plain_state({"step": 10, "rng": paddle.get_rng_state(),
+                                  "lr_scheduler": None, "user": {"position": 10}})
+
+    ft._arrive, ft._set_up_round = arrive, set_up
+    ft._replica_votes = lambda failed, join: (failed or (ft._fails and ft._ran), False)
+    ft._joiners_waiting = lambda: False
+    ft._log = lambda *args, **kwargs: None
+    monkeypatch.setattr(replica, "finish_grad_sync", lambda opt: None)
+    monkeypatch.setattr(replica, "announce_failure", lambda store, number: None)
+    seen = []
+
+    def forward_backward(batch):
+        seen.append(batch)
+        ft._ran = True
+        ft._need_round = True  # every attempt of this test starts with a round
+        return paddle.to_tensor(0.0)
+
+    return ft, loader, seen, forward_backward, next_batch, sent
+
+
+def test_a_rejoining_group_fetches_its_batch_after_the_donors_position_is_loaded(
+        monkeypatch):
+    """Issue 49: a batch fetched before train_step, on a step whose round loads the
+    donor's loader position, was the group's stale one (params 15% off, silently).
+    train_step fetches it through next_batch once the round has loaded the state,
+    again if a retried attempt's round loads state anew, and not on a plain retry."""
+    ft, loader, seen, fb, next_batch, sent = _replica_with_loader(
+        monkeypatch, [(True, False), (False, False)])
+    ft.train_step(fb, next_batch=next_batch)
+    assert seen == [10] and ft.step == 11 and loader.position == 11
+    ft.train_step(fb, next_batch=next_batch)
+    assert seen == [10, 11] and loader.position == ft.step == 12
+    # a failed attempt, then a round that loads state: the batch is fetched again
+    ft, loader, seen, fb, next_batch, sent = _replica_with_loader(
+        monkeypatch, [(False, True), (True, False)])
+    ft.train_step(fb, next_batch=next_batch)
+    assert seen == [0, 10] and loader.position == ft.step == 11
+    # a failed attempt retried without a load: the same batch, fetched once; and what
+    # the group would send as a donor is its position before this step's batch
+    ft, loader, seen, fb, next_batch, sent = _replica_with_loader(
+        monkeypatch, [(False, True), (False, False)])
+    ft.train_step(fb, next_batch=next_batch)
+    assert seen == [0, 0] and loader.position == ft.step == 1
+    assert sent == [{"position": 0}, {"position": 0}]
+
+
+def test_attached_user_state_needs_next_batch_and_both_callables():
+    from paddle_hsdp.ft import replica
+    ft = object.__new__(replica.Replica)
+    ft.model, ft._load_state_fn = object(), lambda state: None
+    with pytest.raises(ValueError, match="pass next_batch="):
+        ft.train_step(lambda: None)
+    with pytest.raises(ValueError, match="state_dict and load_state_dict together"):
+        ft.attach(object(), object(), state_dict=lambda: {})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import time
 import uuid
@@ -142,6 +143,7 @@ class Replica:
         if self.rank == 0:
             self._watcher.lease = key("lease", replica_id, self._token)
         self._arrivals = 0
+        self._loads = 0  # plain states received from a donor
         self.step = 0  # optimizer steps taken
         self.fresh = True  # state not (yet) known to match a replica's
         self._failed = False  # the last attempt failed
@@ -152,6 +154,7 @@ class Replica:
         self.history: list[dict] = []  # one entry per committed step and per failure
         self.model = self.optimizer = self.lr_scheduler = None
         self._state_fn = self._load_state_fn = None
+        self._user_state: bytes | None = None  # the user's, as of this step's start
         hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
 
     # ------------------------------------------------------------ set-up
@@ -160,7 +163,13 @@ class Replica:
         """What a step trains and what a rejoining replica receives: the sharded
         ``model``, its ``optimizer`` (and ``lr_scheduler``, stepped after each committed
         step), and optionally the user's own plain state (``state_dict()`` returns a
-        picklable object, ``load_state_dict(obj)`` takes it)."""
+        picklable object, ``load_state_dict(obj)`` takes it; then ``train_step`` fetches
+        each batch through ``next_batch``, after any state is loaded)."""
+        if (state_dict is None) != (load_state_dict is None):
+            raise ValueError("Replica.attach: give state_dict and load_state_dict together "
+                             f"(got state_dict={state_dict!r}, load_state_dict="
+                             f"{load_state_dict!r}): a donor sends what one returns and a "
+                             "rejoining group loads it with the other.")
         for unit in registry.units_under(model):
             for buf in unit.buffers:
                 if buf.outer is not self.outer:
@@ -191,12 +200,33 @@ class Replica:
         return list(self.round.replicas) if self.round is not None else [self.replica_id]
 
     # ------------------------------------------------------------ the step
-    def train_step(self, forward_backward):
-        """Take one optimizer step: ``forward_backward()`` runs forward and backward on
-        this step's batch (choose it from ``self.step``) and returns the loss. Run again
-        if the attempt fails; returns the loss of the committed attempt."""
+    def train_step(self, forward_backward, next_batch=None):
+        """Take one optimizer step and return the loss of its committed attempt.
+
+        ``forward_backward()`` runs forward and backward on this step's batch (chosen
+        from ``self.step``) and returns the loss; with ``next_batch``, the batch is
+        fetched here by ``next_batch()`` and handed over, ``forward_backward(batch)``.
+        A failed attempt is run again, on the same batch. The batch is fetched only
+        once this step's round has loaded any state this group receives (its step,
+        RNG, scheduler and the ``state_dict`` given to :meth:`attach`, e.g. a loader's
+        position), and fetched again if a later attempt's round loads state anew: a
+        batch fetched before ``train_step`` would be the stale one of the group's old
+        position. So a job that attaches its own ``load_state_dict`` must pass
+        ``next_batch``."""
         if self.model is None:
             raise RuntimeError("Replica.train_step: call attach(model, optimizer) first")
+        if next_batch is None and self._load_state_fn is not None:
+            raise ValueError(
+                "Replica.train_step: attach() was given load_state_dict (your state, such "
+                "as a loader's position, comes from the donor when this group rejoins), so "
+                "pass next_batch=: train_step fetches the batch after loading it, "
+                "train_step(forward_backward, next_batch=lambda: next(loader)), and calls "
+                "forward_backward(batch). A batch fetched before train_step would be the "
+                "stale one of the group's old position.")
+        batch, batch_loads = None, -1  # the fetched batch, and self._loads when fetched
+        # what a donor sends is the user's state before this step's batch was fetched
+        # (a retried attempt has fetched it already): the receiver fetches the same one
+        self._user_state = pickle.dumps(self._state_fn()) if self._state_fn else None
         failures = 0
         while True:
             started = time.perf_counter()
@@ -221,7 +251,12 @@ class Replica:
             if error is None:
                 self._need_round = False
                 try:
-                    loss = forward_backward()
+                    if next_batch is None:
+                        loss = forward_backward()
+                    else:
+                        if batch_loads != self._loads:  # first attempt, or state loaded
+                            batch, batch_loads = next_batch(), self._loads
+                        loss = forward_backward(batch)
                     join_wanted = self._joiners_waiting()
                     finish_grad_sync(self.optimizer)
                 except (CollectiveError, FaultToleranceError) as e:
@@ -390,9 +425,10 @@ class Replica:
         return {"step": self.step, "rng": paddle.get_rng_state(),
                 "lr_scheduler": (self.lr_scheduler.state_dict()
                                  if self.lr_scheduler is not None else None),
-                "user": self._state_fn() if self._state_fn is not None else None}
+                "user": pickle.loads(self._user_state) if self._user_state else None}
 
     def _load_plain_state(self, extra: dict) -> None:
+        self._loads += 1
         self.step = extra["step"]
         paddle.set_rng_state(extra["rng"])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:

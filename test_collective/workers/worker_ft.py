@@ -2,7 +2,9 @@
 scenarios of test_fault_tolerance.py start a coordinator and several of these, kill and
 restart them, stop (hang) a rank, and kill a joiner or a donor in the state transfer.
 
-argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
+Each rank's batches come from a loader whose position is attached to the replica's
+state and fetched through train_step's next_batch (a rejoining group must go on
+from the donor's position, not train a stale batch). argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
 (every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
 (rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
 SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
@@ -53,7 +55,24 @@ for layer in model.layers:
     paddle_hsdp.fully_shard(layer)
 paddle_hsdp.fully_shard(model)
 opt, scheduler = make_optimizer(model.parameters())
-replica.attach(model, opt, lr_scheduler=scheduler)
+
+
+class Loader:
+    """This rank's batches in order; its position travels with the replica's state
+    (a rejoining group takes the donor's and goes on from there)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __next__(self):
+        self.position += 1
+        return batch(self.position - 1, replica.replica_id, rank)
+
+
+loader = Loader()
+replica.attach(model, opt, lr_scheduler=scheduler,
+               state_dict=lambda: {"position": loader.position},
+               load_state_dict=lambda state: setattr(loader, "position", state["position"]))
 if os.environ.get("FT_TEST_OPTIM"):  # HFSDP as ft cut it: two pieces, each held twice
     from paddle_hsdp.engine.registry import registry
     buffers = [b for u in registry.units_under(model) for b in u.buffers if b.trainable]
@@ -95,8 +114,8 @@ def fault_hook():
     return None
 
 
-def forward_backward():
-    x, y = batch(replica.step, replica.replica_id, rank)
+def forward_backward(xy):
+    x, y = xy
     loss = loss_of(model, x, y, fault_hook())
     (loss + penalty_of(model, penalty) if penalty else loss).backward()
     return loss
@@ -116,7 +135,9 @@ while replica.step < steps:
         while rank == 0 and not replica._watcher.joiners_waiting:  # test only
             assert time.time() < deadline, "the watcher never saw the joiner"
             time.sleep(0.05)
-    loss = replica.train_step(forward_backward)
+    loss = replica.train_step(forward_backward, next_batch=lambda: next(loader))
+    # a batch per committed step, whatever rounds, retries and rejoins came between
+    assert loader.position == replica.step, (loader.position, replica.step)
     losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
     if rank == 0:
         with open(os.path.join(out_dir, f"progress{replica.replica_id}"), "w") as f:
