@@ -720,3 +720,46 @@ def test_attached_user_state_needs_next_batch_and_both_callables():
         ft.train_step(lambda: None)
     with pytest.raises(ValueError, match="state_dict and load_state_dict together"):
         ft.attach(object(), object(), state_dict=lambda: {})
+
+
+def _joint(store, replica_id, replicas, pieces=None, step=7):
+    from paddle_hsdp.ft.joint_save import JointSave
+    from paddle_hsdp.ft.pieces import PiecePlan
+    outer = types.SimpleNamespace(pieces=None, virtual_rank=lambda r: 2 * r + 1)
+    if pieces:
+        outer.pieces = PiecePlan(pieces, replica_id, outer.virtual_rank)
+    replica = types.SimpleNamespace(
+        round=types.SimpleNamespace(number=3, replicas=replicas), step=step, store=store,
+        replica_id=replica_id, outer=outer, ranks_per_replica=2, round_timeout_s=0.3)
+    return JointSave(replica)
+
+
+def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
+    """Issue 49: in an HFSDP fault-tolerant job each group holds one piece of the
+    optimizer state, so a save inside one group could never tile a tensor. Every box
+    has one writing group, chosen from the shared round (the lowest live holder); the
+    group that completes the count publishes, the others hear its outcome, and a group
+    that never comes fails the save on the others within the round timeout."""
+    store = MemoryStore()
+    live = [1, 2, 3]  # replica 0 is gone: piece 0 is left to replica 2
+    joints = {r: _joint(store, r, live, pieces=2) for r in live}
+    assert [r for r in live if joints[r].writes(None)] == [1]
+    assert [r for r in live if joints[r].writes(0)] == [2]
+    assert [r for r in live if joints[r].writes(1)] == [1]
+    assert joints[3].file_rank() == 7 and joints[1].world_size == 6
+    assert len({j.token("/ckpt") for j in joints.values()}) == 1
+    assert joints[1].token("/ckpt") != joints[1].token("/other")
+    assert joints[1].gather("/ckpt", {"g": 1}) is None
+    assert joints[3].gather("/ckpt", {"g": 3}) is None
+    assert joints[2].gather("/ckpt", {"g": 2}) == [{"g": 1}, {"g": 2}, {"g": 3}]
+    joints[2].announce("/ckpt", "")
+    assert joints[1].outcome("/ckpt") == "" and joints[3].outcome("/ckpt") == ""
+    # HSDP: the lowest live group writes everything
+    assert _joint(store, 1, live).writes(None) and not _joint(store, 2, live).writes(None)
+    # a group that died before its part: the others' save fails, naming the live ones
+    store = MemoryStore()
+    lonely = _joint(store, 1, live)
+    assert lonely.gather("/ckpt", {}) is None
+    assert "replicas [1, 2, 3] were live" in lonely.outcome("/ckpt")
+    with pytest.raises(RuntimeError, match="after a committed train_step"):
+        _joint(store, 1, live, step=0).token("/ckpt")

@@ -269,7 +269,8 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     """[module docstring, HFSDP] replicas 0-3, pieces {0, 2} and {1, 3}."""
     job = FaultTolerantJob(replicas=4, ranks=1, steps=HFSDP_STEPS)
     # a penalty on model.parameters(): a term each group computes on its piece only
-    job.env.update(FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2", FT_TEST_PENALTY=PENALTY)
+    job.env.update(FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2", FT_TEST_PENALTY=PENALTY,
+                   FT_TEST_SAVE="1")
     deadline = time.time() + BOUND_S
     try:
         waits = "3@6,0@10"  # replica 3 is back before step 6, replica 0 before step 10
@@ -294,7 +295,7 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
         job.stop()
 
     out = run_single("single_process_ft.py", job.work, str(HFSDP_STEPS), "1", PENALTY)
-    assert "FT_PARITY_OK" in out, out[-2000:]
+    assert "FT_PARITY_OK" in out and "FT_CHECKPOINT_OK" in out, out[-2000:]
     expected = {t: [0, 1, 2, 3] if t < 3 else [0, 1, 2] if t < 7 else [1, 2, 3] if t < 11
                 else [0, 1, 2, 3] for t in range(1, HFSDP_STEPS + 1)}
     assert _members(out) == expected, _members(out)

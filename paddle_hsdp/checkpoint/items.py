@@ -40,6 +40,9 @@ class _Item:
         self.offset, self.size = [int(d) for d in offset], [int(d) for d in size]
         self.get, self.put = get, put
         self.split, self.tag, self.stage = split, tag, stage
+        # HFSDP in a fault-tolerant job: which piece of the optimizer state the box is
+        # (one replica group of its holders writes it); None: every group holds it
+        self.piece: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -156,6 +159,8 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
                 items.append(_Item(key, owner.shape, _dtype_name(t.dtype), offset, size,
                                    _getter(t, size[0]), _putter(t, size[0]), owner.split,
                                    owner.tag, owner.stage))
+                if sp is not None and sp.parts > 1:
+                    items[-1].piece = sp.part
             else:  # a scalar, the same on every rank holding the parameter
                 items.append(_Item(key, t.shape, _dtype_name(t.dtype), [0], dims(t.shape),
                                    _getter(t, None), _putter(t, None), None, owner.tag,

@@ -24,6 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..comm.arrival import expect_everyone
+from ..engine.registry import registry
 
 from .boxes import tiling_error
 from .format import (FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world,
@@ -47,21 +48,27 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     items, aliases, optimizer, axes = _all_items(model, optimizer, "save_checkpoint")
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
-    token = _token(call)
+    joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together
+    token = joint.token(path) if joint is not None else _token(call)
     tmp = f"{path}.tmp-{token}"
-    held = [it for it in items if not it.empty]
+    held = [it for it in items if not it.empty and (joint is None or joint.writes(it.piece))]
     everyone = _gather_json([it.descriptor() for it in held], call)
-    pieces, error = {}, _refusal_to_replace(path) or _refusal_to_tile(everyone)
+    # jointly, one group's boxes need not tile: the publisher checks every group's
+    pieces, error = {}, _refusal_to_replace(path) or (
+        _refusal_to_tile(everyone) if joint is None else None)
     if error is None:
         try:
             mine = writers(everyone)
-            pieces = _write_pieces(tmp, rank, [it for it in held if mine[_key(it.descriptor())]
-                                               == rank])
+            pieces = _write_pieces(tmp, joint.file_rank() if joint is not None else rank,
+                                   [it for it in held if mine[_key(it.descriptor())] == rank])
         except Exception as e:  # every rank must learn of it: agree below
             error = f"rank {rank}: {type(e).__name__}: {e}"
     manifests = _gather_json({"pieces": pieces, "error": error}, call)
     errors = [r["error"] for r in manifests if r["error"]]
-    if rank == 0:
+    if rank == 0 and joint is not None:
+        errors = _publish_jointly(joint, path, tmp, items, manifests, everyone, errors,
+                                  aliases, optimizer, extra, axes)
+    elif rank == 0:
         if not errors:
             try:
                 _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes)
@@ -74,6 +81,44 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
                               f"(if any) is unchanged. {outcome}")
+
+
+def _joint_save(model):
+    """The live replica groups' :class:`paddle_hsdp.ft.joint_save.JointSave` when
+    ``model`` trains in a fault-tolerant job (its outer group carries one), else None."""
+    for unit in registry.units_under(model):
+        for buf in unit.buffers:
+            return getattr(buf.outer, "joint_save", None)
+    return None
+
+
+def _publish_jointly(joint, path, tmp, items, manifests, everyone, errors, aliases,
+                     optimizer, extra, axes) -> list[str]:
+    """A replica group's leader: hand this group's part to the others; the group that
+    completes the set checks that every group's pieces tile every tensor and publishes,
+    the others learn its outcome. Returns the save's errors (none: published)."""
+    try:
+        groups = joint.gather(path, {"manifests": manifests, "descriptors": everyone,
+                                     "errors": errors})
+        if groups is None:
+            outcome = joint.outcome(path)
+            return [outcome] if outcome else []
+        errors = [e for g in groups for e in g["errors"]]
+        refusal = None if errors else _refusal_to_tile(
+            [d for g in groups for d in g["descriptors"]])
+        errors += [refusal] if refusal else []
+        if not errors:
+            try:
+                _publish(path, tmp, items, [m for g in groups for m in g["manifests"]],
+                         aliases, optimizer, extra, joint.world_size, axes)
+            except Exception as e:
+                errors.append(f"the publishing group: {type(e).__name__}: {e}")
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+        joint.announce(path, "; ".join(dict.fromkeys(errors)))
+        return errors
+    except Exception as e:  # the coordinator's store failed us: the save failed
+        return [f"the replica groups' save: {type(e).__name__}: {e}"]
 
 
 def _key(descriptor) -> str:

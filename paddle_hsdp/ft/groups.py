@@ -49,6 +49,9 @@ class LiveOuterGroup(Group):
     # HFSDP with redundancy: who holds which piece of the optimizer state (a
     # ft.pieces.PiecePlan, set by ft.init), read by the engine's buffers
     pieces = None
+    # the live replica groups saving one checkpoint together (a ft.joint_save.JointSave,
+    # set by ft.init), read by paddle_hsdp.checkpoint's save
+    joint_save = None
 
     def __init__(self, replica: int, local_rank: int, inner: int):
         self.replica, self.local_rank, self.inner_size = replica, local_rank, inner

@@ -63,7 +63,9 @@ class PiecePlan:
                     f"{record.number}: replicas {record.replicas} are live, and "
                     f"{held_by or 'none of them'} hold it without a valid copy. Every "
                     "replica group holding it failed before one could rejoin; restart "
-                    "the job from a checkpoint (a larger redundancy survives more).")
+                    "the job from the last checkpoint the live groups saved together "
+                    "(paddle_hsdp.save_checkpoint on every group; a larger redundancy "
+                    "survives more).")
             donors[q] = holders[0]
         self._donors = donors
         self._valid = self.replica in valid

@@ -40,6 +40,7 @@ from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from ..hints import did_you_mean
 from . import config, groups, transfer
+from .joint_save import JointSave
 from .pieces import PiecePlan
 from .rounds import Arrival, FaultToleranceError, Round, Rounds
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV,
@@ -109,6 +110,7 @@ class Replica:
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
+        self.outer.joint_save = JointSave(self)
         if pieces > 1:  # HFSDP: the engine cuts the optimizer state by this plan
             self.outer.pieces = PiecePlan(pieces, replica_id, self.outer.virtual_rank)
         self.round_timeout_s = round_timeout_s

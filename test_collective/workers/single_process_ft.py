@@ -10,6 +10,7 @@ FT_TEST_PENALTY, default 0). Prints the membership per step and FT_PARITY_OK.
 
 import glob
 import json
+import os
 import sys
 
 from ft_common import RANKS_PER_REPLICA, batch, build_model, loss_of, make_optimizer, penalty_of
@@ -65,4 +66,23 @@ for run in runs:
         param_diffs[f"{who} {name}"] = max_rel(value, want_params[name])
 report("ft: per-step losses of every rank vs the reference", loss_diffs)
 report("ft: final parameters of every replica vs the reference", param_diffs)
+checkpoint = os.path.join(out_dir, "ckpt")
+if os.path.isdir(checkpoint):  # the live groups' joint checkpoint, loaded into one process
+    import paddle_hsdp
+    from paddle_hsdp.engine.optimizers import _states_of
+    loaded = build_model()
+    loaded_opt, _ = make_optimizer(loaded.parameters())
+    extra = paddle_hsdp.load_checkpoint(checkpoint, loaded, loaded_opt)
+    assert extra == {"step": steps}, extra
+    ckpt_diffs = {}
+    for (name, want), got in zip(model.named_parameters(), loaded.parameters()):
+        ckpt_diffs[name] = max_rel(got.numpy(), want.numpy())
+        want_states, got_states = _states_of(opt, want), _states_of(loaded_opt, got)
+        assert sorted(want_states) == sorted(got_states), (sorted(want_states),
+                                                           sorted(got_states))
+        for acc, value in want_states.items():
+            ckpt_diffs[f"{name} {acc}"] = max_rel(got_states[acc].numpy(), value.numpy())
+    report("ft: the live groups' checkpoint (model and optimizer) vs the reference",
+           ckpt_diffs)
+    print(f"FT_CHECKPOINT_OK {len(ckpt_diffs)} tensors", flush=True)
 print(f"FT_PARITY_OK {len(loss_diffs)} losses, {len(param_diffs)} parameters", flush=True)

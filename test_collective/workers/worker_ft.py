@@ -11,7 +11,8 @@ SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it
 taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
-the squared norm of model.parameters() added to each rank's loss). Each rank writes
+the squared norm of model.parameters() added to each rank's loss), FT_TEST_SAVE=1
+(after the last step the live groups save one checkpoint, out_dir/ckpt). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings) and the final full parameters; the leader also writes
 out_dir/progress<r> (steps done) after each step.
@@ -142,6 +143,9 @@ while replica.step < steps:
     if rank == 0:
         with open(os.path.join(out_dir, f"progress{replica.replica_id}"), "w") as f:
             f.write(str(replica.step))
+if os.environ.get("FT_TEST_SAVE"):  # every live group, one checkpoint together
+    paddle_hsdp.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt,
+                                extra={"step": replica.step})
 replica.finish()
 full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(model).items()}
 with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),

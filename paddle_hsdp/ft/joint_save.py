@@ -1,0 +1,105 @@
+"""One checkpoint written by the live replica groups together.
+
+``save_checkpoint`` inside one replica group sees only that group: with HFSDP
+(``fsdp_outer_sharding="optim"``) the group holds one piece of the optimizer state,
+so its boxes cannot tile a tensor. A fault-tolerant job hands the checkpoint package
+a :class:`JointSave` (through the live outer group, so neither package imports the
+other); with it, every live group calls ``save_checkpoint`` after the same committed
+step and
+
+* each box is written by one group, decided from the round every group shares (no
+  message): a replicated box (the model, HSDP's whole optimizer state, scalars) by
+  the lowest live replica, a piece of HFSDP's optimizer state by the lowest live
+  replica holding that piece (:class:`~.pieces.PiecePlan`);
+* every group writes into the same scratch folder beside the checkpoint (so the
+  groups need one file system: a shared one across hosts), its files named by the
+  writers' virtual ranks;
+* each group's leader puts its ranks' manifests in the coordinator's store and counts
+  itself in; the group that completes the count checks that the pieces of all groups
+  tile every tensor, writes the metadata and moves the folder into place, then
+  announces the outcome, which every other group awaits (bounded by the round
+  timeout). A group that dies meanwhile fails the save on every live rank; the
+  previous checkpoint stays.
+
+The result is an ordinary checkpoint: it loads into any layout and into one process.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+from .store import CoordinatorRestarted, key, wait_count
+
+
+class JointSave:
+    """The checkpoint package's view of the live replica groups (duck-typed there:
+    ``token``, ``writes``, ``file_rank``, ``world_size``, ``gather``, ``announce``,
+    ``outcome``). Built by :class:`~.replica.Replica`; valid after a committed step."""
+
+    def __init__(self, replica):
+        self._replica = replica
+
+    @property
+    def _round(self):
+        record = self._replica.round
+        if record is None or self._replica.step == 0:
+            raise RuntimeError("paddle_hsdp.ft: save_checkpoint in a fault-tolerant job "
+                               "comes after a committed train_step (the groups' round "
+                               "says who writes what)")
+        return record
+
+    def token(self, path: str) -> str:
+        """The same on every rank of every live group saving ``path`` at this step."""
+        return (f"ft{self._round.number}s{self._replica.step}-"
+                f"{zlib.crc32(path.encode()):08x}")
+
+    def writes(self, piece: int | None) -> bool:
+        """Whether this group writes a box of ``piece`` (None: a box every live group
+        holds)."""
+        replicas = self._round.replicas
+        plan = self._replica.outer.pieces
+        if piece is None or plan is None:
+            return self._replica.replica_id == min(replicas)
+        holders = [r for r in replicas if plan.piece_of(r) == piece]
+        return bool(holders) and self._replica.replica_id == min(holders)
+
+    def file_rank(self) -> int:
+        """This rank's index among every live group's ranks (its rank file's name)."""
+        return self._replica.outer.virtual_rank(self._replica.replica_id)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._round.replicas) * self._replica.ranks_per_replica
+
+    def _key(self, path: str, *parts) -> str:
+        return key("save", self.token(path), *parts)
+
+    def gather(self, path: str, payload) -> list | None:
+        """Leader only: put this group's ``payload`` (JSON) in and count the group in;
+        every group's payloads, in replica order, to the group that completes the
+        count (it publishes), None to the others."""
+        store, replicas = self._replica.store, self._round.replicas
+        store.set(self._key(path, "group", self._replica.replica_id), json.dumps(payload))
+        if store.add(self._key(path, "arrived"), 1) < len(replicas):
+            return None
+        return [json.loads(store.get(self._key(path, "group", r)).decode())
+                for r in replicas]
+
+    def announce(self, path: str, outcome: str) -> None:
+        """The publisher: the save's outcome ("" when published) for the others."""
+        store = self._replica.store
+        store.set(self._key(path, "outcome"), outcome)
+
+    def outcome(self, path: str) -> str:
+        """The others' leaders: the publisher's outcome, or why none came in time."""
+        store = self._replica.store
+        timeout_s = self._replica.round_timeout_s
+        try:
+            wait_count(store, self._key(path, "arrived"), len(self._round.replicas),
+                       timeout_s, "every live replica group to write its part of the "
+                       "checkpoint")
+            return store.get(self._key(path, "outcome"), timeout_s).decode()
+        except (TimeoutError, CoordinatorRestarted) as e:
+            return (f"{e}: a replica group died or fell behind during the save "
+                    f"(replicas {self._round.replicas} were live)")
