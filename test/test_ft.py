@@ -118,6 +118,7 @@ def test_a_member_marked_dead_is_not_waited_for_and_the_groups_are_rebuilt():
                                     for r in (0, 1)])
     assert results[0].replicas == [0, 1] == results[1].replicas
     assert results[0].rebuild
+    assert results[1].left == {2: "a watcher saw a rank of it stop (killed or hung)"}
 
 
 def test_a_missing_member_is_left_out_after_the_join_window_and_rejoins_later():
@@ -126,6 +127,7 @@ def test_a_missing_member_is_left_out_after_the_join_window_and_rejoins_later():
     results = form_together(store, [(r, rounds_for(store, r, window=0.3), 5, [0, 1, 2],
                                      Arrival(9)) for r in (0, 1)])
     assert results[0].replicas == [0, 1] and time.monotonic() - start >= 0.3
+    assert "not arrived within the join window (0.3 s" in results[0].left[2]
     late = rounds_for(store, 2).form(5, [0, 1, 2], Arrival(9))
     assert late is None  # the round closed without it: it arrives at the next as a joiner
 
@@ -209,7 +211,7 @@ def test_a_close_cut_by_a_restart_writes_nothing_to_the_new_store():
     assert result[0].replicas == [0] and store.generation == 1  # formed again, there
 
 
-def serve_and_connect():
+def serve_and_connect(timeout_s: float = 10):
     """A coordinator's store on a free local port and a client of it: ``(port, server,
     client)``; ``del server`` stops it, ``serve("127.0.0.1", port)`` restarts it."""
     from paddle_hsdp.ft.store import connect, serve
@@ -217,7 +219,7 @@ def serve_and_connect():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = serve("127.0.0.1", port)
-    return port, server, connect(f"127.0.0.1:{port}", 10)
+    return port, server, connect(f"127.0.0.1:{port}", timeout_s)
 
 
 def test_a_store_client_outlives_a_restart_of_the_coordinator():
@@ -624,13 +626,17 @@ def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(
     ft = object.__new__(replica.Replica)
     ft._logged_replicas, ft._timing = [0, 1, 2], {"round_s": 0.1, "set_up_s": 1.2}
     with caplog.at_level("WARNING", logger="paddle_hsdp.ft"):
-        ft._log_membership(Round(7, {0: Arrival(9), 1: Arrival(9)}, rebuild=True))
+        ft._log_membership(Round(7, {0: Arrival(9), 1: Arrival(9)}, rebuild=True,
+                                 left={2: "its heartbeats stopped (killed or hung)"}))
         ft._log_membership(Round(8, {0: Arrival(9), 1: Arrival(9)}, rebuild=False))
         ft._log_membership(Round(9, {0: Arrival(11), 1: Arrival(11), 2: Arrival(0, True)},
                                  rebuild=True))
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines  # round 8 changed nothing
-    assert "round 7: left [2]; 2 replicas [0, 1]" in lines[0], lines[0]
+    assert Round.from_json(Round(7, {0: Arrival(9)}, True, left={2: "x"}).to_json()).left \
+        == {2: "x"}
+    assert "round 7: left [2] (2: its heartbeats stopped (killed or hung)); 2 replicas " \
+        "[0, 1]" in lines[0], lines[0]
     assert "round 9: joined [2], replica(s) [2] took the state of step 11 from replica 0" \
         in lines[1] and "set-up 1.20 s" in lines[1], lines[1]
 
@@ -763,3 +769,25 @@ def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
     assert "replicas [1, 2, 3] were live" in lonely.outcome("/ckpt")
     with pytest.raises(RuntimeError, match="after a committed train_step"):
         _joint(store, 1, live, step=0).token("/ckpt")
+
+
+def test_a_coordinator_that_stays_away_fails_every_call_within_one_timeout():
+    """Issue 49: with the coordinator gone, each store call waited a whole round
+    timeout of its own, so a group's death was reported 46-52 s after it with a 20 s
+    timeout. The bound now runs from the moment the coordinator was found gone."""
+    from paddle_hsdp.ft.store import serve
+    port, server, client = serve_and_connect(timeout_s=1.0)
+    client.add("k", 1)
+    del server
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no coordinator answers"):
+        client.add("k", 1)  # finds it gone, waits out the bound
+    first = time.monotonic() - started
+    for _ in range(3):  # the calls after: at once, not a bound each
+        with pytest.raises(TimeoutError, match="no coordinator answers"):
+            client.add("k", 1)
+    assert 1.0 <= first and time.monotonic() - started < first + 1.0, \
+        (first, time.monotonic() - started)
+    server = serve("127.0.0.1", port)
+    assert client.add("k", 1) == 1 and client.generation == 1  # back: a new bound later
+    del server

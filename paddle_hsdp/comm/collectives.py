@@ -252,11 +252,16 @@ def _failure(op: str, group, what):
         return CollectiveError(
             f"paddle_hsdp: {op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
             f"{' for ' + what_text if what_text else ''} failed: {type(error).__name__}: "
-            f"{str(error).strip()[:500]}. A rank of this group probably died or stopped "
-            "answering, or the ranks did not all make the same collective calls (a call "
-            "some ranks skipped, e.g. under `if rank == 0`, pairs with another one); this "
-            "rank stops too (restart the job from the last checkpoint).")
+            f"{str(error).strip()[:500]}. "
+            + (getattr(group, "failure_advice", None) or _FAILURE_ADVICE))
     return make
+
+
+_FAILURE_ADVICE = (
+    "A rank of this group probably died or stopped answering, or the ranks did not all "
+    "make the same collective calls (a call some ranks skipped, e.g. under `if rank == "
+    "0`, pairs with another one); this rank stops too (restart the job from the last "
+    "checkpoint).")
 
 
 def _waiting_for(op: str, group, what):

@@ -49,6 +49,10 @@ class LiveOuterGroup(Group):
     # HFSDP with redundancy: who holds which piece of the optimizer state (a
     # ft.pieces.PiecePlan, set by ft.init), read by the engine's buffers
     pieces = None
+    # what a failed collective on it means (paddle_hsdp.comm names it in the error)
+    failure_advice = ("A replica group of this outer group died, hung or was shut out "
+                      "(the round's log names it): paddle_hsdp.ft drops the attempt and "
+                      "forms a round without it; this rank goes on.")
     # the live replica groups saving one checkpoint together (a ft.joint_save.JointSave,
     # set by ft.init), read by paddle_hsdp.checkpoint's save
     joint_save = None

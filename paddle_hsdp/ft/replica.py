@@ -399,8 +399,9 @@ class Replica:
             else:
                 self.outer.carry_into(record.number)
             if record.receivers:
-                extra = transfer.stream_state(self.store, record, self.outer, self.model,
-                                              self.optimizer, self._plain_state())
+                extra, self._timing["state_bytes"] = transfer.stream_state(
+                    self.store, record, self.outer, self.model, self.optimizer,
+                    self._plain_state())
                 if receiving:
                     self._load_plain_state(extra)
             if self.outer.pieces is not None:
@@ -473,11 +474,15 @@ class Replica:
         self._logged_replicas = now
         if not (left or joined or record.receivers):
             return
-        parts = [f"left {left}"] if left else []
+        parts = [f"left {left} (" + "; ".join(
+            f"{r}: {record.left.get(r, 'not in this round')}" for r in left) + ")"] \
+            if left else []
         parts += [f"joined {joined}"] if joined else []
         if record.receivers:
             parts.append(f"replica(s) {record.receivers} took the state of step "
-                         f"{record.step} from replica {record.donor}")
+                         f"{record.step} from replica {record.donor} ("
+                         f"{self._timing.get('state_bytes', 0) / 2 ** 20:.1f} MiB through "
+                         "this rank)")
         logger.warning("paddle_hsdp.ft: round %d: %s; %d replicas %s (round %.2f s, "
                        "set-up %.2f s)", record.number, ", ".join(parts), len(now), now,
                        self._timing.get("round_s", 0.0), self._timing.get("set_up_s", 0.0))

@@ -62,6 +62,8 @@ class Round:
     # pieces of the optimizer state (HFSDP in a fault-tolerant job, ft/pieces.py), 1
     # without: replica r holds piece r % pieces
     pieces: int = 1
+    # the previous round's members that are not in this one, and why (for the log)
+    left: dict[int, str] = field(default_factory=dict)
     replicas: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -97,13 +99,15 @@ class Round:
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "rebuild": self.rebuild,
                            "failures": self.failures, "pieces": self.pieces,
-                           "members": {str(r): asdict(a) for r, a in self.members.items()}})
+                           "members": {str(r): asdict(a) for r, a in self.members.items()},
+                           "left": {str(r): why for r, why in self.left.items()}})
 
     @staticmethod
     def from_json(text: str) -> "Round":
         data = json.loads(text)
         return Round(data["number"], {int(r): Arrival(**a) for r, a in data["members"].items()},
-                     data["rebuild"], data["failures"], data.get("pieces", 1))
+                     data["rebuild"], data["failures"], data.get("pieces", 1),
+                     {int(r): why for r, why in data.get("left", {}).items()})
 
 
 def _generation(store) -> int:
@@ -231,7 +235,7 @@ class Rounds:
         rebuild = (expected is None or sorted(members) != sorted(expected)
                    or any(a.fresh or a.failed for a in members.values()))
         text = Round(number, members, rebuild, count(store, key("failures")),
-                     self.pieces).to_json()
+                     self.pieces, self._why_left(number, expected or [], members)).to_json()
         if _generation(store) != generation:  # what it read came from two stores
             return None
         try:  # the record before the flag, in one store
@@ -249,6 +253,25 @@ class Rounds:
             except CoordinatorRestarted:  # the record again, then the count
                 store.set(key("r", number, "record"), text)
                 store.add(key("r", number, "closed"), 1)
+
+    def _why_left(self, number: int, expected: list[int], members: dict) -> dict[int, str]:
+        """Why each of the previous round's members is not in round ``number``."""
+        why = {}
+        for r in expected:
+            if r in members:
+                continue
+            if count(self.store, key("r", number, "refused_set", r)):
+                why[r] = "refused: another configuration"
+            elif count(self.store, key("r", number - 1, "dead", r)):
+                why[r] = "a watcher saw a rank of it stop (killed or hung)"
+            elif self.liveness.dead(r):
+                why[r] = "its heartbeats stopped (killed or hung)"
+            elif r in self.arrived(number):
+                why[r] = "arrived after the round closed (it joins the next one)"
+            else:
+                why[r] = (f"not arrived within the join window ({self.join_window_s:g} s; "
+                          "a slow group joins the next round)")
+        return why
 
     def _leave_out_other_configs(self, number: int, members: dict, expected) -> dict:
         """``members`` without the replicas whose configuration (ranks per group, outer

@@ -104,6 +104,7 @@ class CoordinatorStore:
     def __init__(self, address: str, timeout_s: float):
         self.address, self.timeout_s = address, timeout_s
         self.generation = 0
+        self._gone_since: float | None = None  # when the coordinator was found gone
         self._client = _client(address, timeout_s)
 
     def set(self, name: str, value, retry: bool = True) -> None:
@@ -145,7 +146,13 @@ class CoordinatorStore:
             logger.warning("paddle_hsdp.ft: the coordinator at %s is gone; waiting up to "
                            "%g s for it to listen again", self.address, self.timeout_s)
             self._client = None  # closes the broken connection
-        self._client = _client(self.address, self.timeout_s)  # raises if it stays away
+            self._gone_since = time.monotonic()
+        # One bound from the moment it went, for every call after: each call waiting a
+        # whole timeout of its own made a failure reported 2.5 timeouts late.
+        waited = time.monotonic() - self._gone_since
+        self._client = _client(self.address, self.timeout_s,  # raises if it stays away
+                               wait_s=max(0.0, self.timeout_s - waited))
+        self._gone_since = None
         self.generation += 1
         logger.warning("paddle_hsdp.ft: reconnected to the coordinator at %s", self.address)
         if not retry:
@@ -164,16 +171,17 @@ def _broken(error: ValueError) -> bool:
     return "TCP" in str(error)
 
 
-def _client(address: str, timeout_s: float):
-    """A Paddle ``TCPStore`` client of the coordinator, made once one answers (within
-    ``timeout_s``).
+def _client(address: str, timeout_s: float, wait_s: float | None = None):
+    """A Paddle ``TCPStore`` client of the coordinator (``timeout_s``: its requests'),
+    made once one answers (within ``wait_s``, default ``timeout_s``).
 
     Paddle's client retries a refused connection for far longer than its timeout, so it
     is made only once something listens; and a coordinator still going down (killed,
     its process not gone yet) may accept and then reset the connection: that is
     retried too."""
     host, port = parse_address(address)
-    deadline = time.monotonic() + timeout_s
+    wait_s = timeout_s if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
     while True:
         try:
             wait_until_listening(host, port, max(0.0, deadline - time.monotonic()))
@@ -184,7 +192,7 @@ def _client(address: str, timeout_s: float):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"paddle_hsdp.ft: no coordinator answers at {address} ({e}) after "
-                    f"{timeout_s:g} s: start it with `python -m paddle_hsdp.ft.coordinator "
+                    f"{wait_s:g} s: start it with `python -m paddle_hsdp.ft.coordinator "
                     f"--port {port}` ({COORDINATOR_ENV} names it)") from None
             time.sleep(0.2)
 

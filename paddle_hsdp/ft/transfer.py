@@ -82,11 +82,12 @@ def _checksum(tensor) -> int:
     return zlib.crc32(data.view(np.uint8).reshape(-1)) if data.size else 0
 
 
-def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | None:
+def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[dict | None, int]:
     """Copy round ``record``'s donor state to this rank if its replica is a receiver.
     Every member of ``group`` calls it. ``extra``: this replica's plain state (step,
     RNG, scheduler, user; the donor's is sent); returns the donor's ``extra`` on a
-    receiver, None elsewhere. With shared optimizer pieces (``group.pieces``,
+    receiver, None elsewhere, and the bytes of tensors this rank broadcast or took
+    (for the log). With shared optimizer pieces (``group.pieces``,
     :mod:`.pieces`) each piece's optimizer state comes from a holder of that piece."""
     donor, replica = record.donor, group.replica
     receiving = replica in record.receivers
@@ -101,13 +102,14 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | 
             f"paddle_hsdp.ft: replica {replica} cannot take replica {donor}'s state: "
             "their models differ (names, shapes or dtypes of the shards; the inner degree "
             f"or the sharding must be the same). First difference: {first}")
-    sums = []
+    sums, moved = [], [0]
 
     def move(target, src):
         if math.prod(target.shape) == 0:  # nothing to send (a rank's empty share of a buffer)
             return
         comm.broadcast(target, src=group.virtual_rank(src), group=group, tag="ft state")
         sums.append(_checksum(target))
+        moved[0] += math.prod(target.shape) * target.element_size()
 
     for _, tensor in model_tensors:  # a receiver takes it in place
         move(tensor if replica == donor or receiving
@@ -129,13 +131,13 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> dict | 
             received = (pairs, opt_meta["rest"])
     _check_identical(sums, group)
     if not receiving:
-        return None
+        return None, moved[0]
     if received is not None:
         optimizer.set_state_dict(_unflatten(*received))
     registry.storage_may_have_changed()
     for unit in registry.units_under(model):
         unit.reshard(force=True)  # params kept gathered hold the old values
-    return meta["extra"]
+    return meta["extra"], moved[0]
 
 
 def _described(tensors) -> list:
