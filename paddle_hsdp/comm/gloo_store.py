@@ -61,13 +61,16 @@ def _store_timeout_s() -> int:
 
 def make_group_store(global_store, group_rank: int, group_size: int, group_id: int,
                      key: str | None = None, timeout_s: int | None = None,
-                     listen_first: bool = False):
+                     listen_first: bool = False, abort=None):
     """A rendezvous store private to one sub-group (see the module docstring).
     ``key``: where the address is published (default: by group id); ``timeout_s``: how
     long members wait for each other (default ``PADDLE_HSDP_GLOO_STORE_TIMEOUT``).
     ``listen_first``: publish the address only once the server listens, so members
     that read it at once do not meet a refused connection and the client's retry
-    back-off (seconds; paddle_hsdp.ft's rounds, whose members all read it at once)."""
+    back-off (seconds; paddle_hsdp.ft's rounds, whose members all read it at once).
+    ``abort``: called while a member waits for the address or the server (it raises to
+    stop waiting: paddle_hsdp.ft, once a failure is announced); needs a ``global_store``
+    whose ``get`` takes it."""
     key = key or f"{_KEY_PREFIX}/{group_id}"
     timeout_s = timeout_s or _store_timeout_s()
     if group_rank == 0:
@@ -81,17 +84,19 @@ def make_group_store(global_store, group_rank: int, group_size: int, group_id: i
             # The master's constructor returns once all group_size members connected.
             _servers[group_id] = core.TCPStore(host, port, True, group_size, timeout_s)
     else:
-        host, port = global_store.get(key).decode().rsplit(":", 1)
+        address = global_store.get(key) if abort is None else global_store.get(key, abort=abort)
+        host, port = address.decode().rsplit(":", 1)
         if listen_first:  # it listened before it published: gone now if it refuses
-            wait_until_listening(host, int(port), timeout_s)
+            wait_until_listening(host, int(port), timeout_s, abort)
     store = core.TCPStore(host, int(port), False, group_size, timeout_s)
     _group_stores[group_id] = store
     return store
 
 
-def wait_until_listening(host: str, port: int, timeout_s: float) -> None:
+def wait_until_listening(host: str, port: int, timeout_s: float, abort=None) -> None:
     """Return once something accepts connections at ``host:port``; ``TimeoutError``
-    after ``timeout_s``. Paddle's ``TCPStore`` client retries a refused connection far
+    after ``timeout_s`` (``abort()``, if given, is called between tries: it raises to
+    stop waiting). Paddle's ``TCPStore`` client retries a refused connection far
     past its own timeout (measured: still retrying after 120 s with 3 s), so a client of
     a server that may be gone is made only after this."""
     deadline = time.monotonic() + timeout_s
@@ -103,6 +108,8 @@ def wait_until_listening(host: str, port: int, timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listens at {host}:{port} after {timeout_s:g} s "
                                    f"({e})") from None
+            if abort is not None:
+                abort()
             time.sleep(0.2)
 
 

@@ -26,7 +26,8 @@ from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import make_group_store
-from .store import key, on_socket, socket_fds
+from .rounds import FaultToleranceError
+from .store import count, failure_key, key, on_socket, socket_fds
 
 # Negative (never one of Paddle's ring ids) and fixed, so the comm counter files all
 # rounds' traffic under one label.
@@ -160,7 +161,8 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
         group_store = make_group_store(
             store, rank, size, group_id,
             key=key("r", round_number, "outer_store", group.local_rank),
-            timeout_s=max(1, int(timeout_s)), listen_first=True)
+            timeout_s=max(1, int(timeout_s)), listen_first=True,
+            abort=_abort_on_failure(store, round_number))
         if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
             pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
                                               collective._get_global_env().pg_timeout, 0,
@@ -168,6 +170,17 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
         else:
             pg = core.ProcessGroupGloo.create(group_store, rank, size, group_id)
     return pg, socket_fds() - before
+
+
+def _abort_on_failure(store, round_number: int):
+    """Stop waiting for a round's group-store host once a failure is announced in the
+    round (a watcher saw the host, or another member, stop): without it a host that
+    died before publishing its address held every member for the round timeout."""
+    def abort():
+        if count(store, failure_key(round_number)):
+            raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
+                                      f"{round_number} while its outer groups were created")
+    return abort
 
 
 def _shut_down(fd: int) -> None:

@@ -8,7 +8,8 @@ from the donor's position, not train a stale batch). argv: out_dir, steps. Envir
 (every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
 (rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
 SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
-taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
+taken k steps), FT_TEST_DIE_IN_CONNECT=d@k (every rank SIGKILLs itself d s after it
+starts creating a round's outer groups, once it has taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
 the squared norm of model.parameters() added to each rank's loss), FT_TEST_SAVE=1
@@ -93,6 +94,24 @@ if os.environ.get("FT_TEST_DIE_IN_TRANSFER"):  # die at the n-th tensor moved
                 os.kill(os.getpid(), signal.SIGKILL)
         return broadcast(tensor, *args, tag=tag, **kwargs)
     collectives.broadcast = broadcast_then_die
+if os.environ.get("FT_TEST_DIE_IN_CONNECT"):  # die d s into a round's group creation
+    import threading
+
+    from paddle_hsdp.ft import groups as ft_groups
+    delay, _, connect_armed_at = os.environ["FT_TEST_DIE_IN_CONNECT"].partition("@")
+    connect = ft_groups.connect
+
+    def die_now():
+        with open(os.path.join(out_dir, f"died_in_connect{replica.replica_id}_rank{rank}"),
+                  "w") as f:
+            f.write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def connect_then_die(*args, **kwargs):
+        if replica.step >= int(connect_armed_at or 0):
+            threading.Timer(float(delay), die_now).start()
+        return connect(*args, **kwargs)
+    ft_groups.connect = connect_then_die
 
 
 def die(_grad):
