@@ -791,3 +791,50 @@ def test_a_coordinator_that_stays_away_fails_every_call_within_one_timeout():
     server = serve("127.0.0.1", port)
     assert client.add("k", 1) == 1 and client.generation == 1  # back: a new bound later
     del server
+
+
+def test_a_client_waiting_for_a_coordinator_says_so(monkeypatch, caplog):
+    """Issue 49: with no coordinator, ft.init waited out the whole round timeout (120 s)
+    in silence."""
+    from paddle_hsdp.ft import store
+    monkeypatch.setattr(store, "_SILENCE_S", 0.3)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there
+    with caplog.at_level("WARNING", logger="paddle_hsdp.ft"), \
+            pytest.raises(TimeoutError, match="no coordinator answers"):
+        store.connect(f"127.0.0.1:{port}", 1.0)
+    lines = [r.getMessage() for r in caplog.records if "yet (waited" in r.getMessage()]
+    assert 2 <= len(lines) <= 4 and "PADDLE_HSDP_FT_COORDINATOR" in lines[0], lines
+
+
+def test_once_the_job_has_trained_fresh_groups_alone_never_form_a_round():
+    """Found by tools/sweep_ft_deaths.py (issue 49): a member killed while a rejoin
+    round created its groups failed that round; the joiner, still fresh, formed the
+    next round alone when the donor came 1.5 s late, and trained the job again from
+    its initial model (the donor, left out, then took that state). A round whose
+    every member is fresh closes only while the job has not trained yet."""
+    store = MemoryStore()
+    joiner = rounds_for(store, 2, window=0.2)
+    late = {}
+
+    def donor_arrives_late():
+        time.sleep(0.6)  # three join windows after the joiner
+        late["record"] = rounds_for(store, 0, window=0.2).form(3, [0, 1, 2], Arrival(7),
+                                                               needs_state=True)
+
+    thread = threading.Thread(target=donor_arrives_late)
+    thread.start()
+    record = joiner.form(3, [0, 1, 2], Arrival(0, fresh=True), needs_state=True)
+    thread.join(10)
+    assert record.replicas == [0, 2] == late["record"].replicas
+    assert record.donor == 0 and record.receivers == [2] and record.step == 7
+    # before the job trained (the first round's copy failed): fresh groups go on
+    store = MemoryStore()
+    alone = rounds_for(store, 2, window=0.1).form(1, [0, 1, 2], Arrival(0, fresh=True))
+    assert alone.replicas == [2]
+    # and a job whose groups holding its state are all gone says so at the timeout
+    store = MemoryStore()
+    stuck = Rounds(store, 2, 1, 1, NeverDead(), 0.5, 0.1, poll_s=0.001)
+    with pytest.raises(FaultToleranceError, match="a replica group that holds the job's"):
+        stuck.form(3, [0, 1, 2], Arrival(0, fresh=True), needs_state=True)

@@ -157,19 +157,47 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
     rank, size = replicas.index(group.replica), len(replicas)
     group_id = _ROUND_GROUP_BASE + round_number * 1024 + group.local_rank
     before = socket_fds()
+    abort = _abort_on_failure(store, round_number)
     with group.creating(round_number, before):  # a failure meanwhile cuts it short
         group_store = make_group_store(
             store, rank, size, group_id,
             key=key("r", round_number, "outer_store", group.local_rank),
-            timeout_s=max(1, int(timeout_s)), listen_first=True,
-            abort=_abort_on_failure(store, round_number))
+            timeout_s=max(1, int(timeout_s)), listen_first=True, abort=abort)
         if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
             pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
                                               collective._get_global_env().pg_timeout, 0,
                                               None)
         else:
-            pg = core.ProcessGroupGloo.create(group_store, rank, size, group_id)
+            pg = _abandon_on_failure(
+                lambda: core.ProcessGroupGloo.create(group_store, rank, size, group_id), abort)
     return pg, socket_fds() - before
+
+
+def _abandon_on_failure(create, abort):
+    """``create()`` on a thread of its own, abandoned once ``abort()`` raises (a failure
+    announced in the round). The store's host of a round whose member died mid-way
+    stayed inside gloo's rendezvous even once its sockets were shut down (seen in
+    tools/sweep_ft_deaths.py: a member killed as the groups were created held the donor
+    past the round timeout); abandoned, the thread stays blocked until gloo gives up
+    (it holds no lock of ours), and the round fails now."""
+    result = {}
+
+    def run():
+        try:
+            result["pg"] = create()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="paddle_hsdp-ft-connect")
+    thread.start()
+    while True:
+        thread.join(0.05)
+        if not thread.is_alive():
+            break
+        abort()
+    if "error" in result:
+        raise result["error"]
+    return result["pg"]
 
 
 def _abort_on_failure(store, round_number: int):

@@ -330,8 +330,11 @@ class Replica:
                 else self._rounds.next_open()
             while True:
                 arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
+                # once the job has trained, fresh groups alone must not form a round
+                needs_state = self.round is not None and any(
+                    not a.fresh for a in self.round.members.values())
                 try:
-                    record = self._rounds.form(number, self._members, arrival)
+                    record = self._rounds.form(number, self._members, arrival, needs_state)
                 except FaultToleranceError as e:  # refused, or no round: mates hear it too
                     self.store.set(base + "/refused", str(e))
                     self.store.add(base + "/refused_set", 1)

@@ -135,6 +135,7 @@ class Rounds:
         self.join_window_s, self._arrived_at = join_window_s, 0.0
         self.start_replicas, self.min_replicas = start_replicas, min_replicas
         self.liveness, self.timeout_s, self.poll_s, self.clock = liveness, timeout_s, poll_s, clock
+        self._needs_state, self._fresh = False, {}  # of the round being formed
 
     def next_open(self) -> int:
         """The round a joiner arrives at: the one after the last closed round (or after
@@ -143,10 +144,15 @@ class Rounds:
             if count(self.store, key("round_floor_set")) else 0
         return max(count(self.store, key("closed_rounds")), floor)
 
-    def form(self, number: int, expected: list[int] | None, arrival: Arrival) -> Round | None:
+    def form(self, number: int, expected: list[int] | None, arrival: Arrival,
+             needs_state: bool = False) -> Round | None:
         """Arrive at round ``number`` and return its record, or None if it closed without
-        this replica. ``expected``: the previous round's members (None: a joiner)."""
+        this replica. ``expected``: the previous round's members (None: a joiner).
+        ``needs_state``: the job has trained (the previous round had a member whose
+        state is known), so the round closes only once such a member is in: a round of
+        fresh groups alone would train the job again from their initial models."""
         store = self.store
+        self._needs_state, self._fresh = needs_state, {}
         generation = self._arrive_at(number, arrival)
         deadline = self._arrived_at + self.timeout_s
         pause = self.poll_s  # grows to 50 ms: a joiner may wait here for many steps
@@ -212,9 +218,19 @@ class Rounds:
             return number == 0 and len(present) >= self.start_replicas
         if len(present) < self.min_replicas:
             return False
+        if self._needs_state and all(self._is_fresh(number, r) for r in present):
+            return False  # the job's state is elsewhere: wait for a group that holds it
         if self.clock() - self._arrived_at > self.join_window_s:
             return True  # the missing ones are dead or slow: a slow one joins next round
         return all(r in present or self._dead(number - 1, r) for r in expected)
+
+    def _is_fresh(self, number: int, replica: int) -> bool:
+        """Whether ``replica`` arrived at round ``number`` without a known state (read
+        once per round)."""
+        if replica not in self._fresh:
+            arrival = json.loads(self.store.get(key("r", number, "arrival", replica)))
+            self._fresh[replica] = bool(arrival.get("fresh"))
+        return self._fresh[replica]
 
     def _dead(self, last_round: int, replica: int) -> bool:
         """A member of the last round is gone: a watcher saw a rank of it stop, or its
@@ -320,7 +336,12 @@ class Rounds:
                 f"and at least {self.min_replicas}" if expected is not None else
                 f"{self.start_replicas} replicas to start" if number == 0 else
                 "the running replicas to reach a step boundary")
+        present = self.arrived(number)
+        if self._needs_state and present and all(self._is_fresh(number, r) for r in present):
+            need = ("a replica group that holds the job's state (every group in has a fresh "
+                    "one: the groups that held it are gone or late; restart from the last "
+                    "checkpoint if they are gone)")
         return (f"paddle_hsdp.ft: replica {self.replica} waited {self.timeout_s:g} s for round "
-                f"{number} to close: it needs {need}; arrived: {self.arrived(number)}. "
+                f"{number} to close: it needs {need}; arrived: {present}. "
                 "Is the coordinator's address right, and are enough replica groups running? "
                 "(PADDLE_HSDP_FT_ROUND_TIMEOUT sets the bound.)")

@@ -171,6 +171,9 @@ def _broken(error: ValueError) -> bool:
     return "TCP" in str(error)
 
 
+_SILENCE_S = 10.0  # a client waiting for the coordinator says so this often
+
+
 def _client(address: str, timeout_s: float, wait_s: float | None = None):
     """A Paddle ``TCPStore`` client of the coordinator (``timeout_s``: its requests'),
     made once one answers (within ``wait_s``, default ``timeout_s``).
@@ -181,14 +184,23 @@ def _client(address: str, timeout_s: float, wait_s: float | None = None):
     retried too."""
     host, port = parse_address(address)
     wait_s = timeout_s if wait_s is None else wait_s
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    deadline, next_word = start + wait_s, start + _SILENCE_S
     while True:
         try:
-            wait_until_listening(host, port, max(0.0, deadline - time.monotonic()))
+            # in slices, to say every _SILENCE_S that nothing answers yet
+            wait_until_listening(host, port, max(0.0, min(deadline, next_word)
+                                                 - time.monotonic()))
             return _connect_client(host, port, timeout_s)
         except (TimeoutError, ValueError) as e:
             if isinstance(e, ValueError) and not _broken(e):
                 raise
+            if next_word < deadline and time.monotonic() >= next_word:
+                logger.warning("paddle_hsdp.ft: no coordinator answers at %s yet (waited "
+                               "%.0f s of %g s; %s names it)", address,
+                               time.monotonic() - start, wait_s, COORDINATOR_ENV)
+                next_word += _SILENCE_S
+                continue
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"paddle_hsdp.ft: no coordinator answers at {address} ({e}) after "

@@ -19,6 +19,7 @@ out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's histo
 out_dir/progress<r> (steps done) after each step.
 """
 
+import faulthandler
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ for item in filter(None, os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")):
     wait_join.setdefault(int(step), []).append(int(joiner))
 stop_at = [int(v) for v in os.environ["FT_TEST_STOP_AT"].split("@")] \
     if os.environ.get("FT_TEST_STOP_AT") else None
+faulthandler.register(signal.SIGUSR1)  # a stuck rank's stacks, on demand (kill -USR1)
 if os.environ.get("FT_DEBUG"):
     logging.getLogger("paddle_hsdp.ft").setLevel(logging.DEBUG)
 paddle.set_default_dtype("float64")
