@@ -113,6 +113,14 @@ def wait_until_listening(host: str, port: int, timeout_s: float, abort=None) -> 
             time.sleep(0.2)
 
 
+def forget_group_store(group_id: int) -> None:
+    """Drop this process's store client and server of group ``group_id`` (a group whose
+    creation was abandoned: their destruction ends the connections its rendezvous is
+    blocked on)."""
+    _group_stores.pop(group_id, None)
+    _servers.pop(group_id, None)
+
+
 def stop_servers() -> None:
     """Destroy this process's store servers (joins their threads). Registered with
     ``atexit``; the groups keep working, their rendezvous is long done."""

@@ -17,6 +17,7 @@ rebuild of the engine.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 
@@ -25,9 +26,11 @@ from paddle.distributed import collective
 from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
-from ..comm.gloo_store import make_group_store
+from ..comm.gloo_store import forget_group_store, make_group_store
 from .rounds import FaultToleranceError
 from .store import count, failure_key, key, on_socket, socket_fds
+
+logger = logging.getLogger("paddle_hsdp.ft")
 
 # Negative (never one of Paddle's ring ids) and fixed, so the comm counter files all
 # rounds' traffic under one label.
@@ -169,11 +172,15 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
                                               None)
         else:
             pg = _abandon_on_failure(
-                lambda: core.ProcessGroupGloo.create(group_store, rank, size, group_id), abort)
+                lambda: core.ProcessGroupGloo.create(group_store, rank, size, group_id), abort,
+                lambda: forget_group_store(group_id), f"round {round_number}'s outer group")
     return pg, socket_fds() - before
 
 
-def _abandon_on_failure(create, abort):
+ABANDON_GRACE_S = 3.0  # an abandoned creation is given this long to end on its own
+
+
+def _abandon_on_failure(create, abort, release, what: str):
     """``create()`` on a thread of its own, abandoned once ``abort()`` raises (a failure
     announced in the round). The store's host of a round whose member died mid-way
     stayed inside gloo's rendezvous even once its sockets were shut down (seen in
@@ -194,7 +201,18 @@ def _abandon_on_failure(create, abort):
         thread.join(0.05)
         if not thread.is_alive():
             break
-        abort()
+        try:
+            abort()
+        except Exception:
+            # its store's connections closed, the rendezvous fails: the thread ends
+            # (one left blocked would abort the process when it exits)
+            release()
+            thread.join(ABANDON_GRACE_S)
+            if thread.is_alive():
+                logger.warning("paddle_hsdp.ft: the creation of %s is still blocked in "
+                               "gloo %g s after the round failed; abandoned", what,
+                               ABANDON_GRACE_S)
+            raise
     if "error" in result:
         raise result["error"]
     return result["pg"]
