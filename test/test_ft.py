@@ -838,3 +838,18 @@ def test_once_the_job_has_trained_fresh_groups_alone_never_form_a_round():
     stuck = Rounds(store, 2, 1, 1, NeverDead(), 0.5, 0.1, poll_s=0.001)
     with pytest.raises(FaultToleranceError, match="a replica group that holds the job's"):
         stuck.form(3, [0, 1, 2], Arrival(0, fresh=True), needs_state=True)
+
+
+def test_the_coordinator_listens_on_loopback_unless_told_and_warns_for_every_interface(
+        monkeypatch, capsys):
+    """Its store has no authentication and the groups unpickle what they read from it:
+    it no longer binds every interface by default, and says so when told to."""
+    from paddle_hsdp.ft import coordinator
+    seen = []
+    monkeypatch.setattr(coordinator, "serve", lambda host, port: seen.append(host))
+    monkeypatch.setattr(coordinator.signal, "sigwait", lambda signals: None)
+    monkeypatch.setattr(coordinator.signal, "pthread_sigmask", lambda how, signals: None)
+    coordinator.main(["--port", "29999"])
+    coordinator.main(["--port", "29999", "--host", "0.0.0.0"])
+    assert seen == ["127.0.0.1", "0.0.0.0"]
+    assert "WARNING: listening on every interface" in capsys.readouterr().err
