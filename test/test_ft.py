@@ -64,9 +64,9 @@ def form_together(store, calls):
     """Run ``Rounds.form`` for several replicas at once: {replica: record or error}."""
     results = {}
 
-    def run(replica, rounds, number, expected, arrival):
+    def run(replica, rounds, number, expected, arrival, needs_state=False):
         try:
-            results[replica] = rounds.form(number, expected, arrival)
+            results[replica] = rounds.form(number, expected, arrival, needs_state)
         except Exception as e:  # noqa: BLE001 (reported by the test)
             results[replica] = e
 
@@ -753,22 +753,31 @@ def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
     assert [r for r in live if joints[r].writes(0)] == [2]
     assert [r for r in live if joints[r].writes(1)] == [1]
     assert joints[3].file_rank() == 7 and joints[1].world_size == 6
-    assert len({j.token("/ckpt") for j in joints.values()}) == 1
-    assert joints[1].token("/ckpt") != joints[1].token("/other")
+    assert len({j.begin("/ckpt") for j in joints.values()}) == 1
     assert joints[1].gather("/ckpt", {"g": 1}) is None
     assert joints[3].gather("/ckpt", {"g": 3}) is None
     assert joints[2].gather("/ckpt", {"g": 2}) == [{"g": 1}, {"g": 2}, {"g": 3}]
     joints[2].announce("/ckpt", "")
     assert joints[1].outcome("/ckpt") == "" and joints[3].outcome("/ckpt") == ""
+    # the same path saved again at the same step (a retry, a final save): new keys, so
+    # the first save's payloads and outcome are not taken for the second's, and one
+    # group publishes
+    tokens = {j.begin("/ckpt") for j in joints.values()}
+    assert len(tokens) == 1 and "c2-" in tokens.pop()  # the second call
+    assert joints[1].gather("/ckpt", {"g": 1, "v": 2}) is None
+    assert joints[3].gather("/ckpt", {"g": 3, "v": 2}) is None
+    assert joints[2].gather("/ckpt", {"g": 2, "v": 2}) == [{"g": 1, "v": 2}, {"g": 2, "v": 2},
+                                                         {"g": 3, "v": 2}]
     # HSDP: the lowest live group writes everything
     assert _joint(store, 1, live).writes(None) and not _joint(store, 2, live).writes(None)
     # a group that died before its part: the others' save fails, naming the live ones
     store = MemoryStore()
     lonely = _joint(store, 1, live)
+    lonely.begin("/ckpt")
     assert lonely.gather("/ckpt", {}) is None
     assert "replicas [1, 2, 3] were live" in lonely.outcome("/ckpt")
     with pytest.raises(RuntimeError, match="after a committed train_step"):
-        _joint(store, 1, live, step=0).token("/ckpt")
+        _joint(store, 1, live, step=0).begin("/ckpt")
 
 
 def test_a_coordinator_that_stays_away_fails_every_call_within_one_timeout():
@@ -853,3 +862,34 @@ def test_the_coordinator_listens_on_loopback_unless_told_and_warns_for_every_int
     coordinator.main(["--port", "29999", "--host", "0.0.0.0"])
     assert seen == ["127.0.0.1", "0.0.0.0"]
     assert "WARNING: listening on every interface" in capsys.readouterr().err
+
+
+def test_with_pieces_a_round_waits_for_a_late_holder_of_each_piece():
+    """Review of issue 49: with HFSDP's pieces, the only holder of piece 0 arriving
+    after the join window made the round close without it (PieceLostError on every
+    rank). The round now waits for a live holder of each piece; a piece whose every
+    holder is dead is left to PieceLostError at once."""
+    store = MemoryStore()
+    make = lambda r: Rounds(store, r, 1, 1, NeverDead(), 10.0, 0.2, poll_s=0.001, pieces=2)
+    late = {}
+
+    def holder_of_piece_0_arrives_late():
+        time.sleep(0.5)
+        late["record"] = make(0).form(5, [0, 1, 2], Arrival(7), needs_state=True)
+
+    thread = threading.Thread(target=holder_of_piece_0_arrives_late)
+    thread.start()
+    results = form_together(store, [
+        (1, make(1), 5, [0, 1, 2], Arrival(7), True),
+        (2, make(2), 5, [0, 1, 2], Arrival(0, fresh=True), True)])
+    thread.join(10)
+    assert late["record"].replicas == [0, 1, 2], late["record"]
+    assert all(r.replicas == [0, 1, 2] for r in results.values()), results
+    # every holder of piece 0 dead: the round closes (and PiecePlan.arrange says lost)
+    store = MemoryStore()
+    store.add(key("r", 4, "dead", 0), 1)
+    make = lambda r: Rounds(store, r, 1, 1, NeverDead(), 10.0, 0.2, poll_s=0.001, pieces=2)
+    results = form_together(store, [
+        (1, make(1), 5, [0, 1, 2], Arrival(7), True),
+        (2, make(2), 5, [0, 1, 2], Arrival(0, fresh=True), True)])
+    assert all(r.replicas == [1, 2] for r in results.values()), results

@@ -49,7 +49,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
     joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together
-    token = joint.token(path) if joint is not None else _token(call)
+    token = joint.begin(path) if joint is not None else _token(call)
     tmp = f"{path}.tmp-{token}"
     held = [it for it in items if not it.empty and (joint is None or joint.writes(it.piece))]
     everyone = _gather_json([it.descriptor() for it in held], call)
@@ -65,7 +65,10 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
             error = f"rank {rank}: {type(e).__name__}: {e}"
     manifests = _gather_json({"pieces": pieces, "error": error}, call)
     errors = [r["error"] for r in manifests if r["error"]]
-    if rank == 0 and joint is not None:
+    if joint is not None and rank != 0:  # the group's leader decides; wait in the store
+        outcome = joint.outcome(path)
+        errors = [outcome] if outcome else []
+    elif joint is not None:
         errors = _publish_jointly(joint, path, tmp, items, manifests, everyone, errors,
                                   aliases, optimizer, extra, axes)
     elif rank == 0:

@@ -34,11 +34,26 @@ from .store import CoordinatorRestarted, key, wait_count
 
 class JointSave:
     """The checkpoint package's view of the live replica groups (duck-typed there:
-    ``token``, ``writes``, ``file_rank``, ``world_size``, ``gather``, ``announce``,
+    ``begin``, ``writes``, ``file_rank``, ``world_size``, ``gather``, ``announce``,
     ``outcome``). Built by :class:`~.replica.Replica`; valid after a committed step."""
 
     def __init__(self, replica):
         self._replica = replica
+        # saves of one path at one step so far: every group makes the same calls, so a
+        # second save of a path at a step (a retry, a final save after a periodic one)
+        # gets keys of its own
+        self._calls: dict[tuple[str, int], int] = {}
+        self._token: str | None = None
+
+    def begin(self, path: str) -> str:
+        """A save of ``path`` starts (every rank of every live group): its token, the
+        same on all of them and new for each save."""
+        at = (path, self._replica.step)
+        record = self._round
+        self._calls[at] = self._calls.get(at, 0) + 1
+        self._token = (f"ft{record.number}s{self._replica.step}c{self._calls[at]}-"
+                       f"{zlib.crc32(path.encode()):08x}")
+        return self._token
 
     @property
     def _round(self):
@@ -48,11 +63,6 @@ class JointSave:
                                "comes after a committed train_step (the groups' round "
                                "says who writes what)")
         return record
-
-    def token(self, path: str) -> str:
-        """The same on every rank of every live group saving ``path`` at this step."""
-        return (f"ft{self._round.number}s{self._replica.step}-"
-                f"{zlib.crc32(path.encode()):08x}")
 
     def writes(self, piece: int | None) -> bool:
         """Whether this group writes a box of ``piece`` (None: a box every live group
@@ -73,7 +83,7 @@ class JointSave:
         return len(self._round.replicas) * self._replica.ranks_per_replica
 
     def _key(self, path: str, *parts) -> str:
-        return key("save", self.token(path), *parts)
+        return key("save", self._token, *parts)
 
     def gather(self, path: str, payload) -> list | None:
         """Leader only: put this group's ``payload`` (JSON) in and count the group in;
@@ -81,8 +91,8 @@ class JointSave:
         count (it publishes), None to the others."""
         store, replicas = self._replica.store, self._round.replicas
         store.set(self._key(path, "group", self._replica.replica_id), json.dumps(payload))
-        if store.add(self._key(path, "arrived"), 1) < len(replicas):
-            return None
+        if store.add(self._key(path, "arrived"), 1) != len(replicas):
+            return None  # (more than len: a group counted twice; no second publisher)
         return [json.loads(store.get(self._key(path, "group", r)).decode())
                 for r in replicas]
 
@@ -92,7 +102,9 @@ class JointSave:
         store.set(self._key(path, "outcome"), outcome)
 
     def outcome(self, path: str) -> str:
-        """The others' leaders: the publisher's outcome, or why none came in time."""
+        """Every rank but the publisher's leader: the publisher's outcome, or why none
+        came in time (read from the store by each rank, so no rank waits in a
+        collective of its group meanwhile: gloo's own timeout is 30 s)."""
         store = self._replica.store
         timeout_s = self._replica.round_timeout_s
         try:

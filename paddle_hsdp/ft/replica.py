@@ -256,7 +256,10 @@ class Replica:
                     if next_batch is None:
                         loss = forward_backward()
                     else:
-                        if batch_loads != self._loads:  # first attempt, or state loaded
+                        # the first attempt's; again only once the user's state (the
+                        # loader's position) was loaded since
+                        if batch_loads < 0 or (batch_loads != self._loads
+                                               and self._load_state_fn is not None):
                             batch, batch_loads = next_batch(), self._loads
                         loss = forward_backward(batch)
                     join_wanted = self._joiners_waiting()
@@ -441,6 +444,8 @@ class Replica:
             self.lr_scheduler.set_state_dict(extra["lr_scheduler"])
         if self._load_state_fn is not None:
             self._load_state_fn(extra["user"])
+            # what this group sends if it donates later in this step: what it holds now
+            self._user_state = pickle.dumps(extra["user"])
         self.fresh = False
 
     def _log(self, started: float, kind: str, error=None) -> None:

@@ -218,18 +218,32 @@ class Rounds:
             return number == 0 and len(present) >= self.start_replicas
         if len(present) < self.min_replicas:
             return False
-        if self._needs_state and all(self._is_fresh(number, r) for r in present):
+        if self._needs_state and self._pieces_without_state(number, present, expected):
             return False  # the job's state is elsewhere: wait for a group that holds it
         if self.clock() - self._arrived_at > self.join_window_s:
             return True  # the missing ones are dead or slow: a slow one joins next round
         return all(r in present or self._dead(number - 1, r) for r in expected)
 
+    def _pieces_without_state(self, number: int, present, expected) -> list[int]:
+        """The pieces of the state (HSDP: the one piece, 0) that no present group holds
+        a known copy of. HSDP waits for a holder until the round timeout. With HFSDP's
+        pieces, only while a holder of the last round may still come: with every holder
+        dead the round closes and every rank stops with PieceLostError naming it."""
+        held = {r % self.pieces for r in present if not self._is_fresh(number, r)}
+        if self.pieces == 1:
+            return [] if held else [0]
+        return [q for q in range(self.pieces) if q not in held and any(
+            r % self.pieces == q and r not in present and not self._dead(number - 1, r)
+            for r in expected or [])]
+
     def _is_fresh(self, number: int, replica: int) -> bool:
-        """Whether ``replica`` arrived at round ``number`` without a known state (read
-        once per round)."""
-        if replica not in self._fresh:
-            arrival = json.loads(self.store.get(key("r", number, "arrival", replica)))
-            self._fresh[replica] = bool(arrival.get("fresh"))
+        """Whether ``replica`` arrived at round ``number`` without a known state. Only
+        "fresh" is kept: a group that held state can die and arrive again, fresh, at the
+        same round (a restart), while a fresh group stays fresh until it receives."""
+        if self._fresh.get(replica):
+            return True
+        arrival = json.loads(self.store.get(key("r", number, "arrival", replica)))
+        self._fresh[replica] = bool(arrival.get("fresh"))
         return self._fresh[replica]
 
     def _dead(self, last_round: int, replica: int) -> bool:
@@ -337,10 +351,12 @@ class Rounds:
                 f"{self.start_replicas} replicas to start" if number == 0 else
                 "the running replicas to reach a step boundary")
         present = self.arrived(number)
-        if self._needs_state and present and all(self._is_fresh(number, r) for r in present):
-            need = ("a replica group that holds the job's state (every group in has a fresh "
-                    "one: the groups that held it are gone or late; restart from the last "
-                    "checkpoint if they are gone)")
+        missing = self._pieces_without_state(number, present, expected) \
+            if self._needs_state and present else []
+        if missing:
+            need = (f"a replica group that holds the job's state{' (pieces ' + str(missing) + ')' if self.pieces > 1 else ''} "
+                    "(the groups in hold fresh states: the groups that held it are gone or "
+                    "late; restart from the last checkpoint if they are gone)")
         return (f"paddle_hsdp.ft: replica {self.replica} waited {self.timeout_s:g} s for round "
                 f"{number} to close: it needs {need}; arrived: {present}. "
                 "Is the coordinator's address right, and are enough replica groups running? "

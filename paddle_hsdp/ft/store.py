@@ -104,7 +104,9 @@ class CoordinatorStore:
     def __init__(self, address: str, timeout_s: float):
         self.address, self.timeout_s = address, timeout_s
         self.generation = 0
-        self._gone_since: float | None = None  # when the coordinator was found gone
+        # when the coordinator was found gone (one thread per client: the watcher has
+        # a client of its own)
+        self._gone_since: float | None = None
         self._client = _client(address, timeout_s)
 
     def set(self, name: str, value, retry: bool = True) -> None:
