@@ -3,6 +3,7 @@ when a round closes, who gives and who takes the state), the live outer group, a
 refusals. The multi-process behaviour (a killed and a hung replica group, a rejoin,
 parity with a single-process reference) is test_collective/test_fault_tolerance.py."""
 
+import json
 import socket
 import threading
 import time
@@ -672,7 +673,8 @@ def _replica_with_loader(monkeypatch, rounds):
     def set_up(record, receiving):
         sent.append(ft._plain_state()["user"])  # what this group would send as donor
         if receiving:
-            ft._load_plain_state({"step": 10, "rng": paddle.get_rng_state(),
+            ft._load_plain_state({"step": 10, "rng": [s.__getstate__() for s in
+                                                       paddle.get_rng_state()],
                                   "lr_scheduler": None, "user": {"position": 10}})
 
     ft._arrive, ft._set_up_round = arrive, set_up
@@ -893,3 +895,39 @@ def test_with_pieces_a_round_waits_for_a_late_holder_of_each_piece():
         (1, make(1), 5, [0, 1, 2], Arrival(7), True),
         (2, make(2), 5, [0, 1, 2], Arrival(0, fresh=True), True)])
     assert all(r.replicas == [1, 2] for r in results.values()), results
+
+
+def test_nothing_read_from_the_network_is_unpickled():
+    """Issue 50 (item 3): a rejoin's metadata crossed the coordinator's unauthenticated
+    store as a pickle, so a writer to its port could run code in every trainer. No
+    module of the package unpickles anything now."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "paddle_hsdp"
+    offenders = [f"{path.relative_to(root)}:{i}" for path in sorted(root.rglob("*.py"))
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if "pickle.load" in line or "import pickle" in line
+                 or "Unpickler" in line]
+    assert not offenders, offenders
+
+
+def test_a_donors_rng_state_and_user_state_travel_as_json():
+    from paddle_hsdp.ft import replica
+    paddle.seed(7)
+    saved = json.loads(json.dumps([s.__getstate__() for s in paddle.get_rng_state()]))
+    first = paddle.rand([3]).numpy()
+    paddle.set_rng_state([replica._generator_state(s) for s in saved])
+    assert (paddle.rand([3]).numpy() == first).all()  # the same draws after the load
+    assert replica._user_json({"position": 3}) == '{"position": 3}'
+    with pytest.raises(ValueError, match="state_dict\\(\\) must return JSON-serialisable"):
+        replica._user_json({"loader": object()})
+
+
+def test_a_schedulers_numpy_scalars_cross_as_json_and_anything_else_is_named():
+    store = MemoryStore()
+    record = types.SimpleNamespace(number=2)
+    sent = transfer._exchange_meta(store, record, ("x",), True,
+                                   lambda: {"last_lr": np.float32(0.5), "step": np.int64(3)})
+    got = transfer._exchange_meta(store, record, ("x",), False, None)
+    assert got == sent == {"last_lr": 0.5, "step": 3}
+    with pytest.raises(TypeError, match="cannot go to a rejoining group as JSON"):
+        transfer._exchange_meta(store, record, ("y",), True, lambda: {"bad": object()})

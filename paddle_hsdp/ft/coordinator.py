@@ -3,10 +3,10 @@
     python -m paddle_hsdp.ft.coordinator --port 29600 [--host ADDRESS]
 
 It listens on ``--host`` (default 127.0.0.1: one-host jobs); a multi-host job gives the
-address its replica groups reach it at. Its store has no authentication, and what
-the groups exchange through it is trusted (docs/fault-tolerance.md, "Trust"): keep the
-port on a network only the job's hosts reach. Every interface (0.0.0.0) is allowed,
-with a warning.
+address its replica groups reach it at. Its store has no authentication (what the
+groups exchange through it is JSON, never unpickled, but a writer could disturb the
+job: docs/fault-tolerance.md, "Trust"): keep the port on a network only the job's hosts
+reach. Every interface (0.0.0.0) is allowed, with a warning.
 
 It keeps the rounds' records and the replicas' heartbeats (paddle_hsdp.ft.store) and
 runs until stopped. It holds no model state: every replica group can die and restart

@@ -23,8 +23,8 @@ its step count, and those behind the furthest take the state of a replica there.
 from __future__ import annotations
 
 import logging
+import json
 import os
-import pickle
 import socket
 import time
 import uuid
@@ -165,7 +165,7 @@ class Replica:
         """What a step trains and what a rejoining replica receives: the sharded
         ``model``, its ``optimizer`` (and ``lr_scheduler``, stepped after each committed
         step), and optionally the user's own plain state (``state_dict()`` returns a
-        picklable object, ``load_state_dict(obj)`` takes it; then ``train_step`` fetches
+        JSON-serialisable object, ``load_state_dict(obj)`` takes it; then ``train_step`` fetches
         each batch through ``next_batch``, after any state is loaded)."""
         if (state_dict is None) != (load_state_dict is None):
             raise ValueError("Replica.attach: give state_dict and load_state_dict together "
@@ -228,7 +228,7 @@ class Replica:
         batch, batch_loads = None, -1  # the fetched batch, and self._loads when fetched
         # what a donor sends is the user's state before this step's batch was fetched
         # (a retried attempt has fetched it already): the receiver fetches the same one
-        self._user_state = pickle.dumps(self._state_fn()) if self._state_fn else None
+        self._user_state = _user_json(self._state_fn()) if self._state_fn else None
         failures = 0
         while True:
             started = time.perf_counter()
@@ -431,21 +431,21 @@ class Replica:
         return None
 
     def _plain_state(self) -> dict:
-        return {"step": self.step, "rng": paddle.get_rng_state(),
+        return {"step": self.step, "rng": [s.__getstate__() for s in paddle.get_rng_state()],
                 "lr_scheduler": (self.lr_scheduler.state_dict()
                                  if self.lr_scheduler is not None else None),
-                "user": pickle.loads(self._user_state) if self._user_state else None}
+                "user": json.loads(self._user_state) if self._user_state else None}
 
     def _load_plain_state(self, extra: dict) -> None:
         self._loads += 1
         self.step = extra["step"]
-        paddle.set_rng_state(extra["rng"])
+        paddle.set_rng_state([_generator_state(s) for s in extra["rng"]])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.set_state_dict(extra["lr_scheduler"])
         if self._load_state_fn is not None:
             self._load_state_fn(extra["user"])
             # what this group sends if it donates later in this step: what it holds now
-            self._user_state = pickle.dumps(extra["user"])
+            self._user_state = json.dumps(extra["user"])
         self.fresh = False
 
     def _log(self, started: float, kind: str, error=None) -> None:
@@ -494,6 +494,24 @@ class Replica:
         logger.warning("paddle_hsdp.ft: round %d: %s; %d replicas %s (round %.2f s, "
                        "set-up %.2f s)", record.number, ", ".join(parts), len(now), now,
                        self._timing.get("round_s", 0.0), self._timing.get("set_up_s", 0.0))
+
+
+def _user_json(state) -> str:
+    """The user's state (``attach``'s ``state_dict()``) as the JSON a donor sends."""
+    try:
+        return json.dumps(state)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"Replica.attach: state_dict() must return JSON-serialisable "
+                         f"values (numbers, strings, lists, dicts), got {e}: a rejoining "
+                         "group receives it as JSON (nothing read from the network is "
+                         "unpickled)") from None
+
+
+def _generator_state(saved):
+    """A Paddle RNG state from its JSON form (``GeneratorState.__getstate__``)."""
+    state = paddle.base.core.GeneratorState.__new__(paddle.base.core.GeneratorState)
+    state.__setstate__(tuple(saved))
+    return state
 
 
 def _pieces_of(outer_sharding: str, start_replicas: int, redundancy: int) -> int:

@@ -5,7 +5,7 @@ its own shard state, one tensor at a time (every unit buffer's flat shard, the
 parameters and buffers the engine does not shard, then each optimizer-state tensor),
 so no rank ever holds more than its own shard plus one tensor in flight. What is not
 a tensor (names, shapes and dtypes, the step count, the RNG state, an LR scheduler's
-and the user's extra state) goes first, pickled, through the coordinator's store.
+and the user's extra state) goes first, as JSON, through the coordinator's store.
 
 With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model comes
 from the donor and each piece's optimizer state from a holder of that piece.
@@ -21,7 +21,7 @@ the next round (``fresh``).
 from __future__ import annotations
 
 import math
-import pickle
+import json
 import zlib
 
 import numpy as np
@@ -142,24 +142,34 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
 
 def _described(tensors) -> list:
     """``(name, shape, dtype)`` of each named tensor: what a receiver allocates."""
-    return [(n, list(t.shape), _dtype(t)) for n, t in tensors]
+    return [[n, list(t.shape), _dtype(t)] for n, t in tensors]  # as JSON gives it back
 
 
 def _exchange_meta(store, record, where: tuple, sending: bool, build) -> dict:
-    """What is not a tensor goes pickled through the store: the sender writes
-    ``build()`` under round ``record``'s key ``where``, the others read it; a reader
-    stops waiting once a failure is announced in the round (the sender may be dead)."""
+    """What is not a tensor goes as JSON through the store (never a pickle: what a
+    trainer reads from the network must not run code): the sender writes ``build()``
+    under round ``record``'s key ``where``, the others read it; a reader stops waiting
+    once a failure is announced in the round (the sender may be dead). The receiver
+    gets the JSON round trip (tuples become lists); so does the sender, alike."""
     meta_key = key("r", record.number, "state", *where)
     if sending:
-        meta = build()
-        store.set(meta_key, pickle.dumps(meta))
-        return meta
+        text = json.dumps(build(), default=_plain)
+        store.set(meta_key, text)
+        return json.loads(text)
 
     def abort():
         if count(store, failure_key(record.number)):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced while "
                                       f"{meta_key} was awaited")
-    return pickle.loads(store.get(meta_key, abort=abort))
+    return json.loads(store.get(meta_key, abort=abort))
+
+
+def _plain(value):
+    """JSON for the numpy scalars a scheduler's or optimizer's state may hold."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"paddle_hsdp.ft: {type(value).__name__} in a replica's state cannot "
+                    "go to a rejoining group as JSON")
 
 
 def _optimizer_phases(record, plan) -> list[tuple[int, int, list[int]]]:
