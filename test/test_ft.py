@@ -756,19 +756,19 @@ def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
     assert [r for r in live if joints[r].writes(1)] == [1]
     assert joints[3].file_rank() == 7 and joints[1].world_size == 6
     assert len({j.begin("/ckpt") for j in joints.values()}) == 1
-    assert joints[1].gather("/ckpt", {"g": 1}) is None
-    assert joints[3].gather("/ckpt", {"g": 3}) is None
-    assert joints[2].gather("/ckpt", {"g": 2}) == [{"g": 1}, {"g": 2}, {"g": 3}]
-    joints[2].announce("/ckpt", "")
-    assert joints[1].outcome("/ckpt") == "" and joints[3].outcome("/ckpt") == ""
+    assert joints[1].gather({"g": 1}) is None
+    assert joints[3].gather({"g": 3}) is None
+    assert joints[2].gather({"g": 2}) == [{"g": 1}, {"g": 2}, {"g": 3}]
+    joints[2].announce("")
+    assert joints[1].outcome() == "" and joints[3].outcome() == ""
     # the same path saved again at the same step (a retry, a final save): new keys, so
     # the first save's payloads and outcome are not taken for the second's, and one
     # group publishes
     tokens = {j.begin("/ckpt") for j in joints.values()}
     assert len(tokens) == 1 and "c2-" in tokens.pop()  # the second call
-    assert joints[1].gather("/ckpt", {"g": 1, "v": 2}) is None
-    assert joints[3].gather("/ckpt", {"g": 3, "v": 2}) is None
-    assert joints[2].gather("/ckpt", {"g": 2, "v": 2}) == [{"g": 1, "v": 2}, {"g": 2, "v": 2},
+    assert joints[1].gather({"g": 1, "v": 2}) is None
+    assert joints[3].gather({"g": 3, "v": 2}) is None
+    assert joints[2].gather({"g": 2, "v": 2}) == [{"g": 1, "v": 2}, {"g": 2, "v": 2},
                                                          {"g": 3, "v": 2}]
     # HSDP: the lowest live group writes everything
     assert _joint(store, 1, live).writes(None) and not _joint(store, 2, live).writes(None)
@@ -776,8 +776,8 @@ def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
     store = MemoryStore()
     lonely = _joint(store, 1, live)
     lonely.begin("/ckpt")
-    assert lonely.gather("/ckpt", {}) is None
-    assert "replicas [1, 2, 3] were live" in lonely.outcome("/ckpt")
+    assert lonely.gather({}) is None
+    assert "replicas [1, 2, 3] were live" in lonely.outcome()
     with pytest.raises(RuntimeError, match="after a committed train_step"):
         _joint(store, 1, live, step=0).begin("/ckpt")
 

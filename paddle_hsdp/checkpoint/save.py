@@ -66,7 +66,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     manifests = _gather_json({"pieces": pieces, "error": error}, call)
     errors = [r["error"] for r in manifests if r["error"]]
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
-        outcome = joint.outcome(path)
+        outcome = joint.outcome()
         errors = [outcome] if outcome else []
     elif joint is not None:
         errors = _publish_jointly(joint, path, tmp, items, manifests, everyone, errors,
@@ -101,10 +101,10 @@ def _publish_jointly(joint, path, tmp, items, manifests, everyone, errors, alias
     completes the set checks that every group's pieces tile every tensor and publishes,
     the others learn its outcome. Returns the save's errors (none: published)."""
     try:
-        groups = joint.gather(path, {"manifests": manifests, "descriptors": everyone,
+        groups = joint.gather({"manifests": manifests, "descriptors": everyone,
                                      "errors": errors})
         if groups is None:
-            outcome = joint.outcome(path)
+            outcome = joint.outcome()
             return [outcome] if outcome else []
         errors = [e for g in groups for e in g["errors"]]
         refusal = None if errors else _refusal_to_tile(
@@ -118,7 +118,7 @@ def _publish_jointly(joint, path, tmp, items, manifests, everyone, errors, alias
                 errors.append(f"the publishing group: {type(e).__name__}: {e}")
         if errors:
             shutil.rmtree(tmp, ignore_errors=True)
-        joint.announce(path, "; ".join(dict.fromkeys(errors)))
+        joint.announce("; ".join(dict.fromkeys(errors)))
         return errors
     except Exception as e:  # the coordinator's store failed us: the save failed
         return [f"the replica groups' save: {type(e).__name__}: {e}"]

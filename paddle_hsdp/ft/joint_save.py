@@ -82,36 +82,37 @@ class JointSave:
     def world_size(self) -> int:
         return len(self._round.replicas) * self._replica.ranks_per_replica
 
-    def _key(self, path: str, *parts) -> str:
+    def _key(self, *parts) -> str:
+        """A key of the save :meth:`begin` started."""
         return key("save", self._token, *parts)
 
-    def gather(self, path: str, payload) -> list | None:
+    def gather(self, payload) -> list | None:
         """Leader only: put this group's ``payload`` (JSON) in and count the group in;
         every group's payloads, in replica order, to the group that completes the
         count (it publishes), None to the others."""
         store, replicas = self._replica.store, self._round.replicas
-        store.set(self._key(path, "group", self._replica.replica_id), json.dumps(payload))
-        if store.add(self._key(path, "arrived"), 1) != len(replicas):
+        store.set(self._key("group", self._replica.replica_id), json.dumps(payload))
+        if store.add(self._key("arrived"), 1) != len(replicas):
             return None  # (more than len: a group counted twice; no second publisher)
-        return [json.loads(store.get(self._key(path, "group", r)).decode())
+        return [json.loads(store.get(self._key("group", r)).decode())
                 for r in replicas]
 
-    def announce(self, path: str, outcome: str) -> None:
+    def announce(self, outcome: str) -> None:
         """The publisher: the save's outcome ("" when published) for the others."""
         store = self._replica.store
-        store.set(self._key(path, "outcome"), outcome)
+        store.set(self._key("outcome"), outcome)
 
-    def outcome(self, path: str) -> str:
+    def outcome(self) -> str:
         """Every rank but the publisher's leader: the publisher's outcome, or why none
         came in time (read from the store by each rank, so no rank waits in a
         collective of its group meanwhile: gloo's own timeout is 30 s)."""
         store = self._replica.store
         timeout_s = self._replica.round_timeout_s
         try:
-            wait_count(store, self._key(path, "arrived"), len(self._round.replicas),
+            wait_count(store, self._key("arrived"), len(self._round.replicas),
                        timeout_s, "every live replica group to write its part of the "
                        "checkpoint")
-            return store.get(self._key(path, "outcome"), timeout_s).decode()
+            return store.get(self._key("outcome"), timeout_s).decode()
         except (TimeoutError, CoordinatorRestarted) as e:
             return (f"{e}: a replica group died or fell behind during the save "
                     f"(replicas {self._round.replicas} were live)")

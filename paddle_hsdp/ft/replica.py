@@ -22,8 +22,8 @@ its step count, and those behind the furthest take the state of a replica there.
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 import socket
 import time
@@ -156,7 +156,7 @@ class Replica:
         self.history: list[dict] = []  # one entry per committed step and per failure
         self.model = self.optimizer = self.lr_scheduler = None
         self._state_fn = self._load_state_fn = None
-        self._user_state: bytes | None = None  # the user's, as of this step's start
+        self._user_state: str | None = None  # the user's (JSON), as of this step's start
         hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
 
     # ------------------------------------------------------------ set-up
@@ -331,11 +331,11 @@ class Replica:
         if self.rank == 0:
             number = self._next_round if self._next_round is not None \
                 else self._rounds.next_open()
+            # once the job has trained, fresh groups alone must not form a round
+            needs_state = self.round is not None and any(
+                not a.fresh for a in self.round.members.values())
             while True:
                 arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
-                # once the job has trained, fresh groups alone must not form a round
-                needs_state = self.round is not None and any(
-                    not a.fresh for a in self.round.members.values())
                 try:
                     record = self._rounds.form(number, self._members, arrival, needs_state)
                 except FaultToleranceError as e:  # refused, or no round: mates hear it too

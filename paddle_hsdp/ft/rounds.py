@@ -286,17 +286,18 @@ class Rounds:
 
     def _why_left(self, number: int, expected: list[int], members: dict) -> dict[int, str]:
         """Why each of the previous round's members is not in round ``number``."""
-        why = {}
+        why, present = {}, None
         for r in expected:
             if r in members:
                 continue
+            present = self.arrived(number) if present is None else present
             if count(self.store, key("r", number, "refused_set", r)):
                 why[r] = "refused: another configuration"
             elif count(self.store, key("r", number - 1, "dead", r)):
                 why[r] = "a watcher saw a rank of it stop (killed or hung)"
             elif self.liveness.dead(r):
                 why[r] = "its heartbeats stopped (killed or hung)"
-            elif r in self.arrived(number):
+            elif r in present:
                 why[r] = "arrived after the round closed (it joins the next one)"
             else:
                 why[r] = (f"not arrived within the join window ({self.join_window_s:g} s; "
@@ -354,9 +355,10 @@ class Rounds:
         missing = self._pieces_without_state(number, present, expected) \
             if self._needs_state and present else []
         if missing:
-            need = (f"a replica group that holds the job's state{' (pieces ' + str(missing) + ')' if self.pieces > 1 else ''} "
-                    "(the groups in hold fresh states: the groups that held it are gone or "
-                    "late; restart from the last checkpoint if they are gone)")
+            which = f" (pieces {missing})" if self.pieces > 1 else ""
+            need = (f"a replica group that holds the job's state{which} (the groups in hold "
+                    "fresh states: the groups that held it are gone or late; restart from "
+                    "the last checkpoint if they are gone)")
         return (f"paddle_hsdp.ft: replica {self.replica} waited {self.timeout_s:g} s for round "
                 f"{number} to close: it needs {need}; arrived: {present}. "
                 "Is the coordinator's address right, and are enough replica groups running? "
