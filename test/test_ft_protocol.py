@@ -1,0 +1,314 @@
+"""The fault-tolerance protocol on etcd (paddle_hsdp/ft/protocol.py): its decisions as
+pure functions, its attempt states, and its groups against a real etcd server (the
+embedded one, started once for this file: under a second)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from paddle_hsdp.ft import etcd_server
+from paddle_hsdp.ft.etcd import Etcd, parse_endpoints, security_from_env
+from paddle_hsdp.ft.protocol import (Arrival, Attempt, AttemptState, FaultToleranceError,
+                                     GroupControl, Keys, ProtocolError, Round, Rules, decide,
+                                     may_close)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TTL = 2  # s: a dead group's lease ends within it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    port = _free_port()
+    data = str(tmp_path_factory.mktemp("etcd"))
+    server = etcd_server.start("127.0.0.1", port, data, peer_port=_free_port())
+    yield {"address": f"etcd://127.0.0.1:{port}", "port": port, "data": data, "server": server}
+    server.terminate()
+    server.wait()
+
+
+_jobs = iter(range(10 ** 6))
+
+
+def _groups(etcd, n, start=None, job=None, **kw):
+    job = job or f"job{next(_jobs)}"
+    failures = {r: [] for r in range(n)}
+    rules = Rules(start_replicas=start or n, join_window_s=kw.pop("join_window_s", 1.0))
+    groups = [GroupControl(etcd["address"], job, r, f"tok{r}", "host", rules, TTL, 20,
+                           on_failure=failures[r].append, **kw) for r in range(n)]
+    for g in groups:
+        g.register()
+    return groups, failures, job
+
+
+def _arrive_all(groups, number, expected, arrivals=None):
+    out, errors = {}, []
+
+    def go(g):
+        try:
+            out[g.replica] = g.arrive(number, expected, (arrivals or {}).get(
+                g.replica, Arrival(0, True)))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=go, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return out
+
+
+def _close(groups):
+    for g in groups:
+        g.close()
+
+
+# ------------------------------------------------------------------ pure decisions
+def test_the_first_round_closes_once_the_starting_groups_are_in():
+    rules = Rules(start_replicas=3)
+    present = {r: Arrival(0, True) for r in range(2)}
+    assert not may_close(0, present, None, lambda r: None, 0.0, rules, False)
+    present[2] = Arrival(0, True)
+    assert may_close(0, present, None, lambda r: None, 0.0, rules, False)
+    assert not may_close(5, present, None, lambda r: None, 99.0, rules, False), \
+        "a joiner's view never closes a later round"
+
+
+def test_a_round_waits_for_each_member_until_it_is_dead_or_the_window_passes():
+    rules, present = Rules(start_replicas=3, join_window_s=3.0), {0: Arrival(4), 1: Arrival(4)}
+    alive, dead = (lambda r: None), (lambda r: "gone" if r == 2 else None)
+    assert not may_close(7, present, [0, 1, 2], alive, 1.0, rules, True)
+    assert may_close(7, present, [0, 1, 2], dead, 1.0, rules, True)
+    assert may_close(7, present, [0, 1, 2], alive, 3.5, rules, True)
+    record = decide(7, present, [0, 1, 2], dead, rules, failures=1, refused={})
+    assert record.replicas == [0, 1] and record.rebuild and record.left == {2: "gone"}
+
+
+def test_fresh_groups_alone_never_form_a_round_once_the_job_has_trained():
+    rules = Rules(start_replicas=2, join_window_s=0.1)
+    fresh = {1: Arrival(0, True)}
+    assert not may_close(3, fresh, [0, 1], lambda r: "gone" if r == 0 else None, 9.0, rules, True)
+    assert may_close(3, {**fresh, 0: Arrival(5)}, [0, 1], lambda r: None, 0.0, rules, True)
+
+
+def test_a_compact_record_survives_its_json_and_reads_the_old_form():
+    record = Round(4, {0: Arrival(7, False, True, "ab"), 3: Arrival(0, True)}, True, 2, 1,
+                   {1: "gone"}, {5: "other model"})
+    assert Round.from_json(record.to_json()) == record
+    old = json.dumps({"number": 1, "rebuild": False, "failures": 0, "members": {
+        "0": {"step": 3, "fresh": False, "failed": False, "config": ""}}})
+    assert Round.from_json(old).members == {0: Arrival(3)}
+    assert len(record.to_json()) < 200
+
+
+def test_an_attempt_takes_only_the_protocols_transitions():
+    attempt = Attempt()
+    for state in (AttemptState.REGISTERED, AttemptState.ARRIVED, AttemptState.MEMBER,
+                  AttemptState.TRAINING, AttemptState.TRAINING, AttemptState.FAILED,
+                  AttemptState.ARRIVED, AttemptState.LEFT_OUT, AttemptState.ARRIVED):
+        attempt.to(state)
+    with pytest.raises(ProtocolError, match="from arrived to training"):
+        attempt.to(AttemptState.TRAINING)
+    attempt.to(AttemptState.STOPPED)
+    with pytest.raises(ProtocolError):
+        attempt.to(AttemptState.REGISTERED)
+
+
+@pytest.mark.parametrize("address", ["", "etcd://", "localhost", "etcd://h:0", "h:p"])
+def test_a_bad_etcd_address_is_named(address):
+    with pytest.raises(ValueError, match="etcd://host:port"):
+        parse_endpoints(address)
+
+
+def test_endpoints_and_security_from_the_environment():
+    assert parse_endpoints("etcd://a:1,b:2") == [("a", 1), ("b", 2)]
+    assert parse_endpoints("127.0.0.1:2379") == [("127.0.0.1", 2379)]
+    with pytest.raises(ValueError, match="go together"):
+        security_from_env({"PADDLE_HSDP_FT_ETCD_CERT": "c.pem"})
+    assert security_from_env({"PADDLE_HSDP_FT_ETCD_CA": "ca.pem"}).ca == "ca.pem"
+
+
+# ------------------------------------------------------------------ against etcd
+def test_groups_form_rounds_hear_a_death_and_take_a_joiner_in(etcd):
+    groups, failures, job = _groups(etcd, 3)
+    try:
+        first = _arrive_all(groups, 0, None)
+        assert all(r.replicas == [0, 1, 2] for r in first.values())
+        for g in groups:
+            g.committed()
+        killed_at = time.monotonic()
+        groups[2].close(revoke=False)  # killed: its lease is left to expire
+        while not (failures[0] and failures[1]):
+            assert time.monotonic() - killed_at < TTL + 1.5, "a dead group's lease outlived TTL"
+            time.sleep(0.05)
+        assert failures[0] == [0] and failures[1] == [0]
+        for g in groups[:2]:
+            g.failed()
+        second = _arrive_all(groups[:2], 1, [0, 1, 2],
+                             {r: Arrival(0, False, True) for r in (0, 1)})
+        assert second[0] == second[1] and second[0].replicas == [0, 1]
+        assert "lease ended" in second[0].left[2]
+        # the killed group restarts: a joiner at the round after the last closed one
+        rules = Rules(start_replicas=3, join_window_s=1.0)
+        back = GroupControl(etcd["address"], job, 2, "tok2b", "host", rules, TTL, 20)
+        back.register()
+        assert back.next_open() == 2
+        got = {}
+        joiner = threading.Thread(target=lambda: got.setdefault(
+            2, back.arrive(2, None, Arrival(0, True))))
+        joiner.start()
+        for g in groups[:2]:
+            g.committed()
+        deadline = time.monotonic() + 5
+        while not all(g.join_waiting() for g in groups[:2]):
+            assert time.monotonic() < deadline, "the members never heard the joiner"
+            time.sleep(0.02)
+        third = _arrive_all(groups[:2], 2, [0, 1], {r: Arrival(1) for r in (0, 1)})
+        joiner.join(10)
+        assert got[2] == third[0] and third[0].replicas == [0, 1, 2]
+        assert third[0].receivers == [2] and third[0].donor == 0
+        groups[2] = back
+    finally:
+        _close(groups)
+
+
+def test_a_hung_group_revokes_its_own_lease_and_a_failure_reaches_every_member(etcd):
+    health = {"ok": True}
+    groups, failures, _ = _groups(etcd, 3)
+    try:
+        _arrive_all(groups, 0, None)
+        for g in groups:
+            g.committed()
+        groups[0].announce_failure(0)  # a failed collective, as one member saw it
+        deadline = time.monotonic() + 2
+        while not all(failures[r] for r in range(3)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert all(g.round_failed(0) for g in groups)
+        # a hung rank: its leader's health check fails and the lease goes at once
+        hung = GroupControl(groups[0]._address, groups[0].keys.root.split("/")[-2], 7, "t7",
+                            "host", groups[0].rules, TTL, 20, healthy=lambda: health["ok"])
+        hung.register()
+        seen_before = len(groups[1].deaths_seen)
+        health["ok"], hung_at = False, time.monotonic()
+        while len(groups[1].deaths_seen) == seen_before:
+            assert time.monotonic() - hung_at < 1.5, "a hung group's lease was not revoked"
+            time.sleep(0.02)
+        assert groups[1].deaths_seen[-1][1] == 7 and hung.lost is not None
+        with pytest.raises(FaultToleranceError, match="lost its place"):
+            hung.arrive(1, None, Arrival(0, True))
+    finally:
+        _close(groups)
+
+
+def test_a_second_launch_of_a_live_id_is_refused_and_a_dead_ones_taken_over(etcd):
+    groups, _, job = _groups(etcd, 1)
+    rules = Rules(start_replicas=1)
+    try:
+        second = GroupControl(etcd["address"], job, 0, "other", "host2", rules, TTL, 20)
+        with pytest.raises(FaultToleranceError, match="already running .* host host"):
+            second.register()
+        groups[0].close(revoke=False)  # dies: its id is free once the lease ends
+        started = time.monotonic()
+        third = GroupControl(etcd["address"], job, 0, "third", "host3", rules, TTL, 20)
+        third.register()
+        assert time.monotonic() - started < TTL + 1.5
+        third.close()
+    finally:
+        _close(groups)
+
+
+def test_a_decider_that_dies_is_replaced_and_a_late_member_is_left_out(etcd):
+    groups, _, _ = _groups(etcd, 3, join_window_s=0.5)
+    try:
+        _arrive_all(groups, 0, None)
+        for g in groups:
+            g.committed()
+        # group 0 arrives first, takes the decider key, and dies before deciding
+        keys = groups[0].keys
+        groups[0].etcd.put(keys.arrival(1, 0), json.dumps({"step": 0}), groups[0].lease)
+        assert groups[0].etcd.create(keys.decider(1), "tok0", groups[0].lease)
+        groups[0].close(revoke=False)
+        out = _arrive_all(groups[1:2], 1, [0, 1, 2], {1: Arrival(0)})
+        assert out[1].replicas == [1], "group 2 never came: left out after the window"
+        assert set(out[1].left) == {0, 2}
+        late = groups[2].arrive(1, [0, 1, 2], Arrival(0))
+        assert late is None, "a member that arrives after the record is out (it rejoins)"
+    finally:
+        _close(groups)
+
+
+def test_a_group_of_another_configuration_is_refused_by_the_record(etcd):
+    groups, _, _ = _groups(etcd, 2)
+    try:
+        ours = {"ranks_per_group": 2, "outer_sharding": "none", "pieces": 1, "tensors": []}
+        groups[0].publish_config("aa", json.dumps(ours))
+        groups[1].publish_config("bb", json.dumps({**ours, "ranks_per_group": 1}))
+        out, errors = {}, []
+
+        def go(g, digest):
+            try:
+                out[g.replica] = g.arrive(0, None, Arrival(0, True, False, digest))
+            except FaultToleranceError as e:
+                errors.append(str(e))
+        threads = [threading.Thread(target=go, args=(g, d)) for g, d in
+                   zip(groups, ("aa", "bb"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert out[0].replicas == [0]
+        assert len(errors) == 1 and "ranks_per_group 1 where the running groups have 2" in errors[0]
+    finally:
+        _close(groups)
+
+
+def test_a_restarted_etcd_loses_nothing_and_watches_resume(etcd, tmp_path):
+    port = _free_port()
+    data = str(tmp_path / "etcd")
+    server = etcd_server.start("127.0.0.1", port, data, peer_port=_free_port())
+    address = f"etcd://127.0.0.1:{port}"
+    seen = []
+    try:
+        client = Etcd(address)
+        client.put("/k/a", "1")
+        watch = client.watch("/k/", lambda kind, key, value, rev: seen.append((key, value)))
+        assert watch.ready.wait(5)
+        server.terminate()
+        server.wait()
+        server = etcd_server.start("127.0.0.1", port, data, peer_port=_free_port())
+        assert client.get("/k/a") == "1", "etcd's own persistence keeps the keys"
+        client.put("/k/b", "2")
+        deadline = time.monotonic() + 5
+        while ("/k/b", "2") not in seen:
+            assert time.monotonic() < deadline, "the watch did not resume after the restart"
+            time.sleep(0.05)
+        watch.stop()
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_the_protocol_imports_nothing_of_paddle():
+    code = ("import sys; sys.path.insert(0, 'tools'); import sim_ft; sim_ft._protocol(); "
+            "assert 'paddle' not in sys.modules, sorted(m for m in sys.modules if 'paddle' in m)")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_keys_are_one_job_s_and_parse_back():
+    keys = Keys("j")
+    assert keys.parse_ctl(keys.record(12)) == ("record", 12)
+    assert keys.parse_ctl(keys.finished) == ("finished", -1)
+    assert keys.arrival(3, 5).startswith(keys.rounds(3)) and "/j/" in keys.group(5)
