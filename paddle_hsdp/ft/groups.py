@@ -5,7 +5,7 @@ usual ones, and the inner group is the replica's sharding group. Across replicas
 nothing of fleet's exists: local rank ``i`` of every live replica forms outer group
 ``i``, created for a round straight from Paddle's process-group classes on a
 rendezvous store of its own (:func:`paddle_hsdp.comm.gloo_store.make_group_store`,
-its address published in the coordinator's store under the round's key).
+its address published in the job's shared data on etcd under the round's key).
 
 Ranks across replicas are *virtual*: ``replica * inner + local_rank``. The engine
 holds one :class:`LiveOuterGroup` per process from ``fully_shard`` on; each new round
@@ -27,8 +27,8 @@ from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import forget_group_store, make_group_store
-from .rounds import FaultToleranceError
-from .store import count, failure_key, key, on_socket, socket_fds
+from .protocol import FaultToleranceError
+from .store import key, on_socket, socket_fds
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -223,7 +223,7 @@ def _abort_on_failure(store, round_number: int):
     round (a watcher saw the host, or another member, stop): without it a host that
     died before publishing its address held every member for the round timeout."""
     def abort():
-        if count(store, failure_key(round_number)):
+        if store.failed(round_number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{round_number} while its outer groups were created")
     return abort

@@ -14,7 +14,7 @@ step and
 * every group writes into the same scratch folder beside the checkpoint (so the
   groups need one file system: a shared one across hosts), its files named by the
   writers' virtual ranks;
-* each group's leader puts its ranks' manifests in the coordinator's store and counts
+* each group's leader puts its ranks' manifests in the job's shared data (etcd) and counts
   itself in; the group that completes the count checks that the pieces of all groups
   tile every tensor, writes the metadata and moves the folder into place, then
   announces the outcome, which every other group awaits (bounded by the round
@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import zlib
 
-from .store import CoordinatorRestarted, key, wait_count
+from .store import key, wait_count
 
 
 class JointSave:
@@ -113,6 +113,6 @@ class JointSave:
                        timeout_s, "every live replica group to write its part of the "
                        "checkpoint")
             return store.get(self._key("outcome"), timeout_s).decode()
-        except (TimeoutError, CoordinatorRestarted) as e:
+        except TimeoutError as e:
             return (f"{e}: a replica group died or fell behind during the save "
                     f"(replicas {self._round.replicas} were live)")

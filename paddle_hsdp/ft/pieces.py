@@ -22,7 +22,7 @@ touches the piece its optimizer updates.
 
 from __future__ import annotations
 
-from .rounds import FaultToleranceError, Round
+from .protocol import FaultToleranceError, Round
 
 
 class PieceLostError(FaultToleranceError):

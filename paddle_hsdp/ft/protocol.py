@@ -35,6 +35,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from etcd3gw.exceptions import Etcd3Exception
+
 from .etcd import Etcd, EtcdUnavailable
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -294,8 +296,10 @@ class GroupControl:
         self.ttl_s = max(2, int(round(ttl_s)))
         self._healthy, self._on_failure, self._on_lost = healthy, on_failure, on_lost
         self._address, self._security = address, security
-        self.etcd = Etcd(address, security=security)  # the leader's main thread
-        self._kept = Etcd(address, security=security)  # the renewing thread's
+        # the leader's main thread's, and the renewing thread's: each waits up to the
+        # round timeout for a restarted coordinator
+        self.etcd = Etcd(address, security=security, away_s=round_timeout_s)
+        self._kept = Etcd(address, security=security, away_s=round_timeout_s)
         self.attempt = Attempt()
         self.lease = 0
         self._cv = threading.Condition()
@@ -320,7 +324,10 @@ class GroupControl:
 
     def register(self) -> None:
         """Take this group's id (FaultToleranceError if a live group holds it), then
-        watch the job's control keys and group deletions and renew the lease."""
+        watch the job's control keys and group deletions and renew the lease. Called
+        again once the lease is lost, it takes the id anew (a new group to the others)."""
+        if self.attempt.state is not AttemptState.UNREGISTERED:
+            self.attempt.to(AttemptState.UNREGISTERED)
         self.lease = self.etcd.grant(self.ttl_s)
         value = json.dumps({"token": self.token, "host": self.host, "lease": self.lease})
         while not self.etcd.create(self.keys.group(self.replica), value, self.lease):
@@ -337,8 +344,17 @@ class GroupControl:
                     f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
                     "an id no running group has, or stop the running one first.")
             time.sleep(HEALTH_TICK_S)  # a dead holder's lease expires: then it is ours
+            if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
+                self.lease = self.etcd.grant(self.ttl_s)
+                value = json.dumps({"token": self.token, "host": self.host,
+                                    "lease": self.lease})
         self.lost = None
         self.attempt.to(AttemptState.REGISTERED)
+        # renewed from now on: creating the watches may take a while on a loaded host
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, daemon=True,
+                                         name="paddle_hsdp-ft-lease")
+        self._renewer.start()
         if not self._watches:
             self._watches = [
                 self.etcd.watch(self.keys.ctl, self._on_ctl),
@@ -347,16 +363,17 @@ class GroupControl:
                 if not watch.ready.wait(self.round_timeout_s):
                     raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
                                               f"{self.round_timeout_s:g} s")
-        self._stop.clear()
-        self._renewer = threading.Thread(target=self._renew, daemon=True,
-                                         name="paddle_hsdp-ft-lease")
-        self._renewer.start()
+            # what the watch, from now on, cannot tell: whether the job already finished
+            self.finished = self.finished or self.etcd.get(self.keys.finished) is not None
 
     def _renewed(self, lease: int) -> bool:
         """Whether another launch keeps ``lease`` alive: its time to live goes up
         within one renewal interval (a dead or hung holder's only goes down)."""
         def left() -> float:
-            result = self.etcd.call("kv/lease/timetolive", {"ID": lease})
+            try:
+                result = self.etcd.call("kv/lease/timetolive", {"ID": lease})
+            except Etcd3Exception:  # "Not Found": it expired just now
+                return -1.0
             return float(result.get("TTL", -1))
         before, start = left(), time.monotonic()
         if before < 0:

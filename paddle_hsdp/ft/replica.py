@@ -9,7 +9,7 @@ and die together). If any of them saw a collective fail, no rank steps, every gr
 dropped and the step is attempted again, so the optimizer state of every survivor is
 as before the failed step.
 
-A *round* (:mod:`.rounds`, through the coordinator's store) is
+A *round* (:mod:`.protocol`, on the job's etcd) is
 formed only when needed: at the start, after a failed attempt, or when a replica waits
 to join. It fixes the live replicas, rebuilds the outer groups over them, and copies
 a donor's state to replicas that need it (:mod:`.transfer`). In steady state a step
@@ -22,6 +22,7 @@ its step count, and those behind the furthest take the state of a replica there.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -40,13 +41,14 @@ from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from ..hints import did_you_mean
 from . import config, groups, transfer
+from .etcd import security_from_env, wait_until_answers
+from .etcd import SECURITY_ENV
 from .joint_save import JointSave
+from .kv import JobStore
 from .pieces import PiecePlan
-from .rounds import Arrival, FaultToleranceError, Round, Rounds
-from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV,
-                    CoordinatorRestarted, Liveness, Watcher, announce_failure,
-                    claim_replica_id, connect, count, float_env, heartbeat_timeout_s,
-                    join_window_s, key, wait_count)
+from .protocol import Arrival, FaultToleranceError, GroupControl, Round, Rules
+from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
+                    float_env, heartbeat_timeout_s, join_window_s)
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -54,10 +56,11 @@ REPLICA_ENV = "PADDLE_HSDP_FT_REPLICA_ID"
 START_REPLICAS_ENV = "PADDLE_HSDP_FT_START_REPLICAS"
 ROUND_TIMEOUT_ENV = "PADDLE_HSDP_FT_ROUND_TIMEOUT"
 REDUNDANCY_ENV = "PADDLE_HSDP_FT_REDUNDANCY"
+JOB_ENV = "PADDLE_HSDP_FT_JOB"  # the job's name on a shared etcd (default "default")
 
 
 KNOWN_ENV = (COORDINATOR_ENV, REPLICA_ENV, START_REPLICAS_ENV, ROUND_TIMEOUT_ENV,
-             REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV)
+             REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, JOB_ENV, *SECURITY_ENV)
 
 
 def unknown_env_names(environ=None) -> list[tuple[str, str]]:
@@ -115,15 +118,16 @@ class Replica:
             self.outer.pieces = PiecePlan(pieces, replica_id, self.outer.virtual_rank)
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
-        self.store = connect(coordinator, round_timeout_s)
+        job, security = os.environ.get(JOB_ENV, "") or "default", security_from_env()
+        if not job.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{JOB_ENV} must be letters, digits, '-' or '_', got {job!r}")
+        wait_until_answers(coordinator, round_timeout_s, security)  # raises naming it
+        self.store = JobStore(coordinator, job, round_timeout_s, security)
         liveness_s = heartbeat_timeout_s()
-        self._watcher = Watcher(coordinator, replica_id, self.rank, liveness_s,
-                                round_timeout_s, self.outer.shut_down, leader=self.rank == 0)
-        self._rounds = None
-        if self.rank == 0:
-            self._rounds = Rounds(self.store, replica_id, start_replicas, min_replicas,
-                                  Liveness(self.store, liveness_s, self.ranks_per_replica),
-                                  round_timeout_s, join_window_s(), pieces=pieces)
+        # this replica group's ranks watch each other on the group's own store
+        self._watch = GroupWatch(self.rank, self.ranks_per_replica, liveness_s,
+                                 self.outer.shut_down, round_timeout_s)
+        self.store.failed = self._watch.failed
         # this replica group's ranks (a group of one rank has no global group: nothing
         # to vote with)
         self._world = dist.collective._get_global_group() if self.ranks_per_replica > 1 \
@@ -134,16 +138,25 @@ class Replica:
         if self._world is not None:
             dist.broadcast_object_list(token, src=0)
         self._token = token[0]
-        # one live group per replica id: a second launch of a running id is refused
-        refusal = [claim_replica_id(self.store, replica_id, self._token,
-                                    socket.gethostname()) if self.rank == 0 else None]
+        # the leader takes the group's place in the job (a lease on its id): a second
+        # launch of a running id is refused
+        self.control, refusal = None, [None]
+        if self.rank == 0:
+            self.control = GroupControl(
+                coordinator, job, replica_id, self._token, socket.gethostname(),
+                Rules(start_replicas, min_replicas, join_window_s(), pieces), liveness_s,
+                round_timeout_s, healthy=self._watch.healthy,
+                on_failure=self._watch.announce, on_lost=self._lost, security=security)
+            try:
+                self.control.register()
+            except FaultToleranceError as e:
+                refusal = [str(e)]
+            atexit.register(self.control.close, revoke=False)
         if self._world is not None:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
-            self._watcher.stop()
+            self._watch.stop()
             raise FaultToleranceError(refusal[0])
-        if self.rank == 0:
-            self._watcher.lease = key("lease", replica_id, self._token)
         self._arrivals = 0
         self._loads = 0  # plain states received from a donor
         self.step = 0  # optimizer steps taken
@@ -193,8 +206,9 @@ class Replica:
                      for name, sub in model.named_sublayers(include_self=True)}
             tensors = [(f"{paths.get(id(unit.module), '?')}/{sp.fqn}", sp.shape, sp.dtype)
                        for unit in registry.units_under(model) for sp in unit.params]
-            self._config_hash = config.publish(self.store, config.describe(
+            self._config_hash, text = config.digest(config.describe(
                 self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))
+            self.control.publish_config(self._config_hash, text)
 
     @property
     def live_replicas(self) -> list[int]:
@@ -267,12 +281,15 @@ class Replica:
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
             if error is not None:  # before the vote: peers may be blocked on us
-                announce_failure(self.store, self.round.number)
+                self._watch.announce(self.round.number)  # this group's ranks
+                self.store.announce_failure(self.round.number)  # every other group
                 self.outer.abandon()
             failed, join_wanted = self._replica_votes(error is not None, join_wanted)
             logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
                          self.step + 1, failed, error, join_wanted)
             self._need_round = failed or join_wanted
+            if self.control is not None:
+                self.control.failed() if failed else self.control.committed()
             if not failed:
                 self.optimizer.step()
                 if self.lr_scheduler is not None:
@@ -296,15 +313,15 @@ class Replica:
         """The training loop is over: a replica group still waiting to join stops with
         a message instead of waiting out the round timeout (call it on every rank)."""
         if self.rank == 0:
-            self.store.add(key("finished"), 1)
+            self.control.finish()
 
     def _joiners_waiting(self) -> bool:
         """Whether any replica group waits to join, as every member learns it: this
         rank's view (the leader's heartbeat thread watches the store) all-reduced (max)
         over the outer group; the replica's vote then spreads the leader's column's
         answer to its mates. One tiny all-reduce per step, no store access."""
-        flag = paddle.to_tensor(np.array(
-            [1.0 if self._watcher.joiners_waiting else 0.0], dtype="float32"))
+        waiting = self.control is not None and self.control.join_waiting()
+        flag = paddle.to_tensor(np.array([1.0 if waiting else 0.0], dtype="float32"))
         comm.all_reduce(flag, self.outer, op="max", tag="ft control")
         return bool(flag.numpy()[0])
 
@@ -320,79 +337,58 @@ class Replica:
         return bool(failed_any), bool(join_any)
 
     def _arrive(self) -> Round:
-        """The round of this attempt: the leader forms it, its replica-mates read it from
-        the store (a gloo collective here could time out while the leader waits for
-        other replicas)."""
+        """The round of this attempt: the leader forms it on the job's etcd, its
+        replica-mates read it from the group's own store (a gloo collective here could
+        time out while the leader waits for other replicas)."""
         self._arrivals += 1
-        base = self._replica_key(self._arrivals)
-        # nothing is watched while a round forms (the last round's members may be gone,
-        # and a replica that is no member must not write the next round's number)
-        self._watcher.armed, self._watcher.peers = None, []
+        name = f"round/{self._token}/{self._arrivals}"
+        self._watch.armed = None  # nothing is watched while a round forms
         if self.rank == 0:
-            number = self._next_round if self._next_round is not None \
-                else self._rounds.next_open()
-            # once the job has trained, fresh groups alone must not form a round
-            needs_state = self.round is not None and any(
-                not a.fresh for a in self.round.members.values())
-            while True:
-                arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
-                try:
-                    record = self._rounds.form(number, self._members, arrival, needs_state)
-                except FaultToleranceError as e:  # refused, or no round: mates hear it too
-                    self.store.set(base + "/refused", str(e))
-                    self.store.add(base + "/refused_set", 1)
-                    self.store.add(base + "/round_ready", 1)
-                    raise
-                if record is not None:
-                    break
-                # left out (or the members went past): a joiner at the next open round
-                number = max(number + 1, self._rounds.next_open())
-                self._members, self.fresh = None, True
-            self._members = record.replicas
-            self._publish(base, record)
+            try:
+                record = self._form_round()
+            except FaultToleranceError as e:  # refused, or no round: mates hear it too
+                self._watch.publish(name, "refused:" + str(e))
+                raise
+            self._watch.publish(name, record.to_json())
         else:
-            while True:
-                wait_count(self.store, base + "/round_ready", 1, 2 * self.round_timeout_s,
-                           f"replica {self.replica_id}'s leader to join a round")
-                if count(self.store, base + "/refused_set"):
-                    raise FaultToleranceError(self.store.get(base + "/refused").decode())
-                try:
-                    record = Round.from_json(self.store.get(base + "/round").decode())
-                    break
-                except CoordinatorRestarted:  # the leader writes it again
-                    continue
-            self.store.add(base + "/round_read", 1)
+            text = self._watch.read(name, 2 * self.round_timeout_s,
+                                    f"replica {self.replica_id}'s leader to join a round")
+            if text.startswith("refused:"):
+                raise FaultToleranceError(text[len("refused:"):])
+            record = Round.from_json(text)
         self._next_round, self.round = record.number + 1, record
-        self._watcher.armed = record.number
-        self._watcher.peers = [(r, self.rank) for r in record.replicas if r != self.replica_id]
+        self._watch.armed = record.number
         return record
 
-    def _publish(self, base: str, record: Round) -> None:
-        """The leader hands the round to its replica-mates through the store and waits
-        until each has read it. After a restart of the coordinator it writes it again
-        (the new store is empty); mates that read it from the old one do not say so
-        again, so that wait is bounded by the heartbeat timeout."""
-        if self.ranks_per_replica == 1:
-            return
-        restarted = False
+    def _form_round(self) -> Round:
+        """The leader: arrive at the next round (as a joiner at the next open one if
+        this group is new, was left out, or lost its place) until one takes it in."""
+        control = self.control
+        if control.lost is not None:  # its lease ended: the job went on without it
+            logger.warning("paddle_hsdp.ft: replica %d rejoins the job as a new group (%s)",
+                           self.replica_id, control.lost)
+            control.register()
+            self._next_round, self._members, self.fresh = None, None, True
+        number = self._next_round if self._next_round is not None else control.next_open()
+        # once the job has trained, fresh groups alone must not form a round
+        needs_state = self.round is not None and any(
+            not a.fresh for a in self.round.members.values())
         while True:
-            try:
-                self.store.set(base + "/round", record.to_json(), retry=False)
-                self.store.add(base + "/round_ready", 1, retry=False)
-                wait_count(self.store, base + "/round_read", self.ranks_per_replica - 1,
-                           heartbeat_timeout_s() if restarted else 2 * self.round_timeout_s,
-                           f"replica {self.replica_id}'s ranks to read round {record.number}",
-                           retry=False)
-                return
-            except CoordinatorRestarted:
-                restarted = True
-            except TimeoutError:
-                if not restarted:
-                    raise
-                return  # they read it before the restart
+            arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
+            record = control.arrive(number, self._members, arrival, needs_state)
+            if record is not None:
+                self._members = record.replicas
+                return record
+            # left out (or the members went past): a joiner at the next open round
+            number = max(number + 1, control.next_open())
+            self._members, self.fresh = None, True
 
-    def _replica_key(self, arrival: int) -> str:
-        return key("replica", self.replica_id, self._token, arrival)
+    def _lost(self, why: str) -> None:
+        """The leader's lease ended (its group stopped answering, or was cut off): the
+        others go on without it, so this group's attempt fails now."""
+        armed = self._watch.armed
+        if armed is not None:
+            self._watch.announce(armed)
 
     def _set_up_round(self, record: Round, receiving: bool) -> Exception | None:
         """New outer groups and the donor's state where the round needs them; the error

@@ -5,7 +5,7 @@ its own shard state, one tensor at a time (every unit buffer's flat shard, the
 parameters and buffers the engine does not shard, then each optimizer-state tensor),
 so no rank ever holds more than its own shard plus one tensor in flight. What is not
 a tensor (names, shapes and dtypes, the step count, the RNG state, an LR scheduler's
-and the user's extra state) goes first, as JSON, through the coordinator's store.
+and the user's extra state) goes first, as JSON, through the job's shared data on etcd.
 
 With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model comes
 from the donor and each piece's optimizer state from a holder of that piece.
@@ -29,8 +29,8 @@ import paddle
 
 from ..comm import collectives as comm
 from ..engine.registry import registry
-from .rounds import FaultToleranceError
-from .store import count, failure_key, key
+from .protocol import FaultToleranceError
+from .store import key
 
 
 def _model_tensors(model) -> list[tuple[str, paddle.Tensor]]:
@@ -158,7 +158,7 @@ def _exchange_meta(store, record, where: tuple, sending: bool, build) -> dict:
         return json.loads(text)
 
     def abort():
-        if count(store, failure_key(record.number)):
+        if store.failed(record.number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced while "
                                       f"{meta_key} was awaited")
     return json.loads(store.get(meta_key, abort=abort))

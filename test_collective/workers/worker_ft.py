@@ -35,7 +35,6 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import ft
-from paddle_hsdp.ft.rounds import arrived
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 penalty = float(os.environ.get("FT_TEST_PENALTY", 0))
@@ -116,6 +115,13 @@ if os.environ.get("FT_TEST_DIE_IN_CONNECT"):  # die d s into a round's group cre
     ft_groups.connect = connect_then_die
 
 
+def arrived(replica, number) -> set:
+    """The replica groups that have arrived at round ``number`` (read from etcd)."""
+    store = replica.store
+    found, _ = store.etcd.get_prefix(store.keys.rounds(number) + "arrivals/")
+    return {int(k.rsplit("/", 1)[1]) for k in found}
+
+
 def die(_grad):
     with open(os.path.join(out_dir, f"killed{replica.replica_id}_rank{rank}"), "w") as f:
         f.write(str(time.time()))
@@ -149,12 +155,12 @@ while replica.step < steps:
         # every rank waits (a rank blocked in a collective with a waiting one would
         # meet the watchdog)
         joiners, deadline = wait_join[replica.step + 1], time.time() + 120
-        while not set(joiners) <= set(arrived(replica.store, replica._next_round)):
+        while not set(joiners) <= arrived(replica, replica._next_round):
             assert time.time() < deadline, f"joiners {joiners} never all arrived"  # test only
             time.sleep(0.1)
         # and the leader's watcher has seen it: this step's vote then calls the round
         # at the next step (its mates wait for it in their first collective)
-        while rank == 0 and not replica._watcher.joiners_waiting:  # test only
+        while rank == 0 and not replica.control.join_waiting():  # test only
             assert time.time() < deadline, "the watcher never saw the joiner"
             time.sleep(0.05)
     loss = replica.train_step(forward_backward, next_batch=lambda: next(loader))
@@ -172,6 +178,5 @@ full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(mode
 with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
           "w") as f:
     json.dump({"replica": replica.replica_id, "rank": rank, "losses": losses,
-               "history": replica.history, "params": full,
-               "reconnections": replica.store.generation}, f)
+               "history": replica.history, "params": full}, f)
 print("WORKER_OK", flush=True)

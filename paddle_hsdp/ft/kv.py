@@ -1,0 +1,63 @@
+"""The job's shared data on etcd, as the data plane's helpers use it (Paddle-free).
+
+A round's outer groups publish their rendezvous address here, a donor its transfer's
+metadata, the live groups a joint checkpoint's manifests (:mod:`.groups`,
+:mod:`.transfer`, :mod:`.joint_save`): ``set``, ``get`` (waits until written, bounded,
+and stops once ``abort()`` raises) and ``add`` (an atomic counter: a compare-and-swap
+transaction), under ``/paddle_hsdp/ft/<job>/kv/``. Each is a few requests per rank per
+round, never per step; whether a round failed is read from ``failed``, which the
+replica sets (its group's own flag, :class:`~.store.GroupWatch`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .etcd import Etcd
+from .protocol import Keys
+
+
+class JobStore:
+    """One rank's client of the job's shared data (``timeout_s``: a ``get``'s bound)."""
+
+    def __init__(self, address: str, job: str, timeout_s: float, security=None):
+        self.etcd = Etcd(address, security=security, away_s=timeout_s)
+        self.keys, self.timeout_s = Keys(job), timeout_s
+        self.failed = lambda round_number: False  # set by the replica
+
+    def _key(self, name: str) -> str:
+        return f"{self.keys.root}kv/{name}"
+
+    def set(self, name: str, value) -> None:
+        self.etcd.put(self._key(name), value if isinstance(value, str) else value.decode())
+
+    def get(self, name: str, timeout_s: float | None = None, abort=None) -> bytes:
+        """``name``'s value once written (within ``timeout_s``, default the store's:
+        TimeoutError); ``abort()`` is called while it waits (it raises to stop)."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        pause = 0.002
+        while True:
+            value = self.etcd.get(self._key(name))
+            if value is not None:
+                return value.encode()
+            if abort is not None:
+                abort()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s or self.timeout_s:g} s "
+                                   f"for {name} to be written")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def add(self, name: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``name`` (0 if never written); its new value."""
+        key = self._key(name)
+        while True:
+            value, revision = self.etcd.get_revision(key)
+            total = int(value or 0) + amount
+            if amount == 0 or self.etcd.swap(key, revision, str(total)):
+                return total
+
+    def announce_failure(self, round_number: int) -> None:
+        """Tell every group of round ``round_number`` that its attempt failed (the first
+        announcement creates the key; later ones change nothing)."""
+        self.etcd.create(self.keys.failed(round_number), "1")
