@@ -106,7 +106,13 @@ def test_the_live_outer_group_follows_the_rounds():
     assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
     assert group.process_group == "pg"
     group.abandon()
-    assert group.ranks == [9] and group.process_group is None and group.broken == ["pg"]
+    assert group.ranks == [9] and group.process_group is None
+    assert group.broken == [("pg", groups.group_id(4, 1))]
+    # the next rebuild keeps the groups of the round before it and destroys older ones
+    group.adopt([2, 3], ("pg5", {}), 5)
+    group.adopt([2, 3], ("pg6", {}), 6)
+    assert group.retired == [("pg5", groups.group_id(5, 1))] and group.broken == []
+    assert group.freed == 1 and group.process_group == "pg6"
 
 
 def test_shutting_an_outer_group_down_ends_its_peers_reads():

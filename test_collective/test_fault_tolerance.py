@@ -246,6 +246,42 @@ def test_a_misconfigured_joiner_and_a_second_launch_of_a_live_id_are_refused():
                                               if e["kind"] == "step"), result["history"]
 
 
+REBUILD_STEPS = 24
+
+
+def test_twenty_rebuilds_leave_no_sockets_behind_and_train_as_one_process():
+    """Issue 50, item 4: every round that rebuilt the outer groups kept the old process
+    groups' rendezvous stores for the whole job: 3 sockets a rebuild here (measured).
+    Two groups of one rank; every step's first attempt fails on replica 0, so each step
+    is a round that rebuilds the groups (23 rebuilds): what a rank keeps is at most
+    gloo's pair socket per peer of each group (Paddle holds every process group it
+    created until exit: ft/groups.py, LiveOuterGroup._free), and the training equals
+    one process's."""
+    job = FaultTolerantJob(replicas=2, ranks=1, steps=REBUILD_STEPS)
+    deadline = time.time() + BOUND_S
+    try:
+        procs = [job.start(0, "replica0", FT_TEST_FAIL_EACH_STEP="1"), job.start(1, "replica1")]
+        for proc in procs:
+            _wait(lambda: proc.poll() is not None, deadline, job, "both groups to end")
+        assert [p.returncode for p in procs] == [0, 0], job.logs()
+    finally:
+        job.stop()
+    out = run_single("single_process_ft.py", job.work, str(REBUILD_STEPS), "1")
+    assert "FT_PARITY_OK" in out, out[-2000:]
+    assert set(map(tuple, _members(out).values())) == {(0, 1)}
+    for replica in (0, 1):
+        result = _result(job, replica)
+        rebuilds = [e for e in result["history"] if e.get("rebuild")]
+        assert len(rebuilds) >= 20, len(rebuilds)
+        sockets = result["sockets"]
+        print(f"replica {replica}: {len(rebuilds)} rebuilds, {result['groups_freed']} retired "
+              f"groups' stores destroyed; open sockets after steps 3, 12, {REBUILD_STEPS}: "
+              f"{sockets[2]}, {sockets[11]}, {sockets[-1]}")
+        # one pair socket per rebuild (one peer), 2 for an HTTP connection that may come
+        assert sockets[-1] - sockets[2] <= REBUILD_STEPS - 3 + 2, sockets
+        assert result["groups_freed"] >= len(rebuilds) - 3, result["groups_freed"]
+
+
 def _result(job: FaultTolerantJob, replica: int) -> dict:
     """Rank 0's results of ``replica`` (its one start that wrote them)."""
     runs = [json.load(open(p)) for p in

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import requests
 from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -37,6 +37,11 @@ SECURITY_ENV = (CA_ENV, CERT_ENV, KEY_ENV, USER_ENV, PASSWORD_ENV)
 
 class EtcdUnavailable(ConnectionError):
     """No endpoint of the job's etcd answered."""
+
+
+class EtcdRefused(RuntimeError):
+    """etcd answered a request with an error (its text says why: a lease not found,
+    an unauthenticated client, a bad request)."""
 
 
 def parse_endpoints(address: str) -> list[tuple[str, int]]:
@@ -131,11 +136,17 @@ class Etcd:
                 self.requests += 1
                 try:
                     result = client.post(client.get_url(path), json=payload,
-                                         headers=self._auth_header(client))
+                                         headers=self._auth_header(client), **self.tls())
                     self._at, self._gone_since = at, None
                     return result
                 except (ConnectionFailedError, ConnectionTimeoutError) as e:
                     last = e
+                except Etcd3Exception as e:
+                    text = str(e.detail_text or e)
+                    if self._token is not None and "auth token" in text:
+                        self._token = None  # expired (etcd's simple tokens: 5 min idle)
+                        return self.call(path, payload)
+                    raise EtcdRefused(f"paddle_hsdp.ft: etcd refused {path}: {text}") from None
             now = time.monotonic()
             self._gone_since = self._gone_since or now
             waited = now - self._gone_since
@@ -150,6 +161,11 @@ class Etcd:
                 next_word = now + 10.0
             time.sleep(0.2)
 
+    def tls(self) -> dict:
+        """The CA per request: requests lets REQUESTS_CA_BUNDLE override a session's own
+        ``verify``, and the job's etcd is signed by the job's CA, not the system's."""
+        return {"verify": self.security.ca} if self.security.ca else {}
+
     def _auth_header(self, client) -> dict:
         sec = self.security
         if sec.user is None:
@@ -157,7 +173,7 @@ class Etcd:
         if self._token is None:
             self.requests += 1
             self._token = client.post(client.get_url("auth/authenticate"), json={
-                "name": sec.user, "password": sec.password})["token"]
+                "name": sec.user, "password": sec.password}, **self.tls())["token"]
         return {"Authorization": self._token}
 
     def put(self, key: str, value: str, lease: int = 0) -> int:
@@ -220,9 +236,7 @@ class Etcd:
         """Expire ``lease`` now: every key written with it is deleted."""
         try:
             self.call("kv/lease/revoke", {"ID": lease})
-        except EtcdUnavailable:
-            raise
-        except Exception as e:  # noqa: BLE001 - already expired: nothing to revoke
+        except EtcdRefused as e:  # already expired: nothing to revoke
             logger.debug("paddle_hsdp.ft: revoke of lease %x: %s", lease, e)
 
     def watch(self, prefix: str, on_event, start_revision: int | None = None,
@@ -266,7 +280,8 @@ class Watch:
                 self._owner.requests += 1
                 self._response = client.session.post(
                     client.get_url("watch"), json=self._create_request(), stream=True,
-                    timeout=(etcd.timeout_s, None), headers=etcd._auth_header(client))
+                    timeout=(etcd.timeout_s, None), headers=etcd._auth_header(client),
+                    **etcd.tls())
                 for line in self._response.iter_lines():
                     if self._stopped.is_set():
                         return
@@ -311,6 +326,8 @@ class Watch:
                 pass
             response.close()
         self._thread.join(timeout=2)
+        for client in self._etcd._clients:  # its connections (a dead one stays pooled)
+            client.session.close()
 
 
 def wait_until_answers(address: str, timeout_s: float, security: Security | None = None) -> None:

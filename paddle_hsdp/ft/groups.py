@@ -65,10 +65,13 @@ class LiveOuterGroup(Group):
         self.replica, self.local_rank, self.inner_size = replica, local_rank, inner
         super().__init__(0, LIVE_GROUP_ID, [self.virtual_rank(replica)], pg=None,
                          name=f"hsdp_ft_outer_{local_rank}")
-        # process groups of past rounds, kept (never destroyed mid-job): those that
-        # ended well and those abandoned after a failure
+        # process groups of past rounds, (group, id): those that ended well and those
+        # abandoned after a failure, kept until the next rebuild (a thread may still be
+        # failing out of one), then destroyed with their rendezvous stores
         self.retired: list = []
         self.broken: list = []
+        self.freed = 0  # retired groups dropped (their stores destroyed) so far
+        self._pg_id: int | None = None  # the current process group's id
         self._sockets: set[int] = set()
         # a round's group being created: (round, the sockets open before it began)
         self._creating: tuple[int, frozenset] | None = None
@@ -83,10 +86,28 @@ class LiveOuterGroup(Group):
         """Point at round ``round_number``'s process group over ``replicas`` (sorted);
         ``connection``: what :func:`connect` returned."""
         with self._lock:
+            stale, self.retired, self.broken = self.retired + self.broken, [], []
             if self._pg is not None:
-                self.retired.append(self._pg)
+                self.retired.append((self._pg, self._pg_id))
             self._set(replicas, *connection)
             self._round = round_number
+            self._pg_id = group_id(round_number, self.local_rank) \
+                if connection[0] is not None else None
+        self._free(stale)
+
+    def _free(self, stale: list) -> None:
+        """Drop process groups no round uses any more, and destroy their rendezvous
+        stores (server and clients: their sockets close). The groups themselves outlive
+        this: Paddle keeps every process group it creates in a C++ map by id until the
+        process exits, and no call removes one (``ProcessGroupIdMap.destroy()`` destroys
+        them all; creating another under a held id fails, "AlreadyExists"). So gloo's
+        pair sockets of a retired group (one per peer) stay open, and on NCCL its
+        communicator and buffers (not abortable from Python; unverified here)."""
+        while stale:
+            _, pg_id = stale.pop()  # the last reference to the group goes with it
+            if pg_id is not None:
+                forget_group_store(pg_id)
+            self.freed += 1
 
     def carry_into(self, round_number: int) -> None:
         """A round that keeps the last one's process group (same members, no failure)."""
@@ -135,8 +156,9 @@ class LiveOuterGroup(Group):
         self.shut_down()
         with self._lock:
             if self._pg is not None:
-                self.broken.append(self._pg)
+                self.broken.append((self._pg, self._pg_id))
             self._set([self.replica], None)
+            self._pg_id = None
 
     def _set(self, replicas: list[int], process_group, sockets=frozenset()) -> None:
         self._sockets = set(sockets)
@@ -150,6 +172,11 @@ class LiveOuterGroup(Group):
         return [r // self.inner_size for r in self._ranks]
 
 
+def group_id(round_number: int, local_rank: int) -> int:
+    """The process-group id of round ``round_number``'s outer group of ``local_rank``."""
+    return _ROUND_GROUP_BASE + round_number * 1024 + local_rank
+
+
 def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup,
             timeout_s: float) -> tuple:
     """Create this rank's outer process group for a round (every member calls it):
@@ -158,22 +185,22 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
     if len(replicas) == 1:
         return None, ()
     rank, size = replicas.index(group.replica), len(replicas)
-    group_id = _ROUND_GROUP_BASE + round_number * 1024 + group.local_rank
+    pg_id = group_id(round_number, group.local_rank)
     before = socket_fds()
     abort = _abort_on_failure(store, round_number)
     with group.creating(round_number, before):  # a failure meanwhile cuts it short
         group_store = make_group_store(
-            store, rank, size, group_id,
+            store, rank, size, pg_id,
             key=key("r", round_number, "outer_store", group.local_rank),
             timeout_s=max(1, int(timeout_s)), listen_first=True, abort=abort)
         if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
-            pg = core.ProcessGroupNCCL.create(group_store, rank, size, group_id,
+            pg = core.ProcessGroupNCCL.create(group_store, rank, size, pg_id,
                                               collective._get_global_env().pg_timeout, 0,
                                               None)
         else:
             pg = _abandon_on_failure(
-                lambda: core.ProcessGroupGloo.create(group_store, rank, size, group_id), abort,
-                lambda: forget_group_store(group_id), f"round {round_number}'s outer group")
+                lambda: core.ProcessGroupGloo.create(group_store, rank, size, pg_id), abort,
+                lambda: forget_group_store(pg_id), f"round {round_number}'s outer group")
     return pg, socket_fds() - before
 
 

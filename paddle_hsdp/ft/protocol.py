@@ -35,9 +35,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from etcd3gw.exceptions import Etcd3Exception
-
-from .etcd import Etcd, EtcdUnavailable
+from .etcd import Etcd, EtcdRefused, EtcdUnavailable
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -372,7 +370,7 @@ class GroupControl:
         def left() -> float:
             try:
                 result = self.etcd.call("kv/lease/timetolive", {"ID": lease})
-            except Etcd3Exception:  # "Not Found": it expired just now
+            except EtcdRefused:  # "lease not found": it expired just now
                 return -1.0
             return float(result.get("TTL", -1))
         before, start = left(), time.monotonic()
@@ -403,12 +401,12 @@ class GroupControl:
                                self.replica, e)
 
     def _lose(self, lease: int, why: str) -> None:
+        self.lost = why  # before the others can hear of it
         if lease:
             try:
                 self._kept.revoke(lease)
             except EtcdUnavailable:
                 pass  # it expires by itself
-        self.lost = why
         logger.warning("paddle_hsdp.ft: replica %d lost its place in the job: %s",
                        self.replica, why)
         with self._cv:

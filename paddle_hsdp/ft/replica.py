@@ -315,25 +315,29 @@ class Replica:
         if self.rank == 0:
             self.control.finish()
 
-    def _joiners_waiting(self) -> bool:
+    def _joiners_waiting(self):
         """Whether any replica group waits to join, as every member learns it: this
-        rank's view (the leader's heartbeat thread watches the store) all-reduced (max)
-        over the outer group; the replica's vote then spreads the leader's column's
-        answer to its mates. One tiny all-reduce per step, no store access."""
+        rank's view (the leader hears joiners from etcd) all-reduced (max) over the
+        outer group; the replica's vote then spreads the leader's column's answer to
+        its mates. One tiny all-reduce per step, no store access; the flag stays a
+        tensor, read with the vote (one host sync a step, not two)."""
         waiting = self.control is not None and self.control.join_waiting()
         flag = paddle.to_tensor(np.array([1.0 if waiting else 0.0], dtype="float32"))
         comm.all_reduce(flag, self.outer, op="max", tag="ft control")
-        return bool(flag.numpy()[0])
+        return flag
 
-    def _replica_votes(self, failed: bool, join_wanted: bool) -> tuple[bool, bool]:
+    def _replica_votes(self, failed: bool, join_wanted) -> tuple[bool, bool]:
         """Every rank of this replica group learns whether any of them failed the attempt
         and whether a replica waits to join (an all-reduce inside the replica group,
-        whose ranks live and die together)."""
-        if self._world is None:
-            return failed, join_wanted
-        flags = paddle.to_tensor(np.array([float(failed), float(join_wanted)], "float32"))
-        comm.all_reduce(flags, self._world, op="max", tag="ft vote")
-        failed_any, join_any = flags.numpy().tolist()
+        whose ranks live and die together). ``join_wanted``: a bool, or the outer
+        all-reduce's flag tensor (read here, with the vote)."""
+        if isinstance(join_wanted, bool):
+            join_wanted = paddle.to_tensor(np.array([float(join_wanted)], "float32"))
+        flags = paddle.concat([paddle.to_tensor(np.array([float(failed)], "float32")),
+                               join_wanted.reshape([1]).astype("float32")])
+        if self._world is not None:
+            comm.all_reduce(flags, self._world, op="max", tag="ft vote")
+        failed_any, join_any = flags.numpy().tolist()  # the step's one host sync
         return bool(failed_any), bool(join_any)
 
     def _arrive(self) -> Round:

@@ -13,9 +13,12 @@ starts creating a round's outer groups, once it has taken k steps), FT_TEST_WAIT
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
 the squared norm of model.parameters() added to each rank's loss), FT_TEST_SAVE=1
-(after the last step the live groups save one checkpoint, out_dir/ckpt). Each rank writes
+(after the last step the live groups save one checkpoint, out_dir/ckpt),
+FT_TEST_FAIL_EACH_STEP=1 (the first attempt of every step after the first fails here, as
+a failed collective would: a round that rebuilds the outer groups each step). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
-(rounds, failures, timings) and the final full parameters; the leader also writes
+(rounds, failures, timings), its open sockets after each step and the final full
+parameters; the leader also writes
 out_dir/progress<r> (steps done) after each step.
 """
 
@@ -35,6 +38,8 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import ft
+from paddle_hsdp.comm.collectives import CollectiveError
+from paddle_hsdp.ft.store import socket_fds
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 penalty = float(os.environ.get("FT_TEST_PENALTY", 0))
@@ -122,6 +127,16 @@ def arrived(replica, number) -> set:
     return {int(k.rsplit("/", 1)[1]) for k in found}
 
 
+FAILED_ONCE = set()  # steps whose first attempt FT_TEST_FAIL_EACH_STEP failed
+
+
+def fail_first_attempt():
+    if os.environ.get("FT_TEST_FAIL_EACH_STEP") == "1" and replica.step >= 1 and \
+            replica.step not in FAILED_ONCE:
+        FAILED_ONCE.add(replica.step)
+        raise CollectiveError("test: this step's first attempt fails (FT_TEST_FAIL_EACH_STEP)")
+
+
 def die(_grad):
     with open(os.path.join(out_dir, f"killed{replica.replica_id}_rank{rank}"), "w") as f:
         f.write(str(time.time()))
@@ -143,13 +158,14 @@ def fault_hook():
 
 
 def forward_backward(xy):
+    fail_first_attempt()
     x, y = xy
     loss = loss_of(model, x, y, fault_hook())
     (loss + penalty_of(model, penalty) if penalty else loss).backward()
     return loss
 
 
-losses = {}
+losses, sockets = {}, []
 while replica.step < steps:
     if replica.step + 1 in wait_join:
         # every rank waits (a rank blocked in a collective with a waiting one would
@@ -167,6 +183,7 @@ while replica.step < steps:
     # a batch per committed step, whatever rounds, retries and rejoins came between
     assert loader.position == replica.step, (loader.position, replica.step)
     losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
+    sockets.append(len(socket_fds()))
     if rank == 0:
         with open(os.path.join(out_dir, f"progress{replica.replica_id}"), "w") as f:
             f.write(str(replica.step))
@@ -178,5 +195,6 @@ full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(mode
 with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
           "w") as f:
     json.dump({"replica": replica.replica_id, "rank": rank, "losses": losses,
-               "history": replica.history, "params": full}, f)
+               "history": replica.history, "params": full, "sockets": sockets,
+               "groups_freed": replica.outer.freed}, f)
 print("WORKER_OK", flush=True)
