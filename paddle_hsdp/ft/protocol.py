@@ -8,7 +8,8 @@ What each replica group (its leader) does, and what it costs the service:
   the group, never by other groups). A killed group's lease expires; a hung one's leader
   revokes it. Either way etcd deletes the key, and every group hears it through one
   watch of ``groups/`` (deletions only). A second launch of a live id is refused: the
-  key exists and its lease is being renewed.
+  key exists and its lease is being renewed; a launch that finds the holder's lease not
+  renewed for a renewal interval (a crashed group restarted) revokes it and takes the id.
 * **Rounds.** Round ``n``'s arrivals are keys ``rounds/<n>/arrivals/<id>`` written with
   the group's lease (a group that dies while it waits leaves no arrival behind). The
   first member to arrive takes the round's decider key (an etcd transaction), watches
@@ -341,7 +342,10 @@ class GroupControl:
                     f"leader on host {holder['host']}): a second launch with "
                     f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
                     "an id no running group has, or stop the running one first.")
-            time.sleep(HEALTH_TICK_S)  # a dead holder's lease expires: then it is ours
+            # nothing renewed the holder's lease for a renewal interval: it died or hangs
+            # (the restart of a crashed group), so end its lease now rather than wait
+            # out the TTL; the others hear it as the group's death
+            self.etcd.revoke(holder["lease"])
             if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
                 self.lease = self.etcd.grant(self.ttl_s)
                 value = json.dumps({"token": self.token, "host": self.host,
@@ -373,10 +377,11 @@ class GroupControl:
             except EtcdRefused:  # "lease not found": it expired just now
                 return -1.0
             return float(result.get("TTL", -1))
+        interval = self.ttl_s / RENEWALS_PER_TTL
         before, start = left(), time.monotonic()
-        if before < 0:
-            return False
-        time.sleep(self.ttl_s / RENEWALS_PER_TTL + 2 * HEALTH_TICK_S)
+        if before < 0 or before < self.ttl_s - interval - 1.5:
+            return False  # gone, or it already missed a renewal: no need to watch it
+        time.sleep(interval + 2 * HEALTH_TICK_S)
         after = left()
         return after > before - (time.monotonic() - start) + 0.5
 
