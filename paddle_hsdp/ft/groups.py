@@ -47,8 +47,8 @@ class LiveOuterGroup(Group):
     # inside one replica group, and a replica that just joined has no step to predict
     # from; at the step every replica issues them in the units' one global order.
     early_sync = False
-    # A hung peer fails the attempt (the watcher shuts the group down): the watchdog,
-    # which would end this rank, stays out of it.
+    # A hung peer fails the attempt (its lease ends; every rank's watch shuts the group
+    # down): the watchdog, which would end this rank, stays out of it.
     watchdog_exempt = True
     # HFSDP with redundancy: who holds which piece of the optimizer state (a
     # ft.pieces.PiecePlan, set by ft.init), read by the engine's buffers
@@ -121,7 +121,7 @@ class LiveOuterGroup(Group):
         gloo's fixed 30 s timeout. Paddle's process groups have no abort and outlive
         their Python object, so this shuts down the sockets the group's creation
         opened (:func:`connect`); the descriptors stay open, so no other connection can
-        take their numbers under gloo. Safe from any thread: the watcher calls it with
+        take their numbers under gloo. Safe from any thread: the group's watch calls it with
         the round it judged, and a group of a later round is left alone."""
         with self._lock:
             creating = self._creating
@@ -247,7 +247,7 @@ def _abandon_on_failure(create, abort, release, what: str):
 
 def _abort_on_failure(store, round_number: int):
     """Stop waiting for a round's group-store host once a failure is announced in the
-    round (a watcher saw the host, or another member, stop): without it a host that
+    round (the host's, or another member's, lease ended): without it a host that
     died before publishing its address held every member for the round timeout."""
     def abort():
         if store.failed(round_number):

@@ -56,8 +56,3 @@ class JobStore:
             total = int(value or 0) + amount
             if amount == 0 or self.etcd.swap(key, revision, str(total)):
                 return total
-
-    def announce_failure(self, round_number: int) -> None:
-        """Tell every group of round ``round_number`` that its attempt failed (the first
-        announcement creates the key; later ones change nothing)."""
-        self.etcd.create(self.keys.failed(round_number), "1")

@@ -299,6 +299,9 @@ class GroupControl:
         # round timeout for a restarted coordinator
         self.etcd = Etcd(address, security=security, away_s=round_timeout_s)
         self._kept = Etcd(address, security=security, away_s=round_timeout_s)
+        # failures are announced from the main thread and from the group's watch thread
+        self._announcer = Etcd(address, security=security, away_s=round_timeout_s)
+        self._announcing = threading.Lock()
         self.attempt = Attempt()
         self.lease = 0
         self._cv = threading.Condition()
@@ -319,7 +322,7 @@ class GroupControl:
     # ------------------------------------------------------------ set-up
     @property
     def requests(self) -> int:
-        return self.etcd.requests + self._kept.requests
+        return self.etcd.requests + self._kept.requests + self._announcer.requests
 
     def register(self) -> None:
         """Take this group's id (FaultToleranceError if a live group holds it), then
@@ -482,8 +485,10 @@ class GroupControl:
     def announce_failure(self, number: int) -> None:
         """Tell every member of round ``number`` that its attempt failed (the first
         writer creates the key: one event for everyone, whoever else fails too)."""
-        if number not in self._failed:
-            self.etcd.create(self.keys.failed(number), self.token)
+        with self._announcing:
+            if number not in self._failed:
+                self._failed.add(number)  # once: the watch confirms it for everyone
+                self._announcer.create(self.keys.failed(number), self.token)
 
     def committed(self) -> None:
         self.attempt.to(AttemptState.TRAINING)

@@ -125,8 +125,9 @@ class Replica:
         self.store = JobStore(coordinator, job, round_timeout_s, security)
         liveness_s = heartbeat_timeout_s()
         # this replica group's ranks watch each other on the group's own store
+        self.control = None  # the leader's side of the protocol (below)
         self._watch = GroupWatch(self.rank, self.ranks_per_replica, liveness_s,
-                                 self.outer.shut_down, round_timeout_s)
+                                 self._round_failed, round_timeout_s)
         self.store.failed = self._watch.failed
         # this replica group's ranks (a group of one rank has no global group: nothing
         # to vote with)
@@ -140,7 +141,7 @@ class Replica:
         self._token = token[0]
         # the leader takes the group's place in the job (a lease on its id): a second
         # launch of a running id is refused
-        self.control, refusal = None, [None]
+        refusal = [None]
         if self.rank == 0:
             self.control = GroupControl(
                 coordinator, job, replica_id, self._token, socket.gethostname(),
@@ -281,8 +282,11 @@ class Replica:
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
             if error is not None:  # before the vote: peers may be blocked on us
-                self._watch.announce(self.round.number)  # this group's ranks
-                self.store.announce_failure(self.round.number)  # every other group
+                # this group's ranks at once; the other groups through the leader (its
+                # watch relays a mate's announcement): one request per group, not per rank
+                self._watch.announce(self.round.number)
+                if self.control is not None:
+                    self.control.announce_failure(self.round.number)
                 self.outer.abandon()
             failed, join_wanted = self._replica_votes(error is not None, join_wanted)
             logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
@@ -386,6 +390,14 @@ class Replica:
             # left out (or the members went past): a joiner at the next open round
             number = max(number + 1, control.next_open())
             self._members, self.fresh = None, True
+
+    def _round_failed(self, round_number: int) -> None:
+        """A failure of round ``round_number`` was announced in this group (by a rank
+        whose collective failed, or by the leader when etcd told it): this rank's outer
+        group is shut down now, and the leader tells the other groups (once a round)."""
+        self.outer.shut_down(round_number)
+        if self.control is not None:
+            self.control.announce_failure(round_number)
 
     def _lost(self, why: str) -> None:
         """The leader's lease ended (its group stopped answering, or was cut off): the
