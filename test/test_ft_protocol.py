@@ -221,12 +221,21 @@ def test_a_second_launch_of_a_live_id_is_refused_and_a_dead_ones_taken_over(etcd
         with pytest.raises(FaultToleranceError, match="already running .* host host"):
             second.register()
         groups[0].close(revoke=False)  # dies: its id is free once the lease ends
-        started = time.monotonic()
         third = GroupControl(etcd["address"], job, 0, "third", "host3", rules, TTL, 20)
         third.register()
-        # not renewed for a renewal interval: revoked and taken, before its TTL ends
-        assert time.monotonic() - started < TTL / 3 + 1.5
-        third.close()
+        assert third.lease and third.etcd.get(third.keys.group(0)).count("third") == 1
+        third.close(revoke=False)
+        # with a long TTL: the dead holder's lease is revoked once it missed a renewal
+        # (a third of the TTL), long before the TTL would end it
+        long_ttl = 9
+        holder = GroupControl(etcd["address"], job, 1, "h", "host", rules, long_ttl, 20)
+        holder.register()
+        holder.close(revoke=False)
+        started = time.monotonic()
+        fourth = GroupControl(etcd["address"], job, 1, "fourth", "host4", rules, long_ttl, 20)
+        fourth.register()
+        assert time.monotonic() - started < long_ttl / 3 + 2.5 < long_ttl
+        fourth.close()
     finally:
         _close(groups)
 

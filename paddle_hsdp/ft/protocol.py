@@ -372,21 +372,24 @@ class GroupControl:
             self.finished = self.finished or self.etcd.get(self.keys.finished) is not None
 
     def _renewed(self, lease: int) -> bool:
-        """Whether another launch keeps ``lease`` alive: its time to live goes up
-        within one renewal interval (a dead or hung holder's only goes down)."""
-        def left() -> float:
+        """Whether another launch keeps ``lease`` alive. etcd reports a lease's time to
+        live in whole seconds: left alone it falls by the time watched (give or take
+        one second); renewed, it is back near its granted TTL. So the lease is watched
+        for one renewal interval and a bit (2.5 s at least, so that a short TTL's
+        rounding cannot hide a renewal); one that already missed a renewal is dead."""
+        def left() -> tuple[float, float]:
             try:
                 result = self.etcd.call("kv/lease/timetolive", {"ID": lease})
             except EtcdRefused:  # "lease not found": it expired just now
-                return -1.0
-            return float(result.get("TTL", -1))
-        interval = self.ttl_s / RENEWALS_PER_TTL
-        before, start = left(), time.monotonic()
-        if before < 0 or before < self.ttl_s - interval - 1.5:
+                return -1.0, 0.0
+            return float(result.get("TTL", -1)), float(result.get("grantedTTL", 0))
+        (before, granted), start = left(), time.monotonic()
+        interval = granted / RENEWALS_PER_TTL
+        if before < 0 or before < granted - interval - 1.5:
             return False  # gone, or it already missed a renewal: no need to watch it
-        time.sleep(interval + 2 * HEALTH_TICK_S)
-        after = left()
-        return after > before - (time.monotonic() - start) + 0.5
+        time.sleep(max(interval + 2 * HEALTH_TICK_S, 2.5))
+        after, _ = left()
+        return after >= 0 and after >= before - (time.monotonic() - start) + 1
 
     def _renew(self) -> None:
         interval, due = self.ttl_s / RENEWALS_PER_TTL, 0.0
