@@ -15,7 +15,7 @@ import pytest
 from paddle_hsdp.ft import etcd_server
 from paddle_hsdp.ft.etcd import Etcd, parse_endpoints, security_from_env
 from paddle_hsdp.ft.protocol import (Arrival, Attempt, AttemptState, FaultToleranceError,
-                                     GroupControl, Keys, ProtocolError, Round, Rules, decide,
+                                     GroupControl, Keys, LeaseLost, ProtocolError, Round, Rules, decide,
                                      may_close, pieces_without_state)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,8 +207,14 @@ def test_a_hung_group_revokes_its_own_lease_and_a_failure_reaches_every_member(e
             assert time.monotonic() - hung_at < 1.5, "a hung group's lease was not revoked"
             time.sleep(0.02)
         assert groups[1].deaths_seen[-1][1] == 7 and hung.lost is not None
-        with pytest.raises(FaultToleranceError, match="lost its place"):
+        with pytest.raises(LeaseLost, match="lost its place"):
             hung.arrive(1, None, Arrival(0, True))
+        # back (SIGCONT): it takes its id again, as a new group (Replica does this)
+        health["ok"] = True
+        hung.register()
+        assert hung.lost is None and hung.attempt.state is AttemptState.REGISTERED
+        assert hung.etcd.get(hung.keys.group(7)) is not None
+        hung.close()
     finally:
         _close(groups)
 

@@ -50,6 +50,11 @@ class FaultToleranceError(RuntimeError):
     group was refused."""
 
 
+class LeaseLost(FaultToleranceError):
+    """This group's lease ended (it stopped answering, was cut off, or hung): the job
+    goes on without it; it may register again and rejoin as a new group."""
+
+
 class ProtocolError(RuntimeError):
     """A replica group's attempt took a transition the protocol does not have (a bug)."""
 
@@ -513,13 +518,19 @@ class GroupControl:
         this group (it arrives at a later one, as a joiner). ``expected``: the last
         round's members (None: a joiner)."""
         if self.lost is not None:
-            raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} lost its place "
-                                      f"in the job: {self.lost}")
+            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
+                            f"job: {self.lost}")
         self.attempt.to(AttemptState.ARRIVED)
         with self._cv:
             self.armed, self.members = None, []  # nothing is watched while a round forms
         keys, etcd = self.keys, self.etcd
-        etcd.put(keys.arrival(number, self.replica), json.dumps(asdict(arrival)), self.lease)
+        try:
+            etcd.put(keys.arrival(number, self.replica), json.dumps(asdict(arrival)),
+                     self.lease)
+        except EtcdRefused as e:  # the lease ended just now ("requested lease not found")
+            self.lost = self.lost or f"its lease ended ({e})"
+            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
+                            f"job: {self.lost}") from None
         if expected is None and number > 0:
             etcd.create(keys.join(number), str(self.replica))  # wakes the members
         arrived_at = self.clock()
@@ -540,8 +551,8 @@ class GroupControl:
                 if record is not None:
                     break
                 if self.lost is not None:
-                    raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} lost "
-                                              f"its place in the job: {self.lost}")
+                    raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place "
+                                    f"in the job: {self.lost}")
                 if self._stop.is_set():
                     raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} left "
                                               "the job while it waited for a round")

@@ -46,7 +46,7 @@ from .etcd import SECURITY_ENV
 from .joint_save import JointSave
 from .kv import JobStore
 from .pieces import PiecePlan
-from .protocol import Arrival, FaultToleranceError, GroupControl, Round, Rules
+from .protocol import Arrival, FaultToleranceError, GroupControl, LeaseLost, Round, Rules
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
                     float_env, heartbeat_timeout_s, join_window_s)
 
@@ -371,19 +371,24 @@ class Replica:
     def _form_round(self) -> Round:
         """The leader: arrive at the next round (as a joiner at the next open one if
         this group is new, was left out, or lost its place) until one takes it in."""
-        control = self.control
-        if control.lost is not None:  # its lease ended: the job went on without it
-            logger.warning("paddle_hsdp.ft: replica %d rejoins the job as a new group (%s)",
-                           self.replica_id, control.lost)
-            control.register()
-            self._next_round, self._members, self.fresh = None, None, True
-        number = self._next_round if self._next_round is not None else control.next_open()
+        control, number = self.control, None
         # once the job has trained, fresh groups alone must not form a round
         needs_state = self.round is not None and any(
             not a.fresh for a in self.round.members.values())
         while True:
+            if control.lost is not None:  # its lease ended: the job went on without it
+                logger.warning("paddle_hsdp.ft: replica %d rejoins the job as a new group "
+                               "(%s)", self.replica_id, control.lost)
+                control.register()
+                self._next_round, self._members, self.fresh, number = None, None, True, None
+            if number is None:
+                number = self._next_round if self._next_round is not None \
+                    else control.next_open()
             arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
-            record = control.arrive(number, self._members, arrival, needs_state)
+            try:
+                record = control.arrive(number, self._members, arrival, needs_state)
+            except LeaseLost:
+                continue  # registered again above, a joiner
             if record is not None:
                 self._members = record.replicas
                 return record
