@@ -484,3 +484,48 @@ def test_tls_and_client_certificates_or_etcd_users_guard_the_control_plane(tmp_p
     finally:
         server.terminate()
         server.wait()
+
+
+def test_a_decider_does_not_fail_its_own_round_for_a_member_that_died_long_before(etcd):
+    """Found by the suite (a rejoin round failed at once, and a rank hung in its
+    set-up): the decider returned its record before its watch delivered it, so it did
+    not know the record's revision, and took a member's death long before (a group that
+    died and rejoined) for a death after the record: it announced its own new round
+    failed. The decider now keeps the revision its transaction wrote."""
+    groups, failures, job = _groups(etcd, 2)
+    try:
+        _arrive_all(groups, 0, None)
+        for g in groups:
+            g.committed()
+        groups[1].close(revoke=False)  # dies
+        deadline = time.monotonic() + TTL + 3
+        while 1 not in groups[0]._gone:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        failures[0].clear()
+        groups[0].failed()
+        alone = groups[0].arrive(1, [0, 1], Arrival(1, failed=True))
+        assert alone.replicas == [0]
+        groups[0].committed()
+        back = GroupControl(etcd["address"], job, 1, "tok1b", "host", groups[0].rules, TTL, 20)
+        back.register()
+        # the decider's watch is slow: it hears no record (the race, made certain)
+        ctl_watch = groups[0]._watches[0]
+        real = ctl_watch._on_event
+        ctl_watch._on_event = lambda kind, key, *rest: None if key.endswith("record") \
+            else real(kind, key, *rest)
+        got = {}
+        joiner = threading.Thread(target=lambda: got.setdefault(
+            1, back.arrive(back.next_open(), None, Arrival(0, True))))
+        joiner.start()
+        deadline = time.monotonic() + 5
+        while not groups[0].join_waiting():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        record = groups[0].arrive(2, [0], Arrival(2))
+        joiner.join(10)
+        assert record.replicas == [0, 1] and got[1] == record
+        assert failures[0] == [], "the decider failed its own round"
+        groups[1] = back
+    finally:
+        _close(groups)

@@ -210,9 +210,9 @@ class Etcd:
         return found, int(result["header"]["revision"])
 
     def create(self, key: str, value: str, lease: int = 0,
-               also: dict[str, str] | None = None) -> bool:
+               also: dict[str, str] | None = None) -> int:
         """Write ``key`` (and the ``also`` keys, in the same transaction) only if ``key``
-        does not exist; whether it did."""
+        does not exist: the revision it was written at, or 0 if it existed."""
         puts = [{"request_put": {"key": _b64(k), "value": _b64(v),
                                  **({"lease": lease} if lease and k == key else {})}}
                 for k, v in {key: value, **(also or {})}.items()]
@@ -220,7 +220,7 @@ class Etcd:
             "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
                          "create_revision": 0}],
             "success": puts, "failure": []})
-        return bool(result.get("succeeded"))
+        return int(result["header"]["revision"]) if result.get("succeeded") else 0
 
     def delete_prefix(self, prefix: str) -> None:
         self.call("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})

@@ -634,9 +634,13 @@ class GroupControl:
         refused = self._refusals(present, expected)
         record = decide(number, present, expected, dead, self.rules, failures, refused,
                         decider=self.replica)
-        if not self.etcd.create(self.keys.record(number), record.to_json(),
-                                also={self.keys.closed: str(number)}):
+        revision = self.etcd.create(self.keys.record(number), record.to_json(),
+                                    also={self.keys.closed: str(number)})
+        if not revision:
             return None  # another decider wrote it (this one's lease had lapsed): read it
+        with self._cv:  # as the watch will tell it: what died after the record is news
+            self._records.setdefault(number, record)
+            self._record_revision.setdefault(number, revision)
         if number >= 2:  # what no group reads any more
             self.etcd.delete_prefix(self.keys.rounds(number - 2))
             self.etcd.delete_prefix(self.keys.ctl_of(number - 2))
