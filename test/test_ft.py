@@ -15,7 +15,6 @@ import pytest
 
 from paddle_hsdp.ft import groups, transfer
 from paddle_hsdp.ft.protocol import Arrival, FaultToleranceError, Round
-from paddle_hsdp.ft.store import key
 
 
 class MemoryStore:

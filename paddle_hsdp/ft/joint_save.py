@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 import zlib
 
-from .store import key, wait_count
+from .kv import wait_count
+from .store import key
 
 
 class JointSave:

@@ -34,19 +34,9 @@ class JobStore:
     def get(self, name: str, timeout_s: float | None = None, abort=None) -> bytes:
         """``name``'s value once written (within ``timeout_s``, default the store's:
         TimeoutError); ``abort()`` is called while it waits (it raises to stop)."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        pause = 0.002
-        while True:
-            value = self.etcd.get(self._key(name))
-            if value is not None:
-                return value.encode()
-            if abort is not None:
-                abort()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s or self.timeout_s:g} s "
-                                   f"for {name} to be written")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+        key = self._key(name)
+        return poll_until(lambda: self.etcd.get(key), timeout_s or self.timeout_s,
+                          f"{name} to be written", abort).encode()
 
     def add(self, name: str, amount: int) -> int:
         """Add ``amount`` to the counter ``name`` (0 if never written); its new value."""
@@ -56,3 +46,30 @@ class JobStore:
             total = int(value or 0) + amount
             if amount == 0 or self.etcd.swap(key, revision, str(total)):
                 return total
+
+
+def poll_until(read, timeout_s: float, what: str, abort=None):
+    """``read()`` again until it returns something other than None (every 2 ms at
+    first, backing off to 50 ms), and return that; ``abort()`` is called between reads
+    (it raises to stop waiting); TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline, pause = time.monotonic() + timeout_s, 0.002
+    while True:
+        value = read()
+        if value is not None:
+            return value
+        if abort is not None:
+            abort()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s:g} s for {what}")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
+               abort=None) -> int:
+    """The counter ``name`` of ``store`` (anything with Paddle's store's ``add``) once
+    it reaches ``at_least``, polled as :func:`poll_until` does."""
+    def reached():
+        value = int(store.add(name, 0))  # add 0: a read that never blocks
+        return value if value >= at_least else None
+    return poll_until(reached, timeout_s, what, abort)

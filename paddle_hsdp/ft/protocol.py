@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections import Counter
 import logging
 import threading
 import time
@@ -336,8 +337,10 @@ class GroupControl:
         if self.attempt.state is not AttemptState.UNREGISTERED:
             self.attempt.to(AttemptState.UNREGISTERED)
         self.lease = self.etcd.grant(self.ttl_s)
-        value = json.dumps({"token": self.token, "host": self.host, "lease": self.lease})
-        while not self.etcd.create(self.keys.group(self.replica), value, self.lease):
+
+        def claim() -> str:  # with the lease held at the time
+            return json.dumps({"token": self.token, "host": self.host, "lease": self.lease})
+        while not self.etcd.create(self.keys.group(self.replica), claim(), self.lease):
             raw = self.etcd.get(self.keys.group(self.replica))
             if raw is None:
                 continue  # it expired just now
@@ -356,8 +359,6 @@ class GroupControl:
             self.etcd.revoke(holder["lease"])
             if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
                 self.lease = self.etcd.grant(self.ttl_s)
-                value = json.dumps({"token": self.token, "host": self.host,
-                                    "lease": self.lease})
         self.lost = None
         self.attempt.to(AttemptState.REGISTERED)
         # renewed from now on: creating the watches may take a while on a loaded host
@@ -652,7 +653,6 @@ class GroupControl:
         breaks a tie), each with why, naming the first difference."""
         if len({a.config for a in present.values() if a.config}) <= 1:
             return {}
-        from collections import Counter
         base = sorted(r for r in present if present[r].config
                       and (expected is None or r in expected)) or \
             sorted(r for r in present if present[r].config)

@@ -41,8 +41,7 @@ from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from ..hints import did_you_mean
 from . import config, groups, transfer
-from .etcd import security_from_env, wait_until_answers
-from .etcd import SECURITY_ENV
+from .etcd import SECURITY_ENV, security_from_env, wait_until_answers
 from .joint_save import JointSave
 from .kv import JobStore
 from .pieces import PiecePlan

@@ -23,6 +23,8 @@ import time
 
 from paddle.base import core
 
+from .kv import wait_count
+
 COORDINATOR_ENV = "PADDLE_HSDP_FT_COORDINATOR"
 HEARTBEAT_TIMEOUT_ENV = "PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT"
 JOIN_WINDOW_ENV = "PADDLE_HSDP_FT_JOIN_WINDOW"
@@ -118,11 +120,6 @@ def key(*parts) -> str:
     return "/".join([PREFIX, *map(str, parts)])
 
 
-def count(store, name: str) -> int:
-    """The counter ``name`` (0 if never added to), without blocking."""
-    return int(store.add(name, 0))
-
-
 class GroupWatch:
     """Every rank's daemon thread on its replica group's own store, a few times a
     second: it bumps ``hb/<rank>``; calls ``on_failure(round)`` once a failure of the
@@ -206,13 +203,14 @@ class GroupWatch:
         self._call("add", f"{PREFIX}/{name}/.written", 1)
 
     def read(self, name: str, timeout_s: float, what: str) -> str:
-        deadline, pause = time.monotonic() + timeout_s, 0.002
-        while not int(self._call("add", f"{PREFIX}/{name}/.written", 0)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s:g} s for {what}")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+        """What the leader published under ``name``, once it has (a Paddle store's
+        ``get`` of a key not yet written would block without bound)."""
+        wait_count(self, f"{PREFIX}/{name}/.written", 1, timeout_s, what)
         return self._call("get", f"{PREFIX}/{name}").decode()
+
+    def add(self, name: str, amount: int) -> int:
+        """The group store's counter (what :func:`~.kv.wait_count` reads)."""
+        return int(self._call("add", name, amount))
 
     def stop(self) -> None:
         self._stop.set()
@@ -221,21 +219,3 @@ class GroupWatch:
 
 def _hb(rank: int) -> str:
     return f"{PREFIX}/hb/{rank}"
-
-
-def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
-               poll_s: float = 0.002, abort=None) -> int:
-    """Poll the counter ``name`` until it reaches ``at_least`` (every ``poll_s`` at
-    first, backing off to 50 ms); a clear error after ``timeout_s`` naming ``what``
-    was awaited. ``abort()`` is called between polls (it raises to stop waiting)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = count(store, name)
-        if value >= at_least:
-            return value
-        if abort is not None:
-            abort()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s:g} s for {what}")
-        time.sleep(poll_s)
-        poll_s = min(2 * poll_s, 0.05)
