@@ -248,6 +248,43 @@ def test_each_piece_with_a_receiver_is_one_optimizer_copy():
     assert transfer._optimizer_phases(record, plan) == [(0, 2, [0])]
 
 
+def test_joiners_are_spread_over_donors_point_to_point_and_the_first_round_broadcasts():
+    """A rejoin is fed point to point, each receiver by its own up-to-date member (the
+    others start the step at once); where one member holds the state for all the rest
+    (the first round) one broadcast over the outer group serves every receiver."""
+    from paddle_hsdp.ft.pieces import PiecePlan
+    Phase = transfer.Phase
+    first = _round(0, {r: (0, True) for r in range(3)})
+    assert transfer.plan_transfer(first, None) == (
+        [Phase(("model",), 0, (1, 2)), Phase(("optimizer", 0), 0, (1, 2))], False)
+    rejoin = _round(4, {0: (7,), 1: (7,), 2: (0, True), 3: (5,), 5: (7,)})
+    assert rejoin.up_to_date == [0, 1, 5] and rejoin.receivers == [2, 3]
+    assert [rejoin.donor_of(r) for r in (2, 3)] == [0, 1]
+    phases, p2p = transfer.plan_transfer(rejoin, None)
+    assert p2p and phases == [Phase(("model",), 0, (2,)), Phase(("model",), 1, (3,)),
+                              Phase(("optimizer", 0), 0, (2,)), Phase(("optimizer", 0), 1, (3,))]
+    assert transfer._pairs(phases) == [(0, 2), (1, 3)]
+    # HFSDP: the model from the receiver's donor, its piece from the piece's holder
+    plan = PiecePlan(2, 0, lambda r: r)
+    hfsdp = _round(6, {0: (7,), 1: (7,), 2: (7,), 3: (0, True)})
+    plan.arrange(hfsdp)
+    phases, p2p = transfer.plan_transfer(hfsdp, plan)
+    assert p2p and phases == [Phase(("model",), 0, (3,)), Phase(("optimizer", 1), 1, (3,))]
+    assert transfer._pairs(phases) == [(0, 3), (1, 3)]
+    # one up-to-date member, several receivers: nobody is left to go on, so broadcast
+    lone = _round(8, {0: (7,), 1: (0, True), 2: (0, True)})
+    assert transfer.plan_transfer(lone, None)[1] is False
+
+
+def test_pair_group_ids_are_distinct_and_fit_a_c_int():
+    ids = {groups.pair_id(n, lr, i) for n in (0, 1, groups.PAIR_ROUNDS - 1)
+           for lr in (0, 1023) for i in range(groups.MAX_PAIRS)}
+    assert len(ids) == 3 * 2 * groups.MAX_PAIRS and max(ids) < 2 ** 31
+    assert not ids & {groups.group_id(n, lr) for n in range(3) for lr in (0, 1023)}
+    with pytest.raises(ValueError, match="pair index 40"):
+        groups.pair_id(0, 0, groups.MAX_PAIRS)
+
+
 def test_an_exempt_group_is_not_watched_and_others_are(monkeypatch):
     from paddle_hsdp.comm import collectives, watchdog
     watched = []
@@ -324,7 +361,7 @@ def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(
         == {2: "x"}
     assert "round 7: left [2] (2: its heartbeats stopped (killed or hung)); 2 replicas " \
         "[0, 1]" in lines[0], lines[0]
-    assert "round 9: joined [2], replica(s) [2] took the state of step 11 from replica 0" \
+    assert "round 9: joined [2], replica(s) took the state of step 11 (2 from 0; " \
         in lines[1] and "set-up 1.20 s" in lines[1], lines[1]
 
 

@@ -199,8 +199,12 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     joiner = next(r for r in runs if r["replica"] == 2 and r["rank"] == 0)
     rejoin = next(e for e in joiner["history"] if "set_up_s" in e and e["kind"] == "step")
     # the others saw replica 3 die in their round's set-up, and went on
-    assert any(e["kind"] == "failed" and 3 in e["replicas"] for e in leader["history"]), \
-        leader["history"]
+    failed = [e for e in leader["history"] if e["kind"] == "failed" and 3 in e["replicas"]]
+    assert failed, leader["history"]
+    # the two joiners were fed point to point, each by its own donor; replica 2 then
+    # from replica 0 alone
+    assert failed[-1]["point_to_point"] and failed[-1]["donors"] == {"2": 0, "3": 1}, failed
+    assert rejoin["point_to_point"] and rejoin["donors"] == {"2": 0}, rejoin
     stopped_at = float(open(os.path.join(job.work, "stopped1_rank1")).read())
     after_hang = min(e["time"] for e in leader["history"]
                      if e["kind"] == "step" and e["step"] >= STOP_AT)
@@ -439,6 +443,11 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     rejoin = next(e for e in _history(job, 0) if e["kind"] == "step" and "receivers" in e)
     assert rejoin["receivers"] == [0] and rejoin["donor"] == 1 and \
         rejoin["piece_donors"] == {"0": 2, "1": 1}, rejoin
+    # point to point: replica 3, neither donor nor receiver, moved nothing and went
+    # straight to its step (what it waited for is the donors' transfer)
+    assert rejoin["point_to_point"] and rejoin["donors"] == {"0": 1}, rejoin
+    stall = _stall(_history(job, 3), rejoin["round"])
+    assert stall["state_bytes"] == 0, stall
     # the restarted coordinator lost nothing: the rejoin's round (formed after the
     # restart) follows the rounds before it, as every member recorded them
     rounds = [e["round"] for e in _history(job, 1)]
@@ -446,4 +455,14 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     died = float(open(os.path.join(job.work, "died_in_transfer_rank0")).read())
     resumed = min(e["time"] for e in _history(job, 1) if e["kind"] == "step" and e["time"] > died)
     print(f"hfsdp fault tolerance: from the donor's death to the next step {resumed - died:.1f} s;"
-          f" rejoin set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s)")
+          f" rejoin set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s); "
+          f"a bystander's step at the rejoin {stall['seconds']:.2f} s (set-up "
+          f"{stall['set_up_s']:.2f} s) against {stall['median_s']:.2f} s")
+
+
+def _stall(history: list, round_number: int) -> dict:
+    """A group's step at round ``round_number`` beside the median of its steps that
+    formed no round: what a rejoin cost a group that neither sent nor took state."""
+    at = next(e for e in history if e["kind"] == "step" and e["round"] == round_number)
+    plain = sorted(e["seconds"] for e in history if e["kind"] == "step" and "round_s" not in e)
+    return dict(at, median_s=plain[len(plain) // 2])

@@ -150,6 +150,13 @@ class LiveOuterGroup(Group):
             with self._lock:
                 self._creating = None
 
+    def track(self, round_number: int, sockets) -> None:
+        """Sockets of another group of round ``round_number`` (a transfer's pair) that a
+        failure announced in the round shuts down with this group's."""
+        with self._lock:
+            if round_number == self._round:
+                self._sockets |= set(sockets)
+
     def abandon(self) -> None:
         """This rank's attempt failed: shut down, and be this rank alone until the next
         round."""
@@ -184,15 +191,67 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
     a round of one replica (nothing to talk to)."""
     if len(replicas) == 1:
         return None, ()
-    rank, size = replicas.index(group.replica), len(replicas)
-    pg_id = group_id(round_number, group.local_rank)
+    return _create(store, round_number, group, replicas.index(group.replica),
+                   len(replicas), group_id(round_number, group.local_rank),
+                   key("r", round_number, "outer_store", group.local_rank), timeout_s,
+                   f"round {round_number}'s outer group")
+
+
+class PairGroup(Group):
+    """Two replicas' ranks of one local rank, for a rejoin's state transfer alone (the
+    other members of the round never touch it, so its traffic cannot shift the tags of
+    the outer group's collectives: Paddle's gloo groups number every call, sends
+    included, and a member that skipped a send would then wait in the next all-reduce
+    under another tag)."""
+
+    watchdog_exempt = True  # a stopped peer fails the round, as on the outer group
+    failure_advice = LiveOuterGroup.failure_advice
+
+
+# Process-group ids of the transfers' pair groups: unique per round (modulo
+# PAIR_ROUNDS), local rank and pair, below 2**31 (Paddle's ids are C ints).
+_PAIR_GROUP_BASE = 12 * 10 ** 8
+PAIR_ROUNDS = 20_000
+MAX_PAIRS = 40  # pairs per round and local rank; a round with more broadcasts instead
+
+
+def pair_id(round_number: int, local_rank: int, index: int) -> int:
+    """The process-group id of round ``round_number``'s ``index``-th transfer pair."""
+    if not 0 <= index < MAX_PAIRS:
+        raise ValueError(f"paddle_hsdp.ft: pair index {index} outside [0, {MAX_PAIRS})")
+    return _PAIR_GROUP_BASE + ((round_number % PAIR_ROUNDS) * 1024 + local_rank) * MAX_PAIRS \
+        + index
+
+
+def connect_pair(store, round_number: int, pair: tuple[int, int], index: int,
+                 group: LiveOuterGroup, timeout_s: float) -> PairGroup:
+    """The process group of replicas ``pair`` (sorted; this rank's replica is one of
+    them) for round ``round_number``'s transfer: both call it, nobody else. Its
+    sockets go with the outer group's, so a failure announced in the round shuts
+    them down too."""
+    pg_id = pair_id(round_number, group.local_rank, index)
+    pg, sockets = _create(store, round_number, group, pair.index(group.replica), 2, pg_id,
+                          key("r", round_number, "pair_store", group.local_rank, *pair),
+                          timeout_s, f"round {round_number}'s transfer pair {pair}")
+    group.track(round_number, sockets)
+    pair_group = PairGroup(pair.index(group.replica), pg_id,
+                           [group.virtual_rank(r) for r in pair], pg=pg,
+                           name=f"hsdp_ft_pair_{pair[0]}_{pair[1]}_{group.local_rank}")
+    comm.name_group(pair_group, "ft transfer")
+    return pair_group
+
+
+def _create(store, round_number: int, group: LiveOuterGroup, rank: int, size: int,
+            pg_id: int, store_key: str, timeout_s: float, what: str) -> tuple:
+    """A process group of ``size`` ranks on a rendezvous store of its own (its address
+    published under ``store_key``): ``(process group, the sockets its creation opened)``.
+    A failure announced in the round meanwhile cuts the creation short."""
     before = socket_fds()
     abort = _abort_on_failure(store, round_number)
-    with group.creating(round_number, before):  # a failure meanwhile cuts it short
-        group_store = make_group_store(
-            store, rank, size, pg_id,
-            key=key("r", round_number, "outer_store", group.local_rank),
-            timeout_s=max(1, int(timeout_s)), listen_first=True, abort=abort)
+    with group.creating(round_number, before):
+        group_store = make_group_store(store, rank, size, pg_id, key=store_key,
+                                       timeout_s=max(1, int(timeout_s)), listen_first=True,
+                                       abort=abort)
         if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
             pg = core.ProcessGroupNCCL.create(group_store, rank, size, pg_id,
                                               collective._get_global_env().pg_timeout, 0,
@@ -200,7 +259,7 @@ def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup
         else:
             pg = _abandon_on_failure(
                 lambda: core.ProcessGroupGloo.create(group_store, rank, size, pg_id), abort,
-                lambda: forget_group_store(pg_id), f"round {round_number}'s outer group")
+                lambda: forget_group_store(pg_id), what)
     return pg, socket_fds() - before
 
 

@@ -161,6 +161,19 @@ class Round:
         return [r for r in self.replicas if r != self.donor and
                 (self.members[r].fresh or self.members[r].step != self.step)]
 
+    @property
+    def up_to_date(self) -> list[int]:
+        """Members whose state is the round's (known, at its step): the donors."""
+        return [r for r in self.replicas
+                if not self.members[r].fresh and self.members[r].step == self.step]
+
+    def donor_of(self, receiver: int) -> int:
+        """Where ``receiver``'s model state comes from: the receivers, in id order, take
+        the up-to-date members in turn, so several joiners load several donors, not one
+        (in the first round, where no state is known, every one takes the donor's)."""
+        donors = self.up_to_date or [self.donor]
+        return donors[self.receivers.index(receiver) % len(donors)]
+
     def to_json(self) -> str:
         """Compact: one short list per member (the record reaches every group)."""
         return json.dumps({"number": self.number, "rebuild": self.rebuild,

@@ -471,7 +471,9 @@ class Replica:
                  "time": time.time(), **self._timing}
         if "round_s" in self._timing:
             entry.update(rebuild=record.rebuild, receivers=record.receivers,
-                         donor=record.donor)
+                         donor=record.donor,
+                         donors={r: record.donor_of(r) for r in record.receivers},
+                         point_to_point=transfer.plan_transfer(record, self.outer.pieces)[1])
             pieces = self.outer.pieces
             if pieces is not None:
                 entry["piece_donors"] = {q: pieces.donor(q) for q in range(pieces.parts)}
@@ -503,8 +505,8 @@ class Replica:
             if left else []
         parts += [f"joined {joined}"] if joined else []
         if record.receivers:
-            parts.append(f"replica(s) {record.receivers} took the state of step "
-                         f"{record.step} from replica {record.donor} ("
+            donors = ", ".join(f"{r} from {record.donor_of(r)}" for r in record.receivers)
+            parts.append(f"replica(s) took the state of step {record.step} ({donors}; "
                          f"{self._timing.get('state_bytes', 0) / 2 ** 20:.1f} MiB through "
                          "this rank)")
         logger.warning("paddle_hsdp.ft: round %d: %s; %d replicas %s (round %.2f s, "

@@ -20,15 +20,18 @@ the next round (``fresh``).
 
 from __future__ import annotations
 
-import math
 import json
+import math
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
 from ..comm import collectives as comm
+from ..comm.gloo_store import forget_group_store
 from ..engine.registry import registry
+from . import groups
 from .protocol import FaultToleranceError
 from .store import key
 
@@ -82,19 +85,173 @@ def _checksum(tensor) -> int:
     return zlib.crc32(data.view(np.uint8).reshape(-1)) if data.size else 0
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One copy of a round's transfer: ``what`` (``("model",)`` or ``("optimizer",
+    piece)``) from ``donor`` to ``takers``."""
+    what: tuple
+    donor: int
+    takers: tuple
+
+
+def plan_transfer(record, plan) -> tuple[list[Phase], bool]:
+    """The round's copies, in one order on every member, and whether they go point to
+    point. With two or more up-to-date members, each receiver is fed by its own donor
+    (:meth:`Round.donor_of`; each HFSDP piece's optimizer state by a holder of it) over
+    a process group of the two, and the round's other members start the step at once;
+    otherwise (the first round, or one up-to-date member for everyone: no group would
+    be left to go on) one broadcast per tensor over the round's outer group, which
+    every member joins."""
+    sharded = plan is not None and plan.parts > 1
+    receivers = record.receivers
+    if len(record.up_to_date) > 1:
+        phases = [Phase(("model",), record.donor_of(r), (r,)) for r in receivers]
+        for q, piece_donor, takers in _optimizer_phases(record, plan):
+            phases += [Phase(("optimizer", q), piece_donor if sharded else record.donor_of(t),
+                             (t,)) for t in takers]
+        if len(_pairs(phases)) <= groups.MAX_PAIRS:
+            return phases, True
+    phases = [Phase(("model",), record.donor, tuple(receivers))] if receivers else []
+    phases += [Phase(("optimizer", q), d, tuple(t)) for q, d, t in _optimizer_phases(record, plan)]
+    return phases, False
+
+
+def _pairs(phases) -> list[tuple[int, int]]:
+    """The distinct (lower, higher) replica pairs of point-to-point phases, sorted."""
+    return sorted({tuple(sorted((p.donor, p.takers[0]))) for p in phases})
+
+
 def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[dict | None, int]:
-    """Copy round ``record``'s donor state to this rank if its replica is a receiver.
-    Every member of ``group`` calls it. ``extra``: this replica's plain state (step,
-    RNG, scheduler, user; the donor's is sent); returns the donor's ``extra`` on a
-    receiver, None elsewhere, and the bytes of tensors this rank broadcast or took
-    (for the log). With shared optimizer pieces (``group.pieces``,
-    :mod:`.pieces`) each piece's optimizer state comes from a holder of that piece."""
-    donor, replica = record.donor, group.replica
-    receiving = replica in record.receivers
-    model_tensors = _model_tensors(model)
-    meta = _exchange_meta(store, record, (group.local_rank, "model"), replica == donor,
-                          lambda: {"model": _described(model_tensors), "extra": extra})
-    mine = _described(model_tensors)
+    """Copy round ``record``'s state to this rank if its replica is a receiver. Every
+    member of ``group`` calls it; point to point, those neither sending nor taking return
+    at once. ``extra``: this replica's plain state (step, RNG, scheduler, user; a
+    donor's is sent); returns the donor's ``extra`` on a receiver, None elsewhere, and
+    the bytes of tensors this rank sent or took (for the log). Each taker checks what it
+    took against the checksums its donor computed once per tensor."""
+    replica = group.replica
+    phases, point_to_point = plan_transfer(record, group.pieces)
+    if point_to_point:
+        pairs = _pairs(phases)
+        phases = [p for p in phases if replica == p.donor or replica in p.takers]
+    if not phases:
+        return None, 0
+    sender = _Sender(store, record, group, model, optimizer, extra)
+    links: dict = {}
+    received_extra, received_opt, moved = None, None, 0
+    try:
+        for phase in phases:
+            if point_to_point:
+                pair = tuple(sorted((phase.donor, phase.takers[0])))
+                if pair not in links:
+                    links[pair] = groups.connect_pair(store, record.number, pair,
+                                                      pairs.index(pair), group,
+                                                      sender.timeout_s)
+                link = links[pair]
+            else:
+                link = group
+            if replica == phase.donor:
+                moved += sender.send(phase, link)
+                continue
+            taking = replica in phase.takers
+            meta = _exchange_meta(store, record, (group.local_rank, *phase.what, phase.donor),
+                                  False, None)
+            if phase.what[0] == "model":
+                tensors = _model_tensors(model) if taking else None
+                _check_same_model(tensors, meta, replica, phase.donor)
+                targets = [t for _, t in tensors] if taking else \
+                    [paddle.zeros(s, d) for _, s, d in meta["model"]]
+            else:
+                targets = [paddle.zeros(s, d) for _, s, d in meta["tensors"]]
+            moved += _take(link, phase, targets, group, check=taking)
+            if taking and phase.what[0] == "model":
+                received_extra = meta["extra"]
+            elif taking:
+                received_opt = ([tuple(p) for p, _, _ in meta["tensors"]], targets,
+                                meta["rest"])
+    finally:
+        for link in links.values():
+            forget_group_store(link.id)  # both ends connected: the rendezvous is over
+    if replica not in record.receivers:
+        return None, moved
+    if received_opt is not None:
+        paths, targets, rest = received_opt
+        optimizer.set_state_dict(_unflatten(zip(paths, targets), rest))
+    registry.storage_may_have_changed()
+    for unit in registry.units_under(model):
+        unit.reshard(force=True)  # params kept gathered hold the old values
+    return received_extra, moved
+
+
+class _Sender:
+    """A donor's side: the metadata written once per copy it serves, and each tensor's
+    checksum computed once, however many receivers it feeds."""
+
+    def __init__(self, store, record, group, model, optimizer, extra):
+        self.store, self.record, self.group = store, record, group
+        self.model, self.optimizer, self.extra = model, optimizer, extra
+        self.timeout_s = getattr(store, "timeout_s", 120.0)
+        self._tensors: dict = {}  # what -> [tensor]
+        self._sums: dict = {}  # what -> int64 tensor of checksums
+
+    def send(self, phase: Phase, link) -> int:
+        what = phase.what
+        if what not in self._tensors:
+            if what[0] == "model":
+                named = _model_tensors(self.model)
+                meta = {"model": _described(named), "extra": self.extra}
+                tensors = [t for _, t in named]
+            else:
+                pairs, rest = _flatten(self.optimizer.state_dict())
+                meta = {"tensors": _described(pairs), "rest": rest}
+                tensors = [t for _, t in pairs]
+            _exchange_meta(self.store, self.record,
+                           (self.group.local_rank, *what, phase.donor), True, lambda: meta)
+            self._tensors[what] = tensors
+            self._sums[what] = None
+        tensors, moved = self._tensors[what], 0
+        for tensor in tensors:
+            moved += _move(link, tensor, phase.donor, self.group)
+        if self._sums[what] is None:
+            sums = [_checksum(t) for t in tensors if math.prod(t.shape)]
+            self._sums[what] = paddle.to_tensor(np.array(sums, dtype="int64"))
+        if self._sums[what].shape[0]:
+            comm.broadcast(self._sums[what], src=self.group.virtual_rank(phase.donor),
+                           group=link, tag="ft state check")
+        return moved
+
+
+def _move(link, tensor, donor: int, group) -> int:
+    """One tensor from ``donor`` over ``link``, in place; its bytes (0 if empty)."""
+    if math.prod(tensor.shape) == 0:  # nothing to send (a rank's empty share of a buffer)
+        return 0
+    comm.broadcast(tensor, src=group.virtual_rank(donor), group=link, tag="ft state")
+    return math.prod(tensor.shape) * tensor.element_size()
+
+
+def _take(link, phase: Phase, targets, group, check: bool) -> int:
+    """Receive ``phase``'s tensors into ``targets`` and, on a taker (``check``), compare
+    each with the checksum its donor sent after them."""
+    moved = sum(_move(link, t, phase.donor, group) for t in targets)
+    filled = [t for t in targets if math.prod(t.shape)]
+    if not filled:
+        return moved
+    sent = paddle.zeros([len(filled)], dtype="int64")
+    comm.broadcast(sent, src=group.virtual_rank(phase.donor), group=link, tag="ft state check")
+    if check:
+        bad = [i for i, (t, s) in enumerate(zip(filled, sent.numpy().tolist()))
+               if _checksum(t) != s]
+        if bad:
+            raise FaultToleranceError(
+                f"paddle_hsdp.ft: {len(bad)} of the {len(filled)} tensors of {phase.what} "
+                f"received from replica {phase.donor} differ from what it sent "
+                f"(checksums; first: tensor {bad[0]}); the round is redone")
+    return moved
+
+
+def _check_same_model(tensors, meta: dict, replica: int, donor: int) -> None:
+    if tensors is None:
+        return
+    mine = _described(tensors)
     if mine != meta["model"]:
         first = next(((a, b) for a, b in zip(mine, meta["model"]) if a != b),
                      f"{len(mine)} tensors here, {len(meta['model'])} there")
@@ -102,42 +259,6 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
             f"paddle_hsdp.ft: replica {replica} cannot take replica {donor}'s state: "
             "their models differ (names, shapes or dtypes of the shards; the inner degree "
             f"or the sharding must be the same). First difference: {first}")
-    sums, moved = [], [0]
-
-    def move(target, src):
-        if math.prod(target.shape) == 0:  # nothing to send (a rank's empty share of a buffer)
-            return
-        comm.broadcast(target, src=group.virtual_rank(src), group=group, tag="ft state")
-        sums.append(_checksum(target))
-        moved[0] += math.prod(target.shape) * target.element_size()
-
-    for _, tensor in model_tensors:  # a receiver takes it in place
-        move(tensor if replica == donor or receiving
-             else paddle.zeros(tensor.shape, tensor.dtype), donor)
-    received = None
-    plan = group.pieces
-    for q, piece_donor, takers in _optimizer_phases(record, plan):
-        sending, taking = replica == piece_donor, replica in takers
-        opt_tensors, opt_rest = _flatten(optimizer.state_dict()) if sending else (None, None)
-        opt_meta = _exchange_meta(
-            store, record, (group.local_rank, "optimizer", q), sending,
-            lambda: {"tensors": _described(opt_tensors), "rest": opt_rest})
-        pairs = []
-        for i, (path, shape, dtype) in enumerate(opt_meta["tensors"]):
-            target = opt_tensors[i][1] if sending else paddle.zeros(shape, dtype)
-            move(target, piece_donor)
-            pairs.append((tuple(path), target))
-        if taking:
-            received = (pairs, opt_meta["rest"])
-    _check_identical(sums, group)
-    if not receiving:
-        return None, moved[0]
-    if received is not None:
-        optimizer.set_state_dict(_unflatten(*received))
-    registry.storage_may_have_changed()
-    for unit in registry.units_under(model):
-        unit.reshard(force=True)  # params kept gathered hold the old values
-    return meta["extra"], moved[0]
 
 
 def _described(tensors) -> list:
@@ -184,17 +305,3 @@ def _optimizer_phases(record, plan) -> list[tuple[int, int, list[int]]]:
         if takers:
             phases.append((q, plan.donor(q), takers))
     return phases
-
-
-def _check_identical(sums: list[int], group) -> None:
-    """Every member holds what the donor sent, bit for bit (checksums of each tensor)."""
-    if not sums:
-        return
-    values = paddle.to_tensor(np.array(sums, dtype="int64"))
-    high, low = values.clone(), -values
-    comm.all_reduce(high, group, op="max", tag="ft state check")
-    comm.all_reduce(low, group, op="max", tag="ft state check")
-    if not np.array_equal(high.numpy(), -low.numpy()):
-        raise FaultToleranceError(
-            f"paddle_hsdp.ft: the state copied from the donor differs between replicas "
-            f"after the transfer ({int((high.numpy() != -low.numpy()).sum())} tensors)")
