@@ -100,7 +100,7 @@ def test_a_group_store_that_is_gone_is_an_error_not_a_wait():
 def test_the_live_outer_group_follows_the_rounds():
     group = groups.LiveOuterGroup(replica=2, local_rank=1, inner=4)
     assert group.ranks == [9] and group.nranks == 1 and group.rank == 0
-    assert group.early_sync is False and group.watchdog_exempt is True
+    assert group.early_sync and group.order_agreed_on_it and group.watchdog_exempt
     group.adopt([0, 2, 3], ("pg", {}), 4)
     assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
     assert group.process_group == "pg"
@@ -377,7 +377,7 @@ def _replica_with_loader(monkeypatch, rounds):
         loader.position += 1
         return loader.position - 1
 
-    ft.model, ft.optimizer, ft.lr_scheduler = object(), types.SimpleNamespace(
+    ft.model, ft.optimizer, ft.lr_scheduler = paddle.nn.Layer(), types.SimpleNamespace(
         step=lambda: None, clear_grad=lambda: None), None
     ft._state_fn = lambda: {"position": loader.position}
     ft._load_state_fn = lambda state: setattr(loader, "position", state["position"])
@@ -400,7 +400,8 @@ def _replica_with_loader(monkeypatch, rounds):
         if receiving:
             ft._load_plain_state({"step": 10, "rng": [s.__getstate__() for s in
                                                        paddle.get_rng_state()],
-                                  "lr_scheduler": None, "user": {"position": 10}})
+                                  "lr_scheduler": None, "user": {"position": 10},
+                                  "outer_sync": {}})
 
     ft._arrive, ft._set_up_round = arrive, set_up
     ft._replica_votes = lambda failed, join: (failed or (ft._fails and ft._ran), False)

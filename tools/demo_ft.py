@@ -237,6 +237,14 @@ def run_scenario(args, work: str, env: dict, coordinator_command: list[str], add
           (f"replica group {victim} back at step {joined['step']} (state copied in "
            f"{joined['history'].get('set_up_s', 0):.2f} s)" if joined else
            f"replica group {victim} did not rejoin before the end"), flush=True)
+    if joined and args.replicas > 2:  # group 1 neither sends (0 does) nor takes state
+        others = _lines(os.path.join(work, "progress1"))
+        at = next(line for line in others if line["step"] == joined["step"])
+        plain = sorted(line["seconds"] for line in others if "round_s" not in line["history"])
+        print(f"the rejoin cost replica group 1 (neither donor nor receiver) a step of "
+              f"{at['seconds']:.2f} s against its median {plain[len(plain) // 2]:.2f} s "
+              f"(its round {at['history'].get('round_s', 0):.2f} s, set-up "
+              f"{at['history'].get('set_up_s', 0):.2f} s)", flush=True)
     return 0
 
 

@@ -105,6 +105,9 @@ class OuterSyncSchedule:
         if self.recording:
             self.recording = False
             self.order = agreed_order(self.order, group, buffers)
+            outer = buffers[0].outer if buffers else None
+            if getattr(outer, "order_agreed_on_it", False):  # replicas outside ``group``
+                self.order = agreed_order(self.order, outer, buffers)
         if not self.active:
             return
         self.active = False
@@ -120,6 +123,22 @@ class OuterSyncSchedule:
                     self._issue(buf)
         work, self._work = self._work, []
         finish_outer_syncs(work)  # synced: the step will not sync them again
+
+    def state(self) -> dict:
+        """What another replica needs to issue the same outer syncs at the same steps
+        as this one (paddle_hsdp.ft hands it to a rejoining group): the agreed order as
+        (unit, buffer) indices, or None while it is still to be recorded, and the
+        backwards per step it predicts."""
+        order = None if self.recording else [[b.unit_index, b.index] for b in self.order]
+        return {"order": order, "expected": self.expected}
+
+    def adopt(self, state: dict) -> None:
+        """Take another replica's :meth:`state` at a step boundary."""
+        order = state["order"]
+        self.recording = order is None
+        self.order = [] if order is None else \
+            [registry.units[u].buffers[b] for u, b in order]
+        self.expected, self.backwards = state["expected"], 0
 
     def restart_count(self) -> None:
         """Grads were dropped without a step (``clear_grad``): a new count starts."""
@@ -193,8 +212,7 @@ def finish_outer_syncs(work: list) -> None:
 
 
 def _takes_part(unit, buf) -> bool:
-    # ``early_sync`` False on the outer group: its members do not share this root's
-    # FSDP group, so the order agreed there binds no other replica (paddle_hsdp.ft).
+    # ``early_sync`` False on an outer group: it syncs at the step only
     return (buf.trainable and unit.overlap and unit.requires_all_reduce
             and unit.grads_pending_outer_sync and getattr(buf.outer, "early_sync", True)
             and not any(b.host is not None for b in unit.buffers))

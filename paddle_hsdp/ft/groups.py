@@ -43,10 +43,12 @@ class LiveOuterGroup(Group):
     """This rank's outer group, whichever replicas are live (a ``Group``, so Paddle's
     collectives take it). Until the first round it is this rank alone."""
 
-    # No outer all-reduce during backward (engine/outer_sync.py): its order is agreed
-    # inside one replica group, and a replica that just joined has no step to predict
-    # from; at the step every replica issues them in the units' one global order.
-    early_sync = False
+    # Outer all-reduces during backward as in plain HSDP (engine/outer_sync.py), in one
+    # order across the replica groups: the order each group agreed inside itself is
+    # agreed once more over this group (the lowest replica's), and a group that joins
+    # takes it, and the backwards per step, with the donor's state (ft/transfer.py).
+    early_sync = True
+    order_agreed_on_it = True
     # A hung peer fails the attempt (its lease ends; every rank's watch shuts the group
     # down): the watchdog, which would end this rank, stays out of it.
     watchdog_exempt = True

@@ -1,8 +1,9 @@
 """One replica group of a fault-tolerant job: attempts, votes, commits, rounds, rejoins.
 
-Each optimizer step is *attempted*: the user's forward and backward, one tiny
+Each optimizer step is *attempted*: the user's forward and backward, the outer
+all-reduce of the grads (issued during backward, engine/outer_sync.py), and one tiny
 all-reduce (max) over the outer group that tells every member whether a replica group
-waits to join, and the outer all-reduce of the grads. Nothing in the optimizer's step
+waits to join. Nothing in the optimizer's step
 crosses replicas (the clip's norm and the update stay inside the replica group). The
 replica's ranks then vote (an all-reduce inside the replica group, whose ranks live
 and die together). If any of them saw a collective fail, no rank steps, every grad is
@@ -12,8 +13,9 @@ as before the failed step.
 A *round* (:mod:`.protocol`, on the job's etcd) is
 formed only when needed: at the start, after a failed attempt, or when a replica waits
 to join. It fixes the live replicas, rebuilds the outer groups over them, and copies
-a donor's state to replicas that need it (:mod:`.transfer`). In steady state a step
-costs two one-element all-reduces and no store access.
+a donor's state to replicas that need it (:mod:`.transfer`: point to point, the others
+go on to their step). In steady state a step costs two one-element all-reduces (the
+joiner flag, the vote) and no store access.
 
 Replicas that disagree (one committed a step whose all-reduce finished for it while
 it failed for another) are set right in the next round: every replica arrives with
@@ -37,6 +39,7 @@ from paddle.distributed import fleet
 
 from ..comm import collectives as comm
 from ..comm.collectives import CollectiveError
+from ..engine.hooks import adopt_outer_sync_states, outer_sync_states
 from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from ..hints import did_you_mean
@@ -276,8 +279,10 @@ class Replica:
                                                and self._load_state_fn is not None):
                             batch, batch_loads = next_batch(), self._loads
                         loss = forward_backward(batch)
-                    join_wanted = self._joiners_waiting()
+                    # after the grads' all-reduces: a group whose backward issued them
+                    # early and one that issues them here send them in one order
                     finish_grad_sync(self.optimizer)
+                    join_wanted = self._joiners_waiting()
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
             if error is not None:  # before the vote: peers may be blocked on us
@@ -450,7 +455,9 @@ class Replica:
         return {"step": self.step, "rng": [s.__getstate__() for s in paddle.get_rng_state()],
                 "lr_scheduler": (self.lr_scheduler.state_dict()
                                  if self.lr_scheduler is not None else None),
-                "user": json.loads(self._user_state) if self._user_state else None}
+                "user": json.loads(self._user_state) if self._user_state else None,
+                # the outer syncs' order and timing the other groups follow
+                "outer_sync": outer_sync_states(registry.units_under(self.model))}
 
     def _load_plain_state(self, extra: dict) -> None:
         self._loads += 1
@@ -458,6 +465,7 @@ class Replica:
         paddle.set_rng_state([_generator_state(s) for s in extra["rng"]])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.set_state_dict(extra["lr_scheduler"])
+        adopt_outer_sync_states(extra["outer_sync"])
         if self._load_state_fn is not None:
             self._load_state_fn(extra["user"])
             # what this group sends if it donates later in this step: what it holds now

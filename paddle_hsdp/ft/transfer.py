@@ -1,21 +1,22 @@
 """A replica's state, streamed from a donor replica to the ones that need it.
 
-Per local rank ``i``, over the round's outer group ``i``: the donor's rank ``i`` sends
-its own shard state, one tensor at a time (every unit buffer's flat shard, the
-parameters and buffers the engine does not shard, then each optimizer-state tensor),
-so no rank ever holds more than its own shard plus one tensor in flight. What is not
-a tensor (names, shapes and dtypes, the step count, the RNG state, an LR scheduler's
-and the user's extra state) goes first, as JSON, through the job's shared data on etcd.
+Per local rank ``i``: each receiver's rank ``i`` takes the state of its donor's rank
+``i`` (:func:`plan_transfer`: point to point over a process group of the two, the
+round's other members not involved; in a round where one replica feeds all the others,
+a broadcast over the round's outer group), one tensor at a time (every unit buffer's
+flat shard, the parameters and buffers the engine does not shard, then each
+optimizer-state tensor), so no rank ever holds more than its own shard plus one tensor
+in flight. What is not a tensor (names, shapes and dtypes, the step count, the RNG
+state, an LR scheduler's, the user's and the outer syncs' state) goes first, as JSON,
+through the job's shared data on etcd.
 
 With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model comes
-from the donor and each piece's optimizer state from a holder of that piece.
+from the receiver's donor and each piece's optimizer state from a holder of that piece.
 
-Members of the round that are neither donor nor receiver take part in each broadcast
-with a scratch tensor (a broadcast needs every member). Receivers take the model's
-tensors in place and hand the optimizer its state once everything arrived and the
-checksums of every tensor agree across the group (one all-reduce of max, one of
-min): a receiver whose transfer fails holds a state it must not use, and says so at
-the next round (``fresh``).
+The donor computes each tensor's checksum once and sends them after the tensors; the
+receiver compares. Receivers take the model's tensors in place and hand the optimizer
+its state once everything arrived and checked: a receiver whose transfer fails holds a
+state it must not use, and says so at the next round (``fresh``).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import paddle.distributed as dist
 import paddle_hsdp
 from paddle_hsdp import ft
 from paddle_hsdp.comm.collectives import CollectiveError
+from paddle_hsdp.engine import outer_sync
 from paddle_hsdp.ft.store import socket_fds
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
@@ -165,6 +166,17 @@ def forward_backward(xy):
     return loss
 
 
+# outer all-reduces issued during backward (engine/outer_sync.py), counted per step
+early_syncs, issued = {}, [0]
+_real_issue = outer_sync.OuterSyncSchedule._issue
+
+
+def counted_issue(self, buf):
+    issued[0] += 1
+    return _real_issue(self, buf)
+
+
+outer_sync.OuterSyncSchedule._issue = counted_issue
 losses, sockets = {}, []
 while replica.step < steps:
     if replica.step + 1 in wait_join:
@@ -179,7 +191,9 @@ while replica.step < steps:
         while rank == 0 and not replica.control.join_waiting():  # test only
             assert time.time() < deadline, "the watcher never saw the joiner"
             time.sleep(0.05)
+    before = issued[0]
     loss = replica.train_step(forward_backward, next_batch=lambda: next(loader))
+    early_syncs[replica.step] = issued[0] - before
     # a batch per committed step, whatever rounds, retries and rejoins came between
     assert loader.position == replica.step, (loader.position, replica.step)
     losses[replica.step - 1] = float(loss)  # a joiner learns its step in train_step
@@ -196,5 +210,5 @@ with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.get
           "w") as f:
     json.dump({"replica": replica.replica_id, "rank": rank, "losses": losses,
                "history": replica.history, "params": full, "sockets": sockets,
-               "groups_freed": replica.outer.freed}, f)
+               "groups_freed": replica.outer.freed, "early_syncs": early_syncs}, f)
 print("WORKER_OK", flush=True)
