@@ -87,7 +87,8 @@ def describe(path) -> str:
                      f"{len(t['pieces'])} piece(s){'  ' + '; '.join(axes) if axes else ''}")
     for alias, name in sorted(meta["aliases"].items()):
         lines.append(f"  {alias:50s} = {name} (tied)")
-    files = sorted({p["file"] for t in meta["tensors"].values() for p in t["pieces"]})
+    files = sorted({p["file"] for t in meta["tensors"].values() for p in t["pieces"]
+                    if "file" in p})  # a few numbers sit in the metadata itself
     disk = sum(os.path.getsize(os.path.join(os.fspath(path), f)) for f in files)
     lines.append(f"{len(meta['tensors'])} tensors, {full / 2**20:.1f} MiB; written once: "
                  f"{written} of {full} bytes in {len(files)} file(s), {disk} bytes on disk")

@@ -51,7 +51,8 @@ from ..comm import collectives as comm
 from ..comm import watchdog
 from .boxes import dims, intersect, relative, volume
 
-FORMAT = "paddle_hsdp-checkpoint/2"
+FORMAT = "paddle_hsdp-checkpoint/3"
+FORMAT_V2 = "paddle_hsdp-checkpoint/2"  # every piece in a file: still loads (and is read so)
 FORMAT_V1 = "paddle_hsdp-checkpoint/1"  # rows only (no tensor-parallel boxes): still loads
 META = "metadata.json"
 
@@ -102,6 +103,49 @@ def _gather_json(obj, what: str = "a checkpoint call", group=None) -> list:
     return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
 
 
+def _gather_json_to_root(obj, what: str = "a checkpoint call") -> list | None:
+    """Every rank's JSON-serialisable ``obj`` on rank 0, in rank order; None on the
+    others, which receive nothing (a save's manifests: only rank 0 writes the index)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    group = dist.collective._get_global_group()
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    size = paddle.to_tensor([len(data)], dtype="int64")
+    comm.all_reduce(size, group, op="max", tag=_TAG, what=f"{what}: the largest message")
+    with watchdog.host_sync(f"{what}: reading the largest message's size"):
+        longest = int(size.item())
+    padded = np.zeros(longest + 8, dtype=np.uint8)  # its own length first, then it
+    padded[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+    padded[8:8 + len(data)] = data
+    rank = dist.get_rank()
+    parts = [] if rank == 0 else None
+    comm.gather(paddle.to_tensor(padded), parts, 0, group, tag=_TAG,
+                what=f"{what}: the ranks' messages to rank 0")
+    if rank != 0:
+        return None
+    with watchdog.host_sync(f"{what}: reading the ranks' messages"):
+        rows = [p.numpy() for p in parts]
+    return [json.loads(row[8:8 + int(row[:8].view(np.int64)[0])].tobytes().decode())
+            for row in rows]
+
+
+def _broadcast_json(obj, what: str = "a checkpoint call"):
+    """Rank 0's JSON-serialisable ``obj`` on every rank (``obj`` elsewhere is ignored)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    group = dist.collective._get_global_group()
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8) \
+        if dist.get_rank() == 0 else np.zeros(0, np.uint8)
+    size = paddle.to_tensor([len(data)], dtype="int64")
+    comm.broadcast(size, 0, group, tag=_TAG, what=f"{what}: rank 0's message size")
+    with watchdog.host_sync(f"{what}: reading rank 0's message size"):
+        n = int(size.item())
+    buf = paddle.to_tensor(data if len(data) else np.zeros(n, np.uint8))
+    comm.broadcast(buf, 0, group, tag=_TAG, what=f"{what}: rank 0's message")
+    with watchdog.host_sync(f"{what}: reading rank 0's message"):
+        return json.loads(buf.numpy().tobytes().decode())
+
+
 def _token(what: str = "a checkpoint call") -> str:
     """The same fresh token on every rank (rank 0's clock, broadcast)."""
     rank, world = _rank_world()
@@ -123,7 +167,7 @@ def read_metadata(path) -> dict:
         raise CheckpointError(f"{path!r} is not a checkpoint: no {META}") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V1) \
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V2, FORMAT_V1) \
             or not isinstance(meta.get("tensors"), dict):
         raise CheckpointError(f"{meta_path}: not a {FORMAT} checkpoint")
     if meta["format"] == FORMAT_V1:
@@ -157,6 +201,9 @@ class _Reader:
 
     def rows(self, name, piece, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of ``piece`` (piece-relative)."""
+        if "value" in piece:  # a few numbers kept in the metadata (checkpoint/plan.py)
+            array = np.array(piece["value"], dtype=piece["value_dtype"])
+            return array.reshape(piece["shape"])[lo:hi]
         total = piece["shape"][0]
         chunk = piece.get("chunk_rows", total)
         crcs = piece["crc32"] if isinstance(piece["crc32"], list) else [piece["crc32"]]

@@ -8,8 +8,9 @@ every outer sub-shard of it: a load needs no collective) of this rank's
 tensor-parallel slice (checkpoint/placement.py); an unsharded tensor's whole slice.
 Its optimizer states' items are the rows the optimizer holds, which with outer
 sub-shards (``fsdp_outer_sharding="optim"``) are distinct on every rank; scalar states
-(beta powers) are one element. Which rank writes an item is not decided here: the
-save asks every rank what it holds (checkpoint/save.py).
+(beta powers) are one element. Each item says which other ranks hold the same box
+(its :class:`~paddle_hsdp.checkpoint.plan.Replicas`), from which checkpoint/plan.py
+decides who writes it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from ..engine.experts import global_names
 from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from ..engine.registry import managed_param, registry
 from ..hints import expect_layer, expect_optimizer
-from ..topology.placement import ModelAxes
+from ..topology.placement import ModelAxes, is_expert
 from .boxes import dims
 from .names import checkpoint_names
+from .plan import Replicas
 from .tp_merge import check_merge_is_concat
 
 
@@ -35,11 +37,12 @@ class _Item:
     from a same-named box of another rank; ``stage``: its pipeline stage."""
 
     def __init__(self, name, shape, dtype, offset, size, get, put, split=None, tag="",
-                 stage=0):
+                 stage=0, replicas=Replicas()):
         self.name, self.shape, self.dtype = name, [int(d) for d in shape], dtype
         self.offset, self.size = [int(d) for d in offset], [int(d) for d in size]
         self.get, self.put = get, put
         self.split, self.tag, self.stage = split, tag, stage
+        self.replicas = replicas  # the other ranks holding this box (checkpoint/plan.py)
         # HFSDP in a fault-tolerant job: which piece of the optimizer state the box is
         # (one replica group of its holders writes it); None: every group holds it
         self.piece: int | None = None
@@ -48,9 +51,6 @@ class _Item:
     def empty(self) -> bool:
         return any(d == 0 for d in self.size)
 
-    def descriptor(self) -> list:
-        """What the ranks exchange about it before a save (JSON)."""
-        return [self.name, self.offset, self.size, self.tag, self.shape]
 
 
 def _dtype_name(dtype) -> str:
@@ -76,26 +76,50 @@ def _param_items(model, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
         place = axes.place(original, local, name.startswith(renamed_experts))
         if place.split is not None:
             split[name] = (original, local)
+        mp = _mp_axis(axes) if place.split is None else ()
         if sp is None:  # not sharded: the whole slice (a replica on every sharding rank)
             start, count = 0, (local or [1])[0]
             get, put = _getter(value, None), _putter(value, None)
+            replicas = Replicas(_fsdp_axis(axes.hcg, is_expert(original)) + mp)
         else:
             start, count = sp.row_range(sub=False)
             buf = registry.buffer_of(sp)
             get, put = _block_getter(buf, sp, count), _block_putter(buf, sp, count)
+            replicas = Replicas(_axis("outer", buf.outer) + mp)
         items.append(_placed(name, place, _dtype_name(value.dtype), start, count, get, put,
-                             axes.stage))
+                             axes.stage, replicas))
         by_shard[id(value if sp is None else sp.shard)] = name
     if split:
         check_merge_is_concat(model, split, axes.mp_degree)
     return items, by_shard, aliases
 
 
-def _placed(name, place, dtype, start, count, get, put, stage) -> _Item:
+def _placed(name, place, dtype, start, count, get, put, stage, replicas) -> _Item:
     """The item of rows ``[start, start + count)`` of a tensor's slice at ``place``."""
     offset, size = place.rows(start, count)
     return _Item(name, place.full_shape, dtype, offset, size, get, put, place.split,
-                 place.tag, stage)
+                 place.tag, stage, replicas)
+
+
+def _axis(name: str, group) -> tuple:
+    """``group`` as a replica axis (none for a group of one)."""
+    if group is None or group.nranks <= 1:
+        return ()
+    return ((name, group.nranks, group.rank),)
+
+
+def _mp_axis(axes: ModelAxes) -> tuple:
+    """The mp ranks, which hold the same box of a tensor they do not split."""
+    return (("mp", axes.mp_degree, axes.mp_rank),) if axes.mp_degree > 1 else ()
+
+
+def _fsdp_axis(hcg, expert: bool) -> tuple:
+    """The ranks holding the same unsharded tensor: its FSDP group (outer x inner;
+    the expert one for experts), named apart so no plan mixes the two."""
+    getter = getattr(hcg, "get_fsdp_group", None)
+    if getter is None:
+        return ()
+    return _axis("expert_fsdp" if expert else "fsdp", getter(expert))
 
 
 def _block_getter(buf, sp, rows):
@@ -136,7 +160,8 @@ def _putter(tensor, rows):
     return put
 
 
-def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item]:
+def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
+                     axes: ModelAxes) -> list[_Item]:
     """AdamW-style accumulators and master weights, as boxes like their parameter's
     (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
     element (``beta1_pow_acc``, shape [1], the same wherever it is held)."""
@@ -149,22 +174,32 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict) -> list[_Item
         owner = param_items[name]
         sp = managed_param(p)
         offset, size = list(owner.offset), list(owner.size)
+        mp = _mp_axis(axes)
+        # a scalar is the same on every rank holding the parameter, every mp rank too
+        block = owner.replicas
+        scalar = Replicas(tuple(a for a in owner.replicas.axes if a[0] != "mp") + mp)
         if sp is not None:  # the rows the optimizer holds (the sub-block with parts)
             sub_start, rows = sp.row_range(sub=True)
             offset[0] += sub_start - sp.row_range(sub=False)[0]
             size[0] = rows
+            buf = registry.buffer_of(sp)
+            inner = "expert_inner" if buf.is_expert else "inner"
+            # outer sub-shards (HFSDP): each outer rank's rows are its own
+            if sp.parts > 1:
+                block = Replicas(tuple(a for a in owner.replicas.axes if a[0] == "mp"))
+            scalar = Replicas(_axis(inner, buf.inner) + _axis("outer", buf.outer) + mp)
         for acc, t in sorted(_states_of(optimizer, p).items()):
             key = f"{name}/optim/{acc}"
             if list(t.shape) == list(p.shape):  # a block like its parameter
                 items.append(_Item(key, owner.shape, _dtype_name(t.dtype), offset, size,
                                    _getter(t, size[0]), _putter(t, size[0]), owner.split,
-                                   owner.tag, owner.stage))
+                                   owner.tag, owner.stage, block))
                 if sp is not None and sp.parts > 1:
                     items[-1].piece = sp.part
-            else:  # a scalar, the same on every rank holding the parameter
+            else:  # a scalar, the same on every rank holding the parameter (every mp rank)
                 items.append(_Item(key, t.shape, _dtype_name(t.dtype), [0], dims(t.shape),
                                    _getter(t, None), _putter(t, None), None, owner.tag,
-                                   owner.stage))
+                                   owner.stage, scalar))
     return items
 
 
@@ -181,5 +216,5 @@ def _all_items(model, optimizer, call: str):
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         by_name = {it.name: it for it in items}
-        items += _optimizer_items(optimizer, by_shard, by_name)
+        items += _optimizer_items(optimizer, by_shard, by_name, axes)
     return items, aliases, optimizer, axes

@@ -1,14 +1,17 @@
-"""``save_checkpoint``: every rank says which boxes it holds, each distinct box gets one
-writer among its holders (spread over them), every rank writes its pieces into
-``CKPT.tmp-<token>``, all agree that every write succeeded, rank 0 writes the metadata
-and renames the directory into place (an older ``CKPT`` is replaced only then). A
-failure on any rank leaves the previous checkpoint as it was and raises on every rank.
+"""``save_checkpoint``: every rank decides alone which of its boxes it writes
+(checkpoint/plan.py: each distinct box once, the writing balanced by bytes over the
+ranks that hold it, nothing exchanged), writes them into one file of
+``CKPT.tmp-<token>``, and sends rank 0 its manifest; rank 0 checks that the pieces
+tile every tensor, writes the metadata and renames the directory into place (an older
+``CKPT`` is replaced only then), and tells every rank the outcome. A failure on any
+rank leaves the previous checkpoint as it was and raises on every rank.
 
-Which ranks hold the same box is learnt, not derived from the layout: outer replicas,
-the mp ranks of a parameter tensor parallelism does not split, the sharding ranks of
-an unsharded tensor, two stages of a shared layer all hold the same box, so one of
-them writes it. Boxes of one name that overlap without being equal (two EP ranks'
-local experts without global indices) are refused before anything is written.
+Three collectives, whatever the world size: rank 0's token and its check of the path
+(a broadcast), the manifests to rank 0 (a gather: the index's bytes reach rank 0 only),
+the outcome (a broadcast). Boxes of one name that overlap without being equal (two EP
+ranks' local experts without global indices) are refused by rank 0's check, and the
+written files removed. Boxes written twice (a tied layer on two pipeline stages) are
+kept once.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from ..comm.arrival import expect_everyone
 from ..engine.registry import registry
 
 from .boxes import tiling_error
-from .format import (FORMAT, META, CheckpointError, _chunk_rows, _gather_json, _rank_world,
-                     _token, read_metadata)
+from .format import (FORMAT, META, CheckpointError, _broadcast_json, _chunk_rows,
+                     _gather_json_to_root, _rank_world, read_metadata)
 from .items import _all_items
+from .plan import plan_writes
 
 
 def _write_rank_file(path: str, tensors: dict) -> None:
@@ -49,29 +53,32 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
     joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together
-    token = joint.begin(path) if joint is not None else _token(call)
-    tmp = f"{path}.tmp-{token}"
-    held = [it for it in items if not it.empty and (joint is None or joint.writes(it.piece))]
-    everyone = _gather_json([it.descriptor() for it in held], call)
-    # jointly, one group's boxes need not tile: the publisher checks every group's
-    pieces, error = {}, _refusal_to_replace(path) or (
-        _refusal_to_tile(everyone) if joint is None else None)
+    token = joint.begin(path) if joint is not None else None
+    start = _broadcast_json({"token": token or f"{time.time_ns() % 2 ** 62:x}",
+                             "refusal": _refusal_to_replace(path)} if rank == 0 else None,
+                            call)
+    tmp, error, pieces = f"{path}.tmp-{token or start['token']}", start["refusal"], {}
     if error is None:
         try:
-            mine = writers(everyone)
+            held = [it for it in items if not it.empty and
+                    (joint is None or joint.writes(it.piece))]
+            # jointly, which group writes is the joint save's: its outer replicas
+            # (the other groups) are not this group's to choose among
+            writes = plan_writes(held, drop_axes=("outer",) if joint is not None else ())
             pieces = _write_pieces(tmp, joint.file_rank() if joint is not None else rank,
-                                   [it for it in held if mine[_key(it.descriptor())] == rank])
-        except Exception as e:  # every rank must learn of it: agree below
+                                   writes)
+        except Exception as e:  # every rank must learn of it: rank 0 says it below
             error = f"rank {rank}: {type(e).__name__}: {e}"
-    manifests = _gather_json({"pieces": pieces, "error": error}, call)
-    errors = [r["error"] for r in manifests if r["error"]]
+    manifests = _gather_json_to_root({"pieces": pieces, "error": error}, call)
+    errors = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
         outcome = joint.outcome()
         errors = [outcome] if outcome else []
     elif joint is not None:
-        errors = _publish_jointly(joint, path, tmp, items, manifests, everyone, errors,
-                                  aliases, optimizer, extra, axes)
+        errors = _publish_jointly(joint, path, tmp, items, manifests, aliases, optimizer,
+                                  extra, axes)
     elif rank == 0:
+        errors = [r["error"] for r in manifests if r["error"]]
         if not errors:
             try:
                 _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes)
@@ -80,7 +87,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
         if errors:  # before the others learn the outcome: they return to a clean dir
             shutil.rmtree(tmp, ignore_errors=True)
     # rank 0 decides; a refusal every rank made is said once
-    outcome = _gather_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None, call)[0]
+    outcome = _broadcast_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None, call)
     if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
                               f"(if any) is unchanged. {outcome}")
@@ -95,21 +102,19 @@ def _joint_save(model):
     return None
 
 
-def _publish_jointly(joint, path, tmp, items, manifests, everyone, errors, aliases,
-                     optimizer, extra, axes) -> list[str]:
-    """A replica group's leader: hand this group's part to the others; the group that
-    completes the set checks that every group's pieces tile every tensor and publishes,
-    the others learn its outcome. Returns the save's errors (none: published)."""
+def _publish_jointly(joint, path, tmp, items, manifests, aliases, optimizer, extra,
+                     axes) -> list[str]:
+    """A replica group's leader: hand this group's manifests to the others; the group
+    that completes the set checks that every group's pieces tile every tensor and
+    publishes, the others learn its outcome. Returns the save's errors (none:
+    published)."""
     try:
-        groups = joint.gather({"manifests": manifests, "descriptors": everyone,
-                                     "errors": errors})
+        groups = joint.gather({"manifests": manifests,
+                               "errors": [r["error"] for r in manifests if r["error"]]})
         if groups is None:
             outcome = joint.outcome()
             return [outcome] if outcome else []
         errors = [e for g in groups for e in g["errors"]]
-        refusal = None if errors else _refusal_to_tile(
-            [d for g in groups for d in g["descriptors"]])
-        errors += [refusal] if refusal else []
         if not errors:
             try:
                 _publish(path, tmp, items, [m for g in groups for m in g["manifests"]],
@@ -124,59 +129,48 @@ def _publish_jointly(joint, path, tmp, items, manifests, everyone, errors, alias
         return [f"the replica groups' save: {type(e).__name__}: {e}"]
 
 
-def _key(descriptor) -> str:
-    return json.dumps(descriptor)
-
-
-def writers(everyone: list) -> dict:
-    """``{box key: the rank that writes it}`` from every rank's descriptors (the same on
-    every rank): one holder per distinct box, chosen by a hash of the box so the
-    writing spreads over its holders."""
-    holders = {}
-    for rank, descriptors in enumerate(everyone):
-        for d in descriptors:
-            holders.setdefault(_key(d), []).append(rank)
-    return {key: ranks[zlib.crc32(key.encode()) % len(ranks)] for key, ranks in holders.items()}
-
-
-def _refusal_to_tile(everyone: list) -> str | None:
-    """Why the ranks' boxes do not tile every tensor exactly once (the same answer on
-    every rank, from the same descriptors), or None."""
-    boxes, shapes = {}, {}
-    for descriptors in everyone:
-        for name, offset, size, tag, shape in descriptors:
-            boxes.setdefault(name, {})[json.dumps([offset, size, tag])] = (offset, size, tag)
-            shapes.setdefault(name, set()).add(tuple(shape))
-    for name, distinct in sorted(boxes.items()):
-        if len(shapes[name]) > 1:
-            return (f"{name}: the ranks disagree on its full shape "
-                    f"({' vs '.join(str(list(s)) for s in sorted(shapes[name]))})")
-        why = tiling_error(next(iter(shapes[name])),
-                           [(tuple(o), tuple(s)) for o, s, _ in distinct.values()])
+def _refusal_to_tile(tensors: dict, tags: dict) -> str | None:
+    """Why the pieces of ``tensors`` (the metadata's, before it is written) do not tile
+    every tensor exactly once, or None. ``tags``: name -> the writers' tags of its
+    pieces (local experts of different EP ranks under one name differ)."""
+    for name in sorted(tensors):
+        entry = tensors[name]
+        boxes = [(tuple(p["offset"]), tuple(p["shape"])) for p in entry["pieces"]]
+        why = tiling_error(entry["shape"], boxes)
         if why is None:
             continue
         hint = ""
-        if len({tag for _, _, tag in distinct.values()}) > 1:
+        if len(tags.get(name, ())) > 1:
             hint = (" These are local experts of different EP ranks under one name: give "
                     "them their global indices: mark_expert_params(layer, global_indices=...)")
         return f"{name}: the ranks' pieces do not tile it: {why}.{hint}"
     return None
 
 
-def _write_pieces(tmp: str, rank: int, items) -> dict:
-    """Write this rank's pieces into ``tmp``; return their manifest entries."""
+def _write_pieces(tmp: str, rank: int, writes) -> list:
+    """Write this rank's ``writes`` (checkpoint/plan.py) into one file of ``tmp`` (the
+    few numbers of an inline write go into its manifest entry); return the entries."""
     os.makedirs(tmp, exist_ok=True)
     fname = f"rank-{rank:05d}.safetensors"
-    pieces, tensors = {}, {}
-    for it in items:
-        array = np.ascontiguousarray(it.get()).reshape(it.size)
-        tensors[it.name] = array
-        chunk = _chunk_rows(array)
-        pieces[it.name] = {"file": fname, "key": it.name, "offset": it.offset,
-                           "shape": it.size, "full_shape": it.shape, "dtype": it.dtype,
-                           "split": it.split, "stage": it.stage, "chunk_rows": chunk,
-                           "crc32": [zlib.crc32(array[i:i + chunk].tobytes())
-                                     for i in range(0, int(array.shape[0]), chunk)]}
+    pieces, tensors = [], {}
+    for w in writes:
+        it = w.item
+        array = np.ascontiguousarray(it.get()).reshape(it.size)[w.lo:w.hi]
+        offset = list(it.offset)
+        offset[0] += w.lo
+        piece = {"offset": offset, "shape": [w.hi - w.lo] + it.size[1:], "name": it.name,
+                 "full_shape": it.shape, "dtype": it.dtype, "split": it.split,
+                 "stage": it.stage, "tag": it.tag}
+        if w.inline:
+            piece.update(value=array.reshape(-1).tolist(), value_dtype=str(array.dtype))
+        else:
+            key = it.name if (w.lo, w.hi) == (0, it.size[0]) else f"{it.name}@{w.lo}"
+            tensors[key] = array
+            chunk = _chunk_rows(array)
+            piece.update(file=fname, key=key, chunk_rows=chunk,
+                         crc32=[zlib.crc32(array[i:i + chunk].tobytes())
+                                for i in range(0, int(array.shape[0]), chunk)])
+        pieces.append(piece)
     if tensors:
         _write_rank_file(os.path.join(tmp, fname), tensors)
     return pieces
@@ -208,17 +202,25 @@ def _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes
     tensors = {}
     for it in items:
         tensors[it.name] = _entry(it.shape, it.dtype, it.split)
-    stages = {}
+    stages, tags, seen = {}, {}, set()
     for record in manifests:  # other ranks hold tensors rank 0 has not (experts, stages)
-        for name, piece in record["pieces"].items():
-            shape, dtype = piece.pop("full_shape"), piece.pop("dtype")
-            split, stage = piece.pop("split"), piece.pop("stage")
+        for piece in record["pieces"]:
+            name, shape, dtype = piece.pop("name"), piece.pop("full_shape"), piece.pop("dtype")
+            split, stage, tag = piece.pop("split"), piece.pop("stage"), piece.pop("tag")
             entry = tensors.setdefault(name, _entry(shape, dtype, split))
             if [entry["shape"], entry["dtype"]] != [shape, dtype]:
                 raise CheckpointError(f"{name}: ranks disagree on its full shape or dtype "
                                       f"({entry['shape']} {entry['dtype']} vs {shape} {dtype})")
-            entry["pieces"].append(piece)
             stages.setdefault(name, set()).add(stage)
+            tags.setdefault(name, set()).add(tag)
+            box = (name, tuple(piece["offset"]), tuple(piece["shape"]), tag)
+            if box in seen:  # the same box from two holders (a layer tied across stages)
+                continue
+            seen.add(box)
+            entry["pieces"].append(piece)
+    refusal = _refusal_to_tile(tensors, tags)
+    if refusal is not None:
+        raise CheckpointError(refusal)
     for name, t in tensors.items():
         t["pieces"].sort(key=lambda p: p["offset"])
         if axes.pp_degree > 1:
@@ -229,8 +231,9 @@ def _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes
             "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
             "extra": extra, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     meta_path = os.path.join(tmp, META)
+    os.makedirs(tmp, exist_ok=True)
     with open(meta_path, "w") as f:
-        json.dump(meta, f, indent=1, default=float)
+        json.dump(meta, f, separators=(",", ":"), default=float)  # C encoder: compact
         f.flush()
         os.fsync(f.fileno())
     if os.path.exists(path):

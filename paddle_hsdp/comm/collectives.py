@@ -567,6 +567,24 @@ def recv(tensor, src: int, group, tag: str | None = None, what: str | None = Non
            lambda: dist.recv(tensor, src=src, group=group, sync_op=True))
 
 
+def gather(tensor, gather_list: list | None, dst: int, group, tag: str | None = None,
+           what: str | None = None) -> None:
+    """Every member's ``tensor`` (one shape on all) into ``gather_list`` on global rank
+    ``dst`` (a list there, in group-rank order; None elsewhere). What only one rank
+    needs reaches only it: W times the bytes arrive there, and nowhere else."""
+    n = group.nranks
+    payload = _nbytes(tensor)
+    counter.record(tag or group_label(group), "gather", payload, payload)
+    if n == 1:
+        gather_list.append(tensor.clone())
+        return
+    what = what or tag
+    _verify("gather", tensor, group, what)
+    _issue("gather", group, what, lambda: dist.gather(
+        tensor, gather_list if gather_list is not None else [], dst=dst, group=group,
+        sync_op=True))
+
+
 def barrier(group=None) -> None:
     if group is not None and group.nranks == 1:
         return

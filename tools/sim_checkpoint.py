@@ -1,0 +1,260 @@
+"""A checkpoint save of a large job, planned in one process with the project's own
+functions: every rank's decision of what it writes (paddle_hsdp.checkpoint.plan), and
+rank 0's check and index of the whole save (checkpoint.save's tiling check and
+metadata), for a Llama-70B-shaped model (723 tensors; bf16 params, AdamW with fp32
+master weights and moments: 988 GB of distinct state).
+
+    python tools/sim_checkpoint.py [--world 128 1024 8192] [--layout tp8 hsdp hfsdp] [--json]
+
+Layouts: ``tp8``: TP 8 x inner 8 x outer W/64; ``hsdp``: inner 8 x outer W/8;
+``hfsdp``: inner W/128 x outer 128, the optimizer state cut across the outer ranks.
+Per layout and world size it prints: a rank's planning CPU time and heap (the
+slowest of a sample of ranks), rank 0's check and index of the whole save (CPU, heap,
+the metadata's size), the slowest writer's bytes against the mean, the files written,
+and the bytes a load reads from storage against the checkpoint's distinct bytes
+(every holder reads its own copy today: issue 51's item 2, not yet built). With
+``--json`` the last line is a JSON list of one object per run. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import tracemalloc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from paddle_hsdp.checkpoint import plan  # noqa: E402
+from paddle_hsdp.checkpoint.save import _refusal_to_tile  # noqa: E402
+
+HIDDEN, FFN, VOCAB, LAYERS, KV = 8192, 28672, 128256, 80, 1024
+
+
+def llama70b() -> list[tuple[str, list[int], int | None]]:
+    """``(name, shape [in, out] as Paddle's Linear holds it, tensor-parallel axis)``."""
+    out = [("embed_tokens.weight", [VOCAB, HIDDEN], 0)]
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        out += [(p + "q_proj.weight", [HIDDEN, HIDDEN], 1), (p + "k_proj.weight", [HIDDEN, KV], 1),
+                (p + "v_proj.weight", [HIDDEN, KV], 1), (p + "o_proj.weight", [HIDDEN, HIDDEN], 0),
+                (p + "gate_proj.weight", [HIDDEN, FFN], 1), (p + "up_proj.weight", [HIDDEN, FFN], 1),
+                (p + "down_proj.weight", [FFN, HIDDEN], 0),
+                (p + "input_layernorm.weight", [HIDDEN], None),
+                (p + "post_attention_layernorm.weight", [HIDDEN], None)]
+    return out + [("norm.weight", [HIDDEN], None), ("lm_head.weight", [HIDDEN, VOCAB], 1)]
+
+
+class Item:
+    """What checkpoint/items.py builds for one box on one rank (no data)."""
+
+    def __init__(self, name, shape, dtype, offset, size, replicas, split=None):
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self.offset, self.size, self.replicas, self.split = offset, size, replicas, split
+        self.tag, self.stage = "", 0
+
+
+def layout(kind: str, world: int) -> dict:
+    if kind == "tp8":
+        return {"mp": 8, "inner": 8, "outer": world // 64, "optim_outer": False}
+    if kind == "hsdp":
+        return {"mp": 1, "inner": 8, "outer": world // 8, "optim_outer": False}
+    return {"mp": 1, "inner": world // 128, "outer": 128, "optim_outer": True}
+
+
+def rows_of(total: int, parts: int, index: int) -> tuple[int, int]:
+    per = math.ceil(total / parts)
+    lo = min(total, index * per)
+    return lo, min(total, lo + per) - lo
+
+
+def rank_items(lay: dict, m: int, i: int, o: int) -> list[Item]:
+    """The items of the rank at mp ``m``, inner ``i``, outer ``o``."""
+    mp, inner, outer = lay["mp"], lay["inner"], lay["outer"]
+    out_axis = (("outer", outer, o),) if outer > 1 else ()
+    mp_axis = (("mp", mp, m),) if mp > 1 else ()
+    scalar_axes = plan.Replicas(((("inner", inner, i),) if inner > 1 else ()) + out_axis + mp_axis)
+    items = []
+    for name, shape, axis in llama70b():
+        local, offset = list(shape), [0] * len(shape)
+        split = axis if mp > 1 else None
+        if split is not None:
+            local[split] //= mp
+            offset[split] = m * local[split]
+        lo, count = rows_of(local[0], inner, i)
+        off = list(offset)
+        off[0] += lo
+        size = [count] + local[1:]
+        replicas = plan.Replicas(out_axis + (mp_axis if split is None else ()))
+        items.append(Item(name, shape, "bfloat16", off, size, replicas, split))
+        sub_off, sub_size, sub_rep = off, size, replicas
+        if lay["optim_outer"]:  # HFSDP: the optimizer holds its outer rank's rows only
+            slo, scount = rows_of(count, outer, o)
+            sub_off = [off[0] + slo] + off[1:]
+            sub_size = [scount] + size[1:]
+            sub_rep = plan.Replicas(mp_axis if split is None else ())
+        for state in ("master_weight", "moment1", "moment2"):
+            items.append(Item(f"{name}/optim/{state}", shape, "float32", sub_off, sub_size,
+                              sub_rep, split))
+        for state in ("beta1_pow_acc", "beta2_pow_acc"):
+            items.append(Item(f"{name}/optim/{state}", [1], "float32", [0], [1], scalar_axes))
+    return [it for it in items if all(d > 0 for d in it.size)]
+
+
+def coords(lay: dict, rank: int) -> tuple[int, int, int]:
+    """(mp, inner, outer) of ``rank`` (mp fastest, then inner, then outer)."""
+    mp, inner = lay["mp"], lay["inner"]
+    return rank % mp, (rank // mp) % inner, rank // (mp * inner)
+
+
+def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
+    lay = layout(kind, world)
+    # one rank's planning, timed and traced, for a sample of ranks spread over the job
+    ranks = sorted({round(k * (world - 1) / max(1, sample - 1)) for k in range(sample)})
+    worst_cpu = worst_heap = 0.0
+    for r in ranks:
+        tracemalloc.start()
+        t0 = time.process_time()
+        writes = plan.plan_writes(rank_items(lay, *coords(lay, r)))
+        manifest = [_entry(w) for w in writes]
+        cpu = time.process_time() - t0
+        heap = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        worst_cpu, worst_heap = max(worst_cpu, cpu), max(worst_heap, heap)
+        del manifest
+    # every rank's writes: the outer replicas of a rank share its items but for the
+    # outer index (and, with HFSDP, the optimizer's rows), so the plans are made on the
+    # ranks at outer 0 (each holder computes the same) and read for every outer index
+    loads, writers, distinct, held, n_pieces = [0] * world, 0, 0, 0, 0
+    pieces: list | None = []
+    for m in range(lay["mp"]):
+        for i in range(lay["inner"]):
+            for o in range(lay["outer"]):
+                items = rank_items(lay, m, i, o) if o == 0 or lay["optim_outer"] else items0
+                if o == 0:
+                    items0 = items
+                r = (o * lay["inner"] + i) * lay["mp"] + m
+                held += sum(plan.item_bytes(it) for it in items)
+                for w in _writes_of(items, (m, i), o):
+                    nbytes = plan.item_bytes(w.item) * (w.hi - w.lo) // max(1, w.item.size[0])
+                    distinct += nbytes
+                    loads[r] += 0 if w.inline else nbytes
+                    n_pieces += 1
+                    if pieces is not None:
+                        pieces.append(_entry(w))
+                        if len(pieces) > index_limit:
+                            pieces = None  # too many to index here: projected below
+                writers += loads[r] > 0
+    meta_bytes, refusal, index_cpu, index_heap = 0, None, float("nan"), float("nan")
+    if pieces is not None:
+        tracemalloc.start()
+        t0 = time.process_time()
+        meta_bytes, refusal = _index(pieces)
+        index_cpu = time.process_time() - t0
+        index_heap = tracemalloc.get_traced_memory()[1] / 2 ** 20
+        tracemalloc.stop()
+    writing = [x for x in loads if x]
+    mean = sum(writing) / max(1, len(writing))
+    return {"layout": kind, "world": world, "save_cpu_s": round(worst_cpu, 3),
+            "heap_mb": round(worst_heap / 2 ** 20, 1), "rank0_index_cpu_s": round(index_cpu, 2),
+            "rank0_index_heap_mb": round(index_heap, 1), "pieces": n_pieces,
+            "metadata_mb": round(meta_bytes / 2 ** 20, 1) if meta_bytes else None,
+            "slowest_writer_x": round(max(loads) / mean, 3), "files": writers,
+            "distinct_gb": round(distinct / 1e9, 1), "read_x": round(held / distinct, 2),
+            "tiles": refusal is None}
+
+
+_PLANS: dict = {}
+
+
+def _writes_of(items, mi, o):
+    """The writes of the rank at ``mi`` = (mp, inner) and outer ``o`` holding ``items``,
+    from one plan per kind and holder group (each holder computes the same)."""
+    out = []
+    by_kind: dict = {}
+    for it in items:
+        by_kind.setdefault(it.replicas.kind, []).append(it)
+    for kind, group in by_kind.items():
+        replicas = group[0].replicas
+        varied = {a for a, _ in kind}
+        # the holder group: the coordinates its axes do not vary
+        key = (kind, None if "mp" in varied else mi[0], None if "inner" in varied else mi[1],
+               None if "outer" in varied else o)
+        if key not in _PLANS:
+            _PLANS[key] = plan.assign(kind, sorted(group, key=lambda it: it.name),
+                                      replicas.count)
+        index = replicas.index if "outer" not in varied else \
+            plan.Replicas(tuple((a, n, o if a == "outer" else k)
+                                for a, n, k in replicas.axes)).index
+        out += [w for w, holder in _PLANS[key] if holder == index]
+    return out
+
+
+def _entry(w) -> dict:
+    """A manifest entry as checkpoint/save.py makes it (CRCs as placeholders)."""
+    it = w.item
+    offset = list(it.offset)
+    offset[0] += w.lo
+    piece = {"offset": offset, "shape": [w.hi - w.lo] + it.size[1:], "name": it.name,
+             "full_shape": it.shape, "dtype": it.dtype, "split": it.split, "stage": 0,
+             "tag": ""}
+    if w.inline:
+        piece.update(value=[1.0], value_dtype="float32")
+    else:
+        rows = w.hi - w.lo
+        chunk = max(1, (4 << 20) // max(1, plan.item_bytes(it) // max(1, it.size[0])))
+        piece.update(file="rank-00000.safetensors", key=it.name, chunk_rows=chunk,
+                     crc32=[0] * math.ceil(rows / chunk))
+    return piece
+
+
+def _index(pieces: list) -> tuple[int, str | None]:
+    """Rank 0: the pieces into the metadata's tensors, checked, and its JSON's size."""
+    tensors, tags = {}, {}
+    for piece in pieces:
+        piece = dict(piece)
+        name, shape = piece.pop("name"), piece.pop("full_shape")
+        dtype, split = piece.pop("dtype"), piece.pop("split")
+        piece.pop("stage"), tags.setdefault(name, set()).add(piece.pop("tag"))
+        entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+        if split is not None:
+            entry["split"] = split
+        entry["pieces"].append(piece)
+    refusal = _refusal_to_tile(tensors, tags)
+    return len(json.dumps({"tensors": tensors}, separators=(",", ":"))), refusal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[128, 1024, 8192])
+    parser.add_argument("--layout", nargs="+", default=["tp8", "hsdp", "hfsdp"],
+                        choices=["tp8", "hsdp", "hfsdp"])
+    parser.add_argument("--sample", type=int, default=8, help="ranks timed per run")
+    parser.add_argument("--index-limit", type=int, default=3_000_000,
+                        help="pieces beyond which rank 0's index is not built (only counted)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    runs = []
+    print(f"{'layout':7s} {'W':>6s} {'plan cpu s':>10s} {'heap MB':>8s} {'rank0 s':>8s} "
+          f"{'rank0 MB':>9s} {'pieces':>9s} {'meta MB':>8s} {'slowest':>8s} {'files':>6s} "
+          f"{'read x':>7s}")
+    for kind in args.layout:
+        for world in args.world:
+            _PLANS.clear()
+            run = simulate(kind, world, args.sample, args.index_limit)
+            runs.append(run)
+            print(f"{kind:7s} {world:6d} {run['save_cpu_s']:10.3f} {run['heap_mb']:8.1f} "
+                  f"{run['rank0_index_cpu_s']:8.2f} {run['rank0_index_heap_mb']:9.1f} "
+                  f"{run['pieces']:9d} {run['metadata_mb'] or float('nan'):8.1f} "
+                  f"{run['slowest_writer_x']:7.3f}x "
+                  f"{run['files']:6d} {run['read_x']:6.1f}x"
+                  + ("" if run["tiles"] else "  (DOES NOT TILE)"), flush=True)
+    if args.json:
+        print(json.dumps(runs))
+
+
+if __name__ == "__main__":
+    main()
