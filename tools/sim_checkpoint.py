@@ -11,8 +11,9 @@ Layouts: ``tp8``: TP 8 x inner 8 x outer W/64; ``hsdp``: inner 8 x outer W/8;
 Per layout and world size it prints: a rank's planning CPU time and heap (the
 slowest of a sample of ranks), rank 0's check and index of the whole save (CPU, heap,
 the metadata's size), the slowest writer's bytes against the mean, the files written,
-and the bytes a load reads from storage against the checkpoint's distinct bytes
-(every holder reads its own copy today: issue 51's item 2, not yet built). With
+and the bytes a load reads from storage against the checkpoint's distinct bytes (the
+outer replicas split the reading; the mp ranks of a tensor tensor parallelism does not
+split each read it). With
 ``--json`` the last line is a JSON list of one object per run. Nothing is written.
 """
 
@@ -115,16 +116,12 @@ def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
     # one rank's planning, timed and traced, for a sample of ranks spread over the job
     ranks = sorted({round(k * (world - 1) / max(1, sample - 1)) for k in range(sample)})
     worst_cpu = worst_heap = 0.0
-    for r in ranks:
-        tracemalloc.start()
-        t0 = time.process_time()
-        writes = plan.plan_writes(rank_items(lay, *coords(lay, r)))
-        manifest = [_entry(w) for w in writes]
-        cpu = time.process_time() - t0
-        heap = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        worst_cpu, worst_heap = max(worst_cpu, cpu), max(worst_heap, heap)
-        del manifest
+    def one_rank(r):
+        return [_entry(w) for w in plan.plan_writes(rank_items(lay, *coords(lay, r)))]
+
+    for r in ranks:  # timed, then traced (tracemalloc slows allocation several times)
+        worst_cpu = max(worst_cpu, _cpu(one_rank, r)[1])
+        worst_heap = max(worst_heap, _heap(one_rank, r))
     # every rank's writes: the outer replicas of a rank share its items but for the
     # outer index (and, with HFSDP, the optimizer's rows), so the plans are made on the
     # ranks at outer 0 (each holder computes the same) and read for every outer index
@@ -137,7 +134,7 @@ def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
                 if o == 0:
                     items0 = items
                 r = (o * lay["inner"] + i) * lay["mp"] + m
-                held += sum(plan.item_bytes(it) for it in items)
+                held += sum(_read_bytes(it) for it in items)
                 for w in _writes_of(items, (m, i), o):
                     nbytes = plan.item_bytes(w.item) * (w.hi - w.lo) // max(1, w.item.size[0])
                     distinct += nbytes
@@ -150,12 +147,8 @@ def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
                 writers += loads[r] > 0
     meta_bytes, refusal, index_cpu, index_heap = 0, None, float("nan"), float("nan")
     if pieces is not None:
-        tracemalloc.start()
-        t0 = time.process_time()
-        meta_bytes, refusal = _index(pieces)
-        index_cpu = time.process_time() - t0
-        index_heap = tracemalloc.get_traced_memory()[1] / 2 ** 20
-        tracemalloc.stop()
+        (meta_bytes, refusal), index_cpu = _cpu(_index, pieces)
+        index_heap = _heap(_index, pieces) / 2 ** 20
     writing = [x for x in loads if x]
     mean = sum(writing) / max(1, len(writing))
     return {"layout": kind, "world": world, "save_cpu_s": round(worst_cpu, 3),
@@ -165,6 +158,31 @@ def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
             "slowest_writer_x": round(max(loads) / mean, 3), "files": writers,
             "distinct_gb": round(distinct / 1e9, 1), "read_x": round(held / distinct, 2),
             "tiles": refusal is None}
+
+
+def _read_bytes(item) -> float:
+    """What a load reads of ``item`` on its rank (checkpoint/load.py): a box its outer
+    replicas hold is read once among them, a scalar not at all (it is in the index)."""
+    if plan.inline(item):
+        return 0.0
+    outer = [n for a, n, _ in item.replicas.axes if a == "outer"]
+    return plan.item_bytes(item) / (outer[0] if outer else 1)
+
+
+def _cpu(fn, *args):
+    t0 = time.process_time()
+    result = fn(*args)
+    return result, time.process_time() - t0
+
+
+def _heap(fn, *args) -> int:
+    """The peak bytes Python allocated while ``fn(*args)`` ran."""
+    tracemalloc.start()
+    try:
+        fn(*args)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 _PLANS: dict = {}

@@ -198,6 +198,7 @@ class _Reader:
 
     def __init__(self, path):
         self.path, self.files = path, {}
+        self.bytes_read = 0  # from the files (whole CRC chunks), for the load's figures
 
     def rows(self, name, piece, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of ``piece`` (piece-relative)."""
@@ -217,6 +218,7 @@ class _Reader:
         except Exception as e:
             raise CheckpointError(f"{name}: cannot read {piece['file']} ({e})") from None
         array = np.ascontiguousarray(array)
+        self.bytes_read += array.nbytes
         if array.shape[:1] != (stop - start,):
             raise CheckpointError(f"{name}: {piece['file']} is truncated")
         for i, crc in enumerate(crcs[first:last + 1]):
@@ -224,6 +226,12 @@ class _Reader:
                 raise CheckpointError(f"{name}: {piece['file']} is corrupted (CRC mismatch "
                                       f"in rows {start + i * chunk}..)")
         return array[lo - start:hi - start]
+
+
+def numpy_dtype(name: str) -> str:
+    """The numpy dtype a tensor of checkpoint dtype ``name`` is read as (bfloat16 as
+    its raw bits)."""
+    return "uint16" if name == "bfloat16" else name
 
 
 def read_whole(reader, name, entry) -> np.ndarray:

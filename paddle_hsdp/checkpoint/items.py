@@ -43,6 +43,9 @@ class _Item:
         self.get, self.put = get, put
         self.split, self.tag, self.stage = split, tag, stage
         self.replicas = replicas  # the other ranks holding this box (checkpoint/plan.py)
+        # the process group over the "outer" replica axis, when there is one: a load
+        # splits the reading of the box over it (checkpoint/load.py)
+        self.outer_group = None
         # HFSDP in a fault-tolerant job: which piece of the optimizer state the box is
         # (one replica group of its holders writes it); None: every group holds it
         self.piece: int | None = None
@@ -88,6 +91,7 @@ def _param_items(model, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
             replicas = Replicas(_axis("outer", buf.outer) + mp)
         items.append(_placed(name, place, _dtype_name(value.dtype), start, count, get, put,
                              axes.stage, replicas))
+        items[-1].outer_group = None if sp is None else buf.outer
         by_shard[id(value if sp is None else sp.shard)] = name
     if split:
         check_merge_is_concat(model, split, axes.mp_degree)
@@ -194,6 +198,7 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
                 items.append(_Item(key, owner.shape, _dtype_name(t.dtype), offset, size,
                                    _getter(t, size[0]), _putter(t, size[0]), owner.split,
                                    owner.tag, owner.stage, block))
+                items[-1].outer_group = owner.outer_group
                 if sp is not None and sp.parts > 1:
                     items[-1].piece = sp.part
             else:  # a scalar, the same on every rank holding the parameter (every mp rank)

@@ -1,15 +1,28 @@
-"""``load_checkpoint``: read and check, on every rank, the rows this rank's blocks need;
-agree that all is well; only then write parameters and optimizer state."""
+"""``load_checkpoint``: read and check the rows this rank's blocks need; agree that all is
+well; only then write parameters and optimizer state.
+
+Outer replicas hold the same blocks: rather than each reading its own copy (the
+checkpoint read once per replica), they split the reading by the save's rule
+(checkpoint/plan.py: row chunks, largest first to the least loaded replica), each reads
+and checks its chunks, and once every rank has read without error each chunk is
+broadcast over the outer group from its reader. Bytes read from storage per load are
+then about the checkpoint's size at any outer degree (whole CRC chunks: a chunk that
+straddles two readers' rows is read by both)."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
+import paddle
+
+from ..comm import collectives as comm
 from ..comm.arrival import expect_everyone
 from ..engine.registry import units_under
 from .format import (CheckpointError, _errors_everywhere, _gather_json, _rank_world, _Reader,
-                     read_box, read_metadata)
+                     numpy_dtype, read_box, read_metadata)
 from .items import _all_items
+from .plan import assign
 
 
 def load_checkpoint(path, model, optimizer=None, strict=True):
@@ -32,9 +45,11 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     for other in _gather_json(unexpected if strict and error is None else None, call):
         if other is not None:
             unexpected = sorted(set(unexpected) & set(other))
+    shared = []
     if error is None:
         try:
-            loaded = _read_items(path, meta, items, optimizer, unexpected if strict else [])
+            loaded, shared = _read_items(path, meta, items, optimizer,
+                                         unexpected if strict else [])
         except Exception as e:
             error = e
     errors = _errors_everywhere(None if error is None else f"rank {_rank_world()[0]}: {error}",
@@ -46,6 +61,8 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
             raise CheckpointError(f"load_checkpoint({path!r}): {error}") from error
         raise CheckpointError(f"load_checkpoint({path!r}) failed on another rank, nothing "
                               f"was changed: {'; '.join(errors)[:2000]}")
+    for group, plan, arrays in shared:  # every rank read its chunks: hand them round
+        _share(group, plan, arrays)
     for unit in units_under(model):
         unit.reshard(force=True)  # gathered copies would be stale
     for it, array in loaded:
@@ -67,7 +84,7 @@ def _read_items(path, meta, items, optimizer, unexpected) -> list:
             f"{path!r} does not match this model: missing {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} unexpected {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''} (strict=False ignores unexpected ones)")
-    reader, loaded = _Reader(path), []
+    reader, loaded, by_group = _Reader(path), [], {}
     for it in items:
         entry = tensors[it.name]
         if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
@@ -75,9 +92,43 @@ def _read_items(path, meta, items, optimizer, unexpected) -> list:
                 f"{it.name}: the checkpoint has full shape {entry['shape']} {entry['dtype']}, "
                 f"this model {it.shape} {it.dtype}{_split_note(entry, it)}; a layout maps only "
                 "onto a model with the same full tensors")
-        if not it.empty:
+        if it.empty:
+            continue
+        group = it.outer_group if any(a[0] == "outer" for a in it.replicas.axes) else None
+        if group is None or group.nranks <= 1 or getattr(group, "joint_save", None) is not None:
             loaded.append((it, read_box(reader, it.name, entry, it.offset, it.size)))
-    return loaded
+        else:  # the outer replicas split the reading (a fault-tolerant job's groups not)
+            by_group.setdefault(tuple(group.ranks), (group, []))[1].append(it)
+    shared = []
+    for ranks in sorted(by_group):  # one order on every member of each group
+        group, group_items = by_group[ranks]
+        group_items.sort(key=lambda it: it.name)
+        plan = assign((("outer", group.nranks),), group_items, group.nranks)
+        arrays = {it.name: np.empty(it.size, numpy_dtype(it.dtype)) for it in group_items}
+        for write, reader_index in plan:
+            if reader_index == group.rank:
+                it = write.item
+                offset = [it.offset[0] + write.lo] + it.offset[1:]
+                arrays[it.name][write.lo:write.hi] = read_box(
+                    reader, it.name, tensors[it.name], offset, [write.hi - write.lo] + it.size[1:])
+        loaded += [(it, arrays[it.name]) for it in group_items]
+        shared.append((group, plan, arrays))
+    return loaded, shared
+
+
+def _share(group, plan, arrays) -> None:
+    """Each chunk of ``plan`` from the replica that read it to the others of ``group``
+    (as bytes: bfloat16's bits travel as they are)."""
+    for write, reader_index in plan:
+        target = arrays[write.item.name][write.lo:write.hi]
+        raw = target.reshape(-1).view(np.uint8)
+        message = paddle.to_tensor(raw) if reader_index == group.rank else \
+            paddle.zeros([raw.size], dtype="uint8")
+        comm.broadcast(message, src=group.ranks[reader_index], group=group, tag="checkpoint",
+                       what=f"load_checkpoint: rows {write.lo}..{write.hi} of "
+                            f"{write.item.name}")
+        if reader_index != group.rank:
+            raw[:] = message.numpy()
 
 
 def _split_note(entry, item) -> str:

@@ -22,6 +22,7 @@ from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
+from paddle_hsdp.checkpoint import load as checkpoint_load
 from paddle_hsdp.checkpoint import save as checkpoint_save
 from models import batches, build_model, make_optimizer, shard_tinylm, train_steps
 
@@ -72,12 +73,39 @@ assert scalars and all("value" in p and "file" not in p for p in scalars), scala
 for name, t in meta["tensors"].items():  # each distinct block once
     assert sum(np.prod(p["shape"]) for p in t["pieces"]) == np.prod(t["shape"] or [1]), name
 
+# every load reads the checkpoint from storage once, whatever the outer degree: the
+# outer replicas split the reading (checkpoint/load.py); counted here on every rank
+readers = []
+
+
+class CountingReader(checkpoint_load._Reader):
+    def __init__(self, path):
+        super().__init__(path)
+        readers.append(self)
+
+
+checkpoint_load._Reader = CountingReader
+in_files = sum(int(np.prod(p["shape"])) * np.dtype(
+    "uint16" if t["dtype"] == "bfloat16" else t["dtype"]).itemsize
+    for t in meta["tensors"].values() for p in t["pieces"] if "file" in p)
+
 # resume in each layout and train the last 2 steps
 for label, mesh in (("2x2", None), ("1x4", ProcessMesh([0, 1, 2, 3])),
                     ("4x1", ProcessMesh([[0], [1], [2], [3]], dim_names=["outer", "inner"]))):
     resumed, resumed_opt = shard(mesh)
+    readers.clear()
     extra = checkpoint.load_checkpoint(CK, resumed, resumed_opt)
     assert extra == {"step": SAVE_AT}, extra
+    read = paddle.to_tensor([sum(r.bytes_read for r in readers)], dtype="int64")
+    dist.all_reduce(read)
+    # 1x4 cuts each saved block (one CRC chunk: the model is tiny) in two, and a rank
+    # reads whole CRC chunks: both ranks of a block read it. Where the boxes line up,
+    # exactly once, though 2x2 and 4x1 have 2 and 4 outer replicas.
+    got_read = int(read.item())
+    assert got_read == in_files if label != "1x4" else in_files < got_read <= 2 * in_files, \
+        (label, got_read, in_files)
+    print(f"LOAD {label}: {got_read} bytes read by all ranks, the checkpoint's {in_files}",
+          flush=True)
     losses = train(resumed, resumed_opt, range(SAVE_AT, STEPS))
     got = params(resumed)
     if label == "2x2":  # the same layout: bit for bit
