@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import zlib
 
 import numpy as np
@@ -131,41 +130,66 @@ def _gather_json_to_root(obj, what: str = "a checkpoint call") -> list | None:
 
 def _broadcast_json(obj, what: str = "a checkpoint call"):
     """Rank 0's JSON-serialisable ``obj`` on every rank (``obj`` elsewhere is ignored)."""
+    data = json.dumps(obj).encode() if _rank_world()[0] == 0 else b""
+    return json.loads(_broadcast_bytes(data, what).decode())
+
+
+def _broadcast_bytes(data: bytes, what: str = "a checkpoint call") -> bytes:
+    """Rank 0's ``data`` on every rank (a size, then the bytes: two broadcasts)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
+        return data
     group = dist.collective._get_global_group()
-    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8) \
-        if dist.get_rank() == 0 else np.zeros(0, np.uint8)
     size = paddle.to_tensor([len(data)], dtype="int64")
     comm.broadcast(size, 0, group, tag=_TAG, what=f"{what}: rank 0's message size")
     with watchdog.host_sync(f"{what}: reading rank 0's message size"):
         n = int(size.item())
-    buf = paddle.to_tensor(data if len(data) else np.zeros(n, np.uint8))
+    if n == 0:
+        return b""
+    buf = paddle.to_tensor(np.frombuffer(data, np.uint8) if dist.get_rank() == 0
+                           else np.zeros(n, np.uint8))
     comm.broadcast(buf, 0, group, tag=_TAG, what=f"{what}: rank 0's message")
     with watchdog.host_sync(f"{what}: reading rank 0's message"):
-        return json.loads(buf.numpy().tobytes().decode())
-
-
-def _token(what: str = "a checkpoint call") -> str:
-    """The same fresh token on every rank (rank 0's clock, broadcast)."""
-    rank, world = _rank_world()
-    t = paddle.to_tensor([int(time.time() * 1e6) % (2 ** 62)], dtype="int64")
-    if world > 1:
-        comm.broadcast(t, 0, dist.collective._get_global_group(), tag=_TAG,
-                       what=f"{what}: the save's token")
-    with watchdog.host_sync(f"{what}: reading the save's token"):
-        return f"{int(t.item()):x}"
+        return buf.numpy().tobytes()
 
 
 # ---------------------------------------------------------------- reading
 def read_metadata(path) -> dict:
     meta_path = os.path.join(os.fspath(path), META)
+    return parse_metadata(_read_bytes(path, meta_path), meta_path)
+
+
+def read_metadata_once(path, what: str = "a checkpoint call") -> dict:
+    """:func:`read_metadata` on every rank from one read: rank 0 reads the file and
+    broadcasts its bytes (or why it could not), every rank parses them. Storage serves
+    the index once per load, not once per rank."""
+    meta_path = os.path.join(os.fspath(path), META)
+    message = b""
+    if _rank_world()[0] == 0:
+        try:
+            message = b"ok:" + _read_bytes(path, meta_path)
+        except CheckpointError as e:
+            message = b"error:" + str(e).encode()
+    message = _broadcast_bytes(message, what)
+    if message.startswith(b"error:"):
+        raise CheckpointError(message[len(b"error:"):].decode())
+    return parse_metadata(message[len(b"ok:"):], meta_path)
+
+
+def _read_bytes(path, meta_path: str) -> bytes:
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        with open(meta_path, "rb") as f:
+            return f.read()
     except FileNotFoundError:
         raise CheckpointError(f"{path!r} is not a checkpoint: no {META}") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
+
+
+def parse_metadata(text: bytes, meta_path: str) -> dict:
+    """A checkpoint's metadata from its JSON bytes (checked; version 1 upgraded)."""
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V2, FORMAT_V1) \
             or not isinstance(meta.get("tensors"), dict):

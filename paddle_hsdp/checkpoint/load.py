@@ -20,7 +20,7 @@ from ..comm import collectives as comm
 from ..comm.arrival import expect_everyone
 from ..engine.registry import units_under
 from .format import (CheckpointError, _errors_everywhere, _gather_json, _rank_world, _Reader,
-                     numpy_dtype, read_box, read_metadata)
+                     numpy_dtype, read_box, read_metadata_once)
 from .items import _all_items
 from .plan import assign
 
@@ -36,7 +36,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     expect_everyone(None, call)
     loaded, error, meta, unexpected = [], None, None, []
     try:
-        meta = read_metadata(path)
+        meta = read_metadata_once(path, call)  # rank 0 reads, every rank parses
         params_saved = {n for n in meta["tensors"] if "/optim/" not in n}
         unexpected = sorted(params_saved - {it.name for it in items} - set(aliases))
     except Exception as e:
