@@ -72,6 +72,25 @@ def test_plain_model_round_trip_with_optimizer_state(tmp_path, registry):  # noq
         assert np.array_equal(a.numpy(), b.numpy()), n
 
 
+def test_an_async_save_holds_the_step_it_was_called_at(tmp_path, registry):  # noqa: F811
+    """The files are written by a thread while training goes on; the next load waits
+    for the save to be published. A bad ``async_save`` is refused before anything."""
+    model = models.build_model()
+    opt = models.make_optimizer(model, model.parameters(), 0.2)
+    _train_step(model, opt)
+    want = {n: p.numpy().copy() for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match="async_save must be True or False, got 'yes'"):
+        checkpoint.save_checkpoint(tmp_path / "ck", model, opt, async_save="yes")
+    handle = checkpoint.save_checkpoint(tmp_path / "ck", model, opt, extra={"step": 1},
+                                        async_save=True)
+    _train_step(model, opt)  # changes every parameter while the save is in flight
+    other = models.build_model(seed=3)
+    assert checkpoint.load_checkpoint(tmp_path / "ck", other) == {"step": 1}  # waits
+    assert handle.done()
+    for n, p in other.named_parameters():
+        assert np.array_equal(p.numpy(), want[n]), n
+
+
 def test_sharded_model_loads_into_plain(tmp_path, fake_mesh):  # noqa: F811
     sharded = _shard_tinylm(models.build_model())
     opt = models.make_optimizer(sharded, sharded.parameters(), 0.2)

@@ -23,6 +23,7 @@ from .format import (CheckpointError, _errors_everywhere, _gather_json, _rank_wo
                      numpy_dtype, read_box, read_metadata_once)
 from .items import _all_items
 from .plan import assign
+from .save import wait_for_pending_save
 
 
 def load_checkpoint(path, model, optimizer=None, strict=True):
@@ -30,6 +31,7 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     ``optimizer``), whatever layout either was in; return the saved ``extra``. A
     collective on a sharded model: call it on every rank. Nothing changes unless every
     rank read everything it needs."""
+    wait_for_pending_save()  # an async save still in flight is published first
     path = os.path.abspath(os.fspath(path))
     items, aliases, optimizer, _ = _all_items(model, optimizer, "load_checkpoint")
     call = f"load_checkpoint({path!r})"

@@ -84,16 +84,16 @@ def plan_writes(items, drop_axes=()) -> list[Write]:
     ``replicas``, a :class:`Replicas`), by the rule of the module docstring. Axes named
     in ``drop_axes`` do not count as replicas (a fault-tolerant job's replica groups:
     which group writes is decided there)."""
-    kinds: dict[tuple, list] = {}
+    kinds: dict[tuple, list] = {}  # by the axes with this rank's index on each
     for item in items:
         replicas = item.replicas.without(drop_axes)
-        kinds.setdefault(replicas.kind, []).append((item, replicas))
+        kinds.setdefault(replicas.axes, []).append(item)
     writes = []
-    for kind in sorted(kinds, key=repr):
-        group = sorted(kinds[kind], key=lambda pair: pair[0].name)
-        holders, mine = group[0][1].count, group[0][1].index
-        for write, holder in assign(kind, [item for item, _ in group], holders):
-            if holder == mine:
+    for axes in sorted(kinds, key=repr):
+        replicas = Replicas(axes)
+        group = sorted(kinds[axes], key=lambda item: item.name)
+        for write, holder in assign(replicas.kind, group, replicas.count):
+            if holder == replicas.index:
                 writes.append(write)
     return writes
 

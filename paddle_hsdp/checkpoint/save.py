@@ -16,10 +16,12 @@ kept once.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
 import shutil
+import threading
 import time
 import zlib
 
@@ -42,11 +44,22 @@ def _write_rank_file(path: str, tensors: dict) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
+def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     """Save ``model`` (and ``optimizer``, and JSON-serialisable ``extra``) to the
-    directory ``path``. A collective: call it on every rank. See the module docstring."""
+    directory ``path``. A collective: call it on every rank. See the module docstring.
+
+    ``async_save=True`` returns once this rank's pieces are copied to host memory, with
+    an :class:`AsyncSave`: a thread writes the files while training goes on, and the
+    checkpoint is published (rank 0's check and index, the rename, every rank told the
+    outcome) by its ``wait()``, a collective; the next ``save_checkpoint`` or
+    ``load_checkpoint``, or the process's exit, waits for it if you do not. Until then
+    ``path`` holds the previous checkpoint, and a failure leaves it as it was."""
+    if not isinstance(async_save, bool):
+        raise TypeError(f"save_checkpoint: async_save must be True or False, got "
+                        f"{async_save!r}")
     if extra is not None:
         json.dumps(extra)  # not serialisable: TypeError here, on every rank alike
+    wait_for_pending_save()  # a previous async save is published first (every rank)
     path = os.path.abspath(os.fspath(path))
     rank, world = _rank_world()
     items, aliases, optimizer, axes = _all_items(model, optimizer, "save_checkpoint")
@@ -57,19 +70,96 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     start = _broadcast_json({"token": token or f"{time.time_ns() % 2 ** 62:x}",
                              "refusal": _refusal_to_replace(path)} if rank == 0 else None,
                             call)
-    tmp, error, pieces = f"{path}.tmp-{token or start['token']}", start["refusal"], {}
-    if error is None:
+    save = AsyncSave(path, f"{path}.tmp-{token or start['token']}", joint,
+                     (items, aliases, optimizer, extra, axes, world))
+    save.error = start["refusal"]
+    if save.error is None:
         try:
             held = [it for it in items if not it.empty and
                     (joint is None or joint.writes(it.piece))]
             # jointly, which group writes is the joint save's: its outer replicas
             # (the other groups) are not this group's to choose among
             writes = plan_writes(held, drop_axes=("outer",) if joint is not None else ())
-            pieces = _write_pieces(tmp, joint.file_rank() if joint is not None else rank,
-                                   writes)
+            save.staged = _stage(writes)  # host copies: training may go on
         except Exception as e:  # every rank must learn of it: rank 0 says it below
-            error = f"rank {rank}: {type(e).__name__}: {e}"
-    manifests = _gather_json_to_root({"pieces": pieces, "error": error}, call)
+            save.error = f"rank {rank}: {type(e).__name__}: {e}"
+    if not async_save:
+        save.write()
+        save.wait()
+        return None
+    save.start()
+    _pending.append(save)
+    return save
+
+
+# The async save not yet published (at most one: the next save or load waits for it).
+# Module state: a save outlives the call that started it.
+_pending: list = []
+_exit_hook = []
+
+
+def wait_for_pending_save() -> None:
+    """Publish the async save still in flight, if any (a collective: every rank)."""
+    while _pending:
+        _pending[0].wait()
+
+
+class AsyncSave:
+    """A save whose files a thread writes (``save_checkpoint(..., async_save=True)``).
+    :meth:`wait` (every rank) finishes it: the manifests to rank 0, which checks and
+    publishes, the outcome to every rank; it raises ``CheckpointError`` if the save
+    failed anywhere (the previous checkpoint then stays)."""
+
+    def __init__(self, path, tmp, joint, what):
+        self.path, self.tmp, self.joint, self._what = path, tmp, joint, what
+        self.error: str | None = None
+        self.staged: list = []
+        self.pieces: list = []
+        self._thread: threading.Thread | None = None
+        self._done = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.write, daemon=True,
+                                        name="paddle_hsdp-checkpoint-write")
+        self._thread.start()
+        if not _exit_hook:  # an async save left at exit is published then
+            _exit_hook.append(atexit.register(wait_for_pending_save))
+
+    def write(self) -> None:
+        """This rank's file (no collective: safe on a thread)."""
+        if self.error is not None:
+            return
+        rank = _rank_world()[0]
+        try:
+            self.pieces = _write_pieces(
+                self.tmp, self.joint.file_rank() if self.joint is not None else rank,
+                self.staged)
+        except Exception as e:
+            self.error = f"rank {rank}: {type(e).__name__}: {e}"
+        self.staged = []  # the host copies go once written
+
+    def done(self) -> bool:
+        """Whether this rank's file is written (``wait`` still publishes)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self in _pending:
+            _pending.remove(self)
+        if self._thread is not None:
+            self._thread.join()
+        _finish(self)
+
+
+def _finish(save: AsyncSave) -> None:
+    """Every rank: the manifests to rank 0, which checks and publishes (or, jointly,
+    the groups' publisher), and the outcome to every rank."""
+    items, aliases, optimizer, extra, axes, world = save._what
+    path, tmp, joint, rank = save.path, save.tmp, save.joint, _rank_world()[0]
+    call = f"save_checkpoint({path!r})"
+    manifests = _gather_json_to_root({"pieces": save.pieces, "error": save.error}, call)
     errors = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
         outcome = joint.outcome()
@@ -91,6 +181,17 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
                               f"(if any) is unchanged. {outcome}")
+
+
+def _stage(writes) -> list:
+    """``(write, its rows as a host array)`` for each write: each item read once."""
+    arrays, staged = {}, []
+    for w in writes:
+        it = w.item
+        if id(it) not in arrays:
+            arrays[id(it)] = np.ascontiguousarray(it.get()).reshape(it.size)
+        staged.append((w, arrays[id(it)][w.lo:w.hi]))
+    return staged
 
 
 def _joint_save(model):
@@ -147,15 +248,16 @@ def _refusal_to_tile(tensors: dict, tags: dict) -> str | None:
     return None
 
 
-def _write_pieces(tmp: str, rank: int, writes) -> list:
-    """Write this rank's ``writes`` (checkpoint/plan.py) into one file of ``tmp`` (the
-    few numbers of an inline write go into its manifest entry); return the entries."""
+def _write_pieces(tmp: str, rank: int, staged) -> list:
+    """Write this rank's ``staged`` writes (:func:`_stage`) into one file of ``tmp``
+    (the few numbers of an inline write go into its manifest entry); return the
+    entries."""
     os.makedirs(tmp, exist_ok=True)
     fname = f"rank-{rank:05d}.safetensors"
     pieces, tensors = [], {}
-    for w in writes:
+    for w, array in staged:
         it = w.item
-        array = np.ascontiguousarray(it.get()).reshape(it.size)[w.lo:w.hi]
+        array = np.ascontiguousarray(array)
         offset = list(it.offset)
         offset[0] += w.lo
         piece = {"offset": offset, "shape": [w.hi - w.lo] + it.size[1:], "name": it.name,

@@ -73,6 +73,23 @@ assert scalars and all("value" in p and "file" not in p for p in scalars), scala
 for name, t in meta["tensors"].items():  # each distinct block once
     assert sum(np.prod(p["shape"]) for p in t["pieces"]) == np.prod(t["shape"] or [1]), name
 
+# an async save: it returns before the files exist, training goes on, and once
+# published it holds the state of the step it was called at, bit for bit
+CK_ASYNC = os.path.join(work, "ckpt_async")
+handle = checkpoint.save_checkpoint(CK_ASYNC, model, opt, extra={"step": SAVE_AT},
+                                    async_save=True)
+assert not os.path.exists(CK_ASYNC)  # published by wait(), not before
+train(model, opt, [SAVE_AT])  # the next step runs while the files are written
+handle.wait()
+sync_probe, sync_probe_opt = shard()
+async_probe, async_probe_opt = shard()
+checkpoint.load_checkpoint(CK, sync_probe, sync_probe_opt)
+assert checkpoint.load_checkpoint(CK_ASYNC, async_probe, async_probe_opt) == {"step": SAVE_AT}
+a, b = params(sync_probe), params(async_probe)
+assert all(np.array_equal(a[k], b[k]) for k in a), "the async save is not the step's state"
+print("ASYNC_SAVE: returned before the files existed, loads the step's state exactly",
+      flush=True)
+
 # every load reads the checkpoint from storage once, whatever the outer degree: the
 # outer replicas split the reading (checkpoint/load.py); counted here on every rank
 readers = []
@@ -148,6 +165,17 @@ checkpoint_save._write_rank_file = failing_write
 try:
     checkpoint.save_checkpoint(CK, model, opt, extra={"step": 99})
     raise AssertionError("a failed save did not raise")
+except checkpoint.CheckpointError as e:
+    assert "disk full" in str(e), e
+checkpoint_save._write_rank_file = original_write
+assert open(os.path.join(CK, "metadata.json")).read() == before
+assert not [d for d in os.listdir(work) if ".tmp-" in d], os.listdir(work)
+# the same failure in an async save's background write: wait() raises on every rank
+checkpoint_save._write_rank_file = failing_write
+handle = checkpoint.save_checkpoint(CK, model, opt, extra={"step": 98}, async_save=True)
+try:
+    handle.wait()
+    raise AssertionError("a failed async save did not raise")
 except checkpoint.CheckpointError as e:
     assert "disk full" in str(e), e
 checkpoint_save._write_rank_file = original_write
