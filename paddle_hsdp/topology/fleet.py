@@ -181,11 +181,12 @@ def separate_reduce_scatter(on_gloo: bool) -> bool:
 def inner_rows(layout: topology.HSDPLayout) -> list:
     """Every inner group of the job with more than one rank (dense, then expert), each
     once, in an order every rank computes alike."""
-    rows = []
+    rows, seen = [], set()  # a set beside the list: O(ranks), not ranks x rows
     for groups in (layout.dense, layout.expert):
         for rank in sorted(groups):
             members = groups[rank].inner
-            if len(members) > 1 and members not in rows:
+            if len(members) > 1 and members not in seen:
+                seen.add(members)
                 rows.append(members)
     return rows
 

@@ -115,10 +115,11 @@ def plan_hsdp_layout(
                 if members not in seen:
                     seen.add(members)
                     layout.creation_order.append(members)
-            for row in rows:
-                for col in cols:
-                    (rank,) = set(row) & set(col)
-                    table[rank] = RankGroups(fsdp, row, col)
+            # each rank sits in one row and one column: O(ranks), not rows x columns
+            row_of = {rank: row for row in rows for rank in row}
+            col_of = {rank: col for col in cols for rank in col}
+            for rank in fsdp:
+                table[rank] = RankGroups(fsdp, row_of[rank], col_of[rank])
     return layout
 
 
