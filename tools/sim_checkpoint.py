@@ -111,7 +111,8 @@ def coords(lay: dict, rank: int) -> tuple[int, int, int]:
     return rank % mp, (rank // mp) % inner, rank // (mp * inner)
 
 
-def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
+def simulate(kind: str, world: int, sample: int, index_limit: int,
+             ranks_only: bool = False) -> dict:
     lay = layout(kind, world)
     # one rank's planning, timed and traced, for a sample of ranks spread over the job
     ranks = sorted({round(k * (world - 1) / max(1, sample - 1)) for k in range(sample)})
@@ -122,6 +123,9 @@ def simulate(kind: str, world: int, sample: int, index_limit: int) -> dict:
     for r in ranks:  # timed, then traced (tracemalloc slows allocation several times)
         worst_cpu = max(worst_cpu, _cpu(one_rank, r)[1])
         worst_heap = max(worst_heap, _heap(one_rank, r))
+    if ranks_only:
+        return {"layout": kind, "world": world, "save_cpu_s": round(worst_cpu, 3),
+                "heap_mb": round(worst_heap / 2 ** 20, 1)}
     # every rank's writes: the outer replicas of a rank share its items but for the
     # outer index (and, with HFSDP, the optimizer's rows), so the plans are made on the
     # ranks at outer 0 (each holder computes the same) and read for every outer index
@@ -253,6 +257,9 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=8, help="ranks timed per run")
     parser.add_argument("--index-limit", type=int, default=3_000_000,
                         help="pieces beyond which rank 0's index is not built (only counted)")
+    parser.add_argument("--ranks-only", action="store_true",
+                        help="only each sampled rank's planning (not the job's writers and "
+                             "index: HFSDP at 8,192 would need tens of GB here)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = []
@@ -262,7 +269,12 @@ def main() -> None:
     for kind in args.layout:
         for world in args.world:
             _PLANS.clear()
-            run = simulate(kind, world, args.sample, args.index_limit)
+            run = simulate(kind, world, args.sample, args.index_limit, args.ranks_only)
+            if args.ranks_only:
+                runs.append(run)
+                print(f"{kind:7s} {world:6d} {run['save_cpu_s']:10.3f} {run['heap_mb']:8.1f}",
+                      flush=True)
+                continue
             runs.append(run)
             print(f"{kind:7s} {world:6d} {run['save_cpu_s']:10.3f} {run['heap_mb']:8.1f} "
                   f"{run['rank0_index_cpu_s']:8.2f} {run['rank0_index_heap_mb']:9.1f} "
