@@ -134,6 +134,14 @@ def test_each_distinct_box_is_written_once_and_the_writing_is_balanced_by_bytes(
     assert max(loads) <= 1.25 * sum(loads) / 4, loads
     scalar = [w for ws in writes.values() for w in ws if w.item.name.endswith("pow_acc")]
     assert len(scalar) == 1 and scalar[0].inline
+    # a box held on two pipeline stages (a tied layer) is cut alike on both, though
+    # each stage's kind holds other items (found in review: cuts came from the kind)
+    tied = [_PlanItem("embed", 64 * mib // 4096, 1024, (("outer", 4, 0),))]
+    stage0 = plan.assign((("outer", 4),), tied, 4)
+    stage1 = plan.assign((("outer", 4),), tied + [
+        _PlanItem("w9", 96 * mib // 4096, 1024, (("outer", 4, 0),))], 4)
+    cuts = {(w.lo, w.hi) for w, _ in stage0}
+    assert cuts == {(w.lo, w.hi) for w, _ in stage1 if w.item.name == "embed"}, cuts
     # a box only this rank holds is written whole, here
     alone = plan.plan_writes([_PlanItem("x", 3, 2, ())])
     assert [(w.lo, w.hi, w.inline) for w in alone] == [(0, 3, False)]

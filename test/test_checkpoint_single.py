@@ -81,12 +81,18 @@ def test_an_async_save_holds_the_step_it_was_called_at(tmp_path, registry):  # n
     want = {n: p.numpy().copy() for n, p in model.named_parameters()}
     with pytest.raises(TypeError, match="async_save must be True or False, got 'yes'"):
         checkpoint.save_checkpoint(tmp_path / "ck", model, opt, async_save="yes")
-    handle = checkpoint.save_checkpoint(tmp_path / "ck", model, opt, extra={"step": 1},
+    sched = paddle.optimizer.lr.StepDecay(0.1, step_size=1, gamma=0.5)
+    opt._learning_rate = sched  # the scheduler the metadata records
+    extra = {"step": 1}
+    handle = checkpoint.save_checkpoint(tmp_path / "ck", model, opt, extra=extra,
                                         async_save=True)
     _train_step(model, opt)  # changes every parameter while the save is in flight
+    sched.step()
+    extra["step"] = 2  # (found in review: both were read at publish time)
     other = models.build_model(seed=3)
     assert checkpoint.load_checkpoint(tmp_path / "ck", other) == {"step": 1}  # waits
     assert handle.done()
+    assert checkpoint.read_metadata(tmp_path / "ck")["lr_scheduler"]["last_epoch"] == 0
     for n, p in other.named_parameters():
         assert np.array_equal(p.numpy(), want[n]), n
 

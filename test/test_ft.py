@@ -400,8 +400,7 @@ def _replica_with_loader(monkeypatch, rounds):
         if receiving:
             ft._load_plain_state({"step": 10, "rng": [s.__getstate__() for s in
                                                        paddle.get_rng_state()],
-                                  "lr_scheduler": None, "user": {"position": 10},
-                                  "outer_sync": {}})
+                                  "lr_scheduler": None, "user": {"position": 10}})
 
     ft._arrive, ft._set_up_round = arrive, set_up
     ft._replica_votes = lambda failed, join: (failed or (ft._fails and ft._ran), False)

@@ -6,9 +6,10 @@ from this one only on the item's replica axes (:class:`Replicas`: the outer repl
 of a sharded block, the mp ranks of a tensor parallelism does not split, the sharding
 ranks of an unsharded tensor, the data-parallel replicas). Every holder holds the same
 items of that kind (same axes), in the same boxes, so each can run the same plan over
-them and find the same answer: the items are cut into row chunks no larger than a
-quarter of a holder's fair share (and no smaller than :data:`MIN_CHUNK_BYTES`), and the
-chunks go, largest first, to the holder with the fewest bytes so far (ties by a
+them and find the same answer: each item is cut into row chunks of at most a quarter
+of its bytes per holder (and no smaller than :data:`MIN_CHUNK_BYTES`), so no chunk
+exceeds a quarter of a holder's fair share of the kind, and the chunks go, largest
+first, to the holder with the fewest bytes so far (ties by a
 rotation of the holders particular to the kind, so the first holder does not take the
 largest chunk of every kind). A holder writes the chunks that fall to its own index:
 every distinct box is written once, and the slowest writer carries at most about
@@ -105,12 +106,13 @@ def assign(kind: tuple, items: list, holders: int) -> list[tuple[Write, int]]:
         return [(Write(it, 0, it.size[0], inline(it)), 0) for it in items]
     small = [it for it in items if inline(it)]
     large = [it for it in items if not inline(it)]
-    total = sum(item_bytes(it) for it in large)
-    cap = max(MIN_CHUNK_BYTES, math.ceil(total / holders / 4))
     chunks = []
     for it in large:
         rows = it.size[0]
         row_bytes = max(1, item_bytes(it) // max(rows, 1))
+        # the cuts depend on the item and the holders alone: a box held on two stages
+        # (a tied layer), whose kinds hold other items, is cut alike on both
+        cap = max(MIN_CHUNK_BYTES, math.ceil(item_bytes(it) / holders / 4))
         step = max(1, cap // row_bytes)
         chunks += [(min(step, rows - lo) * row_bytes, Write(it, lo, min(lo + step, rows)))
                    for lo in range(0, rows, step)]

@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -66,12 +67,23 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
     joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together
+    if joint is not None and async_save:  # (every rank alike, before any collective)
+        raise NotImplementedError(
+            "save_checkpoint(async_save=True) in a fault-tolerant job: the replica groups "
+            "publish together from the round they share, which may change before wait(); "
+            "use async_save=False")
     token = joint.begin(path) if joint is not None else None
     start = _broadcast_json({"token": token or f"{time.time_ns() % 2 ** 62:x}",
-                             "refusal": _refusal_to_replace(path)} if rank == 0 else None,
-                            call)
+                             "refusal": _guarded(_refusal_to_replace, path)}
+                            if rank == 0 else None, call)
+    # what the metadata records besides the tensors, as of this call (an async save
+    # publishes later, after the scheduler has stepped on)
+    lr = getattr(optimizer, "_learning_rate", None)
+    plain = json.loads(json.dumps({
+        "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
+        "extra": extra}, default=float))
     save = AsyncSave(path, f"{path}.tmp-{token or start['token']}", joint,
-                     (items, aliases, optimizer, extra, axes, world))
+                     (items, aliases, plain, axes, world))
     save.error = start["refusal"]
     if save.error is None:
         try:
@@ -79,8 +91,13 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
                     (joint is None or joint.writes(it.piece))]
             # jointly, which group writes is the joint save's: its outer replicas
             # (the other groups) are not this group's to choose among
-            writes = plan_writes(held, drop_axes=("outer",) if joint is not None else ())
+            drop = ("outer",) if joint is not None else ()
+            writes = plan_writes(held, drop_axes=drop)
             save.staged = _stage(writes)  # host copies: training may go on
+            # the first holder of each box vouches that it exists: rank 0 refuses a save
+            # where no holder's plan wrote it (plans that disagreed)
+            save.expected = sorted({it.name for it in held
+                                    if it.replicas.without(drop).index == 0})
         except Exception as e:  # every rank must learn of it: rank 0 says it below
             save.error = f"rank {rank}: {type(e).__name__}: {e}"
     if not async_save:
@@ -104,6 +121,34 @@ def wait_for_pending_save() -> None:
         _pending[0].wait()
 
 
+_failed_exit = [False]  # an exception is ending this process (sys.excepthook saw it)
+
+
+def _at_exit() -> None:
+    """An async save left at exit is published then (a collective), unless this process
+    ends on an error: the others may still be training, and would not meet it in that
+    collective. Then its file is finished and left unpublished (the previous checkpoint
+    stays)."""
+    if _failed_exit[0]:
+        for save in list(_pending):
+            if save._thread is not None:
+                save._thread.join()
+        return
+    wait_for_pending_save()
+
+
+def _install_exit_hook() -> None:
+    if _exit_hook:
+        return
+    previous = sys.excepthook
+
+    def note_failure(*args):
+        _failed_exit[0] = True
+        previous(*args)
+    sys.excepthook = note_failure
+    _exit_hook.append(atexit.register(_at_exit))
+
+
 class AsyncSave:
     """A save whose files a thread writes (``save_checkpoint(..., async_save=True)``).
     :meth:`wait` (every rank) finishes it: the manifests to rank 0, which checks and
@@ -115,6 +160,7 @@ class AsyncSave:
         self.error: str | None = None
         self.staged: list = []
         self.pieces: list = []
+        self.expected: list = []  # names of boxes this rank is the first holder of
         self._thread: threading.Thread | None = None
         self._done = False
 
@@ -122,8 +168,7 @@ class AsyncSave:
         self._thread = threading.Thread(target=self.write, daemon=True,
                                         name="paddle_hsdp-checkpoint-write")
         self._thread.start()
-        if not _exit_hook:  # an async save left at exit is published then
-            _exit_hook.append(atexit.register(wait_for_pending_save))
+        _install_exit_hook()  # an async save left at exit is published then
 
     def write(self) -> None:
         """This rank's file (no collective: safe on a thread)."""
@@ -156,22 +201,22 @@ class AsyncSave:
 def _finish(save: AsyncSave) -> None:
     """Every rank: the manifests to rank 0, which checks and publishes (or, jointly,
     the groups' publisher), and the outcome to every rank."""
-    items, aliases, optimizer, extra, axes, world = save._what
+    items, aliases, plain, axes, world = save._what
     path, tmp, joint, rank = save.path, save.tmp, save.joint, _rank_world()[0]
     call = f"save_checkpoint({path!r})"
-    manifests = _gather_json_to_root({"pieces": save.pieces, "error": save.error}, call)
+    manifests = _gather_json_to_root({"pieces": save.pieces, "error": save.error,
+                                      "expected": save.expected}, call)
     errors = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
         outcome = joint.outcome()
         errors = [outcome] if outcome else []
     elif joint is not None:
-        errors = _publish_jointly(joint, path, tmp, items, manifests, aliases, optimizer,
-                                  extra, axes)
+        errors = _publish_jointly(joint, path, tmp, items, manifests, aliases, plain, axes)
     elif rank == 0:
         errors = [r["error"] for r in manifests if r["error"]]
         if not errors:
             try:
-                _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes)
+                _publish(path, tmp, items, manifests, aliases, plain, world, axes)
             except Exception as e:
                 errors.append(f"rank 0: {type(e).__name__}: {e}")
         if errors:  # before the others learn the outcome: they return to a clean dir
@@ -183,6 +228,15 @@ def _finish(save: AsyncSave) -> None:
                               f"(if any) is unchanged. {outcome}")
 
 
+def _guarded(check, *args) -> str | None:
+    """``check(*args)``'s refusal, or what it raised as one: rank 0 runs it alone while
+    the others wait in the broadcast that carries its answer."""
+    try:
+        return check(*args)
+    except Exception as e:  # noqa: BLE001 - any error is the save's refusal
+        return f"rank 0: {type(e).__name__}: {e}"
+
+
 def _stage(writes) -> list:
     """``(write, its rows as a host array)`` for each write: each item read once."""
     arrays, staged = {}, []
@@ -190,7 +244,9 @@ def _stage(writes) -> list:
         it = w.item
         if id(it) not in arrays:
             arrays[id(it)] = np.ascontiguousarray(it.get()).reshape(it.size)
-        staged.append((w, arrays[id(it)][w.lo:w.hi]))
+        rows = arrays[id(it)]
+        # a chunk is copied out, so the item's whole copy goes once staged
+        staged.append((w, rows if (w.lo, w.hi) == (0, it.size[0]) else rows[w.lo:w.hi].copy()))
     return staged
 
 
@@ -203,7 +259,7 @@ def _joint_save(model):
     return None
 
 
-def _publish_jointly(joint, path, tmp, items, manifests, aliases, optimizer, extra,
+def _publish_jointly(joint, path, tmp, items, manifests, aliases, plain,
                      axes) -> list[str]:
     """A replica group's leader: hand this group's manifests to the others; the group
     that completes the set checks that every group's pieces tile every tensor and
@@ -219,7 +275,7 @@ def _publish_jointly(joint, path, tmp, items, manifests, aliases, optimizer, ext
         if not errors:
             try:
                 _publish(path, tmp, items, [m for g in groups for m in g["manifests"]],
-                         aliases, optimizer, extra, joint.world_size, axes)
+                         aliases, plain, joint.world_size, axes)
             except Exception as e:
                 errors.append(f"the publishing group: {type(e).__name__}: {e}")
         if errors:
@@ -300,7 +356,7 @@ def _refusal_to_replace(path: str) -> str | None:
             "Choose another path or remove it.")
 
 
-def _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes) -> None:
+def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
     tensors = {}
     for it in items:
         tensors[it.name] = _entry(it.shape, it.dtype, it.split)
@@ -320,6 +376,10 @@ def _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes
                 continue
             seen.add(box)
             entry["pieces"].append(piece)
+    unwritten = sorted({n for r in manifests for n in r.get("expected", ())} - set(tensors))
+    if unwritten:
+        raise CheckpointError(f"{unwritten[0]} (and {len(unwritten) - 1} more): held, yet "
+                              "no rank wrote it (the holders' plans disagreed)")
     refusal = _refusal_to_tile(tensors, tags)
     if refusal is not None:
         raise CheckpointError(refusal)
@@ -327,11 +387,9 @@ def _publish(path, tmp, items, manifests, aliases, optimizer, extra, world, axes
         t["pieces"].sort(key=lambda p: p["offset"])
         if axes.pp_degree > 1:
             t["stages"] = sorted(stages.get(name, ()))
-    lr = getattr(optimizer, "_learning_rate", None)
     meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
-            "tensors": tensors, "aliases": aliases,
-            "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
-            "extra": extra, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "tensors": tensors, "aliases": aliases, "lr_scheduler": plain["lr_scheduler"],
+            "extra": plain["extra"], "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     meta_path = os.path.join(tmp, META)
     os.makedirs(tmp, exist_ok=True)
     with open(meta_path, "w") as f:

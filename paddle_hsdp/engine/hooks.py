@@ -317,20 +317,14 @@ def _make_root_state(root: FSDPUnit, all_units: list[FSDPUnit]) -> "RootState":
     return root.root_state
 
 
-def outer_sync_states(units) -> dict[int, dict]:
-    """Each root's outer-sync schedule among ``units`` (its ``state()``), by unit index:
-    what a replica group that joins must follow to issue the outer collectives in the
-    others' order, at the same steps (paddle_hsdp.ft sends it with the state)."""
-    return {u.index: u.root_state.outer_sync.state() for u in units
-            if u.root_state is not None}
-
-
-def adopt_outer_sync_states(states: dict) -> None:
-    """Take :func:`outer_sync_states` of another replica (keys may be strings, as JSON
-    gives them back): each root's schedule, the root made one now if it has not run."""
-    for index, state in states.items():
-        root = registry.units[int(index)]
-        _make_root_state(root, registry.units).outer_sync.adopt(state)
+def record_outer_sync_again(units) -> None:
+    """Every root among ``units`` records and agrees its outer syncs' order anew at its
+    next backward (:meth:`OuterSyncSchedule.record_again`): paddle_hsdp.ft, on every
+    member of a round that changed who trains (a joiner's roots may not exist yet:
+    they record at their first backward anyway)."""
+    for unit in units:
+        if unit.root_state is not None:
+            unit.root_state.outer_sync.record_again()
 
 
 def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:

@@ -103,11 +103,13 @@ class OuterSyncSchedule:
         first rank of ``group`` (the root's FSDP group; ``buffers``: every trainable
         buffer under the root, the same on every rank)."""
         if self.recording:
-            self.recording = False
-            self.order = agreed_order(self.order, group, buffers)
+            order = agreed_order(self.order, group, buffers)
             outer = buffers[0].outer if buffers else None
             if getattr(outer, "order_agreed_on_it", False):  # replicas outside ``group``
-                self.order = agreed_order(self.order, outer, buffers)
+                order = agreed_order(order, outer, buffers)
+            # only once every broadcast went through: one that failed leaves the
+            # recording to be redone by the next attempt, on every rank alike
+            self.order, self.recording = order, False
         if not self.active:
             return
         self.active = False
@@ -124,21 +126,14 @@ class OuterSyncSchedule:
         work, self._work = self._work, []
         finish_outer_syncs(work)  # synced: the step will not sync them again
 
-    def state(self) -> dict:
-        """What another replica needs to issue the same outer syncs at the same steps
-        as this one (paddle_hsdp.ft hands it to a rejoining group): the agreed order as
-        (unit, buffer) indices, or None while it is still to be recorded, and the
-        backwards per step it predicts."""
-        order = None if self.recording else [[b.unit_index, b.index] for b in self.order]
-        return {"order": order, "expected": self.expected}
-
-    def adopt(self, state: dict) -> None:
-        """Take another replica's :meth:`state` at a step boundary."""
-        order = state["order"]
-        self.recording = order is None
-        self.order = [] if order is None else \
-            [registry.units[u].buffers[b] for u, b in order]
-        self.expected, self.backwards = state["expected"], 0
+    def record_again(self) -> None:
+        """Forget the agreed order: the next backward records and agrees it anew (and
+        syncs at the step). paddle_hsdp.ft calls it on every member of a round that
+        changed who trains, so the order is one over the new members by construction,
+        whatever each went through before."""
+        self.order, self.recording, self.active = [], True, False
+        self._work, self._next = [], 0
+        self._finished.clear()
 
     def restart_count(self) -> None:
         """Grads were dropped without a step (``clear_grad``): a new count starts."""

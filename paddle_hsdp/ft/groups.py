@@ -45,8 +45,8 @@ class LiveOuterGroup(Group):
 
     # Outer all-reduces during backward as in plain HSDP (engine/outer_sync.py), in one
     # order across the replica groups: the order each group agreed inside itself is
-    # agreed once more over this group (the lowest replica's), and a group that joins
-    # takes it, and the backwards per step, with the donor's state (ft/transfer.py).
+    # agreed once more over this group (the lowest replica's), and every member of a
+    # round that changed who trains records and agrees it anew (ft/replica.py).
     early_sync = True
     order_agreed_on_it = True
     # A hung peer fails the attempt (its lease ends; every rank's watch shuts the group

@@ -39,7 +39,7 @@ from paddle.distributed import fleet
 
 from ..comm import collectives as comm
 from ..comm.collectives import CollectiveError
-from ..engine.hooks import adopt_outer_sync_states, outer_sync_states
+from ..engine.hooks import record_outer_sync_again
 from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
 from ..hints import did_you_mean
@@ -423,6 +423,9 @@ class Replica:
                 self.outer.adopt(record.replicas, groups.connect(
                     self.store, record.number, record.replicas, self.outer,
                     self.round_timeout_s), record.number)
+                # the outer syncs' order is agreed anew over the new members at the
+                # next backward (which syncs at the step), whatever each went through
+                record_outer_sync_again(registry.units_under(self.model))
             else:
                 self.outer.carry_into(record.number)
             if record.receivers:
@@ -455,9 +458,7 @@ class Replica:
         return {"step": self.step, "rng": [s.__getstate__() for s in paddle.get_rng_state()],
                 "lr_scheduler": (self.lr_scheduler.state_dict()
                                  if self.lr_scheduler is not None else None),
-                "user": json.loads(self._user_state) if self._user_state else None,
-                # the outer syncs' order and timing the other groups follow
-                "outer_sync": outer_sync_states(registry.units_under(self.model))}
+                "user": json.loads(self._user_state) if self._user_state else None}
 
     def _load_plain_state(self, extra: dict) -> None:
         self._loads += 1
@@ -465,7 +466,6 @@ class Replica:
         paddle.set_rng_state([_generator_state(s) for s in extra["rng"]])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.set_state_dict(extra["lr_scheduler"])
-        adopt_outer_sync_states(extra["outer_sync"])
         if self._load_state_fn is not None:
             self._load_state_fn(extra["user"])
             # what this group sends if it donates later in this step: what it holds now

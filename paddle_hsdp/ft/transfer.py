@@ -7,7 +7,7 @@ a broadcast over the round's outer group), one tensor at a time (every unit buff
 flat shard, the parameters and buffers the engine does not shard, then each
 optimizer-state tensor), so no rank ever holds more than its own shard plus one tensor
 in flight. What is not a tensor (names, shapes and dtypes, the step count, the RNG
-state, an LR scheduler's, the user's and the outer syncs' state) goes first, as JSON,
+state, an LR scheduler's and the user's state) goes first, as JSON,
 through the job's shared data on etcd.
 
 With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model comes
@@ -135,6 +135,8 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
         pairs = _pairs(phases)
         phases = [p for p in phases if replica == p.donor or replica in p.takers]
     if not phases:
+        if point_to_point:  # a bystander: its step's first outer all-reduce would wait
+            _await_receivers(store, record, group)  # out the transfer under gloo's timeout
         return None, 0
     sender = _Sender(store, record, group, model, optimizer, extra)
     links: dict = {}
@@ -180,7 +182,33 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
     registry.storage_may_have_changed()
     for unit in registry.units_under(model):
         unit.reshard(force=True)  # params kept gathered hold the old values
+    if point_to_point:
+        store.set(_received_key(record, group.local_rank, replica), "1")
     return received_extra, moved
+
+
+# how long a bystander waits for a transfer, in round timeouts (a large state on a
+# slow link takes long; a failure announced in the round ends the wait at once)
+TRANSFER_WAIT_ROUNDS = 10
+
+
+def _received_key(record, local_rank: int, receiver: int) -> str:
+    return key("r", record.number, "received", local_rank, receiver)
+
+
+def _await_receivers(store, record, group) -> None:
+    """A member neither sending nor taking state waits until every receiver's rank of
+    its local rank has its state (one key each, on etcd), so that its first outer
+    collective does not wait out the transfer under the backend's own timeout (gloo's
+    is fixed): the wait is bounded by round timeouts, and ends at once on a failure
+    announced in the round."""
+    def abort():
+        if store.failed(record.number):
+            raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
+                                      f"{record.number} during its state transfer")
+    for receiver in record.receivers:
+        store.get(_received_key(record, group.local_rank, receiver),
+                  store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
 
 
 class _Sender:
