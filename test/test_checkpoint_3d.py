@@ -113,9 +113,9 @@ def test_each_distinct_box_is_written_once_and_the_writing_is_balanced_by_bytes(
     """Four outer replicas of one inner rank hold the same blocks: each decides alone
     (same answer) which rows it writes; every row is written once, large tensors are
     cut so the slowest writer carries at most 1.25x the mean; scalars go inline."""
-    mib = 1 << 20
-    shapes = [("embed", 64 * mib // 4096, 1024), ("w1", 6 * mib // 4096, 1024),
-              ("norm", 1, 1024), ("w2", 24 * mib // 4096, 1024)]
+    mib = 1 << 20  # (sizes above plan.MIN_CHUNK_BYTES, 32 MiB, so they are cut)
+    shapes = [("embed", 512 * mib // 4096, 1024), ("w1", 48 * mib // 4096, 1024),
+              ("norm", 1, 1024), ("w2", 192 * mib // 4096, 1024)]
     writes = {}
     for outer in range(4):
         items = [_PlanItem(n, r, c, (("outer", 4, outer),)) for n, r, c in shapes]
@@ -136,10 +136,11 @@ def test_each_distinct_box_is_written_once_and_the_writing_is_balanced_by_bytes(
     assert len(scalar) == 1 and scalar[0].inline
     # a box held on two pipeline stages (a tied layer) is cut alike on both, though
     # each stage's kind holds other items (found in review: cuts came from the kind)
-    tied = [_PlanItem("embed", 64 * mib // 4096, 1024, (("outer", 4, 0),))]
+    tied = [_PlanItem("embed", 512 * mib // 4096, 1024, (("outer", 4, 0),))]
     stage0 = plan.assign((("outer", 4),), tied, 4)
     stage1 = plan.assign((("outer", 4),), tied + [
-        _PlanItem("w9", 96 * mib // 4096, 1024, (("outer", 4, 0),))], 4)
+        _PlanItem("w9", 768 * mib // 4096, 1024, (("outer", 4, 0),))], 4)
+    assert len(stage0) > 1  # it was cut
     cuts = {(w.lo, w.hi) for w, _ in stage0}
     assert cuts == {(w.lo, w.hi) for w, _ in stage1 if w.item.name == "embed"}, cuts
     # a box only this rank holds is written whole, here

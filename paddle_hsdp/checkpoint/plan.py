@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .boxes import volume
 
-MIN_CHUNK_BYTES = 4 << 20  # as a CRC chunk (format.CHUNK_BYTES): never cut finer
+MIN_CHUNK_BYTES = 32 << 20  # never cut finer: the index stays small (8 CRC chunks)
 INLINE_MAX = 1  # elements: a tensor this small goes into the metadata, not a file
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8,
              "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "uint16": 2}
