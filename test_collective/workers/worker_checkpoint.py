@@ -161,26 +161,19 @@ def failing_write(path, tensors):
     original_write(path, tensors)
 
 
-checkpoint_save._write_rank_file = failing_write
-try:
-    checkpoint.save_checkpoint(CK, model, opt, extra={"step": 99})
-    raise AssertionError("a failed save did not raise")
-except checkpoint.CheckpointError as e:
-    assert "disk full" in str(e), e
-checkpoint_save._write_rank_file = original_write
-assert open(os.path.join(CK, "metadata.json")).read() == before
-assert not [d for d in os.listdir(work) if ".tmp-" in d], os.listdir(work)
-# the same failure in an async save's background write: wait() raises on every rank
-checkpoint_save._write_rank_file = failing_write
-handle = checkpoint.save_checkpoint(CK, model, opt, extra={"step": 98}, async_save=True)
-try:
-    handle.wait()
-    raise AssertionError("a failed async save did not raise")
-except checkpoint.CheckpointError as e:
-    assert "disk full" in str(e), e
-checkpoint_save._write_rank_file = original_write
-assert open(os.path.join(CK, "metadata.json")).read() == before
-assert not [d for d in os.listdir(work) if ".tmp-" in d], os.listdir(work)
+for async_save in (False, True):  # async: the background write fails, wait() raises
+    checkpoint_save._write_rank_file = failing_write
+    try:
+        handle = checkpoint.save_checkpoint(CK, model, opt, extra={"step": 99},
+                                            async_save=async_save)
+        if handle is not None:
+            handle.wait()
+        raise AssertionError(f"a failed save did not raise (async_save={async_save})")
+    except checkpoint.CheckpointError as e:
+        assert "disk full" in str(e), e
+    checkpoint_save._write_rank_file = original_write
+    assert open(os.path.join(CK, "metadata.json")).read() == before
+    assert not [d for d in os.listdir(work) if ".tmp-" in d], os.listdir(work)
 probe, probe_opt = shard()
 assert checkpoint.load_checkpoint(CK, probe, probe_opt) == {"step": SAVE_AT}
 print("SAVE_FAILURE: every rank raised, previous checkpoint intact", flush=True)
