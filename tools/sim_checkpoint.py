@@ -218,9 +218,7 @@ def _writes_of(items, mi, o):
 def _entry(w) -> dict:
     """A manifest entry as checkpoint/save.py makes it (CRCs as placeholders)."""
     it = w.item
-    offset = list(it.offset)
-    offset[0] += w.lo
-    piece = {"offset": offset, "shape": [w.hi - w.lo] + it.size[1:], "name": it.name,
+    piece = {"offset": w.offset, "shape": w.shape, "name": it.name,
              "full_shape": it.shape, "dtype": it.dtype, "split": it.split, "stage": 0,
              "tag": ""}
     if w.inline:

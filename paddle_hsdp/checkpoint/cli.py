@@ -14,7 +14,7 @@ from safetensors.paddle import save_file
 
 import paddle
 
-from .format import CheckpointError, _Reader, read_metadata, read_whole
+from .format import CheckpointError, _Reader, numpy_dtype, read_metadata, read_whole
 
 
 # The file's safetensors metadata: what it is, so no loader or reader takes it for a
@@ -75,7 +75,7 @@ def describe(path) -> str:
              f"{json.dumps(meta.get('extra'))}"]
     full = written = 0
     for name, t in sorted(meta["tensors"].items()):
-        itemsize = np.dtype(_numpy_dtype(t["dtype"])).itemsize
+        itemsize = np.dtype(numpy_dtype(t["dtype"])).itemsize
         full += int(np.prod(t["shape"])) * itemsize if t["shape"] else itemsize
         written += sum(int(np.prod(p["shape"])) for p in t["pieces"]) * itemsize
         axes = []
@@ -94,9 +94,6 @@ def describe(path) -> str:
                  f"{written} of {full} bytes in {len(files)} file(s), {disk} bytes on disk")
     return "\n".join(lines)
 
-
-def _numpy_dtype(name: str) -> str:
-    return "uint16" if name == "bfloat16" else name
 
 
 def main(argv=None) -> int:

@@ -109,10 +109,9 @@ def _read_items(path, meta, items, optimizer, unexpected) -> list:
         arrays = {it.name: np.empty(it.size, numpy_dtype(it.dtype)) for it in group_items}
         for write, reader_index in plan:
             if reader_index == group.rank:
-                it = write.item
-                offset = [it.offset[0] + write.lo] + it.offset[1:]
-                arrays[it.name][write.lo:write.hi] = read_box(
-                    reader, it.name, tensors[it.name], offset, [write.hi - write.lo] + it.size[1:])
+                name = write.item.name
+                arrays[name][write.lo:write.hi] = read_box(reader, name, tensors[name],
+                                                           write.offset, write.shape)
         loaded += [(it, arrays[it.name]) for it in group_items]
         shared.append((group, plan, arrays))
     return loaded, shared

@@ -71,6 +71,20 @@ class Write:
     hi: int
     inline: bool = False
 
+    @property
+    def whole(self) -> bool:
+        """Every row of the item (not one chunk of it)."""
+        return (self.lo, self.hi) == (0, self.item.size[0])
+
+    @property
+    def offset(self) -> list:
+        """Where the rows start in the full tensor."""
+        return [self.item.offset[0] + self.lo] + list(self.item.offset[1:])
+
+    @property
+    def shape(self) -> list:
+        return [self.hi - self.lo] + list(self.item.size[1:])
+
 
 def item_bytes(item) -> int:
     return volume(item.size) * _ITEMSIZE.get(item.dtype, 4)

@@ -246,7 +246,7 @@ def _stage(writes) -> list:
             arrays[id(it)] = np.ascontiguousarray(it.get()).reshape(it.size)
         rows = arrays[id(it)]
         # a chunk is copied out, so the item's whole copy goes once staged
-        staged.append((w, rows if (w.lo, w.hi) == (0, it.size[0]) else rows[w.lo:w.hi].copy()))
+        staged.append((w, rows if w.whole else rows[w.lo:w.hi].copy()))
     return staged
 
 
@@ -314,15 +314,13 @@ def _write_pieces(tmp: str, rank: int, staged) -> list:
     for w, array in staged:
         it = w.item
         array = np.ascontiguousarray(array)
-        offset = list(it.offset)
-        offset[0] += w.lo
-        piece = {"offset": offset, "shape": [w.hi - w.lo] + it.size[1:], "name": it.name,
+        piece = {"offset": w.offset, "shape": w.shape, "name": it.name,
                  "full_shape": it.shape, "dtype": it.dtype, "split": it.split,
                  "stage": it.stage, "tag": it.tag}
         if w.inline:
             piece.update(value=array.reshape(-1).tolist(), value_dtype=str(array.dtype))
         else:
-            key = it.name if (w.lo, w.hi) == (0, it.size[0]) else f"{it.name}@{w.lo}"
+            key = it.name if w.whole else f"{it.name}@{w.lo}"
             tensors[key] = array
             chunk = _chunk_rows(array)
             piece.update(file=fname, key=key, chunk_rows=chunk,

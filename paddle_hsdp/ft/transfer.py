@@ -117,9 +117,14 @@ def plan_transfer(record, plan) -> tuple[list[Phase], bool]:
     return phases, False
 
 
+def _pair_of(phase: Phase) -> tuple[int, int]:
+    """A point-to-point phase's two replicas, (lower, higher)."""
+    return tuple(sorted((phase.donor, phase.takers[0])))
+
+
 def _pairs(phases) -> list[tuple[int, int]]:
-    """The distinct (lower, higher) replica pairs of point-to-point phases, sorted."""
-    return sorted({tuple(sorted((p.donor, p.takers[0]))) for p in phases})
+    """The distinct replica pairs of point-to-point phases, sorted."""
+    return sorted({_pair_of(p) for p in phases})
 
 
 def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[dict | None, int]:
@@ -144,11 +149,11 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
     try:
         for phase in phases:
             if point_to_point:
-                pair = tuple(sorted((phase.donor, phase.takers[0])))
+                pair = _pair_of(phase)
                 if pair not in links:
                     links[pair] = groups.connect_pair(store, record.number, pair,
                                                       pairs.index(pair), group,
-                                                      sender.timeout_s)
+                                                      store.timeout_s)
                 link = links[pair]
             else:
                 link = group
@@ -218,7 +223,6 @@ class _Sender:
     def __init__(self, store, record, group, model, optimizer, extra):
         self.store, self.record, self.group = store, record, group
         self.model, self.optimizer, self.extra = model, optimizer, extra
-        self.timeout_s = getattr(store, "timeout_s", 120.0)
         self._tensors: dict = {}  # what -> [tensor]
         self._sums: dict = {}  # what -> int64 tensor of checksums
 
