@@ -207,12 +207,16 @@ def test_a_model_whose_own_merge_is_not_a_concatenation_is_refused():
 
 
 # ---------------------------------------------------------------- version 1
-def test_a_version_1_checkpoint_still_loads(tmp_path):
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_earlier_version_still_loads(tmp_path, version):
     """test/data/checkpoint_v1 was written by the format before tensor-parallel boxes
-    (commit be55f2d): rows only. It loads exactly, optimizer state and LR included."""
-    ck = tmp_path / "v1"
-    shutil.copytree(os.path.join(DATA, "checkpoint_v1"), ck)
-    assert json.load(open(ck / "metadata.json"))["format"] == "paddle_hsdp-checkpoint/1"
+    (commit be55f2d): rows only; checkpoint_v3 by the format before HFSDP's optimizer
+    rows were indexed by rule (commit 320123c): beta powers in the metadata. Each
+    loads exactly, optimizer state and LR included."""
+    ck = tmp_path / f"v{version}"
+    shutil.copytree(os.path.join(DATA, f"checkpoint_v{version}"), ck)
+    assert json.load(open(ck / "metadata.json"))["format"] == \
+        f"paddle_hsdp-checkpoint/{version}"
     paddle.seed(11)
     model = paddle.nn.Sequential(paddle.nn.Embedding(5, 3), paddle.nn.Linear(3, 4),
                                  paddle.nn.LayerNorm(4))
@@ -220,14 +224,14 @@ def test_a_version_1_checkpoint_still_loads(tmp_path):
     opt = paddle.optimizer.AdamW(learning_rate=sched, parameters=model.parameters())
     assert checkpoint.load_checkpoint(ck, model, opt) == {"step": 1}
     assert sched.last_epoch == 1
-    want = np.load(os.path.join(DATA, "checkpoint_v1_expected.npz"))
+    want = np.load(os.path.join(DATA, f"checkpoint_v{version}_expected.npz"))
     states = {f"{n}/optim/{acc}": table[p.name].numpy() for n, p in model.named_parameters()
               for acc, table in opt._accumulators.items() if p.name in table}
     got = dict({n: p.numpy() for n, p in model.named_parameters()}, **states)
     assert sorted(k.replace(".", "__").replace("/", "--") for k in got) == sorted(want.files)
     for name, value in got.items():
         assert np.array_equal(value, want[name.replace(".", "__").replace("/", "--")]), name
-    assert "paddle_hsdp-checkpoint/1" in checkpoint.describe(ck)
+    assert f"paddle_hsdp-checkpoint/{version}" in checkpoint.describe(ck)
 
 
 def test_describe_shows_the_layout_and_the_bytes(tmp_path, monkeypatch):
