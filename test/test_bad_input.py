@@ -382,7 +382,7 @@ def _save_extra(tmp_path):
 
 
 @row("`save_checkpoint(path, model)`", "a directory that is not a checkpoint (`notes.txt`)",
-     checkpoint.CheckpointError, "is not a paddle_hsdp-checkpoint/3 checkpoint", "notes.txt",
+     checkpoint.CheckpointError, "is not a paddle_hsdp-checkpoint/4 checkpoint", "notes.txt",
      "nothing was written")
 def _save_onto_foreign_directory(tmp_path, net):
     (tmp_path / "notes.txt").write_text("mine")

@@ -238,7 +238,7 @@ def test_describe_shows_the_layout_and_the_bytes(tmp_path, monkeypatch):
     model = paddle.nn.Linear(4, 3)
     checkpoint.save_checkpoint(tmp_path / "ck", model)
     text = checkpoint.describe(tmp_path / "ck")
-    assert "paddle_hsdp-checkpoint/3" in text and "mp_degree 1" in text
+    assert "paddle_hsdp-checkpoint/4" in text and "mp_degree 1" in text
     assert "written once: 60 of 60 bytes" in text, text
     meta = read_metadata(tmp_path / "ck")
     assert meta["tensors"]["weight"]["pieces"][0]["offset"] == [0, 0]

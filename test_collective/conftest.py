@@ -93,7 +93,8 @@ def launch_8_log():
             ["worker_mp_pp.py", json.dumps(MP_8)], ["worker_pipeline.py", json.dumps(PIPELINE_8)],
             ["worker_moe.py", json.dumps(MOE_8)],
             ["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS))],
-            ["worker_hfsdp.py", json.dumps(HSDP_2X4)]]
+            ["worker_hfsdp.py", json.dumps(dict(HSDP_2X4,
+                                                reads_work=tempfile.mkdtemp(prefix="hsdp_2x4_")))]]
     return launch(8, "run_many.py", json.dumps(jobs), timeout=900)
 
 

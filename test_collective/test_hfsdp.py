@@ -7,7 +7,8 @@ ZeRO-1, ZeRO-2 and fleet.distributed_optimizer), replicas bit-identical every st
 outer reduce-scatter plus one outer all-gather per buffer per step carrying HSDP's outer
 bytes, optimizer state 1/O per rank; in 2 x 2 also the checkpoints (HSDP <-> HFSDP
 exact, HFSDP -> HFSDP bit for bit, set_state_dict, flex_checkpoint's sub-shards; the
-one-process load of the HFSDP checkpoint runs in test_checkpoint.py). The MoE (EP 2, 8
+one-process load of the HFSDP checkpoint runs in test_checkpoint.py); in 2 x 4 same-layout
+HSDP and HFSDP loads that read the files once. The MoE (EP 2, 8
 ranks) run is in test_moe.py, bf16 params with fp32 reduce (and with offload forced on
 CPU) in test_knobs.py."""
 
@@ -30,6 +31,13 @@ def test_hfsdp_checkpoints(hsdp_2x2_log):
         assert log_has(hsdp_2x2_log, f"HFSDP_RESUME {move}: saved state loaded exactly")
     assert log_has(hsdp_2x2_log, "HFSDP_FLEX: sub-shards tile every tensor")
     assert log_has(hsdp_2x2_log, "HFSDP_SET_STATE_DICT: full tensors in")
+
+
+def test_2x4_loads_read_the_files_once(hsdp_2x4_log):
+    """Issue 51: HSDP and HFSDP 2 x 4 loads whose ranks' bytes read from the files sum
+    to the files' tensor bytes exactly once (counted in the worker)."""
+    for mode in ("none", "optim"):
+        assert log_has(hsdp_2x4_log, f"LOAD_READS 2x4 {mode}: ")
 
 
 def log_has(log: str, text: str) -> bool:

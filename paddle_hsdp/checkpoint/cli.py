@@ -14,7 +14,7 @@ from safetensors.paddle import save_file
 
 import paddle
 
-from .format import CheckpointError, _Reader, numpy_dtype, read_metadata, read_whole
+from .format import CheckpointError, _Reader, numpy_dtype, pieces_of, read_metadata, read_whole
 
 
 # The file's safetensors metadata: what it is, so no loader or reader takes it for a
@@ -74,21 +74,23 @@ def describe(path) -> str:
              f"{meta['world_size']} rank(s){f' ({shown})' if shown else ''}; extra: "
              f"{json.dumps(meta.get('extra'))}"]
     full = written = 0
+    files = set()
     for name, t in sorted(meta["tensors"].items()):
         itemsize = np.dtype(numpy_dtype(t["dtype"])).itemsize
         full += int(np.prod(t["shape"])) * itemsize if t["shape"] else itemsize
-        written += sum(int(np.prod(p["shape"])) for p in t["pieces"]) * itemsize
+        pieces = pieces_of(name, t)
+        written += sum(int(np.prod(p["shape"])) for p in pieces) * itemsize
+        files.update(p["file"] for p in pieces if "file" in p)  # a few numbers sit in
+        # the metadata itself
         axes = []
         if t.get("split"):
             axes.append(f"tp: axis {t['split']['axis']} / {t['split']['degree']}")
         if t.get("stages"):
             axes.append(f"stage {','.join(str(s) for s in t['stages'])}")
         lines.append(f"  {name:50s} {str(t['shape']):>18s} {t['dtype']:8s} "
-                     f"{len(t['pieces'])} piece(s){'  ' + '; '.join(axes) if axes else ''}")
+                     f"{len(pieces)} piece(s){'  ' + '; '.join(axes) if axes else ''}")
     for alias, name in sorted(meta["aliases"].items()):
         lines.append(f"  {alias:50s} = {name} (tied)")
-    files = sorted({p["file"] for t in meta["tensors"].values() for p in t["pieces"]
-                    if "file" in p})  # a few numbers sit in the metadata itself
     disk = sum(os.path.getsize(os.path.join(os.fspath(path), f)) for f in files)
     lines.append(f"{len(meta['tensors'])} tensors, {full / 2**20:.1f} MiB; written once: "
                  f"{written} of {full} bytes in {len(files)} file(s), {disk} bytes on disk")

@@ -49,8 +49,10 @@ import paddle.distributed as dist
 from ..comm import collectives as comm
 from ..comm import watchdog
 from .boxes import dims, intersect, relative, volume
+from .rules import crc_of, link, pieces
 
-FORMAT = "paddle_hsdp-checkpoint/3"
+FORMAT = "paddle_hsdp-checkpoint/4"
+FORMAT_V3 = "paddle_hsdp-checkpoint/3"  # no rules (checkpoint/rules.py): still loads
 FORMAT_V2 = "paddle_hsdp-checkpoint/2"  # every piece in a file: still loads (and is read so)
 FORMAT_V1 = "paddle_hsdp-checkpoint/1"  # rows only (no tensor-parallel boxes): still loads
 META = "metadata.json"
@@ -191,11 +193,16 @@ def parse_metadata(text: bytes, meta_path: str) -> dict:
         meta = json.loads(text)
     except ValueError as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V2, FORMAT_V1) \
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V3, FORMAT_V2, FORMAT_V1) \
             or not isinstance(meta.get("tensors"), dict):
         raise CheckpointError(f"{meta_path}: not a {FORMAT} checkpoint")
     if meta["format"] == FORMAT_V1:
         _upgrade_v1(meta)
+    try:
+        link(meta)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable rules ({type(e).__name__}: {e})") \
+            from None
     return meta
 
 
@@ -230,15 +237,17 @@ class _Reader:
             array = np.array(piece["value"], dtype=piece["value_dtype"])
             return array.reshape(piece["shape"])[lo:hi]
         total = piece["shape"][0]
-        chunk = piece.get("chunk_rows", total)
-        crcs = piece["crc32"] if isinstance(piece["crc32"], list) else [piece["crc32"]]
-        first, last = lo // chunk, (hi - 1) // chunk
-        start, stop = first * chunk, min((last + 1) * chunk, total)
         fname = os.path.join(self.path, piece["file"])
         try:
-            if fname not in self.files:
-                self.files[fname] = safe_open(fname, framework="numpy")
-            array = self.files[fname].get_slice(piece["key"])[start:stop]
+            handle = self._open(fname)
+            if "crc32" in piece:
+                chunk = piece.get("chunk_rows", total)
+                crcs = piece["crc32"] if isinstance(piece["crc32"], list) else [piece["crc32"]]
+            else:  # a ruled piece: its CRCs are in its file's header
+                chunk, crcs = crc_of(handle.metadata(), piece["key"])
+            first, last = lo // chunk, (hi - 1) // chunk
+            start, stop = first * chunk, min((last + 1) * chunk, total)
+            array = handle.get_slice(piece["key"])[start:stop]
         except Exception as e:
             raise CheckpointError(f"{name}: cannot read {piece['file']} ({e})") from None
         array = np.ascontiguousarray(array)
@@ -250,6 +259,11 @@ class _Reader:
                 raise CheckpointError(f"{name}: {piece['file']} is corrupted (CRC mismatch "
                                       f"in rows {start + i * chunk}..)")
         return array[lo - start:hi - start]
+
+    def _open(self, fname: str):
+        if fname not in self.files:
+            self.files[fname] = safe_open(fname, framework="numpy")
+        return self.files[fname]
 
 
 def numpy_dtype(name: str) -> str:
@@ -268,7 +282,7 @@ def read_box(reader, name, entry, offset, shape) -> np.ndarray:
     """The box ``offset`` + ``shape`` of a tensor, from the pieces that overlap it."""
     want = (tuple(offset), tuple(shape))
     out, got = None, 0
-    for piece in entry["pieces"]:
+    for piece in pieces_of(name, entry, want):
         have = (tuple(piece["offset"]), tuple(piece["shape"]))
         common = intersect(want, have)
         if common is None:
@@ -284,3 +298,11 @@ def read_box(reader, name, entry, offset, shape) -> np.ndarray:
         raise CheckpointError(f"{name}: the checkpoint holds {got} of the {volume(shape)} "
                               "elements needed")
     return out
+
+
+def pieces_of(name, entry, want=None) -> list[dict]:
+    """The pieces of tensor ``name`` (those overlapping the box ``want``, if given):
+    the listed ones, and those its rules place (checkpoint/rules.py)."""
+    if want is None:
+        want = ((0,) * len(dims(entry["shape"])), tuple(dims(entry["shape"])))
+    return entry["pieces"] + [p for r in entry.get("ruled", ()) for p in pieces(r, name, want)]

@@ -27,6 +27,7 @@ from ..topology.placement import ModelAxes, is_expert
 from .boxes import dims
 from .names import checkpoint_names
 from .plan import Replicas
+from .rules import Spot
 from .tp_merge import check_merge_is_concat
 
 
@@ -49,6 +50,9 @@ class _Item:
         # HFSDP in a fault-tolerant job: which piece of the optimizer state the box is
         # (one replica group of its holders writes it); None: every group holds it
         self.piece: int | None = None
+        # HFSDP's optimizer rows outside a fault-tolerant job: indexed by rule
+        # (checkpoint/rules.py), where in its buffer's layout they sit
+        self.spot = None
 
     @property
     def empty(self) -> bool:
@@ -170,7 +174,7 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
     (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
     element (``beta1_pow_acc``, shape [1], the same wherever it is held)."""
     _ensure_accumulators(optimizer)
-    items = []
+    items, positions = [], {}
     for p in _params_of(optimizer):
         name = by_shard.get(id(p))
         if name is None:
@@ -201,11 +205,21 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
                 items[-1].outer_group = owner.outer_group
                 if sp is not None and sp.parts > 1:
                     items[-1].piece = sp.part
+                    if not buf.shared_pieces:
+                        base = [owner.offset[0] - sp.row_range(sub=False)[0]] + offset[1:]
+                        items[-1].spot = Spot(buf, _index_in(buf, sp, positions), tuple(base))
             else:  # a scalar, the same on every rank holding the parameter (every mp rank)
                 items.append(_Item(key, t.shape, _dtype_name(t.dtype), [0], dims(t.shape),
                                    _getter(t, None), _putter(t, None), None, owner.tag,
                                    owner.stage, scalar))
     return items
+
+
+def _index_in(buf, sp, positions: dict) -> int:
+    """``sp``'s index in its buffer's layout (``positions``: a cache per call)."""
+    if id(buf) not in positions:
+        positions[id(buf)] = {id(p): k for k, p in enumerate(buf.params)}
+    return positions[id(buf)][id(sp)]
 
 
 def _all_items(model, optimizer, call: str):

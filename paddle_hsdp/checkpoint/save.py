@@ -36,11 +36,12 @@ from .boxes import tiling_error
 from .format import (FORMAT, META, CheckpointError, _broadcast_json, _chunk_rows,
                      _gather_json_to_root, _rank_world, read_metadata)
 from .items import _all_items
-from .plan import plan_writes
+from .plan import Write, plan_writes
+from .rules import check_grid, crc_header, group_id, rule_of, slice_box
 
 
-def _write_rank_file(path: str, tensors: dict) -> None:
-    save_file(tensors, path)
+def _write_rank_file(path: str, tensors: dict, header: dict | None = None) -> None:
+    save_file(tensors, path, metadata=header or None)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -92,7 +93,11 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
             # jointly, which group writes is the joint save's: its outer replicas
             # (the other groups) are not this group's to choose among
             drop = ("outer",) if joint is not None else ()
-            writes = plan_writes(held, drop_axes=drop)
+            # HFSDP's optimizer rows: each rank writes its own, indexed by rule
+            ruled = [it for it in items if it.spot is not None] if joint is None else []
+            writes = plan_writes([it for it in held if joint is not None or it.spot is None],
+                                 drop_axes=drop) + ruled_writes(ruled)
+            save.rules = describe_rules(ruled, axes.stage)  # (a rank's empty rows too)
             save.staged = _stage(writes)  # host copies: training may go on
             # the first holder of each box vouches that it exists: rank 0 refuses a save
             # where no holder's plan wrote it (plans that disagreed)
@@ -161,6 +166,7 @@ class AsyncSave:
         self.staged: list = []
         self.pieces: list = []
         self.expected: list = []  # names of boxes this rank is the first holder of
+        self.rules: dict = {}  # the rules this rank leads (checkpoint/rules.py)
         self._thread: threading.Thread | None = None
         self._done = False
 
@@ -205,7 +211,7 @@ def _finish(save: AsyncSave) -> None:
     path, tmp, joint, rank = save.path, save.tmp, save.joint, _rank_world()[0]
     call = f"save_checkpoint({path!r})"
     manifests = _gather_json_to_root({"pieces": save.pieces, "error": save.error,
-                                      "expected": save.expected}, call)
+                                      "expected": save.expected, **save.rules}, call)
     errors = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
         outcome = joint.outcome()
@@ -286,13 +292,16 @@ def _publish_jointly(joint, path, tmp, items, manifests, aliases, plain,
         return [f"the replica groups' save: {type(e).__name__}: {e}"]
 
 
-def _refusal_to_tile(tensors: dict, tags: dict) -> str | None:
+def _refusal_to_tile(tensors: dict, tags: dict, rules: dict | None = None) -> str | None:
     """Why the pieces of ``tensors`` (the metadata's, before it is written) do not tile
     every tensor exactly once, or None. ``tags``: name -> the writers' tags of its
-    pieces (local experts of different EP ranks under one name differ)."""
+    pieces (local experts of different EP ranks under one name differ). A ruled
+    tensor counts each rule's box (its buffer's rows tile it by the layout's
+    construction)."""
     for name in sorted(tensors):
         entry = tensors[name]
         boxes = [(tuple(p["offset"]), tuple(p["shape"])) for p in entry["pieces"]]
+        boxes += [slice_box(rules[r], name) for r in entry.get("rules", ())]
         why = tiling_error(entry["shape"], boxes)
         if why is None:
             continue
@@ -306,14 +315,20 @@ def _refusal_to_tile(tensors: dict, tags: dict) -> str | None:
 
 def _write_pieces(tmp: str, rank: int, staged) -> list:
     """Write this rank's ``staged`` writes (:func:`_stage`) into one file of ``tmp``
-    (the few numbers of an inline write go into its manifest entry); return the
-    entries."""
+    (the few numbers of an inline write go into its manifest entry; a ruled write's
+    CRCs into the file's header); return the entries."""
     os.makedirs(tmp, exist_ok=True)
     fname = f"rank-{rank:05d}.safetensors"
-    pieces, tensors = [], {}
+    pieces, tensors, header = [], {}, {}
     for w, array in staged:
         it = w.item
         array = np.ascontiguousarray(array)
+        if it.spot is not None:  # indexed by rule: no manifest entry
+            tensors[it.name] = array
+            chunk = _chunk_rows(array)
+            key, value = crc_header(it.name, chunk, _crcs(array, chunk))
+            header[key] = value
+            continue
         piece = {"offset": w.offset, "shape": w.shape, "name": it.name,
                  "full_shape": it.shape, "dtype": it.dtype, "split": it.split,
                  "stage": it.stage, "tag": it.tag}
@@ -323,13 +338,48 @@ def _write_pieces(tmp: str, rank: int, staged) -> list:
             key = it.name if w.whole else f"{it.name}@{w.lo}"
             tensors[key] = array
             chunk = _chunk_rows(array)
-            piece.update(file=fname, key=key, chunk_rows=chunk,
-                         crc32=[zlib.crc32(array[i:i + chunk].tobytes())
-                                for i in range(0, int(array.shape[0]), chunk)])
+            piece.update(file=fname, key=key, chunk_rows=chunk, crc32=_crcs(array, chunk))
         pieces.append(piece)
     if tensors:
-        _write_rank_file(os.path.join(tmp, fname), tensors)
+        _write_rank_file(os.path.join(tmp, fname), tensors, header)
     return pieces
+
+
+def _crcs(array, chunk: int) -> list[int]:
+    return [zlib.crc32(array[i:i + chunk].tobytes()) for i in range(0, int(array.shape[0]), chunk)]
+
+
+def ruled_writes(ruled) -> list[Write]:
+    """The ruled items this rank writes: all its own rows, but of a tensor tensor
+    parallelism does not split, the mp copies hold the same rows: mp rank 0 writes."""
+    return [Write(it, 0, it.size[0]) for it in ruled
+            if it.replicas.index == 0 and not it.empty]
+
+
+def describe_rules(ruled, stage: int) -> dict:
+    """``{"rules": ..., "rank_groups": ...}`` this rank sends rank 0: the rule of each
+    buffer it leads (its FSDP group's first rank: inner 0, outer part 0) and that
+    group's ranks; nothing elsewhere. Raises if a group is not laid out as the rule
+    reads it."""
+    by_buffer: dict[int, list] = {}
+    for it in ruled:
+        by_buffer.setdefault(id(it.spot.buffer), []).append(it)
+    rules, groups = {}, {}
+    for group in by_buffer.values():
+        buf = group[0].spot.buffer
+        ranks = list(buf.params[0].mesh.fsdp_group(buf.is_expert).ranks)
+        why = check_grid(buf, ranks)
+        if why is not None:
+            raise CheckpointError(why)
+        if buf.inner.rank != 0 or buf.part != 0:
+            continue
+        gid = group_id(buf, ranks)
+        groups[gid] = ranks
+        tensors = {it.name: [it.spot.index, list(it.spot.base), it.size[1:], it.shape,
+                             it.dtype, it.split]
+                   for it in group if it.replicas.index == 0}
+        rules[f"{gid}/{buf.unit_index}.{buf.index}"] = rule_of(buf, gid, stage, tensors)
+    return {"rules": rules, "rank_groups": groups} if rules else {}
 
 
 def _refusal_to_replace(path: str) -> str | None:
@@ -374,19 +424,34 @@ def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
                 continue
             seen.add(box)
             entry["pieces"].append(piece)
+    rules, groups = {}, {}
+    for record in manifests:  # HFSDP's optimizer rows, by rule (checkpoint/rules.py)
+        groups.update(record.get("rank_groups", {}))
+        for rule_id, rule in record.get("rules", {}).items():
+            rules[rule_id] = rule
+            for name, (_, _, _, shape, dtype, split) in rule["tensors"].items():
+                entry = tensors.setdefault(name, _entry(shape, dtype, split))
+                if [entry["shape"], entry["dtype"]] != [shape, dtype]:
+                    raise CheckpointError(f"{name}: ranks disagree on its full shape or "
+                                          f"dtype ({entry['shape']} {entry['dtype']} vs "
+                                          f"{shape} {dtype})")
+                entry.setdefault("rules", []).append(rule_id)
+                stages.setdefault(name, set()).add(rule["stage"])
     unwritten = sorted({n for r in manifests for n in r.get("expected", ())} - set(tensors))
     if unwritten:
         raise CheckpointError(f"{unwritten[0]} (and {len(unwritten) - 1} more): held, yet "
                               "no rank wrote it (the holders' plans disagreed)")
-    refusal = _refusal_to_tile(tensors, tags)
+    refusal = _refusal_to_tile(tensors, tags, rules)
     if refusal is not None:
         raise CheckpointError(refusal)
     for name, t in tensors.items():
         t["pieces"].sort(key=lambda p: p["offset"])
+        if "rules" in t:
+            t["rules"].sort()
         if axes.pp_degree > 1:
             t["stages"] = sorted(stages.get(name, ()))
     meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
-            "tensors": tensors, "aliases": aliases, "lr_scheduler": plain["lr_scheduler"],
+            "tensors": tensors, "rules": rules, "rank_groups": groups, "aliases": aliases, "lr_scheduler": plain["lr_scheduler"],
             "extra": plain["extra"], "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     meta_path = os.path.join(tmp, META)
     os.makedirs(tmp, exist_ok=True)

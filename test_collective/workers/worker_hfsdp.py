@@ -17,16 +17,20 @@ counted by the clip on every rank (``is_firstly_shared``). ``set_requires_all_re
 ``variants``, ZeRO-1, ZeRO-2 and ``fleet.distributed_optimizer`` runs are held to the
 same reference, replicas identical every step.
 
+With ``reads_work``, a same-layout HSDP and HFSDP load each read the files' bytes
+exactly once over all ranks (counted), and continue bit for bit.
+
 With ``work`` in argv (the shared 2 x 2 launch), checkpoints: HSDP 2 x 2 -> HFSDP and
 HFSDP -> HSDP load the saved state exactly (every tensor of a re-save equals the saved
 one) and the next 3 steps match the uninterrupted run within 1e-6; HFSDP -> HFSDP
+reads the files' bytes once over all ranks, its optimizer rows indexed by rule, and
 continues bit for bit; flex_checkpoint's same-layout dcp round trip of the sub-shards
 is exact. ``single_process_resume.py`` then loads the HFSDP checkpoint in one process.
 
 argv: JSON with sharding_degree, outer, optionally outer_sharding (fleet's
 ``sharding_configs["fsdp_outer_sharding"]``: the units then inherit it), variants
 (``[[zero stage or null, via fleet.distributed_optimizer], ...]``: more runs held to
-the same reference) and work.
+the same reference), work and reads_work.
 """
 
 import os
@@ -40,7 +44,8 @@ import paddle.distributed as dist
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from paddle_hsdp.checkpoint.format import _Reader, read_whole
+from paddle_hsdp.checkpoint import load as checkpoint_load
+from paddle_hsdp.checkpoint.format import _Reader, numpy_dtype, pieces_of, read_whole
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import (batches, build_model, lm_loss, make_optimizer, shard_tinylm,
@@ -297,7 +302,10 @@ def check_checkpoints(work):
     for saved, into in (("none", "optim"), ("optim", "none"), ("optim", "optim")):
         path, ref_losses, ref_params = runs[saved]
         model, opt = shard(into, seed=99)  # other weights: loading must matter
-        assert checkpoint.load_checkpoint(path, model, opt) == {"step": SAVE_AT}
+        read = counted_load(path, model, opt)
+        if saved == into:  # each rank reads its own ruled rows: the files once in all
+            assert read == bytes_in_files(path), (read, bytes_in_files(path))
+            check_ruled_index(path)
         again = os.path.join(work, f"hfsdp_resaved_{saved}_{into}")
         checkpoint.save_checkpoint(again, model, opt)
         if rank == 0:  # every param and optimizer state, whole: exactly the saved ones
@@ -315,9 +323,67 @@ def check_checkpoints(work):
             worst = max([max_rel(got[k], ref_params[k]) for k in ref_params]
                         + [max_rel(np.array(losses), np.array(ref_losses))])
             assert worst <= 1e-6, worst
-        print(f"HFSDP_RESUME {saved}->{into}: saved state loaded exactly, next {MORE} "
-              f"steps max rel diff {worst:.2e}", flush=True)
+        print(f"HFSDP_RESUME {saved}->{into}: saved state loaded exactly ({read} bytes "
+              f"read by all ranks), next {MORE} steps max rel diff {worst:.2e}", flush=True)
     check_flex(work)
+
+
+def bytes_in_files(path) -> int:
+    """The tensor bytes the checkpoint's files hold (listed and ruled pieces)."""
+    meta = checkpoint.read_metadata(path)
+    return sum(int(np.prod(p["shape"])) * np.dtype(numpy_dtype(t["dtype"])).itemsize
+               for name, t in meta["tensors"].items() for p in pieces_of(name, t)
+               if "file" in p)
+
+
+def counted_load(path, model, opt) -> int:
+    """``load_checkpoint`` on every rank; the bytes all ranks read from the files."""
+    readers = []
+
+    class Counting(_Reader):
+        def __init__(self, where):
+            super().__init__(where)
+            readers.append(self)
+
+    checkpoint_load._Reader = Counting
+    try:
+        assert checkpoint.load_checkpoint(path, model, opt) == {"step": SAVE_AT}
+    finally:
+        checkpoint_load._Reader = _Reader
+    read = paddle.to_tensor([sum(r.bytes_read for r in readers)], dtype="int64")
+    dist.all_reduce(read)
+    return int(read.item())
+
+
+def check_ruled_index(path):
+    """HFSDP's optimizer rows are indexed by rule (checkpoint/rules.py): no listed
+    piece, one rule per buffer, the FSDP group's ranks once."""
+    meta = checkpoint.read_metadata(path)
+    moments = {n: t for n, t in meta["tensors"].items() if n.endswith("/optim/moment1")}
+    assert moments and all(t["rules"] and not t["pieces"] for t in moments.values()), moments
+    assert [len(r) for r in meta["rank_groups"].values()] == [world], meta["rank_groups"]
+    return len(meta["rules"])
+
+
+def check_reads(work):
+    """HSDP and HFSDP O x I: a same-layout load reads each byte of the files exactly
+    once over all ranks (the outer replicas split the reading; each rank reads its own
+    ruled rows), loads exactly, and the next steps continue bit for bit."""
+    for mode in ("none", "optim"):
+        model, opt = shard(mode)
+        train(model, opt, range(SAVE_AT))
+        path = os.path.join(work, f"reads_{O}x{I}_{mode}")
+        checkpoint.save_checkpoint(path, model, opt, extra={"step": SAVE_AT})
+        rules = check_ruled_index(path) if mode == "optim" else 0
+        fresh, fresh_opt = shard(mode, seed=99)
+        read, in_files = counted_load(path, fresh, fresh_opt), bytes_in_files(path)
+        assert read == in_files, (mode, read, in_files)
+        later = range(SAVE_AT, SAVE_AT + MORE)
+        assert train(fresh, fresh_opt, later) == train(model, opt, later)
+        got, want = params(fresh), params(model)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        print(f"LOAD_READS {O}x{I} {mode}: {read} bytes read by all ranks, the files' "
+              f"{in_files}; {rules} rule(s); the next {MORE} steps bit for bit", flush=True)
 
 
 def check_set_state_dict(full):
@@ -367,4 +433,6 @@ def check_flex(work):
 
 if config.get("work"):
     check_checkpoints(config["work"])
+if config.get("reads_work"):
+    check_reads(config["reads_work"])
 finish()
