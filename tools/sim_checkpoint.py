@@ -26,11 +26,14 @@ import os
 import sys
 import time
 import tracemalloc
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from paddle_hsdp.checkpoint import plan  # noqa: E402
-from paddle_hsdp.checkpoint.save import _refusal_to_tile  # noqa: E402
+from paddle_hsdp.checkpoint import plan, save  # noqa: E402
+from paddle_hsdp.checkpoint import rules as rules_mod  # noqa: E402
+from paddle_hsdp.checkpoint.format import CheckpointError  # noqa: E402
+from paddle_hsdp.engine.layout import segment_layout  # noqa: E402
 
 HIDDEN, FFN, VOCAB, LAYERS, KV = 8192, 28672, 128256, 80, 1024
 
@@ -49,60 +52,111 @@ def llama70b() -> list[tuple[str, list[int], int | None]]:
     return out + [("norm.weight", [HIDDEN], None), ("lm_head.weight", [HIDDEN, VOCAB], 1)]
 
 
+def units() -> list[list[tuple[str, list[int], int | None]]]:
+    """The model's fully_shard units as a Llama recipe shards it: the embedding, each
+    decoder layer, the final norm with the head."""
+    params = llama70b()
+    return [params[:1]] + [params[1 + 9 * i:10 + 9 * i] for i in range(LAYERS)] + [params[-2:]]
+
+
 class Item:
     """What checkpoint/items.py builds for one box on one rank (no data)."""
 
-    def __init__(self, name, shape, dtype, offset, size, replicas, split=None):
+    def __init__(self, name, shape, dtype, offset, size, replicas, split=None, spot=None):
         self.name, self.shape, self.dtype = name, shape, dtype
         self.offset, self.size, self.replicas, self.split = offset, size, replicas, split
-        self.tag, self.stage = "", 0
+        self.tag, self.stage, self.spot = "", 0, spot
+
+    @property
+    def empty(self) -> bool:
+        return any(d == 0 for d in self.size)
 
 
 def layout(kind: str, world: int) -> dict:
     if kind == "tp8":
-        return {"mp": 8, "inner": 8, "outer": world // 64, "optim_outer": False}
-    if kind == "hsdp":
-        return {"mp": 1, "inner": 8, "outer": world // 8, "optim_outer": False}
-    return {"mp": 1, "inner": world // 128, "outer": 128, "optim_outer": True}
+        lay = {"mp": 8, "inner": 8, "outer": world // 64, "optim_outer": False}
+    elif kind == "hsdp":
+        lay = {"mp": 1, "inner": 8, "outer": world // 8, "optim_outer": False}
+    else:
+        lay = {"mp": 1, "inner": world // 128, "outer": 128, "optim_outer": True}
+    lay["parts"] = lay["outer"] if lay["optim_outer"] else 1
+    # each unit's buffer as the engine lays it out (the same on every mp rank: the
+    # slices have one shape); its segments: inner x parts
+    lay["units"] = [(params, segment_layout([local_shape(shape, axis, lay["mp"])
+                                             for _, shape, axis in params],
+                                            lay["inner"] * lay["parts"]))
+                    for params in units()]
+    return lay
 
 
-def rows_of(total: int, parts: int, index: int) -> tuple[int, int]:
-    per = math.ceil(total / parts)
-    lo = min(total, index * per)
-    return lo, min(total, lo + per) - lo
+def local_shape(shape, axis, mp) -> list[int]:
+    local = list(shape)
+    if mp > 1 and axis is not None:
+        local[axis] //= mp
+    return local
 
 
 def rank_items(lay: dict, m: int, i: int, o: int) -> list[Item]:
-    """The items of the rank at mp ``m``, inner ``i``, outer ``o``."""
-    mp, inner, outer = lay["mp"], lay["inner"], lay["outer"]
+    """The items of the rank at mp ``m``, inner ``i``, outer ``o``, empty ones too."""
+    mp, inner, outer, parts = lay["mp"], lay["inner"], lay["outer"], lay["parts"]
     out_axis = (("outer", outer, o),) if outer > 1 else ()
     mp_axis = (("mp", mp, m),) if mp > 1 else ()
     scalar_axes = plan.Replicas(((("inner", inner, i),) if inner > 1 else ()) + out_axis + mp_axis)
     items = []
-    for name, shape, axis in llama70b():
-        local, offset = list(shape), [0] * len(shape)
-        split = axis if mp > 1 else None
-        if split is not None:
-            local[split] //= mp
-            offset[split] = m * local[split]
-        lo, count = rows_of(local[0], inner, i)
-        off = list(offset)
-        off[0] += lo
-        size = [count] + local[1:]
-        replicas = plan.Replicas(out_axis + (mp_axis if split is None else ()))
-        items.append(Item(name, shape, "bfloat16", off, size, replicas, split))
-        sub_off, sub_size, sub_rep = off, size, replicas
-        if lay["optim_outer"]:  # HFSDP: the optimizer holds its outer rank's rows only
-            slo, scount = rows_of(count, outer, o)
-            sub_off = [off[0] + slo] + off[1:]
-            sub_size = [scount] + size[1:]
-            sub_rep = plan.Replicas(mp_axis if split is None else ())
-        for state in ("master_weight", "moment1", "moment2"):
-            items.append(Item(f"{name}/optim/{state}", shape, "float32", sub_off, sub_size,
-                              sub_rep, split))
-        for state in ("beta1_pow_acc", "beta2_pow_acc"):
-            items.append(Item(f"{name}/optim/{state}", [1], "float32", [0], [1], scalar_axes))
-    return [it for it in items if all(d > 0 for d in it.size)]
+    for u, (params, seg) in enumerate(lay["units"]):
+        for k, (name, shape, axis) in enumerate(params):
+            local, offset = local_shape(shape, axis, mp), [0] * len(shape)
+            split = axis if mp > 1 else None
+            if split is not None:
+                offset[split] = m * local[split]
+            lo, count = seg.rows_in(k, i * parts, parts)  # the rank's inner block
+            off = [offset[0] + lo] + offset[1:]
+            size = [count] + local[1:]
+            replicas = plan.Replicas(out_axis + (mp_axis if split is None else ()))
+            items.append(Item(name, shape, "bfloat16", off, size, replicas, split))
+            sub_off, sub_size, sub_rep, spot = off, size, replicas, None
+            if lay["optim_outer"]:  # HFSDP: its own rows of the segment, indexed by rule
+                slo, scount = seg.rows_in(k, i * parts + o)
+                sub_off = [offset[0] + slo] + offset[1:]
+                sub_size = [scount] + local[1:]
+                sub_rep = plan.Replicas(mp_axis if split is None else ())
+                spot = (u, k, tuple(offset))
+            for state in ("master_weight", "moment1", "moment2"):
+                items.append(Item(f"{name}/optim/{state}", shape, "float32", sub_off, sub_size,
+                                  sub_rep, split, spot))
+            for state in ("beta1_pow_acc", "beta2_pow_acc"):
+                items.append(Item(f"{name}/optim/{state}", [1], "float32", [0], [1], scalar_axes))
+    return items
+
+
+def rank_writes(items) -> list:
+    """What save_checkpoint's planning gives one rank: the plan of its listed items
+    and its own ruled rows (checkpoint/save.py)."""
+    held = [it for it in items if not it.empty]
+    return (plan.plan_writes([it for it in held if it.spot is None])
+            + save.ruled_writes([it for it in items if it.spot is not None]))
+
+
+def rules_of(lay: dict) -> dict:
+    """The rules and rank groups the leaders send rank 0 (checkpoint/save.py
+    ``describe_rules``): one rule per unit and mp rank, each mp rank's FSDP group."""
+    if not lay["optim_outer"]:
+        return {}
+    mp, inner, outer = lay["mp"], lay["inner"], lay["outer"]
+    rules, groups = {}, {}
+    for m in range(mp):
+        gid = f"dense:{m}"
+        groups[gid] = [(o * inner + i) * mp + m for o in range(outer) for i in range(inner)]
+        leader = rank_items(lay, m, 0, 0)
+        for u, (_, seg) in enumerate(lay["units"]):
+            buf = SimpleNamespace(layout=seg, inner=SimpleNamespace(nranks=inner),
+                                  parts=lay["parts"])
+            tensors = {it.name: [it.spot[1], list(it.spot[2]), it.size[1:], it.shape, it.dtype,
+                                 it.split]
+                       for it in leader if it.spot is not None and it.spot[0] == u
+                       and it.replicas.index == 0}
+            rules[f"{gid}/{u}.0"] = rules_mod.rule_of(buf, gid, 0, tensors)
+    return {"rules": rules, "rank_groups": groups}
 
 
 def coords(lay: dict, rank: int) -> tuple[int, int, int]:
@@ -114,11 +168,13 @@ def coords(lay: dict, rank: int) -> tuple[int, int, int]:
 def simulate(kind: str, world: int, sample: int, index_limit: int,
              ranks_only: bool = False) -> dict:
     lay = layout(kind, world)
+    _PLANS.clear()  # the plans cached are this job's
     # one rank's planning, timed and traced, for a sample of ranks spread over the job
     ranks = sorted({round(k * (world - 1) / max(1, sample - 1)) for k in range(sample)})
     worst_cpu = worst_heap = 0.0
+
     def one_rank(r):
-        return [_entry(w) for w in plan.plan_writes(rank_items(lay, *coords(lay, r)))]
+        return [_entry(w) for w in rank_writes(rank_items(lay, *coords(lay, r)))]
 
     for r in ranks:  # timed, then traced (tracemalloc slows allocation several times)
         worst_cpu = max(worst_cpu, _cpu(one_rank, r)[1])
@@ -138,11 +194,13 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
                 if o == 0:
                     items0 = items
                 r = (o * lay["inner"] + i) * lay["mp"] + m
-                held += sum(_read_bytes(it) for it in items)
+                held += sum(_read_bytes(it) for it in items if not it.empty)
                 for w in _writes_of(items, (m, i), o):
                     nbytes = plan.item_bytes(w.item) * (w.hi - w.lo) // max(1, w.item.size[0])
                     distinct += nbytes
                     loads[r] += 0 if w.inline else nbytes
+                    if w.item.spot is not None:
+                        continue  # indexed by rule: no piece in the index
                     n_pieces += 1
                     if pieces is not None:
                         pieces.append(_entry(w))
@@ -151,8 +209,9 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
                 writers += loads[r] > 0
     meta_bytes, refusal, index_cpu, index_heap = 0, None, float("nan"), float("nan")
     if pieces is not None:
-        (meta_bytes, refusal), index_cpu = _cpu(_index, pieces)
-        index_heap = _heap(_index, pieces) / 2 ** 20
+        record = {"pieces": pieces, **rules_of(lay)}
+        (meta_bytes, refusal), index_cpu = _cpu(_index, record)
+        index_heap = _heap(_index, record) / 2 ** 20
     writing = [x for x in loads if x]
     mean = sum(writing) / max(1, len(writing))
     return {"layout": kind, "world": world, "save_cpu_s": round(worst_cpu, 3),
@@ -195,10 +254,11 @@ _PLANS: dict = {}
 def _writes_of(items, mi, o):
     """The writes of the rank at ``mi`` = (mp, inner) and outer ``o`` holding ``items``,
     from one plan per kind and holder group (each holder computes the same)."""
-    out = []
+    out = save.ruled_writes([it for it in items if it.spot is not None])
     by_kind: dict = {}
     for it in items:
-        by_kind.setdefault(it.replicas.kind, []).append(it)
+        if it.spot is None and not it.empty:
+            by_kind.setdefault(it.replicas.kind, []).append(it)
     for kind, group in by_kind.items():
         replicas = group[0].replicas
         varied = {a for a, _ in kind}
@@ -231,20 +291,17 @@ def _entry(w) -> dict:
     return piece
 
 
-def _index(pieces: list) -> tuple[int, str | None]:
-    """Rank 0: the pieces into the metadata's tensors, checked, and its JSON's size."""
-    tensors, tags = {}, {}
-    for piece in pieces:
-        piece = dict(piece)
-        name, shape = piece.pop("name"), piece.pop("full_shape")
-        dtype, split = piece.pop("dtype"), piece.pop("split")
-        piece.pop("stage"), tags.setdefault(name, set()).add(piece.pop("tag"))
-        entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
-        if split is not None:
-            entry["split"] = split
-        entry["pieces"].append(piece)
-    refusal = _refusal_to_tile(tensors, tags)
-    return len(json.dumps({"tensors": tensors}, separators=(",", ":"))), refusal
+def _index(record: dict) -> tuple[int, str | None]:
+    """Rank 0: the manifests into the metadata's tensors, checked (checkpoint/save.py's
+    ``index_manifests``), and its JSON's size; the refusal, if any."""
+    record = json.loads(json.dumps(record))  # rank 0 decodes what the ranks sent
+    tensors: dict = {}
+    try:
+        rules, groups, _ = save.index_manifests(tensors, [record])
+    except CheckpointError as e:
+        return 0, str(e)
+    meta = {"tensors": tensors, "rules": rules, "rank_groups": groups}
+    return len(json.dumps(meta, separators=(",", ":"))), None
 
 
 def main() -> None:
@@ -266,7 +323,6 @@ def main() -> None:
           f"{'read x':>7s}")
     for kind in args.layout:
         for world in args.world:
-            _PLANS.clear()
             run = simulate(kind, world, args.sample, args.index_limit, args.ranks_only)
             if args.ranks_only:
                 runs.append(run)

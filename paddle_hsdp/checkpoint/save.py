@@ -405,18 +405,40 @@ def _refusal_to_replace(path: str) -> str | None:
 
 
 def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
-    tensors = {}
-    for it in items:
-        tensors[it.name] = _entry(it.shape, it.dtype, it.split)
+    tensors = {it.name: _entry(it.shape, it.dtype, it.split) for it in items}
+    rules, groups, stages = index_manifests(tensors, manifests)
+    if axes.pp_degree > 1:
+        for name, t in tensors.items():
+            t["stages"] = sorted(stages.get(name, ()))
+    meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
+            "tensors": tensors, "rules": rules, "rank_groups": groups, "aliases": aliases,
+            "lr_scheduler": plain["lr_scheduler"], "extra": plain["extra"], "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta_path = os.path.join(tmp, META)
+    os.makedirs(tmp, exist_ok=True)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, separators=(",", ":"), default=float)  # C encoder: compact
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        os.rename(path, f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}")
+    os.rename(tmp, path)
+    # the replaced checkpoint, and what an earlier save left when a rank died mid-write
+    for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def index_manifests(tensors: dict, manifests: list) -> tuple[dict, dict, dict]:
+    """Rank 0's index: every rank's manifest (its pieces; the rules it leads) into
+    ``tensors`` (name -> entry), checked: every box some rank is first holder of was
+    written, and every tensor is tiled exactly once. Returns ``(rules, rank groups,
+    name -> stages)``; raises ``CheckpointError``. Pure: tools/sim_checkpoint.py runs
+    it on a simulated job's manifests."""
     stages, tags, seen = {}, {}, set()
     for record in manifests:  # other ranks hold tensors rank 0 has not (experts, stages)
         for piece in record["pieces"]:
             name, shape, dtype = piece.pop("name"), piece.pop("full_shape"), piece.pop("dtype")
             split, stage, tag = piece.pop("split"), piece.pop("stage"), piece.pop("tag")
-            entry = tensors.setdefault(name, _entry(shape, dtype, split))
-            if [entry["shape"], entry["dtype"]] != [shape, dtype]:
-                raise CheckpointError(f"{name}: ranks disagree on its full shape or dtype "
-                                      f"({entry['shape']} {entry['dtype']} vs {shape} {dtype})")
+            entry = _entry_of(tensors, name, shape, dtype, split)
             stages.setdefault(name, set()).add(stage)
             tags.setdefault(name, set()).add(tag)
             box = (name, tuple(piece["offset"]), tuple(piece["shape"]), tag)
@@ -430,12 +452,8 @@ def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
         for rule_id, rule in record.get("rules", {}).items():
             rules[rule_id] = rule
             for name, (_, _, _, shape, dtype, split) in rule["tensors"].items():
-                entry = tensors.setdefault(name, _entry(shape, dtype, split))
-                if [entry["shape"], entry["dtype"]] != [shape, dtype]:
-                    raise CheckpointError(f"{name}: ranks disagree on its full shape or "
-                                          f"dtype ({entry['shape']} {entry['dtype']} vs "
-                                          f"{shape} {dtype})")
-                entry.setdefault("rules", []).append(rule_id)
+                _entry_of(tensors, name, shape, dtype, split).setdefault(
+                    "rules", []).append(rule_id)
                 stages.setdefault(name, set()).add(rule["stage"])
     unwritten = sorted({n for r in manifests for n in r.get("expected", ())} - set(tensors))
     if unwritten:
@@ -444,27 +462,20 @@ def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
     refusal = _refusal_to_tile(tensors, tags, rules)
     if refusal is not None:
         raise CheckpointError(refusal)
-    for name, t in tensors.items():
+    for t in tensors.values():
         t["pieces"].sort(key=lambda p: p["offset"])
         if "rules" in t:
             t["rules"].sort()
-        if axes.pp_degree > 1:
-            t["stages"] = sorted(stages.get(name, ()))
-    meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
-            "tensors": tensors, "rules": rules, "rank_groups": groups, "aliases": aliases, "lr_scheduler": plain["lr_scheduler"],
-            "extra": plain["extra"], "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    meta_path = os.path.join(tmp, META)
-    os.makedirs(tmp, exist_ok=True)
-    with open(meta_path, "w") as f:
-        json.dump(meta, f, separators=(",", ":"), default=float)  # C encoder: compact
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(path):
-        os.rename(path, f"{path}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}")
-    os.rename(tmp, path)
-    # the replaced checkpoint, and what an earlier save left when a rank died mid-write
-    for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    return rules, groups, stages
+
+
+def _entry_of(tensors: dict, name, shape, dtype, split) -> dict:
+    """``tensors[name]`` (made if new), refusing ranks that disagree on its shape."""
+    entry = tensors.setdefault(name, _entry(shape, dtype, split))
+    if [entry["shape"], entry["dtype"]] != [shape, dtype]:
+        raise CheckpointError(f"{name}: ranks disagree on its full shape or dtype "
+                              f"({entry['shape']} {entry['dtype']} vs {shape} {dtype})")
+    return entry
 
 
 def _entry(shape, dtype, split) -> dict:
