@@ -453,6 +453,20 @@ def test_outer_all_reduce_once_per_buffer_per_step_reduce_scatter_per_micro_step
                                   if first else []), (rank, broadcasts)
 
 
+def test_the_grads_present_flags_go_over_the_inner_then_the_outer_group(traces):
+    """Issue 51: which parameters got a grad is agreed over each FSDP group's inner,
+    then its outer group (max of max), never in a communicator of the FSDP group's size
+    (with pure HSDP on NCCL, the world)."""
+    for rank, trace in traces.items():
+        mesh = trace.mesh
+        flags = [c.ranks for c in trace.calls if c.tag == "grads present"]
+        assert flags, rank
+        allowed = {tuple(g.ranks) for e in (False, True) for g in (mesh.inner(e), mesh.outer(e))
+                   if g.nranks > 1}
+        assert set(flags) <= allowed, (rank, flags, allowed)
+        assert all(len(ranks) < len(mesh.fsdp_group(False).ranks) for ranks in flags), rank
+
+
 def test_outer_all_reduce_of_the_steps_last_backward_is_issued_during_it(traces):
     """Step 1 has no count of its backwards yet: its outer all-reduces come after every
     reduce-scatter (at the step). Step 2's last micro-step is predicted (2 backwards,

@@ -93,7 +93,8 @@ def untouched_shards(shards) -> set[int]:
     gave a grad since its grad was last released: plain Paddle's optimizer skips such a
     parameter (its grad is None: no weight decay, no moment or step change), while the
     engine's shard grad is a zero view. A collective while undecided parameters remain:
-    one all-reduce (max) of a flag each per FSDP group, at the optimizer step; once
+    an all-reduce (max) of a flag each over the FSDP group's inner, then its outer group
+    (:func:`_factors`), at the optimizer step; once
     every parameter has had a grad (the usual case after the first step) nothing is
     sent. The undecided set is the same on every rank of a group: ``grad_anywhere`` is
     agreed, and grads are released on every rank alike (``clear_grad``)."""
@@ -108,8 +109,8 @@ def untouched_shards(shards) -> set[int]:
         group, sps = undecided[group_id]
         flags = paddle.zeros([len(sps)], dtype="float32")  # (paddle.to_tensor leaks 2
         paddle.assign(np.array([sp.grad_here for sp in sps], "float32"), output=flags)  # blocks)
-        if group.nranks > 1:
-            comm.all_reduce(flags, group, tag="grads present", op="max")
+        for part in _factors(group, sps[0].buffer):
+            comm.all_reduce(flags, part, tag="grads present", op="max")
         with watchdog.host_sync("the read of which parameters got grads"):
             present = flags.numpy()
         for sp, flag in zip(sps, present):
@@ -117,6 +118,21 @@ def untouched_shards(shards) -> set[int]:
             if not sp.grad_anywhere:
                 untouched.add(id(sp.shard))
     return untouched
+
+
+def _factors(fsdp_group, buf) -> list:
+    """The groups whose all-reduces in turn reach every rank of ``fsdp_group``: its
+    inner and outer groups where it is their product (no communicator of the FSDP
+    group's size is made for the flags: with NCCL, pure HSDP's would span the world),
+    else the group itself (a fault-tolerant job's FSDP group is its replica's, the
+    live outer group another job's). Groups of one rank are left out."""
+    inner, outer = buf.inner, buf.outer
+    if inner.nranks * outer.nranks == fsdp_group.nranks and outer.nranks > 1 and \
+            set(inner.ranks) | set(outer.ranks) <= set(fsdp_group.ranks):
+        parts = [inner, outer]
+    else:
+        parts = [fsdp_group]
+    return [g for g in parts if g.nranks > 1]
 
 
 def unwrap_optimizer(optimizer):
