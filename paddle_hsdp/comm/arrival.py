@@ -7,16 +7,24 @@ peer, NCCL hangs), and the error names neither the call nor the cause. These cal
 off the hot path, so before its first collective each one checks, on the job's TCP store
 (no collective, so nothing can pair wrongly), that every member of its group arrived at
 the same call: each member counts itself under a key made of the group id and its count
-of such calls. One that does not see every member within ``PADDLE_HSDP_COLLECTIVE_TIMEOUT``
-seconds (the watchdog's bound) raises :class:`CollectiveMismatchError` naming the call
-and how many ranks arrived, and takes its arrival back, so the model is unchanged and a
-later call on every rank works. Cost: one store round trip per call (~40 ms on Paddle's
-TCP store here) for the last rank to arrive, polls for the others while they would wait
-anyway; these calls are off the training path.
+of such calls, and the last to arrive marks the call complete. One that does not see it
+complete within ``PADDLE_HSDP_COLLECTIVE_TIMEOUT`` seconds (the watchdog's bound) raises
+:class:`CollectiveMismatchError` naming the call and how many ranks arrived, and takes
+its arrival back, so the model is unchanged and a later call on every rank works.
+
+Cost, whatever the group's size: two store requests per rank per call, an add and a
+blocking wait for the mark (issued by a thread on a store client of the process's own:
+Paddle's ``wait`` has no timeout, so the caller bounds the thread instead, and a client
+left waiting after a refusal is replaced). Nothing polls the store, whose one server
+thread on rank 0 would otherwise take every waiting rank's polls (tens of thousands a
+second at 8,192 ranks). Where no client of its own can be made (no ``MASTER_ADDR`` /
+``PADDLE_MASTER`` endpoint) it falls back to polling with a backoff.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections import defaultdict
 
@@ -46,21 +54,74 @@ def expect_everyone(group, what: str) -> None:
     number = _calls[group_id]
     key = f"{_KEY}/{group_id}/{number}"
     store = _store()
-    # One store round trip for the last rank to arrive (a read-modify-write answers in
-    # ~40 ms on this store, a set in microseconds); the others poll until it is there,
-    # time they would spend waiting in the collective anyway.
     arrived = store.add(key, 1)
+    if arrived >= len(ranks):
+        store.set(key + "/complete", b"1")
+    elif not _await_key(key + "/complete", limit, lambda: store.add(key, 0) >= len(ranks)):
+        arrived = store.add(key, -1) + 1  # taken back: the next agreed call reuses the key
+        raise CollectiveMismatchError(
+            f"{what} is a collective over ranks {ranks}, and only {arrived} of them "
+            f"(this rank, {dist.get_rank()}, among them) called it within {limit:g} s "
+            "(PADDLE_HSDP_COLLECTIVE_TIMEOUT). Call it on every rank (not under `if "
+            "rank == 0`; save from one rank after it returns on all). Nothing was "
+            "sent; the model is unchanged.")
+    _calls[group_id] = number + 1
+
+
+# The store client this process's waits go through (module state: one per process,
+# dropped when a refusal leaves its thread blocked).
+_waiter: list = []
+
+
+def _await_key(key: str, limit: float, done_by_polling) -> bool:
+    """Whether ``key`` is set in the job's store within ``limit`` seconds: one blocking
+    wait on a thread (``done_by_polling``, polled with a backoff, where no client of
+    our own can be made)."""
+    client = _waiting_client()
+    if client is None:
+        return _poll(limit, done_by_polling)
+    finished = threading.Event()
+
+    def wait():
+        try:
+            client.wait(key)
+            finished.set()
+        except Exception:  # noqa: BLE001 - the store went away: the caller times out
+            pass
+    threading.Thread(target=wait, daemon=True, name="paddle_hsdp-arrival").start()
+    if finished.wait(limit):
+        return True
+    _waiter.clear()  # its thread still waits on it: the next call makes another
+    return finished.is_set()
+
+
+def _waiting_client():
+    if not _waiter:
+        endpoint = _endpoint()
+        if endpoint is None:
+            return None
+        try:
+            _waiter.append(core.TCPStore(endpoint[0], endpoint[1], False,
+                                         dist.get_world_size(), 900))
+        except Exception:  # noqa: BLE001 - fall back to polling
+            return None
+    return _waiter[0]
+
+
+def _endpoint() -> tuple[str, int] | None:
+    """The job store's address, found as Paddle's init_parallel_env finds it."""
+    addr, port = os.getenv("MASTER_ADDR"), os.getenv("MASTER_PORT")
+    endpoint = f"{addr}:{port}" if addr and port else os.getenv("PADDLE_MASTER") or \
+        (os.getenv("PADDLE_TRAINER_ENDPOINTS") or "").split(",")[0]
+    host, _, port = (endpoint or "").rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def _poll(limit: float, done) -> bool:
     deadline, pause = time.monotonic() + limit, 0.001
-    while arrived < len(ranks):
+    while not done():
         if time.monotonic() > deadline:
-            store.add(key, -1)  # taken back: the next agreed call reuses the key
-            raise CollectiveMismatchError(
-                f"{what} is a collective over ranks {ranks}, and only {arrived} of them "
-                f"(this rank, {dist.get_rank()}, among them) called it within {limit:g} s "
-                "(PADDLE_HSDP_COLLECTIVE_TIMEOUT). Call it on every rank (not under `if "
-                "rank == 0`; save from one rank after it returns on all). Nothing was "
-                "sent; the model is unchanged.")
+            return False
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-        arrived = store.add(key, 0)
-    _calls[group_id] = number + 1
+    return True
