@@ -110,3 +110,30 @@ def test_expert_parallelism_needs_a_model_with_experts(tmp_path):
 def test_importing_the_package_does_not_import_paddleformers():
     code = "import sys, paddle_hsdp; assert 'paddleformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_hsdp_async_save_reaches_save_checkpoint(tmp_path, monkeypatch):
+    """hsdp_async_save=True: the Trainer's checkpoint hooks save asynchronously (the
+    numerics of an async save: test_collective/test_checkpoint.py); refused without
+    hsdp_checkpoint; an unpublished save named at resume."""
+    from paddle_hsdp.integrations import paddleformers as integration
+
+    calls = []
+    monkeypatch.setattr(integration, "save_checkpoint",
+                        lambda *a, **k: calls.append((len(a), k)))
+    args = make(tmp_path, hsdp_async_save=True)
+
+    class Stub:
+        pass
+    trainer = Stub()
+    trainer.args, trainer.model, trainer.optimizer = args, object(), object()
+    trainer._hsdp_in_checkpoint = True
+    HSDPTrainer._save_flex_optimizer_state(trainer, str(tmp_path))
+    args.ignore_save_lr_and_optim = True
+    HSDPTrainer.save_model(trainer, str(tmp_path))
+    assert calls == [(3, {"async_save": True}), (2, {"async_save": True})], calls
+    with pytest.raises(ConfigError, match="hsdp_async_save: True needs hsdp_checkpoint=True"):
+        make(tmp_path, hsdp_async_save=True, hsdp_checkpoint=False)
+    (tmp_path / "checkpoint-4" / "hsdp.tmp-1f").mkdir(parents=True)
+    with pytest.raises(integration.CheckpointError, match="was not published"):
+        HSDPTrainer._load_flex_checkpoint(trainer, str(tmp_path / "checkpoint-4"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import glob
 import logging
 import os
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ class HSDPTrainingArguments(TrainingArguments):
     hsdp_checkpoint: bool = field(default=True, metadata=_help(
         "Save and resume model and optimizer in paddle_hsdp's format (written once, "
         "resumable in any layout). False: PaddleFormers' flex_checkpoint."))
+    hsdp_async_save: bool = field(default=False, metadata=_help(
+        "With hsdp_checkpoint: save asynchronously (save_checkpoint(async_save=True)): "
+        "training goes on once each rank's state is copied to host memory; the "
+        "checkpoint is published at the next save or at exit, until then the folder "
+        "has no hsdp/ (a resume picks an earlier checkpoint)."))
 
     def __post_init__(self):
         # Everything below but fleet.init is local and alike on every rank: a refusal
@@ -273,6 +279,9 @@ def _refuse_what_cannot_work(args) -> None:
             errors.append("unified_checkpoint: True conflicts with hsdp_checkpoint=True "
                           "(it saves from rank 0 only, where state_dict() is a collective)")
     else:
+        if args.hsdp_async_save:
+            errors.append("hsdp_async_save: True needs hsdp_checkpoint=True (flex_checkpoint "
+                          "saves synchronously)")
         for name in ("save_checkpoint_format", "load_checkpoint_format"):
             value = getattr(args, name)
             if value != _FLEX:
@@ -478,7 +487,8 @@ class HSDPTrainer(Trainer):
             return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
         if self._hsdp_in_checkpoint:
             if self.args.ignore_save_lr_and_optim:  # no optimizer hook will run
-                save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model)
+                save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
+                                async_save=self.args.hsdp_async_save)
             return None
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         export_pretrained(self.model, output_dir)
@@ -498,7 +508,7 @@ class HSDPTrainer(Trainer):
         if not self.args.hsdp_checkpoint:
             return super()._save_flex_optimizer_state(output_dir)
         save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
-                        self.optimizer)
+                        self.optimizer, async_save=self.args.hsdp_async_save)
         return None
 
     def _load_flex_checkpoint(self, resume_from_checkpoint):
@@ -506,9 +516,13 @@ class HSDPTrainer(Trainer):
             return super()._load_flex_checkpoint(resume_from_checkpoint)
         path = os.path.join(resume_from_checkpoint, HSDP_CHECKPOINT_DIR)
         if not os.path.isdir(path):
-            raise CheckpointError(f"HSDPTrainer: {resume_from_checkpoint!r} has no "
-                                  f"{HSDP_CHECKPOINT_DIR}/ folder: not a checkpoint written "
-                                  "with hsdp_checkpoint=True")
+            unfinished = glob.glob(glob.escape(path) + ".tmp-*")
+            raise CheckpointError(
+                f"HSDPTrainer: {resume_from_checkpoint!r} has no {HSDP_CHECKPOINT_DIR}/ "
+                "folder: " + ("an asynchronous save (hsdp_async_save) was not published "
+                              "before the job ended; resume from an earlier checkpoint"
+                              if unfinished else
+                              "not a checkpoint written with hsdp_checkpoint=True"))
         optimizer = None if self.args.ignore_load_lr_and_optim else self.optimizer
         load_checkpoint(path, self.model, optimizer)
         self._load_scheduler(resume_from_checkpoint)
