@@ -70,8 +70,22 @@ def _rank_world():
 
 
 def _errors_everywhere(error: str | None, what: str = "a checkpoint call") -> list[str]:
-    """Every rank's error message (None: fine), on every rank: all ranks learn why."""
+    """Every rank's error message (None: fine), on every rank: all ranks learn why. One
+    all-reduce of a flag when all is well; the messages are gathered only if not."""
+    if _largest_everywhere(1 if error else 0, what) == 0:
+        return []
     return [e for e in _gather_json(error, what) if e]
+
+
+def _largest_everywhere(value: int, what: str = "a checkpoint call") -> int:
+    """The largest of every rank's ``value`` (one all-reduce of one number)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    flag = paddle.to_tensor([value], dtype="int64")
+    comm.all_reduce(flag, dist.collective._get_global_group(), op="max", tag=_TAG,
+                    what=f"{what}: the largest of the ranks' numbers")
+    with watchdog.host_sync(f"{what}: reading the largest of the ranks' numbers"):
+        return int(flag.item())
 
 
 # Through paddle_hsdp.comm, so a peer that dies mid-save or mid-load gives the others a

@@ -19,7 +19,8 @@ import paddle
 from ..comm import collectives as comm
 from ..comm.arrival import expect_everyone
 from ..engine.registry import units_under
-from .format import (CheckpointError, _errors_everywhere, _gather_json, _rank_world, _Reader,
+from .format import (CheckpointError, _errors_everywhere, _gather_json,
+                     _largest_everywhere, _rank_world, _Reader,
                      numpy_dtype, read_box, read_metadata_once)
 from .items import _all_items
 from .plan import assign
@@ -43,10 +44,16 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
         unexpected = sorted(params_saved - {it.name for it in items} - set(aliases))
     except Exception as e:
         error = e
-    # unexpected only if no rank wants it: an EP rank holds only its own experts
-    for other in _gather_json(unexpected if strict and error is None else None, call):
-        if other is not None:
-            unexpected = sorted(set(unexpected) & set(other))
+    # unexpected only if no rank wants it (an EP rank holds only its own experts): the
+    # names are gathered only where every rank that read the metadata has some
+    mine, none = (unexpected if strict and error is None else None), 1 << 40
+    fewest = -_largest_everywhere(-(len(mine) if mine is not None else none), call)
+    if fewest == 0:
+        unexpected = []
+    elif fewest != none:  # (none: not strict, or no rank read the metadata)
+        for other in _gather_json(mine, call):
+            if other is not None:
+                unexpected = sorted(set(unexpected) & set(other))
     shared = []
     if error is None:
         try:

@@ -155,10 +155,10 @@ before = open(os.path.join(CK, "metadata.json")).read()
 original_write = checkpoint_save._write_rank_file
 
 
-def failing_write(path, tensors):
+def failing_write(path, tensors, header=None):
     if rank == 1:
         raise OSError("disk full (injected)")
-    original_write(path, tensors)
+    original_write(path, tensors, header)
 
 
 for async_save in (False, True):  # async: the background write fails, wait() raises
