@@ -15,8 +15,10 @@ it (checkpoint/boxes.py: ``offset`` and ``shape``, without padding; the inner bl
 rows of one mp slice), with the file and key that hold it and a CRC-32 per chunk of
 about 4 MiB of its rows. A tensor-parallel tensor records its ``split`` (axis, degree)
 and, under pipeline parallelism, the ``stages`` that hold it. Each distinct piece is
-written once, by one of the ranks that hold it (checkpoint/save.py). Tensor data is
-safetensors, metadata JSON: nothing is unpickled when loading.
+written once, by one of the ranks that hold it (checkpoint/save.py). HFSDP's
+optimizer rows (every rank's own) are not listed: a tensor names the ``rules`` that
+place them (checkpoint/rules.py), their CRCs are in their files' headers. Tensor data
+is safetensors, metadata JSON: nothing is unpickled when loading.
 
 ``load_checkpoint`` reads, of the pieces overlapping this rank's boxes, only the CRC
 chunks covering them (memory-mapped safetensors slices), checks shapes, dtypes and
@@ -24,7 +26,8 @@ CRCs, agrees with every rank that all is well (one small all-gather), and only t
 writes parameters and optimizer state: a bad checkpoint raises ``CheckpointError`` on
 every rank and changes nothing. It loads into any (mp, pp, sharding, outer, ep) layout
 whose model has the same full tensors, and into a plain model and optimizer in a
-process that never called ``fleet.init``; version 1 checkpoints (rows only) still load.
+process that never called ``fleet.init``; versions 1 (rows only), 2 and 3 (no rules)
+still load.
 
 Saving is atomic: ranks write into ``CKPT.tmp-<token>``, agree that every write
 succeeded, rank 0 writes the metadata and renames the directory into place (an older
