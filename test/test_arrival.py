@@ -46,7 +46,7 @@ class Group:
 def store(monkeypatch):
     fake = FakeStore()
     monkeypatch.setattr(arrival, "_store", lambda: fake)
-    monkeypatch.setattr(arrival, "_waiting_client", lambda: fake)
+    monkeypatch.setattr(arrival, "_waiting_client", lambda limit: fake)
     monkeypatch.setattr(arrival.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(arrival.watchdog, "timeout_s", lambda: 5.0)
     monkeypatch.setattr(arrival, "_calls", arrival.defaultdict(int))
@@ -79,3 +79,14 @@ def test_a_rank_alone_raises_within_the_bound_and_takes_its_arrival_back(store, 
         arrival.expect_everyone(Group(4), "state_dict()")
     assert store.values[f"{arrival._KEY}/7/0"] == 0 and store.requests == 3
     assert arrival._calls[7] == 0  # the next agreed call reuses the key
+
+
+def test_a_rank_whose_bound_passed_as_the_last_arrived_goes_on(store, monkeypatch):
+    """The last rank came between this rank's bound and its take-back (and went into
+    the collective): this rank goes on too instead of raising."""
+    def late(key, limit, done):
+        store.add(f"{arrival._KEY}/7/0", 1)  # the other rank arrives just now
+        return False
+    monkeypatch.setattr(arrival, "_await_key", late)
+    arrival.expect_everyone(Group(2), "a call")
+    assert store.values[f"{arrival._KEY}/7/0"] == 2 and arrival._calls[7] == 1

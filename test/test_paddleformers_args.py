@@ -134,6 +134,9 @@ def test_hsdp_async_save_reaches_save_checkpoint(tmp_path, monkeypatch):
     assert calls == [(3, {"async_save": True}), (2, {"async_save": True})], calls
     with pytest.raises(ConfigError, match="hsdp_async_save: True needs hsdp_checkpoint=True"):
         make(tmp_path, hsdp_async_save=True, hsdp_checkpoint=False)
+    with pytest.raises(ConfigError, match="save_total_limit: 1 with hsdp_async_save"):
+        make(tmp_path, hsdp_async_save=True, save_total_limit=1)
     (tmp_path / "checkpoint-4" / "hsdp.tmp-1f").mkdir(parents=True)
-    with pytest.raises(integration.CheckpointError, match="was not published"):
+    (tmp_path / "checkpoint-2" / "hsdp").mkdir(parents=True)
+    with pytest.raises(integration.CheckpointError, match="was not published.*checkpoint-2"):
         HSDPTrainer._load_flex_checkpoint(trainer, str(tmp_path / "checkpoint-4"))

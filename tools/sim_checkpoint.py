@@ -138,15 +138,17 @@ def rank_writes(items) -> list:
 
 
 def rules_of(lay: dict) -> dict:
-    """The rules and rank groups the leaders send rank 0 (checkpoint/save.py
-    ``describe_rules``): one rule per unit and mp rank, each mp rank's FSDP group."""
+    """What the ranks send rank 0 of their ruled rows (checkpoint/save.py
+    ``describe_rules``): one rule per unit and mp rank from each group's first rank,
+    every rank's place in its FSDP group."""
     if not lay["optim_outer"]:
         return {}
     mp, inner, outer = lay["mp"], lay["inner"], lay["outer"]
-    rules, groups = {}, {}
+    rules, places = {}, []
     for m in range(mp):
         gid = f"dense:{m}"
-        groups[gid] = [(o * inner + i) * mp + m for o in range(outer) for i in range(inner)]
+        places += [[gid, i, o, (o * inner + i) * mp + m] for o in range(outer)
+                   for i in range(inner)]
         leader = rank_items(lay, m, 0, 0)
         for u, (_, seg) in enumerate(lay["units"]):
             buf = SimpleNamespace(layout=seg, inner=SimpleNamespace(nranks=inner),
@@ -156,7 +158,7 @@ def rules_of(lay: dict) -> dict:
                        for it in leader if it.spot is not None and it.spot[0] == u
                        and it.replicas.index == 0}
             rules[f"{gid}/{u}.0"] = rules_mod.rule_of(buf, gid, 0, tensors)
-    return {"rules": rules, "rank_groups": groups}
+    return {"rules": rules, "places": places}
 
 
 def coords(lay: dict, rank: int) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ is safetensors, metadata JSON: nothing is unpickled when loading.
 
 ``load_checkpoint`` reads, of the pieces overlapping this rank's boxes, only the CRC
 chunks covering them (memory-mapped safetensors slices), checks shapes, dtypes and
-CRCs, agrees with every rank that all is well (one small all-gather), and only then
+CRCs, agrees with every rank that all is well (an all-reduce of a flag), and only then
 writes parameters and optimizer state: a bad checkpoint raises ``CheckpointError`` on
 every rank and changes nothing. It loads into any (mp, pp, sharding, outer, ep) layout
 whose model has the same full tensors, and into a plain model and optimizer in a

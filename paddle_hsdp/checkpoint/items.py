@@ -198,7 +198,8 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
             scalar = Replicas(_axis(inner, buf.inner) + _axis("outer", buf.outer) + mp)
         for acc, t in sorted(_states_of(optimizer, p).items()):
             key = f"{name}/optim/{acc}"
-            if list(t.shape) == list(p.shape):  # a block like its parameter
+            # a block like its parameter (a one-row block has a beta power's shape)
+            if list(t.shape) == list(p.shape) and not acc.endswith("_pow_acc"):
                 items.append(_Item(key, owner.shape, _dtype_name(t.dtype), offset, size,
                                    _getter(t, size[0]), _putter(t, size[0]), owner.split,
                                    owner.tag, owner.stage, block))

@@ -11,14 +11,15 @@ writes its own rows into its own file, their CRCs in the file's header; a load
 computes which segments, so which files, hold the rows it needs. The index grows with
 the parameters and with the ranks (one number each), never with their product.
 
-The FSDP group's ranks are laid out ``[outer, inner]`` (topology/layout.py
-``split_fsdp_group``): the rank at inner ``i``, outer part ``q`` is
-``ranks[q * inner + i]``; :func:`check_grid` refuses a group laid out otherwise.
+Each group's ranks are recorded laid out ``[outer, inner]``: the rank whose segments
+start at ``i * parts + q`` (inner index ``i``, outer part ``q``) is ``ranks[q * inner +
+i]``, as every member reports its own place (:func:`place_of`).
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 
 from ..engine.layout import SegmentLayout
@@ -35,22 +36,38 @@ class Spot:
     base: tuple
 
 
-def check_grid(buf, ranks: list[int]) -> str | None:
-    """Why ``buf``'s inner and outer groups are not the rows and columns of ``ranks``
-    laid out ``[outer, inner]`` (then no rule can name the files), or None."""
-    inner, part = buf.inner.nranks, buf.part
-    if list(buf.inner.ranks) != ranks[part * inner:(part + 1) * inner] or \
-            list(buf.outer.ranks) != ranks[buf.inner.rank::inner]:
-        return (f"buffer of {buf.params[0].fqn}: its inner {list(buf.inner.ranks)} and outer "
-                f"{list(buf.outer.ranks)} groups are not the rows and columns of its FSDP "
-                f"group {ranks}")
-    return None
+def group_id(buf, members: list[int]) -> str:
+    """A name for the buffer's FSDP group (``members``: its ranks), the same on its every
+    rank and distinct from any other group's (explicit meshes may share a first rank)."""
+    kind = "expert" if buf.is_expert else "dense"
+    return f"{kind}:{members[0]}:{zlib.crc32(repr(list(members)).encode()):08x}"
 
 
-def group_id(buf, ranks: list[int]) -> str:
-    """A name for the FSDP group, the same on its every rank (groups of one kind are
-    disjoint, so their first ranks differ)."""
-    return f"{'expert' if buf.is_expert else 'dense'}:{ranks[0]}"
+def place_of(buf, rank: int, gid: str) -> list:
+    """``[group, inner index, outer part, rank]``: where this rank sits in the group's
+    grid (its segment is ``inner index * parts + outer part``). Rank 0 builds each
+    group's ranks from every member's place, so no layout of the group is assumed."""
+    return [gid, buf.params[0].inner_rank, buf.part, rank]
+
+
+def grids(places: list, rules: dict) -> dict:
+    """``{group: its ranks, laid out [outer, inner]}`` from every member's place
+    (:func:`place_of`); raises ValueError unless each group's grid is filled exactly
+    once."""
+    shape = {r["group"]: (r["inner"], r["parts"]) for r in rules.values()}
+    out: dict = {}
+    for gid, i, q, rank in places:
+        if gid not in shape:
+            raise ValueError(f"rank {rank} is in group {gid}, which no rule names")
+        inner, parts = shape[gid]
+        cells = out.setdefault(gid, [None] * (inner * parts))
+        if not (0 <= i < inner and 0 <= q < parts) or cells[q * inner + i] is not None:
+            raise ValueError(f"group {gid}: rank {rank} at inner {i}, part {q} clashes")
+        cells[q * inner + i] = rank
+    for gid, cells in out.items():
+        if None in cells:
+            raise ValueError(f"group {gid}: {cells.count(None)} places unfilled")
+    return out
 
 
 def rule_of(buf, gid: str, stage: int, tensors: dict) -> dict:

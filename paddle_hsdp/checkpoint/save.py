@@ -37,7 +37,7 @@ from .format import (FORMAT, META, CheckpointError, _broadcast_json, _chunk_rows
                      _gather_json_to_root, _rank_world, read_metadata)
 from .items import _all_items
 from .plan import Write, plan_writes
-from .rules import check_grid, crc_header, group_id, rule_of, slice_box
+from .rules import crc_header, grids, group_id, place_of, rule_of, slice_box
 
 
 def _write_rank_file(path: str, tensors: dict, header: dict | None = None) -> None:
@@ -93,11 +93,15 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
             # jointly, which group writes is the joint save's: its outer replicas
             # (the other groups) are not this group's to choose among
             drop = ("outer",) if joint is not None else ()
-            # HFSDP's optimizer rows: each rank writes its own, indexed by rule
-            ruled = [it for it in items if it.spot is not None] if joint is None else []
-            writes = plan_writes([it for it in held if joint is not None or it.spot is None],
+            # HFSDP's optimizer rows: each rank writes its own, indexed by rule (in a
+            # fault-tolerant job's joint save every box is listed)
+            if joint is not None:
+                for it in items:
+                    it.spot = None
+            ruled = [it for it in items if it.spot is not None]
+            writes = plan_writes([it for it in held if it.spot is None],
                                  drop_axes=drop) + ruled_writes(ruled)
-            save.rules = describe_rules(ruled, axes.stage)  # (a rank's empty rows too)
+            save.rules = describe_rules(ruled, axes.stage, rank)  # (a rank's empty rows too)
             save.staged = _stage(writes)  # host copies: training may go on
             # the first holder of each box vouches that it exists: rank 0 refuses a save
             # where no holder's plan wrote it (plans that disagreed)
@@ -356,30 +360,27 @@ def ruled_writes(ruled) -> list[Write]:
             if it.replicas.index == 0 and not it.empty]
 
 
-def describe_rules(ruled, stage: int) -> dict:
-    """``{"rules": ..., "rank_groups": ...}`` this rank sends rank 0: the rule of each
-    buffer it leads (its FSDP group's first rank: inner 0, outer part 0) and that
-    group's ranks; nothing elsewhere. Raises if a group is not laid out as the rule
-    reads it."""
+def describe_rules(ruled, stage: int, rank: int) -> dict:
+    """What this rank sends rank 0 of its ruled items: its place in each ruled buffer's
+    FSDP group and, on the group's first rank (inner 0, outer part 0), each buffer's
+    rule; nothing without ruled items."""
     by_buffer: dict[int, list] = {}
     for it in ruled:
         by_buffer.setdefault(id(it.spot.buffer), []).append(it)
-    rules, groups = {}, {}
+    rules, places = {}, []
     for group in by_buffer.values():
         buf = group[0].spot.buffer
-        ranks = list(buf.params[0].mesh.fsdp_group(buf.is_expert).ranks)
-        why = check_grid(buf, ranks)
-        if why is not None:
-            raise CheckpointError(why)
-        if buf.inner.rank != 0 or buf.part != 0:
+        gid = group_id(buf, list(buf.params[0].mesh.fsdp_group(buf.is_expert).ranks))
+        place = place_of(buf, rank, gid)
+        if place not in places:
+            places.append(place)
+        if place[1:3] != [0, 0]:
             continue
-        gid = group_id(buf, ranks)
-        groups[gid] = ranks
         tensors = {it.name: [it.spot.index, list(it.spot.base), it.size[1:], it.shape,
                              it.dtype, it.split]
                    for it in group if it.replicas.index == 0}
         rules[f"{gid}/{buf.unit_index}.{buf.index}"] = rule_of(buf, gid, stage, tensors)
-    return {"rules": rules, "rank_groups": groups} if rules else {}
+    return {"rules": rules, "places": places} if places else {}
 
 
 def _refusal_to_replace(path: str) -> str | None:
@@ -446,15 +447,21 @@ def index_manifests(tensors: dict, manifests: list) -> tuple[dict, dict, dict]:
                 continue
             seen.add(box)
             entry["pieces"].append(piece)
-    rules, groups = {}, {}
+    rules, boxes = {}, set()
     for record in manifests:  # HFSDP's optimizer rows, by rule (checkpoint/rules.py)
-        groups.update(record.get("rank_groups", {}))
         for rule_id, rule in record.get("rules", {}).items():
             rules[rule_id] = rule
             for name, (_, _, _, shape, dtype, split) in rule["tensors"].items():
-                _entry_of(tensors, name, shape, dtype, split).setdefault(
-                    "rules", []).append(rule_id)
+                entry = _entry_of(tensors, name, shape, dtype, split)
                 stages.setdefault(name, set()).add(rule["stage"])
+                box = (name, slice_box(rule, name))
+                if box not in boxes:  # a layer tied across stages: its first rule only
+                    boxes.add(box)
+                    entry.setdefault("rules", []).append(rule_id)
+    try:
+        groups = grids([p for record in manifests for p in record.get("places", ())], rules)
+    except ValueError as e:
+        raise CheckpointError(f"the ranks' places in their FSDP groups: {e}") from None
     unwritten = sorted({n for r in manifests for n in r.get("expected", ())} - set(tensors))
     if unwritten:
         raise CheckpointError(f"{unwritten[0]} (and {len(unwritten) - 1} more): held, yet "

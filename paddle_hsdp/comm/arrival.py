@@ -17,8 +17,10 @@ blocking wait for the mark (issued by a thread on a store client of the process'
 Paddle's ``wait`` has no timeout, so the caller bounds the thread instead, and a client
 left waiting after a refusal is replaced). Nothing polls the store, whose one server
 thread on rank 0 would otherwise take every waiting rank's polls (tens of thousands a
-second at 8,192 ranks). Where no client of its own can be made (no ``MASTER_ADDR`` /
-``PADDLE_MASTER`` endpoint) it falls back to polling with a backoff.
+second at 8,192 ranks). The client is made once, on a thread within the bound, and used
+only once it sees a key set through the job's store (``PADDLE_MASTER``, as Paddle finds
+its store); where it cannot be made or reaches another store, the check polls with a
+backoff instead. A refusal leaves a daemon thread waiting on a dropped client.
 """
 
 from __future__ import annotations
@@ -59,25 +61,29 @@ def expect_everyone(group, what: str) -> None:
         store.set(key + "/complete", b"1")
     elif not _await_key(key + "/complete", limit, lambda: store.add(key, 0) >= len(ranks)):
         arrived = store.add(key, -1) + 1  # taken back: the next agreed call reuses the key
-        raise CollectiveMismatchError(
-            f"{what} is a collective over ranks {ranks}, and only {arrived} of them "
-            f"(this rank, {dist.get_rank()}, among them) called it within {limit:g} s "
-            "(PADDLE_HSDP_COLLECTIVE_TIMEOUT). Call it on every rank (not under `if "
-            "rank == 0`; save from one rank after it returns on all). Nothing was "
-            "sent; the model is unchanged.")
+        if arrived >= len(ranks):  # the last came between the bound and the take-back,
+            store.add(key, 1)      # and went on into the collective: so does this rank
+        else:
+            raise CollectiveMismatchError(
+                f"{what} is a collective over ranks {ranks}, and only {arrived} of them "
+                f"(this rank, {dist.get_rank()}, among them) called it within {limit:g} s "
+                "(PADDLE_HSDP_COLLECTIVE_TIMEOUT). Call it on every rank (not under `if "
+                "rank == 0`; save from one rank after it returns on all). Nothing was "
+                "sent; the model is unchanged.")
     _calls[group_id] = number + 1
 
 
-# The store client this process's waits go through (module state: one per process,
-# dropped when a refusal leaves its thread blocked).
+# The store client this process's waits go through, once it is known to reach the
+# job's store (None: it does not, poll instead). Module state: one per process, dropped
+# when a refusal leaves a thread waiting on it.
 _waiter: list = []
 
 
 def _await_key(key: str, limit: float, done_by_polling) -> bool:
     """Whether ``key`` is set in the job's store within ``limit`` seconds: one blocking
     wait on a thread (``done_by_polling``, polled with a backoff, where no client of
-    our own can be made)."""
-    client = _waiting_client()
+    our own reaches the store)."""
+    client = _waiting_client(limit)
     if client is None:
         return _poll(limit, done_by_polling)
     finished = threading.Event()
@@ -95,23 +101,36 @@ def _await_key(key: str, limit: float, done_by_polling) -> bool:
     return finished.is_set()
 
 
-def _waiting_client():
-    if not _waiter:
-        endpoint = _endpoint()
-        if endpoint is None:
-            return None
-        try:
-            _waiter.append(core.TCPStore(endpoint[0], endpoint[1], False,
-                                         dist.get_world_size(), 900))
-        except Exception:  # noqa: BLE001 - fall back to polling
-            return None
+def _waiting_client(limit: float):
+    """This process's waiting client, made (on a thread, within ``min(limit, 10 s)``)
+    and checked to be the job store's: it must see a key set through that store."""
+    if _waiter:
+        return _waiter[0]
+    endpoint = _endpoint()
+    made: list = []
+    if endpoint is not None:
+        probe = f"{_KEY}/probe/{dist.get_rank()}"
+        _store().set(probe, b"1")
+
+        def connect():
+            try:
+                client = core.TCPStore(endpoint[0], endpoint[1], False,
+                                       dist.get_world_size(), 900)
+                client.wait(probe)  # another store never has it: this never returns
+                made.append(client)
+            except Exception:  # noqa: BLE001 - unreachable: poll instead
+                pass
+        thread = threading.Thread(target=connect, daemon=True, name="paddle_hsdp-arrival")
+        thread.start()
+        thread.join(min(limit, 10.0))
+    _waiter.append(made[0] if made else None)
     return _waiter[0]
 
 
 def _endpoint() -> tuple[str, int] | None:
-    """The job store's address, found as Paddle's init_parallel_env finds it."""
-    addr, port = os.getenv("MASTER_ADDR"), os.getenv("MASTER_PORT")
-    endpoint = f"{addr}:{port}" if addr and port else os.getenv("PADDLE_MASTER") or \
+    """The job store's address, found as Paddle's global store finds it (PADDLE_MASTER,
+    else the first trainer endpoint; MASTER_ADDR may be the launcher's own server)."""
+    endpoint = os.getenv("PADDLE_MASTER") or \
         (os.getenv("PADDLE_TRAINER_ENDPOINTS") or "").split(",")[0]
     host, _, port = (endpoint or "").rpartition(":")
     return (host, int(port)) if host and port.isdigit() else None

@@ -87,8 +87,9 @@ class HSDPTrainingArguments(TrainingArguments):
     hsdp_async_save: bool = field(default=False, metadata=_help(
         "With hsdp_checkpoint: save asynchronously (save_checkpoint(async_save=True)): "
         "training goes on once each rank's state is copied to host memory; the "
-        "checkpoint is published at the next save or at exit, until then the folder "
-        "has no hsdp/ (a resume picks an earlier checkpoint)."))
+        "checkpoint is published at the next save or at exit; until then the folder "
+        "has no hsdp/, and a resume from it is refused, naming the newest published "
+        "checkpoint (needs save_total_limit unset or >= 2, so rotation keeps one)."))
 
     def __post_init__(self):
         # Everything below but fleet.init is local and alike on every rank: a refusal
@@ -278,6 +279,11 @@ def _refuse_what_cannot_work(args) -> None:
         if args.unified_checkpoint:
             errors.append("unified_checkpoint: True conflicts with hsdp_checkpoint=True "
                           "(it saves from rank 0 only, where state_dict() is a collective)")
+        limit = getattr(args, "save_total_limit", None)
+        if args.hsdp_async_save and limit is not None and limit < 2:
+            errors.append(f"save_total_limit: {limit} with hsdp_async_save=True would "
+                          "delete the last published checkpoint while the newest is still "
+                          "being written; allowed: unset or >= 2")
     else:
         if args.hsdp_async_save:
             errors.append("hsdp_async_save: True needs hsdp_checkpoint=True (flex_checkpoint "
@@ -409,6 +415,18 @@ def export_pretrained(model, output_dir: str) -> None:
         dist.barrier()  # every rank returns once the directory is complete
 
 
+def _newest_published(folder: str) -> str:
+    """``" (NAME)"``: the newest sibling ``checkpoint-N`` of ``folder`` whose HSDP
+    checkpoint was published, or ""."""
+    parent, found = os.path.dirname(os.path.abspath(folder)), []
+    for name in os.listdir(parent):
+        step = name.rpartition("-")[2]
+        if name.startswith("checkpoint-") and step.isdigit() and \
+                os.path.isdir(os.path.join(parent, name, HSDP_CHECKPOINT_DIR)):
+            found.append((int(step), name))
+    return f" ({os.path.join(parent, max(found)[1])})" if found else ""
+
+
 class HSDPTrainer(Trainer):
     """PaddleFormers' ``Trainer`` on an HSDP-sharded model; use it with
     :class:`HSDPTrainingArguments`. See the module docstring."""
@@ -521,6 +539,7 @@ class HSDPTrainer(Trainer):
                 f"HSDPTrainer: {resume_from_checkpoint!r} has no {HSDP_CHECKPOINT_DIR}/ "
                 "folder: " + ("an asynchronous save (hsdp_async_save) was not published "
                               "before the job ended; resume from an earlier checkpoint"
+                              f"{_newest_published(resume_from_checkpoint)}"
                               if unfinished else
                               "not a checkpoint written with hsdp_checkpoint=True"))
         optimizer = None if self.args.ignore_load_lr_and_optim else self.optimizer
