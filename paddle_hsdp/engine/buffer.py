@@ -412,7 +412,7 @@ class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
         pending.handle.wait()
         trace.record("wait", "reduce_scatter", self.unit_index)
         acc = self.acc_flat()  # (a released grad's flags reset here, before the new ones)
-        for sp, had in zip(self.params, pending.present):
+        for sp, had in zip(self.params, pending.present, strict=True):
             sp.grad_here = sp.grad_here or had
         out = pending.out
         self.grads_scattered = False  # (after a sync: the unit rescaled it, see there)

@@ -58,7 +58,7 @@ def _index_map(layer, global_indices) -> dict[str, str]:
     if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
         raise ValueError(f"mark_expert_params: global_indices must be distinct "
                          f"non-negative ints, got {indices}")
-    return {child: str(index) for child, index in zip(children, indices)}
+    return {child: str(index) for child, index in zip(children, indices, strict=True)}
 
 
 def global_names(model) -> dict[str, str]:

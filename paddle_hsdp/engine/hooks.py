@@ -247,7 +247,7 @@ def _wrap_tensors(hook, unit: FSDPUnit, obj, token: _GraphToken | None = None):
     wrapped = _BackwardHook.apply(hook, unit, token, *[flat[i] for i in idx])
     if len(idx) == 1:
         wrapped = (wrapped,)
-    for i, t in zip(idx, wrapped):
+    for i, t in zip(idx, wrapped, strict=True):
         flat[i] = t
     return rebuild(flat)
 
@@ -272,21 +272,21 @@ def _flatten(obj):
 
         def rebuild_dict(f):
             new = copy.copy(obj)
-            for k, v in zip(keys, rb(f)):
+            for k, v in zip(keys, rb(f), strict=True):
                 new[k] = v
             return new
         return flat, rebuild_dict
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = [f.name for f in dataclasses.fields(obj)]
         flat, rb = _flatten([getattr(obj, n) for n in names])
-        return flat, lambda f: dataclasses.replace(obj, **dict(zip(names, rb(f))))
+        return flat, lambda f: dataclasses.replace(obj, **dict(zip(names, rb(f), strict=True)))
     if isinstance(obj, (list, tuple)):
         parts = [_flatten(o) for o in obj]
         sizes = [len(p[0]) for p in parts]
 
         def rebuild(flat):
             out, i = [], 0
-            for (_, rb), n in zip(parts, sizes):
+            for (_, rb), n in zip(parts, sizes, strict=True):
                 out.append(rb(flat[i:i + n]))
                 i += n
             return type(obj)(out) if not hasattr(obj, "_fields") else type(obj)(*out)

@@ -85,13 +85,14 @@ def row_split(shape) -> tuple[int, int]:
 def segment_layout(shapes, segments: int) -> SegmentLayout:
     """The smallest ``s`` (and the placement under it) this module's rules allow for
     parameters of ``shapes`` (in order) over ``segments`` segments."""
-    rows, row_numels = zip(*(row_split(shape) for shape in shapes))
-    numels = [r * n for r, n in zip(rows, row_numels)]
+    rows, row_numels = zip(*(row_split(shape) for shape in shapes), strict=True)
+    numels = [r * n for r, n in zip(rows, row_numels, strict=True)]
     size = max(1, -(-sum(numels) // segments))
     while True:
         # a parameter longer than a segment may cross two boundaries: both must fall
         # on its row boundaries, so the segment is a multiple of its row length
-        step = math.lcm(1, *(n for n, total in zip(row_numels, numels) if total > size))
+        step = math.lcm(1, *(n for n, total in zip(row_numels, numels, strict=True)
+                             if total > size))
         size = -(-size // step) * step
         offsets, end = _place(numels, row_numels, size)
         if end <= segments * size:
@@ -104,7 +105,7 @@ def _place(numels, row_numels, size: int) -> tuple[tuple[int, ...], int]:
     aligned, then moved on so the first boundary inside it is on a row boundary), and
     the end of the last one."""
     offsets, pos = [], 0
-    for numel, row in zip(numels, row_numels):
+    for numel, row in zip(numels, row_numels, strict=True):
         pos = -(-pos // ALIGN) * ALIGN
         boundary = (pos // size + 1) * size
         if boundary < pos + numel:

@@ -44,8 +44,8 @@ def uses_main_grad(params, describe) -> bool:
     refused (the same on every rank, since every rank wraps the same modules)."""
     flags = [marked(sp) for sp in params]
     if any(flags) and not all(flags):
-        wrapped = next(sp.fqn for sp, f in zip(params, flags) if f)
-        bare = next(sp.fqn for sp, f in zip(params, flags) if not f)
+        wrapped = next(sp.fqn for sp, f in zip(params, flags, strict=True) if f)
+        bare = next(sp.fqn for sp, f in zip(params, flags, strict=True) if not f)
         raise NotImplementedError(
             f"MixPrecisionLayer covers '{wrapped}' but not '{bare}', which travel in one "
             f"collective ({describe()}): wrap the whole model (or every fully_shard unit "

@@ -113,7 +113,7 @@ def untouched_shards(shards) -> set[int]:
             comm.all_reduce(flags, part, tag="grads present", op="max")
         with watchdog.host_sync("the read of which parameters got grads"):
             present = flags.numpy()
-        for sp, flag in zip(sps, present):
+        for sp, flag in zip(sps, present, strict=True):
             sp.grad_anywhere = bool(flag > 0)
             if not sp.grad_anywhere:
                 untouched.add(id(sp.shard))

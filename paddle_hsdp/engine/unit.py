@@ -205,7 +205,7 @@ class FSDPUnit:
             for i, buf in enumerate(self.buffers):
                 fulls = buf.finish_gather(pending[i])
                 pending[i] = None  # waited for: the parameters are views of its output
-                for sp, full in zip(buf.params, fulls):
+                for sp, full in zip(buf.params, fulls, strict=True):
                     sp.set_full_data(full)
         except BaseException:
             # the all-gathers not finished yet are waited for before their buffers go

@@ -709,7 +709,7 @@ def first_difference(theirs: dict | None, ours: dict | None) -> str:
         if theirs[name] != ours[name]:
             return f"{name} {theirs[name]!r} where the running groups have {ours[name]!r}"
     a, b = theirs["tensors"], ours["tensors"]
-    for mine, other in zip(a, b):
+    for mine, other in zip(a, b, strict=False):
         if mine != other:
             return (f"parameter {mine[0]} {mine[1]} {mine[2]} where the running groups "
                     f"have {other[0]} {other[1]} {other[2]}")

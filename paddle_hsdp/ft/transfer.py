@@ -183,7 +183,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
         return None, moved
     if received_opt is not None:
         paths, targets, rest = received_opt
-        optimizer.set_state_dict(_unflatten(zip(paths, targets), rest))
+        optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True), rest))
     registry.storage_may_have_changed()
     for unit in registry.units_under(model):
         unit.reshard(force=True)  # params kept gathered hold the old values
@@ -271,7 +271,7 @@ def _take(link, phase: Phase, targets, group, check: bool) -> int:
     sent = paddle.zeros([len(filled)], dtype="int64")
     comm.broadcast(sent, src=group.virtual_rank(phase.donor), group=link, tag="ft state check")
     if check:
-        bad = [i for i, (t, s) in enumerate(zip(filled, sent.numpy().tolist()))
+        bad = [i for i, (t, s) in enumerate(zip(filled, sent.numpy().tolist(), strict=True))
                if _checksum(t) != s]
         if bad:
             raise FaultToleranceError(
@@ -286,7 +286,7 @@ def _check_same_model(tensors, meta: dict, replica: int, donor: int) -> None:
         return
     mine = _described(tensors)
     if mine != meta["model"]:
-        first = next(((a, b) for a, b in zip(mine, meta["model"]) if a != b),
+        first = next(((a, b) for a, b in zip(mine, meta["model"], strict=False) if a != b),
                      f"{len(mine)} tensors here, {len(meta['model'])} there")
         raise FaultToleranceError(
             f"paddle_hsdp.ft: replica {replica} cannot take replica {donor}'s state: "
