@@ -40,7 +40,7 @@ def slow_backend(monkeypatch):
     monkeypatch.setattr(comm.dist.stream, "all_reduce", all_reduce)
     monkeypatch.setattr(comm.dist.stream, "broadcast", broadcast)
     yield calls
-    comm._comm_thread = None
+    comm.state.comm_thread = None
 
 
 def test_on_thread_returns_at_once_and_keeps_the_groups_order(slow_backend):
@@ -113,7 +113,7 @@ def test_threaded_reduce_scatter_exchanges_on_the_thread_and_lands_at_wait(monke
                                  async_op=True, on_thread=True)
     assert time.monotonic() - start < 0.15 and float(out.abs().sum()) == 0  # not landed
     handle.wait()
-    comm._comm_thread = None
+    comm.state.comm_thread = None
     assert threads[0].startswith("paddle_hsdp-")
     # rank 0 keeps slice 0 ([1, 2]) and gets the peer's slice 0 (x10 of what it sent: [3, 4])
     assert out.numpy().tolist() == [31.0, 42.0]

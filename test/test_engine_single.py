@@ -17,7 +17,8 @@ from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import api, hooks
+from paddle_hsdp.engine import api
+from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
@@ -60,8 +61,8 @@ class FakeMesh:
 
 
 def _reset_hook_state():
-    hooks._active.clear()
-    hooks._roots_in_backward.clear()
+    context.backward.active.clear()
+    context.backward.roots_in_backward.clear()
 
 
 @pytest.fixture

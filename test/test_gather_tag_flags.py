@@ -20,7 +20,7 @@ from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry 
 def deferred(monkeypatch):
     """Tag flags kept as on a device; pending list and step peak restored after."""
     monkeypatch.setattr(gather_tags, "DEFER_ON_CPU", True)
-    monkeypatch.setattr(gather_tags, "_step_peak", 0)
+    monkeypatch.setattr(gather_tags.state, "step_peak", 0)
     monkeypatch.setattr(gather_tags, "_pending", [])
     reads = []
     original = gather_tags.raise_pending

@@ -12,7 +12,7 @@ from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import hooks
+from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.topology import layout as topology
 from paddle_hsdp.topology import mesh as hsdp_mesh
@@ -28,15 +28,15 @@ def registry(monkeypatch):
     saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
     hsdp_registry.units.clear()
     hsdp_registry.owner_of.clear()
-    hooks._active.clear()
-    hooks._roots_in_backward.clear()
+    context.backward.active.clear()
+    context.backward.roots_in_backward.clear()
     monkeypatch.setattr(comm, "counter", comm.CommCounter())
     yield
     hsdp_registry.units[:] = saved_units
     hsdp_registry.owner_of.clear()
     hsdp_registry.owner_of.update(saved_owner)
-    hooks._active.clear()
-    hooks._roots_in_backward.clear()
+    context.backward.active.clear()
+    context.backward.roots_in_backward.clear()
 
 
 @pytest.fixture

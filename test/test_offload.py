@@ -19,7 +19,8 @@ import paddle
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import offload, policies
+from paddle_hsdp.engine import offload
+from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from test_engine_single import _ids, fake_mesh, models, registry  # noqa: F401  (fixtures)
 
@@ -41,7 +42,7 @@ def _train(offload_policy, steps=3):
 
 def test_cpu_offload_on_a_cpu_run_is_a_logged_no_op(fake_mesh, caplog, monkeypatch):
     """Accepted, warned about once, and training is exactly the no-offload training."""
-    monkeypatch.setattr(policies, "_warned_cpu_offload", False)
+    monkeypatch.setattr(context, "warned_cpu_offload", False)
     with caplog.at_level(logging.WARNING, logger="paddle_hsdp.engine.policies"):
         model, losses = _train(paddle_hsdp.CPUOffloadPolicy())
     assert sum("no-op" in r.message for r in caplog.records) == 1
@@ -92,8 +93,8 @@ def test_offload_keeps_the_optimizers_storage_on_the_host_and_trains_identically
     opt = models.make_optimizer(model, model.parameters(), 0.2)
     storage, losses = None, []
     for step in range(3):
-        before = (offload.counters.uploads, offload.counters.downloads,
-                  offload.counters.waits, offload.counters.host_steps)
+        before = (offload.counters().uploads, offload.counters().downloads,
+                  offload.counters().waits, offload.counters().host_steps)
         gathers = _all_gathers()
         loss = models.lm_loss(model, _ids(seed=step), True)
         loss.backward()
@@ -101,8 +102,8 @@ def test_offload_keeps_the_optimizers_storage_on_the_host_and_trains_identically
         opt.clear_grad()
         losses.append(float(loss))
         uploads, downloads, waits, steps = (
-            offload.counters.uploads - before[0], offload.counters.downloads - before[1],
-            offload.counters.waits - before[2], offload.counters.host_steps - before[3])
+            offload.counters().uploads - before[0], offload.counters().downloads - before[1],
+            offload.counters().waits - before[2], offload.counters().host_steps - before[3])
         # one upload per all-gather (outer degree 1: no outer all-reduce to move),
         # one download per reduce-scatter, one wait before the grads are read
         assert uploads == _all_gathers() - gathers
@@ -141,7 +142,7 @@ def test_offload_with_accumulation_and_a_skipped_batch(fake_mesh, exercised):
         return paddle_hsdp.full_state_dict(model)
 
     got = run(paddle_hsdp.CPUOffloadPolicy(pin_memory=False))
-    assert offload.counters.host_steps == 2
+    assert offload.counters().host_steps == 2
     want = run(None)
     for name, value in got.items():
         np.testing.assert_array_equal(value.numpy(), want[name].numpy(), err_msg=name)

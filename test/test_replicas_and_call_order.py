@@ -39,7 +39,8 @@ from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import api, hooks
+from paddle_hsdp.engine import api
+from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.topology import layout as topology
 
@@ -301,8 +302,8 @@ class RankTrace:
 def _clear_engine_state() -> None:
     hsdp_registry.units.clear()
     hsdp_registry.owner_of.clear()
-    hooks._active.clear()
-    hooks._roots_in_backward.clear()
+    context.backward.active.clear()
+    context.backward.roots_in_backward.clear()
 
 
 def simulate_rank(rank: int, layout: topology.HSDPLayout, expert_unit: bool = False

@@ -110,7 +110,7 @@ def test_a_unit_skipped_on_some_ranks_is_named_by_the_forward_position(monkeypat
     """Two ranks tag the same all-gather after different forwards (one skipped a unit):
     the tags differ only in the forward position, and the message names the units this
     rank ran."""
-    monkeypatch.setattr(gather_tags, "_unit_describer", lambda i: f"unit {i} (u{i})")
+    monkeypatch.setattr(gather_tags.state, "unit_describer", lambda i: f"unit {i} (u{i})")
     group = _group([0, 1])
     tags = []
     for skipped in (False, True):

@@ -59,7 +59,8 @@ def sample(model) -> dict:
     from paddle.distributed import collective
 
     import paddle_hsdp
-    from paddle_hsdp.engine import hooks, reductions
+    from paddle_hsdp.engine import reductions
+    from paddle_hsdp.engine.context import context
     from paddle_hsdp.engine.registry import registry
 
     gc.collect()
@@ -72,7 +73,7 @@ def sample(model) -> dict:
         "module_hooks": sum(len(m._forward_pre_hooks) + len(m._forward_post_hooks)
                             for m in modules),
         "engine_registries": len(registry) + len(registry.owner_of) + len(reductions.in_flight)
-        + len(hooks._active) + len(hooks._roots_in_backward),
+        + len(context.backward.active) + len(context.backward.roots_in_backward),
         "process_groups": len(collective._group_map),
     }
 

@@ -37,6 +37,7 @@ from paddle.distributed import collective
 
 from . import fingerprint, watchdog
 from .fingerprint import describe
+from .state import state
 
 # ---------------------------------------------------------------- counter
 
@@ -313,7 +314,6 @@ class _CommThread:
             self.pending = []
 
 
-_comm_thread: _CommThread | None = None  # made when a call first asks for it
 _thread_state = threading.local()
 
 
@@ -329,8 +329,8 @@ def on_comm_thread() -> bool:
 def drain_comm_thread() -> None:
     """Wait until the communication thread runs and has queued no collective (see
     :class:`_CommThread`); a no-op on that thread and before it was started."""
-    if _comm_thread is not None and not on_comm_thread():
-        _comm_thread.drain()
+    if state.comm_thread is not None and not on_comm_thread():
+        state.comm_thread.drain()
 
 
 def _verify(op: str, tensor, group, what) -> None:
@@ -365,10 +365,9 @@ def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     :class:`CollectiveError`. ``on_thread``: on the communication thread (:class:`_CommThread`),
     returning a task to wait for; otherwise after whatever that thread still runs."""
     if on_thread:
-        global _comm_thread
-        if _comm_thread is None:
-            _comm_thread = _CommThread()
-        thread = _comm_thread
+        if state.comm_thread is None:
+            state.comm_thread = _CommThread()
+        thread = state.comm_thread
         watchdog.note_issued(_waiting_for(op, group, what))
         task = _FutureTask(lambda: _issue(op, group, what, call))
         task.future = thread.submit(task.run)

@@ -21,7 +21,6 @@ sync per collective; off by default.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict, deque
 
 import numpy as np
@@ -31,27 +30,25 @@ import paddle.distributed as dist
 
 from . import watchdog
 from .gather_tags import CollectiveMismatchError
+from .state import state
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 _HEADER, _DESC = 5, 120
 _HISTORY = 6
 
-_enabled = os.environ.get("PADDLE_HSDP_CHECK_COLLECTIVES", "0").lower() not in ("", "0",
-                                                                               "false", "no")
 _calls: dict[int, int] = defaultdict(int)
 _history: dict[int, deque] = defaultdict(lambda: deque(maxlen=_HISTORY))
 
 
 def check_collectives(enabled: bool = True) -> None:
     """Turn the fingerprint check on or off (on every rank, at the same point)."""
-    global _enabled
     if not isinstance(enabled, bool):
         raise TypeError(f"check_collectives(enabled=...) must be True or False, got {enabled!r}")
-    _enabled = enabled
+    state.fingerprint_on = enabled
 
 
 def enabled() -> bool:
-    return _enabled
+    return state.fingerprint_on
 
 
 _KNOWN_DTYPES = (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64, paddle.int8,
@@ -87,7 +84,7 @@ def describe(what) -> str | None:
 def verify(op: str, tensor, group, what) -> None:
     """All-gather this rank's fingerprint of the collective about to run on ``group``
     and raise on every rank if any member's differs. No-op when off or alone."""
-    if not _enabled or group.nranks <= 1:
+    if not state.fingerprint_on or group.nranks <= 1:
         return
 
     number = _calls[group.id]

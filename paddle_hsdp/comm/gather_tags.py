@@ -52,6 +52,7 @@ import numpy as np
 import paddle
 
 from . import watchdog
+from .state import state
 
 TAG_NUMEL = 6
 POSITION_SLOT = 5  # the forward position's element in a tag
@@ -65,18 +66,14 @@ _pending: list[tuple] = []  # device-side mismatch flags not read yet
 # (unit, buffer, purpose, dtype, place) -> [256, TAG_NUMEL]: row n is call number n's tag
 _tables: dict[tuple, paddle.Tensor] = {}
 PENDING_CAP = 256  # flags kept before a read, at least (see pending_cap)
-_step_peak = 0  # the most flags one step boundary has read
 # Keep the comparison on the device as a flag even for CPU tensors: tests set it to
 # exercise the device path on CPU. Off: CPU tags are compared at once.
 DEFER_ON_CPU = False
 # What a buffer holds, given (unit index, buffer index), for the error message; the
 # engine sets it (comm imports nothing above it). None, or an answer of None: indices.
-_buffer_describer: Callable[[int, int], str | None] | None = None
-_unit_describer: Callable[[int], str | None] | None = None
 # The forward position: its hash, the units behind it (for the message), and one
 # [256] table of the values per (dtype, place), so a tag's position is a view too.
 _FORWARD_HISTORY = 12
-_position = 0
 _forward_units: deque = deque(maxlen=_FORWARD_HISTORY)
 _position_tables: dict[tuple, paddle.Tensor] = {}
 
@@ -91,15 +88,13 @@ def can_tag(dtype) -> bool:
 
 def start_forward() -> None:
     """A root forward begins: the forward position starts again."""
-    global _position
-    _position = 0
+    state.forward_position = 0
     _forward_units.clear()
 
 
 def note_forward(unit_index: int) -> None:
     """Unit ``unit_index``'s forward begins (before it gathers or prefetches)."""
-    global _position
-    _position = (_position * 31 + unit_index + 1) % 256
+    state.forward_position = (state.forward_position * 31 + unit_index + 1) % 256
     _forward_units.append(unit_index)
 
 
@@ -111,7 +106,8 @@ def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, 
     all-gather (a row is written again only 256 calls later)."""
     number = _calls[group.id]
     _calls[group.id] = number + 1
-    _history[group.id].append((number, describe, purpose, _position, tuple(_forward_units)))
+    _history[group.id].append((number, describe, purpose, state.forward_position,
+                               tuple(_forward_units)))
     key = (unit_index, buffer_index, purpose, str(dtype), str(place))
     table = _tables.get(key)
     if table is None:
@@ -125,7 +121,7 @@ def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, 
         positions = _position_tables[key[3:]] = paddle.to_tensor(
             np.arange(256, dtype="float64"), dtype=dtype, place=place)
     row = table[number % 256]
-    paddle.assign(positions[_position:_position + 1],
+    paddle.assign(positions[state.forward_position:state.forward_position + 1],
                   output=row[POSITION_SLOT:POSITION_SLOT + 1])
     return row
 
@@ -150,7 +146,7 @@ def pending_count() -> int:
 def pending_cap() -> int:
     """How many flags are kept before a read: ``PENDING_CAP``, or twice the most one
     step boundary has read."""
-    return max(PENDING_CAP, 2 * _step_peak)
+    return max(PENDING_CAP, 2 * state.step_peak)
 
 
 def raise_pending(step: bool = False) -> None:
@@ -158,12 +154,11 @@ def raise_pending(step: bool = False) -> None:
     host (one sync) when there are any, nothing otherwise; raise
     :class:`CollectiveMismatchError` for the first mismatch. ``step``: called at the
     optimizer step (its count sets :func:`pending_cap`)."""
-    global _step_peak
     if not _pending:
         return
     pending, _pending[:] = list(_pending), []
     if step:
-        _step_peak = max(_step_peak, len(pending))
+        state.step_peak = max(state.step_peak, len(pending))
     # on NCCL this read waits for the gathers queued before it: bounded like them
     with watchdog.host_sync(f"the read of {len(pending)} all-gather tag flag(s)"):
         flags = paddle.stack([entry[0] for entry in pending]).numpy()
@@ -215,21 +210,20 @@ def _message(group, peer_index: int, row, own, history=None) -> str:
 
 def set_buffer_describer(describer: Callable[[int, int], str | None]) -> None:
     """How error messages name a peer's buffer (the engine's registry knows)."""
-    global _buffer_describer
-    _buffer_describer = describer
+    state.buffer_describer = describer
 
 
 def set_unit_describer(describer: Callable[[int], str | None]) -> None:
     """How error messages name a unit (the engine's registry knows)."""
-    global _unit_describer
-    _unit_describer = describer
+    state.unit_describer = describer
 
 
 def _describe_unit(unit_index: int) -> str:
-    text = _unit_describer(unit_index) if _unit_describer else None
+    text = state.unit_describer(unit_index) if state.unit_describer else None
     return text or f"unit {unit_index}"
 
 
 def _describe(unit_index: int, buffer_index: int) -> str:
-    text = _buffer_describer(unit_index, buffer_index) if _buffer_describer else None
+    describer = state.buffer_describer
+    text = describer(unit_index, buffer_index) if describer else None
     return text or f"unit {unit_index}, buffer {buffer_index}"

@@ -32,11 +32,12 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+from .state import state
+
 EXIT_STATUS = 124
 _inflight: dict[int, tuple[float, str]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
-_thread: threading.Thread | None = None
 # The last collectives issued (their descriptions, built only if a message needs them):
 # on NCCL, wait() only orders streams and returns at once, so a dead peer blocks the
 # next host read of the device instead; host_sync names these as what it waits for.
@@ -92,12 +93,11 @@ def host_sync(what: str):
 
 
 def _ensure_thread(limit: float) -> None:
-    global _thread
     with _lock:
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_watch, args=(limit,), daemon=True,
+        if state.watchdog_thread is None or not state.watchdog_thread.is_alive():
+            state.watchdog_thread = threading.Thread(target=_watch, args=(limit,), daemon=True,
                                        name="paddle_hsdp-watchdog")
-            _thread.start()
+            state.watchdog_thread.start()
 
 
 def _watch(limit: float) -> None:

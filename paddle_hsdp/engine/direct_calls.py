@@ -8,6 +8,7 @@ import paddle
 
 from ..comm import gather_tags
 from . import hooks
+from .context import context
 from .states import ParamState
 from .unit import FSDPUnit
 
@@ -51,9 +52,9 @@ def _direct_post_forward(module, inputs, outputs):
         u.pins -= 1
         if grad_on:
             outputs = hooks._wrap_tensors(hooks._on_pre_backward, u, outputs)
-        if hooks._backward_depth == 0 and (not grad_on or u.should_reshard_after_forward()):
+        if context.backward.depth == 0 and (not grad_on or u.should_reshard_after_forward()):
             u.reshard()
-    if gathered and not grad_on and hooks._backward_depth == 0:
+    if gathered and not grad_on and context.backward.depth == 0:
         gather_tags.raise_pending()  # generation: lm_head(h) called alone, no step
     return outputs
 

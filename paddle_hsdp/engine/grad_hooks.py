@@ -9,6 +9,7 @@ import functools
 import paddle
 
 from . import hooks, master_grad
+from .context import context
 from .memory import FullGradBytes
 from .unit import FSDPUnit
 
@@ -61,16 +62,16 @@ def _on_grad_accumulated(sp, *_) -> None:
     buf = sp.buffer
     buf.note_grad_arrived(sp)  # (its grad grid cannot tell: every .grad is a view)
     unit = buf.owner
-    if (hooks._backward_depth == 0 or buf.reduced_early or unit.reduced_in_backward
+    if (context.backward.depth == 0 or buf.reduced_early or unit.reduced_in_backward
             or unit.pending_calls or unit.borrowed_by
             or not unit.reduce_grads_in_backward or not unit.requires_gradient_sync
             or not master_grad.has_full_grad(sp)):
         return  # its post-backward reduces it, or the end of backward does
     root = hooks._root_of(unit)
-    if root is None or root not in hooks._roots_in_backward:
+    if root is None or root not in context.backward.roots_in_backward:
         return
     buf.grads_ready.add(id(sp))
-    if len(buf.grads_ready) < len(buf.params) or hooks._hook_errors:
+    if len(buf.grads_ready) < len(buf.params) or context.backward.hook_errors:
         return
     try:
         FullGradBytes.sample(root.units)
@@ -79,4 +80,4 @@ def _on_grad_accumulated(sp, *_) -> None:
         # Paddle 3.3 does not carry an exception out of this hook (the next node of the
         # backward fails with an unrelated message): keep it for the end of backward,
         # which abandons the backward and raises it (hooks._then_post_backward).
-        hooks._hook_errors.append(e)
+        context.backward.hook_errors.append(e)

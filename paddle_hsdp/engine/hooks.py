@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import weakref
 
 import paddle
 from paddle.autograd import PyLayer
@@ -58,19 +57,13 @@ from paddle.base import core
 from ..comm import gather_tags
 from . import master_grad, trace
 from .outer_sync import OuterSyncSchedule
+from .context import context
 from .dtypes import compute_dtype_of
 from .registry import registry
 from .memory import FullGradBytes
 from .reductions import drop_pending_reduces, finish_transferred_reduces, wait_pending_reduces
 from .unit import FSDPUnit
 
-# Units whose forward is running, outermost first. A forward that raised leaves stale
-# entries; the next unit not contained in any of them is a root and clears them.
-_active: list[FSDPUnit] = []
-_roots_in_backward: list["RootState"] = []
-_backward_depth = 0  # > 0 while the autograd engine runs (nested: recompute)
-_hook_errors: list[BaseException] = []  # raised in a grad hook, raised at the end of backward
-_installed = False
 
 
 class RootState:
@@ -142,13 +135,11 @@ class _GraphToken:
     exactly as long as the autograd graph that can still run that node: Paddle frees
     the context when the node has run (without ``retain_graph``) or when the graph is
     dropped without a backward (a skipped batch, eval with grad on). Units count their
-    pending post-backwards by these, and :data:`_live_graphs` holds every one."""
+    pending post-backwards by these, and ``context.backward.live_graphs`` holds every one."""
 
     __slots__ = ("__weakref__",)
 
 
-# Every _BackwardHook node a backward may still run (for the retain_graph refusal).
-_live_graphs: "weakref.WeakSet[_GraphToken]" = weakref.WeakSet()
 
 
 class _BackwardHook(PyLayer):
@@ -226,8 +217,8 @@ def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
             nxt.prefetch()
     # Any unit's pre-backward registers its root: a root whose own outputs hide their
     # tensors (a custom output object) still gets its end of backward.
-    if root is not None and root not in _roots_in_backward:
-        _roots_in_backward.append(root)
+    if root is not None and root not in context.backward.roots_in_backward:
+        context.backward.roots_in_backward.append(root)
         root.outer_sync.begin_backward()
     if root is not None:  # after this unit's collectives: beside its compute
         root.outer_sync.issue_ready()
@@ -243,7 +234,7 @@ def _wrap_tensors(hook, unit: FSDPUnit, obj, token: _GraphToken | None = None):
     if not idx:
         return obj
     token = _GraphToken() if token is None else token
-    _live_graphs.add(token)
+    context.backward.live_graphs.add(token)
     wrapped = _BackwardHook.apply(hook, unit, token, *[flat[i] for i in idx])
     if len(idx) == 1:
         wrapped = (wrapped,)
@@ -331,11 +322,11 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
     def pre_forward(module, args, kwargs):
         # A root is a unit no running unit contains, called outside any backward; a
         # forward run inside a backward (activation recompute) is never a root.
-        starts_root = _backward_depth == 0 and not any(
-            id(unit.module) in _subtree_ids(a) for a in _active)
+        starts_root = context.backward.depth == 0 and not any(
+            id(unit.module) in _subtree_ids(a) for a in context.backward.active)
         unit.is_root = starts_root
         if starts_root:
-            _active.clear()  # whatever a forward that raised left behind
+            context.backward.active.clear()  # whatever a forward that raised left behind
             registry.storage_may_have_changed()  # user code ran since the last pass
             gather_tags.start_forward()
             _make_root_state(unit, all_units)
@@ -346,7 +337,7 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
                 u.check_params()
             for u in unit.root_state.units:  # outer sub-shards: the owed rebuilds
                 u.start_owed_rebuilds()
-        _active.append(unit)
+        context.backward.active.append(unit)
         # before this unit's gathers and prefetches: their tags carry it (gather_tags)
         gather_tags.note_forward(unit.index)
         root = _root_of(unit)
@@ -374,11 +365,11 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         return args, kwargs
 
     def post_forward(module, inputs, outputs):
-        if unit in _active:
-            _active.remove(unit)
+        if unit in context.backward.active:
+            context.backward.active.remove(unit)
         grad_on = paddle.is_grad_enabled()
         # Inside a backward (recompute) the unit is about to run its backward: keep it.
-        may_reshard = _backward_depth == 0
+        may_reshard = context.backward.depth == 0
         for owner in unit.borrowed:
             owner.pins -= 1
             if may_reshard and (owner.should_reshard_after_forward() or not grad_on):
@@ -405,8 +396,8 @@ def abandon_forward(units: list[FSDPUnit]) -> None:
     """After a forward that raised: unpin and reshard ``units`` and the owners they
     borrow from (local work, no collective), so the module slots hold shards again."""
     for unit in units:
-        if unit in _active:
-            _active.remove(unit)
+        if unit in context.backward.active:
+            context.backward.active.remove(unit)
         root = _root_of(unit)
         if root is not None and root.recording:
             root.forward_order.clear()  # a partial order would differ across ranks
@@ -422,19 +413,18 @@ def run_post_backward() -> None:
     out-of-memory error building a reduce-scatter input), the backward is abandoned
     like one that raised inside the engine: a reduction left in flight would otherwise
     be accumulated into the next batch's grads."""
-    while _roots_in_backward:
+    while context.backward.roots_in_backward:
         try:
-            _roots_in_backward[0].post_backward()
+            context.backward.roots_in_backward[0].post_backward()
         except BaseException:
             _abandon_backward()
             raise
-        _roots_in_backward.pop(0)
+        context.backward.roots_in_backward.pop(0)
 
 
 def install() -> None:
     """Wrap the autograd entry points once so the end of every backward is seen."""
-    global _installed
-    if _installed:
+    if context.backward.autograd_wrapped:
         return
     # run_backward serves Tensor.backward and paddle.autograd.backward; paddle.grad
     # goes through run_partial_grad.
@@ -443,7 +433,7 @@ def install() -> None:
         if hasattr(core.eager, name):
             setattr(core.eager, name, _then_post_backward(getattr(core.eager, name),
                                                           retains))
-    _installed = True
+    context.backward.autograd_wrapped = True
 
 
 def _backward_retains(args, kwargs) -> bool:
@@ -475,25 +465,24 @@ def _refuse_retained_graph() -> None:
 
 def _then_post_backward(original, retains):
     def run(*args, **kwargs):
-        global _backward_depth
-        if _live_graphs and retains(args, kwargs):
+        if context.backward.live_graphs and retains(args, kwargs):
             _refuse_retained_graph()
-        _backward_depth += 1
+        context.backward.depth += 1
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            _backward_depth -= 1
-            if _backward_depth == 0:
-                _hook_errors.clear()  # this error is the one that propagates
+            context.backward.depth -= 1
+            if context.backward.depth == 0:
+                context.backward.hook_errors.clear()  # this error is the one that propagates
                 _abandon_backward()
             raise
-        _backward_depth -= 1
+        context.backward.depth -= 1
         # A backward nested in another (reentrant activation recompute) is part of it:
         # only the outermost one ends the backward.
-        if _backward_depth == 0:
-            if _hook_errors:  # an early reduction failed inside the backward
-                error = _hook_errors[0]
-                _hook_errors.clear()
+        if context.backward.depth == 0:
+            if context.backward.hook_errors:  # an early reduction failed inside the backward
+                error = context.backward.hook_errors[0]
+                context.backward.hook_errors.clear()
                 _abandon_backward()
                 raise error
             run_post_backward()
@@ -509,8 +498,8 @@ def _abandon_backward() -> None:
     here, prefetched all-gathers in ``reshard``): on a device their buffers must not go
     back to the allocator while the communication stream may still write them."""
     drop_pending_reduces()
-    while _roots_in_backward:
-        root = _roots_in_backward.pop(0)
+    while context.backward.roots_in_backward:
+        root = context.backward.roots_in_backward.pop(0)
         root.outer_sync.abandon()
         for unit in root.units:
             for buf in unit.buffers:

@@ -39,28 +39,18 @@ from dataclasses import dataclass
 import paddle
 
 from ..comm import watchdog
+from .context import OffloadCounters, context
 
 EXERCISE_ON_CPU = False  # tests: run the offload path with the CPU as the device
 
 
-@dataclass
-class Counters:
-    """What moved and how often we waited; :func:`reset_counters` zeroes them."""
-    uploads: int = 0
-    upload_bytes: int = 0
-    downloads: int = 0
-    download_bytes: int = 0
-    waits: int = 0        # host waits for in-flight downloads
-    host_steps: int = 0   # optimizer steps run on the host
-
-
-counters = Counters()
-_device_stack: list[str] = []  # the compute device, while on_host() is active
+def counters() -> OffloadCounters:
+    """What moved and how often we waited (:func:`reset_counters` zeroes them)."""
+    return context.offload.counters
 
 
 def reset_counters() -> None:
-    global counters
-    counters = Counters()
+    context.offload.counters = OffloadCounters()
 
 
 def enabled(policy) -> bool:
@@ -72,7 +62,7 @@ def enabled(policy) -> bool:
 
 def compute_device() -> str:
     """The device collectives and compute run on, also inside :func:`on_host`."""
-    return _device_stack[-1] if _device_stack else paddle.get_device()
+    return context.offload.device_stack[-1] if context.offload.device_stack else paddle.get_device()
 
 
 @contextlib.contextmanager
@@ -80,28 +70,28 @@ def on_host():
     """Create tensors on (and so run new ops on) the host for the block."""
     device = paddle.get_device()
     if device.startswith("cpu"):
-        _device_stack.append(compute_device())
+        context.offload.device_stack.append(compute_device())
         try:
             yield
         finally:
-            _device_stack.pop()
+            context.offload.device_stack.pop()
         return
-    _device_stack.append(device)
+    context.offload.device_stack.append(device)
     paddle.set_device("cpu")
     try:
         yield
     finally:
         paddle.set_device(device)
-        _device_stack.pop()
+        context.offload.device_stack.pop()
 
 
 @contextlib.contextmanager
 def on_device():
     """Inside :func:`on_host`: back on the compute device for the block (a collective)."""
-    if not _device_stack or paddle.get_device() == _device_stack[-1]:
+    if not context.offload.device_stack or paddle.get_device() == context.offload.device_stack[-1]:
         yield
         return
-    paddle.set_device(_device_stack[-1])
+    paddle.set_device(context.offload.device_stack[-1])
     try:
         yield
     finally:
@@ -125,21 +115,18 @@ class _Download:
     event: object | None    # recorded after a non-blocking copy
 
 
-_issued = 0     # downloads issued so far (the newest one's seq)
-_completed = 0  # every download up to this seq is known to be complete
 
 
 def _wait_for(download: _Download) -> None:
     """Make sure ``download`` (and every older one) is complete: one wait, unless a
     wait for a newer one already covered it."""
-    global _completed
-    if download.seq <= _completed:
+    if download.seq <= context.offload.completed:
         return
     if download.event is not None:
         with watchdog.host_sync("the wait for offloaded grads' device-to-host copies"):
             download.event.synchronize()
-    counters.waits += 1
-    _completed = download.seq
+    context.offload.counters.waits += 1
+    context.offload.completed = download.seq
 
 
 class HostStorage:
@@ -167,8 +154,8 @@ class HostStorage:
         From pageable memory the copy synchronises its stream; with ``pin_memory`` it
         goes through pinned staging (a host memcpy) and runs asynchronously, the
         staging kept alive until its event says the copy is done."""
-        counters.uploads += 1
-        counters.upload_bytes += _nbytes(host)
+        context.offload.counters.uploads += 1
+        context.offload.counters.upload_bytes += _nbytes(host)
         place = _place(self.device)
         if not (self.pin_memory and not self.device.startswith("cpu")):
             return host._copy_to(place, True)
@@ -185,11 +172,10 @@ class HostStorage:
         completed by the next :meth:`settle`. A download still pending for ``into`` (a
         micro-step earlier: its copy is long done) is settled first, so at most one
         copy per target is in flight."""
-        global _issued
         if any(d.target is into for d in self._downloads):
             self.settle()
-        counters.downloads += 1
-        counters.download_bytes += _nbytes(device_tensor)
+        context.offload.counters.downloads += 1
+        context.offload.counters.download_bytes += _nbytes(device_tensor)
         event = None
         if self.pin_memory and not self.device.startswith("cpu"):
             staged = device_tensor._copy_to(paddle.CUDAPinnedPlace(), False)
@@ -197,8 +183,8 @@ class HostStorage:
             event.record()  # on the current stream, after the copy
         else:
             staged = device_tensor._copy_to(paddle.CPUPlace(), True)
-        _issued += 1
-        self._downloads.append(_Download(into, staged, add, _issued, event))
+        context.offload.issued += 1
+        self._downloads.append(_Download(into, staged, add, context.offload.issued, event))
 
     def pending(self) -> int:
         return len(self._downloads)
@@ -263,7 +249,7 @@ def host_step(buffers, what: str = "the optimizer step"):
             "unit it updates the same offload_policy (CPUOffloadPolicy or none), or use "
             "one optimizer per kind.")
     settle_all(offloaded)
-    counters.host_steps += 1
+    context.offload.counters.host_steps += 1
     with on_host():
         yield
 

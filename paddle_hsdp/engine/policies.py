@@ -65,9 +65,6 @@ class OffloadPolicy:
     """No offloading (the default)."""
 
 
-_warned_cpu_offload = False
-
-
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep shards, their grads and so the optimizer state in host memory; each unit's
@@ -89,8 +86,8 @@ class CPUOffloadPolicy(OffloadPolicy):
         return offload.enabled(self)
 
     def check_supported(self) -> None:
-        global _warned_cpu_offload
-        if not self.offloads and not _warned_cpu_offload:
+        from .context import context  # noqa: PLC0415  (as offload above)
+        if not self.offloads and not context.warned_cpu_offload:
             logger.warning("CPUOffloadPolicy on a CPU-only run: everything is already in "
                            "CPU memory; the policy is a no-op.")
-            _warned_cpu_offload = True
+            context.warned_cpu_offload = True

@@ -43,6 +43,7 @@ import os
 import time
 
 from . import staging
+from .context import context
 from .registry import registry
 
 KINDS = ("shard", "gathered", "full_grad", "shard_grad", "staging", "optimizer")
@@ -53,51 +54,46 @@ times: list[float] = []  # time.perf_counter() of each event, same index
 # (engine/outer_sync.py), recorded at its wait
 spans: list[tuple[str, int, float, float]] = []
 timeline: list[dict] = []
-_on = False
-_memory = False
-_rss = False
-_optimizer_bytes = 0
 
 
 def enable(memory: bool = False, rss: bool = False) -> None:
     """Start recording events (cleared), and with ``memory`` the timeline (cleared; the
     optimizer's state counts from the next step)."""
-    global _on, _memory, _rss, _optimizer_bytes
+    switches = context.trace
     events.clear()
     times.clear()
     spans.clear()
     timeline.clear()
-    _on, _memory, _rss = True, bool(memory), bool(rss) and bool(memory)
-    _optimizer_bytes = 0
+    switches.on, switches.memory = True, bool(memory)
+    switches.rss, switches.optimizer_bytes = bool(rss) and bool(memory), 0
 
 
 def disable() -> None:
-    global _on, _memory, _rss
-    _on = _memory = _rss = False
+    switches = context.trace
+    switches.on = switches.memory = switches.rss = False
 
 
 def record(kind: str, op: str, unit_index: int) -> None:
-    if _on:
+    if context.trace.on:
         events.append((kind, op, unit_index))
         times.append(time.perf_counter())
-        if _memory:
+        if context.trace.memory:
             timeline.append(sample(f"{kind} {op}", unit_index))
 
 
 def record_span(op: str, unit_index: int, span) -> None:
     """``span``: ``(start, end)`` of a collective run on the communication thread, or None."""
-    if _on and span is not None:
+    if context.trace.on and span is not None:
         spans.append((op, unit_index, *span))
 
 
 def note_optimizer_bytes(nbytes: int) -> None:
     """The optimizer's state after its step (engine/optimizers.optimizer_state_bytes)."""
-    global _optimizer_bytes
-    _optimizer_bytes = int(nbytes)
+    context.trace.optimizer_bytes = int(nbytes)
 
 
 def recording_memory() -> bool:
-    return _on and _memory
+    return context.trace.on and context.trace.memory
 
 
 def sample(event: str, unit_index: int) -> dict:
@@ -108,8 +104,8 @@ def sample(event: str, unit_index: int) -> dict:
         for kind, nbytes in unit.bytes_by_kind().items():
             row[kind] += nbytes
     row["staging"] = staging.pool.staging_bytes
-    row["optimizer"] = _optimizer_bytes
-    if _rss:
+    row["optimizer"] = context.trace.optimizer_bytes
+    if context.trace.rss:
         rss = rss_bytes()
         if rss is not None:
             row["rss"] = rss

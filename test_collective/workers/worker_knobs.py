@@ -318,7 +318,7 @@ off_model = shard(offload_policy=paddle_hsdp.CPUOffloadPolicy(pin_memory=True))
 off_buffers = trainable_buffers(off_model)
 assert all(b.host is not None for b in all_buffers(off_model))
 off_run = train_hsdp(off_model)
-moved = copy.copy(offload.counters)  # before the full_state_dict gathers below
+moved = copy.copy(offload.counters())  # before the full_state_dict gathers below
 gathers = sum(snap[("inner", "all_gather")].calls for snap, _ in off_run[2])
 # one upload per all-gather and per outer all-reduce; one download per reduce-scatter
 # and per outer all-reduce; the optimizer stepped on the host once per step

@@ -1,0 +1,37 @@
+"""The communication layer's runtime state in one object (issue 52), not in module
+globals: the watchdog's thread and the communication thread (made on first use), the
+fingerprint check's switch, the all-gather tags' forward position and flag peak, and
+the describers the engine registers to name units and buffers in messages.
+:meth:`CommState.reset` returns what a test may change to its state at import; the
+threads, once made, live as long as the process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def _fingerprint_from_env() -> bool:
+    return os.environ.get("PADDLE_HSDP_CHECK_COLLECTIVES", "0").lower() not in (
+        "", "0", "false", "no")
+
+
+@dataclass
+class CommState:
+    watchdog_thread: object | None = None  # threading.Thread watching collectives
+    comm_thread: object | None = None  # collectives._CommThread, made when first asked for
+    fingerprint_on: bool = field(default_factory=_fingerprint_from_env)
+    forward_position: int = 0  # a hash of the unit forwards since the root's (gather_tags)
+    step_peak: int = 0  # the most tag flags one step boundary has read
+    buffer_describer: Callable[[int, int], str | None] | None = None
+    unit_describer: Callable[[int], str | None] | None = None
+
+    def reset(self) -> None:
+        """Switches and counts back to their state at import (threads kept)."""
+        self.fingerprint_on = _fingerprint_from_env()
+        self.forward_position = self.step_peak = 0
+        self.buffer_describer = self.unit_describer = None
+
+
+state = CommState()

@@ -1,0 +1,88 @@
+"""The engine's runtime state in one object (issue 52), not in module globals.
+
+What a backward is doing (the units whose forward runs, the roots waiting for their
+post-backward, how deep the autograd engine is nested, errors a grad hook deferred,
+the graphs a backward may still run), the trace's switches and the offload's copy
+counters live on :data:`context`; modules read and write them there, so one
+:meth:`EngineContext.reset` returns the engine to its state at import (the test suite
+calls it between tests) and refuses while a backward is under way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BackwardState:
+    """The forward and backward in flight (engine/hooks.py)."""
+
+    # units whose forward is running, outermost first; a forward that raised leaves
+    # stale entries, which the next root's forward clears
+    active: list = field(default_factory=list)
+    roots_in_backward: list = field(default_factory=list)  # roots owed a post-backward
+    depth: int = 0  # > 0 while the autograd engine runs (nested: recompute)
+    hook_errors: list = field(default_factory=list)  # raised in a grad hook, re-raised at its end
+    # every _BackwardHook node a backward may still run (for the retain_graph refusal)
+    live_graphs: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    autograd_wrapped: bool = False  # the autograd entry points are wrapped (once)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.depth > 0 or bool(self.roots_in_backward)
+
+
+@dataclass
+class TraceSwitches:
+    """engine/trace.py's switches: recording events, memory, RSS; the optimizer's bytes."""
+
+    on: bool = False
+    memory: bool = False
+    rss: bool = False
+    optimizer_bytes: int = 0
+
+
+@dataclass
+class OffloadCounters:
+    """Host <-> device copies of offloaded buffers (engine/offload.py), for tests and
+    the benchmark."""
+
+    uploads: int = 0
+    upload_bytes: int = 0
+    downloads: int = 0
+    download_bytes: int = 0
+    waits: int = 0        # host waits for in-flight downloads
+    host_steps: int = 0   # optimizer steps run on the host
+
+
+@dataclass
+class OffloadState:
+    counters: OffloadCounters = field(default_factory=OffloadCounters)
+    device_stack: list = field(default_factory=list)  # the compute device, in on_host()
+    issued: int = 0     # downloads issued so far (the newest one's seq)
+    completed: int = 0  # every download up to this seq is known to be complete
+
+
+@dataclass
+class EngineContext:
+    backward: BackwardState = field(default_factory=BackwardState)
+    trace: TraceSwitches = field(default_factory=TraceSwitches)
+    offload: OffloadState = field(default_factory=OffloadState)
+    warned_cpu_offload: bool = False  # CPUOffloadPolicy on a CPU-only run, said once
+
+    def reset(self) -> None:
+        """Back to the state at import, keeping the autograd wrappers (installed once
+        per process). Refused while a backward is under way."""
+        if self.backward.in_flight:
+            raise RuntimeError("EngineContext.reset() during a backward: "
+                               f"{len(self.backward.roots_in_backward)} root(s) owed a "
+                               f"post-backward, autograd depth {self.backward.depth}")
+        wrapped = self.backward.autograd_wrapped
+        self.backward = BackwardState(autograd_wrapped=wrapped)
+        self.trace = TraceSwitches()
+        self.offload = OffloadState()
+        self.warned_cpu_offload = False
+
+
+context = EngineContext()
