@@ -1,10 +1,17 @@
-"""The engine's and the communication layer's runtime state on one object each
-(engine/context.py, comm/state.py; issue 52): reset returns it to its state at import,
-and the engine's refuses while a backward is under way."""
+"""Issue 52's seams, in one process: the engine's and the communication layer's runtime
+state on one object each (engine/context.py, comm/state.py: reset returns it to its
+state at import, the engine's refuses during a backward); a group's traits declared as
+a record held weakly (comm/traits.py), not attributes read with getattr defaults; every
+mesh the engine is given satisfies the Mesh protocol."""
 
 import pytest
 
+from paddle_hsdp.topology.mesh import HCGMesh, Mesh, ProcessMeshGroups
+import gc
+
 from paddle_hsdp.comm.state import CommState
+from paddle_hsdp.comm.state import state as comm_state
+from paddle_hsdp.comm.traits import PLAIN, declare, traits_of
 from paddle_hsdp.engine.context import EngineContext
 
 
@@ -39,3 +46,32 @@ def test_comm_state_reset_keeps_its_threads(monkeypatch):
     state.reset()
     assert state.comm_thread == "thread" and not state.fingerprint_on
     assert state.step_peak == 0 and state.unit_describer is None
+
+
+def test_traits_are_declared_kept_and_dropped_with_their_group():
+    class Group:
+        pass
+    group = Group()
+    assert traits_of(group) is PLAIN and traits_of(None) is PLAIN
+    declare(group, watchdog_exempt=True)
+    declare(group, pieces="plan")  # keeps what was declared before
+    assert traits_of(group).watchdog_exempt and traits_of(group).pieces == "plan"
+    assert traits_of(group).early_sync  # the plain default
+    assert traits_of({"unhashable": True}) is PLAIN
+    before = len(comm_state.group_traits)
+    del group
+    gc.collect()
+    assert len(comm_state.group_traits) == before - 1
+
+
+MESH_METHODS = ("inner", "outer", "reduce_scatter_group", "fsdp_group", "fsdp_size",
+                "mp_rank", "sep_rank", "clip_group", "outer_sharding")
+
+
+def test_every_mesh_satisfies_the_protocol():
+    from test_engine_single import FakeMesh as SingleFake
+    from test_replicas_and_call_order import FakeMesh as CallOrderFake
+    for cls in (HCGMesh, ProcessMeshGroups, SingleFake, CallOrderFake):
+        missing = [m for m in MESH_METHODS if not callable(getattr(cls, m, None))]
+        assert not missing, (cls.__name__, missing)
+    assert all(callable(getattr(Mesh, m, None)) for m in MESH_METHODS)

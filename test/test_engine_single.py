@@ -59,6 +59,12 @@ class FakeMesh:
     def sep_rank(self):
         return 0
 
+    def clip_group(self):
+        return None
+
+    def outer_sharding(self):
+        return "none"
+
 
 def _reset_hook_state():
     context.backward.active.clear()

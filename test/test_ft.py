@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 import pytest
 
+from paddle_hsdp.comm.traits import declare, traits_of
 from paddle_hsdp.ft import groups, transfer
 from paddle_hsdp.ft.protocol import Arrival, FaultToleranceError, Round
 
@@ -100,7 +101,9 @@ def test_a_group_store_that_is_gone_is_an_error_not_a_wait():
 def test_the_live_outer_group_follows_the_rounds():
     group = groups.LiveOuterGroup(replica=2, local_rank=1, inner=4)
     assert group.ranks == [9] and group.nranks == 1 and group.rank == 0
-    assert group.early_sync and group.order_agreed_on_it and group.watchdog_exempt
+    traits = traits_of(group)  # declared, not attributes of Paddle's Group
+    assert traits.early_sync and traits.order_agreed_on_it and traits.watchdog_exempt
+    assert traits.failure_advice.startswith("A replica group of this outer group died")
     group.adopt([0, 2, 3], ("pg", {}), 4)
     assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
     assert group.process_group == "pg"
@@ -457,9 +460,13 @@ def test_attached_user_state_needs_next_batch_and_both_callables():
 def _joint(store, replica_id, replicas, pieces=None, step=7):
     from paddle_hsdp.ft.joint_save import JointSave
     from paddle_hsdp.ft.pieces import PiecePlan
-    outer = types.SimpleNamespace(pieces=None, virtual_rank=lambda r: 2 * r + 1)
+    class Outer:  # a stand-in for the live outer group: hashable, so traits attach
+        @staticmethod
+        def virtual_rank(r):
+            return 2 * r + 1
+    outer = Outer()
     if pieces:
-        outer.pieces = PiecePlan(pieces, replica_id, outer.virtual_rank)
+        declare(outer, pieces=PiecePlan(pieces, replica_id, outer.virtual_rank))
     replica = types.SimpleNamespace(
         round=types.SimpleNamespace(number=3, replicas=replicas), step=step, store=store,
         replica_id=replica_id, outer=outer, ranks_per_replica=2, round_timeout_s=0.3)

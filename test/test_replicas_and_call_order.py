@@ -210,6 +210,9 @@ class FakeMesh:
         """None: the clip all-reduces over the global group (patched to the fake world)."""
         return None
 
+    def outer_sharding(self):
+        return "none"
+
 
 # ---------------------------------------------------------------- recording collectives
 

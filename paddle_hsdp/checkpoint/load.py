@@ -18,6 +18,7 @@ import paddle
 
 from ..comm import collectives as comm
 from ..comm.arrival import expect_everyone
+from ..comm.traits import traits_of
 from ..engine.registry import units_under
 from .format import (CheckpointError, _errors_everywhere, _gather_json,
                      _largest_everywhere, _rank_world, _Reader,
@@ -104,7 +105,7 @@ def _read_items(path, meta, items, optimizer, unexpected) -> list:
         if it.empty:
             continue
         group = it.outer_group if any(a[0] == "outer" for a in it.replicas.axes) else None
-        if group is None or group.nranks <= 1 or getattr(group, "joint_save", None) is not None:
+        if group is None or group.nranks <= 1 or traits_of(group).joint_save is not None:
             loaded.append((it, read_box(reader, it.name, entry, it.offset, it.size)))
         else:  # the outer replicas split the reading (a fault-tolerant job's groups not)
             by_group.setdefault(tuple(group.ranks), (group, []))[1].append(it)

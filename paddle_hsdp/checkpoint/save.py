@@ -30,6 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..comm.arrival import expect_everyone
+from ..comm.traits import traits_of
 from ..engine.registry import registry
 
 from .boxes import tiling_error
@@ -265,7 +266,7 @@ def _joint_save(model):
     ``model`` trains in a fault-tolerant job (its outer group carries one), else None."""
     for unit in registry.units_under(model):
         for buf in unit.buffers:
-            return getattr(buf.outer, "joint_save", None)
+            return traits_of(buf.outer).joint_save
     return None
 
 

@@ -38,6 +38,7 @@ from paddle.distributed import collective
 from . import fingerprint, watchdog
 from .fingerprint import describe
 from .state import state
+from .traits import traits_of
 
 # ---------------------------------------------------------------- counter
 
@@ -254,7 +255,7 @@ def _failure(op: str, group, what):
             f"paddle_hsdp: {op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
             f"{' for ' + what_text if what_text else ''} failed: {type(error).__name__}: "
             f"{str(error).strip()[:500]}. "
-            + (getattr(group, "failure_advice", None) or _FAILURE_ADVICE))
+            + (traits_of(group).failure_advice or _FAILURE_ADVICE))
     return make
 
 
@@ -377,7 +378,7 @@ def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
     watchdog.note_issued(waiting_for)
     # A group whose hangs something else ends (paddle_hsdp.ft's outer groups: a
     # stopped peer fails the attempt, and the rank must live on) is not watched.
-    watched = (contextlib.nullcontext() if getattr(group, "watchdog_exempt", False)
+    watched = (contextlib.nullcontext() if traits_of(group).watchdog_exempt
                else watchdog.watched(waiting_for))
     try:
         with watched:

@@ -1,13 +1,15 @@
 """The communication layer's runtime state in one object (issue 52), not in module
 globals: the watchdog's thread and the communication thread (made on first use), the
 fingerprint check's switch, the all-gather tags' forward position and flag peak, and
-the describers the engine registers to name units and buffers in messages.
+the describers the engine registers to name units and buffers in messages, and the
+groups' declared traits (comm/traits.py).
 :meth:`CommState.reset` returns what a test may change to its state at import; the
 threads, once made, live as long as the process."""
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +28,8 @@ class CommState:
     step_peak: int = 0  # the most tag flags one step boundary has read
     buffer_describer: Callable[[int, int], str | None] | None = None
     unit_describer: Callable[[int], str | None] | None = None
+    # comm/traits.py: what a group is beyond its ranks, held weakly by group
+    group_traits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def reset(self) -> None:
         """Switches and counts back to their state at import (threads kept)."""

@@ -393,7 +393,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     registry.ignored.update(ignored_here)
     hooks.install()
     if outer_sharding is None:
-        outer_sharding = getattr(mesh, "outer_sharding", lambda: "none")()
+        outer_sharding = mesh.outer_sharding()
     unit = FSDPUnit(module, len(registry), mesh, reshard_after_forward, mp_policy,
                     offload_policy, outer_sharding)
     unit.overlap = bool(enable_tensor_fusion_and_overlap)

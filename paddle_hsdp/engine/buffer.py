@@ -28,6 +28,7 @@ from paddle import _C_ops
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
+from ..comm.traits import traits_of
 from ..topology.cost import BufferShape
 from . import master_grad, offload, staging, trace
 from .dtypes import as_dtype, dtypes_of, element_size
@@ -76,7 +77,7 @@ class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
         # outer rank, or shared by several replicas (the outer group's ``pieces``: a
         # fault-tolerant job's redundancy, ft/pieces.py)
         self.parts, self.part = params[0].parts, params[0].part
-        self.shared_pieces = self.parts > 1 and getattr(outer_group, "pieces", None) is not None
+        self.shared_pieces = self.parts > 1 and traits_of(outer_group).pieces is not None
         if any((sp.parts, sp.part) != (self.parts, self.part) for sp in params) or \
                 (self.parts not in (1, outer_group.nranks) and not self.shared_pieces):
             raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "

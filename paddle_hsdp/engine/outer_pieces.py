@@ -16,7 +16,7 @@ next root forward or read (the shard's inplace version, new storage, or a
 Every rank must make the same edits, as with any call that leads to a collective.
 
 [Note: shared pieces] In a fault-tolerant job (ft/pieces.py) each piece is held by
-several replicas, and the outer group says who (``outer.pieces``, a
+several replicas, and the outer group's traits say who (``traits_of(outer).pieces``, a
 :class:`~paddle_hsdp.ft.pieces.PiecePlan`). The grad shard is then all-reduced whole
 (a reduce-scatter would give each piece to one rank only), every piece stays in it
 until ``clear_grad`` (the clip counts the whole shard), and the rebuild broadcasts
@@ -31,6 +31,7 @@ from __future__ import annotations
 import paddle
 
 from ..comm import collectives as comm
+from ..comm.traits import traits_of
 from . import trace
 from .pending import PendingOuterReduce, PendingRebuild, PendingReduce
 from .registry import registry
@@ -266,7 +267,7 @@ class OuterPieces:
     def _copy_pieces_from_holders(self) -> None:
         """[Note: shared pieces]: one broadcast per piece, in piece order on every rank,
         from the holder the outer group's plan names; current only once all arrived."""
-        plan, flat = self.outer.pieces, self._flat
+        plan, flat = traits_of(self.outer).pieces, self._flat
         me = self.outer.ranks[self.outer.rank]
         for q in range(self.parts):
             piece = self.piece(flat, q)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import paddle
 
 from ..comm import collectives as comm
+from ..comm.traits import traits_of
 from .registry import registry
 from .states import GradState
 
@@ -105,7 +106,7 @@ class OuterSyncSchedule:
         if self.recording:
             order = agreed_order(self.order, group, buffers)
             outer = buffers[0].outer if buffers else None
-            if getattr(outer, "order_agreed_on_it", False):  # replicas outside ``group``
+            if traits_of(outer).order_agreed_on_it:  # replicas outside ``group``
                 order = agreed_order(order, outer, buffers)
             # only once every broadcast went through: one that failed leaves the
             # recording to be redone by the next attempt, on every rank alike
@@ -209,7 +210,7 @@ def finish_outer_syncs(work: list) -> None:
 def _takes_part(unit, buf) -> bool:
     # ``early_sync`` False on an outer group: it syncs at the step only
     return (buf.trainable and unit.overlap and unit.requires_all_reduce
-            and unit.grads_pending_outer_sync and getattr(buf.outer, "early_sync", True)
+            and unit.grads_pending_outer_sync and traits_of(buf.outer).early_sync
             and not any(b.host is not None for b in unit.buffers))
 
 

@@ -26,6 +26,7 @@ from collections import OrderedDict
 import paddle.distributed as dist
 
 from ..comm import arrival
+from ..comm.traits import traits_of
 from ..topology.cost import UnitShape
 from ..topology.fleet import _single_rank_group
 from ..topology.placement import is_expert
@@ -127,7 +128,7 @@ class FSDPUnit:
         if self.outer_sharding != "optim" or not trainable:
             return 1, 0
         outer = self.mesh.outer(is_expert)
-        pieces = getattr(outer, "pieces", None)  # shared pieces (ft/pieces.py)
+        pieces = traits_of(outer).pieces  # shared pieces (ft/pieces.py)
         if pieces is not None:
             return (pieces.parts, pieces.part) if pieces.parts > 1 else (1, 0)
         return (outer.nranks, outer.rank) if outer.nranks > 1 else (1, 0)
@@ -310,8 +311,8 @@ class FSDPUnit:
         buf = sp.buffer
         self.expect_more_grads([buf])
         # shared pieces: only the replicas holding this piece compute it
-        scale = (self.divisor(buf) / buf.outer.pieces.holders if buf.shared_pieces
-                 else self.summed_scale(buf))
+        scale = (self.divisor(buf) / traits_of(buf.outer).pieces.holders
+                 if buf.shared_pieces else self.summed_scale(buf))
         buf.add_to_grad(sp, grad * scale)
         sp.grad_here = True
 

@@ -27,6 +27,7 @@ from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import forget_group_store, make_group_store
+from ..comm.traits import declare
 from .protocol import FaultToleranceError
 from .store import key, on_socket, socket_fds
 
@@ -39,34 +40,29 @@ LIVE_GROUP_ID = -(10 ** 6)
 _ROUND_GROUP_BASE = 10 ** 7
 
 
+# what a failed collective on a live group means (paddle_hsdp.comm names it in the error)
+FAILURE_ADVICE = ("A replica group of this outer group died, hung or was shut out (the "
+                  "round's log names it): paddle_hsdp.ft drops the attempt and forms a "
+                  "round without it; this rank goes on.")
+
+
 class LiveOuterGroup(Group):
     """This rank's outer group, whichever replicas are live (a ``Group``, so Paddle's
     collectives take it). Until the first round it is this rank alone."""
-
-    # Outer all-reduces during backward as in plain HSDP (engine/outer_sync.py), in one
-    # order across the replica groups: the order each group agreed inside itself is
-    # agreed once more over this group (the lowest replica's), and every member of a
-    # round that changed who trains records and agrees it anew (ft/replica.py).
-    early_sync = True
-    order_agreed_on_it = True
-    # A hung peer fails the attempt (its lease ends; every rank's watch shuts the group
-    # down): the watchdog, which would end this rank, stays out of it.
-    watchdog_exempt = True
-    # HFSDP with redundancy: who holds which piece of the optimizer state (a
-    # ft.pieces.PiecePlan, set by ft.init), read by the engine's buffers
-    pieces = None
-    # what a failed collective on it means (paddle_hsdp.comm names it in the error)
-    failure_advice = ("A replica group of this outer group died, hung or was shut out "
-                      "(the round's log names it): paddle_hsdp.ft drops the attempt and "
-                      "forms a round without it; this rank goes on.")
-    # the live replica groups saving one checkpoint together (a ft.joint_save.JointSave,
-    # set by ft.init), read by paddle_hsdp.checkpoint's save
-    joint_save = None
 
     def __init__(self, replica: int, local_rank: int, inner: int):
         self.replica, self.local_rank, self.inner_size = replica, local_rank, inner
         super().__init__(0, LIVE_GROUP_ID, [self.virtual_rank(replica)], pg=None,
                          name=f"hsdp_ft_outer_{local_rank}")
+        # Outer all-reduces during backward as in plain HSDP (engine/outer_sync.py), in
+        # one order across the replica groups: the order each group agreed inside itself
+        # is agreed once more over this group (the lowest replica's), and every member of
+        # a round that changed who trains records and agrees it anew (ft/replica.py). A
+        # hung peer fails the attempt (its lease ends; every rank's watch shuts the group
+        # down): the watchdog, which would end this rank, stays out of it. ft.init adds
+        # the shared HFSDP pieces and the joint save (comm/traits.py).
+        declare(self, early_sync=True, order_agreed_on_it=True, watchdog_exempt=True,
+                failure_advice=FAILURE_ADVICE)
         # process groups of past rounds, (group, id): those that ended well and those
         # abandoned after a failure, kept until the next rebuild (a thread may still be
         # failing out of one), then destroyed with their rendezvous stores
@@ -206,8 +202,10 @@ class PairGroup(Group):
     included, and a member that skipped a send would then wait in the next all-reduce
     under another tag)."""
 
-    watchdog_exempt = True  # a stopped peer fails the round, as on the outer group
-    failure_advice = LiveOuterGroup.failure_advice
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a stopped peer fails the round, as on the outer group
+        declare(self, watchdog_exempt=True, failure_advice=FAILURE_ADVICE)
 
 
 # Process-group ids of the transfers' pair groups: unique per round (modulo

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import zlib
 
+from ..comm.traits import traits_of
 from .kv import wait_count
 from .store import key
 
@@ -69,7 +70,7 @@ class JointSave:
         """Whether this group writes a box of ``piece`` (None: a box every live group
         holds)."""
         replicas = self._round.replicas
-        plan = self._replica.outer.pieces
+        plan = traits_of(self._replica.outer).pieces
         if piece is None or plan is None:
             return self._replica.replica_id == min(replicas)
         holders = [r for r in replicas if plan.piece_of(r) == piece]

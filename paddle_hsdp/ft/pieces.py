@@ -13,8 +13,9 @@ survivors of a failure therefore keep the cut; a piece whose holders died keeps 
 served by the ones that are left (its redundancy is down until a replica with that
 piece rejoins: a restarted replica takes its old piece, a new id ``r`` piece ``r % P``).
 
-The engine reads a :class:`PiecePlan` from the outer group (``group.pieces``): its grads
-are all-reduced whole (not reduce-scattered), and after each step a piece is
+The engine reads a :class:`PiecePlan` from the outer group's traits
+(``traits_of(group).pieces``, comm/traits.py): its grads are all-reduced whole (not
+reduce-scattered), and after each step a piece is
 broadcast from one valid holder (:meth:`src`) to the rest; a rank that holds a valid
 copy takes the broadcast into scratch (:meth:`keeps`), so a failed broadcast never
 touches the piece its optimizer updates.

@@ -39,6 +39,7 @@ from paddle.distributed import fleet
 
 from ..comm import collectives as comm
 from ..comm.collectives import CollectiveError
+from ..comm.traits import declare, traits_of
 from ..engine.hooks import record_outer_sync_again
 from ..engine.optimizers import finish_grad_sync
 from ..engine.registry import registry
@@ -115,9 +116,11 @@ class Replica:
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
-        self.outer.joint_save = JointSave(self)
-        if pieces > 1:  # HFSDP: the engine cuts the optimizer state by this plan
-            self.outer.pieces = PiecePlan(pieces, replica_id, self.outer.virtual_rank)
+        # what the engine and checkpoints read of the live group (comm/traits.py): the
+        # joint save and, with HFSDP, the plan the engine cuts the optimizer state by
+        declare(self.outer, joint_save=JointSave(self),
+                pieces=PiecePlan(pieces, replica_id, self.outer.virtual_rank)
+                if pieces > 1 else None)
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
         job, security = os.environ.get(JOB_ENV, "") or "default", security_from_env()
@@ -254,8 +257,8 @@ class Replica:
             if self._need_round:
                 self.round = self._arrive()
                 receiving = self.replica_id in self.round.receivers
-                if self.outer.pieces is not None:  # a lost piece ends the job on every
-                    self.outer.pieces.arrange(self.round)  # rank alike
+                if traits_of(self.outer).pieces is not None:  # a lost piece ends the job on every
+                    traits_of(self.outer).pieces.arrange(self.round)  # rank alike
                 self._timing["round_s"] = time.perf_counter() - started
                 error = self._set_up_round(self.round, receiving)
                 logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
@@ -434,7 +437,7 @@ class Replica:
                     self._plain_state())
                 if receiving:
                     self._load_plain_state(extra)
-            if self.outer.pieces is not None:
+            if traits_of(self.outer).pieces is not None:
                 # every member rebuilds every piece from its round's holders before the
                 # next forward, whatever its last rebuild did (it may have failed half-way
                 # on one rank and not another; a receiver holds the donor's pieces)
@@ -481,8 +484,8 @@ class Replica:
             entry.update(rebuild=record.rebuild, receivers=record.receivers,
                          donor=record.donor,
                          donors={r: record.donor_of(r) for r in record.receivers},
-                         point_to_point=transfer.plan_transfer(record, self.outer.pieces)[1])
-            pieces = self.outer.pieces
+                         point_to_point=transfer.plan_transfer(record, traits_of(self.outer).pieces)[1])
+            pieces = traits_of(self.outer).pieces
             if pieces is not None:
                 entry["piece_donors"] = {q: pieces.donor(q) for q in range(pieces.parts)}
         if error is not None:

@@ -31,6 +31,7 @@ import paddle
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import forget_group_store
+from ..comm.traits import traits_of
 from ..engine.registry import registry
 from . import groups
 from .protocol import FaultToleranceError
@@ -135,7 +136,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
     the bytes of tensors this rank sent or took (for the log). Each taker checks what it
     took against the checksums its donor computed once per tensor."""
     replica = group.replica
-    phases, point_to_point = plan_transfer(record, group.pieces)
+    phases, point_to_point = plan_transfer(record, traits_of(group).pieces)
     if point_to_point:
         pairs = _pairs(phases)
         phases = [p for p in phases if replica == p.donor or replica in p.takers]

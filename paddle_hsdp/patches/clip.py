@@ -199,7 +199,7 @@ def norm_dtype(grads) -> str:
 def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
     # The norm spans the mesh's ranks: the whole job on the fleet HCG, the mesh's own
     # group for an explicit mesh that covers part of the world.
-    group = getattr(mesh, "clip_group", lambda: None)()
+    group = mesh.clip_group()
     return HSDPClipGradByGlobalNorm(clip.clip_norm, group, mesh.mp_rank(), mesh.sep_rank(),
                                     clip.group_name, clip.auto_skip_clip,
                                     fsdp_rank=mesh.fsdp_group(False).rank,

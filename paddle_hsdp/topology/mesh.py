@@ -31,6 +31,7 @@ order, ranks outside the mesh included: they must not call ``fully_shard`` with 
 from __future__ import annotations
 
 import logging
+from typing import Any, Protocol, runtime_checkable
 from dataclasses import dataclass
 
 import paddle.distributed as dist
@@ -57,6 +58,25 @@ def model_parallel_degrees(hcg=None) -> dict[str, int]:
             "pp_degree": _size(hcg, "get_pipe_parallel_world_size"),
             "sep_degree": _size(hcg, "get_sep_parallel_world_size"),
             "cp_degree": _size(hcg, "get_context_parallel_world_size")}
+
+
+@runtime_checkable
+class Mesh(Protocol):
+    """What the engine, the clip and checkpoints ask of a mesh: its groups for dense
+    (``is_expert=False``) or expert parameters, this rank's mp and sep coordinates, the
+    clip's group (None: the whole job) and the outer sharding ("none" or "optim").
+    :class:`HCGMesh` (fleet's), :class:`ProcessMeshGroups` (an explicit ProcessMesh) and
+    the tests' fake meshes satisfy it (test/test_engine_context.py)."""
+
+    def inner(self, is_expert: bool = False) -> Any: ...
+    def outer(self, is_expert: bool = False) -> Any: ...
+    def reduce_scatter_group(self, is_expert: bool = False) -> Any: ...
+    def fsdp_group(self, is_expert: bool = False) -> Any: ...
+    def fsdp_size(self, is_expert: bool = False) -> int: ...
+    def mp_rank(self) -> int: ...
+    def sep_rank(self) -> int: ...
+    def clip_group(self) -> Any: ...
+    def outer_sharding(self) -> str: ...
 
 
 class HCGMesh:

@@ -1,0 +1,53 @@
+"""What a process group is beyond its ranks, declared once as a typed record (issue 52)
+rather than attributes on Paddle's ``Group`` objects read with ``getattr`` defaults.
+
+A plain group has :data:`PLAIN`'s traits. paddle_hsdp.ft declares its live outer group's
+(an outer all-reduce during backward in one agreed order, hangs ended by the round not
+the watchdog, what a failed collective means, the shared HFSDP pieces, the joint save)
+and its transfer pairs'; the engine, comm and checkpoint read them with
+:func:`traits_of`. Declarations are held weakly: a group that is freed takes its traits
+with it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .state import state
+
+
+@dataclass(frozen=True)
+class GroupTraits:
+    # the outer all-reduce may be issued during backward (engine/outer_sync.py)
+    early_sync: bool = True
+    # the outer-sync order is agreed over this group too (replicas outside the FSDP group)
+    order_agreed_on_it: bool = False
+    # a hang on it is ended by something else (ft's round), not the watchdog's exit
+    watchdog_exempt: bool = False
+    # what a failed collective on it means, said in the CollectiveError
+    failure_advice: str | None = None
+    # HFSDP with redundancy: who holds which optimizer piece (ft.pieces.PiecePlan)
+    pieces: object | None = None
+    # the live replica groups saving one checkpoint together (ft.joint_save.JointSave)
+    joint_save: object | None = None
+
+
+PLAIN = GroupTraits()
+
+
+def declare(group, **traits) -> GroupTraits:
+    """Set ``traits`` (GroupTraits' fields) of ``group``, keeping those declared
+    before; returns the group's traits."""
+    record = dataclasses.replace(traits_of(group), **traits)
+    state.group_traits[group] = record
+    return record
+
+
+def traits_of(group) -> GroupTraits:
+    """``group``'s declared traits (:data:`PLAIN` for any other group, or None)."""
+    if group is None:
+        return PLAIN
+    try:
+        return state.group_traits.get(group, PLAIN)
+    except TypeError:  # an unhashable stand-in (a test's namespace): a plain group
+        return PLAIN
