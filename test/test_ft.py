@@ -191,7 +191,7 @@ def test_attach_refuses_unshared_outer_pieces_and_unsharded_buffers(monkeypatch)
     ft.outer, ft.rank = object(), 1  # not the leader: it publishes no configuration
     buffers = [types.SimpleNamespace(outer=ft.outer, parts=2, shared_pieces=False,
                                      describe=lambda: "buffer 0")]
-    monkeypatch.setattr(replica.registry, "units_under",
+    monkeypatch.setattr(replica.replication.registry, "units_under",
                         lambda model: [types.SimpleNamespace(buffers=buffers)])
     with pytest.raises(NotImplementedError, match="outer sub-shards of its own"):
         ft.attach(object(), object())
@@ -409,7 +409,7 @@ def _replica_with_loader(monkeypatch, rounds):
     ft._replica_votes = lambda failed, join: (failed or (ft._fails and ft._ran), False)
     ft._joiners_waiting = lambda: False
     ft._log = lambda *args, **kwargs: None
-    monkeypatch.setattr(replica, "finish_grad_sync", lambda opt: None)
+    monkeypatch.setattr(replica.replication, "finish_grad_sync", lambda opt: None)
     seen = []
 
     def forward_backward(batch):

@@ -40,9 +40,7 @@ from paddle.distributed import fleet
 from ..comm import collectives as comm
 from ..comm.collectives import CollectiveError
 from ..comm.traits import declare, traits_of
-from ..engine.hooks import record_outer_sync_again
-from ..engine.optimizers import finish_grad_sync
-from ..engine.registry import registry
+from ..engine import replication
 from ..hints import did_you_mean
 from . import config, groups, transfer
 from .etcd import SECURITY_ENV, security_from_env, wait_until_answers
@@ -191,27 +189,13 @@ class Replica:
                              f"(got state_dict={state_dict!r}, load_state_dict="
                              f"{load_state_dict!r}): a donor sends what one returns and a "
                              "rejoining group loads it with the other.")
-        for unit in registry.units_under(model):
-            for buf in unit.buffers:
-                if buf.outer is not self.outer:
-                    raise NotImplementedError(
-                        f"paddle_hsdp.ft: {buf.describe()} is not sharded over the inner "
-                        "group (a replicated placement, or sharded before "
-                        "paddle_hsdp.ft.init): its grads would not cross replicas. Call "
-                        "ft.init() before fully_shard and shard every parameter.")
-                if buf.parts != 1 and not buf.shared_pieces:
-                    raise NotImplementedError(
-                        f"paddle_hsdp.ft: {buf.describe()} has outer sub-shards of its "
-                        "own (one per replica): a dead replica would take its piece of "
-                        "the optimizer state along. Shard after paddle_hsdp.ft.init(), "
-                        "which cuts them by its redundancy.")
+        why = replication.refusal_to_replicate(model, self.outer)
+        if why is not None:
+            raise NotImplementedError(f"paddle_hsdp.ft: {why}")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
         if self.rank == 0:  # the leader arrives with it: a misconfigured group is refused
-            paths = {id(sub): name or "<root>"  # one walk, not one per unit (unit.path)
-                     for name, sub in model.named_sublayers(include_self=True)}
-            tensors = [(f"{paths.get(id(unit.module), '?')}/{sp.fqn}", sp.shape, sp.dtype)
-                       for unit in registry.units_under(model) for sp in unit.params]
+            tensors = replication.parameter_table(model)
             self._config_hash, text = config.digest(config.describe(
                 self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))
             self.control.publish_config(self._config_hash, text)
@@ -284,7 +268,7 @@ class Replica:
                         loss = forward_backward(batch)
                     # after the grads' all-reduces: a group whose backward issued them
                     # early and one that issues them here send them in one order
-                    finish_grad_sync(self.optimizer)
+                    replication.finish_grad_sync(self.optimizer)
                     join_wanted = self._joiners_waiting()
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
@@ -428,7 +412,7 @@ class Replica:
                     self.round_timeout_s), record.number)
                 # the outer syncs' order is agreed anew over the new members at the
                 # next backward (which syncs at the step), whatever each went through
-                record_outer_sync_again(registry.units_under(self.model))
+                replication.order_outer_syncs_again(self.model)
             else:
                 self.outer.carry_into(record.number)
             if record.receivers:
@@ -441,8 +425,7 @@ class Replica:
                 # every member rebuilds every piece from its round's holders before the
                 # next forward, whatever its last rebuild did (it may have failed half-way
                 # on one rank and not another; a receiver holds the donor's pieces)
-                for unit in registry.units_under(self.model):
-                    unit.owe_rebuild()
+                replication.owe_rebuild(self.model)
         except (CollectiveError, FaultToleranceError) as e:
             return e
         except Exception as e:  # noqa: BLE001 - see below

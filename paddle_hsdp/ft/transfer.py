@@ -32,24 +32,10 @@ import paddle
 from ..comm import collectives as comm
 from ..comm.gloo_store import forget_group_store
 from ..comm.traits import traits_of
-from ..engine.registry import registry
+from ..engine import replication
 from . import groups
 from .protocol import FaultToleranceError
 from .store import key
-
-
-def _model_tensors(model) -> list[tuple[str, paddle.Tensor]]:
-    """The tensors a replica's model state is made of, in one order on every replica."""
-    out = []
-    for unit in registry.units_under(model):  # shared pieces: every piece is in the flat
-        for buf in unit.buffers:
-            out.append((f"unit{unit.index}.buffer{buf.index}", buf.flat))
-    for name, param in model.named_parameters():
-        if not hasattr(param, "_hsdp_sharded_param"):  # ignored params: kept whole
-            out.append((f"param.{name}", param))
-    for name, buffer in model.named_buffers():
-        out.append((f"buffer.{name}", buffer))
-    return out
 
 
 def _flatten(state: dict, prefix: tuple = ()) -> tuple[list, dict]:
@@ -165,7 +151,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
             meta = _exchange_meta(store, record, (group.local_rank, *phase.what, phase.donor),
                                   False, None)
             if phase.what[0] == "model":
-                tensors = _model_tensors(model) if taking else None
+                tensors = replication.state_tensors(model) if taking else None
                 _check_same_model(tensors, meta, replica, phase.donor)
                 targets = [t for _, t in tensors] if taking else \
                     [paddle.zeros(s, d) for _, s, d in meta["model"]]
@@ -185,9 +171,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
     if received_opt is not None:
         paths, targets, rest = received_opt
         optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True), rest))
-    registry.storage_may_have_changed()
-    for unit in registry.units_under(model):
-        unit.reshard(force=True)  # params kept gathered hold the old values
+    replication.state_replaced(model)  # views re-pointed, gathered params resharded
     if point_to_point:
         store.set(_received_key(record, group.local_rank, replica), "1")
     return received_extra, moved
@@ -231,7 +215,7 @@ class _Sender:
         what = phase.what
         if what not in self._tensors:
             if what[0] == "model":
-                named = _model_tensors(self.model)
+                named = replication.state_tensors(self.model)
                 meta = {"model": _described(named), "extra": self.extra}
                 tensors = [t for _, t in named]
             else:

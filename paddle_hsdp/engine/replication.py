@@ -1,0 +1,88 @@
+"""The engine as paddle_hsdp.ft sees it: the one module ft imports of the engine (issue
+52), so what a fault-tolerant replica group may read and change of a sharded model is
+named here, and ft holds no registry, unit or buffer.
+
+* :func:`refusal_to_replicate`: why a model cannot train as a replica group (a buffer
+  not sharded over the live outer group, outer sub-shards of its own), or None;
+* :func:`parameter_table`: the sharded parameters, for the groups' configuration check;
+* :func:`state_tensors`: the tensors a replica's model state is made of (each buffer's
+  flat shard, unsharded parameters, buffers), in one order on every replica;
+* :func:`state_replaced`: after a transfer wrote into them, the engine's views and
+  gathered copies are refreshed;
+* :func:`order_outer_syncs_again`, :func:`owe_rebuild`: a round changed who trains;
+* :func:`finish_grad_sync`: the deferred outer all-reduce, now.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from .hooks import record_outer_sync_again
+from .optimizers import finish_grad_sync
+from .registry import registry
+
+__all__ = ["refusal_to_replicate", "parameter_table", "state_tensors", "state_replaced",
+           "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync"]
+
+
+def refusal_to_replicate(model: paddle.nn.Layer, outer) -> str | None:
+    """Why ``model``'s buffers cannot train across live replica groups over ``outer``
+    (the group's outer group), or None."""
+    for unit in registry.units_under(model):
+        for buf in unit.buffers:
+            if buf.outer is not outer:
+                return (f"{buf.describe()} is not sharded over the inner group (a "
+                        "replicated placement, or sharded before paddle_hsdp.ft.init): its "
+                        "grads would not cross replicas. Call ft.init() before fully_shard "
+                        "and shard every parameter.")
+            if buf.parts != 1 and not buf.shared_pieces:
+                return (f"{buf.describe()} has outer sub-shards of its own (one per "
+                        "replica): a dead replica would take its piece of the optimizer "
+                        "state along. Shard after paddle_hsdp.ft.init(), which cuts them by "
+                        "its redundancy.")
+    return None
+
+
+def parameter_table(model: paddle.nn.Layer) -> list[tuple[str, list, object]]:
+    """``(unit path/parameter, shape, dtype)`` of every sharded parameter, unit by unit."""
+    paths = {id(sub): name or "<root>"  # one walk, not one per unit (unit.path)
+             for name, sub in model.named_sublayers(include_self=True)}
+    return [(f"{paths.get(id(unit.module), '?')}/{sp.fqn}", sp.shape, sp.dtype)
+            for unit in registry.units_under(model) for sp in unit.params]
+
+
+def state_tensors(model: paddle.nn.Layer) -> list[tuple[str, paddle.Tensor]]:
+    """The tensors a replica's model state is made of, in one order on every replica:
+    each buffer's flat shard (shared HFSDP pieces included), then the parameters
+    fully_shard left whole, then the model's buffers."""
+    out = []
+    for unit in registry.units_under(model):
+        for buf in unit.buffers:
+            out.append((f"unit{unit.index}.buffer{buf.index}", buf.flat))
+    for name, param in model.named_parameters():
+        if not hasattr(param, "_hsdp_sharded_param"):  # ignored params: kept whole
+            out.append((f"param.{name}", param))
+    for name, buffer in model.named_buffers():
+        out.append((f"buffer.{name}", buffer))
+    return out
+
+
+def state_replaced(model: paddle.nn.Layer) -> None:
+    """The model's state tensors were written in place: views are re-pointed, and
+    parameters kept gathered are resharded (they hold the old values)."""
+    registry.storage_may_have_changed()
+    for unit in registry.units_under(model):
+        unit.reshard(force=True)
+
+
+def order_outer_syncs_again(model: paddle.nn.Layer) -> None:
+    """The round's members changed: the outer syncs' order is recorded and agreed anew
+    at the next backward (which syncs at the step)."""
+    record_outer_sync_again(registry.units_under(model))
+
+
+def owe_rebuild(model: paddle.nn.Layer) -> None:
+    """Every unit rebuilds its shared pieces from the round's holders before its next
+    forward."""
+    for unit in registry.units_under(model):
+        unit.owe_rebuild()
