@@ -16,7 +16,8 @@ from .comm.fingerprint import check_collectives
 from .comm.gather_tags import CollectiveMismatchError
 from .config.apply import apply_config
 from .config.schema import ConfigError, HSDPConfig, load_config
-from .engine.api import FSDPModule, full_grads, full_state_dict, fully_shard, set_zero_stage
+from .engine.api import (FSDPModule, forget, full_grads, full_state_dict, fully_shard,
+                         set_zero_stage)
 from .engine.experts import mark_expert_params
 from .engine.memory import memory_report, reset_peak_memory
 from .engine.optimizers import finish_grad_sync
@@ -31,7 +32,7 @@ __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CollectiveError", "CollectiveMismatchError",
     "ConfigError", "FSDPModule", "HSDPClipGradByGlobalNorm", "HSDPConfig",
     "MixedPrecisionPolicy", "OffloadPolicy", "apply_config", "check_collectives",
-    "create_mesh_groups", "finish_grad_sync", "full_grads", "full_state_dict",
+    "create_mesh_groups", "finish_grad_sync", "forget", "full_grads", "full_state_dict",
     "fully_shard", "get_fsdp_outer_degree", "last_global_norm", "load_checkpoint",
     "load_config", "mark_expert_params", "memory_report", "reset_peak_memory",
     "save_checkpoint", "set_zero_stage",

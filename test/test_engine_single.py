@@ -75,15 +75,12 @@ def _reset_hook_state():
 def registry(monkeypatch):
     """Empty ``hsdp_registry.units`` / ``.owner_of`` for the test, restored after; a fresh
     comm counter (so a test can tell whether any collective was issued)."""
-    saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
-    hsdp_registry.units.clear()
-    hsdp_registry.owner_of.clear()
+    saved = hsdp_registry.saved()
+    hsdp_registry.clear()
     _reset_hook_state()
     monkeypatch.setattr(comm, "counter", comm.CommCounter())
     yield
-    hsdp_registry.units[:] = saved_units
-    hsdp_registry.owner_of.clear()
-    hsdp_registry.owner_of.update(saved_owner)
+    hsdp_registry.restore(saved)
     _reset_hook_state()
 
 
@@ -294,6 +291,42 @@ def test_one_rank_training_matches_unsharded_adamw(fake_mesh, float64):
     for name, value in full.items():
         parity.assert_close(value.numpy(), expected[name].numpy(), name)
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
+
+
+def test_fifty_models_sharded_trained_and_forgotten_leave_nothing_behind(fake_mesh):
+    """Issue 52: ``paddle_hsdp.forget(model)`` releases a sharded model. Sharded, trained
+    a step (Adam state, grads) and forgotten, 50 times: the registry is empty, no model
+    or unit outlives a collection (the engine holds no reference), the process's memory
+    grows by less than 10 MB from the 10th model to the 50th (measured 3.3 MB here;
+    20.2 MB when each model is leaked), and a forgotten model has no engine hook."""
+    import gc
+    import weakref
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    refs, sizes = [], {}
+    for i in range(50):
+        model = _shard_tinylm(models.build_model(seed=i))
+        opt = models.make_optimizer(model, model.parameters(), None)
+        models.lm_loss(model, _ids(seed=i), True).backward()
+        opt.step()
+        opt.clear_grad()
+        refs += [weakref.ref(model)] + [weakref.ref(u) for u in hsdp_registry.units]
+        per_model = len(hsdp_registry.units)
+        paddle_hsdp.forget(model)
+        assert not model._forward_pre_hooks and "_hsdp_unit_" not in model.__dict__
+        del model, opt
+        gc.collect()
+        if i in (9, 49):
+            sizes[i] = rss()
+    assert len(hsdp_registry) == 0 and not hsdp_registry.owner_of
+    # the unit indices that tag collectives go on from where the last model's stopped
+    assert not hsdp_registry.by_index and hsdp_registry.next_index == 50 * per_model
+    assert all(r() is None for r in refs), sum(r() is not None for r in refs)
+    assert sizes[49] - sizes[9] < 10 << 20, (sizes[49] - sizes[9]) / 2 ** 20
+    with pytest.raises(ValueError, match="no fully_shard unit"):
+        paddle_hsdp.forget(paddle.nn.Linear(2, 2))
 
 
 def test_memory_report_gathered_after_forward_and_backward(fake_mesh):

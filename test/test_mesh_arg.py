@@ -25,16 +25,13 @@ import parity  # noqa: E402  (the parity bounds, test_collective/workers/parity.
 @pytest.fixture
 def registry(monkeypatch):
     """Empty unit registry and comm counter for the test, restored after."""
-    saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
-    hsdp_registry.units.clear()
-    hsdp_registry.owner_of.clear()
+    saved = hsdp_registry.saved()
+    hsdp_registry.clear()
     context.backward.active.clear()
     context.backward.roots_in_backward.clear()
     monkeypatch.setattr(comm, "counter", comm.CommCounter())
     yield
-    hsdp_registry.units[:] = saved_units
-    hsdp_registry.owner_of.clear()
-    hsdp_registry.owner_of.update(saved_owner)
+    hsdp_registry.restore(saved)
     context.backward.active.clear()
     context.backward.roots_in_backward.clear()
 

@@ -303,8 +303,7 @@ class RankTrace:
 
 
 def _clear_engine_state() -> None:
-    hsdp_registry.units.clear()
-    hsdp_registry.owner_of.clear()
+    hsdp_registry.clear()
     context.backward.active.clear()
     context.backward.roots_in_backward.clear()
 
@@ -357,14 +356,13 @@ def simulate_rank(rank: int, layout: topology.HSDPLayout, expert_unit: bool = Fa
 def simulate_all_ranks(layout_name: str, expert_unit: bool = False) -> dict[int, RankTrace]:
     """Every simulated rank's trace for one layout; the engine's global registry is
     emptied for each rank and restored afterwards."""
-    saved_units, saved_owner = list(hsdp_registry.units), dict(hsdp_registry.owner_of)
+    saved = hsdp_registry.saved()
     try:
         layout = LAYOUTS[layout_name]()
         return {rank: simulate_rank(rank, layout, expert_unit) for rank in range(WORLD)}
     finally:
         _clear_engine_state()
-        hsdp_registry.units[:] = saved_units
-        hsdp_registry.owner_of.update(saved_owner)
+        hsdp_registry.restore(saved)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))

@@ -44,6 +44,7 @@ NCCL hangs; the debug fingerprint mode of the reliability work covers those.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict, deque
 from typing import Callable
 
@@ -106,7 +107,7 @@ def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, 
     all-gather (a row is written again only 256 calls later)."""
     number = _calls[group.id]
     _calls[group.id] = number + 1
-    _history[group.id].append((number, describe, purpose, state.forward_position,
+    _history[group.id].append((number, _weakly(describe), purpose, state.forward_position,
                                tuple(_forward_units)))
     key = (unit_index, buffer_index, purpose, str(dtype), str(place))
     table = _tables.get(key)
@@ -206,6 +207,16 @@ def _message(group, peer_index: int, row, own, history=None) -> str:
         f"gathering {_describe(unit_index, int(row[2]))} ({what}) as its all-gather "
         f"#{int(row[4])} (mod 256) on this group, while this rank's last all-gathers "
         f"there were:\n{mine}\n{rule}")
+
+
+def _weakly(describe):
+    """``describe`` without keeping its buffer alive: the history outlives a model that
+    paddle_hsdp.forget released (a bound method is held weakly, said as forgotten once
+    its object is gone)."""
+    if not hasattr(describe, "__self__"):
+        return describe
+    method = weakref.WeakMethod(describe)
+    return lambda: (method() or (lambda: "a forgotten model's buffer"))()
 
 
 def set_buffer_describer(describer: Callable[[int, int], str | None]) -> None:

@@ -16,9 +16,11 @@ from ..comm import collectives as comm
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
 from ..topology.placement import is_expert
-from . import direct_calls, grad_hooks, hooks
+from . import direct_calls, grad_hooks, hooks, staging
+from .context import context
 from .flex import sharded_state_dict
 from .param import ShardedParam
+from .reductions import wait_pending_reduces
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
 from .states import ParamState
@@ -394,7 +396,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     hooks.install()
     if outer_sharding is None:
         outer_sharding = mesh.outer_sharding()
-    unit = FSDPUnit(module, len(registry), mesh, reshard_after_forward, mp_policy,
+    unit = FSDPUnit(module, registry.next_index, mesh, reshard_after_forward, mp_policy,
                     offload_policy, outer_sharding)
     unit.overlap = bool(enable_tensor_fusion_and_overlap)
     _apply_claims(unit, claims, placements)
@@ -402,7 +404,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     grad_hooks.watch_grads(unit)
     unit.shard_initial()  # first collective: broadcast over the outer group
     grad_hooks.watch_shard_grads(unit)
-    registry.units.append(unit)
+    registry.add(unit)
     hooks.register_unit_hooks(unit, registry.units)
     module.__dict__["_hsdp_unit_"] = unit
     _make_fsdp_class(module)
@@ -410,6 +412,37 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         for sub, _ in sp.users:
             direct_calls.watch_direct_calls(sub, unit, registry.units)
     return module
+
+
+def forget(model) -> None:
+    """Release ``model``'s fully_shard units: the engine keeps no reference to them, to
+    their buffers or to the model (its hooks are removed), and pooled staging memory is
+    dropped, so the model and its memory go when you drop your references. The model is
+    not usable afterwards (its parameters are shards). Call it on every rank (the unit
+    indices that tag collectives stay alike), not during a forward or backward."""
+    units = registry.units_under(model)
+    if not units:
+        raise ValueError(f"forget: no fully_shard unit in this {type(model).__name__}")
+    running = [u for u in units if u in context.backward.active]
+    if context.backward.in_flight or running:
+        raise RuntimeError(f"forget({type(model).__name__}) during a forward or backward: "
+                           "call it between steps")
+    wait_pending_reduces()  # nothing of theirs left in flight
+    for unit in units:
+        for handle in unit.hook_handles:
+            handle.remove()
+        unit.hook_handles.clear()
+        unit.module.__dict__.pop("_hsdp_unit_", None)
+        for sp in unit.params:
+            for sub, _ in sp.users:
+                direct_calls.unwatch_direct_calls(sub, unit)
+        grad_hooks.disarm(unit)
+        for sp in unit.params:  # a Paddle tensor's attributes are invisible to Python's
+            sp.forget_shard()   # collector: a cycle through one would never be freed
+        unit.root_state = unit._in_root = None
+    registry.forget(units, list(model.parameters()))
+    registry.storage_may_have_changed()
+    staging.pool.release()
 
 
 def _plan_claims(module, ignored: set, placements: dict) -> list[tuple]:

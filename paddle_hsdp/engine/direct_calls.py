@@ -26,10 +26,25 @@ def watch_direct_calls(module, unit: FSDPUnit, all_units: list[FSDPUnit]) -> Non
     if owners is None:
         owners = module.__dict__["_hsdp_direct_owners"] = []
         module.__dict__["_hsdp_direct_stack"] = []
-        module.register_forward_pre_hook(_direct_pre_forward(all_units))
-        module.register_forward_post_hook(_direct_post_forward)
+        module.__dict__["_hsdp_direct_handles"] = [
+            module.register_forward_pre_hook(_direct_pre_forward(all_units)),
+            module.register_forward_post_hook(_direct_post_forward)]
     if unit not in owners:
         owners.append(unit)
+
+
+def unwatch_direct_calls(module, unit: FSDPUnit) -> None:
+    """``unit`` is forgotten: ``module``'s direct calls no longer gather it (its hooks go
+    with its last owner)."""
+    owners = module.__dict__.get("_hsdp_direct_owners")
+    if owners is None or unit not in owners:
+        return
+    owners.remove(unit)
+    if not owners:
+        for handle in module.__dict__.pop("_hsdp_direct_handles"):
+            handle.remove()
+        for name in ("_hsdp_direct_owners", "_hsdp_direct_stack"):
+            module.__dict__.pop(name)
 
 
 def _direct_pre_forward(all_units):

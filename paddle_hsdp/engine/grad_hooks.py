@@ -4,8 +4,6 @@ reach a shard parameter itself (a penalty on ``model.parameters()``)."""
 
 from __future__ import annotations
 
-import functools
-
 import paddle
 
 from . import hooks, master_grad
@@ -14,13 +12,42 @@ from .memory import FullGradBytes
 from .unit import FSDPUnit
 
 
+class _GradHook:
+    """A grad hook's callable, which :func:`disarm` empties. Paddle holds tensor hooks in
+    C++, where Python's collector cannot see a cycle through them: a hook that kept its
+    parameter (so its unit and model) would keep a forgotten model alive for good."""
+
+    __slots__ = ("fn", "sp")
+
+    def __init__(self, fn, sp):
+        self.fn, self.sp = fn, sp
+
+    def __call__(self, *args):
+        sp = self.sp
+        return None if sp is None else self.fn(sp, *args)
+
+
+def _armed(unit: FSDPUnit, fn, sp) -> _GradHook:
+    hook = _GradHook(fn, sp)
+    unit.grad_hooks.append(hook)
+    return hook
+
+
+def disarm(unit: FSDPUnit) -> None:
+    """``unit``'s grad hooks do nothing from now on and hold nothing of it
+    (paddle_hsdp.forget)."""
+    for hook in unit.grad_hooks:
+        hook.sp = None
+    unit.grad_hooks.clear()
+
+
 def watch_grads(unit: FSDPUnit) -> None:
     """Register :func:`_on_grad_accumulated` on every trainable parameter of ``unit``
     (once: Paddle 3.3 returns no handle to remove it by)."""
     for buf in unit.buffers:
         if buf.trainable:
             for sp in buf.params:
-                sp.full._register_backward_hook(functools.partial(_on_grad_accumulated, sp))
+                sp.full._register_backward_hook(_armed(unit, _on_grad_accumulated, sp))
 
 
 def watch_shard_grads(unit: FSDPUnit) -> None:
@@ -29,7 +56,7 @@ def watch_shard_grads(unit: FSDPUnit) -> None:
     for buf in unit.buffers:
         if buf.trainable:
             for sp in buf.params:
-                sp.shard.register_hook(functools.partial(_on_shard_grad, sp))
+                sp.shard.register_hook(_armed(unit, _on_shard_grad, sp))
 
 
 @paddle.no_grad()

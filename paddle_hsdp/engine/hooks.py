@@ -388,8 +388,8 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         trace.record("forward", "done", unit.index)
         return outputs
 
-    unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True)
-    unit.module.register_forward_post_hook(post_forward)
+    unit.hook_handles += [unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
+                          unit.module.register_forward_post_hook(post_forward)]
 
 
 def abandon_forward(units: list[FSDPUnit]) -> None:

@@ -190,7 +190,7 @@ def agreed_order(order: list, group, buffers) -> list:
     message = paddle.to_tensor(codes, dtype="int64")
     comm.broadcast(message, src=group.ranks[0], group=group, tag="outer sync order")
     rows = message.numpy().tolist()  # once per root, at the end of its first backward
-    return [registry.units[u].buffers[b] for u, b in rows[1:rows[0][0] + 1]]
+    return [registry.by_index[u].buffers[b] for u, b in rows[1:rows[0][0] + 1]]
 
 
 def finish_outer_syncs(work: list) -> None:

@@ -120,6 +120,13 @@ class ShardedParam:
         or the sub-block its optimizer sees (``sub=True``; the same with one part)."""
         return self.sub_rows if sub else self.inner_rows
 
+    def forget_shard(self) -> None:
+        """The shard param no longer names this object (paddle_hsdp.forget): a Paddle
+        tensor's Python attributes are not traversed by the collector, so the cycle
+        shard -> ShardedParam -> shard would outlive every other reference."""
+        if self.shard is not None and hasattr(self.shard, "_hsdp_sharded_param"):
+            delattr(self.shard, "_hsdp_sharded_param")
+
     # -------------------------------------------------------------- layout helpers
     def rows_of(self, full, sub: bool) -> paddle.Tensor:
         """The rows of ``full`` (this parameter's full value) this rank holds, shaped

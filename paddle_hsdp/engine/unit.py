@@ -72,6 +72,8 @@ class FSDPUnit:
         self.pins = 0  # a borrower's forward is using our params: do not reshard
         self.is_root = False
         self.root_state = None  # hooks.RootState, when this unit ran as a root
+        self.hook_handles: list = []  # its forward hooks (removed by paddle_hsdp.forget)
+        self.grad_hooks: list = []  # its params' grad hooks (disarmed by forget)
         self._in_root = None  # the RootState of the root this unit ran under
         # The control surface (module methods set these; see api.FSDPModule).
         self.reshard_after_forward = reshard_after_forward  # None: decided at root time
