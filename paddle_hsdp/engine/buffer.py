@@ -39,7 +39,7 @@ from .shard_grads import ShardGrads
 from .param import ShardedParam
 from .pending import PendingGather, PendingRebuild, PendingReduce, give_back, release_staging
 from .registry import registry
-from .states import GradState, RebuildState, expect
+from .states import GradState, RebuildState, expect, move
 
 # A mismatched all-gather's message names the peer's buffer and the units that ran
 # through the registry.
@@ -363,7 +363,8 @@ class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
         except BaseException:
             give_back(staged)  # nothing was issued (or the issue failed)
             raise
-        self._before_reduce, self.grad_state = self.grad_state, GradState.REDUCING
+        self._before_reduce = self.grad_state
+        move(self, "grad_state", GradState.REDUCING, "start_reduce_scatter")
         if not async_op:
             handle.wait()
         return PendingReduce(handle, grid, out, tuple(staged), tuple(present))
@@ -395,7 +396,7 @@ class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
         """The reduce-scatter in flight was waited for without using it (a failed
         backward): the grad shard is as before it."""
         if self.grad_state is GradState.REDUCING:
-            self.grad_state = self._before_reduce
+            move(self, "grad_state", self._before_reduce, "abandon_reduce")
 
     def _reduce_input(self, pieces, dtype, staged: list) -> paddle.Tensor:
         """The ``[I * S]`` reduce-scatter input: ``pieces`` concatenated into a staging
@@ -417,7 +418,7 @@ class ShardBuffer(ShardGrads, FullGrads, OuterPieces):
             sp.grad_here = sp.grad_here or had
         out = pending.out
         self.grads_scattered = False  # (after a sync: the unit rescaled it, see there)
-        self.grad_state = GradState.REDUCED
+        move(self, "grad_state", GradState.REDUCED, "finish_reduce_scatter")
         if self.host is not None:  # added on the host once the copy is in
             self.host.download(out, into=acc, add=True)
             release_staging(pending)  # the grid (the download reads out, not pooled)

@@ -35,7 +35,7 @@ from ..comm.traits import traits_of
 from . import trace
 from .pending import PendingOuterReduce, PendingRebuild, PendingReduce
 from .registry import registry
-from .states import GradState, RebuildState, expect
+from .states import GradState, RebuildState, expect, move
 
 
 class OuterPieces:
@@ -49,7 +49,7 @@ class OuterPieces:
                self.describe)
         pending = (self.start_outer_reduce(async_op, on_thread) if self.scatters_outer else
                    self.start_all_reduce(async_op, on_thread))
-        self.grad_state = GradState.SYNCING
+        move(self, "grad_state", GradState.SYNCING, "start_outer_sync")
         return pending
 
     def start_all_reduce(self, async_op: bool = False, on_thread: bool = False
@@ -102,7 +102,7 @@ class OuterPieces:
             self.finish_outer_reduce(pending, scale)
         else:
             self.finish_all_reduce(pending, scale)
-        self.grad_state = GradState.SYNCED
+        move(self, "grad_state", GradState.SYNCED, "finish_outer_sync")
 
     def sync_locally(self, scale: float) -> None:
         """``set_requires_all_reduce(False)``: no outer collective; the grad shard,
@@ -110,7 +110,7 @@ class OuterPieces:
         expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "sync_locally",
                self.describe)
         self.scale_grads(scale)
-        self.grad_state = GradState.SYNCED
+        move(self, "grad_state", GradState.SYNCED, "sync_locally")
 
     def unsync(self, scale: float) -> None:
         """More grads are coming after the sync: bring the synced grad shard back to
@@ -118,12 +118,12 @@ class OuterPieces:
         outer sum and 1 / N leave it unchanged."""
         expect(self.grad_state, (GradState.SYNCED,), "unsync", self.describe)
         self.scale_grads(scale)
-        self.grad_state = GradState.REDUCED
+        move(self, "grad_state", GradState.REDUCED, "unsync")
 
     def reset_grad_state(self, state: GradState) -> None:
         """Error paths and ``clear_grad``: the collectives in flight were waited for
         (or none was) and the grad shard is taken to be in ``state``."""
-        self.grad_state = state
+        move(self, "grad_state", state, "reset_grad_state")
 
     def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
                            ) -> "PendingOuterReduce":
@@ -213,7 +213,7 @@ class OuterPieces:
 
     def _mark_owed(self) -> None:
         self.finish_rebuild()  # one in flight lands first: it must not overwrite what follows
-        self.rebuild_state = RebuildState.OWED
+        move(self, "rebuild_state", RebuildState.OWED, "_mark_owed")
 
     def check_edits(self) -> None:
         """Whether a shard param changed since the last rebuild was issued (its
@@ -258,7 +258,7 @@ class OuterPieces:
         handle = comm.all_gather_into(out, send, self.outer, async_op=True,
                                       what=self.describe)
         self._rebuild = PendingRebuild(handle, send, out)
-        self.rebuild_state = RebuildState.REBUILDING
+        move(self, "rebuild_state", RebuildState.REBUILDING, "start_rebuild")
         self.edited = False
         self._versions = [sp.shard._inplace_version() for sp in self.params]
         if not async_op:
@@ -282,7 +282,7 @@ class OuterPieces:
             trace.record("wait", "outer_broadcast", self.unit_index)
             if self.host is not None and not scratch and src != me:
                 self.host.download(moved, into=piece, add=False)
-        self.rebuild_state = RebuildState.CURRENT
+        move(self, "rebuild_state", RebuildState.CURRENT, "_copy_pieces_from_holders")
         self.edited = False
         self._versions = [sp.shard._inplace_version() for sp in self.params]
 
@@ -290,7 +290,8 @@ class OuterPieces:
         if self.rebuild_state is not RebuildState.REBUILDING:
             return
         pending, self._rebuild = self._rebuild, None
-        self.rebuild_state = RebuildState.CURRENT  # waited for, even if the wait raises
+        # waited for, even if the wait raises
+        move(self, "rebuild_state", RebuildState.CURRENT, "finish_rebuild")
         pending.handle.wait()
         trace.record("wait", "outer_all_gather", self.unit_index)
         if self.host is not None:

@@ -11,7 +11,7 @@ import paddle
 from . import master_grad
 from .param import ShardedParam
 from .registry import registry
-from .states import GradState, expect
+from .states import GradState, expect, move
 
 
 class ShardGrads:
@@ -105,7 +105,7 @@ class ShardGrads:
         else:
             piece.add_(grad)
         self._repoint.add(id(sp))
-        self.grad_state = GradState.REDUCED
+        move(self, "grad_state", GradState.REDUCED, "add_to_grad")
 
     def repoint_grads(self) -> None:
         """Shard grads that autograd replaced by zeros after :meth:`add_to_grad` become

@@ -8,8 +8,10 @@ at that call, naming what it found and what it needed, not a wrong sum later.
 * :class:`RebuildState` — with outer sub-shards (HFSDP), whether a buffer's flat shard
   holds every replica's latest piece.
 
-Full-size grads that wait for a reduce-scatter under ``set_requires_gradient_sync(False)``
-are the unit's ``full_grads_pending`` (a flag, not a machine: they exist or not).
+Each machine's transitions are a table (:data:`TRANSITIONS`), and every change of a
+state goes through :func:`move`, which checks it. Full-size grads that wait for a
+reduce-scatter under ``set_requires_gradient_sync(False)`` are the unit's
+``full_grads_pending`` (a flag, not a machine: they exist or not).
 """
 
 from __future__ import annotations
@@ -64,6 +66,57 @@ class RebuildState(enum.Enum):
     REBUILDING = "rebuilding"
 
 
+_P, _G, _R = ParamState, GradState, RebuildState
+
+#: Every transition each machine may take, as ``(from, to)``: :func:`move` refuses any
+#: other, so an engine call out of order fails at that call. docs/engine.md's table is
+#: this one (test/test_engine_states.py keeps them alike).
+TRANSITIONS: dict[type, frozenset] = {
+    ParamState: frozenset({
+        (_P.UNSHARDED, _P.SHARDED),    # fully_shard's first sharding; reshard
+        (_P.SHARDED, _P.GATHERING),    # prefetch: the all-gathers issued
+        (_P.GATHERING, _P.UNSHARDED),  # unshard: waited for, modules hold the full params
+        (_P.GATHERING, _P.SHARDED),    # a prefetch never used, or a gather that failed
+    }),
+    GradState: frozenset({
+        (_G.EMPTY, _G.REDUCING), (_G.REDUCED, _G.REDUCING),  # a reduce-scatter issued
+        (_G.REDUCING, _G.REDUCED),                          # ... added in (or abandoned
+        (_G.REDUCING, _G.EMPTY),                            # ... back to where it was)
+        (_G.EMPTY, _G.REDUCED), (_G.REDUCED, _G.REDUCED),   # a direct grad added
+        (_G.EMPTY, _G.SYNCING), (_G.REDUCED, _G.SYNCING),   # the outer sync issued
+        (_G.SYNCING, _G.SYNCED),                            # ... and landed
+        (_G.SYNCING, _G.REDUCED),                           # ... waited, not landed: owed
+        (_G.EMPTY, _G.SYNCED), (_G.REDUCED, _G.SYNCED),     # sync_locally (no outer sum)
+        (_G.SYNCED, _G.REDUCED),                            # more grads after the sync
+        (_G.EMPTY, _G.EMPTY), (_G.REDUCED, _G.EMPTY),       # clear_grad (or a dropped
+        (_G.SYNCING, _G.EMPTY), (_G.SYNCED, _G.EMPTY),      # step's grads)
+    }),
+    RebuildState: frozenset({
+        (_R.CURRENT, _R.OWED), (_R.OWED, _R.OWED),           # this rank's piece changed
+        (_R.CURRENT, _R.REBUILDING), (_R.OWED, _R.REBUILDING),  # the all-gather issued
+        (_R.REBUILDING, _R.CURRENT),                          # ... and waited for
+        (_R.CURRENT, _R.CURRENT), (_R.OWED, _R.CURRENT),      # shared pieces broadcast
+    }),
+}
+
+
+def move(owner, field: str, to: enum.Enum, call: str, who=None) -> None:
+    """Set ``owner.<field>`` (a state) to ``to`` if :data:`TRANSITIONS` allows it from
+    the state it is in, else raise :class:`EngineStateError` naming ``call`` and
+    ``who`` (default: the owner's ``describe()`` or ``label``). Every write of a state
+    after its birth goes through here."""
+    now = getattr(owner, field)
+    if (now, to) not in TRANSITIONS[type(to)]:
+        name = who or getattr(owner, "describe", None) or getattr(owner, "label", owner)
+        name = name() if callable(name) else name
+        raise EngineStateError(
+            f"paddle_hsdp: {call} moves {name} from {now.value!r} to {to.value!r}, which "
+            "its state machine does not allow (paddle_hsdp/engine/states.py "
+            "TRANSITIONS). An engine call came out of order (a bug in paddle_hsdp, or a "
+            "call into its internals): please report it with this traceback.")
+    setattr(owner, field, to)
+
+
 def expect(state: enum.Enum, allowed: tuple, call: str, who) -> None:
     """Raise :class:`EngineStateError` unless ``state`` is one of ``allowed``.
     ``who``: what is in that state (its ``describe()`` or ``label`` names it)."""
@@ -74,3 +127,13 @@ def expect(state: enum.Enum, allowed: tuple, call: str, who) -> None:
             f"{' or '.join(repr(s.value) for s in allowed)}. An engine call came out of "
             "order (a bug in paddle_hsdp, or a call into its internals): please report "
             "it with this traceback.")
+
+
+def transitions_markdown() -> str:
+    """:data:`TRANSITIONS` as the Markdown table docs/engine.md shows."""
+    rows = ["| machine | from | to |", "|---|---|---|"]
+    order = {m: i for machine in TRANSITIONS for i, m in enumerate(machine)}
+    for machine, pairs in TRANSITIONS.items():
+        for a, b in sorted(pairs, key=lambda pair: (order[pair[0]], order[pair[1]])):
+            rows.append(f"| `{machine.__name__}` | {a.value} | {b.value} |")
+    return "\n".join(rows)

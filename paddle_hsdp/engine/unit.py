@@ -38,7 +38,7 @@ from .memory import GatheredBytes
 from .param import ShardedParam
 from .reductions import in_flight, wait_pending_reduces
 from .registry import registry
-from .states import GradState, ParamState, expect
+from .states import GradState, ParamState, expect, move
 
 
 def expect_everyone_in(units, what: str) -> None:
@@ -161,7 +161,7 @@ class FSDPUnit:
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
-        self.state = ParamState.SHARDED
+        move(self, "state", ParamState.SHARDED, "shard_initial")
 
     # -------------------------------------------------------------- transitions
     def check_params(self) -> None:
@@ -194,7 +194,7 @@ class FSDPUnit:
                 settle(pending)  # in flight land first
                 raise
             self._pending_gather = pending
-            self.state = ParamState.GATHERING
+            move(self, "state", ParamState.GATHERING, "prefetch")
             # the gathered storage exists from the issue on: count it from there
             GatheredBytes.add(self.gathered_nbytes(), 1)
 
@@ -216,11 +216,11 @@ class FSDPUnit:
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
             GatheredBytes.add(-self.gathered_nbytes(), -1)
-            self.state = ParamState.SHARDED
+            move(self, "state", ParamState.SHARDED, "unshard")
             raise
         for sp in self.params:
             sp.point_users_to(sp.full)
-        self.state = ParamState.UNSHARDED
+        move(self, "state", ParamState.UNSHARDED, "unshard")
 
     def reshard(self, force: bool = False) -> None:
         if self.pins > 0 and not force:
@@ -228,7 +228,7 @@ class FSDPUnit:
         if self.state is ParamState.GATHERING:  # prefetched, never used: let it land
             pending, self._pending_gather = self._pending_gather, None
             GatheredBytes.add(-self.gathered_nbytes(), -1)
-            self.state = ParamState.SHARDED
+            move(self, "state", ParamState.SHARDED, "reshard")
             failures = settle(pending)
             if failures:
                 raise failures[0]
@@ -237,7 +237,7 @@ class FSDPUnit:
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
-        self.state = ParamState.SHARDED
+        move(self, "state", ParamState.SHARDED, "reshard")
         GatheredBytes.add(-self.gathered_nbytes(), -1)
 
     @property
