@@ -1,15 +1,43 @@
-"""Fixtures shared by the single-process tier."""
-
-import os
-import sys
+"""Fixtures shared by the single-process tier (their helpers: kit.py). pytest.ini puts
+test/, test_collective/workers (the parity workers' models and bounds, shared by both
+tiers) and tools/ on the path: no test inserts into sys.path."""
 
 import paddle
 import pytest
 
-# the parity workers' models and bounds (test_collective/workers), shared by both tiers
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective",
-                                "workers"))
-import parity  # noqa: E402
+import parity
+from kit import FakeMesh
+from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.engine import api
+from paddle_hsdp.engine.context import context
+from paddle_hsdp.engine.registry import registry as hsdp_registry
+
+
+def _reset_hook_state():
+    context.backward.active.clear()
+    context.backward.roots_in_backward.clear()
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """An empty unit registry (and no forward or backward in flight) for the test,
+    restored after; a fresh comm counter (so a test can tell whether any collective
+    was issued)."""
+    saved = hsdp_registry.saved()
+    hsdp_registry.clear()
+    _reset_hook_state()
+    monkeypatch.setattr(comm, "counter", comm.CommCounter())
+    yield
+    hsdp_registry.restore(saved)
+    _reset_hook_state()
+
+
+@pytest.fixture
+def fake_mesh(registry, monkeypatch):
+    """``fully_shard(mesh=None)`` gets a :class:`kit.FakeMesh` instead of the fleet HCG."""
+    mesh = FakeMesh()
+    monkeypatch.setattr(api, "resolve_mesh", lambda m: mesh)
+    return mesh
 
 
 @pytest.fixture

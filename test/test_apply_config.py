@@ -18,7 +18,6 @@ from paddle_hsdp.__main__ import main as cli
 from paddle_hsdp.config import apply
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.config.patterns import PatternError
-from test_engine_single import fake_mesh, registry  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

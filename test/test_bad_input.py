@@ -27,7 +27,6 @@ from paddle_hsdp.__main__ import main as cli
 from paddle_hsdp.topology import fleet as fleet_ext
 from paddle_hsdp.topology import layout as topology
 from test_checkpoint_3d import FakeHCG
-from test_engine_single import fake_mesh, registry  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS: list["Row"] = []
@@ -582,8 +581,8 @@ def test_readme_table_is_generated_from_these_rows():
         faults = f.read()
     table = readme_table()
     assert table in faults, ("docs/faults.md's bad-input table is out of date; regenerate it with "
-                             "python -c 'import sys; sys.path.insert(0, \"test\"); "
-                             "import test_bad_input as t; print(t.readme_table())'")
+                             "PYTHONPATH=test python -c 'import test_bad_input as t; "
+                             "print(t.readme_table())'")
     assert len(re.findall(r"^\| ", table, re.M)) == len(ROWS) + len(MULTI_RANK) + 2
 
 

@@ -11,11 +11,11 @@ import pytest
 import paddle_hsdp
 from paddle_hsdp import checkpoint
 from paddle_hsdp.checkpoint.format import _Reader
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+from kit import batch_ids, models, shard_tinylm
 
 
 def _train_step(model, opt):
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     opt.step()
     opt.clear_grad()
 
@@ -98,7 +98,7 @@ def test_an_async_save_holds_the_step_it_was_called_at(tmp_path, registry):  # n
 
 
 def test_sharded_model_loads_into_plain(tmp_path, fake_mesh):  # noqa: F811
-    sharded = _shard_tinylm(models.build_model())
+    sharded = shard_tinylm(models.build_model())
     opt = models.make_optimizer(sharded, sharded.parameters(), 0.2)
     _train_step(sharded, opt)
     checkpoint.save_checkpoint(tmp_path / "ck", sharded, opt)

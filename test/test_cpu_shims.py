@@ -25,7 +25,6 @@ from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.patches import cpu_compat, cpu_pipeline
 
 import parity  # test_collective/workers/parity.py (test/conftest.py puts it on the path)
-from test_engine_single import fake_mesh, registry  # noqa: F401  (fixtures)
 
 
 def _embedding_grad(ids, upstream, start, rows):

@@ -69,7 +69,7 @@ MESH_METHODS = ("inner", "outer", "reduce_scatter_group", "fsdp_group", "fsdp_si
 
 
 def test_every_mesh_satisfies_the_protocol():
-    from test_engine_single import FakeMesh as SingleFake
+    from kit import FakeMesh as SingleFake
     from test_replicas_and_call_order import FakeMesh as CallOrderFake
     for cls in (HCGMesh, ProcessMeshGroups, SingleFake, CallOrderFake):
         missing = [m for m in MESH_METHODS if not callable(getattr(cls, m, None))]

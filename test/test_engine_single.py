@@ -8,122 +8,17 @@ checked by ``test_collective``.
 """
 
 import os
-import sys
 
 import numpy as np
 import paddle
 import pytest
-from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine import api
-from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
-import models  # noqa: E402  (TinyLM, lm_loss, ...: the model the parity workers train)
-import parity  # noqa: E402  (the parity bounds, test_collective/workers/parity.py)
-
-# ---------------------------------------------------------------- fixtures
-
-
-def _one_rank_group():
-    return Group(0, -100, [0], pg=None, name="fake")
-
-
-class FakeMesh:
-    """What ``resolve_mesh`` returns, with one-rank groups: inner = outer = fsdp = {0}."""
-
-    def __init__(self):
-        self.group = _one_rank_group()
-
-    def inner(self, is_expert=False):
-        return self.group
-
-    def outer(self, is_expert=False):
-        return self.group
-
-    def reduce_scatter_group(self, is_expert=False):
-        return self.group
-
-    def fsdp_group(self, is_expert=False):
-        return self.group
-
-    def fsdp_size(self, is_expert=False):
-        return 1
-
-    def mp_rank(self):
-        return 0
-
-    def sep_rank(self):
-        return 0
-
-    def clip_group(self):
-        return None
-
-    def outer_sharding(self):
-        return "none"
-
-
-def _reset_hook_state():
-    context.backward.active.clear()
-    context.backward.roots_in_backward.clear()
-
-
-@pytest.fixture
-def registry(monkeypatch):
-    """Empty ``hsdp_registry.units`` / ``.owner_of`` for the test, restored after; a fresh
-    comm counter (so a test can tell whether any collective was issued)."""
-    saved = hsdp_registry.saved()
-    hsdp_registry.clear()
-    _reset_hook_state()
-    monkeypatch.setattr(comm, "counter", comm.CommCounter())
-    yield
-    hsdp_registry.restore(saved)
-    _reset_hook_state()
-
-
-@pytest.fixture
-def fake_mesh(registry, monkeypatch):
-    """``fully_shard(mesh=None)`` gets a :class:`FakeMesh` instead of the fleet HCG."""
-    mesh = FakeMesh()
-    monkeypatch.setattr(api, "resolve_mesh", lambda m: mesh)
-    return mesh
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _two_linears():
-    return paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Linear(3, 2))
-
-
-def _shard_tinylm(model, reshard_blocks=None):
-    """The layout of the parity workers: embed and each block, then the root."""
-    paddle_hsdp.fully_shard(model.embed)
-    for block in model.blocks:
-        paddle_hsdp.fully_shard(block, reshard_after_forward=reshard_blocks)
-    paddle_hsdp.fully_shard(model)
-    return model
-
-
-def _ids(seed=7, rows=2):
-    rng = np.random.default_rng(seed)
-    return paddle.to_tensor(rng.integers(0, models.VOCAB, size=(rows, models.SEQ + 1)).astype("int64"))
-
-
-def _assert_raises_without_side_effects(exc, match, module, **kwargs):
-    """``fully_shard(module, **kwargs)`` raises ``exc``; no collective, no new unit,
-    the module's class is untouched."""
-    units_before, cls_before = list(hsdp_registry.units), type(module)
-    calls_before = comm.counter.snapshot()
-    with pytest.raises(exc, match=match):
-        paddle_hsdp.fully_shard(module, **kwargs)
-    assert comm.counter.snapshot() == calls_before, "a collective ran before the check"
-    assert hsdp_registry.units == units_before
-    assert type(module) is cls_before
-
+from kit import (assert_raises_without_side_effects, batch_ids, models, parity,
+                 shard_tinylm, two_linears)
 
 # ---------------------------------------------------------------- misuse
 
@@ -132,25 +27,25 @@ def test_fully_shard_twice_raises_already(fake_mesh):
     """A second fully_shard on the same module is refused before any collective."""
     layer = paddle.nn.Linear(4, 4)
     paddle_hsdp.fully_shard(layer)
-    _assert_raises_without_side_effects(ValueError, "already", layer)
+    assert_raises_without_side_effects(ValueError, "already", layer)
 
 
 def test_fully_shard_child_after_parent_raises_bottom_up(fake_mesh):
     """Sharding a child after its parent is refused, with a hint to go bottom-up."""
-    model = _two_linears()
+    model = two_linears()
     paddle_hsdp.fully_shard(model)
-    _assert_raises_without_side_effects(ValueError, "bottom-up", model[0])
+    assert_raises_without_side_effects(ValueError, "bottom-up", model[0])
 
 
 def test_fully_shard_module_without_parameters_raises(fake_mesh):
     """A module with no parameters at all (ReLU) has nothing to shard: ValueError."""
-    _assert_raises_without_side_effects(ValueError, "no parameters", paddle.nn.ReLU())
+    assert_raises_without_side_effects(ValueError, "no parameters", paddle.nn.ReLU())
 
 
 def test_root_whose_params_all_sit_in_sharded_children_is_fine(fake_mesh):
     """A root that owns no parameter of its own (all in sharded children) is a valid
     unit with no buffers, and forward/backward still fills every shard's grad."""
-    model = _two_linears()
+    model = two_linears()
     paddle_hsdp.fully_shard(model[0])
     paddle_hsdp.fully_shard(model[1])
     paddle_hsdp.fully_shard(model)
@@ -173,7 +68,7 @@ def test_non_layer_raises_type_error(fake_mesh):
                                  "ignored_params"])
 def test_wrong_argument_types_raise_naming_the_argument(fake_mesh, arg):
     """An argument of the wrong kind raises TypeError naming it, before any collective."""
-    _assert_raises_without_side_effects(TypeError, arg, paddle.nn.Linear(2, 2),
+    assert_raises_without_side_effects(TypeError, arg, paddle.nn.Linear(2, 2),
                                         **{arg: object()})
 
 
@@ -182,14 +77,14 @@ def test_unsupported_placement_raises(fake_mesh):
     naming it, before any collective."""
     from paddle.distributed import Shard
 
-    _assert_raises_without_side_effects(NotImplementedError, "shard_placement_fn",
+    assert_raises_without_side_effects(NotImplementedError, "shard_placement_fn",
                                         paddle.nn.Linear(2, 2),
                                         shard_placement_fn=lambda p: Shard(1))
 
 
 def test_int_reshard_after_forward_raises(fake_mesh):
     """reshard_after_forward=2 (an int reshard size) is not implemented."""
-    _assert_raises_without_side_effects(NotImplementedError, "reshard_after_forward",
+    assert_raises_without_side_effects(NotImplementedError, "reshard_after_forward",
                                         paddle.nn.Linear(2, 2), reshard_after_forward=2)
 
 
@@ -210,7 +105,7 @@ def test_without_fleet_init_raises_with_instructions(registry, monkeypatch):
 
 def test_mesh_of_the_wrong_kind_raises(registry):
     """mesh=... that is not a ProcessMesh raises TypeError naming the argument."""
-    _assert_raises_without_side_effects(TypeError, "mesh", paddle.nn.Linear(2, 2),
+    assert_raises_without_side_effects(TypeError, "mesh", paddle.nn.Linear(2, 2),
                                         mesh=object())
 
 
@@ -229,7 +124,7 @@ def test_parameters_become_shards_with_the_same_names_and_attributes(fake_mesh):
              for n, p in before}
     originals = {id(p) for _, p in before}
 
-    _shard_tinylm(model)
+    shard_tinylm(model)
 
     after = list(model.named_parameters())
     assert [n for n, _ in after] == [n for n, _ in before]
@@ -251,7 +146,7 @@ def test_tied_parameter_has_one_owner_and_the_other_unit_borrows_it(fake_mesh):
     shard."""
     model = models.build_model()
     tied = model.embed.weight
-    _shard_tinylm(model)
+    shard_tinylm(model)
     embed_unit, root_unit = model.embed._hsdp_unit, model._hsdp_unit
     owners = [u for u in hsdp_registry.units for sp in u.params if sp.full is tied]
     assert owners == [embed_unit]
@@ -272,12 +167,12 @@ def test_one_rank_training_matches_unsharded_adamw(fake_mesh, float64):
     the hooks and grad plumbing, not multi-rank numerics (test_collective does that).
     The middle step skips Block.extra, which then gets a zero grad on both sides."""
     ref = models.build_model()
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     ref_opt = models.make_optimizer(ref, ref.parameters(), None)
     opt = models.make_optimizer(model, model.parameters(), None)
     ref_losses, losses = [], []
     for step, use_extra in enumerate([True, False, True]):
-        ids = _ids(seed=step)
+        ids = batch_ids(seed=step)
         for m, o, out in ((ref, ref_opt, ref_losses), (model, opt, losses)):
             loss = models.lm_loss(m, ids, use_extra)
             loss.backward()
@@ -307,9 +202,9 @@ def test_fifty_models_sharded_trained_and_forgotten_leave_nothing_behind(fake_me
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     refs, sizes = [], {}
     for i in range(50):
-        model = _shard_tinylm(models.build_model(seed=i))
+        model = shard_tinylm(models.build_model(seed=i))
         opt = models.make_optimizer(model, model.parameters(), None)
-        models.lm_loss(model, _ids(seed=i), True).backward()
+        models.lm_loss(model, batch_ids(seed=i), True).backward()
         opt.step()
         opt.clear_grad()
         refs += [weakref.ref(model)] + [weakref.ref(u) for u in hsdp_registry.units]
@@ -339,7 +234,7 @@ def test_memory_report_gathered_after_forward_and_backward(fake_mesh):
     paddle_hsdp.fully_shard(model)
     assert paddle_hsdp.memory_report(model)["gathered"] == 0  # sharded at rest
 
-    loss = models.lm_loss(model, _ids(), True)
+    loss = models.lm_loss(model, batch_ids(), True)
     kept = paddle_hsdp.memory_report(model.blocks[0])
     assert kept["gathered"] > 0 and kept["gathered"] == kept["shard"]  # 1 rank: full == shard
     assert paddle_hsdp.memory_report(model.blocks[1])["gathered"] == 0
@@ -353,12 +248,12 @@ def test_memory_report_gathered_after_forward_and_backward(fake_mesh):
 def test_forward_that_raised_does_not_break_the_next_root(fake_mesh):
     """After a forward that raised midway, a model sharded next still trains: its
     backward fills the shard grads, reshards, and leaves shard params in the slots."""
-    broken = _two_linears()
+    broken = two_linears()
     paddle_hsdp.fully_shard(broken[0])
     paddle_hsdp.fully_shard(broken)
     with pytest.raises(ValueError):
         broken(paddle.randn([2, 5]))  # wrong width: fails inside the first Linear
-    model = _two_linears()
+    model = two_linears()
     paddle_hsdp.fully_shard(model[0])
     paddle_hsdp.fully_shard(model)
     model(paddle.randn([2, 4])).sum().backward()
@@ -374,10 +269,10 @@ def test_forward_that_raised_does_not_break_the_next_root(fake_mesh):
 def test_clip_grad_by_norm_is_refused_at_first_step(fake_mesh):
     """ClipGradByNorm cannot be computed on shards: the first step() raises
     NotImplementedError before any parameter is updated."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(learning_rate=0.1, parameters=model.parameters(),
                                  grad_clip=paddle.nn.ClipGradByNorm(1.0))
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     before = {n: p.numpy().copy() for n, p in model.named_parameters()}
     with pytest.raises(NotImplementedError, match="ClipGradByNorm"):
         opt.step()
@@ -391,12 +286,12 @@ def test_clip_grad_by_global_norm_is_swapped_and_reports_the_norm(fake_mesh, flo
     grad norm, and the clipped update matches the unsharded one."""
     clip = 0.2
     ref = models.build_model()
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     ref_opt = models.make_optimizer(ref, ref.parameters(), clip)
     opt = models.make_optimizer(model, model.parameters(), clip)
     assert type(opt._grad_clip) is paddle.nn.ClipGradByGlobalNorm
     assert paddle_hsdp.last_global_norm(opt) is None
-    ids = _ids()
+    ids = batch_ids()
     models.lm_loss(ref, ids, True).backward()
     ref_norm = models._global_norm(ref)
     assert ref_norm > clip  # the clip is active
@@ -415,9 +310,9 @@ def test_explicit_forward_prefetch_gathers_the_listed_module_early(fake_mesh):
     """block0.set_modules_to_forward_prefetch([block2]) issues block2's all-gather in
     block0's pre-forward: under ZeRO-3 it is in flight while block0 and block1 run (and
     waited for at block2's own pre-forward), and the loss is the same as without."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     paddle_hsdp.set_zero_stage(model, 3)
-    ids = _ids()
+    ids = batch_ids()
     plain = float(models.lm_loss(model, ids, True))
     seen = []
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[2]])

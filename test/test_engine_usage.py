@@ -1,5 +1,5 @@
 """Usage patterns real training loops have, through the engine on the one-rank fake mesh
-of test_engine_single (every collective is a copy: this checks the hooks and the grad
+of kit.py (every collective is a copy: this checks the hooks and the grad
 plumbing, not multi-rank numerics, which test_collective covers).
 
 Each test trains the sharded model and an unsharded twin the same way and compares.
@@ -16,7 +16,7 @@ from paddle.distributed.fleet.utils import recompute
 
 import paddle_hsdp
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from test_engine_single import _ids, fake_mesh, models, parity, registry  # noqa: F401  (fixtures)
+from kit import parity
 
 H = 8
 

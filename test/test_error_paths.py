@@ -23,7 +23,7 @@ from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine import outer_sync, reductions
 from paddle_hsdp.engine.buffer import ShardBuffer
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
+from kit import batch_ids, models, parity, shard_tinylm
 
 
 class Boom(RuntimeError):
@@ -74,7 +74,7 @@ def _pair(untied_head=False):
             paddle_hsdp.fully_shard(block)
         paddle_hsdp.fully_shard(model)
     else:
-        _shard_tinylm(model)
+        shard_tinylm(model)
     paddle_hsdp.set_zero_stage(model, 3)
     ref_opt = models.make_optimizer(ref, ref.parameters(), None)
     opt = models.make_optimizer(model, model.parameters(), None)
@@ -91,7 +91,7 @@ def _build(untied_head):
 
 
 def _step(model, opt, seed):
-    loss = models.lm_loss(model, _ids(seed=seed), True)
+    loss = models.lm_loss(model, batch_ids(seed=seed), True)
     loss.backward()
     opt.step()
     opt.clear_grad()
@@ -152,7 +152,7 @@ def test_forward_that_raises_waits_the_prefetch_and_the_next_batch_trains(
     monkeypatch.setattr(model.blocks[1].fc1, "forward",
                         lambda x: (_ for _ in ()).throw(Boom("simulated OOM in forward")))
     with pytest.raises(Boom):
-        models.lm_loss(model, _ids(seed=5), True)
+        models.lm_loss(model, batch_ids(seed=5), True)
     monkeypatch.undo()
     opt.clear_grad()
     _assert_all_waited(ledger)
@@ -176,7 +176,7 @@ def test_gather_whose_copy_out_raises_waits_the_other_buffers(fake_mesh, float64
         return original(self, pending)
     monkeypatch.setattr(ShardBuffer, "finish_gather", failing)
     with pytest.raises(Boom):
-        models.lm_loss(model, _ids(seed=5), True)
+        models.lm_loss(model, batch_ids(seed=5), True)
     monkeypatch.undo()
     _assert_all_waited(ledger)
     _assert_trains_like_reference(ref, ref_opt, model, opt)
@@ -197,7 +197,7 @@ def test_gather_issue_that_raises_waits_the_ones_issued_before(fake_mesh, float6
         return original(self, *args, **kwargs)
     monkeypatch.setattr(ShardBuffer, "start_gather", failing)
     with pytest.raises(Boom):
-        models.lm_loss(model, _ids(seed=5), True)
+        models.lm_loss(model, batch_ids(seed=5), True)
     monkeypatch.undo()
     _assert_all_waited(ledger)
     _assert_trains_like_reference(ref, ref_opt, model, opt)
@@ -218,7 +218,7 @@ def test_backward_that_raises_waits_the_reduce_scatters_in_flight(fake_mesh, flo
         return original(self, *args, **kwargs)
     ShardBuffer.start_reduce_scatter = recording
     try:
-        loss = models.lm_loss(model, _ids(seed=5), True)
+        loss = models.lm_loss(model, batch_ids(seed=5), True)
         with pytest.raises(Exception, match="simulated out-of-memory"):  # Paddle wraps it
             loss.backward()
     finally:
@@ -253,7 +253,7 @@ def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledge
             raise Boom("simulated failure after the outer all-reduce")
         return original(self, pending, scale)
     monkeypatch.setattr(ShardBuffer, "finish_all_reduce", failing)
-    loss = models.lm_loss(model, _ids(seed=5), True)
+    loss = models.lm_loss(model, batch_ids(seed=5), True)
     if early:
         with pytest.raises(Boom):
             loss.backward()
@@ -291,7 +291,7 @@ def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
 def _backward_raises_boom(model, monkeypatch, failing_start_reduce_scatter) -> None:
     """A backward whose ``start_reduce_scatter`` is ``failing_...`` raises Boom."""
     monkeypatch.setattr(ShardBuffer, "start_reduce_scatter", failing_start_reduce_scatter)
-    loss = models.lm_loss(model, _ids(seed=5), True)
+    loss = models.lm_loss(model, batch_ids(seed=5), True)
     with pytest.raises(Boom):
         loss.backward()
     monkeypatch.undo()

@@ -1,5 +1,5 @@
 """Full grads written in place into the reduce-scatter's input (engine/full_grads.py),
-in one process (the one-rank fake mesh of test_engine_single): which path a buffer
+in one process (the one-rank fake mesh of kit.py): which path a buffer
 takes, that autograd's grads land in the grid, and that a grad which does not is still
 reduced. Multi-rank numerics of the same path: every training worker of
 test_collective."""
@@ -9,14 +9,14 @@ import paddle
 import paddle_hsdp
 from paddle_hsdp.engine import staging
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
+from kit import batch_ids, models, parity, shard_tinylm
 
 
 def _plain_grads(seed=7, prepare=None):
     plain = models.build_model()
     if prepare is not None:
         prepare(plain)
-    models.lm_loss(plain, _ids(seed), True).backward()
+    models.lm_loss(plain, batch_ids(seed), True).backward()
     return {name: p.grad for name, p in plain.named_parameters() if p.grad is not None}
 
 
@@ -33,7 +33,7 @@ def test_grads_accumulate_in_the_reduce_input(fake_mesh, float64):
     when the grads of all its uses are in, after the embedding's pre-backward); after
     backward no grid is held, none is counted as full grads, and the grads equal the
     unsharded model's."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     seen = []
 
     def check(sp, *_):
@@ -50,7 +50,7 @@ def test_grads_accumulate_in_the_reduce_input(fake_mesh, float64):
                 continue
             for sp in buf.params:
                 sp.full._register_backward_hook(lambda *a, sp=sp: check(sp))
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     assert seen and all(seen), seen
     assert all(buf.grad_grid is None for u in hsdp_registry.units for buf in u.buffers)
     assert staging.pool.grad_bytes == 0
@@ -90,7 +90,7 @@ def test_buffers_that_keep_autograd_grads(fake_mesh, float64):
         reduce_dtype=paddle.float32))
     (buf,) = [b for b in model._hsdp_unit.buffers if b.trainable]
     assert not buf.grads_in_place()
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     assert buf.grad_grid is None
 
     other = paddle_hsdp.fully_shard(models.build_model())

@@ -5,7 +5,7 @@ On a device the tag comparison is kept as a device-side flag (no host sync per
 all-gather) and read later. Evaluation and generation never step, so the flags are
 also read at the end of a root forward without grad or in eval mode, and whenever
 their count reaches ``gather_tags.pending_cap()``. ``DEFER_ON_CPU`` forces that path on
-CPU; the one-rank fake mesh of test_engine_single runs the real engine around it.
+CPU; the one-rank fake mesh of kit.py runs the real engine around it.
 """
 
 import paddle
@@ -13,7 +13,7 @@ import pytest
 
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.comm import gather_tags
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+from kit import batch_ids, models, shard_tinylm
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def deferred(monkeypatch):
 
 
 def _model():
-    model = _shard_tinylm(models.build_model())
-    models.lm_loss(model, _ids(), True).backward()  # records the forward order (prefetch on)
+    model = shard_tinylm(models.build_model())
+    models.lm_loss(model, batch_ids(), True).backward()  # records the forward order (prefetch on)
     return model
 
 
@@ -42,7 +42,7 @@ def test_eval_forwards_keep_no_flags_between_forwards(fake_mesh, deferred):
     """1000 no_grad forwards: every forward's flags are read (one batched read) at its
     end, so nothing accumulates; the same in eval mode with grad on."""
     model = _model()
-    ids = _ids()[:, :-1]
+    ids = batch_ids()[:, :-1]
     per_forward = None
     with paddle.no_grad():
         for i in range(1000):
@@ -61,7 +61,7 @@ def test_forwards_with_grad_that_never_step_stay_under_the_cap(fake_mesh, deferr
     """Training-mode forwards with grad but no optimizer step (e.g. a loop computing
     losses only): the list is read when it reaches the cap, never grows past it."""
     model = _model()
-    ids = _ids()[:, :-1]
+    ids = batch_ids()[:, :-1]
     cap = gather_tags.pending_cap()
     for _ in range(300):
         model(ids, True)
@@ -75,7 +75,7 @@ def test_training_steps_are_not_cut_by_extra_reads(fake_mesh, deferred):
     model = _model()
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     for step in range(3):
-        models.lm_loss(model, _ids(seed=step), True).backward()
+        models.lm_loss(model, batch_ids(seed=step), True).backward()
         opt.step()
         opt.clear_grad()
     assert len(deferred) == 3, deferred  # the three steps' reads, nothing else
@@ -99,7 +99,7 @@ def test_mismatch_in_an_eval_forward_is_raised_by_the_end_of_that_forward(
                           output=row)
         return handle
     monkeypatch.setattr(comm, "all_gather_into", peer_gathers_blocks2)
-    ids = _ids()[:, :-1]
+    ids = batch_ids()[:, :-1]
     with paddle.no_grad():
         with pytest.raises(gather_tags.CollectiveMismatchError) as info:
             model(ids, True)

@@ -18,8 +18,7 @@ import paddle
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import gpu_check  # noqa: E402
+import gpu_check  # noqa: E402  (tools/, on pytest.ini's pythonpath)
 
 CUDA = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 

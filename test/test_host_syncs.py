@@ -17,7 +17,7 @@ import pytest
 
 from paddle_hsdp.comm import gather_tags
 from paddle_hsdp.engine import trace
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+from kit import batch_ids, models, shard_tinylm
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "paddle_hsdp") + os.sep
@@ -61,12 +61,12 @@ def test_forward_and_backward_make_no_host_sync_and_the_step_one(fake_mesh, host
 
 
 def _step_twice(host_syncs):
-    model = _shard_tinylm(models.build_model(), reshard_blocks=True)  # ZeRO-3: most gathers
+    model = shard_tinylm(models.build_model(), reshard_blocks=True)  # ZeRO-3: most gathers
     opt = paddle.optimizer.AdamW(0.01, parameters=model.parameters(),
                                  grad_clip=paddle.nn.ClipGradByGlobalNorm(0.5))
 
     def step(seed):
-        loss = models.lm_loss(model, _ids(seed=seed), True)
+        loss = models.lm_loss(model, batch_ids(seed=seed), True)
         loss.backward()
         passes = list(host_syncs)
         host_syncs.clear()

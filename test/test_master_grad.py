@@ -22,7 +22,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import (MixPrecisionLaye
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.optimizers import _ensure_accumulators, _states_of
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
+from kit import batch_ids, models, parity, shard_tinylm
 
 MICRO, CLIP = 2, 0.2
 
@@ -34,7 +34,7 @@ def _wrapped(order):
     if order == "before":
         wrapper = MixPrecisionLayer(model, dtype="bfloat16")
     if order is not None:
-        _shard_tinylm(model)
+        shard_tinylm(model)
     if order != "before":
         wrapper = MixPrecisionLayer(model, dtype="bfloat16")
     opt = MixPrecisionOptimizer(models.make_optimizer(model, model.parameters(), CLIP))
@@ -59,7 +59,7 @@ def test_wrappers_match_the_unsharded_model_micro_step_by_micro_step(fake_mesh, 
     losses, ref_losses = [], []
     for step in range(3):
         for micro in range(MICRO):
-            ids = _ids(seed=10 * step + micro)
+            ids = batch_ids(seed=10 * step + micro)
             for w, out in ((ref_wrapper, ref_losses), (wrapper, losses)):
                 loss = models.lm_loss(w, ids, micro == 0)  # Block.extra: 1st micro-step only
                 (loss / MICRO).backward()
@@ -91,7 +91,7 @@ def test_clear_grad_releases_main_grads_and_drops_deferred_grads(fake_mesh):
     model, wrapper, opt = _wrapped("before")
     paddle_hsdp.set_zero_stage(model, 1)
     shards = _trainable(opt)
-    models.lm_loss(wrapper, _ids(), True).backward()
+    models.lm_loss(wrapper, batch_ids(), True).backward()
     units = paddle_hsdp.engine.registry.registry.units_under(model)
     assert any(u.full_grads_pending for u in units)
     full = [p._hsdp_sharded_param.full for p in shards]
@@ -99,7 +99,7 @@ def test_clear_grad_releases_main_grads_and_drops_deferred_grads(fake_mesh):
     opt.clear_grad(set_to_zero=False)
     assert not any(u.full_grads_pending for u in units)
     assert all(f.main_grad is None for f in full) and all(p.main_grad is None for p in shards)
-    models.lm_loss(wrapper, _ids(seed=3), True).backward()
+    models.lm_loss(wrapper, batch_ids(seed=3), True).backward()
     paddle_hsdp.finish_grad_sync(opt)
     assert all(p.main_grad is not None and p.grad is None for p in shards)
 
@@ -107,11 +107,11 @@ def test_clear_grad_releases_main_grads_and_drops_deferred_grads(fake_mesh):
 def test_wrapper_over_part_of_a_buffer_is_refused_before_any_collective(fake_mesh):
     """MixPrecisionLayer over fc1 alone (fc2, the norm and ``extra`` share its unit's
     buffer, one collective) is refused at the next forward, naming MixedPrecisionPolicy."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     MixPrecisionLayer(model.blocks[0].fc1, dtype="bfloat16")
     before = comm.counter.snapshot()
     with pytest.raises(NotImplementedError, match="MixPrecisionLayer covers") as info:
-        models.lm_loss(model, _ids(), True)
+        models.lm_loss(model, batch_ids(), True)
     assert "MixedPrecisionPolicy" in str(info.value) and "blocks.0" in str(info.value)
     assert comm.counter.snapshot() == before
 
@@ -122,10 +122,10 @@ def test_amp_decorate_o2_changes_nothing_on_cpu(fake_mesh, when):
     fully_shard, parameters stay float32 and shards stay views of their buffer."""
     model = models.build_model()
     if when == "after":
-        _shard_tinylm(model)
+        shard_tinylm(model)
     model = paddle.amp.decorate(models=model, level="O2", dtype="bfloat16")
     if when == "before":
-        _shard_tinylm(model)
+        shard_tinylm(model)
     opt = models.make_optimizer(model, model.parameters(), CLIP)
     model, opt = paddle.amp.decorate(models=model, optimizers=opt, level="O2",
                                      dtype="bfloat16", master_weight=True)
@@ -134,7 +134,7 @@ def test_amp_decorate_o2_changes_nothing_on_cpu(fake_mesh, when):
     for p in model.parameters():
         sp = p._hsdp_sharded_param
         assert sp.shard_is_view_of(paddle_hsdp.engine.registry.registry.buffer_of(sp).flat)
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     opt.step()
 
 
@@ -143,11 +143,11 @@ def test_decorate_cast_after_fully_shard_is_refused_before_any_collective(fake_m
     the model yields, i.e. the shards, in place. Their buffer stays float32, so the next
     gather would quietly copy the float32 values back; the next forward refuses it
     instead, naming the parameter, the order that works and MixedPrecisionPolicy."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
     before = comm.counter.snapshot()
     with pytest.raises(NotImplementedError, match="after fully_shard") as info:
-        models.lm_loss(model, _ids(), True)
+        models.lm_loss(model, batch_ids(), True)
     message = str(info.value)
     assert "before fully_shard" in message and "MixedPrecisionPolicy" in message
     assert comm.counter.snapshot() == before
@@ -160,7 +160,7 @@ def _cast_then_sharded(seed=2024):
     model = models.build_model(seed)
     amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)
     wrapper = MixPrecisionLayer(model, dtype="bfloat16")
-    _shard_tinylm(model)
+    shard_tinylm(model)
     opt = models.make_optimizer(model, model.parameters(), CLIP)
     amp_initialize(models=[model], dtype="bfloat16", excluded_layers=None)  # a no-op now
     _set_multi_precision(opt, True)
@@ -181,7 +181,7 @@ def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fak
     for p in model.parameters():
         sp = p._hsdp_sharded_param
         assert p.dtype == paddle.bfloat16 and sp.shard_is_view_of(registry_.buffer_of(sp).flat)
-    models.lm_loss(wrapper, _ids(), True).backward()
+    models.lm_loss(wrapper, batch_ids(), True).backward()
     shards = [p for p in model.parameters() if not p.stop_gradient]
     assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
     _ensure_accumulators(opt)
@@ -211,7 +211,7 @@ def test_main_grads_travel_in_float32_unless_the_policy_names_a_reduce_dtype(
     buffers = [b for u in paddle_hsdp.engine.registry.registry.units_under(model)
                for b in u.buffers if b.trainable]
     assert {b.grad_reduce_dtype() for b in buffers} == {travels}
-    models.lm_loss(wrapper, _ids(), True).backward()
+    models.lm_loss(wrapper, batch_ids(), True).backward()
     shards = [p for p in model.parameters() if not p.stop_gradient]
     assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
 
@@ -222,10 +222,10 @@ def test_a_plain_optimizers_clear_grad_clears_the_shards_main_grad(fake_mesh, se
     """MixPrecisionLayer with a plain optimizer (it steps on main_grad): its clear_grad
     zeroes the shards' main_grad, or releases it with set_to_zero=False, as Paddle's
     own ZeRO optimizer does (issue 47: it was left as it was)."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     net = MixPrecisionLayer(model, dtype="bfloat16")
     opt = paddle.optimizer.AdamW(0.1, parameters=model.parameters())
-    models.lm_loss(net, _ids(), True).backward()
+    models.lm_loss(net, batch_ids(), True).backward()
     opt.step()
     opt.clear_grad(set_to_zero=set_to_zero)
     shards = [p for p in model.parameters() if not p.stop_gradient]
@@ -233,5 +233,5 @@ def test_a_plain_optimizers_clear_grad_clears_the_shards_main_grad(fake_mesh, se
         assert all(not np.any(p.main_grad.numpy()) for p in shards)
     else:
         assert all(p.main_grad is None for p in shards)
-    models.lm_loss(net, _ids(seed=8), True).backward()  # the engine fills them again
+    models.lm_loss(net, batch_ids(seed=8), True).backward()  # the engine fills them again
     assert all(p.main_grad is not None for p in shards)

@@ -2,8 +2,6 @@
 mesh (no group created), and a one-rank mesh end to end (every collective short-circuits
 on one rank). Multi-rank numerics: ``test_collective/test_mesh_arg.py``."""
 
-import os
-import sys
 
 import numpy as np
 import paddle
@@ -17,7 +15,6 @@ from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.topology import layout as topology
 from paddle_hsdp.topology import mesh as hsdp_mesh
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "test_collective", "workers"))
 import models  # noqa: E402
 import parity  # noqa: E402  (the parity bounds, test_collective/workers/parity.py)
 

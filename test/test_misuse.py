@@ -1,5 +1,5 @@
 """Misuse is refused with the argument named, before anything changes (one process, the
-one-rank fake mesh of test_engine_single: these check which calls raise and what they
+one-rank fake mesh of kit.py: these check which calls raise and what they
 leave behind; numerics are in test_collective/test_recipes.py)."""
 
 
@@ -9,17 +9,17 @@ import pytest
 
 import paddle_hsdp
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from test_engine_single import (_assert_raises_without_side_effects, _ids, _shard_tinylm,  # noqa: F401
-                                _two_linears, fake_mesh, models, parity, registry)
+from kit import (assert_raises_without_side_effects, batch_ids, models, parity, shard_tinylm,
+                two_linears)
 
 
 # ---------------------------------------------------------------- item 10: no trace
 def test_rejected_call_changes_nothing_and_a_retry_works(fake_mesh):
     """A call rejected for a bad argument leaves no ignored params, no claimed params:
     the corrected retry shards everything and trains."""
-    model = _two_linears()
+    model = two_linears()
     weight = model[0].weight
-    _assert_raises_without_side_effects(NotImplementedError, "Shard", model,
+    assert_raises_without_side_effects(NotImplementedError, "Shard", model,
                                         ignored_params=[weight],
                                         shard_placement_fn=lambda p: paddle.distributed.Shard(1))
     assert id(weight) not in hsdp_registry.ignored and id(weight) not in hsdp_registry.owner_of
@@ -29,7 +29,7 @@ def test_rejected_call_changes_nothing_and_a_retry_works(fake_mesh):
 
 
 def test_ignored_params_generator_is_read_once(fake_mesh):
-    model = _two_linears()
+    model = two_linears()
     paddle_hsdp.fully_shard(model, ignored_params=(p for p in [model[0].weight]))
     assert not hasattr(model[0].weight, "_hsdp_sharded_param")  # really ignored
     assert hasattr(model[1].weight, "_hsdp_sharded_param")
@@ -38,23 +38,23 @@ def test_ignored_params_generator_is_read_once(fake_mesh):
 def test_ignored_params_of_another_model_do_not_leak(fake_mesh):
     """Params outside the module are not the call's business: the other model's later
     fully_shard shards them."""
-    a, b = _two_linears(), _two_linears()
+    a, b = two_linears(), two_linears()
     paddle_hsdp.fully_shard(a, ignored_params=list(b.parameters()))
     paddle_hsdp.fully_shard(b)
     assert all(hasattr(p, "_hsdp_sharded_param") for p in b.parameters())
 
 
 def test_ignoring_a_param_a_sub_unit_already_sharded_raises(fake_mesh):
-    model = _two_linears()
+    model = two_linears()
     original = model[0].weight
     paddle_hsdp.fully_shard(model[0])
-    _assert_raises_without_side_effects(ValueError, "already sharded", model,
+    assert_raises_without_side_effects(ValueError, "already sharded", model,
                                         ignored_params=[original])
 
 
 @pytest.mark.parametrize("bad", [paddle.ones([2]), 3, ["not a param"]])
 def test_ignored_params_must_be_an_iterable_of_params(fake_mesh, bad):
-    _assert_raises_without_side_effects(TypeError, "ignored_params", _two_linears(),
+    assert_raises_without_side_effects(TypeError, "ignored_params", two_linears(),
                                         ignored_params=bad)
 
 
@@ -78,7 +78,7 @@ def test_mixed_precision_accepts_floating_dtypes():
                                     "set_is_last_backward"])
 @pytest.mark.parametrize("value", ["False", 0, None])
 def test_boolean_setters_refuse_non_bools(fake_mesh, method, value):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     unit = model._hsdp_unit
     before = dict(vars(unit))
     with pytest.raises(TypeError, match=method):
@@ -88,7 +88,7 @@ def test_boolean_setters_refuse_non_bools(fake_mesh, method, value):
 
 @pytest.mark.parametrize("factor", [float("nan"), float("inf"), 0, -2.0, True, "2"])
 def test_gradient_divide_factor_must_be_finite_positive(fake_mesh, factor):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     with pytest.raises(ValueError, match="set_gradient_divide_factor"):
         model.set_gradient_divide_factor(factor)
     model.set_gradient_divide_factor(8)
@@ -97,39 +97,39 @@ def test_gradient_divide_factor_must_be_finite_positive(fake_mesh, factor):
 
 @pytest.mark.parametrize("kwargs", [{"forward": -1}, {"backward": 1.5}, {"forward": True}])
 def test_prefetch_count_must_be_a_whole_number(fake_mesh, kwargs):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     with pytest.raises(ValueError, match="set_prefetch_count"):
         model.set_prefetch_count(**kwargs)
 
 
 @pytest.mark.parametrize("stage", [True, False, 0, 4, "3"])
 def test_zero_stage_refuses_bools_and_unknown_stages(fake_mesh, stage):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     with pytest.raises(ValueError, match="stage must be one of"):
         paddle_hsdp.set_zero_stage(model, stage)
 
 
 @pytest.mark.parametrize("value,expected", [(1, True), (0, False), (True, True), (None, None)])
 def test_reshard_after_forward_takes_paddles_ints(fake_mesh, value, expected):
-    model = paddle_hsdp.fully_shard(_two_linears(), reshard_after_forward=value)
+    model = paddle_hsdp.fully_shard(two_linears(), reshard_after_forward=value)
     assert model._hsdp_unit.reshard_after_forward is expected
 
 
 @pytest.mark.parametrize("value,exc", [(2, NotImplementedError), ("True", TypeError)])
 def test_reshard_after_forward_refuses_the_rest(fake_mesh, value, exc):
-    _assert_raises_without_side_effects(exc, "reshard_after_forward", _two_linears(),
+    assert_raises_without_side_effects(exc, "reshard_after_forward", two_linears(),
                                         reshard_after_forward=value)
 
 
 def test_mark_expert_params_after_fully_shard_raises(fake_mesh):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     with pytest.raises(RuntimeError, match="before fully_shard"):
         paddle_hsdp.mark_expert_params(model)
     assert not any(getattr(p, "is_moe_param", False) for p in model.parameters())
 
 
 def test_finish_grad_sync_takes_a_model_an_optimizer_or_params(fake_mesh):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     opt = paddle.optimizer.SGD(parameters=model.parameters())
     model(paddle.ones([2, 4])).sum().backward()
     unit = model._hsdp_unit
@@ -150,7 +150,7 @@ def test_optimizer_built_before_the_root_call_is_refused_at_the_step(fake_mesh):
     paddle_hsdp.fully_shard(model.blocks[0])
     opt = paddle.optimizer.AdamW(parameters=model.parameters())  # before the root's call
     paddle_hsdp.fully_shard(model)
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     before = {n: p.numpy().copy() for n, p in paddle_hsdp.full_state_dict(model).items()}
     with pytest.raises(RuntimeError, match="after the root's fully_shard"):
         opt.step()
@@ -159,19 +159,19 @@ def test_optimizer_built_before_the_root_call_is_refused_at_the_step(fake_mesh):
 
 
 def test_forward_that_raised_leaves_shards_in_the_slots(fake_mesh):
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     with pytest.raises(ValueError):
         model(paddle.zeros([2, 99], "int64"), True)  # pos has 6 rows: broadcast fails
     assert all(hasattr(p, "_hsdp_sharded_param") for p in model.parameters())
     assert all(u.state.value == "sharded" for u in hsdp_registry.units)
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     opt.step()  # accepted: it holds the shards
 
 
 @pytest.mark.parametrize("cls", ["Lamb", "LBFGS"])
 def test_non_elementwise_optimizers_are_refused(fake_mesh, cls):
-    model = paddle_hsdp.fully_shard(_two_linears())
+    model = paddle_hsdp.fully_shard(two_linears())
     opt = getattr(paddle.optimizer, cls)(parameters=model.parameters())
     loss = lambda: model(paddle.ones([2, 4])).sum()  # noqa: E731
     loss().backward()
@@ -181,7 +181,7 @@ def test_non_elementwise_optimizers_are_refused(fake_mesh, cls):
 
 # ---------------------------------------------------------------- item 3: direct calls
 def test_direct_call_of_a_sub_module_gathers_and_reshards(fake_mesh):
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     unit = model._hsdp_unit
     h = paddle.ones([1, 2, models.HIDDEN])
     with paddle.no_grad():
@@ -193,9 +193,9 @@ def test_direct_call_of_a_sub_module_gathers_and_reshards(fake_mesh):
 def test_clip_grad_norm_on_one_rank_equals_paddles(fake_mesh, float64):
     """With one rank the HSDP clip_grad_norm_ must agree with Paddle's on a twin."""
     sharded, plain = models.build_model(), models.build_model()
-    _shard_tinylm(sharded)
+    shard_tinylm(sharded)
     for m in (sharded, plain):
-        models.lm_loss(m, _ids(), True).backward()
+        models.lm_loss(m, batch_ids(), True).backward()
     ours = paddle.nn.utils.clip_grad_norm_(sharded.parameters(), 0.1)
     theirs = paddle.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
     parity.assert_close(float(ours), float(theirs), "norm")

@@ -4,7 +4,7 @@ and optimizer state live in host storage while compute runs on the device.
 ``offload.EXERCISE_ON_CPU`` runs the offload path here with the CPU as the device, so
 every upload and download is a real copy: who owns which storage, which copies happen
 and how often the host waits are checked, and training must equal the no-offload run
-bit for bit. On the one-rank fake mesh of test_engine_single every collective is a
+bit for bit. On the one-rank fake mesh of kit.py every collective is a
 copy: this checks placement and bookkeeping, not multi-rank numerics (the forced path
 also runs in a 2x2 launch). What only a GPU can show (pinned staging, events, the
 optimizer's kernels on the host of a device build) is in tools/gpu_check.py.
@@ -22,7 +22,7 @@ from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine import offload
 from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from test_engine_single import _ids, fake_mesh, models, registry  # noqa: F401  (fixtures)
+from kit import batch_ids, models
 
 def _train(offload_policy, steps=3):
     model = models.build_model()
@@ -32,7 +32,7 @@ def _train(offload_policy, steps=3):
     opt = models.make_optimizer(model, model.parameters(), 0.2)
     losses = []
     for step in range(steps):
-        loss = models.lm_loss(model, _ids(seed=step), True)
+        loss = models.lm_loss(model, batch_ids(seed=step), True)
         loss.backward()
         opt.step()
         opt.clear_grad()
@@ -96,7 +96,7 @@ def test_offload_keeps_the_optimizers_storage_on_the_host_and_trains_identically
         before = (offload.counters().uploads, offload.counters().downloads,
                   offload.counters().waits, offload.counters().host_steps)
         gathers = _all_gathers()
-        loss = models.lm_loss(model, _ids(seed=step), True)
+        loss = models.lm_loss(model, batch_ids(seed=step), True)
         loss.backward()
         opt.step()
         opt.clear_grad()
@@ -132,11 +132,11 @@ def test_offload_with_accumulation_and_a_skipped_batch(fake_mesh, exercised):
             paddle_hsdp.fully_shard(layer, offload_policy=offload_policy)
         paddle_hsdp.fully_shard(model, offload_policy=offload_policy)
         opt = models.make_optimizer(model, model.parameters(), 0.2)
-        models.lm_loss(model, _ids(seed=9), True).backward()
+        models.lm_loss(model, batch_ids(seed=9), True).backward()
         opt.clear_grad()  # the skipped batch
         for step in range(2):
             for micro in range(2):
-                (models.lm_loss(model, _ids(seed=10 * step + micro), True) / 2).backward()
+                (models.lm_loss(model, batch_ids(seed=10 * step + micro), True) / 2).backward()
             opt.step()
             opt.clear_grad()
         return paddle_hsdp.full_state_dict(model)
@@ -153,7 +153,7 @@ def test_one_optimizer_over_offloaded_and_device_shards_is_refused(fake_mesh, ex
     paddle_hsdp.fully_shard(model.blocks[0], offload_policy=paddle_hsdp.CPUOffloadPolicy())
     paddle_hsdp.fully_shard(model)
     opt = models.make_optimizer(model, model.parameters(), 0.2)
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     before = {name: v.numpy() for name, v in paddle_hsdp.full_state_dict(model).items()}
     with pytest.raises(NotImplementedError, match="same offload_policy"):
         opt.step()

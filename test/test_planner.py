@@ -123,9 +123,6 @@ def test_exposed_time_counts_intra_node_collectives_only_without_overlap():
 def test_planner_predicts_the_recorded_slow_link_benchmark_within_25_percent():
     """tools/results/: the two-host benchmark at 100 Mbit/s and unthrottled (measured
     2026-11-30); the planner with the calibrated links predicts every variant's step."""
-    import sys
-
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import validate_planner
 
     results = os.path.join(ROOT, "tools", "results")
@@ -140,9 +137,6 @@ def test_planner_predicts_the_recorded_tensor_and_pipeline_layouts():
     ranks, every link limited to 400 Mbit/s, as HSDP 2 x 2, TP 2 x sharding 2 and PP 2 x
     sharding 2): bytes per kind within 1% and each layout's communication time within
     25% of the planner's, its links fitted to the run's own calibration."""
-    import sys
-
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import validate_planner
 
     recorded = os.path.join(ROOT, "tools", "results", "layouts_two_hosts_400mbit.json")

@@ -1,4 +1,4 @@
-"""The engine's schedule in one process (the one-rank fake mesh of test_engine_single:
+"""The engine's schedule in one process (the one-rank fake mesh of kit.py:
 collectives are local copies, so this checks the order of issues and waits and the
 copies around them, not multi-rank numerics, which test_collective covers)."""
 
@@ -11,7 +11,7 @@ import pytest
 import paddle_hsdp
 from paddle_hsdp.engine import staging, trace
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, parity, registry  # noqa: F401
+from kit import batch_ids, models, parity, shard_tinylm
 
 PACKAGE = os.path.dirname(paddle_hsdp.__file__)
 COLLECTIVES = os.path.join("comm", "collectives.py")
@@ -25,7 +25,7 @@ def _traced_backward(model, seed=7) -> list:
     """The trace events of one forward and backward of ``model``."""
     trace.enable()
     try:
-        models.lm_loss(model, _ids(seed), True).backward()
+        models.lm_loss(model, batch_ids(seed), True).backward()
     finally:
         trace.disable()
     return list(trace.events)
@@ -35,9 +35,9 @@ def test_prefetch_and_reductions_are_issued_before_the_neighbouring_compute(fake
     """With prefetch 1 under ZeRO-3: unit k+1's all-gather is issued before unit k's
     forward compute starts, and unit k's reduce-scatter before unit k-1's backward
     compute starts; every issued collective is waited for."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     paddle_hsdp.set_zero_stage(model, 3)
-    models.lm_loss(model, _ids(), True).backward()  # records the forward order
+    models.lm_loss(model, batch_ids(), True).backward()  # records the forward order
     blocks = [b._hsdp_unit.index for b in model.blocks]
     ev = _traced_backward(model)
     for k, nxt in zip(blocks, blocks[1:]):
@@ -58,9 +58,9 @@ def test_copies_around_collectives(fake_mesh, monkeypatch):
     a reduce-scatter (autograd accumulated the full grads in its input, the grad grid),
     no clone (flat shards are sent as they are, grads accumulated and all-reduced in
     place), nothing cast."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
-    models.lm_loss(model, _ids(), True).backward()  # first step: grad storage made
+    models.lm_loss(model, batch_ids(), True).backward()  # first step: grad storage made
     opt.step()
     opt.clear_grad()
     counts = {}
@@ -81,7 +81,7 @@ def test_copies_around_collectives(fake_mesh, monkeypatch):
         monkeypatch.setattr(paddle.Tensor, name, counting(name, getattr(paddle.Tensor, name)))
     trace.enable()
     try:
-        models.lm_loss(model, _ids(), True).backward()
+        models.lm_loss(model, batch_ids(), True).backward()
         opt.step()
     finally:
         trace.disable()
@@ -94,9 +94,9 @@ def test_copies_around_collectives(fake_mesh, monkeypatch):
 
 
 def test_shard_params_and_grads_are_views_of_flat_storage(fake_mesh):
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     for unit in hsdp_registry.units:
         for buf in unit.buffers:
             for sp in buf.params:
@@ -105,7 +105,7 @@ def test_shard_params_and_grads_are_views_of_flat_storage(fake_mesh):
                     assert sp.grad_is_view_of(buf.flat_grad)
     opt.step()  # the update is in place: the views survive it
     opt.clear_grad(set_to_zero=False)  # grads released: they read as zeros next time
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     for unit in hsdp_registry.units:
         for buf in unit.buffers:
             assert all(sp.shard_is_view_of(buf.flat) for sp in buf.params)
@@ -127,10 +127,10 @@ def test_unit_called_twice_before_one_backward(fake_mesh, float64):
     backward of every call is done ("Tensor holds no memory" before), and the grads
     equal the unsharded model's."""
     sharded, plain = models.build_model(), models.build_model()
-    _shard_tinylm(sharded)
+    shard_tinylm(sharded)
     paddle_hsdp.set_zero_stage(sharded, 3)
     for m in (sharded, plain):
-        loss = models.lm_loss(m, _ids(1), True) + models.lm_loss(m, _ids(2), False)
+        loss = models.lm_loss(m, batch_ids(1), True) + models.lm_loss(m, batch_ids(2), False)
         loss.backward()
     grads = paddle_hsdp.full_grads(sharded)
     for name, p in plain.named_parameters():
@@ -173,7 +173,7 @@ def test_the_roots_head_buffer_is_reduced_before_the_end_of_backward(fake_mesh):
     root = model._hsdp_unit
     assert [[sp.fqn for sp in b.params] for b in root.buffers if b.trainable] == \
         [["embed.weight"], ["final_norm.weight", "final_norm.bias", "head.weight"]]
-    models.lm_loss(model, _ids(), True).backward()  # records the forward order
+    models.lm_loss(model, batch_ids(), True).backward()  # records the forward order
     for end_of_backward in (False, True):
         model.set_reduce_grads_at_end_of_backward(end_of_backward)
         ev = _traced_backward(model)
@@ -197,7 +197,7 @@ def test_early_reduction_keeps_accumulation_and_no_sync(fake_mesh, float64):
         sharded.set_requires_gradient_sync(sync)
         root_issues = _root_reductions(sharded, _traced_backward(sharded, seed=step))[0]
         assert len(root_issues) == (2 if sync else 0), trace.events
-        models.lm_loss(plain, _ids(seed=step), True).backward()
+        models.lm_loss(plain, batch_ids(seed=step), True).backward()
     grads = paddle_hsdp.full_grads(sharded)
     for name, p in plain.named_parameters():
         if p.grad is not None:
@@ -214,14 +214,14 @@ def test_staging_tensors_are_reused_across_units_and_steps(fake_mesh, monkeypatc
     stays handed out between steps."""
     pool = staging.StagingPool()
     monkeypatch.setattr(staging, "pool", pool)
-    model = _shard_tinylm(models.build_model(), reshard_blocks=True)
+    model = shard_tinylm(models.build_model(), reshard_blocks=True)
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     taken = []
     take = pool.take
     monkeypatch.setattr(pool, "take", lambda *a: taken.append(a) or take(*a))
     made = []
     for step in range(4):
-        models.lm_loss(model, _ids(seed=step), True).backward()
+        models.lm_loss(model, batch_ids(seed=step), True).backward()
         opt.step()
         opt.clear_grad()
         made.append(pool.allocations)
@@ -239,11 +239,11 @@ def test_memory_timeline_kinds_and_memory_report(fake_mesh):
     """The timeline has a row per event with every kind; after forward, backward and the
     step its last row gives what memory_report gives; the kinds show up where they
     should (gathered in forward, full grads in backward, optimizer state after a step)."""
-    model = _shard_tinylm(models.build_model(), reshard_blocks=False)
+    model = shard_tinylm(models.build_model(), reshard_blocks=False)
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     trace.enable(memory=True, rss=True)
     try:
-        loss = models.lm_loss(model, _ids(), True)
+        loss = models.lm_loss(model, batch_ids(), True)
         checks = [(trace.timeline[-1], paddle_hsdp.memory_report(model))]
         loss.backward()
         checks.append((trace.timeline[-1], paddle_hsdp.memory_report(model)))

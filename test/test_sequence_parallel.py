@@ -18,7 +18,6 @@ import paddle_hsdp
 from paddle_hsdp.engine.param import MARKS
 from paddle_hsdp.patches import sequence_parallel
 
-from test_engine_single import fake_mesh, registry  # noqa: F401  (fixtures)
 
 
 class _PaddleAllReduce:

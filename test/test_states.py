@@ -6,18 +6,17 @@ touches anything (one rank, the fake mesh; which collectives, not their numbers)
 import paddle
 import pytest
 
-import paddle_hsdp
 from paddle_hsdp.engine import states
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.engine.states import GradState, ParamState, RebuildState
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+from kit import batch_ids, models, shard_tinylm
 
 
 def _trained_one_backward():
     paddle.seed(3)
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     opt = paddle.optimizer.AdamW(1e-3, parameters=model.parameters())
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     return model, opt
 
 
@@ -48,7 +47,7 @@ def test_a_step_walks_the_states_in_order(fake_mesh):
     # a backward without clear_grad: the synced grads go back to summed form, take the
     # new grads and, the step's predicted last backward (one per step so far), are
     # synced again before backward returns (engine/outer_sync.py)
-    models.lm_loss(model, _ids(seed=8), True).backward()
+    models.lm_loss(model, batch_ids(seed=8), True).backward()
     assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
     opt.clear_grad()
     assert {b.grad_state for b in _trainable(units)} == {GradState.EMPTY}
@@ -91,7 +90,7 @@ def test_out_of_order_calls_raise_at_the_call(fake_mesh):
         buf.unsync(1.0)
     assert buf.grad_state is GradState.EMPTY
     # nothing was touched by the refused calls: the model trains on
-    models.lm_loss(model, _ids(seed=9), True).backward()
+    models.lm_loss(model, batch_ids(seed=9), True).backward()
     opt.step()
     assert buf.grad_state is GradState.SYNCED and before.shape == buf.acc_flat().shape
 
@@ -122,5 +121,5 @@ def test_an_optimizer_that_overrides_step_gets_the_step_boundary(fake_mesh):
     opt.step()
     assert set(seen) == {GradState.SYNCED}
     opt.clear_grad()
-    models.lm_loss(model, _ids(seed=8), True).backward()  # predicted last: synced in it
+    models.lm_loss(model, batch_ids(seed=8), True).backward()  # predicted last: synced in it
     assert {b.grad_state for b in _trainable(hsdp_registry.units)} == {GradState.SYNCED}

@@ -1,15 +1,10 @@
 """The pure helpers of tools/two_hosts.py (no namespaces, no processes): rate parsing,
 names, tbf options, the cross-host byte models and the alpha-beta fit."""
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
-
-import two_hosts  # noqa: E402
+import two_hosts  # (tools/, on pytest.ini's pythonpath)
 
 HOSTS_2X2 = {0: "a", 1: "a", 2: "b", 3: "b"}
 

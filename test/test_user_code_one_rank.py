@@ -14,7 +14,7 @@ from paddle.distributed.communication.group import Group
 import paddle_hsdp
 from paddle_hsdp.comm import gather_tags
 from paddle_hsdp.engine.memory import GatheredBytes
-from test_engine_single import _ids, _shard_tinylm, fake_mesh, models, registry  # noqa: F401
+from kit import batch_ids, models, shard_tinylm
 
 PACKAGE = pathlib.Path(paddle_hsdp.__file__).parent
 
@@ -28,8 +28,8 @@ def test_retain_graph_is_refused_before_the_backward_runs(fake_mesh):
     """Paddle 3.3 segfaults on a second backward through a retained PyLayer: the first
     ``retain_graph=True`` (or ``create_graph``) is refused, nothing ran, and a plain
     backward of the same graph still works."""
-    model = _shard_tinylm(models.build_model())
-    loss = models.lm_loss(model, _ids(), True)
+    model = shard_tinylm(models.build_model())
+    loss = models.lm_loss(model, batch_ids(), True)
     with pytest.raises(NotImplementedError, match="retain_graph.*Nothing ran"):
         loss.backward(retain_graph=True)
     with pytest.raises(NotImplementedError, match="create_graph"):
@@ -42,8 +42,8 @@ def test_retain_graph_is_refused_before_the_backward_runs(fake_mesh):
 def test_a_model_with_no_live_graph_may_retain_graphs_of_its_own(fake_mesh):
     """The refusal is about graphs through sharded units: an unrelated retained graph
     works as in plain Paddle once the model's graphs are gone."""
-    model = _shard_tinylm(models.build_model())
-    models.lm_loss(model, _ids(), True).backward()
+    model = shard_tinylm(models.build_model())
+    models.lm_loss(model, batch_ids(), True).backward()
     x = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
     y = (x * x).sum()
     y.backward(retain_graph=True)
@@ -54,11 +54,11 @@ def test_a_model_with_no_live_graph_may_retain_graphs_of_its_own(fake_mesh):
 def test_a_param_that_never_got_a_grad_is_not_updated(fake_mesh):
     """AdamW with weight decay leaves a parameter without a grad untouched (plain
     Paddle: its grad is None), while the engine holds a zero grad view for it."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     before = {n: p.numpy().copy() for n, p in model.named_parameters()}
     opt = _opt(model)
     for _ in range(2):
-        models.lm_loss(model, _ids(), False).backward()  # Block.extra unused
+        models.lm_loss(model, batch_ids(), False).backward()  # Block.extra unused
         opt.step()
         opt.clear_grad()
     after = dict(model.named_parameters())
@@ -73,9 +73,9 @@ def test_clip_scales_the_grads_in_place_as_paddle_does(fake_mesh):
     """``step()`` without ``clear_grad()``: the grads carried into the next step are the
     clipped ones, as with Paddle's own ClipGradByGlobalNorm."""
     clip = paddle.nn.ClipGradByGlobalNorm(1e-3)
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     opt = _opt(model, clip)
-    models.lm_loss(model, _ids(), True).backward()
+    models.lm_loss(model, batch_ids(), True).backward()
     opt.step()
     carried = {n: p.grad.numpy().copy() for n, p in model.named_parameters()
                if p.grad is not None}
@@ -86,14 +86,14 @@ def test_clip_scales_the_grads_in_place_as_paddle_does(fake_mesh):
 def test_a_forward_without_backward_leaves_nothing_gathered(fake_mesh):
     """A forward with grad whose graph is dropped (a skipped batch) does not keep units
     gathered into the next backward: the peak of the next step is a plain step's."""
-    model = _shard_tinylm(models.build_model())
+    model = shard_tinylm(models.build_model())
     opt = _opt(model)
 
     def step(skip_first):
         if skip_first:
-            models.lm_loss(model, _ids(), True)
+            models.lm_loss(model, batch_ids(), True)
         GatheredBytes.reset_peak()
-        models.lm_loss(model, _ids(), True).backward()
+        models.lm_loss(model, batch_ids(), True).backward()
         opt.step()
         opt.clear_grad()
         return GatheredBytes.units_peak, GatheredBytes.peak

@@ -63,6 +63,11 @@ def run_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 300
     """Both launchers; ``(exit codes, {host/workerlog.N: text}, log dir)``."""
     log_dir = tempfile.mkdtemp(prefix="hsdp_twohost_")
     port = random.randint(30000, 45000)
+    # the trainers' ports (rank 0's job store among them) drawn per launch too: with
+    # launch's fixed default (6070) a launch right after another sometimes found rank
+    # 0's store port still taken, and Paddle 3.3.1's libuv store server then aborts
+    # at creation (uv__finish_close assertion) and the other host waits for it forever
+    start_port = random.randint(46000, 60000)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "workers"),
                                                        os.environ.get("PYTHONPATH", "")]),
                GLOG_minloglevel="2", **(env_extra or {}))
@@ -72,6 +77,7 @@ def run_two_hosts(hosts, nproc: int, worker: str, *args: str, timeout: int = 300
         cmd = [*where, sys.executable,
                "-m", "paddle.distributed.launch", "--master", f"{hosts[0][2]}:{port}",
                "--host", ip, "--nnodes", "2", "--nproc_per_node", str(nproc),
+               "--start_port", str(start_port),
                "--log_dir", os.path.join(log_dir, f"host{i}"),
                os.path.join(HERE, "workers", worker), *args]
         out = open(os.path.join(log_dir, f"launcher{i}.out"), "w")

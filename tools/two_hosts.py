@@ -322,13 +322,17 @@ class TwoHosts:
         os.makedirs(log_dir, exist_ok=True)
         hosts = [self.hosts[i] for i in on_hosts]
         master = f"{hosts[0].ip}:{random.randint(30000, 45000)}"
+        # the trainers' ports too (launch's fixed 6070 reused right after another launch
+        # sometimes aborts Paddle's libuv store server at creation)
+        start_port = random.randint(46000, 60000)
         procs, outs = [], []
         try:
             for host in hosts:
                 i = self.hosts.index(host)
                 outs.append(open(os.path.join(log_dir, f"launcher{i}.out"), "w"))
                 cmd = launcher_command(host, master, len(hosts), nproc,
-                                       os.path.join(log_dir, f"host{i}"), script, args)
+                                       os.path.join(log_dir, f"host{i}"), script, args,
+                                       start_port)
                 procs.append(subprocess.Popen(cmd, env=env, cwd=log_dir, stdout=outs[-1],
                                               stderr=subprocess.STDOUT))
             return _wait_all(procs, timeout)
@@ -364,11 +368,11 @@ class TwoHosts:
 
 
 def launcher_command(host: Host, master: str, nnodes: int, nproc: int, log_dir: str,
-                     script: str, args) -> list[str]:
+                     script: str, args, start_port: int = 6070) -> list[str]:
     return ["ip", "netns", "exec", host.namespace, "env", f"GLOO_SOCKET_IFNAME={host.device}",
             sys.executable, "-m", "paddle.distributed.launch", "--master", master,
             "--host", host.ip, "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
-            "--log_dir", log_dir, script, *map(str, args)]
+            "--start_port", str(start_port), "--log_dir", log_dir, script, *map(str, args)]
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
