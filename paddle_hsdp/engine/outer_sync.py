@@ -49,7 +49,7 @@ import paddle
 from ..comm import collectives as comm
 from ..comm.traits import traits_of
 from .registry import registry
-from .states import GradState
+from .states import GradState, SyncSchedule, move
 
 # Tests switch it off to compare with the step-time sync (same numbers, other schedule).
 ENABLED = True
@@ -60,19 +60,29 @@ class OuterSyncSchedule:
 
     def __init__(self) -> None:
         self.order: list = []  # buffers, in the order their reduce-scatters finished
-        self.recording = True  # the root's first backward records ``order``
+        self.state = SyncSchedule.RECORDING  # (states.py; the first backward records)
         self.backwards = 0  # this root's backwards since the last step boundary
         self.expected: int | None = None  # backwards the last step had
-        self.active = False  # this backward is predicted to be the step's last
         self._finished: set[int] = set()  # id(buffer): reduce-scatter done this backward
         self._next = 0  # index in ``order`` of the next buffer to issue
         self._work: list = []  # (buffer, pending, scale), issue order
 
+    @property
+    def recording(self) -> bool:
+        return self.state is SyncSchedule.RECORDING
+
+    @property
+    def active(self) -> bool:
+        """This backward is predicted to be the step's last (its syncs go early)."""
+        return self.state is SyncSchedule.EARLY
+
     # ------------------------------------------------------------ the root's calls
     def begin_backward(self) -> None:
         self.backwards += 1
-        self.active = (ENABLED and not self.recording
-                       and self.expected is not None and self.backwards == self.expected)
+        if not self.recording:
+            last = ENABLED and self.expected is not None and self.backwards == self.expected
+            move(self, "state", SyncSchedule.EARLY if last else SyncSchedule.WAITING,
+                 "begin_backward", "the outer-sync schedule")
         self._finished.clear()
         self._next = 0
 
@@ -110,10 +120,12 @@ class OuterSyncSchedule:
                 order = agreed_order(order, outer, buffers)
             # only once every broadcast went through: one that failed leaves the
             # recording to be redone by the next attempt, on every rank alike
-            self.order, self.recording = order, False
+            self.order = order
+            move(self, "state", SyncSchedule.WAITING, "end_backward", "the outer-sync schedule")
+            return
         if not self.active:
             return
-        self.active = False
+        move(self, "state", SyncSchedule.WAITING, "end_backward", "the outer-sync schedule")
         self._issue_ready()
         units = []
         for buf, *_ in self._work:
@@ -132,7 +144,8 @@ class OuterSyncSchedule:
         syncs at the step). paddle_hsdp.ft calls it on every member of a round that
         changed who trains, so the order is one over the new members by construction,
         whatever each went through before."""
-        self.order, self.recording, self.active = [], True, False
+        self.order = []
+        move(self, "state", SyncSchedule.RECORDING, "record_again", "the outer-sync schedule")
         self._work, self._next = [], 0
         self._finished.clear()
 
@@ -158,7 +171,8 @@ class OuterSyncSchedule:
         """A failed backward: wait for what was issued (its buffers must outlive the
         collectives), use none of it."""
         work, self._work = self._work, []
-        self.active = False
+        if self.active:
+            move(self, "state", SyncSchedule.WAITING, "abandon", "the outer-sync schedule")
         if self.recording:
             self.order.clear()  # a partial order may differ across ranks
         comm.settle(pending.handle for _, pending, _ in work)

@@ -7,6 +7,8 @@ at that call, naming what it found and what it needed, not a wrong sum later.
   inner-reduced, outer-synced, and the collectives in between.
 * :class:`RebuildState` — with outer sub-shards (HFSDP), whether a buffer's flat shard
   holds every replica's latest piece.
+* :class:`SyncSchedule` — a root's outer syncs during backward: recording their order,
+  waiting, or issuing them early in the step's last backward.
 
 Each machine's transitions are a table (:data:`TRANSITIONS`), and every change of a
 state goes through :func:`move`, which checks it. Full-size grads that wait for a
@@ -66,7 +68,20 @@ class RebuildState(enum.Enum):
     REBUILDING = "rebuilding"
 
 
-_P, _G, _R = ParamState, GradState, RebuildState
+class SyncSchedule(enum.Enum):
+    """A root's schedule of outer syncs during backward (engine/outer_sync.py)."""
+
+    #: its first backward (or the first after a fault-tolerant round changed who
+    #: trains) records the order its buffers' reduce-scatters finish in
+    RECORDING = "recording"
+    #: the order is agreed; this backward is not predicted to be the step's last
+    WAITING = "waiting"
+    #: this backward is predicted to be the step's last: outer syncs are issued as
+    #: their buffers' reduce-scatters finish, in the agreed order
+    EARLY = "early"
+
+
+_P, _G, _R, _S = ParamState, GradState, RebuildState, SyncSchedule
 
 #: Every transition each machine may take, as ``(from, to)``: :func:`move` refuses any
 #: other, so an engine call out of order fails at that call. docs/engine.md's table is
@@ -90,6 +105,16 @@ TRANSITIONS: dict[type, frozenset] = {
         (_G.SYNCED, _G.REDUCED),                            # more grads after the sync
         (_G.EMPTY, _G.EMPTY), (_G.REDUCED, _G.EMPTY),       # clear_grad (or a dropped
         (_G.SYNCING, _G.EMPTY), (_G.SYNCED, _G.EMPTY),      # step's grads)
+    }),
+    SyncSchedule: frozenset({
+        (_S.RECORDING, _S.RECORDING),  # a backward begins, or one that failed: record again
+        (_S.RECORDING, _S.WAITING),    # its end: the order agreed over the ranks
+        (_S.WAITING, _S.WAITING),      # a backward not predicted the step's last
+        (_S.WAITING, _S.EARLY),        # ... predicted the last: sync early
+        (_S.EARLY, _S.WAITING),        # its end (or a failure): the rest issued, all waited
+        (_S.EARLY, _S.EARLY),          # a backward begins again, predicted the last too
+        (_S.WAITING, _S.RECORDING),    # a fault-tolerant round changed who trains
+        (_S.EARLY, _S.RECORDING),
     }),
     RebuildState: frozenset({
         (_R.CURRENT, _R.OWED), (_R.OWED, _R.OWED),           # this rank's piece changed
