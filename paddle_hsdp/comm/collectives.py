@@ -29,7 +29,7 @@ from collections import defaultdict
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import paddle
 import paddle.distributed as dist
@@ -150,7 +150,7 @@ class Handle:
     resort, the engine waits every handle it issues on every path.
     """
 
-    def __init__(self, tasks=(), finalize: Callable[[], None] | None = None,
+    def __init__(self, tasks=(), finalize: Callable[[], object] | None = None,
                  failure: Callable[[Exception], Exception] | None = None,
                  waiting_for: Callable[[], str] | None = None, keep: tuple = ()):
         self._tasks = [t for t in tasks if t is not None]
@@ -497,7 +497,7 @@ def _gloo_reduce_scatter(out_shard, in_flat, group):
     return exchange, land
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_REDUCE_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
@@ -575,7 +575,8 @@ def gather(tensor, gather_list: list | None, dst: int, group, tag: str | None = 
     n = group.nranks
     payload = _nbytes(tensor)
     counter.record(tag or group_label(group), "gather", payload, payload)
-    if n == 1:
+    if n == 1:  # this rank is dst: it passed the list
+        assert gather_list is not None, "gather: dst passes gather_list"
         gather_list.append(tensor.clone())
         return
     what = what or tag

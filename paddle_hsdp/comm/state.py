@@ -9,9 +9,11 @@ threads, once made, live as long as the process."""
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def _fingerprint_from_env() -> bool:
@@ -21,8 +23,8 @@ def _fingerprint_from_env() -> bool:
 
 @dataclass
 class CommState:
-    watchdog_thread: object | None = None  # threading.Thread watching collectives
-    comm_thread: object | None = None  # collectives._CommThread, made when first asked for
+    watchdog_thread: threading.Thread | None = None  # watching collectives
+    comm_thread: Any = None  # collectives._CommThread, made when first asked for
     fingerprint_on: bool = field(default_factory=_fingerprint_from_env)
     forward_position: int = 0  # a hash of the unit forwards since the root's (gather_tags)
     step_peak: int = 0  # the most tag flags one step boundary has read

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from typing import Any
 
 import paddle.distributed as dist
 from paddle.distributed.communication.group import Group
@@ -204,7 +205,7 @@ def build_hsdp_groups(hcg, outer_degree: int, outer_sharding: str = "none") -> H
     # and group ids stay consistent; this rank's own FSDP groups are reused.
     fsdp_tuples = {tuple(g) for g in dense_lists} | {tuple(g) for g in (expert_lists or ())}
     existing = {tuple(g.ranks): g for g in (fsdp_dense, fsdp_expert)}
-    groups = {}
+    groups: dict[tuple[int, ...], Any] = {}
     for members in layout.creation_order:
         if len(members) == 1:
             # Paddle gives one-rank groups rank -1 (and sometimes nranks -1); a local
@@ -217,7 +218,7 @@ def build_hsdp_groups(hcg, outer_degree: int, outer_sharding: str = "none") -> H
                 groups[members] = existing[members]
             continue
         groups[members] = dist.new_group(list(members))
-    twins = {}
+    twins: dict[tuple[int, ...], Any] = {}
     if separate_reduce_scatter(comm.is_gloo(fsdp_dense)):
         # after every other group, in one global order: ids stay consistent across ranks
         for members in inner_rows(layout):
