@@ -45,7 +45,7 @@ def test_comm_state_reset_keeps_its_threads(monkeypatch):
     state.unit_describer = str
     state.reset()
     assert state.comm_thread == "thread" and not state.fingerprint_on
-    assert state.step_peak == 0 and state.unit_describer is None
+    assert state.step_peak == 0 and state.unit_describer is str  # the engine's, kept
 
 
 def test_traits_are_declared_kept_and_dropped_with_their_group():

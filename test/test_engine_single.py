@@ -15,6 +15,7 @@ import pytest
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
+from paddle_hsdp.comm import gather_tags
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 from kit import (assert_raises_without_side_effects, batch_ids, models, parity,
@@ -201,6 +202,7 @@ def test_fifty_models_sharded_trained_and_forgotten_leave_nothing_behind(fake_me
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     refs, sizes = [], {}
+    tables = len(gather_tags._tables)  # the all-gather tags' per-unit tables
     for i in range(50):
         model = shard_tinylm(models.build_model(seed=i))
         opt = models.make_optimizer(model, model.parameters(), None)
@@ -219,9 +221,26 @@ def test_fifty_models_sharded_trained_and_forgotten_leave_nothing_behind(fake_me
     # the unit indices that tag collectives go on from where the last model's stopped
     assert not hsdp_registry.by_index and hsdp_registry.next_index == 50 * per_model
     assert all(r() is None for r in refs), sum(r() is not None for r in refs)
+    assert len(gather_tags._tables) <= tables  # no growth (earlier tests may have left some)
     assert sizes[49] - sizes[9] < 10 << 20, (sizes[49] - sizes[9]) / 2 ** 20
     with pytest.raises(ValueError, match="no fully_shard unit"):
         paddle_hsdp.forget(paddle.nn.Linear(2, 2))
+
+
+def test_forget_refuses_part_of_a_sharded_model_and_a_live_graph(fake_mesh):
+    """forget takes the whole model fully_shard was called on, between steps: a block of
+    it, or the model while a forward's graph is alive, is refused and nothing changes."""
+    model = shard_tinylm(models.build_model(seed=1))
+    units = len(hsdp_registry)
+    with pytest.raises(ValueError, match="forget the whole model"):
+        paddle_hsdp.forget(model.blocks[0])
+    loss = models.lm_loss(model, batch_ids(), True)
+    with pytest.raises(RuntimeError, match="a graph still holds its units"):
+        paddle_hsdp.forget(model)
+    assert len(hsdp_registry) == units
+    loss.backward()
+    paddle_hsdp.forget(model)
+    assert len(hsdp_registry) == 0
 
 
 def test_memory_report_gathered_after_forward_and_backward(fake_mesh):

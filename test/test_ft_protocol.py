@@ -320,7 +320,9 @@ def test_a_restarted_etcd_loses_nothing_and_watches_resume(etcd, tmp_path):
 def test_the_protocol_imports_nothing_of_paddle():
     code = ("import sys; import sim_ft; sim_ft._protocol(); "
             "assert 'paddle' not in sys.modules, sorted(m for m in sys.modules if 'paddle' in m)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tools"), ROOT]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(ROOT, "tools"), ROOT] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                .split(os.pathsep) if p]))
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60, env=env)
 
 

@@ -29,6 +29,14 @@ def test_ruff_finds_nothing():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_tests_have_no_pyflakes_finding():
+    """test/ under pyflakes alone: no fixture imported from another test module (F811),
+    nothing unused."""
+    run = subprocess.run([_tool("ruff"), "check", "--no-cache", "--select", "F", "test"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_mypy_finds_nothing():
     run = subprocess.run([_tool("mypy"), "--no-incremental", *TYPED], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)

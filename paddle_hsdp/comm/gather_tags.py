@@ -209,6 +209,14 @@ def _message(group, peer_index: int, row, own, history=None) -> str:
         f"there were:\n{mine}\n{rule}")
 
 
+def forget_units(indices) -> None:
+    """Drop the tag tables of units that are gone (paddle_hsdp.forget): indices are
+    never reused, so the tables would otherwise grow with every forgotten model."""
+    gone = set(indices)
+    for key in [k for k in _tables if k[0] in gone]:
+        del _tables[key]
+
+
 def _weakly(describe):
     """``describe`` without keeping its buffer alive: the history outlives a model that
     paddle_hsdp.forget released (a bound method is held weakly, said as forgotten once

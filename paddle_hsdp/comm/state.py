@@ -34,10 +34,10 @@ class CommState:
     group_traits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
     def reset(self) -> None:
-        """Switches and counts back to their state at import (threads kept)."""
+        """Switches and counts back to their state at import (the threads and the
+        describers the engine registered at its import kept)."""
         self.fingerprint_on = _fingerprint_from_env()
         self.forward_position = self.step_peak = 0
-        self.buffer_describer = self.unit_describer = None
 
 
 state = CommState()

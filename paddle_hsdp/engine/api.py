@@ -13,6 +13,7 @@ import paddle
 from paddle.distributed import Replicate, Shard
 
 from ..comm import collectives as comm
+from ..comm import gather_tags
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
 from ..topology.placement import is_expert
@@ -423,11 +424,28 @@ def forget(model) -> None:
     units = registry.units_under(model)
     if not units:
         raise ValueError(f"forget: no fully_shard unit in this {type(model).__name__}")
-    running = [u for u in units if u in context.backward.active]
+    running = [u for u in units if u in context.backward.active or u.pending_calls]
     if context.backward.in_flight or running:
-        raise RuntimeError(f"forget({type(model).__name__}) during a forward or backward: "
-                           "call it between steps")
+        raise RuntimeError(f"forget({type(model).__name__}) during a forward or backward (a "
+                           "graph still holds its units): call it between steps")
+    mine = {id(u) for u in units}
+    for other in registry.units:
+        if id(other) in mine:
+            continue
+        if id(model) in {id(m) for m in other.module.sublayers()} or any(
+                id(u) in mine for u in other.borrowed + other.borrowed_by):
+            raise ValueError(
+                f"forget({type(model).__name__}): {other.label} outside it is sharded "
+                "with it (it contains the model, or they share a tied parameter); forget "
+                "the whole model that fully_shard was called on")
     wait_pending_reduces()  # nothing of theirs left in flight
+    for unit in units:  # what is in flight lands before its buffers go
+        unit.reshard(force=True)
+        for buf in unit.buffers:
+            buf.finish_rebuild()
+            if buf.host is not None:
+                buf.host.drop()
+    gather_tags.forget_units(u.index for u in units)
     for unit in units:
         for handle in unit.hook_handles:
             handle.remove()
