@@ -19,7 +19,25 @@ def one_rank_group():
     return Group(0, -100, [0], pg=None, name="fake")
 
 
-class FakeMesh:
+class PlainMeshParts:
+    """What a fake mesh of neither tensor nor sequence parallelism answers alike: mp
+    and sep rank 0, the clip over the whole (fake) job, no outer sharding."""
+
+    def mp_rank(self):
+        return 0
+
+    def sep_rank(self):
+        return 0
+
+    def clip_group(self):
+        """None: the clip all-reduces over the global group."""
+        return None
+
+    def outer_sharding(self):
+        return "none"
+
+
+class FakeMesh(PlainMeshParts):
     """What ``resolve_mesh`` returns, with one-rank groups: inner = outer = fsdp = {0}."""
 
     def __init__(self):
@@ -39,18 +57,6 @@ class FakeMesh:
 
     def fsdp_size(self, is_expert=False):
         return 1
-
-    def mp_rank(self):
-        return 0
-
-    def sep_rank(self):
-        return 0
-
-    def clip_group(self):
-        return None
-
-    def outer_sharding(self):
-        return "none"
 
 
 def two_linears():

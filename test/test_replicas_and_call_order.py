@@ -44,6 +44,8 @@ from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.topology import layout as topology
 
+from kit import PlainMeshParts
+
 WORLD = 4
 OUTER = 2
 HIDDEN = 4
@@ -165,7 +167,7 @@ def build_sharded_model(expert_unit: bool = False) -> ToyMoE:
 # ---------------------------------------------------------------- fake groups and mesh
 
 
-class FakeMesh:
+class FakeMesh(PlainMeshParts):
     """What ``resolve_mesh`` returns for simulated ``rank``: the dense and expert
     inner/outer/FSDP groups of ``layout``, one :class:`Group` per member tuple (as
     ``fleet_ext`` builds them), with ``rank`` set to this rank's index in the group."""
@@ -199,19 +201,6 @@ class FakeMesh:
 
     def fsdp_size(self, is_expert=False):
         return WORLD
-
-    def mp_rank(self):
-        return 0
-
-    def sep_rank(self):
-        return 0
-
-    def clip_group(self):
-        """None: the clip all-reduces over the global group (patched to the fake world)."""
-        return None
-
-    def outer_sharding(self):
-        return "none"
 
 
 # ---------------------------------------------------------------- recording collectives
