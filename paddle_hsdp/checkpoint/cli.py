@@ -80,8 +80,8 @@ def describe(path) -> str:
         full += int(np.prod(t["shape"])) * itemsize if t["shape"] else itemsize
         pieces = pieces_of(name, t)
         written += sum(int(np.prod(p["shape"])) for p in pieces) * itemsize
-        files.update(p["file"] for p in pieces if "file" in p)  # a few numbers sit in
-        # the metadata itself
+        # (a few numbers sit in the metadata itself, in no file)
+        files.update(p["file"] for p in pieces if "file" in p)
         axes = []
         if t.get("split"):
             axes.append(f"tp: axis {t['split']['axis']} / {t['split']['degree']}")
@@ -95,7 +95,6 @@ def describe(path) -> str:
     lines.append(f"{len(meta['tensors'])} tensors, {full / 2**20:.1f} MiB; written once: "
                  f"{written} of {full} bytes in {len(files)} file(s), {disk} bytes on disk")
     return "\n".join(lines)
-
 
 
 def main(argv=None) -> int:

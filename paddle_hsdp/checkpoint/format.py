@@ -58,6 +58,7 @@ FORMAT = "paddle_hsdp-checkpoint/4"
 FORMAT_V3 = "paddle_hsdp-checkpoint/3"  # no rules (checkpoint/rules.py): still loads
 FORMAT_V2 = "paddle_hsdp-checkpoint/2"  # every piece in a file: still loads (and is read so)
 FORMAT_V1 = "paddle_hsdp-checkpoint/1"  # rows only (no tensor-parallel boxes): still loads
+_READABLE = (FORMAT, FORMAT_V3, FORMAT_V2, FORMAT_V1)
 META = "metadata.json"
 
 
@@ -210,7 +211,7 @@ def parse_metadata(text: bytes, meta_path: str) -> dict:
         meta = json.loads(text)
     except ValueError as e:
         raise CheckpointError(f"{meta_path}: unreadable metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, FORMAT_V3, FORMAT_V2, FORMAT_V1) \
+    if not isinstance(meta, dict) or meta.get("format") not in _READABLE \
             or not isinstance(meta.get("tensors"), dict):
         raise CheckpointError(f"{meta_path}: not a {FORMAT} checkpoint")
     if meta["format"] == FORMAT_V1:

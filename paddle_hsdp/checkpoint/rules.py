@@ -139,10 +139,10 @@ def crc_header(key: str, chunk_rows: int, crcs: list[int]) -> tuple[str, str]:
     return CRC_PREFIX + key, json.dumps([chunk_rows] + crcs)
 
 
-def crc_of(header: dict, key: str) -> tuple[int, list[int]] | None:
-    """``(chunk rows, CRCs)`` of ``key`` from a file's header, or None."""
+def crc_of(header: dict, key: str) -> tuple[int, list[int]]:
+    """``(chunk rows, CRCs)`` of ``key`` from a file's header (KeyError: none there)."""
     text = (header or {}).get(CRC_PREFIX + key)
     if text is None:
-        return None
+        raise KeyError(f"no CRCs for {key!r} in the file's header")
     values = json.loads(text)
     return values[0], values[1:]

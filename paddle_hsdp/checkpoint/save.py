@@ -94,11 +94,9 @@ def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
             # jointly, which group writes is the joint save's: its outer replicas
             # (the other groups) are not this group's to choose among
             drop = ("outer",) if joint is not None else ()
-            # HFSDP's optimizer rows: each rank writes its own, indexed by rule (in a
-            # fault-tolerant job's joint save every box is listed)
-            if joint is not None:
-                for it in items:
-                    it.spot = None
+            # HFSDP's optimizer rows: each rank writes its own, indexed by rule (a
+            # fault-tolerant job's buffers share their pieces: items.py sets no spot,
+            # so a joint save lists every box)
             ruled = [it for it in items if it.spot is not None]
             writes = plan_writes([it for it in held if it.spot is None],
                                  drop_axes=drop) + ruled_writes(ruled)
@@ -328,30 +326,27 @@ def _write_pieces(tmp: str, rank: int, staged) -> list:
     for w, array in staged:
         it = w.item
         array = np.ascontiguousarray(array)
-        if it.spot is not None:  # indexed by rule: no manifest entry
-            tensors[it.name] = array
-            chunk = _chunk_rows(array)
-            key, value = crc_header(it.name, chunk, _crcs(array, chunk))
-            header[key] = value
-            continue
         piece = {"offset": w.offset, "shape": w.shape, "name": it.name,
                  "full_shape": it.shape, "dtype": it.dtype, "split": it.split,
                  "stage": it.stage, "tag": it.tag}
         if w.inline:
             piece.update(value=array.reshape(-1).tolist(), value_dtype=str(array.dtype))
-        else:
-            key = it.name if w.whole else f"{it.name}@{w.lo}"
-            tensors[key] = array
-            chunk = _chunk_rows(array)
-            piece.update(file=fname, key=key, chunk_rows=chunk, crc32=_crcs(array, chunk))
+            pieces.append(piece)
+            continue
+        key = it.name if w.whole else f"{it.name}@{w.lo}"  # (a ruled write is whole)
+        tensors[key] = array
+        chunk = _chunk_rows(array)
+        crcs = [zlib.crc32(array[i:i + chunk].tobytes())
+                for i in range(0, int(array.shape[0]), chunk)]
+        if it.spot is not None:  # indexed by rule: CRCs in the header, no manifest entry
+            name, value = crc_header(key, chunk, crcs)
+            header[name] = value
+            continue
+        piece.update(file=fname, key=key, chunk_rows=chunk, crc32=crcs)
         pieces.append(piece)
     if tensors:
         _write_rank_file(os.path.join(tmp, fname), tensors, header)
     return pieces
-
-
-def _crcs(array, chunk: int) -> list[int]:
-    return [zlib.crc32(array[i:i + chunk].tobytes()) for i in range(0, int(array.shape[0]), chunk)]
 
 
 def ruled_writes(ruled) -> list[Write]:
@@ -368,10 +363,13 @@ def describe_rules(ruled, stage: int, rank: int) -> dict:
     by_buffer: dict[int, list] = {}
     for it in ruled:
         by_buffer.setdefault(id(it.spot.buffer), []).append(it)
-    rules, places = {}, []
+    rules, places, gids = {}, [], {}
     for group in by_buffer.values():
         buf = group[0].spot.buffer
-        gid = group_id(buf, list(buf.params[0].mesh.fsdp_group(buf.is_expert).ranks))
+        fsdp = buf.params[0].mesh.fsdp_group(buf.is_expert)
+        if id(fsdp) not in gids:  # (named from its members once, not once per buffer)
+            gids[id(fsdp)] = group_id(buf, list(fsdp.ranks))
+        gid = gids[id(fsdp)]
         place = place_of(buf, rank, gid)
         if place not in places:
             places.append(place)
@@ -414,7 +412,8 @@ def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
             t["stages"] = sorted(stages.get(name, ()))
     meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
             "tensors": tensors, "rules": rules, "rank_groups": groups, "aliases": aliases,
-            "lr_scheduler": plain["lr_scheduler"], "extra": plain["extra"], "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "lr_scheduler": plain["lr_scheduler"], "extra": plain["extra"],
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     meta_path = os.path.join(tmp, META)
     os.makedirs(tmp, exist_ok=True)
     with open(meta_path, "w") as f:

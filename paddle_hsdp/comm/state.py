@@ -1,8 +1,8 @@
 """The communication layer's runtime state in one object (issue 52), not in module
 globals: the watchdog's thread and the communication thread (made on first use), the
-fingerprint check's switch, the all-gather tags' forward position and flag peak, and
-the describers the engine registers to name units and buffers in messages, and the
-groups' declared traits (comm/traits.py).
+fingerprint check's switch, the all-gather tags' forward position and flag peak, the
+describers the engine registers to name units and buffers in messages, and the groups'
+declared traits (comm/traits.py).
 :meth:`CommState.reset` returns what a test may change to its state at import; the
 threads, once made, live as long as the process."""
 

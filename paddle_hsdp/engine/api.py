@@ -432,7 +432,7 @@ def forget(model) -> None:
     for other in registry.units:
         if id(other) in mine:
             continue
-        if id(model) in {id(m) for m in other.module.sublayers()} or any(
+        if id(model) in hooks._subtree_ids(other) or any(
                 id(u) in mine for u in other.borrowed + other.borrowed_by):
             raise ValueError(
                 f"forget({type(model).__name__}): {other.label} outside it is sharded "
@@ -451,12 +451,13 @@ def forget(model) -> None:
             handle.remove()
         unit.hook_handles.clear()
         unit.module.__dict__.pop("_hsdp_unit_", None)
+        grad_hooks.disarm(unit)
         for sp in unit.params:
             for sub, _ in sp.users:
                 direct_calls.unwatch_direct_calls(sub, unit)
-        grad_hooks.disarm(unit)
-        for sp in unit.params:  # a Paddle tensor's attributes are invisible to Python's
-            sp.forget_shard()   # collector: a cycle through one would never be freed
+            # a Paddle tensor's attributes are invisible to Python's collector: a cycle
+            # through one would never be freed
+            sp.forget_shard()
         unit.root_state = unit._in_root = None
     registry.forget(units, list(model.parameters()))
     registry.storage_may_have_changed()

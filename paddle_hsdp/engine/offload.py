@@ -62,36 +62,38 @@ def enabled(policy) -> bool:
 
 def compute_device() -> str:
     """The device collectives and compute run on, also inside :func:`on_host`."""
-    return context.offload.device_stack[-1] if context.offload.device_stack else paddle.get_device()
+    stack = context.offload.device_stack
+    return stack[-1] if stack else paddle.get_device()
 
 
 @contextlib.contextmanager
 def on_host():
     """Create tensors on (and so run new ops on) the host for the block."""
-    device = paddle.get_device()
+    device, stack = paddle.get_device(), context.offload.device_stack
     if device.startswith("cpu"):
-        context.offload.device_stack.append(compute_device())
+        stack.append(compute_device())
         try:
             yield
         finally:
-            context.offload.device_stack.pop()
+            stack.pop()
         return
-    context.offload.device_stack.append(device)
+    stack.append(device)
     paddle.set_device("cpu")
     try:
         yield
     finally:
         paddle.set_device(device)
-        context.offload.device_stack.pop()
+        stack.pop()
 
 
 @contextlib.contextmanager
 def on_device():
     """Inside :func:`on_host`: back on the compute device for the block (a collective)."""
-    if not context.offload.device_stack or paddle.get_device() == context.offload.device_stack[-1]:
+    stack = context.offload.device_stack
+    if not stack or paddle.get_device() == stack[-1]:
         yield
         return
-    paddle.set_device(context.offload.device_stack[-1])
+    paddle.set_device(stack[-1])
     try:
         yield
     finally:
@@ -154,8 +156,9 @@ class HostStorage:
         From pageable memory the copy synchronises its stream; with ``pin_memory`` it
         goes through pinned staging (a host memcpy) and runs asynchronously, the
         staging kept alive until its event says the copy is done."""
-        context.offload.counters.uploads += 1
-        context.offload.counters.upload_bytes += _nbytes(host)
+        counted = context.offload.counters
+        counted.uploads += 1
+        counted.upload_bytes += _nbytes(host)
         place = _place(self.device)
         if not (self.pin_memory and not self.device.startswith("cpu")):
             return host._copy_to(place, True)
@@ -174,8 +177,9 @@ class HostStorage:
         copy per target is in flight."""
         if any(d.target is into for d in self._downloads):
             self.settle()
-        context.offload.counters.downloads += 1
-        context.offload.counters.download_bytes += _nbytes(device_tensor)
+        counted = context.offload.counters
+        counted.downloads += 1
+        counted.download_bytes += _nbytes(device_tensor)
         event = None
         if self.pin_memory and not self.device.startswith("cpu"):
             staged = device_tensor._copy_to(paddle.CUDAPinnedPlace(), False)

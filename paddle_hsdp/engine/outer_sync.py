@@ -58,6 +58,8 @@ ENABLED = True
 class OuterSyncSchedule:
     """One root's prediction of the step's last backward and its early outer syncs."""
 
+    label = "the outer-sync schedule"  # (what states.move names in an error)
+
     def __init__(self) -> None:
         self.order: list = []  # buffers, in the order their reduce-scatters finished
         self.state = SyncSchedule.RECORDING  # (states.py; the first backward records)
@@ -82,7 +84,7 @@ class OuterSyncSchedule:
         if not self.recording:
             last = ENABLED and self.expected is not None and self.backwards == self.expected
             move(self, "state", SyncSchedule.EARLY if last else SyncSchedule.WAITING,
-                 "begin_backward", "the outer-sync schedule")
+                 "begin_backward")
         self._finished.clear()
         self._next = 0
 
@@ -121,11 +123,11 @@ class OuterSyncSchedule:
             # only once every broadcast went through: one that failed leaves the
             # recording to be redone by the next attempt, on every rank alike
             self.order = order
-            move(self, "state", SyncSchedule.WAITING, "end_backward", "the outer-sync schedule")
+            move(self, "state", SyncSchedule.WAITING, "end_backward")
             return
         if not self.active:
             return
-        move(self, "state", SyncSchedule.WAITING, "end_backward", "the outer-sync schedule")
+        move(self, "state", SyncSchedule.WAITING, "end_backward")
         self._issue_ready()
         units = []
         for buf, *_ in self._work:
@@ -145,7 +147,7 @@ class OuterSyncSchedule:
         changed who trains, so the order is one over the new members by construction,
         whatever each went through before."""
         self.order = []
-        move(self, "state", SyncSchedule.RECORDING, "record_again", "the outer-sync schedule")
+        move(self, "state", SyncSchedule.RECORDING, "record_again")
         self._work, self._next = [], 0
         self._finished.clear()
 
@@ -172,7 +174,7 @@ class OuterSyncSchedule:
         collectives), use none of it."""
         work, self._work = self._work, []
         if self.active:
-            move(self, "state", SyncSchedule.WAITING, "abandon", "the outer-sync schedule")
+            move(self, "state", SyncSchedule.WAITING, "abandon")
         if self.recording:
             self.order.clear()  # a partial order may differ across ranks
         comm.settle(pending.handle for _, pending, _ in work)
@@ -204,7 +206,8 @@ def agreed_order(order: list, group, buffers) -> list:
     message = paddle.to_tensor(codes, dtype="int64")
     comm.broadcast(message, src=group.ranks[0], group=group, tag="outer sync order")
     rows = message.numpy().tolist()  # once per root, at the end of its first backward
-    return [registry.by_index[u].buffers[b] for u, b in rows[1:rows[0][0] + 1]]
+    units = registry.by_index
+    return [units[u].buffers[b] for u, b in rows[1:rows[0][0] + 1]]
 
 
 def finish_outer_syncs(work: list) -> None:

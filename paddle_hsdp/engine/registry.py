@@ -21,10 +21,10 @@ class Registry:
 
     def __init__(self) -> None:
         self.units: list = []  # FSDPUnit, in registration order
-        # unit index -> unit: indices are the units' identity in collectives' tags and
-        # the outer-sync order, and stay with a unit when others are forgotten
-        self.by_index: dict[int, object] = {}
-        self.next_index = 0  # the index the next unit takes (alike on every rank)
+        # the index the next unit takes (alike on every rank): indices are the units'
+        # identity in collectives' tags and the outer-sync order, and stay with a unit
+        # when others are forgotten
+        self.next_index = 0
         self.owner_of: dict[int, tuple] = {}  # id(original param) -> (FSDPUnit, ShardedParam)
         # Params some fully_shard call was told to ignore, by id (kept alive so ids
         # stay unique).
@@ -34,18 +34,20 @@ class Registry:
         # Buffers re-check their views once per value, not on every collective.
         self.storage_epoch = 0
 
+    @property
+    def by_index(self) -> dict:
+        """``{unit index: unit}`` (built on each call: for lookups off the hot path)."""
+        return {unit.index: unit for unit in self.units}
+
     def add(self, unit) -> None:
         """Register ``unit`` (its index: :attr:`next_index`)."""
         self.units.append(unit)
-        self.by_index[unit.index] = unit
         self.next_index = unit.index + 1
 
     def forget(self, units: list, params: list) -> None:
         """Drop ``units`` and what points at them or at ``params`` (their model's)."""
         gone = {id(u) for u in units}
         self.units[:] = [u for u in self.units if id(u) not in gone]
-        for unit in units:
-            self.by_index.pop(unit.index, None)
         for key in [k for k, (unit, _) in self.owner_of.items() if id(unit) in gone]:
             del self.owner_of[key]
         for p in params:
@@ -54,20 +56,18 @@ class Registry:
     def saved(self) -> tuple:
         """What :meth:`restore` puts back (the test suite keeps one process's state
         across tests that each start from an empty registry)."""
-        return (list(self.units), dict(self.owner_of), dict(self.by_index), self.next_index)
+        return (list(self.units), dict(self.owner_of), self.next_index)
 
     def restore(self, saved: tuple) -> None:
         self.clear()
-        units, owner_of, by_index, self.next_index = saved
+        units, owner_of, self.next_index = saved
         self.units[:] = units
         self.owner_of.update(owner_of)
-        self.by_index.update(by_index)
 
     def clear(self) -> None:
         """Empty, as in a fresh process (indices start at 0 again)."""
         self.units.clear()
         self.owner_of.clear()
-        self.by_index.clear()
         self.next_index = 0
 
     def storage_may_have_changed(self) -> None:
@@ -104,12 +104,12 @@ class Registry:
 
     def describe_unit(self, unit_index: int) -> str | None:
         """A unit's label, for error messages (None: no such unit here)."""
-        unit = self.by_index.get(unit_index)
+        unit = self.by_index.get(unit_index)  # (error messages only)
         return unit.label if unit is not None else None
 
     def describe_buffer(self, unit_index: int, buffer_index: int) -> str | None:
         """What a buffer holds, for error messages (None: no such buffer here)."""
-        unit = self.by_index.get(unit_index)
+        unit = self.by_index.get(unit_index)  # (error messages only)
         if unit is not None and buffer_index < len(unit.buffers):
             return unit.buffers[buffer_index].describe()
         return None

@@ -201,6 +201,12 @@ class Replica:
             self.control.publish_config(self._config_hash, text)
 
     @property
+    def piece_plan(self):
+        """HFSDP with redundancy: who holds which piece of the optimizer state (declared
+        on the live outer group at init, ``ft.pieces.PiecePlan``); None otherwise."""
+        return traits_of(self.outer).pieces
+
+    @property
     def live_replicas(self) -> list[int]:
         """The replicas of the current round (sorted ids)."""
         return list(self.round.replicas) if self.round is not None else [self.replica_id]
@@ -241,8 +247,8 @@ class Replica:
             if self._need_round:
                 self.round = self._arrive()
                 receiving = self.replica_id in self.round.receivers
-                if traits_of(self.outer).pieces is not None:  # a lost piece ends the job on every
-                    traits_of(self.outer).pieces.arrange(self.round)  # rank alike
+                if self.piece_plan is not None:  # a lost piece ends the job on every
+                    self.piece_plan.arrange(self.round)  # rank alike
                 self._timing["round_s"] = time.perf_counter() - started
                 error = self._set_up_round(self.round, receiving)
                 logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
@@ -421,7 +427,7 @@ class Replica:
                     self._plain_state())
                 if receiving:
                     self._load_plain_state(extra)
-            if traits_of(self.outer).pieces is not None:
+            if self.piece_plan is not None:
                 # every member rebuilds every piece from its round's holders before the
                 # next forward, whatever its last rebuild did (it may have failed half-way
                 # on one rank and not another; a receiver holds the donor's pieces)
@@ -467,8 +473,8 @@ class Replica:
             entry.update(rebuild=record.rebuild, receivers=record.receivers,
                          donor=record.donor,
                          donors={r: record.donor_of(r) for r in record.receivers},
-                         point_to_point=transfer.plan_transfer(record, traits_of(self.outer).pieces)[1])
-            pieces = traits_of(self.outer).pieces
+                         point_to_point=transfer.plan_transfer(record, self.piece_plan)[1])
+            pieces = self.piece_plan
             if pieces is not None:
                 entry["piece_donors"] = {q: pieces.donor(q) for q in range(pieces.parts)}
         if error is not None:
