@@ -22,6 +22,7 @@ import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine import outer_sync, reductions
 from paddle_hsdp.engine.buffer import ShardBuffer
+from paddle_hsdp.engine.buffer.outer_pieces import OuterPieces
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from kit import batch_ids, models, parity, shard_tinylm
 
@@ -243,7 +244,7 @@ def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledge
     step."""
     ref, ref_opt, model, opt = _pair()
     monkeypatch.setattr(outer_sync, "ENABLED", early)
-    original = ShardBuffer.finish_all_reduce
+    original = OuterPieces.finish_all_reduce
     calls = []
 
     def failing(self, pending, scale):
@@ -252,7 +253,7 @@ def test_step_whose_all_reduce_raises_waits_the_others(fake_mesh, float64, ledge
             pending.handle.wait()
             raise Boom("simulated failure after the outer all-reduce")
         return original(self, pending, scale)
-    monkeypatch.setattr(ShardBuffer, "finish_all_reduce", failing)
+    monkeypatch.setattr(OuterPieces, "finish_all_reduce", failing)
     loss = models.lm_loss(model, batch_ids(seed=5), True)
     if early:
         with pytest.raises(Boom):

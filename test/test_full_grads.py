@@ -38,21 +38,21 @@ def test_grads_accumulate_in_the_reduce_input(fake_mesh, float64):
 
     def check(sp, *_):
         buf = sp.buffer
-        if buf.grad_grid is None:  # the engine's hook (it runs first) reduced it early
-            seen.append(buf.reduced_early and sp.full.grad is None)
+        if buf.full_grads.grid is None:  # the engine's hook (it runs first) reduced it early
+            seen.append(buf.full_grads.reduced_early and sp.full.grad is None)
         else:
-            seen.append(sp.full_grad_is_view_of(buf.grad_grid))
+            seen.append(sp.full_grad_is_view_of(buf.full_grads.grid))
 
     for unit in hsdp_registry.units:
         for buf in unit.buffers:
-            assert buf.grads_in_place() == buf.trainable
+            assert buf.full_grads.in_place() == buf.trainable
             if not buf.trainable:
                 continue
             for sp in buf.params:
                 sp.full._register_backward_hook(lambda *a, sp=sp: check(sp))
     models.lm_loss(model, batch_ids(), True).backward()
     assert seen and all(seen), seen
-    assert all(buf.grad_grid is None for u in hsdp_registry.units for buf in u.buffers)
+    assert all(buf.full_grads.grid is None for u in hsdp_registry.units for buf in u.buffers)
     assert staging.pool.grad_bytes == 0
     _assert_grads_match(model, _plain_grads())
 
@@ -65,11 +65,11 @@ def test_grads_that_left_the_grid_are_copied_in_or_zeroed(fake_mesh, float64):
     (buf,) = [b for b in model._hsdp_unit.buffers if b.trainable]
     weight, bias = buf.params
     model.unshard()
-    buf.attach_grad_grid()
-    assert buf.grad_grid is not None
-    buf.grad_grid.fill_(5.0)  # as if autograd had added grads to both
-    buf.note_grad_arrived(weight)
-    buf.note_grad_arrived(bias)
+    buf.full_grads.attach_grid()
+    assert buf.full_grads.grid is not None
+    buf.full_grads.grid.fill_(5.0)  # as if autograd had added grads to both
+    buf.full_grads.note_arrived(weight)
+    buf.full_grads.note_arrived(bias)
     new = paddle.arange(12, dtype=weight.full.dtype).reshape(weight.shape)
     expected = new.numpy()  # (the grad shares new's storage, released at the reduction)
     weight.full._copy_gradient_from(new)  # replaced: not a view of the grid any more
@@ -89,18 +89,18 @@ def test_buffers_that_keep_autograd_grads(fake_mesh, float64):
     paddle_hsdp.fully_shard(model, mp_policy=paddle_hsdp.MixedPrecisionPolicy(
         reduce_dtype=paddle.float32))
     (buf,) = [b for b in model._hsdp_unit.buffers if b.trainable]
-    assert not buf.grads_in_place()
+    assert not buf.full_grads.in_place()
     models.lm_loss(model, batch_ids(), True).backward()
-    assert buf.grad_grid is None
+    assert buf.full_grads.grid is None
 
     other = paddle_hsdp.fully_shard(models.build_model())
     (buf,) = [b for b in other._hsdp_unit.buffers if b.trainable]
-    assert buf.grads_in_place()
+    assert buf.full_grads.in_place()
     sp = buf.params[0]
     other.unshard()
     sp.full._copy_gradient_from(paddle.zeros(sp.shape, sp.full.dtype))
-    buf.attach_grad_grid()
-    assert buf.grad_grid is None  # full grads present: none attached
+    buf.full_grads.attach_grid()
+    assert buf.full_grads.grid is None  # full grads present: none attached
 
 
 def test_released_grads_leave_the_flat_storage_alive(fake_mesh, float64):

@@ -67,7 +67,7 @@ def test_wrappers_match_the_unsharded_model_micro_step_by_micro_step(fake_mesh, 
             for p in shards:
                 assert p.grad is None and p.main_grad.dtype == paddle.float32, names[id(p)]
                 sp = p._hsdp_sharded_param
-                flat = paddle_hsdp.engine.registry.registry.buffer_of(sp).flat_main_grad
+                flat = paddle_hsdp.engine.registry.registry.buffer_of(sp).grads.flat_main
                 assert sp.main_grad_is_view_of(flat), names[id(p)]
                 want = ref_params[names[id(p)]].main_grad.numpy()
                 parity.assert_close(p.main_grad.numpy()[:want.shape[0]], want, names[id(p)])
@@ -133,7 +133,7 @@ def test_amp_decorate_o2_changes_nothing_on_cpu(fake_mesh, when):
     assert not opt._multi_precision
     for p in model.parameters():
         sp = p._hsdp_sharded_param
-        assert sp.shard_is_view_of(paddle_hsdp.engine.registry.registry.buffer_of(sp).flat)
+        assert sp.shard_is_view_of(paddle_hsdp.engine.registry.registry.buffer_of(sp).storage.flat)
     models.lm_loss(model, batch_ids(), True).backward()
     opt.step()
 
@@ -180,7 +180,7 @@ def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fak
     assert {b.dtype for b in buffers} == {paddle.bfloat16}
     for p in model.parameters():
         sp = p._hsdp_sharded_param
-        assert p.dtype == paddle.bfloat16 and sp.shard_is_view_of(registry_.buffer_of(sp).flat)
+        assert p.dtype == paddle.bfloat16 and sp.shard_is_view_of(registry_.buffer_of(sp).storage.flat)
     models.lm_loss(wrapper, batch_ids(), True).backward()
     shards = [p for p in model.parameters() if not p.stop_gradient]
     assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
@@ -210,7 +210,7 @@ def test_main_grads_travel_in_float32_unless_the_policy_names_a_reduce_dtype(
     wrapper = MixPrecisionLayer(model, dtype="bfloat16")
     buffers = [b for u in paddle_hsdp.engine.registry.registry.units_under(model)
                for b in u.buffers if b.trainable]
-    assert {b.grad_reduce_dtype() for b in buffers} == {travels}
+    assert {b.grads.reduce_dtype() for b in buffers} == {travels}
     models.lm_loss(wrapper, batch_ids(), True).backward()
     shards = [p for p in model.parameters() if not p.stop_gradient]
     assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)

@@ -109,13 +109,13 @@ def test_offload_keeps_the_optimizers_storage_on_the_host_and_trains_identically
         assert uploads == _all_gathers() - gathers
         assert downloads == len(trainable)
         assert (waits, steps) == (1, 1)
-        now = [(b.flat.data_ptr(), b.flat_grad.data_ptr()) for b in trainable]
+        now = [(b.storage.flat.data_ptr(), b.grads.flat.data_ptr()) for b in trainable]
         assert storage in (None, now), "the host storage moved"
         storage = now
         for b in trainable:
-            assert b.flat.place.is_cpu_place() and b.flat_grad.place.is_cpu_place()
+            assert b.storage.flat.place.is_cpu_place() and b.grads.flat.place.is_cpu_place()
             for sp in b.params:
-                assert sp.shard_is_view_of(b.flat) and sp.grad_is_view_of(b.flat_grad)
+                assert sp.shard_is_view_of(b.storage.flat) and sp.grad_is_view_of(b.grads.flat)
     ref_model, ref_losses = _train(None)
     assert losses == ref_losses
     ref = paddle_hsdp.full_state_dict(ref_model)

@@ -100,15 +100,15 @@ def test_shard_params_and_grads_are_views_of_flat_storage(fake_mesh):
     for unit in hsdp_registry.units:
         for buf in unit.buffers:
             for sp in buf.params:
-                assert sp.shard_is_view_of(buf.flat)
+                assert sp.shard_is_view_of(buf.storage.flat)
                 if buf.trainable:
-                    assert sp.grad_is_view_of(buf.flat_grad)
+                    assert sp.grad_is_view_of(buf.grads.flat)
     opt.step()  # the update is in place: the views survive it
     opt.clear_grad(set_to_zero=False)  # grads released: they read as zeros next time
     models.lm_loss(model, batch_ids(), True).backward()
     for unit in hsdp_registry.units:
         for buf in unit.buffers:
-            assert all(sp.shard_is_view_of(buf.flat) for sp in buf.params)
+            assert all(sp.shard_is_view_of(buf.storage.flat) for sp in buf.params)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

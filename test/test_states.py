@@ -39,18 +39,18 @@ def test_a_step_walks_the_states_in_order(fake_mesh):
     units = hsdp_registry.units
     assert all(u.state is ParamState.SHARDED for u in units if u.should_reshard_after_forward())
     # backward reduced every trainable buffer; the outer sync is owed
-    assert {b.grad_state for b in _trainable(units)} == {GradState.REDUCED}
+    assert {b.grads.state for b in _trainable(units)} == {GradState.REDUCED}
     assert all(u.grads_pending_outer_sync and not u.grads_synced for u in units)
     opt.step()
-    assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
+    assert {b.grads.state for b in _trainable(units)} == {GradState.SYNCED}
     assert all(u.grads_synced and not u.grads_pending_outer_sync for u in units)
     # a backward without clear_grad: the synced grads go back to summed form, take the
     # new grads and, the step's predicted last backward (one per step so far), are
     # synced again before backward returns (engine/outer_sync.py)
     models.lm_loss(model, batch_ids(seed=8), True).backward()
-    assert {b.grad_state for b in _trainable(units)} == {GradState.SYNCED}
+    assert {b.grads.state for b in _trainable(units)} == {GradState.SYNCED}
     opt.clear_grad()
-    assert {b.grad_state for b in _trainable(units)} == {GradState.EMPTY}
+    assert {b.grads.state for b in _trainable(units)} == {GradState.EMPTY}
     assert not any(u.grads_pending_outer_sync or u.grads_synced for u in units)
 
 
@@ -72,7 +72,7 @@ def test_prefetch_is_its_own_state(fake_mesh):
 def test_out_of_order_calls_raise_at_the_call(fake_mesh):
     model, opt = _trained_one_backward()
     buf = _trainable([model.blocks[0]._hsdp_unit])[0]
-    before = buf.acc_flat().numpy().copy()
+    before = buf.grads.acc_flat().numpy().copy()
     # a second wait for a reduce-scatter already landed
     with pytest.raises(states.EngineStateError,
                        match=r"finish_reduce_scatter on .* in state 'reduced'; it runs from "
@@ -84,15 +84,15 @@ def test_out_of_order_calls_raise_at_the_call(fake_mesh):
     with pytest.raises(states.EngineStateError, match="start_reduce_scatter on .* 'synced'"):
         buf.start_reduce_scatter()
     with pytest.raises(states.EngineStateError, match="start_outer_sync on .* 'synced'"):
-        buf.start_outer_sync()
+        buf.pieces.start_outer_sync()
     with pytest.raises(states.EngineStateError, match="unsync on .* 'empty'"):
         opt.clear_grad()
-        buf.unsync(1.0)
-    assert buf.grad_state is GradState.EMPTY
+        buf.pieces.unsync(1.0)
+    assert buf.grads.state is GradState.EMPTY
     # nothing was touched by the refused calls: the model trains on
     models.lm_loss(model, batch_ids(seed=9), True).backward()
     opt.step()
-    assert buf.grad_state is GradState.SYNCED and before.shape == buf.acc_flat().shape
+    assert buf.grads.state is GradState.SYNCED and before.shape == buf.grads.acc_flat().shape
 
 
 def test_unshard_needs_its_gather_issued(fake_mesh):
@@ -115,11 +115,11 @@ def test_an_optimizer_that_overrides_step_gets_the_step_boundary(fake_mesh):
 
     class ReadsGrads(paddle.optimizer.SGD):
         def step(self):
-            seen.extend(b.grad_state for b in _trainable(hsdp_registry.units))
+            seen.extend(b.grads.state for b in _trainable(hsdp_registry.units))
 
     opt = ReadsGrads(0.1, parameters=model.parameters())
     opt.step()
     assert set(seen) == {GradState.SYNCED}
     opt.clear_grad()
     models.lm_loss(model, batch_ids(seed=8), True).backward()  # predicted last: synced in it
-    assert {b.grad_state for b in _trainable(hsdp_registry.units)} == {GradState.SYNCED}
+    assert {b.grads.state for b in _trainable(hsdp_registry.units)} == {GradState.SYNCED}

@@ -132,14 +132,14 @@ def _fsdp_axis(hcg, expert: bool) -> tuple:
 
 def _block_getter(buf, sp, rows):
     """Read the first ``rows`` rows of ``sp``'s inner block."""
-    return lambda: buf.read_block(sp).numpy()[:rows]
+    return lambda: buf.storage.read_block(sp).numpy()[:rows]
 
 
 def _block_putter(buf, sp, rows):
     """Write ``rows`` rows into ``sp``'s inner block (every row it holds)."""
     @paddle.no_grad()
     def put(array):
-        buf.write_block(sp, paddle.to_tensor(array.reshape([rows] + sp.rest), dtype=sp.dtype))
+        buf.storage.write_block(sp, paddle.to_tensor(array.reshape([rows] + sp.rest), dtype=sp.dtype))
     return put
 
 

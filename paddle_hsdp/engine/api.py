@@ -442,7 +442,7 @@ def forget(model) -> None:
     for unit in units:  # what is in flight lands before its buffers go
         unit.reshard(force=True)
         for buf in unit.buffers:
-            buf.finish_rebuild()
+            buf.pieces.finish_rebuild()
             if buf.host is not None:
                 buf.host.drop()
     gather_tags.forget_units(u.index for u in units)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import paddle
 
 
@@ -32,3 +34,24 @@ def compute_dtype_of(param_dtype):
     param_dtype = as_dtype(param_dtype)
     low = param_dtype in (paddle.bfloat16, paddle.float16)
     return paddle.float32 if low and paddle.get_device().startswith("cpu") else param_dtype
+
+
+@dataclass(frozen=True)
+class BufferDtypes:
+    """The dtypes one buffer keeps, moves and computes in (see :func:`dtypes_of`), and
+    the element sizes every unshard and reshard reads for the memory report."""
+
+    master: paddle.dtype  # the shards, their grads and the optimizer's state
+    gather: paddle.dtype  # the all-gather
+    reduce: paddle.dtype  # the reduce-scatter and the outer sync (not main grads')
+    compute: paddle.dtype  # the gathered parameters the forward reads
+    policy_reduce: paddle.dtype | None  # the policy's own reduce_dtype, if it names one
+    master_size: int
+    compute_size: int
+
+    @classmethod
+    def of(cls, dtype: paddle.dtype, mp_policy: object | None) -> BufferDtypes:
+        gather, reduce, compute = dtypes_of(dtype, mp_policy)
+        return cls(dtype, gather, reduce, compute,
+                   as_dtype(getattr(mp_policy, "reduce_dtype", None)),
+                   element_size(dtype), element_size(compute))

@@ -44,14 +44,14 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
             rebuild.append(buf)
         if count == 0:
             continue  # this rank's block is all padding
-        local = buf.flat[sp.flat_offset:sp.flat_offset + count * sp.row_numel]
+        local = buf.storage.flat[sp.flat_offset:sp.flat_offset + count * sp.row_numel]
         local = local.reshape([count] + sp.rest)
         local.name = sp.shard.name
         offset, size = place.rows(start, count)
         out[key] = ShardedWeight(key, local, tuple(size), tuple(place.full_shape),
                                  tuple(offset))
     for buf in rebuild:  # after the views above: a load may write them
-        buf.owe_rebuild()
+        buf.pieces.owe_rebuild()
     return out
 
 

@@ -87,9 +87,9 @@ def _on_grad_accumulated(sp, *_) -> None:
     the per-unit reduction. Owners of tied params a borrower uses still wait for the
     end of backward; so does every unit when ``requires_gradient_sync`` is False."""
     buf = sp.buffer
-    buf.note_grad_arrived(sp)  # (its grad grid cannot tell: every .grad is a view)
+    buf.full_grads.note_arrived(sp)  # (its grad grid cannot tell: every .grad is a view)
     unit = buf.owner
-    if (context.backward.depth == 0 or buf.reduced_early or unit.reduced_in_backward
+    if (context.backward.depth == 0 or buf.full_grads.reduced_early or unit.reduced_in_backward
             or unit.pending_calls or unit.borrowed_by
             or not unit.reduce_grads_in_backward or not unit.requires_gradient_sync
             or not master_grad.has_full_grad(sp)):
@@ -97,8 +97,7 @@ def _on_grad_accumulated(sp, *_) -> None:
     root = hooks._root_of(unit)
     if root is None or root not in context.backward.roots_in_backward:
         return
-    buf.grads_ready.add(id(sp))
-    if len(buf.grads_ready) < len(buf.params) or context.backward.hook_errors:
+    if not buf.full_grads.complete(sp) or context.backward.hook_errors:
         return
     try:
         FullGradBytes.sample(root.units)

@@ -99,7 +99,7 @@ class RootState:
         self.recording = False
         FullGradBytes.sample(self.units)
         for unit in reversed(self.units):
-            early = any(b.reduced_early for b in unit.buffers)
+            early = any(b.full_grads.reduced_early for b in unit.buffers)
             if early and not unit.reduced_in_backward:
                 unit.reduce_rest()
             elif not unit.reduced_in_backward or (
@@ -109,7 +109,7 @@ class RootState:
         wait_pending_reduces()  # shard grads are complete when backward returns
         for unit in self.units:  # ... and views of the flat storage (add_to_grad)
             for buf in unit.buffers:
-                buf.repoint_grads()
+                buf.grads.repoint_grads()
         for unit in reversed(self.units):
             unit.pins = 0
             if unit.reshard_after_backward:
@@ -197,8 +197,7 @@ def _reset_backward(unit: FSDPUnit, failed: bool = False) -> None:
     if failed:
         unit.pending_calls.clear()
     for buf in unit.buffers:
-        buf.reduced_early = False
-        buf.grads_ready.clear()
+        buf.full_grads.end_backward()
 
 
 def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
@@ -209,7 +208,7 @@ def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     # reduce-scatter's input goes back to the pool first, to serve as this one
     finish_transferred_reduces()
     for buf in unit.buffers:
-        buf.attach_grad_grid()
+        buf.full_grads.attach_grid()
     root = _root_of(unit)
     if root is not None:
         for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
@@ -503,7 +502,7 @@ def _abandon_backward() -> None:
         root.outer_sync.abandon()
         for unit in root.units:
             for buf in unit.buffers:
-                buf.drop_grad_grid()
+                buf.full_grads.drop_grid()
             for sp in unit.params:
                 master_grad.release_full_grad(sp)
             unit.full_grads_pending = False

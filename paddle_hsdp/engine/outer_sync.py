@@ -165,8 +165,8 @@ class OuterSyncSchedule:
         for i, (other, pending, scale) in enumerate(self._work):
             if other is buf:
                 del self._work[i]  # finish_outer_sync waits first
-                buf.finish_outer_sync(pending, scale)
-                buf.unsync(buf.owner.summed_scale(buf))
+                buf.pieces.finish_outer_sync(pending, scale)
+                buf.pieces.unsync(buf.owner.summed_scale(buf))
                 return
 
     def abandon(self) -> None:
@@ -179,7 +179,7 @@ class OuterSyncSchedule:
             self.order.clear()  # a partial order may differ across ranks
         comm.settle(pending.handle for _, pending, _ in work)
         for buf, _, _ in work:  # waited, not landed: its grads are still owed a sync
-            buf.reset_grad_state(GradState.REDUCED)
+            buf.grads.reset(GradState.REDUCED)
 
     # ------------------------------------------------------------ issuing
     def _issue_ready(self) -> None:
@@ -190,7 +190,7 @@ class OuterSyncSchedule:
                 self._issue(buf)
 
     def _issue(self, buf) -> None:
-        pending = buf.start_outer_sync(async_op=True, on_thread=True)
+        pending = buf.pieces.start_outer_sync(async_op=True, on_thread=True)
         self._work.append((buf, pending, 1.0 / buf.owner.divisor(buf)))
 
 
@@ -218,7 +218,7 @@ def finish_outer_syncs(work: list) -> None:
         while work:
             buf, pending, scale = work[0]
             del work[0]  # finish_outer_sync waits first: out of the list is waited
-            buf.finish_outer_sync(pending, scale)
+            buf.pieces.finish_outer_sync(pending, scale)
     except BaseException:
         comm.settle(pending.handle for _, pending, _ in work)
         raise

@@ -47,7 +47,7 @@ def drop_pending_reduces() -> None:
     pending, in_flight[:] = list(in_flight), []
     settle(p for _, p in pending)
     for buf, _ in pending:
-        buf.abandon_reduce()
+        buf.grads.abandon_reduce()
 
 
 def sync_grads(units) -> None:
@@ -67,6 +67,6 @@ def sync_grads(units) -> None:
     except BaseException:
         comm.settle(pending.handle for _, pending, _ in work)
         for buf, _, _ in work:  # waited, not landed: taken as synced, as before the wait
-            buf.reset_grad_state(GradState.SYNCED)
+            buf.grads.reset(GradState.SYNCED)
         raise
     finish_outer_syncs(work)

@@ -58,7 +58,7 @@ def state_tensors(model: paddle.nn.Layer) -> list[tuple[str, paddle.Tensor]]:
     out = []
     for unit in registry.units_under(model):
         for buf in unit.buffers:
-            out.append((f"unit{unit.index}.buffer{buf.index}", buf.flat))
+            out.append((f"unit{unit.index}.buffer{buf.index}", buf.storage.flat))
     for name, param in model.named_parameters():
         if not hasattr(param, "_hsdp_sharded_param"):  # ignored params: kept whole
             out.append((f"param.{name}", param))

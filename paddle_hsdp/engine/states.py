@@ -9,6 +9,8 @@ at that call, naming what it found and what it needed, not a wrong sum later.
   holds every replica's latest piece.
 * :class:`SyncSchedule` — a root's outer syncs during backward: recording their order,
   waiting, or issuing them early in the step's last backward.
+* :class:`EarlyReduce` — within one backward, whether a buffer was reduce-scattered
+  before its end (its every parameter had its grad).
 
 Each machine's transitions are a table (:data:`TRANSITIONS`), and every change of a
 state goes through :func:`move`, which checks it. Full-size grads that wait for a
@@ -81,7 +83,18 @@ class SyncSchedule(enum.Enum):
     EARLY = "early"
 
 
-_P, _G, _R, _S = ParamState, GradState, RebuildState, SyncSchedule
+class EarlyReduce(enum.Enum):
+    """A buffer within one backward of a unit whose post-backward does not fire
+    (engine/grad_hooks.py)."""
+
+    #: its parameters' grads are arriving; it is reduced at the end of backward
+    #: unless all of them complete first
+    COLLECTING = "collecting"
+    #: every parameter had its grad: it was reduce-scattered before the end of backward
+    REDUCED = "reduced early"
+
+
+_P, _G, _R, _S, _E = ParamState, GradState, RebuildState, SyncSchedule, EarlyReduce
 
 #: Every transition each machine may take, as ``(from, to)``: :func:`move` refuses any
 #: other, so an engine call out of order fails at that call. docs/engine.md's table is
@@ -121,6 +134,11 @@ TRANSITIONS: dict[type, frozenset] = {
         (_R.CURRENT, _R.REBUILDING), (_R.OWED, _R.REBUILDING),  # the all-gather issued
         (_R.REBUILDING, _R.CURRENT),                          # ... and waited for
         (_R.CURRENT, _R.CURRENT), (_R.OWED, _R.CURRENT),      # shared pieces broadcast
+    }),
+    EarlyReduce: frozenset({
+        (_E.COLLECTING, _E.REDUCED),    # its last parameter's grad arrived: reduced now
+        (_E.REDUCED, _E.COLLECTING),    # the backward ended (or failed)
+        (_E.COLLECTING, _E.COLLECTING),  # ... without reducing it early
     }),
 }
 

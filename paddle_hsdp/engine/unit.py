@@ -119,8 +119,7 @@ class FSDPUnit:
             self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy,
                                             self.offload_policy, reduce_group))
         for i, buf in enumerate(self.buffers):
-            buf.unit_index, buf.index = self.index, i
-            buf.owner = self
+            buf.owner, buf.index = self, i
 
     def outer_parts(self, is_expert: bool, trainable: bool) -> tuple[int, int]:
         """``(parts, part)`` a parameter of this unit is cut into across its outer group:
@@ -157,7 +156,7 @@ class FSDPUnit:
     def shard_initial(self) -> None:
         """First sharding: cut blocks, broadcast over outer, free the full params."""
         for buf in self.buffers:
-            buf.shard_from_full(src_outer_rank=0)
+            buf.storage.shard_from_full(src_outer_rank=0)
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
@@ -262,7 +261,7 @@ class FSDPUnit:
             # grads must exist now; the reduction then fills them in place.
             for buf in self.buffers:
                 if buf.trainable:
-                    buf.acc_flat()
+                    buf.grads.acc_flat()
 
     def reduce_scatter_grads(self, buffers: list[ShardBuffer] | None = None) -> None:
         """Wait for the reduce-scatters issued before (another unit's), then issue this
@@ -294,8 +293,8 @@ class FSDPUnit:
             for buf in buffers:
                 schedule.reopen(buf)
         for buf in self.buffers:  # the unit was synced whole: every trainable buffer
-            if buf.trainable and buf.grad_state is GradState.SYNCED:
-                buf.unsync(self.summed_scale(buf))
+            if buf.trainable and buf.grads.state is GradState.SYNCED:
+                buf.pieces.unsync(self.summed_scale(buf))
 
     def summed_scale(self, buf: ShardBuffer) -> float:
         """What a synced grad of ``buf`` is multiplied by to be in summed form again
@@ -315,7 +314,7 @@ class FSDPUnit:
         # shared pieces: only the replicas holding this piece compute it
         scale = (self.divisor(buf) / traits_of(buf.outer).pieces.holders
                  if buf.shared_pieces else self.summed_scale(buf))
-        buf.add_to_grad(sp, grad * scale)
+        buf.grads.add_to_grad(sp, grad * scale)
         sp.grad_here = True
 
     def reduce_buffer_early(self, buf: ShardBuffer) -> None:
@@ -323,14 +322,14 @@ class FSDPUnit:
         (:func:`paddle_hsdp.engine.grad_hooks._on_grad_accumulated`), before the end of
         backward; :meth:`reduce_rest` takes the others there."""
         self.reduce_scatter_grads([buf])
-        buf.reduced_early = True
+        buf.full_grads.mark_reduced_early()
 
     def reduce_rest(self) -> None:
         """End of a backward in which some buffers were reduced early: the trainable
         buffers that were not, and early ones whose grads grew again since (a grad that
         arrived after its buffer's reduction, e.g. from a recomputed segment)."""
         rest = [b for b in self.buffers if b.trainable
-                and (not b.reduced_early or b.has_full_grads())]
+                and (not b.full_grads.reduced_early or b.full_grads.present())]
         if rest:
             self.reduce_scatter_grads(rest)
         self.full_grads_pending = False
@@ -340,7 +339,7 @@ class FSDPUnit:
         registry.storage_may_have_changed()  # grads released or replaced
         if self.full_grads_pending:
             for buf in self.buffers:
-                buf.drop_grad_grid()
+                buf.full_grads.drop_grid()
             for sp in self.params:
                 master_grad.release_full_grad(sp)
         for buf in self.buffers:
@@ -348,8 +347,8 @@ class FSDPUnit:
                 buf.host.drop()  # offloaded grads still on their way: not added now
         self.full_grads_pending = False
         for buf in self.buffers:
-            buf.drop_grad_pieces()
-            buf.reset_grad_state(GradState.EMPTY)
+            buf.pieces.drop_grad_pieces()
+            buf.grads.reset(GradState.EMPTY)
         schedule = schedule_of(self)
         if schedule is not None:
             schedule.restart_count()
@@ -358,13 +357,13 @@ class FSDPUnit:
     def grads_pending_outer_sync(self) -> bool:
         """A trainable buffer holds (or is receiving) inner-reduced grads not synced
         across the replicas yet."""
-        return any(b.trainable and b.grad_state in (GradState.REDUCING, GradState.REDUCED)
+        return any(b.trainable and b.grads.state in (GradState.REDUCING, GradState.REDUCED)
                    for b in self.buffers)
 
     @property
     def grads_synced(self) -> bool:
         """The shard grads hold (or are receiving) this step's synced, scaled values."""
-        return any(b.trainable and b.grad_state in (GradState.SYNCING, GradState.SYNCED)
+        return any(b.trainable and b.grads.state in (GradState.SYNCING, GradState.SYNCED)
                    for b in self.buffers)
 
     def divisor(self, buf) -> float:
@@ -395,10 +394,10 @@ class FSDPUnit:
             if not buf.trainable:
                 continue
             if self.requires_all_reduce:
-                work.append((buf, buf.start_outer_sync(async_op=self.overlap),
+                work.append((buf, buf.pieces.start_outer_sync(async_op=self.overlap),
                              1.0 / self.divisor(buf)))
             else:
-                buf.sync_locally(buf.outer.nranks / self.divisor(buf))
+                buf.pieces.sync_locally(buf.outer.nranks / self.divisor(buf))
 
     def check_outer_sync(self) -> None:
         """With outer sub-shards each replica's optimizer holds only its piece of the
@@ -420,32 +419,32 @@ class FSDPUnit:
         is owed, issued at the next root forward or read ([Note: edits under outer
         sub-shards] in engine/buffer.py)."""
         for buf in self.buffers:
-            buf.owe_rebuild()
+            buf.pieces.owe_rebuild()
 
     def start_owed_rebuilds(self) -> None:
         """A root forward begins: issue the owed rebuilds (asynchronous with overlap on;
         the unit's first all-gather waits for them), edits detected since included."""
         for buf in self.buffers:
             if buf.rebuilds:
-                buf.start_owed_rebuild(async_op=self.overlap)
+                buf.pieces.start_owed_rebuild(async_op=self.overlap)
 
     def finish_rebuild(self) -> None:
         """Wait for the outer all-gathers in flight (before the optimizer writes the
         pieces again)."""
         for buf in self.buffers:
-            buf.finish_rebuild()
+            buf.pieces.finish_rebuild()
 
     def ensure_rebuilt(self) -> None:
         """Finish or run every owed rebuild (a collective: every rank alike)."""
         for buf in self.buffers:
-            buf.ensure_rebuilt()
+            buf.pieces.ensure_rebuilt()
 
     def has_full_grads(self) -> bool:
         return any(master_grad.has_full_grad(sp) for sp in self.params)
 
     # -------------------------------------------------------------- memory report
     def full_grad_nbytes(self) -> int:
-        return sum(buf.full_grad_nbytes() for buf in self.buffers)
+        return sum(buf.full_grads.nbytes() for buf in self.buffers)
 
     def gathered_nbytes(self) -> int:
         return sum(buf.compute_nbytes for buf in self.buffers)
@@ -456,7 +455,7 @@ class FSDPUnit:
         (full-size grads not reduced yet), ``gathered`` full params."""
         shard = shard_grad = gathered = 0
         for buf in self.buffers:
-            esize = buf.element_size
+            esize = buf.dtypes.master_size
             shard += buf.shard_numel * esize
             if any(sp.full_is_materialized() for sp in buf.params):
                 gathered += buf.compute_nbytes  # the full buffer the params are views of

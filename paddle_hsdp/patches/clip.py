@@ -118,7 +118,7 @@ def _storage_of(param, grad):
     buf = getattr(sp, "buffer", None)
     if buf is None:
         return None, None
-    for flat in (buf.flat_grad, buf.flat_main_grad):
+    for flat in buf.grads.flats():
         if flat is not None and flat.dtype == grad.dtype and sp.views(grad, flat):
             return flat, buf
     return None, None
@@ -143,7 +143,7 @@ def _by_storage(pairs):
     whole = []
     for flat, buf, members in groups.values():
         if len({id(p) for p, _ in members}) == len(buf.params) == len(members):
-            whole.append((buf.piece(flat, buf.part) if buf.scatters_outer else flat, members))
+            whole.append((buf.pieces.piece(flat, buf.part) if buf.scatters_outer else flat, members))
         elif buf.shared_pieces:
             # each replica holds the whole synced grad shard: a param's inner block
             # counts, not its piece (scaling the block scales the piece with it)

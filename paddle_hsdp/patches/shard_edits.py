@@ -26,7 +26,7 @@ def _marking(original):
         result = original(self, *args, **kwargs)
         sp = getattr(self, "_hsdp_sharded_param", None)
         if sp is not None and sp.buffer is not None:
-            sp.buffer.edited = True
+            sp.buffer.pieces.note_edit()
         return result
     return method
 

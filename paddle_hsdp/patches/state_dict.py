@@ -118,7 +118,7 @@ def _patch_set_state_dict(layer_cls) -> None:
         result = original(self, {**state_dict, **blocks}, use_structured_name, *args, **kwargs)
         for sp, name in whole:
             value = _as_tensor(state_dict[name])
-            registry.buffer_of(sp).write_block(sp, sp.rows_of(value, sub=False))
+            registry.buffer_of(sp).storage.write_block(sp, sp.rows_of(value, sub=False))
         return result
 
     replace(layer_cls, "set_state_dict", set_state_dict,

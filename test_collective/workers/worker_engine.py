@@ -113,7 +113,7 @@ def full_grad_bytes(unit, esize) -> int:
     adds them there (engine/full_grads.py; the tied embedding's too: Paddle accumulates
     a leaf's grads from both uses at once, after the embedding's pre-backward), else its
     parameters' grads."""
-    return sum(b.padded_numel * esize if b.grads_in_place()
+    return sum(b.padded_numel * esize if b.full_grads.in_place()
                else sum(sp.numel * esize for sp in b.params)
                for b in unit.buffers if b.trainable)
 

@@ -103,7 +103,7 @@ def check_replicas(model):
         unit.ensure_rebuilt()
     for buf in trainable(model):
         parts = []
-        dist.all_gather(parts, buf.flat.clone(), group=buf.outer)
+        dist.all_gather(parts, buf.storage.flat.clone(), group=buf.outer)
         for other in parts[1:]:
             assert np.array_equal(parts[0].numpy(), other.numpy()), buf.describe()
 

@@ -212,8 +212,8 @@ parity.report("knobs fp32 run", fp32_worst)
 mp = paddle_hsdp.MixedPrecisionPolicy(param_dtype="bfloat16", reduce_dtype="float32")
 mp_model = shard(mp_policy=mp)
 for buf in all_buffers(mp_model):
-    assert buf.gather_dtype == paddle.bfloat16 and buf.dtype == paddle.float32, buf.params[0].fqn
-    assert buf.reduce_dtype == paddle.float32
+    assert buf.dtypes.gather == paddle.bfloat16 and buf.dtype == paddle.float32, buf.params[0].fqn
+    assert buf.dtypes.reduce == paddle.float32
 mp_run = train_hsdp(mp_model)
 mp_worst = compare(mp_run, ref16)
 compare_params(mp_model, ref16[1], mp_worst)

@@ -1,8 +1,8 @@
 """The outer half of a buffer's step: the outer sync of the grad shard, and with outer
 sub-shards (``fsdp_outer_sharding="optim"``, HFSDP) the pieces each replica's optimizer
-sees and the rebuild of the shard from them. :class:`OuterPieces` is a part of
-:class:`~paddle_hsdp.engine.buffer.ShardBuffer` (a mixin: the buffer's storage, groups
-and dtypes are its own).
+sees and the rebuild of the shard from them (:class:`~..states.RebuildState`, and
+the edits that make a rebuild owed). The outer sync moves the grad shard's state,
+which :class:`~.shard_grads.ShardGrads` owns.
 
 [Note: edits under outer sub-shards] A shard parameter is this rank's piece only, so an
 in-place change of ``model.parameters()`` outside the optimizer (weight clipping, a
@@ -28,149 +28,174 @@ updates).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import paddle
 
-from ..comm import collectives as comm
-from ..comm.traits import traits_of
-from . import trace
-from .pending import PendingOuterReduce, PendingRebuild, PendingReduce
-from .registry import registry
-from .states import GradState, RebuildState, expect, move
+from ...comm import collectives as comm
+from ...comm.traits import traits_of
+from .. import trace
+from ..pending import PendingOuterReduce, PendingRebuild, PendingReduce
+from ..registry import registry
+from ..states import GradState, RebuildState, expect, move
+
+if TYPE_CHECKING:
+    from .shard_buffer import ShardBuffer
 
 
 class OuterPieces:
-    """The outer sync and the outer sub-shards of a :class:`ShardBuffer`."""
+    """The outer sync and the outer sub-shards of one :class:`~.shard_buffer.ShardBuffer`."""
 
-    def start_outer_sync(self, async_op: bool = False, on_thread: bool = False):
+    def __init__(self, buf: ShardBuffer):
+        self.buf = buf
+        # the post-step all-gather in flight, and whether the flat shard holds every
+        # replica's latest piece (a rebuild is owed before the next read once
+        # sharded_state_dict handed out views a load may write)
+        self._rebuild: PendingRebuild | None = None
+        self.rebuild_state = RebuildState.CURRENT
+        # [Note: edits under outer sub-shards]: the shards' inplace versions when the
+        # last rebuild was issued, an edit seen by set_value / copy_ or new storage,
+        # and the registry.storage_epoch at which the versions were last compared.
+        self._versions: list[int] = []
+        self.edited = False
+        self._edits_epoch = -1
+
+    def describe(self) -> str:
+        return self.buf.describe()
+
+    # -------------------------------------------------------------- the outer sync
+    def start_outer_sync(self, async_op: bool = False, on_thread: bool = False
+                         ) -> PendingReduce | PendingOuterReduce:
         """The step's one outer collective of the grad shard: the all-reduce, or with
         outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`). ``on_thread``:
         on gloo, on the communication thread (engine/outer_sync.py)."""
-        expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "start_outer_sync",
+        grads = self.buf.grads
+        expect(grads.state, (GradState.EMPTY, GradState.REDUCED), "start_outer_sync",
                self.describe)
-        pending = (self.start_outer_reduce(async_op, on_thread) if self.scatters_outer else
-                   self.start_all_reduce(async_op, on_thread))
-        move(self, "grad_state", GradState.SYNCING, "start_outer_sync")
+        pending = (self.start_outer_reduce(async_op, on_thread) if self.buf.scatters_outer
+                   else self.start_all_reduce(async_op, on_thread))
+        grads.move(GradState.SYNCING, "start_outer_sync")
         return pending
 
     def start_all_reduce(self, async_op: bool = False, on_thread: bool = False
-                         ) -> "PendingReduce":
+                         ) -> PendingReduce:
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
         device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
         are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
         Under MixPrecisionLayer it reduces the main grads."""
-        flat = self.acc_flat()
+        buf = self.buf
+        flat = buf.grads.acc_flat()
         # offloaded: a device copy to reduce (none for one replica: nothing to reduce)
-        moves = self.host is not None and self.outer.nranks > 1
-        target = self.host.upload(flat) if moves else flat
-        dtype = self.grad_reduce_dtype()
-        if dtype != flat.dtype and self.outer.nranks > 1:
+        target = buf.host.upload(flat) if buf.host is not None and buf.outer.nranks > 1 \
+            else flat
+        dtype = buf.grads.reduce_dtype()
+        if dtype != flat.dtype and buf.outer.nranks > 1:
             target = target.astype(dtype)
-        trace.record("issue", "all_reduce", self.unit_index)
-        handle = comm.all_reduce(target, self.outer, async_op=True, what=self.describe,
+        trace.record("issue", "all_reduce", buf.unit_index)
+        handle = comm.all_reduce(target, buf.outer, async_op=True, what=buf.describe,
                                  on_thread=on_thread)
         if not async_op:
             handle.wait()
         return PendingReduce(handle, target, flat)
 
-    def finish_all_reduce(self, pending: "PendingReduce", scale: float) -> None:
+    def finish_all_reduce(self, pending: PendingReduce, scale: float) -> None:
+        buf = self.buf
         pending.handle.wait()
-        trace.record("wait", "all_reduce", self.unit_index)
-        trace.record_span("all_reduce", self.unit_index, pending.handle.span())
+        trace.record("wait", "all_reduce", buf.unit_index)
+        trace.record_span("all_reduce", buf.unit_index, pending.handle.span())
         flat = pending.out
         if pending.grid is flat:
-            with self.on_host():
+            with buf.on_host():
                 flat.scale_(scale)
             return
         reduced = pending.grid  # a reduce_dtype or offloaded copy comes back
         if reduced.dtype != flat.dtype:
             reduced = reduced.astype(flat.dtype)
         reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
-        if self.host is not None:
-            self.host.download(reduced, into=flat, add=False)
+        if buf.host is not None:
+            buf.host.download(reduced, into=flat, add=False)
         else:
             paddle.assign(reduced, output=flat)
 
-    def scale_grads(self, scale: float) -> None:
-        """Scale the grad shard (or main grads) in place, without an outer all-reduce."""
-        flat = self.acc_flat()
-        with self.on_host():
-            flat.scale_(scale)
-
-    def finish_outer_sync(self, pending, scale: float) -> None:
-        expect(self.grad_state, (GradState.SYNCING,), "finish_outer_sync", self.describe)
+    def finish_outer_sync(self, pending: PendingReduce | PendingOuterReduce,
+                          scale: float) -> None:
+        grads = self.buf.grads
+        expect(grads.state, (GradState.SYNCING,), "finish_outer_sync", self.describe)
         if isinstance(pending, PendingOuterReduce):
             self.finish_outer_reduce(pending, scale)
         else:
             self.finish_all_reduce(pending, scale)
-        move(self, "grad_state", GradState.SYNCED, "finish_outer_sync")
+        grads.move(GradState.SYNCED, "finish_outer_sync")
 
     def sync_locally(self, scale: float) -> None:
         """``set_requires_all_reduce(False)``: no outer collective; the grad shard,
         scaled, is this replica's step."""
-        expect(self.grad_state, (GradState.EMPTY, GradState.REDUCED), "sync_locally",
+        grads = self.buf.grads
+        expect(grads.state, (GradState.EMPTY, GradState.REDUCED), "sync_locally",
                self.describe)
-        self.scale_grads(scale)
-        move(self, "grad_state", GradState.SYNCED, "sync_locally")
+        grads.scale(scale)
+        grads.move(GradState.SYNCED, "sync_locally")
 
     def unsync(self, scale: float) -> None:
         """More grads are coming after the sync: bring the synced grad shard back to
         its summed form (``scale``: :meth:`FSDPUnit.summed_scale`), so the next sync's
         outer sum and 1 / N leave it unchanged."""
-        expect(self.grad_state, (GradState.SYNCED,), "unsync", self.describe)
-        self.scale_grads(scale)
-        move(self, "grad_state", GradState.REDUCED, "unsync")
-
-    def reset_grad_state(self, state: GradState) -> None:
-        """Error paths and ``clear_grad``: the collectives in flight were waited for
-        (or none was) and the grad shard is taken to be in ``state``."""
-        move(self, "grad_state", state, "reset_grad_state")
+        grads = self.buf.grads
+        expect(grads.state, (GradState.SYNCED,), "unsync", self.describe)
+        grads.scale(scale)
+        grads.move(GradState.REDUCED, "unsync")
 
     def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
-                           ) -> "PendingOuterReduce":
+                           ) -> PendingOuterReduce:
         """Issue the outer reduce-scatter of the accumulated grad shard (or main grads)
         in ``reduce_dtype``: the first half of an all-reduce, the same bytes across
         machines; this rank receives the sum of its piece."""
-        acc = self.acc_flat()
-        send = self.host.upload(acc) if self.host is not None else acc  # offloaded: a copy
-        dtype = self.grad_reduce_dtype()
+        buf = self.buf
+        acc = buf.grads.acc_flat()
+        send = buf.host.upload(acc) if buf.host is not None else acc  # offloaded: a copy
+        dtype = buf.grads.reduce_dtype()
         if dtype != acc.dtype:
             send = send.astype(dtype)
-        out = paddle.empty([self.piece_numel], dtype=dtype)
-        trace.record("issue", "outer_reduce_scatter", self.unit_index)
+        out = paddle.empty([buf.piece_numel], dtype=dtype)
+        trace.record("issue", "outer_reduce_scatter", buf.unit_index)
         # send is scratch on gloo (its other pieces are overwritten): they are zeroed
         # when the result lands, as the piece model needs anyway
-        handle = comm.reduce_scatter(out, send, self.outer, async_op=True, what=self.describe,
+        handle = comm.reduce_scatter(out, send, buf.outer, async_op=True, what=buf.describe,
                                      on_thread=on_thread)
         if not async_op:
             handle.wait()
         return PendingOuterReduce(handle, send, out, acc)
 
-    def finish_outer_reduce(self, pending: "PendingOuterReduce", scale: float) -> None:
+    def finish_outer_reduce(self, pending: PendingOuterReduce, scale: float) -> None:
         """Wait for :meth:`start_outer_reduce`; this rank's piece of the grad shard
         becomes the scaled sum, every other piece zero (what the optimizer does not see
         must not carry into the next step's accumulation)."""
+        buf = self.buf
         pending.handle.wait()
-        trace.record("wait", "outer_reduce_scatter", self.unit_index)
-        trace.record_span("outer_reduce_scatter", self.unit_index, pending.handle.span())
+        trace.record("wait", "outer_reduce_scatter", buf.unit_index)
+        trace.record_span("outer_reduce_scatter", buf.unit_index, pending.handle.span())
         acc, reduced = pending.acc, pending.out
         if reduced.dtype != acc.dtype:
             reduced = reduced.astype(acc.dtype)
         reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
-        if self.host is not None:  # assigned on the host when the copy is in
-            self.host.download(reduced, into=self.piece(acc, self.part), add=False)
+        if buf.host is not None:  # assigned on the host when the copy is in
+            buf.host.download(reduced, into=self.piece(acc, buf.part), add=False)
         else:
-            paddle.assign(reduced, output=self.piece(acc, self.part))
+            paddle.assign(reduced, output=self.piece(acc, buf.part))
         self.zero_other_pieces(acc)
-        self.grads_scattered = True
+        buf.grads.scattered = True
 
-    def piece(self, flat, q: int) -> paddle.Tensor:
+    # -------------------------------------------------------------- pieces
+    def piece(self, flat: paddle.Tensor, q: int) -> paddle.Tensor:
         """Piece ``q`` of a flat shard-layout tensor (a view)."""
-        return flat[q * self.piece_numel:(q + 1) * self.piece_numel]
+        numel = self.buf.piece_numel
+        return flat[q * numel:(q + 1) * numel]
 
-    def zero_other_pieces(self, flat) -> None:
-        with self.on_host():
-            for q in range(self.parts):
-                if q != self.part:
+    def zero_other_pieces(self, flat: paddle.Tensor) -> None:
+        buf = self.buf
+        with buf.on_host():
+            for q in range(buf.parts):
+                if q != buf.part:
                     piece = self.piece(flat, q)
                     paddle.assign(paddle.zeros_like(piece), output=piece)
 
@@ -178,52 +203,55 @@ class OuterPieces:
         """After ``clear_grad`` (the unit dropped pending downloads first): zero the grad
         pieces the optimizer does not see (its own it zeroed or released), so a skipped
         batch leaves nothing behind."""
-        if self.parts == 1:
+        buf = self.buf
+        if buf.parts == 1:
             return
-        for flat in (self.flat_grad, self.flat_main_grad):
-            if flat is not None:
-                self.zero_other_pieces(flat)
-        self.grads_scattered = False
+        for flat in buf.grads.flats():
+            self.zero_other_pieces(flat)
+        buf.grads.scattered = False
 
-    def _outer_gather(self, flat, what: str) -> paddle.Tensor:
+    def outer_gather(self, flat: paddle.Tensor, what: str) -> paddle.Tensor:
         """Every rank's piece of ``flat`` gathered over the outer group (synchronous):
         a new tensor in shard layout, where ``flat`` lives (offloaded: the host)."""
-        mine = self.piece(flat, self.part)
-        send = self.host.upload(mine) if self.host is not None else mine.clone()
-        out = paddle.empty([self.shard_numel], dtype=flat.dtype)
-        comm.all_gather_into(out, send, self.outer, what=lambda: f"{self.describe()}: {what}")
-        return self.host.keep(out) if self.host is not None else out
+        buf = self.buf
+        mine = self.piece(flat, buf.part)
+        send = buf.host.upload(mine) if buf.host is not None else mine.clone()
+        out = paddle.empty([buf.shard_numel], dtype=flat.dtype)
+        comm.all_gather_into(out, send, buf.outer, what=lambda: f"{buf.describe()}: {what}")
+        return buf.host.keep(out) if buf.host is not None else out
 
-    @property
-    def scatters_outer(self) -> bool:
-        """Whether the outer sync is a reduce-scatter (one piece per outer rank), not an
-        all-reduce (no pieces, or shared ones: [Note: shared pieces])."""
-        return self.parts > 1 and not self.shared_pieces
-
-    @property
-    def rebuilds(self) -> bool:
-        """Whether this buffer has outer sub-shards to rebuild (trainable, parts > 1)."""
-        return self.parts > 1 and self.trainable
-
+    # -------------------------------------------------------------- the rebuild
     def owe_rebuild(self) -> None:
         """The optimizer updated this rank's piece: the rebuild is owed, issued at the
         next root forward or read ([Note: edits under outer sub-shards])."""
-        if self.rebuilds:
+        if self.buf.rebuilds:
             self._mark_owed()
 
     def _mark_owed(self) -> None:
         self.finish_rebuild()  # one in flight lands first: it must not overwrite what follows
         move(self, "rebuild_state", RebuildState.OWED, "_mark_owed")
 
+    def note_edit(self) -> None:
+        """A shard param was changed other than in place (new storage, ``set_value``,
+        ``copy_``): the next check owes a rebuild."""
+        self.edited = True
+
+    def note_rebuilt(self) -> None:
+        """Every replica holds every piece as the shards are now: later edits are
+        measured from here."""
+        self.edited = False
+        self._versions = [sp.shard._inplace_version() for sp in self.buf.params]
+
     def check_edits(self) -> None:
         """Whether a shard param changed since the last rebuild was issued (its
         inplace version, new storage, ``set_value`` / ``copy_``): if so a rebuild is
         owed. Once per ``registry.storage_epoch``; local, no collective."""
-        if not self.rebuilds or self._edits_epoch == registry.storage_epoch:
+        buf = self.buf
+        if not buf.rebuilds or self._edits_epoch == registry.storage_epoch:
             return
         self._edits_epoch = registry.storage_epoch
-        self._repair_views()  # new storage is copied into the flat shard here
-        if self.edited or [sp.shard._inplace_version() for sp in self.params] != self._versions:
+        buf.storage.repair_views()  # new storage is copied into the flat shard here
+        if self.edited or [sp.shard._inplace_version() for sp in buf.params] != self._versions:
             self._mark_owed()
 
     def start_owed_rebuild(self, async_op: bool = False) -> None:
@@ -237,54 +265,56 @@ class OuterPieces:
     def start_rebuild(self, async_op: bool = False) -> None:
         """Issue the outer all-gather of every replica's piece into the flat shard (in
         the parameters' own dtype, so every replica holds the same exact values). The
-        next read of :attr:`flat` waits for it; the next forward's first all-gather of
-        the unit reads it."""
-        if not self.rebuilds:
+        next read of the flat shard waits for it; the next forward's first all-gather
+        of the unit reads it."""
+        buf = self.buf
+        if not buf.rebuilds:
             return
         self.finish_rebuild()  # one in flight per buffer
         expect(self.rebuild_state, (RebuildState.CURRENT, RebuildState.OWED), "start_rebuild",
                self.describe)
-        self._repair_views()
-        if self.shared_pieces:
+        buf.storage.repair_views()
+        if buf.shared_pieces:
             self._copy_pieces_from_holders()
             return
-        flat = self._flat
-        mine = self.piece(flat, self.part)
+        flat = buf.storage.raw
+        mine = self.piece(flat, buf.part)
         # offloaded: a device copy out, the gathered pieces copied back in at the wait
-        send = self.host.upload(mine) if self.host is not None else mine.clone()
-        out = (paddle.empty([self.shard_numel], dtype=self.dtype) if self.host is not None
-               else flat[0:self.shard_numel])
-        trace.record("issue", "outer_all_gather", self.unit_index)
-        handle = comm.all_gather_into(out, send, self.outer, async_op=True,
-                                      what=self.describe)
+        send = buf.host.upload(mine) if buf.host is not None else mine.clone()
+        out = (paddle.empty([buf.shard_numel], dtype=buf.dtype) if buf.host is not None
+               else flat[0:buf.shard_numel])
+        trace.record("issue", "outer_all_gather", buf.unit_index)
+        handle = comm.all_gather_into(out, send, buf.outer, async_op=True,
+                                      what=buf.describe)
         self._rebuild = PendingRebuild(handle, send, out)
         move(self, "rebuild_state", RebuildState.REBUILDING, "start_rebuild")
-        self.edited = False
-        self._versions = [sp.shard._inplace_version() for sp in self.params]
+        self.note_rebuilt()
         if not async_op:
             self.finish_rebuild()
 
     def _copy_pieces_from_holders(self) -> None:
         """[Note: shared pieces]: one broadcast per piece, in piece order on every rank,
         from the holder the outer group's plan names; current only once all arrived."""
-        plan, flat = traits_of(self.outer).pieces, self._flat
-        me = self.outer.ranks[self.outer.rank]
-        for q in range(self.parts):
+        buf = self.buf
+        plan, flat = traits_of(buf.outer).pieces, buf.storage.raw
+        if plan is None:
+            raise AssertionError(f"{buf.describe()}: shared pieces without a plan")
+        me = buf.outer.ranks[buf.outer.rank]
+        for q in range(buf.parts):
             piece = self.piece(flat, q)
             src = plan.src(q)
             scratch = src != me and plan.keeps(q)
             target = paddle.empty_like(piece) if scratch else piece
             # offloaded: a device copy travels, copied back into the host storage
-            moved = self.host.upload(target) if self.host is not None else target
-            trace.record("issue", "outer_broadcast", self.unit_index)
-            comm.broadcast(moved, src=src, group=self.outer,
-                           what=lambda q=q: f"{self.describe()}: piece {q}")
-            trace.record("wait", "outer_broadcast", self.unit_index)
-            if self.host is not None and not scratch and src != me:
-                self.host.download(moved, into=piece, add=False)
+            moved = buf.host.upload(target) if buf.host is not None else target
+            trace.record("issue", "outer_broadcast", buf.unit_index)
+            comm.broadcast(moved, src=src, group=buf.outer,
+                           what=lambda q=q: f"{buf.describe()}: piece {q}")
+            trace.record("wait", "outer_broadcast", buf.unit_index)
+            if buf.host is not None and not scratch and src != me:
+                buf.host.download(moved, into=piece, add=False)
         move(self, "rebuild_state", RebuildState.CURRENT, "_copy_pieces_from_holders")
-        self.edited = False
-        self._versions = [sp.shard._inplace_version() for sp in self.params]
+        self.note_rebuilt()
 
     def finish_rebuild(self) -> None:
         if self.rebuild_state is not RebuildState.REBUILDING:
@@ -292,12 +322,15 @@ class OuterPieces:
         pending, self._rebuild = self._rebuild, None
         # waited for, even if the wait raises
         move(self, "rebuild_state", RebuildState.CURRENT, "finish_rebuild")
+        if pending is None:
+            raise AssertionError(f"{self.buf.describe()}: rebuilding with nothing in flight")
         pending.handle.wait()
-        trace.record("wait", "outer_all_gather", self.unit_index)
-        if self.host is not None:
-            gathered = self.host.keep(pending.out)
-            with self.on_host():
-                paddle.assign(gathered, output=self._flat[0:self.shard_numel])
+        buf = self.buf
+        trace.record("wait", "outer_all_gather", buf.unit_index)
+        if buf.host is not None:
+            gathered = buf.host.keep(pending.out)
+            with buf.on_host():
+                paddle.assign(gathered, output=buf.storage.raw[0:buf.shard_numel])
 
     def ensure_rebuilt(self) -> None:
         """Finish a rebuild in flight, or run one that is owed (edits included: a

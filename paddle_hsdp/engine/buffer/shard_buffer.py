@@ -1,0 +1,175 @@
+"""The buffer itself: what it is (its parameters, groups, layout, dtypes, where its
+storage lives) and its parts, each of which owns one piece of its state (see the
+package's docstring). The two collectives every step runs through a unit, the inner
+all-gather and reduce-scatter, are its verbs (:mod:`.gather`, :mod:`.inner_reduce`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import paddle
+
+from ...comm import collectives as comm
+from ...comm.traits import traits_of
+from ...topology.cost import BufferShape
+from .. import offload
+from ..dtypes import BufferDtypes, element_size
+from ..layout import segment_layout
+from ..param import ShardedParam
+from ..pending import PendingGather, PendingReduce
+from . import gather, inner_reduce
+from .full_grads import FullGrads
+from .outer_pieces import OuterPieces
+from .shard_grads import ShardGrads
+from .storage import ShardStorage
+
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
+    from ..unit import FSDPUnit
+
+
+class ShardBuffer:
+    """``mp_policy`` (a ``MixedPrecisionPolicy`` or None): the all-gather and compute run
+    in ``param_dtype`` and grads are reduced in ``reduce_dtype``; shards, their grads and
+    the optimizer stay in the parameters' own dtype (the float32 master copy).
+    ``offload_policy`` (``CPUOffloadPolicy``): shards and grads in host memory.
+    Under Paddle's ``MixPrecisionLayer`` reduced grads accumulate in the shards' float32
+    ``main_grad`` instead of ``.grad`` (see :mod:`~paddle_hsdp.engine.master_grad`)."""
+
+    def __init__(self, params: list[ShardedParam], inner_group: Group, outer_group: Group,
+                 is_expert: bool, mp_policy: object | None = None,
+                 offload_policy: object | None = None, reduce_group: Group | None = None):
+        self.params = params
+        self.inner = inner_group
+        # the inner group's ranks; on NCCL a twin group with its own stream, so a
+        # reduce-scatter does not queue the next all-gather behind it
+        self.reduce_group = reduce_group if reduce_group is not None else inner_group
+        self.outer = outer_group
+        self.is_expert = is_expert
+        self.trainable = params[0].trainable
+        self.dtypes = BufferDtypes.of(params[0].dtype, mp_policy)
+        # CPUOffloadPolicy on a device build: shards, their grads (and so the optimizer
+        # state) live in host storage; collectives and compute run on the device.
+        self.host = (offload.HostStorage(getattr(offload_policy, "pin_memory", False))
+                     if offload.enabled(offload_policy) else None)
+        # outer sub-shards: every param of a buffer is cut into the same parts, one per
+        # outer rank, or shared by several replicas (the outer group's ``pieces``: a
+        # fault-tolerant job's redundancy, ft/pieces.py)
+        self.parts, self.part = params[0].parts, params[0].part
+        self.shared_pieces = self.parts > 1 and traits_of(outer_group).pieces is not None
+        if any((sp.parts, sp.part) != (self.parts, self.part) for sp in params) or \
+                (self.parts not in (1, outer_group.nranks) and not self.shared_pieces):
+            raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "
+                                 "their outer sub-shards")
+        self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts)
+        for index, sp in enumerate(params):
+            sp.place(self.layout, index)
+            sp.buffer = self
+        # Set by the unit: which unit this buffer belongs to, for tags and messages.
+        self.owner: FSDPUnit | None = None
+        self.index = 0
+        # its parts, each the owner of one piece of its state
+        self.storage = ShardStorage(self)
+        self.grads = ShardGrads(self)
+        self.full_grads = FullGrads(self)
+        self.pieces = OuterPieces(self)
+
+    # -------------------------------------------------------------- identity
+    @property
+    def unit_index(self) -> int:
+        """The owning unit's index (the global order of collectives; tags carry it)."""
+        return self.owner.index if self.owner is not None else 0
+
+    def describe(self) -> str:
+        """Which unit and buffer this is, for error messages."""
+        first = self.params[0].fqn + (", ..." if len(self.params) > 1 else "")
+        owner = self.owner.label if self.owner is not None else f"unit {self.unit_index}"
+        return f"{owner}, buffer {self.index} ({first})"
+
+    # -------------------------------------------------------------- sizes
+    @property
+    def inner_size(self) -> int:
+        return self.inner.nranks
+
+    @property
+    def piece_numel(self) -> int:
+        """Elements of one outer part of the shard (a segment of the layout)."""
+        return self.layout.segment_numel
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of this rank's flat shard (``S``: its pieces together)."""
+        return self.layout.segment_numel * self.parts
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the gathered buffer, padding included (``I * S``)."""
+        return self.inner.nranks * self.shard_numel
+
+    @property
+    def logical_numel(self) -> int:
+        return sum(sp.numel for sp in self.params)
+
+    @property
+    def compute_nbytes(self) -> int:
+        """Bytes of the gathered buffer in the compute dtype (the memory report's)."""
+        return self.padded_numel * self.dtypes.compute_size
+
+    def shape(self) -> BufferShape:
+        """This buffer's sizes for :mod:`paddle_hsdp.topology.cost`."""
+        return BufferShape(
+            shard_numel=self.shard_numel, logical_numel=self.logical_numel,
+            inner=self.inner.nranks, outer=self.outer.nranks,
+            master_bytes=self.dtypes.master_size,
+            gather_bytes=element_size(self.dtypes.gather),
+            reduce_bytes=element_size(self.grads.reduce_dtype()),
+            compute_bytes=self.dtypes.compute_size, trainable=self.trainable,
+            inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer),
+            outer_parts=self.parts)
+
+    # -------------------------------------------------------------- dtypes
+    @property
+    def dtype(self) -> paddle.dtype:
+        """The parameters' own dtype: the shards', their grads' and the optimizer's."""
+        return self.dtypes.master
+
+    # -------------------------------------------------------------- placement
+    @property
+    def offload(self) -> bool:
+        return self.host is not None
+
+    def on_host(self) -> contextlib.AbstractContextManager:
+        """Ops on this buffer's storage: on the host when it is offloaded."""
+        return offload.on_host() if self.host is not None else contextlib.nullcontext()
+
+    @property
+    def scatters_outer(self) -> bool:
+        """Whether the outer sync is a reduce-scatter (one piece per outer rank), not an
+        all-reduce (no pieces, or shared ones: [Note: shared pieces] in
+        :mod:`.outer_pieces`)."""
+        return self.parts > 1 and not self.shared_pieces
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether this buffer has outer sub-shards to rebuild (trainable, parts > 1)."""
+        return self.parts > 1 and self.trainable
+
+    # -------------------------------------------------------------- the step's verbs
+    def gather_full(self, grads: bool = False, compute: bool = False) -> list[paddle.Tensor]:
+        """All-gather in the inner group and wait: each parameter's full tensor."""
+        return gather.gather_full(self, grads, compute)
+
+    def start_gather(self, grads: bool = False, compute: bool = False,
+                     async_op: bool = False) -> PendingGather:
+        return gather.start(self, grads, compute, async_op)
+
+    def finish_gather(self, pending: PendingGather) -> list[paddle.Tensor]:
+        return gather.finish(self, pending)
+
+    def start_reduce_scatter(self, async_op: bool = False) -> PendingReduce:
+        return inner_reduce.start(self, async_op)
+
+    def finish_reduce_scatter(self, pending: PendingReduce) -> None:
+        inner_reduce.finish(self, pending)
