@@ -92,10 +92,10 @@ def test_apply_config_shards_as_the_config_says(fake_mesh, no_fleet_init):  # no
     assert all(p.is_moe_param for p in model.moe.experts.parameters())
     assert not any(hsdp_registry.managed_param(p) for p in model.frozen.parameters())
     for unit in units:
-        assert (unit.forward_prefetch_count, unit.backward_prefetch_count) == (2, 0)
-        assert unit.reshard_after_forward is False  # zero_stage 2
-        assert str(unit.mp_policy.param_dtype).endswith("bf16") or \
-            unit.mp_policy.param_dtype in ("bfloat16", paddle.bfloat16)
+        assert (unit.controls.forward_prefetch_count, unit.controls.backward_prefetch_count) == (2, 0)
+        assert unit.controls.reshard_after_forward is False  # zero_stage 2
+        assert str(unit.policies.mp.param_dtype).endswith("bf16") or \
+            unit.policies.mp.param_dtype in ("bfloat16", paddle.bfloat16)
     # the plan's buffers are the engine's, size for size (labels aside)
     for planned, live in zip(plan.units, units):
         strip = lambda b: dataclasses.replace(b, inner_label="", outer_label="")  # noqa: E731

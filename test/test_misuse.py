@@ -92,7 +92,7 @@ def test_gradient_divide_factor_must_be_finite_positive(fake_mesh, factor):
     with pytest.raises(ValueError, match="set_gradient_divide_factor"):
         model.set_gradient_divide_factor(factor)
     model.set_gradient_divide_factor(8)
-    assert model._hsdp_unit.gradient_divide_factor == 8.0
+    assert model._hsdp_unit.controls.gradient_divide_factor == 8.0
 
 
 @pytest.mark.parametrize("kwargs", [{"forward": -1}, {"backward": 1.5}, {"forward": True}])
@@ -112,7 +112,7 @@ def test_zero_stage_refuses_bools_and_unknown_stages(fake_mesh, stage):
 @pytest.mark.parametrize("value,expected", [(1, True), (0, False), (True, True), (None, None)])
 def test_reshard_after_forward_takes_paddles_ints(fake_mesh, value, expected):
     model = paddle_hsdp.fully_shard(two_linears(), reshard_after_forward=value)
-    assert model._hsdp_unit.reshard_after_forward is expected
+    assert model._hsdp_unit.controls.reshard_after_forward is expected
 
 
 @pytest.mark.parametrize("value,exc", [(2, NotImplementedError), ("True", TypeError)])

@@ -116,7 +116,7 @@ def test_overlap_switch_gives_the_same_training(fake_mesh, overlap):
     model = models.build_model()
     paddle_hsdp.fully_shard(model.blocks[0], enable_tensor_fusion_and_overlap=overlap)
     paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap)
-    assert model._hsdp_unit.overlap is overlap
+    assert model._hsdp_unit.controls.overlap is overlap
     with pytest.raises(TypeError, match="enable_tensor_fusion_and_overlap"):
         paddle_hsdp.fully_shard(models.build_model(), enable_tensor_fusion_and_overlap="no")
 

@@ -19,6 +19,7 @@ from ..topology.mesh import resolve_mesh
 from ..topology.placement import is_expert
 from . import direct_calls, grad_hooks, hooks, staging
 from .context import context
+from .controls import UnitControls, UnitPolicies
 from .flex import sharded_state_dict
 from .param import ShardedParam
 from .reductions import wait_pending_reduces
@@ -76,7 +77,7 @@ class FSDPModule:
         _check_bool(value, "set_reshard_after_forward(value)")
         _check_bool(recurse, "set_reshard_after_forward(recurse)")
         for unit in self._units(recurse):
-            unit.reshard_after_forward = bool(value)
+            unit.controls.reshard_after_forward = bool(value)
 
     def set_reduce_grads_at_end_of_backward(self, value: bool, recurse: bool = True) -> None:
         """paddle_hsdp's addition. False (default): each unit reduce-scatters its grads
@@ -87,7 +88,7 @@ class FSDPModule:
         _check_bool(value, "set_reduce_grads_at_end_of_backward(value)")
         _check_bool(recurse, "set_reduce_grads_at_end_of_backward(recurse)")
         for unit in self._units(recurse):
-            unit.reduce_grads_in_backward = not value
+            unit.controls.reduce_grads_in_backward = not value
 
     def set_reshard_after_backward(self, value: bool, recurse: bool = True) -> None:
         """False: keep params gathered after backward for the next micro-step. They are
@@ -95,7 +96,7 @@ class FSDPModule:
         _check_bool(value, "set_reshard_after_backward(value)")
         _check_bool(recurse, "set_reshard_after_backward(recurse)")
         for unit in self._units(recurse):
-            unit.reshard_after_backward = bool(value)
+            unit.controls.reshard_after_backward = bool(value)
 
     def set_requires_gradient_sync(self, value: bool, recurse: bool = True) -> None:
         """False: no grad communication at the end of backward; full-size grads
@@ -105,7 +106,7 @@ class FSDPModule:
         _check_bool(value, "set_requires_gradient_sync(value)")
         _check_bool(recurse, "set_requires_gradient_sync(recurse)")
         for unit in self._units(recurse):
-            unit.requires_gradient_sync = bool(value)
+            unit.controls.requires_gradient_sync = bool(value)
 
     def set_requires_all_reduce(self, value: bool, recurse: bool = True) -> None:
         """Whether the step boundary runs the outer all-reduce. paddle_hsdp runs it once
@@ -115,15 +116,15 @@ class FSDPModule:
         _check_bool(value, "set_requires_all_reduce(value)")
         _check_bool(recurse, "set_requires_all_reduce(recurse)")
         for unit in self._units(recurse):
-            unit.requires_all_reduce = bool(value)
+            unit.controls.requires_all_reduce = bool(value)
 
     def set_is_last_backward(self, value: bool) -> None:
         """Accepted for torch compatibility. paddle_hsdp finishes grad sync at the
         optimizer step boundary, so it needs no marking of the last backward; the flag
-        is recorded on the units (``unit.is_last_backward``) and changes nothing."""
+        is recorded on the units (``unit.controls.is_last_backward``) and changes nothing."""
         _check_bool(value, "set_is_last_backward(value)")
         for unit in units_under(self):
-            unit.is_last_backward = bool(value)
+            unit.controls.is_last_backward = bool(value)
 
     def set_gradient_divide_factor(self, factor: float, recurse: bool = True) -> None:
         """Divide the summed grads by ``factor`` instead of the data-parallel size."""
@@ -133,17 +134,17 @@ class FSDPModule:
                              f"number > 0, got {factor!r}")
         _check_bool(recurse, "set_gradient_divide_factor(recurse)")
         for unit in self._units(recurse):
-            unit.gradient_divide_factor = float(factor)
+            unit.controls.gradient_divide_factor = float(factor)
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
         """Gather these FSDP modules right after this one, before its forward."""
-        self._hsdp_unit.forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch")
-                                            for m in modules]
+        self._hsdp_unit.controls.forward_prefetch = [
+            _unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
         """Gather these FSDP modules right after this one, before its backward."""
-        self._hsdp_unit.backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch")
-                                             for m in modules]
+        self._hsdp_unit.controls.backward_prefetch = [
+            _unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_prefetch_count(self, forward: int = 1, backward: int = 1,
                            recurse: bool = True) -> None:
@@ -155,7 +156,8 @@ class FSDPModule:
                                  f">= 0 (0 disables prefetch), got {count!r}")
         _check_bool(recurse, "set_prefetch_count(recurse)")
         for unit in self._units(recurse):
-            unit.forward_prefetch_count, unit.backward_prefetch_count = int(forward), int(backward)
+            unit.controls.forward_prefetch_count = int(forward)
+            unit.controls.backward_prefetch_count = int(backward)
 
 
 def _check_bool(value, what: str) -> None:
@@ -199,9 +201,9 @@ def set_zero_stage(model, stage: int) -> None:
         raise ValueError("set_zero_stage: call fully_shard on the model first")
     forward, backward, sync = ZERO_STAGES[stage]
     for unit in units_under(model):
-        unit.reshard_after_forward = forward
-        unit.reshard_after_backward = backward
-        unit.requires_gradient_sync = sync
+        unit.controls.reshard_after_forward = forward
+        unit.controls.reshard_after_backward = backward
+        unit.controls.requires_gradient_sync = sync
 
 
 _fsdp_classes: dict[type, type] = {}
@@ -397,9 +399,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     hooks.install()
     if outer_sharding is None:
         outer_sharding = mesh.outer_sharding()
-    unit = FSDPUnit(module, registry.next_index, mesh, reshard_after_forward, mp_policy,
-                    offload_policy, outer_sharding)
-    unit.overlap = bool(enable_tensor_fusion_and_overlap)
+    unit = FSDPUnit(module, registry.next_index, mesh,
+                    UnitPolicies(mp_policy, offload_policy, outer_sharding),
+                    UnitControls(reshard_after_forward=reshard_after_forward,
+                                 overlap=bool(enable_tensor_fusion_and_overlap)))
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
     grad_hooks.watch_grads(unit)
@@ -432,7 +435,7 @@ def forget(model) -> None:
     for other in registry.units:
         if id(other) in mine:
             continue
-        if id(model) in hooks._subtree_ids(other) or any(
+        if id(model) in other.subtree_ids or any(
                 id(u) in mine for u in other.borrowed + other.borrowed_by):
             raise ValueError(
                 f"forget({type(model).__name__}): {other.label} outside it is sharded "
@@ -447,18 +450,15 @@ def forget(model) -> None:
                 buf.host.drop()
     gather_tags.forget_units(u.index for u in units)
     for unit in units:
-        for handle in unit.hook_handles:
-            handle.remove()
-        unit.hook_handles.clear()
+        unit.hooks.remove()
         unit.module.__dict__.pop("_hsdp_unit_", None)
-        grad_hooks.disarm(unit)
         for sp in unit.params:
             for sub, _ in sp.users:
                 direct_calls.unwatch_direct_calls(sub, unit)
             # a Paddle tensor's attributes are invisible to Python's collector: a cycle
             # through one would never be freed
             sp.forget_shard()
-        unit.root_state = unit._in_root = None
+        unit.leave_roots()
     registry.forget(units, list(model.parameters()))
     registry.storage_may_have_changed()
     staging.pool.release()

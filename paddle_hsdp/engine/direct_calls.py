@@ -53,10 +53,10 @@ def _direct_pre_forward(all_units):
                     if u.state is not ParamState.UNSHARDED]
         module.__dict__["_hsdp_direct_stack"].append(gathered)
         for u in gathered:
-            if hooks._root_of(u) is None:  # never ran: make the root that ends its backward
+            if u.root() is None:  # never ran: make the root that ends its backward
                 hooks._make_root_state(_outermost_unit(u, all_units), all_units)
             u.unshard()
-            u.pins += 1
+            u.pin()
     return pre_forward
 
 
@@ -64,7 +64,7 @@ def _direct_post_forward(module, inputs, outputs):
     gathered = module.__dict__["_hsdp_direct_stack"].pop()
     grad_on = paddle.is_grad_enabled()
     for u in gathered:
-        u.pins -= 1
+        u.unpin()
         if grad_on:
             outputs = hooks._wrap_tensors(hooks._on_pre_backward, u, outputs)
         if context.backward.depth == 0 and (not grad_on or u.should_reshard_after_forward()):
@@ -76,6 +76,6 @@ def _direct_post_forward(module, inputs, outputs):
 
 def _outermost_unit(unit: FSDPUnit, all_units: list[FSDPUnit]) -> FSDPUnit:
     for outer in reversed(all_units):  # registered bottom-up: the root comes last
-        if outer is unit or id(unit.module) in hooks._subtree_ids(outer):
+        if outer is unit or id(unit.module) in outer.subtree_ids:
             return outer
     return unit

@@ -4,41 +4,43 @@ reach a shard parameter itself (a penalty on ``model.parameters()``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import paddle
 
-from . import hooks, master_grad
+from . import master_grad
 from .context import context
 from .memory import FullGradBytes
+from .param import ShardedParam
 from .unit import FSDPUnit
 
 
 class _GradHook:
-    """A grad hook's callable, which :func:`disarm` empties. Paddle holds tensor hooks in
-    C++, where Python's collector cannot see a cycle through them: a hook that kept its
-    parameter (so its unit and model) would keep a forgotten model alive for good."""
+    """A grad hook's callable, which :meth:`disarm` empties (``unit.hooks.remove()``,
+    paddle_hsdp.forget). Paddle holds tensor hooks in C++, where Python's collector
+    cannot see a cycle through them: a hook that kept its parameter (so its unit and
+    model) would keep a forgotten model alive for good."""
 
     __slots__ = ("fn", "sp")
 
-    def __init__(self, fn, sp):
-        self.fn, self.sp = fn, sp
+    def __init__(self, fn: Callable[..., Any], sp: ShardedParam):
+        self.fn: Callable[..., Any] = fn
+        self.sp: ShardedParam | None = sp
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         sp = self.sp
         return None if sp is None else self.fn(sp, *args)
 
+    def disarm(self) -> None:
+        """Do nothing from now on, and hold nothing."""
+        self.sp = None
 
-def _armed(unit: FSDPUnit, fn, sp) -> _GradHook:
+
+def _armed(unit: FSDPUnit, fn: Callable[..., Any], sp: ShardedParam) -> _GradHook:
     hook = _GradHook(fn, sp)
-    unit.grad_hooks.append(hook)
+    unit.hooks.grads.append(hook)
     return hook
-
-
-def disarm(unit: FSDPUnit) -> None:
-    """``unit``'s grad hooks do nothing from now on and hold nothing of it
-    (paddle_hsdp.forget)."""
-    for hook in unit.grad_hooks:
-        hook.sp = None
-    unit.grad_hooks.clear()
 
 
 def watch_grads(unit: FSDPUnit) -> None:
@@ -91,10 +93,11 @@ def _on_grad_accumulated(sp, *_) -> None:
     unit = buf.owner
     if (context.backward.depth == 0 or buf.full_grads.reduced_early or unit.reduced_in_backward
             or unit.pending_calls or unit.borrowed_by
-            or not unit.reduce_grads_in_backward or not unit.requires_gradient_sync
+            or not unit.controls.reduce_grads_in_backward
+            or not unit.controls.requires_gradient_sync
             or not master_grad.has_full_grad(sp)):
         return  # its post-backward reduces it, or the end of backward does
-    root = hooks._root_of(unit)
+    root = unit.root()
     if root is None or root not in context.backward.roots_in_backward:
         return
     if not buf.full_grads.complete(sp) or context.backward.hook_errors:

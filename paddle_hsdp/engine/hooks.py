@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from typing import Any
 
 import paddle
 from paddle.autograd import PyLayer
@@ -103,7 +104,7 @@ class RootState:
             if early and not unit.reduced_in_backward:
                 unit.reduce_rest()
             elif not unit.reduced_in_backward or (
-                    unit.requires_gradient_sync and unit.has_full_grads()):  # late grads
+                    unit.controls.requires_gradient_sync and unit.has_full_grads()):  # late grads
                 unit.post_backward()
             _reset_backward(unit)
         wait_pending_reduces()  # shard grads are complete when backward returns
@@ -111,8 +112,8 @@ class RootState:
             for buf in unit.buffers:
                 buf.grads.repoint_grads()
         for unit in reversed(self.units):
-            unit.pins = 0
-            if unit.reshard_after_backward:
+            unit.clear_pins()
+            if unit.controls.reshard_after_backward:
                 unit.reshard()
         # the rest issued, all waited: grads are final
         self.outer_sync.end_backward(self.root.mesh.fsdp_group(False), [
@@ -170,19 +171,15 @@ def _on_post_backward(unit: FSDPUnit, token: "_GraphToken") -> None:
         return  # called again in this forward (two micro-batches, a shared block): the
         # other calls' backward still needs the params and adds to the grads (a call
         # whose graph was dropped without a backward no longer counts: see _GraphToken)
-    if unit.reduce_grads_in_backward and not unit.borrowed_by:
-        root = _root_of(unit)
+    if unit.controls.reduce_grads_in_backward and not unit.borrowed_by:
+        root = unit.root()
         if root is not None:
             FullGradBytes.sample(root.units)
         unit.post_backward()
         unit.reduced_in_backward = True
-    if unit.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
+    if unit.controls.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
         unit.reshard()
     trace.record("backward", "done", unit.index)
-
-
-def _root_of(unit: FSDPUnit):
-    return unit.root_state or unit._in_root
 
 
 def _reset_backward(unit: FSDPUnit, failed: bool = False) -> None:
@@ -193,11 +190,7 @@ def _reset_backward(unit: FSDPUnit, failed: bool = False) -> None:
     (a finished graph's token is gone already). Forgetting them made those hooks
     reduce-scatter a buffer the early reduction had just reduced: one extra
     reduce-scatter per unit per step under 1F1B with 2 micro-batches (measured)."""
-    unit.reduced_in_backward = False
-    if failed:
-        unit.pending_calls.clear()
-    for buf in unit.buffers:
-        buf.full_grads.end_backward()
+    unit.end_backward(failed)
 
 
 def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
@@ -209,10 +202,11 @@ def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     finish_transferred_reduces()
     for buf in unit.buffers:
         buf.full_grads.attach_grid()
-    root = _root_of(unit)
+    root = unit.root()
     if root is not None:
-        for nxt in unit.backward_prefetch if unit.backward_prefetch is not None else \
-                root.neighbours(unit, unit.backward_prefetch_count, backward=True):
+        controls = unit.controls
+        for nxt in controls.backward_prefetch if controls.backward_prefetch is not None \
+                else root.neighbours(unit, controls.backward_prefetch_count, backward=True):
             nxt.prefetch()
     # Any unit's pre-backward registers its root: a root whose own outputs hide their
     # tensors (a custom output object) still gets its end of backward.
@@ -284,16 +278,9 @@ def _flatten(obj):
     return [obj], lambda f: f[0]
 
 
-def _subtree_ids(unit: FSDPUnit) -> frozenset:
-    ids = getattr(unit, "_subtree_ids", None)
-    if ids is None:
-        ids = unit._subtree_ids = frozenset(id(m) for m in unit.module.sublayers())
-    return ids
-
-
 def _input_dtype(unit: FSDPUnit):
     """The dtype floating inputs are cast to under the unit's mixed-precision policy."""
-    policy = unit.mp_policy
+    policy = unit.policies.mp
     if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
         return None
     return compute_dtype_of(policy.param_dtype)
@@ -303,7 +290,7 @@ def _make_root_state(root: FSDPUnit, all_units: list[FSDPUnit]) -> "RootState":
     if root.root_state is None:
         root.root_state = RootState(root, all_units)
         for u in root.root_state.units:
-            u._in_root = root.root_state
+            u.enter_root(root.root_state)
     return root.root_state
 
 
@@ -317,38 +304,39 @@ def record_outer_sync_again(units) -> None:
             unit.root_state.outer_sync.record_again()
 
 
-def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
-    def pre_forward(module, args, kwargs):
+class ForwardHooks:
+    """The forward pre- and post-hook of one unit's module, as bound methods (the unit
+    keeps their handles: ``unit.hooks``)."""
+
+    __slots__ = ("unit", "all_units")
+
+    def __init__(self, unit: FSDPUnit, all_units: list[FSDPUnit]):
+        self.unit, self.all_units = unit, all_units
+
+    def pre_forward(self, module: paddle.nn.Layer, args: tuple, kwargs: dict
+                    ) -> tuple[tuple, dict]:
+        unit = self.unit
         # A root is a unit no running unit contains, called outside any backward; a
         # forward run inside a backward (activation recompute) is never a root.
         starts_root = context.backward.depth == 0 and not any(
-            id(unit.module) in _subtree_ids(a) for a in context.backward.active)
+            id(unit.module) in a.subtree_ids for a in context.backward.active)
         unit.is_root = starts_root
         if starts_root:
-            context.backward.active.clear()  # whatever a forward that raised left behind
-            registry.storage_may_have_changed()  # user code ran since the last pass
-            gather_tags.start_forward()
-            _make_root_state(unit, all_units)
-            for u in unit.root_state.units:
-                u.pins = 0  # pins a failed forward left raised
-                # every unit's refusals come before this forward's first gather (a
-                # prefetch gathers the next unit before its own pre-forward)
-                u.check_params()
-            for u in unit.root_state.units:  # outer sub-shards: the owed rebuilds
-                u.start_owed_rebuilds()
+            self._start_root()
         context.backward.active.append(unit)
         # before this unit's gathers and prefetches: their tags carry it (gather_tags)
         gather_tags.note_forward(unit.index)
-        root = _root_of(unit)
+        root = unit.root()
         if root is not None:
             root.record(unit)
         for owner in unit.borrowed:
             owner.unshard()
-            owner.pins += 1
+            owner.pin()
         unit.unshard()
         if root is not None:
-            for nxt in unit.forward_prefetch if unit.forward_prefetch is not None else \
-                    root.neighbours(unit, unit.forward_prefetch_count, backward=False):
+            controls = unit.controls
+            for nxt in controls.forward_prefetch if controls.forward_prefetch is not None \
+                    else root.neighbours(unit, controls.forward_prefetch_count, backward=False):
                 nxt.prefetch()
         dtype = _input_dtype(unit)
         if dtype is not None:
@@ -363,17 +351,31 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         trace.record("forward", "compute", unit.index)
         return args, kwargs
 
-    def post_forward(module, inputs, outputs):
+    def _start_root(self) -> None:
+        context.backward.active.clear()  # whatever a forward that raised left behind
+        registry.storage_may_have_changed()  # user code ran since the last pass
+        gather_tags.start_forward()
+        root_state = _make_root_state(self.unit, self.all_units)
+        for u in root_state.units:
+            u.clear_pins()  # pins a failed forward left raised
+            # every unit's refusals come before this forward's first gather (a
+            # prefetch gathers the next unit before its own pre-forward)
+            u.check_params()
+        for u in root_state.units:  # outer sub-shards: the owed rebuilds
+            u.start_owed_rebuilds()
+
+    def post_forward(self, module: paddle.nn.Layer, inputs: tuple, outputs: Any) -> Any:
+        unit = self.unit
         if unit in context.backward.active:
             context.backward.active.remove(unit)
         grad_on = paddle.is_grad_enabled()
         # Inside a backward (recompute) the unit is about to run its backward: keep it.
         may_reshard = context.backward.depth == 0
         for owner in unit.borrowed:
-            owner.pins -= 1
+            owner.unpin()
             if may_reshard and (owner.should_reshard_after_forward() or not grad_on):
                 owner.reshard()
-        policy = unit.mp_policy
+        policy = unit.policies.mp
         if policy is not None and policy.output_dtype is not None:
             outputs = _cast_floating(outputs, policy.output_dtype)
         if grad_on:
@@ -387,8 +389,12 @@ def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
         trace.record("forward", "done", unit.index)
         return outputs
 
-    unit.hook_handles += [unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
-                          unit.module.register_forward_post_hook(post_forward)]
+
+def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
+    hooks = ForwardHooks(unit, all_units)
+    unit.hooks.forward += [
+        unit.module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True),
+        unit.module.register_forward_post_hook(hooks.post_forward)]
 
 
 def abandon_forward(units: list[FSDPUnit]) -> None:
@@ -397,12 +403,12 @@ def abandon_forward(units: list[FSDPUnit]) -> None:
     for unit in units:
         if unit in context.backward.active:
             context.backward.active.remove(unit)
-        root = _root_of(unit)
+        root = unit.root()
         if root is not None and root.recording:
             root.forward_order.clear()  # a partial order would differ across ranks
         unit.pending_calls.clear()  # the raised forward's graph is gone
         for u in [unit] + unit.borrowed:
-            u.pins = 0
+            u.clear_pins()
             u.reshard(force=True)
 
 
@@ -507,5 +513,5 @@ def _abandon_backward() -> None:
                 master_grad.release_full_grad(sp)
             unit.full_grads_pending = False
             _reset_backward(unit, failed=True)
-            unit.pins = 0
+            unit.clear_pins()
             unit.reshard(force=True)

@@ -20,9 +20,12 @@ Gradient flow of one optimizer step (k micro-steps):
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
+import paddle
 import paddle.distributed as dist
 
 from ..comm import arrival
@@ -33,12 +36,17 @@ from ..topology.placement import is_expert
 from . import master_grad
 from .outer_sync import schedule_of
 from .buffer import ShardBuffer
-from .pending import settle
+from .controls import UnitControls, UnitPolicies
+from .pending import PendingGather, settle
 from .memory import GatheredBytes
 from .param import ShardedParam
 from .reductions import in_flight, wait_pending_reduces
 from .registry import registry
 from .states import GradState, ParamState, expect, move
+
+if TYPE_CHECKING:
+    from ..topology.mesh import Mesh
+    from .hooks import RootState
 
 
 def expect_everyone_in(units, what: str) -> None:
@@ -54,16 +62,17 @@ def expect_everyone_in(units, what: str) -> None:
 
 
 class FSDPUnit:
-    def __init__(self, module, index: int, mesh, reshard_after_forward, mp_policy=None,
-                 offload_policy=None, outer_sharding: str = "none"):
+    """The parameters of one ``fully_shard`` call, their buffers, and where the unit is
+    in its forward and backward (its fields are state; its settings are ``policies``
+    and ``controls``: :mod:`~.controls`)."""
+
+    def __init__(self, module: paddle.nn.Layer, index: int, mesh: Mesh,
+                 policies: UnitPolicies, controls: UnitControls):
         self.module = module
         self.index = index  # registration order: the global order of collectives
         self.mesh = mesh
-        # "optim": the optimizer of each outer replica sees 1/O of every trainable
-        # buffer (HFSDP; see [Note: outer sub-shards] in engine/param.py)
-        self.outer_sharding = outer_sharding
-        self.mp_policy = mp_policy
-        self.offload_policy = offload_policy
+        self.policies = policies
+        self.controls = controls
         self.params: list[ShardedParam] = []
         self.buffers: list[ShardBuffer] = []
         self.borrowed: list[FSDPUnit] = []  # owners of tied params this unit's modules use
@@ -71,35 +80,55 @@ class FSDPUnit:
         self.state = ParamState.UNSHARDED
         self.pins = 0  # a borrower's forward is using our params: do not reshard
         self.is_root = False
-        self.root_state = None  # hooks.RootState, when this unit ran as a root
-        self.hook_handles: list = []  # its forward hooks (removed by paddle_hsdp.forget)
-        self.grad_hooks: list = []  # its params' grad hooks (disarmed by forget)
-        self._in_root = None  # the RootState of the root this unit ran under
-        # The control surface (module methods set these; see api.FSDPModule).
-        self.reshard_after_forward = reshard_after_forward  # None: decided at root time
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.is_last_backward = True
-        self.gradient_divide_factor: float | None = None
-        self.forward_prefetch: list[FSDPUnit] | None = None  # None: next units in order
-        self.backward_prefetch: list[FSDPUnit] | None = None
-        self.forward_prefetch_count = 1
-        self.backward_prefetch_count = 1
-        # Reduce-scatter when the unit's backward is done (its post-backward), not at
-        # the end of the whole backward; False: today's end-of-backward reduction.
-        self.reduce_grads_in_backward = True
+        self.root_state: RootState | None = None  # when this unit ran as a root
+        self._in_root: RootState | None = None  # the root this unit ran under
+        # its forward hooks' handles and its params' grad hooks (paddle_hsdp.forget
+        # removes and disarms them)
+        self.hooks = UnitHookHandles()
         self.reduced_in_backward = False  # this backward's post-backward reduced us
         # A token per forward call whose post-backward has not fired yet, held by that
         # call's graph: a graph dropped without a backward drops out (hooks._GraphToken).
         self.pending_calls: weakref.WeakSet = weakref.WeakSet()
-        # Gradient bookkeeping.
         self.full_grads_pending = False  # full-size grads not reduce-scattered yet
-        # enable_tensor_fusion_and_overlap: collectives asynchronous (prefetch issued
-        # early, reductions waited late); False: every collective synchronous.
-        self.overlap = True
-        self._pending_gather = None  # a prefetch's issued all-gathers
-        # the step's grad shards: each buffer's GradState (engine/states.py)
+        self._pending_gather: list[PendingGather | None] | None = None  # a prefetch's
+
+    @functools.cached_property
+    def subtree_ids(self) -> frozenset[int]:
+        """``id`` of every module under this unit's (its tree is fixed once sharded)."""
+        return frozenset(id(m) for m in self.module.sublayers())
+
+    # -------------------------------------------------------------- roots
+    def root(self) -> RootState | None:
+        """The root this unit runs under (its own state when it is a root)."""
+        return self.root_state or self._in_root
+
+    def enter_root(self, state: RootState) -> None:
+        self._in_root = state
+
+    def leave_roots(self) -> None:
+        """Hold no root state (paddle_hsdp.forget: they reference every unit)."""
+        self.root_state = self._in_root = None
+
+    # -------------------------------------------------------------- pins
+    def pin(self) -> None:
+        """A borrower's forward uses this unit's parameters: no reshard until unpinned."""
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
+
+    def clear_pins(self) -> None:
+        """What a failed forward (or the end of backward) leaves pinned goes."""
+        self.pins = 0
+
+    def end_backward(self, failed: bool = False) -> None:
+        """Forget one backward's progress (its end, or a backward that failed): see
+        :func:`~.hooks._reset_backward`."""
+        self.reduced_in_backward = False
+        if failed:
+            self.pending_calls.clear()
+        for buf in self.buffers:
+            buf.full_grads.end_backward()
 
     # -------------------------------------------------------------- construction
     def build_buffers(self, placements: dict | None = None) -> None:
@@ -116,8 +145,8 @@ class FSDPUnit:
                 reduce_group = self.mesh.reduce_scatter_group(expert)
             for sp in params:
                 sp.mesh = self.mesh
-            self.buffers.append(ShardBuffer(params, inner, outer, expert, self.mp_policy,
-                                            self.offload_policy, reduce_group))
+            self.buffers.append(ShardBuffer(params, inner, outer, expert, self.policies.mp,
+                                            self.policies.offload, reduce_group))
         for i, buf in enumerate(self.buffers):
             buf.owner, buf.index = self, i
 
@@ -126,7 +155,7 @@ class FSDPUnit:
         the outer degree and this rank's outer index with ``outer_sharding="optim"`` for
         trainable params, else ``(1, 0)``. Read from the outer group each time a unit is
         built, so a later change of the outer degree only needs the buffers rebuilt."""
-        if self.outer_sharding != "optim" or not trainable:
+        if self.policies.outer_sharding != "optim" or not trainable:
             return 1, 0
         outer = self.mesh.outer(is_expert)
         pieces = traits_of(outer).pieces  # shared pieces (ft/pieces.py)
@@ -188,7 +217,7 @@ class FSDPUnit:
             pending = []
             try:
                 for buf in self.buffers:
-                    pending.append(buf.start_gather(compute=True, async_op=self.overlap))
+                    pending.append(buf.start_gather(compute=True, async_op=self.controls.overlap))
             except BaseException:  # e.g. out of memory for the next output: the ones
                 settle(pending)  # in flight land first
                 raise
@@ -245,14 +274,14 @@ class FSDPUnit:
         return len(self.pending_calls)
 
     def should_reshard_after_forward(self) -> bool:
-        if self.reshard_after_forward is None:
+        if self.controls.reshard_after_forward is None:
             return not self.is_root
-        return bool(self.reshard_after_forward)
+        return bool(self.controls.reshard_after_forward)
 
     # -------------------------------------------------------------- gradients
     def post_backward(self) -> None:
         """End of a backward: reduce-scatter now, or keep accumulating full grads."""
-        if self.requires_gradient_sync:
+        if self.controls.requires_gradient_sync:
             self.reduce_scatter_grads()
         elif any(b.trainable for b in self.buffers):
             self.full_grads_pending = True
@@ -276,7 +305,7 @@ class FSDPUnit:
         self.expect_more_grads(trainable)
         wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
-            in_flight.append((buf, buf.start_reduce_scatter(async_op=self.overlap)))
+            in_flight.append((buf, buf.start_reduce_scatter(async_op=self.controls.overlap)))
         if buffers is None:
             self.full_grads_pending = False
 
@@ -369,7 +398,7 @@ class FSDPUnit:
     def divisor(self, buf) -> float:
         """What the step's summed grads of ``buf`` are divided by: the data-parallel
         degree, or ``gradient_divide_factor``."""
-        return self.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
+        return self.controls.gradient_divide_factor or self.mesh.fsdp_size(buf.is_expert)
 
     def finish_reductions(self) -> None:
         """Run a deferred reduce-scatter and wait for every one in flight."""
@@ -393,8 +422,8 @@ class FSDPUnit:
         for buf in self.buffers:
             if not buf.trainable:
                 continue
-            if self.requires_all_reduce:
-                work.append((buf, buf.pieces.start_outer_sync(async_op=self.overlap),
+            if self.controls.requires_all_reduce:
+                work.append((buf, buf.pieces.start_outer_sync(async_op=self.controls.overlap),
                              1.0 / self.divisor(buf)))
             else:
                 buf.pieces.sync_locally(buf.outer.nranks / self.divisor(buf))
@@ -404,7 +433,7 @@ class FSDPUnit:
         state, so replicas cannot step apart on their own grads: the step's outer sync
         cannot be skipped (``set_requires_all_reduce(False)`` on a non-last micro-step
         is fine: the sync runs at the step only)."""
-        if self.requires_all_reduce or not any(b.parts > 1 for b in self.buffers):
+        if self.controls.requires_all_reduce or not any(b.parts > 1 for b in self.buffers):
             return
         raise NotImplementedError(
             f"{self.label}: set_requires_all_reduce(False) at the optimizer step with "
@@ -426,7 +455,7 @@ class FSDPUnit:
         the unit's first all-gather waits for them), edits detected since included."""
         for buf in self.buffers:
             if buf.rebuilds:
-                buf.pieces.start_owed_rebuild(async_op=self.overlap)
+                buf.pieces.start_owed_rebuild(async_op=self.controls.overlap)
 
     def finish_rebuild(self) -> None:
         """Wait for the outer all-gathers in flight (before the optimizer writes the
@@ -473,6 +502,25 @@ class FSDPUnit:
         held = self.bytes_by_kind()
         return {"shard": held["shard"], "grad": held["shard_grad"] + held["full_grad"],
                 "gathered": held["gathered"]}
+
+
+class UnitHookHandles:
+    """What the engine hooked on a unit's module and parameters, so that
+    ``paddle_hsdp.forget`` can take it all off."""
+
+    def __init__(self) -> None:
+        self.forward: list = []  # the module's forward pre- and post-hook handles
+        # its params' grad hooks (Paddle 3.3 returns no handle for a backward hook:
+        # they are disarmed instead, engine/grad_hooks.py)
+        self.grads: list = []
+
+    def remove(self) -> None:
+        for handle in self.forward:
+            handle.remove()
+        self.forward.clear()
+        for hook in self.grads:
+            hook.disarm()
+        self.grads.clear()
 
 
 def _own_rank_group():

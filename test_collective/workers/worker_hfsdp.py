@@ -169,7 +169,7 @@ def train_hfsdp(ref, hsdp):
     ref_losses, ref_params, ref_norms, ref_grads = ref
     model = shard_tinylm(build_model(), fsdp_outer_sharding=OPTIM)
     for unit in hsdp_registry.units_under(model):
-        assert unit.outer_sharding == "optim", unit.label
+        assert unit.policies.outer_sharding == "optim", unit.label
     for buf in trainable(model):
         assert buf.parts == O, (buf.parts, buf.describe())
         for sp in buf.params:  # distinct sub-blocks: the clip counts them on every rank
