@@ -1,7 +1,7 @@
 """Lint and types in the test command (issue 52): ruff (ruff.toml: pyflakes, bugbear, no
 ``global``) on the packages whose state and seams the engine-state restructure tidies,
-and mypy (mypy.ini) on those it has finished (comm/, topology/); green from the start,
-so a new finding fails the suite."""
+and mypy (mypy.ini) on those it has finished (comm/, topology/, ft/); green from the
+start, so a new finding fails the suite."""
 
 import os
 import shutil
@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 CHECKED = ["paddle_hsdp/comm", "paddle_hsdp/topology", "paddle_hsdp/engine", "paddle_hsdp/ft"]
-TYPED = ["paddle_hsdp/comm", "paddle_hsdp/topology"]
+TYPED = ["paddle_hsdp/comm", "paddle_hsdp/topology", "paddle_hsdp/ft"]
 
 
 def _tool(name: str) -> str:

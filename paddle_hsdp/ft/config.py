@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 
 
-def describe(ranks_per_group: int, outer_sharding: str, pieces: int, tensors) -> dict:
+def describe(ranks_per_group: int, outer_sharding: str, pieces: int,
+             tensors: Iterable[tuple[str, Sequence[int], object]]) -> dict:
     """The configuration; ``tensors``: ``(name, full shape, dtype)`` of every sharded
     parameter, in the engine's order (the same on every rank and every group)."""
     return {"ranks_per_group": ranks_per_group, "outer_sharding": outer_sharding,

@@ -37,7 +37,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paddle_hsdp.ft.coordinator",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1",

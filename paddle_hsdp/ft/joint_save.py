@@ -28,10 +28,28 @@ from __future__ import annotations
 
 import json
 import zlib
+from typing import TYPE_CHECKING, Protocol
 
-from ..comm.traits import traits_of
 from .kv import wait_count
+from .pieces import plan_of
 from .store import key
+
+if TYPE_CHECKING:
+    from .groups import LiveOuterGroup
+    from .kv import JobStore
+    from .protocol import Round
+
+
+class ReplicaView(Protocol):
+    """What a joint save reads of its :class:`~.replica.Replica` (which imports this
+    module, so it is named here by what it has)."""
+    replica_id: int
+    ranks_per_replica: int
+    round_timeout_s: float
+    step: int
+    round: Round | None
+    outer: LiveOuterGroup
+    store: JobStore
 
 
 class JointSave:
@@ -39,7 +57,7 @@ class JointSave:
     ``begin``, ``writes``, ``file_rank``, ``world_size``, ``gather``, ``announce``,
     ``outcome``). Built by :class:`~.replica.Replica`; valid after a committed step."""
 
-    def __init__(self, replica):
+    def __init__(self, replica: ReplicaView):
         self._replica = replica
         # saves of one path at one step so far: every group makes the same calls, so a
         # second save of a path at a step (a retry, a final save after a periodic one)
@@ -58,7 +76,7 @@ class JointSave:
         return self._token
 
     @property
-    def _round(self):
+    def _round(self) -> Round:
         record = self._replica.round
         if record is None or self._replica.step == 0:
             raise RuntimeError("paddle_hsdp.ft: save_checkpoint in a fault-tolerant job "
@@ -70,7 +88,7 @@ class JointSave:
         """Whether this group writes a box of ``piece`` (None: a box every live group
         holds)."""
         replicas = self._round.replicas
-        plan = traits_of(self._replica.outer).pieces
+        plan = plan_of(self._replica.outer)
         if piece is None or plan is None:
             return self._replica.replica_id == min(replicas)
         holders = [r for r in replicas if plan.piece_of(r) == piece]
@@ -84,11 +102,11 @@ class JointSave:
     def world_size(self) -> int:
         return len(self._round.replicas) * self._replica.ranks_per_replica
 
-    def _key(self, *parts) -> str:
+    def _key(self, *parts: object) -> str:
         """A key of the save :meth:`begin` started."""
         return key("save", self._token, *parts)
 
-    def gather(self, payload) -> list | None:
+    def gather(self, payload: object) -> list | None:
         """Leader only: put this group's ``payload`` (JSON) in and count the group in;
         every group's payloads, in replica order, to the group that completes the
         count (it publishes), None to the others."""

@@ -12,26 +12,40 @@ replica sets (its group's own flag, :class:`~.store.GroupWatch`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
-from .etcd import Etcd
+from .etcd import Etcd, Security
 from .protocol import Keys
+
+_T = TypeVar("_T")
+
+
+class Counters(Protocol):
+    """A store of counters: Paddle's store's ``add`` (``add(name, 0)`` reads one without
+    blocking). :class:`JobStore` and the group's :class:`~.store.GroupWatch` are."""
+
+    def add(self, name: str, amount: int) -> int: ...
 
 
 class JobStore:
     """One rank's client of the job's shared data (``timeout_s``: a ``get``'s bound)."""
 
-    def __init__(self, address: str, job: str, timeout_s: float, security=None):
+    def __init__(self, address: str, job: str, timeout_s: float,
+                 security: Security | None = None):
         self.etcd = Etcd(address, security=security, away_s=timeout_s)
         self.keys, self.timeout_s = Keys(job), timeout_s
-        self.failed = lambda round_number: False  # set by the replica
+        # whether a failure of a round was announced (set by the replica)
+        self.failed: Callable[[int], bool] = lambda round_number: False
 
     def _key(self, name: str) -> str:
         return f"{self.keys.root}kv/{name}"
 
-    def set(self, name: str, value) -> None:
+    def set(self, name: str, value: str | bytes) -> None:
         self.etcd.put(self._key(name), value if isinstance(value, str) else value.decode())
 
-    def get(self, name: str, timeout_s: float | None = None, abort=None) -> bytes:
+    def get(self, name: str, timeout_s: float | None = None,
+            abort: Callable[[], object] | None = None) -> bytes:
         """``name``'s value once written (within ``timeout_s``, default the store's:
         TimeoutError); ``abort()`` is called while it waits (it raises to stop)."""
         key = self._key(name)
@@ -48,7 +62,8 @@ class JobStore:
                 return total
 
 
-def poll_until(read, timeout_s: float, what: str, abort=None):
+def poll_until(read: Callable[[], _T | None], timeout_s: float, what: str,
+               abort: Callable[[], object] | None = None) -> _T:
     """``read()`` again until it returns something other than None (every 2 ms at
     first, backing off to 50 ms), and return that; ``abort()`` is called between reads
     (it raises to stop waiting); TimeoutError naming ``what`` after ``timeout_s``."""
@@ -65,11 +80,11 @@ def poll_until(read, timeout_s: float, what: str, abort=None):
         pause = min(2 * pause, 0.05)
 
 
-def wait_count(store, name: str, at_least: int, timeout_s: float, what: str,
-               abort=None) -> int:
+def wait_count(store: Counters, name: str, at_least: int, timeout_s: float, what: str,
+               abort: Callable[[], object] | None = None) -> int:
     """The counter ``name`` of ``store`` (anything with Paddle's store's ``add``) once
     it reaches ``at_least``, polled as :func:`poll_until` does."""
-    def reached():
+    def reached() -> int | None:
         value = int(store.add(name, 0))  # add 0: a read that never blocks
         return value if value >= at_least else None
     return poll_until(reached, timeout_s, what, abort)

@@ -23,7 +23,14 @@ touches the piece its optimizer updates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..comm.traits import traits_of
 from .protocol import FaultToleranceError, Round
+
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
 
 
 class PieceLostError(FaultToleranceError):
@@ -35,7 +42,7 @@ class PiecePlan:
     """The pieces of one rank's outer group: ``parts`` pieces, this replica's ``part``,
     and per round the replica each piece is served from."""
 
-    def __init__(self, parts: int, replica: int, virtual_rank):
+    def __init__(self, parts: int, replica: int, virtual_rank: Callable[[int], int]):
         self.parts, self.part = parts, replica % parts
         self.replica = replica
         self._virtual_rank = virtual_rank  # replica -> its rank in the outer group
@@ -53,7 +60,7 @@ class PiecePlan:
         receivers = set(record.receivers)
         all_fresh = all(a.fresh for a in record.members.values())
         valid = [r for r in record.replicas if all_fresh or r not in receivers]
-        donors = {}
+        donors: dict[int, int] = {}
         for q in range(self.parts):
             holders = [r for r in valid if self.piece_of(r) == q]
             if not holders:
@@ -89,3 +96,13 @@ class PiecePlan:
         """Whether this rank holds a valid copy of piece ``q`` (it takes that piece's
         broadcast into scratch)."""
         return q == self.part and self._valid
+
+
+def plan_of(group: Group | None) -> PiecePlan | None:
+    """The plan declared on ``group`` (ft.init declares it on the live outer group, with
+    HFSDP's shared pieces), None where none is."""
+    plan = traits_of(group).pieces
+    if plan is not None and not isinstance(plan, PiecePlan):
+        raise TypeError(f"paddle_hsdp.ft: the pieces declared on {group!r} are a "
+                        f"{type(plan).__name__}, not a PiecePlan (only ft.init declares them)")
+    return plan

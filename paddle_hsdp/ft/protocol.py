@@ -35,15 +35,20 @@ from collections import Counter
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from .etcd import Etcd, EtcdRefused, EtcdUnavailable
+from .etcd import Etcd, EtcdRefused, EtcdUnavailable, Security, Watch
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
 HEALTH_TICK_S = 0.25  # how often a leader asks whether its group's ranks answer
 RENEWALS_PER_TTL = 3  # a lease is renewed this often per TTL
 WAIT_LOG_S = 10.0  # a waiting group says what it waits for this often
+
+
+# ``dead(r)``: why replica ``r`` is gone, or None if it is not
+Dead = Callable[[int], str | None]
 
 
 class FaultToleranceError(RuntimeError):
@@ -131,7 +136,7 @@ class Round:
     decider: int = -1  # the group that wrote it (it decides the next round, if alive)
     replicas: list[int] = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", sorted(self.members))
 
     @property
@@ -207,7 +212,8 @@ class Rules:
     pieces: int = 1  # HFSDP's pieces of the optimizer state (1: HSDP)
 
 
-def pieces_without_state(present: dict[int, Arrival], expected, dead, pieces: int) -> list[int]:
+def pieces_without_state(present: dict[int, Arrival], expected: list[int] | None, dead: Dead,
+                         pieces: int) -> list[int]:
     """The pieces of the state (HSDP: the one piece, 0) that no present group holds a
     known copy of. HSDP waits for a holder until the round timeout. With HFSDP's pieces,
     only while a holder of the last round may still come: with every holder dead the
@@ -220,7 +226,7 @@ def pieces_without_state(present: dict[int, Arrival], expected, dead, pieces: in
 
 
 def may_close(number: int, present: dict[int, Arrival], expected: list[int] | None,
-              dead, waited_s: float, rules: Rules, needs_state: bool) -> bool:
+              dead: Dead, waited_s: float, rules: Rules, needs_state: bool) -> bool:
     """Whether round ``number`` may close now. ``present``: who has arrived;
     ``expected``: the last round's members (None: round 0, or a joiner's view);
     ``dead(r)``: a reason if member ``r`` is gone, else None; ``waited_s``: since the
@@ -237,7 +243,7 @@ def may_close(number: int, present: dict[int, Arrival], expected: list[int] | No
     return all(r in present or dead(r) for r in expected)
 
 
-def decide(number: int, present: dict[int, Arrival], expected: list[int] | None, dead,
+def decide(number: int, present: dict[int, Arrival], expected: list[int] | None, dead: Dead,
            rules: Rules, failures: int, refused: dict[int, str],
            join_window_s: float | None = None, decider: int = -1) -> Round:
     """Round ``number``'s record: who is in, whether the outer groups are rebuilt, and
@@ -285,7 +291,7 @@ TRANSITIONS = {
 class Attempt:
     """A replica group's state in the protocol, with its transitions checked."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.state = AttemptState.UNREGISTERED
 
     def to(self, new: AttemptState) -> None:
@@ -307,8 +313,11 @@ class GroupControl:
 
     def __init__(self, address: str, job: str, replica: int, token: str, host: str,
                  rules: Rules, ttl_s: float, round_timeout_s: float,
-                 healthy=lambda: True, on_failure=lambda number: None,
-                 on_lost=lambda why: None, security=None, clock=time.monotonic):
+                 healthy: Callable[[], bool] = lambda: True,
+                 on_failure: Callable[[int], None] = lambda number: None,
+                 on_lost: Callable[[str], None] = lambda why: None,
+                 security: Security | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.keys, self.replica, self.token, self.host = Keys(job), replica, token, host
         self.rules, self.round_timeout_s, self.clock = rules, round_timeout_s, clock
         self.ttl_s = max(2, int(round(ttl_s)))
@@ -335,7 +344,8 @@ class GroupControl:
         self.members: list[int] = []
         self.lost: str | None = None  # why this group lost its lease
         self._stop = threading.Event()
-        self._watches, self._renewer = [], None
+        self._watches: list[Watch] = []
+        self._renewer: threading.Thread | None = None
         self.deaths_seen: list[tuple[float, int]] = []  # (time, replica): for simulation
 
     # ------------------------------------------------------------ set-up
@@ -611,7 +621,7 @@ class GroupControl:
             self._on_failure(number)
         return record
 
-    def _may_decide(self, number: int, expected, arrived_at: float) -> bool:
+    def _may_decide(self, number: int, expected: list[int] | None, arrived_at: float) -> bool:
         """Whether this group competes for round ``number``'s decider key: in round 0
         every group; later only members (a joiner does not know whom to wait for), and
         of them the last round's decider, unless it is gone or no record came within the
@@ -625,7 +635,7 @@ class GroupControl:
             return True
         return self._dead_since(number - 1)(last.decider) is not None
 
-    def _dead_since(self, number: int):
+    def _dead_since(self, number: int) -> Dead:
         """``dead(r)`` for the members of round ``number``: a reason if ``r``'s key was
         deleted after that round's record, else None."""
         since = self._record_revision.get(number, 0)
@@ -635,8 +645,8 @@ class GroupControl:
             return "its lease ended (killed, hung or cut off)" if revision > since else None
         return dead
 
-    def _try_decide(self, number: int, expected, arrivals: "_Arrivals", arrived_at: float,
-                    needs_state: bool) -> Round | None:
+    def _try_decide(self, number: int, expected: list[int] | None, arrivals: _Arrivals,
+                    arrived_at: float, needs_state: bool) -> Round | None:
         present = arrivals.present()
         with self._cv:
             dead = self._dead_since(number - 1)
@@ -660,7 +670,8 @@ class GroupControl:
             self.etcd.delete_prefix(self.keys.ctl_of(number - 2))
         return record
 
-    def _refusals(self, present: dict[int, Arrival], expected) -> dict[int, str]:
+    def _refusals(self, present: dict[int, Arrival],
+                  expected: list[int] | None) -> dict[int, str]:
         """Groups whose configuration differs from the running groups' (the most common
         among the last round's members present, or in round 0 among all; the lowest id
         breaks a tie), each with why, naming the first difference."""
@@ -689,7 +700,7 @@ class GroupControl:
         text = self.etcd.get(self.keys.config(digest)) if digest else None
         return json.loads(text) if text else None
 
-    def _timeout_message(self, number: int, expected) -> str:
+    def _timeout_message(self, number: int, expected: list[int] | None) -> str:
         need = (f"the previous round's replicas {expected} (or their leases to end) and at "
                 f"least {self.rules.min_replicas}" if expected is not None else
                 f"{self.rules.start_replicas} replicas to start" if number == 0 else

@@ -31,6 +31,8 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import paddle
@@ -39,17 +41,22 @@ from paddle.distributed import fleet
 
 from ..comm import collectives as comm
 from ..comm.collectives import CollectiveError
-from ..comm.traits import declare, traits_of
+from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
 from . import config, groups, transfer
 from .etcd import SECURITY_ENV, security_from_env, wait_until_answers
 from .joint_save import JointSave
 from .kv import JobStore
-from .pieces import PiecePlan
-from .protocol import Arrival, FaultToleranceError, GroupControl, LeaseLost, Round, Rules
+from .pieces import PiecePlan, plan_of
+from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
+                       Round, Rules)
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
                     float_env, heartbeat_timeout_s, join_window_s)
+
+if TYPE_CHECKING:
+    from paddle.optimizer import Optimizer
+    from paddle.optimizer.lr import LRScheduler
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -64,7 +71,7 @@ KNOWN_ENV = (COORDINATOR_ENV, REPLICA_ENV, START_REPLICAS_ENV, ROUND_TIMEOUT_ENV
              REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, JOB_ENV, *SECURITY_ENV)
 
 
-def unknown_env_names(environ=None) -> list[tuple[str, str]]:
+def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """``PADDLE_HSDP_FT_*`` variables this package does not read (a misspelt
     ``PADDLE_HSDP_FT_START_REPLICA`` would otherwise be ignored in silence, and one
     group would train the job alone), each with the closest known name."""
@@ -82,6 +89,12 @@ def _int_env(name: str, default: int | None) -> int:
     if not raw.lstrip("-").isdigit() or int(raw) < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {raw!r}")
     return int(raw)
+
+
+class _Attached(NamedTuple):
+    """What :meth:`Replica.attach` was given that a step needs."""
+    model: paddle.nn.Layer
+    optimizer: Optimizer
 
 
 class Replica:
@@ -128,7 +141,7 @@ class Replica:
         self.store = JobStore(coordinator, job, round_timeout_s, security)
         liveness_s = heartbeat_timeout_s()
         # this replica group's ranks watch each other on the group's own store
-        self.control = None  # the leader's side of the protocol (below)
+        self.control: GroupControl | None = None  # the leader's side of the protocol (below)
         self._watch = GroupWatch(self.rank, self.ranks_per_replica, liveness_s,
                                  self._round_failed, round_timeout_s)
         self.store.failed = self._watch.failed
@@ -144,18 +157,18 @@ class Replica:
         self._token = token[0]
         # the leader takes the group's place in the job (a lease on its id): a second
         # launch of a running id is refused
-        refusal = [None]
+        refusal: list[str | None] = [None]
         if self.rank == 0:
-            self.control = GroupControl(
+            control = self.control = GroupControl(
                 coordinator, job, replica_id, self._token, socket.gethostname(),
                 Rules(start_replicas, min_replicas, join_window_s(), pieces), liveness_s,
                 round_timeout_s, healthy=self._watch.healthy,
                 on_failure=self._watch.announce, on_lost=self._lost, security=security)
             try:
-                self.control.register()
+                control.register()
             except FaultToleranceError as e:
                 refusal = [str(e)]
-            atexit.register(self.control.close, revoke=False)
+            atexit.register(control.close, revoke=False)
         if self._world is not None:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
@@ -171,14 +184,20 @@ class Replica:
         self._next_round: int | None = None
         self.round: Round | None = None
         self.history: list[dict] = []  # one entry per committed step and per failure
-        self.model = self.optimizer = self.lr_scheduler = None
-        self._state_fn = self._load_state_fn = None
+        self._timing: dict[str, float] = {}  # this attempt's (for the log)
+        self.model: paddle.nn.Layer | None = None
+        self.optimizer: Optimizer | None = None
+        self.lr_scheduler: LRScheduler | None = None
+        self._state_fn: Callable[[], object] | None = None
+        self._load_state_fn: Callable[[Any], object] | None = None
         self._user_state: str | None = None  # the user's (JSON), as of this step's start
         hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
 
     # ------------------------------------------------------------ set-up
-    def attach(self, model, optimizer, lr_scheduler=None, state_dict=None,
-               load_state_dict=None) -> None:
+    def attach(self, model: paddle.nn.Layer, optimizer: Optimizer,
+               lr_scheduler: LRScheduler | None = None,
+               state_dict: Callable[[], object] | None = None,
+               load_state_dict: Callable[[Any], object] | None = None) -> None:
         """What a step trains and what a rejoining replica receives: the sharded
         ``model``, its ``optimizer`` (and ``lr_scheduler``, stepped after each committed
         step), and optionally the user's own plain state (``state_dict()`` returns a
@@ -198,13 +217,29 @@ class Replica:
             tensors = replication.parameter_table(model)
             self._config_hash, text = config.digest(config.describe(
                 self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))
-            self.control.publish_config(self._config_hash, text)
+            self._leader().publish_config(self._config_hash, text)
 
     @property
-    def piece_plan(self):
+    def piece_plan(self) -> PiecePlan | None:
         """HFSDP with redundancy: who holds which piece of the optimizer state (declared
         on the live outer group at init, ``ft.pieces.PiecePlan``); None otherwise."""
-        return traits_of(self.outer).pieces
+        return plan_of(self.outer)
+
+    def _leader(self) -> GroupControl:
+        """The group's side of the protocol, which its leader (rank 0) runs."""
+        control = self.control
+        if control is None:
+            raise ProtocolError(f"paddle_hsdp.ft: rank {self.rank} of replica "
+                                f"{self.replica_id} has no GroupControl: only the group's "
+                                "leader (rank 0) takes part in rounds")
+        return control
+
+    def _attached(self) -> _Attached:
+        """The model and optimizer :meth:`attach` was given."""
+        model, optimizer = self.model, self.optimizer
+        if model is None or optimizer is None:
+            raise RuntimeError("Replica.train_step: call attach(model, optimizer) first")
+        return _Attached(model, optimizer)
 
     @property
     def live_replicas(self) -> list[int]:
@@ -212,7 +247,8 @@ class Replica:
         return list(self.round.replicas) if self.round is not None else [self.replica_id]
 
     # ------------------------------------------------------------ the step
-    def train_step(self, forward_backward, next_batch=None):
+    def train_step(self, forward_backward: Callable[..., Any],
+                   next_batch: Callable[[], Any] | None = None) -> Any:
         """Take one optimizer step and return the loss of its committed attempt.
 
         ``forward_backward()`` runs forward and backward on this step's batch (chosen
@@ -235,6 +271,7 @@ class Replica:
                 "train_step(forward_backward, next_batch=lambda: next(loader)), and calls "
                 "forward_backward(batch). A batch fetched before train_step would be the "
                 "stale one of the group's old position.")
+        optimizer = self._attached().optimizer
         batch, batch_loads = None, -1  # the fetched batch, and self._loads when fetched
         # what a donor sends is the user's state before this step's batch was fetched
         # (a retried attempt has fetched it already): the receiver fetches the same one
@@ -243,12 +280,15 @@ class Replica:
         while True:
             started = time.perf_counter()
             self._timing = {}
-            loss, error, receiving, join_wanted = None, None, False, False
+            loss, error, receiving = None, None, False
+            # whether a group waits to join: the outer all-reduce's flag, then the vote's
+            join_wanted: bool | paddle.Tensor = False
             if self._need_round:
                 self.round = self._arrive()
                 receiving = self.replica_id in self.round.receivers
-                if self.piece_plan is not None:  # a lost piece ends the job on every
-                    self.piece_plan.arrange(self.round)  # rank alike
+                plan = self.piece_plan
+                if plan is not None:  # a lost piece ends the job on every rank alike
+                    plan.arrange(self.round)
                 self._timing["round_s"] = time.perf_counter() - started
                 error = self._set_up_round(self.round, receiving)
                 logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
@@ -260,6 +300,9 @@ class Replica:
                 if self._replica_votes(error is not None, False)[0]:
                     error = error or FaultToleranceError(
                         "paddle_hsdp.ft: a replica-mate's round set-up failed")
+            record = self.round
+            if record is None:  # a replica group's first attempt starts with a round
+                raise ProtocolError("paddle_hsdp.ft: an attempt outside any round")
             if error is None:
                 self._need_round = False
                 try:
@@ -274,16 +317,16 @@ class Replica:
                         loss = forward_backward(batch)
                     # after the grads' all-reduces: a group whose backward issued them
                     # early and one that issues them here send them in one order
-                    replication.finish_grad_sync(self.optimizer)
+                    replication.finish_grad_sync(optimizer)
                     join_wanted = self._joiners_waiting()
                 except (CollectiveError, FaultToleranceError) as e:
                     error = e
             if error is not None:  # before the vote: peers may be blocked on us
                 # this group's ranks at once; the other groups through the leader (its
                 # watch relays a mate's announcement): one request per group, not per rank
-                self._watch.announce(self.round.number)
+                self._watch.announce(record.number)
                 if self.control is not None:
-                    self.control.announce_failure(self.round.number)
+                    self.control.announce_failure(record.number)
                 self.outer.abandon()
             failed, join_wanted = self._replica_votes(error is not None, join_wanted)
             logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
@@ -292,19 +335,19 @@ class Replica:
             if self.control is not None:
                 self.control.failed() if failed else self.control.committed()
             if not failed:
-                self.optimizer.step()
+                optimizer.step()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
-                self.optimizer.clear_grad()
+                optimizer.clear_grad()
                 self.step += 1
                 self._failed = self.fresh = False
-                self._log(started, "step")
+                self._log(record, started, "step")
                 return loss
-            self.optimizer.clear_grad()  # every grad of the attempt, synced or not
+            optimizer.clear_grad()  # every grad of the attempt, synced or not
             self._failed = True
             self.fresh = self.fresh or receiving
             failures += 1
-            self._log(started, "failed", error)
+            self._log(record, started, "failed", error)
             if failures > self.max_failed_attempts:
                 raise FaultToleranceError(
                     f"paddle_hsdp.ft: step {self.step} failed {failures} times in a row; "
@@ -314,9 +357,9 @@ class Replica:
         """The training loop is over: a replica group still waiting to join stops with
         a message instead of waiting out the round timeout (call it on every rank)."""
         if self.rank == 0:
-            self.control.finish()
+            self._leader().finish()
 
-    def _joiners_waiting(self):
+    def _joiners_waiting(self) -> paddle.Tensor:
         """Whether any replica group waits to join, as every member learns it: this
         rank's view (the leader hears joiners from etcd) all-reduced (max) over the
         outer group; the replica's vote then spreads the leader's column's answer to
@@ -327,7 +370,8 @@ class Replica:
         comm.all_reduce(flag, self.outer, op="max", tag="ft control")
         return flag
 
-    def _replica_votes(self, failed: bool, join_wanted) -> tuple[bool, bool]:
+    def _replica_votes(self, failed: bool,
+                       join_wanted: bool | paddle.Tensor) -> tuple[bool, bool]:
         """Every rank of this replica group learns whether any of them failed the attempt
         and whether a replica waits to join (an all-reduce inside the replica group,
         whose ranks live and die together). ``join_wanted``: a bool, or the outer
@@ -368,7 +412,7 @@ class Replica:
     def _form_round(self) -> Round:
         """The leader: arrive at the next round (as a joiner at the next open one if
         this group is new, was left out, or lost its place) until one takes it in."""
-        control, number = self.control, None
+        control, number = self._leader(), None
         # once the job has trained, fresh groups alone must not form a round
         needs_state = self.round is not None and any(
             not a.fresh for a in self.round.members.values())
@@ -418,20 +462,24 @@ class Replica:
                     self.round_timeout_s), record.number)
                 # the outer syncs' order is agreed anew over the new members at the
                 # next backward (which syncs at the step), whatever each went through
-                replication.order_outer_syncs_again(self.model)
+                replication.order_outer_syncs_again(self._attached().model)
             else:
                 self.outer.carry_into(record.number)
             if record.receivers:
+                model, optimizer = self._attached()
                 extra, self._timing["state_bytes"] = transfer.stream_state(
-                    self.store, record, self.outer, self.model, self.optimizer,
-                    self._plain_state())
+                    self.store, record, self.outer, model, optimizer, self._plain_state())
                 if receiving:
+                    if extra is None:  # a receiver takes the model, and the state with it
+                        raise FaultToleranceError(
+                            f"paddle_hsdp.ft: replica {self.replica_id} received no state "
+                            f"from its donor in round {record.number}")
                     self._load_plain_state(extra)
             if self.piece_plan is not None:
                 # every member rebuilds every piece from its round's holders before the
                 # next forward, whatever its last rebuild did (it may have failed half-way
                 # on one rank and not another; a receiver holds the donor's pieces)
-                replication.owe_rebuild(self.model)
+                replication.owe_rebuild(self._attached().model)
         except (CollectiveError, FaultToleranceError) as e:
             return e
         except Exception as e:  # noqa: BLE001 - see below
@@ -464,8 +512,8 @@ class Replica:
             self._user_state = json.dumps(extra["user"])
         self.fresh = False
 
-    def _log(self, started: float, kind: str, error=None) -> None:
-        record = self.round
+    def _log(self, record: Round, started: float, kind: str,
+             error: Exception | None = None) -> None:
         entry = {"kind": kind, "step": self.step, "round": record.number,
                  "replicas": record.replicas, "seconds": time.perf_counter() - started,
                  "time": time.time(), **self._timing}
@@ -514,7 +562,7 @@ class Replica:
                        self._timing.get("round_s", 0.0), self._timing.get("set_up_s", 0.0))
 
 
-def _user_json(state) -> str:
+def _user_json(state: object) -> str:
     """The user's state (``attach``'s ``state_dict()``) as the JSON a donor sends."""
     try:
         return json.dumps(state)
@@ -525,7 +573,7 @@ def _user_json(state) -> str:
                          "unpickled)") from None
 
 
-def _generator_state(saved):
+def _generator_state(saved: Sequence[Any]) -> paddle.base.core.GeneratorState:
     """A Paddle RNG state from its JSON form (``GeneratorState.__getstate__``)."""
     state = paddle.base.core.GeneratorState.__new__(paddle.base.core.GeneratorState)
     state.__setstate__(tuple(saved))

@@ -20,6 +20,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from paddle.base import core
 
@@ -67,7 +69,7 @@ def group_store_address() -> tuple[str, int]:
     return host, int(port)
 
 
-def _connect_client(host: str, port: int, timeout_s: float):
+def _connect_client(host: str, port: int, timeout_s: float) -> core.TCPStore:
     """A Paddle ``TCPStore`` client.
 
     Paddle's client does not set ``TCP_NODELAY``: each request then waits out the
@@ -82,7 +84,7 @@ def _connect_client(host: str, port: int, timeout_s: float):
 
 def socket_fds() -> set[int]:
     """This process's open socket descriptors (Linux: /proc/self/fd; empty elsewhere)."""
-    found = set()
+    found: set[int] = set()
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -96,7 +98,7 @@ def socket_fds() -> set[int]:
     return found
 
 
-def on_socket(fd: int, action) -> None:
+def on_socket(fd: int, action: Callable[[socket.socket], object]) -> None:
     """``action(sock)`` on the socket behind descriptor ``fd``, which stays its owner's
     (Paddle's store, gloo): never closed here. An ``OSError`` (not a TCP socket, not
     connected, already gone) is ignored."""
@@ -116,7 +118,7 @@ def _set_nodelay(fd: int) -> None:
     on_socket(fd, lambda sock: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
 
 
-def key(*parts) -> str:
+def key(*parts: object) -> str:
     return "/".join([PREFIX, *map(str, parts)])
 
 
@@ -128,12 +130,12 @@ class GroupWatch:
     leader, keeps which mates' heartbeats stopped (:meth:`healthy`). A group of one
     rank has no store: its flags stay in this process."""
 
-    def __init__(self, rank: int, ranks: int, timeout_s: float, on_failure,
-                 round_timeout_s: float):
+    def __init__(self, rank: int, ranks: int, timeout_s: float,
+                 on_failure: Callable[[int], None], round_timeout_s: float):
         self.rank, self.ranks, self.timeout_s = rank, ranks, timeout_s
         self._on_failure = on_failure
         self._lock = threading.Lock()  # the main thread reads flags on the same client
-        self._store = None
+        self._store: core.TCPStore | None = None
         if ranks > 1:
             host, port = group_store_address()
             self._store = _connect_client(host, port, round_timeout_s)
@@ -151,7 +153,7 @@ class GroupWatch:
         # aborts the process
         atexit.register(self.stop)
 
-    def _call(self, op: str, *args):
+    def _call(self, op: str, *args: object) -> Any:
         if self._store is None:
             return 0
         with self._lock:

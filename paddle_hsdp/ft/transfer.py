@@ -24,23 +24,37 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import paddle
 
 from ..comm import collectives as comm
 from ..comm.gloo_store import forget_group_store
-from ..comm.traits import traits_of
 from ..engine import replication
 from . import groups
+from .pieces import plan_of
 from .protocol import FaultToleranceError
 from .store import key
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.optimizer import Optimizer
 
-def _flatten(state: dict, prefix: tuple = ()) -> tuple[list, dict]:
+    from .kv import JobStore
+    from .pieces import PiecePlan
+    from .protocol import Round
+
+# an optimizer-state tensor's path in the state dict (a key, or a key and a sub-key)
+Path = tuple[str, ...]
+
+
+def _flatten(state: dict, prefix: Path = ()) -> tuple[list[tuple[Path, paddle.Tensor]], dict]:
     """An optimizer state dict as (path, tensor) pairs and the rest (plain values)."""
-    tensors, rest = [], {}
+    tensors: list[tuple[Path, paddle.Tensor]] = []
+    rest = {}
     for name in sorted(state):
         value = state[name]
         if isinstance(value, paddle.Tensor):
@@ -54,7 +68,7 @@ def _flatten(state: dict, prefix: tuple = ()) -> tuple[list, dict]:
     return tensors, rest
 
 
-def _unflatten(pairs, rest: dict) -> dict:
+def _unflatten(pairs: Iterable[tuple[Path, paddle.Tensor]], rest: dict) -> dict:
     out = dict(rest)
     for path, tensor in pairs:
         node = out
@@ -64,13 +78,13 @@ def _unflatten(pairs, rest: dict) -> dict:
     return out
 
 
-def _dtype(tensor) -> str:
+def _dtype(tensor: paddle.Tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")  # what paddle.zeros takes
 
 
-def _checksum(tensor) -> int:
+def _checksum(tensor: paddle.Tensor) -> int:
     data = np.ascontiguousarray(tensor.numpy())
-    return zlib.crc32(data.view(np.uint8).reshape(-1)) if data.size else 0
+    return zlib.crc32(data.view(np.uint8).reshape(-1).data) if data.size else 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,7 @@ class Phase:
     takers: tuple
 
 
-def plan_transfer(record, plan) -> tuple[list[Phase], bool]:
+def plan_transfer(record: Round, plan: PiecePlan | None) -> tuple[list[Phase], bool]:
     """The round's copies, in one order on every member, and whether they go point to
     point. With two or more up-to-date members, each receiver is fed by its own donor
     (:meth:`Round.donor_of`; each HFSDP piece's optimizer state by a holder of it) over
@@ -109,12 +123,14 @@ def _pair_of(phase: Phase) -> tuple[int, int]:
     return tuple(sorted((phase.donor, phase.takers[0])))
 
 
-def _pairs(phases) -> list[tuple[int, int]]:
+def _pairs(phases: Iterable[Phase]) -> list[tuple[int, int]]:
     """The distinct replica pairs of point-to-point phases, sorted."""
     return sorted({_pair_of(p) for p in phases})
 
 
-def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[dict | None, int]:
+def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
+                 model: paddle.nn.Layer, optimizer: Optimizer,
+                 extra: dict) -> tuple[dict | None, int]:
     """Copy round ``record``'s state to this rank if its replica is a receiver. Every
     member of ``group`` calls it; point to point, those neither sending nor taking return
     at once. ``extra``: this replica's plain state (step, RNG, scheduler, user; a
@@ -122,7 +138,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
     the bytes of tensors this rank sent or took (for the log). Each taker checks what it
     took against the checksums its donor computed once per tensor."""
     replica = group.replica
-    phases, point_to_point = plan_transfer(record, traits_of(group).pieces)
+    phases, point_to_point = plan_transfer(record, plan_of(group))
     if point_to_point:
         pairs = _pairs(phases)
         phases = [p for p in phases if replica == p.donor or replica in p.takers]
@@ -153,7 +169,7 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
             if phase.what[0] == "model":
                 tensors = replication.state_tensors(model) if taking else None
                 _check_same_model(tensors, meta, replica, phase.donor)
-                targets = [t for _, t in tensors] if taking else \
+                targets = [t for _, t in tensors] if tensors is not None else \
                     [paddle.zeros(s, d) for _, s, d in meta["model"]]
             else:
                 targets = [paddle.zeros(s, d) for _, s, d in meta["tensors"]]
@@ -182,17 +198,17 @@ def stream_state(store, record, group, model, optimizer, extra: dict) -> tuple[d
 TRANSFER_WAIT_ROUNDS = 10
 
 
-def _received_key(record, local_rank: int, receiver: int) -> str:
+def _received_key(record: Round, local_rank: int, receiver: int) -> str:
     return key("r", record.number, "received", local_rank, receiver)
 
 
-def _await_receivers(store, record, group) -> None:
+def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGroup) -> None:
     """A member neither sending nor taking state waits until every receiver's rank of
     its local rank has its state (one key each, on etcd), so that its first outer
     collective does not wait out the transfer under the backend's own timeout (gloo's
     is fixed): the wait is bounded by round timeouts, and ends at once on a failure
     announced in the round."""
-    def abort():
+    def abort() -> None:
         if store.failed(record.number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{record.number} during its state transfer")
@@ -205,13 +221,15 @@ class _Sender:
     """A donor's side: the metadata written once per copy it serves, and each tensor's
     checksum computed once, however many receivers it feeds."""
 
-    def __init__(self, store, record, group, model, optimizer, extra):
+    def __init__(self, store: JobStore, record: Round, group: groups.LiveOuterGroup,
+                 model: paddle.nn.Layer, optimizer: Optimizer, extra: dict):
         self.store, self.record, self.group = store, record, group
         self.model, self.optimizer, self.extra = model, optimizer, extra
-        self._tensors: dict = {}  # what -> [tensor]
-        self._sums: dict = {}  # what -> int64 tensor of checksums
+        self._tensors: dict[tuple, list[paddle.Tensor]] = {}  # what -> [tensor]
+        # what -> int64 tensor of checksums (None until the first send computes them)
+        self._sums: dict[tuple, paddle.Tensor | None] = {}
 
-    def send(self, phase: Phase, link) -> int:
+    def send(self, phase: Phase, link: Group) -> int:
         what = phase.what
         if what not in self._tensors:
             if what[0] == "model":
@@ -229,16 +247,18 @@ class _Sender:
         tensors, moved = self._tensors[what], 0
         for tensor in tensors:
             moved += _move(link, tensor, phase.donor, self.group)
-        if self._sums[what] is None:
-            sums = [_checksum(t) for t in tensors if math.prod(t.shape)]
-            self._sums[what] = paddle.to_tensor(np.array(sums, dtype="int64"))
-        if self._sums[what].shape[0]:
-            comm.broadcast(self._sums[what], src=self.group.virtual_rank(phase.donor),
+        sums = self._sums[what]
+        if sums is None:
+            sums = paddle.to_tensor(np.array(
+                [_checksum(t) for t in tensors if math.prod(t.shape)], dtype="int64"))
+            self._sums[what] = sums
+        if sums.shape[0]:
+            comm.broadcast(sums, src=self.group.virtual_rank(phase.donor),
                            group=link, tag="ft state check")
         return moved
 
 
-def _move(link, tensor, donor: int, group) -> int:
+def _move(link: Group, tensor: paddle.Tensor, donor: int, group: groups.LiveOuterGroup) -> int:
     """One tensor from ``donor`` over ``link``, in place; its bytes (0 if empty)."""
     if math.prod(tensor.shape) == 0:  # nothing to send (a rank's empty share of a buffer)
         return 0
@@ -246,7 +266,8 @@ def _move(link, tensor, donor: int, group) -> int:
     return math.prod(tensor.shape) * tensor.element_size()
 
 
-def _take(link, phase: Phase, targets, group, check: bool) -> int:
+def _take(link: Group, phase: Phase, targets: list[paddle.Tensor], group: groups.LiveOuterGroup,
+          check: bool) -> int:
     """Receive ``phase``'s tensors into ``targets`` and, on a taker (``check``), compare
     each with the checksum its donor sent after them."""
     moved = sum(_move(link, t, phase.donor, group) for t in targets)
@@ -266,7 +287,8 @@ def _take(link, phase: Phase, targets, group, check: bool) -> int:
     return moved
 
 
-def _check_same_model(tensors, meta: dict, replica: int, donor: int) -> None:
+def _check_same_model(tensors: list[tuple[str, paddle.Tensor]] | None, meta: dict, replica: int,
+                      donor: int) -> None:
     if tensors is None:
         return
     mine = _described(tensors)
@@ -279,12 +301,13 @@ def _check_same_model(tensors, meta: dict, replica: int, donor: int) -> None:
             f"or the sharding must be the same). First difference: {first}")
 
 
-def _described(tensors) -> list:
+def _described(tensors: Iterable[tuple[object, paddle.Tensor]]) -> list:
     """``(name, shape, dtype)`` of each named tensor: what a receiver allocates."""
     return [[n, list(t.shape), _dtype(t)] for n, t in tensors]  # as JSON gives it back
 
 
-def _exchange_meta(store, record, where: tuple, sending: bool, build) -> dict:
+def _exchange_meta(store: JobStore, record: Round, where: tuple, sending: bool,
+                   build: Callable[[], dict] | None) -> dict:
     """What is not a tensor goes as JSON through the store (never a pickle: what a
     trainer reads from the network must not run code): the sender writes ``build()``
     under round ``record``'s key ``where``, the others read it; a reader stops waiting
@@ -292,18 +315,21 @@ def _exchange_meta(store, record, where: tuple, sending: bool, build) -> dict:
     gets the JSON round trip (tuples become lists); so does the sender, alike."""
     meta_key = key("r", record.number, "state", *where)
     if sending:
+        if build is None:
+            raise ValueError("paddle_hsdp.ft: _exchange_meta(sending=True) needs build, "
+                             "which returns the metadata to write")
         text = json.dumps(build(), default=_plain)
         store.set(meta_key, text)
         return json.loads(text)
 
-    def abort():
+    def abort() -> None:
         if store.failed(record.number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced while "
                                       f"{meta_key} was awaited")
     return json.loads(store.get(meta_key, abort=abort))
 
 
-def _plain(value):
+def _plain(value: object) -> Any:
     """JSON for the numpy scalars a scheduler's or optimizer's state may hold."""
     if isinstance(value, np.generic):
         return value.item()
@@ -311,7 +337,7 @@ def _plain(value):
                     "go to a rejoining group as JSON")
 
 
-def _optimizer_phases(record, plan) -> list[tuple[int, int, list[int]]]:
+def _optimizer_phases(record: Round, plan: PiecePlan | None) -> list[tuple[int, int, list[int]]]:
     """``(piece, its donor, the replicas taking it)`` for each optimizer-state copy of
     the round: the donor's whole state to every receiver, or with shared pieces one
     copy per piece that has a receiver."""
