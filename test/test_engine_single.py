@@ -382,7 +382,7 @@ def test_shards_concatenate_to_the_full_buffer_of_whole_row_views(inner, parts):
                 assert list(rows.shape) == sp.shard_shape == [count] + sp.rest
                 assert np.array_equal(rows.reshape([count] + sp.rest),
                                       fulls[k].reshape([sp.rows] + sp.rest)[start:start + count])
-                flat[sp.flat_offset:sp.flat_offset + sp.sub_numel] = rows.reshape(-1)
+                flat[sp.slot.flat_offset:sp.slot.flat_offset + sp.sub_numel] = rows.reshape(-1)
                 covered[k] += range(start, start + count)
                 subs.append((start, count))
             inner_start, inner_count = sp.row_range(sub=False)

@@ -12,8 +12,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .state import state
+
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
+
+class PieceHolders(Protocol):
+    """Who holds which HFSDP piece of a group's replicas (ft.pieces.PiecePlan): the
+    engine reads it through this, knowing nothing of ft."""
+
+    parts: int  # pieces the shard is cut into
+    part: int  # this replica's
+    holders: int  # members of the round holding this replica's piece
+
+    def src(self, q: int) -> int:
+        """The rank piece ``q`` is broadcast from (``broadcast``'s ``src``)."""
+        ...
+
+    def keeps(self, q: int) -> bool:
+        """Whether this rank holds a valid copy of piece ``q`` (so it takes that
+        piece's broadcast into scratch)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -27,7 +49,7 @@ class GroupTraits:
     # what a failed collective on it means, said in the CollectiveError
     failure_advice: str | None = None
     # HFSDP with redundancy: who holds which optimizer piece (ft.pieces.PiecePlan)
-    pieces: object | None = None
+    pieces: PieceHolders | None = None
     # the live replica groups saving one checkpoint together (ft.joint_save.JointSave)
     joint_save: object | None = None
 
@@ -35,7 +57,7 @@ class GroupTraits:
 PLAIN = GroupTraits()
 
 
-def declare(group, **traits) -> GroupTraits:
+def declare(group: Group, **traits: Any) -> GroupTraits:
     """Set ``traits`` (GroupTraits' fields) of ``group``, keeping those declared
     before; returns the group's traits."""
     record = dataclasses.replace(traits_of(group), **traits)
@@ -43,7 +65,7 @@ def declare(group, **traits) -> GroupTraits:
     return record
 
 
-def traits_of(group) -> GroupTraits:
+def traits_of(group: Group | None) -> GroupTraits:
     """``group``'s declared traits (:data:`PLAIN` for any other group, or None)."""
     if group is None:
         return PLAIN

@@ -44,7 +44,7 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
             rebuild.append(buf)
         if count == 0:
             continue  # this rank's block is all padding
-        local = buf.storage.flat[sp.flat_offset:sp.flat_offset + count * sp.row_numel]
+        local = buf.storage.flat[sp.slot.flat_offset:sp.slot.flat_offset + count * sp.row_numel]
         local = local.reshape([count] + sp.rest)
         local.name = sp.shard.name
         offset, size = place.rows(start, count)
@@ -64,7 +64,7 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> d
     a parameter whose block is all padding on this rank are left out, like the block."""
     optimizer = unwrap_optimizer(optimizer)
     _ensure_accumulators(optimizer)
-    key_of = {}
+    key_of: dict[str, str] = {}
     for key, weight in sorted(model_sharded_state_dict.items()):
         key_of.setdefault(weight.local_tensor.name, key)  # tied: the first key owns it
     out = {}

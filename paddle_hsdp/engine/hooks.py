@@ -392,9 +392,12 @@ class ForwardHooks:
 
 def register_unit_hooks(unit: FSDPUnit, all_units: list[FSDPUnit]) -> None:
     hooks = ForwardHooks(unit, all_units)
+    # (Paddle's stubs type a hook as taking and returning one Tensor; it is called with
+    # the inputs tuple, and with_kwargs with the kwargs too)
     unit.hooks.forward += [
-        unit.module.register_forward_pre_hook(hooks.pre_forward, with_kwargs=True),
-        unit.module.register_forward_post_hook(hooks.post_forward)]
+        unit.module.register_forward_pre_hook(
+            hooks.pre_forward, with_kwargs=True),  # type: ignore[arg-type]
+        unit.module.register_forward_post_hook(hooks.post_forward)]  # type: ignore[arg-type]
 
 
 def abandon_forward(units: list[FSDPUnit]) -> None:

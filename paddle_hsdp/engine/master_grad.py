@@ -25,17 +25,22 @@ Paddle's data-parallel reduction of ``main_grad`` does, unless the unit's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import paddle
 
 from .policies import POLICY_HINT
 
+if TYPE_CHECKING:
+    from .param import ShardedParam
+
 MAIN_GRAD_DTYPE = paddle.float32  # what MixPrecisionLayer's hook accumulates in
 
 
-def marked(sp) -> bool:
-    """Whether MixPrecisionLayer covered this parameter (its shard or its full one)."""
-    return hasattr(sp.full, "main_grad") or (sp.shard is not None
-                                             and hasattr(sp.shard, "main_grad"))
+def marked(sp: ShardedParam) -> bool:
+    """Whether MixPrecisionLayer covered this parameter (its shard, once made, or its
+    full one)."""
+    return hasattr(sp.full, "main_grad") or hasattr(getattr(sp, "shard", None), "main_grad")
 
 
 def uses_main_grad(params, describe) -> bool:

@@ -114,7 +114,7 @@ class _Download:
     staged: paddle.Tensor   # the downloaded copy (pinned or CPU)
     add: bool               # add into target, else assign
     seq: int                # issue order: downloads on one stream complete in order
-    event: object | None    # recorded after a non-blocking copy
+    event: paddle.device.Event | None  # recorded after a non-blocking copy
 
 
 
@@ -261,8 +261,8 @@ def host_step(buffers, what: str = "the optimizer step"):
 def _place(device: str):
     if device.startswith("cpu"):
         return paddle.CPUPlace()
-    kind, _, index = device.partition(":")
-    index = int(index or 0)
+    kind, _, number = device.partition(":")
+    index = int(number or 0)
     if kind == "gpu":
         return paddle.CUDAPlace(index)
     if kind == "xpu":

@@ -16,12 +16,19 @@ take those: nothing to update), so every rank's optimizer sees the same paramete
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import paddle
 from paddle.base.framework import EagerParamBase
 
 from .layout import row_split
 from .policies import POLICY_HINT
+
+if TYPE_CHECKING:
+    from ..topology.mesh import Mesh
+    from .buffer import ShardBuffer
+    from .layout import SegmentLayout
 
 # Marks Paddle's optimizers, clip and hybrid-parallel helpers (and PaddleFormers) read
 # per parameter, Paddle 3.3 / PaddleFormers 1.2: the shard carries each one the original
@@ -49,33 +56,43 @@ def carried_marks(param) -> dict:
     return marks
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where a parameter sits in its buffer (:meth:`ShardedParam.place`): where it starts
+    in the full flat buffer, the rows this rank holds (``(first, count)``: its inner
+    block, and the sub-block its optimizer sees) and where they start in the rank's
+    flat shard."""
+
+    full_offset: int = 0
+    inner_rows: tuple[int, int] = (0, 0)
+    sub_rows: tuple[int, int] = (0, 0)
+    inner_offset: int = 0
+    flat_offset: int = 0
+
+
 class ShardedParam:
     """An original parameter, its shard on this inner rank, and the modules using it."""
 
-    def __init__(self, param, fqn: str, inner_size: int, inner_rank: int, parts: int = 1,
-                 part: int = 0):
+    def __init__(self, param: EagerParamBase, fqn: str, inner_size: int, inner_rank: int,
+                 parts: int = 1, part: int = 0):
         self.full = param  # keeps autograd identity; its storage comes and goes
         self.fqn = fqn
         self.shape = list(param.shape)
         self.dtype = param.dtype
         self.trainable = not param.stop_gradient
         self.rows, self.row_numel = row_split(self.shape)  # as the buffer's layout
-        self.rest = self.shape[1:]
-        self.numel = self.rows * self.row_numel
         self.inner_size = inner_size
         self.inner_rank = inner_rank
         # outer sub-shards (HFSDP); 1 and 0 without them
         self.parts, self.part = parts, part
-        # Set by the buffer that holds this param (:meth:`place`): where it starts in
-        # the full flat buffer, the rows this rank holds (its inner block, and the
-        # sub-block its optimizer sees) and where they start in the rank's flat shard.
-        self.full_offset = 0
-        self.inner_rows = self.sub_rows = (0, 0)
-        self.inner_offset = self.flat_offset = 0
-        self.buffer = None
-        self.users: list[tuple[object, str]] = []  # (module, attribute name)
-        self.shard: EagerParamBase | None = None
-        self.mesh = None  # set by the unit: the groups this param's buffer talks to
+        self.slot = Slot()  # set by the buffer that holds it (:meth:`place`)
+        self.users: list[tuple[paddle.nn.Layer, str]] = []  # (module, attribute name)
+        # Set in fully_shard before anything reads them: the buffer that holds it (its
+        # constructor), the groups that buffer talks to (the unit), the parameter the
+        # optimizer sees (:meth:`make_shard_param`).
+        self.buffer: ShardBuffer
+        self.mesh: Mesh
+        self.shard: EagerParamBase
         # Whether the parameter has a grad in plain Paddle's sense (not None): this rank
         # produced one since its shard grad was last released (``grad_here``), and
         # some rank of its FSDP group did (``grad_anywhere``, agreed at the step). An
@@ -87,45 +104,56 @@ class ShardedParam:
         # root's head and its embedding travel apart (unit.buffer_groups).
         self.segment = 0
 
-    def place(self, layout, index: int) -> None:
+    def place(self, layout: SegmentLayout, index: int) -> None:
         """Take parameter ``index`` of a buffer's :class:`~.layout.SegmentLayout`."""
-        self.full_offset = layout.offsets[index]
+        full_offset = layout.offsets[index]
         rank_numel = self.parts * layout.segment_numel  # the rank's flat shard
         first_segment = self.inner_rank * self.parts
-        self.inner_rows = layout.rows_in(index, first_segment, self.parts)
-        self.sub_rows = layout.rows_in(index, first_segment + self.part)
-        base = self.full_offset - self.inner_rank * rank_numel
-        self.inner_offset = base + self.inner_rows[0] * self.row_numel if self.inner_numel \
-            else 0
-        self.flat_offset = base + self.sub_rows[0] * self.row_numel if self.sub_numel else 0
+        inner_rows = layout.rows_in(index, first_segment, self.parts)
+        sub_rows = layout.rows_in(index, first_segment + self.part)
+        base = full_offset - self.inner_rank * rank_numel
+        self.slot = Slot(
+            full_offset, inner_rows, sub_rows,
+            base + inner_rows[0] * self.row_numel if inner_rows[1] else 0,
+            base + sub_rows[0] * self.row_numel if sub_rows[1] else 0)
+
+    @property
+    def rest(self) -> list[int]:
+        """The trailing dims (a row's shape)."""
+        return self.shape[1:]
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.row_numel
 
     @property
     def inner_numel(self) -> int:
         """Elements of this rank's inner block (0 when it holds no row)."""
-        return self.inner_rows[1] * self.row_numel
+        return self.slot.inner_rows[1] * self.row_numel
 
     @property
     def sub_numel(self) -> int:
         """Elements of the shard parameter (the sub-block with parts, else the inner
         block)."""
-        return self.sub_rows[1] * self.row_numel
+        return self.slot.sub_rows[1] * self.row_numel
 
     @property
     def shard_shape(self) -> list[int]:
         """The shape of the parameter the optimizer sees."""
-        return [self.sub_rows[1]] + self.rest
+        return [self.slot.sub_rows[1]] + self.rest
 
     def row_range(self, sub: bool) -> tuple[int, int]:
         """``(first row, row count)`` this rank holds: its inner block (``sub=False``)
         or the sub-block its optimizer sees (``sub=True``; the same with one part)."""
-        return self.sub_rows if sub else self.inner_rows
+        return self.slot.sub_rows if sub else self.slot.inner_rows
 
     def forget_shard(self) -> None:
         """The shard param no longer names this object (paddle_hsdp.forget): a Paddle
         tensor's Python attributes are not traversed by the collector, so the cycle
         shard -> ShardedParam -> shard would outlive every other reference."""
-        if self.shard is not None and hasattr(self.shard, "_hsdp_sharded_param"):
-            delattr(self.shard, "_hsdp_sharded_param")
+        shard = getattr(self, "shard", None)  # (none yet if fully_shard failed early)
+        if shard is not None and hasattr(shard, "_hsdp_sharded_param"):
+            delattr(shard, "_hsdp_sharded_param")
 
     # -------------------------------------------------------------- layout helpers
     def rows_of(self, full, sub: bool) -> paddle.Tensor:
@@ -144,15 +172,18 @@ class ShardedParam:
         Views of flat storage are taken with ``t[start:stop]`` throughout the package,
         never ``Tensor._slice``: in Paddle 3.3 ``_slice`` leaks a small Python list per
         call (64 bytes here), and the engine takes views on every step."""
-        return flat[self.flat_offset:self.flat_offset + self.sub_numel]
+        start = self.slot.flat_offset
+        return flat[start:start + self.sub_numel]
 
     def inner_block_of(self, flat) -> paddle.Tensor:
         """This rank's inner block in a flat shard-layout tensor (a 1-D view)."""
-        return flat[self.inner_offset:self.inner_offset + self.inner_numel]
+        start = self.slot.inner_offset
+        return flat[start:start + self.inner_numel]
 
     def full_of(self, full_flat) -> paddle.Tensor:
         """The parameter's full tensor in its buffer's full flat buffer (a view)."""
-        return full_flat[self.full_offset:self.full_offset + self.numel].reshape(self.shape)
+        start = self.slot.full_offset
+        return full_flat[start:start + self.numel].reshape(self.shape)
 
     # -------------------------------------------------------------- shard param
     def make_shard_param(self) -> EagerParamBase:
@@ -182,7 +213,7 @@ class ShardedParam:
         parameter the model yields, i.e. the shards) would leave the buffer stale, and
         copying the value back would quietly undo the cast."""
         shard = self.shard
-        if shard is not None and shard._is_initialized() and shard.dtype != self.dtype:
+        if shard._is_initialized() and shard.dtype != self.dtype:
             raise NotImplementedError(
                 f"{self.fqn}: its HSDP shard was cast from {_name(self.dtype)} to "
                 f"{_name(shard.dtype)} after fully_shard (paddle.amp.decorate(level='O2') "
@@ -219,7 +250,7 @@ class ShardedParam:
             return False
         if self.sub_numel == 0:
             return list(tensor.shape) == self.shard_shape
-        return is_view_at(tensor, flat, self.flat_offset)
+        return is_view_at(tensor, flat, self.slot.flat_offset)
 
     def shard_is_view_of(self, flat) -> bool:
         return self.views(self.shard, flat)
@@ -240,7 +271,7 @@ class ShardedParam:
     def full_grad_is_view_of(self, grid) -> bool:
         """Whether the full parameter's ``.grad`` is still its place in ``grid``."""
         grad = self.full.grad
-        return grad is not None and is_view_at(grad, grid, self.full_offset)
+        return grad is not None and is_view_at(grad, grid, self.slot.full_offset)
 
     def grad_is_view_of(self, flat_grad) -> bool:
         return self.views(self.shard.grad, flat_grad)

@@ -99,7 +99,7 @@ _P, _G, _R, _S, _E = ParamState, GradState, RebuildState, SyncSchedule, EarlyRed
 #: Every transition each machine may take, as ``(from, to)``: :func:`move` refuses any
 #: other, so an engine call out of order fails at that call. docs/engine.md's table is
 #: this one (test/test_engine_states.py keeps them alike).
-TRANSITIONS: dict[type, frozenset] = {
+TRANSITIONS: dict[type[enum.Enum], frozenset[tuple[enum.Enum, enum.Enum]]] = {
     ParamState: frozenset({
         (_P.UNSHARDED, _P.SHARDED),    # fully_shard's first sharding; reshard
         (_P.SHARDED, _P.GATHERING),    # prefetch: the all-gathers issued
@@ -175,7 +175,8 @@ def expect(state: enum.Enum, allowed: tuple, call: str, who) -> None:
 def transitions_markdown() -> str:
     """:data:`TRANSITIONS` as the Markdown table docs/engine.md shows."""
     rows = ["| machine | from | to |", "|---|---|---|"]
-    order = {m: i for machine in TRANSITIONS for i, m in enumerate(machine)}
+    order: dict[enum.Enum, int] = {
+        member: i for machine in TRANSITIONS for i, member in enumerate(machine)}
     for machine, pairs in TRANSITIONS.items():
         for a, b in sorted(pairs, key=lambda pair: (order[pair[0]], order[pair[1]])):
             rows.append(f"| `{machine.__name__}` | {a.value} | {b.value} |")

@@ -45,6 +45,8 @@ from .registry import registry
 from .states import GradState, ParamState, expect, move
 
 if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
     from ..topology.mesh import Mesh
     from .hooks import RootState
 
@@ -53,7 +55,7 @@ def expect_everyone_in(units, what: str) -> None:
     """Every rank of these units' data-parallel (dense FSDP) groups must make this
     call before its first collective; else the callers raise, naming it
     (:mod:`paddle_hsdp.comm.arrival`). For calls off the hot path only."""
-    groups = {}
+    groups: dict[int, Group] = {}
     for unit in units:
         group = unit.mesh.fsdp_group(False)
         groups.setdefault(group.id, group)
@@ -214,10 +216,11 @@ class FSDPUnit:
         on NCCL they run on the communication stream while the caller computes);
         :meth:`unshard` waits for them."""
         if self.state is ParamState.SHARDED:
-            pending = []
+            pending: list[PendingGather | None] = []
+            overlap = self.controls.overlap
             try:
                 for buf in self.buffers:
-                    pending.append(buf.start_gather(compute=True, async_op=self.controls.overlap))
+                    pending.append(buf.start_gather(compute=True, async_op=overlap))
             except BaseException:  # e.g. out of memory for the next output: the ones
                 settle(pending)  # in flight land first
                 raise
@@ -231,10 +234,13 @@ class FSDPUnit:
             return
         self.prefetch()
         expect(self.state, (ParamState.GATHERING,), "unshard", self.label)
-        pending, self._pending_gather = self._pending_gather, None
+        pending = self._take_prefetched()
         try:
             for i, buf in enumerate(self.buffers):
-                fulls = buf.finish_gather(pending[i])
+                issued = pending[i]
+                if issued is None:
+                    raise AssertionError(f"{self.label}: buffer {i} was not gathered")
+                fulls = buf.finish_gather(issued)
                 pending[i] = None  # waited for: the parameters are views of its output
                 for sp, full in zip(buf.params, fulls, strict=True):
                     sp.set_full_data(full)
@@ -250,11 +256,18 @@ class FSDPUnit:
             sp.point_users_to(sp.full)
         move(self, "state", ParamState.UNSHARDED, "unshard")
 
+    def _take_prefetched(self) -> list[PendingGather | None]:
+        """The all-gathers :meth:`prefetch` issued (the unit is ``GATHERING``)."""
+        pending, self._pending_gather = self._pending_gather, None
+        if pending is None:
+            raise AssertionError(f"{self.label}: gathering with nothing issued")
+        return pending
+
     def reshard(self, force: bool = False) -> None:
         if self.pins > 0 and not force:
             return
         if self.state is ParamState.GATHERING:  # prefetched, never used: let it land
-            pending, self._pending_gather = self._pending_gather, None
+            pending = self._take_prefetched()
             GatheredBytes.add(-self.gathered_nbytes(), -1)
             move(self, "state", ParamState.SHARDED, "reshard")
             failures = settle(pending)
@@ -341,8 +354,9 @@ class FSDPUnit:
         buf = sp.buffer
         self.expect_more_grads([buf])
         # shared pieces: only the replicas holding this piece compute it
-        scale = (self.divisor(buf) / traits_of(buf.outer).pieces.holders
-                 if buf.shared_pieces else self.summed_scale(buf))
+        plan = traits_of(buf.outer).pieces if buf.shared_pieces else None
+        scale = (self.divisor(buf) / plan.holders if plan is not None
+                 else self.summed_scale(buf))
         buf.grads.add_to_grad(sp, grad * scale)
         sp.grad_here = True
 

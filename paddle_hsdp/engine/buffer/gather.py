@@ -95,7 +95,8 @@ def _cast_for_sending(buf: ShardBuffer, send: paddle.Tensor, dtype: paddle.dtype
             return send.astype(dtype)
     into = staging.pool.take(comm.numel_of(send), dtype)
     staged.append(into)
-    _C_ops.cast(send, dtype, out=into)
+    # (Paddle's stubs give _C_ops.cast no out argument; the op takes one)
+    _C_ops.cast(send, dtype, out=into)  # type: ignore[call-overload,misc]
     return into
 
 
@@ -105,7 +106,8 @@ def finish(buf: ShardBuffer, pending: PendingGather) -> list[paddle.Tensor]:
     gather dtype)."""
     pending.handle.wait()
     trace.record("wait", "all_gather", buf.unit_index)
-    if pending.tag_handle is not None and pending.tags is not None:
+    if pending.tag_handle is not None and pending.tags is not None \
+            and pending.tag is not None:
         pending.tag_handle.wait()
         tags = pending.tags.reshape([buf.inner_size, gather_tags.TAG_NUMEL])
         gather_tags.check(tags, pending.tag, buf.inner)  # same dtype and place

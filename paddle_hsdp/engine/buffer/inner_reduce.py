@@ -70,8 +70,8 @@ def _full_grad_pieces(buf: ShardBuffer, dtype: paddle.dtype
     present: list[bool] = []
     pos = 0
     for sp in buf.params:
-        if sp.full_offset > pos:
-            pieces.append(paddle.zeros([sp.full_offset - pos], dtype))
+        if sp.slot.full_offset > pos:
+            pieces.append(paddle.zeros([sp.slot.full_offset - pos], dtype))
         g = master_grad.full_grad(sp)  # .grad, or the hook's main_grad (see there)
         present.append(g is not None)
         if g is None:  # unused on this rank: zeros, so every rank joins the call
@@ -82,7 +82,7 @@ def _full_grad_pieces(buf: ShardBuffer, dtype: paddle.dtype
             pieces.append(g.reshape([-1]))  # a view: the storage outlives the release
         if present[-1]:
             master_grad.release_full_grad(sp)
-        pos = sp.full_offset + sp.numel
+        pos = sp.slot.full_offset + sp.numel
     if pos < buf.padded_numel:
         pieces.append(paddle.zeros([buf.padded_numel - pos], dtype))
     return pieces, present

@@ -28,6 +28,7 @@ updates).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import paddle
@@ -309,7 +310,7 @@ class OuterPieces:
             moved = buf.host.upload(target) if buf.host is not None else target
             trace.record("issue", "outer_broadcast", buf.unit_index)
             comm.broadcast(moved, src=src, group=buf.outer,
-                           what=lambda q=q: f"{buf.describe()}: piece {q}")
+                           what=functools.partial(_piece_label, buf, q))
             trace.record("wait", "outer_broadcast", buf.unit_index)
             if buf.host is not None and not scratch and src != me:
                 buf.host.download(moved, into=piece, add=False)
@@ -337,3 +338,7 @@ class OuterPieces:
         collective, so only from calls every rank makes alike: gathers, checkpoints)."""
         self.start_owed_rebuild()
         self.finish_rebuild()
+
+
+def _piece_label(buf: ShardBuffer, q: int) -> str:
+    return f"{buf.describe()}: piece {q}"

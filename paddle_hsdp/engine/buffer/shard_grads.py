@@ -92,7 +92,7 @@ class ShardGrads:
 
     def _attach_views(self, flat: paddle.Tensor,
                       held_of: Callable[[ShardedParam], paddle.Tensor | None],
-                      released: Callable[[ShardedParam, paddle.Tensor | None], bool],
+                      released: Callable[[ShardedParam, paddle.Tensor], bool],
                       attach: Callable[[ShardedParam, paddle.Tensor], None]) -> None:
         """Make every shard's grad (or main grad: ``held_of`` reads it, ``attach`` sets
         it) a view of its piece of ``flat`` again: a released one reads as zeros (and
