@@ -174,7 +174,7 @@ def train_hfsdp(ref, hsdp):
         assert buf.parts == O, (buf.parts, buf.describe())
         for sp in buf.params:  # distinct sub-blocks: the clip counts them on every rank
             assert getattr(sp.shard, "is_firstly_shared", True) is not False, sp.fqn
-            assert list(sp.shard.shape) == [sp.sub_rows[1]] + sp.rest, sp.fqn
+            assert list(sp.shard.shape) == [sp.slot.sub_rows[1]] + sp.rest, sp.fqn
     opt = make_optimizer(model, model.parameters(), CLIP)
     losses, worst = [], {"norm": 0.0, "outer_bytes": 0.0}
     hsdp_wire, hsdp_opt_bytes, logical = hsdp
