@@ -28,7 +28,6 @@ WARMUP = 5
 def worker(mode: str, out: str, steps: int) -> None:
     import paddle.distributed as dist
 
-    sys.path.insert(0, HERE)
     from demo import init_hsdp
     from demo_ft import batch_loss, sharded_model
 

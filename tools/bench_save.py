@@ -31,7 +31,6 @@ def worker(args) -> None:
     import paddle
     import paddle.distributed as dist
 
-    sys.path.insert(0, HERE)
     import paddle_hsdp
     from bench_model import SHAPES, build, loss_of
     from demo import init_hsdp

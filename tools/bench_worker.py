@@ -27,15 +27,13 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_model
+import two_hosts  # (pure helpers; no namespaces are made here)
 
-import bench_model  # noqa: E402
-import two_hosts  # noqa: E402  (pure helpers; no namespaces are made here)
-
-import paddle_hsdp  # noqa: E402,F401  (before fleet.init)
-import paddle  # noqa: E402
-import paddle.distributed as dist  # noqa: E402
-from paddle.distributed import fleet  # noqa: E402
+import paddle_hsdp  # noqa: F401  (before fleet.init)
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
 
 
 def vm_kb(field: str) -> int:
@@ -124,7 +122,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
     gather = reduce = outer_sync = 0.0
     for unit in units:
         for buf in unit.buffers:
-            nbytes = buf.logical_numel * buf.element_size
+            nbytes = buf.logical_numel * buf.dtypes.master_size
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
             if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
@@ -133,7 +131,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
                 reduce += numel
                 # HFSDP: the outer all-reduce is a reduce-scatter (reduce_dtype) and an
                 # all-gather (the params' own dtype)
-                outer_sync += (numel + (buf.logical_numel * buf.element_size
+                outer_sync += (numel + (buf.logical_numel * buf.dtypes.master_size
                                         if getattr(buf, "parts", 1) > 1 else numel))
     return {"inner all_gather": gather,
             "inner reduce_scatter": (inner - 1) / inner * reduce,

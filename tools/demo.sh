@@ -8,7 +8,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel=2
 # The flags are checked once, here, before any rank starts: a bad one is reported once
 # (not by 4 ranks), and --help prints them and exits.
-"$PY" -c 'import sys; sys.argv[0] = "tools/demo.sh"; sys.path.insert(0, "tools")
+PYTHONPATH="$ROOT/tools:$PYTHONPATH" "$PY" -c 'import sys; sys.argv[0] = "tools/demo.sh"
 import demo; demo.parse_args()' "$@" 2> >(grep -v -e "ccache" -e "warnings.warn" >&2) || exit $?
 for arg in "$@"; do case "$arg" in -h|--help) exit 0 ;; esac; done
 log_dir="$(mktemp -d -t hsdp_demo_XXXX)"

@@ -49,7 +49,6 @@ def sharded_model():
     (the same on every rank: seeded). Also tools/bench_ft.py's."""
     import paddle
     import paddle_hsdp
-    sys.path.insert(0, HERE)
     from demo import build_model
     paddle.seed(0)
     model = build_model()
@@ -85,7 +84,6 @@ def worker(args) -> None:
     import paddle.distributed as dist
 
     from paddle_hsdp import ft
-    sys.path.insert(0, HERE)
     from demo import init_hsdp
 
     init_hsdp(RANKS, 1)

@@ -14,7 +14,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# the engine, and the parity workers' TinyLM and measure, which the checks import
+export PYTHONPATH="$ROOT:$ROOT/test_collective/workers${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel="${GLOG_minloglevel:-2}"
 
 devices="" out="runs/gpu_check" pass=()

@@ -54,7 +54,6 @@ def _python_reachable_tensors() -> int:
 
 
 def sample(model) -> dict:
-    import paddle
     from paddle.base import core
     from paddle.distributed import collective
 
@@ -86,7 +85,6 @@ def worker(args) -> None:
     import paddle.distributed as dist
     import paddle.nn.functional as F
 
-    sys.path.insert(0, HERE)
     import demo
 
     demo.init_hsdp(sharding=4, outer=2)

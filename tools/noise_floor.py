@@ -6,21 +6,22 @@ reference drifts from itself under such reorderings alone: the smallest bound a 
 check can honestly use. The tests' bounds (test_collective/workers/parity.py) are this
 floor times a stated margin; rerun this when the models, data or Paddle change.
 
-    .venv/bin/python tools/noise_floor.py [--steps 5]
+    PYTHONPATH=test_collective/workers .venv/bin/python tools/noise_floor.py [--steps 5]
+
+(test_collective/workers: TinyLM, its data and the reference trainer's pieces.)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import numpy as np
+import paddle
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                "test_collective", "workers"))
+from pythonpath import WORKERS, require
 
-import paddle  # noqa: E402
+require("noise_floor", WORKERS, ("models", "common"),
+        f"PYTHONPATH={WORKERS} .venv/bin/python tools/noise_floor.py")
 
 import models  # noqa: E402  (TinyLM, its data and the reference trainer's pieces)
 from common import max_rel, train_loop  # noqa: E402

@@ -22,18 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 import time
 import tracemalloc
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from paddle_hsdp.checkpoint import plan, save  # noqa: E402
-from paddle_hsdp.checkpoint import rules as rules_mod  # noqa: E402
-from paddle_hsdp.checkpoint.format import CheckpointError  # noqa: E402
-from paddle_hsdp.engine.layout import segment_layout  # noqa: E402
+from paddle_hsdp.checkpoint import plan, save
+from paddle_hsdp.checkpoint import rules as rules_mod
+from paddle_hsdp.checkpoint.format import CheckpointError
+from paddle_hsdp.engine.layout import segment_layout
 
 HIDDEN, FFN, VOCAB, LAYERS, KV = 8192, 28672, 128256, 80, 1024
 
@@ -191,6 +187,7 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
     pieces: list | None = []
     for m in range(lay["mp"]):
         for i in range(lay["inner"]):
+            items0: list = []  # outer 0's items (o == 0 comes first), read at every o
             for o in range(lay["outer"]):
                 items = rank_items(lay, m, i, o) if o == 0 or lay["optim_outer"] else items0
                 if o == 0:

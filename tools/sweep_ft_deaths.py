@@ -6,8 +6,11 @@ state tensor of the transfer). Each run is test_fault_tolerance.py's
 when every group that should live exits 0 and every live group's losses and
 parameters equal the single-process reference fed the live groups' batches.
 
-    python tools/sweep_ft_deaths.py                       # the whole sweep (~10 min)
-    python tools/sweep_ft_deaths.py --victims donor --points connect:0.05 --repeat 10
+    PYTHONPATH=test_collective python tools/sweep_ft_deaths.py     # the whole sweep (~10 min)
+    PYTHONPATH=test_collective python tools/sweep_ft_deaths.py --victims donor \
+        --points connect:0.05 --repeat 10
+
+(test_collective: the scenario, test_fault_tolerance.py, and its launcher.)
 
 Prints one line per run (with the slowest attempts: where its time went) and a count;
 ``--json PATH`` writes the runs.
@@ -17,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "test_collective"))
+from pythonpath import COLLECTIVE, require
+
+require("sweep_ft_deaths", COLLECTIVE, ("test_fault_tolerance", "launcher"))
 
 from test_fault_tolerance import VICTIMS, run_with_a_death_in_set_up  # noqa: E402
 

@@ -1,7 +1,11 @@
 """Sweep HSDP next to tensor parallelism over layouts: mp 2 x outer O x inner I.
 
-    .venv/bin/python tools/sweep_tp_layouts.py                 # O in 1..4, I in 1, 2
-    .venv/bin/python tools/sweep_tp_layouts.py --outer 3 --inner 1 --json out.json
+    PYTHONPATH=test_collective/workers .venv/bin/python tools/sweep_tp_layouts.py  # O 1..4, I 1, 2
+    PYTHONPATH=test_collective/workers .venv/bin/python tools/sweep_tp_layouts.py \
+        --outer 3 --inner 1 --json out.json
+
+(test_collective/workers, for the floors computed here: tp_llama.py's reference and
+parity.py's measure; ``--no-floor`` runs without it.)
 
 Each layout is one launch of ``test_collective/workers/worker_tp_llama.py`` on
 ``2 * O * I`` CPU ranks (mp2 x sharding O*I, ``fsdp_outer_degree`` O), one at a time:
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import time
 
+import pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "test_collective", "workers")
@@ -74,7 +79,6 @@ def noise_floor(replicas: int, kind: str) -> float:
     by the rows instead of the replicas after backward, its loss by the micro-batches
     before: the same powers of two, so the float32 islands see the same values), the
     rows and the micro-batches in reverse order."""
-    sys.path.insert(0, WORKERS)
     import paddle
     import tp_llama
     from parity import max_rel
@@ -98,6 +102,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-floor", action="store_true", help="skip the one-process floors")
     ap.add_argument("--json", help="also write every figure to this file")
     args = ap.parse_args(argv)
+    if not args.no_floor:  # before the first launch, not after it
+        pythonpath.require("sweep_tp_layouts", pythonpath.WORKERS, ("tp_llama", "parity"),
+                           f"PYTHONPATH={pythonpath.WORKERS} .venv/bin/python "
+                           "tools/sweep_tp_layouts.py")
     rows, failed = [], 0
     floors: dict = {}
     for outer in args.outer:

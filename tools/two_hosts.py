@@ -524,7 +524,6 @@ def cmd_ft(args) -> int:
     """Fault-tolerant HSDP across the two hosts (tools/demo_ft.py's scenario): the
     coordinator and replica group 0 on host 0, group 1 on host 1; host 1's processes
     are all killed mid-run, and group 1 is started there again."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import demo_ft
     work = tempfile.mkdtemp(prefix="two_hosts_ft_")
     with TwoHosts(rate=None if args.rate == "none" else args.rate) as hosts:

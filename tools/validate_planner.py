@@ -43,16 +43,14 @@ import json
 import os
 import sys
 
+import bench_model
+
+from paddle_hsdp.config import planner
+from paddle_hsdp.config.schema import load_config
+from paddle_hsdp.config.plan import build_lazily, build_plan, resolve_modules
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
-
-import bench_model  # noqa: E402
-
-from paddle_hsdp.config import planner  # noqa: E402
-from paddle_hsdp.config.schema import load_config  # noqa: E402
-from paddle_hsdp.config.plan import build_lazily, build_plan, resolve_modules  # noqa: E402
 
 LAYOUTS = {"hsdp2x2": (2, 2, {}), "hsdp2x2_bf16": (2, 2, {"reduce_dtype": "bf16"}),
            "hsdp1x4": (1, 4, {})}

@@ -1,0 +1,18 @@
+"""What the benchmark runs: the variants, the world size, the two-host set-up and its
+targets, and where the engine and the worker are."""
+
+import os
+
+TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench_worker.py is here
+ROOT = os.path.dirname(TOOLS)  # the checkout whose paddle_hsdp/ is measured
+
+VARIANTS = ["hsdp2x2", "hfsdp2x2", "hsdp1x4", "dp", "stage3", "single"]
+WORLD = 4
+TWO_HOST_VARIANTS = ["dp", "stage3", "hsdp2x2", "hsdp2x2_bf16", "hfsdp2x2",
+                     "hsdp1x4"]
+TWO_HOST_SHAPE = "4m"
+RANKS_PER_HOST = 2
+# (variant, reference, at most): reported, not asserted
+TWO_HOST_TARGETS = [("hsdp2x2", "dp", 0.7), ("hsdp2x2", "stage3", 0.5),
+                    ("hsdp2x2_bf16", "dp", 0.5), ("hfsdp2x2", "hsdp2x2", 1.1)]
+AGREEMENT = 0.05  # expected vs measured cross-host bytes, before control traffic
