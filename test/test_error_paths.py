@@ -60,7 +60,7 @@ def _assert_all_waited(delta):
     assert d["issued"] > 0, d
     assert d["dropped"] == 0, f"handles garbage-collected without wait(): {d}"
     assert d["outstanding"] == 0, f"handles issued and never waited: {d}"
-    assert not reductions.in_flight
+    assert not reductions.in_flight()
     assert all(u._pending_gather is None for u in hsdp_registry.units)
 
 
@@ -282,7 +282,7 @@ def test_end_of_backward_that_raises_waits_and_drops_the_reductions_in_flight(
 
     def failing(self, *args, **kwargs):
         if self is head:
-            assert reductions.in_flight  # the embedding's reduction is in flight
+            assert reductions.in_flight()  # the embedding's reduction is in flight
             raise Boom("simulated OOM building the reduce-scatter input")
         return original(self, *args, **kwargs)
     _backward_raises_boom(model, monkeypatch, failing)

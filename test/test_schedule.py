@@ -28,7 +28,7 @@ def _traced_backward(model, seed=7) -> list:
         models.lm_loss(model, batch_ids(seed), True).backward()
     finally:
         trace.disable()
-    return list(trace.events)
+    return list(trace.recorded().events)
 
 
 def test_prefetch_and_reductions_are_issued_before_the_neighbouring_compute(fake_mesh):
@@ -85,8 +85,8 @@ def test_copies_around_collectives(fake_mesh, monkeypatch):
         opt.step()
     finally:
         trace.disable()
-    gathers = sum(1 for e in trace.events if e[:2] == ("issue", "all_gather"))
-    scatters = sum(1 for e in trace.events if e[:2] == ("issue", "reduce_scatter"))
+    gathers = sum(1 for e in trace.recorded().events if e[:2] == ("issue", "all_gather"))
+    scatters = sum(1 for e in trace.recorded().events if e[:2] == ("issue", "reduce_scatter"))
     assert gathers > 0 and scatters > 0
     assert counts.get("split", 0) == 0, counts
     assert counts.get("concat", 0) == 0 and counts.get("clone", 0) == 0, counts
@@ -196,7 +196,7 @@ def test_early_reduction_keeps_accumulation_and_no_sync(fake_mesh, float64):
     for step, sync in enumerate((False, True)):
         sharded.set_requires_gradient_sync(sync)
         root_issues = _root_reductions(sharded, _traced_backward(sharded, seed=step))[0]
-        assert len(root_issues) == (2 if sync else 0), trace.events
+        assert len(root_issues) == (2 if sync else 0), trace.recorded().events
         models.lm_loss(plain, batch_ids(seed=step), True).backward()
     grads = paddle_hsdp.full_grads(sharded)
     for name, p in plain.named_parameters():
@@ -244,15 +244,15 @@ def test_memory_timeline_kinds_and_memory_report(fake_mesh):
     trace.enable(memory=True, rss=True)
     try:
         loss = models.lm_loss(model, batch_ids(), True)
-        checks = [(trace.timeline[-1], paddle_hsdp.memory_report(model))]
+        checks = [(trace.recorded().timeline[-1], paddle_hsdp.memory_report(model))]
         loss.backward()
-        checks.append((trace.timeline[-1], paddle_hsdp.memory_report(model)))
+        checks.append((trace.recorded().timeline[-1], paddle_hsdp.memory_report(model)))
         opt.step()
-        checks.append((trace.timeline[-1], paddle_hsdp.memory_report(model)))
+        checks.append((trace.recorded().timeline[-1], paddle_hsdp.memory_report(model)))
     finally:
         trace.disable()
-    rows = list(trace.timeline)
-    assert len(rows) == len(trace.events)
+    rows = list(trace.recorded().timeline)
+    assert len(rows) == len(trace.recorded().events)
     assert [row["event"] for row in (c[0] for c in checks)] == \
         ["forward done", "backward end", "step done"]
     for row, report in checks:

@@ -122,7 +122,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
     gather = reduce = outer_sync = 0.0
     for unit in units:
         for buf in unit.buffers:
-            nbytes = buf.logical_numel * buf.dtypes.master_size
+            nbytes = buf.logical_numel * buf.shape().master_bytes
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
             if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
@@ -131,7 +131,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
                 reduce += numel
                 # HFSDP: the outer all-reduce is a reduce-scatter (reduce_dtype) and an
                 # all-gather (the params' own dtype)
-                outer_sync += (numel + (buf.logical_numel * buf.dtypes.master_size
+                outer_sync += (numel + (buf.logical_numel * buf.shape().master_bytes
                                         if getattr(buf, "parts", 1) > 1 else numel))
     return {"inner all_gather": gather,
             "inner reduce_scatter": (inner - 1) / inner * reduce,
@@ -319,7 +319,9 @@ def main():
     timeline = None
     if trace is not None:
         trace.disable()
-        timeline = timeline_columns(list(trace.timeline), idle_kb * 1024)
+        # (an engine before trace.recorded(), e.g. a --baseline, kept it on the module)
+        recorded = trace.recorded() if hasattr(trace, "recorded") else trace
+        timeline = timeline_columns(list(recorded.timeline), idle_kb * 1024)
     net = None
     if two_host:
         dist.barrier()  # every rank's last step is done: the window closes

@@ -71,7 +71,7 @@ def sample(model) -> dict:
         "tensors": _python_reachable_tensors(),
         "module_hooks": sum(len(m._forward_pre_hooks) + len(m._forward_post_hooks)
                             for m in modules),
-        "engine_registries": len(registry) + len(registry.owner_of) + len(reductions.in_flight)
+        "engine_registries": len(registry) + len(registry.owner_of) + reductions.in_flight()
         + len(context.backward.active) + len(context.backward.roots_in_backward),
         "process_groups": len(collective._group_map),
     }

@@ -34,13 +34,24 @@ class BackwardState:
 
 
 @dataclass
-class TraceSwitches:
-    """engine/trace.py's switches: recording events, memory, RSS; the optimizer's bytes."""
+class TraceState:
+    """engine/trace.py's switches (recording events, memory, RSS; the optimizer's bytes)
+    and what it recorded since :func:`~.trace.enable`."""
 
     on: bool = False
     memory: bool = False
     rss: bool = False
     optimizer_bytes: int = 0
+    events: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, op, unit)
+    times: list[float] = field(default_factory=list)  # time.perf_counter() of each event
+    # (op, unit, start, end): when a collective run on the communication thread
+    # actually ran there (engine/outer_sync.py), recorded at its wait
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list)
+    timeline: list[dict] = field(default_factory=list)  # bytes by kind at each event
+
+    def clear(self) -> None:
+        for recorded in (self.events, self.times, self.spans, self.timeline):
+            recorded.clear()
 
 
 @dataclass
@@ -67,20 +78,24 @@ class OffloadState:
 @dataclass
 class EngineContext:
     backward: BackwardState = field(default_factory=BackwardState)
-    trace: TraceSwitches = field(default_factory=TraceSwitches)
+    trace: TraceState = field(default_factory=TraceState)
     offload: OffloadState = field(default_factory=OffloadState)
+    # (buffer, PendingReduce) of the reduce-scatters issued and not waited for yet
+    # (engine/reductions.py), across all units
+    reduces: list = field(default_factory=list)
     warned_cpu_offload: bool = False  # CPUOffloadPolicy on a CPU-only run, said once
 
     def reset(self) -> None:
         """Back to the state at import, keeping the autograd wrappers (installed once
         per process). Refused while a backward is under way."""
-        if self.backward.in_flight:
+        if self.backward.in_flight or self.reduces:
             raise RuntimeError("EngineContext.reset() during a backward: "
                                f"{len(self.backward.roots_in_backward)} root(s) owed a "
-                               f"post-backward, autograd depth {self.backward.depth}")
+                               f"post-backward, autograd depth {self.backward.depth}, "
+                               f"{len(self.reduces)} reduce-scatter(s) in flight")
         wrapped = self.backward.autograd_wrapped
         self.backward = BackwardState(autograd_wrapped=wrapped)
-        self.trace = TraceSwitches()
+        self.trace = TraceState()
         self.offload = OffloadState()
         self.warned_cpu_offload = False
 

@@ -56,7 +56,7 @@ from paddle.autograd import PyLayer
 from paddle.base import core
 
 from ..comm import gather_tags
-from . import master_grad, trace
+from . import trace
 from .outer_sync import OuterSyncSchedule
 from .context import context
 from .dtypes import compute_dtype_of
@@ -175,8 +175,7 @@ def _on_post_backward(unit: FSDPUnit, token: "_GraphToken") -> None:
         root = unit.root()
         if root is not None:
             FullGradBytes.sample(root.units)
-        unit.post_backward()
-        unit.reduced_in_backward = True
+        unit.post_backward_hook()
     if unit.controls.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
         unit.reshard()
     trace.record("backward", "done", unit.index)
@@ -510,11 +509,7 @@ def _abandon_backward() -> None:
         root = context.backward.roots_in_backward.pop(0)
         root.outer_sync.abandon()
         for unit in root.units:
-            for buf in unit.buffers:
-                buf.full_grads.drop_grid()
-            for sp in unit.params:
-                master_grad.release_full_grad(sp)
-            unit.full_grads_pending = False
+            unit.drop_full_grads()
             _reset_backward(unit, failed=True)
             unit.clear_pins()
             unit.reshard(force=True)

@@ -3,21 +3,37 @@ next unit's backward computes) and the step boundary's outer syncs."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..comm import collectives as comm
 from . import offload
+from .context import context
 from .outer_sync import finish_outer_syncs, schedule_of
-from .pending import settle
+from .pending import PendingReduce, settle
 from .states import GradState
 
-# Reduce-scatters issued and not waited for yet (one unit's, across all units). An
-# entry leaves the list only to be waited for (finish_reduce_scatter waits first), so
-# an error anywhere leaves the rest here for the next wait or for drop_pending_reduces.
-in_flight: list = []
+if TYPE_CHECKING:
+    from .buffer import ShardBuffer
+
+# The reduce-scatters issued and not waited for yet (one unit's, across all units) are
+# ``context.reduces``. An entry leaves the list only to be waited for
+# (finish_reduce_scatter waits first), so an error anywhere leaves the rest there for
+# the next wait or for drop_pending_reduces.
+
+
+def track(buf: ShardBuffer, pending: PendingReduce) -> None:
+    """``buf``'s reduce-scatter was issued: in flight until a wait takes it."""
+    context.reduces.append((buf, pending))
+
+
+def in_flight() -> int:
+    """How many reduce-scatters are in flight."""
+    return len(context.reduces)
 
 
 def wait_pending_reduces() -> None:
     """Wait for every reduce-scatter in flight and accumulate its result."""
-    while in_flight:
+    while context.reduces:
         _finish_first()
 
 
@@ -29,12 +45,13 @@ def finish_transferred_reduces() -> None:
     (with a second grid). Never decided by timing: accumulating one lets its outer
     sync be issued (outer_sync.py), and the order of collectives across groups must
     not differ between ranks."""
-    while in_flight and in_flight[0][1].handle.transferred():
+    reduces = context.reduces
+    while reduces and reduces[0][1].handle.transferred():
         _finish_first()
 
 
 def _finish_first() -> None:
-    buf, pending = in_flight.pop(0)
+    buf, pending = context.reduces.pop(0)
     buf.finish_reduce_scatter(pending)
     schedule = schedule_of(buf.owner)
     if schedule is not None:  # its outer sync may start now (engine/outer_sync.py)
@@ -44,7 +61,7 @@ def _finish_first() -> None:
 def drop_pending_reduces() -> None:
     """After a failed backward: wait for the reduce-scatters in flight without using
     their results (their buffers may not be freed before the collective is done)."""
-    pending, in_flight[:] = list(in_flight), []
+    pending, context.reduces[:] = list(context.reduces), []
     settle(p for _, p in pending)
     for buf, _ in pending:
         buf.grads.abandon_reduce()

@@ -10,13 +10,15 @@ issues and waits (``all_gather``, ``reduce_scatter``, ``all_reduce``), and ``rea
 prefetch: its pre-forward / pre-backward) and ``done`` when it is over (its
 post-forward / post-backward); ``backward end`` (unit: the root) when the end of
 backward has reduced and resharded everything; ``step done`` (unit -1) after an
-optimizer update. :data:`times` holds each event's ``time.perf_counter()``, and
-:data:`spans` when an outer collective run on the communication thread (gloo) started and
-ended there, so the overlap with the main thread's events can be read off. On NCCL an ``issue`` returns at once and the collective runs on the
-communication stream; the ``wait`` is where the compute stream starts to depend on it.
+optimizer update. What was recorded is :func:`recorded`'s: ``events``, ``times`` (each
+event's ``time.perf_counter()``) and ``spans`` (when an outer collective run on the
+communication thread, on gloo, started and ended there, so the overlap with the main
+thread's events can be read off). On NCCL an ``issue`` returns at once and the
+collective runs on the communication stream; the ``wait`` is where the compute stream
+starts to depend on it.
 
 **Memory timeline** (``enable(memory=True)``): at every event, one row in
-:data:`timeline`: ``t`` (``time.perf_counter()``), ``event`` (``"kind op"``), ``unit``,
+``recorded().timeline``: ``t`` (``time.perf_counter()``), ``event`` (``"kind op"``), ``unit``,
 and the bytes the engine holds on this rank by kind (:data:`KINDS`), summed over every
 unit of the process:
 
@@ -43,29 +45,25 @@ import os
 import time
 
 from . import staging
-from .context import context
+from .context import TraceState, context
 from .registry import registry
 
 KINDS = ("shard", "gathered", "full_grad", "shard_grad", "staging", "optimizer")
-
-events: list[tuple[str, str, int]] = []
-times: list[float] = []  # time.perf_counter() of each event, same index
-# (op, unit, start, end): when a collective run on the communication thread actually ran there
-# (engine/outer_sync.py), recorded at its wait
-spans: list[tuple[str, int, float, float]] = []
-timeline: list[dict] = []
 
 
 def enable(memory: bool = False, rss: bool = False) -> None:
     """Start recording events (cleared), and with ``memory`` the timeline (cleared; the
     optimizer's state counts from the next step)."""
     switches = context.trace
-    events.clear()
-    times.clear()
-    spans.clear()
-    timeline.clear()
+    switches.clear()
     switches.on, switches.memory = True, bool(memory)
     switches.rss, switches.optimizer_bytes = bool(rss) and bool(memory), 0
+
+
+def recorded() -> TraceState:
+    """What was recorded since :func:`enable` (``events``, ``times``, ``spans``,
+    ``timeline``), kept until the next :func:`enable`."""
+    return context.trace
 
 
 def disable() -> None:
@@ -74,17 +72,18 @@ def disable() -> None:
 
 
 def record(kind: str, op: str, unit_index: int) -> None:
-    if context.trace.on:
-        events.append((kind, op, unit_index))
-        times.append(time.perf_counter())
-        if context.trace.memory:
-            timeline.append(sample(f"{kind} {op}", unit_index))
+    state = context.trace
+    if state.on:
+        state.events.append((kind, op, unit_index))
+        state.times.append(time.perf_counter())
+        if state.memory:
+            state.timeline.append(sample(f"{kind} {op}", unit_index))
 
 
 def record_span(op: str, unit_index: int, span) -> None:
     """``span``: ``(start, end)`` of a collective run on the communication thread, or None."""
     if context.trace.on and span is not None:
-        spans.append((op, unit_index, *span))
+        context.trace.spans.append((op, unit_index, *span))
 
 
 def note_optimizer_bytes(nbytes: int) -> None:

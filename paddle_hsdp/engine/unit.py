@@ -40,7 +40,7 @@ from .controls import UnitControls, UnitPolicies
 from .pending import PendingGather, settle
 from .memory import GatheredBytes
 from .param import ShardedParam
-from .reductions import in_flight, wait_pending_reduces
+from .reductions import track, wait_pending_reduces
 from .registry import registry
 from .states import GradState, ParamState, expect, move
 
@@ -122,6 +122,12 @@ class FSDPUnit:
     def clear_pins(self) -> None:
         """What a failed forward (or the end of backward) leaves pinned goes."""
         self.pins = 0
+
+    def post_backward_hook(self) -> None:
+        """Its post-backward fired in this backward (its inputs' grads exist): reduce
+        now (or keep the full grads), and the end of backward knows it was done."""
+        self.post_backward()
+        self.reduced_in_backward = True
 
     def end_backward(self, failed: bool = False) -> None:
         """Forget one backward's progress (its end, or a backward that failed): see
@@ -318,7 +324,7 @@ class FSDPUnit:
         self.expect_more_grads(trainable)
         wait_pending_reduces()
         for buf in trainable:  # in the list as soon as issued: an error cannot drop it
-            in_flight.append((buf, buf.start_reduce_scatter(async_op=self.controls.overlap)))
+            track(buf, buf.start_reduce_scatter(async_op=self.controls.overlap))
         if buffers is None:
             self.full_grads_pending = False
 
@@ -377,14 +383,20 @@ class FSDPUnit:
             self.reduce_scatter_grads(rest)
         self.full_grads_pending = False
 
+    def drop_full_grads(self) -> None:
+        """Forget the full-size grads not reduced yet (a failed backward, clear_grad):
+        the grad grids go back to the pool, the parameters' grads are released."""
+        for buf in self.buffers:
+            buf.full_grads.drop_grid()
+        for sp in self.params:
+            master_grad.release_full_grad(sp)
+        self.full_grads_pending = False
+
     def drop_pending_grads(self) -> None:
         """Forget unreduced full-size grads and the step's sync state (clear_grad)."""
         registry.storage_may_have_changed()  # grads released or replaced
         if self.full_grads_pending:
-            for buf in self.buffers:
-                buf.full_grads.drop_grid()
-            for sp in self.params:
-                master_grad.release_full_grad(sp)
+            self.drop_full_grads()
         for buf in self.buffers:
             if buf.host is not None:
                 buf.host.drop()  # offloaded grads still on their way: not added now

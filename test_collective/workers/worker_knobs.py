@@ -431,7 +431,7 @@ assert len(windows) == STEPS - 1, windows
 traced_full = paddle_hsdp.full_state_dict(traced_model)
 for name, value in paddle_hsdp.full_state_dict(fp32_model).items():
     np.testing.assert_array_equal(value.numpy(), traced_full[name].numpy(), err_msg=name)
-events = list(trace.events)
+events = list(trace.recorded().events)
 ends = [i for i, e in enumerate(events) if e[:2] == ("backward", "end")]
 steps_done = [i for i, e in enumerate(events) if e[:2] == ("step", "done")]
 n_buffers = len(trainable_buffers(traced_model))
@@ -447,9 +447,9 @@ for s in range(STEPS):
         continue
     assert first < min(issues) and max(issues) < last, (s, issues, first, last)
     begin, end = windows[s - 1]
-    during = [min(sp[3], end) - max(sp[2], begin) for sp in trace.spans
+    during = [min(sp[3], end) - max(sp[2], begin) for sp in trace.recorded().spans
               if sp[2] < end and sp[3] > begin]
-    assert during, (s, windows, trace.spans)
+    assert during, (s, windows, trace.recorded().spans)
     beside.append(sum(during))
 print(f"KNOBS early_outer_sync equal to the step-time sync bit for bit; outer all-reduces "
       f"ran on their thread during a 0.3 s backward compute in steps 2-3 "

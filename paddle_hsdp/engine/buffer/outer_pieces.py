@@ -184,7 +184,7 @@ class OuterPieces:
         else:
             paddle.assign(reduced, output=self.piece(acc, buf.part))
         self.zero_other_pieces(acc)
-        buf.grads.scattered = True
+        buf.grads.mark_scattered(True)
 
     # -------------------------------------------------------------- pieces
     def piece(self, flat: paddle.Tensor, q: int) -> paddle.Tensor:
@@ -209,7 +209,7 @@ class OuterPieces:
             return
         for flat in buf.grads.flats():
             self.zero_other_pieces(flat)
-        buf.grads.scattered = False
+        buf.grads.mark_scattered(False)
 
     def outer_gather(self, flat: paddle.Tensor, what: str) -> paddle.Tensor:
         """Every rank's piece of ``flat`` gathered over the outer group (synchronous):

@@ -58,6 +58,11 @@ class ShardGrads:
         self.scattered = False
         self.move(GradState.REDUCED, "finish_reduce_scatter")
 
+    def mark_scattered(self, scattered: bool) -> None:
+        """The outer reduce-scatter left only this rank's piece (True), or the other
+        pieces were zeroed at ``clear_grad`` (False)."""
+        self.scattered = scattered
+
     def abandon_reduce(self) -> None:
         """The reduce-scatter in flight was waited for without using it (a failed
         backward): the grad shard is as before it."""
