@@ -13,6 +13,7 @@ import importlib
 import json
 import importlib.util
 import sys
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .config import layouts, planner
 from .config.patterns import PatternError
@@ -20,8 +21,15 @@ from .config.plan import (build_lazily, build_plan, compare_outer_sharding,
                           reshard_after_forward_of, resolve_modules)
 from .config.schema import ConfigError, load_config, resolve_degrees
 
+if TYPE_CHECKING:
+    import paddle
 
-def _check_config(args) -> int:
+    from .config.plan import ModuleChoice
+    from .config.schema import HSDPConfig
+    from .topology.cost import UnitShape
+
+
+def _check_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     print(f"{args.config}: OK")
     for key, value in vars(cfg).items():
@@ -30,7 +38,7 @@ def _check_config(args) -> int:
     return 0
 
 
-def _load_factory(spec: str):
+def _load_factory(spec: str) -> Callable[[], paddle.nn.Layer]:
     """``package.module:factory`` or ``path/to/file.py:factory`` -> the callable (errors
     as ValueError, for exit 1)."""
     module_name, _, attr = spec.rpartition(":")
@@ -54,7 +62,7 @@ def _load_factory(spec: str):
     return factory
 
 
-def _plan(args) -> int:
+def _plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config if args.config else {})
     if args.cluster:
         return _plan_cluster(args, cfg)
@@ -84,7 +92,8 @@ def _plan(args) -> int:
     return 0
 
 
-def _lazy_model(args, cfg):
+def _lazy_model(args: argparse.Namespace,
+                cfg: HSDPConfig) -> tuple[paddle.nn.Layer, ModuleChoice]:
     """The model built without memory, its experts marked, and what the config picks."""
     model = build_lazily(_load_factory(args.model))
     choice = resolve_modules(model, cfg)
@@ -92,7 +101,7 @@ def _lazy_model(args, cfg):
     return model, choice
 
 
-def _plan_cluster(args, cfg) -> int:
+def _plan_cluster(args: argparse.Namespace, cfg: HSDPConfig) -> int:
     """Every layout of ``--cluster``: memory, communication time, a recommendation."""
     _refuse_with_cluster(args)
     cluster = planner.load_cluster(args.cluster)
@@ -114,7 +123,7 @@ def _plan_cluster(args, cfg) -> int:
         model, choice = _lazy_model(args, cfg)
         title = f"{args.model} with {args.config}"
 
-        def units_for(outer, inner, outer_sharding="none"):
+        def units_for(outer: int, inner: int, outer_sharding: str = "none") -> list[UnitShape]:
             return build_plan(model, cfg, choice, outer=outer, inner=inner,
                               outer_sharding=outer_sharding).units
         options = planner.evaluate(cluster, units_for, args.micro_steps, cfg.zero_stage,
@@ -129,7 +138,7 @@ def _plan_cluster(args, cfg) -> int:
     return 0
 
 
-def _refuse_with_cluster(args) -> None:
+def _refuse_with_cluster(args: argparse.Namespace) -> None:
     """Arguments a cluster file overrides, or that need a model shape, refused by name."""
     if args.world_size is not None:
         raise ValueError(f"--world-size {args.world_size}: the cluster file sets the world "
@@ -146,7 +155,8 @@ def _refuse_with_cluster(args) -> None:
                          "model")
 
 
-def _degrees(args, shape, cluster) -> tuple[list, list]:
+def _degrees(args: argparse.Namespace, shape: planner.ModelShape,
+             cluster: planner.Cluster) -> tuple[list, list]:
     """The tensor and pipeline degrees to compare: fixed (--tp, --pp), searched
     (--search tp,pp), or 1."""
     search = {a.strip() for a in (args.search or "").split(",") if a.strip()}
@@ -223,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)

@@ -72,7 +72,7 @@ def tiling_error(full_shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     return None
 
 
-def _overlapping_pair(lo, hi, bands: dict) -> tuple[int, int] | None:
+def _overlapping_pair(lo: np.ndarray, hi: np.ndarray, bands: dict) -> tuple[int, int] | None:
     """Two overlapping boxes (indices), or None."""
     keys = list(bands)
     if len(keys) > 1:
@@ -92,7 +92,7 @@ def _overlapping_pair(lo, hi, bands: dict) -> tuple[int, int] | None:
     return None
 
 
-def _any_pair(lo, hi) -> tuple[int, int] | None:
+def _any_pair(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
     overlap = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(-1)
     np.fill_diagonal(overlap, False)
     if overlap.any():

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+from typing import Sequence
 
 import numpy as np
 from safetensors.paddle import save_file
@@ -29,7 +30,7 @@ _LOADER_NAMES = re.compile(r"^(model|pytorch_model|diffusion_pytorch_model)"
                            r"(-\d{5}-of-\d{5})?\.safetensors$")
 
 
-def consolidate(path, out) -> list[str]:
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     """Write the checkpoint's model tensors as one safetensors file with the unsharded
     model's ``state_dict()`` keys (tied aliases included) in Paddle layout; return the
     keys written. Plain Paddle loads it with ``safetensors.paddle.load_file`` +
@@ -59,11 +60,11 @@ def consolidate(path, out) -> list[str]:
     return list(full)
 
 
-def _dtype_of(meta, name) -> str:
+def _dtype_of(meta: dict, name: str) -> str:
     return meta["tensors"][meta["aliases"].get(name, name)]["dtype"]
 
 
-def describe(path) -> str:
+def describe(path: str | os.PathLike) -> str:
     """What a checkpoint holds, as text (the ``inspect`` command): the saving layout,
     then each tensor's full shape, dtype, pieces and how tensor and pipeline
     parallelism held it."""
@@ -97,7 +98,7 @@ def describe(path) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paddle_hsdp.checkpoint",
                                  description="Inspect or consolidate a paddle_hsdp checkpoint.")
     sub = ap.add_subparsers(dest="command", required=True)

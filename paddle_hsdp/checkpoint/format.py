@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from safetensors import safe_open
@@ -53,6 +54,11 @@ from ..comm import collectives as comm
 from ..comm import watchdog
 from .boxes import dims, intersect, relative, volume
 from .rules import crc_of, link, pieces
+
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
+    from .boxes import Box
 
 FORMAT = "paddle_hsdp-checkpoint/4"
 FORMAT_V3 = "paddle_hsdp-checkpoint/3"  # no rules (checkpoint/rules.py): still loads
@@ -67,7 +73,7 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------- job helpers
-def _rank_world():
+def _rank_world() -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
@@ -97,7 +103,8 @@ def _largest_everywhere(value: int, what: str = "a checkpoint call") -> int:
 _TAG = "checkpoint"
 
 
-def _gather_json(obj, what: str = "a checkpoint call", group=None) -> list:
+def _gather_json(obj: object, what: str = "a checkpoint call",
+                 group: Group | None = None) -> list:
     """Every rank's JSON-serialisable ``obj``, in rank order (no pickling), over
     ``group`` (default: every rank)."""
     if not dist.is_initialized() or (group is not None and group.nranks == 1):
@@ -122,7 +129,7 @@ def _gather_json(obj, what: str = "a checkpoint call", group=None) -> list:
     return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
 
 
-def _gather_json_to_root(obj, what: str = "a checkpoint call") -> list | None:
+def _gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list | None:
     """Every rank's JSON-serialisable ``obj`` on rank 0, in rank order; None on the
     others, which receive nothing (a save's manifests: only rank 0 writes the index)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -148,7 +155,7 @@ def _gather_json_to_root(obj, what: str = "a checkpoint call") -> list | None:
             for row in rows]
 
 
-def _broadcast_json(obj, what: str = "a checkpoint call"):
+def _broadcast_json(obj: object, what: str = "a checkpoint call") -> Any:
     """Rank 0's JSON-serialisable ``obj`` on every rank (``obj`` elsewhere is ignored)."""
     data = json.dumps(obj).encode() if _rank_world()[0] == 0 else b""
     return json.loads(_broadcast_bytes(data, what).decode())
@@ -173,12 +180,12 @@ def _broadcast_bytes(data: bytes, what: str = "a checkpoint call") -> bytes:
 
 
 # ---------------------------------------------------------------- reading
-def read_metadata(path) -> dict:
+def read_metadata(path: str | os.PathLike) -> dict:
     meta_path = os.path.join(os.fspath(path), META)
     return parse_metadata(_read_bytes(path, meta_path), meta_path)
 
 
-def read_metadata_once(path, what: str = "a checkpoint call") -> dict:
+def read_metadata_once(path: str | os.PathLike, what: str = "a checkpoint call") -> dict:
     """:func:`read_metadata` on every rank from one read: rank 0 reads the file and
     broadcasts its bytes (or why it could not), every rank parses them. Storage serves
     the index once per load, not once per rank."""
@@ -195,7 +202,7 @@ def read_metadata_once(path, what: str = "a checkpoint call") -> dict:
     return parse_metadata(message[len(b"ok:"):], meta_path)
 
 
-def _read_bytes(path, meta_path: str) -> bytes:
+def _read_bytes(path: str | os.PathLike, meta_path: str) -> bytes:
     try:
         with open(meta_path, "rb") as f:
             return f.read()
@@ -245,11 +252,11 @@ class _Reader:
     """Reads rows of pieces from the rank files (memory-mapped): only the CRC chunks
     that cover the rows asked for, each checked."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path, self.files = path, {}
         self.bytes_read = 0  # from the files (whole CRC chunks), for the load's figures
 
-    def rows(self, name, piece, lo: int, hi: int) -> np.ndarray:
+    def rows(self, name: str, piece: dict, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of ``piece`` (piece-relative)."""
         if "value" in piece:  # a few numbers kept in the metadata (checkpoint/plan.py)
             array = np.array(piece["value"], dtype=piece["value_dtype"])
@@ -290,13 +297,14 @@ def numpy_dtype(name: str) -> str:
     return "uint16" if name == "bfloat16" else name
 
 
-def read_whole(reader, name, entry) -> np.ndarray:
+def read_whole(reader: _Reader, name: str, entry: dict) -> np.ndarray:
     """The whole tensor ``name`` (its full shape), from every piece."""
     shape = dims(entry["shape"])
     return read_box(reader, name, entry, [0] * len(shape), shape).reshape(entry["shape"])
 
 
-def read_box(reader, name, entry, offset, shape) -> np.ndarray:
+def read_box(reader: _Reader, name: str, entry: dict, offset: Sequence[int],
+             shape: Sequence[int]) -> np.ndarray:
     """The box ``offset`` + ``shape`` of a tensor, from the pieces that overlap it."""
     want = (tuple(offset), tuple(shape))
     out, got = None, 0
@@ -318,7 +326,7 @@ def read_box(reader, name, entry, offset, shape) -> np.ndarray:
     return out
 
 
-def pieces_of(name, entry, want=None) -> list[dict]:
+def pieces_of(name: str, entry: dict, want: Box | None = None) -> list[dict]:
     """The pieces of tensor ``name`` (those overlapping the box ``want``, if given):
     the listed ones, and those its rules place (checkpoint/rules.py)."""
     if want is None:

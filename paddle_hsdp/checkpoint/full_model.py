@@ -31,7 +31,7 @@ from .tp_merge import check_merge_is_concat
 _TAG = "export"
 
 
-def refusal(model, axes: ModelAxes, call: str) -> str | None:
+def refusal(model: paddle.nn.Layer, axes: ModelAxes, call: str) -> str | None:
     """Why the full model cannot be joined here (alike on every rank), or None."""
     experts = [n for n, p in model.named_parameters()
                if getattr(p, "is_moe_param", False) or getattr(p, "expert", False)]
@@ -45,7 +45,7 @@ def refusal(model, axes: ModelAxes, call: str) -> str | None:
 
 
 @paddle.no_grad()
-def full_model(model, call: str = "full_model") -> dict | None:
+def full_model(model: paddle.nn.Layer, call: str = "full_model") -> dict | None:
     """``{checkpoint name: full tensor}`` (tied aliases included) on global rank 0, None
     on every other rank. A collective: call it on every rank."""
     axes = ModelAxes()
@@ -78,7 +78,8 @@ def _gathered_over_sharding(canonical: dict) -> dict:
             for name, v in canonical.items()}
 
 
-def _joined_over_mp(tensor, axis: int, axes: ModelAxes, name: str):
+def _joined_over_mp(tensor: paddle.Tensor, axis: int, axes: ModelAxes,
+                    name: str) -> paddle.Tensor:
     group = axes.hcg.get_model_parallel_group()
     flat = tensor.reshape([-1])
     out = paddle.empty([flat.shape[0] * group.nranks], dtype=flat.dtype)

@@ -15,6 +15,8 @@ decides who writes it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Sequence
+
 import numpy as np
 
 import paddle
@@ -30,6 +32,18 @@ from .plan import Replicas
 from .rules import Spot
 from .tp_merge import check_merge_is_concat
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+
+    from ..engine.buffer import ShardBuffer
+    from ..engine.param import ShardedParam
+    from ..topology.placement import Placement
+
+# how an item's box is read (as an array) and written back
+Getter = Callable[[], np.ndarray]
+Putter = Callable[[np.ndarray], None]
+
 
 class _Item:
     """One checkpoint tensor as this rank holds it: the box ``offset`` + ``size`` of a
@@ -37,8 +51,9 @@ class _Item:
     back. ``split``: how tensor parallelism cut it; ``tag``: what tells its data apart
     from a same-named box of another rank; ``stage``: its pipeline stage."""
 
-    def __init__(self, name, shape, dtype, offset, size, get, put, split=None, tag="",
-                 stage=0, replicas=Replicas()):
+    def __init__(self, name: str, shape: Sequence[int], dtype: str, offset: Sequence[int],
+                 size: Sequence[int], get: Getter, put: Putter, split: dict | None = None,
+                 tag: str = "", stage: int = 0, replicas: Replicas = Replicas()) -> None:
         self.name, self.shape, self.dtype = name, [int(d) for d in shape], dtype
         self.offset, self.size = [int(d) for d in offset], [int(d) for d in size]
         self.get, self.put = get, put
@@ -46,13 +61,13 @@ class _Item:
         self.replicas = replicas  # the other ranks holding this box (checkpoint/plan.py)
         # the process group over the "outer" replica axis, when there is one: a load
         # splits the reading of the box over it (checkpoint/load.py)
-        self.outer_group = None
+        self.outer_group: Group | None = None
         # HFSDP in a fault-tolerant job: which piece of the optimizer state the box is
         # (one replica group of its holders writes it); None: every group holds it
         self.piece: int | None = None
         # HFSDP's optimizer rows outside a fault-tolerant job: indexed by rule
         # (checkpoint/rules.py), where in its buffer's layout they sit
-        self.spot = None
+        self.spot: Spot | None = None
 
     @property
     def empty(self) -> bool:
@@ -60,20 +75,20 @@ class _Item:
 
 
 
-def _dtype_name(dtype) -> str:
+def _dtype_name(dtype: paddle.dtype) -> str:
     # bfloat16 travels as its raw uint16 bits (numpy has no bfloat16); the metadata
     # keeps the real dtype, and _putter / consolidate turn the bits back into bfloat16
     return str(dtype).replace("paddle.", "")
 
 
-def original_and_local(value) -> tuple:
+def original_and_local(value: paddle.Tensor) -> tuple[paddle.Tensor, list[int]]:
     """``(the parameter Paddle's marks are on, its shape on this rank before sharding)``
     of a model tensor: for an HSDP shard its original parameter, else itself."""
     sp = managed_param(value)
     return (value, list(value.shape)) if sp is None else (sp.full, list(sp.shape))
 
 
-def _param_items(model, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
+def _param_items(model: paddle.nn.Layer, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
     canonical, aliases = checkpoint_names(model)
     renamed_experts = tuple(global_names(model).values())
     items, by_shard, split = [], {}, {}
@@ -102,14 +117,15 @@ def _param_items(model, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
     return items, by_shard, aliases
 
 
-def _placed(name, place, dtype, start, count, get, put, stage, replicas) -> _Item:
+def _placed(name: str, place: Placement, dtype: str, start: int, count: int, get: Getter,
+            put: Putter, stage: int, replicas: Replicas) -> _Item:
     """The item of rows ``[start, start + count)`` of a tensor's slice at ``place``."""
     offset, size = place.rows(start, count)
     return _Item(name, place.full_shape, dtype, offset, size, get, put, place.split,
                  place.tag, stage, replicas)
 
 
-def _axis(name: str, group) -> tuple:
+def _axis(name: str, group: Group | None) -> tuple:
     """``group`` as a replica axis (none for a group of one)."""
     if group is None or group.nranks <= 1:
         return ()
@@ -121,7 +137,7 @@ def _mp_axis(axes: ModelAxes) -> tuple:
     return (("mp", axes.mp_degree, axes.mp_rank),) if axes.mp_degree > 1 else ()
 
 
-def _fsdp_axis(hcg, expert: bool) -> tuple:
+def _fsdp_axis(hcg: HybridCommunicateGroup | None, expert: bool) -> tuple:
     """The ranks holding the same unsharded tensor: its FSDP group (outer x inner;
     the expert one for experts), named apart so no plan mixes the two."""
     getter = getattr(hcg, "get_fsdp_group", None)
@@ -130,22 +146,22 @@ def _fsdp_axis(hcg, expert: bool) -> tuple:
     return _axis("expert_fsdp" if expert else "fsdp", getter(expert))
 
 
-def _block_getter(buf, sp, rows):
+def _block_getter(buf: ShardBuffer, sp: ShardedParam, rows: int) -> Getter:
     """Read the first ``rows`` rows of ``sp``'s inner block."""
     return lambda: buf.storage.read_block(sp).numpy()[:rows]
 
 
-def _block_putter(buf, sp, rows):
+def _block_putter(buf: ShardBuffer, sp: ShardedParam, rows: int) -> Putter:
     """Write ``rows`` rows into ``sp``'s inner block (every row it holds)."""
     @paddle.no_grad()
-    def put(array):
+    def put(array: np.ndarray) -> None:
         buf.storage.write_block(sp, paddle.to_tensor(array.reshape([rows] + sp.rest), dtype=sp.dtype))
     return put
 
 
-def _getter(tensor, rows):
+def _getter(tensor: paddle.Tensor, rows: int | None) -> Getter:
     """Read the first ``rows`` rows of ``tensor`` (None: all of it; a scalar as [1])."""
-    def get():
+    def get() -> np.ndarray:
         array = tensor.numpy()
         if array.ndim == 0:
             array = array.reshape([1])
@@ -153,11 +169,11 @@ def _getter(tensor, rows):
     return get
 
 
-def _putter(tensor, rows):
+def _putter(tensor: paddle.Tensor, rows: int | None) -> Putter:
     """Write ``rows`` (None: the whole tensor) into ``tensor`` in place, keeping any
     padding rows of a shard as zeros."""
     @paddle.no_grad()
-    def put(array):
+    def put(array: np.ndarray) -> None:
         if rows is None:
             value = paddle.to_tensor(array.reshape(tensor.shape), dtype=tensor.dtype)
         else:
@@ -168,7 +184,7 @@ def _putter(tensor, rows):
     return put
 
 
-def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
+def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, param_items: dict,
                      axes: ModelAxes) -> list[_Item]:
     """AdamW-style accumulators and master weights, as boxes like their parameter's
     (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
@@ -216,14 +232,15 @@ def _optimizer_items(optimizer, by_shard: dict, param_items: dict,
     return items
 
 
-def _index_in(buf, sp, positions: dict) -> int:
+def _index_in(buf: ShardBuffer, sp: ShardedParam, positions: dict) -> int:
     """``sp``'s index in its buffer's layout (``positions``: a cache per call)."""
     if id(buf) not in positions:
         positions[id(buf)] = {id(p): k for k, p in enumerate(buf.params)}
     return positions[id(buf)][id(sp)]
 
 
-def _all_items(model, optimizer, call: str):
+def _all_items(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | None, call: str,
+               ) -> tuple[list[_Item], dict, paddle.optimizer.Optimizer | None, ModelAxes]:
     """``(items, aliases, optimizer, axes)`` of this rank, after the checks every rank
     makes alike (before any collective)."""
     expect_layer(model, f"{call}(path, model)")

@@ -12,6 +12,7 @@ straddles two readers' rows is read by both)."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import paddle
@@ -27,8 +28,16 @@ from .items import _all_items
 from .plan import assign
 from .save import wait_for_pending_save
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
 
-def load_checkpoint(path, model, optimizer=None, strict=True):
+    from .items import _Item
+    from .plan import Write
+
+
+def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
+                    optimizer: paddle.optimizer.Optimizer | None = None,
+                    strict: bool = True) -> Any:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and
     ``optimizer``), whatever layout either was in; return the saved ``extra``. A
     collective on a sharded model: call it on every rank. Nothing changes unless every
@@ -83,7 +92,10 @@ def load_checkpoint(path, model, optimizer=None, strict=True):
     return meta.get("extra")
 
 
-def _read_items(path, meta, items, optimizer, unexpected) -> list:
+def _read_items(path: str, meta: dict, items: list[_Item],
+                optimizer: paddle.optimizer.Optimizer | None, unexpected: list[str],
+                ) -> tuple[list[tuple[_Item, np.ndarray]],
+                           list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]]]:
     """``[(item, box read)]`` for every item, after checking names, full shapes, CRCs."""
     tensors = meta["tensors"]
     missing = sorted({it.name for it in items} - set(tensors))
@@ -125,7 +137,7 @@ def _read_items(path, meta, items, optimizer, unexpected) -> list:
     return loaded, shared
 
 
-def _share(group, plan, arrays) -> None:
+def _share(group: Group, plan: list[tuple[Write, int]], arrays: dict[str, np.ndarray]) -> None:
     """Each chunk of ``plan`` from the replica that read it to the others of ``group``
     (as bytes: bfloat16's bits travel as they are)."""
     for write, reader_index in plan:
@@ -140,7 +152,7 @@ def _share(group, plan, arrays) -> None:
             raw[:] = message.numpy()
 
 
-def _split_note(entry, item) -> str:
+def _split_note(entry: dict, item: _Item) -> str:
     """How each side's tensor parallelism cut the tensor, when either did."""
     saved, here = entry.get("split"), item.split
     if saved is None and here is None:

@@ -13,10 +13,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from ..engine.experts import names_and_aliases
 
+if TYPE_CHECKING:
+    import paddle
 
-def checkpoint_names(model) -> tuple[dict, dict]:
+
+def checkpoint_names(model: paddle.nn.Layer) -> tuple[dict, dict]:
     """``(canonical, aliases)`` as :func:`names_and_aliases` gives them, renamed for a
     PaddleFormers pipeline model (see the module docstring)."""
     canonical, aliases = names_and_aliases(model)
@@ -33,7 +38,7 @@ def checkpoint_names(model) -> tuple[dict, dict]:
     return renamed, {rename(a): rename(c) for a, c in aliases.items()}
 
 
-def pipeline_renamer(model):
+def pipeline_renamer(model: paddle.nn.Layer) -> Callable[[str], str] | None:
     """``name -> one-process name`` for a PaddleFormers pipeline model (duck-typed on its
     ``get_sequential_name_prefixes`` / ``get_shardlayer_prefix``), else None."""
     prefixes_of = getattr(model, "get_sequential_name_prefixes", None)
@@ -60,7 +65,7 @@ def pipeline_renamer(model):
     return rename
 
 
-def _shared_desc(kind: str):
+def _shared_desc(kind: str) -> type:
     from paddle.distributed.fleet.meta_parallel import LocalSharedLayerDesc, SharedLayerDesc
 
     return SharedLayerDesc if kind == "shared_layers" else LocalSharedLayerDesc

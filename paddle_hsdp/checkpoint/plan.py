@@ -26,6 +26,7 @@ import heapq
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Collection, Iterable, Protocol
 
 from .boxes import volume
 
@@ -58,15 +59,27 @@ class Replicas:
         """What tells one kind of item from another: the axes and their sizes."""
         return tuple((axis, size) for axis, size, _ in self.axes)
 
-    def without(self, names) -> "Replicas":
+    def without(self, names: Collection[str]) -> Replicas:
         return Replicas(tuple(a for a in self.axes if a[0] not in names))
+
+
+class PlannedItem(Protocol):
+    """What a plan reads of an item (checkpoint/items.py's, which imports this module):
+    its name, full shape, box and dtype, and who else holds the box."""
+
+    name: str
+    shape: list[int]
+    offset: list[int]
+    size: list[int]
+    dtype: str
+    replicas: Replicas
 
 
 @dataclass(frozen=True)
 class Write:
     """Rows ``[lo, hi)`` of ``item`` (its own rows: ``item.offset[0] + lo`` in the full
     tensor) go to a file; ``inline``: the whole item goes into the metadata instead."""
-    item: object
+    item: PlannedItem
     lo: int
     hi: int
     inline: bool = False
@@ -86,15 +99,15 @@ class Write:
         return [self.hi - self.lo] + list(self.item.size[1:])
 
 
-def item_bytes(item) -> int:
+def item_bytes(item: PlannedItem) -> int:
     return volume(item.size) * _ITEMSIZE.get(item.dtype, 4)
 
 
-def inline(item) -> bool:
+def inline(item: PlannedItem) -> bool:
     return volume(item.size) <= INLINE_MAX and volume(item.shape) <= INLINE_MAX
 
 
-def plan_writes(items, drop_axes=()) -> list[Write]:
+def plan_writes(items: Iterable[PlannedItem], drop_axes: Collection[str] = ()) -> list[Write]:
     """What this rank writes of ``items`` (each with ``name``, ``size``, ``dtype`` and
     ``replicas``, a :class:`Replicas`), by the rule of the module docstring. Axes named
     in ``drop_axes`` do not count as replicas (a fault-tolerant job's replica groups:
@@ -113,7 +126,7 @@ def plan_writes(items, drop_axes=()) -> list[Write]:
     return writes
 
 
-def assign(kind: tuple, items: list, holders: int) -> list[tuple[Write, int]]:
+def assign(kind: tuple, items: list[PlannedItem], holders: int) -> list[tuple[Write, int]]:
     """Every chunk of ``items`` (one kind, sorted by name, the same on every holder)
     with the holder index that writes it."""
     if holders == 1:

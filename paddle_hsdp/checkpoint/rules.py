@@ -21,9 +21,14 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..engine.layout import SegmentLayout
 from .boxes import intersect
+
+if TYPE_CHECKING:
+    from ..engine.buffer import ShardBuffer
+    from .boxes import Box
 
 
 @dataclass(frozen=True)
@@ -31,19 +36,19 @@ class Spot:
     """Where a ruled item's rows sit: its buffer, the parameter's index in the buffer's
     layout, and the full tensor's offset of the slice's row 0 (the box the buffer's
     rows of this parameter are cut from)."""
-    buffer: object
+    buffer: ShardBuffer
     index: int
     base: tuple
 
 
-def group_id(buf, members: list[int]) -> str:
+def group_id(buf: ShardBuffer, members: list[int]) -> str:
     """A name for the buffer's FSDP group (``members``: its ranks), the same on its every
     rank and distinct from any other group's (explicit meshes may share a first rank)."""
     kind = "expert" if buf.is_expert else "dense"
     return f"{kind}:{members[0]}:{zlib.crc32(repr(list(members)).encode()):08x}"
 
 
-def place_of(buf, rank: int, gid: str) -> list:
+def place_of(buf: ShardBuffer, rank: int, gid: str) -> list:
     """``[group, inner index, outer part, rank]``: where this rank sits in the group's
     grid (its segment is ``inner index * parts + outer part``). Rank 0 builds each
     group's ranks from every member's place, so no layout of the group is assumed."""
@@ -70,7 +75,7 @@ def grids(places: list, rules: dict) -> dict:
     return out
 
 
-def rule_of(buf, gid: str, stage: int, tensors: dict) -> dict:
+def rule_of(buf: ShardBuffer, gid: str, stage: int, tensors: dict) -> dict:
     """The rule of ``buf`` (JSON): its layout, its FSDP group ``gid``, and for each
     ruled tensor ``[parameter index, base offset, trailing shape, full shape, dtype,
     split]`` (``tensors``: name -> those)."""
@@ -107,7 +112,7 @@ def link(meta: dict) -> None:
         entry["ruled"] = [linked[r] for r in entry.get("rules", ())]
 
 
-def pieces(ruled: Ruled, name: str, want) -> list[dict]:
+def pieces(ruled: Ruled, name: str, want: Box) -> list[dict]:
     """The pieces of tensor ``name`` under a rule that overlap the box ``want``
     (``(offset, shape)``): each rank's rows, in its file under the tensor's name (the
     CRCs are in that file's header)."""

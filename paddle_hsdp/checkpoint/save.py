@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import zlib
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -40,6 +41,26 @@ from .items import _all_items
 from .plan import Write, plan_writes
 from .rules import crc_header, grids, group_id, place_of, rule_of, slice_box
 
+if TYPE_CHECKING:
+    import paddle
+
+    from ..topology.placement import ModelAxes
+    from .items import _Item
+
+
+class JointSaver(Protocol):
+    """The live replica groups of a fault-tolerant job saving one checkpoint together
+    (paddle_hsdp.ft.joint_save.JointSave, which checkpoint does not import)."""
+
+    @property
+    def world_size(self) -> int: ...
+    def begin(self, path: str) -> str: ...
+    def writes(self, piece: int | None) -> bool: ...
+    def file_rank(self) -> int: ...
+    def gather(self, payload: object) -> list | None: ...
+    def announce(self, outcome: str) -> None: ...
+    def outcome(self) -> str: ...
+
 
 def _write_rank_file(path: str, tensors: dict, header: dict | None = None) -> None:
     save_file(tensors, path, metadata=header or None)
@@ -47,7 +68,9 @@ def _write_rank_file(path: str, tensors: dict, header: dict | None = None) -> No
         os.fsync(f.fileno())
 
 
-def save_checkpoint(path, model, optimizer=None, extra=None, async_save=False):
+def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
+                    optimizer: paddle.optimizer.Optimizer | None = None, extra: Any = None,
+                    async_save: bool = False) -> AsyncSave | None:
     """Save ``model`` (and ``optimizer``, and JSON-serialisable ``extra``) to the
     directory ``path``. A collective: call it on every rank. See the module docstring.
 
@@ -150,7 +173,7 @@ def _install_exit_hook() -> None:
         return
     previous = sys.excepthook
 
-    def note_failure(*args):
+    def note_failure(*args: Any) -> None:
         _failed_exit[0] = True
         previous(*args)
     sys.excepthook = note_failure
@@ -163,7 +186,7 @@ class AsyncSave:
     publishes, the outcome to every rank; it raises ``CheckpointError`` if the save
     failed anywhere (the previous checkpoint then stays)."""
 
-    def __init__(self, path, tmp, joint, what):
+    def __init__(self, path: str, tmp: str, joint: JointSaver | None, what: tuple) -> None:
         self.path, self.tmp, self.joint, self._what = path, tmp, joint, what
         self.error: str | None = None
         self.staged: list = []
@@ -237,7 +260,7 @@ def _finish(save: AsyncSave) -> None:
                               f"(if any) is unchanged. {outcome}")
 
 
-def _guarded(check, *args) -> str | None:
+def _guarded(check: Callable[..., str | None], *args: Any) -> str | None:
     """``check(*args)``'s refusal, or what it raised as one: rank 0 runs it alone while
     the others wait in the broadcast that carries its answer."""
     try:
@@ -246,7 +269,7 @@ def _guarded(check, *args) -> str | None:
         return f"rank 0: {type(e).__name__}: {e}"
 
 
-def _stage(writes) -> list:
+def _stage(writes: Iterable[Write]) -> list[tuple[Write, np.ndarray]]:
     """``(write, its rows as a host array)`` for each write: each item read once."""
     arrays, staged = {}, []
     for w in writes:
@@ -259,7 +282,7 @@ def _stage(writes) -> list:
     return staged
 
 
-def _joint_save(model):
+def _joint_save(model: paddle.nn.Layer) -> JointSaver | None:
     """The live replica groups' :class:`paddle_hsdp.ft.joint_save.JointSave` when
     ``model`` trains in a fault-tolerant job (its outer group carries one), else None."""
     for unit in registry.units_under(model):
@@ -268,8 +291,9 @@ def _joint_save(model):
     return None
 
 
-def _publish_jointly(joint, path, tmp, items, manifests, aliases, plain,
-                     axes) -> list[str]:
+def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[_Item],
+                     manifests: list[dict], aliases: dict, plain: dict,
+                     axes: ModelAxes) -> list[str]:
     """A replica group's leader: hand this group's manifests to the others; the group
     that completes the set checks that every group's pieces tile every tensor and
     publishes, the others learn its outcome. Returns the save's errors (none:
@@ -316,7 +340,7 @@ def _refusal_to_tile(tensors: dict, tags: dict, rules: dict | None = None) -> st
     return None
 
 
-def _write_pieces(tmp: str, rank: int, staged) -> list:
+def _write_pieces(tmp: str, rank: int, staged: Iterable[tuple[Write, np.ndarray]]) -> list:
     """Write this rank's ``staged`` writes (:func:`_stage`) into one file of ``tmp``
     (the few numbers of an inline write go into its manifest entry; a ruled write's
     CRCs into the file's header); return the entries."""
@@ -349,14 +373,14 @@ def _write_pieces(tmp: str, rank: int, staged) -> list:
     return pieces
 
 
-def ruled_writes(ruled) -> list[Write]:
+def ruled_writes(ruled: Iterable[_Item]) -> list[Write]:
     """The ruled items this rank writes: all its own rows, but of a tensor tensor
     parallelism does not split, the mp copies hold the same rows: mp rank 0 writes."""
     return [Write(it, 0, it.size[0]) for it in ruled
             if it.replicas.index == 0 and not it.empty]
 
 
-def describe_rules(ruled, stage: int, rank: int) -> dict:
+def describe_rules(ruled: Iterable[_Item], stage: int, rank: int) -> dict:
     """What this rank sends rank 0 of its ruled items: its place in each ruled buffer's
     FSDP group and, on the group's first rank (inner 0, outer part 0), each buffer's
     rule; nothing without ruled items."""
@@ -404,7 +428,8 @@ def _refusal_to_replace(path: str) -> str | None:
             "Choose another path or remove it.")
 
 
-def _publish(path, tmp, items, manifests, aliases, plain, world, axes) -> None:
+def _publish(path: str, tmp: str, items: list[_Item], manifests: list[dict], aliases: dict,
+             plain: dict, world: int, axes: ModelAxes) -> None:
     tensors = {it.name: _entry(it.shape, it.dtype, it.split) for it in items}
     rules, groups, stages = index_manifests(tensors, manifests)
     if axes.pp_degree > 1:
@@ -476,7 +501,8 @@ def index_manifests(tensors: dict, manifests: list) -> tuple[dict, dict, dict]:
     return rules, groups, stages
 
 
-def _entry_of(tensors: dict, name, shape, dtype, split) -> dict:
+def _entry_of(tensors: dict, name: str, shape: list[int], dtype: str,
+              split: dict | None) -> dict:
     """``tensors[name]`` (made if new), refusing ranks that disagree on its shape."""
     entry = tensors.setdefault(name, _entry(shape, dtype, split))
     if [entry["shape"], entry["dtype"]] != [shape, dtype]:
@@ -485,7 +511,7 @@ def _entry_of(tensors: dict, name, shape, dtype, split) -> dict:
     return entry
 
 
-def _entry(shape, dtype, split) -> dict:
+def _entry(shape: list[int], dtype: str, split: dict | None) -> dict:
     entry = {"shape": shape, "dtype": dtype, "pieces": []}
     if split is not None:
         entry["split"] = split

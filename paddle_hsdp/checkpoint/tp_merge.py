@@ -7,12 +7,17 @@ Llama has no such mappings (its mp layers' marks are the whole story)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..topology.placement import split_axis
 
+if TYPE_CHECKING:
+    import paddle
 
-def check_merge_is_concat(model, split: dict, mp_degree: int) -> None:
+
+def check_merge_is_concat(model: paddle.nn.Layer, split: dict, mp_degree: int) -> None:
     """Refuse a model whose own tensor-parallel merge of a parameter of ``split``
     (``{name: (mp-split parameter, its local shape)}``) is not the concatenation along
     its split axis, e.g. a fused QKV weight whose mp slices interleave q, k and v:
@@ -31,7 +36,7 @@ def check_merge_is_concat(model, split: dict, mp_degree: int) -> None:
                 "it without the fused weight (e.g. fuse_attention_qkv=False).")
 
 
-def merge_actions(model, split: dict) -> dict:
+def merge_actions(model: paddle.nn.Layer, split: dict) -> dict:
     """``{name: (merge action, split axis, local shape)}`` for the parameters of
     ``split`` (``{name: (mp-split parameter, local shape)}``) that the model class's own
     tensor-parallel mappings cover (PaddleFormers' ``_get_tensor_parallel_mappings(config,

@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING, Callable
 
 import paddle.distributed as dist
 from paddle.base import core
@@ -36,15 +37,18 @@ from paddle.base import core
 from . import watchdog
 from .gather_tags import CollectiveMismatchError
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
 _KEY = "paddle_hsdp/arrival"
 _calls: dict[int, int] = defaultdict(int)  # group id -> calls checked so far
 
 
-def _store():
+def _store() -> core.Store:
     return core.create_or_get_global_tcp_store()
 
 
-def expect_everyone(group, what: str) -> None:
+def expect_everyone(group: Group | None, what: str) -> None:
     """Wait until every member of ``group`` (None: the world) reached this call, or
     raise ``CollectiveMismatchError`` after the watchdog bound. No-op alone, and when
     the watchdog is off (``PADDLE_HSDP_COLLECTIVE_TIMEOUT=0``)."""
@@ -58,7 +62,7 @@ def expect_everyone(group, what: str) -> None:
     store = _store()
     arrived = store.add(key, 1)
     if arrived >= len(ranks):
-        store.set(key + "/complete", b"1")
+        store.set(key + "/complete", "1")
     elif not _await_key(key + "/complete", limit, lambda: store.add(key, 0) >= len(ranks)):
         arrived = store.add(key, -1) + 1  # taken back: the next agreed call reuses the key
         if arrived >= len(ranks):  # the last came between the bound and the take-back,
@@ -79,7 +83,7 @@ def expect_everyone(group, what: str) -> None:
 _waiter: list = []
 
 
-def _await_key(key: str, limit: float, done_by_polling) -> bool:
+def _await_key(key: str, limit: float, done_by_polling: Callable[[], bool]) -> bool:
     """Whether ``key`` is set in the job's store within ``limit`` seconds: one blocking
     wait on a thread (``done_by_polling``, polled with a backoff, where no client of
     our own reaches the store)."""
@@ -101,7 +105,7 @@ def _await_key(key: str, limit: float, done_by_polling) -> bool:
     return finished.is_set()
 
 
-def _waiting_client(limit: float):
+def _waiting_client(limit: float) -> core.TCPStore | None:
     """This process's waiting client, made (on a thread, within ``min(limit, 10 s)``)
     and checked to be the job store's: it must see a key set through that store."""
     if _waiter:
@@ -110,7 +114,7 @@ def _waiting_client(limit: float):
     made: list = []
     if endpoint is not None:
         probe = f"{_KEY}/probe/{dist.get_rank()}"
-        _store().set(probe, b"1")
+        _store().set(probe, "1")
 
         def connect():
             try:
@@ -136,7 +140,7 @@ def _endpoint() -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
-def _poll(limit: float, done) -> bool:
+def _poll(limit: float, done: Callable[[], bool]) -> bool:
     deadline, pause = time.monotonic() + limit, 0.001
     while not done():
         if time.monotonic() > deadline:

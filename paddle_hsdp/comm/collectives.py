@@ -29,7 +29,7 @@ from collections import defaultdict
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, overload
 
 import paddle
 import paddle.distributed as dist
@@ -39,6 +39,11 @@ from . import fingerprint, watchdog
 from .fingerprint import describe
 from .state import state
 from .traits import traits_of
+
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
+    from .fingerprint import Description
 
 # ---------------------------------------------------------------- counter
 
@@ -80,33 +85,33 @@ counter = CommCounter()
 _group_labels: dict[int, str] = {}
 
 
-def name_group(group, label: str) -> None:
+def name_group(group: Group, label: str) -> None:
     """Give a group the label the counter files its traffic under (first name wins)."""
     _group_labels.setdefault(group.id, label)
 
 
-def group_label(group) -> str:
+def group_label(group: Group) -> str:
     return _group_labels.get(group.id, f"group{group.id}")
 
 
-def backend_of(group) -> str:
+def backend_of(group: Group) -> str:
     backend = collective._group_map_backend.get(group)
     if backend is None:  # single-rank or foreign groups: fall back to the default
         backend = collective._default_backend or "gloo"
     return backend
 
 
-def is_gloo(group) -> bool:
+def is_gloo(group: Group) -> bool:
     return backend_of(group) == "gloo"
 
 
-def numel_of(t) -> int:
+def numel_of(t: paddle.Tensor) -> int:
     """Element count from the shape (host metadata): ``int(t.numel())`` would read a
     device tensor, a host sync on GPU, once per collective."""
     return math.prod(t.shape)
 
 
-def _nbytes(t) -> int:
+def _nbytes(t: paddle.Tensor) -> int:
     return numel_of(t) * t.element_size()
 
 
@@ -150,9 +155,9 @@ class Handle:
     resort, the engine waits every handle it issues on every path.
     """
 
-    def __init__(self, tasks=(), finalize: Callable[[], object] | None = None,
+    def __init__(self, tasks: Iterable[Any] = (), finalize: Callable[[], object] | None = None,
                  failure: Callable[[Exception], Exception] | None = None,
-                 waiting_for: Callable[[], str] | None = None, keep: tuple = ()):
+                 waiting_for: Callable[[], str] | None = None, keep: tuple = ()) -> None:
         self._tasks = [t for t in tasks if t is not None]
         self._finalize = finalize
         self._failure = failure  # turns a backend error into a CollectiveError
@@ -221,11 +226,11 @@ class Handle:
             pass
 
 
-def settle(pending) -> list[Exception]:
+def settle(pending: Iterable[Handle | None]) -> list[Exception]:
     """Wait for every handle in ``pending`` (None skipped) even when some fail; return
     the failures. For error paths: every issued collective is waited for before its
     buffers can be freed, and the error being handled is the one that propagates."""
-    failures = []
+    failures: list[Exception] = []
     for handle in pending:
         if handle is None:
             continue
@@ -236,7 +241,7 @@ def settle(pending) -> list[Exception]:
     return failures
 
 
-def _finish(handle: Handle, async_op: bool):
+def _finish(handle: Handle, async_op: bool) -> Handle | None:
     if async_op:
         return handle
     handle.wait()
@@ -247,7 +252,8 @@ class CollectiveError(RuntimeError):
     """A collective failed in the backend: a peer died, a link broke, a timeout hit."""
 
 
-def _failure(op: str, group, what):
+def _failure(op: str, group: Group,
+             what: Description) -> Callable[[Exception], CollectiveError]:
     """Make the error a failed ``op`` on ``group`` raises, naming both."""
     def make(error: Exception) -> CollectiveError:
         what_text = describe(what)
@@ -266,7 +272,7 @@ _FAILURE_ADVICE = (
     "checkpoint).")
 
 
-def _waiting_for(op: str, group, what):
+def _waiting_for(op: str, group: Group, what: Description) -> Callable[[], str]:
     """The watchdog's description of a collective (built only if it times out)."""
     return lambda: (f"{op} on group '{group_label(group)}' (ranks {list(group.ranks)})"
                     + (f" for {describe(what)}" if what else ""))
@@ -296,13 +302,13 @@ class _CommThread:
     caller's compute, never another collective. NCCL needs none of this: its
     collectives are queued on a stream already."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="paddle_hsdp-comm",
             initializer=_mark_comm_thread)
         self.pending: list[Future] = []
 
-    def submit(self, fn) -> Future:
+    def submit(self, fn: Callable[[], object]) -> Future:
         self.pending = [f for f in self.pending if not f.done()]
         future = self.executor.submit(fn)
         self.pending.append(future)
@@ -334,7 +340,7 @@ def drain_comm_thread() -> None:
         state.comm_thread.drain()
 
 
-def _verify(op: str, tensor, group, what) -> None:
+def _verify(op: str, tensor: paddle.Tensor, group: Group, what: Description) -> None:
     """The debug fingerprint (a collective of its own), after the communication thread."""
     if fingerprint.enabled():
         drain_comm_thread()
@@ -345,8 +351,9 @@ class _FutureTask:
     """A backend task run on the communication thread: ``wait()`` waits for it and re-raises;
     ``started`` / ``finished``: when it ran there (``time.perf_counter()``)."""
 
-    def __init__(self, run):
-        self.started = self.finished = None
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.started: float | None = None
+        self.finished: float | None = None
 
         def timed():
             self.started = time.perf_counter()
@@ -361,7 +368,8 @@ class _FutureTask:
         return self.future.result()
 
 
-def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
+def _issue(op: str, group: Group, what: Description, call: Callable[[], Any],
+           on_thread: bool = False) -> Any:
     """Run the backend call under the watchdog; a backend error becomes a
     :class:`CollectiveError`. ``on_thread``: on the communication thread (:class:`_CommThread`),
     returning a task to wait for; otherwise after whatever that thread still runs."""
@@ -387,25 +395,39 @@ def _issue(op: str, group, what: str | None, call, on_thread: bool = False):
         raise _failure(op, group, what)(e) from e
 
 
-def _check_split(what: str, flat, shard, n: int) -> None:
+def _check_split(what: str, flat: paddle.Tensor, shard: paddle.Tensor, n: int) -> None:
     if numel_of(flat) != n * numel_of(shard):
         raise ValueError(f"{what} has {numel_of(flat)} elements, expected "
                          f"{n} x {numel_of(shard)}")
 
 
-def _needs_fp32_staging(tensor, group) -> bool:
+def _needs_fp32_staging(tensor: paddle.Tensor, group: Group) -> bool:
     return tensor.dtype == paddle.float16 and is_gloo(group)
 
 
 # ---------------------------------------------------------------- collectives
 
 
-def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | None = None,
-                    what: str | None = None, counted_as: str = "all_gather"):
+# The collectives return a Handle with async_op=True, None without (the overloads say so)
+@overload
+def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
+                    async_op: Literal[False] = ..., tag: str | None = ...,
+                    what: Description = ..., counted_as: str = ...) -> None: ...
+@overload
+def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
+                    async_op: Literal[True], tag: str | None = ..., what: Description = ...,
+                    counted_as: str = ...) -> Handle: ...
+@overload
+def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
+                    async_op: bool, tag: str | None = ..., what: Description = ...,
+                    counted_as: str = ...) -> Handle | None: ...
+def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
+                    async_op: bool = False, tag: str | None = None, what: Description = None,
+                    counted_as: str = "all_gather") -> Handle | None:
     """Gather equal shards of the group into ``out_flat`` (rank order), in place.
     ``what`` names the caller's tensors in error messages and fingerprints;
     ``counted_as``: the op the byte counter files it under (``all_gather_tags`` for
-    the all-gather check's own small call, engine/buffer.py)."""
+    the all-gather check's own small call, engine/buffer/gather.py)."""
     n = group.nranks
     _check_split("all_gather_into: output", out_flat, shard, n)
     payload = _nbytes(out_flat)
@@ -422,8 +444,21 @@ def all_gather_into(out_flat, shard, group, async_op: bool = False, tag: str | N
                           keep=(out_flat, shard)), async_op)
 
 
-def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str | None = None,
-                   what: str | None = None, on_thread: bool = False):
+@overload
+def reduce_scatter(out_shard: paddle.Tensor, in_flat: paddle.Tensor, group: Group,
+                   async_op: Literal[False] = ..., tag: str | None = ...,
+                   what: Description = ..., on_thread: bool = ...) -> None: ...
+@overload
+def reduce_scatter(out_shard: paddle.Tensor, in_flat: paddle.Tensor, group: Group,
+                   async_op: Literal[True], tag: str | None = ..., what: Description = ...,
+                   on_thread: bool = ...) -> Handle: ...
+@overload
+def reduce_scatter(out_shard: paddle.Tensor, in_flat: paddle.Tensor, group: Group,
+                   async_op: bool, tag: str | None = ..., what: Description = ...,
+                   on_thread: bool = ...) -> Handle | None: ...
+def reduce_scatter(out_shard: paddle.Tensor, in_flat: paddle.Tensor, group: Group,
+                   async_op: bool = False, tag: str | None = None, what: Description = None,
+                   on_thread: bool = False) -> Handle | None:
     """Sum ``in_flat`` over the group; rank i receives slice i in ``out_shard``.
     ``in_flat`` is scratch: on gloo its other slices are overwritten. ``on_thread``
     (with ``async_op``, on gloo): the exchange runs on the communication thread (see
@@ -452,7 +487,8 @@ def reduce_scatter(out_shard, in_flat, group, async_op: bool = False, tag: str |
                           keep=(out_shard, in_flat)), async_op)
 
 
-def _gloo_reduce_scatter(out_shard, in_flat, group):
+def _gloo_reduce_scatter(out_shard: paddle.Tensor, in_flat: paddle.Tensor, group: Group,
+                         ) -> tuple[Callable[[], None], Callable[[], None]]:
     """gloo has no reduce-scatter: reduce each slice to the rank that owns it, in place
     (gloo uses a non-owner's input as scratch, which only clobbers slices we never read).
     Returns ``(exchange, land)``: the communication (collective calls only, so it may run
@@ -500,8 +536,21 @@ def _gloo_reduce_scatter(out_shard, in_flat, group):
 _REDUCE_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
-               op: str = "sum", what: str | None = None, on_thread: bool = False):
+@overload
+def all_reduce(tensor: paddle.Tensor, group: Group, async_op: Literal[False] = ...,
+               tag: str | None = ..., op: str = ..., what: Description = ...,
+               on_thread: bool = ...) -> None: ...
+@overload
+def all_reduce(tensor: paddle.Tensor, group: Group, async_op: Literal[True],
+               tag: str | None = ..., op: str = ..., what: Description = ...,
+               on_thread: bool = ...) -> Handle: ...
+@overload
+def all_reduce(tensor: paddle.Tensor, group: Group, async_op: bool, tag: str | None = ...,
+               op: str = ..., what: Description = ..., on_thread: bool = ...,
+               ) -> Handle | None: ...
+def all_reduce(tensor: paddle.Tensor, group: Group, async_op: bool = False,
+               tag: str | None = None, op: str = "sum", what: Description = None,
+               on_thread: bool = False) -> Handle | None:
     """Reduce ``tensor`` over the group (``op``: "sum" or "max"), in place.
     ``on_thread`` (with ``async_op``, on gloo): run it on the communication thread, so it
     overlaps the caller's work (see :class:`_CommThread`); elsewhere it is ignored."""
@@ -530,8 +579,17 @@ def all_reduce(tensor, group, async_op: bool = False, tag: str | None = None,
                    async_op)
 
 
-def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None = None,
-              what: str | None = None):
+@overload
+def broadcast(tensor: paddle.Tensor, src: int, group: Group, async_op: Literal[False] = ...,
+              tag: str | None = ..., what: Description = ...) -> None: ...
+@overload
+def broadcast(tensor: paddle.Tensor, src: int, group: Group, async_op: Literal[True],
+              tag: str | None = ..., what: Description = ...) -> Handle: ...
+@overload
+def broadcast(tensor: paddle.Tensor, src: int, group: Group, async_op: bool,
+              tag: str | None = ..., what: Description = ...) -> Handle | None: ...
+def broadcast(tensor: paddle.Tensor, src: int, group: Group, async_op: bool = False,
+              tag: str | None = None, what: Description = None) -> Handle | None:
     """Copy ``tensor`` from global rank ``src`` to every member, in place."""
     n = group.nranks
     payload = _nbytes(tensor)
@@ -547,7 +605,8 @@ def broadcast(tensor, src: int, group, async_op: bool = False, tag: str | None =
                           keep=(tensor,)), async_op)
 
 
-def send(tensor, dst: int, group, tag: str | None = None, what: str | None = None) -> None:
+def send(tensor: paddle.Tensor, dst: int, group: Group, tag: str | None = None,
+         what: Description = None) -> None:
     """Send ``tensor`` to global rank ``dst`` of ``group`` and return once it has it:
     gloo's point-to-point calls block until the peer makes the matching call (whatever
     ``sync_op`` says), so the caller orders its sends and receives (pipeline p2p:
@@ -559,7 +618,8 @@ def send(tensor, dst: int, group, tag: str | None = None, what: str | None = Non
            lambda: dist.send(tensor, dst=dst, group=group, sync_op=True))
 
 
-def recv(tensor, src: int, group, tag: str | None = None, what: str | None = None) -> None:
+def recv(tensor: paddle.Tensor, src: int, group: Group, tag: str | None = None,
+         what: Description = None) -> None:
     """Receive ``tensor`` in place from global rank ``src`` of ``group`` (blocking; see
     :func:`send`)."""
     counter.record(tag or group_label(group), "recv", _nbytes(tensor), 0.0)
@@ -567,8 +627,8 @@ def recv(tensor, src: int, group, tag: str | None = None, what: str | None = Non
            lambda: dist.recv(tensor, src=src, group=group, sync_op=True))
 
 
-def gather(tensor, gather_list: list | None, dst: int, group, tag: str | None = None,
-           what: str | None = None) -> None:
+def gather(tensor: paddle.Tensor, gather_list: list[paddle.Tensor] | None, dst: int,
+           group: Group, tag: str | None = None, what: Description = None) -> None:
     """Every member's ``tensor`` (one shape on all) into ``gather_list`` on global rank
     ``dst`` (a list there, in group-rank order; None elsewhere). What only one rank
     needs reaches only it: W times the bytes arrive there, and nowhere else."""
@@ -586,7 +646,7 @@ def gather(tensor, gather_list: list | None, dst: int, group, tag: str | None = 
         sync_op=True))
 
 
-def barrier(group=None) -> None:
+def barrier(group: Group | None = None) -> None:
     if group is not None and group.nranks == 1:
         return
     label = group_label(group) if group is not None else "world"

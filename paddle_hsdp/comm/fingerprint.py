@@ -22,6 +22,7 @@ sync per collective; off by default.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 
@@ -31,6 +32,13 @@ import paddle.distributed as dist
 from . import watchdog
 from .gather_tags import CollectiveMismatchError
 from .state import state
+
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
+# What a collective is for, in messages and fingerprints: text, or (on hot paths) a
+# callable that makes the text only when it is needed
+Description = Union[str, Callable[[], Optional[str]], None]
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 _HEADER, _DESC = 5, 120
@@ -55,11 +63,11 @@ _KNOWN_DTYPES = (paddle.float16, paddle.bfloat16, paddle.float32, paddle.float64
                  paddle.uint8, paddle.int16, paddle.int32, paddle.int64, paddle.bool)
 
 
-def _dtype_code(dtype) -> int:
+def _dtype_code(dtype: object) -> int:
     return sum(ord(c) * 31 ** i for i, c in enumerate(str(dtype))) % (2 ** 31)
 
 
-def _encode(op: str, numel: int, dtype, number: int, what: str) -> np.ndarray:
+def _encode(op: str, numel: int, dtype: object, number: int, what: str) -> np.ndarray:
     row = np.zeros(_HEADER + _DESC, dtype=np.int64)
     desc = what.encode("utf-8", "replace")[:_DESC]
     row[:_HEADER] = [_OPS.index(op) + 1, numel, _dtype_code(dtype), number, len(desc)]
@@ -75,13 +83,13 @@ def _decode(row: np.ndarray, dtype_names: dict) -> str:
             f"{dtype_names.get(dtype, f'dtype code {dtype}')}, {what or 'no description'}")
 
 
-def describe(what) -> str | None:
+def describe(what: Description) -> str | None:
     """``what`` as text: callers pass a string or, on hot paths, a callable that is only
     called when a message or a fingerprint needs it."""
     return what() if callable(what) else what
 
 
-def verify(op: str, tensor, group, what) -> None:
+def verify(op: str, tensor: paddle.Tensor, group: Group, what: Description) -> None:
     """All-gather this rank's fingerprint of the collective about to run on ``group``
     and raise on every rank if any member's differs. No-op when off or alone."""
     if not state.fingerprint_on or group.nranks <= 1:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict, deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -54,6 +54,10 @@ import paddle
 
 from . import watchdog
 from .state import state
+
+if TYPE_CHECKING:
+    from paddle._typing import DTypeLike, PlaceLike
+    from paddle.distributed.communication.group import Group
 
 TAG_NUMEL = 6
 POSITION_SLOT = 5  # the forward position's element in a tag
@@ -83,7 +87,7 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks of one group issued different all-gathers at the same point."""
 
 
-def can_tag(dtype) -> bool:
+def can_tag(dtype: DTypeLike) -> bool:
     return dtype != paddle.bool and "complex" not in str(dtype)
 
 
@@ -99,8 +103,8 @@ def note_forward(unit_index: int) -> None:
     _forward_units.append(unit_index)
 
 
-def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, dtype,
-             place):
+def make_tag(group: Group, unit_index: int, buffer_index: int, purpose: str,
+             describe: Callable[[], str], dtype: DTypeLike, place: PlaceLike) -> paddle.Tensor:
     """This call's tag as a ``[TAG_NUMEL]`` tensor of ``dtype`` on ``place``; records the
     call. A view of a table built once per (buffer, purpose, dtype, place), its
     position written in from a table of positions: no host-to-device copy per
@@ -127,7 +131,7 @@ def make_tag(group, unit_index: int, buffer_index: int, purpose: str, describe, 
     return row
 
 
-def check(tags, own_tag, group) -> None:
+def check(tags: paddle.Tensor, own_tag: paddle.Tensor, group: Group) -> None:
     """Compare every rank's tag (``tags``: ``[n, TAG_NUMEL]``) with ours."""
     if tags.place.is_cpu_place() and not DEFER_ON_CPU:
         _compare(tags.numpy(), own_tag.numpy(), group)
@@ -169,7 +173,8 @@ def raise_pending(step: bool = False) -> None:
     _compare(tags.numpy(), own_tag.numpy(), group, history)
 
 
-def _compare(tags: np.ndarray, own: np.ndarray, group, history=None) -> None:
+def _compare(tags: np.ndarray, own: np.ndarray, group: Group,
+             history: Sequence[tuple] | None = None) -> None:
     tags = tags.astype("int64")
     own = own.astype("int64")
     for i, row in enumerate(tags):
@@ -177,7 +182,8 @@ def _compare(tags: np.ndarray, own: np.ndarray, group, history=None) -> None:
             raise CollectiveMismatchError(_message(group, i, row, own, history))
 
 
-def _message(group, peer_index: int, row, own, history=None) -> str:
+def _message(group: Group, peer_index: int, row: np.ndarray, own: np.ndarray,
+             history: Sequence[tuple] | None = None) -> str:
     unit_index = int(row[0]) + 256 * int(row[1])
     peer = group.ranks[peer_index]
     what = _PURPOSE_NAMES.get(int(row[3]), "unknown")
@@ -209,7 +215,7 @@ def _message(group, peer_index: int, row, own, history=None) -> str:
         f"there were:\n{mine}\n{rule}")
 
 
-def forget_units(indices) -> None:
+def forget_units(indices: Iterable[int]) -> None:
     """Drop the tag tables of units that are gone (paddle_hsdp.forget): indices are
     never reused, so the tables would otherwise grow with every forgotten model."""
     gone = set(indices)
@@ -217,7 +223,7 @@ def forget_units(indices) -> None:
         del _tables[key]
 
 
-def _weakly(describe):
+def _weakly(describe: Callable[[], str]) -> Callable[[], str]:
     """``describe`` without keeping its buffer alive: the history outlives a model that
     paddle_hsdp.forget released (a bound method is held weakly, said as forgotten once
     its object is gone)."""

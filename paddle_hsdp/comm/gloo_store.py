@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import time
+from typing import Callable, Protocol, cast
 
 from paddle.base import core
 
@@ -39,6 +40,20 @@ _KEY_PREFIX = "paddle_hsdp/gloo_store"
 _group_stores: dict[int, object] = {}
 # Servers (on each group's first member): destroyed at exit by stop_servers().
 _servers: dict[int, object] = {}
+
+
+class RendezvousStore(Protocol):
+    """Where a group's first member publishes its store's address: the job's global
+    ``TCPStore``, or paddle_hsdp.ft's replica-group store."""
+
+    def set(self, key: str, value: str, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+
+
+class AbortableStore(RendezvousStore, Protocol):
+    """A store whose ``get`` calls ``abort()`` while it waits (paddle_hsdp.ft's)."""
+
+    def get(self, key: str, /, *, abort: Callable[[], object] | None = None) -> bytes: ...
 
 
 def _host_address() -> str:
@@ -59,9 +74,10 @@ def _store_timeout_s() -> int:
     return int(os.environ.get("PADDLE_HSDP_GLOO_STORE_TIMEOUT", "300"))
 
 
-def make_group_store(global_store, group_rank: int, group_size: int, group_id: int,
-                     key: str | None = None, timeout_s: int | None = None,
-                     listen_first: bool = False, abort=None):
+def make_group_store(global_store: RendezvousStore, group_rank: int, group_size: int,
+                     group_id: int, key: str | None = None, timeout_s: int | None = None,
+                     listen_first: bool = False,
+                     abort: Callable[[], object] | None = None) -> core.TCPStore:
     """A rendezvous store private to one sub-group (see the module docstring).
     ``key``: where the address is published (default: by group id); ``timeout_s``: how
     long members wait for each other (default ``PADDLE_HSDP_GLOO_STORE_TIMEOUT``).
@@ -84,16 +100,19 @@ def make_group_store(global_store, group_rank: int, group_size: int, group_id: i
             # The master's constructor returns once all group_size members connected.
             _servers[group_id] = core.TCPStore(host, port, True, group_size, timeout_s)
     else:
-        address = global_store.get(key) if abort is None else global_store.get(key, abort=abort)
-        host, port = address.decode().rsplit(":", 1)
+        address = (global_store.get(key) if abort is None
+                   else cast(AbortableStore, global_store).get(key, abort=abort))
+        host, port_text = address.decode().rsplit(":", 1)
+        port = int(port_text)
         if listen_first:  # it listened before it published: gone now if it refuses
-            wait_until_listening(host, int(port), timeout_s, abort)
-    store = core.TCPStore(host, int(port), False, group_size, timeout_s)
+            wait_until_listening(host, port, timeout_s, abort)
+    store = core.TCPStore(host, port, False, group_size, timeout_s)
     _group_stores[group_id] = store
     return store
 
 
-def wait_until_listening(host: str, port: int, timeout_s: float, abort=None) -> None:
+def wait_until_listening(host: str, port: int, timeout_s: float,
+                         abort: Callable[[], object] | None = None) -> None:
     """Return once something accepts connections at ``host:port``; ``TimeoutError``
     after ``timeout_s`` (``abort()``, if given, is called between tries: it raises to
     stop waiting). Paddle's ``TCPStore`` client retries a refused connection far

@@ -31,17 +31,19 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from .state import state
 
 EXIT_STATUS = 124
-_inflight: dict[int, tuple[float, str]] = {}
+# token -> (when it started, what describes it: called only for the message)
+_inflight: dict[int, tuple[float, Callable[[], str]]] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 # The last collectives issued (their descriptions, built only if a message needs them):
 # on NCCL, wait() only orders streams and returns at once, so a dead peer blocks the
 # next host read of the device instead; host_sync names these as what it waits for.
-_issued: deque = deque(maxlen=4)
+_issued: deque[Callable[[], str]] = deque(maxlen=4)
 
 
 def timeout_s() -> float:
@@ -58,7 +60,7 @@ def timeout_s() -> float:
 
 
 @contextmanager
-def watched(describe):
+def watched(describe: Callable[[], str]) -> Iterator[None]:
     """Run the body under the watchdog; ``describe()`` names it if it times out."""
     limit = timeout_s()
     if limit <= 0:
@@ -73,18 +75,18 @@ def watched(describe):
         _inflight.pop(token, None)
 
 
-def note_issued(describe) -> None:
+def note_issued(describe: Callable[[], str]) -> None:
     """Remember a collective just issued (``describe()`` names it; not called now)."""
     _issued.append(describe)
 
 
 @contextmanager
-def host_sync(what: str):
+def host_sync(what: str) -> Iterator[None]:
     """A host read of the device (``.numpy()``, ``.item()``, ``bool()``) under the same
     bound as a blocking collective. On gloo the collectives before it are complete
     already; on NCCL the read waits for every collective queued before it, so a dead or
     absent peer blocks here: the message names the read and the last collectives."""
-    def describe():
+    def describe() -> str:
         last = "; ".join(d() for d in _issued) or "none"
         return (f"{what} (a host read: on NCCL it waits for the collectives queued before "
                 f"it, the last ones: {last})")
@@ -110,7 +112,7 @@ def _watch(limit: float) -> None:
                 _expire(describe, now - start)
 
 
-def _expire(describe, waited: float) -> None:
+def _expire(describe: Callable[[], str], waited: float) -> None:
     try:
         what = describe()
     except Exception as e:  # never let a message stop the exit

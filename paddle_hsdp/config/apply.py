@@ -10,6 +10,7 @@ experts, wrap recomputed modules and call ``fully_shard`` bottom-up, the root la
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import paddle
 import paddle.distributed as dist
@@ -25,10 +26,17 @@ from .plan import Plan, build_plan, mp_policy_of, resolve_modules
 from .schema import (AUTO, ConfigError, load_config, ranks_per_node_from_env,
                      resolve_degrees)
 
+if TYPE_CHECKING:
+    import os
+
+    from ..topology.fleet import HSDPHybridCommunicateGroup
+    from .schema import HSDPConfig
+
 logger = logging.getLogger(__name__)
 
 
-def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
+def apply_config(model: paddle.nn.Layer, config: str | os.PathLike | dict | HSDPConfig,
+                 ) -> tuple[paddle.nn.Layer, Plan]:
     """Shard ``model`` as ``config`` (a YAML path, a dict or an ``HSDPConfig``) says;
     return ``(model, plan)``, ``str(plan)`` being the ``plan`` command's table. A
     collective (``fully_shard`` is): call it on every rank with the same config."""
@@ -63,12 +71,12 @@ def apply_config(model, config) -> tuple[paddle.nn.Layer, Plan]:
 
 
 # ---------------------------------------------------------------- topology
-def live_hcg():
+def live_hcg() -> HSDPHybridCommunicateGroup | None:
     """fleet's hybrid communicate group, or None before ``fleet.init``."""
     return fleet_topology._HYBRID_PARALLEL_GROUP
 
 
-def topology_of(cfg) -> tuple[int, int, int, int]:
+def topology_of(cfg: HSDPConfig) -> tuple[int, int, int, int]:
     """``(outer, inner, expert inner, expert outer)`` the config means here: checked
     against the live topology when fleet is up, else against the launcher's world."""
     hcg = live_hcg()
@@ -97,7 +105,7 @@ def topology_of(cfg) -> tuple[int, int, int, int]:
     return outer, inner, expert_inner, expert_outer
 
 
-def outer_sharding_of(cfg) -> str:
+def outer_sharding_of(cfg: HSDPConfig) -> str:
     """``fsdp_outer_sharding`` as the config means it here: its own value, or with
     'auto' the live fleet's (``sharding_configs``), "none" when fleet is not up."""
     if cfg.fsdp_outer_sharding != AUTO:
@@ -127,7 +135,7 @@ def init_fleet_if_needed(outer: int, inner: int, outer_sharding: str = "none",
 
 
 # ---------------------------------------------------------------- recompute
-def _recompute_forward(module, use_reentrant: bool) -> None:
+def _recompute_forward(module: paddle.nn.Layer, use_reentrant: bool) -> None:
     """Run ``module``'s forward under Paddle's recompute while training with grads: its
     activations are dropped and recomputed in backward (inside a sharded unit, the
     unit's parameters are gathered for backward before the recomputation runs)."""
@@ -135,7 +143,7 @@ def _recompute_forward(module, use_reentrant: bool) -> None:
         return
     original = module.forward
 
-    def forward(*args, **kwargs):
+    def forward(*args: Any, **kwargs: Any) -> Any:
         if not (module.training and paddle.is_grad_enabled()):
             return original(*args, **kwargs)
         return recompute(original, *args, use_reentrant=use_reentrant, **kwargs)

@@ -44,8 +44,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 RESERVE = 0.1  # of device memory kept free: allocator fragmentation, workspaces, buffers
+
+
+class Shape(Protocol):
+    """What these formulas read of a model's sizes (config/planner.py's ``ModelShape``,
+    which imports this module)."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads_fraction(self) -> float: ...
+    @property
+    def tp_collectives_per_layer(self) -> int: ...
+    def params(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -69,19 +89,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_choices(shape, ranks_per_node: int) -> list[int]:
+def tp_choices(shape: Shape, ranks_per_node: int) -> list[int]:
     """Tensor degrees that keep a tensor-parallel group inside one machine and split the
     heads (and the key-value heads) evenly."""
     kv_heads = max(1, round(shape.heads * shape.kv_heads_fraction))
     return [t for t in divisors(ranks_per_node) if shape.heads % t == 0 and kv_heads % t == 0]
 
 
-def pp_choices(shape) -> list[int]:
+def pp_choices(shape: Shape) -> list[int]:
     """Pipeline degrees that give every stage the same number of decoder layers."""
     return divisors(shape.layers)
 
 
-def activation_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
+def activation_bytes(shape: Shape, work: Workload, tp: int, pp: int, micro: int) -> float:
     """Activation bytes per rank of the heaviest stage (see the module docstring)."""
     sbh = work.seq_len * work.micro_batch * shape.hidden
     sp, half = tp > 1, work.act_bytes / 2
@@ -94,7 +114,7 @@ def activation_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> flo
     return shape.layers // pp * per_layer * in_flight + logits
 
 
-def tp_calls(shape, tp: int, pp: int, micro: int) -> int:
+def tp_calls(shape: Shape, tp: int, pp: int, micro: int) -> int:
     """Tensor-parallel all-reduces per rank and step, on the heaviest stage (with one
     stage: embedding and head too)."""
     if tp == 1:
@@ -103,17 +123,17 @@ def tp_calls(shape, tp: int, pp: int, micro: int) -> int:
     return micro * (shape.layers // pp * shape.tp_collectives_per_layer + root)
 
 
-def tp_payload(shape, work: Workload) -> float:
+def tp_payload(shape: Shape, work: Workload) -> float:
     """Bytes of one tensor-parallel all-reduce: one micro-batch's activations."""
     return work.act_bytes * work.seq_len * work.micro_batch * shape.hidden
 
 
-def tp_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
+def tp_bytes(shape: Shape, work: Workload, tp: int, pp: int, micro: int) -> float:
     """Payload bytes of the tensor-parallel all-reduces per rank and step."""
     return tp_calls(shape, tp, pp, micro) * tp_payload(shape, work)
 
 
-def pp_bytes(shape, work: Workload, tp: int, pp: int, micro: int) -> float:
+def pp_bytes(shape: Shape, work: Workload, tp: int, pp: int, micro: int) -> float:
     """Bytes a rank sends and receives point to point per step over one stage boundary
     (the activations forward with the positions, the grads back; a middle stage has
     two boundaries, on two links)."""
@@ -131,7 +151,7 @@ def pp_messages(pp: int, micro: int) -> int:
     return 4 * micro if pp > 1 else 0
 
 
-def compute_seconds(shape, work: Workload, tp: int, pp: int, micro: int,
+def compute_seconds(shape: Shape, work: Workload, tp: int, pp: int, micro: int,
                     achieved_tflops: float | None) -> float | None:
     """Seconds of model FLOPs per rank and step (``6 * params * tokens``, attention's
     own FLOPs left out), or None without the cluster's achieved TFLOPS."""

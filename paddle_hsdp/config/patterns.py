@@ -19,7 +19,10 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    import paddle
 
 ALLOWED_SYNTAX = ("a dotted path of names and brace groups such as 'model.layers.{*}', "
                   "'layers.{0-20,22-40}', 'blocks.{3}.attn', or a class name such as "
@@ -190,7 +193,8 @@ def _describe_bad_item(item: str) -> str:
 
 
 # ------------------------------------------------------------------------ matching
-def match_modules(model, patterns: list[str], key: str) -> list[tuple[str, Any]]:
+def match_modules(model: paddle.nn.Layer, patterns: list[str],
+                  key: str) -> list[tuple[str, Any]]:
     """The sub-modules of ``model`` (the root itself excluded) selected by any of
     ``patterns``, in ``named_sublayers`` order, each once. Every pattern must select at
     least one sub-module: all that select none are reported together in one

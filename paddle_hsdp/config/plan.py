@@ -14,6 +14,7 @@ against. Parameters built under ``paddle.LazyGuard()`` are read for their shapes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import paddle
 
@@ -55,11 +56,11 @@ class ModuleChoice:
         return out
 
 
-def resolve_modules(model, config: HSDPConfig) -> ModuleChoice:
+def resolve_modules(model: paddle.nn.Layer, config: HSDPConfig) -> ModuleChoice:
     """Match every pattern list; refuse a module that is both wrapped and ignored (or
     wrapped inside an ignored one). Raises ``ConfigError`` / ``PatternError`` before
     anything is touched."""
-    def match(key):
+    def match(key: str) -> list[tuple[str, paddle.nn.Layer]]:
         patterns = list(getattr(config, key))
         return match_modules(model, patterns, key) if patterns else []
 
@@ -76,7 +77,7 @@ def resolve_modules(model, config: HSDPConfig) -> ModuleChoice:
     return choice
 
 
-def mp_policy_of(config: HSDPConfig):
+def mp_policy_of(config: HSDPConfig) -> MixedPrecisionPolicy | None:
     """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype)."""
     dtypes = {k: _DTYPES[getattr(config, k)] for k in ("param_dtype", "reduce_dtype",
                                                         "output_dtype") if getattr(config, k)}
@@ -145,7 +146,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def build_plan(model, config: HSDPConfig, choice: ModuleChoice, *, outer: int, inner: int,
+def build_plan(model: paddle.nn.Layer, config: HSDPConfig, choice: ModuleChoice, *, outer: int,
+               inner: int,
                expert_inner: int | None = None, expert_outer: int | None = None,
                micro_steps: int = 1, source: str = "",
                labels: dict | None = None, outer_sharding: str | None = None) -> Plan:
@@ -209,7 +211,8 @@ def compare_outer_sharding(plans: dict) -> str:
     return "\n".join(lines)
 
 
-def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cost.BufferShape:
+def _buffer_shape(params: list[ShardedParam], expert: bool, policy: MixedPrecisionPolicy | None,
+                  labels: dict, outer: int) -> cost.BufferShape:
     gather, reduce, compute = dtypes_of(params[0].dtype, policy)
     return cost.BufferShape(
         shard_numel=segment_layout([sp.shape for sp in params], params[0].inner_size
@@ -223,7 +226,7 @@ def _buffer_shape(params, expert: bool, policy, labels: dict, outer: int) -> cos
         inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"])
 
 
-def build_lazily(factory):
+def build_lazily(factory: Callable[[], paddle.nn.Layer]) -> paddle.nn.Layer:
     """``factory()`` under ``paddle.LazyGuard()``: parameters with shapes, no memory."""
     with paddle.LazyGuard():
         return factory()

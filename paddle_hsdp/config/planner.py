@@ -33,12 +33,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import yaml
 
 from ..topology import cost
 from . import layouts
 from .schema import ConfigError
+
+if TYPE_CHECKING:
+    import os
+
+    from .schema import HSDPConfig
 
 _GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -85,7 +91,7 @@ _LINK_KEYS = {"bandwidth_gbit", "latency_us"}
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
-def _link(key: str, spec, errors: list, nested: bool = True) -> Link | None:
+def _link(key: str, spec: object, errors: list, nested: bool = True) -> Link | None:
     """``{bandwidth_gbit, latency_us[, per_op: {op: {bandwidth_gbit, latency_us}}]}``."""
     per_op = spec.get("per_op", {}) if isinstance(spec, dict) and nested else {}
     plain = {k: v for k, v in spec.items() if k != "per_op"} if isinstance(spec, dict) \
@@ -112,7 +118,7 @@ def _link(key: str, spec, errors: list, nested: bool = True) -> Link | None:
     return Link(plain["latency_us"] * 1e-6, plain["bandwidth_gbit"] * _GBIT, tuple(ops))
 
 
-def load_cluster(source) -> Cluster:
+def load_cluster(source: str | os.PathLike | dict) -> Cluster:
     """A :class:`Cluster` from a YAML file or dict::
 
         name: 2 nodes x 8 GPUs, 100 Gbit/s
@@ -204,7 +210,7 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
     out = {"inner all_gather": 0.0, "inner reduce_scatter": 0.0, "outer all_reduce": 0.0,
            "exposed": 0.0}
 
-    def add(key, seconds, link):
+    def add(key: str, seconds: float, link: Link) -> None:
         out[key] += seconds
         if not (cluster.overlap_intra_node and link is cluster.intra and key != "outer all_reduce"):
             out["exposed"] += seconds
@@ -231,7 +237,8 @@ def step_seconds(units: list, cluster: Cluster, micro_steps: int = 1,
     return out
 
 
-def _outer_seconds(b, link: Link, concurrent: int, cluster: Cluster) -> float:
+def _outer_seconds(b: cost.BufferShape, link: Link, concurrent: int,
+                   cluster: Cluster) -> float:
     if b.outer_parts > 1:
         return (collective_seconds("reduce_scatter", b.outer, b.shard_numel * b.reduce_bytes,
                                    link, concurrent, cluster.backend)
@@ -320,7 +327,7 @@ def shape_units(shape: ModelShape, inner: int, outer: int, dtypes: dict,
     parameter)."""
     parts = outer if outer_sharding == "optim" else 1
 
-    def unit(path, params, reshard):
+    def unit(path: str, params: int, reshard: bool) -> cost.UnitShape:
         b = cost.BufferShape(shard_numel=math.ceil(params / inner / parts) * parts,
                              logical_numel=params, inner=inner, outer=outer, trainable=True,
                              outer_parts=parts, **dtypes)
@@ -331,7 +338,7 @@ def shape_units(shape: ModelShape, inner: int, outer: int, dtypes: dict,
     return layers + [unit("<root>", shape.root_params(tp, pp), False)]
 
 
-def dtype_bytes(config) -> dict:
+def dtype_bytes(config: HSDPConfig | None) -> dict:
     """Element sizes of a config's mixed precision (float32 masters)."""
     size = {"bf16": 2, "fp16": 2, "fp32": 4, None: 4}
     gather = size[getattr(config, "param_dtype", None)]
@@ -388,7 +395,8 @@ class Option:
                 "ms": {k: round(v * 1e3, 3) for k, v in self.seconds.items()}}
 
 
-def evaluate(cluster: Cluster, units_for, micro_steps: int = 1, zero_stage=None,
+def evaluate(cluster: Cluster, units_for: Callable[..., list[cost.UnitShape]],
+             micro_steps: int = 1, zero_stage: int | None = None,
              forward_prefetch: int = 1, activation_fraction: float = 0.3,
              outer_shardings: tuple = ("none",)) -> list[Option]:
     """Every ``outer`` dividing the world: ``units_for(outer, inner)`` gives the units
@@ -416,8 +424,9 @@ def evaluate(cluster: Cluster, units_for, micro_steps: int = 1, zero_stage=None,
 
 
 def evaluate_layouts(cluster: Cluster, shape: ModelShape, work: layouts.Workload,
-                     dtypes: dict, tps=(1,), pps=(1,), micro_steps: int = 1,
-                     zero_stage=None, reshard_after_forward: bool = True,
+                     dtypes: dict, tps: Iterable[int] = (1,), pps: Iterable[int] = (1,),
+                     micro_steps: int = 1, zero_stage: int | None = None,
+                     reshard_after_forward: bool = True,
                      forward_prefetch: int = 1,
                      outer_shardings: tuple = ("none",)) -> list[Option]:
     """Every tensor degree of ``tps`` x pipeline degree of ``pps`` x outer degree x
@@ -445,8 +454,10 @@ def evaluate_layouts(cluster: Cluster, shape: ModelShape, work: layouts.Workload
     return options
 
 
-def _layout_option(cluster, shape, work, units, tp, pp, outer, inner, mode, micro,
-                   zero_stage, forward_prefetch) -> Option:
+def _layout_option(cluster: Cluster, shape: ModelShape, work: layouts.Workload,
+                   units: list[cost.UnitShape], tp: int, pp: int, outer: int, inner: int,
+                   mode: str, micro: int, zero_stage: int | None,
+                   forward_prefetch: int) -> Option:
     memory = cost.memory_per_rank(units, forward_prefetch)
     memory["activations"] = layouts.activation_bytes(shape, work, tp, pp, micro)
     seconds = step_seconds(units, cluster, micro, zero_stage, stride=tp)
@@ -498,7 +509,7 @@ def recommend(options: list[Option]) -> tuple[Option | None, str]:
         return None, ("no layout fits in device memory: shard more (tensor or pipeline "
                       "parallelism), offload, or use devices with more memory")
 
-    def rank(o):
+    def rank(o: Option) -> tuple:
         return (round(o.exposed_seconds, 6), round(o.comm_seconds, 6),
                 o.mp_degree * o.pp_degree, -o.inner)
 

@@ -280,7 +280,7 @@ def _unknown_key_error(name: Any) -> str:
 
 
 # ---------------------------------------------------------------------------- loading
-def load_config(source) -> HSDPConfig:
+def load_config(source: str | os.PathLike | dict | HSDPConfig) -> HSDPConfig:
     """An :class:`HSDPConfig` from a YAML file path (str or os.PathLike), a dict, or an
     :class:`HSDPConfig` (returned as is). Every problem is collected and raised together
     as one :class:`ConfigError`; an empty file gives all defaults."""
@@ -295,12 +295,12 @@ def load_config(source) -> HSDPConfig:
                     f"or an HSDPConfig, got {type(source).__name__}")
 
 
-def _strict_loader():
+def _strict_loader() -> type[yaml.SafeLoader]:
     """A SafeLoader that refuses a key written twice (safe_load keeps the last one
     silently, so a config could say one thing and do another)."""
     class StrictLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = {}
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen: dict = {}
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
@@ -335,7 +335,7 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def _yaml_error_message(path: str, error) -> str:
+def _yaml_error_message(path: str, error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
     problem = getattr(error, "problem", None) or str(error)
@@ -353,7 +353,7 @@ def _from_mapping(mapping: dict, source: str) -> HSDPConfig:
 
 
 # ------------------------------------------------------------------ degree resolution
-def resolve_degrees(config, world_size: int,
+def resolve_degrees(config: str | os.PathLike | dict | HSDPConfig, world_size: int,
                     ranks_per_node: int | None) -> tuple[int, int]:
     """``(outer, inner)`` with ``outer * inner == world_size``: ``inner`` ranks share one
     shard group (``sharding_size``), ``outer`` replicas (``fsdp_outer_degree``).

@@ -1,7 +1,7 @@
 """HFSDP in a fault-tolerant job: who holds which piece of the optimizer state.
 
 Under ``fsdp_outer_sharding="optim"`` each replica's optimizer sees one *piece* of the
-shard (engine/outer_pieces.py). Plain HFSDP cuts the shard into one piece per replica,
+shard (engine/buffer/outer_pieces.py). Plain HFSDP cuts the shard into one piece per replica,
 so a dead replica takes its piece along. Here the shard is cut into
 ``P = start_replicas // redundancy`` pieces and replica ``r`` holds piece ``r % P``:
 every piece is held by ``redundancy`` replicas at the start, and a piece is lost only

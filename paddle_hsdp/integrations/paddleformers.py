@@ -25,7 +25,7 @@ import glob
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import paddle
 import paddle.distributed as dist
@@ -42,6 +42,9 @@ from ..config.schema import (AUTO, OUTER_SHARDING, ConfigError, HSDPConfig, load
 from ..engine.api import FSDPModule
 from ..patches.clip import last_global_norm
 from ..topology.placement import is_expert
+
+if TYPE_CHECKING:
+    from ..config.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ class HSDPTrainingArguments(TrainingArguments):
             super().__post_init__()
 
     @property
-    def dataset_rank(self):
+    def dataset_rank(self) -> int:
         """The rank's data shard: its place in the HSDP group (every outer x inner rank
         reads other rows; tensor-parallel ranks and stages of one replica the same)."""
         hcg = live_hcg()
@@ -135,23 +138,24 @@ class HSDPTrainingArguments(TrainingArguments):
         return hcg.get_sharding_parallel_rank()
 
     @property
-    def dataset_world_size(self):
+    def dataset_world_size(self) -> int:
         hcg = live_hcg()
         if hcg is None or not self.use_hybrid_parallel:
             return super().dataset_world_size
         return hcg.get_sharding_parallel_world_size()
 
 
-def _expert_degree(args) -> int:
+def _expert_degree(args: HSDPTrainingArguments) -> int:
     return max(getattr(args, "expert_model_parallel_size", 1) or 1, 1)
 
 
-def _model_split(args) -> int:
+def _model_split(args: HSDPTrainingArguments) -> int:
     """Ranks one model replica's data is split over: tensor x pipeline degree."""
     return max(args.tensor_model_parallel_size, 1) * max(args.pipeline_model_parallel_size, 1)
 
 
-def _hsdp_degrees(cfg: HSDPConfig, world: int, args) -> tuple[int, int]:
+def _hsdp_degrees(cfg: HSDPConfig, world: int,
+                  args: HSDPTrainingArguments) -> tuple[int, int]:
     """``(outer, inner)`` over the data-parallel ranks (the world over tensor x pipeline
     degree): the live fleet's when it is up (checked against the config), else the
     config's ('auto': one replica per machine, a machine holding ``ranks per node /
@@ -190,7 +194,7 @@ def _hsdp_degrees(cfg: HSDPConfig, world: int, args) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def _data_ranks_as_hsdp(outer: int, outer_sharding: str):
+def _data_ranks_as_hsdp(outer: int, outer_sharding: str) -> Iterator[None]:
     """While PaddleFormers' ``__post_init__`` runs: its ``fleet.init`` gets the hybrid
     strategy it built for a tensor- or pipeline-parallel job (mp and pipeline configs
     included) with its data-parallel ranks moved into HSDP's sharding axis (dp 1,
@@ -198,7 +202,7 @@ def _data_ranks_as_hsdp(outer: int, outer_sharding: str):
     off (``sharding`` is empty here), so nothing else of it changes."""
     original = fleet.init
 
-    def init(*args, **kwargs):
+    def init(*args: Any, **kwargs: Any) -> Any:
         strategy = kwargs.get("strategy")
         if strategy is not None:
             hybrid = strategy.hybrid_configs
@@ -217,7 +221,7 @@ def _data_ranks_as_hsdp(outer: int, outer_sharding: str):
 
 
 @contextlib.contextmanager
-def _named_for_the_arguments():
+def _named_for_the_arguments() -> Iterator[None]:
     """Every problem found, one line each, prefixed with the class that found it."""
     try:
         yield
@@ -225,7 +229,7 @@ def _named_for_the_arguments():
         raise ConfigError([f"HSDPTrainingArguments: {line}" for line in e.errors]) from None
 
 
-def _refuse_what_cannot_work(args) -> None:
+def _refuse_what_cannot_work(args: HSDPTrainingArguments) -> None:
     errors = []
     sharding = args.sharding
     if sharding not in ("", None, False, []) and str(sharding).strip():
@@ -298,7 +302,7 @@ def _refuse_what_cannot_work(args) -> None:
         raise ConfigError(errors)
 
 
-def _hsdp_config_of(args) -> HSDPConfig:
+def _hsdp_config_of(args: HSDPTrainingArguments) -> HSDPConfig:
     """The apply_config config the arguments mean: ``hsdp_config`` (or the defaults),
     with ``fsdp_outer_degree`` and ``hsdp_wrap_modules`` filled in or checked."""
     base = load_config(args.hsdp_config if args.hsdp_config is not None else {})
@@ -337,7 +341,7 @@ def _hsdp_config_of(args) -> HSDPConfig:
     return HSDPConfig(**values)
 
 
-def _live_topology(cfg: HSDPConfig):
+def _live_topology(cfg: HSDPConfig) -> tuple[int, int, int, int]:
     try:
         return topology_of(cfg)
     except ConfigError as e:
@@ -347,7 +351,7 @@ def _live_topology(cfg: HSDPConfig):
             "degrees"]) from None
 
 
-def main_stack_patterns(model) -> tuple:
+def main_stack_patterns(model: paddle.nn.Layer) -> tuple[str, ...]:
     """What ``hsdp_wrap_modules='auto'`` wraps: ``('<path>.{*}',)`` for the model's
     longest ``LayerList`` (its decoder blocks); for a pipeline model (a
     ``PipelineLayer``, e.g. ``LlamaForCausalLMPipe``) the class the pipeline's layer
@@ -365,7 +369,7 @@ def main_stack_patterns(model) -> tuple:
     return () if best_path is None else (f"{best_path}.{{*}}",)
 
 
-def shard_for_training(model, cfg: HSDPConfig):
+def shard_for_training(model: paddle.nn.Layer, cfg: HSDPConfig) -> tuple[paddle.nn.Layer, Plan]:
     """``apply_config`` with the ``'auto'`` wrap pattern resolved for ``model``."""
     if cfg.sub_modules_to_wrap == (AUTO,):
         values = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
@@ -375,7 +379,7 @@ def shard_for_training(model, cfg: HSDPConfig):
 
 
 @contextlib.contextmanager
-def cpu_synchronize_is_a_no_op():
+def cpu_synchronize_is_a_no_op() -> Iterator[None]:
     """The Trainer calls ``paddle.device.synchronize()`` before scaling accumulated
     grads; on a CPU-only build that raises TypeError ("device should be gpu, xpu, ...")
     although there is nothing to wait for. Only on such builds, for the duration of
@@ -391,7 +395,7 @@ def cpu_synchronize_is_a_no_op():
         paddle.device.synchronize = original
 
 
-def export_pretrained(model, output_dir: str) -> None:
+def export_pretrained(model: paddle.nn.Layer, output_dir: str) -> None:
     """Write ``model`` (sharded, and split over tensor-parallel ranks and pipeline
     stages or not) as a directory PaddleFormers' ``from_pretrained`` loads exactly in
     one plain process. A collective: call it on every rank. Every sharded block,
@@ -431,7 +435,7 @@ class HSDPTrainer(Trainer):
     """PaddleFormers' ``Trainer`` on an HSDP-sharded model; use it with
     :class:`HSDPTrainingArguments`. See the module docstring."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, HSDPTrainingArguments):
             raise TypeError(f"HSDPTrainer: args must be HSDPTrainingArguments, got "
@@ -462,7 +466,7 @@ class HSDPTrainer(Trainer):
         self._hsdp_in_checkpoint = False
 
     # ------------------------------------------------------------ training
-    def _wrap_model(self, model, training=True):
+    def _wrap_model(self, model: paddle.nn.Layer, training: bool = True) -> paddle.nn.Layer:
         # No DataParallel, no MixPrecisionLayer: HSDP reduces the grads itself, and the
         # Trainer's fused all-reduce of DataParallel grads must not run on shards.
         if not self.args.use_hybrid_parallel:
@@ -472,17 +476,18 @@ class HSDPTrainer(Trainer):
         # dp 1 and its sharding stages off they add no data-parallel reduction.
         return super()._wrap_model(model, training)
 
-    def _wrap_distributed_optimizer(self, optimizer):
+    def _wrap_distributed_optimizer(self, optimizer: paddle.optimizer.Optimizer,
+                                    ) -> paddle.optimizer.Optimizer:
         # fleet's optimizer over the shards (its clip replaced by HSDP's, whose norm
         # log() reads); PaddleFormers' own version wraps HybridParallelClipGrad's
         # internals to log the norm, which the HSDP clip has no need of
         return fleet.distributed_optimizer(optimizer)
 
-    def train(self, *args, **kwargs):
+    def train(self, *args: Any, **kwargs: Any) -> Any:
         with cpu_synchronize_is_a_no_op():
             return super().train(*args, **kwargs)
 
-    def log(self, logs, **kwargs):
+    def log(self, logs: dict[str, float], **kwargs: Any) -> None:
         if "loss" in logs and "global_norm" not in logs and self.optimizer is not None:
             norm = last_global_norm(self.optimizer)
             if norm is not None:
@@ -490,14 +495,15 @@ class HSDPTrainer(Trainer):
         return super().log(logs, **kwargs)
 
     # ------------------------------------------------------------ checkpoints
-    def _save_checkpoint(self, model, metrics=None):
+    def _save_checkpoint(self, model: paddle.nn.Layer, metrics: dict | None = None) -> Any:
         self._hsdp_in_checkpoint = True
         try:
             return super()._save_checkpoint(model, metrics)
         finally:
             self._hsdp_in_checkpoint = False
 
-    def save_model(self, output_dir=None, merge_tensor_parallel=False, last_fc_to_hf=False):
+    def save_model(self, output_dir: str | None = None, merge_tensor_parallel: bool = False,
+                   last_fc_to_hf: bool = False) -> None:
         """Outside a checkpoint: a directory ``from_pretrained`` loads exactly, in
         Hugging Face layout whatever ``last_fc_to_hf`` says (every rank must call it).
         Inside one, the weights go into the HSDP checkpoint instead."""
@@ -516,20 +522,20 @@ class HSDPTrainer(Trainer):
             paddle.save(self.args, os.path.join(output_dir, "training_args.bin"))
         return None
 
-    def _save_flex_model_state(self, output_dir):
+    def _save_flex_model_state(self, output_dir: str) -> None:
         if not self.args.hsdp_checkpoint:
             return super()._save_flex_model_state(output_dir)
         # written with the optimizer state by _save_flex_optimizer_state, in one save
         return None
 
-    def _save_flex_optimizer_state(self, output_dir):
+    def _save_flex_optimizer_state(self, output_dir: str) -> None:
         if not self.args.hsdp_checkpoint:
             return super()._save_flex_optimizer_state(output_dir)
         save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
                         self.optimizer, async_save=self.args.hsdp_async_save)
         return None
 
-    def _load_flex_checkpoint(self, resume_from_checkpoint):
+    def _load_flex_checkpoint(self, resume_from_checkpoint: str) -> None:
         if not self.args.hsdp_checkpoint:
             return super()._load_flex_checkpoint(resume_from_checkpoint)
         path = os.path.join(resume_from_checkpoint, HSDP_CHECKPOINT_DIR)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import paddle
 import paddle.nn.utils as utils
@@ -51,6 +52,16 @@ from ..engine.reductions import sync_grads
 from ..hints import expect_optimizer
 from .patching import replace
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.nn.clip import ClipGradBase
+
+    from ..engine.buffer import ShardBuffer
+    from ..topology.mesh import Mesh
+
+    # a parameter and its grad, as a clip sees them
+    Pair = tuple[paddle.Tensor, paddle.Tensor]
+
 
 class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
     """``ClipGradByGlobalNorm`` for HSDP shards; ``last_global_norm`` keeps the norm.
@@ -59,9 +70,10 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
     ``group``: the group that spans every distinct shard (None: the whole job).
     """
 
-    def __init__(self, clip_norm: float, group=None, mp_rank: int = 0, sep_rank: int = 0,
-                 group_name: str = "default_group", auto_skip_clip: bool = False,
-                 fsdp_rank: int = 0, expert_fsdp_rank: int = 0):
+    def __init__(self, clip_norm: float, group: Group | None = None, mp_rank: int = 0,
+                 sep_rank: int = 0, group_name: str = "default_group",
+                 auto_skip_clip: bool = False, fsdp_rank: int = 0,
+                 expert_fsdp_rank: int = 0) -> None:
         super().__init__(clip_norm, group_name, auto_skip_clip)
         self.group = group
         self.mp_rank = mp_rank
@@ -69,7 +81,7 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         self.fsdp_rank, self.expert_fsdp_rank = fsdp_rank, expert_fsdp_rank
         self.last_global_norm: paddle.Tensor | None = None
 
-    def counts(self, param) -> bool:
+    def counts(self, param: paddle.Tensor) -> bool:
         """Whether this rank's copy of ``param`` is the one the norm counts."""
         if getattr(param, "is_firstly_shared", True) is False:
             return False
@@ -84,7 +96,8 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         return self.mp_rank == 0 or bool(getattr(param, "is_distributed", False))
 
     @paddle.no_grad()
-    def _dygraph_clip(self, params_grads):
+    def _dygraph_clip(self, params_grads: list[tuple[paddle.Tensor, paddle.Tensor | None]],
+                      ) -> list[tuple[paddle.Tensor, paddle.Tensor | None]]:
         dtype = norm_dtype(g for _, g in params_grads)
         clipped = [(p, g) for p, g in params_grads
                    if g is not None and getattr(p, "need_clip", True) is not False]
@@ -111,7 +124,8 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         return [(p, new.get(id(p), g)) for p, g in params_grads]
 
 
-def _storage_of(param, grad):
+def _storage_of(param: paddle.Tensor, grad: paddle.Tensor,
+                ) -> tuple[paddle.Tensor | None, ShardBuffer | None]:
     """The buffer's flat grad (or main-grad) storage ``grad`` is ``param``'s view of,
     and that buffer; ``(None, None)`` for any other grad."""
     sp = getattr(param, "_hsdp_sharded_param", None)
@@ -124,16 +138,18 @@ def _storage_of(param, grad):
     return None, None
 
 
-def _by_storage(pairs):
+def _by_storage(pairs: Iterable[Pair]) -> tuple[list[tuple[paddle.Tensor, list[Pair]]],
+                                                list[Pair]]:
     """Split ``(param, grad)`` pairs into whole flat grad buffers, ``[(flat,
     pairs)]``, and the rest: a buffer whose every param is here with its view of the
     flat storage is one tensor for the norm and the scaling (one kernel, not a few
     per parameter). With outer sub-shards that tensor is this rank's piece of the
     storage (the other pieces are no grads of its params), unless the pieces are shared
-    ([Note: shared pieces] in engine/outer_pieces.py: every replica holds the whole
+    ([Note: shared pieces] in engine/buffer/outer_pieces.py: every replica holds the whole
     synced shard, which is then what counts); either way a param's grad starts
     ``sp.offset`` elements into it."""
-    groups, rest = {}, []
+    groups: dict[int, tuple[paddle.Tensor, ShardBuffer, list[Pair]]] = {}
+    rest: list[Pair] = []
     for p, g in pairs:
         flat, buf = _storage_of(p, g)
         if flat is None:
@@ -153,7 +169,9 @@ def _by_storage(pairs):
     return whole, rest
 
 
-def _local_sum(pairs, dtype, term, combine=None):
+def _local_sum(pairs: Iterable[Pair], dtype: str,
+               term: Callable[[paddle.Tensor], paddle.Tensor],
+               combine: str | None = None) -> paddle.Tensor:
     """This rank's part of the norm over ``pairs`` (``term`` of each tensor, summed, or
     combined with ``combine``), as a ``[1]`` tensor on the compute device."""
     whole, rest = _by_storage(pairs)
@@ -170,12 +188,12 @@ def _local_sum(pairs, dtype, term, combine=None):
         return paddle.max(paddle.concat(terms)).reshape([1])
 
 
-def _scale_grads(pairs, factor) -> None:
+def _scale_grads(pairs: Iterable[Pair], factor: paddle.Tensor) -> None:
     """Every grad of ``pairs`` times ``factor`` (a ``[1]`` tensor), in place (one kernel
     per whole buffer)."""
     factors = {}  # one copy of the factor per place and dtype
 
-    def factor_for(t):
+    def factor_for(t: paddle.Tensor) -> paddle.Tensor:
         key = (str(t.place), str(t.dtype))
         if key not in factors:
             f = factor if t.place._equals(factor.place) else factor._copy_to(t.place, True)
@@ -189,14 +207,14 @@ def _scale_grads(pairs, factor) -> None:
         g.multiply_(factor_for(g))
 
 
-def norm_dtype(grads) -> str:
+def norm_dtype(grads: Iterable[paddle.Tensor | None]) -> str:
     """The dtype Paddle's own clipping sums in: float64 when any grad is float64,
     else float32 (low-precision grads are summed in float32)."""
     return "float64" if any(g is not None and g.dtype == paddle.float64
                             for g in grads) else "float32"
 
 
-def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
+def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh: Mesh) -> HSDPClipGradByGlobalNorm:
     # The norm spans the mesh's ranks: the whole job on the fleet HCG, the mesh's own
     # group for an explicit mesh that covers part of the world.
     group = mesh.clip_group()
@@ -206,7 +224,8 @@ def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh) -> HSDPClipGradByGlobalNorm:
                                     expert_fsdp_rank=mesh.fsdp_group(True).rank)
 
 
-def make_clip_hsdp_aware(optimizer, params) -> None:
+def make_clip_hsdp_aware(optimizer: paddle.optimizer.Optimizer,
+                         params: Sequence[paddle.Tensor]) -> None:
     """The one place that decides which clip a step over HSDP shards uses: every clip
     the optimizer and the optimizers it wraps keep (``_grad_clip`` of
     ``HybridParallelOptimizer``, ``MixPrecisionOptimizer`` and the optimizer under them,
@@ -224,14 +243,17 @@ def make_clip_hsdp_aware(optimizer, params) -> None:
         level = own.get("_inner_opt")
 
 
-def hsdp_aware_for(clip, optimizer):
+def hsdp_aware_for(clip: ClipGradBase | HybridParallelClipGrad | None,
+                   optimizer: paddle.optimizer.Optimizer,
+                   ) -> ClipGradBase | HybridParallelClipGrad | None:
     """``clip`` as :func:`make_clip_hsdp_aware` decides it for ``optimizer``'s shards
     (a parameter group's clip that ``Optimizer.step`` copied before the swap)."""
     shards = _sharded_params_of(optimizer)
     return _hsdp_aware(clip, shards[0]._hsdp_sharded_param.mesh) if shards else clip
 
 
-def _hsdp_aware(clip, mesh):
+def _hsdp_aware(clip: ClipGradBase | HybridParallelClipGrad | None,
+                mesh: Mesh) -> ClipGradBase | HybridParallelClipGrad | None:
     if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
         return clip
     if isinstance(clip, HybridParallelClipGrad):
@@ -252,7 +274,7 @@ def _hsdp_aware(clip, mesh):
     return clip
 
 
-def last_global_norm(optimizer) -> float | None:
+def last_global_norm(optimizer: paddle.optimizer.Optimizer) -> float | None:
     """The global grad norm of the optimizer's last clipped step (for logging)."""
     expect_optimizer(optimizer, "last_global_norm")
     norm = getattr(unwrap_optimizer(optimizer)._grad_clip, "last_global_norm", None)
@@ -263,7 +285,9 @@ def last_global_norm(optimizer) -> float | None:
 
 
 # ---------------------------------------------------------------- paddle.nn.utils
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+def clip_grad_norm_(parameters: paddle.Tensor | Iterable[paddle.Tensor], max_norm: float,
+                    norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> paddle.Tensor:
     """``paddle.nn.utils.clip_grad_norm_`` for HSDP shards (installed in its place).
 
     Finishes the step's deferred grad sync, then computes the norm over every distinct
@@ -302,7 +326,8 @@ _NORM_TYPES = (float("inf"), 1, 2)
 
 
 @paddle.no_grad()
-def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
+def _global_norm(params: Sequence[paddle.Tensor], norm_type: float,
+                 counter: HSDPClipGradByGlobalNorm) -> paddle.Tensor:
     """The norm over the job of the counted copies' grads (one all-reduce)."""
     infinite = norm_type == float("inf")
     dtype = norm_dtype(p.grad for p in params)
@@ -319,7 +344,8 @@ def _global_norm(params, norm_type: float, counter: HSDPClipGradByGlobalNorm):
         return (local ** (1.0 / norm_type)).reshape([])
 
 
-def clip_grad_value_(parameters, clip_value):
+def clip_grad_value_(parameters: paddle.Tensor | Iterable[paddle.Tensor],
+                     clip_value: float) -> None:
     """``paddle.nn.utils.clip_grad_value_`` for HSDP shards: finishes the deferred
     grad sync first, so the clipped values are the step's synced grads."""
     if isinstance(parameters, paddle.Tensor):

@@ -25,6 +25,8 @@ Paddle's kernels untouched.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Sequence
+
 import paddle
 from paddle.base import core
 from paddle.distributed.communication import stream
@@ -33,12 +35,16 @@ from ..comm import collectives as comm
 from . import cpu_mp_ops
 from .patching import replace
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+
 _installed = False
 # Paddle's own functions the replacements call off CPU, by name (tests swap them here).
 PADDLE: dict = {}
 
 
-def _on_cpu(tensor) -> bool:
+def _on_cpu(tensor: object) -> bool:
     """A dygraph tensor on the CPU (a static graph's values keep Paddle's ops)."""
     return isinstance(tensor, paddle.Tensor) and tensor.place.is_cpu_place()
 
@@ -46,7 +52,7 @@ def _on_cpu(tensor) -> bool:
 def _patch_c_identity() -> None:
     PADDLE["c_identity"] = paddle._C_ops.c_identity
 
-    def c_identity(tensor, *args, **kwargs):
+    def c_identity(tensor: paddle.Tensor, *args: Any, **kwargs: Any) -> paddle.Tensor:
         if _on_cpu(tensor):
             return paddle.assign(tensor)
         return PADDLE["c_identity"](tensor, *args, **kwargs)
@@ -58,7 +64,8 @@ def _patch_c_identity() -> None:
 def _patch_c_concat() -> None:
     PADDLE["c_concat"] = paddle._C_ops.c_concat
 
-    def c_concat(x, rank, nranks, ring_id, *args, **kwargs):
+    def c_concat(x: paddle.Tensor, rank: int, nranks: int, ring_id: int, *args: Any,
+                 **kwargs: Any) -> paddle.Tensor:
         if _on_cpu(x):
             return cpu_mp_ops.concat(x, cpu_mp_ops.group_of(ring_id))
         return PADDLE["c_concat"](x, rank, nranks, ring_id, *args, **kwargs)
@@ -71,8 +78,10 @@ def _patch_c_concat() -> None:
 def _patch_c_softmax_with_cross_entropy() -> None:
     PADDLE["c_softmax_with_cross_entropy"] = paddle._C_ops.c_softmax_with_cross_entropy
 
-    def c_softmax_with_cross_entropy(logits, label, ignore_index, ring_id, rank, nranks,
-                                     *args, **kwargs):
+    def c_softmax_with_cross_entropy(logits: paddle.Tensor, label: paddle.Tensor,
+                                     ignore_index: int, ring_id: int, rank: int, nranks: int,
+                                     *args: Any,
+                                     **kwargs: Any) -> tuple[paddle.Tensor, paddle.Tensor]:
         if _on_cpu(logits):
             return cpu_mp_ops.cross_entropy(logits, label, cpu_mp_ops.group_of(ring_id),
                                             ignore_index)
@@ -87,7 +96,8 @@ def _patch_c_softmax_with_cross_entropy() -> None:
 def _patch_c_embedding() -> None:
     PADDLE["c_embedding"] = paddle._C_ops.c_embedding
 
-    def c_embedding(table, index, start_index=0, vocab_size=-1, *args, **kwargs):
+    def c_embedding(table: paddle.Tensor, index: paddle.Tensor, start_index: int = 0,
+                    vocab_size: int = -1, *args: Any, **kwargs: Any) -> paddle.Tensor:
         if _on_cpu(table):
             return cpu_mp_ops.embedding(table, index, start_index)
         return PADDLE["c_embedding"](table, index, start_index, vocab_size, *args, **kwargs)
@@ -100,8 +110,10 @@ def _patch_c_embedding() -> None:
 def _patch_stream_reduce_scatter() -> None:
     PADDLE["reduce_scatter"] = stream.reduce_scatter
 
-    def reduce_scatter(tensor, tensor_or_tensor_list, op=paddle.distributed.ReduceOp.SUM,
-                       group=None, sync_op=True, use_calc_stream=False):
+    def reduce_scatter(tensor: paddle.Tensor,
+                       tensor_or_tensor_list: paddle.Tensor | Sequence[paddle.Tensor],
+                       op: int = paddle.distributed.ReduceOp.SUM, group: Group | None = None,
+                       sync_op: bool = True, use_calc_stream: bool = False) -> Any:
         if group is None:
             group = paddle.distributed.collective._get_global_group()
         if not comm.is_gloo(group):
@@ -124,7 +136,7 @@ def _patch_broadcast_input_data() -> None:
 
     PADDLE["broadcast_input_data"] = util.broadcast_input_data
 
-    def broadcast_input_data(hcg, *inputs, **kwargs):
+    def broadcast_input_data(hcg: HybridCommunicateGroup, *inputs: Any, **kwargs: Any) -> Any:
         if paddle.get_device().split(":")[0] != "cpu":
             return PADDLE["broadcast_input_data"](hcg, *inputs, **kwargs)
         for data in (inputs, kwargs):  # Paddle's own per-element broadcasts, on CPU

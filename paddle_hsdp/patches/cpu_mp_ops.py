@@ -24,6 +24,8 @@ leaves every other place with Paddle's kernels.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import paddle
 import paddle.nn.functional as F
 from paddle import Tensor
@@ -32,6 +34,9 @@ from paddle.distributed import collective
 from paddle.distributed.communication.group import Group
 
 from ..comm import collectives as comm
+
+if TYPE_CHECKING:
+    from paddle.autograd import PyLayerContext
 
 
 def group_of(ring_id: int) -> Group:
@@ -47,14 +52,14 @@ class _Concat(PyLayer):
     """``c_concat`` on CPU: every rank's ``x`` side by side along the last axis."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: PyLayerContext, x: Tensor, group: Group) -> Tensor:
         ctx.rank, ctx.nranks = group.rank, group.nranks
         gathered = paddle.empty([group.nranks] + list(x.shape), dtype=x.dtype)
         comm.all_gather_into(gathered, x.contiguous(), group, tag="mp_concat")
         return paddle.concat(paddle.unbind(gathered, axis=0), axis=-1)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: PyLayerContext, dy: Tensor) -> Tensor:
         return paddle.split(dy, ctx.nranks, axis=-1)[ctx.rank].contiguous()
 
 
@@ -66,7 +71,8 @@ class _VocabParallelCrossEntropy(PyLayer):
     """``c_softmax_with_cross_entropy`` on CPU; returns ``(softmax, loss)`` as the op."""
 
     @staticmethod
-    def forward(ctx, logits, label, group, ignore_index):
+    def forward(ctx: PyLayerContext, logits: Tensor, label: Tensor, group: Group,
+                ignore_index: int) -> tuple[Tensor, Tensor]:
         part = logits.shape[-1]
         start = group.rank * part
         row_max = paddle.max(logits, axis=-1, keepdim=True)
@@ -87,7 +93,8 @@ class _VocabParallelCrossEntropy(PyLayer):
         return softmax, loss
 
     @staticmethod
-    def backward(ctx, d_softmax, d_loss):
+    def backward(ctx: PyLayerContext, d_softmax: Tensor,
+                 d_loss: Tensor) -> tuple[Tensor, None]:
         softmax, local, mine, ignored = ctx.saved_tensor()
         one_hot = F.one_hot(local.squeeze(-1), softmax.shape[-1]).astype(softmax.dtype)
         grad = softmax - one_hot * mine.astype(softmax.dtype)
@@ -109,7 +116,8 @@ def embedding(table: Tensor, index: Tensor, start_index: int) -> Tensor:
     return F.embedding(local, table) * mine.unsqueeze(-1).astype(table.dtype)
 
 
-def reduce_scatter(tensor: Tensor, tensor_or_tensor_list, group: Group) -> None:
+def reduce_scatter(tensor: Tensor, tensor_or_tensor_list: Tensor | Sequence[Tensor],
+                   group: Group) -> None:
     """Sum the input over ``group`` and leave slice ``group.rank`` in ``tensor``
     (``dist.stream.reduce_scatter``'s contract: the input is left as it was)."""
     source = tensor_or_tensor_list

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import paddle
@@ -34,20 +35,28 @@ from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as
 from ..comm import collectives as comm
 from .patching import replace
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+
+    # what a pipeline p2p call sends or receives in one direction
+    Message = paddle.Tensor | Sequence[paddle.Tensor] | None
+
 _installed = False
 # Paddle's own functions the replacements call off gloo, by name (tests swap them here).
 PADDLE: dict = {}
 _LOSS_DTYPES = (paddle.float32, paddle.float16, paddle.bfloat16, paddle.float64)
 
 
-def _tensors(message) -> list:
+def _tensors(message: Message) -> list[paddle.Tensor]:
     """A p2p message's tensors: None, one tensor, or a tuple/list of them."""
     if message is None:
         return []
     return list(message) if isinstance(message, (tuple, list)) else [message]
 
 
-def gloo_p2p(send_prev, recv_prev, send_next, recv_next, hcg) -> list:
+def gloo_p2p(send_prev: Message, recv_prev: Message, send_next: Message, recv_next: Message,
+             hcg: HybridCommunicateGroup) -> list:
     """Every message of one schedule step, synchronously, in the deadlock-free order of
     the module docstring; returns no request (nothing is left to wait for)."""
     group = hcg.get_pipe_parallel_group()
@@ -66,7 +75,8 @@ def _patch_p2p() -> None:
     for name in ("_batched_p2p_ops", "_p2p_ops"):
         PADDLE[name] = getattr(p2p, name)
 
-        def ops(send_prev, recv_prev, send_next, recv_next, hcg, __name=name):
+        def ops(send_prev: Message, recv_prev: Message, send_next: Message,
+                recv_next: Message, hcg: HybridCommunicateGroup, __name: str = name) -> Any:
             if comm.is_gloo(hcg.get_pipe_parallel_group()):
                 return gloo_p2p(send_prev, recv_prev, send_next, recv_next, hcg)
             return PADDLE[__name](send_prev, recv_prev, send_next, recv_next, hcg)
@@ -76,7 +86,8 @@ def _patch_p2p() -> None:
                 "deadlock-free order over a gloo pipe group")
 
 
-def _last_stage_losses(pp, per_micro_batch: bool) -> list:
+def _last_stage_losses(pp: pipeline_parallel.PipelineParallel,
+                       per_micro_batch: bool) -> list[paddle.Tensor]:
     """What the last stage reports for each loss function: the sum of its micro-batch
     losses (divided by the step count when the scaling was delayed), or each of them."""
     out = []
@@ -92,7 +103,7 @@ def _last_stage_losses(pp, per_micro_batch: bool) -> list:
     return out
 
 
-def broadcast_loss(loss: paddle.Tensor | None, src: int, group) -> paddle.Tensor:
+def broadcast_loss(loss: paddle.Tensor | None, src: int, group: Group) -> paddle.Tensor:
     """``loss`` (on rank ``src``; None elsewhere) on every rank of ``group``, in its own
     dtype and shape (a 0-d loss stays 0-d: a stage's loss of another shape or dtype
     than the last stage's would make the ranks' later collectives of it differ): a
@@ -113,7 +124,8 @@ def _patch_final_loss() -> None:
     cls = pipeline_parallel.PipelineParallel
     PADDLE["_broadcast_final_loss"] = cls._broadcast_final_loss
 
-    def _broadcast_final_loss(self, return_micro_batch_loss=False):
+    def _broadcast_final_loss(self: pipeline_parallel.PipelineParallel,
+                              return_micro_batch_loss: bool = False) -> Any:
         if not comm.is_gloo(self.pp_group):
             return PADDLE["_broadcast_final_loss"](self, return_micro_batch_loss)
         last = self._hcg.get_rank_from_stage(self.num_stages - 1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING, Any, Iterable
 
 import paddle.distributed.fleet as fleet_pkg
 import paddle.distributed.parallel as parallel
@@ -46,20 +47,26 @@ from ..topology.fleet import (OPTION, SHARDING_OPTION, _get_fsdp_group,
 from . import sequence_parallel
 from .patching import replace
 
+if TYPE_CHECKING:
+    import paddle
+    from paddle.distributed.fleet.base.role_maker import RoleMakerBase
+
+    from ..topology.fleet import HSDPDistributedStrategy
+
 logger = logging.getLogger(__name__)
 _installed = False
 
 
 # ---------------------------------------------------------------- strategy option
-def _strategy_knows_option_natively(strategy_cls) -> bool:
+def _strategy_knows_option_natively(strategy_cls: type[DistributedStrategy]) -> bool:
     return OPTION in pb.ShardingConfig.DESCRIPTOR.fields_by_name if hasattr(
         pb, "ShardingConfig") else False
 
 
-def _patch_strategy(strategy_cls) -> None:
+def _patch_strategy(strategy_cls: type[DistributedStrategy]) -> None:
     original = strategy_cls.hybrid_configs
 
-    def set_hybrid_configs(self, configs):
+    def set_hybrid_configs(self: DistributedStrategy, configs: dict) -> None:
         configs = dict(configs)
         sharding = configs.pop("sharding_configs", None)
         if sharding is not None:
@@ -83,18 +90,20 @@ def _patch_strategy(strategy_cls) -> None:
 
 
 # ---------------------------------------------------------------- fleet.init and the HCG
-def _patch_fleet(fleet_cls) -> None:
+def _patch_fleet(fleet_cls: type[Fleet]) -> None:
     original_init = fleet_cls.init
     original_env = fleet_cls._init_hybrid_parallel_env
 
     @functools.wraps(original_init)
-    def init(self, role_maker=None, is_collective=False, strategy=None, *args, **kwargs):
+    def init(self: Fleet, role_maker: RoleMakerBase | None = None, is_collective: bool = False,
+             strategy: HSDPDistributedStrategy | None = None, *args: Any,
+             **kwargs: Any) -> Any:
         if strategy is not None:
             validate_strategy(strategy)  # every rank, before any group exists
         return original_init(self, role_maker, is_collective, strategy, *args, **kwargs)
 
     @functools.wraps(original_env)
-    def init_hybrid_parallel_env(self):
+    def init_hybrid_parallel_env(self: Fleet) -> None:
         original_env(self)
         strategy = self._user_defined_strategy
         self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, get_fsdp_outer_degree(strategy),
@@ -110,10 +119,10 @@ class _WithoutHSDPParams:
     """A view of a model for Paddle's parameter broadcasts that hides HSDP-managed
     parameters (shards, and full params gathered at the moment)."""
 
-    def __init__(self, model):
+    def __init__(self, model: paddle.nn.Layer) -> None:
         self._model = model
 
-    def _obtain_parameters_buffers(self):
+    def _obtain_parameters_buffers(self) -> dict:
         return {k: v for k, v in self._model._obtain_parameters_buffers().items()
                 if managed_param(v) is None}
 
@@ -128,7 +137,7 @@ def _patch_param_broadcasts() -> None:
     original = parallel.sync_params_buffers
 
     @functools.wraps(original)
-    def sync_params_buffers(model, *args, **kwargs):
+    def sync_params_buffers(model: paddle.nn.Layer, *args: Any, **kwargs: Any) -> Any:
         return original(_WithoutHSDPParams(model), *args, **kwargs)
 
     why = "parameter broadcasts skip HSDP shards (they would overwrite other ranks' blocks)"
@@ -151,7 +160,8 @@ def _patch_fused_grad_allreduces() -> None:
     original = util.fused_allreduce_gradients_with_group
 
     @functools.wraps(original)
-    def fused_allreduce_gradients_with_group(parameter_list, *args, **kwargs):
+    def fused_allreduce_gradients_with_group(parameter_list: Iterable[paddle.Tensor], *args: Any,
+                                             **kwargs: Any) -> Any:
         params = list(parameter_list)
         kept = [p for p in params if managed_param(p) is None]
         group = kwargs.get("group", args[0] if args else None)

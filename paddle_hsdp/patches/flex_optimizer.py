@@ -24,7 +24,8 @@ def install() -> None:
     if getattr(original, "_hsdp", False):
         return
 
-    def sharded_state_dict(self, model_sharded_state_dict):
+    def sharded_state_dict(self: paddle.optimizer.AdamW, model_sharded_state_dict: dict,
+                           ) -> dict:
         if any(managed_param(p) is not None for p in _params_of(self)):
             return optimizer_sharded_state_dict(self, model_sharded_state_dict)
         return original(self, model_sharded_state_dict)

@@ -23,6 +23,7 @@ import atexit
 
 import functools
 import types
+from typing import Any, Callable
 
 from paddle.base import core
 from paddle.distributed import collective
@@ -34,8 +35,10 @@ from .patching import replace
 _original_impl = None
 
 
-def _safe_new_process_group_impl(backend, store, rank, world_size, group_name,
-                                 pg_options, group_id=0, *args, **kwargs):
+def _safe_new_process_group_impl(backend: str, store: core.Store, rank: int,
+                                 world_size: int, group_name: str, pg_options: object,
+                                 group_id: int = 0, *args: Any,
+                                 **kwargs: Any) -> core.ProcessGroup:
     if backend == "gloo" and group_id != 0 and world_size > 1:
         store = make_group_store(store, rank, world_size, group_id)
     return _original_impl(backend, store, rank, world_size, group_name, pg_options,
@@ -94,9 +97,9 @@ def serialize_collectives() -> None:
                         "at once in one process hang")
 
 
-def _after_comm_thread(method):
+def _after_comm_thread(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
-    def run(self, *args, **kwargs):
+    def run(self: core.ProcessGroupGloo, *args: Any, **kwargs: Any) -> Any:
         drain_comm_thread()
         return method(self, *args, **kwargs)
     return run

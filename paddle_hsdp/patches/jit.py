@@ -10,6 +10,7 @@ the way that works: train in dynamic mode, and convert an unsharded copy loaded 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import paddle
 import paddle.jit.api as jit_api
@@ -20,7 +21,7 @@ from .patching import replace
 _installed = False
 
 
-def _sharded_layer_of(target):
+def _sharded_layer_of(target: object) -> paddle.nn.Layer | None:
     """The sharded Layer ``target`` is (or whose bound method it is), else None."""
     layer = getattr(target, "__self__", target)
     if isinstance(layer, paddle.nn.Layer) and registry.units_under(layer):
@@ -35,7 +36,7 @@ def install() -> None:
     original = jit_api.to_static
 
     @functools.wraps(original)
-    def to_static(function=None, *args, **kwargs):
+    def to_static(function: Any = None, *args: Any, **kwargs: Any) -> Any:
         layer = _sharded_layer_of(function) if function is not None else None
         if layer is not None:
             raise NotImplementedError(

@@ -12,6 +12,7 @@ sync state. :func:`install` adds that.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from paddle.distributed.fleet.utils import mix_precision_utils
 
@@ -26,7 +27,8 @@ def _patch_clear_grad() -> None:
     original = cls.clear_grad
 
     @functools.wraps(original)
-    def clear_grad(self, *args, **kwargs):
+    def clear_grad(self: mix_precision_utils.MixPrecisionOptimizer, *args: Any,
+                   **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         for unit in _units_of(_sharded_params_of(self)):
             unit.drop_pending_grads()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import paddle
 from paddle.amp.grad_scaler import AmpScaler
@@ -51,6 +52,14 @@ from ..engine.registry import registry
 from . import clip
 from .patching import replace
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.distributed.fleet.base.distributed_strategy import DistributedStrategy
+    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+
+    # what Optimizer.step hands _apply_optimize: the pairs, or a param group's dict
+    ParamsGrads = list[tuple[paddle.Tensor, paddle.Tensor | None]] | dict
+
 _installed = False
 
 
@@ -65,7 +74,7 @@ class _StepBoundary:
         self.open: object | None = None  # the optimizer whose step is running
 
     @contextlib.contextmanager
-    def around(self, optimizer):
+    def around(self, optimizer: paddle.optimizer.Optimizer) -> Iterator[None]:
         if self.open is not None:
             yield
             return
@@ -102,12 +111,12 @@ _boundary = _StepBoundary()
 _STEPPING = ("step", "minimize", "_apply_optimize")
 
 
-def _with_boundary(original, name: str):
+def _with_boundary(original: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``original`` (a class's own ``step``, ``minimize`` or ``_apply_optimize``) run
     inside the step boundary; ``_apply_optimize`` also gets the pairs to update as
     they are after the sync (:func:`_pairs_to_update`)."""
 
-    def stepping(self, *args, **kwargs):
+    def stepping(self: paddle.optimizer.Optimizer, *args: Any, **kwargs: Any) -> Any:
         with _boundary.around(self):
             if name == "_apply_optimize" and _sharded_params_of(self):
                 if "params_grads" in kwargs:  # (loss, startup_program, params_grads, ...)
@@ -121,7 +130,7 @@ def _with_boundary(original, name: str):
     return wrapped
 
 
-def _wrap_steps_of(cls) -> None:
+def _wrap_steps_of(cls: type[paddle.optimizer.Optimizer]) -> None:
     """Give every class in ``cls``'s MRO that defines its own ``step``, ``minimize`` or
     ``_apply_optimize`` the step boundary (once per class): an optimizer that overrides
     ``step`` without calling Paddle's ``_apply_optimize`` still steps on synced grads
@@ -149,7 +158,7 @@ def _patch_every_optimizer_class() -> None:
         _wrap_steps_of(cls)
         pending.extend(cls.__subclasses__())
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls: type[paddle.optimizer.Optimizer], **kwargs: Any) -> None:
         super(base, cls).__init_subclass__(**kwargs)
         _wrap_steps_of(cls)
 
@@ -157,12 +166,13 @@ def _patch_every_optimizer_class() -> None:
             "wrap each later optimizer class's own step in the step boundary")
 
 
-def _pairs_to_update(params_grads, optimizer):
+def _pairs_to_update(params_grads: ParamsGrads,
+                     optimizer: paddle.optimizer.Optimizer) -> ParamsGrads:
     """``params_grads`` (``step``'s list of pairs, or a param group's dict with one)
     without the shards whose parameter got no grad on any rank (``untouched_shards``),
     as plain Paddle leaves a parameter whose grad is None out of the update; and with
     each shard's grad as it is after the sync (``step`` collected the pairs before:
-    a grad autograd replaced is a view of the synced storage again, engine/buffer.py
+    a grad autograd replaced is a view of the synced storage again, engine/buffer/shard_grads.py
     ``add_to_grad``)."""
     pairs = params_grads["params"] if isinstance(params_grads, dict) else params_grads
     untouched = untouched_shards([p for p, _ in pairs if hasattr(p, "_hsdp_sharded_param")])
@@ -176,7 +186,7 @@ def _pairs_to_update(params_grads, optimizer):
     return kept
 
 
-def _synced_grad(param, grad):
+def _synced_grad(param: paddle.Tensor, grad: paddle.Tensor | None) -> paddle.Tensor | None:
     """A shard's ``.grad`` now, where ``grad`` was its ``.grad`` when ``step`` collected
     it (not a main grad, which stays where it is)."""
     if not hasattr(param, "_hsdp_sharded_param") or grad is getattr(param, "main_grad", None):
@@ -189,7 +199,8 @@ def _patch_hybrid_parallel_optimizer() -> None:
     original_init = cls.__init__
 
     @functools.wraps(original_init)
-    def __init__(self, optimizer, hcg, strategy):
+    def __init__(self: hpo_mod.HybridParallelOptimizer, optimizer: paddle.optimizer.Optimizer,
+                 hcg: HybridCommunicateGroup, strategy: DistributedStrategy) -> None:
         if not _sharded_params_of(optimizer):
             return original_init(self, optimizer, hcg, strategy)
         original_init(self, optimizer, _WithoutPaddleSharding(hcg), strategy)
@@ -211,7 +222,8 @@ def _patch_hybrid_parallel_optimizer() -> None:
     original_sync = cls._insert_sync
 
     @functools.wraps(original_sync)
-    def _insert_sync(self, sync_var, src, mp_group, sync_mode):
+    def _insert_sync(self: hpo_mod.HybridParallelOptimizer, sync_var: paddle.Tensor, src: int,
+                     mp_group: Group, sync_mode: str) -> None:
         if 0 in list(sync_var.shape):
             return None
         return original_sync(self, sync_var, src, mp_group, sync_mode)
@@ -224,13 +236,13 @@ class _WithoutPaddleSharding:
     """An HCG view that hides the sharding degree from HybridParallelOptimizer's
     constructor, so it does not wrap HSDP shards in DygraphShardingOptimizer."""
 
-    def __init__(self, hcg):
+    def __init__(self, hcg: HybridCommunicateGroup) -> None:
         self._hcg = hcg
 
-    def get_sharding_parallel_world_size(self, *args, **kwargs):
+    def get_sharding_parallel_world_size(self, *args: Any, **kwargs: Any) -> int:
         return 1
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._hcg, name)
 
 
@@ -242,7 +254,7 @@ def _patch_clear_grad() -> None:
     original = paddle.optimizer.Optimizer.clear_grad
 
     @functools.wraps(original)
-    def clear_grad(self, set_to_zero=True):
+    def clear_grad(self: paddle.optimizer.Optimizer, set_to_zero: bool = True) -> None:
         result = original(self, set_to_zero)
         shards = _sharded_params_of(self)
         for p in shards:
@@ -265,7 +277,8 @@ def _patch_set_state_dict() -> None:
     original = paddle.optimizer.Optimizer.set_state_dict
 
     @functools.wraps(original)
-    def set_state_dict(self, state_dict, *args, **kwargs):
+    def set_state_dict(self: paddle.optimizer.Optimizer, state_dict: dict, *args: Any,
+                       **kwargs: Any) -> Any:
         refuse_state_of_other_shape(self, state_dict)
         return original(self, state_dict, *args, **kwargs)
 
@@ -280,7 +293,7 @@ def _patch_grad_scaler() -> None:
     original = AmpScaler._unscale
 
     @functools.wraps(original)
-    def _unscale(self, optimizer):
+    def _unscale(self: AmpScaler, optimizer: paddle.optimizer.Optimizer) -> Any:
         params = _sharded_params_of(getattr(optimizer, "_inner_opt", optimizer))
         if params:
             finish_grad_sync(params)

@@ -35,7 +35,7 @@ class Patch:
 _active: list[Patch] = []
 
 
-def replace(owner, name: str, new, why: str):
+def replace(owner: object, name: str, new: object, why: str) -> object:
     """Set ``owner.name = new`` and record the patch; return what was there before
     (None when there was nothing)."""
     original = getattr(owner, name, _MISSING)

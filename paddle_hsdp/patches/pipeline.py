@@ -27,6 +27,7 @@ any of HSDP's collectives.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from paddle import nn
 from paddle.distributed.fleet.base import topology as fleet_topology
@@ -42,7 +43,7 @@ def _patch_pipeline_layer() -> None:
     cls = pp_layers.PipelineLayer
     original_forward = cls.forward
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self: pp_layers.PipelineLayer, *args: Any, **kwargs: Any) -> Any:
         calls = self.__dict__
         calls[_CALLS] = calls.get(_CALLS, 0) + 1
         try:
@@ -50,7 +51,7 @@ def _patch_pipeline_layer() -> None:
         finally:
             calls[_CALLS] -= 1
 
-    def forward(self, *args, **kwargs):
+    def forward(self: pp_layers.PipelineLayer, *args: Any, **kwargs: Any) -> Any:
         if "_hsdp_unit_" in self.__dict__ and not self.__dict__.get(_CALLS):
             return self(*args, **kwargs)  # a direct call (PipelineParallel): the hooks run
         return original_forward(self, *args, **kwargs)
@@ -62,7 +63,7 @@ def _patch_pipeline_layer() -> None:
             "hooks, so the stage is one root and syncs once per step")
 
 
-def check_stages(layer) -> None:
+def check_stages(layer: pp_layers.PipelineLayer) -> None:
     """Refuse a ``PipelineLayer`` whose rank -> stage map is not fleet's (see above)."""
     hcg = fleet_topology._HYBRID_PARALLEL_GROUP
     if hcg is None or hcg.get_pipe_parallel_world_size() <= 1:
@@ -88,7 +89,7 @@ def _patch_pipeline_layer_init() -> None:
     original_init = cls.__init__
 
     @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: pp_layers.PipelineLayer, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         check_stages(self)
 

@@ -45,6 +45,8 @@ shard's grad is all-reduced over mp in place (every mp rank holds the same rows)
 
 from __future__ import annotations
 
+from typing import Any, Callable, Iterable
+
 import paddle
 from paddle import Tensor
 from paddle.distributed import fleet
@@ -73,7 +75,7 @@ def is_mp_group(group: Group | None) -> bool:
     return group is not None and group.nranks > 1 and group.id == mp.id
 
 
-def sum_shard_grads(params, group: Group, scale: float) -> None:
+def sum_shard_grads(params: Iterable[Tensor], group: Group, scale: float) -> None:
     """Paddle's fused all-reduce over the mp group, for HSDP parameters: finish the
     step's grad sync of their units, then scale each shard's grad (its ``main_grad``
     under Paddle's master-grad wrapper) by ``scale`` and sum it over ``group`` in
@@ -120,11 +122,12 @@ def watch(param: Tensor) -> None:
 def _patch_non_fused() -> None:
     original = spu.create_non_fused_allreduce_gradient_hook
 
-    def create_non_fused_allreduce_gradient_hook(param, accumulation_steps):
+    def create_non_fused_allreduce_gradient_hook(param: Tensor, accumulation_steps: int,
+                                                 ) -> Callable[..., Any]:
         watch(param)
         paddle_hook = original(param, accumulation_steps)
 
-        def hook(*args):
+        def hook(*args: Any) -> Any:
             if managed_param(param) is None:  # not HSDP's: Paddle's all-reduce
                 return paddle_hook(*args)
             return None
@@ -137,7 +140,8 @@ def _patch_non_fused() -> None:
 
 
 def _patch_fused() -> None:
-    def create_fused_allreduce_gradient_hook(parameter_list, accumulation_steps):
+    def create_fused_allreduce_gradient_hook(parameter_list: Iterable[Tensor],
+                                             accumulation_steps: int) -> Callable[..., None]:
         params = list(parameter_list)
         for p in params:
             watch(p)
@@ -145,7 +149,7 @@ def _patch_fused() -> None:
         firing = sum(1 for p in params if not hasattr(p, "_hsdp_sharded_param"))
         calls = [0]
 
-        def hook(*_):  # Paddle 3.3's own takes ``grad``, which it is never given
+        def hook(*_: Any) -> None:  # Paddle 3.3's own takes ``grad``, which it is never given
             calls[0] += 1
             if calls[0] < accumulation_steps * firing:
                 return

@@ -2,7 +2,7 @@
 
 With outer sub-shards (``fsdp_outer_sharding="optim"``) a shard parameter is this rank's
 piece of its buffer, and an edit of it must reach the other replicas before the next
-forward reads their pieces ([Note: edits under outer sub-shards] in engine/buffer.py).
+forward reads their pieces ([Note: edits under outer sub-shards] in engine/buffer/outer_pieces.py).
 Paddle's in-place ops bump a tensor's inplace version, which the buffer compares, but
 these two write the tensor's memory without bumping it (an EMA swap, weights loaded by
 hand), so they say so here. Other tensors keep Paddle's methods unchanged, at the cost
@@ -12,6 +12,7 @@ of one attribute lookup.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import paddle
 
@@ -20,9 +21,9 @@ from .patching import replace
 _installed = False
 
 
-def _marking(original):
+def _marking(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def method(self, *args, **kwargs):
+    def method(self: paddle.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         sp = getattr(self, "_hsdp_sharded_param", None)
         if sp is not None and sp.buffer is not None:

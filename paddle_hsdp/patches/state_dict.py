@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Iterable
 
 import paddle
 
@@ -32,10 +33,15 @@ from ..engine.registry import managed_param, owning_unit, registry
 from ..engine.unit import expect_everyone_in
 from .patching import replace
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..engine.param import ShardedParam
+
 _installed = False
 
 
-def _live_entries(layer, args, kwargs) -> dict:
+def _live_entries(layer: paddle.nn.Layer, args: tuple, kwargs: dict) -> dict:
     """The same keys ``state_dict(*args, **kwargs)`` produces, mapped to the tensors in
     the module slots (never detached), so managed entries can be found."""
     if (len(args) >= 2 and isinstance(args[1], str)) or "prefix" in kwargs:  # torch form
@@ -49,7 +55,7 @@ def _live_entries(layer, args, kwargs) -> dict:
 
 
 @paddle.no_grad()
-def gather_full(sharded_params) -> dict[int, paddle.Tensor]:
+def gather_full(sharded_params: Iterable[ShardedParam]) -> dict[int, paddle.Tensor]:
     """``{id(ShardedParam): full tensor}`` for ``sharded_params``: one all-gather per
     buffer that holds any of them, units in registration order (the same on every
     rank, since every rank asks for the same keys)."""
@@ -67,11 +73,11 @@ def gather_full(sharded_params) -> dict[int, paddle.Tensor]:
     return out
 
 
-def _patch_state_dict(layer_cls) -> None:
+def _patch_state_dict(layer_cls: type[paddle.nn.Layer]) -> None:
     original = layer_cls.state_dict
 
     @functools.wraps(original)
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self: paddle.nn.Layer, *args: Any, **kwargs: Any) -> dict:
         result = original(self, *args, **kwargs)
         if not registry.units:
             return result
@@ -91,11 +97,12 @@ def _patch_state_dict(layer_cls) -> None:
             "sharded parameters appear as full tensors (gathered), as in the unsharded model")
 
 
-def _patch_set_state_dict(layer_cls) -> None:
+def _patch_set_state_dict(layer_cls: type[paddle.nn.Layer]) -> None:
     original = layer_cls.set_state_dict
 
     @functools.wraps(original)
-    def set_state_dict(self, state_dict, use_structured_name=True, *args, **kwargs):
+    def set_state_dict(self: paddle.nn.Layer, state_dict: dict, use_structured_name: bool = True,
+                       *args: Any, **kwargs: Any) -> Any:
         if not registry.units:
             return original(self, state_dict, use_structured_name, *args, **kwargs)
         live = self._state_dict_impl(use_hook=False)
@@ -125,11 +132,11 @@ def _patch_set_state_dict(layer_cls) -> None:
             "full tensors load into this rank's blocks of sharded parameters")
 
 
-def _as_tensor(value):
+def _as_tensor(value: paddle.Tensor | np.ndarray) -> paddle.Tensor:
     return value if isinstance(value, paddle.Tensor) else paddle.to_tensor(value)
 
 
-def _block_of(sp, key: str, value):
+def _block_of(sp: ShardedParam, key: str, value: paddle.Tensor | np.ndarray) -> paddle.Tensor:
     """The rows of a full tensor this rank's shard parameter holds, in its shape."""
     value = _as_tensor(value)
     if list(value.shape) != list(sp.shape):

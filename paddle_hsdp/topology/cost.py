@@ -32,6 +32,7 @@ step, the counter's ring accounting:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..comm.gather_tags import TAG_NUMEL
 
@@ -76,7 +77,7 @@ def step_comm(units: list[UnitShape], micro_steps: int = 1,
     """Wire bytes per rank of one optimizer step, ``{(group label, op): bytes}``."""
     out: dict[tuple[str, str], float] = {}
 
-    def add(label, op, payload, factor):
+    def add(label: str, op: str, payload: float, factor: float) -> None:
         out[(label, op)] = out.get((label, op), 0.0) + payload * factor
 
     for unit in units:
@@ -98,7 +99,7 @@ def step_comm(units: list[UnitShape], micro_steps: int = 1,
     return out
 
 
-def add_outer(add, b: BufferShape) -> None:
+def add_outer(add: Callable[[str, str, float, float], None], b: BufferShape) -> None:
     """The step's outer traffic of a trainable buffer: one all-reduce, or with outer
     sub-shards one reduce-scatter and one all-gather (the same bytes, see above)."""
     ring = (b.outer - 1) / b.outer

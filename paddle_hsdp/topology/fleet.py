@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import paddle.distributed as dist
 from paddle.distributed.communication.group import Group
@@ -31,6 +31,32 @@ from paddle.distributed.communication.group import Group
 from ..comm import collectives as comm
 from ..hints import did_you_mean
 from . import layout as topology
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+    from paddle.distributed.fleet.base.distributed_strategy import DistributedStrategy
+    from paddle.distributed.fleet.base.topology import (EPHybridCommunicateGroup,
+                                                        HybridCommunicateGroup)
+
+    class HSDPDistributedStrategy(DistributedStrategy):
+        """fleet's strategy as ``import paddle_hsdp`` extends it (patches/fleet.py): the
+        options kept aside where Paddle does not know them. For types only."""
+
+        _hsdp_fsdp_outer_degree: int  # as given: validate_strategy checks them
+        _hsdp_fsdp_outer_sharding: str
+
+    class HSDPHybridCommunicateGroup(HybridCommunicateGroup):
+        """fleet's HCG as ``import paddle_hsdp`` extends it: the methods below (their
+        bodies are at the end of this module; patches/fleet.py installs them) and the
+        HSDP groups ``fleet.init`` builds. For types only."""
+
+        _hsdp_groups: HSDPGroups
+
+        def get_fsdp_group(self, is_expert: bool = False) -> Group: ...
+        def get_fsdp_inner_group(self, is_expert: bool = False) -> Group: ...
+        def get_fsdp_outer_group(self, is_expert: bool = False) -> Group: ...
+        def get_fsdp_outer_degree(self) -> int: ...
+        def get_fsdp_outer_sharding(self) -> str: ...
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +72,20 @@ MOE_ORDER_HINT = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp
 
 
 # ---------------------------------------------------------------- strategy option
-def get_fsdp_outer_degree(strategy) -> int:
+def get_fsdp_outer_degree(strategy: HSDPDistributedStrategy) -> int:
     """The ``fsdp_outer_degree`` a strategy carries (1, plain FSDP, when unset)."""
     native = getattr(strategy.strategy.hybrid_configs.sharding_configs, OPTION, None)
     return native if native is not None else strategy._hsdp_fsdp_outer_degree
 
 
-def get_fsdp_outer_sharding(strategy) -> str:
+def get_fsdp_outer_sharding(strategy: HSDPDistributedStrategy) -> str:
     """The ``fsdp_outer_sharding`` a strategy carries ("none", HSDP, when unset)."""
     native = getattr(strategy.strategy.hybrid_configs.sharding_configs, SHARDING_OPTION,
                      None)
     return native if native is not None else strategy._hsdp_fsdp_outer_sharding
 
 
-def validate_outer_sharding(value) -> str:
+def validate_outer_sharding(value: object) -> str:
     """``fsdp_outer_sharding`` must be "none" or "optim" (with outer degree 1 both are
     plain FSDP: there is no outer group to shard across)."""
     if isinstance(value, str) and value in OUTER_SHARDING_VALUES:
@@ -72,7 +98,7 @@ def validate_outer_sharding(value) -> str:
 
 
 # ---------------------------------------------------------------- validation
-def check_sharding_config_keys(config: dict, paddle_message) -> None:
+def check_sharding_config_keys(config: dict, paddle_message: Message) -> None:
     """Refuse a ``sharding_configs`` key that is neither Paddle's (a field of
     ``paddle_message``, its ``DygraphShardingConfig``) nor paddle_hsdp's: Paddle
     silently drops unknown keys, so a typo of ``fsdp_outer_degree`` would train as
@@ -91,7 +117,7 @@ def check_sharding_config_keys(config: dict, paddle_message) -> None:
             + (f" Also unknown: {', '.join(map(repr, unknown[1:]))}." if unknown[1:] else ""))
 
 
-def validate_strategy(strategy) -> int:
+def validate_strategy(strategy: HSDPDistributedStrategy) -> int:
     """Check the HSDP option of a strategy before any group is created; return O."""
     degree = get_fsdp_outer_degree(strategy)
     validate_outer_sharding(get_fsdp_outer_sharding(strategy))
@@ -101,7 +127,8 @@ def validate_strategy(strategy) -> int:
             "auto-parallel mode (strategy.auto / strategy.semi_auto); use manual hybrid "
             "parallel (fleet.init(is_collective=True, strategy=...)) or set it to 1."
         )
-    hc = strategy.hybrid_configs
+    # (Paddle's TypedDict of hybrid_configs lacks the MoE degrees its proto has)
+    hc = cast("dict[str, Any]", strategy.hybrid_configs)
     sizes = {"dense": max(hc["sharding_degree"], 1)}
     if max(hc["ep_degree"], 1) > 1:
         order = list(strategy.hybrid_parallel_order)
@@ -116,44 +143,49 @@ def validate_strategy(strategy) -> int:
 
 
 # ---------------------------------------------------------------- groups
-def fsdp_rank_lists(hcg) -> tuple[list[list[int]], list[list[int]] | None]:
+def fsdp_rank_lists(hcg: HybridCommunicateGroup,
+                    ) -> tuple[list[list[int]], list[list[int]] | None]:
     """All dense FSDP groups of the job and all expert ones (None: same as dense)."""
     if hasattr(hcg, "_moe_topo"):  # EPHybridCommunicateGroup (ep_degree > 1)
-        dense = hcg.merge_inner_comm_list(hcg._dense_topo, "moe_sharding", "dense_sharding")
-        return dense, hcg._moe_topo.get_comm_list("moe_sharding")
+        ep = cast("EPHybridCommunicateGroup", hcg)
+        dense = ep.merge_inner_comm_list(ep._dense_topo, "moe_sharding", "dense_sharding")
+        return dense, ep._moe_topo.get_comm_list("moe_sharding")
     return hcg._topo.get_comm_list("sharding"), None
 
 
 class HSDPGroups:
     """What the HCG answers for HSDP on this rank."""
 
-    def __init__(self, layout: topology.HSDPLayout, groups: dict, fsdp_dense, fsdp_expert,
-                 reduce_scatter_twins: dict | None = None, outer_sharding: str = "none"):
+    def __init__(self, layout: topology.HSDPLayout, groups: dict[topology.Ranks, Group],
+                 fsdp_dense: Group, fsdp_expert: Group,
+                 reduce_scatter_twins: dict[topology.Ranks, Group] | None = None,
+                 outer_sharding: str = "none") -> None:
         self.layout = layout
         self.outer_degree = layout.outer_degree
         self.outer_sharding = outer_sharding
         self._groups = groups  # member tuple -> paddle Group
         self._fsdp = {False: fsdp_dense, True: fsdp_expert}
         self._twins = reduce_scatter_twins or {}  # inner member tuple -> its twin
-        self.live_outer = None  # set by paddle_hsdp.ft: the outer group across replicas
+        # set by paddle_hsdp.ft: the outer group across replicas
+        self.live_outer: Group | None = None
 
-    def fsdp(self, is_expert: bool):
+    def fsdp(self, is_expert: bool) -> Group:
         return self._fsdp[bool(is_expert)]
 
-    def inner(self, rank: int, is_expert: bool):
+    def inner(self, rank: int, is_expert: bool) -> Group:
         return self._groups[self.layout.groups_of(rank, is_expert).inner]
 
-    def outer(self, rank: int, is_expert: bool):
+    def outer(self, rank: int, is_expert: bool) -> Group:
         if self.live_outer is not None:
             return self.live_outer
         return self._groups[self.layout.groups_of(rank, is_expert).outer]
 
-    def use_live_outer(self, group) -> None:
+    def use_live_outer(self, group: Group) -> None:
         """A fault-tolerant job (paddle_hsdp.ft): ``group`` is this rank's outer group for
         dense and expert buffers alike, across replica groups (fleet's outer degree is 1)."""
         self.live_outer = group
 
-    def reduce_scatter(self, rank: int, is_expert: bool):
+    def reduce_scatter(self, rank: int, is_expert: bool) -> Group:
         """The group inner reduce-scatters run on: the inner group's twin where one was
         made (:func:`separate_reduce_scatter`), else the inner group itself."""
         members = self.layout.groups_of(rank, is_expert).inner
@@ -179,10 +211,11 @@ def separate_reduce_scatter(on_gloo: bool) -> bool:
     return value == "1" if value else not on_gloo
 
 
-def inner_rows(layout: topology.HSDPLayout) -> list:
+def inner_rows(layout: topology.HSDPLayout) -> list[topology.Ranks]:
     """Every inner group of the job with more than one rank (dense, then expert), each
     once, in an order every rank computes alike."""
-    rows, seen = [], set()  # a set beside the list: O(ranks), not ranks x rows
+    rows: list[topology.Ranks] = []
+    seen: set[topology.Ranks] = set()  # beside the list: O(ranks), not ranks x rows
     for groups in (layout.dense, layout.expert):
         for rank in sorted(groups):
             members = groups[rank].inner
@@ -192,20 +225,22 @@ def inner_rows(layout: topology.HSDPLayout) -> list:
     return rows
 
 
-def build_hsdp_groups(hcg, outer_degree: int, outer_sharding: str = "none") -> HSDPGroups:
+def build_hsdp_groups(hcg: HybridCommunicateGroup, outer_degree: int,
+                      outer_sharding: str = "none") -> HSDPGroups:
     """Create every inner/outer group on every rank in one global order; keep ours."""
     dense_lists, expert_lists = fsdp_rank_lists(hcg)
     layout = topology.plan_hsdp_layout(dense_lists, expert_lists, outer_degree)
     rank = dist.get_rank()
     fsdp_dense = _usable(hcg.get_sharding_parallel_group(), rank)
-    fsdp_expert = (_usable(hcg.get_moe_sharding_parallel_group(), rank)
-                   if expert_lists is not None else fsdp_dense)
+    fsdp_expert = (_usable(cast("EPHybridCommunicateGroup", hcg).get_moe_sharding_parallel_group(),
+                           rank)
+                   if expert_lists is not None else fsdp_dense)  # (expert lists: an EP HCG)
     # Paddle's HCG already made every FSDP group on every rank. Skip *all* of them (not
     # only this rank's) so that every rank makes the same sequence of new_group calls
     # and group ids stay consistent; this rank's own FSDP groups are reused.
     fsdp_tuples = {tuple(g) for g in dense_lists} | {tuple(g) for g in (expert_lists or ())}
     existing = {tuple(g.ranks): g for g in (fsdp_dense, fsdp_expert)}
-    groups: dict[tuple[int, ...], Any] = {}
+    groups: dict[topology.Ranks, Group] = {}
     for members in layout.creation_order:
         if len(members) == 1:
             # Paddle gives one-rank groups rank -1 (and sometimes nranks -1); a local
@@ -218,7 +253,7 @@ def build_hsdp_groups(hcg, outer_degree: int, outer_sharding: str = "none") -> H
                 groups[members] = existing[members]
             continue
         groups[members] = dist.new_group(list(members))
-    twins: dict[tuple[int, ...], Any] = {}
+    twins: dict[topology.Ranks, Group] = {}
     if separate_reduce_scatter(comm.is_gloo(fsdp_dense)):
         # after every other group, in one global order: ids stay consistent across ranks
         for members in inner_rows(layout):
@@ -238,14 +273,14 @@ def build_hsdp_groups(hcg, outer_degree: int, outer_sharding: str = "none") -> H
 _single_ids = itertools.count(1)
 
 
-def _usable(group, rank: int):
+def _usable(group: Group, rank: int) -> Group:
     """Paddle's one-rank HCG groups report rank -1: replace them by a local group whose
     rank is 0, so code that asks "am I rank 0 of this group" gets the right answer
     (sharding_degree=1: one process, or tensor parallelism without sharding)."""
     return _single_rank_group(rank) if group.nranks == 1 else group
 
 
-def _single_rank_group(rank: int):
+def _single_rank_group(rank: int) -> Group:
     # Negative ids never clash with Paddle's ring ids (which count up from 0); a fresh
     # id per group keeps the comm counter's labels (keyed by id) apart.
     gid = -next(_single_ids)
@@ -253,7 +288,7 @@ def _single_rank_group(rank: int):
 
 
 # ---------------------------------------------------------------- HCG methods
-def _hsdp_of(hcg) -> HSDPGroups:
+def _hsdp_of(hcg: HybridCommunicateGroup) -> HSDPGroups:
     hsdp = getattr(hcg, "_hsdp_groups", None)
     if hsdp is None:
         raise RuntimeError(
@@ -263,25 +298,25 @@ def _hsdp_of(hcg) -> HSDPGroups:
     return hsdp
 
 
-def _get_fsdp_group(self, is_expert: bool = False):
+def _get_fsdp_group(self: HybridCommunicateGroup, is_expert: bool = False) -> Group:
     """The FSDP group: sharding for dense params, moe_sharding for experts when EP > 1."""
     return _hsdp_of(self).fsdp(is_expert)
 
 
-def _get_fsdp_inner_group(self, is_expert: bool = False):
+def _get_fsdp_inner_group(self: HybridCommunicateGroup, is_expert: bool = False) -> Group:
     """The ranks that shard a buffer between them (one row of ``[outer, inner]``)."""
     return _hsdp_of(self).inner(self.global_rank, is_expert)
 
 
-def _get_fsdp_outer_group(self, is_expert: bool = False):
+def _get_fsdp_outer_group(self: HybridCommunicateGroup, is_expert: bool = False) -> Group:
     """The replicas of this rank's shard (one column of ``[outer, inner]``)."""
     return _hsdp_of(self).outer(self.global_rank, is_expert)
 
 
-def _get_fsdp_outer_degree(self) -> int:
+def _get_fsdp_outer_degree(self: HybridCommunicateGroup) -> int:
     return _hsdp_of(self).outer_degree
 
 
-def _get_fsdp_outer_sharding(self) -> str:
+def _get_fsdp_outer_sharding(self: HybridCommunicateGroup) -> str:
     """"none" (HSDP) or "optim" (HFSDP): ``sharding_configs["fsdp_outer_sharding"]``."""
     return _hsdp_of(self).outer_sharding

@@ -20,7 +20,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_outer_degree(outer_degree, group_sizes: dict[str, int]) -> int:
+def validate_outer_degree(outer_degree: object, group_sizes: dict[str, int]) -> int:
     """Check ``fsdp_outer_degree`` against every FSDP group size; return it as an int.
 
     ``group_sizes`` maps a label ("dense", "expert") to that FSDP group's size.  Raises

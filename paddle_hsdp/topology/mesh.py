@@ -31,7 +31,7 @@ order, ranks outside the mesh included: they must not call ``fully_shard`` with 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from dataclasses import dataclass
 
 import paddle.distributed as dist
@@ -42,14 +42,20 @@ from ..comm import collectives as comm
 from . import layout as topology
 from .fleet import _single_rank_group
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+    from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
+
+    from .fleet import HSDPHybridCommunicateGroup
+
 logger = logging.getLogger(__name__)
 
 
-def _size(hcg, getter: str) -> int:
+def _size(hcg: HybridCommunicateGroup | None, getter: str) -> int:
     return getattr(hcg, getter)() if hasattr(hcg, getter) else 1
 
 
-def model_parallel_degrees(hcg=None) -> dict[str, int]:
+def model_parallel_degrees(hcg: HybridCommunicateGroup | None = None) -> dict[str, int]:
     """fleet's degrees of the axes that split a model rather than its data (1 where the
     HCG has no such axis; all 1 before fleet.init). ``hcg``: fleet's, by default. Local
     and alike on every rank, so a refusal read from it is taken by every rank."""
@@ -86,7 +92,7 @@ class HCGMesh:
     whole dense FSDP group (outer x inner), for expert params too.
     """
 
-    def __init__(self, hcg):
+    def __init__(self, hcg: HSDPHybridCommunicateGroup) -> None:
         self.hcg = hcg
         for name, size in (("sep", _size(hcg, "get_sep_parallel_world_size")),
                            ("context", _size(hcg, "get_context_parallel_world_size"))):
@@ -101,18 +107,18 @@ class HCGMesh:
                 "for replication instead."
             )
 
-    def inner(self, is_expert: bool = False):
+    def inner(self, is_expert: bool = False) -> Group:
         return self.hcg.get_fsdp_inner_group(is_expert)
 
-    def outer(self, is_expert: bool = False):
+    def outer(self, is_expert: bool = False) -> Group:
         return self.hcg.get_fsdp_outer_group(is_expert)
 
-    def reduce_scatter_group(self, is_expert: bool = False):
+    def reduce_scatter_group(self, is_expert: bool = False) -> Group:
         """The inner group's twin for reduce-scatters on NCCL (see
         :func:`~paddle_hsdp.topology.fleet.separate_reduce_scatter`), else the inner group."""
         return self.hcg._hsdp_groups.reduce_scatter(self.hcg.global_rank, is_expert)
 
-    def fsdp_group(self, is_expert: bool = False):
+    def fsdp_group(self, is_expert: bool = False) -> Group:
         return self.hcg.get_fsdp_group(is_expert)
 
     def fsdp_size(self, is_expert: bool = False) -> int:
@@ -126,7 +132,7 @@ class HCGMesh:
     def sep_rank(self) -> int:
         return self.hcg.get_sep_parallel_rank() if self.hcg.get_sep_parallel_world_size() > 1 else 0
 
-    def clip_group(self):
+    def clip_group(self) -> None:
         """The group the global-norm clip all-reduces over: None, the whole job."""
         return None
 
@@ -198,7 +204,7 @@ class MeshPlan:
         return self.layout.groups_of(rank)
 
 
-def plan_mesh(mesh, world_size: int | None = None) -> MeshPlan:
+def plan_mesh(mesh: ProcessMesh, world_size: int | None = None) -> MeshPlan:
     """Validate ``mesh`` and compute its layout; creates no group.
 
     ``world_size``: the number of ranks of the job (process ids must be below it);
@@ -236,7 +242,7 @@ def plan_mesh(mesh, world_size: int | None = None) -> MeshPlan:
     return MeshPlan(ids, shape, outer, len(ids) // outer, layout, covers)
 
 
-def _job_plan(mesh) -> tuple[MeshPlan, int]:
+def _job_plan(mesh: ProcessMesh) -> tuple[MeshPlan, int]:
     """``plan_mesh`` against this job (world size, initialised); return it and our rank."""
     plan = plan_mesh(mesh)
     if not dist.is_initialized():
@@ -259,13 +265,15 @@ class ProcessMeshGroups:
     On a rank outside the mesh only :attr:`plan` and :attr:`groups` are meaningful.
     """
 
-    def __init__(self, plan: MeshPlan, groups: dict, fsdp, rank: int):
+    def __init__(self, plan: MeshPlan, groups: dict[tuple[str, topology.Ranks], Group],
+                 fsdp: Group | None, rank: int) -> None:
         self.plan = plan
-        self.groups = groups  # member tuple (mesh order) -> Group, this rank's and others'
+        self.groups = groups  # (role, members in mesh order) -> Group, this rank's and others'
         self._fsdp = fsdp
         self.rank = rank
         self.contains_rank = rank in plan.layout.dense
-        self._inner = self._outer = None
+        self._inner: Group | None = None
+        self._outer: Group | None = None
         if self.contains_rank:
             mine = plan.groups_of(rank)
             self._inner = groups[("inner", mine.inner)]
@@ -275,23 +283,23 @@ class ProcessMeshGroups:
     def outer_degree(self) -> int:
         return self.plan.outer_degree
 
-    def _check_member(self):
+    def _check_member(self) -> None:
         if not self.contains_rank:
             self.plan.groups_of(self.rank)  # raises the ValueError
 
-    def inner(self, is_expert: bool = False):
+    def inner(self, is_expert: bool = False) -> Group | None:
         self._check_member()
         return self._inner
 
-    def outer(self, is_expert: bool = False):
+    def outer(self, is_expert: bool = False) -> Group | None:
         self._check_member()
         return self._outer
 
-    def reduce_scatter_group(self, is_expert: bool = False):
+    def reduce_scatter_group(self, is_expert: bool = False) -> Group | None:
         # explicit meshes make no twin yet: reduce-scatters share the inner group's stream
         return self.inner(is_expert)
 
-    def fsdp_group(self, is_expert: bool = False):
+    def fsdp_group(self, is_expert: bool = False) -> Group | None:
         self._check_member()
         return self._fsdp
 
@@ -304,7 +312,7 @@ class ProcessMeshGroups:
     def sep_rank(self) -> int:
         return 0
 
-    def clip_group(self):
+    def clip_group(self) -> Group | None:
         """The group the global-norm clip all-reduces over: None (the whole job) when
         the mesh is the world, else the mesh-wide FSDP group."""
         return None if self.plan.covers_world else self.fsdp_group()
@@ -322,7 +330,7 @@ class ProcessMeshGroups:
 _mesh_cache: dict[tuple, ProcessMeshGroups] = {}
 
 
-def create_mesh_groups(mesh) -> ProcessMeshGroups:
+def create_mesh_groups(mesh: ProcessMesh) -> ProcessMeshGroups:
     """Validate ``mesh``, create (once per process ids and shape) and return its groups.
 
     Every rank of the job must call this (``fully_shard`` does on the mesh's ranks) at
@@ -333,7 +341,7 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
     cached = _mesh_cache.get(plan.key)
     if cached is not None:
         return cached
-    groups: dict = {}
+    groups: dict[tuple[str, topology.Ranks], Group] = {}
     for members in plan.layout.creation_order:
         roles = [role for role, table in (("inner", plan.rows()), ("outer", plan.cols()))
                  if members in table]
@@ -347,7 +355,7 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
         group = dist.new_group(list(members))
         for role in roles:
             groups[(role, members)] = group
-    fsdp = None
+    fsdp: Group | None = None
     if plan.covers_world:
         fsdp = dist.collective._get_global_group()
     elif plan.fsdp_needs_own_group():
@@ -357,10 +365,11 @@ def create_mesh_groups(mesh) -> ProcessMeshGroups:
     else:  # the mesh-wide group is one of its rows or columns
         fsdp = groups.get(("inner", plan.fsdp), groups.get(("outer", plan.fsdp)))
     result = ProcessMeshGroups(plan, groups, fsdp, rank)
-    if result.contains_rank:
-        comm.name_group(result._inner, "inner")
-        comm.name_group(result._outer, "outer")
-        if plan.fsdp_needs_own_group():
+    inner, outer = result._inner, result._outer
+    if inner is not None and outer is not None:  # set where the mesh contains this rank
+        comm.name_group(inner, "inner")
+        comm.name_group(outer, "outer")
+        if plan.fsdp_needs_own_group() and fsdp is not None:  # (made above then)
             comm.name_group(fsdp, "fsdp")
     _mesh_cache[plan.key] = result
     logger.info("HSDP: groups of mesh %s created ([outer, inner] = [%d, %d])",
@@ -372,7 +381,7 @@ def paddle_world_size() -> int:
     return dist.get_world_size()
 
 
-def check_mesh_against_fleet(plan: MeshPlan, hcg) -> None:
+def check_mesh_against_fleet(plan: MeshPlan, hcg: HybridCommunicateGroup) -> None:
     """With ``fleet.init``'s topology known, an explicit mesh must span exactly the
     ranks that train the same parameters on different data (dp x sharding), or the
     copies outside it drift apart silently. Tensor, pipeline, sep and context
@@ -395,7 +404,7 @@ def check_mesh_against_fleet(plan: MeshPlan, hcg) -> None:
             "outer replicas), or mesh=None with sharding_configs['fsdp_outer_degree'].")
 
 
-def resolve_mesh(mesh):
+def resolve_mesh(mesh: ProcessMesh | None) -> HCGMesh | ProcessMeshGroups:
     """What ``fully_shard(mesh=...)`` talks to: the fleet HCG's groups (None) or an
     explicit mesh's (a ``ProcessMesh``; this rank must be in it)."""
     hcg = fleet_topology._HYBRID_PARALLEL_GROUP

@@ -16,10 +16,16 @@ expert (checkpoints and the flex_checkpoint bridge read it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, cast
 
 from paddle.distributed.fleet.base import topology as fleet_topology
 
 from .mesh import model_parallel_degrees
+
+if TYPE_CHECKING:
+    import paddle
+    from paddle.distributed.fleet.base.topology import (EPHybridCommunicateGroup,
+                                                        HybridCommunicateGroup)
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class ModelAxes:
     """This rank's coordinates on the model-splitting axes of fleet's HCG (all 1 / 0
     without one: a plain process, an explicit mesh)."""
 
-    def __init__(self, hcg=None):
+    def __init__(self, hcg: HybridCommunicateGroup | None = None) -> None:
         hcg = fleet_topology._HYBRID_PARALLEL_GROUP if hcg is None else hcg
         degrees = model_parallel_degrees(hcg)
         self.mp_degree, self.pp_degree = degrees["mp_degree"], degrees["pp_degree"]
@@ -54,10 +60,12 @@ class ModelAxes:
         self.stage = hcg.get_stage_id() if self.pp_degree > 1 else 0
         ep = getattr(hcg, "get_expert_parallel_world_size", None)
         self.ep_degree = (ep() or 1) if ep is not None else 1
-        self.ep_rank = hcg.get_expert_parallel_rank() if self.ep_degree > 1 else 0
+        self.ep_rank = (cast("EPHybridCommunicateGroup", hcg).get_expert_parallel_rank()
+                        if self.ep_degree > 1 else 0)  # an EP HCG
         self.hcg = hcg
 
-    def place(self, tensor, local_shape, renamed_expert: bool = False) -> Placement:
+    def place(self, tensor: paddle.Tensor, local_shape: Sequence[int],
+              renamed_expert: bool = False) -> Placement:
         """``tensor``'s (a parameter or buffer, with Paddle's marks) slice of shape
         ``local_shape`` in the full model."""
         local = [int(d) for d in local_shape]
@@ -86,7 +94,7 @@ class ModelAxes:
         return out
 
 
-def split_axis(tensor) -> int | None:
+def split_axis(tensor: paddle.Tensor) -> int | None:
     """The axis Paddle's marks say ``tensor`` is split over mp, or None."""
     if not getattr(tensor, "is_distributed", False):
         return None
@@ -100,7 +108,7 @@ def split_axis(tensor) -> int | None:
     return int(axis) % max(len(tensor.shape), 1)
 
 
-def is_expert(tensor) -> bool:
+def is_expert(tensor: paddle.Tensor) -> bool:
     """Whether ``tensor`` is an expert (MoE) parameter: the marks Paddle's engines and
     ``paddle_hsdp.mark_expert_params`` set."""
     return bool(getattr(tensor, "is_moe_param", False) or getattr(tensor, "expert", False))
