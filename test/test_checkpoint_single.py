@@ -10,7 +10,7 @@ import pytest
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from paddle_hsdp.checkpoint.format import _Reader
+from paddle_hsdp.checkpoint.format import Reader
 from kit import batch_ids, models, shard_tinylm
 
 
@@ -236,7 +236,7 @@ def test_a_load_reads_and_checks_only_the_chunks_it_needs(tmp_path):
     start = json.loads(raw[8:header])["weight"]["data_offsets"][0]
     raw[header + start + 400 * 4096 * 4] ^= 0xFF  # a byte of row 400: the second chunk
     (tmp_path / "ck" / piece["file"]).write_bytes(bytes(raw))
-    reader = _Reader(str(tmp_path / "ck"))
+    reader = Reader(str(tmp_path / "ck"))
     rows = reader.rows("weight", piece, 10, 20)
     assert np.array_equal(rows, net.weight.numpy()[10:20])
     with pytest.raises(checkpoint.CheckpointError, match="CRC mismatch in rows 256"):

@@ -241,8 +241,6 @@ def test_hcg_methods_without_hsdp_groups_raise_clearly():
     class BareHCG:
         global_rank = 0
 
-    for method in (fleet_ext._get_fsdp_inner_group, fleet_ext._get_fsdp_outer_group,
-                   fleet_ext._get_fsdp_group, fleet_ext._get_fsdp_outer_degree,
-                   fleet_ext._get_fsdp_outer_sharding):
+    for method in fleet_ext.HCG_METHODS.values():
         with pytest.raises(RuntimeError, match="import paddle_hsdp"):
             method(BareHCG())

@@ -15,7 +15,7 @@ from safetensors.paddle import save_file
 
 import paddle
 
-from .format import CheckpointError, _Reader, numpy_dtype, pieces_of, read_metadata, read_whole
+from .format import CheckpointError, Reader, numpy_dtype, pieces_of, read_metadata, read_whole
 
 
 # The file's safetensors metadata: what it is, so no loader or reader takes it for a
@@ -44,7 +44,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
             "e.g. full.paddle.safetensors, or write a from_pretrained directory with "
             "paddle_hsdp.integrations.paddleformers.export_pretrained(model, dir)")
     meta = read_metadata(path)
-    reader = _Reader(os.fspath(path))
+    reader = Reader(os.fspath(path))
     full = {}
     for name, entry in meta["tensors"].items():
         if "/optim/" in name:

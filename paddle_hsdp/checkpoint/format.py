@@ -73,21 +73,21 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------- job helpers
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
 
 
-def _errors_everywhere(error: str | None, what: str = "a checkpoint call") -> list[str]:
+def errors_everywhere(error: str | None, what: str = "a checkpoint call") -> list[str]:
     """Every rank's error message (None: fine), on every rank: all ranks learn why. One
     all-reduce of a flag when all is well; the messages are gathered only if not."""
-    if _largest_everywhere(1 if error else 0, what) == 0:
+    if largest_everywhere(1 if error else 0, what) == 0:
         return []
-    return [e for e in _gather_json(error, what) if e]
+    return [e for e in gather_json(error, what) if e]
 
 
-def _largest_everywhere(value: int, what: str = "a checkpoint call") -> int:
+def largest_everywhere(value: int, what: str = "a checkpoint call") -> int:
     """The largest of every rank's ``value`` (one all-reduce of one number)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
@@ -103,7 +103,7 @@ def _largest_everywhere(value: int, what: str = "a checkpoint call") -> int:
 _TAG = "checkpoint"
 
 
-def _gather_json(obj: object, what: str = "a checkpoint call",
+def gather_json(obj: object, what: str = "a checkpoint call",
                  group: Group | None = None) -> list:
     """Every rank's JSON-serialisable ``obj``, in rank order (no pickling), over
     ``group`` (default: every rank)."""
@@ -129,7 +129,7 @@ def _gather_json(obj: object, what: str = "a checkpoint call",
     return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
 
 
-def _gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list | None:
+def gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list | None:
     """Every rank's JSON-serialisable ``obj`` on rank 0, in rank order; None on the
     others, which receive nothing (a save's manifests: only rank 0 writes the index)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -155,9 +155,9 @@ def _gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list |
             for row in rows]
 
 
-def _broadcast_json(obj: object, what: str = "a checkpoint call") -> Any:
+def broadcast_json(obj: object, what: str = "a checkpoint call") -> Any:
     """Rank 0's JSON-serialisable ``obj`` on every rank (``obj`` elsewhere is ignored)."""
-    data = json.dumps(obj).encode() if _rank_world()[0] == 0 else b""
+    data = json.dumps(obj).encode() if rank_world()[0] == 0 else b""
     return json.loads(_broadcast_bytes(data, what).decode())
 
 
@@ -191,7 +191,7 @@ def read_metadata_once(path: str | os.PathLike, what: str = "a checkpoint call")
     the index once per load, not once per rank."""
     meta_path = os.path.join(os.fspath(path), META)
     message = b""
-    if _rank_world()[0] == 0:
+    if rank_world()[0] == 0:
         try:
             message = b"ok:" + _read_bytes(path, meta_path)
         except CheckpointError as e:
@@ -243,12 +243,12 @@ def _upgrade_v1(meta: dict) -> None:
 CHUNK_BYTES = 4 << 20  # a CRC per ~4 MiB of rows: a load reads and checks only those
 
 
-def _chunk_rows(array: np.ndarray) -> int:
+def chunk_rows(array: np.ndarray) -> int:
     row_bytes = max(array[:1].nbytes, 1)
     return max(1, CHUNK_BYTES // row_bytes)
 
 
-class _Reader:
+class Reader:
     """Reads rows of pieces from the rank files (memory-mapped): only the CRC chunks
     that cover the rows asked for, each checked."""
 
@@ -297,13 +297,13 @@ def numpy_dtype(name: str) -> str:
     return "uint16" if name == "bfloat16" else name
 
 
-def read_whole(reader: _Reader, name: str, entry: dict) -> np.ndarray:
+def read_whole(reader: Reader, name: str, entry: dict) -> np.ndarray:
     """The whole tensor ``name`` (its full shape), from every piece."""
     shape = dims(entry["shape"])
     return read_box(reader, name, entry, [0] * len(shape), shape).reshape(entry["shape"])
 
 
-def read_box(reader: _Reader, name: str, entry: dict, offset: Sequence[int],
+def read_box(reader: Reader, name: str, entry: dict, offset: Sequence[int],
              shape: Sequence[int]) -> np.ndarray:
     """The box ``offset`` + ``shape`` of a tensor, from the pieces that overlap it."""
     want = (tuple(offset), tuple(shape))

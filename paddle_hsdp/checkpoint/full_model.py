@@ -23,8 +23,8 @@ from ..comm import collectives as comm
 from ..engine.registry import managed_param
 from ..patches.state_dict import gather_full
 from ..topology.placement import ModelAxes, split_axis
-from .format import _gather_json
-from .items import _dtype_name, original_and_local
+from .format import gather_json
+from .items import dtype_name, original_and_local
 from .names import checkpoint_names
 from .tp_merge import check_merge_is_concat
 
@@ -93,8 +93,8 @@ def _joined_over_stages(tensors: dict, axes: ModelAxes) -> dict:
     group = axes.hcg.get_pipe_parallel_group()
     if 0 not in group.ranks:  # a copy of rank 0's group: every member skips alike
         return tensors
-    listing = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in sorted(tensors.items())}
-    stages = _gather_json(listing, "gathering the pipeline stages' tensors", group=group)
+    listing = {n: [list(t.shape), dtype_name(t.dtype)] for n, t in sorted(tensors.items())}
+    stages = gather_json(listing, "gathering the pipeline stages' tensors", group=group)
     dst = group.ranks[0]
     for stage, (src, names) in enumerate(zip(group.ranks, stages)):
         if stage == 0:

@@ -45,7 +45,7 @@ Getter = Callable[[], np.ndarray]
 Putter = Callable[[np.ndarray], None]
 
 
-class _Item:
+class Item:
     """One checkpoint tensor as this rank holds it: the box ``offset`` + ``size`` of a
     tensor of ``shape`` (the full one); ``get()`` reads it, ``put(array)`` writes it
     back. ``split``: how tensor parallelism cut it; ``tag``: what tells its data apart
@@ -75,7 +75,7 @@ class _Item:
 
 
 
-def _dtype_name(dtype: paddle.dtype) -> str:
+def dtype_name(dtype: paddle.dtype) -> str:
     # bfloat16 travels as its raw uint16 bits (numpy has no bfloat16); the metadata
     # keeps the real dtype, and _putter / consolidate turn the bits back into bfloat16
     return str(dtype).replace("paddle.", "")
@@ -88,7 +88,7 @@ def original_and_local(value: paddle.Tensor) -> tuple[paddle.Tensor, list[int]]:
     return (value, list(value.shape)) if sp is None else (sp.full, list(sp.shape))
 
 
-def _param_items(model: paddle.nn.Layer, axes: ModelAxes) -> tuple[list[_Item], dict, dict]:
+def _param_items(model: paddle.nn.Layer, axes: ModelAxes) -> tuple[list[Item], dict, dict]:
     canonical, aliases = checkpoint_names(model)
     renamed_experts = tuple(global_names(model).values())
     items, by_shard, split = [], {}, {}
@@ -108,7 +108,7 @@ def _param_items(model: paddle.nn.Layer, axes: ModelAxes) -> tuple[list[_Item], 
             buf = registry.buffer_of(sp)
             get, put = _block_getter(buf, sp, count), _block_putter(buf, sp, count)
             replicas = Replicas(_axis("outer", buf.outer) + mp)
-        items.append(_placed(name, place, _dtype_name(value.dtype), start, count, get, put,
+        items.append(_placed(name, place, dtype_name(value.dtype), start, count, get, put,
                              axes.stage, replicas))
         items[-1].outer_group = None if sp is None else buf.outer
         by_shard[id(value if sp is None else sp.shard)] = name
@@ -118,10 +118,10 @@ def _param_items(model: paddle.nn.Layer, axes: ModelAxes) -> tuple[list[_Item], 
 
 
 def _placed(name: str, place: Placement, dtype: str, start: int, count: int, get: Getter,
-            put: Putter, stage: int, replicas: Replicas) -> _Item:
+            put: Putter, stage: int, replicas: Replicas) -> Item:
     """The item of rows ``[start, start + count)`` of a tensor's slice at ``place``."""
     offset, size = place.rows(start, count)
-    return _Item(name, place.full_shape, dtype, offset, size, get, put, place.split,
+    return Item(name, place.full_shape, dtype, offset, size, get, put, place.split,
                  place.tag, stage, replicas)
 
 
@@ -185,7 +185,7 @@ def _putter(tensor: paddle.Tensor, rows: int | None) -> Putter:
 
 
 def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, param_items: dict,
-                     axes: ModelAxes) -> list[_Item]:
+                     axes: ModelAxes) -> list[Item]:
     """AdamW-style accumulators and master weights, as boxes like their parameter's
     (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
     element (``beta1_pow_acc``, shape [1], the same wherever it is held)."""
@@ -216,7 +216,7 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
             key = f"{name}/optim/{acc}"
             # a block like its parameter (a one-row block has a beta power's shape)
             if list(t.shape) == list(p.shape) and not acc.endswith("_pow_acc"):
-                items.append(_Item(key, owner.shape, _dtype_name(t.dtype), offset, size,
+                items.append(Item(key, owner.shape, dtype_name(t.dtype), offset, size,
                                    _getter(t, size[0]), _putter(t, size[0]), owner.split,
                                    owner.tag, owner.stage, block))
                 items[-1].outer_group = owner.outer_group
@@ -226,7 +226,7 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
                         base = [owner.offset[0] - sp.row_range(sub=False)[0]] + offset[1:]
                         items[-1].spot = Spot(buf, _index_in(buf, sp, positions), tuple(base))
             else:  # a scalar, the same on every rank holding the parameter (every mp rank)
-                items.append(_Item(key, t.shape, _dtype_name(t.dtype), [0], dims(t.shape),
+                items.append(Item(key, t.shape, dtype_name(t.dtype), [0], dims(t.shape),
                                    _getter(t, None), _putter(t, None), None, owner.tag,
                                    owner.stage, scalar))
     return items
@@ -239,8 +239,8 @@ def _index_in(buf: ShardBuffer, sp: ShardedParam, positions: dict) -> int:
     return positions[id(buf)][id(sp)]
 
 
-def _all_items(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | None, call: str,
-               ) -> tuple[list[_Item], dict, paddle.optimizer.Optimizer | None, ModelAxes]:
+def all_items(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | None, call: str,
+               ) -> tuple[list[Item], dict, paddle.optimizer.Optimizer | None, ModelAxes]:
     """``(items, aliases, optimizer, axes)`` of this rank, after the checks every rank
     makes alike (before any collective)."""
     expect_layer(model, f"{call}(path, model)")

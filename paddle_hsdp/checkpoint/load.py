@@ -21,17 +21,17 @@ from ..comm import collectives as comm
 from ..comm.arrival import expect_everyone
 from ..comm.traits import traits_of
 from ..engine.registry import units_under
-from .format import (CheckpointError, _errors_everywhere, _gather_json,
-                     _largest_everywhere, _rank_world, _Reader,
+from .format import (CheckpointError, errors_everywhere, gather_json,
+                     largest_everywhere, rank_world, Reader,
                      numpy_dtype, read_box, read_metadata_once)
-from .items import _all_items
+from .items import all_items
 from .plan import assign
 from .save import wait_for_pending_save
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
 
-    from .items import _Item
+    from .items import Item
     from .plan import Write
 
 
@@ -44,7 +44,7 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     rank read everything it needs."""
     wait_for_pending_save()  # an async save still in flight is published first
     path = os.path.abspath(os.fspath(path))
-    items, aliases, optimizer, _ = _all_items(model, optimizer, "load_checkpoint")
+    items, aliases, optimizer, _ = all_items(model, optimizer, "load_checkpoint")
     call = f"load_checkpoint({path!r})"
     expect_everyone(None, call)
     loaded, error, meta, unexpected = [], None, None, []
@@ -57,11 +57,11 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     # unexpected only if no rank wants it (an EP rank holds only its own experts): the
     # names are gathered only where every rank that read the metadata has some
     mine, none = (unexpected if strict and error is None else None), 1 << 40
-    fewest = -_largest_everywhere(-(len(mine) if mine is not None else none), call)
+    fewest = -largest_everywhere(-(len(mine) if mine is not None else none), call)
     if fewest == 0:
         unexpected = []
     elif fewest != none:  # (none: not strict, or no rank read the metadata)
-        for other in _gather_json(mine, call):
+        for other in gather_json(mine, call):
             if other is not None:
                 unexpected = sorted(set(unexpected) & set(other))
     shared = []
@@ -71,7 +71,7 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
                                          unexpected if strict else [])
         except Exception as e:
             error = e
-    errors = _errors_everywhere(None if error is None else f"rank {_rank_world()[0]}: {error}",
+    errors = errors_everywhere(None if error is None else f"rank {rank_world()[0]}: {error}",
                                 call)
     if errors:
         if isinstance(error, CheckpointError):
@@ -92,9 +92,9 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     return meta.get("extra")
 
 
-def _read_items(path: str, meta: dict, items: list[_Item],
+def _read_items(path: str, meta: dict, items: list[Item],
                 optimizer: paddle.optimizer.Optimizer | None, unexpected: list[str],
-                ) -> tuple[list[tuple[_Item, np.ndarray]],
+                ) -> tuple[list[tuple[Item, np.ndarray]],
                            list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]]]:
     """``[(item, box read)]`` for every item, after checking names, full shapes, CRCs."""
     tensors = meta["tensors"]
@@ -106,7 +106,7 @@ def _read_items(path: str, meta: dict, items: list[_Item],
             f"{path!r} does not match this model: missing {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} unexpected {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''} (strict=False ignores unexpected ones)")
-    reader, loaded, by_group = _Reader(path), [], {}
+    reader, loaded, by_group = Reader(path), [], {}
     for it in items:
         entry = tensors[it.name]
         if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
@@ -152,7 +152,7 @@ def _share(group: Group, plan: list[tuple[Write, int]], arrays: dict[str, np.nda
             raw[:] = message.numpy()
 
 
-def _split_note(entry: dict, item: _Item) -> str:
+def _split_note(entry: dict, item: Item) -> str:
     """How each side's tensor parallelism cut the tensor, when either did."""
     saved, here = entry.get("split"), item.split
     if saved is None and here is None:

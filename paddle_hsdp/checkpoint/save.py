@@ -35,9 +35,9 @@ from ..comm.traits import traits_of
 from ..engine.registry import registry
 
 from .boxes import tiling_error
-from .format import (FORMAT, META, CheckpointError, _broadcast_json, _chunk_rows,
-                     _gather_json_to_root, _rank_world, read_metadata)
-from .items import _all_items
+from .format import (FORMAT, META, CheckpointError, broadcast_json, chunk_rows,
+                     gather_json_to_root, rank_world, read_metadata)
+from .items import all_items
 from .plan import Write, plan_writes
 from .rules import crc_header, grids, group_id, place_of, rule_of, slice_box
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import paddle
 
     from ..topology.placement import ModelAxes
-    from .items import _Item
+    from .items import Item
 
 
 class JointSaver(Protocol):
@@ -87,8 +87,8 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
         json.dumps(extra)  # not serialisable: TypeError here, on every rank alike
     wait_for_pending_save()  # a previous async save is published first (every rank)
     path = os.path.abspath(os.fspath(path))
-    rank, world = _rank_world()
-    items, aliases, optimizer, axes = _all_items(model, optimizer, "save_checkpoint")
+    rank, world = rank_world()
+    items, aliases, optimizer, axes = all_items(model, optimizer, "save_checkpoint")
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
     joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together
@@ -98,7 +98,7 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
             "publish together from the round they share, which may change before wait(); "
             "use async_save=False")
     token = joint.begin(path) if joint is not None else None
-    start = _broadcast_json({"token": token or f"{time.time_ns() % 2 ** 62:x}",
+    start = broadcast_json({"token": token or f"{time.time_ns() % 2 ** 62:x}",
                              "refusal": _guarded(_refusal_to_replace, path)}
                             if rank == 0 else None, call)
     # what the metadata records besides the tensors, as of this call (an async save
@@ -206,7 +206,7 @@ class AsyncSave:
         """This rank's file (no collective: safe on a thread)."""
         if self.error is not None:
             return
-        rank = _rank_world()[0]
+        rank = rank_world()[0]
         try:
             self.pieces = _write_pieces(
                 self.tmp, self.joint.file_rank() if self.joint is not None else rank,
@@ -234,9 +234,9 @@ def _finish(save: AsyncSave) -> None:
     """Every rank: the manifests to rank 0, which checks and publishes (or, jointly,
     the groups' publisher), and the outcome to every rank."""
     items, aliases, plain, axes, world = save._what
-    path, tmp, joint, rank = save.path, save.tmp, save.joint, _rank_world()[0]
+    path, tmp, joint, rank = save.path, save.tmp, save.joint, rank_world()[0]
     call = f"save_checkpoint({path!r})"
-    manifests = _gather_json_to_root({"pieces": save.pieces, "error": save.error,
+    manifests = gather_json_to_root({"pieces": save.pieces, "error": save.error,
                                       "expected": save.expected, **save.rules}, call)
     errors = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
@@ -254,7 +254,7 @@ def _finish(save: AsyncSave) -> None:
         if errors:  # before the others learn the outcome: they return to a clean dir
             shutil.rmtree(tmp, ignore_errors=True)
     # rank 0 decides; a refusal every rank made is said once
-    outcome = _broadcast_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None, call)
+    outcome = broadcast_json("; ".join(dict.fromkeys(errors)) if rank == 0 else None, call)
     if outcome:
         raise CheckpointError(f"save_checkpoint({path!r}) failed; the previous checkpoint "
                               f"(if any) is unchanged. {outcome}")
@@ -291,7 +291,7 @@ def _joint_save(model: paddle.nn.Layer) -> JointSaver | None:
     return None
 
 
-def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[_Item],
+def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[Item],
                      manifests: list[dict], aliases: dict, plain: dict,
                      axes: ModelAxes) -> list[str]:
     """A replica group's leader: hand this group's manifests to the others; the group
@@ -359,7 +359,7 @@ def _write_pieces(tmp: str, rank: int, staged: Iterable[tuple[Write, np.ndarray]
             continue
         key = it.name if w.whole else f"{it.name}@{w.lo}"  # (a ruled write is whole)
         tensors[key] = array
-        chunk = _chunk_rows(array)
+        chunk = chunk_rows(array)
         crcs = [zlib.crc32(array[i:i + chunk].tobytes())
                 for i in range(0, int(array.shape[0]), chunk)]
         if it.spot is not None:  # indexed by rule: CRCs in the header, no manifest entry
@@ -373,14 +373,14 @@ def _write_pieces(tmp: str, rank: int, staged: Iterable[tuple[Write, np.ndarray]
     return pieces
 
 
-def ruled_writes(ruled: Iterable[_Item]) -> list[Write]:
+def ruled_writes(ruled: Iterable[Item]) -> list[Write]:
     """The ruled items this rank writes: all its own rows, but of a tensor tensor
     parallelism does not split, the mp copies hold the same rows: mp rank 0 writes."""
     return [Write(it, 0, it.size[0]) for it in ruled
             if it.replicas.index == 0 and not it.empty]
 
 
-def describe_rules(ruled: Iterable[_Item], stage: int, rank: int) -> dict:
+def describe_rules(ruled: Iterable[Item], stage: int, rank: int) -> dict:
     """What this rank sends rank 0 of its ruled items: its place in each ruled buffer's
     FSDP group and, on the group's first rank (inner 0, outer part 0), each buffer's
     rule; nothing without ruled items."""
@@ -428,7 +428,7 @@ def _refusal_to_replace(path: str) -> str | None:
             "Choose another path or remove it.")
 
 
-def _publish(path: str, tmp: str, items: list[_Item], manifests: list[dict], aliases: dict,
+def _publish(path: str, tmp: str, items: list[Item], manifests: list[dict], aliases: dict,
              plain: dict, world: int, axes: ModelAxes) -> None:
     tensors = {it.name: _entry(it.shape, it.dtype, it.split) for it in items}
     rules, groups, stages = index_manifests(tensors, manifests)

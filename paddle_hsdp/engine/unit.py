@@ -31,7 +31,7 @@ import paddle.distributed as dist
 from ..comm import arrival
 from ..comm.traits import traits_of
 from ..topology.cost import UnitShape
-from ..topology.fleet import _single_rank_group
+from ..topology.fleet import single_rank_group
 from ..topology.placement import is_expert
 from . import master_grad
 from .outer_sync import schedule_of
@@ -472,7 +472,7 @@ class FSDPUnit:
     def owe_rebuild(self) -> None:
         """After the optimizer's update: every buffer's outer all-gather of its pieces
         is owed, issued at the next root forward or read ([Note: edits under outer
-        sub-shards] in engine/buffer.py)."""
+        sub-shards] in engine/buffer/outer_pieces.py)."""
         for buf in self.buffers:
             buf.pieces.owe_rebuild()
 
@@ -550,7 +550,7 @@ class UnitHookHandles:
 
 
 def _own_rank_group():
-    return _single_rank_group(dist.get_rank())
+    return single_rank_group(dist.get_rank())
 
 
 def buffer_groups(params: list[ShardedParam], placements: dict) -> "OrderedDict":

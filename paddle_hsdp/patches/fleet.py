@@ -39,9 +39,7 @@ from paddle.distributed.fleet.utils import hybrid_parallel_util as util
 from paddle.distributed.fleet.utils import sequence_parallel_utils
 
 from ..engine.registry import managed_param
-from ..topology.fleet import (OPTION, SHARDING_OPTION, _get_fsdp_group,
-                              _get_fsdp_inner_group, _get_fsdp_outer_degree, _get_fsdp_outer_group,
-                              _get_fsdp_outer_sharding, build_hsdp_groups,
+from ..topology.fleet import (HCG_METHODS, OPTION, SHARDING_OPTION, build_hsdp_groups,
                               check_sharding_config_keys, get_fsdp_outer_degree,
                               get_fsdp_outer_sharding, validate_strategy)
 from . import sequence_parallel
@@ -199,10 +197,6 @@ def install() -> None:
     # ``fleet.init`` is a module-level alias bound to the singleton before we patched.
     replace(fleet_pkg, "init", fleet_pkg.fleet.init,
             "the module alias was bound to the singleton's init before the patch")
-    for name, method in (("get_fsdp_group", _get_fsdp_group),
-                         ("get_fsdp_inner_group", _get_fsdp_inner_group),
-                         ("get_fsdp_outer_group", _get_fsdp_outer_group),
-                         ("get_fsdp_outer_degree", _get_fsdp_outer_degree),
-                         ("get_fsdp_outer_sharding", _get_fsdp_outer_sharding)):
+    for name, method in HCG_METHODS.items():
         replace(HybridCommunicateGroup, name, method, "the HCG's HSDP groups (Paddle has none)")
     _installed = True

@@ -246,7 +246,7 @@ def build_hsdp_groups(hcg: HybridCommunicateGroup, outer_degree: int,
             # Paddle gives one-rank groups rank -1 (and sometimes nranks -1); a local
             # Group object is what a one-rank group should be (no communicator needed).
             if members[0] == rank:
-                groups[members] = _single_rank_group(rank)
+                groups[members] = single_rank_group(rank)
             continue
         if members in fsdp_tuples:
             if members in existing:
@@ -277,10 +277,10 @@ def _usable(group: Group, rank: int) -> Group:
     """Paddle's one-rank HCG groups report rank -1: replace them by a local group whose
     rank is 0, so code that asks "am I rank 0 of this group" gets the right answer
     (sharding_degree=1: one process, or tensor parallelism without sharding)."""
-    return _single_rank_group(rank) if group.nranks == 1 else group
+    return single_rank_group(rank) if group.nranks == 1 else group
 
 
-def _single_rank_group(rank: int) -> Group:
+def single_rank_group(rank: int) -> Group:
     # Negative ids never clash with Paddle's ring ids (which count up from 0); a fresh
     # id per group keeps the comm counter's labels (keyed by id) apart.
     gid = -next(_single_ids)
@@ -320,3 +320,14 @@ def _get_fsdp_outer_degree(self: HybridCommunicateGroup) -> int:
 def _get_fsdp_outer_sharding(self: HybridCommunicateGroup) -> str:
     """"none" (HSDP) or "optim" (HFSDP): ``sharding_configs["fsdp_outer_sharding"]``."""
     return _hsdp_of(self).outer_sharding
+
+
+#: The methods ``import paddle_hsdp`` adds to Paddle's HybridCommunicateGroup, by name
+#: (patches/fleet.py installs them; Paddle has no FSDP groups of its own).
+HCG_METHODS = {
+    "get_fsdp_group": _get_fsdp_group,
+    "get_fsdp_inner_group": _get_fsdp_inner_group,
+    "get_fsdp_outer_group": _get_fsdp_outer_group,
+    "get_fsdp_outer_degree": _get_fsdp_outer_degree,
+    "get_fsdp_outer_sharding": _get_fsdp_outer_sharding,
+}

@@ -40,7 +40,7 @@ from paddle.distributed.fleet.base import topology as fleet_topology
 
 from ..comm import collectives as comm
 from . import layout as topology
-from .fleet import _single_rank_group
+from .fleet import single_rank_group
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
@@ -350,7 +350,7 @@ def create_mesh_groups(mesh: ProcessMesh) -> ProcessMeshGroups:
             # Group is what it should be, one per role so each keeps its comm label.
             if members[0] == rank:
                 for role in roles:
-                    groups[(role, members)] = _single_rank_group(rank)
+                    groups[(role, members)] = single_rank_group(rank)
             continue
         group = dist.new_group(list(members))
         for role in roles:
@@ -361,7 +361,7 @@ def create_mesh_groups(mesh: ProcessMesh) -> ProcessMeshGroups:
     elif plan.fsdp_needs_own_group():
         fsdp = dist.new_group(list(plan.fsdp))
     elif len(plan.fsdp) == 1:
-        fsdp = _single_rank_group(rank) if plan.fsdp[0] == rank else None
+        fsdp = single_rank_group(rank) if plan.fsdp[0] == rank else None
     else:  # the mesh-wide group is one of its rows or columns
         fsdp = groups.get(("inner", plan.fsdp), groups.get(("outer", plan.fsdp)))
     result = ProcessMeshGroups(plan, groups, fsdp, rank)

@@ -95,13 +95,13 @@ print("ASYNC_SAVE: returned before the files existed, loads the step's state exa
 readers = []
 
 
-class CountingReader(checkpoint_load._Reader):
+class CountingReader(checkpoint_load.Reader):
     def __init__(self, path):
         super().__init__(path)
         readers.append(self)
 
 
-checkpoint_load._Reader = CountingReader
+checkpoint_load.Reader = CountingReader
 in_files = sum(int(np.prod(p["shape"])) * np.dtype(
     "uint16" if t["dtype"] == "bfloat16" else t["dtype"]).itemsize
     for t in meta["tensors"].values() for p in t["pieces"] if "file" in p)

@@ -45,7 +45,7 @@ import paddle.distributed as dist
 import paddle_hsdp
 from paddle_hsdp import checkpoint
 from paddle_hsdp.checkpoint import load as checkpoint_load
-from paddle_hsdp.checkpoint.format import _Reader, numpy_dtype, pieces_of, read_whole
+from paddle_hsdp.checkpoint.format import Reader, numpy_dtype, pieces_of, read_whole
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from models import (batches, build_model, lm_loss, make_optimizer, shard_tinylm,
@@ -267,7 +267,7 @@ ck_data = batches(SAVE_AT + MORE, 2, world, PER_RANK, seed=3)
 
 def states(path) -> dict:
     """Every tensor of a checkpoint, whole (params and optimizer states)."""
-    meta, reader = checkpoint.read_metadata(path), _Reader(path)
+    meta, reader = checkpoint.read_metadata(path), Reader(path)
     return {name: read_whole(reader, name, entry) for name, entry in meta["tensors"].items()}
 
 
@@ -340,16 +340,16 @@ def counted_load(path, model, opt) -> int:
     """``load_checkpoint`` on every rank; the bytes all ranks read from the files."""
     readers = []
 
-    class Counting(_Reader):
+    class Counting(Reader):
         def __init__(self, where):
             super().__init__(where)
             readers.append(self)
 
-    checkpoint_load._Reader = Counting
+    checkpoint_load.Reader = Counting
     try:
         assert checkpoint.load_checkpoint(path, model, opt) == {"step": SAVE_AT}
     finally:
-        checkpoint_load._Reader = _Reader
+        checkpoint_load.Reader = Reader
     read = paddle.to_tensor([sum(r.bytes_read for r in readers)], dtype="int64")
     dist.all_reduce(read)
     return int(read.item())
