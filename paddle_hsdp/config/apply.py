@@ -53,7 +53,7 @@ def apply_config(model: paddle.nn.Layer, config: str | os.PathLike | dict | HSDP
     init_fleet_if_needed(outer, inner, outer_sharding)
     for _, module in choice.recompute:
         _recompute_forward(module, cfg.use_reentrant)
-    kwargs = {"mp_policy": mp_policy_of(cfg),
+    kwargs: dict[str, Any] = {"mp_policy": mp_policy_of(cfg),
               "offload_policy": CPUOffloadPolicy(pin_memory=cfg.pin_memory)
               if cfg.offload_to_cpu else None,
               "ignored_params": choice.ignored_params() or None,

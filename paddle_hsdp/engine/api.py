@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 import paddle
@@ -28,8 +30,23 @@ from .registry import managed_param, owning_unit, registry, units_under
 from .states import ParamState
 from .unit import FSDPUnit, expect_everyone_in
 
+if TYPE_CHECKING:
+    from paddle.distributed import Placement, ProcessMesh
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
-class FSDPModule:
+    # fully_shard's shard_placement_fn: a parameter's placement (None: the default)
+    PlacementFn = Callable[[paddle.Tensor], Placement | None]
+
+    # fully_shard mixes FSDPModule into the class of the module it shards (a Layer):
+    # its methods run on that Layer
+    _ShardedLayer = paddle.nn.Layer
+else:
+    _ShardedLayer = object
+
+_L = TypeVar("_L", bound=paddle.nn.Layer)
+
+
+class FSDPModule(_ShardedLayer):
     """Mixed into every module ``fully_shard`` returns (``isinstance`` works).
 
     The methods follow torch FSDP2. Where paddle_hsdp differs, the docstring says so.
@@ -43,7 +60,7 @@ class FSDPModule:
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         return units_under(self) if recurse else [self._hsdp_unit]
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(*args, **kwargs)
         except BaseException:
@@ -52,14 +69,15 @@ class FSDPModule:
             hooks.abandon_forward(units_under(self))
             raise
 
-    def sharded_state_dict(self, structured_name_prefix: str = ""):
+    def sharded_state_dict(self, structured_name_prefix: str = "",
+                           ) -> dict[str, ShardedWeight]:
         """This rank's shards as ``ShardedWeight``s for Paddle's ``flex_checkpoint.dcp``
         (see :func:`paddle_hsdp.engine.flex.sharded_state_dict`)."""
         for unit in units_under(self):
             unit.reshard(force=True)  # the shards are the truth; no stale gathered copy
         return sharded_state_dict(self, structured_name_prefix)
 
-    def unshard(self, async_op: bool = False):
+    def unshard(self, async_op: bool = False) -> comm.Handle | None:
         """Gather this unit's parameters now (a collective: call on every rank).
 
         With ``async_op=True`` returns a handle with ``wait()``; on gloo collectives
@@ -136,12 +154,12 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.controls.gradient_divide_factor = float(factor)
 
-    def set_modules_to_forward_prefetch(self, modules) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Gather these FSDP modules right after this one, before its forward."""
         self._hsdp_unit.controls.forward_prefetch = [
             _unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """Gather these FSDP modules right after this one, before its backward."""
         self._hsdp_unit.controls.backward_prefetch = [
             _unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
@@ -160,14 +178,14 @@ class FSDPModule:
             unit.controls.backward_prefetch_count = int(backward)
 
 
-def _check_bool(value, what: str) -> None:
+def _check_bool(value: object, what: str) -> None:
     """Strings such as "False" are truthy: accept real booleans only."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{what} must be True or False, got {value!r} "
                         f"({type(value).__name__})")
 
 
-def _unit_of(module, what: str) -> FSDPUnit:
+def _unit_of(module: FSDPModule, what: str) -> FSDPUnit:
     if not isinstance(module, FSDPModule):
         raise ValueError(f"{what}: {type(module).__name__} is not an FSDP module "
                          "(call fully_shard on it first)")
@@ -182,7 +200,7 @@ ZERO_STAGES = {
 }
 
 
-def set_zero_stage(model, stage: int) -> None:
+def set_zero_stage(model: paddle.nn.Layer, stage: int) -> None:
     """One word for the three ZeRO levels, on every FSDP module under ``model``.
 
     * 3: params freed after forward and gathered again for backward; grads
@@ -209,7 +227,7 @@ def set_zero_stage(model, stage: int) -> None:
 _fsdp_classes: dict[type, type] = {}
 
 
-def _refuse_save_pretrained(self, *args, **kwargs):
+def _refuse_save_pretrained(self: paddle.nn.Layer, *args: Any, **kwargs: Any) -> NoReturn:
     raise NotImplementedError(
         f"{type(self).__name__}.save_pretrained on a model sharded by fully_shard: it would "
         "write this rank's shards, or gather on the ranks that call it only. Call "
@@ -218,7 +236,7 @@ def _refuse_save_pretrained(self, *args, **kwargs):
         "from_pretrained loads. Nothing was written.")
 
 
-def _make_fsdp_class(module) -> None:
+def _make_fsdp_class(module: paddle.nn.Layer) -> None:
     cls = type(module)
     if cls not in _fsdp_classes:
         body = {}
@@ -230,7 +248,7 @@ def _make_fsdp_class(module) -> None:
     module.__class__ = _fsdp_classes[cls]
 
 
-def _check_reshard_after_forward(value):
+def _check_reshard_after_forward(value: object) -> bool | None:
     """None, True, False; Paddle's own fully_shard also takes 1 and 0 for True/False."""
     if value is None or isinstance(value, (bool, np.bool_)):
         return None if value is None else bool(value)
@@ -244,7 +262,9 @@ def _check_reshard_after_forward(value):
                     f"({type(value).__name__})")
 
 
-def _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params) -> list:
+def _check_args(shard_placement_fn: PlacementFn | None, mp_policy: MixedPrecisionPolicy | None,
+                offload_policy: OffloadPolicy | None,
+                ignored_params: Iterable[paddle.Tensor] | None) -> list[paddle.Tensor]:
     """Check the arguments that need no model; return ``ignored_params`` as a list (a
     generator is read once, here)."""
     if shard_placement_fn is not None and not callable(shard_placement_fn):
@@ -268,7 +288,7 @@ def _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params) -
     return ignored
 
 
-def _check_module(module) -> None:
+def _check_module(module: paddle.nn.Layer) -> None:
     if not isinstance(module, paddle.nn.Layer):
         expect_layer(module, "fully_shard")
     if isinstance(module, FSDPModule):
@@ -295,7 +315,7 @@ def _check_sizes(claims: list[tuple]) -> None:
                 "as it is on every rank) or remove it from the model.")
 
 
-def _ignored_in(module, ignored: list) -> dict:
+def _ignored_in(module: paddle.nn.Layer, ignored: list) -> dict:
     """``{id: param}`` of the ``ignored`` params this call is about: those in
     ``module``'s subtree (others belong to other calls, as in torch). Raises for one a
     sub-module's ``fully_shard`` already sharded: this call can no longer leave it whole."""
@@ -316,7 +336,8 @@ def _ignored_in(module, ignored: list) -> dict:
     return found
 
 
-def _placements(module, shard_placement_fn, ignored: set) -> dict:
+def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
+                ignored: set) -> dict:
     """``{id(param): "replicate"}`` for params a placement keeps whole; checks the rest."""
     if shard_placement_fn is None:
         return {}
@@ -340,7 +361,7 @@ def _placements(module, shard_placement_fn, ignored: set) -> dict:
 OUTER_SHARDING = ("none", "optim")
 
 
-def _check_outer_sharding(value) -> str | None:
+def _check_outer_sharding(value: object) -> str | None:
     if value is None or (isinstance(value, str) and value in OUTER_SHARDING):
         return value
     raise ValueError(f"fully_shard(fsdp_outer_sharding=...) must be None (the mesh's: "
@@ -348,9 +369,14 @@ def _check_outer_sharding(value) -> str | None:
                      f"an explicit mesh), 'none' or 'optim', got {value!r}")
 
 
-def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
-                mp_policy=None, offload_policy=None, ignored_params=None,
-                enable_tensor_fusion_and_overlap=True, fsdp_outer_sharding=None):
+def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
+                reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: PlacementFn | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None,
+                offload_policy: OffloadPolicy | None = None,
+                ignored_params: Iterable[paddle.Tensor] | None = None,
+                enable_tensor_fusion_and_overlap: bool = True,
+                fsdp_outer_sharding: str | None = None) -> _L:
     """Shard ``module``'s parameters over the inner group, replicate over the outer.
 
     Call it bottom-up: each call makes one communication unit of the parameters not
@@ -391,15 +417,15 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     placements = _placements(module, shard_placement_fn, ignored)
     if isinstance(offload_policy, CPUOffloadPolicy):
         offload_policy.check_supported()
-    mesh = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
+    resolved = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
     claims = _plan_claims(module, ignored, placements)
     _check_sizes(claims)
     # Nothing changed so far; from here on the call acts.
     registry.ignored.update(ignored_here)
     hooks.install()
     if outer_sharding is None:
-        outer_sharding = mesh.outer_sharding()
-    unit = FSDPUnit(module, registry.next_index, mesh,
+        outer_sharding = resolved.outer_sharding()
+    unit = FSDPUnit(module, registry.next_index, resolved,
                     UnitPolicies(mp_policy, offload_policy, outer_sharding),
                     UnitControls(reshard_after_forward=reshard_after_forward,
                                  overlap=bool(enable_tensor_fusion_and_overlap)))
@@ -418,7 +444,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     return module
 
 
-def forget(model) -> None:
+def forget(model: paddle.nn.Layer) -> None:
     """Release ``model``'s fully_shard units: the engine keeps no reference to them, to
     their buffers or to the model (its hooks are removed), and pooled staging memory is
     dropped, so the model and its memory go when you drop your references. The model is
@@ -464,7 +490,7 @@ def forget(model) -> None:
     staging.pool.release()
 
 
-def _plan_claims(module, ignored: set, placements: dict) -> list[tuple]:
+def _plan_claims(module: paddle.nn.Layer, ignored: set, placements: dict) -> list[tuple]:
     """What :func:`_apply_claims` will do, without doing it: for every module slot of
     ``module``'s subtree, ``(sub, name, fqn, param, owner, segment)`` where ``owner`` is
     the ``(unit, ShardedParam)`` of a param another unit owns (tied weights), else None,
@@ -514,7 +540,7 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
 
 
 @paddle.no_grad()
-def full_state_dict(model) -> dict[str, paddle.Tensor]:
+def full_state_dict(model: paddle.nn.Layer) -> dict[str, paddle.Tensor]:
     """``{name: full tensor}`` with exactly the keys of the unsharded model's
     ``state_dict()``: tied aliases and persistable buffers included, sharded params
     gathered from their (float32 master) shards, everything else copied. A collective
@@ -527,7 +553,7 @@ def full_state_dict(model) -> dict[str, paddle.Tensor]:
 
 
 @paddle.no_grad()
-def full_grads(model) -> dict[str, paddle.Tensor | None]:
+def full_grads(model: paddle.nn.Layer) -> dict[str, paddle.Tensor | None]:
     """``{name: full gradient}`` as the shards hold it now (call
     ``finish_grad_sync`` first for the step's synced value). A collective."""
     expect_layer(model, "full_grads")
@@ -535,7 +561,7 @@ def full_grads(model) -> dict[str, paddle.Tensor | None]:
     return _gather_named(model, grads=True)
 
 
-def _gather_named(model, grads: bool) -> dict:
+def _gather_named(model: paddle.nn.Layer, grads: bool) -> dict:
     full_of: dict[int, paddle.Tensor] = {}
     for unit in units_under(model):
         for buf in unit.buffers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .policies import MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
     from .unit import FSDPUnit
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class UnitPolicies:
     mp: MixedPrecisionPolicy | None = None
-    offload: CPUOffloadPolicy | None = None
+    offload: OffloadPolicy | None = None  # a plain OffloadPolicy offloads nothing
     # "optim": the optimizer of each outer replica sees 1/O of every trainable buffer
     # (HFSDP; see [Note: outer sub-shards] in engine/param.py)
     outer_sharding: str = "none"

@@ -4,17 +4,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import paddle
 
 
-def as_dtype(d):
+@overload
+def as_dtype(d: None) -> None: ...
+@overload
+def as_dtype(d: paddle.dtype | str) -> paddle.dtype: ...
+def as_dtype(d: paddle.dtype | str | None) -> paddle.dtype | None:
+    """A dtype given as a string or a paddle dtype (a policy's), as a paddle dtype."""
     if d is None:
         return None
-    return paddle.base.framework.convert_np_dtype_to_dtype_(d) if isinstance(d, str) else d
+    if isinstance(d, str):
+        # (Paddle's stubs give the static-graph VarType or DataType; in dynamic mode it
+        # is a paddle.dtype)
+        return paddle.base.framework.convert_np_dtype_to_dtype_(d)  # type: ignore[return-value]
+    return d
 
 
-def dtypes_of(dtype, mp_policy) -> tuple:
+def dtypes_of(dtype: paddle.dtype, mp_policy: object | None,
+              ) -> tuple[paddle.dtype, paddle.dtype, paddle.dtype]:
     """``(gather, reduce, compute)`` dtypes of a buffer of ``dtype`` params under
     ``mp_policy`` (a ``MixedPrecisionPolicy`` or None); integer buffers ignore it."""
     floating = dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)
@@ -24,11 +35,11 @@ def dtypes_of(dtype, mp_policy) -> tuple:
     return gather, reduce, compute_dtype_of(gather)
 
 
-def element_size(dtype) -> int:
+def element_size(dtype: paddle.dtype) -> int:
     return paddle.zeros([1], dtype=dtype).element_size()
 
 
-def compute_dtype_of(param_dtype):
+def compute_dtype_of(param_dtype: paddle.dtype | str) -> paddle.dtype:
     """Paddle's CPU kernels have no bfloat16/float16 matmul: on CPU, parameters gathered
     in those dtypes are computed in float32 (keeping their rounding)."""
     param_dtype = as_dtype(param_dtype)

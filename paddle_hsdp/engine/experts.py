@@ -11,14 +11,19 @@ back, and the consolidated export has the keys of a model holding every expert.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..hints import expect_layer
 from .registry import managed_param
 
+if TYPE_CHECKING:
+    import paddle
+
 _INDICES_ATTR = "_hsdp_global_expert_indices"
 
 
-def mark_expert_params(layer, global_indices: Sequence[int] | None = None) -> None:
+def mark_expert_params(layer: paddle.nn.Layer, global_indices: Sequence[int] | None = None,
+                       ) -> None:
     """Flag every parameter of ``layer`` as an expert (MoE) parameter, the attribute
     Paddle's own engines read. Call it before ``fully_shard``: expert params get buffers
     of their own, sharded in the expert inner group.
@@ -42,7 +47,7 @@ def mark_expert_params(layer, global_indices: Sequence[int] | None = None) -> No
         setattr(layer, _INDICES_ATTR, mapping)
 
 
-def _index_map(layer, global_indices) -> dict[str, str]:
+def _index_map(layer: paddle.nn.Layer, global_indices: Sequence[int]) -> dict[str, str]:
     """``{local child name: global index}``, validated before anything is marked."""
     children = [name for name, _ in layer.named_children()]
     try:
@@ -61,7 +66,7 @@ def _index_map(layer, global_indices) -> dict[str, str]:
     return {child: str(index) for child, index in zip(children, indices, strict=True)}
 
 
-def global_names(model) -> dict[str, str]:
+def global_names(model: paddle.nn.Layer) -> dict[str, str]:
     """``{structured name prefix of a local expert: its global prefix}`` for every layer
     under ``model`` marked with ``global_indices`` (empty when none is)."""
     renames = {}
@@ -83,12 +88,15 @@ def rename(name: str, renames: dict[str, str]) -> str:
     return name
 
 
-def names_and_aliases(model):
+def names_and_aliases(model: paddle.nn.Layer,
+                      ) -> tuple[dict[str, paddle.Tensor], dict[str, str]]:
     """``(canonical, aliases)``: ``{name: tensor}`` for every distinct parameter and
     persistable buffer (first name wins), ``{alias: canonical}`` for tied names. Local
     experts marked with global indices are named by their global index."""
     renames = global_names(model)
-    canonical, aliases, first = {}, {}, {}
+    canonical: dict[str, paddle.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}  # id of its ShardedParam (else of the tensor) -> first name
     for name, value in model._state_dict_impl(use_hook=False).items():
         name = rename(name, renames)
         sp = managed_param(value)

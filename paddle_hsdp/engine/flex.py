@@ -8,6 +8,8 @@ optimizer's."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from ..topology.placement import ModelAxes
@@ -15,8 +17,12 @@ from .experts import names_and_aliases
 from .optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
 from .registry import managed_param, registry
 
+if TYPE_CHECKING:
+    import paddle
 
-def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
+
+def sharded_state_dict(model: paddle.nn.Layer, structured_name_prefix: str = "",
+                       ) -> dict[str, ShardedWeight]:
     """``{name: ShardedWeight}`` for Paddle's ``flex_checkpoint.dcp`` save/load: each
     managed parameter as this rank's unpadded rows (a view of the shard storage, so a
     dcp load writes straight into it) at its global offset (with its tensor-parallel
@@ -55,7 +61,9 @@ def sharded_state_dict(model, structured_name_prefix: str = "") -> dict:
     return out
 
 
-def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
+def optimizer_sharded_state_dict(optimizer: paddle.optimizer.Optimizer,
+                                 model_sharded_state_dict: dict[str, ShardedWeight],
+                                 ) -> dict[str, ShardedWeight]:
     """The optimizer's state as ``ShardedWeight``s, in the form Paddle's own
     ``AdamW.sharded_state_dict`` gives (``{param key}.moment1_0``, ``.beta1_pow_acc_0``,
     ..., ``.w_0`` for a master weight), each row-shaped state a view of its unpadded
@@ -65,8 +73,8 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> d
     optimizer = unwrap_optimizer(optimizer)
     _ensure_accumulators(optimizer)
     key_of: dict[str, str] = {}
-    for key, weight in sorted(model_sharded_state_dict.items()):
-        key_of.setdefault(weight.local_tensor.name, key)  # tied: the first key owns it
+    for model_key, weight in sorted(model_sharded_state_dict.items()):
+        key_of.setdefault(weight.local_tensor.name, model_key)  # tied: the first key owns it
     out = {}
     for p in _params_of(optimizer):
         key = key_of.get(p.name)

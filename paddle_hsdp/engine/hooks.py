@@ -196,7 +196,7 @@ def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     for owner in unit.borrowed:
         owner.unshard()
     unit.unshard()
-    # the grads land in place in the reduce input (engine/full_grads.py); a finished
+    # the grads land in place in the reduce input (engine/buffer/full_grads.py); a finished
     # reduce-scatter's input goes back to the pool first, to serve as this one
     finish_transferred_reduces()
     for buf in unit.buffers:

@@ -28,6 +28,7 @@ planner, which builds no buffer) computes the same one.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 ALIGN = 16  # elements: 64 bytes in float32, 32 in bfloat16
@@ -75,14 +76,14 @@ class SegmentLayout:
         return out
 
 
-def row_split(shape) -> tuple[int, int]:
+def row_split(shape: Sequence[int]) -> tuple[int, int]:
     """``(rows, elements per row)`` of a parameter of ``shape``: its first dim and the
     product of the others (a 0-d parameter is one row of one element)."""
     return (int(shape[0]) if len(shape) else 1,
             math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1)
 
 
-def segment_layout(shapes, segments: int) -> SegmentLayout:
+def segment_layout(shapes: Sequence[Sequence[int]], segments: int) -> SegmentLayout:
     """The smallest ``s`` (and the placement under it) this module's rules allow for
     parameters of ``shapes`` (in order) over ``segments`` segments."""
     rows, row_numels = zip(*(row_split(shape) for shape in shapes), strict=True)
@@ -100,7 +101,8 @@ def segment_layout(shapes, segments: int) -> SegmentLayout:
         size = max(size + 1, -(-end // segments))
 
 
-def _place(numels, row_numels, size: int) -> tuple[tuple[int, ...], int]:
+def _place(numels: Sequence[int], row_numels: Sequence[int], size: int,
+           ) -> tuple[tuple[int, ...], int]:
     """Offsets of parameters laid out in order under segment size ``size`` (each
     aligned, then moved on so the first boundary inside it is on a row boundary), and
     the end of the last one."""

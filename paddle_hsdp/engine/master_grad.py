@@ -25,6 +25,7 @@ Paddle's data-parallel reduction of ``main_grad`` does, unless the unit's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import paddle
@@ -43,7 +44,7 @@ def marked(sp: ShardedParam) -> bool:
     return hasattr(sp.full, "main_grad") or hasattr(getattr(sp, "shard", None), "main_grad")
 
 
-def uses_main_grad(params, describe) -> bool:
+def uses_main_grad(params: Sequence[ShardedParam], describe: Callable[[], str]) -> bool:
     """Whether a buffer of trainable ``params`` accumulates into ``main_grad``. A buffer
     is one collective, so its parameters must agree: a wrapper over part of a unit is
     refused (the same on every rank, since every rank wraps the same modules)."""
@@ -58,7 +59,7 @@ def uses_main_grad(params, describe) -> bool:
     return bool(flags) and flags[0]
 
 
-def full_grad(sp):
+def full_grad(sp: ShardedParam) -> paddle.Tensor | None:
     """The full-size grad of ``sp`` this backward produced: the full parameter's
     ``main_grad`` when the wrapper's hook sits on it (wrapped before ``fully_shard``),
     else its ``.grad``; None when it got none."""
@@ -68,17 +69,17 @@ def full_grad(sp):
     return main if grad is None else main + grad.astype(main.dtype)
 
 
-def has_full_grad(sp) -> bool:
+def has_full_grad(sp: ShardedParam) -> bool:
     return sp.full.grad is not None or getattr(sp.full, "main_grad", None) is not None
 
 
-def full_grad_nbytes(sp) -> int:
+def full_grad_nbytes(sp: ShardedParam) -> int:
     return sum(sp.numel * g.element_size() for g in (sp.full.grad,
                                                      getattr(sp.full, "main_grad", None))
                if g is not None)
 
 
-def release_full_grad(sp) -> None:
+def release_full_grad(sp: ShardedParam) -> None:
     """Drop the full-size grad (the hook makes a new ``main_grad`` at the next grad)."""
     sp.full.clear_gradient(False)
     if getattr(sp.full, "main_grad", None) is not None:

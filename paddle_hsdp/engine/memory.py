@@ -5,10 +5,16 @@ report itself (the same figures at every engine event:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
 from ..hints import expect_layer
 from . import staging
 from .optimizers import optimizer_state_bytes
 from .registry import units_under
+
+if TYPE_CHECKING:
+    import paddle
 
 
 class GatheredBytes:
@@ -29,6 +35,13 @@ class GatheredBytes:
         cls.peak, cls.units_peak = cls.now, cls.units_now
 
 
+class _HoldsFullGrads(Protocol):
+    """What :meth:`FullGradBytes.sample` reads of a unit (an ``FSDPUnit``, which imports
+    this module)."""
+
+    def full_grad_nbytes(self) -> int: ...
+
+
 class FullGradBytes:
     """The most full-size grad bytes alive at once during backward, sampled at every
     post-backward and end of backward while tracking is on (:func:`reset_peak_memory`
@@ -38,17 +51,18 @@ class FullGradBytes:
     peak = 0
 
     @classmethod
-    def sample(cls, units) -> None:
+    def sample(cls, units: Iterable[_HoldsFullGrads]) -> None:
         if cls.tracking:
             cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
 
 
-def memory_report(model, optimizer=None) -> dict[str, int]:
+def memory_report(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | None = None,
+                  ) -> dict[str, int]:
     """Bytes the engine holds for ``model`` on this rank, now: local ``shard`` params,
     ``grad`` (shard grads plus any full-size grads alive), ``gathered`` full params;
     ``staging``: what the collectives' staging pool holds, less the grad grids in use,
     which count as the full grads they hold (all models; see engine/staging.py and
-    engine/full_grads.py); ``peak_gathered`` / ``peak_gathered_units``: the most
+    engine/buffer/full_grads.py); ``peak_gathered`` / ``peak_gathered_units``: the most
     full-size param bytes and units gathered at once (all models), and
     ``peak_full_grads``: the most full-size grad bytes alive at a post-backward, an
     early reduction or end of backward, since :func:`reset_peak_memory`. With

@@ -34,12 +34,17 @@ upload and download is a real copy, so the bookkeeping above runs and can be cou
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import paddle
 
 from ..comm import watchdog
 from .context import OffloadCounters, context
+
+if TYPE_CHECKING:
+    from paddle.base.core import Place
 
 EXERCISE_ON_CPU = False  # tests: run the offload path with the CPU as the device
 
@@ -53,7 +58,7 @@ def reset_counters() -> None:
     context.offload.counters = OffloadCounters()
 
 
-def enabled(policy) -> bool:
+def enabled(policy: object | None) -> bool:
     """Whether ``policy`` (an offload policy or None) moves shards to the host here."""
     if policy is None or not getattr(policy, "offloads_to_host", False):
         return False
@@ -67,7 +72,7 @@ def compute_device() -> str:
 
 
 @contextlib.contextmanager
-def on_host():
+def on_host() -> Iterator[None]:
     """Create tensors on (and so run new ops on) the host for the block."""
     device, stack = paddle.get_device(), context.offload.device_stack
     if device.startswith("cpu"):
@@ -87,7 +92,7 @@ def on_host():
 
 
 @contextlib.contextmanager
-def on_device():
+def on_device() -> Iterator[None]:
     """Inside :func:`on_host`: back on the compute device for the block (a collective)."""
     stack = context.offload.device_stack
     if not stack or paddle.get_device() == stack[-1]:
@@ -135,14 +140,14 @@ class HostStorage:
     """The host side of one offloaded buffer: its storage is created here, and every
     copy between it and the device goes through :meth:`upload` and :meth:`download`."""
 
-    def __init__(self, pin_memory: bool):
+    def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = bool(pin_memory)
         self.device = compute_device()
         self._downloads: list[_Download] = []
         self._uploads: list[tuple] = []  # (pinned staging, event) of copies in flight
 
     # ---------------------------------------------------------------- storage
-    def zeros(self, numel: int, dtype) -> paddle.Tensor:
+    def zeros(self, numel: int, dtype: paddle.dtype) -> paddle.Tensor:
         with on_host():
             return paddle.zeros([numel], dtype)
 
@@ -223,19 +228,30 @@ class HostStorage:
             _wait_for(downloads[-1])
 
 
-def settle_all(buffers) -> None:
+class _Buffer(Protocol):
+    """What :func:`settle_all` and :func:`host_step` read of a buffer (a
+    ``ShardBuffer``, which imports this module)."""
+
+    @property
+    def host(self) -> HostStorage | None: ...
+
+    def describe(self) -> str: ...
+
+
+def settle_all(buffers: Iterable[_Buffer]) -> None:
     """Every pending download of ``buffers`` folded into host storage, after one wait
     (for the newest of them: the older ones completed before it)."""
-    buffers = [b for b in buffers if b.host is not None and b.host.pending()]
-    if not buffers:
+    hosts = [b.host for b in buffers if b.host is not None and b.host.pending()]
+    newest = [d for d in (host.newest() for host in hosts) if d is not None]
+    if not newest:
         return
-    _wait_for(max((b.host.newest() for b in buffers), key=lambda d: d.seq))
-    for buf in buffers:
-        buf.host.settle()
+    _wait_for(max(newest, key=lambda d: d.seq))
+    for host in hosts:
+        host.settle()
 
 
 @contextlib.contextmanager
-def host_step(buffers, what: str = "the optimizer step"):
+def host_step(buffers: Iterable[_Buffer], what: str = "the optimizer step") -> Iterator[None]:
     """Run an optimizer step over ``buffers``' shards: on the host when they are
     offloaded (after every pending download is in), as is when none is; a mix is
     refused, before anything is updated."""
@@ -258,7 +274,7 @@ def host_step(buffers, what: str = "the optimizer step"):
         yield
 
 
-def _place(device: str):
+def _place(device: str) -> Place:
     if device.startswith("cpu"):
         return paddle.CPUPlace()
     kind, _, number = device.partition(":")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import paddle
@@ -24,8 +26,24 @@ from . import offload
 from .registry import managed_param, owning_unit, units_under
 from .reductions import sync_grads
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
 
-def _params_of(optimizer) -> list:
+    from .buffer import ShardBuffer
+    from .param import ShardedParam
+
+_T = TypeVar("_T")
+
+
+class _HoldsParams(Protocol):
+    """What :func:`optimizer_state_bytes` reads of a unit (an ``FSDPUnit``, which
+    imports this module through engine/memory.py)."""
+
+    @property
+    def params(self) -> Sequence[ShardedParam]: ...
+
+
+def _params_of(optimizer: paddle.optimizer.Optimizer) -> list:
     params = []
     for p in getattr(optimizer, "_parameter_list", None) or []:
         if isinstance(p, dict):
@@ -35,7 +53,7 @@ def _params_of(optimizer) -> list:
     return params
 
 
-def _sharded_params_of(optimizer) -> list:
+def _sharded_params_of(optimizer: paddle.optimizer.Optimizer) -> list:
     return [p for p in _params_of(optimizer) if hasattr(p, "_hsdp_sharded_param")]
 
 
@@ -49,7 +67,7 @@ def _not_elementwise_classes() -> tuple:
     return tuple(cls for cls in found if isinstance(cls, type))
 
 
-def check_optimizer(optimizer) -> list:
+def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
     """Refuse, before any collective or update, an optimizer that cannot be right on
     HSDP shards; return the shards it holds. Same answer on every rank: every rank
     builds the same optimizer over the same model."""
@@ -72,7 +90,7 @@ def check_optimizer(optimizer) -> list:
     return shards
 
 
-def _units_of(params) -> list:  # of FSDPUnit
+def _units_of(params: Iterable[paddle.Tensor]) -> list:  # of FSDPUnit
     units = {}
     for p in params:
         unit = owning_unit(p._hsdp_sharded_param)
@@ -80,7 +98,8 @@ def _units_of(params) -> list:  # of FSDPUnit
     return [units[i] for i in sorted(units)]  # one global order on every rank
 
 
-def finish_grad_sync(target) -> None:
+def finish_grad_sync(target: paddle.optimizer.Optimizer | paddle.nn.Layer
+                     | Iterable[paddle.Tensor]) -> None:
     """Run the deferred outer all-reduce (and 1/N scaling) now, for the units of
     ``target``: an optimizer (the units whose shards it holds), a sharded model (every
     unit under it), or an iterable of parameters. A collective: call it on every rank.
@@ -88,7 +107,7 @@ def finish_grad_sync(target) -> None:
     sync_grads(_units_for(target, "finish_grad_sync"))
 
 
-def untouched_shards(shards) -> set[int]:
+def untouched_shards(shards: Iterable[paddle.Tensor]) -> set[int]:
     """``id`` of every shard in ``shards`` whose parameter no rank of its FSDP group
     gave a grad since its grad was last released: plain Paddle's optimizer skips such a
     parameter (its grad is None: no weight decay, no moment or step change), while the
@@ -120,7 +139,7 @@ def untouched_shards(shards) -> set[int]:
     return untouched
 
 
-def _factors(fsdp_group, buf) -> list:
+def _factors(fsdp_group: Group, buf: ShardBuffer) -> list[Group]:
     """The groups whose all-reduces in turn reach every rank of ``fsdp_group``: its
     inner and outer groups where it is their product (no communicator of the FSDP
     group's size is made for the flags: with NCCL, pure HSDP's would span the world),
@@ -135,14 +154,18 @@ def _factors(fsdp_group, buf) -> list:
     return [g for g in parts if g.nranks > 1]
 
 
-def unwrap_optimizer(optimizer):
-    """The optimizer under fleet.distributed_optimizer's wrappers (anything else as is)."""
+def unwrap_optimizer(optimizer: _T) -> _T:
+    """The optimizer under fleet.distributed_optimizer's wrappers (anything else as is).
+    A wrapper (``HybridParallelOptimizer``, ``MixPrecisionOptimizer``) is no subclass of
+    ``paddle.optimizer.Optimizer`` but hands every attribute read on to the optimizer it
+    wraps: the package types it as one, so what comes out has the type that went in."""
     while hasattr(optimizer, "_inner_opt"):
         optimizer = optimizer._inner_opt
     return optimizer
 
 
-def _units_for(target, what: str) -> list:  # of FSDPUnit
+def _units_for(target: paddle.optimizer.Optimizer | paddle.nn.Layer | Iterable[paddle.Tensor],
+               what: str) -> list:  # of FSDPUnit
     target = unwrap_optimizer(target)
     if hasattr(target, "_parameter_list"):
         return _units_of(_sharded_params_of(target))
@@ -158,7 +181,7 @@ def _units_for(target, what: str) -> list:  # of FSDPUnit
     return _units_of(_managed_shards(target))
 
 
-def _managed_shards(params) -> list:
+def _managed_shards(params: Iterable[paddle.Tensor]) -> list:
     """The HSDP shard of every managed param in ``params`` (a gathered full param
     counts as its shard), deduplicated, in order."""
     out, seen = [], set()
@@ -173,7 +196,7 @@ def _managed_shards(params) -> list:
     return out
 
 
-def _states_of(optimizer, p) -> dict:
+def _states_of(optimizer: paddle.optimizer.Optimizer, p: paddle.Tensor) -> dict:
     """``{state name: tensor}`` the optimizer keeps for ``p``: its accumulators under
     Paddle's names (``moment1``, ``beta1_pow_acc``, ...) and ``master_weight``."""
     states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
@@ -184,7 +207,8 @@ def _states_of(optimizer, p) -> dict:
     return states
 
 
-def optimizer_state_bytes(optimizer, units=None) -> int:
+def optimizer_state_bytes(optimizer: paddle.optimizer.Optimizer,
+                          units: Iterable[_HoldsParams] | None = None) -> int:
     """Bytes of ``optimizer``'s states (accumulators, master weights) of the HSDP shards
     it holds on this rank (only those of ``units``, if given), from shapes: for
     ``memory_report`` and the memory timeline (engine/trace.py)."""
@@ -197,7 +221,7 @@ def optimizer_state_bytes(optimizer, units=None) -> int:
                for t in _states_of(optimizer, p).values())
 
 
-def _ensure_accumulators(optimizer) -> None:
+def _ensure_accumulators(optimizer: paddle.optimizer.Optimizer) -> None:
     """Create the optimizer's state now if no step has run yet, so it can be loaded."""
     params = [p for p in _params_of(optimizer) if not p.stop_gradient]
     if params and not getattr(optimizer, "_accumulators", None):
@@ -210,7 +234,7 @@ def _ensure_accumulators(optimizer) -> None:
             optimizer._create_accumulators(block, params)
 
 
-def needs_whole_matrices(optimizer) -> bool:
+def needs_whole_matrices(optimizer: paddle.optimizer.Optimizer) -> bool:
     """Whether ``optimizer``'s update of a matrix reads the whole matrix (Muon's
     Newton-Schulz orthogonalisation): declared by a class attribute
     ``needs_whole_matrices = True``, else assumed for every class named ``*Muon*``."""
@@ -220,7 +244,8 @@ def needs_whole_matrices(optimizer) -> bool:
     return any("muon" in klass.__name__.lower() for klass in type(optimizer).__mro__)
 
 
-def refuse_row_sharded_matrices(optimizer, shards) -> None:
+def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
+                                shards: Iterable[paddle.Tensor]) -> None:
     """Refuse a whole-matrix optimizer over shards that cut a matrix across ranks (the
     default row shards, or HFSDP's outer pieces): it would orthogonalise each rank's
     rows on their own. Decided by the layout alone, so every rank refuses alike,
@@ -239,7 +264,8 @@ def refuse_row_sharded_matrices(optimizer, shards) -> None:
                 "len(p.shape) >= 2 else None). Nothing was updated.")
 
 
-def refuse_state_of_other_shape(optimizer, state_dict) -> None:
+def refuse_state_of_other_shape(optimizer: paddle.optimizer.Optimizer,
+                                state_dict: dict[str, Any]) -> None:
     """Refuse, in ``set_state_dict``, optimizer state whose tensors do not have the
     shape of this rank's shards (a full, unsharded state dict would be kept full-size
     and fail in the first step's kernel): naming the parameter and the way to load

@@ -45,7 +45,7 @@ MARKS = ("optimize_attr", "regularizer", "do_model_average", "need_clip",
          "context_parallel_disable_scale_grad")
 
 
-def carried_marks(param) -> dict:
+def carried_marks(param: paddle.Tensor) -> dict[str, object]:
     """The marks of ``param`` its shard carries: every entry of :data:`MARKS` it has,
     and any other public attribute it was given that is not a tensor."""
     marks = {name: getattr(param, name) for name in MARKS if hasattr(param, name)}
@@ -74,7 +74,7 @@ class ShardedParam:
     """An original parameter, its shard on this inner rank, and the modules using it."""
 
     def __init__(self, param: EagerParamBase, fqn: str, inner_size: int, inner_rank: int,
-                 parts: int = 1, part: int = 0):
+                 parts: int = 1, part: int = 0) -> None:
         self.full = param  # keeps autograd identity; its storage comes and goes
         self.fqn = fqn
         self.shape = list(param.shape)
@@ -156,7 +156,7 @@ class ShardedParam:
             delattr(shard, "_hsdp_sharded_param")
 
     # -------------------------------------------------------------- layout helpers
-    def rows_of(self, full, sub: bool) -> paddle.Tensor:
+    def rows_of(self, full: paddle.Tensor, sub: bool) -> paddle.Tensor:
         """The rows of ``full`` (this parameter's full value) this rank holds, shaped
         ``[count] + trailing dims`` (see :meth:`row_range`)."""
         first, count = self.row_range(sub)
@@ -165,7 +165,7 @@ class ShardedParam:
         return full.reshape([self.rows, self.row_numel])[first:first + count] \
             .reshape([count] + self.rest)
 
-    def piece_of(self, flat) -> paddle.Tensor:
+    def piece_of(self, flat: paddle.Tensor) -> paddle.Tensor:
         """The shard parameter's elements of a flat shard-layout tensor: a 1-D view, no
         copy (callers skip a 0-row shard: Paddle will not share an empty slice).
 
@@ -175,12 +175,12 @@ class ShardedParam:
         start = self.slot.flat_offset
         return flat[start:start + self.sub_numel]
 
-    def inner_block_of(self, flat) -> paddle.Tensor:
+    def inner_block_of(self, flat: paddle.Tensor) -> paddle.Tensor:
         """This rank's inner block in a flat shard-layout tensor (a 1-D view)."""
         start = self.slot.inner_offset
         return flat[start:start + self.inner_numel]
 
-    def full_of(self, full_flat) -> paddle.Tensor:
+    def full_of(self, full_flat: paddle.Tensor) -> paddle.Tensor:
         """The parameter's full tensor in its buffer's full flat buffer (a view)."""
         start = self.slot.full_offset
         return full_flat[start:start + self.numel].reshape(self.shape)
@@ -223,7 +223,7 @@ class ShardedParam:
                 f"then: the parameters are cast already). {POLICY_HINT}")
 
     # -------------------------------------------------------------- views of flat storage
-    def empty(self, dtype) -> paddle.Tensor:
+    def empty(self, dtype: paddle.dtype) -> paddle.Tensor:
         """A 0-row tensor of the shard's shape that holds storage (one element): Paddle
         shares no empty slice, and a tensor without storage has no place, which casts
         and ``set_value`` (``paddle.amp.decorate``, ``set_state_dict``) need."""
@@ -231,7 +231,7 @@ class ShardedParam:
         t.get_tensor()._set_dims(self.shard_shape)
         return t
 
-    def attach_shard(self, flat) -> None:
+    def attach_shard(self, flat: paddle.Tensor) -> None:
         """Make the shard param a view of its chunk of the buffer's flat storage."""
         if self.sub_numel == 0:
             shard = self.shard
@@ -242,7 +242,7 @@ class ShardedParam:
         self.piece_of(flat)._share_buffer_to(self.shard)
         self.shard.get_tensor()._set_dims(self.shard_shape)
 
-    def views(self, tensor, flat) -> bool:
+    def views(self, tensor: paddle.Tensor | None, flat: paddle.Tensor) -> bool:
         """Whether ``tensor`` (this param's shard, grad or main grad) is its chunk of
         the buffer's flat storage ``flat``, not a copy: one pointer comparison (a 0-row
         one is, whatever its storage, once it has the right shape)."""
@@ -252,10 +252,10 @@ class ShardedParam:
             return list(tensor.shape) == self.shard_shape
         return is_view_at(tensor, flat, self.slot.flat_offset)
 
-    def shard_is_view_of(self, flat) -> bool:
+    def shard_is_view_of(self, flat: paddle.Tensor) -> bool:
         return self.views(self.shard, flat)
 
-    def attach_grad(self, flat_grad) -> None:
+    def attach_grad(self, flat_grad: paddle.Tensor) -> None:
         """Make the shard's ``.grad`` a view of its chunk of the flat grad storage."""
         # a 0-row grad holds no storage: autograd adds a new grad to a stored one only
         # when both hold storage, and its 0-row grads hold none
@@ -263,35 +263,35 @@ class ShardedParam:
             else paddle.zeros(self.shard_shape, dtype=flat_grad.dtype)
         self.shard._copy_gradient_from(grad)
 
-    def attach_full_grad(self, grid) -> None:
+    def attach_full_grad(self, grid: paddle.Tensor) -> None:
         """Make the full parameter's ``.grad`` a view of its place in ``grid``, a full
-        flat buffer (engine/full_grads.py)."""
+        flat buffer (engine/buffer/full_grads.py)."""
         self.full._copy_gradient_from(own_view(self.full_of(grid), self.shape))
 
-    def full_grad_is_view_of(self, grid) -> bool:
+    def full_grad_is_view_of(self, grid: paddle.Tensor) -> bool:
         """Whether the full parameter's ``.grad`` is still its place in ``grid``."""
         grad = self.full.grad
         return grad is not None and is_view_at(grad, grid, self.slot.full_offset)
 
-    def grad_is_view_of(self, flat_grad) -> bool:
+    def grad_is_view_of(self, flat_grad: paddle.Tensor) -> bool:
         return self.views(self.shard.grad, flat_grad)
 
-    def attach_main_grad(self, flat_main_grad) -> None:
+    def attach_main_grad(self, flat_main_grad: paddle.Tensor) -> None:
         """Make the shard's ``main_grad`` (MixPrecisionLayer's float32 grad) a view of its
         chunk of the buffer's flat main-grad storage."""
         self.shard.main_grad = own_view(self.piece_of(flat_main_grad), self.shard_shape) \
             if self.sub_numel else paddle.zeros(self.shard_shape, dtype=flat_main_grad.dtype)
 
-    def main_grad_is_view_of(self, flat_main_grad) -> bool:
+    def main_grad_is_view_of(self, flat_main_grad: paddle.Tensor) -> bool:
         return self.views(getattr(self.shard, "main_grad", None), flat_main_grad)
 
     # -------------------------------------------------------------- module slots
-    def point_users_to(self, tensor) -> None:
+    def point_users_to(self, tensor: paddle.Tensor) -> None:
         """Make every module attribute that names this parameter hold ``tensor``."""
         for module, name in self.users:
             module._parameters[name] = tensor
 
-    def set_full_data(self, tensor) -> None:
+    def set_full_data(self, tensor: paddle.Tensor) -> None:
         """Give the original parameter (the one autograd knows) this storage."""
         tensor.reshape(self.shape)._share_buffer_to(self.full)
 
@@ -303,14 +303,14 @@ class ShardedParam:
         return self.full._is_initialized()
 
 
-def is_view_at(tensor, flat, offset: int) -> bool:
+def is_view_at(tensor: paddle.Tensor, flat: paddle.Tensor, offset: int) -> bool:
     """Whether ``tensor``'s storage starts at element ``offset`` of ``flat``'s: one
     pointer comparison."""
     return (tensor._is_initialized()
             and tensor.data_ptr() == flat.data_ptr() + offset * flat.element_size())
 
 
-def own_view(view, shape) -> paddle.Tensor:
+def own_view(view: paddle.Tensor, shape: list[int]) -> paddle.Tensor:
     """``view``'s storage in a tensor object of its own, shaped ``shape``. A slice of a
     tensor's whole range is the tensor itself to Paddle (the same DenseTensor), so a
     grad that is such a "view" and is released (``clear_gradient(False)`` moves its
@@ -321,5 +321,5 @@ def own_view(view, shape) -> paddle.Tensor:
     return t
 
 
-def _name(dtype) -> str:
+def _name(dtype: paddle.dtype) -> str:
     return str(dtype).replace("paddle.", "")

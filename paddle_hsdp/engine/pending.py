@@ -3,6 +3,7 @@ its wait, and the staging tensors it gives back to the pool after it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import paddle
@@ -32,26 +33,27 @@ class PendingReduce:
     present: tuple = ()  # per param: whether this rank had a grad for it (reduce-scatter)
 
 
-def release_staging(pending) -> None:
+def release_staging(pending: PendingGather | PendingReduce) -> None:
     """Give a waited collective's staging tensors back to the pool (once)."""
     staged, pending.staged = pending.staged, ()
     give_back(staged)
 
 
-def give_back(staged) -> None:
+def give_back(staged: Iterable[paddle.Tensor]) -> None:
     for t in staged:
         staging.pool.give(t)
 
 
-def settle(pendings) -> list[Exception]:
+def settle(pendings: Iterable[PendingGather | PendingReduce | None]) -> list[Exception]:
     """Wait for every pending collective (None skipped) even when some fail, then give
     their staging back: for error paths and prefetches never used (see
     :func:`paddle_hsdp.comm.collectives.settle`). Returns the failures."""
-    pendings = [p for p in pendings if p is not None]
-    handles = [p.handle for p in pendings]
-    handles += [p.tag_handle for p in pendings if getattr(p, "tag_handle", None) is not None]
+    live = [p for p in pendings if p is not None]
+    handles = [p.handle for p in live]
+    tag_handles = (getattr(p, "tag_handle", None) for p in live)  # a gather's tags'
+    handles += [h for h in tag_handles if h is not None]
     failures = comm.settle(handles)
-    for p in pendings:
+    for p in live:
         release_staging(p)
     return failures
 

@@ -29,7 +29,7 @@ class MixedPrecisionPolicy:
     output_dtype: Any = None
     cast_forward_inputs: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             _check_floating_dtype(getattr(self, field), field)
         if not isinstance(self.cast_forward_inputs, bool):
@@ -40,7 +40,7 @@ class MixedPrecisionPolicy:
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def _check_floating_dtype(value, field: str) -> None:
+def _check_floating_dtype(value: object, field: str) -> None:
     """None, or a floating dtype given as a string or a paddle dtype."""
     if value is None:
         return

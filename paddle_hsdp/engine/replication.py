@@ -15,17 +15,22 @@ named here, and ft holds no registry, unit or buffer.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import paddle
 
 from .hooks import record_outer_sync_again
 from .optimizers import finish_grad_sync
 from .registry import registry
 
+if TYPE_CHECKING:
+    from paddle.distributed.communication.group import Group
+
 __all__ = ["refusal_to_replicate", "parameter_table", "state_tensors", "state_replaced",
            "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync"]
 
 
-def refusal_to_replicate(model: paddle.nn.Layer, outer) -> str | None:
+def refusal_to_replicate(model: paddle.nn.Layer, outer: Group) -> str | None:
     """Why ``model``'s buffers cannot train across live replica groups over ``outer``
     (the group's outer group), or None."""
     for unit in registry.units_under(model):

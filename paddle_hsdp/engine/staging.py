@@ -2,10 +2,10 @@
 
 Every all-gather needs, under mixed precision, a copy of the shard in the gather dtype
 and a few elements for its tags, and every reduce-scatter an input (the full grads in
-the full buffer's layout: the grad grid autograd adds them to, engine/full_grads.py,
+the full buffer's layout: the grad grid autograd adds them to, engine/buffer/full_grads.py,
 or their one concatenation) and an output shard. (The all-gather's own
 output is not staging: the full parameters are views of it while they are gathered,
-engine/buffer.py.) Allocated per call,
+engine/buffer/gather.py.) Allocated per call,
 each distinct size leaves its own blocks in the allocator (on CPU, glibc keeps freed
 blocks below its mmap threshold in the heap; on a device the caching allocator keeps
 one pool of blocks per size class), so the high-water mark grows with the number of
@@ -59,7 +59,7 @@ class StagingPool:
         self.allocations = 0  # tensors made since the process started
         self.held_bytes = 0  # every tensor the pool made and has not released
         self.taken_bytes = 0  # of which handed out now
-        # of which serving as full grads now (grad grids, engine/full_grads.py): memory
+        # of which serving as full grads now (grad grids, engine/buffer/full_grads.py): memory
         # reports count them as full grads, not staging
         self.grad_bytes = 0
 

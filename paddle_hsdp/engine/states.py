@@ -21,6 +21,7 @@ reduce-scatter under ``set_requires_gradient_sync(False)`` are the unit's
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 
 class EngineStateError(RuntimeError):
@@ -143,7 +144,8 @@ TRANSITIONS: dict[type[enum.Enum], frozenset[tuple[enum.Enum, enum.Enum]]] = {
 }
 
 
-def move(owner, field: str, to: enum.Enum, call: str, who=None) -> None:
+def move(owner: object, field: str, to: enum.Enum, call: str,
+         who: str | Callable[[], str] | None = None) -> None:
     """Set ``owner.<field>`` (a state) to ``to`` if :data:`TRANSITIONS` allows it from
     the state it is in, else raise :class:`EngineStateError` naming ``call`` and
     ``who`` (default: the owner's ``describe()`` or ``label``). Every write of a state
@@ -160,7 +162,7 @@ def move(owner, field: str, to: enum.Enum, call: str, who=None) -> None:
     setattr(owner, field, to)
 
 
-def expect(state: enum.Enum, allowed: tuple, call: str, who) -> None:
+def expect(state: enum.Enum, allowed: tuple, call: str, who: str | Callable[[], str]) -> None:
     """Raise :class:`EngineStateError` unless ``state`` is one of ``allowed``.
     ``who``: what is in that state (its ``describe()`` or ``label`` names it)."""
     if state not in allowed:

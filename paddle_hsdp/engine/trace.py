@@ -24,7 +24,7 @@ unit of the process:
 
 * ``shard``: the parameter shards; ``shard_grad``: their grads (and float32 main
   grads); ``full_grad``: full-size grads not reduce-scattered yet (a grad grid in use
-  counts here, not in ``staging``: engine/full_grads.py); ``gathered``: full
+  counts here, not in ``staging``: engine/buffer/full_grads.py); ``gathered``: full
   parameters gathered now (``memory_report`` gives the same figures: ``grad`` is
   ``shard_grad + full_grad``);
 * ``staging``: what the staging pool holds, free or in flight (engine/staging.py:
