@@ -21,7 +21,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import (MixPrecisionLaye
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine.optimizers import _ensure_accumulators, _states_of
+from paddle_hsdp.engine.optimizers import ensure_accumulators, states_of
 from kit import batch_ids, models, parity, shard_tinylm
 
 MICRO, CLIP = 2, 0.2
@@ -184,9 +184,9 @@ def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fak
     models.lm_loss(wrapper, batch_ids(), True).backward()
     shards = [p for p in model.parameters() if not p.stop_gradient]
     assert all(p.grad is None and p.main_grad.dtype == paddle.float32 for p in shards)
-    _ensure_accumulators(opt)
+    ensure_accumulators(opt)
     for p in shards:
-        master = _states_of(opt, p)["master_weight"]
+        master = states_of(opt, p)["master_weight"]
         assert master.dtype == paddle.float32
         assert np.array_equal(master.numpy(), p.astype("float32").numpy()), p.name
         master.add_(paddle.full_like(master, 0.5))  # unlike any fresh model's masters
@@ -194,8 +194,8 @@ def test_decorate_cast_before_fully_shard_gives_bf16_shards_and_fp32_masters(fak
     other, other_wrapper, other_opt = _cast_then_sharded(seed=3)
     paddle_hsdp.load_checkpoint(tmp_path / "ckpt", other_wrapper, other_opt)
     for p, q in zip(shards, [p for p in other.parameters() if not p.stop_gradient]):
-        assert np.array_equal(_states_of(opt, p)["master_weight"].numpy(),
-                              _states_of(other_opt, q)["master_weight"].numpy()), p.name
+        assert np.array_equal(states_of(opt, p)["master_weight"].numpy(),
+                              states_of(other_opt, q)["master_weight"].numpy()), p.name
 
 
 @pytest.mark.parametrize("reduce_dtype,travels", [(None, paddle.float32),

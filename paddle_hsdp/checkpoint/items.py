@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 
 from ..engine.experts import global_names
-from ..engine.optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
+from ..engine.optimizers import ensure_accumulators, optimizer_params, states_of, unwrap_optimizer
 from ..engine.registry import managed_param, registry
 from ..hints import expect_layer, expect_optimizer
 from ..topology.placement import ModelAxes, is_expert
@@ -189,9 +189,9 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
     """AdamW-style accumulators and master weights, as boxes like their parameter's
     (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
     element (``beta1_pow_acc``, shape [1], the same wherever it is held)."""
-    _ensure_accumulators(optimizer)
+    ensure_accumulators(optimizer)
     items, positions = [], {}
-    for p in _params_of(optimizer):
+    for p in optimizer_params(optimizer):
         name = by_shard.get(id(p))
         if name is None:
             continue
@@ -212,7 +212,7 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
             if sp.parts > 1:
                 block = Replicas(tuple(a for a in owner.replicas.axes if a[0] == "mp"))
             scalar = Replicas(_axis(inner, buf.inner) + _axis("outer", buf.outer) + mp)
-        for acc, t in sorted(_states_of(optimizer, p).items()):
+        for acc, t in sorted(states_of(optimizer, p).items()):
             key = f"{name}/optim/{acc}"
             # a block like its parameter (a one-row block has a beta power's shape)
             if list(t.shape) == list(p.shape) and not acc.endswith("_pow_acc"):

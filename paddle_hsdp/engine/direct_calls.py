@@ -54,7 +54,7 @@ def _direct_pre_forward(all_units):
         module.__dict__["_hsdp_direct_stack"].append(gathered)
         for u in gathered:
             if u.root() is None:  # never ran: make the root that ends its backward
-                hooks._make_root_state(_outermost_unit(u, all_units), all_units)
+                hooks.make_root_state(_outermost_unit(u, all_units), all_units)
             u.unshard()
             u.pin()
     return pre_forward
@@ -66,7 +66,7 @@ def _direct_post_forward(module, inputs, outputs):
     for u in gathered:
         u.unpin()
         if grad_on:
-            outputs = hooks._wrap_tensors(hooks._on_pre_backward, u, outputs)
+            outputs = hooks.wrap_tensors(hooks.on_pre_backward, u, outputs)
         if context.backward.depth == 0 and (not grad_on or u.should_reshard_after_forward()):
             u.reshard()
     if gathered and not grad_on and context.backward.depth == 0:

@@ -14,7 +14,7 @@ from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from ..topology.placement import ModelAxes
 from .experts import names_and_aliases
-from .optimizers import _ensure_accumulators, _params_of, _states_of, unwrap_optimizer
+from .optimizers import ensure_accumulators, optimizer_params, states_of, unwrap_optimizer
 from .registry import managed_param, registry
 
 if TYPE_CHECKING:
@@ -71,17 +71,17 @@ def optimizer_sharded_state_dict(optimizer: paddle.optimizer.Optimizer,
     follow ``model_sharded_state_dict`` (from ``model.sharded_state_dict()``); states of
     a parameter whose block is all padding on this rank are left out, like the block."""
     optimizer = unwrap_optimizer(optimizer)
-    _ensure_accumulators(optimizer)
+    ensure_accumulators(optimizer)
     key_of: dict[str, str] = {}
     for model_key, weight in sorted(model_sharded_state_dict.items()):
         key_of.setdefault(weight.local_tensor.name, model_key)  # tied: the first key owns it
     out = {}
-    for p in _params_of(optimizer):
+    for p in optimizer_params(optimizer):
         key = key_of.get(p.name)
         if key is None:
             continue
         ref = model_sharded_state_dict[key]
-        for acc, t in sorted(_states_of(optimizer, p).items()):
+        for acc, t in sorted(states_of(optimizer, p).items()):
             name = f"{key}.{'w' if acc == 'master_weight' else acc}_0"  # Paddle's names
             if list(t.shape) == list(p.shape):  # rows like its parameter's
                 rows = int(ref.local_shape[0]) if ref.local_shape else 1

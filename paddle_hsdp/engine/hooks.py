@@ -192,7 +192,7 @@ def _reset_backward(unit: FSDPUnit, failed: bool = False) -> None:
     unit.end_backward(failed)
 
 
-def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
+def on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     for owner in unit.borrowed:
         owner.unshard()
     unit.unshard()
@@ -217,7 +217,7 @@ def _on_pre_backward(unit: FSDPUnit, token: _GraphToken | None = None) -> None:
     trace.record("backward", "compute", unit.index)
 
 
-def _wrap_tensors(hook, unit: FSDPUnit, obj, token: _GraphToken | None = None):
+def wrap_tensors(hook, unit: FSDPUnit, obj, token: _GraphToken | None = None):
     """Route every grad-requiring tensor of ``obj`` through one :class:`_BackwardHook`
     (holding ``token``, or a new one)."""
     flat, rebuild = _flatten(obj)
@@ -285,7 +285,7 @@ def _input_dtype(unit: FSDPUnit):
     return compute_dtype_of(policy.param_dtype)
 
 
-def _make_root_state(root: FSDPUnit, all_units: list[FSDPUnit]) -> "RootState":
+def make_root_state(root: FSDPUnit, all_units: list[FSDPUnit]) -> "RootState":
     if root.root_state is None:
         root.root_state = RootState(root, all_units)
         for u in root.root_state.units:
@@ -343,7 +343,7 @@ class ForwardHooks:
         if paddle.is_grad_enabled():
             packed = (args, kwargs)
             call = _GraphToken()
-            wrapped = _wrap_tensors(_on_post_backward, unit, packed, call)
+            wrapped = wrap_tensors(_on_post_backward, unit, packed, call)
             if wrapped is not packed:
                 unit.pending_calls.add(call)  # its post-backward will fire, or its graph go
             args, kwargs = wrapped
@@ -354,7 +354,7 @@ class ForwardHooks:
         context.backward.active.clear()  # whatever a forward that raised left behind
         registry.storage_may_have_changed()  # user code ran since the last pass
         gather_tags.start_forward()
-        root_state = _make_root_state(self.unit, self.all_units)
+        root_state = make_root_state(self.unit, self.all_units)
         for u in root_state.units:
             u.clear_pins()  # pins a failed forward left raised
             # every unit's refusals come before this forward's first gather (a
@@ -378,7 +378,7 @@ class ForwardHooks:
         if policy is not None and policy.output_dtype is not None:
             outputs = _cast_floating(outputs, policy.output_dtype)
         if grad_on:
-            outputs = _wrap_tensors(_on_pre_backward, unit, outputs)
+            outputs = wrap_tensors(on_pre_backward, unit, outputs)
         if may_reshard and (unit.should_reshard_after_forward() or not grad_on):
             unit.reshard()
         if unit.is_root and may_reshard and (not grad_on or not module.training):

@@ -43,7 +43,7 @@ class _HoldsParams(Protocol):
     def params(self) -> Sequence[ShardedParam]: ...
 
 
-def _params_of(optimizer: paddle.optimizer.Optimizer) -> list:
+def optimizer_params(optimizer: paddle.optimizer.Optimizer) -> list:
     params = []
     for p in getattr(optimizer, "_parameter_list", None) or []:
         if isinstance(p, dict):
@@ -53,11 +53,11 @@ def _params_of(optimizer: paddle.optimizer.Optimizer) -> list:
     return params
 
 
-def _sharded_params_of(optimizer: paddle.optimizer.Optimizer) -> list:
-    return [p for p in _params_of(optimizer) if hasattr(p, "_hsdp_sharded_param")]
+def sharded_params_of(optimizer: paddle.optimizer.Optimizer) -> list:
+    return [p for p in optimizer_params(optimizer) if hasattr(p, "_hsdp_sharded_param")]
 
 
-def _not_elementwise_classes() -> tuple:
+def not_elementwise_classes() -> tuple:
     """Optimizers whose update of an element reads other elements of the parameter
     (trust ratios, line searches): on a shard they would see only this rank's rows."""
     names = [(paddle.optimizer, "Lamb"), (paddle.optimizer, "LBFGS"),
@@ -71,7 +71,7 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
     """Refuse, before any collective or update, an optimizer that cannot be right on
     HSDP shards; return the shards it holds. Same answer on every rank: every rank
     builds the same optimizer over the same model."""
-    params = _params_of(optimizer)
+    params = optimizer_params(optimizer)
     for p in params:
         sp = managed_param(p)
         if sp is not None and p is not sp.shard:
@@ -81,7 +81,7 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
                 "Build the optimizer after the root's fully_shard, from model.parameters() "
                 "(which then yields the shards).")
     shards = [p for p in params if hasattr(p, "_hsdp_sharded_param")]
-    if shards and isinstance(optimizer, _not_elementwise_classes()):
+    if shards and isinstance(optimizer, not_elementwise_classes()):
         raise NotImplementedError(
             f"{type(optimizer).__name__} is not element-wise (its update of an element "
             "depends on the whole parameter), so on HSDP shards each rank would compute a "
@@ -90,7 +90,7 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
     return shards
 
 
-def _units_of(params: Iterable[paddle.Tensor]) -> list:  # of FSDPUnit
+def units_of_shards(params: Iterable[paddle.Tensor]) -> list:  # of FSDPUnit
     units = {}
     for p in params:
         unit = owning_unit(p._hsdp_sharded_param)
@@ -168,7 +168,7 @@ def _units_for(target: paddle.optimizer.Optimizer | paddle.nn.Layer | Iterable[p
                what: str) -> list:  # of FSDPUnit
     target = unwrap_optimizer(target)
     if hasattr(target, "_parameter_list"):
-        return _units_of(_sharded_params_of(target))
+        return units_of_shards(sharded_params_of(target))
     if isinstance(target, paddle.nn.Layer):
         units = units_under(target)
         if not units:
@@ -178,10 +178,10 @@ def _units_for(target: paddle.optimizer.Optimizer | paddle.nn.Layer | Iterable[p
     if isinstance(target, paddle.Tensor) or not hasattr(target, "__iter__"):
         raise TypeError(f"{what} takes an optimizer, a sharded model or an iterable of "
                         f"parameters, got {type(target).__name__}")
-    return _units_of(_managed_shards(target))
+    return units_of_shards(managed_shards(target))
 
 
-def _managed_shards(params: Iterable[paddle.Tensor]) -> list:
+def managed_shards(params: Iterable[paddle.Tensor]) -> list:
     """The HSDP shard of every managed param in ``params`` (a gathered full param
     counts as its shard), deduplicated, in order."""
     out, seen = [], set()
@@ -196,7 +196,7 @@ def _managed_shards(params: Iterable[paddle.Tensor]) -> list:
     return out
 
 
-def _states_of(optimizer: paddle.optimizer.Optimizer, p: paddle.Tensor) -> dict:
+def states_of(optimizer: paddle.optimizer.Optimizer, p: paddle.Tensor) -> dict:
     """``{state name: tensor}`` the optimizer keeps for ``p``: its accumulators under
     Paddle's names (``moment1``, ``beta1_pow_acc``, ...) and ``master_weight``."""
     states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
@@ -213,17 +213,17 @@ def optimizer_state_bytes(optimizer: paddle.optimizer.Optimizer,
     it holds on this rank (only those of ``units``, if given), from shapes: for
     ``memory_report`` and the memory timeline (engine/trace.py)."""
     optimizer = unwrap_optimizer(optimizer)
-    params = _sharded_params_of(optimizer)
+    params = sharded_params_of(optimizer)
     if units is not None:
         mine = {id(sp.shard) for unit in units for sp in unit.params}
         params = [p for p in params if id(p) in mine]
     return sum(math.prod(t.shape) * t.element_size() for p in params
-               for t in _states_of(optimizer, p).values())
+               for t in states_of(optimizer, p).values())
 
 
-def _ensure_accumulators(optimizer: paddle.optimizer.Optimizer) -> None:
+def ensure_accumulators(optimizer: paddle.optimizer.Optimizer) -> None:
     """Create the optimizer's state now if no step has run yet, so it can be loaded."""
-    params = [p for p in _params_of(optimizer) if not p.stop_gradient]
+    params = [p for p in optimizer_params(optimizer) if not p.stop_gradient]
     if params and not getattr(optimizer, "_accumulators", None):
         block = framework.default_main_program().global_block()
         # where the step will run: offloaded shards keep their state on the host
@@ -271,7 +271,7 @@ def refuse_state_of_other_shape(optimizer: paddle.optimizer.Optimizer,
     and fail in the first step's kernel): naming the parameter and the way to load
     full state. Scalars (beta powers, steps) are shape-free. A full-size tensor for a
     split parameter is refused on every rank alike (the layout decides)."""
-    shards = {p.name: p for p in _sharded_params_of(unwrap_optimizer(optimizer))}
+    shards = {p.name: p for p in sharded_params_of(unwrap_optimizer(optimizer))}
     masters = state_dict.get("master_weights") or {}
     found = [("master_weights", shards[name], value) for name, value in masters.items()
              if name in shards]

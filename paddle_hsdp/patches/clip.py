@@ -45,7 +45,7 @@ from paddle.nn import ClipGradByGlobalNorm
 from ..comm import collectives as comm
 from ..comm import watchdog
 from ..engine import offload
-from ..engine.optimizers import (_managed_shards, _sharded_params_of, _units_of,
+from ..engine.optimizers import (managed_shards, sharded_params_of, units_of_shards,
                                  unwrap_optimizer)
 from ..engine.registry import managed_param
 from ..engine.reductions import sync_grads
@@ -248,7 +248,7 @@ def hsdp_aware_for(clip: ClipGradBase | HybridParallelClipGrad | None,
                    ) -> ClipGradBase | HybridParallelClipGrad | None:
     """``clip`` as :func:`make_clip_hsdp_aware` decides it for ``optimizer``'s shards
     (a parameter group's clip that ``Optimizer.step`` copied before the swap)."""
-    shards = _sharded_params_of(optimizer)
+    shards = sharded_params_of(optimizer)
     return _hsdp_aware(clip, shards[0]._hsdp_sharded_param.mesh) if shards else clip
 
 
@@ -299,14 +299,14 @@ def clip_grad_norm_(parameters: paddle.Tensor | Iterable[paddle.Tensor], max_nor
     if isinstance(parameters, paddle.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    shards = _managed_shards(parameters)
+    shards = managed_shards(parameters)
     if not shards:
         return _original_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
     if norm_type not in _NORM_TYPES:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): supported on HSDP "
                          f"shards are {list(_NORM_TYPES)} (Paddle's order-0 'norm' counts "
                          "whole tensors, which a shard cannot see)")
-    sync_grads(_units_of(shards))
+    sync_grads(units_of_shards(shards))
     params = shards + [p for p in parameters if managed_param(p) is None]
     counter = hsdp_clip_for(ClipGradByGlobalNorm(float(max_norm)),
                             shards[0]._hsdp_sharded_param.mesh)
@@ -351,8 +351,8 @@ def clip_grad_value_(parameters: paddle.Tensor | Iterable[paddle.Tensor],
     if isinstance(parameters, paddle.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    shards = _managed_shards(parameters)
-    sync_grads(_units_of(shards))
+    shards = managed_shards(parameters)
+    sync_grads(units_of_shards(shards))
     rest = [p for p in parameters if managed_param(p) is None]
     return _original_clip_grad_value(shards + rest, clip_value)
 

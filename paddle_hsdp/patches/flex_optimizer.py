@@ -11,7 +11,7 @@ from __future__ import annotations
 import paddle
 
 from ..engine.flex import optimizer_sharded_state_dict
-from ..engine.optimizers import _params_of
+from ..engine.optimizers import optimizer_params
 from ..engine.registry import managed_param
 from .patching import replace
 
@@ -26,7 +26,7 @@ def install() -> None:
 
     def sharded_state_dict(self: paddle.optimizer.AdamW, model_sharded_state_dict: dict,
                            ) -> dict:
-        if any(managed_param(p) is not None for p in _params_of(self)):
+        if any(managed_param(p) is not None for p in optimizer_params(self)):
             return optimizer_sharded_state_dict(self, model_sharded_state_dict)
         return original(self, model_sharded_state_dict)
 

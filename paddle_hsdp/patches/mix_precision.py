@@ -16,7 +16,7 @@ from typing import Any
 
 from paddle.distributed.fleet.utils import mix_precision_utils
 
-from ..engine.optimizers import _sharded_params_of, _units_of
+from ..engine.optimizers import sharded_params_of, units_of_shards
 from .patching import replace
 
 _installed = False
@@ -30,7 +30,7 @@ def _patch_clear_grad() -> None:
     def clear_grad(self: mix_precision_utils.MixPrecisionOptimizer, *args: Any,
                    **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        for unit in _units_of(_sharded_params_of(self)):
+        for unit in units_of_shards(sharded_params_of(self)):
             unit.drop_pending_grads()
         return result
 

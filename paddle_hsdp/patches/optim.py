@@ -44,7 +44,7 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
 from ..comm import collectives as comm
 from ..comm import gather_tags
 from ..engine import offload, outer_sync, trace
-from ..engine.optimizers import (_not_elementwise_classes, _sharded_params_of, _units_of,
+from ..engine.optimizers import (not_elementwise_classes, sharded_params_of, units_of_shards,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes,
                                  refuse_row_sharded_matrices, refuse_state_of_other_shape,
                                  untouched_shards)
@@ -80,7 +80,7 @@ class _StepBoundary:
             return
         params = check_optimizer(optimizer)
         gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
-        units = _units_of(params)
+        units = units_of_shards(params)
         if params:
             refuse_row_sharded_matrices(optimizer, params)
             finish_grad_sync(params)  # a no-op where backward finished it
@@ -118,7 +118,7 @@ def _with_boundary(original: Callable[..., Any], name: str) -> Callable[..., Any
 
     def stepping(self: paddle.optimizer.Optimizer, *args: Any, **kwargs: Any) -> Any:
         with _boundary.around(self):
-            if name == "_apply_optimize" and _sharded_params_of(self):
+            if name == "_apply_optimize" and sharded_params_of(self):
                 if "params_grads" in kwargs:  # (loss, startup_program, params_grads, ...)
                     kwargs["params_grads"] = _pairs_to_update(kwargs["params_grads"], self)
                 elif len(args) >= 3:
@@ -201,7 +201,7 @@ def _patch_hybrid_parallel_optimizer() -> None:
     @functools.wraps(original_init)
     def __init__(self: hpo_mod.HybridParallelOptimizer, optimizer: paddle.optimizer.Optimizer,
                  hcg: HybridCommunicateGroup, strategy: DistributedStrategy) -> None:
-        if not _sharded_params_of(optimizer):
+        if not sharded_params_of(optimizer):
             return original_init(self, optimizer, hcg, strategy)
         original_init(self, optimizer, _WithoutPaddleSharding(hcg), strategy)
         self._hcg = hcg
@@ -210,7 +210,7 @@ def _patch_hybrid_parallel_optimizer() -> None:
         # (float64 ones would go unclipped, silently): the HSDP clip, which counts the
         # same marks over the whole job in every dtype, takes its place wherever
         # Paddle put it (under a MixPrecisionOptimizer too)
-        clip.make_clip_hsdp_aware(self, _sharded_params_of(optimizer))
+        clip.make_clip_hsdp_aware(self, sharded_params_of(optimizer))
 
     replace(cls, "__init__", __init__,
             "no DygraphShardingOptimizer over HSDP shards (they are sharded and reduced already)")
@@ -256,7 +256,7 @@ def _patch_clear_grad() -> None:
     @functools.wraps(original)
     def clear_grad(self: paddle.optimizer.Optimizer, set_to_zero: bool = True) -> None:
         result = original(self, set_to_zero)
-        shards = _sharded_params_of(self)
+        shards = sharded_params_of(self)
         for p in shards:
             if getattr(p, "main_grad", None) is not None:
                 if set_to_zero:
@@ -264,7 +264,7 @@ def _patch_clear_grad() -> None:
                 else:
                     p.main_grad._clear()
                     p.main_grad = None
-        for unit in _units_of(shards):
+        for unit in units_of_shards(shards):
             unit.drop_pending_grads()
         return result
 
@@ -294,7 +294,7 @@ def _patch_grad_scaler() -> None:
 
     @functools.wraps(original)
     def _unscale(self: AmpScaler, optimizer: paddle.optimizer.Optimizer) -> Any:
-        params = _sharded_params_of(getattr(optimizer, "_inner_opt", optimizer))
+        params = sharded_params_of(getattr(optimizer, "_inner_opt", optimizer))
         if params:
             finish_grad_sync(params)
         result = original(self, optimizer)
@@ -316,7 +316,7 @@ def install() -> None:
     if _installed:
         return
     _patch_every_optimizer_class()
-    for cls in _not_elementwise_classes():  # refused at their step (incubate's too)
+    for cls in not_elementwise_classes():  # refused at their step (incubate's too)
         _wrap_steps_of(cls)
     _patch_clear_grad()
     _patch_set_state_dict()

@@ -54,7 +54,7 @@ from paddle.distributed.communication.group import Group
 from paddle.distributed.fleet.utils import sequence_parallel_utils as spu
 
 from ..comm import collectives as comm
-from ..engine.optimizers import _managed_shards, finish_grad_sync
+from ..engine.optimizers import managed_shards, finish_grad_sync
 from ..engine.registry import managed_param
 from .patching import replace
 
@@ -80,7 +80,7 @@ def sum_shard_grads(params: Iterable[Tensor], group: Group, scale: float) -> Non
     step's grad sync of their units, then scale each shard's grad (its ``main_grad``
     under Paddle's master-grad wrapper) by ``scale`` and sum it over ``group`` in
     place. Every mp rank holds the same shards, so every rank makes the same calls."""
-    shards = _managed_shards(params)
+    shards = managed_shards(params)
     finish_grad_sync(shards)
     for shard in shards:
         grad = getattr(shard, "main_grad", None)

@@ -69,7 +69,7 @@ report("ft: final parameters of every replica vs the reference", param_diffs)
 checkpoint = os.path.join(out_dir, "ckpt")
 if os.path.isdir(checkpoint):  # the live groups' joint checkpoint, loaded into one process
     import paddle_hsdp
-    from paddle_hsdp.engine.optimizers import _states_of
+    from paddle_hsdp.engine.optimizers import states_of
     loaded = build_model()
     loaded_opt, _ = make_optimizer(loaded.parameters())
     extra = paddle_hsdp.load_checkpoint(checkpoint, loaded, loaded_opt)
@@ -77,7 +77,7 @@ if os.path.isdir(checkpoint):  # the live groups' joint checkpoint, loaded into 
     ckpt_diffs = {}
     for (name, want), got in zip(model.named_parameters(), loaded.parameters()):
         ckpt_diffs[name] = max_rel(got.numpy(), want.numpy())
-        want_states, got_states = _states_of(opt, want), _states_of(loaded_opt, got)
+        want_states, got_states = states_of(opt, want), states_of(loaded_opt, got)
         assert sorted(want_states) == sorted(got_states), (sorted(want_states),
                                                            sorted(got_states))
         for acc, value in want_states.items():

@@ -49,7 +49,7 @@ from paddle.distributed.fleet.utils.mix_precision_utils import (MixPrecisionLaye
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
-from paddle_hsdp.engine.optimizers import _states_of, unwrap_optimizer
+from paddle_hsdp.engine.optimizers import states_of, unwrap_optimizer
 from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm, uses_extra
 
 STEPS, MICRO, PER_RANK, CLIP = 3, 2, 2, 0.2
@@ -162,7 +162,7 @@ def checkpoint_round_trip(wrapper, opt):
     for p, q in zip(a._parameter_list, b._parameter_list):
         if p.stop_gradient:
             continue  # no optimizer state
-        sa, sb = _states_of(a, p), _states_of(b, q)
+        sa, sb = states_of(a, p), states_of(b, q)
         assert sorted(sa) == sorted(sb) and sa, (p.name, sorted(sa), sorted(sb))
         differ = [k for k in sa if not np.array_equal(sa[k].numpy(), sb[k].numpy())]
         assert not differ, (p.name, list(p.shape), {k: (sa[k].numpy().ravel()[:3],
