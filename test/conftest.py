@@ -13,23 +13,21 @@ from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 
 
-def _reset_hook_state():
-    context.backward.active.clear()
-    context.backward.roots_in_backward.clear()
-
-
 @pytest.fixture
 def registry(monkeypatch):
-    """An empty unit registry (and no forward or backward in flight) for the test,
-    restored after; a fresh comm counter (so a test can tell whether any collective
-    was issued)."""
+    """An empty unit registry and the engine's runtime state as at import (no forward or
+    backward in flight, a fresh staging pool, trace and memory figures:
+    ``EngineContext.reset``) for the test, the registry restored after; a fresh comm
+    counter (so a test can tell whether any collective was issued). The reset refuses
+    while anything is in flight, so a test that leaves a collective or a backward
+    behind fails here instead of leaking it into the next."""
     saved = hsdp_registry.saved()
     hsdp_registry.clear()
-    _reset_hook_state()
+    context.reset()
     monkeypatch.setattr(comm, "counter", comm.CommCounter())
     yield
     hsdp_registry.restore(saved)
-    _reset_hook_state()
+    context.reset()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Full grads written in place into the reduce-scatter's input (engine/full_grads.py),
+"""Full grads written in place into the reduce-scatter's input (engine/buffer/full_grads.py),
 in one process (the one-rank fake mesh of kit.py): which path a buffer
 takes, that autograd's grads land in the grid, and that a grad which does not is still
 reduced. Multi-rank numerics of the same path: every training worker of
@@ -7,7 +7,7 @@ test_collective."""
 import paddle
 
 import paddle_hsdp
-from paddle_hsdp.engine import staging
+from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from kit import batch_ids, models, parity, shard_tinylm
 
@@ -53,7 +53,7 @@ def test_grads_accumulate_in_the_reduce_input(fake_mesh, float64):
     models.lm_loss(model, batch_ids(), True).backward()
     assert seen and all(seen), seen
     assert all(buf.full_grads.grid is None for u in hsdp_registry.units for buf in u.buffers)
-    assert staging.pool.grad_bytes == 0
+    assert context.staging.grad_bytes == 0
     _assert_grads_match(model, _plain_grads())
 
 
@@ -75,7 +75,7 @@ def test_grads_that_left_the_grid_are_copied_in_or_zeroed(fake_mesh, float64):
     weight.full._copy_gradient_from(new)  # replaced: not a view of the grid any more
     bias.full.clear_gradient(False)  # released
     buf.finish_reduce_scatter(buf.start_reduce_scatter())
-    assert staging.pool.grad_bytes == 0 and weight.full.grad is None
+    assert context.staging.grad_bytes == 0 and weight.full.grad is None
     parity.assert_close(weight.shard.grad.numpy(), expected, "weight")
     assert (weight.grad_here, bias.grad_here) == (True, False)
     assert not bias.shard.grad.numpy().any()

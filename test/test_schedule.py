@@ -9,7 +9,8 @@ import paddle
 import pytest
 
 import paddle_hsdp
-from paddle_hsdp.engine import staging, trace
+from paddle_hsdp.engine import trace
+from paddle_hsdp.engine.context import context
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from kit import batch_ids, models, parity, shard_tinylm
 
@@ -212,8 +213,7 @@ def test_staging_tensors_are_reused_across_units_and_steps(fake_mesh, monkeypatc
     after the second step (the first records the forward order, prefetch starts with the
     second) no step allocates one, the blocks (one shape) share theirs, and nothing
     stays handed out between steps."""
-    pool = staging.StagingPool()
-    monkeypatch.setattr(staging, "pool", pool)
+    pool = context.staging  # a fresh one: the fixture reset the engine's context
     model = shard_tinylm(models.build_model(), reshard_blocks=True)
     opt = paddle.optimizer.AdamW(parameters=model.parameters())
     taken = []

@@ -13,7 +13,6 @@ from paddle.distributed.communication.group import Group
 
 import paddle_hsdp
 from paddle_hsdp.comm import gather_tags
-from paddle_hsdp.engine.memory import GatheredBytes
 from kit import batch_ids, models, shard_tinylm
 
 PACKAGE = pathlib.Path(paddle_hsdp.__file__).parent
@@ -92,11 +91,12 @@ def test_a_forward_without_backward_leaves_nothing_gathered(fake_mesh):
     def step(skip_first):
         if skip_first:
             models.lm_loss(model, batch_ids(), True)
-        GatheredBytes.reset_peak()
+        paddle_hsdp.reset_peak_memory()
         models.lm_loss(model, batch_ids(), True).backward()
         opt.step()
         opt.clear_grad()
-        return GatheredBytes.units_peak, GatheredBytes.peak
+        report = paddle_hsdp.memory_report(model)
+        return report["peak_gathered_units"], report["peak_gathered"]
 
     step(False)  # the first step records the forward order (no prefetch yet)
     assert step(True) == step(False)

@@ -19,7 +19,7 @@ from ..comm import gather_tags
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
 from ..topology.placement import is_expert
-from . import direct_calls, grad_hooks, hooks, staging
+from . import direct_calls, grad_hooks, hooks
 from .context import context
 from .controls import UnitControls, UnitPolicies
 from .flex import sharded_state_dict
@@ -487,7 +487,7 @@ def forget(model: paddle.nn.Layer) -> None:
         unit.leave_roots()
     registry.forget(units, list(model.parameters()))
     registry.storage_may_have_changed()
-    staging.pool.release()
+    context.staging.release()
 
 
 def _plan_claims(module: paddle.nn.Layer, ignored: set, placements: dict) -> list[tuple]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from .staging import StagingPool
+
 
 @dataclass
 class BackwardState:
@@ -76,6 +78,20 @@ class OffloadState:
 
 
 @dataclass
+class MemoryPeaks:
+    """``memory_report``'s running figures (engine/memory.py): full-size parameter bytes
+    and units gathered now and at their peak, and the peak of full-size grad bytes
+    while that sampling is on."""
+
+    gathered: int = 0
+    gathered_peak: int = 0
+    units: int = 0
+    units_peak: int = 0
+    sampling_full_grads: bool = False
+    full_grads_peak: int = 0
+
+
+@dataclass
 class EngineContext:
     backward: BackwardState = field(default_factory=BackwardState)
     trace: TraceState = field(default_factory=TraceState)
@@ -83,6 +99,8 @@ class EngineContext:
     # (buffer, PendingReduce) of the reduce-scatters issued and not waited for yet
     # (engine/reductions.py), across all units
     reduces: list = field(default_factory=list)
+    staging: StagingPool = field(default_factory=StagingPool)  # engine/staging.py
+    memory: MemoryPeaks = field(default_factory=MemoryPeaks)
     warned_cpu_offload: bool = False  # CPUOffloadPolicy on a CPU-only run, said once
 
     def reset(self) -> None:
@@ -93,10 +111,19 @@ class EngineContext:
                                f"{len(self.backward.roots_in_backward)} root(s) owed a "
                                f"post-backward, autograd depth {self.backward.depth}, "
                                f"{len(self.reduces)} reduce-scatter(s) in flight")
+        if self.staging.taken_bytes:
+            raise RuntimeError("EngineContext.reset() with staging tensors handed out "
+                               f"({self.staging.taken_bytes} bytes): a collective or a "
+                               "grad grid still uses them")
         wrapped = self.backward.autograd_wrapped
         self.backward = BackwardState(autograd_wrapped=wrapped)
         self.trace = TraceState()
         self.offload = OffloadState()
+        self.staging = StagingPool()
+        # what is gathered now belongs to the units (the registry's), not to history:
+        # kept, the peaks restart from it
+        now = self.memory
+        self.memory = MemoryPeaks(now.gathered, now.gathered, now.units, now.units)
         self.warned_cpu_offload = False
 
 

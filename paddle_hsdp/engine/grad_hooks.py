@@ -11,7 +11,7 @@ import paddle
 
 from . import master_grad
 from .context import context
-from .memory import FullGradBytes
+from . import memory
 from .param import ShardedParam
 from .unit import FSDPUnit
 
@@ -103,7 +103,7 @@ def _on_grad_accumulated(sp, *_) -> None:
     if not buf.full_grads.complete(sp) or context.backward.hook_errors:
         return
     try:
-        FullGradBytes.sample(root.units)
+        memory.sample_full_grads(root.units)
         unit.reduce_buffer_early(buf)
     except BaseException as e:
         # Paddle 3.3 does not carry an exception out of this hook (the next node of the

@@ -61,7 +61,7 @@ from .outer_sync import OuterSyncSchedule
 from .context import context
 from .dtypes import compute_dtype_of
 from .registry import registry
-from .memory import FullGradBytes
+from . import memory
 from .reductions import drop_pending_reduces, finish_transferred_reduces, wait_pending_reduces
 from .unit import FSDPUnit
 
@@ -98,7 +98,7 @@ class RootState:
         fixed order (reverse registration). Of a unit some of whose buffers were
         reduced early, the rest (and early ones that got more grads since)."""
         self.recording = False
-        FullGradBytes.sample(self.units)
+        memory.sample_full_grads(self.units)
         for unit in reversed(self.units):
             early = any(b.full_grads.reduced_early for b in unit.buffers)
             if early and not unit.reduced_in_backward:
@@ -174,7 +174,7 @@ def _on_post_backward(unit: FSDPUnit, token: "_GraphToken") -> None:
     if unit.controls.reduce_grads_in_backward and not unit.borrowed_by:
         root = unit.root()
         if root is not None:
-            FullGradBytes.sample(root.units)
+            memory.sample_full_grads(root.units)
         unit.post_backward_hook()
     if unit.controls.reshard_after_backward and not unit.is_root and not unit.borrowed_by:
         unit.reshard()

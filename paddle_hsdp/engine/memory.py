@@ -1,7 +1,8 @@
 """What the engine holds, for ``memory_report``: the full-size parameter bytes gathered
 across units (now and at peak), the peak of full-size grads during backward, and the
 report itself (the same figures at every engine event:
-``paddle_hsdp.engine.trace.enable(memory=True)``)."""
+``paddle_hsdp.engine.trace.enable(memory=True)``). The running figures live on
+``context.memory``, which ``EngineContext.reset`` restarts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from ..hints import expect_layer
-from . import staging
+from .context import context
 from .optimizers import optimizer_state_bytes
 from .registry import units_under
 
@@ -17,43 +18,32 @@ if TYPE_CHECKING:
     import paddle
 
 
-class GatheredBytes:
-    """Full-size parameter bytes (and units) gathered across all units, now and at peak."""
-
-    now = peak = 0
-    units_now = units_peak = 0
-
-    @classmethod
-    def add(cls, nbytes: int, units: int) -> None:
-        cls.now += nbytes
-        cls.units_now += units
-        cls.peak = max(cls.peak, cls.now)
-        cls.units_peak = max(cls.units_peak, cls.units_now)
-
-    @classmethod
-    def reset_peak(cls) -> None:
-        cls.peak, cls.units_peak = cls.now, cls.units_now
+def add_gathered(nbytes: int, units: int) -> None:
+    """Full-size parameter bytes (and units) gathered across all units changed by this
+    much (``context.memory``: now and at peak)."""
+    memory = context.memory
+    memory.gathered += nbytes
+    memory.units += units
+    memory.gathered_peak = max(memory.gathered_peak, memory.gathered)
+    memory.units_peak = max(memory.units_peak, memory.units)
 
 
 class _HoldsFullGrads(Protocol):
-    """What :meth:`FullGradBytes.sample` reads of a unit (an ``FSDPUnit``, which imports
+    """What :func:`sample_full_grads` reads of a unit (an ``FSDPUnit``, which imports
     this module)."""
 
     def full_grad_nbytes(self) -> int: ...
 
 
-class FullGradBytes:
+def sample_full_grads(units: Iterable[_HoldsFullGrads]) -> None:
     """The most full-size grad bytes alive at once during backward, sampled at every
-    post-backward and end of backward while tracking is on (:func:`reset_peak_memory`
-    turns it on: the sampling walks every parameter of the root)."""
-
-    tracking = False
-    peak = 0
-
-    @classmethod
-    def sample(cls, units: Iterable[_HoldsFullGrads]) -> None:
-        if cls.tracking:
-            cls.peak = max(cls.peak, sum(u.full_grad_nbytes() for u in units))
+    post-backward and end of backward while that sampling is on
+    (:func:`reset_peak_memory` turns it on: the sampling walks every parameter of the
+    root)."""
+    memory = context.memory
+    if memory.sampling_full_grads:
+        memory.full_grads_peak = max(memory.full_grads_peak,
+                                     sum(u.full_grad_nbytes() for u in units))
 
 
 def memory_report(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | None = None,
@@ -76,10 +66,11 @@ def memory_report(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer 
     for unit in units:
         for key, value in unit.held_bytes().items():
             total[key] += value
-    total["staging"] = staging.pool.staging_bytes
-    total["peak_gathered"] = GatheredBytes.peak
-    total["peak_gathered_units"] = GatheredBytes.units_peak
-    total["peak_full_grads"] = FullGradBytes.peak
+    memory = context.memory
+    total["staging"] = context.staging.staging_bytes
+    total["peak_gathered"] = memory.gathered_peak
+    total["peak_gathered_units"] = memory.units_peak
+    total["peak_full_grads"] = memory.full_grads_peak
     if optimizer is not None:
         total["optimizer"] = optimizer_state_bytes(optimizer, units)
     return total
@@ -88,5 +79,6 @@ def memory_report(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer 
 def reset_peak_memory() -> None:
     """Restart the peaks ``memory_report`` gives; also turns on the sampling of
     full-size grad bytes during backward (``peak_full_grads``)."""
-    GatheredBytes.reset_peak()
-    FullGradBytes.tracking, FullGradBytes.peak = True, 0
+    memory = context.memory
+    memory.gathered_peak, memory.units_peak = memory.gathered, memory.units
+    memory.sampling_full_grads, memory.full_grads_peak = True, 0

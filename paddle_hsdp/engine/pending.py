@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import paddle
 
 from ..comm import collectives as comm
-from . import staging
+from .context import context
 
 
 @dataclass
@@ -41,7 +41,7 @@ def release_staging(pending: PendingGather | PendingReduce) -> None:
 
 def give_back(staged: Iterable[paddle.Tensor]) -> None:
     for t in staged:
-        staging.pool.give(t)
+        context.staging.give(t)
 
 
 def settle(pendings: Iterable[PendingGather | PendingReduce | None]) -> list[Exception]:

@@ -9,7 +9,7 @@ engine/buffer/gather.py.) Allocated per call,
 each distinct size leaves its own blocks in the allocator (on CPU, glibc keeps freed
 blocks below its mmap threshold in the heap; on a device the caching allocator keeps
 one pool of blocks per size class), so the high-water mark grows with the number of
-distinct buffer shapes. :data:`pool` hands out 1-D tensors and takes them back:
+distinct buffer shapes. The pool (``context.staging``, :class:`StagingPool`) hands out 1-D tensors and takes them back:
 
 * **Fit.** A request for ``n`` elements of a dtype on a place takes the smallest free
   tensor holding between ``n`` and ``n * FIT`` elements (a view of its first ``n``
@@ -106,5 +106,3 @@ class StagingPool:
     def free_count(self) -> int:
         return sum(len(free) for free in self._free.values())
 
-
-pool = StagingPool()

@@ -44,7 +44,6 @@ from __future__ import annotations
 import os
 import time
 
-from . import staging
 from .context import TraceState, context
 from .registry import registry
 
@@ -102,7 +101,7 @@ def sample(event: str, unit_index: int) -> dict:
     for unit in registry.units:
         for kind, nbytes in unit.bytes_by_kind().items():
             row[kind] += nbytes
-    row["staging"] = staging.pool.staging_bytes
+    row["staging"] = context.staging.staging_bytes
     row["optimizer"] = context.trace.optimizer_bytes
     if context.trace.rss:
         rss = rss_bytes()

@@ -38,7 +38,7 @@ from .outer_sync import schedule_of
 from .buffer import ShardBuffer
 from .controls import UnitControls, UnitPolicies
 from .pending import PendingGather, settle
-from .memory import GatheredBytes
+from . import memory
 from .param import ShardedParam
 from .reductions import track, wait_pending_reduces
 from .registry import registry
@@ -233,7 +233,7 @@ class FSDPUnit:
             self._pending_gather = pending
             move(self, "state", ParamState.GATHERING, "prefetch")
             # the gathered storage exists from the issue on: count it from there
-            GatheredBytes.add(self.gathered_nbytes(), 1)
+            memory.add_gathered(self.gathered_nbytes(), 1)
 
     def unshard(self) -> None:
         if self.state is ParamState.UNSHARDED:
@@ -255,7 +255,7 @@ class FSDPUnit:
             settle(pending)
             for sp in self.params:  # half gathered: free what arrived, stay sharded
                 sp.free_full_data()
-            GatheredBytes.add(-self.gathered_nbytes(), -1)
+            memory.add_gathered(-self.gathered_nbytes(), -1)
             move(self, "state", ParamState.SHARDED, "unshard")
             raise
         for sp in self.params:
@@ -274,7 +274,7 @@ class FSDPUnit:
             return
         if self.state is ParamState.GATHERING:  # prefetched, never used: let it land
             pending = self._take_prefetched()
-            GatheredBytes.add(-self.gathered_nbytes(), -1)
+            memory.add_gathered(-self.gathered_nbytes(), -1)
             move(self, "state", ParamState.SHARDED, "reshard")
             failures = settle(pending)
             if failures:
@@ -285,7 +285,7 @@ class FSDPUnit:
             sp.free_full_data()
             sp.point_users_to(sp.shard)
         move(self, "state", ParamState.SHARDED, "reshard")
-        GatheredBytes.add(-self.gathered_nbytes(), -1)
+        memory.add_gathered(-self.gathered_nbytes(), -1)
 
     @property
     def backward_calls(self) -> int:

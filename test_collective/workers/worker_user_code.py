@@ -44,7 +44,6 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 
 import paddle_hsdp
-from paddle_hsdp.engine.memory import GatheredBytes
 from models import (HIDDEN, VOCAB, TinyLM, batches, decay_filter, lm_loss, shard_tinylm)
 
 parity.set_dtype("float64")
@@ -330,11 +329,12 @@ def gathered_peak(model, opt, ids, skip_first: bool):
     """(units, bytes) gathered at most during one forward + backward + step."""
     if skip_first:
         lm_loss(model, ids, True)  # a forward with grad whose graph is dropped
-    GatheredBytes.reset_peak()
+    paddle_hsdp.reset_peak_memory()
     lm_loss(model, ids, True).backward()
     opt.step()
     opt.clear_grad()
-    return GatheredBytes.units_peak, GatheredBytes.peak
+    report = paddle_hsdp.memory_report(model)
+    return report["peak_gathered_units"], report["peak_gathered"]
 
 
 model = sharded()

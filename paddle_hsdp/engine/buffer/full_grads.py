@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 
 import paddle
 
-from .. import master_grad, staging
+from .. import master_grad
+from ..context import context
 from ..param import ShardedParam
 from ..states import EarlyReduce, move
 
@@ -72,14 +73,14 @@ class FullGrads:
         if self.grid is not None or not self.in_place() or self.present():
             return
         buf = self.buf
-        grid = staging.pool.take(buf.padded_numel, buf.dtypes.compute)
+        grid = context.staging.take(buf.padded_numel, buf.dtypes.compute)
         grid.zero_()  # gaps, padding and parameters no grad reaches stay zero
         for sp in buf.params:
             if sp.numel:
                 sp.attach_full_grad(grid)  # shares, no copy
         self.grid = grid
         self._arrived.clear()
-        staging.pool.grad_bytes += self._grid_nbytes()
+        context.staging.grad_bytes += self._grid_nbytes()
 
     def note_arrived(self, sp: ShardedParam) -> None:
         """Paddle's post-accumulation hook of ``sp``'s full parameter fired."""
@@ -94,7 +95,7 @@ class FullGrads:
         if grid is None:
             return None
         self.grid = None
-        staging.pool.grad_bytes -= self._grid_nbytes()  # the reduce input in flight now
+        context.staging.grad_bytes -= self._grid_nbytes()  # the reduce input in flight now
         present = []
         for sp in self.buf.params:
             grad = sp.full.grad
@@ -122,8 +123,8 @@ class FullGrads:
             master_grad.release_full_grad(sp)
         self.grid = None
         self._arrived.clear()
-        staging.pool.grad_bytes -= self._grid_nbytes()
-        staging.pool.give(grid)
+        context.staging.grad_bytes -= self._grid_nbytes()
+        context.staging.give(grid)
 
     def _grid_nbytes(self) -> int:
         return self.buf.padded_numel * self.buf.dtypes.compute_size

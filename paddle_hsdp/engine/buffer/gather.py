@@ -11,7 +11,8 @@ from paddle import _C_ops
 
 from ...comm import collectives as comm
 from ...comm import gather_tags
-from .. import staging, trace
+from .. import trace
+from ..context import context
 from ..pending import PendingGather, give_back, release_staging
 from ..registry import registry
 
@@ -66,7 +67,7 @@ def start(buf: ShardBuffer, grads: bool = False, compute: bool = False,
             # a view of a table already in this dtype on this place: no copy per call
             tag = gather_tags.make_tag(buf.inner, buf.unit_index, buf.index, purpose,
                                        buf.describe, dtype, send.place)
-            tags = staging.pool.take(buf.inner_size * gather_tags.TAG_NUMEL, dtype)
+            tags = context.staging.take(buf.inner_size * gather_tags.TAG_NUMEL, dtype)
             staged.append(tags)
             tag_handle = comm.all_gather_into(tags, tag, buf.inner, async_op=True,
                                               what=buf.describe, counted_as="all_gather_tags")
@@ -93,7 +94,7 @@ def _cast_for_sending(buf: ShardBuffer, send: paddle.Tensor, dtype: paddle.dtype
     if buf.host is not None:
         with buf.on_host():
             return send.astype(dtype)
-    into = staging.pool.take(comm.numel_of(send), dtype)
+    into = context.staging.take(comm.numel_of(send), dtype)
     staged.append(into)
     # (Paddle's stubs give _C_ops.cast no out argument; the op takes one)
     _C_ops.cast(send, dtype, out=into)  # type: ignore[call-overload,misc]

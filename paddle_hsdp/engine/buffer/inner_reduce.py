@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import paddle
 
 from ...comm import collectives as comm
-from .. import master_grad, staging, trace
+from .. import master_grad, trace
+from ..context import context
 from ..pending import PendingReduce, give_back, release_staging
 from ..states import GradState, expect
 
@@ -45,7 +46,7 @@ def start(buf: ShardBuffer, async_op: bool = False) -> PendingReduce:
                 else pieces[0]
             del pieces  # the full grads' storage goes now, before the collective runs
         if buf.host is None:
-            out = staging.pool.take(buf.shard_numel, dtype)
+            out = context.staging.take(buf.shard_numel, dtype)
             staged.append(out)
         else:
             out = paddle.empty([buf.shard_numel], dtype=dtype)
@@ -94,7 +95,7 @@ def _reduce_input(buf: ShardBuffer, pieces: list[paddle.Tensor], dtype: paddle.d
     tensor (every buffer of one shape shares the pool's)."""
     if buf.host is not None:
         return paddle.concat(pieces)
-    grid = staging.pool.take(buf.padded_numel, dtype)
+    grid = context.staging.take(buf.padded_numel, dtype)
     staged.append(grid)
     return paddle.concat(pieces, out=grid)
 
