@@ -126,8 +126,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
             if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
-                # (reduce_dtype, not shape(): the --baseline engine may predate shape())
-                numel = buf.logical_numel * paddle.zeros([1], buf.reduce_dtype).element_size()
+                numel = buf.logical_numel * buf.shape().reduce_bytes
                 reduce += numel
                 # HFSDP: the outer all-reduce is a reduce-scatter (reduce_dtype) and an
                 # all-gather (the params' own dtype)
