@@ -235,3 +235,23 @@ def test_a_plain_optimizers_clear_grad_clears_the_shards_main_grad(fake_mesh, se
         assert all(p.main_grad is None for p in shards)
     models.lm_loss(net, batch_ids(seed=8), True).backward()  # the engine fills them again
     assert all(p.main_grad is not None for p in shards)
+
+
+def test_a_penalty_on_the_shards_lands_in_their_main_grads(fake_mesh):
+    """A loss term on ``model.parameters()`` under MixPrecisionLayer reaches the shards
+    directly (grad_hooks._on_shard_grad): it is added to the main grads, and the
+    shards' ``.grad`` stays None, as unsharded (it once crashed at the end of backward,
+    then left the term in ``.grad`` as well)."""
+    ref, ref_wrapper, _ = _wrapped(None)
+    model, wrapper, opt = _wrapped("after")
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    for w, net in ((ref_wrapper, ref), (wrapper, model)):
+        params = [p for p in net.parameters() if not p.stop_gradient]
+        loss = models.lm_loss(w, batch_ids(seed=4), True) + \
+            0.5 * sum((p.astype("float32") ** 2).sum() for p in params)
+        loss.backward()
+    for p in _trainable(opt):
+        assert p.grad is None, names[id(p)]
+        want = ref_params[names[id(p)]].main_grad.numpy()
+        parity.assert_close(p.main_grad.numpy()[:want.shape[0]], want, names[id(p)])

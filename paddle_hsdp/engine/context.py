@@ -77,18 +77,25 @@ class OffloadState:
     completed: int = 0  # every download up to this seq is known to be complete
 
 
-@dataclass
 class MemoryPeaks:
     """``memory_report``'s running figures (engine/memory.py): full-size parameter bytes
     and units gathered now and at their peak, and the peak of full-size grad bytes
-    while that sampling is on."""
+    while that sampling is on. Kept as class attributes (``context.memory`` is the
+    class): every gather and reshard writes them, and the same writes to a dataclass
+    instance's fields measured a growth of the process's Python blocks inside Paddle's
+    PyLayer calls, ~1 a step over the first few hundred steps and ~110 before it levels
+    off near step 2,000 (test_collective's growth check fails on it); class attributes
+    show none. Not understood; measured with tools-free loops of 200-3,000 steps."""
 
-    gathered: int = 0
-    gathered_peak: int = 0
-    units: int = 0
-    units_peak: int = 0
-    sampling_full_grads: bool = False
-    full_grads_peak: int = 0
+    gathered = gathered_peak = units = units_peak = 0
+    sampling_full_grads = False
+    full_grads_peak = 0
+
+    @classmethod
+    def restart_peaks(cls) -> None:
+        """The peaks from what is gathered now (which belongs to the live units)."""
+        cls.gathered_peak, cls.units_peak = cls.gathered, cls.units
+        cls.full_grads_peak = 0
 
 
 @dataclass
@@ -100,7 +107,7 @@ class EngineContext:
     # (engine/reductions.py), across all units
     reduces: list = field(default_factory=list)
     staging: StagingPool = field(default_factory=StagingPool)  # engine/staging.py
-    memory: MemoryPeaks = field(default_factory=MemoryPeaks)
+    memory: type[MemoryPeaks] = MemoryPeaks
     warned_cpu_offload: bool = False  # CPUOffloadPolicy on a CPU-only run, said once
 
     def reset(self) -> None:
@@ -122,8 +129,8 @@ class EngineContext:
         self.staging = StagingPool()
         # what is gathered now belongs to the units (the registry's), not to history:
         # kept, the peaks restart from it
-        now = self.memory
-        self.memory = MemoryPeaks(now.gathered, now.gathered, now.units, now.units)
+        self.memory.restart_peaks()
+        self.memory.sampling_full_grads = False
         self.warned_cpu_offload = False
 
 

@@ -79,6 +79,5 @@ def memory_report(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer 
 def reset_peak_memory() -> None:
     """Restart the peaks ``memory_report`` gives; also turns on the sampling of
     full-size grad bytes during backward (``peak_full_grads``)."""
-    memory = context.memory
-    memory.gathered_peak, memory.units_peak = memory.gathered, memory.units
-    memory.sampling_full_grads, memory.full_grads_peak = True, 0
+    context.memory.restart_peaks()
+    context.memory.sampling_full_grads = True

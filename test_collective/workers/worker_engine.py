@@ -110,7 +110,7 @@ def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
 
 def full_grad_bytes(unit, esize) -> int:
     """A unit's full grads: a buffer's whole grad grid (padding included) when autograd
-    adds them there (engine/full_grads.py; the tied embedding's too: Paddle accumulates
+    adds them there (engine/buffer/full_grads.py; the tied embedding's too: Paddle accumulates
     a leaf's grads from both uses at once, after the embedding's pre-backward), else its
     parameters' grads."""
     return sum(b.padded_numel * esize if b.full_grads.in_place()

@@ -176,10 +176,13 @@ class ShardGrads:
         views of the flat grad storage again (which holds their value)."""
         if not self._repoint:
             return
-        if self.flat is not None:  # (main grads: add_to_grad added to those instead)
-            for sp in self.buf.params:
-                if id(sp) in self._repoint:
-                    sp.attach_grad(self.flat)
+        for sp in self.buf.params:
+            if id(sp) not in self._repoint:
+                continue
+            if self.flat is not None:
+                sp.attach_grad(self.flat)
+            else:  # main grads hold it (MixPrecisionLayer): no .grad, as unsharded
+                sp.shard.clear_gradient(False)
         self._repoint.clear()
 
     def reduce_dtype(self) -> paddle.dtype:
