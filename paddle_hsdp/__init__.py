@@ -21,6 +21,8 @@ from .engine.api import (FSDPModule, forget, full_grads, full_state_dict, fully_
 from .engine.experts import mark_expert_params
 from .engine.memory import memory_report, reset_peak_memory
 from .engine.optimizers import finish_grad_sync
+from .engine.placements import Owned, owned_matrices
+from .optim import Muon
 from .engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .patches.clip import HSDPClipGradByGlobalNorm, last_global_norm
 from .topology.fleet import get_fsdp_outer_degree
@@ -31,10 +33,11 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CollectiveError", "CollectiveMismatchError",
     "ConfigError", "FSDPModule", "HSDPClipGradByGlobalNorm", "HSDPConfig",
-    "MixedPrecisionPolicy", "OffloadPolicy", "apply_config", "check_collectives",
+    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "apply_config", "check_collectives",
     "create_mesh_groups", "finish_grad_sync", "forget", "full_grads", "full_state_dict",
     "fully_shard", "get_fsdp_outer_degree", "last_global_norm", "load_checkpoint",
-    "load_config", "mark_expert_params", "memory_report", "reset_peak_memory",
+    "load_config", "mark_expert_params", "memory_report", "owned_matrices",
+    "reset_peak_memory",
     "save_checkpoint", "set_zero_stage",
 ]
 

@@ -36,7 +36,8 @@ SHARED_2X2_WORKERS = [
     ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[[0], [1], [2], [3]],
                                          dim_names=["outer", "inner"], variants=ON_MESH))],
     ["worker_fingerprint.py"], ["worker_one_rank_call.py"], ["worker_master_grad.py"],
-    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)]]
+    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)],
+    ["worker_muon.py", json.dumps(HSDP_2X2)]]
 
 
 @pytest.fixture(scope="session")

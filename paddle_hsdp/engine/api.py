@@ -25,6 +25,7 @@ from .controls import UnitControls, UnitPolicies
 from .flex import sharded_state_dict
 from .param import ShardedParam
 from .reductions import wait_pending_reduces
+from .placements import Owned
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .registry import managed_param, owning_unit, registry, units_under
 from .states import ParamState
@@ -338,7 +339,8 @@ def _ignored_in(module: paddle.nn.Layer, ignored: list) -> dict:
 
 def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
                 ignored: set) -> dict:
-    """``{id(param): "replicate"}`` for params a placement keeps whole; checks the rest."""
+    """``{id(param): "replicate" or "owned"}`` for params a placement keeps whole (on
+    every rank, or on one: :class:`~.placements.Owned`); checks the rest."""
     if shard_placement_fn is None:
         return {}
     out = {}
@@ -351,10 +353,14 @@ def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
         if isinstance(placement, Replicate):
             out[id(p)] = "replicate"
             continue
+        if isinstance(placement, Owned):
+            out[id(p)] = "owned"
+            continue
         raise NotImplementedError(
             f"shard_placement_fn returned {placement!r} for {p.name}: supported are None "
-            "(default), paddle.distributed.Shard(0), and paddle.distributed.Replicate() "
-            "(keep the parameter whole on every rank, e.g. for Muon).")
+            "(default), paddle.distributed.Shard(0), paddle_hsdp.Owned() (keep the "
+            "parameter whole on one rank: Muon's matrices, paddle_hsdp.owned_matrices()) "
+            "and paddle.distributed.Replicate() (whole on every rank).")
     return out
 
 

@@ -21,8 +21,18 @@ blocks pad every parameter to a multiple of ``inner`` rows. It is largest when a
 parameter has fewer rows than there are segments; such a parameter is cut at row
 boundaries anyway, so some segments hold none of it.
 
-The layout depends on the shapes and the two sizes only, so every rank (and the
-planner, which builds no buffer) computes the same one.
+[Note: owned parameters] A parameter marked *owned* (``paddle_hsdp.Owned()``: a matrix
+Muon-style optimizers update as a whole) lies inside one segment, so one rank (one
+outer part with HFSDP) holds all of it and the others a 0-row shard. The other
+parameters come first, laid out as above; the owned ones then go, largest first, to
+the segment that owns the fewest elements so far and still has room (greedy by
+bytes; ties from a rotating first segment, so identical units do not all load the
+same rank most), and ``s`` is the smallest size under which they all fit. The buffer's collectives are
+unchanged: the same all-gather of every rank's ``S`` elements, so an imbalance between
+segments costs padding, which :func:`owner_balance` reports.
+
+The layout depends on the shapes, the two sizes and which parameters are owned only,
+so every rank (and the planner, which builds no buffer) computes the same one.
 """
 
 from __future__ import annotations
@@ -83,9 +93,14 @@ def row_split(shape: Sequence[int]) -> tuple[int, int]:
             math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1)
 
 
-def segment_layout(shapes: Sequence[Sequence[int]], segments: int) -> SegmentLayout:
+def segment_layout(shapes: Sequence[Sequence[int]], segments: int,
+                   owned: Sequence[bool] | None = None, rotation: int = 0) -> SegmentLayout:
     """The smallest ``s`` (and the placement under it) this module's rules allow for
-    parameters of ``shapes`` (in order) over ``segments`` segments."""
+    parameters of ``shapes`` (in order) over ``segments`` segments; ``owned[k]``: keep
+    parameter ``k`` inside one segment ([Note: owned parameters]), ties going to the
+    segment ``rotation`` first."""
+    if owned is not None and any(owned):
+        return _owner_layout(shapes, segments, owned, rotation)
     rows, row_numels = zip(*(row_split(shape) for shape in shapes), strict=True)
     numels = [r * n for r, n in zip(rows, row_numels, strict=True)]
     size = max(1, -(-sum(numels) // segments))
@@ -115,3 +130,80 @@ def _place(numels: Sequence[int], row_numels: Sequence[int], size: int,
         offsets.append(pos)
         pos += numel
     return tuple(offsets), pos
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _owner_layout(shapes: Sequence[Sequence[int]], segments: int,
+                  owned: Sequence[bool], rotation: int) -> SegmentLayout:
+    """[Note: owned parameters]: the smallest segment size under which the free
+    parameters (laid out first, as :func:`segment_layout` does) and every owned one
+    (inside one segment each) fit; found by doubling, then bisection."""
+    if len(owned) != len(shapes):
+        raise ValueError(f"owned has {len(owned)} flags for {len(shapes)} parameters")
+    rows, row_numels = zip(*(row_split(shape) for shape in shapes), strict=True)
+    numels = [r * n for r, n in zip(rows, row_numels, strict=True)]
+    largest = max(_aligned(n) for n, own in zip(numels, owned, strict=True) if own)
+    low = max(1, -(-sum(numels) // segments), largest)
+    high = low
+    def fit(size: int) -> tuple[int, ...] | None:
+        return _fit_owned(numels, row_numels, owned, segments, size, rotation)
+    while fit(high) is None:
+        high *= 2
+    while low < high:  # the smallest size that fits (fitting grows with the size, bar
+        middle = (low + high) // 2  # the row-boundary step: checked again below)
+        if fit(middle) is None:
+            low = middle + 1
+        else:
+            high = middle
+    size, offsets = high, fit(high)
+    assert offsets is not None
+    return SegmentLayout(size, segments, offsets, tuple(rows), tuple(row_numels))
+
+
+def _fit_owned(numels: Sequence[int], row_numels: Sequence[int], owned: Sequence[bool],
+               segments: int, size: int, rotation: int) -> tuple[int, ...] | None:
+    """Offsets with the free parameters first and each owned one in the least-filled
+    segment that has room, or None when they do not fit in ``segments * size``."""
+    free = [k for k, own in enumerate(owned) if not own]
+    free_numels = [numels[k] for k in free]
+    step = math.lcm(1, *(row_numels[k] for k in free if numels[k] > size))
+    if size % step:
+        return None
+    offsets = [0] * len(numels)
+    placed, end = _place(free_numels, [row_numels[k] for k in free], size)
+    if end > segments * size:
+        return None
+    for k, offset in zip(free, placed, strict=True):
+        offsets[k] = offset
+    # where each segment's next element goes: after its share of the free span
+    nxt = [min((j + 1) * size, max(j * size, end)) for j in range(segments)]
+    load = [0] * segments  # owned elements so far: the owner's work, what is balanced
+    for k in sorted((k for k, own in enumerate(owned) if own), key=lambda k: -numels[k]):
+        room = [j for j in range(segments) if _aligned(nxt[j]) + numels[k] <= (j + 1) * size]
+        if not room:
+            return None
+        # the least loaded; ties from segment `rotation` on
+        j = min(room, key=lambda j: (load[j], (j - rotation) % segments))
+        offsets[k] = _aligned(nxt[j])
+        nxt[j] = offsets[k] + numels[k]
+        load[j] += numels[k]
+    return tuple(offsets)
+
+
+def owner_balance(layout: SegmentLayout, owned: Sequence[bool]) -> dict[str, float]:
+    """How evenly a layout spreads the owned parameters: elements owned per segment,
+    their largest over their mean (1.0: even), and the buffer's padding (elements no
+    parameter covers, over the total)."""
+    loads = [0] * layout.segments
+    for k, own in enumerate(owned):
+        if own:
+            loads[layout.offsets[k] // layout.segment_numel] += layout.numel(k)
+    mean = sum(loads) / len(loads)
+    covered = sum(layout.numel(k) for k in range(len(layout.offsets)))
+    return {"owned_max": max(loads), "owned_mean": mean,
+            "imbalance": max(loads) / mean if mean else 1.0,
+            "padding": 1 - covered / layout.total_numel}
+

@@ -74,7 +74,8 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
     params = optimizer_params(optimizer)
     for p in params:
         sp = managed_param(p)
-        if sp is not None and p is not sp.shard:
+        # (no shard: a fully_shard that failed after claiming it; the full param still)
+        if sp is not None and p is not getattr(sp, "shard", None):
             raise RuntimeError(
                 f"The optimizer holds the full parameter '{sp.fqn}' ({p.name}), which "
                 "fully_shard replaced by this rank's shard: its updates would be lost. "
@@ -158,7 +159,9 @@ def unwrap_optimizer(optimizer: _T) -> _T:
     """The optimizer under fleet.distributed_optimizer's wrappers (anything else as is).
     A wrapper (``HybridParallelOptimizer``, ``MixPrecisionOptimizer``) is no subclass of
     ``paddle.optimizer.Optimizer`` but hands every attribute read on to the optimizer it
-    wraps: the package types it as one, so what comes out has the type that went in."""
+    wraps: the package types it as one. Typed as returning what went in, which is right
+    for what the package passes (an optimizer, a model, parameters); a wrapper comes out
+    as the optimizer it wraps, so do not narrow a wrapper's type on the result."""
     while hasattr(optimizer, "_inner_opt"):
         optimizer = optimizer._inner_opt
     return optimizer
@@ -187,7 +190,7 @@ def managed_shards(params: Iterable[paddle.Tensor]) -> list:
     out, seen = [], set()
     for p in params:
         sp = managed_param(p)
-        if sp is None:
+        if sp is None or not hasattr(sp, "shard"):  # (claimed by a fully_shard that failed)
             continue
         p = sp.shard
         if id(p) not in seen:
@@ -244,24 +247,35 @@ def needs_whole_matrices(optimizer: paddle.optimizer.Optimizer) -> bool:
     return any("muon" in klass.__name__.lower() for klass in type(optimizer).__mro__)
 
 
+def _updates_as_matrix(optimizer: paddle.optimizer.Optimizer, p: paddle.Tensor) -> bool:
+    """Whether a whole-matrix optimizer updates ``p`` as a matrix: its own answer
+    (``updates_as_matrix``, paddle_hsdp's Muon), else every parameter of 2 dims or more."""
+    ask = getattr(optimizer, "updates_as_matrix", None)
+    return bool(ask(p)) if callable(ask) else len(p.shape) >= 2
+
+
 def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
                                 shards: Iterable[paddle.Tensor]) -> None:
-    """Refuse a whole-matrix optimizer over shards that cut a matrix across ranks (the
-    default row shards, or HFSDP's outer pieces): it would orthogonalise each rank's
-    rows on their own. Decided by the layout alone, so every rank refuses alike,
-    before the update."""
+    """Refuse a whole-matrix optimizer over shards that cut one of its matrices across
+    ranks (the default row shards of a 2-D parameter, or HFSDP's outer pieces): it would
+    orthogonalise each rank's rows on their own. A 3-D stack's rows are its matrices,
+    which the row layout keeps whole; an owned parameter lies in one segment. Decided
+    by the layout alone, so every rank refuses alike, before the update."""
     if not needs_whole_matrices(optimizer):
         return
     for p in shards:
         sp = p._hsdp_sharded_param
-        if sp.trainable and len(sp.shape) >= 2 and sp.inner_size * sp.parts > 1:
-            raise NotImplementedError(
-                f"{type(optimizer).__name__} updates each matrix as a whole, and the "
-                f"parameter '{sp.fqn}' {sp.shape} is cut into rows across "
-                f"{sp.inner_size * sp.parts} ranks, so each rank would update its rows "
-                "on their own. Keep its matrices whole: fully_shard(module, "
-                "shard_placement_fn=lambda p: paddle.distributed.Replicate() if "
-                "len(p.shape) >= 2 else None). Nothing was updated.")
+        if not sp.trainable or len(sp.shape) != 2 or sp.slot.in_one_segment \
+                or not _updates_as_matrix(optimizer, p):
+            continue
+        raise NotImplementedError(
+            f"{type(optimizer).__name__} updates each matrix as a whole, and the "
+            f"parameter '{sp.fqn}' {sp.shape} is cut into rows across "
+            f"{sp.inner_size * sp.parts} ranks, so each rank would update its rows on "
+            "their own. Keep its matrices whole on one rank each: fully_shard(module, "
+            "shard_placement_fn=paddle_hsdp.owned_matrices()) (or whole on every rank: "
+            "lambda p: paddle.distributed.Replicate() if len(p.shape) == 2 else None). "
+            "Nothing was updated.")
 
 
 def refuse_state_of_other_shape(optimizer: paddle.optimizer.Optimizer,

@@ -68,6 +68,8 @@ class Slot:
     sub_rows: tuple[int, int] = (0, 0)
     inner_offset: int = 0
     flat_offset: int = 0
+    # all of it in one segment: one rank (one outer part) holds every row
+    in_one_segment: bool = True
 
 
 class ShardedParam:
@@ -112,10 +114,12 @@ class ShardedParam:
         inner_rows = layout.rows_in(index, first_segment, self.parts)
         sub_rows = layout.rows_in(index, first_segment + self.part)
         base = full_offset - self.inner_rank * rank_numel
+        size = layout.segment_numel
         self.slot = Slot(
             full_offset, inner_rows, sub_rows,
             base + inner_rows[0] * self.row_numel if inner_rows[1] else 0,
-            base + sub_rows[0] * self.row_numel if sub_rows[1] else 0)
+            base + sub_rows[0] * self.row_numel if sub_rows[1] else 0,
+            full_offset // size == (full_offset + max(self.numel, 1) - 1) // size)
 
     @property
     def rest(self) -> list[int]:

@@ -153,8 +153,10 @@ class FSDPUnit:
                 reduce_group = self.mesh.reduce_scatter_group(expert)
             for sp in params:
                 sp.mesh = self.mesh
+            owned = [placements.get(id(sp.full)) == "owned" for sp in params]
             self.buffers.append(ShardBuffer(params, inner, outer, expert, self.policies.mp,
-                                            self.policies.offload, reduce_group))
+                                            self.policies.offload, reduce_group,
+                                            owned=owned, rotation=self.index))
         for i, buf in enumerate(self.buffers):
             buf.owner, buf.index = self, i
 

@@ -40,7 +40,8 @@ class ShardBuffer:
 
     def __init__(self, params: list[ShardedParam], inner_group: Group, outer_group: Group,
                  is_expert: bool, mp_policy: object | None = None,
-                 offload_policy: object | None = None, reduce_group: Group | None = None):
+                 offload_policy: object | None = None, reduce_group: Group | None = None,
+                 owned: list[bool] | None = None, rotation: int = 0):
         self.params = params
         self.inner = inner_group
         # the inner group's ranks; on NCCL a twin group with its own stream, so a
@@ -63,7 +64,10 @@ class ShardBuffer:
                 (self.parts not in (1, outer_group.nranks) and not self.shared_pieces):
             raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "
                                  "their outer sub-shards")
-        self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts)
+        # owned: params kept inside one segment (paddle_hsdp.Owned); rotation turns which
+        # segment a tie goes to, so identical units spread their heaviest segment
+        self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts,
+                                     owned, rotation)
         for index, sp in enumerate(params):
             sp.place(self.layout, index)
             sp.buffer = self

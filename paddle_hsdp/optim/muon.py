@@ -1,0 +1,268 @@
+"""Muon: momentum orthogonalised by a Newton-Schulz iteration for the weight matrices,
+AdamW for the rest (K. Jordan et al. 2024; Moonlight, Kimi K2 and GLM-4.5 trained with
+it), with the interface of Paddle's own ``paddle.optimizer.Muon`` (Paddle after 3.3), so
+code written for it runs on Paddle 3.3 too.
+
+One step of a matrix parameter ``W`` (2-D; a 3-D stack is a batch of matrices) with
+grad ``g``, momentum ``beta``, learning rate ``lr`` and weight decay ``wd``:
+
+* ``m = beta * m + (1 - beta) * g`` (an average, as Paddle's and torch's code keep it),
+  ``u = (1 - beta) * g + beta * m`` with Nesterov, else ``u = m``;
+* ``O = NS(u)``: ``X = u / max(|u|_F, eps)`` (transposed when it has more rows than
+  columns), then ``ns_steps`` times ``A = X X^T; X = a X + (b A + c A A) X`` with the
+  coefficients of ``ns_coeff_type``, in ``ns_matmul_dtype``;
+* ``W = W (1 - lr wd)`` (decoupled, where ``apply_decay_param_fun`` allows), then
+  ``W = W - lr * scale * O`` with ``scale = muon_extra_scale_factor *`` ``max(1,
+  out/in) ** 0.5`` (``muon_version=1``; Paddle's layout is ``[in, out]``), ``(out/in)
+  ** 0.5`` (2) or ``max(in, out) ** 0.5`` (3: Moonlight's "match AdamW RMS" with the
+  default 0.2).
+
+Every other parameter (and every matrix ``muon_param_info_map`` or
+``muon_exclude_patterns`` leaves out: embeddings, the output head, biases, MoE gates by
+default) takes Paddle's AdamW kernel with ``adam_beta1``, ``adam_beta2``,
+``adam_epsilon`` and the same ``weight_decay``. Grad clipping (``grad_clip``) runs over
+both, before the split, as Paddle's does.
+
+Under HSDP each matrix must be whole on the rank that updates it: shard with
+``shard_placement_fn=paddle_hsdp.owned_matrices()`` (its owner holds all of it, the
+others a 0-row shard, skipped here), or keep it whole everywhere with ``Replicate()``;
+a matrix cut into rows is refused at the step (``needs_whole_matrices``).
+
+Deviations from Paddle's, where its behaviour would fail: a parameter missing from
+``muon_param_info_map`` falls back to the default rule instead of failing an assertion,
+``muon_exclude_patterns=None`` means :data:`MUON_EXCLUDE` (Paddle raises), and
+``ns_matmul_dtype=None`` runs the iteration in the momentum's dtype unless a GPU of
+compute capability 8 or more is used (bfloat16 there, as Paddle).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle import _C_ops
+
+#: The name fragments Muon leaves to AdamW by default (PaddleFormers' list).
+MUON_EXCLUDE = ("embed", "bias", "lm_head", "mlp.gate")
+
+#: Newton-Schulz coefficients ``(a, b, c)`` per iteration (cycled), by name, as Paddle's.
+NS_COEFFICIENTS: dict[str, list[tuple[float, float, float]]] = {
+    "simple": [(3.4445, -4.7750, 2.0315)],
+    "quintic": [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                (2.8366, -3.0525, 1.2012)],
+}
+
+
+@dataclass
+class MuonParamInfo:
+    """Per parameter (by ``param.name``): whether Muon updates it, and optionally how
+    its matrix is split into the matrices orthogonalised apart (a fused QKV) and joined
+    again: ``split_concat_func(u, ortho)``."""
+
+    use_muon: bool = True
+    split_concat_func: Callable[[paddle.Tensor, Callable], paddle.Tensor] | None = None
+
+
+def default_should_use_muon(name: str, shape: Sequence[int],
+                            exclude_patterns: Sequence[str] | None = MUON_EXCLUDE) -> bool:
+    """Paddle's rule: a 2-D matrix or 3-D stack of them whose name contains none of
+    ``exclude_patterns`` (case-insensitive)."""
+    if len(shape) not in (2, 3):
+        return False
+    lowered = name.lower()
+    return not any(p.lower() in lowered for p in (exclude_patterns or ()))
+
+
+def _ns_matmul_dtype(given: str | paddle.dtype | None) -> paddle.dtype | None:
+    if isinstance(given, str):
+        # (Paddle's stubs say VarType or DataType; in eager mode it is a paddle.dtype)
+        return paddle.base.framework.convert_np_dtype_to_dtype_(given)  # type: ignore[return-value]
+    if given is not None:
+        return given
+    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        major, _ = paddle.device.cuda.get_device_capability()
+        if major >= 8:
+            return paddle.bfloat16
+    return None
+
+
+class Muon(paddle.optimizer.Optimizer):
+    """See the module docstring; the arguments are Paddle's (``paddle.optimizer.Muon``)."""
+
+    #: engine/optimizers.py: each matrix must be whole where it is updated
+    needs_whole_matrices = True
+
+    def __init__(self, learning_rate: float | paddle.optimizer.lr.LRScheduler = 0.02,
+                 parameters: Sequence[paddle.Tensor] | None = None, momentum: float = 0.95,
+                 adam_beta1: float = 0.9, adam_beta2: float = 0.95,
+                 weight_decay: float = 0.01, ns_steps: int = 5,
+                 ns_coeff_type: str = "simple",
+                 ns_coeffs: Sequence[tuple[float, float, float]] | None = None,
+                 nesterov: bool = True, adam_epsilon: float = 1e-9,
+                 grad_clip: paddle.nn.ClipGradByGlobalNorm | None = None,
+                 lr_ratio: Callable[[paddle.Tensor], float] | None = None,
+                 apply_decay_param_fun: Callable[[str], bool] | None = None,
+                 muon_version: int = 1, muon_exclude_patterns: Sequence[str] | None = None,
+                 muon_extra_scale_factor: float = 0.2,
+                 muon_param_info_map: dict[str, MuonParamInfo] | None = None,
+                 ns_matmul_dtype: str | paddle.dtype | None = None,
+                 multi_precision: bool = False, name: str | None = None, **kwargs: Any):
+        if parameters is None:
+            raise ValueError("Muon(parameters=...): pass the parameters to update "
+                             "(model.parameters())")
+        parameters = list(parameters)
+        if any(isinstance(p, dict) for p in parameters):
+            raise TypeError("Muon(parameters=...): parameter groups (dicts) are not "
+                            "supported, as in Paddle's Muon; pass a list of parameters")
+        if ns_coeff_type == "custom":
+            if not ns_coeffs:
+                raise ValueError("Muon(ns_coeff_type='custom') needs ns_coeffs=[(a, b, c), ...]")
+            if any(len(c) != 3 for c in ns_coeffs):
+                raise ValueError("Muon(ns_coeffs=...): (a, b, c) triples, got "
+                                 f"{list(ns_coeffs)!r}")
+            coeffs = [(float(a), float(b), float(c)) for a, b, c in ns_coeffs]
+        elif ns_coeff_type in NS_COEFFICIENTS:
+            coeffs = NS_COEFFICIENTS[ns_coeff_type]
+        else:
+            raise ValueError(f"Muon(ns_coeff_type=...): one of "
+                             f"{sorted(NS_COEFFICIENTS) + ['custom']}, got {ns_coeff_type!r}")
+        if muon_version not in (1, 2, 3):
+            raise ValueError(f"Muon(muon_version=...): 1, 2 or 3, got {muon_version!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon(momentum=...): in [0, 1), got {momentum!r}")
+        super().__init__(learning_rate=learning_rate, parameters=parameters,
+                         weight_decay=None, grad_clip=grad_clip, name=name)
+        self.type = "muon"
+        self._momentum, self._nesterov = float(momentum), bool(nesterov)
+        self._beta1, self._beta2 = float(adam_beta1), float(adam_beta2)
+        self._epsilon, self._weight_decay = float(adam_epsilon), float(weight_decay)
+        self._ns_steps, self._ns_coeffs = int(ns_steps), coeffs
+        self._lr_ratio, self._apply_decay_param_fun = lr_ratio, apply_decay_param_fun
+        self._muon_version, self._extra_scale = muon_version, float(muon_extra_scale_factor)
+        self._exclude = tuple(MUON_EXCLUDE if muon_exclude_patterns is None
+                              else muon_exclude_patterns)
+        self._info = dict(muon_param_info_map or {})
+        self._ns_dtype = _ns_matmul_dtype(ns_matmul_dtype)
+        self._multi_precision = bool(multi_precision)
+        self._master_weights: dict = {}
+        self._already_create_accumulator: set = set()
+
+    # -------------------------------------------------------------- which parameters
+    def updates_as_matrix(self, param: paddle.Tensor) -> bool:
+        """Whether Muon (not AdamW) updates ``param``: its ``muon_param_info_map`` entry,
+        else :func:`default_should_use_muon` on its name and full shape."""
+        info = self._info.get(param.name)
+        if info is not None:
+            return bool(info.use_muon)
+        sharded = getattr(param, "_hsdp_sharded_param", None)  # a shard: its full shape
+        shape = sharded.shape if sharded is not None else \
+            getattr(param, "original_shape", param.shape)
+        return default_should_use_muon(param.name, shape, self._exclude)
+
+    # -------------------------------------------------------------- state
+    def _low_precision(self, p: paddle.Tensor) -> bool:
+        return self._is_dtype_fp16_or_bf16(p.dtype)
+
+    def _create_accumulators(self, block: Any, parameters: Sequence[paddle.Tensor]) -> None:
+        for p in parameters:
+            if p.name in self._already_create_accumulator:
+                continue
+            target = p
+            if self._multi_precision and self._low_precision(p):
+                target = self._create_master_weight(p)
+            dtype = paddle.float32 if self._low_precision(target) else target.dtype
+            self._add_accumulator("moment1", target, dtype=dtype)
+            if not self.updates_as_matrix(p):
+                self._add_accumulator("moment2", target, dtype=dtype)
+                for acc, beta in (("beta1_pow_acc", self._beta1), ("beta2_pow_acc", self._beta2)):
+                    self._add_accumulator(acc, target, dtype=dtype, fill_value=beta,
+                                          shape=[1], device="cpu")
+            self._already_create_accumulator.add(p.name)
+
+    # -------------------------------------------------------------- the update
+    def _append_optimize_op(self, block: Any, param_and_grad: tuple) -> None:
+        param, grad = param_and_grad
+        lr = self._create_param_lr(param_and_grad)
+        with_decay = self._apply_decay_param_fun is None or \
+            self._apply_decay_param_fun(param.name)
+        master = self._master_weights.get(param.name) if (
+            self._multi_precision and self._low_precision(param)) else None
+        if self.updates_as_matrix(param):
+            self._muon_update(param, grad, lr, with_decay, master)
+        else:
+            self._adamw_update(param, grad, lr, with_decay, master)
+
+    def _adamw_update(self, param: paddle.Tensor, grad: paddle.Tensor, lr: paddle.Tensor,
+                      with_decay: bool, master: paddle.Tensor | None) -> None:
+        acc = self._get_accumulator_master
+        ratio = 1.0 if self._lr_ratio is None else self._lr_ratio(param)
+        # (the stubs type every tensor input as required; the kernel takes None for the
+        # amsgrad moment, the master weight and found_inf, as Paddle's AdamW passes them)
+        _C_ops.adamw_(param, grad, lr, acc("moment1", param), acc("moment2", param),
+                      None,  # type: ignore[arg-type]
+                      acc("beta1_pow_acc", param), acc("beta2_pow_acc", param),
+                      master,  # type: ignore[arg-type]
+                      None,  # type: ignore[arg-type]
+                      self._beta1, self._beta2, self._epsilon, ratio, self._weight_decay,
+                      with_decay, False, 1000, master is not None, False, False)
+
+    def _muon_update(self, param: paddle.Tensor, grad: paddle.Tensor, lr: paddle.Tensor,
+                     with_decay: bool, master: paddle.Tensor | None) -> None:
+        if math.prod(param.shape) == 0:  # an HSDP shard of a matrix another rank owns
+            return
+        momentum = self._get_accumulator_master("moment1", param)
+        beta = self._momentum
+        g = grad.astype(momentum.dtype) if grad.dtype != momentum.dtype else grad
+        paddle.assign(paddle.lerp(momentum, g, 1.0 - beta), output=momentum)
+        update = paddle.lerp(g, momentum, beta) if self._nesterov else momentum
+        sharded = getattr(param, "_hsdp_sharded_param", None)
+        shape = list(getattr(param, "original_shape", param.shape)) if sharded is None \
+            else list(param.shape)
+        ortho = self._orthogonalize(update.reshape(shape), param.name)
+        target = master if master is not None else param
+        if with_decay and self._weight_decay > 0:
+            target.multiply_(1.0 - lr * self._weight_decay)
+        step = ortho.astype(target.dtype) * (lr * self._scale(shape))
+        target.subtract_(step.reshape(target.shape))
+        if master is not None:
+            paddle.assign(master.astype(param.dtype), output=param)
+
+    def _scale(self, shape: Sequence[int]) -> float:
+        rows, cols = shape[-2], shape[-1]  # Paddle's weights are [in, out]
+        if self._muon_version == 1:
+            scale = max(1.0, cols / rows) ** 0.5
+        elif self._muon_version == 2:
+            scale = (cols / rows) ** 0.5
+        else:
+            scale = max(rows, cols) ** 0.5
+        return self._extra_scale * scale
+
+    def _orthogonalize(self, update: paddle.Tensor, name: str) -> paddle.Tensor:
+        info = self._info.get(name)
+        if info is not None and info.split_concat_func is not None:
+            return info.split_concat_func(update, self.newton_schulz)
+        return self.newton_schulz(update)
+
+    def newton_schulz(self, update: paddle.Tensor) -> paddle.Tensor:
+        """The orthogonalised ``update`` (2-D, or a batch of matrices in its leading
+        dim), in its own dtype."""
+        dtype = update.dtype
+        tall = update.shape[-2] > update.shape[-1]
+        x = update.transpose([0, 2, 1] if update.ndim == 3 else [1, 0]) if tall else update
+        flat = x.reshape(list(x.shape[:-2]) + [-1])
+        x = F.normalize(flat, p=2, axis=-1, epsilon=self._epsilon).reshape(x.shape)
+        if self._ns_dtype is not None and self._ns_dtype != x.dtype:
+            x = x.astype(self._ns_dtype)
+        swap = [0, 2, 1] if x.ndim == 3 else [1, 0]
+        for i in range(self._ns_steps):
+            a, b, c = self._ns_coeffs[i % len(self._ns_coeffs)]
+            gram = paddle.matmul(x, x.transpose(swap))
+            x = a * x + paddle.matmul(b * gram + c * paddle.matmul(gram, gram), x)
+        if tall:
+            x = x.transpose(swap)
+        return x.astype(dtype) if x.dtype != dtype else x

@@ -1,0 +1,159 @@
+"""paddle_hsdp.Muon in one process (issue 53): its update of a matrix against the
+published algorithm written here in numpy (momentum, Nesterov, quintic Newton-Schulz,
+shape scale, decoupled decay), its other parameters against Paddle's AdamW, which
+parameters it takes as matrices, and its refusals. Over HSDP shards:
+test_collective/test_muon.py."""
+
+import numpy as np
+import paddle
+import pytest
+
+import paddle_hsdp
+from paddle_hsdp.engine.optimizers import refuse_row_sharded_matrices
+from paddle_hsdp.optim.muon import MuonParamInfo, default_should_use_muon
+
+A, B, C = 3.4445, -4.7750, 2.0315
+
+
+def _numpy_muon(w, grads, lr, beta, wd, steps=5, eps=1e-9, extra=0.2, nesterov=True):
+    """The published algorithm on a [in, out] matrix, step by step."""
+    m = np.zeros_like(w)
+    for g in grads:
+        m = beta * m + (1 - beta) * g
+        u = (1 - beta) * g + beta * m if nesterov else m
+        x = u.T if u.shape[0] > u.shape[1] else u
+        x = x / max(np.linalg.norm(x), eps)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = A * x + (B * gram + C * gram @ gram) @ x
+        o = x.T if u.shape[0] > u.shape[1] else x
+        scale = extra * max(1.0, w.shape[1] / w.shape[0]) ** 0.5
+        w = w * (1 - lr * wd) - lr * scale * o
+    return w
+
+
+@pytest.mark.parametrize("shape", [[6, 4], [4, 6]], ids=["tall", "wide"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matrix_update_is_the_published_algorithm(float64, shape, nesterov):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(shape)
+    grads = [rng.standard_normal(shape) for _ in range(3)]
+    p = paddle.create_parameter(shape, "float64",
+                                default_initializer=paddle.nn.initializer.Assign(w0))
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9,
+                           weight_decay=0.05, nesterov=nesterov, muon_exclude_patterns=[])
+    for g in grads:
+        p.grad = paddle.to_tensor(g)
+        opt.step()
+        opt.clear_grad()
+    expected = _numpy_muon(w0, grads, 0.1, 0.9, 0.05, nesterov=nesterov)
+    np.testing.assert_allclose(p.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_three_d_stack_is_a_batch_of_matrices(float64):
+    rng = np.random.default_rng(1)
+    w0, g = rng.standard_normal([3, 4, 5]), rng.standard_normal([3, 4, 5])
+    p = paddle.create_parameter([3, 4, 5], "float64",
+                                default_initializer=paddle.nn.initializer.Assign(w0))
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9, weight_decay=0.0,
+                           muon_exclude_patterns=[])
+    p.grad = paddle.to_tensor(g)
+    opt.step()
+    expected = np.stack([_numpy_muon(w0[e], [g[e]], 0.1, 0.9, 0.0) for e in range(3)])
+    np.testing.assert_allclose(p.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_other_parameters_take_adamw(float64):
+    """A bias (1-D) and an excluded matrix (an embedding) step as Paddle's AdamW with
+    Muon's adam_* hyperparameters: the same kernel, bit for bit."""
+    paddle.seed(3)
+    emb, bias = paddle.nn.Embedding(5, 3), paddle.nn.Linear(3, 2).bias
+    twin_emb, twin_bias = paddle.nn.Embedding(5, 3), paddle.nn.Linear(3, 2).bias
+    twin_emb.weight.set_value(emb.weight)
+    twin_bias.set_value(bias)
+    params, twins = [emb.weight, bias], [twin_emb.weight, twin_bias]
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=params, weight_decay=0.1,
+                           adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-8)
+    ref = paddle.optimizer.AdamW(learning_rate=0.1, parameters=twins, weight_decay=0.1,
+                                 beta1=0.8, beta2=0.9, epsilon=1e-8)
+    assert not any(opt.updates_as_matrix(p) for p in params)
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        for p, q in zip(params, twins, strict=True):
+            g = rng.standard_normal(p.shape)
+            p.grad, q.grad = paddle.to_tensor(g), paddle.to_tensor(g)
+        opt.step()
+        ref.step()
+        opt.clear_grad()
+        ref.clear_grad()
+    for p, q in zip(params, twins, strict=True):
+        np.testing.assert_array_equal(p.numpy(), q.numpy())
+
+
+def test_which_parameters_are_matrices():
+    assert default_should_use_muon("linear_0.w_0", [4, 5])
+    assert default_should_use_muon("experts.w", [2, 4, 5])
+    assert not default_should_use_muon("linear_0.b_0", [5])
+    assert not default_should_use_muon("embedding_0.w_0", [9, 4])  # MUON_EXCLUDE
+    assert not default_should_use_muon("Model.LM_HEAD.weight", [4, 9])  # case-insensitive
+    p = paddle.create_parameter([4, 5], "float32")
+    opt = paddle_hsdp.Muon(parameters=[p], muon_param_info_map={
+        p.name: MuonParamInfo(use_muon=False)})
+    assert not opt.updates_as_matrix(p)  # the map wins
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    ({"parameters": None}, ValueError, "parameters"),
+    ({"ns_coeff_type": "cubic"}, ValueError, "ns_coeff_type"),
+    ({"ns_coeff_type": "custom"}, ValueError, "ns_coeffs"),
+    ({"muon_version": 4}, ValueError, "muon_version"),
+    ({"momentum": 1.0}, ValueError, "momentum"),
+])
+def test_bad_arguments_are_refused(kwargs, error, fragment):
+    p = paddle.create_parameter([4, 5], "float32")
+    with pytest.raises(error, match=fragment):
+        paddle_hsdp.Muon(**{"parameters": [p], **kwargs})
+    with pytest.raises(TypeError, match="parameter groups"):
+        paddle_hsdp.Muon(parameters=[{"params": [p]}])
+
+
+def test_owned_matrices_places_what_muon_updates():
+    names = {}
+    fn = paddle_hsdp.owned_matrices(names=names)
+    w, b = paddle.create_parameter([4, 5], "float32"), paddle.create_parameter([5], "float32")
+    emb = paddle.create_parameter([9, 4], "float32")
+    names[id(emb)] = "model.embed_tokens.weight"
+    assert fn(w) == paddle_hsdp.Owned() and fn(b) is None and fn(emb) is None
+    assert fn(paddle.create_parameter([2, 4, 5], "float32")) is None  # rows are matrices
+
+
+class _Slot:
+    def __init__(self, whole):
+        self.in_one_segment = whole
+
+
+class _Sharded:
+    def __init__(self, shape, whole):
+        self.shape, self.slot, self.trainable = shape, _Slot(whole), True
+        self.fqn, self.inner_size, self.parts = "w", 2, 1
+
+
+def _shard(shape, whole):
+    p = paddle.create_parameter(shape, "float32")
+    p._hsdp_sharded_param = _Sharded(shape, whole)
+    return p
+
+
+def test_refusal_is_for_cut_matrices_only():
+    """A whole-matrix optimizer is refused on a 2-D parameter cut between segments; a
+    3-D stack (its rows are whole matrices), an owned matrix and a parameter it updates
+    elementwise pass."""
+    stack, owned, cut = _shard([2, 4, 5], False), _shard([4, 5], True), _shard([4, 5], False)
+    bias = _shard([5], False)
+    opt = paddle_hsdp.Muon(parameters=[stack, owned, cut, bias])
+    refuse_row_sharded_matrices(opt, [stack, owned, bias])
+    with pytest.raises(NotImplementedError, match="owned_matrices"):
+        refuse_row_sharded_matrices(opt, [cut])
+    opt_excluding = paddle_hsdp.Muon(parameters=[cut], muon_param_info_map={
+        cut.name: MuonParamInfo(use_muon=False)})
+    refuse_row_sharded_matrices(opt_excluding, [cut])  # AdamW for it: elementwise

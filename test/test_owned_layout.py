@@ -1,0 +1,89 @@
+"""The segment layout with owned parameters ([Note: owned parameters] in
+engine/layout.py): each owned one lies inside one segment, nothing overlaps, the free
+ones keep the row rules, the owners are balanced by bytes, and the layout is the flat
+one when nothing is owned."""
+
+import itertools
+import random
+
+import pytest
+
+from paddle_hsdp.engine.layout import ALIGN, owner_balance, segment_layout
+
+H, F, KV = 64, 176, 16  # a Llama block's shapes, scaled down (GQA: 4 heads of KV)
+BLOCK = [[H], [H, H], [H, KV], [H, KV], [H, H], [H], [H, F], [H, F], [F, H]]
+BLOCK_MHA = [[H], [H, H], [H, H], [H, H], [H, H], [H], [H, F], [H, F], [F, H]]
+
+
+def _check(layout, shapes, owned):
+    spans = []
+    for k, shape in enumerate(shapes):
+        start, numel = layout.offsets[k], layout.numel(k)
+        spans.append((start, start + numel))
+        if owned[k]:  # aligned, inside one segment: one rank holds every row
+            assert start % ALIGN == 0, (k, start)
+            assert start // layout.segment_numel == \
+                (start + numel - 1) // layout.segment_numel, (k, start, numel)
+        for j in range(layout.segments):  # the rows each segment holds tile the param
+            first, count = layout.rows_in(k, j)
+            assert 0 <= first and first + count <= layout.rows[k]
+        assert sum(layout.rows_in(k, j)[1] for j in range(layout.segments)) == layout.rows[k]
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no overlap
+    assert spans[-1][1] <= layout.total_numel
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shapes", [BLOCK, BLOCK_MHA], ids=["gqa", "mha"])
+def test_owned_matrices_lie_in_one_segment(shapes, segments):
+    owned = [len(s) == 2 for s in shapes]
+    layout = segment_layout(shapes, segments, owned)
+    _check(layout, shapes, owned)
+
+
+def test_random_shapes_and_marks_keep_every_rule():
+    rng = random.Random(0)
+    for _ in range(200):
+        shapes = [[rng.randint(1, 40)] + [rng.randint(1, 9)] * rng.randint(0, 2)
+                  for _ in range(rng.randint(1, 9))]
+        owned = [rng.random() < 0.5 for _ in shapes]
+        segments = rng.randint(1, 8)
+        _check(segment_layout(shapes, segments, owned, rotation=rng.randint(0, 7)),
+               shapes, owned)
+
+
+def test_nothing_owned_is_the_flat_layout():
+    assert segment_layout(BLOCK, 4, [False] * len(BLOCK)) == segment_layout(BLOCK, 4)
+
+
+def test_owners_balanced_by_bytes():
+    """Greedy by bytes: a GQA block over 2 or 4 ranks within 5% of even (the FFN's three
+    matrices set the floor); the padding is what the imbalance costs the collectives."""
+    owned = [len(s) == 2 for s in BLOCK]
+    for segments in (2, 4):
+        balance = owner_balance(segment_layout(BLOCK, segments, owned), owned)
+        assert balance["imbalance"] <= 1.05, (segments, balance)
+        flat = segment_layout(BLOCK, segments)
+        owner = segment_layout(BLOCK, segments, owned)
+        assert owner.total_numel <= 1.06 * flat.total_numel
+
+
+def test_rotation_moves_the_heaviest_segment():
+    """Identical units rotate their ties, so the heaviest segment (the most Muon work)
+    is not the same rank in every layer (where the smallest size leaves a choice: the
+    free parameters fill the first segment, which takes less)."""
+    owned = [len(s) == 2 for s in BLOCK_MHA]
+    heaviest = set()
+    for rotation in range(4):
+        layout = segment_layout(BLOCK_MHA, 4, owned, rotation)
+        loads = [0] * 4
+        for k, own in enumerate(owned):
+            if own:
+                loads[layout.offsets[k] // layout.segment_numel] += layout.numel(k)
+        heaviest.add(loads.index(max(loads)))
+    assert len(heaviest) >= 2, heaviest
+
+
+def test_owned_flags_must_match_the_parameters():
+    with pytest.raises(ValueError, match="owned has 2 flags for 9 parameters"):
+        segment_layout(BLOCK, 2, [True, False])

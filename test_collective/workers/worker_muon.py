@@ -1,0 +1,142 @@
+"""Muon over HSDP with each matrix owned by one rank (issue 53): ``paddle_hsdp.Muon``
+with ``shard_placement_fn=paddle_hsdp.owned_matrices()`` against the unsharded model
+trained in one process on the whole batch with the same Muon, 5 steps, global-norm
+clip active at every step and decoupled weight decay, float64: losses and every
+parameter within workers/parity.py's bound. Layouts in the shared 4-rank launch:
+2 x 2 (fleet's groups), HFSDP 2 x 2 (``fsdp_outer_sharding="optim"``: owners over
+inner x outer) and 1 x 4 (an explicit mesh). Also: every matrix's momentum lives on its
+owner only (the state's elements summed over the ranks are the model's, not inner
+times them), the owners' balance per unit is printed, and Muon over the default row
+shards is refused at its first step on every rank, nothing updated.
+"""
+
+import time
+
+import numpy as np
+from common import compare_with_reference, config_from_argv, finish, init_fleet
+from parity import set_dtype
+
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import ProcessMesh
+
+import paddle_hsdp
+from paddle_hsdp.engine.layout import owner_balance
+from paddle_hsdp.engine.registry import units_under
+from models import batches, build_model, decay_filter, lm_loss, shard_tinylm, uses_extra
+
+STEPS, PER_RANK, CLIP = 5, 2, 0.2
+started = time.time()
+config = config_from_argv()
+init_fleet(config)
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def muon(model, params):
+    return paddle_hsdp.Muon(learning_rate=0.05, parameters=params, momentum=0.9,
+                            weight_decay=0.1, apply_decay_param_fun=decay_filter(model),
+                            adam_beta1=0.9, adam_beta2=0.95,
+                            grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
+
+
+def trained(data, shard_kwargs=None):
+    """TinyLM trained on ``data`` with Muon: sharded with ``shard_kwargs`` (this rank's
+    rows), or unsharded on the whole batch in one process (None). Returns (losses, full
+    params, pre-clip norms, the model, the optimizer)."""
+    model = build_model()
+    if shard_kwargs is not None:
+        shard_tinylm(model, **shard_kwargs)
+    opt = muon(model, model.parameters())
+    losses, norms = [], []
+    for (micro,) in data:
+        chunks = [rank] if shard_kwargs is not None else range(world)
+        loss = sum(lm_loss(model, paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK]),
+                           uses_extra(r)) for r in chunks) / len(chunks)
+        loss.backward()
+        value = paddle.to_tensor([float(loss)], dtype="float64")
+        if shard_kwargs is not None:
+            dist.all_reduce(value)  # for the log only
+        else:
+            norms.append(sum(float((p.grad ** 2).sum()) for p in model.parameters()
+                             if p.grad is not None) ** 0.5)
+        opt.step()
+        opt.clear_grad()
+        losses.append(value.item() / (world if shard_kwargs is not None else 1))
+    full = paddle_hsdp.full_state_dict(model) if shard_kwargs is not None else {
+        n: p.numpy() for n, p in model.state_dict().items()}
+    return losses, full, norms, model, opt
+
+
+def momentum_elements(model, opt) -> tuple[int, int]:
+    """(this rank's momentum elements of the matrices Muon updates, the elements of
+    those matrices in the model)."""
+    held = total = 0
+    table = opt._accumulators["moment1"]
+    for p in model.parameters():
+        if opt.updates_as_matrix(p) and not p.stop_gradient:
+            held += int(np.prod(table[p.name].shape))
+            total += int(np.prod(p._hsdp_sharded_param.shape))
+    return held, total
+
+
+def balance(model) -> str:
+    out = []
+    for unit in units_under(model):
+        for buf in unit.buffers:
+            owned = [sp.slot.in_one_segment and len(sp.shape) == 2 and sp.trainable
+                     for sp in buf.params]
+            if any(owned) and buf.layout.segments > 1:
+                b = owner_balance(buf.layout, owned)
+                out.append(f"{b['imbalance']:.2f}")
+    return "/".join(out)
+
+
+def check(name, shard_kwargs, data, reference):
+    ref_losses, ref_params, norms = reference
+    losses, full, _, model, opt = trained(data, shard_kwargs)
+    measured = compare_with_reference(f"muon {name}", full, ref_params, losses, ref_losses, {})
+    held, total = momentum_elements(model, opt)
+    counts = paddle.to_tensor([held], dtype="int64")
+    dist.all_reduce(counts)
+    # replicas (outer ranks without sub-shards) each keep their inner group's state
+    replicas = 1 if shard_kwargs.get("fsdp_outer_sharding") == "optim" else \
+        world // model._hsdp_unit.buffers[0].inner.nranks
+    assert int(counts.item()) == total * replicas, (name, int(counts.item()), total, replicas)
+    print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
+          f"{int(counts.item())} = {replicas} x {total}; owner imbalance per unit "
+          f"{balance(model)}", flush=True)
+
+
+def row_shards_refused():
+    """Muon over the default row shards (1 x 4: the blocks' matrices are cut between
+    ranks): refused at its first step, before any update, on every rank alike (the
+    layout decides)."""
+    model = shard_tinylm(build_model(), mesh=ProcessMesh([0, 1, 2, 3]))
+    before = {n: t.numpy().copy() for n, t in paddle_hsdp.full_state_dict(model).items()}
+    opt = muon(model, model.parameters())
+    ids = batches(1, 1, world, PER_RANK)[0][0][rank * PER_RANK:(rank + 1) * PER_RANK]
+    lm_loss(model, paddle.to_tensor(ids), uses_extra(rank)).backward()
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        assert "owned_matrices()" in str(e), str(e)
+        print(f"MUON refused on row shards: {e}", flush=True)
+    else:
+        raise AssertionError("Muon on row shards was not refused")
+    opt.clear_grad()
+    after = paddle_hsdp.full_state_dict(model)
+    assert all(np.array_equal(before[n], after[n].numpy()) for n in before)
+
+
+set_dtype("float64")
+DATA = batches(STEPS, 1, world, PER_RANK, seed=13)
+REFERENCE = trained(DATA)[:3]
+assert min(REFERENCE[2]) > CLIP, REFERENCE[2]  # the clip is active at every step
+OWNED = paddle_hsdp.owned_matrices()
+check("2x2", {"shard_placement_fn": OWNED}, DATA, REFERENCE)
+check("hfsdp 2x2", {"shard_placement_fn": OWNED, "fsdp_outer_sharding": "optim"}, DATA,
+      REFERENCE)
+check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
+row_shards_refused()
+print(f"MUON done in {time.time() - started:.1f} s", flush=True)
+finish()
