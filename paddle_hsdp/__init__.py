@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CollectiveError", "CollectiveMismatchError",
     "ConfigError", "FSDPModule", "HSDPClipGradByGlobalNorm", "HSDPConfig",
-    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "apply_config", "check_collectives",
+    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "apply_config",
+    "check_collectives",
     "create_mesh_groups", "finish_grad_sync", "forget", "full_grads", "full_state_dict",
     "fully_shard", "get_fsdp_outer_degree", "last_global_norm", "load_checkpoint",
     "load_config", "mark_expert_params", "memory_report", "owned_matrices",

@@ -48,7 +48,7 @@ def _load_factory(spec: str) -> Callable[[], paddle.nn.Layer]:
     try:
         if module_name.endswith(".py"):
             loaded = importlib.util.spec_from_file_location("_hsdp_plan_model", module_name)
-            if loaded is None:
+            if loaded is None or loaded.loader is None:
                 raise ImportError(f"no such file {module_name!r}")
             module = importlib.util.module_from_spec(loaded)
             loaded.loader.exec_module(module)

@@ -54,8 +54,11 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
         full[alias] = full[name]
     parent = os.path.dirname(os.path.abspath(os.fspath(out)))
     os.makedirs(parent, exist_ok=True)  # like `cp`, but the folders are made
-    # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16)
-    save_file({k: paddle.to_tensor(np.ascontiguousarray(v), dtype=_dtype_of(meta, k))
+    # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16). (Paddle's
+    # DTypeLike takes dtype names only as literals; these are the metadata's, which
+    # checkpoint/items.py's dtype_name wrote from paddle dtypes)
+    save_file({k: paddle.to_tensor(np.ascontiguousarray(v),
+                                   dtype=_dtype_of(meta, k))  # type: ignore[arg-type]
                for k, v in full.items()}, os.fspath(out), metadata=CONSOLIDATED_METADATA)
     return list(full)
 
@@ -75,7 +78,7 @@ def describe(path: str | os.PathLike) -> str:
              f"{meta['world_size']} rank(s){f' ({shown})' if shown else ''}; extra: "
              f"{json.dumps(meta.get('extra'))}"]
     full = written = 0
-    files = set()
+    files: set[str] = set()
     for name, t in sorted(meta["tensors"].items()):
         itemsize = np.dtype(numpy_dtype(t["dtype"])).itemsize
         full += int(np.prod(t["shape"])) * itemsize if t["shape"] else itemsize

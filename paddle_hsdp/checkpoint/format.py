@@ -95,7 +95,7 @@ def largest_everywhere(value: int, what: str = "a checkpoint call") -> int:
     comm.all_reduce(flag, dist.collective._get_global_group(), op="max", tag=_TAG,
                     what=f"{what}: the largest of the ranks' numbers")
     with watchdog.host_sync(f"{what}: reading the largest of the ranks' numbers"):
-        return int(flag.item())
+        return int(flag)
 
 
 # Through paddle_hsdp.comm, so a peer that dies mid-save or mid-load gives the others a
@@ -118,15 +118,15 @@ def gather_json(obj: object, what: str = "a checkpoint call",
     comm.all_gather_into(sizes, paddle.to_tensor([len(data)], dtype="int64"), group,
                          tag=_TAG, what=f"{what}: the ranks' message sizes")
     with watchdog.host_sync(f"{what}: reading the ranks' message sizes"):
-        sizes = [int(n) for n in sizes.numpy()]
-    padded = np.zeros(max(sizes), dtype=np.uint8)
+        lengths = [int(n) for n in sizes.numpy()]
+    padded = np.zeros(max(lengths), dtype=np.uint8)
     padded[:len(data)] = data
-    parts = paddle.zeros([world * max(sizes)], dtype="uint8")
+    parts = paddle.zeros([world * max(lengths)], dtype="uint8")
     comm.all_gather_into(parts, paddle.to_tensor(padded), group, tag=_TAG,
                          what=f"{what}: the ranks' messages")
     with watchdog.host_sync(f"{what}: reading the ranks' messages"):
-        rows = parts.numpy().reshape(world, max(sizes))
-    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
+        rows = parts.numpy().reshape(world, max(lengths))
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, lengths)]
 
 
 def gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list | None:
@@ -139,15 +139,14 @@ def gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list | 
     size = paddle.to_tensor([len(data)], dtype="int64")
     comm.all_reduce(size, group, op="max", tag=_TAG, what=f"{what}: the largest message")
     with watchdog.host_sync(f"{what}: reading the largest message's size"):
-        longest = int(size.item())
+        longest = int(size)
     padded = np.zeros(longest + 8, dtype=np.uint8)  # its own length first, then it
     padded[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
     padded[8:8 + len(data)] = data
-    rank = dist.get_rank()
-    parts = [] if rank == 0 else None
+    parts: list[paddle.Tensor] | None = [] if dist.get_rank() == 0 else None
     comm.gather(paddle.to_tensor(padded), parts, 0, group, tag=_TAG,
                 what=f"{what}: the ranks' messages to rank 0")
-    if rank != 0:
+    if parts is None:  # not rank 0
         return None
     with watchdog.host_sync(f"{what}: reading the ranks' messages"):
         rows = [p.numpy() for p in parts]
@@ -169,7 +168,7 @@ def _broadcast_bytes(data: bytes, what: str = "a checkpoint call") -> bytes:
     size = paddle.to_tensor([len(data)], dtype="int64")
     comm.broadcast(size, 0, group, tag=_TAG, what=f"{what}: rank 0's message size")
     with watchdog.host_sync(f"{what}: reading rank 0's message size"):
-        n = int(size.item())
+        n = int(size)
     if n == 0:
         return b""
     buf = paddle.to_tensor(np.frombuffer(data, np.uint8) if dist.get_rank() == 0
@@ -253,7 +252,8 @@ class Reader:
     that cover the rows asked for, each checked."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.files = path, {}
+        self.path = path
+        self.files: dict[str, Any] = {}  # file name -> its safetensors handle
         self.bytes_read = 0  # from the files (whole CRC chunks), for the load's figures
 
     def rows(self, name: str, piece: dict, lo: int, hi: int) -> np.ndarray:
@@ -323,6 +323,8 @@ def read_box(reader: Reader, name: str, entry: dict, offset: Sequence[int],
     if got != volume(shape):
         raise CheckpointError(f"{name}: the checkpoint holds {got} of the {volume(shape)} "
                               "elements needed")
+    if out is None:  # a box of no elements: no piece overlaps it
+        out = np.empty(shape, dtype=numpy_dtype(entry["dtype"]))
     return out
 
 

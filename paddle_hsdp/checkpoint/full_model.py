@@ -54,14 +54,18 @@ def full_model(model: paddle.nn.Layer, call: str = "full_model") -> dict | None:
         raise NotImplementedError(why)
     canonical, aliases = checkpoint_names(model)
     split = {}  # {name: (parameter with the marks, local shape)} of mp-split tensors
+    split_at: dict[str, int] = {}  # {name: its split axis} of the same
     if axes.mp_degree > 1:
-        split = {name: pair for name, value in canonical.items()
-                 if split_axis((pair := original_and_local(value))[0]) is not None}
+        for name, value in canonical.items():
+            pair = original_and_local(value)
+            axis = split_axis(pair[0])
+            if axis is not None:
+                split[name], split_at[name] = pair, axis
     if split:
         check_merge_is_concat(model, split, axes.mp_degree)
     tensors = _gathered_over_sharding(canonical)
     for name in sorted(split):
-        tensors[name] = _joined_over_mp(tensors[name], split_axis(split[name][0]), axes, name)
+        tensors[name] = _joined_over_mp(tensors[name], split_at[name], axes, name)
     if axes.pp_degree > 1:
         tensors = _joined_over_stages(tensors, axes)
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -190,7 +190,8 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
     (``moment1``; with outer sub-shards the rows this rank's optimizer holds) or one
     element (``beta1_pow_acc``, shape [1], the same wherever it is held)."""
     ensure_accumulators(optimizer)
-    items, positions = [], {}
+    items: list[Item] = []
+    positions: dict[int, dict[int, int]] = {}  # _index_in's cache
     for p in optimizer_params(optimizer):
         name = by_shard.get(id(p))
         if name is None:
@@ -232,7 +233,8 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
     return items
 
 
-def _index_in(buf: ShardBuffer, sp: ShardedParam, positions: dict) -> int:
+def _index_in(buf: ShardBuffer, sp: ShardedParam, positions: dict[int, dict[int, int]],
+              ) -> int:
     """``sp``'s index in its buffer's layout (``positions``: a cache per call)."""
     if id(buf) not in positions:
         positions[id(buf)] = {id(p): k for k, p in enumerate(buf.params)}

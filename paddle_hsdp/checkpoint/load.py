@@ -47,7 +47,11 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     items, aliases, optimizer, _ = all_items(model, optimizer, "load_checkpoint")
     call = f"load_checkpoint({path!r})"
     expect_everyone(None, call)
-    loaded, error, meta, unexpected = [], None, None, []
+    loaded: list[tuple[Item, np.ndarray]] = []
+    shared: list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]] = []
+    error: Exception | None = None
+    meta: dict = {}  # read only where error is None, so once read_metadata_once returned
+    unexpected: list[str] = []
     try:
         meta = read_metadata_once(path, call)  # rank 0 reads, every rank parses
         params_saved = {n for n in meta["tensors"] if "/optim/" not in n}
@@ -64,7 +68,6 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
         for other in gather_json(mine, call):
             if other is not None:
                 unexpected = sorted(set(unexpected) & set(other))
-    shared = []
     if error is None:
         try:
             loaded, shared = _read_items(path, meta, items, optimizer,
@@ -87,7 +90,7 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     for it, array in loaded:
         it.put(array)
     lr = getattr(optimizer, "_learning_rate", None)
-    if meta.get("lr_scheduler") and hasattr(lr, "set_state_dict"):
+    if meta.get("lr_scheduler") and lr is not None and hasattr(lr, "set_state_dict"):
         lr.set_state_dict(meta["lr_scheduler"])
     return meta.get("extra")
 
@@ -106,7 +109,9 @@ def _read_items(path: str, meta: dict, items: list[Item],
             f"{path!r} does not match this model: missing {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} unexpected {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''} (strict=False ignores unexpected ones)")
-    reader, loaded, by_group = Reader(path), [], {}
+    reader = Reader(path)
+    loaded: list[tuple[Item, np.ndarray]] = []
+    by_group: dict[tuple[int, ...], tuple[Group, list[Item]]] = {}
     for it in items:
         entry = tensors[it.name]
         if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:

@@ -26,7 +26,7 @@ import heapq
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Collection, Iterable, Protocol
+from typing import Collection, Generic, Iterable, Protocol, TypeVar
 
 from .boxes import volume
 
@@ -75,11 +75,15 @@ class PlannedItem(Protocol):
     replicas: Replicas
 
 
+# the items a plan is made of (checkpoint/items.py's Item), which its writes hand back
+ItemT = TypeVar("ItemT", bound=PlannedItem)
+
+
 @dataclass(frozen=True)
-class Write:
+class Write(Generic[ItemT]):
     """Rows ``[lo, hi)`` of ``item`` (its own rows: ``item.offset[0] + lo`` in the full
     tensor) go to a file; ``inline``: the whole item goes into the metadata instead."""
-    item: PlannedItem
+    item: ItemT
     lo: int
     hi: int
     inline: bool = False
@@ -107,12 +111,12 @@ def inline(item: PlannedItem) -> bool:
     return volume(item.size) <= INLINE_MAX and volume(item.shape) <= INLINE_MAX
 
 
-def plan_writes(items: Iterable[PlannedItem], drop_axes: Collection[str] = ()) -> list[Write]:
+def plan_writes(items: Iterable[ItemT], drop_axes: Collection[str] = ()) -> list[Write[ItemT]]:
     """What this rank writes of ``items`` (each with ``name``, ``size``, ``dtype`` and
     ``replicas``, a :class:`Replicas`), by the rule of the module docstring. Axes named
     in ``drop_axes`` do not count as replicas (a fault-tolerant job's replica groups:
     which group writes is decided there)."""
-    kinds: dict[tuple, list] = {}  # by the axes with this rank's index on each
+    kinds: dict[tuple, list[ItemT]] = {}  # by the axes with this rank's index on each
     for item in items:
         replicas = item.replicas.without(drop_axes)
         kinds.setdefault(replicas.axes, []).append(item)
@@ -126,7 +130,7 @@ def plan_writes(items: Iterable[PlannedItem], drop_axes: Collection[str] = ()) -
     return writes
 
 
-def assign(kind: tuple, items: list[PlannedItem], holders: int) -> list[tuple[Write, int]]:
+def assign(kind: tuple, items: list[ItemT], holders: int) -> list[tuple[Write[ItemT], int]]:
     """Every chunk of ``items`` (one kind, sorted by name, the same on every holder)
     with the holder index that writes it."""
     if holders == 1:

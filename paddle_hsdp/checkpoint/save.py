@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, cast
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -105,7 +105,8 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     # publishes later, after the scheduler has stepped on)
     lr = getattr(optimizer, "_learning_rate", None)
     plain = json.loads(json.dumps({
-        "lr_scheduler": lr.state_dict() if hasattr(lr, "state_dict") else None,
+        "lr_scheduler": lr.state_dict() if lr is not None and hasattr(lr, "state_dict")
+        else None,
         "extra": extra}, default=float))
     save = AsyncSave(path, f"{path}.tmp-{token or start['token']}", joint,
                      (items, aliases, plain, axes, world))
@@ -142,8 +143,8 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
 
 # The async save not yet published (at most one: the next save or load waits for it).
 # Module state: a save outlives the call that started it.
-_pending: list = []
-_exit_hook = []
+_pending: list[AsyncSave] = []
+_exit_hook: list[Callable[[], None]] = []  # at_exit, once registered
 
 
 def wait_for_pending_save() -> None:
@@ -189,7 +190,7 @@ class AsyncSave:
     def __init__(self, path: str, tmp: str, joint: JointSaver | None, what: tuple) -> None:
         self.path, self.tmp, self.joint, self._what = path, tmp, joint, what
         self.error: str | None = None
-        self.staged: list = []
+        self.staged: list[tuple[Write[Item], np.ndarray]] = []
         self.pieces: list = []
         self.expected: list = []  # names of boxes this rank is the first holder of
         self.rules: dict = {}  # the rules this rank leads (checkpoint/rules.py)
@@ -238,13 +239,15 @@ def _finish(save: AsyncSave) -> None:
     call = f"save_checkpoint({path!r})"
     manifests = gather_json_to_root({"pieces": save.pieces, "error": save.error,
                                       "expected": save.expected, **save.rules}, call)
-    errors = []
+    errors: list[str] = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
         outcome = joint.outcome()
         errors = [outcome] if outcome else []
+    elif manifests is None:  # not rank 0 (the manifests reach rank 0 only): it learns
+        pass                 # the outcome below
     elif joint is not None:
         errors = _publish_jointly(joint, path, tmp, items, manifests, aliases, plain, axes)
-    elif rank == 0:
+    else:  # rank 0
         errors = [r["error"] for r in manifests if r["error"]]
         if not errors:
             try:
@@ -269,7 +272,7 @@ def _guarded(check: Callable[..., str | None], *args: Any) -> str | None:
         return f"rank 0: {type(e).__name__}: {e}"
 
 
-def _stage(writes: Iterable[Write]) -> list[tuple[Write, np.ndarray]]:
+def _stage(writes: Iterable[Write[Item]]) -> list[tuple[Write[Item], np.ndarray]]:
     """``(write, its rows as a host array)`` for each write: each item read once."""
     arrays, staged = {}, []
     for w in writes:
@@ -287,7 +290,9 @@ def _joint_save(model: paddle.nn.Layer) -> JointSaver | None:
     ``model`` trains in a fault-tolerant job (its outer group carries one), else None."""
     for unit in registry.units_under(model):
         for buf in unit.buffers:
-            return traits_of(buf.outer).joint_save
+            # (comm's GroupTraits types joint_save as object, knowing nothing of
+            # checkpoint; the one declaration, ft's Replica, declares a JointSave)
+            return cast("JointSaver | None", traits_of(buf.outer).joint_save)
     return None
 
 
@@ -325,6 +330,7 @@ def _refusal_to_tile(tensors: dict, tags: dict, rules: dict | None = None) -> st
     pieces (local experts of different EP ranks under one name differ). A ruled
     tensor counts each rule's box (its buffer's rows tile it by the layout's
     construction)."""
+    rules = {} if rules is None else rules
     for name in sorted(tensors):
         entry = tensors[name]
         boxes = [(tuple(p["offset"]), tuple(p["shape"])) for p in entry["pieces"]]
@@ -340,7 +346,8 @@ def _refusal_to_tile(tensors: dict, tags: dict, rules: dict | None = None) -> st
     return None
 
 
-def _write_pieces(tmp: str, rank: int, staged: Iterable[tuple[Write, np.ndarray]]) -> list:
+def _write_pieces(tmp: str, rank: int,
+                  staged: Iterable[tuple[Write[Item], np.ndarray]]) -> list:
     """Write this rank's ``staged`` writes (:func:`_stage`) into one file of ``tmp``
     (the few numbers of an inline write go into its manifest entry; a ruled write's
     CRCs into the file's header); return the entries."""
@@ -373,7 +380,7 @@ def _write_pieces(tmp: str, rank: int, staged: Iterable[tuple[Write, np.ndarray]
     return pieces
 
 
-def ruled_writes(ruled: Iterable[Item]) -> list[Write]:
+def ruled_writes(ruled: Iterable[Item]) -> list[Write[Item]]:
     """The ruled items this rank writes: all its own rows, but of a tensor tensor
     parallelism does not split, the mp copies hold the same rows: mp rank 0 writes."""
     return [Write(it, 0, it.size[0]) for it in ruled
@@ -386,6 +393,9 @@ def describe_rules(ruled: Iterable[Item], stage: int, rank: int) -> dict:
     rule; nothing without ruled items."""
     by_buffer: dict[int, list] = {}
     for it in ruled:
+        if it.spot is None:
+            raise ValueError(f"describe_rules: {it.name} has no spot; only ruled items "
+                             "(their spot set) are described")
         by_buffer.setdefault(id(it.spot.buffer), []).append(it)
     rules, places, gids = {}, [], {}
     for group in by_buffer.values():
@@ -459,7 +469,9 @@ def index_manifests(tensors: dict, manifests: list) -> tuple[dict, dict, dict]:
     written, and every tensor is tiled exactly once. Returns ``(rules, rank groups,
     name -> stages)``; raises ``CheckpointError``. Pure: tools/sim_checkpoint.py runs
     it on a simulated job's manifests."""
-    stages, tags, seen = {}, {}, set()
+    stages: dict[str, set[int]] = {}
+    tags: dict[str, set[str]] = {}
+    seen: set[tuple] = set()
     for record in manifests:  # other ranks hold tensors rank 0 has not (experts, stages)
         for piece in record["pieces"]:
             name, shape, dtype = piece.pop("name"), piece.pop("full_shape"), piece.pop("dtype")
@@ -472,16 +484,17 @@ def index_manifests(tensors: dict, manifests: list) -> tuple[dict, dict, dict]:
                 continue
             seen.add(box)
             entry["pieces"].append(piece)
-    rules, boxes = {}, set()
+    rules: dict[str, dict] = {}
+    ruled: set[tuple[str, tuple[tuple, tuple]]] = set()
     for record in manifests:  # HFSDP's optimizer rows, by rule (checkpoint/rules.py)
         for rule_id, rule in record.get("rules", {}).items():
             rules[rule_id] = rule
             for name, (_, _, _, shape, dtype, split) in rule["tensors"].items():
                 entry = _entry_of(tensors, name, shape, dtype, split)
                 stages.setdefault(name, set()).add(rule["stage"])
-                box = (name, slice_box(rule, name))
-                if box not in boxes:  # a layer tied across stages: its first rule only
-                    boxes.add(box)
+                ruled_box = (name, slice_box(rule, name))
+                if ruled_box not in ruled:  # a layer tied across stages: its first rule only
+                    ruled.add(ruled_box)
                     entry.setdefault("rules", []).append(rule_id)
     try:
         groups = grids([p for record in manifests for p in record.get("places", ())], rules)
@@ -512,7 +525,7 @@ def _entry_of(tensors: dict, name: str, shape: list[int], dtype: str,
 
 
 def _entry(shape: list[int], dtype: str, split: dict | None) -> dict:
-    entry = {"shape": shape, "dtype": dtype, "pieces": []}
+    entry: dict[str, Any] = {"shape": shape, "dtype": dtype, "pieces": []}
     if split is not None:
         entry["split"] = split
     return entry

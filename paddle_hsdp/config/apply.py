@@ -130,7 +130,9 @@ def init_fleet_if_needed(outer: int, inner: int, outer_sharding: str = "none",
     if ep > 1:
         hybrid.update(ep_degree=ep, moe_sharding_degree=outer * inner // ep)
         strategy.hybrid_parallel_order = list(MOE_ORDER_HINT)
-    strategy.hybrid_configs = hybrid
+    # (Paddle's TypedDict of hybrid_configs lacks sharding_configs and the MoE degrees
+    # its setter takes: it checks the keys against the strategy's proto)
+    strategy.hybrid_configs = hybrid  # type: ignore[assignment]
     fleet.init(is_collective=True, strategy=strategy)
 
 
@@ -148,5 +150,7 @@ def _recompute_forward(module: paddle.nn.Layer, use_reentrant: bool) -> None:
             return original(*args, **kwargs)
         return recompute(original, *args, use_reentrant=use_reentrant, **kwargs)
 
-    module.forward = forward
+    # an instance attribute hiding the class's forward, which Layer.__call__ looks up on
+    # the instance (mypy refuses any assignment to a method)
+    module.forward = forward  # type: ignore[method-assign]
     module._hsdp_recompute = True

@@ -203,7 +203,9 @@ def match_modules(model: paddle.nn.Layer, patterns: list[str],
     model is refused like 'layers.{4-5}', with the real range named)."""
     parsed = _parse_all(patterns, key)
     sublayers = list(model.named_sublayers(include_self=False))
-    matched, seen, used = [], set(), set()
+    matched: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    used: set[str] = set()
     for path, module in sublayers:
         hits = [pattern for pattern in parsed if pattern.matches(path, module)]
         used.update(pattern.text for pattern in hits)
@@ -301,8 +303,10 @@ def _missing_index_messages(pattern: Pattern, key: str, sublayers: list) -> list
 
 def _compress(indices: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5' (the brace-group syntax)."""
-    runs, start = [], indices[0]
-    for previous, current in zip(indices, indices[1:] + [None]):
+    runs: list[str] = []
+    start = indices[0]
+    # the last index again closes the last run (it is never previous + 1)
+    for previous, current in zip(indices, indices[1:] + indices[-1:]):
         if current != previous + 1:
             runs.append(str(start) if start == previous else f"{start}-{previous}")
             start = current

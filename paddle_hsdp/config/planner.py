@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import yaml
 
@@ -147,9 +147,8 @@ def load_cluster(source: str | os.PathLike | dict) -> Cluster:
         if not isinstance(source.get(key), int) or isinstance(source.get(key), bool) \
                 or source[key] < 1:
             errors.append(f"{key}: expected an int >= 1, got {source.get(key)!r}")
-    links = {}
-    for key in ("intra_node", "inter_node"):
-        links[key] = _link(key, source.get(key), errors)
+    intra = _link("intra_node", source.get("intra_node"), errors)
+    inter = _link("inter_node", source.get("inter_node"), errors)
     memory = source.get("device_memory_gib")
     if not isinstance(memory, (int, float)) or memory <= 0:
         errors.append(f"device_memory_gib: expected a number > 0, got {memory!r}")
@@ -163,11 +162,12 @@ def load_cluster(source: str | os.PathLike | dict) -> Cluster:
     if tflops is not None and (not isinstance(tflops, (int, float)) or isinstance(tflops, bool)
                                or tflops <= 0):
         errors.append(f"achieved_tflops: expected a number > 0, got {tflops!r}")
-    if errors:
+    # (a link _link could not make, or a memory that is no number, has its error listed)
+    if errors or intra is None or inter is None or not isinstance(memory, (int, float)):
         raise ConfigError(errors)
     return Cluster(str(source.get("name", "cluster")), source["nodes"],
-                   source["ranks_per_node"], links["intra_node"], links["inter_node"],
-                   memory * 2.0 ** 30, overlap, backend, tflops)
+                   source["ranks_per_node"], intra, inter, memory * 2.0 ** 30, overlap,
+                   backend, tflops)
 
 
 # ---------------------------------------------------------------- time
@@ -303,7 +303,7 @@ def parse_model_shape(text: str) -> ModelShape:
     [,fused=1]``."""
     names = {"layers": "layers", "hidden": "hidden", "ffn": "ffn", "vocab": "vocab",
              "kv": "kv_heads_fraction", "tied": "tied", "heads": "heads", "fused": "fused"}
-    values = {}
+    values: dict[str, Any] = {}  # ModelShape's keyword arguments
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
         if key not in names or not value:
@@ -458,7 +458,7 @@ def _layout_option(cluster: Cluster, shape: ModelShape, work: layouts.Workload,
                    units: list[cost.UnitShape], tp: int, pp: int, outer: int, inner: int,
                    mode: str, micro: int, zero_stage: int | None,
                    forward_prefetch: int) -> Option:
-    memory = cost.memory_per_rank(units, forward_prefetch)
+    memory: dict[str, float] = dict(cost.memory_per_rank(units, forward_prefetch))
     memory["activations"] = layouts.activation_bytes(shape, work, tp, pp, micro)
     seconds = step_seconds(units, cluster, micro, zero_stage, stride=tp)
     tp_link, tp_n = _group_link(cluster, tp, 1)

@@ -244,7 +244,8 @@ class HSDPConfig:
 def _validate_values(values: dict) -> tuple[dict, list[str]]:
     """Check every known key in ``values``, then the rules between keys; return the
     normalised values of the keys that passed and every error."""
-    normalised, errors = {}, []
+    normalised: dict[str, Any] = {}
+    errors: list[str] = []
     for name, value in values.items():
         try:
             normalised[name] = _KEY_BY_NAME[name].validate(value)
@@ -363,21 +364,26 @@ def resolve_degrees(config: str | os.PathLike | dict | HSDPConfig, world_size: i
     """
     config = load_config(config)
     _check_world(world_size, ranks_per_node)
-    inner, outer = config.sharding_size, config.fsdp_outer_degree
-    if inner == AUTO and outer == AUTO:
-        return _auto_degrees(world_size, ranks_per_node)
+    inner, outer = _fixed(config.sharding_size), _fixed(config.fsdp_outer_degree)
     errors = [_divisor_error(name, value, world_size)
               for name, value in (("sharding_size", inner), ("fsdp_outer_degree", outer))
-              if value != AUTO and world_size % value]
-    if not errors and AUTO not in (inner, outer) and inner * outer != world_size:
+              if value is not None and world_size % value]
+    if not errors and inner is not None and outer is not None and inner * outer != world_size:
         errors.append(f"sharding_size * fsdp_outer_degree: {inner} * {outer} = "
                       f"{inner * outer}, but the world size is {world_size}; the product "
                       "must equal the world size (or set one of them to 'auto')")
     if errors:
         raise ConfigError(errors)
-    if inner == AUTO:
+    if inner is not None:
+        return world_size // inner, inner
+    if outer is not None:
         return outer, world_size // outer
-    return world_size // inner, inner
+    return _auto_degrees(world_size, ranks_per_node)
+
+
+def _fixed(degree: int | str) -> int | None:
+    """A validated degree: its int, or None for 'auto' (the only string it can be)."""
+    return degree if isinstance(degree, int) else None
 
 
 def _check_world(world_size: Any, ranks_per_node: Any) -> None:

@@ -166,8 +166,8 @@ def _hsdp_degrees(cfg: HSDPConfig, world: int,
             f"tensor_model_parallel_size: {max(args.tensor_model_parallel_size, 1)} x "
             f"pipeline_model_parallel_size: {max(args.pipeline_model_parallel_size, 1)} = "
             f"{split} does not divide the {world} ranks"])
-    if world > 1 and live_hcg() is not None:
-        hcg = live_hcg()
+    hcg = live_hcg() if world > 1 else None
+    if hcg is not None:
         live = {"tensor_model_parallel_size": hcg.get_model_parallel_world_size(),
                 "pipeline_model_parallel_size": hcg.get_pipe_parallel_world_size()}
         if live["tensor_model_parallel_size"] * live["pipeline_model_parallel_size"] != split:
@@ -309,8 +309,8 @@ def _hsdp_config_of(args: HSDPTrainingArguments) -> HSDPConfig:
     values = {name: getattr(base, name) for name in base.__dataclass_fields__}
     errors = []
     if args.fsdp_outer_degree is not None:
-        outer = str(args.fsdp_outer_degree).strip()
-        outer = AUTO if outer == AUTO else int(outer)
+        given = str(args.fsdp_outer_degree).strip()
+        outer: int | str = AUTO if given == AUTO else int(given)
         if args.hsdp_config is not None and base.fsdp_outer_degree not in (AUTO, outer):
             errors.append(f"fsdp_outer_degree: {outer} disagrees with hsdp_config's "
                           f"fsdp_outer_degree {base.fsdp_outer_degree}; set one of them")
@@ -412,7 +412,13 @@ def export_pretrained(model: paddle.nn.Layer, output_dir: str) -> None:
         config.tensor_parallel_rank = 0
         # the model class's own save_pretrained (a sharded model's refuses: it would
         # write shards), given the full weights
-        super(FSDPModule, model).save_pretrained(
+        if isinstance(model, FSDPModule):
+            # (the class fully_shard made is FSDP<cls>(FSDPModule, cls): the method is
+            # cls's, which mypy cannot see behind FSDPModule)
+            save = super(FSDPModule, model).save_pretrained  # type: ignore[misc]
+        else:  # no unit at the root (an unsharded model): its class's own
+            save = model.save_pretrained
+        save(
             output_dir, is_main_process=True, state_dict=full, config_to_save=config,
             save_checkpoint_format="safetensors", save_to_hf=True, safe_serialization=True)
     if dist.get_world_size() > 1:
@@ -511,6 +517,9 @@ class HSDPTrainer(Trainer):
             return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
         if self._hsdp_in_checkpoint:
             if self.args.ignore_save_lr_and_optim:  # no optimizer hook will run
+                if output_dir is None:
+                    raise ValueError("HSDPTrainer.save_model inside a checkpoint: the "
+                                     "Trainer passes the checkpoint's directory, got None")
                 save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
                                 async_save=self.args.hsdp_async_save)
             return None

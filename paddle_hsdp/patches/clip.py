@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence, TypeVar
 
 import paddle
 import paddle.nn.utils as utils
@@ -61,6 +61,10 @@ if TYPE_CHECKING:
 
     # a parameter and its grad, as a clip sees them
     Pair = tuple[paddle.Tensor, paddle.Tensor]
+
+# the dtype a norm is summed in (norm_dtype)
+NormDtype = Literal["float32", "float64"]
+R = TypeVar("R")
 
 
 class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
@@ -110,7 +114,7 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
         self.last_global_norm = norm
         if self.auto_skip_clip:
             with watchdog.host_sync("the clip's read of the global grad norm"):
-                small = norm.item() <= self.clip_norm
+                small = float(norm) <= self.clip_norm
             if small:
                 return params_grads
         with offload.on_device():
@@ -125,17 +129,17 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
 
 
 def _storage_of(param: paddle.Tensor, grad: paddle.Tensor,
-                ) -> tuple[paddle.Tensor | None, ShardBuffer | None]:
+                ) -> tuple[paddle.Tensor, ShardBuffer] | None:
     """The buffer's flat grad (or main-grad) storage ``grad`` is ``param``'s view of,
-    and that buffer; ``(None, None)`` for any other grad."""
+    and that buffer; None for any other grad."""
     sp = getattr(param, "_hsdp_sharded_param", None)
     buf = getattr(sp, "buffer", None)
-    if buf is None:
-        return None, None
+    if sp is None or buf is None:
+        return None
     for flat in buf.grads.flats():
         if flat is not None and flat.dtype == grad.dtype and sp.views(grad, flat):
             return flat, buf
-    return None, None
+    return None
 
 
 def _by_storage(pairs: Iterable[Pair]) -> tuple[list[tuple[paddle.Tensor, list[Pair]]],
@@ -151,10 +155,11 @@ def _by_storage(pairs: Iterable[Pair]) -> tuple[list[tuple[paddle.Tensor, list[P
     groups: dict[int, tuple[paddle.Tensor, ShardBuffer, list[Pair]]] = {}
     rest: list[Pair] = []
     for p, g in pairs:
-        flat, buf = _storage_of(p, g)
-        if flat is None:
+        storage = _storage_of(p, g)
+        if storage is None:
             rest.append((p, g))
         else:
+            flat, buf = storage
             groups.setdefault(id(flat), (flat, buf, []))[2].append((p, g))
     whole = []
     for flat, buf, members in groups.values():
@@ -169,7 +174,7 @@ def _by_storage(pairs: Iterable[Pair]) -> tuple[list[tuple[paddle.Tensor, list[P
     return whole, rest
 
 
-def _local_sum(pairs: Iterable[Pair], dtype: str,
+def _local_sum(pairs: Iterable[Pair], dtype: NormDtype,
                term: Callable[[paddle.Tensor], paddle.Tensor],
                combine: str | None = None) -> paddle.Tensor:
     """This rank's part of the norm over ``pairs`` (``term`` of each tensor, summed, or
@@ -207,7 +212,7 @@ def _scale_grads(pairs: Iterable[Pair], factor: paddle.Tensor) -> None:
         g.multiply_(factor_for(g))
 
 
-def norm_dtype(grads: Iterable[paddle.Tensor | None]) -> str:
+def norm_dtype(grads: Iterable[paddle.Tensor | None]) -> NormDtype:
     """The dtype Paddle's own clipping sums in: float64 when any grad is float64,
     else float32 (low-precision grads are summed in float32)."""
     return "float64" if any(g is not None and g.dtype == paddle.float64
@@ -301,7 +306,8 @@ def clip_grad_norm_(parameters: paddle.Tensor | Iterable[paddle.Tensor], max_nor
     parameters = list(parameters)
     shards = managed_shards(parameters)
     if not shards:
-        return _original_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
+        return _kept_original(_original_clip_grad_norm, "clip_grad_norm_")(
+            parameters, max_norm, norm_type, error_if_nonfinite)
     if norm_type not in _NORM_TYPES:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): supported on HSDP "
                          f"shards are {list(_NORM_TYPES)} (Paddle's order-0 'norm' counts "
@@ -331,7 +337,7 @@ def _global_norm(params: Sequence[paddle.Tensor], norm_type: float,
     """The norm over the job of the counted copies' grads (one all-reduce)."""
     infinite = norm_type == float("inf")
     dtype = norm_dtype(p.grad for p in params)
-    counted = [(p, p.grad) for p in params if counter.counts(p)]
+    counted = [(p, g) for p in params if (g := p.grad) is not None and counter.counts(p)]
     if infinite:
         local = _local_sum(counted, dtype, lambda t: t.abs().max(), combine="max")
     else:
@@ -354,11 +360,19 @@ def clip_grad_value_(parameters: paddle.Tensor | Iterable[paddle.Tensor],
     shards = managed_shards(parameters)
     sync_grads(units_of_shards(shards))
     rest = [p for p in parameters if managed_param(p) is None]
-    return _original_clip_grad_value(shards + rest, clip_value)
+    _kept_original(_original_clip_grad_value, "clip_grad_value_")(shards + rest, clip_value)
 
 
-_original_clip_grad_norm = None
-_original_clip_grad_value = None
+# Paddle's own, once install() has put these in their place
+_original_clip_grad_norm: Callable[..., paddle.Tensor] | None = None
+_original_clip_grad_value: Callable[..., None] | None = None
+
+
+def _kept_original(original: Callable[..., R] | None, name: str) -> Callable[..., R]:
+    if original is None:
+        raise RuntimeError(f"paddle_hsdp.patches.clip.{name} ran before install() kept "
+                           f"Paddle's paddle.nn.utils.{name}")
+    return original
 
 
 def install() -> None:

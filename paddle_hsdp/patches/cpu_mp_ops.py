@@ -53,14 +53,17 @@ class _Concat(PyLayer):
 
     @staticmethod
     def forward(ctx: PyLayerContext, x: Tensor, group: Group) -> Tensor:
-        ctx.rank, ctx.nranks = group.rank, group.nranks
+        # (a PyLayerContext takes any attribute for backward, as Paddle's docs show; its
+        # stub declares none)
+        ctx.rank, ctx.nranks = group.rank, group.nranks  # type: ignore[attr-defined]
         gathered = paddle.empty([group.nranks] + list(x.shape), dtype=x.dtype)
         comm.all_gather_into(gathered, x.contiguous(), group, tag="mp_concat")
         return paddle.concat(paddle.unbind(gathered, axis=0), axis=-1)
 
     @staticmethod
     def backward(ctx: PyLayerContext, dy: Tensor) -> Tensor:
-        return paddle.split(dy, ctx.nranks, axis=-1)[ctx.rank].contiguous()
+        rank, nranks = ctx.rank, ctx.nranks  # type: ignore[attr-defined]  # set in forward
+        return paddle.split(dy, nranks, axis=-1)[rank].contiguous()
 
 
 def concat(x: Tensor, group: Group) -> Tensor:
@@ -92,8 +95,10 @@ class _VocabParallelCrossEntropy(PyLayer):
         ctx.mark_non_differentiable(softmax)
         return softmax, loss
 
+    # (Paddle's stub types backward's result as tensors only; None is the grad of an
+    # input that needs none, here the label)
     @staticmethod
-    def backward(ctx: PyLayerContext, d_softmax: Tensor,
+    def backward(ctx: PyLayerContext, d_softmax: Tensor,  # type: ignore[override]
                  d_loss: Tensor) -> tuple[Tensor, None]:
         softmax, local, mine, ignored = ctx.saved_tensor()
         one_hot = F.one_hot(local.squeeze(-1), softmax.shape[-1]).astype(softmax.dtype)
@@ -121,7 +126,7 @@ def reduce_scatter(tensor: Tensor, tensor_or_tensor_list: Tensor | Sequence[Tens
     """Sum the input over ``group`` and leave slice ``group.rank`` in ``tensor``
     (``dist.stream.reduce_scatter``'s contract: the input is left as it was)."""
     source = tensor_or_tensor_list
-    if isinstance(source, (list, tuple)):
+    if not isinstance(source, paddle.Tensor):  # a list or tuple of tensors
         source = paddle.concat([t.reshape([-1]) for t in source])
     # comm's gloo fallback writes into the other ranks' slices of its input
     comm.reduce_scatter(tensor, source.reshape([-1]).clone(), group, tag="mp_reduce_scatter")

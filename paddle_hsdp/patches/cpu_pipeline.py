@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from paddle.distributed.fleet.base.topology import HybridCommunicateGroup
 
     # what a pipeline p2p call sends or receives in one direction
-    Message = paddle.Tensor | Sequence[paddle.Tensor] | None
+    Message = paddle.Tensor | tuple[paddle.Tensor, ...] | list[paddle.Tensor] | None
 
 _installed = False
 # Paddle's own functions the replacements call off gloo, by name (tests swap them here).
@@ -114,7 +114,8 @@ def broadcast_loss(loss: paddle.Tensor | None, src: int, group: Group) -> paddle
                                 len(loss.shape) == 0], "int64"), output=header)
     comm.broadcast(header, src, group, tag="pipeline_loss")
     if loss is None:
-        dtype, count, scalar = header.tolist()
+        # (numpy's tolist, as Paddle's is: Paddle types its result for any rank)
+        dtype, count, scalar = header.numpy().tolist()
         loss = paddle.zeros([] if scalar else [count], _LOSS_DTYPES[dtype])
     comm.broadcast(loss, src, group, tag="pipeline_loss")
     return loss
@@ -129,12 +130,13 @@ def _patch_final_loss() -> None:
         if not comm.is_gloo(self.pp_group):
             return PADDLE["_broadcast_final_loss"](self, return_micro_batch_loss)
         last = self._hcg.get_rank_from_stage(self.num_stages - 1)
+        mine: Sequence[paddle.Tensor | None]  # None: another stage's, to receive
         if self.is_pipeline_last_stage(ignore_virtual=True):
             assert self.total_loss is not None, "train_batch's last stage has no loss"
-            losses = _last_stage_losses(self, return_micro_batch_loss)
+            mine = _last_stage_losses(self, return_micro_batch_loss)
         else:
-            losses = [None] * len(self._layers._loss_fn)
-        losses = [broadcast_loss(loss, last, self.pp_group) for loss in losses]
+            mine = [None] * len(self._layers._loss_fn)
+        losses = [broadcast_loss(loss, last, self.pp_group) for loss in mine]
         return losses[0] if len(losses) == 1 else losses
 
     replace(cls, "_broadcast_final_loss", _broadcast_final_loss,

@@ -25,8 +25,9 @@ all-reduce guards are installed.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 import paddle.distributed.fleet as fleet_pkg
 import paddle.distributed.parallel as parallel
@@ -62,7 +63,11 @@ def _strategy_knows_option_natively(strategy_cls: type[DistributedStrategy]) -> 
 
 
 def _patch_strategy(strategy_cls: type[DistributedStrategy]) -> None:
-    original = strategy_cls.hybrid_configs
+    original = inspect.getattr_static(strategy_cls, "hybrid_configs")
+    if not isinstance(original, property) or original.fset is None:
+        raise TypeError(f"paddle_hsdp: {strategy_cls.__name__}.hybrid_configs is not the "
+                        "settable property paddle_hsdp extends; this Paddle is not supported")
+    original_set = original.fset
 
     def set_hybrid_configs(self: DistributedStrategy, configs: dict) -> None:
         configs = dict(configs)
@@ -76,7 +81,7 @@ def _patch_strategy(strategy_cls: type[DistributedStrategy]) -> None:
             if SHARDING_OPTION in sharding:
                 self._hsdp_fsdp_outer_sharding = sharding.pop(SHARDING_OPTION)
             assign_configs_value(self.strategy.hybrid_configs.sharding_configs, sharding)
-        original.fset(self, configs)
+        original_set(self, configs)
 
     # class default; also unlocks the attribute
     replace(strategy_cls, "_hsdp_fsdp_outer_degree", 1, "the option's default: plain FSDP")
@@ -103,7 +108,8 @@ def _patch_fleet(fleet_cls: type[Fleet]) -> None:
     @functools.wraps(original_env)
     def init_hybrid_parallel_env(self: Fleet) -> None:
         original_env(self)
-        strategy = self._user_defined_strategy
+        # (the class _patch_strategy extended, or one that knows the options natively)
+        strategy = cast("HSDPDistributedStrategy", self._user_defined_strategy)
         self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, get_fsdp_outer_degree(strategy),
                                                    get_fsdp_outer_sharding(strategy))
 

@@ -30,7 +30,7 @@ def install() -> None:
             return optimizer_sharded_state_dict(self, model_sharded_state_dict)
         return original(self, model_sharded_state_dict)
 
-    sharded_state_dict._hsdp = True
+    vars(sharded_state_dict)["_hsdp"] = True  # the mark install() looks for (setattr's)
     sharded_state_dict.__doc__ = original.__doc__
     replace(paddle.optimizer.AdamW, "sharded_state_dict", sharded_state_dict,
             "shards as rows at their global offsets for flex_checkpoint")

@@ -32,17 +32,21 @@ from ..comm.collectives import drain_comm_thread
 from ..comm.gloo_store import make_group_store, stop_servers
 from .patching import replace
 
-_original_impl = None
+_original_impl: Callable[..., core.ProcessGroup] | None = None  # Paddle's, once installed
 
 
 def _safe_new_process_group_impl(backend: str, store: core.Store, rank: int,
                                  world_size: int, group_name: str, pg_options: object,
                                  group_id: int = 0, *args: Any,
                                  **kwargs: Any) -> core.ProcessGroup:
+    original = _original_impl
+    if original is None:
+        raise RuntimeError("paddle_hsdp.patches.gloo_groups: the sub-group wrapper ran "
+                           "before install() kept Paddle's _new_process_group_impl")
     if backend == "gloo" and group_id != 0 and world_size > 1:
         store = make_group_store(store, rank, world_size, group_id)
-    return _original_impl(backend, store, rank, world_size, group_name, pg_options,
-                          group_id, *args, **kwargs)
+    return original(backend, store, rank, world_size, group_name, pg_options,
+                    group_id, *args, **kwargs)
 
 
 def install() -> None:

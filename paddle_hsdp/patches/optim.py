@@ -126,7 +126,7 @@ def _with_boundary(original: Callable[..., Any], name: str) -> Callable[..., Any
             return original(self, *args, **kwargs)
 
     wrapped = functools.wraps(original)(stepping)
-    wrapped._hsdp_step_boundary = True
+    vars(wrapped)["_hsdp_step_boundary"] = True  # the mark _wrap_steps_of looks for
     return wrapped
 
 

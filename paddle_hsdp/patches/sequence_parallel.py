@@ -45,7 +45,7 @@ shard's grad is all-reduced over mp in place (every mp rank holds the same rows)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeGuard
 
 import paddle
 from paddle import Tensor
@@ -66,7 +66,7 @@ def _mp_group() -> Group:
     return fleet.get_hybrid_communicate_group().get_model_parallel_group()
 
 
-def is_mp_group(group: Group | None) -> bool:
+def is_mp_group(group: Group | None) -> TypeGuard[Group]:
     """Whether ``group`` is fleet's tensor-parallel group (of more than one rank)."""
     try:
         mp = _mp_group()
