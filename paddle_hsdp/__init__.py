@@ -5,7 +5,8 @@ gloo sub-group creation safe, and hooks the optimizer step boundary (every patch
 Paddle is in :mod:`paddle_hsdp.patches`); import it before ``fleet.init``.
 
 Sub-packages, lowest first: ``comm`` (collectives), ``topology`` (layouts, fleet's
-groups, meshes, byte formulas), ``engine`` (what ``fully_shard`` builds and runs),
+groups, meshes, byte formulas), ``optim`` (Muon), ``engine`` (what ``fully_shard``
+builds and runs),
 ``patches`` (Paddle's classes changed), ``checkpoint`` and ``config``.
 """
 

@@ -16,6 +16,7 @@ import paddle_hsdp
 from paddle_hsdp import ConfigError
 from paddle_hsdp.__main__ import main as cli
 from paddle_hsdp.config import apply
+from paddle_hsdp.config import plan as plan_module
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.config.patterns import PatternError
 
@@ -194,3 +195,30 @@ def test_recompute_gives_the_grads_of_a_plain_forward(fake_mesh, no_fleet_init, 
     assert sorted(grads[0]) == sorted(grads[1]) and len(grads[0]) > 5
     for name in grads[0]:
         assert (grads[0][name] == grads[1][name]).all(), name
+
+
+def test_owned_matrices_in_a_config(fake_mesh, no_fleet_init, monkeypatch):
+    """``owned_matrices: true`` gives every fully_shard call paddle_hsdp.owned_matrices()
+    (Muon's matrices whole on one rank), matching structured names too; the plan's
+    shard sizes take the owners' layout (never smaller than the flat one)."""
+    seen = []
+    real = apply.fully_shard
+    monkeypatch.setattr(apply, "fully_shard",
+                        lambda m, **kw: seen.append(kw.get("shard_placement_fn")) or real(m, **kw))
+    model, plan = paddle_hsdp.apply_config(build(), {"sub_modules_to_wrap": ["Block"],
+                                                     "owned_matrices": True})
+    place = seen[0]
+    assert len(seen) == 4 and all(fn is place for fn in seen)
+    assert place(model.layers[0].fc1.weight) == paddle_hsdp.Owned()
+    assert place(model.layers[0].fc1.bias) is None and place(model.embed.weight) is None
+    with pytest.raises(ConfigError, match="owned_matrices"):
+        paddle_hsdp.load_config({"owned_matrices": "yes"})
+    config = paddle_hsdp.load_config({"sub_modules_to_wrap": ["Block"], "owned_matrices": True})
+    flat = dataclasses.replace(config, owned_matrices=False)
+    sizes = []
+    for c in (config, flat):
+        net = build()
+        units = plan_module.build_plan(net, c, plan_module.resolve_modules(net, c), outer=1,
+                                       inner=4).units
+        sizes.append([b.shard_numel for u in units for b in u.buffers])
+    assert all(o >= f for o, f in zip(*sizes, strict=True)) and sizes[0] != sizes[1]

@@ -1,5 +1,5 @@
 """The package's layering (issue 17): ``lint-imports`` keeps the contracts of
-``.importlinter`` (hints < comm < topology < engine < patches < checkpoint | config <
+``.importlinter`` (hints < comm < topology < optim < engine < patches < checkpoint | config <
 __main__ | integrations, checkpoint and config independent, no cycle between siblings),
 and a few rules the contracts cannot say, read from grimp's import graph."""
 

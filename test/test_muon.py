@@ -157,3 +157,40 @@ def test_refusal_is_for_cut_matrices_only():
     opt_excluding = paddle_hsdp.Muon(parameters=[cut], muon_param_info_map={
         cut.name: MuonParamInfo(use_muon=False)})
     refuse_row_sharded_matrices(opt_excluding, [cut])  # AdamW for it: elementwise
+
+
+def test_tensor_parallel_slices_are_refused_before_any_update():
+    """A TP-split matrix (``is_distributed``) would be orthogonalised slice by slice:
+    refused at the first step, nothing updated, until the slices are joined."""
+    p = paddle.create_parameter([4, 5], "float32")
+    p.is_distributed = True
+    before = p.numpy().copy()
+    opt = paddle_hsdp.Muon(parameters=[p], muon_exclude_patterns=[])
+    p.grad = paddle.ones([4, 5])
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        opt.step()
+    np.testing.assert_array_equal(p.numpy(), before)
+    opt_excluding = paddle_hsdp.Muon(parameters=[p], muon_param_info_map={
+        p.name: MuonParamInfo(use_muon=False)})
+    opt_excluding.step()  # AdamW for it: elementwise, right on a slice
+
+
+def test_multi_precision_keeps_a_float32_master(float64):
+    """bfloat16 matrices with multi_precision: the update runs on a float32 master
+    weight (the published algorithm on it), the parameter is its bfloat16 cast."""
+    rng = np.random.default_rng(4)
+    w0, g = rng.standard_normal([4, 6]).astype("float32"), rng.standard_normal([4, 6])
+    p = paddle.create_parameter([4, 6], "bfloat16",
+                                default_initializer=paddle.nn.initializer.Assign(w0))
+    start = p.astype("float32").numpy().astype("float64")
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9, weight_decay=0.0,
+                           multi_precision=True, muon_exclude_patterns=[])
+    p.grad = paddle.to_tensor(g).astype("bfloat16")
+    opt.step()
+    master = opt._master_weights[p.name]
+    assert master.dtype == paddle.float32
+    grad = p.grad.astype("float32").numpy().astype("float64")
+    np.testing.assert_allclose(master.numpy(), _numpy_muon(start, [grad], 0.1, 0.9, 0.0),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(p.astype("float32").numpy(),
+                                  master.astype("bfloat16").astype("float32").numpy())

@@ -22,6 +22,7 @@ from ..engine.dtypes import dtypes_of, element_size
 from ..engine.experts import mark_expert_params
 from ..engine.layout import segment_layout
 from ..engine.param import ShardedParam
+from ..engine.placements import Owned, owned_matrices
 from ..engine.policies import MixedPrecisionPolicy
 from ..engine.unit import buffer_groups
 from ..topology.placement import is_expert
@@ -164,6 +165,8 @@ def build_plan(model: paddle.nn.Layer, config: HSDPConfig, choice: ModuleChoice,
     if expert_inner == inner and expert_outer == outer:
         labels["expert_inner"] = labels["inner"]  # one group for both: its first name
     policy = mp_policy_of(config)
+    owner = owned_matrices(names={id(p): n for n, p in model.named_parameters()}) \
+        if config.owned_matrices else None
     claimed = {id(p) for p in choice.ignored_params()}
     units = []
     wrapped = {id(module) for _, module in choice.wrap}
@@ -183,7 +186,7 @@ def build_plan(model: paddle.nn.Layer, config: HSDPConfig, choice: ModuleChoice,
                 sps.append(ShardedParam(p, fqn, size, 0, parts))
                 sps[-1].segment = segment
         buffers = tuple(_buffer_shape(params, expert, policy, labels,
-                                      expert_outer if expert else outer)
+                                      expert_outer if expert else outer, owner)
                         for (_, _, _, expert, _), params in buffer_groups(sps, {}).items())
         units.append(cost.UnitShape(path or "<root>", buffers,
                                     reshard_after_forward_of(config, path == ""),
@@ -212,11 +215,14 @@ def compare_outer_sharding(plans: dict) -> str:
 
 
 def _buffer_shape(params: list[ShardedParam], expert: bool, policy: MixedPrecisionPolicy | None,
-                  labels: dict, outer: int) -> cost.BufferShape:
+                  labels: dict, outer: int,
+                  owner: Callable[[paddle.Tensor], Owned | None] | None = None,
+                  ) -> cost.BufferShape:
     gather, reduce, compute = dtypes_of(params[0].dtype, policy)
+    owned = [owner is not None and owner(sp.full) is not None for sp in params]
     return cost.BufferShape(
         shard_numel=segment_layout([sp.shape for sp in params], params[0].inner_size
-                                   * params[0].parts).segment_numel * params[0].parts,
+                                   * params[0].parts, owned).segment_numel * params[0].parts,
         outer_parts=params[0].parts,
         logical_numel=sum(sp.numel for sp in params),
         inner=params[0].inner_size, outer=outer,

@@ -187,6 +187,8 @@ _KEYS = (
     _Key("pin_memory", False, "true or false", _check_bool),
     _Key("param_dtype", None, _DTYPE, _check_dtype),
     _Key("reduce_dtype", None, _DTYPE, _check_dtype),
+    _Key("owned_matrices", False, "true or false (true: each matrix Muon updates whole "
+         "on one rank, paddle_hsdp.owned_matrices())", _check_bool),
     _Key("output_dtype", None, _DTYPE, _check_dtype),
     _Key("num_to_forward_prefetch", 1, "an int >= 0", _check_non_negative_int),
     _Key("num_to_backward_prefetch", 1, "an int >= 0", _check_non_negative_int),
@@ -225,6 +227,7 @@ class HSDPConfig:
     pin_memory: bool = False
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    owned_matrices: bool = False
     output_dtype: str | None = None
     num_to_forward_prefetch: int = 1
     num_to_backward_prefetch: int = 1

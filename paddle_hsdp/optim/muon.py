@@ -169,6 +169,15 @@ class Muon(paddle.optimizer.Optimizer):
         return self._is_dtype_fp16_or_bf16(p.dtype)
 
     def _create_accumulators(self, block: Any, parameters: Sequence[paddle.Tensor]) -> None:
+        split = [p.name for p in parameters
+                 if getattr(p, "is_distributed", False) and self.updates_as_matrix(p)]
+        if split:  # before any state or update, on every rank of the layout alike
+            raise NotImplementedError(
+                f"Muon: {split[:3]} are split by tensor parallelism (is_distributed): "
+                "orthogonalising each rank's slice on its own is not the update of the "
+                "whole matrix, and paddle_hsdp does not join the slices yet. Leave them "
+                "to AdamW (muon_param_info_map={name: MuonParamInfo(use_muon=False)}) or "
+                "train without tensor parallelism. Nothing was updated.")
         for p in parameters:
             if p.name in self._already_create_accumulator:
                 continue
