@@ -10,7 +10,7 @@ import pytest
 
 import paddle_hsdp
 from paddle_hsdp.engine.optimizers import refuse_row_sharded_matrices
-from paddle_hsdp.optim.muon import MuonParamInfo, default_should_use_muon
+from paddle_hsdp.optim.muon import MuonParamInfo, default_should_use_muon, muon_param_info
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -41,7 +41,8 @@ def test_matrix_update_is_the_published_algorithm(float64, shape, nesterov):
     p = paddle.create_parameter(shape, "float64",
                                 default_initializer=paddle.nn.initializer.Assign(w0))
     opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9,
-                           weight_decay=0.05, nesterov=nesterov, muon_exclude_patterns=[])
+                           weight_decay=0.05, nesterov=nesterov, muon_exclude_patterns=[],
+                           ns_matmul_dtype="float64")  # (a bf16-capable GPU's default: bf16)
     for g in grads:
         p.grad = paddle.to_tensor(g)
         opt.step()
@@ -56,7 +57,7 @@ def test_three_d_stack_is_a_batch_of_matrices(float64):
     p = paddle.create_parameter([3, 4, 5], "float64",
                                 default_initializer=paddle.nn.initializer.Assign(w0))
     opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9, weight_decay=0.0,
-                           muon_exclude_patterns=[])
+                           muon_exclude_patterns=[], ns_matmul_dtype="float64")
     p.grad = paddle.to_tensor(g)
     opt.step()
     expected = np.stack([_numpy_muon(w0[e], [g[e]], 0.1, 0.9, 0.0) for e in range(3)])
@@ -118,13 +119,36 @@ def test_bad_arguments_are_refused(kwargs, error, fragment):
 
 
 def test_owned_matrices_places_what_muon_updates():
-    names = {}
-    fn = paddle_hsdp.owned_matrices(names=names)
     w, b = paddle.create_parameter([4, 5], "float32"), paddle.create_parameter([5], "float32")
-    emb = paddle.create_parameter([9, 4], "float32")
-    names[id(emb)] = "model.embed_tokens.weight"
-    assert fn(w) == paddle_hsdp.Owned() and fn(b) is None and fn(emb) is None
+    fn = paddle_hsdp.owned_matrices()
+    assert fn(w) == paddle_hsdp.Owned() and fn(b) is None
     assert fn(paddle.create_parameter([2, 4, 5], "float32")) is None  # rows are matrices
+
+
+def test_one_map_by_structured_names_for_the_placement_and_muon():
+    """``lm_head.weight`` is ``linear_N.w_0`` to Paddle: muon_param_info reads the
+    structured names, and the same map decides the placement and Muon's update, so a
+    matrix owned_matrices leaves in rows is one Muon gives to AdamW. The MoE gate
+    pattern does not catch the dense FFN's gate_proj."""
+    class Net(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = paddle.nn.Linear(4, 6, bias_attr=False)
+            self.gate_proj = paddle.nn.Linear(4, 4, bias_attr=False)
+
+    class Mlp(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Net()
+            self.mlp.gate = paddle.nn.Linear(4, 2, bias_attr=False)
+
+    net = Mlp()
+    info = muon_param_info(net)
+    place = paddle_hsdp.owned_matrices(info=info)
+    opt = paddle_hsdp.Muon(parameters=net.parameters(), muon_param_info_map=info)
+    for p, muon in ((net.mlp.lm_head.weight, False), (net.mlp.gate.weight, False),
+                    (net.mlp.gate_proj.weight, True)):
+        assert opt.updates_as_matrix(p) is muon and (place(p) is not None) is muon, p.name
 
 
 class _Slot:
@@ -150,10 +174,17 @@ def test_refusal_is_for_cut_matrices_only():
     elementwise pass."""
     stack, owned, cut = _shard([2, 4, 5], False), _shard([4, 5], True), _shard([4, 5], False)
     bias = _shard([5], False)
+    refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[stack, owned, cut, bias]),
+                                [stack, owned, bias])
     opt = paddle_hsdp.Muon(parameters=[stack, owned, cut, bias])
-    refuse_row_sharded_matrices(opt, [stack, owned, bias])
     with pytest.raises(NotImplementedError, match="owned_matrices"):
         refuse_row_sharded_matrices(opt, [cut])
+    with pytest.raises(NotImplementedError, match="owned_matrices"):
+        refuse_row_sharded_matrices(opt, [cut])  # refused again: no verdict was kept
+    split = _shard([4, 5], True)
+    split.is_distributed = True
+    with pytest.raises(NotImplementedError, match="tensor-parallel slice"):
+        refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[split]), [split])
     opt_excluding = paddle_hsdp.Muon(parameters=[cut], muon_param_info_map={
         cut.name: MuonParamInfo(use_muon=False)})
     refuse_row_sharded_matrices(opt_excluding, [cut])  # AdamW for it: elementwise
@@ -184,7 +215,8 @@ def test_multi_precision_keeps_a_float32_master(float64):
                                 default_initializer=paddle.nn.initializer.Assign(w0))
     start = p.astype("float32").numpy().astype("float64")
     opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9, weight_decay=0.0,
-                           multi_precision=True, muon_exclude_patterns=[])
+                           multi_precision=True, muon_exclude_patterns=[],
+                           ns_matmul_dtype="float32")
     p.grad = paddle.to_tensor(g).astype("bfloat16")
     opt.step()
     master = opt._master_weights[p.name]

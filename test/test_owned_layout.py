@@ -87,3 +87,39 @@ def test_rotation_moves_the_heaviest_segment():
 def test_owned_flags_must_match_the_parameters():
     with pytest.raises(ValueError, match="owned has 2 flags for 9 parameters"):
         segment_layout(BLOCK, 2, [True, False])
+
+
+def test_reductions_follow_the_offsets_not_the_parameter_order(fake_mesh, float64):
+    """Owned parameters lie after the free ones, out of the parameters' order: the
+    reduction that concatenates autograd's grads (a reduce dtype other than the compute
+    dtype: no grad grid) walks them by offset. Grads as unsharded (in float32)."""
+    import numpy as np
+    import paddle
+
+    import paddle_hsdp
+    from kit import batch_ids, models
+
+    ref, model = models.build_model(), models.build_model()
+    kwargs = {"shard_placement_fn": paddle_hsdp.owned_matrices(),
+              "mp_policy": paddle_hsdp.MixedPrecisionPolicy(reduce_dtype=paddle.float32)}
+    for layer in [model.embed, *model.blocks, model]:
+        paddle_hsdp.fully_shard(layer, **kwargs)
+    block = model.blocks[0]._hsdp_unit.buffers[0]
+    offsets = [sp.slot.full_offset for sp in block.params]
+    assert offsets != sorted(offsets)  # the case this covers
+    for net in (ref, model):
+        models.lm_loss(net, batch_ids(seed=2), True).backward()
+    ref_grads = {n: p.grad.numpy() for n, p in ref.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        if n in ref_grads:
+            np.testing.assert_allclose(p.grad.numpy(), ref_grads[n], rtol=1e-5, atol=1e-6,
+                                       err_msg=n)
+
+
+def test_a_free_stack_longer_than_a_segment_costs_no_extra_size():
+    """An owned matrix beside a free 3-D stack longer than a segment: the size steps to
+    the stack's row length as the flat layout's does, not to the stack's whole size."""
+    shapes, owned = [[64, 64], [8, 64, 176]], [True, False]
+    layout = segment_layout(shapes, 8, owned)
+    _check(layout, shapes, owned)
+    assert layout.segment_numel <= 1.3 * segment_layout(shapes, 8).segment_numel, layout

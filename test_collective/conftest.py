@@ -36,8 +36,7 @@ SHARED_2X2_WORKERS = [
     ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[[0], [1], [2], [3]],
                                          dim_names=["outer", "inner"], variants=ON_MESH))],
     ["worker_fingerprint.py"], ["worker_one_rank_call.py"], ["worker_master_grad.py"],
-    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)],
-    ["worker_muon.py", json.dumps(HSDP_2X2)]]
+    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)]]
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +53,9 @@ def hsdp_2x2_log(shared_2x2_work):
     worker_exit.py, which ends it without a final barrier);
     each test asserts its own worker's lines (a failing worker fails the launch, and so
     every test that uses it, with the ranks' logs)."""
-    jobs = SHARED_2X2_WORKERS + [["worker_checkpoint.py", shared_2x2_work],
+    jobs = SHARED_2X2_WORKERS + [["worker_muon.py", json.dumps(dict(HSDP_2X2,
+                                                                    work=shared_2x2_work))],
+                                 ["worker_checkpoint.py", shared_2x2_work],
                                  ["worker_hfsdp.py", json.dumps(dict(
                                      HSDP_2X2, work=shared_2x2_work,
                                      variants=[[1, False], [2, False], [None, True]]))],

@@ -88,15 +88,53 @@ def wrap(variant: str, model):
     if is_engine(variant):
         policy = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="bfloat16") \
             if variant.endswith("_bf16") else None
+        kwargs = {"mp_policy": policy}
+        if "_muon" in variant:  # Muon: its matrices owned by one rank, or whole on all
+            kwargs["shard_placement_fn"] = muon_placement(model, variant)
         for layer in model.layers:
-            paddle_hsdp.fully_shard(layer, mp_policy=policy)
-        paddle_hsdp.fully_shard(model, mp_policy=policy)
+            paddle_hsdp.fully_shard(layer, **kwargs)
+        paddle_hsdp.fully_shard(model, **kwargs)
+        if "_muon" in variant:  # one map for the placement and the optimizer
+            return model, paddle_hsdp.Muon(learning_rate=0.02, parameters=model.parameters(),
+                                           weight_decay=0.0,
+                                           muon_param_info_map=muon_info(model))
         return model, adamw(model.parameters())
     if variant == "dp":
         return paddle.DataParallel(model), adamw(model.parameters())
     if variant == "stage3":
         return stage3(model, adamw(model.parameters()))
     return model, adamw(model.parameters())
+
+
+def muon_info(model):
+    """Which parameters Muon updates, by structured name (lm_head, embed_tokens: AdamW):
+    the placement and the optimizer are given the same map."""
+    from paddle_hsdp.optim.muon import muon_param_info
+    return muon_param_info(model)
+
+
+def muon_placement(model, variant: str):
+    """``*_muon``: owned_matrices(); ``*_muon_replicate``: the same matrices kept whole on
+    every rank (Replicate()), Muon's memory without owners."""
+    owned = paddle_hsdp.owned_matrices(info=muon_info(model))
+    if variant.endswith("_muon"):
+        return owned
+    return lambda p: dist.Replicate() if owned(p) is not None else None
+
+
+def owner_imbalance(model, units) -> float | None:
+    """The largest owner imbalance over the units' buffers (owned elements per segment,
+    max over mean), None without owners."""
+    from paddle_hsdp.engine.layout import owner_balance
+    owns = paddle_hsdp.owned_matrices(info=muon_info(model))
+    worst = None
+    for unit in units:
+        for buf in unit.buffers:
+            owned = [owns(sp.full) is not None for sp in buf.params]
+            if any(owned) and buf.layout.segments > 1:
+                value = owner_balance(buf.layout, owned)["imbalance"]
+                worst = value if worst is None else max(worst, value)
+    return worst
 
 
 def stage3(model, opt):
@@ -342,6 +380,8 @@ def main():
         result["comm_theoretical"] = theoretical_comm(units, inner, outer)
         result["units"] = [sum(b.logical_numel for b in u.buffers) for u in units]
         result["optimizer_bytes"] = optimizer_bytes  # None: a --baseline engine
+        if variant.endswith("_muon"):
+            result["owner_imbalance"] = owner_imbalance(model, units)
     if timeline is not None:
         result["timeline"] = timeline
     if net:

@@ -20,6 +20,7 @@ from paddle.distributed.fleet.utils import recompute
 
 from ..engine.api import fully_shard, set_zero_stage
 from ..engine.placements import owned_matrices
+from ..optim.muon import muon_param_info
 from ..engine.policies import CPUOffloadPolicy
 from ..hints import expect_layer
 from ..topology.fleet import MOE_ORDER_HINT
@@ -60,8 +61,7 @@ def apply_config(model: paddle.nn.Layer, config: str | os.PathLike | dict | HSDP
               "ignored_params": choice.ignored_params() or None,
               "fsdp_outer_sharding": outer_sharding}
     if cfg.owned_matrices:  # Muon's matrices whole on one rank each
-        kwargs["shard_placement_fn"] = owned_matrices(
-            names={id(p): n for n, p in model.named_parameters()})
+        kwargs["shard_placement_fn"] = owned_matrices(info=muon_param_info(model))
     for _, module in choice.wrap:
         fully_shard(module, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)

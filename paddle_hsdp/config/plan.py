@@ -23,6 +23,7 @@ from ..engine.experts import mark_expert_params
 from ..engine.layout import segment_layout
 from ..engine.param import ShardedParam
 from ..engine.placements import Owned, owned_matrices
+from ..optim.muon import muon_param_info
 from ..engine.policies import MixedPrecisionPolicy
 from ..engine.unit import buffer_groups
 from ..topology.placement import is_expert
@@ -165,8 +166,7 @@ def build_plan(model: paddle.nn.Layer, config: HSDPConfig, choice: ModuleChoice,
     if expert_inner == inner and expert_outer == outer:
         labels["expert_inner"] = labels["inner"]  # one group for both: its first name
     policy = mp_policy_of(config)
-    owner = owned_matrices(names={id(p): n for n, p in model.named_parameters()}) \
-        if config.owned_matrices else None
+    owner = owned_matrices(info=muon_param_info(model)) if config.owned_matrices else None
     claimed = {id(p) for p in choice.ignored_params()}
     units = []
     wrapped = {id(module) for _, module in choice.wrap}

@@ -77,7 +77,7 @@ class SegmentLayout:
     def gaps(self) -> list[tuple[int, int]]:
         """``[(start, stop)]`` of the elements no parameter covers, in order."""
         out, pos = [], 0
-        for k, offset in enumerate(self.offsets):
+        for offset, k in sorted((offset, k) for k, offset in enumerate(self.offsets)):
             if offset > pos:
                 out.append((pos, offset))
             pos = offset + self.numel(k)
@@ -147,19 +147,33 @@ def _owner_layout(shapes: Sequence[Sequence[int]], segments: int,
     numels = [r * n for r, n in zip(rows, row_numels, strict=True)]
     largest = max(_aligned(n) for n, own in zip(numels, owned, strict=True) if own)
     low = max(1, -(-sum(numels) // segments), largest)
-    high = low
+    free = [k for k, own in enumerate(owned) if not own]
+
+    def stepped(size: int) -> int:
+        # as segment_layout: a free parameter longer than a segment may cross two
+        # boundaries, so the size is a multiple of its row length (rounded up to it)
+        while True:
+            step = math.lcm(1, *(row_numels[k] for k in free if numels[k] > size))
+            rounded = -(-size // step) * step
+            if rounded == size:
+                return size
+            size = rounded
+
     def fit(size: int) -> tuple[int, ...] | None:
-        return _fit_owned(numels, row_numels, owned, segments, size, rotation)
+        return _fit_owned(numels, row_numels, owned, segments, stepped(size), rotation)
+    high = low
     while fit(high) is None:
         high *= 2
-    while low < high:  # the smallest size that fits (fitting grows with the size, bar
-        middle = (low + high) // 2  # the row-boundary step: checked again below)
+    while low < high:  # the smallest size that fits (fitting grows with the size)
+        middle = (low + high) // 2
         if fit(middle) is None:
             low = middle + 1
         else:
             high = middle
-    size, offsets = high, fit(high)
-    assert offsets is not None
+    size = stepped(high)
+    offsets = _fit_owned(numels, row_numels, owned, segments, size, rotation)
+    if offsets is None:  # (fit(high) succeeded on this very size)
+        raise AssertionError("owner layout: the size found does not fit")
     return SegmentLayout(size, segments, offsets, tuple(rows), tuple(row_numels))
 
 

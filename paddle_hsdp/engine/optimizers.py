@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import paddle
+import paddle.distributed as dist
 import paddle.incubate.optimizer as incubate
 import paddle.incubate.optimizer.lbfgs as incubate_lbfgs
 from paddle.base import framework
@@ -261,21 +262,50 @@ def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
     orthogonalise each rank's rows on their own. A 3-D stack's rows are its matrices,
     which the row layout keeps whole; an owned parameter lies in one segment. Decided
     by the layout alone, so every rank refuses alike, before the update."""
-    if not needs_whole_matrices(optimizer):
+    if not needs_whole_matrices(optimizer) or \
+            getattr(optimizer, "_hsdp_matrices_agreed", False):  # the layout is fixed
         return
+    problem = _cut_matrix(optimizer, shards)
+    # agreed over every rank: pipeline stages hold different parameters, and a stage
+    # that went on alone would wait in its next collective for the refused ones
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = paddle.to_tensor([1 if problem else 0], dtype="int64")
+        comm.all_reduce(flag, dist.collective._get_global_group(), op="max",
+                        what=f"{type(optimizer).__name__}: whole matrices on every rank")
+        with watchdog.host_sync("the whole-matrix check's agreement"):
+            refused = int(flag) > 0
+    else:
+        refused = problem is not None
+    if refused:
+        raise NotImplementedError(problem or (
+            f"{type(optimizer).__name__} updates each matrix as a whole, and another "
+            "rank holds one cut into rows or split by tensor parallelism (its message "
+            "says which). Nothing was updated."))
+    optimizer._hsdp_matrices_agreed = True  # (our mark on the optimizer, read above)
+
+
+def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
+                shards: Iterable[paddle.Tensor]) -> str | None:
+    """Why this rank's shards refuse a whole-matrix optimizer, or None."""
     for p in shards:
         sp = p._hsdp_sharded_param
-        if not sp.trainable or len(sp.shape) != 2 or sp.slot.in_one_segment \
-                or not _updates_as_matrix(optimizer, p):
+        if not sp.trainable or len(sp.shape) != 2 or not _updates_as_matrix(optimizer, p):
             continue
-        raise NotImplementedError(
-            f"{type(optimizer).__name__} updates each matrix as a whole, and the "
-            f"parameter '{sp.fqn}' {sp.shape} is cut into rows across "
-            f"{sp.inner_size * sp.parts} ranks, so each rank would update its rows on "
-            "their own. Keep its matrices whole on one rank each: fully_shard(module, "
-            "shard_placement_fn=paddle_hsdp.owned_matrices()) (or whole on every rank: "
-            "lambda p: paddle.distributed.Replicate() if len(p.shape) == 2 else None). "
-            "Nothing was updated.")
+        if not sp.slot.in_one_segment:
+            return (f"{type(optimizer).__name__} updates each matrix as a whole, and the "
+                    f"parameter '{sp.fqn}' {sp.shape} is cut into rows across "
+                    f"{sp.inner_size * sp.parts} ranks, so each rank would update its rows "
+                    "on their own. Keep its matrices whole on one rank each: "
+                    "fully_shard(module, shard_placement_fn=paddle_hsdp.owned_matrices()) "
+                    "(or whole on every rank: lambda p: paddle.distributed.Replicate() if "
+                    "len(p.shape) == 2 else None). Nothing was updated.")
+        if getattr(p, "is_distributed", False):
+            return (f"{type(optimizer).__name__} updates each matrix as a whole, and the "
+                    f"parameter '{sp.fqn}' {sp.shape} is this rank's tensor-parallel "
+                    "slice: each rank would orthogonalise its slice on its own. Leave it "
+                    "to an elementwise update (Muon: muon_param_info_map), or train "
+                    "without tensor parallelism. Nothing was updated.")
+    return None
 
 
 def refuse_state_of_other_shape(optimizer: paddle.optimizer.Optimizer,

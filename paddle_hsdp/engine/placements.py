@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import paddle
 
-from ..optim.muon import MUON_EXCLUDE
+from ..optim.muon import MUON_EXCLUDE, MuonParamInfo, default_should_use_muon
 
 
 class Owned:
@@ -30,22 +30,19 @@ class Owned:
 
 
 def owned_matrices(exclude_patterns: Sequence[str] = MUON_EXCLUDE,
-                   names: dict[int, str] | None = None
+                   info: dict[str, MuonParamInfo] | None = None
                    ) -> Callable[[paddle.Tensor], Owned | None]:
-    """A ``shard_placement_fn`` that owns every 2-D parameter whose name contains none of
-    ``exclude_patterns`` (case-insensitive; Paddle's Muon's rule), the others keep the
-    row layout. A 3-D expert stack needs no owner: its rows are whole matrices, and the
-    row layout cuts only between rows. ``names``: ``{id(param): structured name}``
-    (``dict((id(p), n) for n, p in model.named_parameters())``) to match those as well as
-    ``param.name``, as PaddleFormers does."""
-    patterns = tuple(p.lower() for p in exclude_patterns)
-
+    """A ``shard_placement_fn`` that owns every 2-D parameter Muon updates, the others
+    keeping the row layout: by ``info`` (``{param.name: MuonParamInfo}``, the map given
+    to ``Muon(muon_param_info_map=...)``; :func:`~paddle_hsdp.optim.muon.muon_param_info`
+    builds one from structured names), else Muon's default rule on ``param.name``
+    (2-D, no ``exclude_patterns`` fragment). A 3-D expert stack needs no owner: its rows
+    are whole matrices, and the row layout cuts only between rows."""
     def placement(param: paddle.Tensor) -> Owned | None:
         if len(param.shape) != 2:
             return None
-        labels = [param.name.lower()] + ([names[id(param)].lower()]
-                                         if names and id(param) in names else [])
-        if any(p in label for p in patterns for label in labels):
-            return None
-        return Owned()
+        entry = (info or {}).get(param.name)
+        use = entry.use_muon if entry is not None else \
+            default_should_use_muon(param.name, param.shape, exclude_patterns)
+        return Owned() if use else None
     return placement

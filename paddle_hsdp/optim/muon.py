@@ -46,8 +46,10 @@ import paddle
 import paddle.nn.functional as F
 from paddle import _C_ops
 
-#: The name fragments Muon leaves to AdamW by default (PaddleFormers' list).
-MUON_EXCLUDE = ("embed", "bias", "lm_head", "mlp.gate")
+#: The name fragments Muon leaves to AdamW by default: PaddleFormers' list, with the MoE
+#: gate as "mlp.gate." (PaddleFormers' "mlp.gate" also matches every dense FFN's
+#: "mlp.gate_proj", which Muon should update).
+MUON_EXCLUDE = ("embed", "bias", "lm_head", "mlp.gate.")
 
 #: Newton-Schulz coefficients ``(a, b, c)`` per iteration (cycled), by name, as Paddle's.
 NS_COEFFICIENTS: dict[str, list[tuple[float, float, float]]] = {
@@ -66,6 +68,18 @@ class MuonParamInfo:
 
     use_muon: bool = True
     split_concat_func: Callable[[paddle.Tensor, Callable], paddle.Tensor] | None = None
+
+
+def muon_param_info(model: paddle.nn.Layer,
+                    exclude_patterns: Sequence[str] = MUON_EXCLUDE) -> dict[str, MuonParamInfo]:
+    """``{param.name: MuonParamInfo}`` for ``model``: Muon for a 2-D or 3-D parameter
+    whose structured name (``model.named_parameters()``) and ``param.name`` both pass
+    ``exclude_patterns``. Give it to ``Muon(muon_param_info_map=...)`` and
+    ``paddle_hsdp.owned_matrices(info=...)`` alike, so the matrices Muon updates are
+    the ones kept whole (PaddleFormers builds its map from structured names too)."""
+    return {p.name: MuonParamInfo(use_muon=all(
+        default_should_use_muon(label, p.shape, exclude_patterns) for label in (name, p.name)))
+        for name, p in model.named_parameters()}
 
 
 def default_should_use_muon(name: str, shape: Sequence[int],
@@ -155,7 +169,10 @@ class Muon(paddle.optimizer.Optimizer):
     # -------------------------------------------------------------- which parameters
     def updates_as_matrix(self, param: paddle.Tensor) -> bool:
         """Whether Muon (not AdamW) updates ``param``: its ``muon_param_info_map`` entry,
-        else :func:`default_should_use_muon` on its name and full shape."""
+        else :func:`default_should_use_muon` on ``param.name`` (Paddle's rule; the same
+        sharded or not) and its full shape. For structured names (``lm_head.weight`` is
+        ``linear_7.w_0`` to Paddle) build the map with :func:`muon_param_info` and give
+        it to ``owned_matrices`` too."""
         info = self._info.get(param.name)
         if info is not None:
             return bool(info.use_muon)
@@ -232,11 +249,11 @@ class Muon(paddle.optimizer.Optimizer):
         sharded = getattr(param, "_hsdp_sharded_param", None)
         shape = list(getattr(param, "original_shape", param.shape)) if sharded is None \
             else list(param.shape)
-        ortho = self._orthogonalize(update.reshape(shape), param.name)
+        ortho = self._orthogonalize(update.reshape(shape), param.name)  # scaled
         target = master if master is not None else param
         if with_decay and self._weight_decay > 0:
-            target.multiply_(1.0 - lr * self._weight_decay)
-        step = ortho.astype(target.dtype) * (lr * self._scale(shape))
+            target.multiply_((1.0 - lr * self._weight_decay).astype(target.dtype))
+        step = ortho.astype(target.dtype) * lr.astype(target.dtype)
         target.subtract_(step.reshape(target.shape))
         if master is not None:
             paddle.assign(master.astype(param.dtype), output=param)
@@ -252,10 +269,15 @@ class Muon(paddle.optimizer.Optimizer):
         return self._extra_scale * scale
 
     def _orthogonalize(self, update: paddle.Tensor, name: str) -> paddle.Tensor:
+        """Newton-Schulz and the shape scale, of the whole matrix or, with a
+        ``split_concat_func``, of each piece by its own shape (as Paddle's)."""
         info = self._info.get(name)
         if info is not None and info.split_concat_func is not None:
-            return info.split_concat_func(update, self.newton_schulz)
-        return self.newton_schulz(update)
+            return info.split_concat_func(update, self._scaled_newton_schulz)
+        return self._scaled_newton_schulz(update)
+
+    def _scaled_newton_schulz(self, update: paddle.Tensor) -> paddle.Tensor:
+        return self.newton_schulz(update) * self._scale(list(update.shape))
 
     def newton_schulz(self, update: paddle.Tensor) -> paddle.Tensor:
         """The orthogonalised ``update`` (2-D, or a batch of matrices in its leading

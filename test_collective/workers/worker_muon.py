@@ -8,13 +8,20 @@ inner x outer) and 1 x 4 (an explicit mesh). Also: every matrix's momentum lives
 owner only (the state's elements summed over the ranks are the model's, not inner
 times them), the owners' balance per unit is printed, and Muon over the default row
 shards is refused at its first step on every rank, nothing updated.
+
+Checkpoints (config ``work``): the 2 x 2 owned run saves model and Muon state; a load
+into the flat row layout gives the same parameters exactly; a load into the owned
+layout with a new Muon, then one more step on both, gives the same parameters exactly
+(the momentum came back); rank 0 writes the parameters for single_process_muon.py,
+which loads the checkpoint into one process.
 """
 
+import os
 import time
 
 import numpy as np
 from common import compare_with_reference, config_from_argv, finish, init_fleet
-from parity import set_dtype
+from parity import bound, max_rel, set_dtype
 
 import paddle
 import paddle.distributed as dist
@@ -91,7 +98,47 @@ def balance(model) -> str:
     return "/".join(out)
 
 
-def check(name, shard_kwargs, data, reference):
+def one_step(model, opt, micro):
+    ids = paddle.to_tensor(micro[rank * PER_RANK:(rank + 1) * PER_RANK])
+    lm_loss(model, ids, uses_extra(rank)).backward()
+    opt.step()
+    opt.clear_grad()
+
+
+def checkpoints(model, opt, shard_kwargs, work):
+    """Save the owned run, load it into the flat layout and back into the owned one."""
+    path = os.path.join(work, "muon_owned")
+    paddle_hsdp.save_checkpoint(path, model, opt)
+    saved = {n: t.numpy() for n, t in paddle_hsdp.full_state_dict(model).items()}
+    if rank == 0:
+        np.savez(os.path.join(work, "muon_owned_params.npz"), **saved)
+    flat = shard_tinylm(build_model(seed=99))
+    paddle_hsdp.load_checkpoint(path, flat)
+    assert all(np.array_equal(saved[n], t.numpy())
+               for n, t in paddle_hsdp.full_state_dict(flat).items())
+    resumed = shard_tinylm(build_model(seed=99), **shard_kwargs)
+    resumed_opt = muon(resumed, resumed.parameters())
+    paddle_hsdp.load_checkpoint(path, resumed, resumed_opt)
+    extra = batches(1, 1, world, PER_RANK, seed=21)[0][0]
+    one_step(model, opt, extra)
+    one_step(resumed, resumed_opt, extra)
+    after = paddle_hsdp.full_state_dict(model)
+    assert all(np.array_equal(after[n].numpy(), t.numpy())
+               for n, t in paddle_hsdp.full_state_dict(resumed).items())
+    # other owners (1 x 4: every matrix's momentum moves to another rank), one more step
+    moved = shard_tinylm(build_model(seed=99), shard_placement_fn=OWNED,
+                         mesh=ProcessMesh([0, 1, 2, 3]))
+    moved_opt = muon(moved, moved.parameters())
+    paddle_hsdp.load_checkpoint(path, moved, moved_opt)
+    one_step(moved, moved_opt, extra)
+    worst = max(max_rel(after[n].numpy(), t.numpy())
+                for n, t in paddle_hsdp.full_state_dict(moved).items())
+    assert worst <= bound(), worst
+    print("MUON checkpoint: owned -> flat exact; owned -> owned, one more step exact; "
+          f"2x2 owners -> 1x4 owners, one more step {worst:.1e}", flush=True)
+
+
+def check(name, shard_kwargs, data, reference, work=None):
     ref_losses, ref_params, norms = reference
     losses, full, _, model, opt = trained(data, shard_kwargs)
     measured = compare_with_reference(f"muon {name}", full, ref_params, losses, ref_losses, {})
@@ -105,6 +152,8 @@ def check(name, shard_kwargs, data, reference):
     print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
           f"{int(counts.item())} = {replicas} x {total}; owner imbalance per unit "
           f"{balance(model)}", flush=True)
+    if work is not None:
+        checkpoints(model, opt, shard_kwargs, work)
 
 
 def row_shards_refused():
@@ -133,7 +182,7 @@ DATA = batches(STEPS, 1, world, PER_RANK, seed=13)
 REFERENCE = trained(DATA)[:3]
 assert min(REFERENCE[2]) > CLIP, REFERENCE[2]  # the clip is active at every step
 OWNED = paddle_hsdp.owned_matrices()
-check("2x2", {"shard_placement_fn": OWNED}, DATA, REFERENCE)
+check("2x2", {"shard_placement_fn": OWNED}, DATA, REFERENCE, config.get("work"))
 check("hfsdp 2x2", {"shard_placement_fn": OWNED, "fsdp_outer_sharding": "optim"}, DATA,
       REFERENCE)
 check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)

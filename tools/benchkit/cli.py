@@ -15,7 +15,7 @@ from benchkit.cross_host import check_two_host_losses, summarise_two_hosts
 from benchkit.launch import (engine_version, freeze_engine, run_on_two_hosts, run_rounds,
                              run_variant)
 from benchkit.plots import plot
-from benchkit.settings import TWO_HOST_SHAPE, TWO_HOST_VARIANTS, VARIANTS
+from benchkit.settings import MUON_VARIANTS, TWO_HOST_SHAPE, TWO_HOST_VARIANTS, VARIANTS
 from benchkit.summary import check_losses, summarise
 from benchkit.tables import print_table, print_two_hosts
 
@@ -30,7 +30,8 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--per-rank", type=int, default=1, dest="per_rank")
     ap.add_argument("--variants", default=None,
-                    help=f"comma-separated (default {','.join(VARIANTS)}; with --two-hosts "
+                    help=f"comma-separated (default {','.join(VARIANTS)}; Muon: "
+                         f"{','.join(MUON_VARIANTS)}; with --two-hosts "
                          f"{','.join(TWO_HOST_VARIANTS)})")
     ap.add_argument("--out", default=None, help="result folder (default: a new temp dir)")
     ap.add_argument("--timeout", type=int, default=1800)

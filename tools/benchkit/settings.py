@@ -7,6 +7,10 @@ TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench_wor
 ROOT = os.path.dirname(TOOLS)  # the checkout whose paddle_hsdp/ is measured
 
 VARIANTS = ["hsdp2x2", "hfsdp2x2", "hsdp1x4", "dp", "stage3", "single"]
+# Muon (issue 53): its matrices owned by one rank each, or whole on every rank
+# (Replicate()); against stage3's AdamW. Not in the default set: --variants names them.
+MUON_VARIANTS = ["hsdp1x4_muon", "hsdp1x4_muon_replicate", "hsdp2x2_muon",
+                 "hsdp2x2_muon_replicate"]
 WORLD = 4
 TWO_HOST_VARIANTS = ["dp", "stage3", "hsdp2x2", "hsdp2x2_bf16", "hfsdp2x2",
                      "hsdp1x4"]

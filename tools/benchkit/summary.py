@@ -30,8 +30,12 @@ def theoretical_mb(variant: str, shape: bench_model.Shape, per_rank: int) -> flo
         # layer's full grads at a time; of the root's full grads, the larger of its two
         # buffers' (the head's, reduced after its backward; the embedding's, at the end)
         embed = shape.vocab * shape.hidden
+        if "_muon" in variant:  # the blocks' matrices take Muon (one momentum, 4 B)
+            moments = 4
         states = (8 + moments) * p / inner + 4 * root + 3 * 4 * layer \
             + 4 * max(embed, root - embed)
+        if variant.endswith("_muon_replicate"):  # the matrices whole on every rank
+            states += (8 + moments) * shape.layers * layer * (1 - 1 / inner)
     return (states + act) / 2 ** 20
 
 
@@ -61,7 +65,18 @@ def summarise(results: dict, args) -> dict:
                 k: {"measured": measured[k], "theoretical": theory[k],
                     "ratio": measured[k] / theory[k] if theory[k] else None}
                 for k in theory}
+        if runs[-1].get("owner_imbalance") is not None:
+            entry["owner_imbalance"] = runs[-1]["owner_imbalance"]
         summary["variants"][variant] = entry
+    for name, entry in summary["variants"].items():
+        twin = summary["variants"].get(name + "_replicate")
+        if twin is not None:  # owned Muon against Replicate() Muon: the point of owners
+            entry["memory_vs_replicate"] = entry["peak_rss_mb_per_rank"] / \
+                twin["peak_rss_mb_per_rank"]
+            entry["time_vs_replicate"] = entry["median_step_s"] / twin["median_step_s"]
+            if "optimizer_mb_per_rank" in entry and "optimizer_mb_per_rank" in twin:
+                entry["optimizer_vs_replicate"] = entry["optimizer_mb_per_rank"] / \
+                    twin["optimizer_mb_per_rank"]
     for entry in summary["variants"].values():
         for base in ("dp", "stage3"):
             if base in summary["variants"]:
@@ -96,10 +111,17 @@ def timeline_summary(timeline: dict) -> dict:
 
 
 def check_losses(summary: dict, rtol: float) -> None:
-    """Every variant trains the same thing: last losses agree with the single process."""
-    ref = summary["variants"]["single"]["last_loss"]
-    bad = {n: e["last_loss"] for n, e in summary["variants"].items()
-           if abs(e["last_loss"] - ref) > rtol * abs(ref)}
-    if bad:
-        raise SystemExit(f"losses disagree with the single process ({ref}): {bad}; "
-                         "timings of a variant that trains something else mean nothing")
+    """Every variant trains the same thing: last losses agree with the single process
+    (AdamW); the Muon variants with each other (owned and Replicate(), every layout)."""
+    variants = summary["variants"]
+    muon = [n for n in variants if "_muon" in n]
+    groups = [("the single process", variants["single"]["last_loss"],
+               [n for n in variants if n not in muon])]
+    if muon:
+        groups.append((muon[0], variants[muon[0]]["last_loss"], muon))
+    for label, ref, names in groups:
+        bad = {n: variants[n]["last_loss"] for n in names
+               if abs(variants[n]["last_loss"] - ref) > rtol * abs(ref)}
+        if bad:
+            raise SystemExit(f"losses disagree with {label} ({ref}): {bad}; timings of a "
+                             "variant that trains something else mean nothing")

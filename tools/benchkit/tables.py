@@ -26,6 +26,14 @@ def print_table(summary: dict) -> None:
               f"{'-' if optim is None else f'{optim:.1f}':>8s} "
               f"{e['last_loss_diff_vs_single']:9.2e}")
     for name, e in summary["variants"].items():
+        if "memory_vs_replicate" in e:  # owned Muon against Replicate() Muon
+            optim = e.get("optimizer_vs_replicate")
+            print(f"{name:12s} vs its Replicate() twin: peak memory "
+                  f"{e['memory_vs_replicate']:.2f}x, step time {e['time_vs_replicate']:.2f}x"
+                  + ("" if optim is None else f", optimizer state {optim:.2f}x")
+                  + (f"; owner imbalance {e['owner_imbalance']:.2f}"
+                     if "owner_imbalance" in e else ""))
+    for name, e in summary["variants"].items():
         for where in ("at_engine_peak", "at_rss_peak"):
             r = e.get("timeline", {}).get(where)
             if r:

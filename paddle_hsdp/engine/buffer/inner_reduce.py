@@ -66,27 +66,29 @@ def _full_grad_pieces(buf: ShardBuffer, dtype: paddle.dtype
                       ) -> tuple[list[paddle.Tensor], list[bool]]:
     """The full grads as autograd made them (no grad grid), 1-D in the full buffer's
     order with zeros for its gaps, released as they are taken (the pieces keep their
-    storage); and per param, whether it had one on this rank."""
+    storage); and per param, whether it had one on this rank (in the params' order).
+    The layout's order is the offsets' (owned parameters come after the free ones:
+    [Note: owned parameters] in engine/layout.py)."""
     pieces: list[paddle.Tensor] = []
-    present: list[bool] = []
+    had: dict[int, bool] = {}
     pos = 0
-    for sp in buf.params:
+    for sp in sorted(buf.params, key=lambda sp: sp.slot.full_offset):
         if sp.slot.full_offset > pos:
             pieces.append(paddle.zeros([sp.slot.full_offset - pos], dtype))
         g = master_grad.full_grad(sp)  # .grad, or the hook's main_grad (see there)
-        present.append(g is not None)
+        had[id(sp)] = g is not None
         if g is None:  # unused on this rank: zeros, so every rank joins the call
             g = paddle.zeros([sp.numel], dtype)
         elif g.dtype != dtype:
             g = g.astype(dtype)
         if sp.numel:
             pieces.append(g.reshape([-1]))  # a view: the storage outlives the release
-        if present[-1]:
+        if had[id(sp)]:
             master_grad.release_full_grad(sp)
         pos = sp.slot.full_offset + sp.numel
     if pos < buf.padded_numel:
         pieces.append(paddle.zeros([buf.padded_numel - pos], dtype))
-    return pieces, present
+    return pieces, [had[id(sp)] for sp in buf.params]
 
 
 def _reduce_input(buf: ShardBuffer, pieces: list[paddle.Tensor], dtype: paddle.dtype,
