@@ -61,7 +61,7 @@ def test_owners_balanced_by_bytes():
     matrices set the floor); the padding is what the imbalance costs the collectives."""
     owned = [len(s) == 2 for s in BLOCK]
     for segments in (2, 4):
-        balance = owner_balance(segment_layout(BLOCK, segments, owned), owned)
+        balance = owner_balance(segment_layout(BLOCK, segments, owned))
         assert balance["imbalance"] <= 1.05, (segments, balance)
         flat = segment_layout(BLOCK, segments)
         owner = segment_layout(BLOCK, segments, owned)

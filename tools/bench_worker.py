@@ -122,19 +122,13 @@ def muon_placement(model, variant: str):
     return lambda p: dist.Replicate() if owned(p) is not None else None
 
 
-def owner_imbalance(model, units) -> float | None:
+def owner_imbalance(units) -> float | None:
     """The largest owner imbalance over the units' buffers (owned elements per segment,
     max over mean), None without owners."""
     from paddle_hsdp.engine.layout import owner_balance
-    owns = paddle_hsdp.owned_matrices(info=muon_info(model))
-    worst = None
-    for unit in units:
-        for buf in unit.buffers:
-            owned = [owns(sp.full) is not None for sp in buf.params]
-            if any(owned) and buf.layout.segments > 1:
-                value = owner_balance(buf.layout, owned)["imbalance"]
-                worst = value if worst is None else max(worst, value)
-    return worst
+    values = [owner_balance(buf.layout)["imbalance"] for unit in units for buf in unit.buffers
+              if any(buf.layout.owned) and buf.layout.segments > 1]
+    return max(values) if values else None
 
 
 def stage3(model, opt):
@@ -381,7 +375,7 @@ def main():
         result["units"] = [sum(b.logical_numel for b in u.buffers) for u in units]
         result["optimizer_bytes"] = optimizer_bytes  # None: a --baseline engine
         if variant.endswith("_muon"):
-            result["owner_imbalance"] = owner_imbalance(model, units)
+            result["owner_imbalance"] = owner_imbalance(units)
     if timeline is not None:
         result["timeline"] = timeline
     if net:

@@ -54,6 +54,7 @@ class SegmentLayout:
     offsets: tuple[int, ...]
     rows: tuple[int, ...]
     row_numels: tuple[int, ...]
+    owned: tuple[bool, ...] = ()  # per parameter: kept in one segment (none: ())
 
     @property
     def total_numel(self) -> int:
@@ -174,7 +175,7 @@ def _owner_layout(shapes: Sequence[Sequence[int]], segments: int,
     offsets = _fit_owned(numels, row_numels, owned, segments, size, rotation)
     if offsets is None:  # (fit(high) succeeded on this very size)
         raise AssertionError("owner layout: the size found does not fit")
-    return SegmentLayout(size, segments, offsets, tuple(rows), tuple(row_numels))
+    return SegmentLayout(size, segments, offsets, tuple(rows), tuple(row_numels), tuple(owned))
 
 
 def _fit_owned(numels: Sequence[int], row_numels: Sequence[int], owned: Sequence[bool],
@@ -207,12 +208,12 @@ def _fit_owned(numels: Sequence[int], row_numels: Sequence[int], owned: Sequence
     return tuple(offsets)
 
 
-def owner_balance(layout: SegmentLayout, owned: Sequence[bool]) -> dict[str, float]:
-    """How evenly a layout spreads the owned parameters: elements owned per segment,
+def owner_balance(layout: SegmentLayout) -> dict[str, float]:
+    """How evenly a layout spreads its owned parameters: elements owned per segment,
     their largest over their mean (1.0: even), and the buffer's padding (elements no
     parameter covers, over the total)."""
     loads = [0] * layout.segments
-    for k, own in enumerate(owned):
+    for k, own in enumerate(layout.owned):
         if own:
             loads[layout.offsets[k] // layout.segment_numel] += layout.numel(k)
     mean = sum(loads) / len(loads)

@@ -87,15 +87,9 @@ def momentum_elements(model, opt) -> tuple[int, int]:
 
 
 def balance(model) -> str:
-    out = []
-    for unit in units_under(model):
-        for buf in unit.buffers:
-            owned = [sp.slot.in_one_segment and len(sp.shape) == 2 and sp.trainable
-                     for sp in buf.params]
-            if any(owned) and buf.layout.segments > 1:
-                b = owner_balance(buf.layout, owned)
-                out.append(f"{b['imbalance']:.2f}")
-    return "/".join(out)
+    return "/".join(f"{owner_balance(buf.layout)['imbalance']:.2f}"
+                    for unit in units_under(model) for buf in unit.buffers
+                    if any(buf.layout.owned) and buf.layout.segments > 1)
 
 
 def one_step(model, opt, micro):
