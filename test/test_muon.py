@@ -4,6 +4,8 @@ shape scale, decoupled decay), its other parameters against Paddle's AdamW, whic
 parameters it takes as matrices, and its refusals. Over HSDP shards:
 test_collective/test_muon.py."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import paddle
 import pytest
@@ -108,6 +110,7 @@ def test_which_parameters_are_matrices():
     ({"ns_coeff_type": "cubic"}, ValueError, "ns_coeff_type"),
     ({"ns_coeff_type": "custom"}, ValueError, "ns_coeffs"),
     ({"muon_version": 4}, ValueError, "muon_version"),
+    ({"tp_mode": "sliced"}, ValueError, "tp_mode"),
     ({"momentum": 1.0}, ValueError, "momentum"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, fragment):
@@ -183,22 +186,102 @@ def test_refusal_is_for_cut_matrices_only():
         refuse_row_sharded_matrices(opt, [cut])  # refused again: no verdict was kept
     split = _shard([4, 5], True)
     split.is_distributed = True
+    refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[split]), [split])  # it joins
+
+    class OtherMuon(paddle.optimizer.SGD):  # a whole-matrix optimizer that does not
+        pass
+
     with pytest.raises(NotImplementedError, match="tensor-parallel slice"):
-        refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[split]), [split])
+        refuse_row_sharded_matrices(OtherMuon(parameters=[split]), [split])
     opt_excluding = paddle_hsdp.Muon(parameters=[cut], muon_param_info_map={
         cut.name: MuonParamInfo(use_muon=False)})
     refuse_row_sharded_matrices(opt_excluding, [cut])  # AdamW for it: elementwise
 
 
-def test_tensor_parallel_slices_are_refused_before_any_update():
-    """A TP-split matrix (``is_distributed``) would be orthogonalised slice by slice:
-    refused at the first step, nothing updated, until the slices are joined."""
+def _nesterov_updates(grads, beta):
+    """The Nesterov updates Muon orthogonalises, step by step (elementwise: a slice's
+    are the slice of the whole matrix's)."""
+    m, out = np.zeros_like(grads[0]), []
+    for g in grads:
+        m = beta * m + (1 - beta) * g
+        out.append((1 - beta) * g + beta * m)
+    return out
+
+
+def _tp_slice(shape, axis, rank, w0, grads):
+    """A [in, out] matrix's mp slice as Paddle's mp layers mark it, with its grads."""
+    part = [np.split(a, 2, axis=axis)[rank] for a in [w0] + grads]
+    p = paddle.create_parameter(list(part[0].shape), "float64",
+                                default_initializer=paddle.nn.initializer.Assign(part[0]))
+    p.is_distributed, p.split_axis = True, axis
+    return p, part[1:]
+
+
+@pytest.mark.parametrize("axis,rank", [(1, 1), (0, 0)], ids=["column-rank1", "row-rank0"])
+def test_tensor_parallel_slices_are_joined(float64, monkeypatch, axis, rank):
+    """``tp_mode="duplicated"``: the mp slices' updates are all-gathered over the mp
+    group, the whole matrix orthogonalised and scaled by its full shape, this rank's
+    slice kept: the slice of the one-process update. The other mp rank is played here
+    (its slice's updates, in numpy); the real mp group: test_collective/test_muon_owned.py."""
+    rng = np.random.default_rng(5)
+    w0, grads = rng.standard_normal([4, 6]), [rng.standard_normal([4, 6]) for _ in range(3)]
+    p, mine = _tp_slice([4, 6], axis, rank, w0, grads)
+    theirs = [np.split(u, 2, axis=axis)[1 - rank]
+              for u in _nesterov_updates(grads, 0.9)]
+    calls = []
+
+    def all_gather_into(out, shard, group, what=None, **_):
+        calls.append((group, what))
+        parts = [None, None]
+        parts[rank], parts[1 - rank] = shard.numpy(), theirs[len(calls) - 1].reshape([-1])
+        paddle.assign(paddle.to_tensor(np.concatenate(parts)), output=out)
+
+    from paddle_hsdp.optim import muon as muon_module
+    monkeypatch.setattr(muon_module, "ModelAxes", lambda: SimpleNamespace(
+        mp_degree=2, mp_rank=rank, hcg=SimpleNamespace(get_model_parallel_group=lambda: "mp")))
+    monkeypatch.setattr(muon_module.comm, "all_gather_into", all_gather_into)
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9,
+                           weight_decay=0.05, muon_exclude_patterns=[],
+                           ns_matmul_dtype="float64")
+    for g in mine:
+        p.grad = paddle.to_tensor(g)
+        opt.step()
+        opt.clear_grad()
+    assert [group for group, _ in calls] == ["mp"] * 3, calls
+    expected = np.split(_numpy_muon(w0, grads, 0.1, 0.9, 0.05), 2, axis=axis)[rank]
+    np.testing.assert_allclose(p.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_blockwise_orthogonalises_each_slice_apart(float64, monkeypatch):
+    """``tp_mode="blockwise"`` (Megatron-LM's ``--muon-tp-mode blockwise``): each
+    slice is its own matrix, scaled by its own shape, with no communication."""
+    from paddle_hsdp.optim import muon as muon_module
+    monkeypatch.setattr(muon_module.comm, "all_gather_into", None)  # any call fails
+    rng = np.random.default_rng(6)
+    w0, grads = rng.standard_normal([4, 6]), [rng.standard_normal([4, 6]) for _ in range(2)]
+    p, mine = _tp_slice([4, 6], 1, 0, w0, grads)
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9,
+                           weight_decay=0.05, muon_exclude_patterns=[],
+                           ns_matmul_dtype="float64", tp_mode="blockwise")
+    for g in mine:
+        p.grad = paddle.to_tensor(g)
+        opt.step()
+        opt.clear_grad()
+    expected = _numpy_muon(np.split(w0, 2, axis=1)[0], mine, 0.1, 0.9, 0.05)
+    np.testing.assert_allclose(p.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_split_matrix_with_a_split_concat_func_is_refused_before_any_update():
+    """Joined mp slices lie slice after slice, not as the logical matrix a
+    ``split_concat_func`` cuts (a fused weight's slices interleave its parts): refused
+    at the first step, nothing updated; blockwise, or AdamW, is the way."""
     p = paddle.create_parameter([4, 5], "float32")
-    p.is_distributed = True
+    p.is_distributed, p.split_axis = True, 1
     before = p.numpy().copy()
-    opt = paddle_hsdp.Muon(parameters=[p], muon_exclude_patterns=[])
+    fused = {p.name: MuonParamInfo(split_concat_func=lambda u, ortho: ortho(u))}
+    opt = paddle_hsdp.Muon(parameters=[p], muon_exclude_patterns=[], muon_param_info_map=fused)
     p.grad = paddle.ones([4, 5])
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+    with pytest.raises(NotImplementedError, match="tp_mode='blockwise'"):
         opt.step()
     np.testing.assert_array_equal(p.numpy(), before)
     opt_excluding = paddle_hsdp.Muon(parameters=[p], muon_param_info_map={

@@ -68,7 +68,8 @@ def hsdp_2x2_log(shared_2x2_work):
 # fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own fleet.init failed
 # or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP next to tensor
 # parallelism (test_mp_pp.py), Paddle's pipeline schedule at pp2 x sharding4 outer 2
-# (test_3d.py), the MoE parity run, EP 2 (test_moe.py), and 2 x 4:
+# (test_3d.py), the MoE parity run, EP 2 (test_moe.py), Muon next to each of TP and EP
+# (worker_muon_3d.py after the worker of its layout; test_muon_owned.py), and 2 x 4:
 # worker_engine.py's HSDP variants (with the reduce-scatter twins NCCL gets, forced on
 # gloo for this layout's fleet.init only) and worker_hfsdp.py's HFSDP run, whose units
 # inherit fsdp_outer_sharding "optim" from fleet's sharding_configs
@@ -92,8 +93,11 @@ HSDP_2X4_WORKERS = ("worker_engine.py", "worker_hfsdp.py")
 def launch_8_log():
     """Rank 0's log of the one 8-rank launch (read it with launcher.worker_sections)."""
     jobs = [["worker_groups.py", json.dumps(HCG_8)],
-            ["worker_mp_pp.py", json.dumps(MP_8)], ["worker_pipeline.py", json.dumps(PIPELINE_8)],
+            ["worker_mp_pp.py", json.dumps(MP_8)],
+            ["worker_muon_3d.py", json.dumps(dict(MP_8, part="tp"))],
+            ["worker_pipeline.py", json.dumps(PIPELINE_8)],
             ["worker_moe.py", json.dumps(MOE_8)],
+            ["worker_muon_3d.py", json.dumps(dict(MOE_8, part="ep"))],
             ["worker_engine.py", json.dumps(dict(HSDP_2X4, variants=EIGHT_RANK_VARIANTS))],
             ["worker_hfsdp.py", json.dumps(dict(HSDP_2X4,
                                                 reads_work=tempfile.mkdtemp(prefix="hsdp_2x4_")))]]

@@ -3,9 +3,12 @@ workers/worker_muon.py in the shared 4-rank launch): ``paddle_hsdp.Muon`` with
 ``owned_matrices()`` at 2 x 2, HFSDP 2 x 2 and 1 x 4 against one process running the
 same Muon on the whole batch (5 steps, clip active at every step, weight decay,
 float64: losses and every parameter within the parity bound), each matrix's momentum
-on its owner only, and Muon over the default row shards refused on every rank."""
+on its owner only, and Muon over the default row shards refused on every rank. Next to
+tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for Newton-Schulz) and
+expert parallelism (EP 2, the experts as 3-D stacks): workers/worker_muon_3d.py in the
+8-rank launch, 4 steps each against the whole model in one process."""
 
-from launcher import part_of, run_single
+from launcher import part_of, run_single, worker_sections
 
 LAYOUTS = {"2x2": 2, "hfsdp 2x2": 1, "1x4": 1}  # layout: copies of the state (replicas)
 
@@ -28,3 +31,15 @@ def test_muon_checkpoint_moves_between_placements(hsdp_2x2_log, shared_2x2_work)
         "2x2 owners -> 1x4 owners, one more step"
     assert line in part_of(hsdp_2x2_log, "worker_muon.py")
     assert "loaded exactly" in run_single("single_process_muon.py", shared_2x2_work)
+
+
+def test_muon_next_to_tensor_and_expert_parallelism(launch_8_log):
+    """Every rank's parameters and the losses within the bound (rank 0 prints the worst
+    over the 8 ranks): TP 2 x HSDP 2 x 2 with the four mp-split matrices joined over
+    the mp group, and EP 2 with 3-D expert stacks in the expert inner group."""
+    log = "\n".join(text for worker, text in worker_sections(launch_8_log)
+                     if worker == "worker_muon_3d.py")
+    assert "MUON_3D tp2 x hsdp 2x2: max rel diff" in log and \
+        "(4 mp-split matrices joined for Newton-Schulz)" in log, log[-3000:]
+    assert "MUON_3D ep2 3-D stacks: max rel diff" in log, log[-3000:]
+    assert "MUON_3D tp done" in log and "MUON_3D ep done" in log, log[-3000:]

@@ -23,6 +23,7 @@ from paddle.base import framework
 
 from ..comm import collectives as comm
 from ..comm import watchdog
+from ..topology.placement import ModelAxes
 from . import offload
 from .registry import managed_param, owning_unit, units_under
 from .reductions import sync_grads
@@ -281,7 +282,37 @@ def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
             f"{type(optimizer).__name__} updates each matrix as a whole, and another "
             "rank holds one cut into rows or split by tensor parallelism (its message "
             "says which). Nothing was updated."))
+    if getattr(optimizer, "handles_tensor_parallel_slices", False):
+        _refuse_unmatched_slice_owners(optimizer, shards)
     optimizer._hsdp_matrices_agreed = True  # (our mark on the optimizer, read above)
+
+
+def _refuse_unmatched_slice_owners(optimizer: paddle.optimizer.Optimizer,
+                                   shards: Iterable[paddle.Tensor]) -> None:
+    """An optimizer that joins a tensor-parallel matrix's slices (Muon) calls the mp
+    group once per matrix on the ranks that hold its slice whole: they must be the
+    whole mp group (the mp ranks' layouts match) or those calls would wait forever.
+    Checked once, on every rank alike: which of this rank's split matrices it holds,
+    as (count, a position checksum, elements), compared over the mp group."""
+    axes = ModelAxes()
+    if axes.mp_degree == 1:
+        return
+    split = [p for p in shards if getattr(p, "is_distributed", False) and
+             len(p._hsdp_sharded_param.shape) >= 2 and _updates_as_matrix(optimizer, p)]
+    held = [(i, comm.numel_of(p)) for i, p in enumerate(split) if comm.numel_of(p) > 0]
+    mine = [len(held), sum(i + 1 for i, _ in held), sum(n for _, n in held)]
+    both = paddle.to_tensor(mine + [-v for v in mine], dtype="int64")
+    comm.all_reduce(both, axes.hcg.get_model_parallel_group(), op="max",
+                    what=f"{type(optimizer).__name__}: the mp slices' owners")
+    with watchdog.host_sync("the mp slices' owners agreement"):
+        top = [int(v) for v in both.numpy()]
+    if top[:3] != [-v for v in top[3:]]:
+        raise NotImplementedError(
+            f"{type(optimizer).__name__}: the ranks of this mp group hold different "
+            "tensor-parallel matrices whole (this rank: {} of them); joining their slices "
+            "needs every mp rank to hold its slice of the same matrices. Shard the mp "
+            "ranks' models alike (the same units, placements and sizes). Nothing was "
+            "updated.".format(mine[0]))
 
 
 def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
@@ -299,7 +330,8 @@ def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
                     "fully_shard(module, shard_placement_fn=paddle_hsdp.owned_matrices()) "
                     "(or whole on every rank: lambda p: paddle.distributed.Replicate() if "
                     "len(p.shape) == 2 else None). Nothing was updated.")
-        if getattr(p, "is_distributed", False):
+        if getattr(p, "is_distributed", False) and \
+                not getattr(optimizer, "handles_tensor_parallel_slices", False):
             return (f"{type(optimizer).__name__} updates each matrix as a whole, and the "
                     f"parameter '{sp.fqn}' {sp.shape} is this rank's tensor-parallel "
                     "slice: each rank would orthogonalise its slice on its own. Leave it "

@@ -28,6 +28,16 @@ Under HSDP each matrix must be whole on the rank that updates it: shard with
 others a 0-row shard, skipped here), or keep it whole everywhere with ``Replicate()``;
 a matrix cut into rows is refused at the step (``needs_whole_matrices``).
 
+Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
+``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``
+(the default) all-gathers the slices' updates over the mp group, orthogonalises and
+scales the whole matrix on every mp rank and keeps this rank's slice: the update of one
+process holding the whole matrix (one all-gather of the matrix per step, the iteration
+run mp times over). ``tp_mode="blockwise"`` orthogonalises each slice apart, scaled by
+its own shape, with no communication (Megatron-LM's ``--muon-tp-mode blockwise``): a
+different optimizer, chosen knowingly. Under HSDP the owners of one matrix's slices are
+one mp group (the layouts of the mp ranks match, which the engine checks once).
+
 Deviations from Paddle's, where its behaviour would fail: a parameter missing from
 ``muon_param_info_map`` falls back to the default rule instead of failing an assertion,
 ``muon_exclude_patterns=None`` means :data:`MUON_EXCLUDE` (Paddle raises), and
@@ -46,10 +56,16 @@ import paddle
 import paddle.nn.functional as F
 from paddle import _C_ops
 
+from ..comm import collectives as comm
+from ..topology.placement import ModelAxes, split_axis
+
 #: The name fragments Muon leaves to AdamW by default: PaddleFormers' list, with the MoE
 #: gate as "mlp.gate." (PaddleFormers' "mlp.gate" also matches every dense FFN's
 #: "mlp.gate_proj", which Muon should update).
 MUON_EXCLUDE = ("embed", "bias", "lm_head", "mlp.gate.")
+
+#: How a tensor-parallel matrix is orthogonalised (see the module docstring).
+TP_MODES = ("duplicated", "blockwise")
 
 #: Newton-Schulz coefficients ``(a, b, c)`` per iteration (cycled), by name, as Paddle's.
 NS_COEFFICIENTS: dict[str, list[tuple[float, float, float]]] = {
@@ -110,6 +126,9 @@ class Muon(paddle.optimizer.Optimizer):
 
     #: engine/optimizers.py: each matrix must be whole where it is updated
     needs_whole_matrices = True
+    #: engine/optimizers.py: a tensor-parallel slice is joined (or, blockwise, updated
+    #: apart by choice), so is_distributed matrices are not refused
+    handles_tensor_parallel_slices = True
 
     def __init__(self, learning_rate: float | paddle.optimizer.lr.LRScheduler = 0.02,
                  parameters: Sequence[paddle.Tensor] | None = None, momentum: float = 0.95,
@@ -125,7 +144,8 @@ class Muon(paddle.optimizer.Optimizer):
                  muon_extra_scale_factor: float = 0.2,
                  muon_param_info_map: dict[str, MuonParamInfo] | None = None,
                  ns_matmul_dtype: str | paddle.dtype | None = None,
-                 multi_precision: bool = False, name: str | None = None, **kwargs: Any):
+                 multi_precision: bool = False, name: str | None = None,
+                 tp_mode: str = "duplicated", **kwargs: Any):
         if parameters is None:
             raise ValueError("Muon(parameters=...): pass the parameters to update "
                              "(model.parameters())")
@@ -147,6 +167,8 @@ class Muon(paddle.optimizer.Optimizer):
                              f"{sorted(NS_COEFFICIENTS) + ['custom']}, got {ns_coeff_type!r}")
         if muon_version not in (1, 2, 3):
             raise ValueError(f"Muon(muon_version=...): 1, 2 or 3, got {muon_version!r}")
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"Muon(tp_mode=...): one of {list(TP_MODES)}, got {tp_mode!r}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"Muon(momentum=...): in [0, 1), got {momentum!r}")
         super().__init__(learning_rate=learning_rate, parameters=parameters,
@@ -163,6 +185,7 @@ class Muon(paddle.optimizer.Optimizer):
         self._info = dict(muon_param_info_map or {})
         self._ns_dtype = _ns_matmul_dtype(ns_matmul_dtype)
         self._multi_precision = bool(multi_precision)
+        self._tp_mode = tp_mode
         self._master_weights: dict = {}
         self._already_create_accumulator: set = set()
 
@@ -186,15 +209,16 @@ class Muon(paddle.optimizer.Optimizer):
         return self._is_dtype_fp16_or_bf16(p.dtype)
 
     def _create_accumulators(self, block: Any, parameters: Sequence[paddle.Tensor]) -> None:
-        split = [p.name for p in parameters
-                 if getattr(p, "is_distributed", False) and self.updates_as_matrix(p)]
-        if split:  # before any state or update, on every rank of the layout alike
+        joined = [p.name for p in parameters if self._tp_mode == "duplicated" and
+                  split_axis(p) is not None and self.updates_as_matrix(p) and
+                  self._info.get(p.name, MuonParamInfo()).split_concat_func is not None]
+        if joined:  # before any state or update, on every rank alike (the map decides)
             raise NotImplementedError(
-                f"Muon: {split[:3]} are split by tensor parallelism (is_distributed): "
-                "orthogonalising each rank's slice on its own is not the update of the "
-                "whole matrix, and paddle_hsdp does not join the slices yet. Leave them "
-                "to AdamW (muon_param_info_map={name: MuonParamInfo(use_muon=False)}) or "
-                "train without tensor parallelism. Nothing was updated.")
+                f"Muon: {joined[:3]} are split by tensor parallelism and have a "
+                "split_concat_func: the function cuts the logical matrix, while the "
+                "joined mp slices are laid out slice after slice (a fused weight's "
+                "slices interleave its parts). Use tp_mode='blockwise' (each slice's "
+                "pieces apart) or leave them to AdamW. Nothing was updated.")
         for p in parameters:
             if p.name in self._already_create_accumulator:
                 continue
@@ -249,7 +273,7 @@ class Muon(paddle.optimizer.Optimizer):
         sharded = getattr(param, "_hsdp_sharded_param", None)
         shape = list(getattr(param, "original_shape", param.shape)) if sharded is None \
             else list(param.shape)
-        ortho = self._orthogonalize(update.reshape(shape), param.name)  # scaled
+        ortho = self._orthogonalize_slice(update.reshape(shape), param)  # scaled
         target = master if master is not None else param
         if with_decay and self._weight_decay > 0:
             target.multiply_((1.0 - lr * self._weight_decay).astype(target.dtype))
@@ -267,6 +291,23 @@ class Muon(paddle.optimizer.Optimizer):
         else:
             scale = max(rows, cols) ** 0.5
         return self._extra_scale * scale
+
+    def _orthogonalize_slice(self, update: paddle.Tensor, param: paddle.Tensor) -> paddle.Tensor:
+        """:meth:`_orthogonalize` of ``param``'s update; a tensor-parallel slice's with
+        ``tp_mode="duplicated"``: the mp slices joined, the whole orthogonalised, this
+        rank's slice kept (every mp rank holds this matrix's slice here: the same
+        owners, so the same calls)."""
+        axis = split_axis(param) if self._tp_mode == "duplicated" else None
+        axes = ModelAxes() if axis is not None else None
+        if axis is None or axes is None or axes.mp_degree == 1:
+            return self._orthogonalize(update, param.name)
+        group, n = axes.hcg.get_model_parallel_group(), axes.mp_degree
+        gathered = paddle.empty([n * math.prod(update.shape)], dtype=update.dtype)
+        comm.all_gather_into(gathered, update.reshape([-1]), group,
+                             what=f"Muon: the mp slices of {param.name}")
+        whole = paddle.concat(list(gathered.reshape([n] + list(update.shape)).unbind(0)),
+                              axis=axis)
+        return paddle.split(self._orthogonalize(whole, param.name), n, axis=axis)[axes.mp_rank]
 
     def _orthogonalize(self, update: paddle.Tensor, name: str) -> paddle.Tensor:
         """Newton-Schulz and the shape scale, of the whole matrix or, with a

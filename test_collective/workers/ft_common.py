@@ -5,6 +5,8 @@ import numpy as np
 import paddle
 from paddle import nn
 
+import paddle_hsdp
+
 SIZES = (8, 24, 24, 4)
 BATCH = 3  # rows per rank and step
 RANKS_PER_REPLICA = 2
@@ -51,9 +53,25 @@ def penalty_of(model, weight: float):
     return weight * paddle.add_n([(p * p).sum() for p in model.parameters()])
 
 
-def make_optimizer(params):
+#: the optimizers a run can train with (worker_ft.py's FT_TEST_OPTIMIZER)
+OPTIMIZERS = ("adamw", "muon")
+
+
+def make_optimizer(params, kind: str = "adamw"):
+    """``kind``: AdamW, or paddle_hsdp.Muon (its matrices owned by one rank each in a
+    replica group: shard with :func:`placement`)."""
     scheduler = paddle.optimizer.lr.StepDecay(learning_rate=0.05, step_size=3, gamma=0.7)
-    opt = paddle.optimizer.AdamW(learning_rate=scheduler, parameters=params,
-                                 weight_decay=0.01,
-                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
+    clip = paddle.nn.ClipGradByGlobalNorm(CLIP)
+    if kind == "muon":
+        opt = paddle_hsdp.Muon(learning_rate=scheduler, parameters=params, momentum=0.9,
+                               weight_decay=0.01, grad_clip=clip)
+    else:
+        assert kind == "adamw", kind
+        opt = paddle.optimizer.AdamW(learning_rate=scheduler, parameters=params,
+                                     weight_decay=0.01, grad_clip=clip)
     return opt, scheduler
+
+
+def placement(kind: str):
+    """The ``shard_placement_fn`` of optimizer ``kind``."""
+    return paddle_hsdp.owned_matrices() if kind == "muon" else None

@@ -5,7 +5,7 @@ parameters are compared with it (float64, the parity bound of workers/parity.py)
 
 argv: the folder worker_ft.py wrote into, the number of steps, the ranks per replica
 (default 2) and the penalty on the parameters' squared norm (worker_ft.py's
-FT_TEST_PENALTY, default 0). Prints the membership per step and FT_PARITY_OK.
+FT_TEST_PENALTY, default 0); the optimizer is the one the replicas recorded. Prints the membership per step and FT_PARITY_OK.
 """
 
 import glob
@@ -37,8 +37,11 @@ for run in runs:
 assert sorted(members) == list(range(steps)), f"steps without a record: {sorted(members)}"
 print("MEMBERS " + json.dumps({t + 1: members[t] for t in range(steps)}), flush=True)
 
+kinds = {run.get("optimizer", "adamw") for run in runs}
+assert len(kinds) == 1, f"the replicas trained with different optimizers: {kinds}"
+kind = kinds.pop()
 model = build_model()
-opt, scheduler = make_optimizer(model.parameters())
+opt, scheduler = make_optimizer(model.parameters(), kind)
 want_losses: dict[tuple, float] = {}  # (step, replica, rank) -> loss before the update
 for t in range(steps):
     per_rank = []
@@ -71,7 +74,7 @@ if os.path.isdir(checkpoint):  # the live groups' joint checkpoint, loaded into 
     import paddle_hsdp
     from paddle_hsdp.engine.optimizers import states_of
     loaded = build_model()
-    loaded_opt, _ = make_optimizer(loaded.parameters())
+    loaded_opt, _ = make_optimizer(loaded.parameters(), kind)
     extra = paddle_hsdp.load_checkpoint(checkpoint, loaded, loaded_opt)
     assert extra == {"step": steps}, extra
     ckpt_diffs = {}
@@ -85,4 +88,4 @@ if os.path.isdir(checkpoint):  # the live groups' joint checkpoint, loaded into 
     report("ft: the live groups' checkpoint (model and optimizer) vs the reference",
            ckpt_diffs)
     print(f"FT_CHECKPOINT_OK {len(ckpt_diffs)} tensors", flush=True)
-print(f"FT_PARITY_OK {len(loss_diffs)} losses, {len(param_diffs)} parameters", flush=True)
+print(f"FT_PARITY_OK ({kind}) {len(loss_diffs)} losses, {len(param_diffs)} parameters", flush=True)

@@ -14,7 +14,8 @@ replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HF
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
 the squared norm of model.parameters() added to each rank's loss), FT_TEST_SAVE=1
 (after the last step the live groups save one checkpoint, out_dir/ckpt),
-FT_TEST_FAIL_EACH_STEP=1 (the first attempt of every step after the first fails here, as
+FT_TEST_OPTIMIZER=muon (paddle_hsdp.Muon, each matrix owned by one rank of
+the group; default adamw), FT_TEST_FAIL_EACH_STEP=1 (the first attempt of every step after the first fails here, as
 a failed collective would: a round that rebuilds the outer groups each step). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings), its open sockets after each step and the final full
@@ -31,7 +32,7 @@ import sys
 import time
 
 from common import init_fleet
-from ft_common import batch, build_model, loss_of, make_optimizer, penalty_of
+from ft_common import OPTIMIZERS, batch, build_model, loss_of, make_optimizer, penalty_of, placement
 
 import paddle
 import paddle.distributed as dist
@@ -59,11 +60,13 @@ init_fleet({"sharding_degree": int(os.environ["PADDLE_TRAINERS_NUM"]), "outer": 
             "outer_sharding": "optim" if os.environ.get("FT_TEST_OPTIM") else "none"})
 replica = ft.init()
 rank = dist.get_rank()
+kind = os.environ.get("FT_TEST_OPTIMIZER", "adamw")
+assert kind in OPTIMIZERS, kind
 model = build_model()
 for layer in model.layers:
-    paddle_hsdp.fully_shard(layer)
-paddle_hsdp.fully_shard(model)
-opt, scheduler = make_optimizer(model.parameters())
+    paddle_hsdp.fully_shard(layer, shard_placement_fn=placement(kind))
+paddle_hsdp.fully_shard(model, shard_placement_fn=placement(kind))
+opt, scheduler = make_optimizer(model.parameters(), kind)
 
 
 class Loader:
@@ -208,7 +211,7 @@ replica.finish()
 full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(model).items()}
 with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
           "w") as f:
-    json.dump({"replica": replica.replica_id, "rank": rank, "losses": losses,
+    json.dump({"replica": replica.replica_id, "rank": rank, "optimizer": kind, "losses": losses,
                "history": replica.history, "params": full, "sockets": sockets,
                "groups_freed": replica.outer.freed, "early_syncs": early_syncs}, f)
 print("WORKER_OK", flush=True)

@@ -15,86 +15,20 @@ from common import config_from_argv, finish, init_fleet, max_rel
 from parity import report
 
 import paddle
-import paddle.nn as nn
-import paddle.nn.functional as F
 from paddle.distributed import fleet
-from paddle.distributed.fleet.meta_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                    VocabParallelEmbedding)
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from models import shard_tinylm
+from tp_model import MICRO, PER_RANK, STEPS, batches, build, full_weights, lm_loss, mp_slice
 
-VOCAB, HIDDEN, FF, SEQ = 18, 8, 10, 6  # mp slices of 9 and 5 rows: padded for inner 2
-STEPS, MICRO, PER_RANK, CLIP = 4, 2, 2, 0.2
+CLIP = 0.2
 # float32, parity.py's bound: the tensor-parallel path's check in the dtype users train in
-
-
-class Block(nn.Layer):
-    def __init__(self, mp: bool):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.up = (ColumnParallelLinear(HIDDEN, FF, gather_output=False, has_bias=True)
-                   if mp else nn.Linear(HIDDEN, FF))
-        self.down = (RowParallelLinear(FF, HIDDEN, input_is_parallel=True, has_bias=True)
-                     if mp else nn.Linear(FF, HIDDEN))
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Layer):
-    def __init__(self, mp: bool):
-        super().__init__()
-        self.embed = VocabParallelEmbedding(VOCAB, HIDDEN) if mp else nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.LayerList([Block(mp), Block(mp)])
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)  # replicated over mp
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def full_weights(seed):
-    rng = np.random.default_rng(seed)
-    return {n: (0.5 * rng.standard_normal(p.shape)).astype("float32")
-            for n, p in Net(mp=False).named_parameters()}
-
-
-def mp_slice(name, w, r, n):
-    """mp rank ``r``'s part of the full weight: Column splits out, Row and vocab split rows."""
-    if name.endswith("up.weight"):
-        return np.split(w, n, axis=1)[r]
-    if name.endswith(("up.bias", "down.weight")) or name == "embed.weight":
-        return np.split(w, n, axis=0)[r]
-    return w  # LayerNorm, Row bias, head: replicated
-
-
-def build(mp, weights, r=0, n=1):
-    model = Net(mp)
-    for name, p in model.named_parameters():
-        p.set_value(mp_slice(name, weights[name], r, n))
-    return model
 
 
 def make_opt(params):
     return paddle.optimizer.AdamW(learning_rate=0.05, parameters=params, weight_decay=0.1,
                                   grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
-
-
-def batches(seed, n):
-    rng = np.random.default_rng(seed)
-    return [[rng.integers(0, VOCAB, size=(n * PER_RANK, SEQ + 1)).astype("int64")
-             for _ in range(MICRO)] for _ in range(STEPS)]
-
-
-def lm_loss(model, ids):
-    ids = paddle.to_tensor(ids)
-    logits = model(ids[:, :-1])
-    return F.cross_entropy(logits.reshape([-1, VOCAB]), ids[:, 1:].reshape([-1, 1]))
 
 
 def train_reference(weights, data, n):
