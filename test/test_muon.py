@@ -126,6 +126,9 @@ def test_owned_matrices_places_what_muon_updates():
     fn = paddle_hsdp.owned_matrices()
     assert fn(w) == paddle_hsdp.Owned() and fn(b) is None
     assert fn(paddle.create_parameter([2, 4, 5], "float32")) is None  # rows are matrices
+    frozen = paddle.create_parameter([4, 5], "float32")
+    frozen.stop_gradient = True
+    assert fn(frozen) is None  # nothing updates it: its rows cost no owner
 
 
 def test_one_map_by_structured_names_for_the_placement_and_muon():

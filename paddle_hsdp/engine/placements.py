@@ -37,9 +37,11 @@ def owned_matrices(exclude_patterns: Sequence[str] = MUON_EXCLUDE,
     to ``Muon(muon_param_info_map=...)``; :func:`~paddle_hsdp.optim.muon.muon_param_info`
     builds one from structured names), else Muon's default rule on ``param.name``
     (2-D, no ``exclude_patterns`` fragment). A 3-D expert stack needs no owner: its rows
-    are whole matrices, and the row layout cuts only between rows."""
+    are whole matrices, and the row layout cuts only between rows. A frozen matrix
+    (``stop_gradient``) keeps the row layout: no optimizer updates it, and an owner
+    would only unbalance the others."""
     def placement(param: paddle.Tensor) -> Owned | None:
-        if len(param.shape) != 2:
+        if len(param.shape) != 2 or param.stop_gradient:
             return None
         entry = (info or {}).get(param.name)
         use = entry.use_muon if entry is not None else \
