@@ -4,6 +4,7 @@ ones keep the row rules, the owners are balanced by bytes, and the layout is the
 one when nothing is owned."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -123,3 +124,27 @@ def test_a_free_stack_longer_than_a_segment_costs_no_extra_size():
     layout = segment_layout(shapes, 8, owned)
     _check(layout, shapes, owned)
     assert layout.segment_numel <= 1.3 * segment_layout(shapes, 8).segment_numel, layout
+
+
+def test_hfsdp_owners_past_twice_replication_are_refused():
+    """With HFSDP each of inner x parts pieces holds a whole owned matrix, so a rank's
+    shard grows with the outer parts: a Llama-shaped block at 8 x 64 would hold ~30x
+    the block per rank; refused, naming the largest matrix and the way out. 2 x 2 (the
+    tests' HFSDP) and a one-matrix unit at 2 parts (twice the buffer) pass."""
+    from types import SimpleNamespace
+
+    from paddle_hsdp.engine.buffer.shard_buffer import _refuse_owners_beyond_replication
+
+    def params(shapes):
+        return [SimpleNamespace(fqn=f"p{k}", shape=s, numel=math.prod(s))
+                for k, s in enumerate(shapes)]
+
+    owned = [len(s) == 2 for s in BLOCK]
+    for inner, parts in ((2, 2), (4, 2)):
+        layout = segment_layout(BLOCK, inner * parts, owned)
+        _refuse_owners_beyond_replication(params(BLOCK), layout, inner, parts)
+    one = [[H, F]]
+    _refuse_owners_beyond_replication(params(one), segment_layout(one, 2 * 2, [True]), 2, 2)
+    with pytest.raises(ValueError, match=r"8 x 64 .* \[64, 176\].*fsdp_outer_sharding='none'"):
+        _refuse_owners_beyond_replication(params(BLOCK), segment_layout(BLOCK, 8 * 64, owned),
+                                          8, 64)

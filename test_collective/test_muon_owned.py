@@ -1,16 +1,18 @@
 """Muon over HSDP with each matrix owned by one rank (issue 53;
 workers/worker_muon.py in the shared 4-rank launch): ``paddle_hsdp.Muon`` with
-``owned_matrices()`` at 2 x 2, HFSDP 2 x 2 and 1 x 4 against one process running the
-same Muon on the whole batch (5 steps, clip active at every step, weight decay,
-float64: losses and every parameter within the parity bound), each matrix's momentum
-on its owner only, and Muon over the default row shards refused on every rank. Next to
-tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for Newton-Schulz) and
-expert parallelism (EP 2, the experts as 3-D stacks): workers/worker_muon_3d.py in the
-8-rank launch, 4 steps each against the whole model in one process."""
+``owned_matrices()`` at 2 x 2, HFSDP 2 x 2, 1 x 4 and 2 x 2 offloaded against one
+process running the same Muon on the whole batch (5 steps, clip active at every step,
+weight decay, float64: losses and every parameter within the parity bound), each
+matrix's momentum on its owner only, and Muon over the default row shards refused on
+every rank. Next to tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for
+Newton-Schulz) and expert parallelism (EP 2, the experts as 3-D stacks):
+workers/worker_muon_3d.py in the 8-rank launch, 4 steps each against the whole model in
+one process."""
 
 from launcher import part_of, run_single, worker_sections
 
-LAYOUTS = {"2x2": 2, "hfsdp 2x2": 1, "1x4": 1}  # layout: copies of the state (replicas)
+# layout: copies of the state (replicas)
+LAYOUTS = {"2x2": 2, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2}
 
 
 def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):

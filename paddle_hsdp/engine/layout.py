@@ -191,10 +191,17 @@ def _fit_owned(numels: Sequence[int], row_numels: Sequence[int], owned: Sequence
     placed, end = _place(free_numels, [row_numels[k] for k in free], size)
     if end > segments * size:
         return None
+    # the free span starts at segment `rotation` where it fits there, so the segment
+    # it shortens (and the owners' heaviest, which the minimal size puts elsewhere)
+    # turns with the unit as the ties do
+    shift = (rotation % segments) * size
+    if end + shift > segments * size:
+        shift = 0
     for k, offset in zip(free, placed, strict=True):
-        offsets[k] = offset
+        offsets[k] = offset + shift
     # where each segment's next element goes: after its share of the free span
-    nxt = [min((j + 1) * size, max(j * size, end)) for j in range(segments)]
+    nxt = [j * size if (j + 1) * size <= shift else
+           min((j + 1) * size, max(j * size, shift + end)) for j in range(segments)]
     load = [0] * segments  # owned elements so far: the owner's work, what is balanced
     for k in sorted((k for k, own in enumerate(owned) if own), key=lambda k: -numels[k]):
         room = [j for j in range(segments) if _aligned(nxt[j]) + numels[k] <= (j + 1) * size]

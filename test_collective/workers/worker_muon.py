@@ -4,7 +4,8 @@ trained in one process on the whole batch with the same Muon, 5 steps, global-no
 clip active at every step and decoupled weight decay, float64: losses and every
 parameter within workers/parity.py's bound. Layouts in the shared 4-rank launch:
 2 x 2 (fleet's groups), HFSDP 2 x 2 (``fsdp_outer_sharding="optim"``: owners over
-inner x outer) and 1 x 4 (an explicit mesh). Also: every matrix's momentum lives on its
+inner x outer), 1 x 4 (an explicit mesh) and 2 x 2 with the shards offloaded to the
+host (the reduction's path without a grad grid). Also: every matrix's momentum lives on its
 owner only (the state's elements summed over the ranks are the model's, not inner
 times them), the owners' balance per unit is printed, and Muon over the default row
 shards is refused at its first step on every rank, nothing updated.
@@ -180,6 +181,9 @@ check("2x2", {"shard_placement_fn": OWNED}, DATA, REFERENCE, config.get("work"))
 check("hfsdp 2x2", {"shard_placement_fn": OWNED, "fsdp_outer_sharding": "optim"}, DATA,
       REFERENCE)
 check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
+# offloaded shards: the reduction concatenates the full grads by offset (no grad grid)
+check("2x2 offload", {"shard_placement_fn": OWNED,
+                      "offload_policy": paddle_hsdp.CPUOffloadPolicy()}, DATA, REFERENCE)
 row_shards_refused()
 print(f"MUON done in {time.time() - started:.1f} s", flush=True)
 finish()

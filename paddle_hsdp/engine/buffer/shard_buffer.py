@@ -15,7 +15,7 @@ from ...comm.traits import traits_of
 from ...topology.cost import BufferShape
 from .. import offload
 from ..dtypes import BufferDtypes, element_size
-from ..layout import segment_layout
+from ..layout import SegmentLayout, segment_layout
 from ..param import ShardedParam
 from ..pending import PendingGather, PendingReduce
 from . import gather, inner_reduce
@@ -68,6 +68,8 @@ class ShardBuffer:
         # segment a tie goes to, so identical units spread their heaviest segment
         self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts,
                                      owned, rotation)
+        if self.parts > 1 and owned is not None and any(owned):
+            _refuse_owners_beyond_replication(params, self.layout, self.inner_size, self.parts)
         for index, sp in enumerate(params):
             sp.place(self.layout, index)
             sp.buffer = self
@@ -177,3 +179,28 @@ class ShardBuffer:
 
     def finish_reduce_scatter(self, pending: PendingReduce) -> None:
         inner_reduce.finish(self, pending)
+
+
+def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: SegmentLayout,
+                                      inner: int, parts: int) -> None:
+    """With HFSDP's outer parts an owned matrix lies in one of ``inner * parts`` equal
+    pieces, so each piece holds at least the largest one, and a rank's shard (its
+    ``parts`` pieces) grows with the outer degree. Up to twice the whole buffer is
+    allowed (a unit holding one matrix at 2 outer parts); past it owners cost more than
+    twice ``Replicate()`` (at 8 x 1024, a Llama block would need ~1,000x it): refused
+    here, on every rank alike (the layout is the same everywhere), before the buffer
+    allocates anything."""
+    shard = layout.segment_numel * parts
+    whole = sum(sp.numel for sp in params)
+    if shard <= 2 * whole:
+        return
+    largest = max((sp for k, sp in enumerate(params) if layout.owned[k]), key=lambda sp: sp.numel)
+    raise ValueError(
+        f"owned placements (shard_placement_fn=owned_matrices()) with "
+        f"fsdp_outer_sharding='optim': each of the {inner} x {parts} (inner x outer) "
+        f"pieces of this buffer must hold a whole owned matrix (the largest: "
+        f"'{largest.fqn}' {list(largest.shape)}), so each rank's shard would be {shard} "
+        f"elements, more than twice the whole buffer ({whole}): worse than replicating "
+        "it. "
+        "Keep the owners in the inner group (fsdp_outer_sharding='none') or use fewer "
+        "outer parts. Nothing was allocated.")

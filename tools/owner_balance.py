@@ -1,0 +1,86 @@
+"""How evenly ``owned_matrices()`` spreads whole matrices over a unit's ranks, for real
+model shapes, without launching anything: the layout paddle_hsdp computes
+(engine/layout.py) for one transformer block per unit (or several), over ``inner``
+ranks.
+
+Per unit: the heaviest owner's bytes over the mean (what the unit's collectives pad
+to: its bytes against the flat layout's are printed beside it). Over the whole model:
+each rank's owned bytes summed over the units (the ties rotate with the unit index),
+the heaviest over the mean: the Newton-Schulz work and the optimizer state per rank.
+With ``--time`` it also times the layout search at HFSDP's segment counts (inner x
+outer parts).
+
+    python tools/owner_balance.py                 # Llama-2-7B (MHA), Llama-3-8B (GQA)
+    python tools/owner_balance.py --time
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pythonpath  # noqa: F401  (the project on the path, or a one-line error)
+
+from paddle_hsdp.engine.layout import owner_balance, segment_layout
+
+# hidden, FFN, key/value width, layers ([in, out] weights, as Paddle lays them out)
+MODELS = {"llama2-7b (MHA)": (4096, 11008, 4096, 32),
+          "llama3-8b (GQA)": (4096, 14336, 1024, 32)}
+
+
+def block_shapes(hidden: int, ffn: int, kv: int) -> tuple[list[list[int]], list[bool]]:
+    """One decoder block's parameters in order and which of them Muon updates (owned)."""
+    shapes = [[hidden], [hidden, hidden], [hidden, kv], [hidden, kv], [hidden, hidden],
+              [hidden], [hidden, ffn], [hidden, ffn], [ffn, hidden]]
+    return shapes, [len(s) == 2 for s in shapes]
+
+
+def unit_layouts(model: str, inner: int, blocks_per_unit: int):
+    """The layouts of every unit of ``model``'s blocks, and the flat layout's size."""
+    hidden, ffn, kv, layers = MODELS[model]
+    shapes, owned = block_shapes(hidden, ffn, kv)
+    shapes, owned = shapes * blocks_per_unit, owned * blocks_per_unit
+    flat = segment_layout(shapes, inner)
+    return [segment_layout(shapes, inner, owned, rotation=u)
+            for u in range(layers // blocks_per_unit)], flat
+
+
+def report(model: str, inner: int, blocks_per_unit: int) -> str:
+    layouts, flat = unit_layouts(model, inner, blocks_per_unit)
+    per_rank = [0] * inner
+    for layout in layouts:
+        for k, own in enumerate(layout.owned):
+            if own:
+                per_rank[layout.offsets[k] // layout.segment_numel] += layout.numel(k)
+    unit = owner_balance(layouts[0])
+    whole = max(per_rank) / (sum(per_rank) / inner)
+    return (f"{model:16s} inner {inner}  {blocks_per_unit} block(s)/unit: per unit "
+            f"{unit['imbalance']:.2f}x of even, bytes {layouts[0].segment_numel / flat.segment_numel:.2f}x "
+            f"the flat layout's; over the model's {len(layouts)} units {whole:.3f}x")
+
+
+def time_search(inner: int, parts: int) -> float:
+    """Seconds to lay out one Llama-3-8B block over ``inner * parts`` segments."""
+    shapes, owned = block_shapes(*MODELS["llama3-8b (GQA)"][:3])
+    start = time.perf_counter()
+    segment_layout(shapes, inner * parts, owned)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--time", action="store_true",
+                    help="also time the layout search at 8 x 16 ... 8 x 1024 segments")
+    args = ap.parse_args()
+    for model in MODELS:
+        for inner in (2, 4, 8):
+            for blocks in (1, 2):
+                print(report(model, inner, blocks), flush=True)
+    if args.time:
+        for parts in (16, 128, 1024):
+            print(f"layout search, one block over 8 x {parts} segments: "
+                  f"{1000 * time_search(8, parts):.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
