@@ -274,12 +274,64 @@ def test_blockwise_orthogonalises_each_slice_apart(float64, monkeypatch):
     np.testing.assert_allclose(p.numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_a_split_matrix_with_a_split_concat_func_is_refused_before_any_update():
-    """Joined mp slices lie slice after slice, not as the logical matrix a
-    ``split_concat_func`` cuts (a fused weight's slices interleave its parts): refused
-    at the first step, nothing updated; blockwise, or AdamW, is the way."""
+def _split_shard(held):
+    """A TP slice of a [4, 5] matrix as a sharded parameter: held whole here, or a
+    0-row shard (another rank of the inner group owns it)."""
     p = paddle.create_parameter([4, 5], "float32")
+    p._hsdp_sharded_param = _Sharded([4, 5], True)
     p.is_distributed, p.split_axis = True, 1
+    return p if held else SimpleNamespace(
+        _hsdp_sharded_param=p._hsdp_sharded_param, is_distributed=True, split_axis=1,
+        name=p.name, shape=[0, 5], numel=lambda: 0, dtype=p.dtype)
+
+
+@pytest.mark.parametrize("theirs,refused", [([[2], [1, 0]], False), ([[2], [0, 1]], True),
+                                            ([[3]], True)], ids=["same", "swapped", "count"])
+def test_mp_ranks_must_hold_the_same_split_matrices(monkeypatch, theirs, refused):
+    """Joining a matrix's slices calls the mp group on the ranks that hold it: an mp
+    rank that held other split matrices (or another number) would leave the joins
+    waiting, so the first step compares them over the mp group (the other rank played
+    here), before any update; blockwise has no joins and calls nothing."""
+    from paddle_hsdp.engine import optimizers
+
+    calls = []
+
+    def all_reduce(tensor, group, op=None, what=None, **_):
+        calls.append((group, what))
+        other = np.array(theirs[len(calls) - 1])
+        paddle.assign(paddle.to_tensor(np.maximum(tensor.numpy(), np.concatenate(
+            [other, -other]))), output=tensor)
+
+    monkeypatch.setattr(optimizers, "ModelAxes", lambda: SimpleNamespace(
+        mp_degree=2, hcg=SimpleNamespace(get_model_parallel_group=lambda: SimpleNamespace(
+            ranks=[0, 1]))))
+    monkeypatch.setattr(optimizers.comm, "all_reduce", all_reduce)
+    shards = [_split_shard(True), _split_shard(False)]
+    opt = paddle_hsdp.Muon(parameters=[s for s in shards if hasattr(s, "stop_gradient")])
+    if refused:
+        with pytest.raises(NotImplementedError, match="hold different tensor-parallel"):
+            refuse_row_sharded_matrices(opt, shards)
+    else:
+        refuse_row_sharded_matrices(opt, shards)
+    assert len(calls) == len(theirs), calls
+    calls.clear()
+    blockwise = paddle_hsdp.Muon(parameters=opt._parameter_list, tp_mode="blockwise")
+    refuse_row_sharded_matrices(blockwise, shards)
+    assert calls == []
+
+
+def test_split_matrices_that_cannot_be_joined_are_refused_before_any_update():
+    """A split matrix without a ``split_axis`` (which slice it is: unknown), and one
+    with a ``split_concat_func`` (joined mp slices lie slice after slice, not as the
+    logical matrix it cuts): refused at the first step, nothing updated; blockwise, or
+    AdamW, is the way."""
+    p = paddle.create_parameter([4, 5], "float32")
+    p.is_distributed = True
+    opt = paddle_hsdp.Muon(parameters=[p], muon_exclude_patterns=[])
+    p.grad = paddle.ones([4, 5])
+    with pytest.raises(NotImplementedError, match="without a split_axis"):
+        opt.step()  # which slice it is, unknown: nothing to join
+    p.split_axis = 1
     before = p.numpy().copy()
     fused = {p.name: MuonParamInfo(split_concat_func=lambda u, ortho: ortho(u))}
     opt = paddle_hsdp.Muon(parameters=[p], muon_exclude_patterns=[], muon_param_info_map=fused)

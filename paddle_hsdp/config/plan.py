@@ -168,7 +168,7 @@ def build_plan(model: paddle.nn.Layer, config: HSDPConfig, choice: ModuleChoice,
     policy = mp_policy_of(config)
     owner = owned_matrices(info=muon_param_info(model)) if config.owned_matrices else None
     claimed = {id(p) for p in choice.ignored_params()}
-    units = []
+    units: list[cost.UnitShape] = []
     wrapped = {id(module) for _, module in choice.wrap}
     for path, module in [*choice.wrap, ("", model)]:
         sps, segment = [], 0
@@ -185,8 +185,9 @@ def build_plan(model: paddle.nn.Layer, config: HSDPConfig, choice: ModuleChoice,
                 parts = parts if outer_sharding == "optim" and not p.stop_gradient else 1
                 sps.append(ShardedParam(p, fqn, size, 0, parts))
                 sps[-1].segment = segment
+        # (the unit's index as the engine numbers it when this is the first model sharded)
         buffers = tuple(_buffer_shape(params, expert, policy, labels,
-                                      expert_outer if expert else outer, owner)
+                                      expert_outer if expert else outer, owner, len(units))
                         for (_, _, _, expert, _), params in buffer_groups(sps, {}).items())
         units.append(cost.UnitShape(path or "<root>", buffers,
                                     reshard_after_forward_of(config, path == ""),
@@ -217,12 +218,13 @@ def compare_outer_sharding(plans: dict) -> str:
 def _buffer_shape(params: list[ShardedParam], expert: bool, policy: MixedPrecisionPolicy | None,
                   labels: dict, outer: int,
                   owner: Callable[[paddle.Tensor], Owned | None] | None = None,
-                  ) -> cost.BufferShape:
+                  rotation: int = 0) -> cost.BufferShape:
     gather, reduce, compute = dtypes_of(params[0].dtype, policy)
     owned = [owner is not None and owner(sp.full) is not None for sp in params]
     return cost.BufferShape(
         shard_numel=segment_layout([sp.shape for sp in params], params[0].inner_size
-                                   * params[0].parts, owned).segment_numel * params[0].parts,
+                                   * params[0].parts, owned, rotation).segment_numel
+        * params[0].parts,
         outer_parts=params[0].parts,
         logical_numel=sum(sp.numel for sp in params),
         inner=params[0].inner_size, outer=outer,

@@ -24,10 +24,12 @@ boundaries anyway, so some segments hold none of it.
 [Note: owned parameters] A parameter marked *owned* (``paddle_hsdp.Owned()``: a matrix
 Muon-style optimizers update as a whole) lies inside one segment, so one rank (one
 outer part with HFSDP) holds all of it and the others a 0-row shard. The other
-parameters come first, laid out as above; the owned ones then go, largest first, to
-the segment that owns the fewest elements so far and still has room (greedy by
-bytes; ties from a rotating first segment, so identical units do not all load the
-same rank most), and ``s`` is the smallest size under which they all fit. The buffer's collectives are
+parameters are laid out as above, from the start of a rotating segment (the unit's
+index; from segment 0 where they do not fit there); the owned ones then go, largest
+first, to the segment that owns the fewest elements so far and still has room (greedy
+by bytes; ties from the same rotating segment, so identical units do not all load the
+same rank most), and ``s``, a multiple of ``ALIGN``, is the smallest size under which
+they all fit. The buffer's collectives are
 unchanged: the same all-gather of every rank's ``S`` elements, so an imbalance between
 segments costs padding, which :func:`owner_balance` reports.
 
@@ -152,9 +154,10 @@ def _owner_layout(shapes: Sequence[Sequence[int]], segments: int,
 
     def stepped(size: int) -> int:
         # as segment_layout: a free parameter longer than a segment may cross two
-        # boundaries, so the size is a multiple of its row length (rounded up to it)
+        # boundaries, so the size is a multiple of its row length (rounded up to it);
+        # and of ALIGN, so every segment starts aligned wherever the free span starts
         while True:
-            step = math.lcm(1, *(row_numels[k] for k in free if numels[k] > size))
+            step = math.lcm(ALIGN, *(row_numels[k] for k in free if numels[k] > size))
             rounded = -(-size // step) * step
             if rounded == size:
                 return size
@@ -165,7 +168,9 @@ def _owner_layout(shapes: Sequence[Sequence[int]], segments: int,
     high = low
     while fit(high) is None:
         high *= 2
-    while low < high:  # the smallest size that fits (fitting grows with the size)
+    while low < high:  # the smallest size that fits (fitting grows with the size, up
+        # to the alignment of the owned parameters' starts: a size found may then be a
+        # few ALIGN steps above the least, never one that does not fit)
         middle = (low + high) // 2
         if fit(middle) is None:
             low = middle + 1
@@ -180,11 +185,12 @@ def _owner_layout(shapes: Sequence[Sequence[int]], segments: int,
 
 def _fit_owned(numels: Sequence[int], row_numels: Sequence[int], owned: Sequence[bool],
                segments: int, size: int, rotation: int) -> tuple[int, ...] | None:
-    """Offsets with the free parameters first and each owned one in the least-filled
-    segment that has room, or None when they do not fit in ``segments * size``."""
+    """Offsets with the free parameters laid out from segment ``rotation`` (from 0 where
+    they do not fit there) and each owned one in the least-filled segment that has
+    room, or None when they do not fit in ``segments * size``."""
     free = [k for k, own in enumerate(owned) if not own]
     free_numels = [numels[k] for k in free]
-    step = math.lcm(1, *(row_numels[k] for k in free if numels[k] > size))
+    step = math.lcm(ALIGN, *(row_numels[k] for k in free if numels[k] > size))
     if size % step:
         return None
     offsets = [0] * len(numels)

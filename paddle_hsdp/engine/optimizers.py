@@ -266,7 +266,11 @@ def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
     if not needs_whole_matrices(optimizer) or \
             getattr(optimizer, "_hsdp_matrices_agreed", False):  # the layout is fixed
         return
+    shards = list(shards)
     problem = _cut_matrix(optimizer, shards)
+    # (a collective over the mp group: taken whatever this rank found, so that the
+    # group's other ranks do not wait for it)
+    problem = _unmatched_slice_owners(optimizer, shards) or problem
     # agreed over every rank: pipeline stages hold different parameters, and a stage
     # that went on alone would wait in its next collective for the refused ones
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -282,37 +286,40 @@ def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
             f"{type(optimizer).__name__} updates each matrix as a whole, and another "
             "rank holds one cut into rows or split by tensor parallelism (its message "
             "says which). Nothing was updated."))
-    if getattr(optimizer, "handles_tensor_parallel_slices", False):
-        _refuse_unmatched_slice_owners(optimizer, shards)
     optimizer._hsdp_matrices_agreed = True  # (our mark on the optimizer, read above)
 
 
-def _refuse_unmatched_slice_owners(optimizer: paddle.optimizer.Optimizer,
-                                   shards: Iterable[paddle.Tensor]) -> None:
-    """An optimizer that joins a tensor-parallel matrix's slices (Muon) calls the mp
-    group once per matrix on the ranks that hold its slice whole: they must be the
-    whole mp group (the mp ranks' layouts match) or those calls would wait forever.
-    Checked once, on every rank alike: which of this rank's split matrices it holds,
-    as (count, a position checksum, elements), compared over the mp group."""
+def _unmatched_slice_owners(optimizer: paddle.optimizer.Optimizer,
+                            shards: list[paddle.Tensor]) -> str | None:
+    """An optimizer that joins a tensor-parallel matrix's slices (Muon's
+    ``tp_mode="duplicated"``: ``joins_tensor_parallel_slices``) calls the mp group
+    once per matrix on the ranks that hold its slice whole: they must be the whole mp
+    group (the mp ranks' layouts match) or those calls would wait forever. Which of
+    its split matrices each rank holds, compared over the mp group (their count, then
+    the held-or-not mask); why not, or None. Every rank of the mp group takes the
+    same calls and reaches the same answer."""
     axes = ModelAxes()
-    if axes.mp_degree == 1:
-        return
+    if not getattr(optimizer, "joins_tensor_parallel_slices", False) or axes.mp_degree == 1:
+        return None
+    group = axes.hcg.get_model_parallel_group()
+    name = type(optimizer).__name__
     split = [p for p in shards if getattr(p, "is_distributed", False) and
              len(p._hsdp_sharded_param.shape) >= 2 and _updates_as_matrix(optimizer, p)]
-    held = [(i, comm.numel_of(p)) for i, p in enumerate(split) if comm.numel_of(p) > 0]
-    mine = [len(held), sum(i + 1 for i, _ in held), sum(n for _, n in held)]
-    both = paddle.to_tensor(mine + [-v for v in mine], dtype="int64")
-    comm.all_reduce(both, axes.hcg.get_model_parallel_group(), op="max",
-                    what=f"{type(optimizer).__name__}: the mp slices' owners")
-    with watchdog.host_sync("the mp slices' owners agreement"):
-        top = [int(v) for v in both.numpy()]
-    if top[:3] != [-v for v in top[3:]]:
-        raise NotImplementedError(
-            f"{type(optimizer).__name__}: the ranks of this mp group hold different "
-            "tensor-parallel matrices whole (this rank: {} of them); joining their slices "
-            "needs every mp rank to hold its slice of the same matrices. Shard the mp "
-            "ranks' models alike (the same units, placements and sizes). Nothing was "
-            "updated.".format(mine[0]))
+    held = [1 if comm.numel_of(p) > 0 else 0 for p in split]
+    for values, what in (([len(held)], "count"), (held, "held")):
+        if not values:
+            return None  # no split matrix on any rank of the group (the counts agree)
+        both = paddle.to_tensor(values + [-v for v in values], dtype="int64")
+        comm.all_reduce(both, group, op="max", what=f"{name}: the mp slices' owners ({what})")
+        with watchdog.host_sync("the mp slices' owners agreement"):
+            top = [int(v) for v in both.numpy()]
+        if top[:len(values)] != [-v for v in top[len(values):]]:
+            return (f"{name}: the ranks of mp group {group.ranks} hold different "
+                    f"tensor-parallel matrices whole (this rank {sum(held)} of "
+                    f"{len(held)}); joining their slices needs every mp rank to hold its "
+                    "slice of the same matrices. Shard the mp ranks' models alike (the "
+                    "same units, placements and sizes). Nothing was updated.")
+    return None
 
 
 def _cut_matrix(optimizer: paddle.optimizer.Optimizer,

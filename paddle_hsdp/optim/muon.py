@@ -189,6 +189,12 @@ class Muon(paddle.optimizer.Optimizer):
         self._master_weights: dict = {}
         self._already_create_accumulator: set = set()
 
+    @property
+    def joins_tensor_parallel_slices(self) -> bool:
+        """engine/optimizers.py: whether the step calls the mp group per split matrix
+        (``tp_mode="duplicated"``), so the mp ranks' owners must match."""
+        return self._tp_mode == "duplicated"
+
     # -------------------------------------------------------------- which parameters
     def updates_as_matrix(self, param: paddle.Tensor) -> bool:
         """Whether Muon (not AdamW) updates ``param``: its ``muon_param_info_map`` entry,
@@ -209,16 +215,25 @@ class Muon(paddle.optimizer.Optimizer):
         return self._is_dtype_fp16_or_bf16(p.dtype)
 
     def _create_accumulators(self, block: Any, parameters: Sequence[paddle.Tensor]) -> None:
-        joined = [p.name for p in parameters if self._tp_mode == "duplicated" and
-                  split_axis(p) is not None and self.updates_as_matrix(p) and
-                  self._info.get(p.name, MuonParamInfo()).split_concat_func is not None]
-        if joined:  # before any state or update, on every rank alike (the map decides)
+        joined = [p for p in parameters if self._tp_mode == "duplicated" and
+                  getattr(p, "is_distributed", False) and self.updates_as_matrix(p)]
+        unplaced = [p.name for p in joined if getattr(p, "split_axis", None) is None]
+        if unplaced:  # before any state or update, on every rank alike
             raise NotImplementedError(
-                f"Muon: {joined[:3]} are split by tensor parallelism and have a "
+                f"Muon: {unplaced[:3]} are split by tensor parallelism (is_distributed) "
+                "without a split_axis, so which slice of the matrix each rank holds is "
+                "unknown and the slices cannot be joined. Give them split_axis (as "
+                "Paddle's mp layers do), use tp_mode='blockwise' or leave them to AdamW. "
+                "Nothing was updated.")
+        fused = [p.name for p in joined
+                 if self._info.get(p.name, MuonParamInfo()).split_concat_func is not None]
+        if fused:
+            raise NotImplementedError(
+                f"Muon: {fused[:3]} are split by tensor parallelism and have a "
                 "split_concat_func: the function cuts the logical matrix, while the "
                 "joined mp slices are laid out slice after slice (a fused weight's "
-                "slices interleave its parts). Use tp_mode='blockwise' (each slice's "
-                "pieces apart) or leave them to AdamW. Nothing was updated.")
+                "slices interleave its parts). Use tp_mode='blockwise' with a function "
+                "that cuts one rank's slice, or leave them to AdamW. Nothing was updated.")
         for p in parameters:
             if p.name in self._already_create_accumulator:
                 continue
@@ -302,12 +317,18 @@ class Muon(paddle.optimizer.Optimizer):
         if axis is None or axes is None or axes.mp_degree == 1:
             return self._orthogonalize(update, param.name)
         group, n = axes.hcg.get_model_parallel_group(), axes.mp_degree
+        flat = update.reshape([-1])
+        # offloaded shards (host memory) under NCCL: the collective and the iteration
+        # run on the device (not run here: CPU only)
+        on_host = flat.place.is_cpu_place() and not comm.is_gloo(group)
+        if on_host:
+            flat = flat.cuda()
         gathered = paddle.empty([n * math.prod(update.shape)], dtype=update.dtype)
-        comm.all_gather_into(gathered, update.reshape([-1]), group,
-                             what=f"Muon: the mp slices of {param.name}")
+        comm.all_gather_into(gathered, flat, group, what=f"Muon: the mp slices of {param.name}")
         whole = paddle.concat(list(gathered.reshape([n] + list(update.shape)).unbind(0)),
                               axis=axis)
-        return paddle.split(self._orthogonalize(whole, param.name), n, axis=axis)[axes.mp_rank]
+        mine = paddle.split(self._orthogonalize(whole, param.name), n, axis=axis)[axes.mp_rank]
+        return mine.cpu() if on_host else mine
 
     def _orthogonalize(self, update: paddle.Tensor, name: str) -> paddle.Tensor:
         """Newton-Schulz and the shape scale, of the whole matrix or, with a

@@ -15,7 +15,7 @@ from ...comm.traits import traits_of
 from ...topology.cost import BufferShape
 from .. import offload
 from ..dtypes import BufferDtypes, element_size
-from ..layout import SegmentLayout, segment_layout
+from ..layout import ALIGN, SegmentLayout, segment_layout
 from ..param import ShardedParam
 from ..pending import PendingGather, PendingReduce
 from . import gather, inner_reduce
@@ -192,7 +192,7 @@ def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: Segmen
     allocates anything."""
     shard = layout.segment_numel * parts
     whole = sum(sp.numel for sp in params)
-    if shard <= 2 * whole:
+    if shard <= 2 * whole + 2 * parts * ALIGN:  # (each start's alignment: tiny buffers)
         return
     largest = max((sp for k, sp in enumerate(params) if layout.owned[k]), key=lambda sp: sp.numel)
     raise ValueError(
@@ -203,4 +203,5 @@ def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: Segmen
         f"elements, more than twice the whole buffer ({whole}): worse than replicating "
         "it. "
         "Keep the owners in the inner group (fsdp_outer_sharding='none') or use fewer "
-        "outer parts. Nothing was allocated.")
+        "outer parts. Nothing of this buffer was allocated; units sharded before it "
+        "were, so build the model again.")
