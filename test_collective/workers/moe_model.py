@@ -48,11 +48,14 @@ class MoE(nn.Layer):
 
 
 class Net(nn.Layer):
-    def __init__(self, n_experts, keep):
+    """``moe``: the expert layer's class (``MoE``, or worker_muon_3d.py's 3-D stacks),
+    built as ``moe(n_experts, keep)`` and called as ``moe(x, ids, ep_index)``."""
+
+    def __init__(self, n_experts, keep, moe=MoE):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, H)
         self.block = nn.Linear(H, H)
-        self.moe = MoE(n_experts, keep)
+        self.moe = moe(n_experts, keep)
         self.head = nn.Linear(H, VOCAB)
 
     def forward(self, ids, ep_index=None):

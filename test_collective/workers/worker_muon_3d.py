@@ -31,7 +31,7 @@ import paddle_hsdp
 from paddle_hsdp.optim import muon_param_info
 from models import shard_tinylm
 from moe_model import CLIP as MOE_CLIP
-from moe_model import LOCAL_EXPERTS, PER_RANK as MOE_PER_RANK, VOCAB, H, make_data
+from moe_model import LOCAL_EXPERTS, PER_RANK as MOE_PER_RANK, H, Net, loss_of, make_data
 from tp_model import PER_RANK, batches, build, full_weights, lm_loss, mp_slice
 
 CLIP = 0.2
@@ -109,36 +109,20 @@ class StackedExperts(nn.Layer):
         return x + out.reshape(x.shape)
 
 
-class MoENet(nn.Layer):
-    def __init__(self, count, keep):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, H)
-        self.block = nn.Linear(H, H)
-        self.moe = StackedExperts(count, keep)
-        self.head = nn.Linear(H, VOCAB)
-
-    def forward(self, ids, ep_index=None):
-        x = self.embed(ids)
-        x = x + F.gelu(self.block(x))
-        logits = self.head(self.moe(x, ids, ep_index))
-        return F.cross_entropy(logits[:, :-1].reshape([-1, VOCAB]),
-                               ids[:, 1:].reshape([-1, 1]))
-
-
 def expert_parallel():
     ep, ep_rank = config["ep_degree"], hcg.get_expert_parallel_rank()
     assert ep_rank == rank % ep  # the order puts ep innermost: the reference relies on it
     count, data = ep * LOCAL_EXPERTS, make_data(world)
     paddle.seed(5)
-    ref = MoENet(count, list(range(count)))
+    ref = Net(count, list(range(count)), StackedExperts)
     norms = []
     ref_losses = train_loop(muon(ref, muon_param_info(ref), MOE_CLIP), data, lambda micro, _: sum(
-        ref(paddle.to_tensor(micro[r * MOE_PER_RANK:][:MOE_PER_RANK]), r % ep)
+        loss_of(ref, paddle.to_tensor(micro[r * MOE_PER_RANK:][:MOE_PER_RANK]), r % ep)
         for r in range(world)) / world, before_step=lambda _: norms.append(pre_clip_norm(ref)))
     assert min(norms) > MOE_CLIP, norms
     paddle.seed(5)
     local = list(range(ep_rank * LOCAL_EXPERTS, (ep_rank + 1) * LOCAL_EXPERTS))
-    model = MoENet(count, local)
+    model = Net(count, local, StackedExperts)
     paddle_hsdp.mark_expert_params(model.moe)
     info = muon_param_info(model)
     owned = paddle_hsdp.owned_matrices(info=info)
@@ -149,8 +133,8 @@ def expert_parallel():
         config["moe_sharding_degree"] // config["outer"], experts
     opt = muon(model, info, MOE_CLIP)
     assert all(opt.updates_as_matrix(p) for p in (model.moe.w1, model.moe.w2))
-    losses = train_loop(opt, data, lambda micro, _: model(
-        paddle.to_tensor(micro[rank * MOE_PER_RANK:][:MOE_PER_RANK])), processes=world)
+    losses = train_loop(opt, data, lambda micro, _: loss_of(
+        model, paddle.to_tensor(micro[rank * MOE_PER_RANK:][:MOE_PER_RANK])), processes=world)
     worst = {"loss": max_rel(np.array(losses), np.array(ref_losses))}
     expected = {n: p.numpy() for n, p in ref.state_dict().items()}
     for name in ("moe.w1", "moe.w2"):
