@@ -188,7 +188,7 @@ def test_refusal_is_for_cut_matrices_only():
     with pytest.raises(NotImplementedError, match="owned_matrices"):
         refuse_row_sharded_matrices(opt, [cut])  # refused again: no verdict was kept
     split = _shard([4, 5], True)
-    split.is_distributed = True
+    split.is_distributed, split.split_axis = True, 1
     refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[split]), [split])  # it joins
 
     class OtherMuon(paddle.optimizer.SGD):  # a whole-matrix optimizer that does not
@@ -196,6 +196,9 @@ def test_refusal_is_for_cut_matrices_only():
 
     with pytest.raises(NotImplementedError, match="tensor-parallel slice"):
         refuse_row_sharded_matrices(OtherMuon(parameters=[split]), [split])
+    split.split_axis = None
+    with pytest.raises(NotImplementedError, match="without a split_axis"):  # Muon's own,
+        refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[split]), [split])  # agreed
     opt_excluding = paddle_hsdp.Muon(parameters=[cut], muon_param_info_map={
         cut.name: MuonParamInfo(use_muon=False)})
     refuse_row_sharded_matrices(opt_excluding, [cut])  # AdamW for it: elementwise

@@ -323,7 +323,7 @@ def _unmatched_slice_owners(optimizer: paddle.optimizer.Optimizer,
 
 
 def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
-                shards: Iterable[paddle.Tensor]) -> str | None:
+                shards: list[paddle.Tensor]) -> str | None:
     """Why this rank's shards refuse a whole-matrix optimizer, or None."""
     for p in shards:
         sp = p._hsdp_sharded_param
@@ -344,7 +344,8 @@ def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
                     "slice: each rank would orthogonalise its slice on its own. Leave it "
                     "to an elementwise update (Muon: muon_param_info_map), or train "
                     "without tensor parallelism. Nothing was updated.")
-    return None
+    ask = getattr(optimizer, "refusal", None)  # the optimizer's own (paddle_hsdp.Muon)
+    return ask(shards) if callable(ask) else None
 
 
 def refuse_state_of_other_shape(optimizer: paddle.optimizer.Optimizer,

@@ -214,26 +214,35 @@ class Muon(paddle.optimizer.Optimizer):
     def _low_precision(self, p: paddle.Tensor) -> bool:
         return self._is_dtype_fp16_or_bf16(p.dtype)
 
-    def _create_accumulators(self, block: Any, parameters: Sequence[paddle.Tensor]) -> None:
+    def refusal(self, parameters: Sequence[paddle.Tensor]) -> str | None:
+        """Why Muon cannot update ``parameters`` (tensor-parallel slices it cannot join),
+        or None. Raised before any state or update; the engine asks it once over every
+        rank of a sharded model (engine/optimizers.py), so a pipeline stage that has
+        such a slice does not stop alone."""
         joined = [p for p in parameters if self._tp_mode == "duplicated" and
                   getattr(p, "is_distributed", False) and self.updates_as_matrix(p)]
         unplaced = [p.name for p in joined if getattr(p, "split_axis", None) is None]
-        if unplaced:  # before any state or update, on every rank alike
-            raise NotImplementedError(
-                f"Muon: {unplaced[:3]} are split by tensor parallelism (is_distributed) "
-                "without a split_axis, so which slice of the matrix each rank holds is "
-                "unknown and the slices cannot be joined. Give them split_axis (as "
-                "Paddle's mp layers do), use tp_mode='blockwise' or leave them to AdamW. "
-                "Nothing was updated.")
+        if unplaced:
+            return (f"Muon: {unplaced[:3]} are split by tensor parallelism (is_distributed) "
+                    "without a split_axis, so which slice of the matrix each rank holds is "
+                    "unknown and the slices cannot be joined. Give them split_axis (as "
+                    "Paddle's mp layers do), use tp_mode='blockwise' or leave them to "
+                    "AdamW. Nothing was updated.")
         fused = [p.name for p in joined
                  if self._info.get(p.name, MuonParamInfo()).split_concat_func is not None]
         if fused:
-            raise NotImplementedError(
-                f"Muon: {fused[:3]} are split by tensor parallelism and have a "
-                "split_concat_func: the function cuts the logical matrix, while the "
-                "joined mp slices are laid out slice after slice (a fused weight's "
-                "slices interleave its parts). Use tp_mode='blockwise' with a function "
-                "that cuts one rank's slice, or leave them to AdamW. Nothing was updated.")
+            return (f"Muon: {fused[:3]} are split by tensor parallelism and have a "
+                    "split_concat_func: the function cuts the logical matrix, while the "
+                    "joined mp slices are laid out slice after slice (a fused weight's "
+                    "slices interleave its parts). Use tp_mode='blockwise' with a "
+                    "function that cuts one rank's slice, or leave them to AdamW. Nothing "
+                    "was updated.")
+        return None
+
+    def _create_accumulators(self, block: Any, parameters: Sequence[paddle.Tensor]) -> None:
+        why = self.refusal(parameters)
+        if why is not None:  # before any state or update
+            raise NotImplementedError(why)
         for p in parameters:
             if p.name in self._already_create_accumulator:
                 continue
