@@ -108,7 +108,7 @@ def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024, before_step=N
     norms = []
 
     def record_norm(_):
-        norms.append(_global_norm(model) if before_step is None else before_step(model))
+        norms.append(global_norm(model) if before_step is None else before_step(model))
 
     def micro_loss(micro, _):
         loss = 0.0
@@ -121,7 +121,9 @@ def train_reference(data, n_ranks, per_rank, clip_norm, seed=2024, before_step=N
     return losses, {n: p.numpy() for n, p in model.state_dict().items()}, norms
 
 
-def _global_norm(model) -> float:
+def global_norm(model) -> float:
+    """The global norm of ``model``'s grads (float64; parameters without one skipped):
+    what a clip by the global norm sees."""
     sq = sum(float((p.grad.astype("float64") ** 2).sum()) for p in model.parameters()
              if p.grad is not None)
     return sq ** 0.5

@@ -22,6 +22,7 @@ from paddle.distributed import fleet
 
 import paddle_hsdp
 
+from models import global_norm
 from moe_model import (CLIP, LOCAL_EXPERTS, Net, make_data, make_opt, train_plain,
                        train_sharded)
 
@@ -32,8 +33,7 @@ def reference(data, world, ep, n_experts):
     norms, grads = [], []
 
     def record(_):
-        norms.append(sum(float((p.grad.astype("float64") ** 2).sum())
-                         for p in model.parameters() if p.grad is not None) ** 0.5)
+        norms.append(global_norm(model))
         grads.append({n: p.grad.numpy() for n, p in model.named_parameters()})
 
     losses = train_plain(model, make_opt(model, CLIP), data, world, ep, before_step=record)

@@ -31,7 +31,8 @@ from paddle.distributed import ProcessMesh
 import paddle_hsdp
 from paddle_hsdp.engine.layout import owner_balance
 from paddle_hsdp.engine.registry import units_under
-from models import batches, build_model, decay_filter, lm_loss, shard_tinylm, uses_extra
+from models import (batches, build_model, decay_filter, global_norm, lm_loss, shard_tinylm,
+                    uses_extra)
 
 STEPS, PER_RANK, CLIP = 5, 2, 0.2
 started = time.time()
@@ -65,8 +66,7 @@ def trained(data, shard_kwargs=None):
         if shard_kwargs is not None:
             dist.all_reduce(value)  # for the log only
         else:
-            norms.append(sum(float((p.grad ** 2).sum()) for p in model.parameters()
-                             if p.grad is not None) ** 0.5)
+            norms.append(global_norm(model))
         opt.step()
         opt.clear_grad()
         losses.append(value.item() / (world if shard_kwargs is not None else 1))

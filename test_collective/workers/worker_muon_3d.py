@@ -29,7 +29,7 @@ import paddle.nn.functional as F
 
 import paddle_hsdp
 from paddle_hsdp.optim import muon_param_info
-from models import shard_tinylm
+from models import global_norm, shard_tinylm
 from moe_model import CLIP as MOE_CLIP
 from moe_model import LOCAL_EXPERTS, PER_RANK as MOE_PER_RANK, H, Net, loss_of, make_data
 from tp_model import PER_RANK, batches, build, full_weights, lm_loss, mp_slice
@@ -49,10 +49,6 @@ def muon(model, info, clip=CLIP):
                             grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))
 
 
-def pre_clip_norm(model) -> float:
-    return sum(float((p.grad ** 2).sum()) for p in model.parameters()
-               if p.grad is not None) ** 0.5
-
 
 # ------------------------------------------------------------------ TP 2 x HSDP 2 x 2
 def tensor_parallel():
@@ -63,7 +59,7 @@ def tensor_parallel():
     ref = build(False, weights)
     ref_losses = train_loop(muon(ref, muon_param_info(ref)), data, lambda micro, _: sum(
         lm_loss(ref, c) for c in np.split(micro, n)) / n,
-        before_step=lambda _: norms.append(pre_clip_norm(ref)))
+        before_step=lambda _: norms.append(global_norm(ref)))
     assert min(norms) > CLIP, norms  # the clip is active at every step
     model = build(True, weights, mp_rank, mp_n)
     info = muon_param_info(model)
@@ -118,7 +114,7 @@ def expert_parallel():
     norms = []
     ref_losses = train_loop(muon(ref, muon_param_info(ref), MOE_CLIP), data, lambda micro, _: sum(
         loss_of(ref, paddle.to_tensor(micro[r * MOE_PER_RANK:][:MOE_PER_RANK]), r % ep)
-        for r in range(world)) / world, before_step=lambda _: norms.append(pre_clip_norm(ref)))
+        for r in range(world)) / world, before_step=lambda _: norms.append(global_norm(ref)))
     assert min(norms) > MOE_CLIP, norms
     paddle.seed(5)
     local = list(range(ep_rank * LOCAL_EXPERTS, (ep_rank + 1) * LOCAL_EXPERTS))

@@ -201,7 +201,6 @@ def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: Segmen
         f"pieces of this buffer must hold a whole owned matrix (the largest: "
         f"'{largest.fqn}' {list(largest.shape)}), so each rank's shard would be {shard} "
         f"elements, more than twice the whole buffer ({whole}): worse than replicating "
-        "it. "
-        "Keep the owners in the inner group (fsdp_outer_sharding='none') or use fewer "
+        "it. Keep the owners in the inner group (fsdp_outer_sharding='none') or use fewer "
         "outer parts. Nothing of this buffer was allocated; units sharded before it "
         "were, so build the model again.")
