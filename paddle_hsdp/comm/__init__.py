@@ -14,9 +14,9 @@ The collectives' API is also here, as docs/collectives.md shows it (``paddle_hsd
 from .collectives import (CollectiveError, CommCounter, Handle, HandleLedger, OpStats,
                           UnwaitedCollectiveWarning, all_gather_into, all_reduce, backend_of,
                           barrier, broadcast, counter, group_label, handles, is_gloo,
-                          name_group, recv, reduce_scatter, send, settle)
+                          name_group, recv, reduce_scatter, scatter, send, settle)
 
 __all__ = ["CollectiveError", "CommCounter", "Handle", "HandleLedger", "OpStats",
            "UnwaitedCollectiveWarning", "all_gather_into", "all_reduce", "backend_of",
            "barrier", "broadcast", "counter", "group_label", "handles", "is_gloo",
-           "name_group", "recv", "reduce_scatter", "send", "settle"]
+           "name_group", "recv", "reduce_scatter", "scatter", "send", "settle"]

@@ -605,6 +605,32 @@ def broadcast(tensor: paddle.Tensor, src: int, group: Group, async_op: bool = Fa
                           keep=(tensor,)), async_op)
 
 
+def scatter(out: paddle.Tensor, full: paddle.Tensor | None, src: int, group: Group,
+            tag: str | None = None, what: Description = None) -> None:
+    """Chunk ``i`` of ``full`` (on global rank ``src``: ``group.nranks`` equal chunks,
+    group-rank order; None elsewhere) into ``out`` on group rank ``i``, in place: each
+    rank receives its own chunk only (fully_shard's first cut: P/I bytes a rank, where
+    a broadcast of the whole would bring P)."""
+    n = group.nranks
+    payload = _nbytes(out)
+    counter.record(tag or group_label(group), "scatter", payload, payload * (n - 1) / n)
+    source = group.ranks[group.rank] == src
+    if source:
+        if full is None:
+            raise ValueError("scatter: the source rank passes the full tensor")
+        _check_split("scatter: input", full, out, n)
+    if n == 1:
+        assert full is not None, "scatter: a group of one is its own source"
+        paddle.assign(full.reshape(out.shape), output=out)
+        return
+    what = what or tag
+    _verify("scatter", out, group, what)
+    chunks = ([c.reshape(out.shape) for c in full.reshape([n, -1]).unbind(0)]
+              if source and full is not None else None)
+    _issue("scatter", group, what, lambda: dist.stream.scatter(
+        out, chunks, src=src, group=group, sync_op=True))
+
+
 def send(tensor: paddle.Tensor, dst: int, group: Group, tag: str | None = None,
          what: Description = None) -> None:
     """Send ``tensor`` to global rank ``dst`` of ``group`` and return once it has it:
