@@ -17,6 +17,7 @@ from .comm.fingerprint import check_collectives
 from .comm.gather_tags import CollectiveMismatchError
 from .config.apply import apply_config
 from .config.schema import ConfigError, HSDPConfig, load_config
+from .engine.agreement import ReplicaMismatchError
 from .engine.api import (FSDPModule, forget, full_grads, full_state_dict, fully_shard,
                          set_zero_stage)
 from .engine.experts import mark_expert_params
@@ -34,7 +35,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CollectiveError", "CollectiveMismatchError",
     "ConfigError", "FSDPModule", "HSDPClipGradByGlobalNorm", "HSDPConfig",
-    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "apply_config",
+    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "ReplicaMismatchError",
+    "apply_config",
     "check_collectives",
     "create_mesh_groups", "finish_grad_sync", "forget", "full_grads", "full_state_dict",
     "fully_shard", "get_fsdp_outer_degree", "last_global_norm", "load_checkpoint",

@@ -222,3 +222,20 @@ def test_owned_matrices_in_a_config(fake_mesh, no_fleet_init, monkeypatch):
                                        inner=4).units
         sizes.append([b.shard_numel for u in units for b in u.buffers])
     assert all(o >= f for o, f in zip(*sizes, strict=True)) and sizes[0] != sizes[1]
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_sync_module_states_in_a_config(fake_mesh, no_fleet_init, monkeypatch, value):
+    """``sync_module_states`` (default true: issue 61) reaches every fully_shard call
+    apply_config makes (and so HSDPTrainer's); a non-bool is refused by name."""
+    seen = []
+    real = apply.fully_shard
+    monkeypatch.setattr(apply, "fully_shard",
+                        lambda m, **kw: seen.append(kw["sync_module_states"]) or real(m, **kw))
+    config = {"sub_modules_to_wrap": ["Block"]}
+    if not value:
+        config["sync_module_states"] = False
+    paddle_hsdp.apply_config(build(), config)
+    assert seen == [value] * 4
+    with pytest.raises(ConfigError, match="sync_module_states"):
+        paddle_hsdp.load_config({"sync_module_states": "no"})

@@ -215,6 +215,12 @@ def _shard_overlap():
     paddle_hsdp.fully_shard(_net(), enable_tensor_fusion_and_overlap="yes")
 
 
+@row("`fully_shard(sync_module_states=)`", '"no"', TypeError,
+     "sync_module_states", "True or False")
+def _shard_sync():
+    paddle_hsdp.fully_shard(_net(), sync_module_states="no")
+
+
 @row("`fully_shard(fsdp_outer_sharding=)`", '"optimizer"', ValueError,
      "fsdp_outer_sharding", "'none' or 'optim'")
 def _shard_outer_sharding():
@@ -561,6 +567,10 @@ MULTI_RANK = [
      "test_trainer.py"),
     ("a `PipelineLayer` built without fleet's `topology` (its stages are not fleet's)",
      "`ValueError` naming `topology` on every rank, before any collective", "test_3d.py"),
+    ("`fully_shard(..., sync_module_states=False)` on weights that differ between the "
+     "ranks of an FSDP group", "`ReplicaMismatchError` on every rank, naming the first "
+     "tensor that differs and the ranks that hold other values, before anything changes",
+     "test_agreement.py"),
 ]
 
 

@@ -219,7 +219,7 @@ class Call(NamedTuple):
 
 
 class Recorder:
-    """Stand-ins for the four collectives of ``comm``, for one simulated rank: each logs
+    """Stand-ins for the five collectives of ``comm``, for one simulated rank: each logs
     a :class:`Call` and fakes a result that has the right shape (numbers are
     meaningless: a tile, a slice times n, a product by n, a no-op)."""
 
@@ -261,6 +261,14 @@ class Recorder:
             paddle.assign(tensor * group.nranks, output=tensor)
         return comm._finish(comm.Handle(), async_op)
 
+    def scatter(self, out, full, src, group, tag=None, what=None):
+        self._log("scatter", group, out, tag)
+        assert src == group.ranks[0], f"scatter from {src}, not inner rank 0 of {group.ranks}"
+        assert (full is not None) == (self.rank == src), "the source alone passes the full"
+        if full is not None:
+            assert int(full.numel()) == group.nranks * int(out.numel())
+            paddle.assign(full.reshape([group.nranks, -1])[group.rank], output=out)
+
     def broadcast(self, tensor, src, group, async_op=False, tag=None, what=None):
         self._log("broadcast", group, tensor, tag)
         assert src == group.ranks[0], f"broadcast from {src}, not outer rank 0 of {group.ranks}"
@@ -285,6 +293,7 @@ class RankTrace:
     trainable_buffers: int = 0
     frozen_buffers: int = 0
     expert_buffers: int = 0
+    buffer_inner_sizes: list[int] = field(default_factory=list)  # in sharding order
 
     @property
     def calls(self) -> list[Call]:
@@ -305,7 +314,7 @@ def simulate_rank(rank: int, layout: topology.HSDPLayout, expert_unit: bool = Fa
     mesh, recorder = FakeMesh(rank, layout), Recorder(rank)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(api, "resolve_mesh", lambda m: mesh)
-        for op in ("all_gather_into", "reduce_scatter", "all_reduce", "broadcast"):
+        for op in ("all_gather_into", "reduce_scatter", "all_reduce", "broadcast", "scatter"):
             mp.setattr(comm, op, getattr(recorder, op))
         mp.setattr(paddle.distributed.collective, "_get_global_group", lambda: mesh.world)
 
@@ -331,6 +340,7 @@ def simulate_rank(rank: int, layout: topology.HSDPLayout, expert_unit: bool = Fa
             trace.trainable_buffers += buf.trainable
             trace.frozen_buffers += not buf.trainable
             trace.expert_buffers += buf.is_expert
+            trace.buffer_inner_sizes.append(buf.inner.nranks)
             for sp in buf.params:
                 key = f"{unit.index}:{sp.fqn}"
                 trace.firstly_shared[key] = getattr(sp.shard, "is_firstly_shared", None)
@@ -427,8 +437,15 @@ def test_outer_all_reduce_once_per_buffer_per_step_reduce_scatter_per_micro_step
     for rank, trace in traces.items():
         mesh = trace.mesh
         n_dense = trace.trainable_buffers - trace.expert_buffers
-        assert [c.op for c in trace.setup] == ["broadcast"] * (
-            trace.trainable_buffers + trace.frozen_buffers)
+        # fully_shard: per buffer, its rows from the inner group's first rank (issue
+        # 61's agreement), then the outer replicas from outer rank 0
+        assert [c.op for c in trace.setup] == [
+            op for inner in trace.buffer_inner_sizes
+            for op in (["scatter"] if inner > 1 else []) + ["broadcast"]]
+        assert len(trace.buffer_inner_sizes) == trace.trainable_buffers + trace.frozen_buffers
+        inner_groups = {tuple(mesh.inner(e).ranks) for e in (False, True)}
+        assert {c.ranks for c in trace.setup if c.op == "scatter"} <= inner_groups
+        assert {c.tag for c in trace.setup if c.op == "scatter"} == {"agreement"}
         for step in trace.steps:
             outer = [c.ranks for c in step if c.op == "all_reduce" and c.tag is None]
             scatters = [c.ranks for c in step if c.op == "reduce_scatter"]

@@ -36,7 +36,8 @@ SHARED_2X2_WORKERS = [
     ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[[0], [1], [2], [3]],
                                          dim_names=["outer", "inner"], variants=ON_MESH))],
     ["worker_fingerprint.py"], ["worker_one_rank_call.py"], ["worker_master_grad.py"],
-    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)]]
+    ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)],
+    ["worker_agreement.py", json.dumps(dict(HSDP_2X2, runs=["none", "optim"]))]]
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +68,9 @@ def hsdp_2x2_log(shared_2x2_work):
 # again for a new layout): dp2 x mp2 x sharding2 first, so that it is the launch's first
 # fleet.init, as in a job of its own (test_hcg_groups.py: Paddle's own fleet.init failed
 # or hung on it before paddle_hsdp's safe gloo sub-groups); then HSDP next to tensor
-# parallelism (test_mp_pp.py), Paddle's pipeline schedule at pp2 x sharding4 outer 2
-# (test_3d.py), the MoE parity run, EP 2 (test_moe.py), Muon next to each of TP and EP
+# parallelism (test_mp_pp.py), Muon next to it, the same layout with ranks built from
+# different weights (test_agreement.py), Paddle's pipeline schedule at pp2 x sharding4
+# outer 2 (test_3d.py), the MoE parity run, EP 2 (test_moe.py), Muon next to EP
 # (worker_muon_3d.py after the worker of its layout; test_muon_owned.py), and 2 x 4:
 # worker_engine.py's HSDP variants (with the reduce-scatter twins NCCL gets, forced on
 # gloo for this layout's fleet.init only) and worker_hfsdp.py's HFSDP run, whose units
@@ -76,6 +78,9 @@ def hsdp_2x2_log(shared_2x2_work):
 # (test_engine_parity.py, test_hfsdp.py).
 HCG_8 = {"dp_degree": 2, "mp_degree": 2, "sharding_degree": 2, "outer": 2}
 MP_8 = {"mp_degree": 2, "sharding_degree": 4, "outer": 2, "tag": "MP"}
+# issue 61: the same layout with every rank but each FSDP group's first built from other
+# weights (test_agreement.py), in float64
+MP_8_APART = dict(MP_8, tag="MP_APART", fleet_opt=[False], seeded_apart=True, dtype="float64")
 # train_batch's 1F1B with 4 micro-batches of 2 rows (workers/worker_pipeline.py)
 PIPELINE_CONFIGS = {"accumulate_steps": 4, "micro_batch_size": 2}
 PIPELINE_8 = {"pp_degree": 2, "sharding_degree": 4, "outer": 2,
@@ -95,6 +100,7 @@ def launch_8_log():
     jobs = [["worker_groups.py", json.dumps(HCG_8)],
             ["worker_mp_pp.py", json.dumps(MP_8)],
             ["worker_muon_3d.py", json.dumps(dict(MP_8, part="tp"))],
+            ["worker_mp_pp.py", json.dumps(MP_8_APART)],
             ["worker_pipeline.py", json.dumps(PIPELINE_8)],
             ["worker_moe.py", json.dumps(MOE_8)],
             ["worker_muon_3d.py", json.dumps(dict(MOE_8, part="ep"))],
@@ -117,7 +123,8 @@ def hsdp_2x4_log(launch_8_log):
 # active at every step of 6 (SGD and AdamW; issue 48's one-replica row; test_3d.py, when
 # PaddleFormers is installed), then the 1 x 2 resume of the checkpoint the shared 2 x 2
 # launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each, and
-# Paddle's optimizer patterns at 1 x 2 on the latter (test_optimizer_patterns.py).
+# Paddle's optimizer patterns at 1 x 2 on the latter (test_optimizer_patterns.py), then
+# ranks built from different seeds at 1 x 2 (test_agreement.py).
 MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
            "fleet_opt": [False, True]}
 TP_LLAMA_2 = {"layouts": [{"mp_degree": 2, "sharding_degree": 1, "outer": 1,
@@ -133,7 +140,8 @@ def launch_2_log(hsdp_2x2_log, shared_2x2_work):
     tp_llama = [["worker_tp_llama.py", json.dumps(TP_LLAMA_2)]] if has_paddleformers() else []
     jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)], *tp_llama,
             ["worker_checkpoint_2ranks.py", shared_2x2_work],
-            ["worker_optimizer_patterns.py", json.dumps({"sharding_degree": 2, "outer": 1})]]
+            ["worker_optimizer_patterns.py", json.dumps({"sharding_degree": 2, "outer": 1})],
+            ["worker_agreement.py", json.dumps({"sharding_degree": 2, "outer": 1})]]
     return launch(2, "run_many.py", json.dumps(jobs), timeout=900)
 
 

@@ -59,7 +59,8 @@ def apply_config(model: paddle.nn.Layer, config: str | os.PathLike | dict | HSDP
               "offload_policy": CPUOffloadPolicy(pin_memory=cfg.pin_memory)
               if cfg.offload_to_cpu else None,
               "ignored_params": choice.ignored_params() or None,
-              "fsdp_outer_sharding": outer_sharding}
+              "fsdp_outer_sharding": outer_sharding,
+              "sync_module_states": cfg.sync_module_states}
     if cfg.owned_matrices:  # Muon's matrices whole on one rank each
         kwargs["shard_placement_fn"] = owned_matrices(info=muon_param_info(model))
     for _, module in choice.wrap:

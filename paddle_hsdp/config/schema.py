@@ -190,6 +190,9 @@ _KEYS = (
     _Key("owned_matrices", False, "true or false (true: each matrix Muon updates whole "
          "on one rank, paddle_hsdp.owned_matrices())", _check_bool),
     _Key("output_dtype", None, _DTYPE, _check_dtype),
+    _Key("sync_module_states", True, "true or false (true: every rank takes the weights "
+         "of its FSDP group's first rank before sharding; false: they are known to be "
+         "equal, and are checked)", _check_bool),
     _Key("num_to_forward_prefetch", 1, "an int >= 0", _check_non_negative_int),
     _Key("num_to_backward_prefetch", 1, "an int >= 0", _check_non_negative_int),
 )
@@ -229,6 +232,7 @@ class HSDPConfig:
     reduce_dtype: str | None = None
     owned_matrices: bool = False
     output_dtype: str | None = None
+    sync_module_states: bool = True
     num_to_forward_prefetch: int = 1
     num_to_backward_prefetch: int = 1
     source: str = DICT_SOURCE

@@ -19,7 +19,7 @@ from ..comm import gather_tags
 from ..hints import expect_layer
 from ..topology.mesh import resolve_mesh
 from ..topology.placement import is_expert
-from . import direct_calls, grad_hooks, hooks
+from . import agreement, direct_calls, grad_hooks, hooks
 from .context import context
 from .controls import UnitControls, UnitPolicies
 from .flex import sharded_state_dict
@@ -382,7 +382,8 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
                 offload_policy: OffloadPolicy | None = None,
                 ignored_params: Iterable[paddle.Tensor] | None = None,
                 enable_tensor_fusion_and_overlap: bool = True,
-                fsdp_outer_sharding: str | None = None) -> _L:
+                fsdp_outer_sharding: str | None = None,
+                sync_module_states: bool = True) -> _L:
     """Shard ``module``'s parameters over the inner group, replicate over the outer.
 
     Call it bottom-up: each call makes one communication unit of the parameters not
@@ -409,12 +410,22 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     a reduce-scatter and, after the update, an all-gather; see docs/engine.md), or
     None: ``sharding_configs["fsdp_outer_sharding"]`` with ``mesh=None``, ``"none"``
     on an explicit mesh. With outer degree 1 both are the same.
-    Every check runs before anything changes and before any collective, so a rejected
-    call raises on every rank alike and leaves the model as it was.
+    ``sync_module_states`` (torch FSDP's name): True (default) takes every parameter
+    and buffer of the unit from the first rank of its FSDP group (each rank receives
+    its own rows: one scatter per buffer over the inner group, then the outer
+    broadcast; the module buffers by one broadcast per dtype), so ranks seeded apart
+    or a checkpoint loaded on one rank still train one model. False: the weights are
+    known to be equal on every rank; a fingerprint per tensor is compared instead, and
+    the call refuses on every rank, naming the first tensor that differs
+    (docs/engine.md, "Replicas agree before sharding").
+    Every check runs before anything changes and before any collective (but the
+    fingerprints' own), so a rejected call raises on every rank alike and leaves the
+    model as it was.
     """
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward)
     _check_bool(enable_tensor_fusion_and_overlap,
                 "fully_shard(enable_tensor_fusion_and_overlap)")
+    _check_bool(sync_module_states, "fully_shard(sync_module_states)")
     ignored_list = _check_args(shard_placement_fn, mp_policy, offload_policy, ignored_params)
     outer_sharding = _check_outer_sharding(fsdp_outer_sharding)
     _check_module(module)
@@ -426,6 +437,10 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     resolved = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
     claims = _plan_claims(module, ignored, placements)
     _check_sizes(claims)
+    module_buffers = agreement.module_buffers(module)
+    if not sync_module_states:  # collectives of fingerprints only; nothing changed yet
+        agreement.verify(_held_params(claims) + module_buffers, resolved,
+                         f"fully_shard({type(module).__name__})")
     # Nothing changed so far; from here on the call acts.
     registry.ignored.update(ignored_here)
     hooks.install()
@@ -438,7 +453,7 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
     grad_hooks.watch_grads(unit)
-    unit.shard_initial()  # first collective: broadcast over the outer group
+    unit.shard_initial(bool(sync_module_states), module_buffers)  # first collectives
     grad_hooks.watch_shard_grads(unit)
     registry.add(unit)
     hooks.register_unit_hooks(unit, registry.units)
@@ -513,6 +528,17 @@ def _plan_claims(module: paddle.nn.Layer, ignored: set, placements: dict) -> lis
             fqn = f"{prefix}.{name}" if prefix else name
             claims.append((sub, name, fqn, p, registry.owner_of.get(id(p)), segment))
     return claims
+
+
+def _held_params(claims: list[tuple]) -> list[agreement.Held]:
+    """The parameters this call will shard (not those another unit owns), once each,
+    for the agreement check."""
+    held, seen = [], set()
+    for _, _, fqn, p, owner, _ in claims:
+        if owner is None and id(p) not in seen:
+            seen.add(id(p))
+            held.append(agreement.Held(fqn, p, is_expert(p)))
+    return held
 
 
 def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None:

@@ -33,7 +33,8 @@ from ..comm.traits import traits_of
 from ..topology.cost import UnitShape
 from ..topology.fleet import single_rank_group
 from ..topology.placement import is_expert
-from . import master_grad
+from . import agreement, master_grad
+from .agreement import Held
 from .outer_sync import schedule_of
 from .buffer import ShardBuffer
 from .controls import UnitControls, UnitPolicies
@@ -192,10 +193,15 @@ class FSDPUnit:
                     return name or "<root>"
         return "<root>"
 
-    def shard_initial(self) -> None:
-        """First sharding: cut blocks, broadcast over outer, free the full params."""
+    def shard_initial(self, sync: bool = True, module_buffers: list[Held] | None = None,
+                      ) -> None:
+        """First sharding: cut blocks, broadcast over outer, free the full params.
+        ``sync``: every tensor (``module_buffers`` too) taken from the FSDP group's
+        first rank ([Note: agreement at sharding] in :mod:`.agreement`)."""
+        if sync and module_buffers:
+            agreement.sync_buffers(module_buffers, self.mesh)
         for buf in self.buffers:
-            buf.storage.shard_from_full(src_outer_rank=0)
+            buf.storage.shard_from_full(src_outer_rank=0, sync=sync)
         for sp in self.params:
             sp.free_full_data()
             sp.point_users_to(sp.shard)

@@ -7,12 +7,14 @@ With ``pp_degree > 1`` each stage would train its own model on its own loss (no
 schedule, the global norm spanning the stages); the suite runs pipelines through Paddle's
 own schedule instead (worker_pipeline.py).
 argv: JSON with the hybrid degrees, ``outer``, ``tag`` (the log prefix) and optionally
-``fleet_opt`` (which optimizer set-ups to run: [false, true] by default).
+``fleet_opt`` (which optimizer set-ups to run: [false, true] by default) and
+``dtype`` (default float32), ``seeded_apart`` (every rank but the first of each FSDP group builds other weights:
+fully_shard makes them agree, issue 61).
 """
 
 import numpy as np
 from common import config_from_argv, finish, init_fleet, max_rel
-from parity import report
+from parity import report, set_dtype
 
 import paddle
 from paddle.distributed import fleet
@@ -52,6 +54,8 @@ def train_reference(weights, data, n):
 
 
 config = config_from_argv()
+if "dtype" in config:
+    set_dtype(config["dtype"])
 hcg = init_fleet(config)
 stage, n_stages = hcg.get_stage_id(), hcg.get_pipe_parallel_world_size()
 mp_rank, mp_n = hcg.get_model_parallel_rank(), hcg.get_model_parallel_world_size()
@@ -68,7 +72,12 @@ assert min(ref_norms) > CLIP, ref_norms  # clipping is active at every step
 
 
 def run(via_fleet: bool):
-    model = shard_tinylm(build(mp_n > 1, weights[stage], mp_rank, mp_n))
+    own = weights[stage]
+    if config.get("seeded_apart") and dp_rank != 0:
+        # issue 61: every rank but each FSDP group's first builds other weights;
+        # fully_shard must take the first rank's (the reference's) slice
+        own = full_weights(1000 + 10 * hcg.get_global_rank() + stage)
+    model = shard_tinylm(build(mp_n > 1, own, mp_rank, mp_n))
     opt = make_opt(model.parameters())
     if via_fleet:
         opt = fleet.distributed_optimizer(opt)

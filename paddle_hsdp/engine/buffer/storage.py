@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from .shard_buffer import ShardBuffer
 
 
+def _materialise(sp: ShardedParam) -> None:
+    """A param built under ``paddle.LazyGuard()`` has no data yet: it gets it now, alone,
+    and is freed once cut, so no rank ever holds more than one unit's full params."""
+    if not sp.full._is_initialized() and sp.numel:
+        sp.full.initialize()
+
+
 class ShardStorage:
     """The flat shard of one :class:`~.shard_buffer.ShardBuffer`."""
 
@@ -74,21 +81,20 @@ class ShardStorage:
                 sp.attach_shard(flat)
                 self.buf.pieces.note_edit()
 
-    def shard_from_full(self, src_outer_rank: int) -> None:
-        """Cut this rank's rows out of the local full params into one flat shard, make
-        outer replicas identical (broadcast from outer rank ``src_outer_rank``), and
-        make the shard params views of it."""
+    def shard_from_full(self, src_outer_rank: int, sync: bool = True) -> None:
+        """Cut this rank's rows into one flat shard, make outer replicas identical
+        (broadcast from outer rank ``src_outer_rank``), and make the shard params views
+        of it. ``sync``: the rows come from the inner group's first rank (one scatter:
+        [Note: agreement at sharding] in :mod:`..agreement`), else from this rank's own
+        full params (known to agree); parameters built under ``paddle.LazyGuard`` are
+        scattered either way."""
         buf = self.buf
         flat = paddle.zeros([buf.shard_numel], buf.dtype)  # gaps and padding stay zero
-        for sp in buf.params:
-            # A param built under paddle.LazyGuard() has no data yet: materialise it
-            # alone, keep this rank's rows, free it; no rank ever holds the full model.
-            if not sp.full._is_initialized() and sp.numel:
-                sp.full.initialize()
-            if sp.inner_numel:
-                rows = sp.rows_of(sp.full.detach(), sub=False)
-                paddle.assign(rows.reshape([-1]), output=sp.inner_block_of(flat))
-            sp.free_full_data()
+        lazy = any(not sp.full._is_initialized() and sp.numel for sp in buf.params)
+        if (sync or lazy) and buf.inner.nranks > 1:
+            self._scatter_from_first(flat)
+        else:
+            self._cut_own_rows(flat)
         comm.broadcast(flat, src=buf.outer.ranks[src_outer_rank], group=buf.outer,
                        what=buf.describe)
         for sp in buf.params:
@@ -100,6 +106,34 @@ class ShardStorage:
         self.adopt(buf.host.keep(flat) if buf.host is not None else flat)
         # every replica holds every piece now: a rebuild is owed only after an edit
         buf.pieces.note_rebuilt()
+
+    def _cut_own_rows(self, flat: paddle.Tensor) -> None:
+        """This rank's rows of its own full params into ``flat``, each full param freed
+        as soon as it is cut."""
+        for sp in self.buf.params:
+            _materialise(sp)
+            if sp.inner_numel:
+                rows = sp.rows_of(sp.full.detach(), sub=False)
+                paddle.assign(rows.reshape([-1]), output=sp.inner_block_of(flat))
+            sp.free_full_data()
+
+    def _scatter_from_first(self, flat: paddle.Tensor) -> None:
+        """The inner group's first rank lays its full params out as the full flat
+        buffer (rank ``i``'s flat shard is its ``i``-th chunk) and scatters it; the
+        others only free theirs. Every rank materialises a lazy param as before (each
+        generator advances alike, whichever rank is the source)."""
+        buf = self.buf
+        source = buf.inner.rank == 0
+        full_flat = paddle.zeros([buf.padded_numel], buf.dtype) if source else None
+        for sp in buf.params:
+            _materialise(sp)
+            if full_flat is not None and sp.numel:
+                paddle.assign(sp.full.detach().reshape([-1]).astype(buf.dtype),
+                              output=full_flat[sp.slot.full_offset:
+                                               sp.slot.full_offset + sp.numel])
+            sp.free_full_data()
+        comm.scatter(flat, full_flat, src=buf.inner.ranks[0], group=buf.inner,
+                     tag="agreement", what=buf.describe)
 
     def read_block(self, sp: ShardedParam) -> paddle.Tensor:
         """``sp``'s inner block ``[rows held, ...]`` of the flat shard (a view)."""
