@@ -126,6 +126,13 @@ def test_readme_is_at_most_120_lines():
                                    f"move detail to a docs page and link it")
 
 
+def test_readme_says_what_it_is_and_for_whom_in_3_to_5_lines():
+    text = _read("README.md")
+    intro = [line for line in text.split("\n## ", 1)[0].split("\n")[1:] if line.strip()]
+    assert 3 <= len(intro) <= 5, f"README.md's intro has {len(intro)} lines, not 3-5"
+    assert "for engineers who" in " ".join(intro).lower(), "the intro should say for whom"
+
+
 def test_readme_gives_the_two_commands_first():
     text = _read("README.md")
     blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
