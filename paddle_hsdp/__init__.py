@@ -22,6 +22,7 @@ from .engine.api import (FSDPModule, forget, full_grads, full_state_dict, fully_
                          set_zero_stage)
 from .engine.experts import mark_expert_params
 from .engine.memory import memory_report, reset_peak_memory
+from .engine.optimizer_state import full_optimizer_state_dict
 from .engine.optimizers import finish_grad_sync
 from .engine.placements import Owned, owned_matrices
 from .optim import Muon
@@ -38,7 +39,8 @@ __all__ = [
     "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "ReplicaMismatchError",
     "apply_config",
     "check_collectives",
-    "create_mesh_groups", "finish_grad_sync", "forget", "full_grads", "full_state_dict",
+    "create_mesh_groups", "finish_grad_sync", "forget", "full_grads",
+    "full_optimizer_state_dict", "full_state_dict",
     "fully_shard", "get_fsdp_outer_degree", "last_global_norm", "load_checkpoint",
     "load_config", "mark_expert_params", "memory_report", "owned_matrices",
     "reset_peak_memory",

@@ -288,16 +288,6 @@ def _check_collectives():
     paddle_hsdp.check_collectives("yes")
 
 
-@row("optimizer built before the root's `fully_shard`", "`AdamW(model.parameters())` first",
-     RuntimeError, "after", "fully_shard")
-def _early_optimizer():
-    model = _net()
-    opt = paddle.optimizer.AdamW(parameters=model.parameters())
-    paddle_hsdp.fully_shard(model)
-    model(paddle.ones([2, 4])).sum().backward()
-    opt.step()
-
-
 # ---------------------------------------------------------------- config keys
 @row("`apply_config(model, config)`", "`{sharding_sise: 2}` (a typo)", paddle_hsdp.ConfigError,
      "sharding_sise", "did you mean 'sharding_size'")

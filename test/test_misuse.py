@@ -8,6 +8,7 @@ import paddle
 import pytest
 
 import paddle_hsdp
+from paddle_hsdp.engine.optimizers import optimizer_params
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from kit import (assert_raises_without_side_effects, batch_ids, models, parity, shard_tinylm,
                 two_linears)
@@ -145,17 +146,54 @@ def test_finish_grad_sync_takes_a_model_an_optimizer_or_params(fake_mesh):
 
 
 # ---------------------------------------------------------------- items 6, 7: optimizers
-def test_optimizer_built_before_the_root_call_is_refused_at_the_step(fake_mesh):
-    model = models.build_model()
-    paddle_hsdp.fully_shard(model.blocks[0])
-    opt = paddle.optimizer.AdamW(parameters=model.parameters())  # before the root's call
-    paddle_hsdp.fully_shard(model)
-    models.lm_loss(model, batch_ids(), True).backward()
-    before = {n: p.numpy().copy() for n, p in paddle_hsdp.full_state_dict(model).items()}
-    with pytest.raises(RuntimeError, match="after the root's fully_shard"):
-        opt.step()
-    after = paddle_hsdp.full_state_dict(model)
-    assert all(np.array_equal(before[n], after[n].numpy()) for n in before)
+@pytest.mark.parametrize("groups", [False, True], ids=["list", "param_groups"])
+@pytest.mark.parametrize("early_step", [False, True], ids=["", "a_step_before"])
+def test_optimizer_built_before_the_root_call_takes_the_shards(fake_mesh, groups, early_step):
+    """Issue 64 (Paddle's 3.3-era fully_shard test builds its optimizer first): an
+    optimizer built from the full parameters before fully_shard trains exactly as one
+    built after it, its parameter groups' options kept; state it made in a step before
+    the sharding is cut to the shards' rows."""
+    def run(early: bool) -> dict:
+        model = models.build_model()
+
+        def make():
+            params = list(model.parameters())
+            if groups:
+                params = [{"params": params[:3], "learning_rate": 0.5}, {"params": params[3:]}]
+            return paddle.optimizer.AdamW(learning_rate=0.01, parameters=params,
+                                          weight_decay=0.1)
+
+        opt = make() if early else None
+        if early and early_step:
+            models.lm_loss(model, batch_ids(), True).backward()
+            opt.step()
+            opt.clear_grad()
+        paddle_hsdp.fully_shard(model.blocks[0])
+        paddle_hsdp.fully_shard(model)
+        opt = opt or make()
+        for _ in range(2):
+            models.lm_loss(model, batch_ids(), True).backward()
+            opt.step()
+            opt.clear_grad()
+        assert all(hasattr(p, "_hsdp_sharded_param") for p in optimizer_params(opt))
+        return {n: p.numpy() for n, p in paddle_hsdp.full_state_dict(model).items()}
+
+    early = run(True)
+    if early_step:  # the reference: the same step unsharded, then sharded training
+        model = models.build_model()
+        opt = paddle.optimizer.AdamW(learning_rate=0.01, weight_decay=0.1, parameters=(
+            [{"params": list(model.parameters())[:3], "learning_rate": 0.5},
+             {"params": list(model.parameters())[3:]}] if groups else model.parameters()))
+        for _ in range(3):
+            models.lm_loss(model, batch_ids(), True).backward()
+            opt.step()
+            opt.clear_grad()
+        late = {n: p.numpy() for n, p in model.state_dict().items()}
+    else:
+        late = run(False)
+    assert sorted(early) == sorted(late)
+    for name in early:
+        np.testing.assert_array_equal(early[name], late[name], err_msg=name)
 
 
 def test_forward_that_raised_leaves_shards_in_the_slots(fake_mesh):
@@ -203,3 +241,21 @@ def test_clip_grad_norm_on_one_rank_equals_paddles(fake_mesh, float64):
     for name, p in plain.named_parameters():
         if p.grad is not None:
             parity.assert_close(grads[name].numpy(), p.grad.numpy(), name)
+
+
+def test_optimizer_state_of_another_shape_is_refused_by_key(fake_mesh):
+    """Issue 64: set_state_dict keeps each rank's rows of a full state; a tensor of
+    neither the full nor the shard's shape is refused, naming its key, and nothing is
+    loaded."""
+    model = shard_tinylm(models.build_model())
+    opt = paddle.optimizer.AdamW(parameters=model.parameters())
+    models.lm_loss(model, batch_ids(), True).backward()
+    opt.step()
+    opt.clear_grad()
+    state = opt.state_dict()
+    key = next(k for k, v in state.items() if "moment1" in k and len(v.shape) == 2)
+    before = {k: v.numpy().copy() for k, v in state.items() if hasattr(v, "numpy")}
+    with pytest.raises(ValueError, match=f"'{key}'.*neither the full parameter's"):
+        opt.set_state_dict(dict(state, **{key: paddle.zeros([3, 3], state[key].dtype)}))
+    after = opt.state_dict()
+    assert all(np.array_equal(after[k].numpy(), v) for k, v in before.items())

@@ -37,7 +37,8 @@ SHARED_2X2_WORKERS = [
                                          dim_names=["outer", "inner"], variants=ON_MESH))],
     ["worker_fingerprint.py"], ["worker_one_rank_call.py"], ["worker_master_grad.py"],
     ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)],
-    ["worker_agreement.py", json.dumps(dict(HSDP_2X2, runs=["none", "optim"]))]]
+    ["worker_agreement.py", json.dumps(dict(HSDP_2X2, runs=["none", "optim"]))],
+    ["worker_full_optim_state.py", json.dumps(HSDP_2X2)]]
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import paddle
@@ -78,11 +78,8 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
         sp = managed_param(p)
         # (no shard: a fully_shard that failed after claiming it; the full param still)
         if sp is not None and p is not getattr(sp, "shard", None):
-            raise RuntimeError(
-                f"The optimizer holds the full parameter '{sp.fqn}' ({p.name}), which "
-                "fully_shard replaced by this rank's shard: its updates would be lost. "
-                "Build the optimizer after the root's fully_shard, from model.parameters() "
-                "(which then yields the shards).")
+            raise AssertionError(f"the optimizer still holds the full parameter '{sp.fqn}' "
+                                 "(optimizer_state.adopt_shards runs first)")
     shards = [p for p in params if hasattr(p, "_hsdp_sharded_param")]
     if shards and isinstance(optimizer, not_elementwise_classes()):
         raise NotImplementedError(
@@ -346,35 +343,3 @@ def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
                     "without tensor parallelism. Nothing was updated.")
     ask = getattr(optimizer, "refusal", None)  # the optimizer's own (paddle_hsdp.Muon)
     return ask(shards) if callable(ask) else None
-
-
-def refuse_state_of_other_shape(optimizer: paddle.optimizer.Optimizer,
-                                state_dict: dict[str, Any]) -> None:
-    """Refuse, in ``set_state_dict``, optimizer state whose tensors do not have the
-    shape of this rank's shards (a full, unsharded state dict would be kept full-size
-    and fail in the first step's kernel): naming the parameter and the way to load
-    full state. Scalars (beta powers, steps) are shape-free. A full-size tensor for a
-    split parameter is refused on every rank alike (the layout decides)."""
-    shards = {p.name: p for p in sharded_params_of(unwrap_optimizer(optimizer))}
-    masters = state_dict.get("master_weights") or {}
-    found = [("master_weights", shards[name], value) for name, value in masters.items()
-             if name in shards]
-    for key, value in state_dict.items():  # accumulators: "<param name>_<state>_<n>"
-        if hasattr(value, "shape"):  # one pass over the keys, not one per parameter
-            owner = next((key[:i] for i, c in enumerate(key)
-                          if c == "_" and key[:i] in shards), None)
-            if owner is not None:
-                found.append((key, shards[owner], value))
-    for key, p, value in found:
-        sp = p._hsdp_sharded_param
-        shape = list(value.shape)
-        if math.prod(shape) == 1 or shape == list(p.shape):
-            continue
-        what = "the full parameter's" if shape == sp.shape else "another"
-        raise ValueError(
-            f"set_state_dict: the optimizer state '{key}' of parameter '{sp.fqn}' has "
-            f"shape {shape} ({what} shape), but this rank's shard of it is "
-            f"{list(p.shape)}: on HSDP shards the optimizer takes its own rows only. "
-            "Load state saved by paddle_hsdp.save_checkpoint with "
-            "paddle_hsdp.load_checkpoint(path, model, optimizer), which cuts it for "
-            "any layout. Nothing was loaded.")

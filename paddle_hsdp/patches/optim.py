@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import paddle
@@ -46,8 +47,8 @@ from ..comm import gather_tags
 from ..engine import offload, outer_sync, trace
 from ..engine.optimizers import (not_elementwise_classes, sharded_params_of, units_of_shards,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes,
-                                 refuse_row_sharded_matrices, refuse_state_of_other_shape,
-                                 untouched_shards)
+                                 refuse_row_sharded_matrices, untouched_shards)
+from ..engine.optimizer_state import adopt_shards, cut_full_state
 from ..engine.registry import registry
 from . import clip
 from .patching import replace
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     ParamsGrads = list[tuple[paddle.Tensor, paddle.Tensor | None]] | dict
 
 _installed = False
+logger = logging.getLogger("paddle_hsdp")
 
 
 class _StepBoundary:
@@ -78,6 +80,7 @@ class _StepBoundary:
         if self.open is not None:
             yield
             return
+        adopt_built_before_sharding(optimizer)
         params = check_optimizer(optimizer)
         gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
         units = units_of_shards(params)
@@ -279,11 +282,22 @@ def _patch_set_state_dict() -> None:
     @functools.wraps(original)
     def set_state_dict(self: paddle.optimizer.Optimizer, state_dict: dict, *args: Any,
                        **kwargs: Any) -> Any:
-        refuse_state_of_other_shape(self, state_dict)
+        if registry.units:
+            state_dict = cut_full_state(self, state_dict)
         return original(self, state_dict, *args, **kwargs)
 
     replace(paddle.optimizer.Optimizer, "set_state_dict", set_state_dict,
-            "refuse optimizer state whose tensors are not this rank's shard's shape")
+            "a full optimizer state loads as this rank's rows of it; other shapes refused")
+
+
+def adopt_built_before_sharding(optimizer: paddle.optimizer.Optimizer) -> None:
+    """An optimizer built before fully_shard takes the shards (said once)."""
+    swapped = adopt_shards(optimizer)
+    if swapped and not getattr(optimizer, "_hsdp_adopted_said", False):
+        logger.info("paddle_hsdp: the optimizer was built before fully_shard; its %d "
+                    "sharded parameters (e.g. '%s') now are this rank's shards",
+                    len(swapped), swapped[0])
+        optimizer._hsdp_adopted_said = True
 
 
 def _patch_grad_scaler() -> None:
