@@ -162,31 +162,53 @@ class _Slot:
         self.in_one_segment = whole
 
 
+class _Buffer:
+    """What the first step's check reads of a buffer (one parameter, on the device)."""
+
+    def __init__(self, sp):
+        self.params, self.host = [sp], None
+        self.grads = SimpleNamespace(main_grads=False)
+        self.layout = SimpleNamespace(owned=())
+
+    def layout_with_owners(self, owned):
+        return None
+
+    def describe(self):
+        return "buffer"
+
+
 class _Sharded:
-    def __init__(self, shape, whole):
+    def __init__(self, shape, whole, placement=None):
         self.shape, self.slot, self.trainable = shape, _Slot(whole), True
         self.fqn, self.inner_size, self.parts = "w", 2, 1
+        self.placement, self.buffer = placement, _Buffer(self)
 
 
-def _shard(shape, whole):
+def _shard(shape, whole, placement=None):
     p = paddle.create_parameter(shape, "float32")
-    p._hsdp_sharded_param = _Sharded(shape, whole)
+    p._hsdp_sharded_param = _Sharded(shape, whole, placement)
+    p._hsdp_sharded_param.shard = p
     return p
 
 
-def test_refusal_is_for_cut_matrices_only():
-    """A whole-matrix optimizer is refused on a 2-D parameter cut between segments; a
-    3-D stack (its rows are whole matrices), an owned matrix and a parameter it updates
-    elementwise pass."""
+def test_cut_matrices_move_or_are_refused():
+    """Issue 64: a 2-D parameter cut between segments is moved onto an owner at a
+    whole-matrix optimizer's first step (its buffer is returned for that), unless it
+    cannot move (here: Shard(0) asked explicitly), which is refused naming the
+    placement to use; a 3-D stack (its rows are whole matrices), an owned matrix and a
+    parameter it updates elementwise pass as they are."""
     stack, owned, cut = _shard([2, 4, 5], False), _shard([4, 5], True), _shard([4, 5], False)
     bias = _shard([5], False)
-    refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[stack, owned, cut, bias]),
-                                [stack, owned, bias])
-    opt = paddle_hsdp.Muon(parameters=[stack, owned, cut, bias])
-    with pytest.raises(NotImplementedError, match="owned_matrices"):
-        refuse_row_sharded_matrices(opt, [cut])
-    with pytest.raises(NotImplementedError, match="owned_matrices"):
-        refuse_row_sharded_matrices(opt, [cut])  # refused again: no verdict was kept
+    assert refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[stack, owned, cut, bias]),
+                                       [stack, owned, bias]) == []
+    moves = refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[cut]), [cut])
+    assert moves == [cut._hsdp_sharded_param.buffer]
+    asked = _shard([4, 5], False, placement="shard")
+    opt = paddle_hsdp.Muon(parameters=[stack, owned, asked, bias])
+    with pytest.raises(NotImplementedError, match=r"Shard\(0\).*owned_matrices"):
+        refuse_row_sharded_matrices(opt, [asked])
+    with pytest.raises(NotImplementedError, match=r"Shard\(0\).*owned_matrices"):
+        refuse_row_sharded_matrices(opt, [asked])  # refused again: no verdict was kept
     split = _shard([4, 5], True)
     split.is_distributed, split.split_axis = True, 1
     refuse_row_sharded_matrices(paddle_hsdp.Muon(parameters=[split]), [split])  # it joins

@@ -3,8 +3,9 @@ workers/worker_muon.py in the shared 4-rank launch): ``paddle_hsdp.Muon`` with
 ``owned_matrices()`` at 2 x 2, HFSDP 2 x 2, 1 x 4 and 2 x 2 offloaded against one
 process running the same Muon on the whole batch (5 steps, clip active at every step,
 weight decay, float64: losses and every parameter within the parity bound), each
-matrix's momentum on its owner only, and Muon over the default row shards refused on
-every rank. Next to tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for
+matrix's momentum on its owner only; Muon over the default placement moved onto owners
+at its first step (1 x 4, HFSDP 2 x 2, issue 64) and trained alike; over rows asked
+explicitly (Shard(0)) refused on every rank. Next to tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for
 Newton-Schulz) and expert parallelism (EP 2, the experts as 3-D stacks):
 workers/worker_muon_3d.py in the 8-rank launch, 4 steps each against the whole model in
 one process."""
@@ -12,7 +13,8 @@ one process."""
 from launcher import part_of, run_single, worker_sections
 
 # layout: copies of the state (replicas)
-LAYOUTS = {"2x2": 2, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2}
+LAYOUTS = {"2x2": 2, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2, "1x4 moved": 1,
+           "hfsdp 2x2 moved": 1}
 
 
 def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
@@ -21,6 +23,8 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
         line = next((l for l in log.splitlines() if l.startswith(f"MUON {layout}: ")), "")
         assert "max rel diff" in line, (layout, log[-3000:])
         assert f"= {copies} x " in line, line  # the momentum lives on the owners only
+    for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
+        assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]
     assert "MUON done" in log, log[-3000:]
 

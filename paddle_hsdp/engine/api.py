@@ -27,7 +27,7 @@ from .param import ShardedParam
 from .reductions import wait_pending_reduces
 from .placements import Owned
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .registry import managed_param, owning_unit, registry, units_under
+from .registry import managed_param, owning_unit, param_path, registry, units_under
 from .states import ParamState
 from .unit import FSDPUnit, expect_everyone_in
 
@@ -326,7 +326,7 @@ def _ignored_in(module: paddle.nn.Layer, ignored: list) -> dict:
         sp = managed_param(p)
         if sp is not None and id(owning_unit(sp).module) in subtree:
             raise ValueError(
-                f"ignored_params holds {sp.fqn} of {type(owning_unit(sp).module).__name__}, "
+                f"ignored_params holds {param_path(sp)} of {type(owning_unit(sp).module).__name__}, "
                 "which an earlier fully_shard call on a sub-module already sharded; pass it "
                 "in that call's ignored_params instead.")
     found = {}
@@ -339,8 +339,10 @@ def _ignored_in(module: paddle.nn.Layer, ignored: list) -> dict:
 
 def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
                 ignored: set) -> dict:
-    """``{id(param): "replicate" or "owned"}`` for params a placement keeps whole (on
-    every rank, or on one: :class:`~.placements.Owned`); checks the rest."""
+    """``{id(param): "replicate", "owned" or "shard"}``: params a placement keeps whole
+    (on every rank, or on one: :class:`~.placements.Owned`), or cut into rows because
+    the user asked ``Shard(0)`` (a whole-matrix optimizer then refuses them rather than
+    moving them onto owners); checks the rest."""
     if shard_placement_fn is None:
         return {}
     out = {}
@@ -348,7 +350,10 @@ def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
         if id(p) in ignored or hasattr(p, "_hsdp_sharded_param"):
             continue
         placement = shard_placement_fn(p)
-        if placement is None or (isinstance(placement, Shard) and placement.get_dim() == 0):
+        if placement is None:
+            continue
+        if isinstance(placement, Shard) and placement.get_dim() == 0:
+            out[id(p)] = "shard"
             continue
         if isinstance(placement, Replicate):
             out[id(p)] = "replicate"
@@ -565,6 +570,7 @@ def _apply_claims(unit: FSDPUnit, claims: list[tuple], placements: dict) -> None
                 parts, part = unit.outer_parts(is_expert(p), not p.stop_gradient)
                 claimed[id(p)] = ShardedParam(p, fqn, inner.nranks, inner.rank, parts, part)
             claimed[id(p)].segment = segment  # where it is first met
+            claimed[id(p)].placement = placements.get(id(p))
         claimed[id(p)].users.append((sub, name))
     unit.params = list(claimed.values())
     for sp in unit.params:

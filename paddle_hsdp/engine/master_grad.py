@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import paddle
 
 from .policies import POLICY_HINT
+from .registry import param_path
 
 if TYPE_CHECKING:
     from .param import ShardedParam
@@ -50,8 +51,8 @@ def uses_main_grad(params: Sequence[ShardedParam], describe: Callable[[], str]) 
     refused (the same on every rank, since every rank wraps the same modules)."""
     flags = [marked(sp) for sp in params]
     if any(flags) and not all(flags):
-        wrapped = next(sp.fqn for sp, f in zip(params, flags, strict=True) if f)
-        bare = next(sp.fqn for sp, f in zip(params, flags, strict=True) if not f)
+        wrapped = next(param_path(sp) for sp, f in zip(params, flags, strict=True) if f)
+        bare = next(param_path(sp) for sp, f in zip(params, flags, strict=True) if not f)
         raise NotImplementedError(
             f"MixPrecisionLayer covers '{wrapped}' but not '{bare}', which travel in one "
             f"collective ({describe()}): wrap the whole model (or every fully_shard unit "

@@ -26,7 +26,7 @@ import paddle
 from ..comm import collectives as comm
 from .optimizers import (ensure_accumulators, optimizer_params, sharded_params_of, states_of,
                          unwrap_optimizer)
-from .registry import managed_param, units_under
+from .registry import managed_param, param_path, units_under
 
 if TYPE_CHECKING:
     from .buffer import ShardBuffer
@@ -80,7 +80,7 @@ def cut_full_state(optimizer: paddle.optimizer.Optimizer, state_dict: dict[str, 
             name = f"master_weights['{master}']" if master else f"'{key}'"
             raise ValueError(
                 f"set_state_dict: the optimizer state {name} of parameter "
-                f"'{sp.fqn}' ({p.name}) has shape {shape}, neither the full parameter's "
+                f"'{param_path(sp)}' ({p.name}) has shape {shape}, neither the full parameter's "
                 f"{sp.shape} nor this rank's shard's {list(p.shape)}. Pass the state of "
                 "an unsharded run or of paddle_hsdp.full_optimizer_state_dict (full "
                 "shapes), or this rank's own (shard shapes); a checkpoint of another "
@@ -194,7 +194,7 @@ def adopt_shards(optimizer: paddle.optimizer.Optimizer) -> list[str]:
         _swap_in(groups, swap)
     for sp in swap.values():
         _cut_existing_state(inner, sp)
-    return [sp.fqn for sp in swap.values()]
+    return [param_path(sp) for sp in swap.values()]
 
 
 def _swap_in(params: list, swap: dict[int, ShardedParam]) -> None:

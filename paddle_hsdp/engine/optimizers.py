@@ -10,6 +10,7 @@ these is :mod:`paddle_hsdp.patches.optim`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -25,7 +26,7 @@ from ..comm import collectives as comm
 from ..comm import watchdog
 from ..topology.placement import ModelAxes
 from . import offload
-from .registry import managed_param, owning_unit, units_under
+from .registry import managed_param, owning_unit, param_path, units_under
 from .reductions import sync_grads
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .param import ShardedParam
 
 _T = TypeVar("_T")
+logger = logging.getLogger("paddle_hsdp")
 
 
 class _HoldsParams(Protocol):
@@ -78,7 +80,7 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
         sp = managed_param(p)
         # (no shard: a fully_shard that failed after claiming it; the full param still)
         if sp is not None and p is not getattr(sp, "shard", None):
-            raise AssertionError(f"the optimizer still holds the full parameter '{sp.fqn}' "
+            raise AssertionError(f"the optimizer still holds the full parameter '{param_path(sp)}' "
                                  "(optimizer_state.adopt_shards runs first)")
     shards = [p for p in params if hasattr(p, "_hsdp_sharded_param")]
     if shards and isinstance(optimizer, not_elementwise_classes()):
@@ -254,17 +256,21 @@ def _updates_as_matrix(optimizer: paddle.optimizer.Optimizer, p: paddle.Tensor) 
 
 
 def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
-                                shards: Iterable[paddle.Tensor]) -> None:
-    """Refuse a whole-matrix optimizer over shards that cut one of its matrices across
-    ranks (the default row shards of a 2-D parameter, or HFSDP's outer pieces): it would
-    orthogonalise each rank's rows on their own. A 3-D stack's rows are its matrices,
-    which the row layout keeps whole; an owned parameter lies in one segment. Decided
-    by the layout alone, so every rank refuses alike, before the update."""
+                                shards: Iterable[paddle.Tensor]) -> list[ShardBuffer]:
+    """Check a whole-matrix optimizer against the shards at its first step: a matrix
+    cut across ranks (the default row shards of a 2-D parameter, or HFSDP's outer
+    pieces) would be orthogonalised rows by rows, so its buffer is returned, to be laid
+    out anew with its matrices on owners (:func:`move_matrices_to_owners`, once the
+    grads are synced); one that cannot move (an explicit ``Shard(0)``, an offloaded
+    buffer, MixPrecisionLayer's main grads, state the optimizer already made) is
+    refused, naming it. A 3-D stack's rows are its matrices, which the row layout keeps
+    whole. Decided by the layout alone, so every rank decides alike, before the update."""
     if not needs_whole_matrices(optimizer) or \
             getattr(optimizer, "_hsdp_matrices_agreed", False):  # the layout is fixed
-        return
+        return []
     shards = list(shards)
-    problem = _cut_matrix(optimizer, shards)
+    to_move: list[ShardBuffer] = []
+    problem = _cut_matrix(optimizer, shards, to_move) or _unmovable_buffer(optimizer, to_move)
     # (a collective over the mp group: taken whatever this rank found, so that the
     # group's other ranks do not wait for it)
     problem = _unmatched_slice_owners(optimizer, shards) or problem
@@ -284,6 +290,73 @@ def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
             "rank holds one cut into rows or split by tensor parallelism (its message "
             "says which). Nothing was updated."))
     optimizer._hsdp_matrices_agreed = True  # (our mark on the optimizer, read above)
+    return to_move
+
+
+def move_matrices_to_owners(optimizer: paddle.optimizer.Optimizer,
+                            buffers: list[ShardBuffer]) -> None:
+    """Lay ``buffers`` out anew with every matrix the optimizer updates whole kept in
+    one segment (the layout ``owned_matrices()`` gives), from their full values and
+    synced grads (one all-gather each, per buffer, unit order: alike on every rank),
+    before the first update; said once. Exact: only where the rows live changes."""
+    units = {id(b.owner): b.owner for b in buffers if b.owner is not None}
+    for unit in units.values():
+        unit.reshard(force=True)  # gathered copies go: the layout they view changes
+    moved: list[str] = []
+    for buf in sorted(buffers, key=lambda b: (b.unit_index, b.index)):
+        owned = _owned_flags(optimizer, buf)
+        layout = buf.layout_with_owners(owned)  # (checked by _unmovable_buffer)
+        fulls = buf.gather_full()
+        grads = buf.gather_full(grads=True) if buf.trainable else None
+        buf.relayout(layout, fulls, grads)
+        moved.extend(param_path(sp) for sp, o in zip(buf.params, owned, strict=True) if o)
+    if moved:
+        logger.warning(
+            "paddle_hsdp: %s updates each matrix whole, and %d matrices (e.g. '%s') were "
+            "cut into rows: they now lie whole on one rank each (the layout "
+            "shard_placement_fn=paddle_hsdp.owned_matrices() gives; pass it to "
+            "fully_shard to lay them out so from the start)", type(optimizer).__name__,
+            len(moved), moved[0])
+
+
+def _owned_flags(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer) -> list[bool]:
+    """Per parameter of ``buf``: kept in one segment, as ``owned_matrices()`` lays a
+    buffer out for a whole-matrix optimizer (its owned parameters, and every trainable
+    matrix the optimizer updates whole)."""
+    owned = list(buf.layout.owned) or [False] * len(buf.params)
+    return [bool(o) or (sp.trainable and len(sp.shape) == 2 and
+                        _updates_as_matrix(optimizer, sp.shard))
+            for o, sp in zip(owned, buf.params, strict=True)]
+
+
+def _unmovable_buffer(optimizer: paddle.optimizer.Optimizer,
+                      buffers: list[ShardBuffer]) -> str | None:
+    """Why one of ``buffers`` cannot take its owners' layout (HFSDP pieces that would
+    hold more than twice the buffer), or None."""
+    for buf in buffers:
+        try:
+            buf.layout_with_owners(_owned_flags(optimizer, buf))
+        except ValueError as e:
+            return (f"{type(optimizer).__name__} updates each matrix as a whole; moving "
+                    f"the matrices of {buf.describe()} onto owners at the first step "
+                    f"cannot be done: {e}".replace(
+                        " Nothing of this buffer was allocated; units sharded before it "
+                        "were, so build the model again.", " Nothing was updated."))
+    return None
+
+
+def _cannot_move(optimizer: paddle.optimizer.Optimizer, sp: ShardedParam) -> str | None:
+    """Why a matrix cut into rows cannot be moved onto an owner, or None."""
+    buf = sp.buffer
+    if sp.placement == "shard":
+        return "shard_placement_fn asked paddle.distributed.Shard(0) for it"
+    if buf.host is not None:
+        return "its buffer is offloaded to the host (CPUOffloadPolicy)"
+    if buf.grads.main_grads:
+        return "MixPrecisionLayer keeps its grads in main_grad"
+    if states_of(optimizer, sp.shard):
+        return "the optimizer already holds state for its rows"
+    return None
 
 
 def _unmatched_slice_owners(optimizer: paddle.optimizer.Optimizer,
@@ -319,25 +392,31 @@ def _unmatched_slice_owners(optimizer: paddle.optimizer.Optimizer,
     return None
 
 
-def _cut_matrix(optimizer: paddle.optimizer.Optimizer,
-                shards: list[paddle.Tensor]) -> str | None:
-    """Why this rank's shards refuse a whole-matrix optimizer, or None."""
+def _cut_matrix(optimizer: paddle.optimizer.Optimizer, shards: list[paddle.Tensor],
+                to_move: list[ShardBuffer]) -> str | None:
+    """Why this rank's shards refuse a whole-matrix optimizer, or None; the buffers of
+    cut matrices that can move onto owners go into ``to_move``."""
     for p in shards:
         sp = p._hsdp_sharded_param
         if not sp.trainable or len(sp.shape) != 2 or not _updates_as_matrix(optimizer, p):
             continue
         if not sp.slot.in_one_segment:
+            why = _cannot_move(optimizer, sp)
+            if why is None:
+                if all(b is not sp.buffer for b in to_move):
+                    to_move.append(sp.buffer)
+                continue
             return (f"{type(optimizer).__name__} updates each matrix as a whole, and the "
-                    f"parameter '{sp.fqn}' {sp.shape} is cut into rows across "
-                    f"{sp.inner_size * sp.parts} ranks, so each rank would update its rows "
-                    "on their own. Keep its matrices whole on one rank each: "
+                    f"parameter '{param_path(sp)}' {sp.shape} is cut into rows across "
+                    f"{sp.inner_size * sp.parts} ranks; it cannot be moved onto one rank at "
+                    f"the first step ({why}). Keep its matrices whole on one rank each: "
                     "fully_shard(module, shard_placement_fn=paddle_hsdp.owned_matrices()) "
-                    "(or whole on every rank: lambda p: paddle.distributed.Replicate() if "
-                    "len(p.shape) == 2 else None). Nothing was updated.")
+                    "(paddle_hsdp.Owned() for this parameter; or whole on every rank: "
+                    "paddle.distributed.Replicate()). Nothing was updated.")
         if getattr(p, "is_distributed", False) and \
                 not getattr(optimizer, "handles_tensor_parallel_slices", False):
             return (f"{type(optimizer).__name__} updates each matrix as a whole, and the "
-                    f"parameter '{sp.fqn}' {sp.shape} is this rank's tensor-parallel "
+                    f"parameter '{param_path(sp)}' {sp.shape} is this rank's tensor-parallel "
                     "slice: each rank would orthogonalise its slice on its own. Leave it "
                     "to an elementwise update (Muon: muon_param_info_map), or train "
                     "without tensor parallelism. Nothing was updated.")

@@ -24,6 +24,7 @@ from paddle.base.framework import EagerParamBase
 
 from .layout import row_split
 from .policies import POLICY_HINT
+from .registry import registry
 
 if TYPE_CHECKING:
     from ..topology.mesh import Mesh
@@ -105,6 +106,9 @@ class ShardedParam:
         # sub-modules (0 before the first): the unit's buffers are split by it, so a
         # root's head and its embedding travel apart (unit.buffer_groups).
         self.segment = 0
+        # what shard_placement_fn asked for it: None (the default rows), "shard" (rows,
+        # asked explicitly), "owned" or "replicate"
+        self.placement: str | None = None
 
     def place(self, layout: SegmentLayout, index: int) -> None:
         """Take parameter ``index`` of a buffer's :class:`~.layout.SegmentLayout`."""
@@ -219,8 +223,8 @@ class ShardedParam:
         shard = self.shard
         if shard._is_initialized() and shard.dtype != self.dtype:
             raise NotImplementedError(
-                f"{self.fqn}: its HSDP shard was cast from {_name(self.dtype)} to "
-                f"{_name(shard.dtype)} after fully_shard (paddle.amp.decorate(level='O2') "
+                f"{registry.param_path(self)}: its HSDP shard was cast from "
+                f"{_name(self.dtype)} to {_name(shard.dtype)} after fully_shard (paddle.amp.decorate(level='O2') "
                 "after fully_shard does this). Cast before sharding: call "
                 "paddle.amp.decorate(models=model, level='O2', ...) before fully_shard, and "
                 "build the optimizer afterwards with multi_precision=True (or decorate it "
@@ -242,6 +246,8 @@ class ShardedParam:
             if not shard._is_initialized() or shard.dtype != flat.dtype or \
                     list(shard.shape) != self.shard_shape:
                 self.empty(flat.dtype)._share_buffer_to(shard)
+                # (sharing keeps the receiver's dims: a relaid shard had rows before)
+                shard.get_tensor()._set_dims(self.shard_shape)
             return
         self.piece_of(flat)._share_buffer_to(self.shard)
         self.shard.get_tensor()._set_dims(self.shard_shape)

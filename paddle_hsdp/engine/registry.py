@@ -97,6 +97,26 @@ class Registry:
         subtree = set(id(m) for m in model.sublayers(include_self=True))
         return [u for u in self.units if id(u.module) in subtree]
 
+    def module_path(self, module) -> str:
+        """``module``'s path from the outermost sharded module that contains it (the
+        model root once the root is sharded), as ``named_sublayers`` gives it; "" for
+        that module itself. Resolved on each call (error messages only): while only
+        blocks are sharded, a block is its own outermost module."""
+        for outer in reversed(self.units):
+            for name, sub in outer.module.named_sublayers(include_self=True):
+                if sub is module:
+                    return name
+        return ""
+
+    def param_path(self, sp) -> str:
+        """The parameter's name as the model's ``named_parameters()`` gives it
+        (``layers.0.mlp.gate_proj.weight``), where the model is the outermost sharded
+        module: what every refusal and warning names it by (two blocks' parameters
+        share their name inside their unit, ``mlp.gate_proj.weight``)."""
+        owner = self.owner_of.get(id(getattr(sp, "full", None)))
+        prefix = self.module_path(owner[0].module) if owner is not None else ""
+        return f"{prefix}.{sp.fqn}" if prefix else sp.fqn
+
     def buffer_of(self, sp):
         """The buffer of its owning unit that holds ``sp``."""
         unit = self.owning_unit(sp)
@@ -119,3 +139,4 @@ registry = Registry()
 managed_param = registry.managed_param
 owning_unit = registry.owning_unit
 units_under = registry.units_under
+param_path = registry.param_path

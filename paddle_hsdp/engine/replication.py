@@ -49,10 +49,12 @@ def refusal_to_replicate(model: paddle.nn.Layer, outer: Group) -> str | None:
 
 
 def parameter_table(model: paddle.nn.Layer) -> list[tuple[str, list, object]]:
-    """``(unit path/parameter, shape, dtype)`` of every sharded parameter, unit by unit."""
-    paths = {id(sub): name or "<root>"  # one walk, not one per unit (unit.path)
+    """``(parameter's path in the model, shape, dtype)`` of every sharded parameter,
+    unit by unit."""
+    paths = {id(sub): name  # one walk, not one per parameter (registry.param_path)
              for name, sub in model.named_sublayers(include_self=True)}
-    return [(f"{paths.get(id(unit.module), '?')}/{sp.fqn}", sp.shape, sp.dtype)
+    return [(".".join(x for x in (paths.get(id(unit.module), "?"), sp.fqn) if x),
+             sp.shape, sp.dtype)
             for unit in registry.units_under(model) for sp in unit.params]
 
 

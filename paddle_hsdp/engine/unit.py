@@ -187,11 +187,7 @@ class FSDPUnit:
         return f"unit {self.index} ({self.path()}: {type(self.module).__name__})"
 
     def path(self) -> str:
-        for outer in reversed(registry.units):
-            for name, sub in outer.module.named_sublayers(include_self=True):
-                if sub is self.module:
-                    return name or "<root>"
-        return "<root>"
+        return registry.module_path(self.module) or "<root>"
 
     def shard_initial(self, sync: bool = True, module_buffers: list[Held] | None = None,
                       ) -> None:
@@ -217,7 +213,7 @@ class FSDPUnit:
         for sp in self.params:
             if sp.shard.stop_gradient == sp.trainable:
                 raise RuntimeError(
-                    f"{sp.fqn}: stop_gradient was changed after fully_shard (it is now "
+                    f"{registry.param_path(sp)}: stop_gradient was changed after fully_shard (it is now "
                     f"{sp.shard.stop_gradient}). Set stop_gradient before fully_shard.")
         for sp in self.params:
             sp.check_dtype()

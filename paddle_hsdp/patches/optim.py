@@ -47,7 +47,8 @@ from ..comm import gather_tags
 from ..engine import offload, outer_sync, trace
 from ..engine.optimizers import (not_elementwise_classes, sharded_params_of, units_of_shards,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes,
-                                 refuse_row_sharded_matrices, untouched_shards)
+                                 move_matrices_to_owners, refuse_row_sharded_matrices,
+                                 untouched_shards)
 from ..engine.optimizer_state import adopt_shards, cut_full_state
 from ..engine.registry import registry
 from . import clip
@@ -85,8 +86,10 @@ class _StepBoundary:
         gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
         units = units_of_shards(params)
         if params:
-            refuse_row_sharded_matrices(optimizer, params)
+            to_move = refuse_row_sharded_matrices(optimizer, params)
             finish_grad_sync(params)  # a no-op where backward finished it
+            if to_move:  # a whole-matrix optimizer's first step: its matrices onto owners
+                move_matrices_to_owners(optimizer, to_move)
             clip.make_clip_hsdp_aware(optimizer, params)
             for unit in units:  # the update writes what an outer all-gather may still read
                 unit.finish_rebuild()

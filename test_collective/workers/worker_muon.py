@@ -7,8 +7,10 @@ parameter within workers/parity.py's bound. Layouts in the shared 4-rank launch:
 inner x outer), 1 x 4 (an explicit mesh) and 2 x 2 with the shards offloaded to the
 host (the reduction's path without a grad grid). Also: every matrix's momentum lives on its
 owner only (the state's elements summed over the ranks are the model's, not inner
-times them), the owners' balance per unit is printed, and Muon over the default row
-shards is refused at its first step on every rank, nothing updated.
+times them), the owners' balance per unit is printed; Muon over the default placement
+(1 x 4, HFSDP 2 x 2) moves the cut matrices onto owners at its first step (issue 64)
+and trains as the owned layout does; over rows asked explicitly (``Shard(0)``) it is
+refused at its first step on every rank, nothing updated.
 
 Checkpoints (config ``work``): the 2 x 2 owned run saves model and Muon state; a load
 into the flat row layout gives the same parameters exactly; a load into the owned
@@ -26,7 +28,7 @@ from parity import bound, max_rel, set_dtype
 
 import paddle
 import paddle.distributed as dist
-from paddle.distributed import ProcessMesh
+from paddle.distributed import ProcessMesh, Shard
 
 import paddle_hsdp
 from paddle_hsdp.engine.layout import owner_balance
@@ -151,11 +153,35 @@ def check(name, shard_kwargs, data, reference, work=None):
         checkpoints(model, opt, shard_kwargs, work)
 
 
+def layouts_of(model) -> list:
+    """Per buffer: its segment size and which parameters lie whole in one segment
+    (which segment a tie goes to turns with the unit's index, so offsets are not
+    compared across models)."""
+    return [(buf.layout.segment_numel, buf.layout.owned,
+             all(sp.slot.in_one_segment for sp, o in zip(buf.params, buf.layout.owned) if o))
+            for unit in units_under(model) for buf in unit.buffers]
+
+
+def moved_at_first_step(name, shard_kwargs, data, reference):
+    """Issue 64: Muon over the default placement (the blocks' matrices cut into rows):
+    its first step moves them onto owners (the layout owned_matrices() gives, checked),
+    and training equals the one-process run (check)."""
+    check(name, shard_kwargs, data, reference)
+    moved = shard_tinylm(build_model(), **shard_kwargs)
+    owned = shard_tinylm(build_model(), shard_placement_fn=OWNED, **shard_kwargs)
+    assert layouts_of(moved) != layouts_of(owned)  # before its first step
+    opt = muon(moved, moved.parameters())
+    one_step(moved, opt, data[0][0])
+    assert layouts_of(moved) == layouts_of(owned), name
+    print(f"MUON {name}: laid out as owned_matrices() after its first step", flush=True)
+
+
 def row_shards_refused():
-    """Muon over the default row shards (1 x 4: the blocks' matrices are cut between
-    ranks): refused at its first step, before any update, on every rank alike (the
-    layout decides)."""
-    model = shard_tinylm(build_model(), mesh=ProcessMesh([0, 1, 2, 3]))
+    """Muon over rows asked explicitly (``Shard(0)``, 1 x 4: the blocks' matrices cut
+    between ranks): refused at its first step, before any update, on every rank alike
+    (the layout decides), naming the placement to use."""
+    model = shard_tinylm(build_model(), mesh=ProcessMesh([0, 1, 2, 3]),
+                         shard_placement_fn=lambda p: Shard(0))
     before = {n: t.numpy().copy() for n, t in paddle_hsdp.full_state_dict(model).items()}
     opt = muon(model, model.parameters())
     ids = batches(1, 1, world, PER_RANK)[0][0][rank * PER_RANK:(rank + 1) * PER_RANK]
@@ -163,7 +189,7 @@ def row_shards_refused():
     try:
         opt.step()
     except NotImplementedError as e:
-        assert "owned_matrices()" in str(e), str(e)
+        assert "owned_matrices()" in str(e) and "Shard(0)" in str(e), str(e)
         print(f"MUON refused on row shards: {e}", flush=True)
     else:
         raise AssertionError("Muon on row shards was not refused")
@@ -184,6 +210,8 @@ check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, D
 # offloaded shards: the reduction concatenates the full grads by offset (no grad grid)
 check("2x2 offload", {"shard_placement_fn": OWNED,
                       "offload_policy": paddle_hsdp.CPUOffloadPolicy()}, DATA, REFERENCE)
+moved_at_first_step("1x4 moved", {"mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
+moved_at_first_step("hfsdp 2x2 moved", {"fsdp_outer_sharding": "optim"}, DATA, REFERENCE)
 row_shards_refused()
 print(f"MUON done in {time.time() - started:.1f} s", flush=True)
 finish()

@@ -18,6 +18,7 @@ from ..dtypes import BufferDtypes, element_size
 from ..layout import ALIGN, SegmentLayout, segment_layout
 from ..param import ShardedParam
 from ..pending import PendingGather, PendingReduce
+from ..registry import param_path
 from . import gather, inner_reduce
 from .full_grads import FullGrads
 from .outer_pieces import OuterPieces
@@ -62,10 +63,11 @@ class ShardBuffer:
         self.shared_pieces = self.parts > 1 and traits_of(outer_group).pieces is not None
         if any((sp.parts, sp.part) != (self.parts, self.part) for sp in params) or \
                 (self.parts not in (1, outer_group.nranks) and not self.shared_pieces):
-            raise AssertionError(f"{params[0].fqn}: parameters of one buffer disagree on "
+            raise AssertionError(f"{param_path(params[0])}: parameters of one buffer disagree on "
                                  "their outer sub-shards")
         # owned: params kept inside one segment (paddle_hsdp.Owned); rotation turns which
         # segment a tie goes to, so identical units spread their heaviest segment
+        self.rotation = rotation
         self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts,
                                      owned, rotation)
         if self.parts > 1 and owned is not None and any(owned):
@@ -82,6 +84,37 @@ class ShardBuffer:
         self.full_grads = FullGrads(self)
         self.pieces = OuterPieces(self)
 
+    # -------------------------------------------------------------- a new layout
+    def layout_with_owners(self, owned: list[bool]) -> SegmentLayout:
+        """This buffer's layout with ``owned[k]`` keeping parameter ``k`` in one segment;
+        ``ValueError`` where HFSDP's pieces would hold more than twice the buffer."""
+        layout = segment_layout([sp.shape for sp in self.params],
+                                self.inner_size * self.parts, owned, self.rotation)
+        if self.parts > 1 and any(owned):
+            _refuse_owners_beyond_replication(self.params, layout, self.inner_size, self.parts)
+        return layout
+
+    def relayout(self, layout: SegmentLayout, fulls: list[paddle.Tensor],
+                 grads: list[paddle.Tensor] | None) -> None:
+        """Lay the buffer out as ``layout`` (:meth:`layout_with_owners`) from every
+        parameter's full value and (trainable) its full synced grad, which the caller
+        gathered under the old layout (a whole-matrix optimizer's first step moves its
+        matrices onto owners: engine/optimizers.py). Local: every rank cuts its own
+        rows. The shard parameters stay the same objects (the optimizer holds them),
+        views of the new storage in their new shapes."""
+        self.layout = layout
+        for index, sp in enumerate(self.params):
+            sp.place(layout, index)
+        flat = paddle.zeros([self.shard_numel], self.dtype)  # gaps and padding stay zero
+        for sp, full in zip(self.params, fulls, strict=True):
+            if sp.inner_numel:
+                rows = sp.rows_of(full, sub=False).reshape([-1]).astype(self.dtype)
+                paddle.assign(rows, output=sp.inner_block_of(flat))
+        self.storage.adopt(flat)
+        self.pieces.note_rebuilt()  # every rank holds its whole inner block
+        if grads is not None:
+            self.grads.relay(grads)
+
     # -------------------------------------------------------------- identity
     @property
     def unit_index(self) -> int:
@@ -90,7 +123,7 @@ class ShardBuffer:
 
     def describe(self) -> str:
         """Which unit and buffer this is, for error messages."""
-        first = self.params[0].fqn + (", ..." if len(self.params) > 1 else "")
+        first = param_path(self.params[0]) + (", ..." if len(self.params) > 1 else "")
         owner = self.owner.label if self.owner is not None else f"unit {self.unit_index}"
         return f"{owner}, buffer {self.index} ({first})"
 
@@ -199,7 +232,7 @@ def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: Segmen
         f"owned placements (shard_placement_fn=owned_matrices()) with "
         f"fsdp_outer_sharding='optim': each of the {inner} x {parts} (inner x outer) "
         f"pieces of this buffer must hold a whole owned matrix (the largest: "
-        f"'{largest.fqn}' {list(largest.shape)}), so each rank's shard would be {shard} "
+        f"'{param_path(largest)}' {list(largest.shape)}), so each rank's shard would be {shard} "
         f"elements, more than twice the whole buffer ({whole}): worse than replicating "
         "it. Keep the owners in the inner group (fsdp_outer_sharding='none') or use fewer "
         "outer parts. Nothing of this buffer was allocated; units sharded before it "

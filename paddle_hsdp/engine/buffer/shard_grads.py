@@ -199,6 +199,25 @@ class ShardGrads:
         with self.buf.on_host():
             flat.scale_(scale)
 
+    def relay(self, fulls: list[paddle.Tensor]) -> None:
+        """The buffer was laid out anew (:meth:`ShardBuffer.relayout`): the grad storage
+        again, from each parameter's full grad, this rank's rows of it (its piece only
+        with outer sub-shards, as the outer reduce-scatter leaves it), every shard's
+        ``.grad`` a view of it. Not under MixPrecisionLayer's main grads (refused
+        before)."""
+        buf = self.buf
+        flat = paddle.zeros([buf.shard_numel], buf.dtype)
+        for sp, full in zip(buf.params, fulls, strict=True):
+            if sp.sub_numel:
+                rows = sp.rows_of(full, sub=True).reshape([-1]).astype(flat.dtype)
+                paddle.assign(rows, output=sp.piece_of(flat))
+        self.flat = flat
+        self._epoch = registry.storage_epoch
+        self._repoint.clear()
+        for sp in buf.params:
+            sp.attach_grad(flat)
+        self.scattered = buf.parts > 1
+
     def flats(self) -> list[paddle.Tensor]:
         """The grad storages that exist (grads, main grads)."""
         return [f for f in (self.flat, self.flat_main) if f is not None]
