@@ -259,3 +259,20 @@ def test_optimizer_state_of_another_shape_is_refused_by_key(fake_mesh):
         opt.set_state_dict(dict(state, **{key: paddle.zeros([3, 3], state[key].dtype)}))
     after = opt.state_dict()
     assert all(np.array_equal(after[k].numpy(), v) for k, v in before.items())
+
+
+def test_optimizer_states_under_master_weights_are_found(fake_mesh):
+    """With multi_precision over bfloat16 parameters Paddle keys the moments by the
+    master weight's name (``<name>_fp32_master_0``): checkpoints and
+    full_optimizer_state_dict must find them there (they were missed before issue
+    64's round trip test)."""
+    from paddle_hsdp.engine.optimizers import ensure_accumulators, states_of
+
+    model = models.build_model()
+    model.to(dtype="bfloat16")
+    shard_tinylm(model)
+    opt = paddle.optimizer.AdamW(parameters=model.parameters(), multi_precision=True)
+    ensure_accumulators(opt)
+    states = states_of(opt, model.blocks[0].fc1.weight)
+    assert {"moment1", "moment2", "master_weight"} <= set(states), sorted(states)
+    assert states["moment1"].dtype == paddle.float32

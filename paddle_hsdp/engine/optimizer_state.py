@@ -75,6 +75,9 @@ def cut_full_state(optimizer: paddle.optimizer.Optimizer, state_dict: dict[str, 
         sp = p._hsdp_sharded_param
         shape = list(value.shape)
         if math.prod(shape) == 1 or shape == list(p.shape):
+            if master:
+                masters[master] = value if isinstance(value, paddle.Tensor) \
+                    else paddle.to_tensor(value)
             continue
         if shape != sp.shape:
             name = f"master_weights['{master}']" if master else f"'{key}'"
@@ -93,7 +96,23 @@ def cut_full_state(optimizer: paddle.optimizer.Optimizer, state_dict: dict[str, 
         else:
             out[key] = rows
     if masters:
-        out["master_weights"] = masters
+        out["master_weights"] = _into_existing_masters(optimizer, masters)
+    return out
+
+
+def _into_existing_masters(optimizer: paddle.optimizer.Optimizer,
+                           masters: dict[str, Any]) -> dict[str, Any]:
+    """Master weights written into the ones the optimizer made (after every check):
+    Paddle keys a parameter's accumulators by its master weight's tensor name, which
+    a loaded tensor would not carry."""
+    existing = getattr(unwrap_optimizer(optimizer), "_master_weights", None) or {}
+    out = dict(masters)
+    for name, value in masters.items():
+        own = existing.get(name)
+        if own is not None and isinstance(value, paddle.Tensor) and \
+                list(own.shape) == list(value.shape):
+            paddle.assign(value.astype(own.dtype), output=own)
+            out[name] = own
     return out
 
 

@@ -202,10 +202,14 @@ def managed_shards(params: Iterable[paddle.Tensor]) -> list:
 
 def states_of(optimizer: paddle.optimizer.Optimizer, p: paddle.Tensor) -> dict:
     """``{state name: tensor}`` the optimizer keeps for ``p``: its accumulators under
-    Paddle's names (``moment1``, ``beta1_pow_acc``, ...) and ``master_weight``."""
-    states = {acc: table[p.name] for acc, table in optimizer._accumulators.items()
-              if p.name in table}
+    Paddle's names (``moment1``, ``beta1_pow_acc``, ...) and ``master_weight``. With
+    master weights (``multi_precision`` over bfloat16 / float16 parameters) Paddle keys
+    the accumulators by the master weight's name (``<name>_fp32_master_0``), not the
+    parameter's."""
     master = (getattr(optimizer, "_master_weights", None) or {}).get(p.name)
+    key = master.name if master is not None else p.name
+    states = {acc: table[key] for acc, table in optimizer._accumulators.items()
+              if key in table}
     if master is not None:
         states["master_weight"] = master
     return states

@@ -17,6 +17,7 @@ from paddle.distributed import ProcessMesh
 from paddle.utils import unique_name
 
 import paddle_hsdp
+from paddle_hsdp.engine.optimizers import ensure_accumulators
 from models import batches, build_model, lm_loss, make_optimizer, uses_extra
 
 STEPS_BEFORE, STEPS_AFTER, MICRO, PER_RANK, CLIP = 2, 2, 2, 2, 0.2
@@ -96,7 +97,51 @@ def run(layout: str, mesh, outer_sharding: str) -> None:
         paddle_hsdp.forget(model)
 
 
+def master_weights_round_trip(outer_sharding: str) -> None:
+    """bfloat16 parameters with float32 master weights (AdamW multi_precision): an
+    unsharded optimizer's full state, master weights included, goes into the shards
+    and comes back bit for bit (no step: this CPU build has no bfloat16 matmul)."""
+    rng = np.random.default_rng(5)
+    with unique_name.guard():
+        ref = build_model()
+        ref.to(dtype="bfloat16")
+        ref_opt = paddle.optimizer.AdamW(parameters=ref.parameters(), multi_precision=True)
+        ensure_accumulators(ref_opt)
+        state = {}
+        for key, value in ref_opt.state_dict().items():
+            if key == "master_weights":
+                state[key] = {n: rng.standard_normal(v.shape).astype("float32")
+                              for n, v in value.items()}
+            elif isinstance(value, paddle.Tensor):
+                state[key] = rng.standard_normal(value.shape).astype(str(value.numpy().dtype))
+            else:
+                state[key] = value
+    assert state["master_weights"], "no master weights made"
+    with unique_name.guard():
+        model = build_model()
+        model.to(dtype="bfloat16")
+        for layer in [model.embed, *model.blocks]:
+            paddle_hsdp.fully_shard(layer, fsdp_outer_sharding=outer_sharding)
+        paddle_hsdp.fully_shard(model, fsdp_outer_sharding=outer_sharding)
+        opt = paddle.optimizer.AdamW(parameters=model.parameters(), multi_precision=True)
+        opt.set_state_dict({k: ({n: paddle.to_tensor(v) for n, v in value.items()}
+                                if k == "master_weights" else
+                                paddle.to_tensor(value) if isinstance(value, np.ndarray)
+                                else value) for k, value in state.items()})
+        back = numpy_state(paddle_hsdp.full_optimizer_state_dict(model, opt))
+    for name, value in state["master_weights"].items():
+        assert np.array_equal(back["master_weights"][name], value), name
+    for key, value in state.items():
+        if isinstance(value, np.ndarray) and value.size > 1:
+            assert np.array_equal(back[key], value), key
+    print(f"FULL_OPTIM_STATE master weights {outer_sharding}: "
+          f"{len(state['master_weights'])} round trip exact", flush=True)
+    paddle_hsdp.forget(model)
+
+
 run("1x4", ProcessMesh(list(range(world))), "none")
 run("2x2", None, "none")
 run("HFSDP 2x2", None, "optim")
+master_weights_round_trip("none")
+master_weights_round_trip("optim")
 finish()
