@@ -20,8 +20,11 @@ Strategies, all on one job of N GPUs in R = N / G replica groups of G GPUs:
 * ``ft-recut``: as ft-rejoin, but the pieces are re-cut among the survivors in the
   failure's round (not built: docs/fault-tolerance.md), so a piece is lost only if its
   other holders fail within that round, not within the repair time; the re-cut adds
-  to the failure's stall the transfer of the dead group's piece to a survivor (state /
-  (G x P) per rank at the link speed, P = R // redundancy pieces).
+  to the failure's stall the transfer of the dead group's piece to a survivor (optimizer
+  state / (G x P) per rank at the link speed, P = R // redundancy pieces).
+
+Every strategy runs the same layout, HFSDP in groups of G: a rank holds params / G and
+optimizer state / (G x P) (a 70B model's state fits groups of 8 GPUs that way).
 
 A restart (``restart``'s every failure, ft's lost piece) relaunches the job on spare
 hosts in ``--relaunch-min``; ft's dead groups come back after ``--repair-min`` either
@@ -37,10 +40,10 @@ printed side by side with their difference.
 Inputs (each a flag; where each default comes from):
 
 * ``--mtbf-gpu-h`` 50,677 GPU-hours: Llama 3's 405B run, 419 unexpected interruptions
-  in 54 days on 16,384 GPUs ("The Llama 3 Herd of Models", Meta 2024, section 3.3.4),
+  in 54 days on 16,384 GPUs ("The Llama 3 Herd of Models", Meta 2024),
   every cause counted against a GPU. Failures are independent, exponential.
 * ``--detect-s`` 11 s: a dead or hung group heard by every other group, bounded by the
-  lease TTL + 1 s (heartbeat timeout 10 s); measured 8.3-8.7 s (dead) and 10.0-11.0 s
+  lease TTL + 1 s (heartbeat timeout 10 s); measured 7.4-8.7 s (dead) and 10.0-11.0 s
   (hung) by ``tools/sim_ft.py`` at 16-512 groups (docs/fault-tolerance.md, "The control
   plane at scale", 2026-12-05).
 * ``--round-s-per-group`` 0.33/128 s: the failure round measured by ``tools/sim_ft.py``
@@ -56,24 +59,25 @@ Inputs (each a flag; where each default comes from):
   redone, half a step on average. 6 s is a Llama-3-405B step (16 M tokens x 6 FLOPs
   per parameter per token at 400 TFLOPs per GPU on 16,384 GPUs, the Llama 3 report's
   figures).
-* ``--state-gb`` 988 GB: the model's whole state (bf16 params, fp32 master weights and
-  AdamW moments) of the Llama-70B-shaped model of ``tools/sim_checkpoint.py``; a rank
-  of a group holds state / G of it.
+* ``--params-gb`` 141.1 GB and ``--optim-gb`` 846.7 GB: the 988 GB of distinct state of
+  the Llama-70B-shaped model of ``tools/sim_checkpoint.py``, 2 bytes of bf16 params and
+  12 of fp32 master weights and AdamW moments per parameter.
 * ``--link-gbit`` 400 Gbit/s per GPU (Llama 3's RoCE and InfiniBand fabrics): a
-  rejoin's transfer is state / G bytes per rank at this rate, each rank of the group
-  in parallel. The project's measured transfers (1.0-1.26 s on loopback, 0.61-0.75 s
-  over 100 Mbit/s) moved the demo's tiny state and are latency-bound: they give no
-  bandwidth, so the transfer is extrapolated from the link speed.
+  rejoin's transfer is a rank's state (params / G + optimizer state / (G x P)) at this
+  rate, each rank of the group in parallel. The project's measured transfers (1.0-1.26
+  s on loopback, 0.61-0.75 s over 100 Mbit/s) moved the demo's tiny state and are
+  latency-bound: they give no bandwidth, so the transfer is extrapolated from the link
+  speed.
 * ``--write-gb-s`` 0.127 GB/s per rank: ``tools/bench_save.py``'s sync save, 1.6 GiB
   over 4 CPU ranks in 3.35-3.39 s (docs/checkpoints.md, 2026-12-05); each distinct
-  byte is written once, so a save is state / N per rank x ``--writer-imbalance`` 1.113
-  (the slowest writer against the mean at 8,192 ranks, ``tools/sim_checkpoint.py``)
-  at this rate, or state / ``--storage-gb-s`` 2,000 GB/s (Llama 3's Tectonic, 2 TB/s
-  sustained), whichever is slower, plus ``--index-s`` 0.9 s (rank 0's check and
+  byte is written once, so a save is the whole state / N per rank x
+  ``--writer-imbalance`` 1.113 (the slowest writer against the mean at 8,192 ranks,
+  ``tools/sim_checkpoint.py``) at this rate, or state / ``--storage-gb-s`` 2,000 GB/s
+  (Llama 3's Tectonic, 2 TB/s sustained), whichever is slower, plus ``--index-s`` 0.9 s (rank 0's check and
   index, 0.7-0.9 s for HSDP at 128-8,192 ranks, ``tools/sim_checkpoint.py``).
 * ``--read-gb-s`` (default: the write rate; a load was not timed): a load reads each
   byte once (the outer replicas split the reading), then each rank receives the rest
-  of its shard from its readers over the outer group (state / G at the link speed).
+  of its state from its readers over the outer group (at the link speed).
 * ``--relaunch-min`` 10 min and ``--repair-min`` 10 min (not measured here): Meta's
   published recovery stall of fully synchronous training at O(100k) GPUs (Salpekar et
   al., "Training LLMs with Fault Tolerant HSDP on 100,000 GPUs", arXiv 2602.00277)
@@ -130,12 +134,14 @@ def derive(args, gpus: int) -> Costs:
     g = args.group_gpus
     groups = gpus // g
     pieces = max(1, groups // args.redundancy)
-    per_rank = args.state_gb / g  # GB a rank of a group holds
+    state = args.params_gb + args.optim_gb  # GB, each byte saved once
+    piece = args.optim_gb / pieces / g      # GB of optimizer state a rank holds (HFSDP)
+    per_rank = args.params_gb / g + piece   # GB a rank holds: what a rejoin sends it
     link = args.link_gbit / 8     # GB/s
     read = args.read_gb_s or args.write_gb_s
-    save = max(args.state_gb / gpus * args.writer_imbalance / args.write_gb_s,
-               args.state_gb / args.storage_gb_s) + args.index_s
-    load = max(args.state_gb / gpus / read, args.state_gb / args.storage_gb_s) + per_rank / link
+    save = max(state / gpus * args.writer_imbalance / args.write_gb_s,
+               state / args.storage_gb_s) + args.index_s
+    load = max(state / gpus / read, state / args.storage_gb_s) + per_rank / link
     round_s = args.round_s_per_group * groups
     transfer = per_rank / link
     fail = args.detect_s + round_s + args.setup_s + args.step_s / 2
@@ -146,7 +152,7 @@ def derive(args, gpus: int) -> Costs:
     return Costs(gpus=gpus, groups=groups, pieces=pieces,
                  mtbf_job_s=args.mtbf_gpu_h * 3600 / gpus, detect_s=args.detect_s,
                  round_s=round_s, setup_s=args.setup_s, transfer_s=transfer,
-                 recut_s=per_rank / pieces / link, save_s=save, load_s=load,
+                 recut_s=piece / link, save_s=save, load_s=load,
                  restart_s=args.detect_s + args.relaunch_min * 60 + load,
                  fail_stall_s=fail, rejoin_stall_s=rejoin, repair_s=args.repair_min * 60,
                  step_s=args.step_s)
@@ -187,14 +193,17 @@ def analytic(c: Costs, strategy: str, tau: float) -> float:
     """Expected goodput. ``restart``: Daly's expected time to finish a cycle of tau + save
     when a failure (rate 1/MTBF_job) restarts it after a recovery that may fail too.
     ft: the failure-free fraction tau / (tau + save), less each failure's GPU-seconds
-    (first order in the failure rate: stalls assumed not to overlap)."""
+    (first order in the failure rate: stalls and repairs assumed not to overlap)."""
     lam, cycle = 1 / c.mtbf_job_s, tau + c.save_s
     if strategy == "restart":
         return tau / (math.exp(lam * c.restart_s) / lam * math.expm1(lam * cycle))
     base = tau / cycle
     n, g = c.gpus, c.gpus / c.groups
+    # lam x repair groups are dead at a time (Little's law): they neither fail nor stall
+    live = n * (1 - lam * c.repair_s / c.groups)
+    lam *= live / n
     stall = c.fail_stall_s + (c.recut_s if strategy == "ft-recut" else 0.0)
-    per_failure = ((n - g) * stall + g * c.repair_s + n * c.rejoin_stall_s) / n * base
+    per_failure = ((live - g) * stall + g * c.repair_s + live * c.rejoin_stall_s) / n * base
     per_restart = c.restart_s * base + lost_work_s(tau, c.save_s)
     return base - lam * per_failure - lam * piece_loss(c, strategy) * per_restart
 
@@ -362,8 +371,10 @@ def parser() -> argparse.ArgumentParser:
                    help="one training step, s (assumed; half of one is redone)")
     p.add_argument("--ft-stall-s", type=float, default=None,
                    help="replace the ft stall per failure (failure + rejoin) with this, s")
-    p.add_argument("--state-gb", type=float, default=988.0,
-                   help="the model's params and optimizer state, GB (sim_checkpoint's 70B)")
+    p.add_argument("--params-gb", type=float, default=141.1,
+                   help="the model's bf16 params, GB (sim_checkpoint's 70B)")
+    p.add_argument("--optim-gb", type=float, default=846.7,
+                   help="its fp32 master weights and AdamW moments, GB")
     p.add_argument("--link-gbit", type=float, default=400.0, help="per GPU, Gbit/s")
     p.add_argument("--write-gb-s", type=float, default=0.127,
                    help="checkpoint write rate per rank, GB/s (bench_save)")
