@@ -7,6 +7,7 @@ analytic model within 0.01 and 4 standard errors + 0.002 (1,024 and 16,384 GPUs)
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -73,6 +74,15 @@ def test_monte_carlo_agrees_with_the_analytic_model(sim, gpus):
         assert abs(r["difference"]) <= min(0.01, 4 * r["mc_stderr"] + 0.002), r
     again = sim.rows(args)  # seeded: the same figures
     assert [r["monte_carlo"] for r in again] == [r["monte_carlo"] for r in rows]
+
+
+def test_two_groups_that_both_die_wait_for_their_repair(sim):
+    """Two groups of 8, one piece held by both: the second death restarts the job with no
+    group left, which then trains nothing until a repair brings one back."""
+    c = sim.derive(_args(sim, "--repair-min", "100000", "--mtbf-gpu-h", "2000"), 16)
+    job = sim.Job(c, "ft-rejoin", 1800.0, random.Random(0))
+    goodput = job.run(50 * c.mtbf_job_s)
+    assert job.restarts > 0 and len(job.dead) <= 2 and 0 <= goodput <= 1
 
 
 def test_help_and_a_json_run_from_the_command_line(sim):

@@ -292,7 +292,9 @@ class Job:
         events: list = []  # rejoins: (time, group)
         while True:
             live = self.c.groups - len(self.dead)
-            next_failure = self.t + self.rng.expovariate(live * rate)  # memoryless: redrawn
+            # memoryless: redrawn at every event; none while every group is dead (a
+            # restart that lost the last holders waits for their repair)
+            next_failure = self.t + self.rng.expovariate(live * rate) if live else math.inf
             if events and events[0][0] < min(next_failure, horizon):
                 when, group = heapq.heappop(events)
                 self.advance(when)
