@@ -105,7 +105,8 @@ from dataclasses import asdict, dataclass
 
 STRATEGIES = ("restart", "ft-rejoin", "ft-recut")
 
-# Llama 3 405B (Meta 2024, section 3.3.4): 419 unexpected interruptions, 54 days, 16,384 GPUs
+# Llama 3 405B ("The Llama 3 Herd of Models", Meta 2024): 419 unexpected interruptions in
+# 54 days on 16,384 GPUs
 LLAMA3_MTBF_GPU_H = 54 * 24 * 16384 / 419
 
 
