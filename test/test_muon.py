@@ -166,7 +166,8 @@ class _Buffer:
     """What the first step's check reads of a buffer (one parameter, on the device)."""
 
     def __init__(self, sp):
-        self.params, self.host = [sp], None
+        self.params, self.host, self.trainable, self.parts = [sp], None, True, 1
+        self.outer = SimpleNamespace(nranks=1)  # one replica: nothing to spread over
         self.grads = SimpleNamespace(main_grads=False)
         self.layout = SimpleNamespace(owned=())
 
@@ -389,3 +390,16 @@ def test_multi_precision_keeps_a_float32_master(float64):
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(p.astype("float32").numpy(),
                                   master.astype("bfloat16").astype("float32").numpy())
+
+
+def test_newton_schulz_flops_are_counted():
+    """The counter the benchmark reads: 2 flops a multiply-add, per iteration X X^T,
+    A A and B X of the wide orientation (issue 65)."""
+    from paddle_hsdp.optim.muon import newton_schulz_flops
+
+    opt = paddle_hsdp.Muon(parameters=[paddle.create_parameter([6, 4], "float32")],
+                           ns_steps=3)
+    opt.newton_schulz(paddle.rand([6, 4]))  # tall: transposed to 4 x 6
+    assert opt.ns_flops == newton_schulz_flops([4, 6], 3) == 3 * 2 * (2 * 16 * 6 + 64)
+    opt.newton_schulz(paddle.rand([2, 4, 6]))
+    assert opt.ns_flops == 3 * newton_schulz_flops([4, 6], 3)

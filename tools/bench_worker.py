@@ -122,6 +122,22 @@ def muon_placement(model, variant: str):
     return lambda p: dist.Replicate() if owned(p) is not None else None
 
 
+def ns_flops_report(model, opt, mine: int, world: int) -> dict:
+    """The last step's Newton-Schulz flops (Muon's own counter): the largest rank's and
+    every rank's together, against the model's (each matrix it updates whole, once)."""
+    from paddle_hsdp.optim.muon import newton_schulz_flops
+    per_rank = [mine]
+    if world > 1:
+        gathered = []
+        dist.all_gather(gathered, paddle.to_tensor([mine], dtype="int64"))
+        per_rank = [int(x.item()) for x in gathered]
+    model_flops = sum(newton_schulz_flops(sorted(p._hsdp_sharded_param.shape), opt._ns_steps)
+                      for p in model.parameters() if hasattr(p, "_hsdp_sharded_param")
+                      and not p.stop_gradient and len(p._hsdp_sharded_param.shape) == 2
+                      and opt.updates_as_matrix(p))
+    return {"max_rank": max(per_rank), "all_ranks": sum(per_rank), "model": model_flops}
+
+
 def owner_imbalance(units) -> float | None:
     """The largest owner imbalance over the units' buffers (owned elements per segment,
     max over mean), None without owners."""
@@ -318,6 +334,7 @@ def main():
     if trace is not None:  # from shapes, no device reads: cheap enough to stay on
         trace.enable(memory=True, rss=True)
     times, losses, comm_steps = [], [], []
+    ns_before = ns_last = 0
     for step, ids in enumerate(data):
         if world > 1:
             dist.barrier()
@@ -329,7 +346,9 @@ def main():
         start = time.perf_counter()
         loss = bench_model.loss_of(model, paddle.to_tensor(ids[rows]))
         loss.backward()
+        ns_before = getattr(opt, "ns_flops", 0)
         opt.step()
+        ns_last = getattr(opt, "ns_flops", 0) - ns_before  # this rank's Newton-Schulz
         opt.clear_grad()
         times.append(time.perf_counter() - start)
         comm_steps.append(measured_comm())
@@ -376,6 +395,7 @@ def main():
         result["optimizer_bytes"] = optimizer_bytes  # None: a --baseline engine
         if variant.endswith("_muon"):
             result["owner_imbalance"] = owner_imbalance(units)
+            result["ns_flops"] = ns_flops_report(model, opt, ns_last, world)
     if timeline is not None:
         result["timeline"] = timeline
     if net:

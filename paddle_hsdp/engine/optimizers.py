@@ -24,6 +24,7 @@ from paddle.base import framework
 
 from ..comm import collectives as comm
 from ..comm import watchdog
+from ..comm.traits import traits_of
 from ..topology.placement import ModelAxes
 from . import offload
 from .registry import managed_param, owning_unit, param_path, units_under
@@ -275,6 +276,9 @@ def refuse_row_sharded_matrices(optimizer: paddle.optimizer.Optimizer,
     shards = list(shards)
     to_move: list[ShardBuffer] = []
     problem = _cut_matrix(optimizer, shards, to_move) or _unmovable_buffer(optimizer, to_move)
+    for buf in _buffers_of(shards):  # issue 65: each matrix orthogonalised once per job
+        if all(b is not buf for b in to_move) and _outer_parts(optimizer, buf) is not None:
+            to_move.append(buf)
     # (a collective over the mp group: taken whatever this rank found, so that the
     # group's other ranks do not wait for it)
     problem = _unmatched_slice_owners(optimizer, shards) or problem
@@ -307,13 +311,19 @@ def move_matrices_to_owners(optimizer: paddle.optimizer.Optimizer,
     for unit in units.values():
         unit.reshard(force=True)  # gathered copies go: the layout they view changes
     moved: list[str] = []
+    spread = 0
     for buf in sorted(buffers, key=lambda b: (b.unit_index, b.index)):
         owned = _owned_flags(optimizer, buf)
-        layout = buf.layout_with_owners(owned)  # (checked by _unmovable_buffer)
+        parts, part = _outer_parts(optimizer, buf) or (buf.parts, buf.part)
+        layout = buf.layout_with_owners(owned, parts)  # (checked before: no refusal)
+        cut = any(o and not sp.slot.in_one_segment
+                  for sp, o in zip(buf.params, owned, strict=True))
         fulls = buf.gather_full()
         grads = buf.gather_full(grads=True) if buf.trainable else None
-        buf.relayout(layout, fulls, grads)
-        moved.extend(param_path(sp) for sp, o in zip(buf.params, owned, strict=True) if o)
+        spread += parts != buf.parts
+        buf.relayout(layout, fulls, grads, parts, part)
+        if cut:
+            moved.extend(param_path(sp) for sp, o in zip(buf.params, owned, strict=True) if o)
     if moved:
         logger.warning(
             "paddle_hsdp: %s updates each matrix whole, and %d matrices (e.g. '%s') were "
@@ -321,6 +331,48 @@ def move_matrices_to_owners(optimizer: paddle.optimizer.Optimizer,
             "shard_placement_fn=paddle_hsdp.owned_matrices() gives; pass it to "
             "fully_shard to lay them out so from the start)", type(optimizer).__name__,
             len(moved), moved[0])
+    if spread:
+        logger.info(
+            "paddle_hsdp: %s: the owners of %d buffers now span the outer replicas too "
+            "(each matrix orthogonalised once per job; its grad reduce-scattered over the "
+            "outer group and the updated matrices all-gathered, as with "
+            "fsdp_outer_sharding='optim')", type(optimizer).__name__, spread)
+
+
+def _buffers_of(shards: list[paddle.Tensor]) -> list[ShardBuffer]:
+    out: list[ShardBuffer] = []
+    for p in shards:
+        buf = p._hsdp_sharded_param.buffer
+        if all(b is not buf for b in out):
+            out.append(buf)
+    return out
+
+
+def _outer_parts(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer,
+                 ) -> tuple[int, int] | None:
+    """``(parts, part)`` that spread a buffer's owners over its outer replicas (issue
+    65: under plain HSDP each replica's owners would orthogonalise the same matrices),
+    or None where that does not apply: no matrix the optimizer updates whole, already
+    cut into outer parts, one replica, an outer group another module manages (a
+    fault-tolerant job's live replicas come and go), an offloaded buffer, main grads,
+    state the optimizer already holds, or pieces that would hold more than twice the
+    buffer (then each replica keeps orthogonalising its matrices, as before)."""
+    outer = buf.outer
+    if not buf.trainable or buf.parts != 1 or outer.nranks <= 1:
+        return None
+    traits = traits_of(outer)
+    if traits.watchdog_exempt or traits.pieces is not None:
+        return None
+    matrices = [sp for sp in buf.params
+                if len(sp.shape) == 2 and _updates_as_matrix(optimizer, sp.shard)]
+    if not matrices or buf.host is not None or buf.grads.main_grads or \
+            any(states_of(optimizer, sp.shard) for sp in buf.params):
+        return None
+    try:
+        buf.layout_with_owners(_owned_flags(optimizer, buf), outer.nranks)
+    except ValueError:
+        return None
+    return outer.nranks, outer.rank
 
 
 def _owned_flags(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer) -> list[bool]:

@@ -76,6 +76,15 @@ NS_COEFFICIENTS: dict[str, list[tuple[float, float, float]]] = {
 }
 
 
+def newton_schulz_flops(shape: Sequence[int], steps: int) -> int:
+    """Multiply-add flops (2 per product term) of ``steps`` Newton-Schulz iterations on
+    matrices of ``shape`` (``[m, n]`` with ``m <= n``, or a batch ``[b, m, n]``): per
+    iteration ``X X^T`` (m x n x m), ``A A`` (m x m x m) and ``B X`` (m x m x n)."""
+    *batch, m, n = shape
+    count = math.prod(batch) if batch else 1
+    return count * steps * 2 * (2 * m * m * n + m * m * m)
+
+
 @dataclass
 class MuonParamInfo:
     """Per parameter (by ``param.name``): whether Muon updates it, and optionally how
@@ -178,6 +187,8 @@ class Muon(paddle.optimizer.Optimizer):
         self._beta1, self._beta2 = float(adam_beta1), float(adam_beta2)
         self._epsilon, self._weight_decay = float(adam_epsilon), float(weight_decay)
         self._ns_steps, self._ns_coeffs = int(ns_steps), coeffs
+        # Newton-Schulz work this rank did (newton_schulz_flops), for benchmarks
+        self.ns_flops = 0
         self._lr_ratio, self._apply_decay_param_fun = lr_ratio, apply_decay_param_fun
         self._muon_version, self._extra_scale = muon_version, float(muon_extra_scale_factor)
         self._exclude = tuple(MUON_EXCLUDE if muon_exclude_patterns is None
@@ -361,6 +372,7 @@ class Muon(paddle.optimizer.Optimizer):
         if self._ns_dtype is not None and self._ns_dtype != x.dtype:
             x = x.astype(self._ns_dtype)
         swap = [0, 2, 1] if x.ndim == 3 else [1, 0]
+        self.ns_flops += newton_schulz_flops(list(x.shape), self._ns_steps)
         for i in range(self._ns_steps):
             a, b, c = self._ns_coeffs[i % len(self._ns_coeffs)]
             gram = paddle.matmul(x, x.transpose(swap))

@@ -50,10 +50,11 @@ def muon(model, params):
                             grad_clip=paddle.nn.ClipGradByGlobalNorm(CLIP))
 
 
-def trained(data, shard_kwargs=None):
+def trained(data, shard_kwargs=None, per_rank=PER_RANK, micro_steps=1):
     """TinyLM trained on ``data`` with Muon: sharded with ``shard_kwargs`` (this rank's
-    rows), or unsharded on the whole batch in one process (None). Returns (losses, full
-    params, pre-clip norms, the model, the optimizer)."""
+    rows, in ``micro_steps`` backwards per step), or unsharded on the whole batch in one
+    process (None). Returns (losses, full params, pre-clip norms, the model, the
+    optimizer)."""
     model = build_model()
     if shard_kwargs is not None:
         shard_tinylm(model, **shard_kwargs)
@@ -61,9 +62,17 @@ def trained(data, shard_kwargs=None):
     losses, norms = [], []
     for (micro,) in data:
         chunks = [rank] if shard_kwargs is not None else range(world)
-        loss = sum(lm_loss(model, paddle.to_tensor(micro[r * PER_RANK:(r + 1) * PER_RANK]),
-                           uses_extra(r)) for r in chunks) / len(chunks)
-        loss.backward()
+        if shard_kwargs is not None and micro_steps > 1:  # grads accumulate (issue 65)
+            rows = micro[rank * per_rank:(rank + 1) * per_rank]
+            loss = 0.0
+            for part in np.split(rows, micro_steps):
+                part_loss = lm_loss(model, paddle.to_tensor(part), uses_extra(rank)) / micro_steps
+                part_loss.backward()
+                loss = loss + float(part_loss)
+        else:
+            loss = sum(lm_loss(model, paddle.to_tensor(micro[r * per_rank:(r + 1) * per_rank]),
+                               uses_extra(r)) for r in chunks) / len(chunks)
+            loss.backward()
         value = paddle.to_tensor([float(loss)], dtype="float64")
         if shard_kwargs is not None:
             dist.all_reduce(value)  # for the log only
@@ -135,16 +144,18 @@ def checkpoints(model, opt, shard_kwargs, work):
           f"2x2 owners -> 1x4 owners, one more step {worst:.1e}", flush=True)
 
 
-def check(name, shard_kwargs, data, reference, work=None):
+def check(name, shard_kwargs, data, reference, work=None, **train_kw):
     ref_losses, ref_params, norms = reference
-    losses, full, _, model, opt = trained(data, shard_kwargs)
+    losses, full, _, model, opt = trained(data, shard_kwargs, **train_kw)
     measured = compare_with_reference(f"muon {name}", full, ref_params, losses, ref_losses, {})
     held, total = momentum_elements(model, opt)
     counts = paddle.to_tensor([held], dtype="int64")
     dist.all_reduce(counts)
-    # replicas (outer ranks without sub-shards) each keep their inner group's state
-    replicas = 1 if shard_kwargs.get("fsdp_outer_sharding") == "optim" else \
-        world // model._hsdp_unit.buffers[0].inner.nranks
+    # replicas (outer ranks without sub-shards) each keep their inner group's state;
+    # Muon's first step spreads the owners over the outer replicas (issue 65) unless
+    # the buffer cannot move (offloaded)
+    block = units_under(model.blocks[0])[0].buffers[0]
+    replicas = world // (block.inner.nranks * block.parts)
     assert int(counts.item()) == total * replicas, (name, int(counts.item()), total, replicas)
     print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
           f"{int(counts.item())} = {replicas} x {total}; owner imbalance per unit "
@@ -210,6 +221,11 @@ check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, D
 # offloaded shards: the reduction concatenates the full grads by offset (no grad grid)
 check("2x2 offload", {"shard_placement_fn": OWNED,
                       "offload_policy": paddle_hsdp.CPUOffloadPolicy()}, DATA, REFERENCE)
+# issue 65: 4 micro-steps per step (grads accumulated in the shards, the outer sync and
+# Muon's update once per step) equal one step on the whole batch
+DATA4 = batches(3, 1, world, 4, seed=17)
+check("2x2 4 micro-steps", {"shard_placement_fn": OWNED}, DATA4,
+      trained(DATA4, per_rank=4)[:3], per_rank=4, micro_steps=4)
 moved_at_first_step("1x4 moved", {"mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
 moved_at_first_step("hfsdp 2x2 moved", {"fsdp_outer_sharding": "optim"}, DATA, REFERENCE)
 row_shards_refused()

@@ -67,6 +67,8 @@ def summarise(results: dict, args) -> dict:
                 for k in theory}
         if runs[-1].get("owner_imbalance") is not None:
             entry["owner_imbalance"] = runs[-1]["owner_imbalance"]
+        if runs[-1].get("ns_flops"):
+            entry["ns_flops"] = runs[-1]["ns_flops"]
         summary["variants"][variant] = entry
     for name, entry in summary["variants"].items():
         twin = summary["variants"].get(name + "_replicate")

@@ -26,6 +26,12 @@ def print_table(summary: dict) -> None:
               f"{'-' if optim is None else f'{optim:.1f}':>8s} "
               f"{e['last_loss_diff_vs_single']:9.2e}")
     for name, e in summary["variants"].items():
+        ns = e.get("ns_flops")
+        if ns and ns["model"]:  # Muon: Newton-Schulz work per rank against the model's
+            print(f"{name:12s} Newton-Schulz flops per step: largest rank "
+                  f"{ns['max_rank'] / ns['model']:.3f} of the model's, all ranks together "
+                  f"{ns['all_ranks'] / ns['model']:.2f}x it (once per job: 1.00x)")
+    for name, e in summary["variants"].items():
         if "memory_vs_replicate" in e:  # owned Muon against Replicate() Muon
             optim = e.get("optimizer_vs_replicate")
             print(f"{name:12s} vs its Replicate() twin: peak memory "

@@ -85,23 +85,36 @@ class ShardBuffer:
         self.pieces = OuterPieces(self)
 
     # -------------------------------------------------------------- a new layout
-    def layout_with_owners(self, owned: list[bool]) -> SegmentLayout:
-        """This buffer's layout with ``owned[k]`` keeping parameter ``k`` in one segment;
-        ``ValueError`` where HFSDP's pieces would hold more than twice the buffer."""
+    def layout_with_owners(self, owned: list[bool], parts: int | None = None,
+                           ) -> SegmentLayout:
+        """This buffer's layout with ``owned[k]`` keeping parameter ``k`` in one segment,
+        over ``parts`` outer sub-shards (default: its own); ``ValueError`` where
+        HFSDP's pieces would hold more than twice the buffer."""
+        parts = self.parts if parts is None else parts
         layout = segment_layout([sp.shape for sp in self.params],
-                                self.inner_size * self.parts, owned, self.rotation)
-        if self.parts > 1 and any(owned):
-            _refuse_owners_beyond_replication(self.params, layout, self.inner_size, self.parts)
+                                self.inner_size * parts, owned, self.rotation)
+        if parts > 1 and any(owned):
+            _refuse_owners_beyond_replication(self.params, layout, self.inner_size, parts)
         return layout
 
     def relayout(self, layout: SegmentLayout, fulls: list[paddle.Tensor],
-                 grads: list[paddle.Tensor] | None) -> None:
+                 grads: list[paddle.Tensor] | None, parts: int | None = None,
+                 part: int = 0) -> None:
         """Lay the buffer out as ``layout`` (:meth:`layout_with_owners`) from every
         parameter's full value and (trainable) its full synced grad, which the caller
         gathered under the old layout (a whole-matrix optimizer's first step moves its
         matrices onto owners: engine/optimizers.py). Local: every rank cuts its own
-        rows. The shard parameters stay the same objects (the optimizer holds them),
-        views of the new storage in their new shapes."""
+        rows. ``parts``: cut the shard into that many outer sub-shards from now on
+        (this rank's ``part``), as ``fsdp_outer_sharding="optim"`` would have: every
+        outer rank then updates (and counts in the clip) its own piece. The shard
+        parameters stay the same objects (the optimizer holds them), views of the new
+        storage in their new shapes."""
+        if parts is not None and parts != self.parts:
+            self.parts, self.part = parts, part
+            for sp in self.params:
+                sp.parts, sp.part = parts, part
+                if self.trainable:  # each outer rank's piece is distinct now
+                    sp.shard.is_firstly_shared = True
         self.layout = layout
         for index, sp in enumerate(self.params):
             sp.place(layout, index)
