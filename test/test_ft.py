@@ -4,6 +4,7 @@ protocol itself, against a real etcd: test_ft_protocol.py). The multi-process be
 parity with a single-process reference) is test_collective/test_fault_tolerance.py."""
 
 import json
+import os
 import socket
 import threading
 import time
@@ -547,3 +548,30 @@ def test_a_schedulers_numpy_scalars_cross_as_json_and_anything_else_is_named():
     assert got == sent == {"last_lr": 0.5, "step": 3}
     with pytest.raises(TypeError, match="cannot go to a rejoining group as JSON"):
         transfer._exchange_meta(store, record, ("y",), True, lambda: {"bad": object()})
+
+
+def test_a_joint_saves_manifests_go_as_files_checked_against_small_commit_records(tmp_path):
+    """Issue 62 (item 5): a group's manifests are a file of the save's folder; the job's
+    store holds a commit record (name, bytes, SHA-256). The publisher refuses a file
+    that differs from its record, naming it; a payload over 64 KiB is refused before
+    anything is written to the store."""
+    from paddle_hsdp.checkpoint import save
+    from paddle_hsdp.ft import joint_save
+    tmp = str(tmp_path / "ckpt.tmp-x")
+    payloads = [{"manifests": [{"pieces": [{"n": g}], "error": None}], "errors": []}
+                for g in range(3)]
+    commits = [save._commit_group(tmp, 2 * g, p) for g, p in enumerate(payloads)]
+    assert all(len(json.dumps(c)) < 200 for c in commits), commits
+    manifests, errors = save._read_groups(tmp, commits)
+    assert not errors and manifests == [p["manifests"][0] for p in payloads]
+    with open(os.path.join(tmp, save.MANIFESTS, commits[1]["file"]), "w") as f:
+        f.write(json.dumps({"manifests": [{"pieces": [{"n": 9}]}], "errors": []}))
+    _, errors = save._read_groups(tmp, commits + [{"file": "../../etc/passwd", "bytes": 1}])
+    assert len(errors) == 2 and "group-00002.json differ from the group's commit" in errors[0]
+    assert "names no manifest file" in errors[1]
+    store = MemoryStore()
+    joint = _joint(store, 1, [1, 2])
+    joint.begin("/ckpt")
+    with pytest.raises(ValueError, match="at most 65536 bytes"):
+        joint.gather({"manifests": "x" * joint_save.MAX_VALUE_BYTES})
+    assert not store.data
