@@ -164,8 +164,19 @@ def test_optimizer_state_flattens_to_tensors_and_back():
     assert rest == {"LR_Scheduler": {"last_epoch": 3}}
     back = transfer._unflatten(pairs, rest)
     assert back["master_weights"]["w"] is b and back["w_moment1_0"] is a
-    assert transfer._checksum(paddle.to_tensor(np.arange(4.0))) == \
-        transfer._checksum(paddle.to_tensor(np.arange(4.0)))
+    # a transfer's checks: CRC-32 without the job's secret, a keyed digest with it that
+    # another secret, another round or another place does not reproduce (empty: none)
+    from paddle_hsdp.ft.trust import Signer
+    plain, keyed = MemoryStore(), MemoryStore()
+    plain.signer, keyed.signer = Signer(), Signer("a-job-secret-of-32-characters-ok")
+    tensors = [paddle.to_tensor(np.arange(4.0)), paddle.zeros([0]), paddle.ones([3])]
+    crcs = transfer._checksums(plain, 5, ("model",), tensors)
+    assert len(crcs) == 2 and all(0 <= c < 2 ** 32 for c in crcs)
+    sums = transfer._checksums(keyed, 5, ("model",), tensors)
+    assert sums == transfer._checksums(keyed, 5, ("model",), tensors) and sums != crcs
+    assert sums != transfer._checksums(keyed, 6, ("model",), tensors)
+    keyed.signer = Signer("another-secret-of-the-same-size")
+    assert sums != transfer._checksums(keyed, 5, ("model",), tensors)
 
 
 def test_ft_init_refuses_a_fleet_outer_degree(monkeypatch):
