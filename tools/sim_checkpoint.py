@@ -255,6 +255,13 @@ def gather_bytes(sizes: list[int]) -> dict:
             "rank0_gather_now_mb": round((24 * world + sum(sizes[1:])) / 2 ** 20, 1)}
 
 
+def _at_outer(replicas, o: int) -> int:
+    """``replicas.index`` at outer index ``o`` (the items of outer 0 are read for every
+    outer index: the holders of a box differ from them only there)."""
+    return plan.Replicas(tuple((a, n, o if a == "outer" else k)
+                               for a, n, k in replicas.axes)).index
+
+
 def _manifest_bytes(lay: dict, rules: dict, items, writes, m: int, i: int, o: int,
                     r: int) -> int:
     """The JSON bytes of rank ``r``'s manifest as checkpoint/save.py's ``_finish``
@@ -263,7 +270,7 @@ def _manifest_bytes(lay: dict, rules: dict, items, writes, m: int, i: int, o: in
     record: dict = {"pieces": [_entry(w) for w in writes if w.item.spot is None],
                     "error": None,
                     "expected": sorted({it.name for it in items
-                                        if not it.empty and it.replicas.index == 0})}
+                                        if not it.empty and _at_outer(it.replicas, o) == 0})}
     if rules:
         gid = f"dense:{m}"
         record["rules"] = {k: v for k, v in rules["rules"].items()

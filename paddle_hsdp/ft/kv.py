@@ -1,7 +1,7 @@
 """The job's shared data on etcd, as the data plane's helpers use it (Paddle-free).
 
 A round's outer groups publish their rendezvous address here, a donor its transfer's
-metadata, the live groups a joint checkpoint's manifests (:mod:`.groups`,
+metadata, the live groups a joint checkpoint's commit records (:mod:`.groups`,
 :mod:`.transfer`, :mod:`.joint_save`): ``set``, ``get`` (waits until written, bounded,
 and stops once ``abort()`` raises) and ``add`` (an atomic counter: a compare-and-swap
 transaction), under ``/paddle_hsdp/ft/<job>/kv/``. Each is a few requests per rank per
