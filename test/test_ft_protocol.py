@@ -588,8 +588,9 @@ def test_forged_records_arrivals_claims_and_keys_are_refused_named_and_the_job_g
     """A writer to etcd without the job's secret inflates a member's step in round 0's
     record (every group would copy that member's state), adds an arrival of a group
     that does not exist, claims a live group's id, takes the round's decider key,
-    moves ``closed`` and points a round's group-store address elsewhere: each is
-    refused and named in the log, and the rounds go on with the genuine values."""
+    moves ``closed`` (and later puts back an older genuine one) and points a round's
+    group-store address elsewhere: each is refused and named in the log, and the rounds
+    go on with the genuine values."""
     from paddle_hsdp.ft.kv import JobStore
     from paddle_hsdp.ft.trust import Signer
     caplog.set_level("WARNING", logger="paddle_hsdp.ft")
@@ -614,6 +615,7 @@ def test_forged_records_arrivals_claims_and_keys_are_refused_named_and_the_job_g
             assert record.replicas == [0, 1] and record.step == 3 and not record.receivers
         found = json.loads(Signer(SECRET).open(keys.record(0), forger.get(keys.record(0))))
         assert found["members"]["1"][0] == 3  # the genuine record replaced the forged one
+        closed_at_0 = forger.get(keys.closed)  # genuine, signed: put back later
         # a forged record with another secret's HMAC, for a round being formed
         for g in groups:
             g.committed()
@@ -623,6 +625,8 @@ def test_forged_records_arrivals_claims_and_keys_are_refused_named_and_the_job_g
         assert groups[0].next_open() == 1  # the genuine records say where a joiner goes
         second = _arrive_all(groups, 1, [0, 1], {0: Arrival(4), 1: Arrival(4)})
         assert second[0].replicas == [0, 1] and second[0].step == 4
+        forger.put(keys.closed, closed_at_0)  # an older genuine value put back
+        assert groups[0].next_open() == 2  # the latest genuine record outdoes it
         # the job's shared data: a forged group-store address is waited past
         store = JobStore(etcd["address"], job, 5, signer=Signer(SECRET))
         forger.put(store._key("r/1/outer_store/0"), "10.6.6.6:666")

@@ -399,6 +399,9 @@ class GroupControl:
             # (the restart of a crashed group), so end its lease now rather than wait
             # out the TTL; the others hear it as the group's death
             self.etcd.revoke(holder["lease"])
+            # a claim its lease does not hold (an old one put back): removed as its
+            # lease's end would have (no-op once the revoke deleted it)
+            self.etcd.delete(key, revision)
             if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
                 self.lease = self.etcd.grant(self.ttl_s)
         self.lost = None
@@ -557,15 +560,17 @@ class GroupControl:
 
     def next_open(self) -> int:
         """The round a joiner arrives at: the one after the last closed one."""
-        raw = self.etcd.get(self.keys.closed)
-        closed = self.signer.check(self.keys.closed, raw)
-        if raw is not None and closed is None:  # forged: the last genuine record says
+        closed = self.signer.check(self.keys.closed, self.etcd.get(self.keys.closed))
+        last = int(closed) if closed is not None else -1
+        if self.signer.authenticated:
+            # a forged value is refused, and one put back from an earlier round (signed,
+            # but old) is outdone by the latest genuine record, which ``closed`` names
             found, _ = self.etcd.get_prefix(self.keys.ctl)
-            numbers = [number for key, value in found.items()
-                       for what, number in [self.keys.parse_ctl(key)]
-                       if what == "record" and self.signer.check(key, value) is not None]
-            return max(numbers) + 1 if numbers else 0
-        return int(closed) + 1 if closed is not None else 0
+            last = max([last] + [number for key, value in found.items()
+                                 for what, number in [self.keys.parse_ctl(key)]
+                                 if what == "record" and
+                                 self.signer.check(key, value) is not None])
+        return last + 1
 
     def _sign(self, key: str, value: str) -> str:
         return self.signer.sign(key, value)
