@@ -9,12 +9,12 @@ rank leaves the previous checkpoint as it was and raises on every rank.
 Three collectives, whatever the world size: rank 0's token and its check of the path
 (a broadcast), the manifests to rank 0, the outcome (a broadcast). The manifests go
 as files: each rank writes its manifest's JSON into the save's temporary folder
-(``.manifests/``), and one fixed-size gather brings rank 0 each rank's length and CRC
-(24 bytes a rank), so rank 0 reads exactly each rank's bytes (not W times the longest,
-as a padded gather would send) and the other ranks receive nothing. Boxes of one name that overlap without being equal (two EP
-ranks' local experts without global indices) are refused by rank 0's check, and the
-written files removed. Boxes written twice (a tied layer on two pipeline stages) are
-kept once.
+(``.manifests/``), and one fixed-size gather brings rank 0 each rank's file rank,
+length and CRC (24 bytes a rank), so rank 0 reads exactly each rank's bytes (not W
+times the longest, as a padded gather would send) and the other ranks receive
+nothing. Boxes of one name that overlap without being equal (two EP ranks' local
+experts without global indices) are refused by rank 0's check, and the written files
+removed. Boxes written twice (a tied layer on two pipeline stages) are kept once.
 """
 
 from __future__ import annotations
