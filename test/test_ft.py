@@ -586,3 +586,37 @@ def test_a_joint_saves_manifests_go_as_files_checked_against_small_commit_record
     with pytest.raises(ValueError, match="at most 65536 bytes"):
         joint.gather({"manifests": "x" * joint_save.MAX_VALUE_BYTES})
     assert not store.data
+
+
+def test_a_joint_save_whose_group_file_differs_fails_and_leaves_the_previous_checkpoint(
+        tmp_path):
+    """Issue 62 (item 5): the publishing group refuses a group's manifests file that
+    differs from its commit record; the save fails on every group (the outcome names
+    it), the scratch folder goes, and the checkpoint already at the path stays."""
+    from paddle_hsdp.checkpoint import save
+    path, tmp = str(tmp_path / "ckpt"), str(tmp_path / "ckpt.tmp-ft1s2c1-0")
+    os.makedirs(path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write('{"previous": true}')
+    theirs = save._commit_group(tmp, 2, {"manifests": [{"pieces": []}], "errors": []})
+    with open(os.path.join(tmp, save.MANIFESTS, theirs["file"]), "a") as f:
+        f.write(" ")  # not what group 1 committed
+
+    class Publisher:  # the group that completes the count
+        announced: list = []
+
+        def file_rank(self):
+            return 0
+
+        def gather(self, commit):
+            return [commit, theirs]
+
+        def announce(self, outcome):
+            self.announced.append(outcome)
+    joint = Publisher()
+    errors = save._publish_jointly(joint, path, tmp, [], [{"pieces": [], "error": None}],
+                                   {}, {}, None)
+    assert len(errors) == 1 and "group-00002.json differ from the group's commit" in errors[0]
+    assert joint.announced == errors  # every other group raises the same
+    assert not os.path.exists(tmp)
+    assert open(os.path.join(path, "metadata.json")).read() == '{"previous": true}'
