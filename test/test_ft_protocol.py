@@ -643,3 +643,50 @@ def test_forged_records_arrivals_claims_and_keys_are_refused_named_and_the_job_g
                      ("r/1/outer_store/0", "not signed")]:
         assert any(key in line and why in line for line in refused.splitlines()), (key, refused)
     assert "the job goes on with the genuine ones" in refused
+
+
+def test_a_group_with_another_secret_or_none_never_forms_a_job_of_its_own(etcd, caplog):
+    """A group started with another PADDLE_HSDP_FT_SECRET, or without one, refuses the
+    running groups' rounds (it cannot verify them). It must not take that for an
+    empty job and start round 0 alone beside them: it stops, saying why. And a
+    group's decider key this group cannot verify (it has a lease) is not deleted as
+    a forgery: the round waits rather than split in two."""
+    from paddle_hsdp.ft.trust import Signer
+    caplog.set_level("WARNING", logger="paddle_hsdp.ft")
+    job = f"job{next(_jobs)}"
+    rules = Rules(start_replicas=1, join_window_s=0.5)
+
+    def group(replica, signer, timeout=20):
+        g = GroupControl(etcd["address"], job, replica, f"tok{replica}", "host", rules, TTL,
+                         timeout, signer=signer)
+        g.register()
+        return g
+    running = group(0, Signer(SECRET))
+    others = []
+    try:
+        assert running.arrive(0, None, Arrival(0, True)).replicas == [0]
+        running.committed()
+        for replica, signer, why in [(1, Signer("another-secret-of-the-same-size"),
+                                      "another secret"), (2, Signer(), "none is set here")]:
+            others.append(group(replica, signer))
+            with pytest.raises(FaultToleranceError, match=f"cannot join.*not signed with "
+                               f"this group's PADDLE_HSDP_FT_SECRET \\({why}\\)"):
+                others[-1].next_open()
+        # a fresh job: a group of another secret holds round 0's decider key (with its
+        # lease); a group of this secret does not delete it, and forms no round alone
+        fresh = f"job{next(_jobs)}"
+        mismatched = GroupControl(etcd["address"], fresh, 5, "tok5", "host", rules, TTL, 20,
+                                  signer=Signer("another-secret-of-the-same-size"))
+        mismatched.register()
+        others.append(mismatched)
+        at = Keys(fresh).decider(0)
+        assert mismatched.etcd.create(at, mismatched.signer.sign(at, "tok5"), mismatched.lease)
+        lonely = GroupControl(etcd["address"], fresh, 6, "tok6", "host", rules, TTL, 2,
+                              signer=Signer(SECRET))
+        lonely.register()
+        others.append(lonely)
+        with pytest.raises(FaultToleranceError, match="waited 2 s for round 0"):
+            lonely.arrive(0, None, Arrival(0, True))
+        assert mismatched.etcd.get(at) is not None  # still the other group's
+    finally:
+        _close([running] + others)

@@ -197,6 +197,15 @@ class Etcd:
         kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
         return (_text(kvs[0].get("value")), int(kvs[0]["mod_revision"])) if kvs else (None, 0)
 
+    def get_lease(self, key: str) -> tuple[str | None, int, int]:
+        """``key``'s value, the revision it was last written at and the lease it is
+        attached to (0: none); ``(None, 0, 0)`` if absent."""
+        kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
+        if not kvs:
+            return None, 0, 0
+        return (_text(kvs[0].get("value")), int(kvs[0]["mod_revision"]),
+                int(kvs[0].get("lease", 0)))
+
     def swap(self, key: str, revision: int, value: str) -> bool:
         """Write ``key`` only if it was last written at ``revision`` (0: absent)."""
         target = ({"target": "MOD", "mod_revision": revision} if revision else

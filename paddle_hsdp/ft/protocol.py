@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .etcd import Etcd, EtcdRefused, EtcdUnavailable, Security, Watch
-from .trust import UNSIGNED, Forged, Signer
+from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -378,30 +378,31 @@ class GroupControl:
             return self._sign(key, json.dumps({"token": self.token, "host": self.host,
                                                "lease": self.lease}))
         while not self.etcd.create(key, claim(), self.lease):
-            raw, revision = self.etcd.get_revision(key)
+            # the holder's lease as etcd keeps it (not as the value says: a value put
+            # back or forged may name any)
+            raw, revision, lease = self.etcd.get_lease(key)
             if raw is None:
                 continue  # it expired just now
             try:
-                holder = json.loads(self.signer.open(key, raw))
-            except Forged as e:  # not a group's claim: out of the way
-                self.signer.refused(e)
-                self.etcd.delete(key, revision)
-                continue
-            if self._renewed(holder["lease"]):
+                host = json.loads(self.signer.open(key, raw))["host"]
+            except Forged as e:  # not a claim of this job's secret: logged; a group's
+                self.signer.refused(e)  # (it has a lease) is taken for one below
+                host = "unknown: its claim is not signed with this group's secret"
+            if lease and self._renewed(lease):
                 self.etcd.revoke(self.lease)
                 self.attempt.to(AttemptState.STOPPED)
                 raise FaultToleranceError(
                     f"paddle_hsdp.ft: replica id {self.replica} is already running (its "
-                    f"leader on host {holder['host']}): a second launch with "
+                    f"leader on host {host}): a second launch with "
                     f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
                     "an id no running group has, or stop the running one first.")
             # nothing renewed the holder's lease for a renewal interval: it died or hangs
             # (the restart of a crashed group), so end its lease now rather than wait
-            # out the TTL; the others hear it as the group's death
-            self.etcd.revoke(holder["lease"])
-            # a claim its lease does not hold (an old one put back): removed as its
-            # lease's end would have (no-op once the revoke deleted it)
-            self.etcd.delete(key, revision)
+            # out the TTL; the others hear it as the group's death. A claim no lease
+            # holds (forged, or an old one put back) is removed as a lease's end would
+            if lease:
+                self.etcd.revoke(lease)
+            self.etcd.delete(key, revision)  # (no-op once the revoke deleted it)
             if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
                 self.lease = self.etcd.grant(self.ttl_s)
         self.lost = None
@@ -560,16 +561,29 @@ class GroupControl:
 
     def next_open(self) -> int:
         """The round a joiner arrives at: the one after the last closed one."""
-        closed = self.signer.check(self.keys.closed, self.etcd.get(self.keys.closed))
+        raw = self.etcd.get(self.keys.closed)
+        closed = self.signer.check(self.keys.closed, raw)
         last = int(closed) if closed is not None else -1
-        if self.signer.authenticated:
+        if self.signer.authenticated or closed is None and raw is not None:
             # a forged value is refused, and one put back from an earlier round (signed,
             # but old) is outdone by the latest genuine record, which ``closed`` names
             found, _ = self.etcd.get_prefix(self.keys.ctl)
-            last = max([last] + [number for key, value in found.items()
-                                 for what, number in [self.keys.parse_ctl(key)]
-                                 if what == "record" and
-                                 self.signer.check(key, value) is not None])
+            genuine = [number for key, value in found.items()
+                       for what, number in [self.keys.parse_ctl(key)]
+                       if what == "record" and self.signer.check(key, value) is not None]
+            if closed is None and raw is not None and not genuine:
+                # rounds this group cannot verify, none it can: a job running with
+                # another secret (or with one where this group has none). Arriving at
+                # round 0 would start a job of its own beside it: refused
+                raise FaultToleranceError(
+                    f"paddle_hsdp.ft: replica {self.replica} cannot join: the job's rounds "
+                    f"({self.keys.closed} and its records) are not signed with this "
+                    f"group's {SECRET_ENV} ("
+                    + ("another secret" if self.signer.authenticated else "none is set here")
+                    + "). Set the same secret as the running replica groups. (If no job "
+                    "runs, a writer without the secret wrote them: delete the job's keys, "
+                    f"etcdctl del --prefix {self.keys.root})")
+            last = max([last] + genuine)
         return last + 1
 
     def _sign(self, key: str, value: str) -> str:
@@ -625,9 +639,15 @@ class GroupControl:
                     if etcd.create(at, self._sign(at, self.token), self.lease):
                         decider = _Arrivals(etcd, keys.rounds(number) + "arrivals/",
                                             self.signer)
-                    elif self.signer.authenticated:  # a forged key in the way: deleted
-                        raw, revision = etcd.get_revision(at)  # (its deletion: a retry)
-                        if raw is not None and self.signer.check(at, raw) is None:
+                    elif self.signer.authenticated:
+                        # a key no lease holds and no secret signed is a forger's (a
+                        # decider's has its group's lease): deleted, its deletion a
+                        # retry. A group's key this group cannot verify (another
+                        # secret) stays: that group decides, and this one, refusing
+                        # its record, times out rather than form a job of its own
+                        raw, revision, lease = etcd.get_lease(at)
+                        if raw is not None and not lease and \
+                                self.signer.check(at, raw) is None:
                             etcd.delete(at, revision)
                 if decider is not None:
                     record = self._try_decide(number, expected, decider, arrived_at,
