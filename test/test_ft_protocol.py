@@ -667,7 +667,7 @@ def test_a_group_with_another_secret_or_none_never_forms_a_job_of_its_own(etcd, 
         assert running.arrive(0, None, Arrival(0, True)).replicas == [0]
         running.committed()
         for replica, signer, why in [(1, Signer("another-secret-of-the-same-size"),
-                                      "another secret"), (2, Signer(), "none is set here")]:
+                                      "they have another secret, or none"), (2, Signer(), "none is set here")]:
             others.append(group(replica, signer))
             with pytest.raises(FaultToleranceError, match=f"cannot join.*not signed with "
                                f"this group's PADDLE_HSDP_FT_SECRET \\({why}\\)"):

@@ -579,7 +579,8 @@ class GroupControl:
                     f"paddle_hsdp.ft: replica {self.replica} cannot join: the job's rounds "
                     f"({self.keys.closed} and its records) are not signed with this "
                     f"group's {SECRET_ENV} ("
-                    + ("another secret" if self.signer.authenticated else "none is set here")
+                    + ("they have another secret, or none" if self.signer.authenticated
+                       else "none is set here")
                     + "). Set the same secret as the running replica groups. (If no job "
                     "runs, a writer without the secret wrote them: delete the job's keys, "
                     f"etcdctl del --prefix {self.keys.root})")
