@@ -3,6 +3,7 @@ sharded model): the format, the plain-model round trip, refusals and the CLI.
 Cross-layout resumes are in test_collective/test_checkpoint.py."""
 
 import json
+import os
 
 import numpy as np
 import paddle
@@ -241,3 +242,34 @@ def test_a_load_reads_and_checks_only_the_chunks_it_needs(tmp_path):
     assert np.array_equal(rows, net.weight.numpy()[10:20])
     with pytest.raises(checkpoint.CheckpointError, match="CRC mismatch in rows 256"):
         reader.rows("weight", piece, 250, 260)
+
+
+def test_rank_0_reads_each_ranks_manifest_from_its_file_and_names_a_bad_one(
+        tmp_path, monkeypatch):
+    """Issue 62 (item 5): the manifests' gather padded every rank's message to the
+    longest (1.0 GB on rank 0 at W = 8,192 for 26 MB of content). Now each rank writes
+    its manifest into the save's temporary folder and rank 0 gathers only (file rank,
+    length, CRC-32), then reads exactly each rank's bytes; a file that is missing,
+    short or altered is the save's error, naming the rank. (Three ranks played in one
+    process: the gather of the heads is faked.)"""
+    from paddle_hsdp.checkpoint import save
+    tmp = str(tmp_path / "ckpt.tmp-1")
+    records = [{"pieces": [{"r": r}], "error": None} for r in range(4)]
+    heads = []
+
+    def play(rank, record, file_rank):  # one rank's call, its head kept for rank 0
+        monkeypatch.setattr(save, "rank_world", lambda: (rank, 4))
+        monkeypatch.setattr(save, "gather_sizes_to_root",  # rank order: rank 0 first
+                            lambda values, what: [values] + heads if rank == 0
+                            else heads.append(values))
+        return save._gather_manifests(record, tmp, file_rank, "test")
+    for r in (1, 2, 3):
+        assert play(r, records[r], 10 + r) is None
+    written = sorted(os.listdir(os.path.join(tmp, save.MANIFESTS)))
+    assert written == ["rank-00011.json", "rank-00012.json", "rank-00013.json"]
+    with open(os.path.join(tmp, save.MANIFESTS, "rank-00012.json"), "a") as f:
+        f.write(" ")  # rank 2's file is not what it said it wrote
+    got = play(0, records[0], 10)
+    assert got[0] == records[0] and got[1] == records[1] and got[3] == records[3]
+    assert got[2]["error"].startswith("rank 2: its manifest") and "rank-00012.json" in \
+        got[2]["error"] and "where the rank wrote" in got[2]["error"]

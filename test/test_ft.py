@@ -4,6 +4,7 @@ protocol itself, against a real etcd: test_ft_protocol.py). The multi-process be
 parity with a single-process reference) is test_collective/test_fault_tolerance.py."""
 
 import json
+import os
 import socket
 import threading
 import time
@@ -163,8 +164,19 @@ def test_optimizer_state_flattens_to_tensors_and_back():
     assert rest == {"LR_Scheduler": {"last_epoch": 3}}
     back = transfer._unflatten(pairs, rest)
     assert back["master_weights"]["w"] is b and back["w_moment1_0"] is a
-    assert transfer._checksum(paddle.to_tensor(np.arange(4.0))) == \
-        transfer._checksum(paddle.to_tensor(np.arange(4.0)))
+    # a transfer's checks: CRC-32 without the job's secret, a keyed digest with it that
+    # another secret, another round or another place does not reproduce (empty: none)
+    from paddle_hsdp.ft.trust import Signer
+    plain, keyed = MemoryStore(), MemoryStore()
+    plain.signer, keyed.signer = Signer(), Signer("a-job-secret-of-32-characters-ok")
+    tensors = [paddle.to_tensor(np.arange(4.0)), paddle.zeros([0]), paddle.ones([3])]
+    crcs = transfer._checksums(plain, 5, ("model",), tensors)
+    assert len(crcs) == 2 and all(0 <= c < 2 ** 32 for c in crcs)
+    sums = transfer._checksums(keyed, 5, ("model",), tensors)
+    assert sums == transfer._checksums(keyed, 5, ("model",), tensors) and sums != crcs
+    assert sums != transfer._checksums(keyed, 6, ("model",), tensors)
+    keyed.signer = Signer("another-secret-of-the-same-size")
+    assert sums != transfer._checksums(keyed, 5, ("model",), tensors)
 
 
 def test_ft_init_refuses_a_fleet_outer_degree(monkeypatch):
@@ -547,3 +559,64 @@ def test_a_schedulers_numpy_scalars_cross_as_json_and_anything_else_is_named():
     assert got == sent == {"last_lr": 0.5, "step": 3}
     with pytest.raises(TypeError, match="cannot go to a rejoining group as JSON"):
         transfer._exchange_meta(store, record, ("y",), True, lambda: {"bad": object()})
+
+
+def test_a_joint_saves_manifests_go_as_files_checked_against_small_commit_records(tmp_path):
+    """Issue 62 (item 5): a group's manifests are a file of the save's folder; the job's
+    store holds a commit record (name, bytes, SHA-256). The publisher refuses a file
+    that differs from its record, naming it; a payload over 64 KiB is refused before
+    anything is written to the store."""
+    from paddle_hsdp.checkpoint import save
+    from paddle_hsdp.ft import joint_save
+    tmp = str(tmp_path / "ckpt.tmp-x")
+    payloads = [{"manifests": [{"pieces": [{"n": g}], "error": None}], "errors": []}
+                for g in range(3)]
+    commits = [save._commit_group(tmp, 2 * g, p) for g, p in enumerate(payloads)]
+    assert all(len(json.dumps(c)) < 200 for c in commits), commits
+    manifests, errors = save._read_groups(tmp, commits)
+    assert not errors and manifests == [p["manifests"][0] for p in payloads]
+    with open(os.path.join(tmp, save.MANIFESTS, commits[1]["file"]), "w") as f:
+        f.write(json.dumps({"manifests": [{"pieces": [{"n": 9}]}], "errors": []}))
+    _, errors = save._read_groups(tmp, commits + [{"file": "../../etc/passwd", "bytes": 1}])
+    assert len(errors) == 2 and "group-00002.json differ from the group's commit" in errors[0]
+    assert "names no manifest file" in errors[1]
+    store = MemoryStore()
+    joint = _joint(store, 1, [1, 2])
+    joint.begin("/ckpt")
+    with pytest.raises(ValueError, match="at most 65536 bytes"):
+        joint.gather({"manifests": "x" * joint_save.MAX_VALUE_BYTES})
+    assert not store.data
+
+
+def test_a_joint_save_whose_group_file_differs_fails_and_leaves_the_previous_checkpoint(
+        tmp_path):
+    """Issue 62 (item 5): the publishing group refuses a group's manifests file that
+    differs from its commit record; the save fails on every group (the outcome names
+    it), the scratch folder goes, and the checkpoint already at the path stays."""
+    from paddle_hsdp.checkpoint import save
+    path, tmp = str(tmp_path / "ckpt"), str(tmp_path / "ckpt.tmp-ft1s2c1-0")
+    os.makedirs(path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write('{"previous": true}')
+    theirs = save._commit_group(tmp, 2, {"manifests": [{"pieces": []}], "errors": []})
+    with open(os.path.join(tmp, save.MANIFESTS, theirs["file"]), "a") as f:
+        f.write(" ")  # not what group 1 committed
+
+    class Publisher:  # the group that completes the count
+        announced: list = []
+
+        def file_rank(self):
+            return 0
+
+        def gather(self, commit):
+            return [commit, theirs]
+
+        def announce(self, outcome):
+            self.announced.append(outcome)
+    joint = Publisher()
+    errors = save._publish_jointly(joint, path, tmp, [], [{"pieces": [], "error": None}],
+                                   {}, {}, None)
+    assert len(errors) == 1 and "group-00002.json differ from the group's commit" in errors[0]
+    assert joint.announced == errors  # every other group raises the same
+    assert not os.path.exists(tmp)
+    assert open(os.path.join(path, "metadata.json")).read() == '{"previous": true}'

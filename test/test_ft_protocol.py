@@ -372,7 +372,7 @@ def test_a_joiner_stops_when_the_job_has_finished_and_a_lone_member_times_out(et
         _close(groups)
 
 
-def test_the_coordinator_listens_on_loopback_unless_told_and_warns_for_every_interface(
+def test_the_coordinator_listens_on_loopback_and_refuses_a_routable_host_without_tls(
         monkeypatch, capsys, tmp_path):
     from paddle_hsdp.ft import coordinator
     seen = []
@@ -389,11 +389,27 @@ def test_the_coordinator_listens_on_loopback_unless_told_and_warns_for_every_int
     monkeypatch.setattr(coordinator.signal, "sigwait", lambda signals: None)
     monkeypatch.setattr(coordinator.signal, "pthread_sigmask", lambda how, signals: None)
     coordinator.main(["--port", "29999", "--data-dir", str(tmp_path)])
-    coordinator.main(["--port", "29999", "--host", "0.0.0.0", "--data-dir", str(tmp_path)])
-    assert seen == ["127.0.0.1", "0.0.0.0"]
+    # issue 62 (item 7): an address other hosts reach, without TLS, is refused before
+    # anything starts, unless the user says --insecure (then a warning)
+    for host in ("0.0.0.0", "10.1.2.3"):
+        with pytest.raises(SystemExit):
+            coordinator.main(["--port", "29999", "--host", host, "--data-dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert f"--host '{host}' is" in err and "without TLS" in err and "--insecure" in err
+        assert "PADDLE_HSDP_FT_ETCD_CA" in err
+    assert seen == ["127.0.0.1"]
+    coordinator.main(["--port", "29999", "--host", "0.0.0.0", "--insecure",
+                      "--data-dir", str(tmp_path)])
+    coordinator.main(["--port", "29999", "--host", "localhost", "--data-dir", str(tmp_path)])
+    assert seen == ["127.0.0.1", "0.0.0.0", "localhost"]
     out = capsys.readouterr()
-    assert "WARNING: listening on every interface" in out.err
-    assert "etcd://127.0.0.1:29999" in out.out
+    assert "WARNING: --insecure: listening on every interface" in out.err
+    assert "etcd://0.0.0.0:29999" in out.out and "etcd://localhost:29999" in out.out
+    # with TLS's files a routable address is served (the groups speak https)
+    for name in ("CA", "CERT", "KEY"):
+        monkeypatch.setenv(f"PADDLE_HSDP_FT_ETCD_{name}", str(tmp_path / name))
+    coordinator.main(["--port", "29999", "--host", "10.1.2.3", "--data-dir", str(tmp_path)])
+    assert seen[-1] == "10.1.2.3"
     with pytest.raises(SystemExit):
         coordinator.main(["--port", "70000"])
 
@@ -532,3 +548,145 @@ def test_a_decider_does_not_fail_its_own_round_for_a_member_that_died_long_befor
         groups[1] = back
     finally:
         _close(groups)
+
+
+# ------------------------------------------------------------------ trust (issue 62, item 7)
+SECRET = "a-job-secret-of-32-characters-ok"
+
+
+def test_a_value_is_bound_to_its_key_and_the_secret_and_a_short_secret_is_refused():
+    from paddle_hsdp.ft.trust import Forged, Signer, signer_from_env
+    signer, other = Signer(SECRET), Signer("another-secret-of-the-same-size")
+    text = signer.sign("/k/ctl/000000003/record", '{"number":3}')
+    assert signer.open("/k/ctl/000000003/record", text) == '{"number":3}'
+    for bad, why in [(other.sign("/k/ctl/000000003/record", '{"number":3}'), "does not match"),
+                     (text.replace('"number":3', '"number":4'), "does not match"),
+                     ('{"number":3}', "not signed with the job's secret")]:
+        with pytest.raises(Forged, match=why):
+            signer.open("/k/ctl/000000003/record", bad)
+    with pytest.raises(Forged, match="does not match"):  # copied under another round's key
+        signer.open("/k/ctl/000000004/record", text)
+    with pytest.raises(Forged, match="PADDLE_HSDP_FT_SECRET is not set in this group"):
+        Signer().open("/k/ctl/000000003/record", text)
+    assert Signer().open("/k/x", "plain") == "plain" and not Signer().authenticated
+    # a rejoin's tensor check: keyed with the secret and bound to its place
+    data = bytes(range(200)) * 50
+    digest = signer.tensor_digest(data, (5, "model", 0))
+    assert digest == signer.tensor_digest(data, (5, "model", 0))
+    assert digest != other.tensor_digest(data, (5, "model", 0))
+    assert digest != signer.tensor_digest(data, (5, "model", 1))
+    assert digest != signer.tensor_digest(data[:-1] + b"\1", (5, "model", 0))
+    assert -2 ** 63 <= digest < 2 ** 63  # an int64 tensor carries it
+    assert not signer_from_env({}).authenticated
+    assert signer_from_env({"PADDLE_HSDP_FT_SECRET": SECRET}).authenticated
+    with pytest.raises(ValueError, match="PADDLE_HSDP_FT_SECRET must be at least 16"):
+        signer_from_env({"PADDLE_HSDP_FT_SECRET": "short"})
+
+
+def test_forged_records_arrivals_claims_and_keys_are_refused_named_and_the_job_goes_on(
+        etcd, caplog):
+    """A writer to etcd without the job's secret inflates a member's step in round 0's
+    record (every group would copy that member's state), adds an arrival of a group
+    that does not exist, claims a live group's id, takes the round's decider key,
+    moves ``closed`` (and later puts back an older genuine one) and points a round's
+    group-store address elsewhere: each is refused and named in the log, and the rounds
+    go on with the genuine values."""
+    from paddle_hsdp.ft.kv import JobStore
+    from paddle_hsdp.ft.trust import Signer
+    caplog.set_level("WARNING", logger="paddle_hsdp.ft")
+    job = f"job{next(_jobs)}"
+    keys, forger = Keys(job), Etcd(etcd["address"])
+    liar = Signer("another-secret-of-the-same-size")
+    forger.put(keys.group(1), json.dumps({"token": "x", "host": "evil", "lease": 0}))
+    rules = Rules(start_replicas=2, join_window_s=1.0)
+    groups = [GroupControl(etcd["address"], job, r, f"tok{r}", "host", rules, TTL, 20,
+                           signer=Signer(SECRET)) for r in range(2)]
+    try:
+        for g in groups:
+            g.register()  # replica 1's id taken back from the forged claim
+        inflated = Round(0, {0: Arrival(0), 1: Arrival(999)}, True).to_json()
+        forger.put(keys.record(0), inflated)  # before any group arrives: every watch sees it
+        forger.put(keys.arrival(0, 7), json.dumps({"step": 999, "fresh": False,
+                                                   "failed": False, "config": ""}))
+        forger.put(keys.decider(0), "forged")
+        time.sleep(0.3)
+        rounds = _arrive_all(groups, 0, None, {0: Arrival(3), 1: Arrival(3)})
+        for record in rounds.values():
+            assert record.replicas == [0, 1] and record.step == 3 and not record.receivers
+        found = json.loads(Signer(SECRET).open(keys.record(0), forger.get(keys.record(0))))
+        assert found["members"]["1"][0] == 3  # the genuine record replaced the forged one
+        closed_at_0 = forger.get(keys.closed)  # genuine, signed: put back later
+        # a forged record with another secret's HMAC, for a round being formed
+        for g in groups:
+            g.committed()
+        forger.put(keys.record(1), liar.sign(keys.record(1), Round(
+            1, {1: Arrival(999)}, True).to_json()))
+        forger.put(keys.closed, "999")
+        assert groups[0].next_open() == 1  # the genuine records say where a joiner goes
+        second = _arrive_all(groups, 1, [0, 1], {0: Arrival(4), 1: Arrival(4)})
+        assert second[0].replicas == [0, 1] and second[0].step == 4
+        forger.put(keys.closed, closed_at_0)  # an older genuine value put back
+        assert groups[0].next_open() == 2  # the latest genuine record outdoes it
+        # the job's shared data: a forged group-store address is waited past
+        store = JobStore(etcd["address"], job, 5, signer=Signer(SECRET))
+        forger.put(store._key("r/1/outer_store/0"), "10.6.6.6:666")
+        late = threading.Timer(0.4, store.set, ("r/1/outer_store/0", "127.0.0.1:1234"))
+        late.start()
+        assert store.get("r/1/outer_store/0") == b"127.0.0.1:1234"
+        late.join()
+    finally:
+        _close(groups)
+    refused = "\n".join(r.getMessage() for r in caplog.records if "refused a value" in r.getMessage())
+    for key, why in [(keys.group(1), "not signed"), (keys.record(0), "not signed"),
+                     (keys.arrival(0, 7), "not signed"), (keys.decider(0), "not signed"),
+                     (keys.record(1), "does not match"), (keys.closed, "not signed"),
+                     ("r/1/outer_store/0", "not signed")]:
+        assert any(key in line and why in line for line in refused.splitlines()), (key, refused)
+    assert "the job goes on with the genuine ones" in refused
+
+
+def test_a_group_with_another_secret_or_none_never_forms_a_job_of_its_own(etcd, caplog):
+    """A group started with another PADDLE_HSDP_FT_SECRET, or without one, refuses the
+    running groups' rounds (it cannot verify them). It must not take that for an
+    empty job and start round 0 alone beside them: it stops, saying why. And a
+    group's decider key this group cannot verify (it has a lease) is not deleted as
+    a forgery: the round waits rather than split in two."""
+    from paddle_hsdp.ft.trust import Signer
+    caplog.set_level("WARNING", logger="paddle_hsdp.ft")
+    job = f"job{next(_jobs)}"
+    rules = Rules(start_replicas=1, join_window_s=0.5)
+
+    def group(replica, signer, timeout=20):
+        g = GroupControl(etcd["address"], job, replica, f"tok{replica}", "host", rules, TTL,
+                         timeout, signer=signer)
+        g.register()
+        return g
+    running = group(0, Signer(SECRET))
+    others = []
+    try:
+        assert running.arrive(0, None, Arrival(0, True)).replicas == [0]
+        running.committed()
+        for replica, signer, why in [(1, Signer("another-secret-of-the-same-size"),
+                                      "they have another secret, or none"), (2, Signer(), "none is set here")]:
+            others.append(group(replica, signer))
+            with pytest.raises(FaultToleranceError, match=f"cannot join.*not signed with "
+                               f"this group's PADDLE_HSDP_FT_SECRET \\({why}\\)"):
+                others[-1].next_open()
+        # a fresh job: a group of another secret holds round 0's decider key (with its
+        # lease); a group of this secret does not delete it, and forms no round alone
+        fresh = f"job{next(_jobs)}"
+        mismatched = GroupControl(etcd["address"], fresh, 5, "tok5", "host", rules, TTL, 20,
+                                  signer=Signer("another-secret-of-the-same-size"))
+        mismatched.register()
+        others.append(mismatched)
+        at = Keys(fresh).decider(0)
+        assert mismatched.etcd.create(at, mismatched.signer.sign(at, "tok5"), mismatched.lease)
+        lonely = GroupControl(etcd["address"], fresh, 6, "tok6", "host", rules, TTL, 2,
+                              signer=Signer(SECRET))
+        lonely.register()
+        others.append(lonely)
+        with pytest.raises(FaultToleranceError, match="waited 2 s for round 0"):
+            lonely.arrive(0, None, Arrival(0, True))
+        assert mismatched.etcd.get(at) is not None  # still the other group's
+    finally:
+        _close([running] + others)

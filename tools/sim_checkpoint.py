@@ -5,6 +5,7 @@ metadata), for a Llama-70B-shaped model (723 tensors; bf16 params, AdamW with fp
 master weights and moments: 988 GB of distinct state).
 
     python tools/sim_checkpoint.py [--world 128 1024 8192] [--layout tp8 hsdp hfsdp] [--json]
+    python tools/sim_checkpoint.py --joint [--groups 4 16] [--inner 8] [--json]
 
 Layouts: ``tp8``: TP 8 x inner 8 x outer W/64; ``hsdp``: inner 8 x outer W/8;
 ``hfsdp``: inner W/128 x outer 128, the optimizer state cut across the outer ranks.
@@ -15,6 +16,18 @@ and the bytes a load reads from storage against the checkpoint's distinct bytes 
 outer replicas split the reading; the mp ranks of a tensor tensor parallelism does not
 split each read it). With
 ``--json`` the last line is a JSON list of one object per run. Nothing is written.
+Each run also counts the bytes of the manifests' trip to rank 0: what the padded gather
+this replaced sent (W x the longest manifest) against what the save sends now (a
+24-byte head per rank, then each rank's own bytes, as files).
+
+``--joint``: a fault-tolerant HFSDP job's joint save (paddle_hsdp/ft/joint_save.py) of
+the same model: ``--groups`` replica groups of ``--inner`` ranks, the optimizer state
+cut into groups / 2 pieces, each box written by one group. Every group's manifests go
+through the save's own code (checkpoint/save.py's group commit, ft's JointSave on a
+store that records every value written, the publisher's read and check, its index);
+it prints the largest value written to the job's store against the largest group's
+manifests, which the joint save put there before (etcd refuses values over 1.5 MiB).
+The groups' manifest files are written to a temporary folder and removed.
 """
 
 from __future__ import annotations
@@ -22,6 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import tempfile
+import threading
 import time
 import tracemalloc
 from types import SimpleNamespace
@@ -62,6 +78,7 @@ class Item:
         self.name, self.shape, self.dtype = name, shape, dtype
         self.offset, self.size, self.replicas, self.split = offset, size, replicas, split
         self.tag, self.stage, self.spot = "", 0, spot
+        self.piece = None  # a fault-tolerant HFSDP job's piece of the optimizer state
 
     @property
     def empty(self) -> bool:
@@ -185,6 +202,8 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
     # ranks at outer 0 (each holder computes the same) and read for every outer index
     loads, writers, distinct, held, n_pieces = [0] * world, 0, 0, 0, 0
     pieces: list | None = []
+    sizes = [0] * world  # each rank's manifest, as save_checkpoint sends it to rank 0
+    rules = rules_of(lay)
     for m in range(lay["mp"]):
         for i in range(lay["inner"]):
             items0: list = []  # outer 0's items (o == 0 comes first), read at every o
@@ -194,7 +213,9 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
                     items0 = items
                 r = (o * lay["inner"] + i) * lay["mp"] + m
                 held += sum(_read_bytes(it) for it in items if not it.empty)
-                for w in _writes_of(items, (m, i), o):
+                rank_writes_ = _writes_of(items, (m, i), o)
+                sizes[r] = _manifest_bytes(lay, rules, items, rank_writes_, m, i, o, r)
+                for w in rank_writes_:
                     nbytes = plan.item_bytes(w.item) * (w.hi - w.lo) // max(1, w.item.size[0])
                     distinct += nbytes
                     loads[r] += 0 if w.inline else nbytes
@@ -208,7 +229,7 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
                 writers += loads[r] > 0
     meta_bytes, refusal, index_cpu, index_heap = 0, None, float("nan"), float("nan")
     if pieces is not None:
-        record = {"pieces": pieces, **rules_of(lay)}
+        record = {"pieces": pieces, **rules}
         (meta_bytes, refusal), index_cpu = _cpu(_index, record)
         index_heap = _heap(_index, record) / 2 ** 20
     writing = [x for x in loads if x]
@@ -219,7 +240,43 @@ def simulate(kind: str, world: int, sample: int, index_limit: int,
             "metadata_mb": round(meta_bytes / 2 ** 20, 1) if meta_bytes else None,
             "slowest_writer_x": round(max(loads) / mean, 3), "files": writers,
             "distinct_gb": round(distinct / 1e9, 1), "read_x": round(held / distinct, 2),
-            "tiles": refusal is None}
+            "tiles": refusal is None, **gather_bytes(sizes)}
+
+
+def gather_bytes(sizes: list[int]) -> dict:
+    """What the manifests' trip to rank 0 moves, from each rank's manifest bytes:
+    before, the padded gather (an all-reduce of the longest length, then every rank
+    sends the longest + 8 bytes and rank 0 receives W of them); now, the 24-byte heads'
+    gather and each other rank's own bytes, read by rank 0 from its file."""
+    world = len(sizes)
+    return {"manifests_mb": round(sum(sizes) / 2 ** 20, 1),
+            "longest_manifest_kb": round(max(sizes) / 2 ** 10, 1),
+            "rank0_gather_before_mb": round(world * (max(sizes) + 8) / 2 ** 20, 1),
+            "rank0_gather_now_mb": round((24 * world + sum(sizes[1:])) / 2 ** 20, 1)}
+
+
+def _at_outer(replicas, o: int) -> int:
+    """``replicas.index`` at outer index ``o`` (the items of outer 0 are read for every
+    outer index: the holders of a box differ from them only there)."""
+    return plan.Replicas(tuple((a, n, o if a == "outer" else k)
+                               for a, n, k in replicas.axes)).index
+
+
+def _manifest_bytes(lay: dict, rules: dict, items, writes, m: int, i: int, o: int,
+                    r: int) -> int:
+    """The JSON bytes of rank ``r``'s manifest as checkpoint/save.py's ``_finish``
+    builds it: its pieces, the boxes it is first holder of, and with HFSDP its place in
+    its FSDP group and, on the group's first rank, the group's rules."""
+    record: dict = {"pieces": [_entry(w) for w in writes if w.item.spot is None],
+                    "error": None,
+                    "expected": sorted({it.name for it in items
+                                        if not it.empty and _at_outer(it.replicas, o) == 0})}
+    if rules:
+        gid = f"dense:{m}"
+        record["rules"] = {k: v for k, v in rules["rules"].items()
+                           if k.startswith(gid + "/")} if (i, o) == (0, 0) else {}
+        record["places"] = [[gid, i, o, r]]
+    return len(json.dumps(record).encode())
 
 
 def _read_bytes(item) -> float:
@@ -303,6 +360,118 @@ def _index(record: dict) -> tuple[int, str | None]:
     return len(json.dumps(meta, separators=(",", ":"))), None
 
 
+# ---------------------------------------------------------------- the joint save
+def joint_items(groups: int, inner: int, parts: int, g: int, i: int, lay_units) -> list[Item]:
+    """What rank ``i`` of replica group ``g`` holds in a fault-tolerant HFSDP job
+    (checkpoint/items.py with shared pieces: no rule, every box listed): its inner block
+    of each parameter (held by every group), its piece's rows of each optimizer state
+    (piece ``g % parts``: held by the groups of that piece), the beta powers (every
+    rank)."""
+    outer_axis = (("outer", groups, g),)
+    piece = g % parts
+    items = []
+    for params, seg in lay_units:
+        for k, (name, shape, _) in enumerate(params):
+            lo, count = seg.rows_in(k, i * parts, parts)
+            items.append(Item(name, shape, "bfloat16", [lo] + [0] * (len(shape) - 1),
+                              [count] + shape[1:], plan.Replicas(outer_axis)))
+            slo, scount = seg.rows_in(k, i * parts + piece)
+            for state in ("master_weight", "moment1", "moment2"):
+                items.append(Item(f"{name}/optim/{state}", shape, "float32",
+                                  [slo] + [0] * (len(shape) - 1), [scount] + shape[1:],
+                                  plan.Replicas()))
+                items[-1].piece = piece
+            for state in ("beta1_pow_acc", "beta2_pow_acc"):
+                items.append(Item(f"{name}/optim/{state}", [1], "float32", [0], [1],
+                                  plan.Replicas((("inner", inner, i),) + outer_axis)))
+    return items
+
+
+def joint_payloads(groups: int, inner: int, redundancy: int = 2) -> dict[int, dict]:
+    """Every group's manifests as its leader hands them to the joint save
+    (checkpoint/save.py ``_publish_jointly``: ``{"manifests": [one per rank],
+    "errors": []}``): each box written by one group, the lowest live one holding it
+    (ft/joint_save.py ``writes``), planned inside the group (the outer axis dropped)."""
+    parts = max(1, groups // redundancy)
+    lay_units = [(params, segment_layout([shape for _, shape, _ in params], inner * parts))
+                 for params in units()]
+    out = {}
+    for g in range(groups):
+        records = []
+        for i in range(inner):
+            items = joint_items(groups, inner, parts, g, i, lay_units)
+            held = [it for it in items if not it.empty and
+                    (g == 0 if it.piece is None else g == it.piece)]
+            writes = plan.plan_writes(held, drop_axes=("outer",))
+            records.append({"pieces": [_entry(w) for w in writes], "error": None,
+                            "expected": sorted({it.name for it in held if
+                                                it.replicas.without(("outer",)).index == 0})})
+        out[g] = {"manifests": records, "errors": []}
+    return out
+
+
+class RecordingStore:
+    """The job's shared data (ft/kv.py JobStore's set, get, add) in memory, keeping the
+    size of every value written: what etcd would be asked to hold."""
+
+    def __init__(self):
+        self.data: dict[str, bytes] = {}
+        self.largest: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def set(self, name, value):
+        raw = value.encode() if isinstance(value, str) else value
+        with self.lock:
+            self.data[name] = raw
+            self.largest[name] = max(self.largest.get(name, 0), len(raw))
+
+    def get(self, name, timeout_s=None, abort=None):
+        with self.lock:
+            return self.data[name]
+
+    def add(self, name, amount):
+        with self.lock:
+            value = int(self.data.get(name, b"0")) + amount
+        self.set(name, str(value))
+        return value
+
+
+def simulate_joint(groups: int, inner: int, redundancy: int = 2) -> dict:
+    """A joint save's control-plane values, through the save's own code: each group's
+    leader commits its manifests (a file and a record) and counts in through
+    ft/joint_save.py's JointSave; the last one reads every group's file back, checked,
+    and indexes the whole save. Returns the largest value written to the store against
+    the largest group's manifests (what the joint save wrote there before)."""
+    from paddle_hsdp.ft.joint_save import JointSave
+    payloads = joint_payloads(groups, inner, redundancy)
+    before = {g: len(json.dumps(p).encode()) for g, p in payloads.items()}
+    store, replicas = RecordingStore(), list(range(groups))
+    record = SimpleNamespace(number=1, replicas=replicas)
+    with tempfile.TemporaryDirectory(prefix="sim_joint_") as tmp:
+        joints = [JointSave(SimpleNamespace(
+            round=record, step=1, store=store, replica_id=g, ranks_per_replica=inner,
+            round_timeout_s=1.0, outer=None)) for g in replicas]
+        for j in joints:
+            j.begin(os.path.join(tmp, "ckpt"))
+        commits = None
+        for g in replicas:
+            got = joints[g].gather(save._commit_group(tmp, g * inner, payloads[g]))
+            commits = got if got is not None else commits
+        manifests, errors = save._read_groups(tmp, commits)
+        joints[-1].announce("; ".join(errors))
+        files_mb = sum(os.path.getsize(os.path.join(tmp, save.MANIFESTS, f))
+                       for f in os.listdir(os.path.join(tmp, save.MANIFESTS))) / 2 ** 20
+    meta_bytes, refusal = _index({"pieces": [p for m in manifests for p in m["pieces"]],
+                                  "expected": [n for m in manifests for n in m["expected"]]})
+    return {"groups": groups, "inner": inner, "pieces": max(1, groups // redundancy),
+            "largest_group_manifests_kb": round(max(before.values()) / 2 ** 10, 1),
+            "group_manifests_kb": sorted({round(v / 2 ** 10) for v in before.values()}),
+            "largest_store_value_bytes": max(store.largest.values()),
+            "store_values": len(store.largest), "manifest_files_mb": round(files_mb, 1),
+            "errors": errors, "tiles": refusal is None and not errors,
+            "metadata_mb": round(meta_bytes / 2 ** 20, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[128, 1024, 8192])
@@ -314,9 +483,25 @@ def main() -> None:
     parser.add_argument("--ranks-only", action="store_true",
                         help="only each sampled rank's planning (not the job's writers and "
                              "index: HFSDP at 8,192 would need tens of GB here)")
+    parser.add_argument("--joint", action="store_true",
+                        help="a fault-tolerant HFSDP job's joint save (--groups, --inner)")
+    parser.add_argument("--groups", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--inner", type=int, default=8)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = []
+    if args.joint:
+        for groups in args.groups:
+            run = simulate_joint(groups, args.inner)
+            runs.append(run)
+            print(f"groups {groups:4d} x {args.inner} ranks: largest group's manifests "
+                  f"{run['largest_group_manifests_kb']:.0f} KiB (each group's: "
+                  f"{run['group_manifests_kb']} KiB) -> largest store value "
+                  f"{run['largest_store_value_bytes']} B of {run['store_values']}; "
+                  f"files {run['manifest_files_mb']} MiB; tiles {run['tiles']}", flush=True)
+        if args.json:
+            print(json.dumps(runs))
+        return
     print(f"{'layout':7s} {'W':>6s} {'plan cpu s':>10s} {'heap MB':>8s} {'rank0 s':>8s} "
           f"{'rank0 MB':>9s} {'pieces':>9s} {'meta MB':>8s} {'slowest':>8s} {'files':>6s} "
           f"{'read x':>7s}")
@@ -335,6 +520,10 @@ def main() -> None:
                   f"{run['slowest_writer_x']:7.3f}x "
                   f"{run['files']:6d} {run['read_x']:6.1f}x"
                   + ("" if run["tiles"] else "  (DOES NOT TILE)"), flush=True)
+            print(f"{'':7s} manifests to rank 0: {run['manifests_mb']} MiB in all, the "
+                  f"longest {run['longest_manifest_kb']} KiB; the padded gather "
+                  f"{run['rank0_gather_before_mb']} MiB, now {run['rank0_gather_now_mb']} "
+                  "MiB", flush=True)
     if args.json:
         print(json.dumps(runs))
 

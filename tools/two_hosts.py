@@ -543,8 +543,9 @@ def cmd_ft(args) -> int:
                                       restart_after=args.restart_after)
         return demo_ft.run_scenario(
             scenario, work, _child_env(),
+            # the namespaces' link is the job's own: no TLS (--insecure)
             on(h0, [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", h0.ip,
-                    "--port", str(port)]),
+                    "--insecure", "--port", str(port)]),
             f"{h0.ip}:{port}", group_command,
             lambda replica, proc: kill_host(hosts.hosts[replica]))
 

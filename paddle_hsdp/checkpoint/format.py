@@ -129,29 +129,22 @@ def gather_json(obj: object, what: str = "a checkpoint call",
     return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, lengths)]
 
 
-def gather_json_to_root(obj: object, what: str = "a checkpoint call") -> list | None:
-    """Every rank's JSON-serialisable ``obj`` on rank 0, in rank order; None on the
-    others, which receive nothing (a save's manifests: only rank 0 writes the index)."""
+def gather_sizes_to_root(values: Sequence[int], what: str = "a checkpoint call"
+                         ) -> list[list[int]] | None:
+    """Every rank's few integers (``values``: the same count on every rank) on rank 0,
+    in rank order; None on the others, which receive nothing. A fixed-size gather:
+    8 bytes per integer per rank reach rank 0 (a save's manifests follow as files,
+    each rank's exactly, not W times the longest: checkpoint/save.py)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
+        return [list(values)]
     group = dist.collective._get_global_group()
-    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    size = paddle.to_tensor([len(data)], dtype="int64")
-    comm.all_reduce(size, group, op="max", tag=_TAG, what=f"{what}: the largest message")
-    with watchdog.host_sync(f"{what}: reading the largest message's size"):
-        longest = int(size)
-    padded = np.zeros(longest + 8, dtype=np.uint8)  # its own length first, then it
-    padded[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
-    padded[8:8 + len(data)] = data
     parts: list[paddle.Tensor] | None = [] if dist.get_rank() == 0 else None
-    comm.gather(paddle.to_tensor(padded), parts, 0, group, tag=_TAG,
-                what=f"{what}: the ranks' messages to rank 0")
+    comm.gather(paddle.to_tensor(np.array(values, dtype=np.int64)), parts, 0, group,
+                tag=_TAG, what=f"{what} to rank 0")
     if parts is None:  # not rank 0
         return None
-    with watchdog.host_sync(f"{what}: reading the ranks' messages"):
-        rows = [p.numpy() for p in parts]
-    return [json.loads(row[8:8 + int(row[:8].view(np.int64)[0])].tobytes().decode())
-            for row in rows]
+    with watchdog.host_sync(f"{what}: reading them"):
+        return [[int(v) for v in p.numpy()] for p in parts]
 
 
 def broadcast_json(obj: object, what: str = "a checkpoint call") -> Any:

@@ -7,17 +7,21 @@ tile every tensor, writes the metadata and renames the directory into place (an 
 rank leaves the previous checkpoint as it was and raises on every rank.
 
 Three collectives, whatever the world size: rank 0's token and its check of the path
-(a broadcast), the manifests to rank 0 (a gather: the index's bytes reach rank 0 only),
-the outcome (a broadcast). Boxes of one name that overlap without being equal (two EP
-ranks' local experts without global indices) are refused by rank 0's check, and the
-written files removed. Boxes written twice (a tied layer on two pipeline stages) are
-kept once.
+(a broadcast), the manifests to rank 0, the outcome (a broadcast). The manifests go
+as files: each rank writes its manifest's JSON into the save's temporary folder
+(``.manifests/``), and one fixed-size gather brings rank 0 each rank's file rank,
+length and CRC (24 bytes a rank), so rank 0 reads exactly each rank's bytes (not W
+times the longest, as a padded gather would send) and the other ranks receive
+nothing. Boxes of one name that overlap without being equal (two EP ranks' local
+experts without global indices) are refused by rank 0's check, and the written files
+removed. Boxes written twice (a tied layer on two pipeline stages) are kept once.
 """
 
 from __future__ import annotations
 
 import atexit
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -36,7 +40,7 @@ from ..engine.registry import registry
 
 from .boxes import tiling_error
 from .format import (FORMAT, META, CheckpointError, broadcast_json, chunk_rows,
-                     gather_json_to_root, rank_world, read_metadata)
+                     gather_sizes_to_root, rank_world, read_metadata)
 from .items import all_items
 from .plan import Write, plan_writes
 from .rules import crc_header, grids, group_id, place_of, rule_of, slice_box
@@ -57,7 +61,7 @@ class JointSaver(Protocol):
     def begin(self, path: str) -> str: ...
     def writes(self, piece: int | None) -> bool: ...
     def file_rank(self) -> int: ...
-    def gather(self, payload: object) -> list | None: ...
+    def gather(self, payload: dict) -> list | None: ...
     def announce(self, outcome: str) -> None: ...
     def outcome(self) -> str: ...
 
@@ -237,8 +241,9 @@ def _finish(save: AsyncSave) -> None:
     items, aliases, plain, axes, world = save._what
     path, tmp, joint, rank = save.path, save.tmp, save.joint, rank_world()[0]
     call = f"save_checkpoint({path!r})"
-    manifests = gather_json_to_root({"pieces": save.pieces, "error": save.error,
-                                      "expected": save.expected, **save.rules}, call)
+    manifests = _gather_manifests({"pieces": save.pieces, "error": save.error,
+                                   "expected": save.expected, **save.rules}, tmp,
+                                  joint.file_rank() if joint is not None else rank, call)
     errors: list[str] = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
         outcome = joint.outcome()
@@ -304,16 +309,16 @@ def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[Item],
     publishes, the others learn its outcome. Returns the save's errors (none:
     published)."""
     try:
-        groups = joint.gather({"manifests": manifests,
-                               "errors": [r["error"] for r in manifests if r["error"]]})
+        commit = _commit_group(tmp, joint.file_rank(), {
+            "manifests": manifests, "errors": [r["error"] for r in manifests if r["error"]]})
+        groups = joint.gather(commit)
         if groups is None:
             outcome = joint.outcome()
             return [outcome] if outcome else []
-        errors = [e for g in groups for e in g["errors"]]
+        every, errors = _read_groups(tmp, groups)
         if not errors:
             try:
-                _publish(path, tmp, items, [m for g in groups for m in g["manifests"]],
-                         aliases, plain, joint.world_size, axes)
+                _publish(path, tmp, items, every, aliases, plain, joint.world_size, axes)
             except Exception as e:
                 errors.append(f"the publishing group: {type(e).__name__}: {e}")
         if errors:
@@ -322,6 +327,115 @@ def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[Item],
         return errors
     except Exception as e:  # the coordinator's store failed us: the save failed
         return [f"the replica groups' save: {type(e).__name__}: {e}"]
+
+MANIFESTS = ".manifests"  # the ranks' and groups' manifests in a save's temporary folder
+
+
+def _manifest_path(tmp: str, name: str) -> str:
+    return os.path.join(tmp, MANIFESTS, name)
+
+
+def _write_manifest(tmp: str, name: str, data: bytes) -> None:
+    os.makedirs(os.path.join(tmp, MANIFESTS), exist_ok=True)
+    with open(_manifest_path(tmp, name), "wb") as f:
+        f.write(data)
+
+
+def _gather_manifests(record: dict, tmp: str, file_rank: int, what: str) -> list[dict] | None:
+    """Every rank's manifest on rank 0, in rank order; None on the others, which receive
+    nothing. No rank sends more than its own bytes: each rank but rank 0 writes its
+    manifest's JSON into ``tmp/.manifests/rank-<file rank>.json`` (the folder every rank
+    writes its data into), then one fixed-size gather brings rank 0 each rank's
+    ``(file rank, length, CRC-32)``, 24 bytes a rank, and rank 0 reads exactly each
+    rank's bytes. A rank whose file could not be written, or reads back other than it
+    said, gives rank 0 an error naming it (the save fails; the previous checkpoint
+    stays). The folder goes before the checkpoint is published (:func:`_publish`)."""
+    rank, world = rank_world()
+    data = json.dumps(record).encode()
+    if world == 1:
+        return [json.loads(data)]
+    size, crc = len(data), zlib.crc32(data)
+    if rank != 0:
+        try:
+            _write_manifest(tmp, f"rank-{file_rank:05d}.json", data)
+        except OSError as e:  # rank 0 names it: -1 and the errno
+            size, crc = -1, e.errno or 0
+    heads = gather_sizes_to_root([file_rank, size, crc], f"{what}: the ranks' manifest sizes")
+    if heads is None:
+        return None
+    out: list[dict] = []
+    for r, (name, n, check) in enumerate(heads):
+        if r == 0:
+            out.append(json.loads(data))
+            continue
+        where = _manifest_path(tmp, f"rank-{name:05d}.json")
+        if n < 0:
+            out.append({"pieces": [], "error": f"rank {r}: could not write its manifest "
+                        f"{where}: {os.strerror(check) if check else 'unknown error'}"})
+            continue
+        try:
+            with open(where, "rb") as f:
+                got = f.read(n + 1)
+        except OSError as e:
+            got, why = b"", f"{type(e).__name__}: {e}"
+        else:
+            why = "" if len(got) == n and zlib.crc32(got) == check else (
+                f"it holds {len(got)} bytes (CRC-32 {zlib.crc32(got):08x}) where the rank "
+                f"wrote {n} (CRC-32 {check:08x})")
+        out.append(json.loads(got) if not why else
+                   {"pieces": [], "error": f"rank {r}: its manifest {where}: {why}"})
+    return out
+
+
+def _commit_group(tmp: str, file_rank: int, payload: dict) -> dict:
+    """A replica group's leader in a joint save: its ranks' manifests (``payload``) into
+    one file of the shared temporary folder, and the small commit record that goes to
+    the job's shared data instead of them (a file name, its bytes and SHA-256: under
+    200 bytes, whatever the model; the manifests of a 70B model are megabytes, and
+    etcd refuses a value over 1.5 MiB)."""
+    data = json.dumps(payload).encode()
+    name = f"group-{file_rank:05d}.json"
+    try:
+        _write_manifest(tmp, name, data)
+    except OSError as e:
+        return {"error": f"rank {file_rank}: could not write its group's manifests "
+                         f"{_manifest_path(tmp, name)}: {type(e).__name__}: {e}"[:1000]}
+    return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _read_groups(tmp: str, commits: list[dict]) -> tuple[list[dict], list[str]]:
+    """The publishing group: every group's manifests, read from the files its commit
+    record names and checked against the record's length and SHA-256; and the save's
+    errors (the groups' own, and a file that is missing or differs, named)."""
+    manifests: list[dict] = []
+    errors: list[str] = []
+    for commit in commits:
+        if "error" in commit:
+            errors.append(str(commit["error"]))
+            continue
+        name = str(commit.get("file", ""))
+        if not (name.startswith("group-") and name.endswith(".json")
+                and name[6:-5].isdigit()):
+            errors.append(f"a replica group's commit record names no manifest file of a "
+                          f"save ({name!r})")
+            continue
+        where = _manifest_path(tmp, name)
+        try:
+            with open(where, "rb") as f:
+                data = f.read(int(commit["bytes"]) + 1)
+        except (OSError, ValueError, KeyError) as e:
+            errors.append(f"the group manifests {where}: {type(e).__name__}: {e}")
+            continue
+        if len(data) != commit["bytes"] or \
+                hashlib.sha256(data).hexdigest() != commit.get("sha256"):
+            errors.append(f"the group manifests {where} differ from the group's commit "
+                          f"record ({len(data)} bytes where it says {commit['bytes']}, or "
+                          "another SHA-256)")
+            continue
+        payload = json.loads(data)
+        manifests += payload["manifests"]
+        errors += payload["errors"]
+    return manifests, errors
 
 
 def _refusal_to_tile(tensors: dict, tags: dict, rules: dict | None = None) -> str | None:
@@ -451,6 +565,7 @@ def _publish(path: str, tmp: str, items: list[Item], manifests: list[dict], alia
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     meta_path = os.path.join(tmp, META)
     os.makedirs(tmp, exist_ok=True)
+    shutil.rmtree(os.path.join(tmp, MANIFESTS), ignore_errors=True)  # read: not published
     with open(meta_path, "w") as f:
         json.dump(meta, f, separators=(",", ":"), default=float)  # C encoder: compact
         f.flush()

@@ -197,6 +197,15 @@ class Etcd:
         kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
         return (_text(kvs[0].get("value")), int(kvs[0]["mod_revision"])) if kvs else (None, 0)
 
+    def get_lease(self, key: str) -> tuple[str | None, int, int]:
+        """``key``'s value, the revision it was last written at and the lease it is
+        attached to (0: none); ``(None, 0, 0)`` if absent."""
+        kvs = self.call("kv/range", {"key": _b64(key)}).get("kvs", [])
+        if not kvs:
+            return None, 0, 0
+        return (_text(kvs[0].get("value")), int(kvs[0]["mod_revision"]),
+                int(kvs[0].get("lease", 0)))
+
     def swap(self, key: str, revision: int, value: str) -> bool:
         """Write ``key`` only if it was last written at ``revision`` (0: absent)."""
         target = ({"target": "MOD", "mod_revision": revision} if revision else
@@ -216,17 +225,27 @@ class Etcd:
         return found, int(result["header"]["revision"])
 
     def create(self, key: str, value: str, lease: int = 0,
-               also: dict[str, str] | None = None) -> int:
+               also: dict[str, str] | None = None, over: int = 0) -> int:
         """Write ``key`` (and the ``also`` keys, in the same transaction) only if ``key``
-        does not exist: the revision it was written at, or 0 if it existed."""
+        does not exist (or, with ``over``, was last written at revision ``over``: a
+        forged value replaced): the revision it was written at, or 0 if not written."""
         puts = [{"request_put": {"key": _b64(k), "value": _b64(v),
                                  **({"lease": lease} if lease and k == key else {})}}
                 for k, v in {key: value, **(also or {})}.items()]
+        compare = ({"target": "MOD", "mod_revision": over} if over else
+                   {"target": "CREATE", "create_revision": 0})
         result = self.call("kv/txn", {
-            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
-                         "create_revision": 0}],
+            "compare": [{"key": _b64(key), "result": "EQUAL", **compare}],
             "success": puts, "failure": []})
         return int(result["header"]["revision"]) if result.get("succeeded") else 0
+
+    def delete(self, key: str, revision: int) -> bool:
+        """Delete ``key`` if it was last written at ``revision``: whether it was."""
+        result = self.call("kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "MOD",
+                         "mod_revision": revision}],
+            "success": [{"request_delete_range": {"key": _b64(key)}}], "failure": []})
+        return bool(result.get("succeeded"))
 
     def delete_prefix(self, prefix: str) -> None:
         self.call("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})

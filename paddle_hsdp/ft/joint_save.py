@@ -14,12 +14,19 @@ step and
 * every group writes into the same scratch folder beside the checkpoint (so the
   groups need one file system: a shared one across hosts), its files named by the
   writers' virtual ranks;
-* each group's leader puts its ranks' manifests in the job's shared data (etcd) and counts
-  itself in; the group that completes the count checks that the pieces of all groups
-  tile every tensor, writes the metadata and moves the folder into place, then
-  announces the outcome, which every other group awaits (bounded by the round
-  timeout). A group that dies meanwhile fails the save on every live rank; the
-  previous checkpoint stays.
+* each group's leader writes its ranks' manifests into a file of that folder and puts
+  only a commit record in the job's shared data (etcd): the file's name, bytes and
+  SHA-256, under 200 bytes whatever the model (a 70B model's manifests are megabytes
+  per group, and etcd refuses a value over 1.5 MiB), then counts itself in; the group
+  that completes the count reads every group's file, checked against its record,
+  checks that the pieces of all groups tile every tensor, writes the metadata and
+  moves the folder into place, then announces the outcome, which every other group
+  awaits (bounded by the round timeout). A group that dies meanwhile fails the save on
+  every live rank; the previous checkpoint stays.
+
+Every value this module writes to etcd is bounded: a payload over
+:data:`MAX_VALUE_BYTES` (64 KiB) is refused before anything is written, and an
+outcome is cut to :data:`MAX_OUTCOME_CHARS`.
 
 The result is an ordinary checkpoint: it loads into any layout and into one process.
 """
@@ -33,6 +40,11 @@ from typing import TYPE_CHECKING, Protocol
 from .kv import wait_count
 from .pieces import plan_of
 from .store import key
+
+# the largest value a joint save writes to the job's etcd (etcd's own limit is 1.5 MiB
+# by default, --max-request-bytes); the manifests go as files, beside the checkpoint
+MAX_VALUE_BYTES = 64 * 1024
+MAX_OUTCOME_CHARS = 4000  # an outcome naming many errors is cut to this
 
 if TYPE_CHECKING:
     from .groups import LiveOuterGroup
@@ -106,12 +118,19 @@ class JointSave:
         """A key of the save :meth:`begin` started."""
         return key("save", self._token, *parts)
 
-    def gather(self, payload: object) -> list | None:
-        """Leader only: put this group's ``payload`` (JSON) in and count the group in;
-        every group's payloads, in replica order, to the group that completes the
-        count (it publishes), None to the others."""
+    def gather(self, payload: dict) -> list | None:
+        """Leader only: put this group's ``payload`` (JSON: a commit record, not the
+        manifests, which go as files) in and count the group in; every group's
+        payloads, in replica order, to the group that completes the count (it
+        publishes), None to the others. A payload over :data:`MAX_VALUE_BYTES` is
+        refused (ValueError) before anything is written."""
         store, replicas = self._replica.store, self._round.replicas
-        store.set(self._key("group", self._replica.replica_id), json.dumps(payload))
+        text = json.dumps(payload)
+        if len(text.encode()) > MAX_VALUE_BYTES:
+            raise ValueError(f"paddle_hsdp.ft: a joint save's payload must be at most "
+                             f"{MAX_VALUE_BYTES} bytes of JSON (a commit record; the "
+                             f"manifests go as files), got {len(text.encode())}")
+        store.set(self._key("group", self._replica.replica_id), text)
         if store.add(self._key("arrived"), 1) != len(replicas):
             return None  # (more than len: a group counted twice; no second publisher)
         return [json.loads(store.get(self._key("group", r)).decode())
@@ -120,6 +139,8 @@ class JointSave:
     def announce(self, outcome: str) -> None:
         """The publisher: the save's outcome ("" when published) for the others."""
         store = self._replica.store
+        if len(outcome) > MAX_OUTCOME_CHARS:
+            outcome = outcome[:MAX_OUTCOME_CHARS] + " (cut)"
         store.set(self._key("outcome"), outcome)
 
     def outcome(self) -> str:

@@ -1,12 +1,18 @@
 """The job's shared data on etcd, as the data plane's helpers use it (Paddle-free).
 
 A round's outer groups publish their rendezvous address here, a donor its transfer's
-metadata, the live groups a joint checkpoint's manifests (:mod:`.groups`,
+metadata, the live groups a joint checkpoint's commit records (:mod:`.groups`,
 :mod:`.transfer`, :mod:`.joint_save`): ``set``, ``get`` (waits until written, bounded,
 and stops once ``abort()`` raises) and ``add`` (an atomic counter: a compare-and-swap
 transaction), under ``/paddle_hsdp/ft/<job>/kv/``. Each is a few requests per rank per
 round, never per step; whether a round failed is read from ``failed``, which the
 replica sets (its group's own flag, :class:`~.store.GroupWatch`).
+
+With the job's secret (:mod:`.trust`) every value ``set`` writes is signed and ``get``
+takes only a value whose signature holds: a forged one (a group-store address pointing
+elsewhere, a rejoin's metadata, a joint save's record) is named in the log and waited
+past, as if not written yet. Counters (``add``) are not signed: a forged count can stop
+a save or a transfer's wait (bounded by its timeout), not steer either.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Protocol, TypeVar
 
 from .etcd import Etcd, Security
 from .protocol import Keys
+from .trust import UNSIGNED, Signer
 
 _T = TypeVar("_T")
 
@@ -32,9 +39,9 @@ class JobStore:
     """One rank's client of the job's shared data (``timeout_s``: a ``get``'s bound)."""
 
     def __init__(self, address: str, job: str, timeout_s: float,
-                 security: Security | None = None):
+                 security: Security | None = None, signer: Signer = UNSIGNED):
         self.etcd = Etcd(address, security=security, away_s=timeout_s)
-        self.keys, self.timeout_s = Keys(job), timeout_s
+        self.keys, self.timeout_s, self.signer = Keys(job), timeout_s, signer
         # whether a failure of a round was announced (set by the replica)
         self.failed: Callable[[int], bool] = lambda round_number: False
 
@@ -42,15 +49,18 @@ class JobStore:
         return f"{self.keys.root}kv/{name}"
 
     def set(self, name: str, value: str | bytes) -> None:
-        self.etcd.put(self._key(name), value if isinstance(value, str) else value.decode())
+        key = self._key(name)
+        self.etcd.put(key, self.signer.sign(
+            key, value if isinstance(value, str) else value.decode()))
 
     def get(self, name: str, timeout_s: float | None = None,
             abort: Callable[[], object] | None = None) -> bytes:
         """``name``'s value once written (within ``timeout_s``, default the store's:
         TimeoutError); ``abort()`` is called while it waits (it raises to stop)."""
         key = self._key(name)
-        return poll_until(lambda: self.etcd.get(key), timeout_s or self.timeout_s,
-                          f"{name} to be written", abort).encode()
+        return poll_until(lambda: self.signer.check(key, self.etcd.get(key)),
+                          timeout_s or self.timeout_s, f"{name} to be written (by a "
+                          "writer with the job's secret, if it has one)", abort).encode()
 
     def add(self, name: str, amount: int) -> int:
         """Add ``amount`` to the counter ``name`` (0 if never written); its new value."""

@@ -23,6 +23,15 @@ What each replica group (its leader) does, and what it costs the service:
 * **Failures.** A member whose attempt fails writes ``ctl/<n>/failed`` (once: the first
   writer creates it); every member hears it and drops the attempt.
 
+**Trust.** With the job's secret (``PADDLE_HSDP_FT_SECRET``, :mod:`.trust`) every
+arrival, record, ``closed``, ``finished``, decider key, claim and configuration is
+signed (an HMAC of its key and value) and checked where it is read: a value without a
+valid signature is refused, named in the log, and the protocol goes on with the
+genuine ones (a forged record or decider key in the way of the genuine one is
+replaced; a forged claim of an id deleted). ``failed`` and ``join`` act by their
+existence and are not signed: a writer can fail a round or wake the members, not steer
+one.
+
 Per round: one arrival write per group, one decider transaction, one record; each ``ctl/`` key reaches every group once. In steady state the only
 requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
 """
@@ -39,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .etcd import Etcd, EtcdRefused, EtcdUnavailable, Security, Watch
+from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
 
 logger = logging.getLogger("paddle_hsdp.ft")
 
@@ -317,8 +327,9 @@ class GroupControl:
                  on_failure: Callable[[int], None] = lambda number: None,
                  on_lost: Callable[[str], None] = lambda why: None,
                  security: Security | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, signer: Signer = UNSIGNED):
         self.keys, self.replica, self.token, self.host = Keys(job), replica, token, host
+        self.signer = signer  # signs what this group writes, checks what it reads
         self.rules, self.round_timeout_s, self.clock = rules, round_timeout_s, clock
         self.ttl_s = max(2, int(round(ttl_s)))
         self._healthy, self._on_failure, self._on_lost = healthy, on_failure, on_lost
@@ -361,25 +372,37 @@ class GroupControl:
             self.attempt.to(AttemptState.UNREGISTERED)
         self.lease = self.etcd.grant(self.ttl_s)
 
+        key = self.keys.group(self.replica)
+
         def claim() -> str:  # with the lease held at the time
-            return json.dumps({"token": self.token, "host": self.host, "lease": self.lease})
-        while not self.etcd.create(self.keys.group(self.replica), claim(), self.lease):
-            raw = self.etcd.get(self.keys.group(self.replica))
+            return self._sign(key, json.dumps({"token": self.token, "host": self.host,
+                                               "lease": self.lease}))
+        while not self.etcd.create(key, claim(), self.lease):
+            # the holder's lease as etcd keeps it (not as the value says: a value put
+            # back or forged may name any)
+            raw, revision, lease = self.etcd.get_lease(key)
             if raw is None:
                 continue  # it expired just now
-            holder = json.loads(raw)
-            if self._renewed(holder["lease"]):
+            try:
+                host = json.loads(self.signer.open(key, raw))["host"]
+            except Forged as e:  # not a claim of this job's secret: logged; a group's
+                self.signer.refused(e)  # (it has a lease) is taken for one below
+                host = "unknown: its claim is not signed with this group's secret"
+            if lease and self._renewed(lease):
                 self.etcd.revoke(self.lease)
                 self.attempt.to(AttemptState.STOPPED)
                 raise FaultToleranceError(
                     f"paddle_hsdp.ft: replica id {self.replica} is already running (its "
-                    f"leader on host {holder['host']}): a second launch with "
+                    f"leader on host {host}): a second launch with "
                     f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
                     "an id no running group has, or stop the running one first.")
             # nothing renewed the holder's lease for a renewal interval: it died or hangs
             # (the restart of a crashed group), so end its lease now rather than wait
-            # out the TTL; the others hear it as the group's death
-            self.etcd.revoke(holder["lease"])
+            # out the TTL; the others hear it as the group's death. A claim no lease
+            # holds (forged, or an old one put back) is removed as a lease's end would
+            if lease:
+                self.etcd.revoke(lease)
+            self.etcd.delete(key, revision)  # (no-op once the revoke deleted it)
             if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
                 self.lease = self.etcd.grant(self.ttl_s)
         self.lost = None
@@ -398,7 +421,8 @@ class GroupControl:
                     raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
                                               f"{self.round_timeout_s:g} s")
             # what the watch, from now on, cannot tell: whether the job already finished
-            self.finished = self.finished or self.etcd.get(self.keys.finished) is not None
+            self.finished = self.finished or self.signer.check(
+                self.keys.finished, self.etcd.get(self.keys.finished)) is not None
 
     def _renewed(self, lease: int) -> bool:
         """Whether another launch keeps ``lease`` alive. etcd reports a lease's time to
@@ -475,8 +499,12 @@ class GroupControl:
         what, number = self.keys.parse_ctl(key)
         failed_now = None
         with self._cv:
-            if what == "record" and kind == "PUT":
-                self._records[number] = Round.from_json(value)
+            text = self.signer.check(key, value) if kind == "PUT" and \
+                what in ("record", "finished") else value
+            if text is None:  # forged: refused (logged), the genuine one is awaited
+                pass
+            elif what == "record" and kind == "PUT":
+                self._records[number] = Round.from_json(text)
                 self._record_revision[number] = revision
                 for old in [n for n in self._records if n < number - 2]:
                     del self._records[old]
@@ -529,12 +557,38 @@ class GroupControl:
         self.attempt.to(AttemptState.FAILED)
 
     def finish(self) -> None:
-        self.etcd.put(self.keys.finished, "1")
+        self.etcd.put(self.keys.finished, self._sign(self.keys.finished, "1"))
 
     def next_open(self) -> int:
         """The round a joiner arrives at: the one after the last closed one."""
-        closed = self.etcd.get(self.keys.closed)
-        return int(closed) + 1 if closed is not None else 0
+        raw = self.etcd.get(self.keys.closed)
+        closed = self.signer.check(self.keys.closed, raw)
+        last = int(closed) if closed is not None else -1
+        if self.signer.authenticated or closed is None and raw is not None:
+            # a forged value is refused, and one put back from an earlier round (signed,
+            # but old) is outdone by the latest genuine record, which ``closed`` names
+            found, _ = self.etcd.get_prefix(self.keys.ctl)
+            genuine = [number for key, value in found.items()
+                       for what, number in [self.keys.parse_ctl(key)]
+                       if what == "record" and self.signer.check(key, value) is not None]
+            if closed is None and raw is not None and not genuine:
+                # rounds this group cannot verify, none it can: a job running with
+                # another secret (or with one where this group has none). Arriving at
+                # round 0 would start a job of its own beside it: refused
+                raise FaultToleranceError(
+                    f"paddle_hsdp.ft: replica {self.replica} cannot join: the job's rounds "
+                    f"({self.keys.closed} and its records) are not signed with this "
+                    f"group's {SECRET_ENV} ("
+                    + ("they have another secret, or none" if self.signer.authenticated
+                       else "none is set here")
+                    + "). Set the same secret as the running replica groups. (If no job "
+                    "runs, a writer without the secret wrote them: delete the job's keys, "
+                    f"etcdctl del --prefix {self.keys.root})")
+            last = max([last] + genuine)
+        return last + 1
+
+    def _sign(self, key: str, value: str) -> str:
+        return self.signer.sign(key, value)
 
     def arrive(self, number: int, expected: list[int] | None, arrival: Arrival,
                needs_state: bool = False) -> Round | None:
@@ -549,8 +603,8 @@ class GroupControl:
             self.armed, self.members = None, []  # nothing is watched while a round forms
         keys, etcd = self.keys, self.etcd
         try:
-            etcd.put(keys.arrival(number, self.replica), json.dumps(asdict(arrival)),
-                     self.lease)
+            at = keys.arrival(number, self.replica)
+            etcd.put(at, self._sign(at, json.dumps(asdict(arrival))), self.lease)
         except EtcdRefused as e:  # the lease ended just now ("requested lease not found")
             self.lost = self.lost or f"its lease ended ({e})"
             raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
@@ -582,8 +636,20 @@ class GroupControl:
                                               "the job while it waited for a round")
                 if may_decide and decider is None and (not tried or retry):
                     tried = True
-                    if etcd.create(keys.decider(number), self.token, self.lease):
-                        decider = _Arrivals(etcd, keys.rounds(number) + "arrivals/")
+                    at = keys.decider(number)
+                    if etcd.create(at, self._sign(at, self.token), self.lease):
+                        decider = _Arrivals(etcd, keys.rounds(number) + "arrivals/",
+                                            self.signer)
+                    elif self.signer.authenticated:
+                        # a key no lease holds and no secret signed is a forger's (a
+                        # decider's has its group's lease): deleted, its deletion a
+                        # retry. A group's key this group cannot verify (another
+                        # secret) stays: that group decides, and this one, refusing
+                        # its record, times out rather than form a job of its own
+                        raw, revision, lease = etcd.get_lease(at)
+                        if raw is not None and not lease and \
+                                self.signer.check(at, raw) is None:
+                            etcd.delete(at, revision)
                 if decider is not None:
                     record = self._try_decide(number, expected, decider, arrived_at,
                                               needs_state)
@@ -658,8 +724,17 @@ class GroupControl:
         refused = self._refusals(present, expected)
         record = decide(number, present, expected, dead, self.rules, failures, refused,
                         decider=self.replica)
-        revision = self.etcd.create(self.keys.record(number), record.to_json(),
-                                    also={self.keys.closed: str(number)})
+        key, closed = self.keys.record(number), self.keys.closed
+        signed = {key: self._sign(key, record.to_json()),
+                  closed: self._sign(closed, str(number))}
+        revision = self.etcd.create(key, signed[key], also={closed: signed[closed]})
+        if not revision:
+            raw, at = self.etcd.get_revision(key)
+            if raw is not None and self.signer.check(key, raw) is None:
+                # forged, written before this one (refused by every group as it came):
+                # the genuine record replaces it
+                revision = self.etcd.create(key, signed[key], also={closed: signed[closed]},
+                                            over=at)
         if not revision:
             return None  # another decider wrote it (this one's lease had lapsed): read it
         with self._cv:  # as the watch will tell it: what died after the record is news
@@ -694,10 +769,12 @@ class GroupControl:
         return out
 
     def publish_config(self, digest: str, text: str) -> None:
-        self.etcd.create(self.keys.config(digest), text)
+        key = self.keys.config(digest)
+        self.etcd.create(key, self._sign(key, text))
 
     def read_config(self, digest: str) -> dict | None:
-        text = self.etcd.get(self.keys.config(digest)) if digest else None
+        key = self.keys.config(digest)
+        text = self.signer.check(key, self.etcd.get(key)) if digest else None
         return json.loads(text) if text else None
 
     def _timeout_message(self, number: int, expected: list[int] | None) -> str:
@@ -732,19 +809,25 @@ def first_difference(theirs: dict | None, ours: dict | None) -> str:
 class _Arrivals:
     """The decider's view of a round's arrivals: read once, then kept by a watch."""
 
-    def __init__(self, etcd: Etcd, prefix: str):
+    def __init__(self, etcd: Etcd, prefix: str, signer: Signer = UNSIGNED):
         self._cv = threading.Condition()
         self._present: dict[int, Arrival] = {}
+        self._signer = signer
         found, revision = etcd.get_prefix(prefix)
         for key, value in found.items():
-            self._present[int(key.rsplit("/", 1)[1])] = Arrival(**json.loads(value))
+            text = signer.check(key, value)  # a forged arrival: refused (logged)
+            if text is not None:
+                self._present[int(key.rsplit("/", 1)[1])] = Arrival(**json.loads(text))
         self._watch = etcd.watch(prefix, self._on_event, start_revision=revision + 1)
 
     def _on_event(self, kind: str, key: str, value: str, revision: int) -> None:
         replica = int(key.rsplit("/", 1)[1])
+        text = self._signer.check(key, value) if kind == "PUT" else None
+        if kind == "PUT" and text is None:
+            return  # forged (logged): the genuine arrival seen before, if any, stands
         with self._cv:
-            if kind == "PUT":
-                self._present[replica] = Arrival(**json.loads(value))
+            if kind == "PUT" and text is not None:
+                self._present[replica] = Arrival(**json.loads(text))
             else:
                 self._present.pop(replica, None)
             self._cv.notify_all()

@@ -51,6 +51,7 @@ from .kv import JobStore
 from .pieces import PiecePlan, plan_of
 from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
                        Round, Rules)
+from .trust import SECRET_ENV, signer_from_env
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
                     float_env, heartbeat_timeout_s, join_window_s)
 
@@ -68,7 +69,8 @@ JOB_ENV = "PADDLE_HSDP_FT_JOB"  # the job's name on a shared etcd (default "defa
 
 
 KNOWN_ENV = (COORDINATOR_ENV, REPLICA_ENV, START_REPLICAS_ENV, ROUND_TIMEOUT_ENV,
-             REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, JOB_ENV, *SECURITY_ENV)
+             REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, JOB_ENV, SECRET_ENV,
+             *SECURITY_ENV)
 
 
 def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
@@ -135,10 +137,19 @@ class Replica:
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
         job, security = os.environ.get(JOB_ENV, "") or "default", security_from_env()
+        signer = signer_from_env()  # the job's secret: what is read from etcd is checked
         if not job.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"{JOB_ENV} must be letters, digits, '-' or '_', got {job!r}")
         wait_until_answers(coordinator, round_timeout_s, security)  # raises naming it
-        self.store = JobStore(coordinator, job, round_timeout_s, security)
+        self.store = JobStore(coordinator, job, round_timeout_s, security, signer)
+        if not signer.authenticated and self.rank == 0:
+            logger.warning(
+                "paddle_hsdp.ft: %s is not set: the rounds' records, group-store addresses "
+                "and a rejoin's checksums are not authenticated, so a writer to the job's "
+                "etcd could pick the donor or redirect a group. Set it to the same secret "
+                "(16+ characters, e.g. `openssl rand -hex 32`) in every replica group, or "
+                "keep etcd on a network only the job reaches (docs/fault-tolerance.md, "
+                "Trust).", SECRET_ENV)
         liveness_s = heartbeat_timeout_s()
         # this replica group's ranks watch each other on the group's own store
         self.control: GroupControl | None = None  # the leader's side of the protocol (below)
@@ -163,7 +174,8 @@ class Replica:
                 coordinator, job, replica_id, self._token, socket.gethostname(),
                 Rules(start_replicas, min_replicas, join_window_s(), pieces), liveness_s,
                 round_timeout_s, healthy=self._watch.healthy,
-                on_failure=self._watch.announce, on_lost=self._lost, security=security)
+                on_failure=self._watch.announce, on_lost=self._lost, security=security,
+                signer=signer)
             try:
                 control.register()
             except FaultToleranceError as e:

@@ -14,7 +14,10 @@ With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model c
 from the receiver's donor and each piece's optimizer state from a holder of that piece.
 
 The donor computes each tensor's checksum once and sends them after the tensors; the
-receiver compares. Receivers take the model's tensors in place and hand the optimizer
+receiver compares. With the job's secret (:mod:`.trust`) the checksum is a keyed
+BLAKE2b of the tensor's bytes, its round, its copy and its place (a CRC-32 without
+one): a peer on the link without the secret can neither forge the list nor craft
+data that matches it; the metadata sent through etcd is signed there (:mod:`.kv`). Receivers take the model's tensors in place and hand the optimizer
 its state once everything arrived and checked: a receiver whose transfer fails holds a
 state it must not use, and says so at the next round (``fresh``).
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,9 +84,17 @@ def _dtype(tensor: paddle.Tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")  # what paddle.zeros takes
 
 
-def _checksum(tensor: paddle.Tensor) -> int:
-    data = np.ascontiguousarray(tensor.numpy())
-    return zlib.crc32(data.view(np.uint8).reshape(-1).data) if data.size else 0
+def _checksums(store: JobStore, number: int, what: tuple,
+               tensors: Iterable[paddle.Tensor]) -> list[int]:
+    """The check of each non-empty tensor of round ``number``'s copy ``what``, in order:
+    the job's signer's digest (keyed with the secret, :mod:`.trust`; else a CRC-32)."""
+    out: list[int] = []
+    for tensor in tensors:
+        data = np.ascontiguousarray(tensor.numpy())
+        if data.size:
+            out.append(store.signer.tensor_digest(data.view(np.uint8).reshape(-1).data,
+                                                  (number, *what, len(out))))
+    return out
 
 
 @dataclass(frozen=True)
@@ -173,7 +183,7 @@ def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
                     [paddle.zeros(s, d) for _, s, d in meta["model"]]
             else:
                 targets = [paddle.zeros(s, d) for _, s, d in meta["tensors"]]
-            moved += _take(link, phase, targets, group, check=taking)
+            moved += _take(store, record.number, link, phase, targets, group, check=taking)
             if taking and phase.what[0] == "model":
                 received_extra = meta["extra"]
             elif taking:
@@ -250,7 +260,7 @@ class _Sender:
         sums = self._sums[what]
         if sums is None:
             sums = paddle.to_tensor(np.array(
-                [_checksum(t) for t in tensors if math.prod(t.shape)], dtype="int64"))
+                _checksums(self.store, self.record.number, what, tensors), dtype="int64"))
             self._sums[what] = sums
         if sums.shape[0]:
             comm.broadcast(sums, src=self.group.virtual_rank(phase.donor),
@@ -266,10 +276,10 @@ def _move(link: Group, tensor: paddle.Tensor, donor: int, group: groups.LiveOute
     return math.prod(tensor.shape) * tensor.element_size()
 
 
-def _take(link: Group, phase: Phase, targets: list[paddle.Tensor], group: groups.LiveOuterGroup,
-          check: bool) -> int:
+def _take(store: JobStore, number: int, link: Group, phase: Phase,
+          targets: list[paddle.Tensor], group: groups.LiveOuterGroup, check: bool) -> int:
     """Receive ``phase``'s tensors into ``targets`` and, on a taker (``check``), compare
-    each with the checksum its donor sent after them."""
+    each with the checksum its donor sent after them (round ``number``'s)."""
     moved = sum(_move(link, t, phase.donor, group) for t in targets)
     filled = [t for t in targets if math.prod(t.shape)]
     if not filled:
@@ -277,8 +287,9 @@ def _take(link: Group, phase: Phase, targets: list[paddle.Tensor], group: groups
     sent = paddle.zeros([len(filled)], dtype="int64")
     comm.broadcast(sent, src=group.virtual_rank(phase.donor), group=link, tag="ft state check")
     if check:
-        bad = [i for i, (t, s) in enumerate(zip(filled, sent.numpy().tolist(), strict=True))
-               if _checksum(t) != s]
+        mine = _checksums(store, number, phase.what, filled)
+        bad = [i for i, (m, s) in enumerate(zip(mine, sent.numpy().tolist(), strict=True))
+               if m != s]
         if bad:
             raise FaultToleranceError(
                 f"paddle_hsdp.ft: {len(bad)} of the {len(filled)} tensors of {phase.what} "
