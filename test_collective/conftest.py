@@ -125,7 +125,8 @@ def hsdp_2x4_log(launch_8_log):
 # PaddleFormers is installed), then the 1 x 2 resume of the checkpoint the shared 2 x 2
 # launch saved (sharding2, outer 1; test_checkpoint.py), one fleet.init each, and
 # Paddle's optimizer patterns at 1 x 2 on the latter (test_optimizer_patterns.py), then
-# ranks built from different seeds at 1 x 2 (test_agreement.py).
+# ranks built from different seeds at 1 x 2 (test_agreement.py), and a full optimizer
+# state in and out at 1 x 2 (test_optimizer_state.py).
 MP_ONLY = {"mp_degree": 2, "sharding_degree": 1, "outer": 1, "tag": "MP_ONLY",
            "fleet_opt": [False, True]}
 TP_LLAMA_2 = {"layouts": [{"mp_degree": 2, "sharding_degree": 1, "outer": 1,
@@ -142,7 +143,8 @@ def launch_2_log(hsdp_2x2_log, shared_2x2_work):
     jobs = [["worker_mp_pp.py", json.dumps(MP_ONLY)], *tp_llama,
             ["worker_checkpoint_2ranks.py", shared_2x2_work],
             ["worker_optimizer_patterns.py", json.dumps({"sharding_degree": 2, "outer": 1})],
-            ["worker_agreement.py", json.dumps({"sharding_degree": 2, "outer": 1})]]
+            ["worker_agreement.py", json.dumps({"sharding_degree": 2, "outer": 1})],
+            ["worker_full_optim_state.py", json.dumps({"sharding_degree": 2, "outer": 1})]]
     return launch(2, "run_many.py", json.dumps(jobs), timeout=900)
 
 

@@ -8,11 +8,13 @@ the shared 2 x 2 launch (conftest.py): workers/worker_full_optim_state.py."""
 from launcher import part_of
 
 
-def test_full_optimizer_state_in_and_out(hsdp_2x2_log):
-    lines = [line for line in part_of(hsdp_2x2_log, "worker_full_optim_state.py").splitlines()
+def test_full_optimizer_state_in_and_out(hsdp_2x2_log, launch_2_log):
+    lines = [line for log in (launch_2_log, hsdp_2x2_log)
+             for line in part_of(log, "worker_full_optim_state.py").splitlines()
              if line.startswith("FULL_OPTIM_STATE ")]
     print("\n".join(lines))
-    for layout in ("1x4", "2x2", "HFSDP 2x2"):
+    for layout in ("1x2", "1x2 optimizer first", "1x4", "2x2", "HFSDP 2x2",
+                   "2x2 optimizer first"):
         assert any(line.startswith(f"FULL_OPTIM_STATE {layout}: round trip exact")
                    for line in lines), lines
     for outer_sharding in ("none", "optim"):  # bfloat16 parameters, float32 masters

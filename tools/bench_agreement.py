@@ -21,16 +21,13 @@ ratios, measured side by side in one run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from benchkit import rounds_tool
+
 WAYS = ("own", "sync", "check")
 
 
@@ -81,24 +78,12 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="140m")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = rounds_tool.parse(__doc__)
     if args.worker:
         worker(args)
         return 0
-    work = tempfile.mkdtemp(prefix="hsdp_bench_agreement_")
-    env = dict(os.environ, GLOG_minloglevel="2",
-               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
-           "--log_dir", os.path.join(work, "log"), os.path.abspath(__file__), "--worker",
-           "--out", work, "--rounds", str(args.rounds), "--model", args.model]
-    if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL).returncode != 0:
-        print(f"bench_agreement: the run failed; logs in {work}/log")
+    work = rounds_tool.launch_worker(__file__, args)
+    if work is None:
         return 1
     with open(os.path.join(work, "agreement.json")) as f:
         result = json.load(f)

@@ -1,8 +1,9 @@
 """A full optimizer state goes in and comes out (issue 64): an unsharded run's
-``opt.state_dict()`` (full-size moments) loads with ``opt.set_state_dict`` into 1 x 4,
-2 x 2 and HFSDP 2 x 2 shards, ``paddle_hsdp.full_optimizer_state_dict`` gives back
-exactly what went in, and training goes on exactly as the unsharded run (float64,
-parity.py's bound, losses and every parameter).
+``opt.state_dict()`` (full-size moments) loads with ``opt.set_state_dict`` into 1 x 2
+(2 ranks), 1 x 4, 2 x 2 and HFSDP 2 x 2 shards (4 ranks),
+``paddle_hsdp.full_optimizer_state_dict`` gives back exactly what went in, and training
+goes on exactly as the unsharded run (float64, parity.py's bound, losses and every
+parameter), also with the optimizer built before fully_shard.
 
 argv: JSON with the fleet layout (the shared 2 x 2 launch's).
 """
@@ -61,13 +62,16 @@ moments = [k for k, v in saved_opt.items() if isinstance(v, np.ndarray) and v.si
 assert moments, sorted(saved_opt)  # full-size moments are in the state
 
 
-def run(layout: str, mesh, outer_sharding: str) -> None:
+def run(layout: str, mesh, outer_sharding: str, optimizer_first: bool = False) -> None:
+    """``optimizer_first``: the optimizer is built before fully_shard, from the full
+    parameters (Paddle's 3.3-era fully_shard test does): it takes the shards."""
     with unique_name.guard():
         model = build_model(seed=99)  # other weights: what is loaded must matter
+        opt = make_optimizer(model, model.parameters(), CLIP) if optimizer_first else None
         for layer in [model.embed, *model.blocks]:
             paddle_hsdp.fully_shard(layer, mesh=mesh, fsdp_outer_sharding=outer_sharding)
         paddle_hsdp.fully_shard(model, mesh=mesh, fsdp_outer_sharding=outer_sharding)
-        opt = make_optimizer(model, model.parameters(), CLIP)
+        opt = opt or make_optimizer(model, model.parameters(), CLIP)
         model.set_state_dict({k: paddle.to_tensor(v) for k, v in saved_model.items()})
         opt.set_state_dict({k: v if not isinstance(v, np.ndarray) else paddle.to_tensor(v)
                             for k, v in saved_opt.items()})
@@ -139,9 +143,14 @@ def master_weights_round_trip(outer_sharding: str) -> None:
     paddle_hsdp.forget(model)
 
 
-run("1x4", ProcessMesh(list(range(world))), "none")
-run("2x2", None, "none")
-run("HFSDP 2x2", None, "optim")
-master_weights_round_trip("none")
-master_weights_round_trip("optim")
+if world == 2:  # the 2-rank launch: 1 x 2 (fleet's sharding 2)
+    run("1x2", None, "none")
+    run("1x2 optimizer first", None, "none", optimizer_first=True)
+else:
+    run("1x4", ProcessMesh(list(range(world))), "none")
+    run("2x2", None, "none")
+    run("HFSDP 2x2", None, "optim")
+    run("2x2 optimizer first", None, "none", optimizer_first=True)
+    master_weights_round_trip("none")
+    master_weights_round_trip("optim")
 finish()
