@@ -5,7 +5,8 @@ within workers/parity.py's bound, the fleet-optimizer recipe in float32)."""
 
 RECIPES = ["distributed_model_after_fully_shard", "distributed_model_before_fully_shard",
            "clip_grad_norm_norm2", "clip_grad_norm_norminf", "direct_submodule_calls",
-           "after_mismatch_error", "optimizer_checks", "state_dict_round_trip",
+           "after_mismatch_error", "optimizer_built_first", "optimizer_checks",
+           "state_dict_round_trip",
            "fused_allreduce_gradients"]
 
 
