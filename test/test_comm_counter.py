@@ -104,3 +104,20 @@ def test_transferred_never_asks_the_backend():
     assert not in_flight.transferred()
     in_flight.wait()
     assert in_flight.transferred()
+
+
+def test_every_verified_op_has_a_fingerprint_code():
+    """Each collective that calls the fingerprint check (``_verify(op, ...)`` in
+    comm/collectives.py) has its op in the fingerprint's table: the scatter of issue 61
+    and the gather had none, and under check_collectives(True) they raised."""
+    import inspect
+    import re
+
+    from paddle_hsdp.comm import collectives, fingerprint
+
+    verified = set(re.findall(r'_verify\("(\w+)"', inspect.getsource(collectives)))
+    assert verified >= {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                        "gather", "scatter"}, verified
+    for op in verified:
+        row = fingerprint._encode(op, 4, "float32", 1, "x")
+        assert fingerprint._decode(row, {}).startswith(op), op

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # callable that makes the text only when it is needed
 Description = Union[str, Callable[[], Optional[str]], None]
 
-_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "gather", "scatter")
 _HEADER, _DESC = 5, 120
 _HISTORY = 6
 
