@@ -17,7 +17,7 @@ from launcher import part_of, run_single, worker_sections
 # one copy everywhere; "offload" too on this CPU build, where CPUOffloadPolicy keeps the
 # storage where it is and the buffer moves like any other)
 LAYOUTS = {"2x2": 1, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 1, "1x4 moved": 1,
-           "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 1}
+           "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 1, "2x2 default placement": 1}
 
 
 def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):

@@ -226,6 +226,8 @@ check("2x2 offload", {"shard_placement_fn": OWNED,
 DATA4 = batches(3, 1, world, 4, seed=17)
 check("2x2 4 micro-steps", {"shard_placement_fn": OWNED}, DATA4,
       trained(DATA4, per_rank=4)[:3], per_rank=4, micro_steps=4)
+# the default placement at 2 x 2, as Paddle's FSDP MoE test builds Muon (issue 64)
+check("2x2 default placement", {}, DATA, REFERENCE)
 moved_at_first_step("1x4 moved", {"mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
 moved_at_first_step("hfsdp 2x2 moved", {"fsdp_outer_sharding": "optim"}, DATA, REFERENCE)
 row_shards_refused()
