@@ -122,10 +122,14 @@ def muon_placement(model, variant: str):
     return lambda p: dist.Replicate() if owned(p) is not None else None
 
 
-def ns_flops_report(model, opt, mine: int, world: int) -> dict:
+def ns_flops_report(model, opt, mine: int, world: int) -> dict | None:
     """The last step's Newton-Schulz flops (Muon's own counter): the largest rank's and
-    every rank's together, against the model's (each matrix it updates whole, once)."""
-    from paddle_hsdp.optim.muon import newton_schulz_flops
+    every rank's together, against the model's (each matrix it updates whole, once).
+    None on a --baseline engine without the counter."""
+    try:
+        from paddle_hsdp.optim.muon import newton_schulz_flops
+    except ImportError:
+        return None
     per_rank = [mine]
     if world > 1:
         gathered = []
