@@ -65,13 +65,16 @@ def cut_full_state(optimizer: paddle.optimizer.Optimizer, state_dict: dict[str, 
     powers, steps) as they are. Raises ``ValueError`` for any other shape, naming the
     key, before anything is loaded. No collective."""
     adopt_shards(optimizer)
-    if sharded_params_of(unwrap_optimizer(optimizer)):
+    entries = _per_param_entries(optimizer, state_dict)
+    if entries:
         # made now, so the state loads into them at once (Paddle would hold it back
-        # until the first step) and full_optimizer_state_dict can read it
+        # until the first step) and full_optimizer_state_dict can read it; not for a
+        # state without per-parameter tensors (a peer's before its first step), which
+        # Paddle would refuse for the accumulators it does not hold
         ensure_accumulators(unwrap_optimizer(optimizer))
     out = dict(state_dict)
     masters = dict(state_dict.get("master_weights") or {})
-    for key, master, p, value in _per_param_entries(optimizer, state_dict):
+    for key, master, p, value in entries:
         sp = p._hsdp_sharded_param
         shape = list(value.shape)
         if math.prod(shape) == 1 or shape == list(p.shape):
