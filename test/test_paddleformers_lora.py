@@ -14,52 +14,23 @@ pytest.importorskip("paddleformers.peft", reason="PaddleFormers is an optional e
                     "pip install paddle_hsdp[paddleformers] (tools/test.sh installs it)")
 
 import paddle  # noqa: E402
-from paddleformers.peft import LoRAConfig, LoRAModel  # noqa: E402
-from paddleformers.transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from paddleformers.peft import LoRAModel  # noqa: E402
+from paddleformers.transformers import LlamaForCausalLM  # noqa: E402
 
 import paddle_hsdp  # noqa: E402
+from lora_model import WRAP, base_model, input_ids, lora_model, logits  # noqa: E402
 from paddle_hsdp.integrations.paddleformers import (export_pretrained,  # noqa: E402
                                                     save_lora_adapters)
-
-TARGETS = [".*q_proj.*", ".*v_proj.*", ".*gate_proj.*"]
-
-
-def base_model(seed=7):
-    paddle.set_default_dtype("float32")
-    paddle.seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=16, tie_word_embeddings=False,
-                         fuse_rms_norm=False)
-    return LlamaForCausalLM(config)
-
-
-def lora_model(seed=7):
-    model = LoRAModel(base_model(seed), LoRAConfig(target_modules=TARGETS, r=4, lora_alpha=8,
-                                                   merge_weights=False))
-    # adapters that are not zero (lora_B starts at 0): a trained model's
-    paddle.seed(11)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.set_value(paddle.randn(p.shape, dtype=p.dtype) * 0.1)
-    return model
-
-
-def logits(model, ids):
-    model.eval()
-    with paddle.no_grad():
-        out = model(input_ids=ids)
-    return (out[0] if isinstance(out, (tuple, list)) else out.logits).numpy()
 
 
 @pytest.fixture
 def sharded(registry):
     model = lora_model()
-    ids = paddle.to_tensor(np.random.RandomState(0).randint(0, 64, (2, 8)).astype("int64"))
+    ids = input_ids()
     want = logits(model, ids)
     trainable = {n: p.numpy().copy() for n, p in model.model.named_parameters()
                  if not p.stop_gradient}
-    paddle_hsdp.apply_config(model, {"sub_modules_to_wrap": ["model.model.layers.{*}"]})
+    paddle_hsdp.apply_config(model, {"sub_modules_to_wrap": WRAP})
     return model, ids, want, trainable
 
 
@@ -107,6 +78,6 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_them(sharded, tmp_path)
     for name, p in other.named_parameters():
         if "lora_A" in name:
             p.set_value(paddle.zeros_like(p))
-    paddle_hsdp.apply_config(other, {"sub_modules_to_wrap": ["model.model.layers.{*}"]})
+    paddle_hsdp.apply_config(other, {"sub_modules_to_wrap": WRAP})
     paddle_hsdp.load_checkpoint(adapters, other, trainable_only=True)
     np.testing.assert_array_equal(logits(other, ids), want)

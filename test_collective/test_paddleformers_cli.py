@@ -24,7 +24,7 @@ import time
 import pytest
 import yaml
 
-from launcher import HERE, ROOT, WORKER_TIMES, collect_parity
+from launcher import HERE, ROOT, WORKER_TIMES, collect_parity, part_of
 
 pytest.importorskip("paddleformers.cli", reason="PaddleFormers is an optional extra: "
                     "pip install paddle_hsdp[paddleformers] (tools/test.sh installs it)")
@@ -150,3 +150,12 @@ def test_lora_checkpoint_holds_the_adapters_alone(cli_checks):
 def test_the_cli_resumes_the_lora_checkpoint_bit_for_bit(cli_checks):
     _, checks = cli_checks
     assert "CLI_RESUME_BIT_EXACT" in checks, checks[-3000:]
+
+
+def test_lora_adapters_and_merged_export_over_2x2_shards(paddleformers_4_log):
+    """workers/worker_lora_export.py in conftest's PaddleFormers launch: every rank joins
+    the gathers; the adapters load with ``LoRAModel.from_pretrained`` and give the
+    unsharded model's logits exactly, the merged export with ``from_pretrained``
+    within the float32 bound."""
+    log = part_of(paddleformers_4_log, "worker_lora_export.py")
+    assert "LORA_EXPORT_OK" in log, log[-3000:]
