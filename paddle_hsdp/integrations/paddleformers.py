@@ -110,6 +110,10 @@ class HSDPTrainingArguments(TrainingArguments):
         self.sharding, self.sharding_parallel_size = "", -1
         if hasattr(self, "sharding_degree"):
             self.sharding_degree = -1
+        if self.hsdp_from_paddleformers:
+            logger.info("HSDPTrainingArguments: PaddleFormers' sharding keys mapped onto "
+                        "HSDP's %s", ", ".join(f"{k}={v}" for k, v in
+                                               self.hsdp_from_paddleformers.items()))
         outer_sharding = outer_sharding_of(self.hsdp_config_resolved)
         ep = _expert_degree(self)
         if world > 1 and split == 1:
@@ -609,7 +613,9 @@ class HSDPTrainer(Trainer):
         Inside one, the weights go into the HSDP checkpoint instead (a LoRA model's
         adapters alone, and its adapter files beside them)."""
         lora = isinstance(self.model, LoRAModel)
-        if not self.args.hsdp_checkpoint and not lora:
+        if not self.args.hsdp_checkpoint and (self._hsdp_in_checkpoint or not lora):
+            # PaddleFormers' flex_checkpoint (GPU only; a LoRA model's final save is
+            # ours below: its own save_pretrained would gather on rank 0 alone)
             return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
         if self._hsdp_in_checkpoint:
             if output_dir is None:
@@ -617,8 +623,6 @@ class HSDPTrainer(Trainer):
                                  "Trainer passes the checkpoint's directory, got None")
             if lora:
                 save_lora_adapters(self.model, output_dir)
-            if not self.args.hsdp_checkpoint:
-                return None
             if self.args.ignore_save_lr_and_optim:  # no optimizer hook will run
                 save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
                                 async_save=self.args.hsdp_async_save, trainable_only=lora)
