@@ -52,7 +52,31 @@ def test_the_cli_builds_hsdp_arguments_and_trainer(installed, tmp_path):
     assert (cfg.fsdp_outer_degree, cfg.zero_stage, cfg.offload_to_cpu) == (1, 2, True)
     assert args.sharding == [] and not args.bf16
     assert workflow.SFTTrainer is paddleformers_cli.HSDPSFTTrainer
-    assert workflow.AutoModelForCausalLM.from_pretrained.__self__ is not None
+
+
+
+def test_on_cpu_the_workflow_loads_with_the_plain_loader(installed, monkeypatch):
+    """flex_checkpoint's load calls .cuda(): on a build without CUDA the workflow's
+    from_pretrained calls (the model's; LoRAModel's for lora_path) get the plain
+    loader; a LoRAModel is still built by calling the class."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, *args):
+            seen.append(("built", args))
+
+        @classmethod
+        def from_pretrained(cls, *args, load_checkpoint_format="flex_checkpoint"):
+            seen.append(("loaded", load_checkpoint_format))
+
+    monkeypatch.setattr(paddleformers_cli.paddle, "is_compiled_with_cuda", lambda: False)
+    for shim in (workflow.AutoModelForCausalLM, workflow.LoRAModel):
+        monkeypatch.setattr(shim, "_cls", Recorder)
+        shim.from_pretrained("path", load_checkpoint_format="flex_checkpoint")
+        shim.from_pretrained("path", load_checkpoint_format="unified_checkpoint")
+    workflow.LoRAModel("model", "config")
+    assert seen == [("loaded", None), ("loaded", "unified_checkpoint")] * 2 + [
+        ("built", ("model", "config"))], seen
 
 
 def test_the_example_yaml_holds_only_keys_the_parser_knows(installed, tmp_path):

@@ -17,8 +17,9 @@ What it changes, and nothing else:
   ``sharding_parallel_size`` map onto HSDP's (docs/paddleformers.md);
 * the SFT / PT workflow's trainer is ``HSDPSFTTrainer`` (``HSDPTrainer`` over the CLI's
   ``SFTTrainer``): the model, LoRA included, sharded before the optimizer is built;
-* on a build without CUDA, the workflow's ``from_pretrained`` calls take the plain
-  loader where they would take flex_checkpoint's, whose reshard calls ``.cuda()``.
+* on a build without CUDA, the workflow's ``from_pretrained`` calls (the model's, and
+  ``LoRAModel``'s for ``lora_path``) take the plain loader where they would take
+  flex_checkpoint's, whose reshard calls ``.cuda()``.
 
 A stage other than SFT or PT (DPO, the VL stages, the pretraining recipes) is refused
 with a ``ConfigError`` naming ``stage`` while the YAML is parsed, before any process
@@ -68,16 +69,19 @@ class HSDPSFTTrainer(HSDPTrainer, SFTTrainer):
 
 
 class _PlainLoaderOnCPU:
-    """A model class whose ``from_pretrained`` reads safetensors with the plain loader
-    when flex_checkpoint is asked for on a build without CUDA (flex_checkpoint's
-    reshard moves tensors with ``.cuda()``; both give the same weights). Everything
-    else is the wrapped class's."""
+    """A model class whose ``from_pretrained`` reads with the plain loader when
+    flex_checkpoint is asked for on a build without CUDA (flex_checkpoint's reshard
+    moves tensors with ``.cuda()``; both give the same weights). Everything else, a
+    call of the class included, is the wrapped class's."""
 
     def __init__(self, cls: Any) -> None:
         self._cls = cls
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cls, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._cls(*args, **kwargs)
 
     def from_pretrained(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("load_checkpoint_format") == "flex_checkpoint" and \
@@ -115,9 +119,11 @@ def install() -> None:
     PdArgumentParser.parse_dict = parse_dict
     _installed.update(parse_dict=original_parse_dict,
                       trainer=sft_workflow.SFTTrainer,
-                      model_class=sft_workflow.AutoModelForCausalLM)
+                      model_class=sft_workflow.AutoModelForCausalLM,
+                      lora_class=sft_workflow.LoRAModel)
     sft_workflow.SFTTrainer = HSDPSFTTrainer
     sft_workflow.AutoModelForCausalLM = _PlainLoaderOnCPU(sft_workflow.AutoModelForCausalLM)
+    sft_workflow.LoRAModel = _PlainLoaderOnCPU(sft_workflow.LoRAModel)
 
 
 def uninstall() -> None:
@@ -127,6 +133,7 @@ def uninstall() -> None:
     PdArgumentParser.parse_dict = _installed["parse_dict"]
     sft_workflow.SFTTrainer = _installed["trainer"]
     sft_workflow.AutoModelForCausalLM = _installed["model_class"]
+    sft_workflow.LoRAModel = _installed["lora_class"]
     _installed.clear()
 
 
