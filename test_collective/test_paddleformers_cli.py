@@ -2,7 +2,8 @@
 against PaddleFormers' own data-parallel run of the same YAML.
 
 The launches (each its own: the CLI starts its ranks itself): PaddleFormers' own run,
-full fine-tuning and LoRA, at each world size; HSDP 1 x 2 and 2 x 2 through both ways in,
+full fine-tuning and LoRA, at each world size (stage SFT; at 4 ranks the full run is
+stage PT); HSDP 1 x 2 and 2 x 2 through both ways in,
 the CLI itself with ``custom_register_path`` (paddle_hsdp/integrations/cli_plugin.py)
 and ``python -m paddle_hsdp.train``, with the same YAML plus ``fsdp_outer_degree`` (the
 2 x 2 LoRA run also with PaddleFormers' ``sharding: stage1``, mapped to HSDP's
@@ -22,7 +23,6 @@ import tempfile
 import time
 
 import pytest
-import yaml
 
 from launcher import HERE, ROOT, WORKER_TIMES, collect_parity, part_of
 
@@ -46,9 +46,9 @@ RUNS = {
     "train_lora_2": (2, "train", "LoRA", {"fsdp_outer_degree": 1, **CHECKPOINTS}),
     "resume_lora_2": (2, "train", "LoRA", {"fsdp_outer_degree": 1, **CHECKPOINTS,
                                            "overwrite_output_dir": False}),
-    "ref_full_4": (4, "cli", "full", {}),
+    "ref_pt_4": (4, "cli", "full", {"stage": "PT"}),
     "ref_lora_4": (4, "cli", "LoRA", {"custom_register_path": REFERENCE_PLUGIN}),
-    "train_full_4": (4, "train", "full", {"fsdp_outer_degree": 2}),
+    "train_pt_4": (4, "train", "full", {"stage": "PT", "fsdp_outer_degree": 2}),
     "cli_lora_4": (4, "cli", "LoRA", {"custom_register_path": PLUGIN, "fsdp_outer_degree": 2,
                                       "sharding": "stage1"}),
 }
@@ -92,7 +92,7 @@ def _launch(work: str, name: str) -> dict:
                     tails += f"--- {p} ---\n" + "".join(f.readlines()[-30:])
         raise AssertionError(f"{name}: {' '.join(cmd)} failed (rc={rc})\n"
                              f"{out_text[-2000:]}\n{tails}")
-    WORKER_TIMES.append((f"{ranks} ranks", f"paddleformers-cli {name}", seconds))
+    WORKER_TIMES.append((f"{ranks} ranks", f"{name} ({entry})", seconds))
     return {"output_dir": out, "log": log, "seconds": round(seconds, 1)}
 
 
@@ -121,7 +121,7 @@ def cli_checks():
 
 @pytest.mark.parametrize("run,ref", [("cli_full_2", "ref_full_2"),
                                      ("train_lora_2", "ref_lora_2"),
-                                     ("train_full_4", "ref_full_4"),
+                                     ("train_pt_4", "ref_pt_4"),
                                      ("cli_lora_4", "ref_lora_4")])
 def test_hsdp_through_the_cli_matches_paddleformers_own_run(cli_checks, run, ref):
     """Each step's loss and the final weights (full model, or the LoRA adapters) within
@@ -133,7 +133,7 @@ def test_hsdp_through_the_cli_matches_paddleformers_own_run(cli_checks, run, ref
 def test_the_hsdp_runs_sharded_the_model(cli_checks):
     runs, _ = cli_checks
     layouts = {"cli_full_2": "outer 1 x inner 2", "train_lora_2": "outer 1 x inner 2",
-               "train_full_4": "outer 2 x inner 2", "cli_lora_4": "outer 2 x inner 2"}
+               "train_pt_4": "outer 2 x inner 2", "cli_lora_4": "outer 2 x inner 2"}
     for run, layout in layouts.items():
         with open(runs[run]["log"], errors="replace") as f:
             log = f.read()
