@@ -25,8 +25,12 @@ def make(tmp_path, **kwargs):
 
 
 @pytest.mark.parametrize("bad,named", [
-    ({"sharding": "stage1"}, "sharding: 'stage1' is PaddleFormers' own sharding"),
-    ({"sharding": "stage3"}, "sharding: 'stage3'"),
+    ({"sharding": "stage4"}, "sharding: 'stage4'; allowed: empty, 'stage1', 'stage2' or "
+     "'stage3' (HSDP's zero_stage 1-3)"),
+    ({"sharding": "stage1 stage3"}, "sharding: 'stage1 stage3'; allowed"),
+    ({"sharding": "stage2", "hsdp_config": {"zero_stage": 3}},
+     "sharding: means zero_stage 2, but hsdp_config says zero_stage 3"),
+    ({"sharding_parallel_size": 2}, "sharding_size: 2 does not divide the world size 1"),
     ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size: 2 x "
      "pipeline_model_parallel_size: 1 = 2 does not divide the 1 ranks"),
     ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size: 2 = 2 does not divide"),
@@ -75,6 +79,24 @@ def test_the_arguments_become_an_apply_config_config(tmp_path):
     assert args.sharding == [] and args.save_checkpoint_format == "flex_checkpoint"
     explicit = make(tmp_path, hsdp_wrap_modules="model.layers.{*}, lm_head")
     assert explicit.hsdp_config_resolved.sub_modules_to_wrap == ("model.layers.{*}", "lm_head")
+
+
+@pytest.mark.parametrize("given,want", [
+    ({"sharding": "stage1"}, {"zero_stage": 1}),
+    ({"sharding": "stage2"}, {"zero_stage": 2}),
+    ({"sharding": "stage3 offload"}, {"zero_stage": 3, "offload_to_cpu": True}),
+    ({"sharding": ["stage3", "offload"]}, {"zero_stage": 3, "offload_to_cpu": True}),
+    ({"sharding": "stage1", "sharding_parallel_size": 1}, {"zero_stage": 1}),
+])
+def test_paddleformers_sharding_keys_map_onto_the_hsdp_config(tmp_path, given, want):
+    """PaddleFormers' ``sharding: stageN [offload]`` and ``sharding_parallel_size``
+    become HSDP's zero_stage, offload_to_cpu and sharding_size (the inner degree); its
+    own sharding stays off."""
+    args = make(tmp_path, **given)
+    cfg = args.hsdp_config_resolved
+    for name, value in want.items():
+        assert getattr(cfg, name) == value, (name, getattr(cfg, name))
+    assert args.sharding == [] and args.sharding_parallel_size == -1
 
 
 def test_auto_wraps_the_main_stack_of_blocks():
@@ -131,7 +153,8 @@ def test_hsdp_async_save_reaches_save_checkpoint(tmp_path, monkeypatch):
     HSDPTrainer._save_flex_optimizer_state(trainer, str(tmp_path))
     args.ignore_save_lr_and_optim = True
     HSDPTrainer.save_model(trainer, str(tmp_path))
-    assert calls == [(3, {"async_save": True}), (2, {"async_save": True})], calls
+    assert calls == [(3, {"async_save": True, "trainable_only": False}),
+                     (2, {"async_save": True, "trainable_only": False})], calls
     with pytest.raises(ConfigError, match="hsdp_async_save: True needs hsdp_checkpoint=True"):
         make(tmp_path, hsdp_async_save=True, hsdp_checkpoint=False)
     with pytest.raises(ConfigError, match="save_total_limit: 1 with hsdp_async_save"):

@@ -214,7 +214,8 @@ def single_resume_out(hsdp_2x2_log, shared_2x2_work, launch_2_log, launch_4_log,
 # fleet.init of its own; test_3d.py); then the tensor-parallel Llama's checkpoints and
 # export (the same layout, then mp1 x sharding4 outer 2) and PaddleFormers' pipeline
 # Llama's at pp2 x sharding2 outer 2 (test_checkpoint.py, which resumes them in one
-# process with single_process_3d.py).
+# process with single_process_3d.py); last, a LoRA model's adapters and merged export
+# over 2 x 2 shards (test_paddleformers_cli.py).
 TP_LLAMA = {"layouts": [
     {"mp_degree": 2, "sharding_degree": 2, "outer": 1,
      "runs": ["tpo", "sp_before", "sp_after_fused", "sp_no_hooks", "clip_sgd", "clip_adamw"]},
@@ -248,7 +249,8 @@ def paddleformers_4_log(trainer_work, threed_work):
             ["worker_tp_llama.py", json.dumps(TP_LLAMA)],
             ["worker_cpu_ops.py", json.dumps(TP_LLAMA["layouts"][-1])],
             ["worker_tp_checkpoint.py", json.dumps({"work": threed_work})],
-            ["worker_llama_pipe.py", json.dumps(dict(PIPELINE_4, work=threed_work))]]
+            ["worker_llama_pipe.py", json.dumps(dict(PIPELINE_4, work=threed_work))],
+            ["worker_lora_export.py", json.dumps({"work": threed_work})]]
     return launch(4, "run_many.py", json.dumps(jobs), timeout=900)
 
 

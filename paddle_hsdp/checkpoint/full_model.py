@@ -24,7 +24,7 @@ from ..engine.registry import managed_param
 from ..patches.state_dict import gather_full
 from ..topology.placement import ModelAxes, split_axis
 from .format import gather_json
-from .items import dtype_name, original_and_local
+from .items import dtype_name, original_and_local, trainable_names
 from .names import checkpoint_names
 from .tp_merge import check_merge_is_concat
 
@@ -45,14 +45,18 @@ def refusal(model: paddle.nn.Layer, axes: ModelAxes, call: str) -> str | None:
 
 
 @paddle.no_grad()
-def full_model(model: paddle.nn.Layer, call: str = "full_model") -> dict | None:
+def full_model(model: paddle.nn.Layer, call: str = "full_model",
+               trainable_only: bool = False) -> dict | None:
     """``{checkpoint name: full tensor}`` (tied aliases included) on global rank 0, None
-    on every other rank. A collective: call it on every rank."""
+    on every other rank. A collective: call it on every rank. ``trainable_only``: the
+    frozen parameters (``stop_gradient``) left out (LoRA adapters alone)."""
     axes = ModelAxes()
     why = refusal(model, axes, call)
     if why is not None:
         raise NotImplementedError(why)
     canonical, aliases = checkpoint_names(model)
+    if trainable_only:
+        canonical, aliases = trainable_names(canonical, aliases)
     split = {}  # {name: (parameter with the marks, local shape)} of mp-split tensors
     split_at: dict[str, int] = {}  # {name: its split axis} of the same
     if axes.mp_degree > 1:

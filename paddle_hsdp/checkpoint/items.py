@@ -88,8 +88,11 @@ def original_and_local(value: paddle.Tensor) -> tuple[paddle.Tensor, list[int]]:
     return (value, list(value.shape)) if sp is None else (sp.full, list(sp.shape))
 
 
-def _param_items(model: paddle.nn.Layer, axes: ModelAxes) -> tuple[list[Item], dict, dict]:
+def _param_items(model: paddle.nn.Layer, axes: ModelAxes,
+                 trainable_only: bool = False) -> tuple[list[Item], dict, dict]:
     canonical, aliases = checkpoint_names(model)
+    if trainable_only:
+        canonical, aliases = trainable_names(canonical, aliases)
     renamed_experts = tuple(global_names(model).values())
     items, by_shard, split = [], {}, {}
     for name, value in canonical.items():
@@ -241,15 +244,26 @@ def _index_in(buf: ShardBuffer, sp: ShardedParam, positions: dict[int, dict[int,
     return positions[id(buf)][id(sp)]
 
 
+def trainable_names(canonical: dict, aliases: dict) -> tuple[dict, dict]:
+    """``(canonical, aliases)`` without the frozen tensors (``stop_gradient``): what a
+    checkpoint of a model whose frozen part is read from elsewhere (LoRA adapters over a
+    base model) holds. Alike on every rank: the marks are set before sharding."""
+    kept = {name: value for name, value in canonical.items()
+            if not original_and_local(value)[0].stop_gradient}
+    return kept, {alias: name for alias, name in aliases.items() if name in kept}
+
+
 def all_items(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | None, call: str,
+              trainable_only: bool = False,
                ) -> tuple[list[Item], dict, paddle.optimizer.Optimizer | None, ModelAxes]:
     """``(items, aliases, optimizer, axes)`` of this rank, after the checks every rank
-    makes alike (before any collective)."""
+    makes alike (before any collective); ``trainable_only``: the frozen parameters
+    (``stop_gradient``) left out."""
     expect_layer(model, f"{call}(path, model)")
     if optimizer is not None:
         expect_optimizer(optimizer, f"{call}(path, model, optimizer)")
     axes = ModelAxes()
-    items, by_shard, aliases = _param_items(model, axes)
+    items, by_shard, aliases = _param_items(model, axes, trainable_only)
     for unit in registry.units_under(model):  # every rank: owed outer rebuilds run here
         unit.ensure_rebuilt()
     if optimizer is not None:

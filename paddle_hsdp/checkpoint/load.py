@@ -37,14 +37,16 @@ if TYPE_CHECKING:
 
 def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
                     optimizer: paddle.optimizer.Optimizer | None = None,
-                    strict: bool = True) -> Any:
+                    strict: bool = True, trainable_only: bool = False) -> Any:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and
     ``optimizer``), whatever layout either was in; return the saved ``extra``. A
     collective on a sharded model: call it on every rank. Nothing changes unless every
-    rank read everything it needs."""
+    rank read everything it needs. ``trainable_only=True``: only the parameters that
+    are not frozen (``stop_gradient``) are read; the frozen ones keep their values."""
     wait_for_pending_save()  # an async save still in flight is published first
     path = os.path.abspath(os.fspath(path))
-    items, aliases, optimizer, _ = all_items(model, optimizer, "load_checkpoint")
+    items, aliases, optimizer, _ = all_items(model, optimizer, "load_checkpoint",
+                                             trainable_only)
     call = f"load_checkpoint({path!r})"
     expect_everyone(None, call)
     loaded: list[tuple[Item, np.ndarray]] = []

@@ -74,9 +74,13 @@ def _write_rank_file(path: str, tensors: dict, header: dict | None = None) -> No
 
 def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
                     optimizer: paddle.optimizer.Optimizer | None = None, extra: Any = None,
-                    async_save: bool = False) -> AsyncSave | None:
+                    async_save: bool = False, trainable_only: bool = False) -> AsyncSave | None:
     """Save ``model`` (and ``optimizer``, and JSON-serialisable ``extra``) to the
     directory ``path``. A collective: call it on every rank. See the module docstring.
+
+    ``trainable_only=True`` leaves the frozen parameters (``stop_gradient``) out: LoRA
+    adapters over a base model that a resume reads from the base model's own files;
+    load such a checkpoint with ``load_checkpoint(..., trainable_only=True)``.
 
     ``async_save=True`` returns once this rank's pieces are copied to host memory, with
     an :class:`AsyncSave`: a thread writes the files while training goes on, and the
@@ -92,7 +96,8 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     wait_for_pending_save()  # a previous async save is published first (every rank)
     path = os.path.abspath(os.fspath(path))
     rank, world = rank_world()
-    items, aliases, optimizer, axes = all_items(model, optimizer, "save_checkpoint")
+    items, aliases, optimizer, axes = all_items(model, optimizer, "save_checkpoint",
+                                                trainable_only)
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
     joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together

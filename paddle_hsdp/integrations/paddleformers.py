@@ -31,7 +31,9 @@ import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
 from paddle.distributed.fleet.utils.hybrid_parallel_util import broadcast_mp_parameters
+from paddleformers.peft import LoRAConfig, LoRAModel
 from paddleformers.trainer import Trainer, TrainingArguments
+from paddleformers.utils.env import LORA_WEIGHTS_NAME
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..checkpoint.full_model import full_model
@@ -63,8 +65,9 @@ class HSDPTrainingArguments(TrainingArguments):
 
     # HSDP is the sharding here: PaddleFormers' own stages stay off (default "stage1").
     sharding: str = field(default="", metadata=_help(
-        "Must stay empty with HSDPTrainingArguments: HSDP shards the model itself "
-        "(fsdp_outer_degree, hsdp_config)."))
+        "PaddleFormers' sharding stages, mapped onto HSDP's: 'stage1' / 'stage2' / "
+        "'stage3' set hsdp_config's zero_stage 1 / 2 / 3, 'offload' its offload_to_cpu; "
+        "PaddleFormers' own sharding stays off. Default: empty (hsdp_config's)."))
     # HSDP's MixedPrecisionPolicy keeps fp32 shards and reduces in fp32 under --bf16,
     # which is what master grads give; PaddleFormers refuses True without bf16/fp16.
     amp_master_grad: bool = field(default=False, metadata=_help(
@@ -98,10 +101,19 @@ class HSDPTrainingArguments(TrainingArguments):
         # Everything below but fleet.init is local and alike on every rank: a refusal
         # is raised everywhere before any collective.
         with _named_for_the_arguments():
+            self.hsdp_from_paddleformers = _paddleformers_sharding(self)
             _refuse_what_cannot_work(self)
             self.hsdp_config_resolved = _hsdp_config_of(self)
             world, split = dist.get_world_size(), _model_split(self)
             self.hsdp_degrees = _hsdp_degrees(self.hsdp_config_resolved, world, self)
+        # PaddleFormers' own sharding stays off: its keys now live in the HSDP config
+        self.sharding, self.sharding_parallel_size = "", -1
+        if hasattr(self, "sharding_degree"):
+            self.sharding_degree = -1
+        if self.hsdp_from_paddleformers:
+            logger.info("HSDPTrainingArguments: PaddleFormers' sharding keys mapped onto "
+                        "HSDP's %s", ", ".join(f"{k}={v}" for k, v in
+                                               self.hsdp_from_paddleformers.items()))
         outer_sharding = outer_sharding_of(self.hsdp_config_resolved)
         ep = _expert_degree(self)
         if world > 1 and split == 1:
@@ -229,16 +241,43 @@ def _named_for_the_arguments() -> Iterator[None]:
         raise ConfigError([f"HSDPTrainingArguments: {line}" for line in e.errors]) from None
 
 
+# PaddleFormers' sharding options -> HSDP config values (docs/paddleformers.md)
+_STAGES = {"stage1": 1, "stage2": 2, "stage3": 3}
+_PF_KEY_OF = {"zero_stage": "sharding", "offload_to_cpu": "sharding",
+              "sharding_size": "sharding_parallel_size"}
+
+
+def _paddleformers_sharding(args: HSDPTrainingArguments) -> dict[str, Any]:
+    """PaddleFormers' own sharding keys as HSDP config values: ``sharding`` ``stageN``
+    -> ``zero_stage`` N, ``offload`` -> ``offload_to_cpu``; ``sharding_parallel_size``
+    (or its old name ``sharding_degree``) > 1 -> ``sharding_size`` (the inner degree).
+    Local and alike on every rank; anything else is a ConfigError naming the key."""
+    value, mapped, errors = args.sharding, {}, []
+    if isinstance(value, str):
+        options = value.replace(",", " ").split()
+    else:  # a list of options, or ShardingOption values
+        options = [str(getattr(o, "value", o)) for o in (value or [])]
+    allowed = ("allowed: empty, 'stage1', 'stage2' or 'stage3' (HSDP's zero_stage 1-3), "
+               "each optionally with 'offload' (HSDP's offload_to_cpu)")
+    stages = [o for o in options if o in _STAGES]
+    unknown = [o for o in options if o not in _STAGES and o != "offload"]
+    if unknown or len(stages) > 1:
+        errors.append(f"sharding: {value!r}; {allowed}")
+    elif stages:
+        mapped["zero_stage"] = _STAGES[stages[0]]
+    if "offload" in options and not unknown:
+        mapped["offload_to_cpu"] = True
+    size = max(getattr(args, "sharding_parallel_size", -1) or -1,
+               getattr(args, "sharding_degree", -1) or -1)
+    if size > 1:
+        mapped["sharding_size"] = size
+    if errors:
+        raise ConfigError(errors)
+    return mapped
+
+
 def _refuse_what_cannot_work(args: HSDPTrainingArguments) -> None:
     errors = []
-    sharding = args.sharding
-    if sharding not in ("", None, False, []) and str(sharding).strip():
-        errors.append(f"sharding: {sharding!r} is PaddleFormers' own sharding; HSDP shards "
-                      "the model itself. Leave sharding empty (the default here) and set "
-                      "fsdp_outer_degree / hsdp_config")
-    if getattr(args, "sharding_parallel_size", -1) > 1 or getattr(args, "sharding_degree", -1) > 1:
-        errors.append("sharding_parallel_size: the HSDP inner size comes from hsdp_config's "
-                      "sharding_size (default: world / fsdp_outer_degree); leave it unset")
     for name in ("sep_parallel_size", "context_parallel_size"):
         if getattr(args, name, -1) > 1:
             errors.append(f"{name}: {getattr(args, name)}; HSDPTrainer does not set up "
@@ -276,7 +315,7 @@ def _refuse_what_cannot_work(args: HSDPTrainingArguments) -> None:
     if args.hsdp_checkpoint:
         for name in ("save_checkpoint_format", "load_checkpoint_format"):
             value = getattr(args, name)
-            if value not in (None, _FLEX):
+            if value not in (None, "", _FLEX):
                 errors.append(f"{name}: {value!r} conflicts with hsdp_checkpoint=True (HSDP "
                               "checkpoints are written through the flex_checkpoint hooks); "
                               f"leave {name} unset")
@@ -330,6 +369,11 @@ def _hsdp_config_of(args: HSDPTrainingArguments) -> HSDPConfig:
         values["sub_modules_to_wrap"] = wrap
     elif not base.sub_modules_to_wrap:
         values["sub_modules_to_wrap"] = (AUTO,)
+    for name, want in args.hsdp_from_paddleformers.items():
+        if args.hsdp_config is not None and getattr(base, name) not in (None, AUTO, False, want):
+            errors.append(f"{_PF_KEY_OF[name]}: means {name} {want!r}, but hsdp_config says "
+                          f"{name} {getattr(base, name)!r}; set one of them")
+        values[name] = want
     if args.bf16:
         for name, want in (("param_dtype", "bf16"), ("reduce_dtype", "fp32")):
             if values[name] not in (None, want):
@@ -404,12 +448,23 @@ def export_pretrained(model: paddle.nn.Layer, output_dir: str) -> None:
     under its one-process model's names), which writes them with the model class's own
     ``save_pretrained`` in Hugging Face layout (PaddleFormers' own transposes) and a
     config for one process (``tensor_model_parallel_size`` 1; ``architectures`` without
-    ``Pipe``). Expert parallelism is refused before any collective."""
+    ``Pipe``). Expert parallelism is refused before any collective.
+
+    A :class:`LoRAModel` is exported merged: each adapted weight ``W + A @ B *
+    scaling`` (the layer's own scaling), the adapters dropped, under the base model's
+    names and with its class's ``save_pretrained``: the fine-tuned model, which the base
+    class's ``from_pretrained`` loads alone (:func:`save_lora_adapters` writes the
+    adapters instead)."""
     full = full_model(model, "export_pretrained")
+    lora = model if isinstance(model, LoRAModel) else None
+    if full is not None and lora is not None:
+        full, model = _merged_lora(lora, full), lora.model
     if full is not None:
         config = copy.deepcopy(model.config)
         config.tensor_model_parallel_size = 1
         config.tensor_parallel_rank = 0
+        if getattr(config, "is_lora", False):
+            config.is_lora = False  # merged: a plain model
         # the model class's own save_pretrained (a sharded model's refuses: it would
         # write shards), given the full weights
         if isinstance(model, FSDPModule):
@@ -421,6 +476,47 @@ def export_pretrained(model: paddle.nn.Layer, output_dir: str) -> None:
         save(
             output_dir, is_main_process=True, state_dict=full, config_to_save=config,
             save_checkpoint_format="safetensors", save_to_hf=True, safe_serialization=True)
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every rank returns once the directory is complete
+
+
+_LORA_PREFIX = "model."  # LoRAModel holds the base model as ``.model``
+
+
+def _merged_lora(lora: LoRAModel, full: dict) -> dict:
+    """The base model's full state under its own names, every LoRA layer's adapters
+    folded into its weight (rank 0's copy of ``full``, changed in place)."""
+    base = {name[len(_LORA_PREFIX):]: t for name, t in full.items()
+            if name.startswith(_LORA_PREFIX)}
+    for path, layer in lora.model.named_sublayers():
+        a, b = base.pop(f"{path}.lora_A", None), base.pop(f"{path}.lora_B", None)
+        if a is None or b is None or getattr(layer, "merged", False):
+            continue  # (merged: the weight already holds them)
+        weight = f"{path}.weight"
+        base[weight] = base[weight] + (a @ b * layer.scaling).astype(base[weight].dtype)
+    return {name: t for name, t in base.items() if "lora_" not in name}
+
+
+def save_lora_adapters(model: LoRAModel, output_dir: str) -> None:
+    """Write a LoRA model's adapters as PaddleFormers' ``LoRAModel.save_pretrained``
+    does without flex_checkpoint (``lora_model_state.pdparams``, ``lora_config.json``,
+    the base model's ``config.json``), which ``LoRAModel.from_pretrained(base,
+    output_dir)`` loads: the trainable tensors alone (the frozen base is not written),
+    each joined from its shards (and tensor-parallel slices) on rank 0. A collective:
+    call it on every rank. (PaddleFormers' own ``save_pretrained`` on a sharded LoRA
+    model would run ``state_dict()``, a collective, on rank 0 alone.)"""
+    full = full_model(model, "save_lora_adapters", trainable_only=True)
+    if full is not None:
+        os.makedirs(output_dir, exist_ok=True)
+        adapters = {name[len(_LORA_PREFIX):]: t for name, t in full.items()
+                    if name.startswith(_LORA_PREFIX)}
+        paddle.save(adapters, os.path.join(output_dir, LORA_WEIGHTS_NAME))
+        lora_config = LoRAConfig(**model.lora_config.to_dict())
+        config = copy.deepcopy(getattr(model.model, "config_to_save", model.model.config))
+        if lora_config.tensor_model_parallel_size > 1:  # joined: for one process
+            lora_config.tensor_model_parallel_size = config.tensor_model_parallel_size = -1
+        lora_config.save_pretrained(output_dir)
+        config.save_pretrained(output_dir)
     if dist.get_world_size() > 1:
         dist.barrier()  # every rank returns once the directory is complete
 
@@ -511,20 +607,31 @@ class HSDPTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, merge_tensor_parallel: bool = False,
                    last_fc_to_hf: bool = False) -> None:
         """Outside a checkpoint: a directory ``from_pretrained`` loads exactly, in
-        Hugging Face layout whatever ``last_fc_to_hf`` says (every rank must call it).
-        Inside one, the weights go into the HSDP checkpoint instead."""
-        if not self.args.hsdp_checkpoint:
+        Hugging Face layout whatever ``last_fc_to_hf`` says (every rank must call it);
+        for a LoRA model its adapters in PaddleFormers' own format
+        (:func:`save_lora_adapters`; :func:`export_pretrained` writes the merged model).
+        Inside one, the weights go into the HSDP checkpoint instead (a LoRA model's
+        adapters alone, and its adapter files beside them)."""
+        lora = isinstance(self.model, LoRAModel)
+        if not self.args.hsdp_checkpoint and (self._hsdp_in_checkpoint or not lora):
+            # PaddleFormers' flex_checkpoint (GPU only; a LoRA model's final save is
+            # ours below: its own save_pretrained would gather on rank 0 alone)
             return super().save_model(output_dir, merge_tensor_parallel, last_fc_to_hf)
         if self._hsdp_in_checkpoint:
+            if output_dir is None:
+                raise ValueError("HSDPTrainer.save_model inside a checkpoint: the "
+                                 "Trainer passes the checkpoint's directory, got None")
+            if lora:
+                save_lora_adapters(self.model, output_dir)
             if self.args.ignore_save_lr_and_optim:  # no optimizer hook will run
-                if output_dir is None:
-                    raise ValueError("HSDPTrainer.save_model inside a checkpoint: the "
-                                     "Trainer passes the checkpoint's directory, got None")
                 save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
-                                async_save=self.args.hsdp_async_save)
+                                async_save=self.args.hsdp_async_save, trainable_only=lora)
             return None
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        export_pretrained(self.model, output_dir)
+        if lora:
+            save_lora_adapters(self.model, output_dir)
+        else:
+            export_pretrained(self.model, output_dir)
         if self.args.should_save:
             if self.tokenizer is not None and self.args.save_tokenizer:
                 self.tokenizer.save_pretrained(output_dir)
@@ -541,7 +648,8 @@ class HSDPTrainer(Trainer):
         if not self.args.hsdp_checkpoint:
             return super()._save_flex_optimizer_state(output_dir)
         save_checkpoint(os.path.join(output_dir, HSDP_CHECKPOINT_DIR), self.model,
-                        self.optimizer, async_save=self.args.hsdp_async_save)
+                        self.optimizer, async_save=self.args.hsdp_async_save,
+                        trainable_only=isinstance(self.model, LoRAModel))
         return None
 
     def _load_flex_checkpoint(self, resume_from_checkpoint: str) -> None:
@@ -558,6 +666,9 @@ class HSDPTrainer(Trainer):
                               if unfinished else
                               "not a checkpoint written with hsdp_checkpoint=True"))
         optimizer = None if self.args.ignore_load_lr_and_optim else self.optimizer
-        load_checkpoint(path, self.model, optimizer)
+        # a LoRA checkpoint holds the adapters alone; the frozen base is the one the
+        # model was built from
+        load_checkpoint(path, self.model, optimizer,
+                        trainable_only=isinstance(self.model, LoRAModel))
         self._load_scheduler(resume_from_checkpoint)
         return None

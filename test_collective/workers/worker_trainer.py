@@ -87,7 +87,7 @@ def check_hcg():
 def full_runs():
     """Outer 2: parts 1-4 of the module docstring."""
     # 1. refusals, before any group exists
-    REFUSALS = [({"sharding": "stage1"}, "sharding:"),
+    REFUSALS = [({"sharding": "stage4"}, "sharding: 'stage4'; allowed"),
                 ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size: 3"),
                 ({"sep_parallel_size": 2}, "sep_parallel_size:"),
                 ({"fsdp_outer_sharding": "all"}, "fsdp_outer_sharding:"),
