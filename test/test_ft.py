@@ -27,7 +27,7 @@ class MemoryStore:
         self.data, self.lock = {}, threading.Lock()
         self.generation = 0
 
-    def set(self, name, value, retry=True):
+    def set(self, name, value, retry=True, lease=0):
         with self.lock:
             self.data[name] = value.encode() if isinstance(value, str) else value
 
@@ -40,7 +40,10 @@ class MemoryStore:
             assert time.monotonic() < deadline, f"get({name!r}) never answered"
             time.sleep(0.001)
 
-    def add(self, name, amount, retry=True):
+    def lease(self, ttl_s):
+        return 0  # nothing expires in memory
+
+    def add(self, name, amount, retry=True, lease=0):
         with self.lock:
             value = int(self.data.get(name, b"0")) + amount
             self.data[name] = str(value).encode()

@@ -38,8 +38,7 @@ from ..comm.gloo_store import forget_group_store
 from ..engine import replication
 from . import groups
 from .pieces import plan_of
-from .protocol import FaultToleranceError
-from .store import key
+from .protocol import FaultToleranceError, round_kv
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
@@ -209,7 +208,7 @@ TRANSFER_WAIT_ROUNDS = 10
 
 
 def _received_key(record: Round, local_rank: int, receiver: int) -> str:
-    return key("r", record.number, "received", local_rank, receiver)
+    return round_kv(record.number, "received", local_rank, receiver)
 
 
 def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGroup) -> None:
@@ -324,7 +323,7 @@ def _exchange_meta(store: JobStore, record: Round, where: tuple, sending: bool,
     under round ``record``'s key ``where``, the others read it; a reader stops waiting
     once a failure is announced in the round (the sender may be dead). The receiver
     gets the JSON round trip (tuples become lists); so does the sender, alike."""
-    meta_key = key("r", record.number, "state", *where)
+    meta_key = round_kv(record.number, "state", *where)
     if sending:
         if build is None:
             raise ValueError("paddle_hsdp.ft: _exchange_meta(sending=True) needs build, "
