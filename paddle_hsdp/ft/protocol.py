@@ -32,7 +32,9 @@ replaced; a forged claim of an id deleted). ``failed`` and ``join`` act by their
 existence and are not signed: a writer can fail a round or wake the members, not steer
 one.
 
-Per round: one arrival write per group, one decider transaction, one record; each ``ctl/`` key reaches every group once. In steady state the only
+Per round: one arrival write per group, one decider transaction, one record, and the
+decider's clean-up of the round two before (three range deletions and a compaction of
+etcd's history: :meth:`GroupControl._forget`); each ``ctl/`` key reaches every group once. In steady state the only
 requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
 """
 
