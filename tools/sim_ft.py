@@ -422,7 +422,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ttl", type=float, default=10.0,
                         help="lease TTL = heartbeat timeout, s (PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--join-window", type=float, default=3.0)
-    parser.add_argument("--round-timeout", type=float, default=120.0)
+    parser.add_argument("--round-timeout", type=float, default=120.0,
+                        help="s (the soak uses at most 5: a joint save's keys live 3 of them)")
     parser.add_argument("--step-s", type=float, default=1.0, help="one training step, s")
     parser.add_argument("--steady-s", type=float, default=30.0,
                         help="the quiet stretch the steady load is measured over, s")
