@@ -27,7 +27,7 @@ class MemoryStore:
         self.data, self.lock = {}, threading.Lock()
         self.generation = 0
 
-    def set(self, name, value, retry=True):
+    def set(self, name, value, retry=True, lease=0):
         with self.lock:
             self.data[name] = value.encode() if isinstance(value, str) else value
 
@@ -40,7 +40,10 @@ class MemoryStore:
             assert time.monotonic() < deadline, f"get({name!r}) never answered"
             time.sleep(0.001)
 
-    def add(self, name, amount, retry=True):
+    def lease(self, ttl_s):
+        return 0  # nothing expires in memory
+
+    def add(self, name, amount, retry=True, lease=0):
         with self.lock:
             value = int(self.data.get(name, b"0")) + amount
             self.data[name] = str(value).encode()
@@ -165,16 +168,39 @@ def test_optimizer_state_flattens_to_tensors_and_back():
     back = transfer._unflatten(pairs, rest)
     assert back["master_weights"]["w"] is b and back["w_moment1_0"] is a
     # a transfer's checks: CRC-32 without the job's secret, a keyed digest with it that
-    # another secret, another round or another place does not reproduce (empty: none)
+    # another secret, another round or another place does not reproduce (empty: none);
+    # one per block: a large tensor alone, a run of small ones together
     from paddle_hsdp.ft.trust import Signer
     plain, keyed = MemoryStore(), MemoryStore()
     plain.signer, keyed.signer = Signer(), Signer("a-job-secret-of-32-characters-ok")
-    tensors = [paddle.to_tensor(np.arange(4.0)), paddle.zeros([0]), paddle.ones([3])]
+    large = paddle.to_tensor(np.arange(transfer.THREAD_MIN_BYTES // 4, dtype="float32"))
+    tensors = [paddle.to_tensor(np.arange(4.0)), paddle.zeros([0]), paddle.ones([3]), large,
+               paddle.ones([2])]
+    assert transfer._blocks(tensors) == 3
+    # the bytes hashed, read in place: a tensor's, and a slice's (an offset view)
+    for t in (large, large[5:9], paddle.ones([3], dtype="bfloat16")):
+        assert bytes(transfer._bytes_of(t)) == t.numpy().tobytes()
     crcs = transfer._checksums(plain, 5, ("model",), tensors)
-    assert len(crcs) == 2 and all(0 <= c < 2 ** 32 for c in crcs)
+    assert len(crcs) == 3 and all(0 <= c < 2 ** 32 for c in crcs)
     sums = transfer._checksums(keyed, 5, ("model",), tensors)
     assert sums == transfer._checksums(keyed, 5, ("model",), tensors) and sums != crcs
     assert sums != transfer._checksums(keyed, 6, ("model",), tensors)
+    # computed on the digest thread while tensors move: the same checks
+    with transfer._Digests(keyed, 5, ("model",)) as digests:
+        for tensor in tensors:
+            digests.add(tensor)
+        assert digests.result() == sums
+    # a byte changed in a small tensor or the large one: that block's check differs
+    for i in (2, 3):
+        torn = [paddle.to_tensor(t.numpy().copy()) for t in tensors]
+        torn[i][1] = 7.0
+        got = transfer._checksums(keyed, 5, ("model",), torn)
+        assert [a != b for a, b in zip(got, sums, strict=True)] == \
+            [i == 2, i == 3, False]
+    # bytes moved from one small tensor to the next (a torn boundary) do not match
+    moved = [paddle.to_tensor(np.arange(3.0)), paddle.zeros([0]),
+             paddle.to_tensor(np.array([3.0, 1.0, 1.0, 1.0])), large, paddle.ones([2])]
+    assert transfer._checksums(keyed, 5, ("model",), moved)[0] != sums[0]
     keyed.signer = Signer("another-secret-of-the-same-size")
     assert sums != transfer._checksums(keyed, 5, ("model",), tensors)
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from paddle_hsdp.ft import etcd_server
-from paddle_hsdp.ft.etcd import Etcd, parse_endpoints, security_from_env
+from paddle_hsdp.ft.etcd import Etcd, _b64, parse_endpoints, security_from_env
 from paddle_hsdp.ft.protocol import (Arrival, Attempt, AttemptState, FaultToleranceError,
                                      GroupControl, Keys, LeaseLost, ProtocolError, Round, Rules, decide,
                                      may_close, pieces_without_state)
@@ -690,3 +690,59 @@ def test_a_group_with_another_secret_or_none_never_forms_a_job_of_its_own(etcd, 
         assert mismatched.etcd.get(at) is not None  # still the other group's
     finally:
         _close([running] + others)
+
+
+# ------------------------------------------------------------------ keys that go away
+def _sim_ft():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sim_ft", os.path.join(ROOT, "tools",
+                                                                         "sim_ft.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_keys_of_rounds_and_rejoins_do_not_grow_with_the_rounds(etcd):
+    """tools/sim_ft.py's soak (the real protocol; each round's group-store addresses,
+    a rejoin every 3 rounds with 20 KB of metadata per rank and its receipts, under the
+    names the data plane writes): the keys under the job's prefix, and under its kv/,
+    are as many after 30 rounds as after 9, and etcd's history is compacted as the
+    rounds go (the decider's compaction, 5 minutes before the periodic one)."""
+    sim = _sim_ft()
+    counts = {}
+    for rounds in (9, 30):
+        job = f"soak{next(_jobs)}"
+        keys, probe = Keys(job), Etcd(etcd["address"])
+        samples = sim.soak(etcd["address"], rounds, groups=3, rejoin_every=3, save_every=0,
+                           meta_kb=20, sample_every=rounds, job=job, log=lambda line: None)
+        assert [s["round"] for s in samples] == [0, rounds]
+        found, revision = probe.get_prefix(keys.root, keys_only=True)
+        counts[rounds] = (sorted(k[len(keys.root):] for k in found), samples[-1]["kv_keys"])
+        # the rounds before the last two are gone, in every prefix (arrivals' keys go
+        # with their group's lease, once closed)
+        assert all(not k.startswith(("rounds/", "ctl/0", "kv/round/")) or
+                   f"{rounds - 1:09d}" in k or f"{rounds:09d}" in k for k in counts[rounds][0]), \
+            counts[rounds][0]
+        # history before the second-to-last round's record was compacted
+        with pytest.raises(Exception, match="compacted"):
+            probe.call("kv/range", {"key": _b64(keys.closed), "revision": 2})
+    names = {n: [k.replace(f"{n - 1:09d}", "PREV").replace(f"{n:09d}", "LAST")
+                 for k in found] for n, (found, _) in counts.items()}
+    assert names[9] == names[30] and counts[9][1] == counts[30][1] > 0, counts
+
+
+def test_a_joint_saves_keys_are_leased_to_end_by_themselves(etcd):
+    """A joint save's commit records, counter and outcome (the real JointSave, driven
+    by the soak) are each attached to a lease of 3 round timeouts, never renewed."""
+    sim = _sim_ft()
+    job = f"soak{next(_jobs)}"
+    keys, probe = Keys(job), Etcd(etcd["address"])
+    sim.soak(etcd["address"], 4, groups=3, rejoin_every=0, save_every=2, meta_kb=1,
+             sample_every=4, job=job, round_timeout=5.0, log=lambda line: None)
+    found, _ = probe.get_prefix(keys.kv + "paddle_hsdp/ft/save/", keys_only=True)
+    assert len(found) == 2 * (3 + 2), sorted(found)  # 2 saves: 3 records, count, outcome
+    for key in found:
+        _, _, lease = probe.get_lease(key)
+        assert lease, f"{key} has no lease"
+        ttl = int(probe.call("kv/lease/timetolive", {"ID": lease})["TTL"])
+        assert 0 < ttl <= 15, (key, ttl)

@@ -21,6 +21,14 @@ joiner), and keeps stepping to the end. It prints, measured:
 * ``req_per_round``: requests the groups sent while forming a round, per round.
 
 With ``--json`` the last line is one JSON object of those figures.
+
+    python tools/sim_ft.py --soak-rounds 2000 --groups 4 [--json]
+
+is a soak instead (:func:`soak`): rounds back to back, a group's death and rejoin
+every ``--rejoin-every`` rounds (with its metadata), a joint save every
+``--save-every``, printing every ``--sample-every`` rounds the keys under the job's
+prefix and its ``kv/``, and etcd's database size: flat when every key goes once no one
+reads it (docs/fault-tolerance.md, "Keys that go away").
 """
 
 from __future__ import annotations
@@ -244,6 +252,166 @@ def _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_a
     }
 
 
+# ---------------------------------------------------------------- the soak
+def soak(endpoints: str, rounds: int, groups: int = 4, ranks: int = 2,
+         rejoin_every: int = 5, save_every: int = 25, meta_kb: int = 200,
+         sample_every: int = 100, round_timeout: float = 5.0, job: str = "soak",
+         ttl: float = 10.0, log=print) -> list[dict]:
+    """Rounds back to back, as many as ``rounds``, of ``groups`` replica groups in this
+    process (a thread each per round), against the etcd at ``endpoints``: every round
+    the groups arrive (the real protocol: arrivals, the decider key, the record and, two
+    rounds later, the decider's deletion of what no group reads); each round's outer
+    group store address is published per local rank (``ranks``), as the first member's
+    ranks do; every ``rejoin_every`` rounds the last group dies (its lease revoked), and
+    at the next round registers anew and rejoins: its donor's ranks write the rejoin's
+    metadata (``meta_kb`` KB each, under the name the transfer writes it), the
+    joiner's ranks read it and write their receipts; every ``save_every`` rounds the
+    groups save jointly (the real :class:`~paddle_hsdp.ft.joint_save.JointSave`'s
+    gather, announce and outcome: its commit records, counter and outcome, on leases).
+    Every ``sample_every`` rounds (and at the end) a sample: the round, the keys under
+    the job's prefix and under its ``kv/``, and etcd's database size (``dbSize``, the
+    file; ``dbSizeInUse``, what holds data), from its maintenance API; the last
+    sample also counts the groups a round left out (late: they rejoin at the next)."""
+    protocol, _ = _protocol()
+    from paddle_hsdp.ft.etcd import Etcd
+    from paddle_hsdp.ft.kv import JobStore
+    joint_save = None
+    if save_every:
+        from paddle_hsdp.ft import joint_save  # imports Paddle (its store module)
+    keys, probe = protocol.Keys(job), Etcd(endpoints)
+    # a round closes once every member is in; the window matters only for a late one
+    rules = protocol.Rules(start_replicas=groups, join_window_s=round_timeout / 2)
+    stores = {}  # (replica, local rank) -> JobStore (one client per rank, as in a job)
+
+    def control(replica: int, generation: int):
+        c = protocol.GroupControl(endpoints, job, replica, f"t{replica}.{generation}",
+                                  f"soak{replica}", rules, ttl, round_timeout)
+        c.register()
+        return c
+
+    def store(replica: int, local_rank: int) -> JobStore:
+        if (replica, local_rank) not in stores:
+            stores[replica, local_rank] = JobStore(endpoints, job, round_timeout)
+        return stores[replica, local_rank]
+
+    def together(calls) -> list:
+        out, errors = [None] * len(calls), []
+
+        def go(i, call):
+            try:
+                out[i] = call()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(3 * round_timeout)
+        if errors:
+            raise errors[0]
+        return out
+
+    controls = {r: control(r, 0) for r in range(groups)}
+    generation, steps, samples = 0, 0, []
+    metadata = "x" * (meta_kb * 1000)
+    record = together([lambda c=c: c.arrive(0, None, protocol.Arrival(0, True))
+                       for c in controls.values()])[0]
+    number = 0
+    for c in controls.values():
+        c.committed()
+
+    def sample() -> None:
+        status = probe.status()
+        row = {"round": number, "keys": probe.count_prefix(keys.root),
+               "kv_keys": probe.count_prefix(keys.kv),
+               "db_mb": round(int(status["dbSize"]) / 2 ** 20, 2),
+               "db_in_use_mb": round(int(status.get("dbSizeInUse", 0)) / 2 ** 20, 2),
+               "s": round(time.time() - started, 1)}
+        samples.append(row)
+        log(" ".join(f"{k}={v}" for k, v in row.items()))
+
+    started = time.time()
+    sample()
+    victim, left_out, left_out_total = groups - 1, [], 0
+    while number < rounds:
+        number += 1
+        steps += 1
+        dying = rejoin_every and number % rejoin_every == 0
+        if dying and victim in controls:
+            controls.pop(victim).close()  # its lease revoked: the others hear it left
+        expected = record.replicas
+        # left out of the last round (late, on a loaded host): they come back as joiners
+        joiners = [r for r in left_out if r in controls]
+        if rejoin_every and number % rejoin_every == 1 and number > 1:
+            generation += 1  # the dead group registers anew
+            controls[victim] = control(victim, generation)
+            joiners.append(victim)
+        waiting, got = [], {}
+        for r in sorted(set(joiners)):  # they arrive first, so the round takes them in
+            c = controls[r]
+            if c.next_open() != number:
+                raise RuntimeError(f"soak: a joiner would arrive at round {c.next_open()}, "
+                                   f"not {number}")
+            waiting.append(threading.Thread(
+                target=lambda r=r, c=c, n=number, into=got: into.__setitem__(
+                    r, c.arrive(n, None, protocol.Arrival(0, True)))))
+            waiting[-1].start()
+            deadline = time.time() + round_timeout
+            while c.etcd.get(keys.join(number)) is None and time.time() < deadline:
+                time.sleep(0.002)
+        members = {r: c for r, c in sorted(controls.items()) if r not in joiners}
+        results = dict(zip(members, together([lambda c=c, n=number, e=expected, k=steps:
+                                              c.arrive(n, e, protocol.Arrival(k))
+                                              for c in members.values()]), strict=True))
+        for thread in waiting:
+            thread.join(3 * round_timeout)
+        results.update(got)
+        record = next(r for r in results.values() if r is not None)
+        left_out = [r for r in controls if results.get(r) is None]
+        left_out_total += len(left_out)
+        for r, c in controls.items():
+            if r not in left_out:
+                c.committed()  # the step trained
+        first = record.replicas[0]
+        for lr in range(ranks):  # make_group_store's address, by the first member's ranks
+            store(first, lr).set(protocol.round_kv(number, "outer_store", lr), "127.0.0.1:1")
+        for receiver in record.receivers:  # the rejoin's metadata, read, and receipts
+            donor = record.donor_of(receiver)
+            for lr in range(ranks):
+                name = protocol.round_kv(number, "state", lr, "model", donor)
+                store(donor, lr).set(name, metadata)
+                store(receiver, lr).get(name)
+                store(receiver, lr).set(protocol.round_kv(number, "received", lr, receiver),
+                                        "1")
+        if save_every and number % save_every == 0:
+            _soak_save(joint_save, record, steps, round_timeout,
+                       {r: store(r, 0) for r in record.replicas}, together)
+        if number % sample_every == 0 or number == rounds:
+            sample()
+    for c in controls.values():
+        c.close()
+    samples[-1]["left_out"] = left_out_total
+    return samples
+
+
+def _soak_save(joint_save, record, step: int, round_timeout: float, stores: dict,
+               together) -> None:
+    """One joint save's etcd traffic, as the live groups' leaders make it (no files):
+    each group's commit record and count, the publisher's outcome, the others' wait."""
+    def one(replica: int) -> None:
+        view = types.SimpleNamespace(round_timeout_s=round_timeout, step=step,
+                                     round=record, outer=None, store=stores[replica],
+                                     replica_id=replica)
+        save = joint_save.JointSave(view)
+        save.begin("/soak/checkpoint")
+        if save.gather({"file": f"group{replica}.json", "bytes": 1, "sha256": "0"}) is None:
+            if save.outcome():
+                raise RuntimeError("soak: a joint save failed")
+        else:
+            save.announce("")
+    together([lambda r=r: one(r) for r in record.replicas])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16, help="replica groups (R)")
@@ -254,14 +422,28 @@ def main(argv=None) -> int:
     parser.add_argument("--ttl", type=float, default=10.0,
                         help="lease TTL = heartbeat timeout, s (PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--join-window", type=float, default=3.0)
-    parser.add_argument("--round-timeout", type=float, default=120.0)
+    parser.add_argument("--round-timeout", type=float, default=120.0,
+                        help="s (the soak uses at most 5: a joint save's keys live 3 of them)")
     parser.add_argument("--step-s", type=float, default=1.0, help="one training step, s")
     parser.add_argument("--steady-s", type=float, default=30.0,
                         help="the quiet stretch the steady load is measured over, s")
     parser.add_argument("--endpoints", default="",
                         help="an etcd to use (etcd://h:p[,...]); default: start the embedded one")
     parser.add_argument("--json", action="store_true", help="last line: the figures as JSON")
+    parser.add_argument("--soak-rounds", type=int, default=0,
+                        help="instead: a soak of this many rounds back to back (a rejoin "
+                             "every --rejoin-every, a joint save every --save-every), "
+                             "printing the job's key count and etcd's database size")
+    parser.add_argument("--rejoin-every", type=int, default=5, help="soak: rounds per rejoin")
+    parser.add_argument("--save-every", type=int, default=25,
+                        help="soak: rounds per joint save (0: none)")
+    parser.add_argument("--meta-kb", type=int, default=200,
+                        help="soak: KB of rejoin metadata per rank and rejoin")
+    parser.add_argument("--sample-every", type=int, default=100,
+                        help="soak: rounds per sample printed")
     args = parser.parse_args(argv)
+    if args.soak_rounds:
+        return _main_soak(args, parser)
     if args.groups < 4:
         parser.error(f"--groups must be >= 4 (a failing, a killed and a hung group, and "
                      f"one that sees them), got {args.groups}")
@@ -282,6 +464,39 @@ def main(argv=None) -> int:
         print(f"{name:>18}: {value}")
     if args.json:
         print(json.dumps(figures))
+    return 0
+
+
+def _main_soak(args, parser) -> int:
+    if args.soak_rounds < 1 or args.groups < 2:
+        parser.error(f"--soak-rounds must be >= 1 and --groups >= 2 (a joiner and a donor), "
+                     f"got {args.soak_rounds} and {args.groups}")
+    for name in ("rejoin_every", "save_every", "sample_every", "meta_kb"):
+        if getattr(args, name) < (1 if name == "sample_every" else 0):
+            parser.error(f"--{name.replace('_', '-')} must be >= "
+                         f"{1 if name == 'sample_every' else 0}, got {getattr(args, name)}")
+    if args.rejoin_every == 1:
+        parser.error("--rejoin-every must be 0 (none) or >= 2 (a group dies at one round "
+                     "and rejoins at the next), got 1")
+    _, etcd_server = _protocol()
+    server = None
+    if not args.endpoints:
+        data = tempfile.mkdtemp(prefix="sim_ft_etcd_")
+        port = 23000 + os.getpid() % 1000 * 2
+        server = etcd_server.start("127.0.0.1", port, data)
+        args.endpoints = f"etcd://127.0.0.1:{port}"
+    try:
+        samples = soak(args.endpoints, args.soak_rounds, args.groups,
+                       rejoin_every=args.rejoin_every, save_every=args.save_every,
+                       meta_kb=args.meta_kb, sample_every=args.sample_every,
+                       round_timeout=min(args.round_timeout, 5.0), ttl=args.ttl,
+                       log=lambda line: print(line, flush=True))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
+    if args.json:
+        print(json.dumps(samples))
     return 0
 
 

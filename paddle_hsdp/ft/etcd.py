@@ -206,13 +206,17 @@ class Etcd:
         return (_text(kvs[0].get("value")), int(kvs[0]["mod_revision"]),
                 int(kvs[0].get("lease", 0)))
 
-    def swap(self, key: str, revision: int, value: str) -> bool:
-        """Write ``key`` only if it was last written at ``revision`` (0: absent)."""
+    def swap(self, key: str, revision: int, value: str, lease: int = 0) -> bool:
+        """Write ``key`` (with ``lease``, if not 0) only if it was last written at
+        ``revision`` (0: absent)."""
         target = ({"target": "MOD", "mod_revision": revision} if revision else
                   {"target": "CREATE", "create_revision": 0})
+        put: dict[str, str | int] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = lease
         result = self.call("kv/txn", {
             "compare": [{"key": _b64(key), "result": "EQUAL", **target}],
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
+            "success": [{"request_put": put}],
             "failure": []})
         return bool(result.get("succeeded"))
 
@@ -249,6 +253,38 @@ class Etcd:
 
     def delete_prefix(self, prefix: str) -> None:
         self.call("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+
+    def delete_range(self, first: str, end: str) -> int:
+        """Delete every key from ``first`` (included) to ``end`` (excluded), in one
+        request: how many there were."""
+        result = self.call("kv/deleterange", {"key": _b64(first), "range_end": _b64(end)})
+        return int(result.get("deleted", 0))
+
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys there are under ``prefix`` (etcd counts; nothing is sent)."""
+        result = self.call("kv/range", {"key": _b64(prefix),
+                                        "range_end": _b64(prefix_end(prefix)),
+                                        "count_only": True})
+        return int(result.get("count", 0))
+
+    def compact(self, revision: int) -> bool:
+        """Drop etcd's history before ``revision`` (the live keys stay; their older
+        versions and the deleted keys' tombstones go, and their space in etcd's database
+        is reused): whether it did. A revision already compacted (by this call elsewhere,
+        or etcd's periodic compaction) is not an error: False."""
+        try:
+            self.call("kv/compaction", {"revision": revision})
+        except EtcdRefused as e:
+            if "compacted" in str(e) or "future revision" in str(e):
+                return False
+            raise
+        return True
+
+    def status(self) -> dict:
+        """The answering member's status (etcd's maintenance API): ``dbSize`` (the
+        database file's bytes), ``dbSizeInUse`` (bytes holding data), ``header`` and
+        others, as etcd names them (numbers as JSON strings)."""
+        return self.call("maintenance/status", {})
 
     def grant(self, ttl_s: int) -> int:
         return int(self.call("lease/grant", {"TTL": ttl_s, "ID": 0})["ID"])

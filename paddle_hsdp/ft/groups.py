@@ -30,8 +30,8 @@ from paddle.distributed.communication.group import Group
 from ..comm import collectives as comm
 from ..comm.gloo_store import forget_group_store, make_group_store
 from ..comm.traits import declare
-from .protocol import FaultToleranceError
-from .store import key, on_socket, socket_fds
+from .protocol import FaultToleranceError, round_kv
+from .store import on_socket, socket_fds
 
 if TYPE_CHECKING:
     from .kv import JobStore
@@ -203,7 +203,7 @@ def connect(store: JobStore, round_number: int, replicas: list[int], group: Live
         return None, ()
     return _create(store, round_number, group, replicas.index(group.replica),
                    len(replicas), group_id(round_number, group.local_rank),
-                   key("r", round_number, "outer_store", group.local_rank), timeout_s,
+                   round_kv(round_number, "outer_store", group.local_rank), timeout_s,
                    f"round {round_number}'s outer group")
 
 
@@ -243,7 +243,7 @@ def connect_pair(store: JobStore, round_number: int, pair: tuple[int, int], inde
     them down too."""
     pg_id = pair_id(round_number, group.local_rank, index)
     pg, sockets = _create(store, round_number, group, pair.index(group.replica), 2, pg_id,
-                          key("r", round_number, "pair_store", group.local_rank, *pair),
+                          round_kv(round_number, "pair_store", group.local_rank, *pair),
                           timeout_s, f"round {round_number}'s transfer pair {pair}")
     group.track(round_number, sockets)
     pair_group = PairGroup(pair.index(group.replica), pg_id,

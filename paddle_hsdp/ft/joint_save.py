@@ -24,6 +24,10 @@ step and
   awaits (bounded by the round timeout). A group that dies meanwhile fails the save on
   every live rank; the previous checkpoint stays.
 
+A save's keys in etcd go by themselves: each is written with a lease (never renewed)
+that ends :data:`SAVE_KEYS_ROUND_TIMEOUTS` round timeouts later, when no reader waits
+for them any more; a save whose groups take longer has failed by then.
+
 Every value this module writes to etcd is bounded: a payload over
 :data:`MAX_VALUE_BYTES` (64 KiB) is refused before anything is written, and an
 outcome is cut to :data:`MAX_OUTCOME_CHARS`.
@@ -45,6 +49,8 @@ from .store import key
 # by default, --max-request-bytes); the manifests go as files, beside the checkpoint
 MAX_VALUE_BYTES = 64 * 1024
 MAX_OUTCOME_CHARS = 4000  # an outcome naming many errors is cut to this
+# a save's keys end with a lease this many round timeouts long (:meth:`JointSave._keys_ttl_s`)
+SAVE_KEYS_ROUND_TIMEOUTS = 3
 
 if TYPE_CHECKING:
     from .groups import LiveOuterGroup
@@ -130,8 +136,9 @@ class JointSave:
             raise ValueError(f"paddle_hsdp.ft: a joint save's payload must be at most "
                              f"{MAX_VALUE_BYTES} bytes of JSON (a commit record; the "
                              f"manifests go as files), got {len(text.encode())}")
-        store.set(self._key("group", self._replica.replica_id), text)
-        if store.add(self._key("arrived"), 1) != len(replicas):
+        lease = store.lease(self._keys_ttl_s())
+        store.set(self._key("group", self._replica.replica_id), text, lease=lease)
+        if store.add(self._key("arrived"), 1, lease=lease) != len(replicas):
             return None  # (more than len: a group counted twice; no second publisher)
         return [json.loads(store.get(self._key("group", r)).decode())
                 for r in replicas]
@@ -141,7 +148,14 @@ class JointSave:
         store = self._replica.store
         if len(outcome) > MAX_OUTCOME_CHARS:
             outcome = outcome[:MAX_OUTCOME_CHARS] + " (cut)"
-        store.set(self._key("outcome"), outcome)
+        store.set(self._key("outcome"), outcome, lease=store.lease(self._keys_ttl_s()))
+
+    def _keys_ttl_s(self) -> float:
+        """How long this save's keys live: every reader is done by then (a group's record
+        is read by the publisher once the count completes; the count and the outcome
+        are awaited for at most a round timeout each from a reader's start, and every
+        group starts within a round timeout of the others, or the save fails)."""
+        return SAVE_KEYS_ROUND_TIMEOUTS * self._replica.round_timeout_s
 
     def outcome(self) -> str:
         """Every rank but the publisher's leader: the publisher's outcome, or why none

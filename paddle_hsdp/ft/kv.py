@@ -13,10 +13,17 @@ takes only a value whose signature holds: a forged one (a group-store address po
 elsewhere, a rejoin's metadata, a joint save's record) is named in the log and waited
 past, as if not written yet. Counters (``add``) are not signed: a forged count can stop
 a save or a transfer's wait (bounded by its timeout), not steer either.
+
+**Keys that go away.** A round's keys (named by :func:`~.protocol.round_kv`) are
+deleted by the decider of the round two later (:meth:`~.protocol.GroupControl._forget`);
+a joint save's are written with a lease that ends by itself once every reader's wait
+is over (:mod:`.joint_save`). So the shared data holds a few rounds' keys whatever the
+job's length.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -48,10 +55,19 @@ class JobStore:
     def _key(self, name: str) -> str:
         return f"{self.keys.root}kv/{name}"
 
-    def set(self, name: str, value: str | bytes) -> None:
+    def set(self, name: str, value: str | bytes, lease: int = 0) -> None:
+        """Write ``name`` (signed with the job's secret, if any); with ``lease``
+        (:meth:`lease`), etcd deletes it when the lease ends."""
         key = self._key(name)
         self.etcd.put(key, self.signer.sign(
-            key, value if isinstance(value, str) else value.decode()))
+            key, value if isinstance(value, str) else value.decode()), lease)
+
+    def lease(self, ttl_s: float) -> int:
+        """A new lease that ends by itself after ``ttl_s`` seconds (never renewed): what
+        ``set`` and ``add`` attach a key to so that it goes once nobody reads it."""
+        if ttl_s <= 0:
+            raise ValueError(f"paddle_hsdp.ft: a lease's ttl_s must be > 0, got {ttl_s}")
+        return self.etcd.grant(max(2, math.ceil(ttl_s)))
 
     def get(self, name: str, timeout_s: float | None = None,
             abort: Callable[[], object] | None = None) -> bytes:
@@ -62,13 +78,14 @@ class JobStore:
                           timeout_s or self.timeout_s, f"{name} to be written (by a "
                           "writer with the job's secret, if it has one)", abort).encode()
 
-    def add(self, name: str, amount: int) -> int:
-        """Add ``amount`` to the counter ``name`` (0 if never written); its new value."""
+    def add(self, name: str, amount: int, lease: int = 0) -> int:
+        """Add ``amount`` to the counter ``name`` (0 if never written); its new value.
+        With ``lease``, the counter is attached to it from this write on."""
         key = self._key(name)
         while True:
             value, revision = self.etcd.get_revision(key)
             total = int(value or 0) + amount
-            if amount == 0 or self.etcd.swap(key, revision, str(total)):
+            if amount == 0 or self.etcd.swap(key, revision, str(total), lease):
                 return total
 
 

@@ -32,7 +32,9 @@ replaced; a forged claim of an id deleted). ``failed`` and ``join`` act by their
 existence and are not signed: a writer can fail a round or wake the members, not steer
 one.
 
-Per round: one arrival write per group, one decider transaction, one record; each ``ctl/`` key reaches every group once. In steady state the only
+Per round: one arrival write per group, one decider transaction, one record, and the
+decider's clean-up of the round two before (three range deletions and a compaction of
+etcd's history: :meth:`GroupControl._forget`); each ``ctl/`` key reaches every group once. In steady state the only
 requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
 """
 
@@ -85,6 +87,7 @@ class Keys:
         self.ctl = self.root + "ctl/"
         self.closed = self.root + "closed"  # the number of the last closed round
         self.finished = self.ctl + "finished"
+        self.kv = self.root + "kv/"  # the job's shared data (:mod:`.kv`)
 
     def group(self, replica: int) -> str:
         return f"{self.groups}{replica:06d}"
@@ -110,6 +113,10 @@ class Keys:
     def decider(self, number: int) -> str:
         return self.ctl_of(number) + "decider"
 
+    def kv_round(self, number: int) -> str:
+        """The prefix of round ``number``'s keys in the shared data (:func:`round_kv`)."""
+        return self.kv + round_kv(number)
+
     def config(self, digest: str) -> str:
         return f"{self.root}config/{digest}"
 
@@ -119,6 +126,14 @@ class Keys:
         rest = key[len(self.ctl):]
         number, _, what = rest.partition("/")
         return (what, int(number)) if what else (number, -1)
+
+
+def round_kv(number: int, *parts: object) -> str:
+    """The name in the job's shared data (:mod:`.kv`) of round ``number``'s key
+    ``parts`` (a group-store address, a rejoin's metadata; no parts: the prefix of them
+    all). The round is written with 9 digits, so that the keys of every round before one
+    form one range of keys (deleted with one request: :meth:`GroupControl._forget`)."""
+    return f"round/{number:09d}/" + "/".join(map(str, parts))
 
 
 # ---------------------------------------------------------------- records
@@ -509,6 +524,8 @@ class GroupControl:
                 for old in [n for n in self._records if n < number - 2]:
                     del self._records[old]
                     self._record_revision.pop(old, None)
+                for seen in (self._failed, self._joins, self._decider_gone):
+                    seen.difference_update([n for n in seen if n < number - 2])
             elif what == "failed" and kind == "PUT":
                 self._failed.add(number)
                 failed_now = number if number == self.armed else None
@@ -741,9 +758,29 @@ class GroupControl:
             self._records.setdefault(number, record)
             self._record_revision.setdefault(number, revision)
         if number >= 2:  # what no group reads any more
-            self.etcd.delete_prefix(self.keys.rounds(number - 2))
-            self.etcd.delete_prefix(self.keys.ctl_of(number - 2))
+            self._forget(number - 2)
         return record
+
+    def _forget(self, last: int) -> None:
+        """The decider of round ``last + 2``, once its record is written: delete every
+        key of rounds up to ``last`` (arrivals, ``ctl/`` keys, the shared data's round
+        keys: group-store addresses, rejoin metadata, transfer receipts), three range
+        deletions whatever the number of groups; and drop etcd's history before round
+        ``last``'s record. Nobody reads them any more: every member of round ``last + 2``
+        arrived at ``last + 1`` and ``last + 2`` since (a group arrives at a round only
+        once its attempt in the previous one is over), and a group still reading them
+        was left out of two rounds (it comes back as a joiner, fed anew). A key a
+        straggler writes late into such a round (a failure announced late) goes with
+        the next round's deletion: every round from 0 is in the range."""
+        keys, etcd = self.keys, self.etcd
+        for first, end in ((keys.rounds(0), keys.rounds(last + 1)),
+                           (keys.ctl_of(0), keys.ctl_of(last + 1)),
+                           (keys.kv_round(0), keys.kv_round(last + 1))):
+            etcd.delete_range(first, end)
+        with self._cv:
+            revision = self._record_revision.get(last)
+        if revision:  # every member's watch delivered it (it took round last + 1's since)
+            etcd.compact(revision)
 
     def _refusals(self, present: dict[int, Arrival],
                   expected: list[int] | None) -> dict[int, str]:

@@ -14,19 +14,29 @@ With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model c
 from the receiver's donor and each piece's optimizer state from a holder of that piece.
 
 The donor computes each tensor's checksum once and sends them after the tensors; the
-receiver compares. With the job's secret (:mod:`.trust`) the checksum is a keyed
-BLAKE2b of the tensor's bytes, its round, its copy and its place (a CRC-32 without
-one): a peer on the link without the secret can neither forge the list nor craft
-data that matches it; the metadata sent through etcd is signed there (:mod:`.kv`). Receivers take the model's tensors in place and hand the optimizer
+receiver compares. Both compute them on a thread of their own while the tensors move
+(:class:`_Digests`: the donor hashes tensor k while it is on the wire, the receiver
+while k + 1 is), so the check adds little more than the last tensor's hash to the
+transfer. With the job's secret (:mod:`.trust`) the checksum is an HMAC-SHA256 of the
+bytes (of a large tensor alone, of a run of small ones together), their round, copy and
+place (a CRC-32 without one): it catches a
+torn or corrupted transfer (a tensor cut short, bytes changed on the way, a tensor
+taken from another round or place), and a peer on the link without the secret can
+neither forge the list nor craft data that matches it; it does not stop a sender that
+holds the secret (a group of the job) from sending a wrong state. The metadata sent
+through etcd is signed there (:mod:`.kv`). Receivers take the model's tensors in place and hand the optimizer
 its state once everything arrived and checked: a receiver whose transfer fails holds a
 state it must not use, and says so at the next round (``fresh``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +48,8 @@ from ..comm.gloo_store import forget_group_store
 from ..engine import replication
 from . import groups
 from .pieces import plan_of
-from .protocol import FaultToleranceError
-from .store import key
+from .protocol import FaultToleranceError, round_kv
+from .trust import TransferDigest
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
@@ -86,15 +96,106 @@ def _dtype(tensor: paddle.Tensor) -> str:
 
 def _checksums(store: JobStore, number: int, what: tuple,
                tensors: Iterable[paddle.Tensor]) -> list[int]:
-    """The check of each non-empty tensor of round ``number``'s copy ``what``, in order:
-    the job's signer's digest (keyed with the secret, :mod:`.trust`; else a CRC-32)."""
-    out: list[int] = []
-    for tensor in tensors:
-        data = np.ascontiguousarray(tensor.numpy())
-        if data.size:
-            out.append(store.signer.tensor_digest(data.view(np.uint8).reshape(-1).data,
-                                                  (number, *what, len(out))))
-    return out
+    """The checks of round ``number``'s copy ``what``, in order (:class:`_Digests`'
+    blocks), computed one after the other on this thread."""
+    with _Digests(store, number, what, thread=False) as digests:
+        for tensor in tensors:
+            digests.add(tensor)
+        return digests.result()
+
+
+def _bytes_of(tensor: paddle.Tensor) -> memoryview:
+    """A tensor's bytes: in place for a contiguous host tensor (``numpy()`` copies, and
+    the copy of a 64 MiB tensor took longer here than its hash: 50-100 ms), a host copy
+    otherwise. The tensor must outlive the view."""
+    size = math.prod(tensor.shape) * tensor.element_size()
+    if size and tensor.place.is_cpu_place() and tensor.is_contiguous():
+        return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
+    return np.ascontiguousarray(tensor.numpy()).view(np.uint8).reshape(-1).data
+
+
+# a tensor this large is checked alone; a run of smaller ones together (one MAC's
+# set-up for hundreds of small tensors), handed to the digest thread in batches of
+# BATCH_BYTES (one hand-over per tensor would make the two threads trade Python's
+# lock at every tensor, each waiting up to its 5 ms switch interval)
+THREAD_MIN_BYTES = 1 << 20
+BATCH_BYTES = 256 << 10
+
+
+class _Digests:
+    """The checks of one copy, computed on a thread of its own while the caller moves
+    its tensors: the job's signer's digest (keyed with the secret, :mod:`.trust`; else
+    a CRC-32) of each *block*, a tensor of :data:`THREAD_MIN_BYTES` or more alone, or a
+    run of smaller consecutive ones together (each tensor's bytes after its length),
+    bound to round ``number``, the copy ``what`` and the block's place. Empty tensors
+    count for nothing. hashlib lets go of Python's lock while it hashes, so the thread
+    hashes while the caller's sends and receives run: the sender adds every tensor
+    before it sends the first (tensor k is hashed while it is on the wire), a receiver
+    each tensor once it arrived (k is hashed while k + 1 is on the wire); small
+    tensors go to the thread :data:`BATCH_BYTES` at a time. Only the last block's hash,
+    at most, is left after the transfer. ``thread`` False: everything on the caller's
+    thread, at once. A context: the thread ends with it."""
+
+    def __init__(self, store: JobStore, number: int, what: tuple, thread: bool = True):
+        self._signer, self._where = store.signer, (number, *what)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="paddle_hsdp-ft-digest") \
+            if thread else None
+        self._blocks: list[TransferDigest] = []
+        self._jobs: list[Future] = []
+        self._run: TransferDigest | None = None  # the open run of small tensors
+        self._batch: list[paddle.Tensor] = []  # its tensors not handed over yet
+        self._batch_bytes = 0
+
+    def _hash(self, digest: TransferDigest, tensors: list[paddle.Tensor]) -> None:
+        for tensor in tensors:
+            digest.update(_bytes_of(tensor))
+
+    def _hand_over(self) -> None:
+        if self._batch and self._run is not None:
+            self._submit(self._run, self._batch)
+        self._batch, self._batch_bytes = [], 0
+
+    def _submit(self, digest: TransferDigest, tensors: list[paddle.Tensor]) -> None:
+        if self._pool is None:
+            self._hash(digest, tensors)
+        else:  # one worker: the jobs run in order, a run's batches one after the other
+            self._jobs.append(self._pool.submit(self._hash, digest, tensors))
+
+    def add(self, tensor: paddle.Tensor) -> None:
+        """Check ``tensor`` (whose bytes no one changes until :meth:`result`) next."""
+        size = math.prod(tensor.shape) * tensor.element_size()
+        if not size:
+            return
+        if size >= THREAD_MIN_BYTES:
+            self._hand_over()
+            self._run = None
+            self._blocks.append(self._signer.transfer_digest((*self._where,
+                                                             len(self._blocks))))
+            self._submit(self._blocks[-1], [tensor])
+            return
+        if self._run is None:
+            self._run = self._signer.transfer_digest((*self._where, len(self._blocks)))
+            self._blocks.append(self._run)
+        self._batch.append(tensor)
+        self._batch_bytes += size
+        if self._batch_bytes >= BATCH_BYTES:
+            self._hand_over()
+
+    def result(self) -> list[int]:
+        """Every block's check, in order, once computed."""
+        self._hand_over()
+        for job in self._jobs:
+            job.result()
+        return [digest.value() for digest in self._blocks]
+
+    def __enter__(self) -> _Digests:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            for job in self._jobs:  # a failed transfer: what is not hashed yet is not
+                job.cancel()
+            self._pool.shutdown(wait=True)
 
 
 @dataclass(frozen=True)
@@ -209,7 +310,7 @@ TRANSFER_WAIT_ROUNDS = 10
 
 
 def _received_key(record: Round, local_rank: int, receiver: int) -> str:
-    return key("r", record.number, "received", local_rank, receiver)
+    return round_kv(record.number, "received", local_rank, receiver)
 
 
 def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGroup) -> None:
@@ -254,18 +355,36 @@ class _Sender:
                            (self.group.local_rank, *what, phase.donor), True, lambda: meta)
             self._tensors[what] = tensors
             self._sums[what] = None
-        tensors, moved = self._tensors[what], 0
-        for tensor in tensors:
-            moved += _move(link, tensor, phase.donor, self.group)
-        sums = self._sums[what]
+        tensors, sums = self._tensors[what], self._sums[what]
+        check = None if sums is not None else \
+            _Digests(self.store, self.record.number, what)  # the first copy's
+        moved, computed = _send_checked(link, tensors, phase.donor, self.group, check, sums)
         if sums is None:
-            sums = paddle.to_tensor(np.array(
-                _checksums(self.store, self.record.number, what, tensors), dtype="int64"))
-            self._sums[what] = sums
-        if sums.shape[0]:
-            comm.broadcast(sums, src=self.group.virtual_rank(phase.donor),
-                           group=link, tag="ft state check")
+            self._sums[what] = computed
         return moved
+
+
+def _send_checked(link: Group, tensors: list[paddle.Tensor], donor: int,
+                  group: groups.LiveOuterGroup, check: _Digests | None,
+                  sums: paddle.Tensor | None) -> tuple[int, paddle.Tensor]:
+    """The donor's side of one copy: each tensor, then their checks (``sums``, or
+    computed by ``check`` while the tensors go). The bytes moved and the checks (int64,
+    one per block: :class:`_Digests`)."""
+    moved = 0
+    with check or contextlib.nullcontext():
+        if check is not None:
+            for tensor in tensors:
+                check.add(tensor)
+        for tensor in tensors:
+            moved += _move(link, tensor, donor, group)
+        if check is not None:
+            sums = paddle.to_tensor(np.array(check.result(), dtype="int64"))
+    if sums is None:
+        raise ValueError("paddle_hsdp.ft: _send_checked needs check or sums (the checks "
+                         "computed for an earlier receiver)")
+    if sums.shape[0]:
+        comm.broadcast(sums, src=group.virtual_rank(donor), group=link, tag="ft state check")
+    return moved, sums
 
 
 def _move(link: Group, tensor: paddle.Tensor, donor: int, group: groups.LiveOuterGroup) -> int:
@@ -279,23 +398,55 @@ def _move(link: Group, tensor: paddle.Tensor, donor: int, group: groups.LiveOute
 def _take(store: JobStore, number: int, link: Group, phase: Phase,
           targets: list[paddle.Tensor], group: groups.LiveOuterGroup, check: bool) -> int:
     """Receive ``phase``'s tensors into ``targets`` and, on a taker (``check``), compare
-    each with the checksum its donor sent after them (round ``number``'s)."""
-    moved = sum(_move(link, t, phase.donor, group) for t in targets)
-    filled = [t for t in targets if math.prod(t.shape)]
-    if not filled:
-        return moved
-    sent = paddle.zeros([len(filled)], dtype="int64")
-    comm.broadcast(sent, src=group.virtual_rank(phase.donor), group=link, tag="ft state check")
-    if check:
-        mine = _checksums(store, number, phase.what, filled)
-        bad = [i for i, (m, s) in enumerate(zip(mine, sent.numpy().tolist(), strict=True))
-               if m != s]
-        if bad:
-            raise FaultToleranceError(
-                f"paddle_hsdp.ft: {len(bad)} of the {len(filled)} tensors of {phase.what} "
-                f"received from replica {phase.donor} differ from what it sent "
-                f"(checksums; first: tensor {bad[0]}); the round is redone")
+    their checks with those its donor sent after them (round ``number``'s), each
+    computed while the next tensors arrive."""
+    moved, bad, blocks = _take_checked(link, targets, phase.donor, group,
+                                       _Digests(store, number, phase.what) if check else None)
+    if bad:
+        raise FaultToleranceError(
+            f"paddle_hsdp.ft: {len(bad)} of the {blocks} checks of {phase.what} "
+            f"received from replica {phase.donor} differ from what it sent (checksums of "
+            f"its {len(targets)} tensors, a large one alone, a run of small ones together; "
+            f"first: check {bad[0]}); the round is redone")
     return moved
+
+
+def _blocks(tensors: Iterable[paddle.Tensor]) -> int:
+    """How many checks :class:`_Digests` computes for ``tensors`` (from their sizes:
+    the same on both sides of a copy)."""
+    count, in_run = 0, False
+    for tensor in tensors:
+        size = math.prod(tensor.shape) * tensor.element_size()
+        if size:
+            count += not (in_run and size < THREAD_MIN_BYTES)
+            in_run = size < THREAD_MIN_BYTES
+    return count
+
+
+def _take_checked(link: Group, targets: list[paddle.Tensor], donor: int,
+                  group: groups.LiveOuterGroup,
+                  check: _Digests | None) -> tuple[int, list[int], int]:
+    """A receiver's side of one copy: each tensor into ``targets``, then the donor's
+    checks; with ``check``, this side's are computed while the next tensors arrive
+    (:class:`_Digests`) and compared. The bytes moved, the blocks whose checks
+    differ, and how many blocks there are."""
+    moved, blocks = 0, _blocks(targets)
+    with check or contextlib.nullcontext():
+        for tensor in targets:
+            moved += _move(link, tensor, donor, group)
+            if check is not None:
+                check.add(tensor)
+        if not blocks:
+            return moved, [], 0
+        # this side's checks first: computed while the donor computes its last ones
+        mine = check.result() if check is not None else []
+        sent = paddle.zeros([blocks], dtype="int64")
+        comm.broadcast(sent, src=group.virtual_rank(donor), group=link, tag="ft state check")
+    if check is None:
+        return moved, [], blocks
+    bad = [i for i, (m, s) in enumerate(zip(mine, sent.numpy().tolist(), strict=True))
+           if m != s]
+    return moved, bad, blocks
 
 
 def _check_same_model(tensors: list[tuple[str, paddle.Tensor]] | None, meta: dict, replica: int,
@@ -324,7 +475,7 @@ def _exchange_meta(store: JobStore, record: Round, where: tuple, sending: bool,
     under round ``record``'s key ``where``, the others read it; a reader stops waiting
     once a failure is announced in the round (the sender may be dead). The receiver
     gets the JSON round trip (tuples become lists); so does the sender, alike."""
-    meta_key = key("r", record.number, "state", *where)
+    meta_key = round_kv(record.number, "state", *where)
     if sending:
         if build is None:
             raise ValueError("paddle_hsdp.ft: _exchange_meta(sending=True) needs build, "

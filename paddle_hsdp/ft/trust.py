@@ -14,9 +14,10 @@ same value in every replica group; at least 16 characters, e.g. ``openssl rand -
   records and outcome) carries an HMAC-SHA256 of its key and value (:meth:`Signer.sign`);
   a reader checks it (:meth:`Signer.open`), and a value without it or with a wrong one
   is refused, named in the log, and ignored: the protocol goes on with the genuine ones;
-* each tensor of a rejoin's transfer is checked by an HMAC-SHA256 (its first 8 bytes)
-  of its bytes, its round, its copy and its place (:meth:`Signer.tensor_digest`) instead
-  of a CRC-32: a peer without the secret can neither forge a digest nor craft data that
+* a rejoin's transfer is checked by an HMAC-SHA256 (its first 8 bytes) of the
+  tensors' bytes (a large tensor alone, a run of small ones together, each tensor's
+  bytes after its length), their round, copy and place (:meth:`Signer.transfer_digest`)
+  instead of a CRC-32: a peer without the secret can neither forge a digest nor craft data that
   matches one. Measured here (2026-12-07, 2 cores with SHA extensions, 256 MiB): 1.0
   GiB/s against CRC-32's 1.2-1.9 GiB/s.
 
@@ -61,6 +62,10 @@ class Signer:
         # the transfer's own key (derived: a digest is never a value's MAC)
         self._xfer = hashlib.sha256(b"paddle_hsdp.ft transfer\0" + self._key).digest() \
             if self._key else b""
+        # an HMAC with that key and nothing hashed yet: each tensor's starts as a copy
+        # (the same digest as hmac.new's, without setting the key up again: a rejoin
+        # checks hundreds of small tensors)
+        self._xfer_mac = hmac.new(self._xfer, digestmod=hashlib.sha256) if self._key else None
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -116,17 +121,44 @@ class Signer:
         logger.warning("paddle_hsdp.ft: refused a value read from etcd: %s; ignored, the "
                        "job goes on with the genuine ones", text)
 
+    def transfer_digest(self, where: tuple) -> TransferDigest:
+        """A check of a transfer's bytes at ``where`` (round, copy, index), fed one
+        tensor's bytes after the other (:meth:`tensor_digest` of one tensor)."""
+        return TransferDigest(self._xfer_mac, where)
+
     def tensor_digest(self, data: bytes | memoryview, where: tuple) -> int:
         """A transfer's check of one tensor's bytes: with the secret an HMAC-SHA256 of
         ``where`` (round, copy, index) and the bytes, its first 8 bytes as a signed
         64-bit integer; without it their CRC-32 (what a corrupted link changes, not what
         a peer forges)."""
-        if self._key is None:
-            return zlib.crc32(data)
-        h = hmac.new(self._xfer, repr(where).encode() + b"\0", hashlib.sha256)
-        h.update(struct.pack("<q", len(data)))
-        h.update(data)
-        return struct.unpack("<q", h.digest()[:8])[0]
+        digest = self.transfer_digest(where)
+        digest.update(data)
+        return digest.value()
+
+
+class TransferDigest:
+    """One check of a transfer: with the job's secret an HMAC-SHA256 of ``where`` and
+    of each piece of bytes fed, each after its length (so that no byte moves from one
+    tensor to the next unnoticed), its first 8 bytes as a signed 64-bit integer;
+    without it, the CRC-32 of the bytes."""
+
+    def __init__(self, mac: hmac.HMAC | None, where: tuple):
+        self._mac = mac.copy() if mac is not None else None
+        self._crc = 0
+        if self._mac is not None:
+            self._mac.update(repr(where).encode() + b"\0")
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._mac is None:
+            self._crc = zlib.crc32(data, self._crc)
+        else:
+            self._mac.update(struct.pack("<q", len(data)))
+            self._mac.update(data)
+
+    def value(self) -> int:
+        if self._mac is None:
+            return self._crc
+        return struct.unpack("<q", self._mac.digest()[:8])[0]
 
 
 UNSIGNED = Signer(None)
