@@ -418,8 +418,15 @@ class RecordingStore:
         self.data: dict[str, bytes] = {}
         self.largest: dict[str, int] = {}
         self.lock = threading.Lock()
+        self.leases: list[float] = []  # each lease's ttl_s, in grant order
 
-    def set(self, name, value):
+    def lease(self, ttl_s):
+        """A lease id (JobStore.lease: the save's keys end with it); its ttl recorded."""
+        with self.lock:
+            self.leases.append(ttl_s)
+            return len(self.leases)
+
+    def set(self, name, value, lease=None):
         raw = value.encode() if isinstance(value, str) else value
         with self.lock:
             self.data[name] = raw
@@ -429,10 +436,10 @@ class RecordingStore:
         with self.lock:
             return self.data[name]
 
-    def add(self, name, amount):
+    def add(self, name, amount, lease=None):
         with self.lock:
             value = int(self.data.get(name, b"0")) + amount
-        self.set(name, str(value))
+        self.set(name, str(value), lease=lease)
         return value
 
 
