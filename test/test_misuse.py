@@ -276,3 +276,26 @@ def test_optimizer_states_under_master_weights_are_found(fake_mesh):
     states = states_of(opt, model.blocks[0].fc1.weight)
     assert {"moment1", "moment2", "master_weight"} <= set(states), sorted(states)
     assert states["moment1"].dtype == paddle.float32
+
+
+def test_an_optimizer_over_a_param_a_failed_fully_shard_left_unsharded_is_refused(fake_mesh):
+    """A param claimed by a fully_shard that failed before cutting it (no shard yet) is
+    named, with the way out, and nothing is updated (the optimizer check's last case:
+    every other full param is swapped for its shard first)."""
+    from types import SimpleNamespace
+
+    from paddle_hsdp.engine.optimizers import check_optimizer
+
+    model = two_linears()
+    weight = model[0].weight
+    before = weight.numpy().copy()
+    claimed = SimpleNamespace(fqn="0.weight", full=weight, unit=None)
+    hsdp_registry.owner_of[id(weight)] = (SimpleNamespace(module=model[0]), claimed)
+    try:
+        opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+        with pytest.raises(RuntimeError, match=r"'.*weight'.*fully_shard call that failed.*"
+                                               r"call fully_shard on the model again"):
+            check_optimizer(opt)
+    finally:
+        del hsdp_registry.owner_of[id(weight)]
+    np.testing.assert_array_equal(weight.numpy(), before)

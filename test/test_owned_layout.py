@@ -145,9 +145,10 @@ def test_hfsdp_owners_past_twice_replication_are_refused():
     owned = [len(s) == 2 for s in BLOCK]
     for inner, parts in ((2, 2), (4, 2)):
         layout = segment_layout(BLOCK, inner * parts, owned)
-        _refuse_owners_beyond_replication(params(BLOCK), layout, inner, parts)
+        _refuse_owners_beyond_replication(params(BLOCK), layout, inner, parts, "")
     one = [[H, F]]
-    _refuse_owners_beyond_replication(params(one), segment_layout(one, 2 * 2, [True]), 2, 2)
-    with pytest.raises(ValueError, match=r"8 x 64 .* \[64, 176\].*fsdp_outer_sharding='none'"):
+    _refuse_owners_beyond_replication(params(one), segment_layout(one, 2 * 2, [True]), 2, 2, "")
+    with pytest.raises(ValueError, match=r"8 x 64 .* \[64, 176\].*fsdp_outer_sharding='none'"
+                       r".* Nothing was updated\.$"):
         _refuse_owners_beyond_replication(params(BLOCK), segment_layout(BLOCK, 8 * 64, owned),
-                                          8, 64)
+                                          8, 64, "Nothing was updated.")

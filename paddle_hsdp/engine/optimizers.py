@@ -79,10 +79,14 @@ def check_optimizer(optimizer: paddle.optimizer.Optimizer) -> list:
     params = optimizer_params(optimizer)
     for p in params:
         sp = managed_param(p)
-        # (no shard: a fully_shard that failed after claiming it; the full param still)
+        # adopt_shards swapped every sharded full param for its shard before this, so
+        # what is left was claimed by a fully_shard that failed before cutting it
         if sp is not None and p is not getattr(sp, "shard", None):
-            raise AssertionError(f"the optimizer still holds the full parameter '{param_path(sp)}' "
-                                 "(optimizer_state.adopt_shards runs first)")
+            raise RuntimeError(
+                f"The optimizer holds the parameter '{param_path(sp)}', which a fully_shard "
+                "call that failed had taken and left unsharded: call fully_shard on the "
+                "model again (once what it refused is fixed) before the optimizer steps. "
+                "Nothing was updated.")
     shards = [p for p in params if hasattr(p, "_hsdp_sharded_param")]
     if shards and isinstance(optimizer, not_elementwise_classes()):
         raise NotImplementedError(
@@ -395,9 +399,7 @@ def _unmovable_buffer(optimizer: paddle.optimizer.Optimizer,
         except ValueError as e:
             return (f"{type(optimizer).__name__} updates each matrix as a whole; moving "
                     f"the matrices of {buf.describe()} onto owners at the first step "
-                    f"cannot be done: {e}".replace(
-                        " Nothing of this buffer was allocated; units sharded before it "
-                        "were, so build the model again.", " Nothing was updated."))
+                    f"cannot be done: {e}")
     return None
 
 

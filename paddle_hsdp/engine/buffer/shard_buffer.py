@@ -71,7 +71,8 @@ class ShardBuffer:
         self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts,
                                      owned, rotation)
         if self.parts > 1 and owned is not None and any(owned):
-            _refuse_owners_beyond_replication(params, self.layout, self.inner_size, self.parts)
+            _refuse_owners_beyond_replication(params, self.layout, self.inner_size, self.parts,
+                                              NOTHING_ALLOCATED)
         for index, sp in enumerate(params):
             sp.place(self.layout, index)
             sp.buffer = self
@@ -89,12 +90,14 @@ class ShardBuffer:
                            ) -> SegmentLayout:
         """This buffer's layout with ``owned[k]`` keeping parameter ``k`` in one segment,
         over ``parts`` outer sub-shards (default: its own); ``ValueError`` where
-        HFSDP's pieces would hold more than twice the buffer."""
+        HFSDP's pieces would hold more than twice the buffer (asked at a whole-matrix
+        optimizer's first step, before it updates anything)."""
         parts = self.parts if parts is None else parts
         layout = segment_layout([sp.shape for sp in self.params],
                                 self.inner_size * parts, owned, self.rotation)
         if parts > 1 and any(owned):
-            _refuse_owners_beyond_replication(self.params, layout, self.inner_size, parts)
+            _refuse_owners_beyond_replication(self.params, layout, self.inner_size, parts,
+                                              "Nothing was updated.")
         return layout
 
     def relayout(self, layout: SegmentLayout, fulls: list[paddle.Tensor],
@@ -227,15 +230,20 @@ class ShardBuffer:
         inner_reduce.finish(self, pending)
 
 
+# what a refusal while a buffer is built leaves behind
+NOTHING_ALLOCATED = ("Nothing of this buffer was allocated; units sharded before it were, so "
+                     "build the model again.")
+
+
 def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: SegmentLayout,
-                                      inner: int, parts: int) -> None:
+                                      inner: int, parts: int, aftermath: str) -> None:
     """With HFSDP's outer parts an owned matrix lies in one of ``inner * parts`` equal
     pieces, so each piece holds at least the largest one, and a rank's shard (its
     ``parts`` pieces) grows with the outer degree. Up to twice the whole buffer is
     allowed (a unit holding one matrix at 2 outer parts); past it owners cost more than
     twice ``Replicate()`` (at 8 x 1024, a Llama block would need ~1,000x it): refused
-    here, on every rank alike (the layout is the same everywhere), before the buffer
-    allocates anything."""
+    here, on every rank alike (the layout is the same everywhere), before anything is
+    allocated or updated; ``aftermath`` closes the message (what the user has left)."""
     shard = layout.segment_numel * parts
     whole = sum(sp.numel for sp in params)
     if shard <= 2 * whole + 2 * parts * ALIGN:  # (each start's alignment: tiny buffers)
@@ -248,5 +256,4 @@ def _refuse_owners_beyond_replication(params: list[ShardedParam], layout: Segmen
         f"'{param_path(largest)}' {list(largest.shape)}), so each rank's shard would be {shard} "
         f"elements, more than twice the whole buffer ({whole}): worse than replicating "
         "it. Keep the owners in the inner group (fsdp_outer_sharding='none') or use fewer "
-        "outer parts. Nothing of this buffer was allocated; units sharded before it "
-        "were, so build the model again.")
+        f"outer parts. {aftermath}")
