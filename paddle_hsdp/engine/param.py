@@ -188,6 +188,15 @@ class ShardedParam:
         start = self.slot.inner_offset
         return flat[start:start + self.inner_numel]
 
+    def cut_into(self, full: paddle.Tensor, flat: paddle.Tensor, sub: bool) -> None:
+        """Write this rank's rows of ``full`` (the parameter's full value, or its full
+        grad) into their place in the flat shard-layout tensor ``flat``: its inner
+        block, or with ``sub`` its outer piece; cast to ``flat``'s dtype. A rank that
+        holds no rows writes nothing."""
+        if self.sub_numel if sub else self.inner_numel:
+            rows = self.rows_of(full, sub=sub).reshape([-1]).astype(flat.dtype)
+            paddle.assign(rows, output=self.piece_of(flat) if sub else self.inner_block_of(flat))
+
     def full_of(self, full_flat: paddle.Tensor) -> paddle.Tensor:
         """The parameter's full tensor in its buffer's full flat buffer (a view)."""
         start = self.slot.full_offset

@@ -123,9 +123,7 @@ class ShardBuffer:
             sp.place(layout, index)
         flat = paddle.zeros([self.shard_numel], self.dtype)  # gaps and padding stay zero
         for sp, full in zip(self.params, fulls, strict=True):
-            if sp.inner_numel:
-                rows = sp.rows_of(full, sub=False).reshape([-1]).astype(self.dtype)
-                paddle.assign(rows, output=sp.inner_block_of(flat))
+            sp.cut_into(full, flat, sub=False)
         self.storage.adopt(flat)
         self.pieces.note_rebuilt()  # every rank holds its whole inner block
         if grads is not None:

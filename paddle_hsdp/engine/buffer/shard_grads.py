@@ -208,9 +208,7 @@ class ShardGrads:
         buf = self.buf
         flat = paddle.zeros([buf.shard_numel], buf.dtype)
         for sp, full in zip(buf.params, fulls, strict=True):
-            if sp.sub_numel:
-                rows = sp.rows_of(full, sub=True).reshape([-1]).astype(flat.dtype)
-                paddle.assign(rows, output=sp.piece_of(flat))
+            sp.cut_into(full, flat, sub=True)
         self.flat = flat
         self._epoch = registry.storage_epoch
         self._repoint.clear()

@@ -112,9 +112,7 @@ class ShardStorage:
         as soon as it is cut."""
         for sp in self.buf.params:
             _materialise(sp)
-            if sp.inner_numel:
-                rows = sp.rows_of(sp.full.detach(), sub=False)
-                paddle.assign(rows.reshape([-1]), output=sp.inner_block_of(flat))
+            sp.cut_into(sp.full.detach(), flat, sub=False)
             sp.free_full_data()
 
     def _scatter_from_first(self, flat: paddle.Tensor) -> None:
