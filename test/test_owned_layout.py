@@ -152,3 +152,33 @@ def test_hfsdp_owners_past_twice_replication_are_refused():
                        r".* Nothing was updated\.$"):
         _refuse_owners_beyond_replication(params(BLOCK), segment_layout(BLOCK, 8 * 64, owned),
                                           8, 64, "Nothing was updated.")
+
+
+def test_model_wide_rotations_even_out_units_fewer_than_segments():
+    """Issue 65, item 3: with the owners over inner x outer = 32 segments and 16 units of
+    two Llama-2-7B blocks each, the unit index as the rotation leaves one segment twice
+    the mean Newton-Schulz work; the rotations chosen over the model leave it even (as
+    tools/owner_balance.py prints). Past BALANCE_SEGMENTS_MAX no search (None)."""
+    from paddle_hsdp.engine.layout import (BALANCE_SEGMENTS_MAX, balanced_rotations,
+                                           orthogonalisation_work, owned_loads)
+
+    h, f = 4096, 11008
+    block = [[h], [h, h], [h, h], [h, h], [h, h], [h], [h, f], [h, f], [f, h]]
+    shapes, segments, units = block * 2, 32, 16
+    owned = [len(s) == 2 for s in shapes]
+    work = [orthogonalisation_work(s) if o else 0 for s, o in zip(shapes, owned)]
+
+    def heaviest(rotations):
+        total = [0] * segments
+        for r in rotations:
+            for j, w in enumerate(owned_loads(segment_layout(shapes, segments, owned, r), work)):
+                total[j] += w
+        return max(total) / (sum(total) / segments)
+
+    chosen = balanced_rotations([owned_loads(segment_layout(shapes, segments, owned), work)]
+                                * units)
+    assert heaviest(range(units)) == pytest.approx(2.0)
+    assert heaviest(chosen) <= 1.01, chosen
+    assert orthogonalisation_work([h, f]) == orthogonalisation_work([f, h]) == h * h * (2 * f + h)
+    assert balanced_rotations([[1] * (BALANCE_SEGMENTS_MAX + 1)]) is None
+    assert balanced_rotations([]) == []

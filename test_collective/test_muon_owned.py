@@ -1,6 +1,7 @@
 """Muon over HSDP with each matrix owned by one rank (issue 53;
 workers/worker_muon.py in the shared 4-rank launch): ``paddle_hsdp.Muon`` with
-``owned_matrices()`` at 2 x 2, HFSDP 2 x 2, 1 x 4 and 2 x 2 offloaded against one
+``owned_matrices()`` at 2 x 2 (a block a unit, and every block in the root unit: the
+owners then span the replicas), HFSDP 2 x 2, 1 x 4 and 2 x 2 offloaded against one
 process running the same Muon on the whole batch (5 steps, clip active at every step,
 weight decay, float64: losses and every parameter within the parity bound), each
 matrix's momentum on its owner only; Muon over the default placement moved onto owners
@@ -13,11 +14,13 @@ one process."""
 from launcher import part_of, run_single, worker_sections
 
 # layout: copies of the state (replicas)
-# (issue 65: Muon's first step spreads plain HSDP's owners over the outer replicas, so
-# one copy everywhere; "offload" too on this CPU build, where CPUOffloadPolicy keeps the
-# storage where it is and the buffer moves like any other)
-LAYOUTS = {"2x2": 1, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 1, "1x4 moved": 1,
-           "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 1, "2x2 default placement": 1}
+# (issue 65: Muon's first step spreads plain HSDP's owners over the outer replicas
+# where the buffer grows by at most SPREAD_PADDING_MAX: TinyLM's root unit, one copy;
+# a block a unit, two equal matrices over 2 x 2 segments, would double, so each of the 2
+# replicas keeps its inner owners' copy)
+LAYOUTS = {"2x2": 2, "2x2 root only": 1, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2,
+           "1x4 moved": 1, "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 1,
+           "2x2 default placement": 2}
 
 
 def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):

@@ -7,8 +7,14 @@ Per unit: the heaviest owner's bytes over the mean (what the unit's collectives 
 to: its bytes against the flat layout's are printed beside it). Over the whole model:
 each rank's owned bytes summed over the units (the ties rotate with the unit index),
 the heaviest over the mean: the Newton-Schulz work and the optimizer state per rank.
-With ``--time`` it also times the layout search at HFSDP's segment counts (inner x
-outer parts).
+Then, model-wide at inner 8 and at inner x outer = 32 (Muon's first step spreads
+owners over inner x outer under plain HSDP, issue 65): the heaviest rank's
+Newton-Schulz flops and Muon state (momentum of the matrices it owns) over the mean,
+how many ranks of a unit own no matrix, and what a rank's shard of a unit costs
+against the flat layout's (the padding every rank holds so that each segment fits its
+largest matrix), with whether the engine takes that layout (a shard past twice the
+whole buffer keeps the owners in the inner group). With ``--time`` it also times the
+layout search at HFSDP's segment counts (inner x outer parts).
 
     python tools/owner_balance.py                 # Llama-2-7B (MHA), Llama-3-8B (GQA)
     python tools/owner_balance.py --time
@@ -17,11 +23,14 @@ outer parts).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import pythonpath  # noqa: F401  (the project on the path, or a one-line error)
 
-from paddle_hsdp.engine.layout import owner_balance, segment_layout
+from paddle_hsdp.engine.layout import (ALIGN, balanced_rotations, orthogonalisation_work,
+                                       owned_loads, owner_balance, segment_layout)
+from paddle_hsdp.engine.optimizers import SPREAD_PADDING_MAX
 
 # hidden, FFN, key/value width, layers ([in, out] weights, as Paddle lays them out)
 MODELS = {"llama2-7b (MHA)": (4096, 11008, 4096, 32),
@@ -59,6 +68,50 @@ def report(model: str, inner: int, blocks_per_unit: int) -> str:
             f"the flat layout's; over the model's {len(layouts)} units {whole:.3f}x")
 
 
+def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int) -> str:
+    """What Muon's first step does with ``model``'s units under plain HSDP ``inner x
+    outer`` (engine/optimizers.py): whether the owners span the outer replicas (not past
+    twice the buffer, nor past SPREAD_PADDING_MAX the inner owners' layout), and then
+    the heaviest rank's Newton-Schulz work and Muon state over the ideal share (1/(inner
+    x outer) of the model's), the ranks of a unit that own no matrix, and a rank's
+    shard of a unit against the flat layout's."""
+    hidden, ffn, kv, layers = MODELS[model]
+    shapes, owned = block_shapes(hidden, ffn, kv)
+    shapes, owned = shapes * blocks_per_unit, owned * blocks_per_unit
+    units, ranks = layers // blocks_per_unit, inner * outer
+    work = [orthogonalisation_work(s) if o else 0 for s, o in zip(shapes, owned)]
+    numel = [math.prod(s) if o else 0 for s, o in zip(shapes, owned)]
+    inner_layout = segment_layout(shapes, inner, owned)
+    spread = segment_layout(shapes, ranks, owned)
+    whole = sum(math.prod(s) for s in shapes)
+    taken = outer > 1 and spread.segment_numel * outer <= 2 * whole + 2 * outer * ALIGN \
+        and spread.total_numel <= SPREAD_PADDING_MAX * inner_layout.total_numel
+    if taken:
+        rotations = balanced_rotations(
+            [owned_loads(spread, work)] * units) or list(range(units))
+        layouts = [segment_layout(shapes, ranks, owned, rotation=r) for r in rotations]
+        per_rank = lambda w: [sum(owned_loads(lay, w)[j] for lay in layouts)  # noqa: E731
+                              for j in range(ranks)]
+        shard = spread.segment_numel * outer
+    else:  # every replica's owners do their inner segment's matrices
+        layouts = [segment_layout(shapes, inner, owned, rotation=u) for u in range(units)]
+        per_rank = lambda w: [sum(owned_loads(lay, w)[j // outer] for lay in layouts)  # noqa: E731
+                              for j in range(ranks)]
+        shard = inner_layout.segment_numel
+    flops, state = per_rank(work), per_rank(numel)
+    idle = ranks - len({lay_seg for lay_seg in (
+        layouts[0].offsets[k] // layouts[0].segment_numel for k, o in enumerate(owned) if o)}) \
+        * (1 if taken else outer)
+    flat_shard = segment_layout(shapes, inner).segment_numel
+    how = "owners span inner x outer" if taken else (
+        "owners in the inner group (repeated per replica)" if outer > 1 else "inner owners")
+    return (f"{model:16s} {inner} x {outer:<2d} {blocks_per_unit} block(s)/unit, {how}: "
+            f"heaviest rank {max(flops) / (sum(work) * units / ranks):.2f}x its share of "
+            f"the Newton-Schulz work, {max(state) / (sum(numel) * units / ranks):.2f}x of "
+            f"Muon's state; {idle} of {ranks} ranks own no matrix of a unit; a shard "
+            f"{shard / flat_shard:.2f}x the flat layout's")
+
+
 def time_search(inner: int, parts: int) -> float:
     """Seconds to lay out one Llama-3-8B block over ``inner * parts`` segments."""
     shapes, owned = block_shapes(*MODELS["llama3-8b (GQA)"][:3])
@@ -76,6 +129,10 @@ def main() -> None:
         for inner in (2, 4, 8):
             for blocks in (1, 2):
                 print(report(model, inner, blocks), flush=True)
+    for model in MODELS:
+        for inner, outer in ((8, 1), (8, 4), (4, 8)):
+            for blocks in (1, 2, 4, 8):
+                print(model_wide(model, inner, outer, blocks), flush=True)
     if args.time:
         for parts in (16, 128, 1024):
             print(f"layout search, one block over 8 x {parts} segments: "

@@ -43,6 +43,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 ALIGN = 16  # elements: 64 bytes in float32, 32 in bfloat16
 
 
@@ -235,3 +237,53 @@ def owner_balance(layout: SegmentLayout) -> dict[str, float]:
             "imbalance": max(loads) / mean if mean else 1.0,
             "padding": 1 - covered / layout.total_numel}
 
+
+
+def orthogonalisation_work(shape: Sequence[int]) -> int:
+    """What orthogonalising a matrix of ``shape`` costs, up to a constant: one
+    Newton-Schulz iteration multiplies ``m x n x m``, ``m x m x m`` and ``m x m x n``
+    (``m <= n``), so ``m * m * (2n + m)``; a 3-D stack is that per matrix."""
+    *batch, a, b = (list(shape) if len(shape) >= 2 else [1, 1])
+    m, n = min(a, b), max(a, b)
+    return math.prod(batch) * m * m * (2 * n + m)
+
+
+def owned_loads(layout: SegmentLayout, weights: Sequence[int]) -> list[int]:
+    """Per segment, the sum of ``weights[k]`` over the owned parameters it holds."""
+    loads = [0] * layout.segments
+    for k, own in enumerate(layout.owned):
+        if own:
+            loads[layout.offsets[k] // layout.segment_numel] += weights[k]
+    return loads
+
+
+BALANCE_SEGMENTS_MAX = 512  # past this, the search's segments**2 per buffer is not worth it
+
+
+def balanced_rotations(loads: Sequence[Sequence[int]]) -> list[int] | None:
+    """A rotation per buffer such that, over all of them, every segment's owners carry
+    about the same work; None past ``BALANCE_SEGMENTS_MAX`` segments (keep the unit
+    index). ``loads[b]``: buffer ``b``'s load per segment at rotation 0
+    (:func:`owned_loads`); a rotation turns its ties, and so its loads, by that many
+    segments (up to where the free parameters fit). Greedy, heaviest buffer first: each
+    takes the turn that leaves the model's heaviest segment lightest (ties: the
+    smallest sum of squares, then the lowest turn). The unit index as the rotation
+    evens the work out only where the units outnumber the segments (two Llama blocks a
+    unit over 32 segments leave one rank 2x the mean; this leaves it even)."""
+    if not loads:
+        return []
+    segments = len(loads[0])
+    if segments > BALANCE_SEGMENTS_MAX:
+        return None
+    turn = (np.arange(segments)[None, :] - np.arange(segments)[:, None]) % segments
+    total = np.zeros(segments, dtype=np.float64)
+    rotations = [0] * len(loads)
+    for b in sorted(range(len(loads)), key=lambda b: (-sum(loads[b]), b)):
+        turned = total[None, :] + np.asarray(loads[b], dtype=np.float64)[turn]  # [r, j]
+        # lexicographic (max, sum of squares, r): argmin takes the lowest r of a tie
+        peak = turned.max(axis=1)
+        best = np.flatnonzero(peak == peak.min())
+        squares = (turned[best] ** 2).sum(axis=1)
+        rotations[b] = int(best[np.flatnonzero(squares == squares.min())[0]])
+        total = turned[rotations[b]]
+    return rotations

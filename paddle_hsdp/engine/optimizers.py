@@ -27,6 +27,7 @@ from ..comm import watchdog
 from ..comm.traits import traits_of
 from ..topology.placement import ModelAxes
 from . import offload
+from .layout import balanced_rotations, orthogonalisation_work, owned_loads
 from .registry import managed_param, owning_unit, param_path, units_under
 from .reductions import sync_grads
 
@@ -316,10 +317,16 @@ def move_matrices_to_owners(optimizer: paddle.optimizer.Optimizer,
         unit.reshard(force=True)  # gathered copies go: the layout they view changes
     moved: list[str] = []
     spread = 0
-    for buf in sorted(buffers, key=lambda b: (b.unit_index, b.index)):
-        owned = _owned_flags(optimizer, buf)
-        parts, part = _outer_parts(optimizer, buf) or (buf.parts, buf.part)
-        layout = buf.layout_with_owners(owned, parts)  # (checked before: no refusal)
+    buffers = sorted(buffers, key=lambda b: (b.unit_index, b.index))
+    plans = [(_owned_flags(optimizer, buf), _outer_parts(optimizer, buf) or (buf.parts, buf.part))
+             for buf in buffers]
+    rotations = _model_wide_rotations(buffers, plans)
+    for buf, (owned, (parts, part)), rotation in zip(buffers, plans, rotations, strict=True):
+        try:
+            layout = buf.layout_with_owners(owned, parts, rotation)
+            buf.rotation = rotation
+        except ValueError:  # (a turn that needs a larger segment: the unit's own turn)
+            layout = buf.layout_with_owners(owned, parts)  # (checked before: no refusal)
         cut = any(o and not sp.slot.in_one_segment
                   for sp, o in zip(buf.params, owned, strict=True))
         fulls = buf.gather_full()
@@ -343,6 +350,32 @@ def move_matrices_to_owners(optimizer: paddle.optimizer.Optimizer,
             "fsdp_outer_sharding='optim')", type(optimizer).__name__, spread)
 
 
+def _model_wide_rotations(buffers: list[ShardBuffer],
+                          plans: list[tuple[list[bool], tuple[int, int]]]) -> list[int]:
+    """Each buffer's rotation (which segment its owners' ties start at) chosen over the
+    whole model, for the buffers whose owners now span the outer replicas: there the
+    segments (inner x outer) may outnumber the units, and the unit index alone would
+    leave some ranks twice the mean Newton-Schulz work (engine/layout.py,
+    balanced_rotations). The others keep their own. Alike on every rank (shapes only)."""
+    rotations = [buf.rotation for buf in buffers]
+    spread = [k for k, (buf, (_, (parts, _))) in enumerate(zip(buffers, plans, strict=True))
+              if parts != buf.parts]
+    by_segments: dict[int, list[int]] = {}
+    for k in spread:  # the outer degree may differ between dense and expert buffers
+        by_segments.setdefault(buffers[k].inner_size * plans[k][1][0], []).append(k)
+    for members in by_segments.values():
+        loads = []
+        for k in members:
+            buf, (owned, (parts, _)) = buffers[k], plans[k]
+            work = [orthogonalisation_work(sp.shape) for sp in buf.params]
+            loads.append(owned_loads(buf.layout_with_owners(owned, parts, 0), work))
+        chosen = balanced_rotations(loads)
+        if chosen is not None:
+            for k, rotation in zip(members, chosen, strict=True):
+                rotations[k] = rotation
+    return rotations
+
+
 def _buffers_of(shards: list[paddle.Tensor]) -> list[ShardBuffer]:
     out: list[ShardBuffer] = []
     for p in shards:
@@ -359,8 +392,9 @@ def _outer_parts(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer,
     or None where that does not apply: no matrix the optimizer updates whole, already
     cut into outer parts, one replica, an outer group another module manages (a
     fault-tolerant job's live replicas come and go), an offloaded buffer, main grads,
-    state the optimizer already holds, or pieces that would hold more than twice the
-    buffer (then each replica keeps orthogonalising its matrices, as before)."""
+    state the optimizer already holds, pieces that would hold more than twice the
+    buffer, or a layout more than ``SPREAD_PADDING_MAX`` the size of the inner owners'
+    one (then each replica keeps orthogonalising its matrices, as before)."""
     outer = buf.outer
     if not buf.trainable or buf.parts != 1 or outer.nranks <= 1:
         return None
@@ -372,11 +406,23 @@ def _outer_parts(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer,
     if not matrices or buf.host is not None or buf.grads.main_grads or \
             any(states_of(optimizer, sp.shard) for sp in buf.params):
         return None
+    owned = _owned_flags(optimizer, buf)
     try:
-        buf.layout_with_owners(_owned_flags(optimizer, buf), outer.nranks)
+        spread = buf.layout_with_owners(owned, outer.nranks)
     except ValueError:
         return None
+    # each of the inner x outer segments holds at least the largest matrix: with fewer
+    # matrices than segments the padding would multiply the buffer's memory and
+    # all-gather (a Llama-3-8B block a unit at 8 x 4: 4x the inner owners' layout); past it
+    # each replica keeps orthogonalising its inner owners' matrices instead
+    if spread.total_numel > SPREAD_PADDING_MAX * buf.layout_with_owners(owned, 1).total_numel:
+        return None
     return outer.nranks, outer.rank
+
+
+# how much larger than the inner owners' layout a buffer may grow when its owners
+# span the outer replicas too (the bytes of every all-gather and of every shard)
+SPREAD_PADDING_MAX = 1.25
 
 
 def _owned_flags(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer) -> list[bool]:

@@ -32,7 +32,7 @@ from paddle.distributed import ProcessMesh, Shard
 
 import paddle_hsdp
 from paddle_hsdp.engine.layout import owner_balance
-from paddle_hsdp.engine.registry import units_under
+from paddle_hsdp.engine.registry import managed_param, units_under
 from models import (batches, build_model, decay_filter, global_norm, lm_loss, shard_tinylm,
                     uses_extra)
 
@@ -57,7 +57,11 @@ def trained(data, shard_kwargs=None, per_rank=PER_RANK, micro_steps=1):
     optimizer)."""
     model = build_model()
     if shard_kwargs is not None:
-        shard_tinylm(model, **shard_kwargs)
+        kwargs = dict(shard_kwargs)
+        if kwargs.pop("root_only", False):  # every block's matrices in one unit
+            paddle_hsdp.fully_shard(model, **kwargs)
+        else:
+            shard_tinylm(model, **kwargs)
     opt = muon(model, model.parameters())
     losses, norms = [], []
     for (micro,) in data:
@@ -144,7 +148,10 @@ def checkpoints(model, opt, shard_kwargs, work):
           f"2x2 owners -> 1x4 owners, one more step {worst:.1e}", flush=True)
 
 
-def check(name, shard_kwargs, data, reference, work=None, **train_kw):
+def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw):
+    """``parts``: the outer parts the blocks' buffer must have after training (Muon's
+    first step spreads the owners over the outer replicas where that costs at most
+    SPREAD_PADDING_MAX in padding, issue 65)."""
     ref_losses, ref_params, norms = reference
     losses, full, _, model, opt = trained(data, shard_kwargs, **train_kw)
     measured = compare_with_reference(f"muon {name}", full, ref_params, losses, ref_losses, {})
@@ -153,8 +160,9 @@ def check(name, shard_kwargs, data, reference, work=None, **train_kw):
     dist.all_reduce(counts)
     # replicas (outer ranks without sub-shards) each keep their inner group's state;
     # Muon's first step spreads the owners over the outer replicas (issue 65) unless
-    # the buffer cannot move (offloaded)
-    block = units_under(model.blocks[0])[0].buffers[0]
+    # the buffer cannot move (offloaded) or would grow past SPREAD_PADDING_MAX
+    block = managed_param(model.blocks[0].fc1.weight).buffer
+    assert parts is None or block.parts == parts, (name, block.parts, parts)
     replicas = world // (block.inner.nranks * block.parts)
     assert int(counts.item()) == total * replicas, (name, int(counts.item()), total, replicas)
     print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
@@ -214,7 +222,12 @@ DATA = batches(STEPS, 1, world, PER_RANK, seed=13)
 REFERENCE = trained(DATA)[:3]
 assert min(REFERENCE[2]) > CLIP, REFERENCE[2]  # the clip is active at every step
 OWNED = paddle_hsdp.owned_matrices()
-check("2x2", {"shard_placement_fn": OWNED}, DATA, REFERENCE, config.get("work"))
+# a block a unit: TinyLM's two equal matrices over 2 x 2 segments would double the
+# buffer, so each replica keeps its inner owners (parts 1); every block in the root
+# unit: the owners span inner x outer (parts 2), each matrix orthogonalised once
+check("2x2", {"shard_placement_fn": OWNED}, DATA, REFERENCE, config.get("work"), parts=1)
+check("2x2 root only", {"shard_placement_fn": OWNED, "root_only": True}, DATA, REFERENCE,
+      parts=2)
 check("hfsdp 2x2", {"shard_placement_fn": OWNED, "fsdp_outer_sharding": "optim"}, DATA,
       REFERENCE)
 check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
@@ -224,8 +237,8 @@ check("2x2 offload", {"shard_placement_fn": OWNED,
 # issue 65: 4 micro-steps per step (grads accumulated in the shards, the outer sync and
 # Muon's update once per step) equal one step on the whole batch
 DATA4 = batches(3, 1, world, 4, seed=17)
-check("2x2 4 micro-steps", {"shard_placement_fn": OWNED}, DATA4,
-      trained(DATA4, per_rank=4)[:3], per_rank=4, micro_steps=4)
+check("2x2 4 micro-steps", {"shard_placement_fn": OWNED, "root_only": True}, DATA4,
+      trained(DATA4, per_rank=4)[:3], parts=2, per_rank=4, micro_steps=4)
 # the default placement at 2 x 2, as Paddle's FSDP MoE test builds Muon (issue 64)
 check("2x2 default placement", {}, DATA, REFERENCE)
 moved_at_first_step("1x4 moved", {"mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)

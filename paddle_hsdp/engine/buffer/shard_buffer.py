@@ -87,14 +87,15 @@ class ShardBuffer:
 
     # -------------------------------------------------------------- a new layout
     def layout_with_owners(self, owned: list[bool], parts: int | None = None,
-                           ) -> SegmentLayout:
+                           rotation: int | None = None) -> SegmentLayout:
         """This buffer's layout with ``owned[k]`` keeping parameter ``k`` in one segment,
-        over ``parts`` outer sub-shards (default: its own); ``ValueError`` where
-        HFSDP's pieces would hold more than twice the buffer (asked at a whole-matrix
-        optimizer's first step, before it updates anything)."""
+        over ``parts`` outer sub-shards (default: its own), ties turned by ``rotation``
+        (default: its own); ``ValueError`` where HFSDP's pieces would hold more than
+        twice the buffer (asked at a whole-matrix optimizer's first step, before it
+        updates anything)."""
         parts = self.parts if parts is None else parts
-        layout = segment_layout([sp.shape for sp in self.params],
-                                self.inner_size * parts, owned, self.rotation)
+        layout = segment_layout([sp.shape for sp in self.params], self.inner_size * parts,
+                                owned, self.rotation if rotation is None else rotation)
         if parts > 1 and any(owned):
             _refuse_owners_beyond_replication(self.params, layout, self.inner_size, parts,
                                               "Nothing was updated.")
