@@ -248,37 +248,74 @@ def _tp_slice(shape, axis, rank, w0, grads):
 
 @pytest.mark.parametrize("axis,rank", [(1, 1), (0, 0)], ids=["column-rank1", "row-rank0"])
 def test_tensor_parallel_slices_are_joined(float64, monkeypatch, axis, rank):
-    """``tp_mode="duplicated"``: the mp slices' updates are all-gathered over the mp
-    group, the whole matrix orthogonalised and scaled by its full shape, this rank's
-    slice kept: the slice of the one-process update. The other mp rank is played here
-    (its slice's updates, in numpy); the real mp group: test_collective/test_muon_owned.py."""
+    """``tp_mode="duplicated"``: the mp slices' updates are joined over the mp group, the
+    whole matrix orthogonalised and scaled by its full shape once, by the mp rank it is
+    spread to (rank 0 for the one matrix here), this rank's slice kept: the slice of
+    the one-process update. A gather to the owner and a scatter from it, at the step's
+    end. The other mp rank is played here (its slice's updates, in numpy; as the owner,
+    it orthogonalises with this optimizer's own code); the real mp group:
+    test_collective/test_muon_owned.py."""
     rng = np.random.default_rng(5)
     w0, grads = rng.standard_normal([4, 6]), [rng.standard_normal([4, 6]) for _ in range(3)]
     p, mine = _tp_slice([4, 6], axis, rank, w0, grads)
     theirs = [np.split(u, 2, axis=axis)[1 - rank]
               for u in _nesterov_updates(grads, 0.9)]
-    calls = []
+    mp_group = SimpleNamespace(ranks=[0, 1])
+    calls, sent = [], []
 
-    def all_gather_into(out, shard, group, what=None, **_):
-        calls.append((group, what))
+    def in_rank_order(mine_flat, step):
         parts = [None, None]
-        parts[rank], parts[1 - rank] = shard.numpy(), theirs[len(calls) - 1].reshape([-1])
-        paddle.assign(paddle.to_tensor(np.concatenate(parts)), output=out)
+        parts[rank], parts[1 - rank] = mine_flat, theirs[step].reshape([-1])
+        return parts
+
+    def gather(tensor, gather_list, dst, group, what=None, **_):
+        calls.append(("gather", group is mp_group, dst))
+        sent.append(tensor.numpy())
+        if gather_list is not None:  # this rank owns the matrix
+            gather_list.extend(paddle.to_tensor(a) for a in in_rank_order(sent[-1], len(sent) - 1))
+
+    def scatter(out, full, src, group, what=None, **_):
+        calls.append(("scatter", group is mp_group, src))
+        if full is None:  # the played owner orthogonalises the joined whole
+            shape = list(p.shape)
+            whole = paddle.concat([paddle.to_tensor(a.reshape(shape)) for a in
+                                   in_rank_order(sent[-1], len(sent) - 1)], axis=axis)
+            counted = opt.ns_flops  # (the played rank's work is not this rank's)
+            full = paddle.concat([x.reshape([-1]) for x in paddle.split(
+                opt._orthogonalize(whole, p.name), 2, axis=axis)])
+            opt.ns_flops = counted
+        paddle.assign(full.reshape([2, -1])[rank], output=out)
 
     from paddle_hsdp.optim import muon as muon_module
     monkeypatch.setattr(muon_module, "ModelAxes", lambda: SimpleNamespace(
-        mp_degree=2, mp_rank=rank, hcg=SimpleNamespace(get_model_parallel_group=lambda: "mp")))
-    monkeypatch.setattr(muon_module.comm, "all_gather_into", all_gather_into)
+        mp_degree=2, mp_rank=rank, hcg=SimpleNamespace(get_model_parallel_group=lambda: mp_group)))
+    monkeypatch.setattr(muon_module.comm, "gather", gather)
+    monkeypatch.setattr(muon_module.comm, "scatter", scatter)
+    monkeypatch.setattr(muon_module.comm, "is_gloo", lambda group: True)
     opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[p], momentum=0.9,
                            weight_decay=0.05, muon_exclude_patterns=[],
                            ns_matmul_dtype="float64")
+    flops = []
     for g in mine:
         p.grad = paddle.to_tensor(g)
         opt.step()
         opt.clear_grad()
-    assert [group for group, _ in calls] == ["mp"] * 3, calls
+        flops.append(opt.ns_flops)
+    assert calls == [("gather", True, 0), ("scatter", True, 0)] * 3, calls
+    # the owner counts the matrix's Newton-Schulz work, the other rank none
+    assert (flops[-1] > 0) == (rank == 0), flops
     expected = np.split(_numpy_muon(w0, grads, 0.1, 0.9, 0.05), 2, axis=axis)[rank]
     np.testing.assert_allclose(p.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_joined_matrices_are_spread_by_newton_schulz_work():
+    """Issue 65, item 2: the mp-split matrices go to the mp ranks largest work first, each
+    to the least loaded (lowest on a tie), alike on every rank."""
+    from paddle_hsdp.optim.muon import spread_matrices
+
+    assert spread_matrices([[64, 64], [8, 8], [64, 64], [8, 8]], 2) == [0, 0, 1, 1]
+    assert spread_matrices([[4, 6]], 4) == [0]
+    assert sorted(spread_matrices([[16, 16]] * 8, 4)) == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_blockwise_orthogonalises_each_slice_apart(float64, monkeypatch):

@@ -7,7 +7,8 @@ weight decay, float64: losses and every parameter within the parity bound), each
 matrix's momentum on its owner only; Muon over the default placement moved onto owners
 at its first step (1 x 4, HFSDP 2 x 2, issue 64) and trained alike; over rows asked
 explicitly (Shard(0)) refused on every rank. Next to tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for
-Newton-Schulz) and expert parallelism (EP 2, the experts as 3-D stacks):
+Newton-Schulz, each once per mp group: the Newton-Schulz flops counted) and expert
+parallelism (EP 2, the experts as 3-D stacks):
 workers/worker_muon_3d.py in the 8-rank launch, 4 steps each against the whole model in
 one process."""
 
@@ -52,6 +53,7 @@ def test_muon_next_to_tensor_and_expert_parallelism(launch_8_log):
     log = "\n".join(text for worker, text in worker_sections(launch_8_log)
                      if worker == "worker_muon_3d.py")
     assert "MUON_3D tp2 x hsdp 2x2: max rel diff" in log and \
-        "(4 mp-split matrices joined for Newton-Schulz)" in log, log[-3000:]
+        "(4 mp-split matrices joined for Newton-Schulz, each orthogonalised once per mp " \
+        "group)" in log, log[-3000:]
     assert "MUON_3D ep2 3-D stacks: max rel diff" in log, log[-3000:]
     assert "MUON_3D tp done" in log and "MUON_3D ep done" in log, log[-3000:]

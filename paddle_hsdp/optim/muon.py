@@ -30,10 +30,12 @@ a matrix cut into rows is refused at the step (``needs_whole_matrices``).
 
 Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
 ``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``
-(the default) all-gathers the slices' updates over the mp group, orthogonalises and
-scales the whole matrix on every mp rank and keeps this rank's slice: the update of one
-process holding the whole matrix (one all-gather of the matrix per step, the iteration
-run mp times over). ``tp_mode="blockwise"`` orthogonalises each slice apart, scaled by
+(the default) joins the slices' updates over the mp group and orthogonalises and
+scales the whole matrix once: the update of one process holding the whole matrix. The
+step's split matrices are spread over the mp ranks (by Newton-Schulz work); each rank
+gathers the slices of its matrices, orthogonalises them and scatters the results'
+slices back, at the step's end (two collectives per mp rank a step, whatever the
+number of matrices; each matrix's iteration run once, not mp times). ``tp_mode="blockwise"`` orthogonalises each slice apart, scaled by
 its own shape, with no communication (Megatron-LM's ``--muon-tp-mode blockwise``): a
 different optimizer, chosen knowingly. Under HSDP the owners of one matrix's slices are
 one mp group (the layouts of the mp ranks match, which the engine checks once).
@@ -197,6 +199,8 @@ class Muon(paddle.optimizer.Optimizer):
         self._ns_dtype = _ns_matmul_dtype(ns_matmul_dtype)
         self._multi_precision = bool(multi_precision)
         self._tp_mode = tp_mode
+        # tensor-parallel slices whose update waits for the step's end (_finish_update)
+        self._joined: list[_Joined] = []
         self._master_weights: dict = {}
         self._already_create_accumulator: set = set()
 
@@ -308,7 +312,17 @@ class Muon(paddle.optimizer.Optimizer):
         sharded = getattr(param, "_hsdp_sharded_param", None)
         shape = list(getattr(param, "original_shape", param.shape)) if sharded is None \
             else list(param.shape)
-        ortho = self._orthogonalize_slice(update.reshape(shape), param)  # scaled
+        axis = split_axis(param) if self._tp_mode == "duplicated" else None
+        if axis is not None and ModelAxes().mp_degree > 1:  # joined with the other slices
+            self._joined.append(_Joined(param, update.reshape(shape), axis, lr, with_decay,
+                                        master))
+            return
+        self._apply(param, self._orthogonalize(update.reshape(shape), param.name), lr,
+                    with_decay, master)
+
+    def _apply(self, param: paddle.Tensor, ortho: paddle.Tensor, lr: paddle.Tensor,
+               with_decay: bool, master: paddle.Tensor | None) -> None:
+        """Decay and step ``param`` (its master weight, if any) by the scaled ``ortho``."""
         target = master if master is not None else param
         if with_decay and self._weight_decay > 0:
             target.multiply_((1.0 - lr * self._weight_decay).astype(target.dtype))
@@ -327,28 +341,68 @@ class Muon(paddle.optimizer.Optimizer):
             scale = max(rows, cols) ** 0.5
         return self._extra_scale * scale
 
-    def _orthogonalize_slice(self, update: paddle.Tensor, param: paddle.Tensor) -> paddle.Tensor:
-        """:meth:`_orthogonalize` of ``param``'s update; a tensor-parallel slice's with
-        ``tp_mode="duplicated"``: the mp slices joined, the whole orthogonalised, this
-        rank's slice kept (every mp rank holds this matrix's slice here: the same
-        owners, so the same calls)."""
-        axis = split_axis(param) if self._tp_mode == "duplicated" else None
-        axes = ModelAxes() if axis is not None else None
-        if axis is None or axes is None or axes.mp_degree == 1:
-            return self._orthogonalize(update, param.name)
-        group, n = axes.hcg.get_model_parallel_group(), axes.mp_degree
-        flat = update.reshape([-1])
-        # offloaded shards (host memory) under NCCL: the collective and the iteration
+    def _finish_update(self, block: Any, parameters_and_grads: Any) -> None:
+        """The step's tensor-parallel slices (``tp_mode="duplicated"``), all at once:
+        :meth:`_orthogonalize_joined`, then each one's decay and step."""
+        joined, self._joined = self._joined, []
+        if joined:
+            for entry, ortho in zip(joined, self._orthogonalize_joined(joined), strict=True):
+                self._apply(entry.param, ortho, entry.lr, entry.with_decay, entry.master)
+
+    def _orthogonalize_joined(self, joined: list[_Joined]) -> list[paddle.Tensor]:
+        """Each mp-split matrix orthogonalised once over the mp group (issue 65): the
+        matrices are spread over the mp ranks (greedy by Newton-Schulz work, alike on
+        every rank: every mp rank holds the same matrices' slices here, the engine
+        checks the owners match); each owner gathers its matrices' slices, joins them
+        as one process holding the whole would, orthogonalises and scales them, and
+        scatters the results' slices back. Two collectives per mp rank and dtype a
+        step (a gather to it, a scatter from it), whatever the number of matrices;
+        this rank's slice of each result, in ``joined``'s order."""
+        axes = ModelAxes()
+        group, n, me = axes.hcg.get_model_parallel_group(), axes.mp_degree, axes.mp_rank
+        owners = spread_matrices([_whole_shape(e) for e in joined], n)
+        out: list[paddle.Tensor | None] = [None] * len(joined)
+        for dtype in sorted({str(e.update.dtype) for e in joined}):
+            for owner in range(n):
+                mine = [k for k, e in enumerate(joined)
+                        if owners[k] == owner and str(e.update.dtype) == dtype]
+                if mine:
+                    self._joined_by(owner, [joined[k] for k in mine], group, n, me, out, mine)
+        return out  # type: ignore[return-value]
+
+    def _joined_by(self, owner: int, entries: list[_Joined], group: Any, n: int, me: int,
+                   out: list, index: list[int]) -> None:
+        """``owner``'s share of :meth:`_orthogonalize_joined` (every mp rank calls it)."""
+        sizes = [math.prod(e.update.shape) for e in entries]
+        send = paddle.concat([e.update.reshape([-1]) for e in entries])
+        # offloaded shards (host memory) under NCCL: the collectives and the iteration
         # run on the device (not run here: CPU only)
-        on_host = flat.place.is_cpu_place() and not comm.is_gloo(group)
+        on_host = send.place.is_cpu_place() and not comm.is_gloo(group)
         if on_host:
-            flat = flat.cuda()
-        gathered = paddle.empty([n * math.prod(update.shape)], dtype=update.dtype)
-        comm.all_gather_into(gathered, flat, group, what=f"Muon: the mp slices of {param.name}")
-        whole = paddle.concat(list(gathered.reshape([n] + list(update.shape)).unbind(0)),
-                              axis=axis)
-        mine = paddle.split(self._orthogonalize(whole, param.name), n, axis=axis)[axes.mp_rank]
-        return mine.cpu() if on_host else mine
+            send = send.cuda()
+        what = f"Muon: the mp slices of {len(entries)} matrices for mp rank {owner}"
+        slices: list[paddle.Tensor] | None = [] if me == owner else None
+        comm.gather(send, slices, dst=group.ranks[owner], group=group, what=what)
+        full = None
+        if slices is not None:  # this rank orthogonalises them; row j: rank j's slices
+            rows: list[list[paddle.Tensor]] = [[] for _ in range(n)]
+            start = 0
+            for e, size in zip(entries, sizes, strict=True):
+                whole = paddle.concat([g[start:start + size].reshape(e.update.shape)
+                                       for g in slices], axis=e.axis)
+                parts = paddle.split(self._orthogonalize(whole, e.param.name), n, axis=e.axis)
+                for j, part in enumerate(parts):
+                    rows[j].append(part.reshape([-1]))
+                start += size
+            full = paddle.concat([paddle.concat(row) for row in rows])
+        mine = paddle.empty([sum(sizes)], dtype=send.dtype)
+        comm.scatter(mine, full, src=group.ranks[owner], group=group, what=what)
+        if on_host:
+            mine = mine.cpu()
+        start = 0
+        for k, e, size in zip(index, entries, sizes, strict=True):
+            out[k] = mine[start:start + size].reshape(e.update.shape)
+            start += size
 
     def _orthogonalize(self, update: paddle.Tensor, name: str) -> paddle.Tensor:
         """Newton-Schulz and the shape scale, of the whole matrix or, with a
@@ -380,3 +434,34 @@ class Muon(paddle.optimizer.Optimizer):
         if tall:
             x = x.transpose(swap)
         return x.astype(dtype) if x.dtype != dtype else x
+
+
+@dataclass
+class _Joined:
+    """A tensor-parallel slice's update waiting for the step's end (``_finish_update``)."""
+
+    param: paddle.Tensor
+    update: paddle.Tensor  # this rank's slice of the momentum update
+    axis: int  # the axis the mp ranks' slices are joined along
+    lr: paddle.Tensor
+    with_decay: bool
+    master: paddle.Tensor | None
+
+
+def _whole_shape(entry: _Joined) -> list[int]:
+    shape = list(entry.update.shape)
+    shape[entry.axis] *= ModelAxes().mp_degree
+    return shape
+
+
+def spread_matrices(shapes: Sequence[Sequence[int]], ranks: int) -> list[int]:
+    """Which of ``ranks`` orthogonalises each matrix of ``shapes``: largest Newton-Schulz
+    work first, each to the rank with the least so far (the lowest on a tie); the same
+    answer on every rank."""
+    load = [0] * ranks
+    owners = [0] * len(shapes)
+    for k in sorted(range(len(shapes)), key=lambda k: (-newton_schulz_flops(
+            sorted(shapes[k][-2:]), 1), k)):
+        owners[k] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[k]] += newton_schulz_flops(sorted(shapes[k][-2:]), 1)
+    return owners
