@@ -39,8 +39,8 @@ one.
 Per round: one arrival write per group, one decider transaction, one record, and the
 decider's clean-up of the round two before (three range deletions and a compaction of
 etcd's history: :meth:`GroupControl._forget`); each ``ctl/`` key reaches every group
-once, its size following what changed, not the number of groups. In steady state the only
-requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
+once, its size following what changed, not the number of groups. In steady state the
+only requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class Keys:
     def snapshot(self, number: int) -> str:
         """Round ``number``'s whole record, for a group that lacks the round before's
         (``ctl/<n>/record`` is a delta against it): outside ``ctl/``, so no watch
-        carries it; read once by a joiner or a group left out."""
+        carries it; read once by a joiner or a group left out. Under ``rounds/<n>/``,
+        it goes with the round's arrivals (:meth:`GroupControl._forget`)."""
         return self.rounds(number) + "record"
 
     def kv_round(self, number: int) -> str:
@@ -255,7 +256,7 @@ class Round:
         default = kept.most_common(1)[0][0] if kept else None
         data = {"number": self.number, "base": base.number, "rebuild": self.rebuild,
                 "failures": self.failures, "pieces": self.pieces, "decider": self.decider,
-                "default": default and _wire(default),
+                "default": _wire(default) if default else None,
                 "changed": {str(r): _wire(a) for r, a in self.members.items()
                             if r not in base.members or a != default},
                 "left": {str(r): why for r, why in self.left.items()},
@@ -897,9 +898,8 @@ class GroupControl:
 
     def _forget(self, last: int) -> None:
         """The decider of round ``last + 2``, once its record is written: delete every
-        key of rounds up to ``last`` (arrivals and whole records, ``ctl/`` keys, the
-        shared data's round keys: group-store addresses, rejoin metadata, transfer
-        receipts), three range
+        key of rounds up to ``last`` (arrivals, ``ctl/`` keys, the shared data's round
+        keys: group-store addresses, rejoin metadata, transfer receipts), three range
         deletions whatever the number of groups; and drop etcd's history before round
         ``last``'s record. Nobody reads them any more: every member of round ``last + 2``
         arrived at ``last + 1`` and ``last + 2`` since (a group arrives at a round only
