@@ -406,6 +406,42 @@ def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(
         in lines[1] and "set-up 1.20 s" in lines[1], lines[1]
 
 
+def test_a_leader_hands_its_ranks_the_changes_since_their_last_round():
+    """Replica._arrive: the leader publishes each round in the group's own store as the
+    changes since the group's last round (a few hundred bytes at 64 groups, however
+    many), every rank reads the same record, and a rank holding another round than its
+    leader's is named as the bug it is."""
+    from paddle_hsdp.ft import replica
+    from paddle_hsdp.ft.protocol import ProtocolError
+    store: dict[str, str] = {}
+    watch = types.SimpleNamespace(armed=None, publish=store.__setitem__,
+                                  read=lambda name, timeout_s, what: store[name])
+    ids = range(64)
+    rounds = iter([
+        Round(0, {r: Arrival(0, True, config="c") for r in ids}, True, decider=0),
+        Round(1, {r: Arrival(5, False, True, "c") for r in ids if r != 9}, True, 1,
+              left={9: "its lease ended"}, decider=0),
+        Round(2, {**{r: Arrival(6, config="c") for r in ids if r != 9},
+                  9: Arrival(0, True, config="c")}, True, 1, decider=0),
+        Round(3, {r: Arrival(7, config="c") for r in ids}, False, 1, decider=0)])
+
+    def rank(number):
+        ft = object.__new__(replica.Replica)
+        ft.rank, ft.replica_id, ft._token, ft._arrivals, ft.round = number, 1, "t", 0, None
+        ft._watch, ft.round_timeout_s = watch, 1.0
+        ft._form_round = lambda: next(rounds)
+        return ft
+    leader, mate = rank(0), rank(1)
+    for number in range(3):
+        record = leader._arrive()
+        assert mate._arrive() == record and record.number == number
+        assert number == 0 or len(store[f"round/t/{number + 1}"]) < 300, store
+    mate.round = Round(1, {}, True)  # not the leader's last round (a bug)
+    leader._arrive()
+    with pytest.raises(ProtocolError, match="holds another round than its leader: round 3"):
+        mate._arrive()
+
+
 def _replica_with_loader(monkeypatch, rounds):
     """A leader whose rounds are ``rounds`` (one per attempt: (receives, fails)): each
     receiving round loads the donor's loader position 10; a failing attempt is retried.

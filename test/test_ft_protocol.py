@@ -16,7 +16,7 @@ from paddle_hsdp.ft import etcd_server
 from paddle_hsdp.ft.etcd import Etcd, _b64, parse_endpoints, security_from_env
 from paddle_hsdp.ft.protocol import (Arrival, Attempt, AttemptState, FaultToleranceError,
                                      GroupControl, Keys, LeaseLost, ProtocolError, Round, Rules, decide,
-                                     may_close, pieces_without_state)
+                                     may_close, pieces_without_state, WrongBase)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TTL = 2  # s: a dead group's lease ends within it
@@ -113,6 +113,85 @@ def test_a_compact_record_survives_its_json_and_reads_the_old_form():
     assert len(record.to_json()) < 200
 
 
+def _rounds_of_a_job():
+    """Rounds 0-5 of a job of groups 0-3 (and 9, of another configuration), as the
+    decider decides them: a death, a rejoin, a refusal, a member a step ahead, and a
+    round that drops members without a reason (what a base further back gives)."""
+    rules, alive = Rules(start_replicas=4), (lambda r: None)
+    r0 = decide(0, {r: Arrival(0, True, config="c") for r in range(4)}, None, alive, rules,
+                0, {}, decider=0)
+    r1 = decide(1, {r: Arrival(5, failed=True, config="c") for r in (0, 1, 3)}, r0.replicas,
+                lambda r: "its lease ended" if r == 2 else None, rules, 1, {}, decider=0)
+    r2 = decide(2, {0: Arrival(6, config="c"), 1: Arrival(6, config="c"),
+                    3: Arrival(6, config="c"), 2: Arrival(0, True, config="c")},
+                r1.replicas, alive, rules, 1, {}, decider=0)
+    r3 = decide(3, {0: Arrival(8, config="c"), 1: Arrival(7, failed=True, config="c"),
+                    2: Arrival(7, failed=True, config="c"), 3: Arrival(7, config="c"),
+                    9: Arrival(0, True, config="other")}, r2.replicas, alive, rules, 2,
+                {9: "another configuration"}, decider=1)
+    r4 = Round(4, {0: Arrival(9, config="c"), 2: Arrival(9, config="c")}, True, 3, pieces=2,
+               left={1: "gone"}, decider=2)
+    r5 = Round(5, {7: Arrival(0, True)}, True, 3, decider=7)  # keeps none of round 4's
+    return [r0, r1, r2, r3, r4, r5]
+
+
+def test_a_record_is_the_changes_since_the_last_and_reads_back_whole():
+    rounds = _rounds_of_a_job()
+    for before, record in zip(rounds, rounds[1:]):
+        delta = record.to_delta(before)
+        assert json.loads(delta)["base"] == before.number
+        assert Round.from_delta(delta, before) == record
+    # a group's ranks hold the group's last round, which may be any earlier one
+    for before in rounds[:-1]:
+        for record in rounds[before.number + 1:]:
+            assert Round.from_delta(record.to_delta(before), before) == record
+    # what changes is sent, not the members: one death is one entry, however many stay
+    failure, rejoin = rounds[1].to_delta(rounds[0]), rounds[2].to_delta(rounds[1])
+    assert '"left":{"2":"its lease ended"}' in failure and '"default":[5,0,1,"c"]' in failure
+    assert '"changed":{"2":[0,1,0,"c"]}' in rejoin and '"3"' not in rejoin
+    # a whole record reads without a base, as before
+    assert Round.from_delta(rounds[3].to_delta(None), None) == rounds[3]
+    assert Round.from_delta(rounds[3].to_json(), rounds[0]) == rounds[3]
+
+
+def test_a_delta_read_without_its_base_or_on_another_is_refused():
+    r0, r1, r2, r3 = _rounds_of_a_job()[:4]
+    delta = r2.to_delta(r1)
+    with pytest.raises(WrongBase, match="delta against round 1's, and this reader holds none"):
+        Round.from_delta(delta, None)
+    with pytest.raises(WrongBase, match="this reader holds round 0"):
+        Round.from_delta(delta, r0)
+    # a round 1 of the same number and other members (etcd's rounds started over, or a
+    # reader's round not the decider's): the digest of the whole membership tells
+    fewer = Round(1, {r: a for r, a in r1.members.items() if r != 3}, True, 1, decider=0)
+    with pytest.raises(WrongBase, match="gives another membership than its decider's"):
+        Round.from_delta(delta, fewer)
+    more = Round(2, {**r2.members, 5: Arrival(6, config="c")}, False)
+    with pytest.raises(WrongBase, match="another membership"):
+        Round.from_delta(r3.to_delta(r2), more)
+    # a base whose kept members arrived otherwise gives the same round: the delta sets
+    # every kept member's arrival
+    other = Round(1, {**r1.members, 3: Arrival(4, config="c")}, True, 1, decider=0)
+    assert Round.from_delta(delta, other) == r2
+
+
+def test_a_records_bytes_per_group_do_not_grow_with_the_groups():
+    """tools/sim_record_bytes.py (the protocol's decide and encodings, signed): the
+    record every group receives in a failure round, a failed attempt and a rejoin is
+    the same size at 128 groups as at 1,024, where the whole record grows with them."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "sim_record_bytes", os.path.join(ROOT, "tools", "sim_record_bytes.py"))
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    small, large = sim.record_bytes(128), sim.record_bytes(1024)
+    assert set(small) == {"failure", "failed_attempt", "rejoin"}
+    for name in small:
+        assert small[name]["now"] == large[name]["now"] < 400, (name, small, large)
+        assert large[name]["before"] > 7 * small[name]["before"] > 7 * 4000
+        assert large[name]["whole"] == large[name]["before"]
+
+
 def test_an_attempt_takes_only_the_protocols_transitions():
     attempt = Attempt()
     for state in (AttemptState.REGISTERED, AttemptState.ARRIVED, AttemptState.MEMBER,
@@ -180,6 +259,89 @@ def test_groups_form_rounds_hear_a_death_and_take_a_joiner_in(etcd):
         assert got[2] == third[0] and third[0].replicas == [0, 1, 2]
         assert third[0].receivers == [2] and third[0].donor == 0
         groups[2] = back
+    finally:
+        _close(groups)
+
+
+def test_every_group_reads_each_rounds_members_as_its_decider_wrote_them(etcd):
+    """Three groups form rounds; one dies; it restarts as a joiner; then an attempt
+    fails. Every group's record of every round equals the decider's whole record (read
+    back from etcd); the watched records after round 0 are deltas of a few hundred
+    bytes; only the joiner, which lacks the round before, reads a whole record (its
+    snapshot, once); the decider of round n+2 deletes round n's snapshot; and a group
+    whose snapshot is gone is told it is not in the round (it joins anew)."""
+    groups, failures, job = _groups(etcd, 3)
+    keys, probe = Keys(job), Etcd(etcd["address"])
+    snapshots_read = {}
+
+    def spy(g):
+        get = g.etcd.get
+
+        def counted(key):
+            if key.startswith(keys.root + "rounds/"):
+                snapshots_read.setdefault(g.replica, []).append(key)
+            return get(key)
+        g.etcd.get = counted
+
+    def whole(number):  # what the decider wrote: the snapshot, or round 0's own record
+        return Round.from_json(probe.get(keys.snapshot(number) if number else keys.record(number)))
+
+    def check(number, views):
+        written = whole(number)
+        assert all(view == written for view in views.values()), (views, written)
+        text = probe.get(keys.record(number))
+        assert ('"base"' in text) == (number > 0) and (number == 0 or len(text) < 300), text
+        return written
+
+    try:
+        for g in groups:
+            spy(g)
+        first = check(0, _arrive_all(groups, 0, None))
+        assert first.replicas == [0, 1, 2]
+        for g in groups:
+            g.committed()
+        groups[2].close(revoke=False)  # killed: its lease is left to expire
+        deadline = time.monotonic() + TTL + 2
+        while not (failures[0] and failures[1]):
+            assert time.monotonic() < deadline, "the death was not heard"
+            time.sleep(0.05)
+        for g in groups[:2]:
+            g.failed()
+        second = check(1, _arrive_all(groups[:2], 1, [0, 1, 2],
+                                      {r: Arrival(3, False, True) for r in (0, 1)}))
+        assert second.replicas == [0, 1] and set(second.left) == {2}
+        back = GroupControl(etcd["address"], job, 2, "tok2b", "host",
+                            Rules(start_replicas=3, join_window_s=1.0), TTL, 20)
+        back.register()
+        spy(back)
+        got = {}
+        joiner = threading.Thread(target=lambda: got.setdefault(
+            2, back.arrive(back.next_open(), None, Arrival(0, True))))
+        joiner.start()
+        for g in groups[:2]:
+            g.committed()
+        deadline = time.monotonic() + 5
+        while not all(g.join_waiting() for g in groups[:2]):
+            assert time.monotonic() < deadline, "the members never heard the joiner"
+            time.sleep(0.02)
+        views = _arrive_all(groups[:2], 2, [0, 1], {r: Arrival(4) for r in (0, 1)})
+        joiner.join(10)
+        third = check(2, {**views, 2: got[2]})
+        assert third.replicas == [0, 1, 2] and third.receivers == [2]
+        groups[2] = back
+        assert snapshots_read == {2: [keys.snapshot(2)]}, snapshots_read
+        for g in groups:
+            g.committed()
+            g.failed()
+        fourth = check(3, _arrive_all(groups, 3, [0, 1, 2],
+                                      {r: Arrival(5, False, True) for r in range(3)}))
+        assert fourth.replicas == [0, 1, 2] and snapshots_read == {2: [keys.snapshot(2)]}
+        # round 3's decider deleted round 1's keys, its snapshot with them
+        assert probe.get(keys.snapshot(1)) is None and probe.get(keys.snapshot(3))
+        # a group that reads a round whose snapshot is gone is not in it: it joins anew
+        back._unread[1] = fourth.to_delta(third).replace('"number":3', '"number":1')
+        back._records = {}
+        assert back._read_unread(1).members == {}
     finally:
         _close(groups)
 

@@ -15,7 +15,11 @@ What each replica group (its leader) does, and what it costs the service:
   first member to arrive takes the round's decider key (an etcd transaction), watches
   the arrivals, and writes the round's record once it may close (:func:`may_close`):
   ``ctl/<n>/record``, in one transaction with ``closed`` (the last closed round). Every
-  group reads the record from its one watch of ``ctl/``. The next round's decider is
+  group reads the record from its one watch of ``ctl/``: the changes since round
+  ``n-1``'s record, which every member holds (:meth:`Round.to_delta`: its size follows
+  the changes, not the number of groups). The whole record goes, in the same
+  transaction, to ``rounds/<n>/record``, outside the watch: a group without round
+  ``n-1``'s (a joiner) reads it once. The next round's decider is
   the same group while it lives (the others do not compete: one transaction a round);
   a decider that dies frees its key with its lease, and another member takes it.
 * **Joiners** (a group started later, or left out) arrive at the round after ``closed``
@@ -34,13 +38,15 @@ one.
 
 Per round: one arrival write per group, one decider transaction, one record, and the
 decider's clean-up of the round two before (three range deletions and a compaction of
-etcd's history: :meth:`GroupControl._forget`); each ``ctl/`` key reaches every group once. In steady state the only
-requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
+etcd's history: :meth:`GroupControl._forget`); each ``ctl/`` key reaches every group
+once, its size following what changed, not the number of groups. In steady state the
+only requests are the leases' renewals, ``3 R / TTL`` a second for ``R`` groups.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from collections import Counter
 import logging
@@ -112,6 +118,13 @@ class Keys:
 
     def decider(self, number: int) -> str:
         return self.ctl_of(number) + "decider"
+
+    def snapshot(self, number: int) -> str:
+        """Round ``number``'s whole record, for a group that lacks the round before's
+        (``ctl/<n>/record`` is a delta against it): outside ``ctl/``, so no watch
+        carries it; read once by a joiner or a group left out. Under ``rounds/<n>/``,
+        it goes with the round's arrivals (:meth:`GroupControl._forget`)."""
+        return self.rounds(number) + "record"
 
     def kv_round(self, number: int) -> str:
         """The prefix of round ``number``'s keys in the shared data (:func:`round_kv`)."""
@@ -205,11 +218,11 @@ class Round:
         return donors[self.receivers.index(receiver) % len(donors)]
 
     def to_json(self) -> str:
-        """Compact: one short list per member (the record reaches every group)."""
+        """The whole record, compact: one short list per member (the round's snapshot,
+        and round 0's record)."""
         return json.dumps({"number": self.number, "rebuild": self.rebuild,
                            "failures": self.failures, "pieces": self.pieces,
-                           "members": {str(r): [a.step, int(a.fresh), int(a.failed), a.config]
-                                       for r, a in self.members.items()},
+                           "members": {str(r): _wire(a) for r, a in self.members.items()},
                            "left": {str(r): why for r, why in self.left.items()},
                            "refused": {str(r): why for r, why in self.refused.items()},
                            "decider": self.decider},
@@ -217,14 +230,98 @@ class Round:
 
     @staticmethod
     def from_json(text: str) -> "Round":
-        data = json.loads(text)
-        members = {int(r): Arrival(a[0], bool(a[1]), bool(a[2]), a[3]) if isinstance(a, list)
-                   else Arrival(**a) for r, a in data["members"].items()}
+        """A whole record (:meth:`to_json`, or the older form with a dict per member)."""
+        return Round._whole(json.loads(text))
+
+    @staticmethod
+    def _whole(data: dict) -> "Round":
+        members = {int(r): _arrival(a) for r, a in data["members"].items()}
         return Round(data["number"], members, data["rebuild"], data["failures"],
                      data.get("pieces", 1),
                      {int(r): why for r, why in data.get("left", {}).items()},
                      {int(r): why for r, why in data.get("refused", {}).items()},
                      data.get("decider", -1))
+
+    def to_delta(self, base: "Round | None") -> str:
+        """The record as its readers receive it: what changed since ``base`` (a record
+        they hold; None: the whole record), so its size follows the changes, not the
+        number of groups. Members gone are ``left`` (with why) or ``dropped``; the
+        members kept arrive mostly alike (every survivor of a failure ``failed`` at the
+        same step), so one ``default`` arrival covers them and ``changed`` names the
+        others and the new members; ``digest`` is of the whole membership, so that a
+        delta read against another base is detected (:func:`members_digest`)."""
+        if base is None:
+            return self.to_json()
+        kept = Counter(a for r, a in self.members.items() if r in base.members)
+        default = kept.most_common(1)[0][0] if kept else None
+        data = {"number": self.number, "base": base.number, "rebuild": self.rebuild,
+                "failures": self.failures, "pieces": self.pieces, "decider": self.decider,
+                "default": _wire(default) if default else None,
+                "changed": {str(r): _wire(a) for r, a in self.members.items()
+                            if r not in base.members or a != default},
+                "left": {str(r): why for r, why in self.left.items()},
+                "dropped": [r for r in base.members
+                            if r not in self.members and r not in self.left],
+                "refused": {str(r): why for r, why in self.refused.items()},
+                "digest": members_digest(self.members)}
+        optional = ("default", "changed", "left", "dropped", "refused")  # left out if empty
+        return json.dumps({k: v for k, v in data.items() if v or k not in optional},
+                          separators=(",", ":"))
+
+    @staticmethod
+    def from_delta(text: str, base: "Round | None") -> "Round":
+        """The record of :meth:`to_delta`'s ``text`` (a whole one too), read against
+        ``base``; :class:`WrongBase` if it is a delta against another record than
+        ``base`` (or none): the reader takes the round's snapshot instead."""
+        data = json.loads(text)
+        if "base" not in data:
+            return Round._whole(data)
+        number = data["number"]
+        if base is None or base.number != data["base"]:
+            raise WrongBase(f"round {number}'s record is a delta against round "
+                            f"{data['base']}'s, and this reader holds "
+                            f"{'none' if base is None else f'round {base.number}'}")
+        gone = {int(r) for r in data.get("left", {})} | set(data.get("dropped", []))
+        kept = [r for r in base.members if r not in gone]
+        members: dict[int, Arrival] = {}
+        if kept:
+            if "default" not in data:
+                raise WrongBase(f"round {number}'s record keeps none of round "
+                                f"{data['base']}'s members, and this reader's round "
+                                f"{base.number} has {kept} that it does not drop")
+            default = _arrival(data["default"])
+            members = {r: default for r in kept}
+        members.update({int(r): _arrival(a) for r, a in data.get("changed", {}).items()})
+        if members_digest(members) != data["digest"]:
+            raise WrongBase(f"round {number}'s record, applied to this reader's round "
+                            f"{base.number}, gives another membership than its decider's "
+                            "(the reader's round is not the decider's)")
+        return Round(number, members, data["rebuild"], data["failures"], data["pieces"],
+                     {int(r): why for r, why in data.get("left", {}).items()},
+                     {int(r): why for r, why in data.get("refused", {}).items()},
+                     data["decider"])
+
+
+class WrongBase(ValueError):
+    """A record written as a delta against one round's record was read against another
+    (or none): the reader takes the round's whole record from its snapshot."""
+
+
+def _wire(arrival: Arrival) -> list:
+    return [arrival.step, int(arrival.fresh), int(arrival.failed), arrival.config]
+
+
+def _arrival(wire: list | dict) -> Arrival:
+    return Arrival(wire[0], bool(wire[1]), bool(wire[2]), wire[3]) if isinstance(wire, list) \
+        else Arrival(**wire)
+
+
+def members_digest(members: dict[int, Arrival]) -> str:
+    """A short hash of a round's members and their arrivals (16 hex digits): a delta
+    applied to another base than its decider's gives another one."""
+    text = ";".join(f"{r},{a.step},{a.fresh:d},{a.failed:d},{a.config}"
+                    for r, a in sorted(members.items()))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 # ---------------------------------------------------------------- the decision
@@ -360,6 +457,7 @@ class GroupControl:
         self.lease = 0
         self._cv = threading.Condition()
         self._records: dict[int, Round] = {}
+        self._unread: dict[int, str] = {}  # records whose base this group lacks (a joiner)
         self._record_revision: dict[int, int] = {}
         self._failed: set[int] = set()  # rounds announced failed
         self._joins: set[int] = set()  # rounds a joiner waits at
@@ -519,11 +617,16 @@ class GroupControl:
             if text is None:  # forged: refused (logged), the genuine one is awaited
                 pass
             elif what == "record" and kind == "PUT":
-                self._records[number] = Round.from_json(text)
+                try:  # a delta against the round before's record, which members hold
+                    self._records[number] = Round.from_delta(text, self._records.get(number - 1))
+                except WrongBase:  # read from the snapshot if this group arrives there
+                    self._unread[number] = text
                 self._record_revision[number] = revision
                 for old in [n for n in self._records if n < number - 2]:
                     del self._records[old]
                     self._record_revision.pop(old, None)
+                for old in [n for n in self._unread if n < number - 2]:
+                    del self._unread[old]
                 for seen in (self._failed, self._joins, self._decider_gone):
                     seen.difference_update([n for n in seen if n < number - 2])
             elif what == "failed" and kind == "PUT":
@@ -639,10 +742,13 @@ class GroupControl:
                     record = self._records.get(number)
                     retry = number in self._decider_gone
                     self._decider_gone.discard(number)
-                    if record is None and self.lost is None:
+                    if record is None and number not in self._unread and self.lost is None:
                         if (not may_decide or (tried and not retry)) and decider is None:
                             self._cv.wait(HEALTH_TICK_S)
                             record = self._records.get(number)
+                    unread = record is None and number in self._unread
+                if unread:  # a delta against a round this group was not in
+                    record = self._read_unread(number)
                 if record is not None:
                     break
                 if self.lost is not None:
@@ -704,6 +810,31 @@ class GroupControl:
             self._on_failure(number)
         return record
 
+    def _read_unread(self, number: int) -> Round:
+        """Round ``number``'s record, which came as a delta against a round this group
+        did not hold then (a joiner's first, a group's left out): read against that
+        round if it holds it now, else read whole, once, from its snapshot
+        (``Keys.snapshot``). If that is gone (the job went two rounds past this group)
+        or forged: a record without this group, which joins anew."""
+        with self._cv:
+            text, base = self._unread.get(number, ""), self._records.get(number - 1)
+        try:
+            record = Round.from_delta(text, base) if text else None
+        except WrongBase:
+            record = None
+        if record is None:
+            key = self.keys.snapshot(number)
+            whole = self.signer.check(key, self.etcd.get(key))
+            if whole is None:
+                logger.warning("paddle_hsdp.ft: replica %d cannot read round %d's members "
+                               "(%s is gone or refused): it joins the next open round",
+                               self.replica, number, key)
+                return Round(number, {}, True)
+            record = Round.from_json(whole)
+        with self._cv:
+            self._unread.pop(number, None)
+            return self._records.setdefault(number, record)
+
     def _may_decide(self, number: int, expected: list[int] | None, arrived_at: float) -> bool:
         """Whether this group competes for round ``number``'s decider key: in round 0
         every group; later only members (a joiner does not know whom to wait for), and
@@ -741,17 +872,21 @@ class GroupControl:
         refused = self._refusals(present, expected)
         record = decide(number, present, expected, dead, self.rules, failures, refused,
                         decider=self.replica)
-        key, closed = self.keys.record(number), self.keys.closed
-        signed = {key: self._sign(key, record.to_json()),
-                  closed: self._sign(closed, str(number))}
-        revision = self.etcd.create(key, signed[key], also={closed: signed[closed]})
+        key, closed, snapshot = self.keys.record(number), self.keys.closed, \
+            self.keys.snapshot(number)
+        # every group's watch gets the changes since the last record, which every member
+        # holds; the whole record goes once, outside the watched keys, for the others
+        also = {closed: self._sign(closed, str(number))}
+        if last is not None:
+            also[snapshot] = self._sign(snapshot, record.to_json())
+        signed = self._sign(key, record.to_delta(last))
+        revision = self.etcd.create(key, signed, also=also)
         if not revision:
             raw, at = self.etcd.get_revision(key)
             if raw is not None and self.signer.check(key, raw) is None:
                 # forged, written before this one (refused by every group as it came):
                 # the genuine record replaces it
-                revision = self.etcd.create(key, signed[key], also={closed: signed[closed]},
-                                            over=at)
+                revision = self.etcd.create(key, signed, also=also, over=at)
         if not revision:
             return None  # another decider wrote it (this one's lease had lapsed): read it
         with self._cv:  # as the watch will tell it: what died after the record is news

@@ -50,7 +50,7 @@ from .joint_save import JointSave
 from .kv import JobStore
 from .pieces import PiecePlan, plan_of
 from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
-                       Round, Rules)
+                       Round, Rules, WrongBase)
 from .trust import SECRET_ENV, signer_from_env
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
                     float_env, heartbeat_timeout_s, join_window_s)
@@ -303,7 +303,7 @@ class Replica:
                     plan.arrange(self.round)
                 self._timing["round_s"] = time.perf_counter() - started
                 error = self._set_up_round(self.round, receiving)
-                logger.debug("rank %d: round %s set up (%s)", self.rank, self.round.to_json(),
+                logger.debug("rank %d: round %d set up (%s)", self.rank, self.round.number,
                              error or "ok")
                 self._timing["set_up_s"] = time.perf_counter() - started - \
                     self._timing["round_s"]
@@ -400,7 +400,8 @@ class Replica:
     def _arrive(self) -> Round:
         """The round of this attempt: the leader forms it on the job's etcd, its
         replica-mates read it from the group's own store (a gloo collective here could
-        time out while the leader waits for other replicas)."""
+        time out while the leader waits for other replicas): the changes since the
+        group's last round, which every rank of it holds (``Round.to_delta``)."""
         self._arrivals += 1
         name = f"round/{self._token}/{self._arrivals}"
         self._watch.armed = None  # nothing is watched while a round forms
@@ -410,13 +411,18 @@ class Replica:
             except FaultToleranceError as e:  # refused, or no round: mates hear it too
                 self._watch.publish(name, "refused:" + str(e))
                 raise
-            self._watch.publish(name, record.to_json())
+            self._watch.publish(name, record.to_delta(self.round))
         else:
             text = self._watch.read(name, 2 * self.round_timeout_s,
                                     f"replica {self.replica_id}'s leader to join a round")
             if text.startswith("refused:"):
                 raise FaultToleranceError(text[len("refused:"):])
-            record = Round.from_json(text)
+            try:
+                record = Round.from_delta(text, self.round)
+            except WrongBase as e:  # every rank of a group ends each _arrive alike
+                raise ProtocolError(f"paddle_hsdp.ft: rank {self.rank} of replica "
+                                    f"{self.replica_id} holds another round than its "
+                                    f"leader: {e}") from None
         self._next_round, self.round = record.number + 1, record
         self._watch.armed = record.number
         return record
