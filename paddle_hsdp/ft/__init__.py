@@ -6,7 +6,10 @@ replica group as its own ``paddle.distributed.launch`` job; in the training scri
 ``replica.attach(model, optimizer)``, and ``replica.train_step(fn)`` for each step.
 """
 
-from .replica import Replica, init
-from .protocol import FaultToleranceError
+from .. import COORDINATOR_ONLY
+
+if not COORDINATOR_ONLY:  # the coordinator's start needs etcd alone, not Paddle
+    from .replica import Replica, init
+    from .protocol import FaultToleranceError
 
 __all__ = ["FaultToleranceError", "Replica", "init"]
