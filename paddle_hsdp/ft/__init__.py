@@ -6,9 +6,11 @@ replica group as its own ``paddle.distributed.launch`` job; in the training scri
 ``replica.attach(model, optimizer)``, and ``replica.train_step(fn)`` for each step.
 """
 
-from .. import COORDINATOR_ONLY
+import sys
 
-if not COORDINATOR_ONLY:  # the coordinator's start needs etcd alone, not Paddle
+# the coordinator's start (``python -m paddle_hsdp.ft.coordinator``) needs etcd alone, not
+# Paddle: the package, imported first, said so (read, not imported: it sits above ft)
+if not getattr(sys.modules.get(__name__.rpartition(".")[0]), "COORDINATOR_ONLY", False):
     from .replica import Replica, init
     from .protocol import FaultToleranceError
 
