@@ -1,8 +1,11 @@
 """Fault-tolerant HSDP (paddle_hsdp.ft): replica groups of two ranks, each its own launch
 job, around a coordinator; three start.
 
-1. Replica 2 kills every one of its processes (SIGKILL) in the middle of step 4's
-   backward; replicas 0 and 1 abandon the step, form a round without it and go on.
+1. The coordinator (etcd) is killed while replica 2 is in the middle of step 4's
+   backward; 3 s later replica 2 kills every one of its processes (SIGKILL), and 45 s
+   after that etcd is started again on its data. Replicas 0 and 1 abandon the step
+   (their in-group vote does not wait for etcd), wait for etcd, form a round without
+   replica 2 and go on.
 2. Once they have finished step 6, replica 2 is started again with the same command,
    and a new replica 3 with it. Both arrive to join; replica 3's ranks die (SIGKILL)
    while they receive the state, which fails the round's set-up for everyone; the
@@ -51,6 +54,7 @@ STOP_AT = 12  # rank 1 of replica 1 hangs in the middle of this step's backward
 # checked by HMAC; the others run unsigned, as a job without the secret does
 SECRET = {"PADDLE_HSDP_FT_SECRET": "the-fault-tolerance-tests-secret"}
 BOUND_S = 300  # the whole scenario: five launches, a restart, a rejoin
+ETCD_AWAY_S = 48  # etcd killed, replica 2 killed 3 s later, etcd back 45 s after that
 
 
 def _free_port() -> int:
@@ -88,12 +92,19 @@ class FaultTolerantJob:
         assert "etcd://" in proc.stdout.readline()
         return proc
 
-    def restart_coordinator(self) -> None:
+    def restart_coordinator(self, away_s: float = 0.0) -> None:
         """Kill the coordinator (SIGKILL: its etcd goes with it) and start it again with
-        the same command (etcd's data folder keeps every lease and round)."""
+        the same command (etcd's data folder keeps every lease and round), ``away_s``
+        later, time this folder's ``etcd_down`` and ``etcd_back`` files record."""
         self.coordinator.kill()
         self.coordinator.wait(timeout=10)
+        down = time.time()
+        with open(os.path.join(self.work, "etcd_down"), "w") as f:
+            f.write(str(down))
+        time.sleep(max(0.0, down + away_s - time.time()))
         self.coordinator = self._start_coordinator()
+        with open(os.path.join(self.work, "etcd_back"), "w") as f:
+            f.write(str(time.time()))
 
     def start(self, replica: int, name: str, ranks: int | None = None, **env) -> subprocess.Popen:
         log_dir = os.path.join(self.work, name)
@@ -172,7 +183,11 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
         first = job.start(0, "replica0", FT_TEST_WAIT_JOIN=waits, FT_TEST_SAVE="1")
         hung = job.start(1, "replica1", FT_TEST_WAIT_JOIN=waits,
                          FT_TEST_STOP_AT=f"{STOP_AT}@1", PADDLE_HSDP_COLLECTIVE_TIMEOUT="10")
-        doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT))
+        doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT),
+                           FT_TEST_KILL_AFTER_ETCD="1")
+        _wait(lambda: glob.glob(os.path.join(job.work, "dying2_rank*")), deadline, job,
+              "replica 2 to reach step 4's backward")
+        job.restart_coordinator(away_s=ETCD_AWAY_S)  # replica 2 dies meanwhile
         _wait(lambda: doomed.poll() is not None, deadline, job, "replica 2 to die")
         assert doomed.returncode != 0
         _wait(lambda: min(job.steps_done(0), job.steps_done(1)) >= RESTART_AFTER, deadline,
@@ -210,6 +225,9 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     # what it cost: from the kill to replica 0's next committed step, and the rejoin
     runs = [json.load(open(p)) for p in glob.glob(os.path.join(job.work, "replica*.json"))]
     killed_at = min(float(open(p).read()) for p in glob.glob(os.path.join(job.work, "killed2_*")))
+    etcd_down, etcd_back = (float(open(os.path.join(job.work, name)).read())
+                            for name in ("etcd_down", "etcd_back"))
+    assert etcd_down + 2.5 < killed_at < etcd_back - 40, (etcd_down, killed_at, etcd_back)
     leader = next(r for r in runs if r["replica"] == 0 and r["rank"] == 0)
     resumed = min(e["time"] for e in leader["history"]
                   if e["kind"] == "step" and e["step"] >= KILL_AT)
@@ -234,9 +252,12 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     stopped_at = float(open(os.path.join(job.work, "stopped1_rank1")).read())
     after_hang = min(e["time"] for e in leader["history"]
                      if e["kind"] == "step" and e["step"] >= STOP_AT)
-    print(f"fault tolerance: from the kill to the next step {resumed - killed_at:.1f} s, from "
-          f"the hang {after_hang - stopped_at:.1f} s; rejoin set-up {rejoin['set_up_s']:.2f} s "
-          f"(round {rejoin['round_s']:.2f} s); scenario {took:.0f} s")
+    assert resumed > etcd_back  # the round waited for etcd: the survivors lived through
+    print(f"fault tolerance: etcd away {etcd_back - etcd_down:.0f} s, replica 2 killed "
+          f"{killed_at - etcd_down:.1f} s after it went; from etcd's return to the next step "
+          f"{resumed - etcd_back:.1f} s, from the hang {after_hang - stopped_at:.1f} s; rejoin "
+          f"set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s); scenario "
+          f"{took:.0f} s")
 
 
 def test_a_misconfigured_joiner_and_a_second_launch_of_a_live_id_are_refused():

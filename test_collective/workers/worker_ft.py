@@ -5,7 +5,9 @@ restart them, stop (hang) a rank, and kill a joiner or a donor in the state tran
 Each rank's batches come from a loader whose position is attached to the replica's
 state and fetched through train_step's next_batch (a rejoining group must go on
 from the donor's position, not train a stale batch). argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
-(every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
+(every rank SIGKILLs itself in the middle of step k's backward; with
+FT_TEST_KILL_AFTER_ETCD=1 it first writes out_dir/dying<r>_rank<i>, waits for
+out_dir/etcd_down, which the test writes once it killed etcd, and dies 3 s after), FT_TEST_STOP_AT=k@i
 (rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
 SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
 taken k steps), FT_TEST_DIE_IN_CONNECT=d@k (every rank SIGKILLs itself d s after it
@@ -142,6 +144,12 @@ def fail_first_attempt():
 
 
 def die(_grad):
+    if os.environ.get("FT_TEST_KILL_AFTER_ETCD") == "1":  # a death while etcd is away
+        open(os.path.join(out_dir, f"dying{replica.replica_id}_rank{rank}"), "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(out_dir, "etcd_down")) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(3)
     with open(os.path.join(out_dir, f"killed{replica.replica_id}_rank{rank}"), "w") as f:
         f.write(str(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
