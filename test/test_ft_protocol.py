@@ -14,7 +14,8 @@ import time
 import pytest
 
 from paddle_hsdp.ft import etcd_server
-from paddle_hsdp.ft.etcd import Etcd, EtcdUnavailable, _b64, parse_endpoints, security_from_env
+from paddle_hsdp.ft.etcd import (Etcd, EtcdReset, EtcdUnavailable, History, _b64, parse_endpoints,
+                                 security_from_env)
 from paddle_hsdp.ft.protocol import (Arrival, Attempt, AttemptState, FaultToleranceError,
                                      GroupControl, Keys, LeaseLost, ProtocolError, Round, Rules, decide,
                                      may_close, pieces_without_state)
@@ -316,6 +317,32 @@ def test_a_restarted_etcd_loses_nothing_and_watches_resume(etcd, tmp_path):
     finally:
         server.terminate()
         server.wait()
+
+
+def test_history_trips_on_a_revision_that_went_back_once_and_not_on_answers_out_of_order():
+    """Threads' answers arrive in any order: an answer is held to the revision seen
+    before its request was sent. A lower one, or another cluster id, trips it once;
+    answers sent before the loss was noticed are not judged again."""
+    resets = []
+    history = History(resets.append)
+    header = lambda rev, cluster="c1": {"revision": str(rev), "cluster_id": cluster}
+    history.observe(header(50), history.mark())
+    early = history.mark()  # a request sent at revision 50 ...
+    history.observe(header(60), history.mark())
+    history.observe(header(55), early)  # ... answered after one sent later: fine
+    assert not resets and history.revision == 60
+    before_loss = history.mark()
+    with pytest.raises(EtcdReset, match="went back from 60 to 3"):
+        history.observe(header(3), history.mark())
+    history.observe(header(2), before_loss)  # in flight across the loss: not judged
+    history.observe(header(4), history.mark())
+    assert len(resets) == 1 and history.revision == 4
+    with pytest.raises(EtcdReset, match="another cluster id"):
+        history.observe(header(90, "c2"), history.mark())
+    assert len(resets) == 2
+    history.observe(None, history.mark())  # an answer without a header: nothing to judge
+    history.observe({}, history.mark())
+    assert len(resets) == 2
 
 
 class _OwnEtcd:

@@ -4,8 +4,9 @@ It speaks etcd's HTTP/JSON gateway (``/v3/...``) through ``etcd3gw``'s client, s
 nothing here needs gRPC or a protobuf that could clash with Paddle's. It adds what the
 protocol (:mod:`.protocol`) needs and the library leaves out: several endpoints (a
 3-member cluster: a call that cannot reach one tries the next), a watch that resumes
-from the revision after the last event it delivered when its stream breaks, and a count
-of requests (``requests``), which the scale simulator reports.
+from the revision after the last event it delivered when its stream breaks, a
+:class:`History` that notices an etcd that lost its data (its revision went back), and a
+count of requests (``requests``), which the scale simulator reports.
 
 Addresses: ``etcd://host:port[,host:port...]`` (or plain ``host:port``). TLS and etcd's
 own users come from the environment (:func:`security_from_env`).
@@ -164,8 +165,9 @@ class Etcd:
     def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None,
                  away_s: float = 0.0, history: History | None = None):
         self.address = address
-        # what this client's user has seen of etcd (a loss of its data is noticed)
-        self.history = history or History()
+        # what this client's user has seen of etcd, to notice a loss of its data (None:
+        # not judged here; the group's control plane does, and re-registers)
+        self.history = history
         self.endpoints = parse_endpoints(address)
         self.timeout_s = timeout_s
         # how long a call waits for an endpoint to come back (a restarted coordinator,
@@ -189,7 +191,8 @@ class Etcd:
         """POST ``payload`` to ``/v3/<path>`` on the first endpoint that answers; while
         none does, again every 0.2 s for up to ``away_s`` (one bound from when the
         service was first found gone, shared by the calls after)."""
-        next_word, mark = 0.0, self.history.mark()
+        history = self.history
+        next_word, mark = 0.0, history.mark() if history else (0, 0)
         while True:
             last = None
             for i in range(len(self._clients)):
@@ -200,9 +203,9 @@ class Etcd:
                     result = client.post(client.get_url(path), json=payload,
                                          headers=self._auth_header(client), **self.tls())
                     self._at, self._gone_since = at, None
-                    # a lease's answers carry it one level down
-                    self.history.observe(result.get("header") or
-                                         (result.get("result") or {}).get("header"), mark)
+                    if history is not None:  # a lease's answers carry it one level down
+                        history.observe(result.get("header") or
+                                        (result.get("result") or {}).get("header"), mark)
                     return result
                 except (ConnectionFailedError, ConnectionTimeoutError) as e:
                     last = e

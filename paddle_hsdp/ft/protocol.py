@@ -21,7 +21,13 @@ What each replica group (its leader) does, and what it costs the service:
 * **Joiners** (a group started later, or left out) arrive at the round after ``closed``
   and write ``ctl/<n>/join``; members hear it and arrive there at their next step.
 * **Failures.** A member whose attempt fails writes ``ctl/<n>/failed`` (once: the first
-  writer creates it); every member hears it and drops the attempt.
+  writer creates it; from a thread of its own, so the group's vote never waits for
+  etcd); every member hears it and drops the attempt.
+* **etcd away or lost.** Every call waits for etcd up to the round timeout; a group
+  whose renewals found it away longer stops (``EtcdUnavailable``). An etcd that lost
+  its data (:class:`~.etcd.History`: its revision went back) is noticed by the first
+  request that reaches it: every group registers anew, watches the new etcd, and
+  meets the others at the ``restart`` round with the step it holds.
 
 **Trust.** With the job's secret (``PADDLE_HSDP_FT_SECRET``, :mod:`.trust`) every
 arrival, record, ``closed``, ``finished``, decider key, claim and configuration is
