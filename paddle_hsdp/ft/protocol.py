@@ -564,9 +564,12 @@ class GroupControl:
         group that comes after that round closed is left out of it and rejoins as any
         left-out group does."""
         key = self.keys.restart
-        if self.etcd.create(key, self._sign(key, str(proposal))):
+        try:
+            if self.etcd.create(key, self._sign(key, str(proposal))):
+                return proposal
+            text = self.signer.check(key, self.etcd.get(key))
+        except EtcdReset:  # lost again meanwhile: the caller registers once more
             return proposal
-        text = self.signer.check(key, self.etcd.get(key))
         return int(text) if text is not None else proposal
 
     def _lose(self, lease: int, why: str) -> None:

@@ -45,7 +45,8 @@ from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
 from . import config, groups, transfer
-from .etcd import SECURITY_ENV, EtcdUnavailable, security_from_env, wait_until_answers
+from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, security_from_env,
+                   wait_until_answers)
 from .joint_save import JointSave
 from .kv import JobStore
 from .pieces import PiecePlan, plan_of
@@ -465,7 +466,7 @@ class Replica:
                     number = max(number + 1, control.next_open())
                     self._members, self.fresh = None, True
                     continue
-            except LeaseLost:
+            except (LeaseLost, EtcdReset):  # (a lost etcd: _on_reset marked it lost)
                 continue  # registered again above
             self._members = record.replicas
             return record
