@@ -481,6 +481,14 @@ def test_an_etcd_that_lost_its_data_is_noticed_and_every_group_meets_anew_at_its
         with pytest.raises(LeaseLost, match="closed is gone"):
             late.next_open()
         assert late.take_reset()
+        # ... or when, its lease ended, it registers again: it meets the others with its
+        # state, not as a new group
+        late.register()
+        late._records[3] = out[0]
+        late.etcd.delete_prefix(late.keys.root)
+        late.lost = "its lease expired"
+        late.register()
+        assert late.take_reset() and late.lost is None
         late.close(revoke=False)
     finally:
         for g in groups:

@@ -415,6 +415,14 @@ class GroupControl:
             self.lease = self.etcd.grant(self.ttl_s)
         except EtcdReset:  # noticed by this very request (_on_reset ran): the new etcd's
             self.lease = self.etcd.grant(self.ttl_s)
+        with self._cv:
+            seen = max(self._records, default=-1)
+        if seen >= 0 and not self._reset and self.etcd.get(self.keys.closed) is None and \
+                self.etcd.get(self.keys.restart) is None:
+            # its lease ended, and the rounds it took are gone too: etcd lost its data
+            # though its revision did not go back (a young job): the same recovery
+            self._on_reset(f"etcd lost its data: {self.keys.closed} is gone, yet round "
+                           f"{seen} closed (restarted on an empty data folder?)")
         if self._watches_stale:  # they would wait for the lost etcd's revisions
             self._watches_stale = False
             for watch in self._watches:
