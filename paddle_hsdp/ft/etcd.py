@@ -174,6 +174,7 @@ class Etcd:
         # an etcd member replaced), counted once from when none answered
         self.away_s = away_s
         self._gone_since: float | None = None
+        self.came_back = float("-inf")  # when a call last found etcd again (monotonic)
         self.security = security or Security()
         self.requests = 0  # every request sent, watches' creations included
         self._clients = [self._client(h, p) for h, p in self.endpoints]
@@ -202,6 +203,8 @@ class Etcd:
                 try:
                     result = client.post(client.get_url(path), json=payload,
                                          headers=self._auth_header(client), **self.tls())
+                    if self._gone_since is not None:
+                        self.came_back = time.monotonic()
                     self._at, self._gone_since = at, None
                     if history is not None:  # a lease's answers carry it one level down
                         history.observe(result.get("header") or

@@ -54,7 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .etcd import Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch
 from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
@@ -379,6 +379,7 @@ class GroupControl:
         self._reset = False  # etcd lost its data since the group last took a round from it
         self._watches_stale = False  # the watches resume from the lost etcd's revisions
         self._configs: dict[str, str] = {}  # published (again after etcd lost its data)
+        self._restart_number = -1  # the round the groups met at after etcd lost its data
         self.attempt = Attempt()
         self.lease = 0
         self._cv = threading.Condition()
@@ -574,11 +575,13 @@ class GroupControl:
         key = self.keys.restart
         try:
             if self.etcd.create(key, self._sign(key, str(proposal))):
+                self._restart_number = proposal
                 return proposal
             text = self.signer.check(key, self.etcd.get(key))
         except EtcdReset:  # lost again meanwhile: the caller registers once more
             return proposal
-        return int(text) if text is not None else proposal
+        self._restart_number = int(text) if text is not None else proposal
+        return self._restart_number
 
     def _lose(self, lease: int, why: str) -> None:
         self.lost = why  # before the others can hear of it
@@ -882,18 +885,30 @@ class GroupControl:
             return "its lease ended (killed, hung or cut off)" if revision > since else None
         return dead
 
+    def _patience(self, number: int) -> Rules:
+        """The rules round ``number`` is decided by: right after etcd came back, or at
+        the round every group meets at after it lost its data, the members are waited
+        for a TTL (their leaders reach etcd again, or register anew, each at its own
+        pace; a member's death may not be known yet), not only the join window."""
+        back = max(c.came_back for c in (self.etcd, self._kept, self._announcer))
+        if number == self._restart_number or time.monotonic() - back < self.ttl_s:
+            return replace(self.rules, join_window_s=max(self.rules.join_window_s,
+                                                         float(self.ttl_s)))
+        return self.rules
+
     def _try_decide(self, number: int, expected: list[int] | None, arrivals: _Arrivals,
                     arrived_at: float, needs_state: bool) -> Round | None:
         present = arrivals.present()
+        rules = self._patience(number)
         with self._cv:
             dead = self._dead_since(number - 1)
             last = self._records.get(number - 1)
             failures = (last.failures if last else 0) + (number - 1 in self._failed)
         if not may_close(number, present, expected, dead, self.clock() - arrived_at,
-                         self.rules, needs_state):
+                         rules, needs_state):
             return None
         refused = self._refusals(present, expected)
-        record = decide(number, present, expected, dead, self.rules, failures, refused,
+        record = decide(number, present, expected, dead, rules, failures, refused,
                         decider=self.replica)
         key, closed = self.keys.record(number), self.keys.closed
         signed = {key: self._sign(key, record.to_json()),
