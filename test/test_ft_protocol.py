@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -343,6 +344,24 @@ def test_history_trips_on_a_revision_that_went_back_once_and_not_on_answers_out_
     history.observe(None, history.mark())  # an answer without a header: nothing to judge
     history.observe({}, history.mark())
     assert len(resets) == 2
+
+
+def test_a_round_right_after_etcd_came_back_or_lost_its_data_waits_a_ttl_for_members():
+    """Each leader reaches etcd again at its own pace: the round decided within a TTL of
+    etcd's return, and the round the groups meet at after a loss, wait a TTL for the
+    last round's members (a member 1.6 s late was left out by a 1.5 s join window)."""
+    control = object.__new__(GroupControl)
+    control.rules, control.ttl_s, control._restart_number = \
+        Rules(start_replicas=2, join_window_s=1.5), 5, -1
+    clients = [types.SimpleNamespace(came_back=float("-inf")) for _ in range(3)]
+    control.etcd, control._kept, control._announcer = clients
+    assert control._patience(7).join_window_s == 1.5
+    clients[1].came_back = time.monotonic()
+    assert control._patience(7).join_window_s == 5
+    clients[1].came_back = time.monotonic() - 6
+    assert control._patience(7).join_window_s == 1.5
+    control._restart_number = 7
+    assert control._patience(7).join_window_s == 5 and control._patience(8).join_window_s == 1.5
 
 
 class _OwnEtcd:
