@@ -682,3 +682,83 @@ def test_a_joint_save_whose_group_file_differs_fails_and_leaves_the_previous_che
     assert joint.announced == errors  # every other group raises the same
     assert not os.path.exists(tmp)
     assert open(os.path.join(path, "metadata.json")).read() == '{"previous": true}'
+
+
+class _GroupStore:
+    """The group store's publish/read between a leader and its mates, in memory."""
+
+    def __init__(self):
+        self.published = {}
+        self.armed = None
+
+    def publish(self, name, text):
+        self.published[name] = text
+
+    def read(self, name, timeout_s, what):
+        return self.published[name]
+
+
+def _replica(rank, watch, control=None):
+    from paddle_hsdp.ft import replica
+    ft = object.__new__(replica.Replica)
+    ft.rank, ft.replica_id, ft.round_timeout_s = rank, 0, 30.0
+    ft._watch, ft.control, ft._token, ft._arrivals = watch, control, "tok", 0
+    ft.round, ft._next_round, ft._members = None, 4, [0, 1]
+    ft.step, ft.fresh, ft._failed, ft._config_hash = 9, False, True, ""
+    return ft
+
+
+def test_etcd_away_past_the_bound_reaches_the_leaders_mates_as_the_same_error():
+    """The leader stops with EtcdUnavailable (etcd away past the round timeout); its
+    mates read it from the group's store and stop with the same error, not with a
+    gloo timeout in their next collective."""
+    from paddle_hsdp.ft.etcd import EtcdUnavailable
+    store = _GroupStore()
+    control = types.SimpleNamespace(unavailable="etcd stayed away longer than the round "
+                                    "timeout (30 s)", lost=None)
+    with pytest.raises(EtcdUnavailable, match="stayed away"):
+        _replica(0, store, control)._arrive()
+    assert list(store.published.values()) == ["unavailable:" + control.unavailable]
+    with pytest.raises(EtcdUnavailable, match="stayed away"):
+        _replica(1, store)._arrive()
+
+
+def test_after_etcd_lost_its_data_a_group_meets_the_others_with_its_own_state():
+    """etcd lost its data, not the job this group: it registers anew and arrives at the
+    round every group meets at, with its step and as a known state (not as a fresh
+    joiner whose state would be replaced); a lease that ended otherwise makes it a
+    fresh joiner, as before."""
+    calls = []
+    record = Round(7, {0: Arrival(9, False, True), 1: Arrival(9, False, True)}, True)
+
+    class Control:
+        unavailable, lost, reset = None, "etcd lost its data", True
+
+        def register(self):
+            calls.append("register")
+            self.lost = None
+
+        def take_reset(self):
+            reset, self.reset = self.reset, False
+            return reset
+
+        def restart_round(self, proposal):
+            calls.append(("restart_round", proposal))
+            return 7
+
+        def next_open(self):
+            return 12
+
+        def arrive(self, number, expected, arrival, needs_state):
+            calls.append((number, expected, arrival))
+            return record
+
+    ft = _replica(0, _GroupStore(), Control())
+    assert ft._form_round() is record
+    assert calls == ["register", ("restart_round", 4), (7, [0, 1], Arrival(9, False, True))]
+    calls.clear()
+    control = Control()
+    control.reset = False
+    ft = _replica(0, _GroupStore(), control)
+    ft._form_round()
+    assert calls == ["register", (12, None, Arrival(9, True, True))]

@@ -1,15 +1,21 @@
 """Fault-tolerant HSDP (paddle_hsdp.ft): replica groups of two ranks, each its own launch
 job, around a coordinator; three start.
 
-1. Replica 2 kills every one of its processes (SIGKILL) in the middle of step 4's
-   backward; replicas 0 and 1 abandon the step, form a round without it and go on.
+1. The coordinator (etcd) is killed while replica 2 is in the middle of step 4's
+   backward; 3 s later replica 2 kills every one of its processes (SIGKILL), and 45 s
+   after that etcd is started again on its data. Replicas 0 and 1 abandon the step
+   (their in-group vote does not wait for etcd), wait for etcd, form a round without
+   replica 2 and go on.
 2. Once they have finished step 6, replica 2 is started again with the same command,
    and a new replica 3 with it. Both arrive to join; replica 3's ranks die (SIGKILL)
    while they receive the state, which fails the round's set-up for everyone; the
    next round goes on without replica 3, and replica 2 rejoins from a healthy
    replica's state.
-3. Rank 1 of replica 1 hangs (SIGSTOP) in the middle of step 12's backward: replicas 0
-   and 2 see its heartbeat stop and go on without replica 1.
+3. Before step 10, etcd is started again on an empty folder (its data lost): every
+   group notices it, registers anew, and the three meet at one round with their own
+   steps (step 10's first attempt fails).
+4. Rank 1 of replica 1 hangs (SIGSTOP) in the middle of step 12's backward: replicas 0
+   and 2 see its heartbeat stop (through the new etcd) and go on without replica 1.
 
 With HFSDP (fsdp_outer_sharding="optim", redundancy 2), four replica groups of one
 rank: each of the optimizer state's two pieces is held by two groups.
@@ -33,6 +39,7 @@ the test ends it with every other process it started (each launch's process grou
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,12 +52,14 @@ from launcher import HERE, ROOT, run_single
 STEPS = 15
 KILL_AT = 4  # replica 2 dies in the middle of this step's backward
 RESTART_AFTER = 6  # ... is started again after this step, with replica 3 (which dies)
+WIPE_AT = 10  # etcd restarted on an empty folder before this step
 STOP_AT = 12  # rank 1 of replica 1 hangs in the middle of this step's backward
 # the job's secret (issue 62, item 7): the kill and HFSDP scenarios run with every
 # record, arrival, store address and rejoin metadata signed and every transfer tensor
 # checked by HMAC; the others run unsigned, as a job without the secret does
 SECRET = {"PADDLE_HSDP_FT_SECRET": "the-fault-tolerance-tests-secret"}
 BOUND_S = 300  # the whole scenario: five launches, a restart, a rejoin
+ETCD_AWAY_S = 48  # etcd killed, replica 2 killed 3 s later, etcd back 45 s after that
 
 
 def _free_port() -> int:
@@ -88,12 +97,23 @@ class FaultTolerantJob:
         assert "etcd://" in proc.stdout.readline()
         return proc
 
-    def restart_coordinator(self) -> None:
+    def restart_coordinator(self, away_s: float = 0.0, wipe: bool = False) -> None:
         """Kill the coordinator (SIGKILL: its etcd goes with it) and start it again with
-        the same command (etcd's data folder keeps every lease and round)."""
+        the same command (etcd's data folder keeps every lease and round; ``wipe``:
+        deleted, as on a replaced host), ``away_s`` later, times this folder's
+        ``etcd_down`` and ``etcd_back`` files record (``etcd_wiped_down``, ...)."""
+        tag = "_wiped" if wipe else ""
         self.coordinator.kill()
         self.coordinator.wait(timeout=10)
+        if wipe:
+            shutil.rmtree(os.path.join(self.work, "etcd"))
+        down = time.time()
+        with open(os.path.join(self.work, f"etcd{tag}_down"), "w") as f:
+            f.write(str(down))
+        time.sleep(max(0.0, down + away_s - time.time()))
         self.coordinator = self._start_coordinator()
+        with open(os.path.join(self.work, f"etcd{tag}_back"), "w") as f:
+            f.write(str(time.time()))
 
     def start(self, replica: int, name: str, ranks: int | None = None, **env) -> subprocess.Popen:
         log_dir = os.path.join(self.work, name)
@@ -156,6 +176,14 @@ def _pids_naming(text: str) -> list[int]:
     return pids
 
 
+def _log(job: FaultTolerantJob, name: str) -> str:
+    """The leader's (rank 0's) log of launch ``name``."""
+    try:
+        return open(os.path.join(job.work, name, "workerlog.0"), errors="replace").read()
+    except OSError:
+        return ""
+
+
 def _wait(condition, deadline: float, job: FaultTolerantJob, what: str) -> None:
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}\n{job.logs()}"
@@ -169,18 +197,33 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     deadline = start + BOUND_S
     try:
         waits = f"2@{RESTART_AFTER + 1},3@{RESTART_AFTER + 1}"
-        first = job.start(0, "replica0", FT_TEST_WAIT_JOIN=waits, FT_TEST_SAVE="1")
-        hung = job.start(1, "replica1", FT_TEST_WAIT_JOIN=waits,
+        pause = str(WIPE_AT)
+        first = job.start(0, "replica0", FT_TEST_WAIT_JOIN=waits, FT_TEST_SAVE="1",
+                          FT_TEST_PAUSE_AT=pause)
+        hung = job.start(1, "replica1", FT_TEST_WAIT_JOIN=waits, FT_TEST_PAUSE_AT=pause,
                          FT_TEST_STOP_AT=f"{STOP_AT}@1", PADDLE_HSDP_COLLECTIVE_TIMEOUT="10")
-        doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT))
+        doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(KILL_AT),
+                           FT_TEST_KILL_AFTER_ETCD="1")
+        _wait(lambda: glob.glob(os.path.join(job.work, "dying2_rank*")), deadline, job,
+              "replica 2 to reach step 4's backward")
+        job.restart_coordinator(away_s=ETCD_AWAY_S)  # replica 2 dies meanwhile
         _wait(lambda: doomed.poll() is not None, deadline, job, "replica 2 to die")
         assert doomed.returncode != 0
         _wait(lambda: min(job.steps_done(0), job.steps_done(1)) >= RESTART_AFTER, deadline,
               job, f"replicas 0 and 1 to finish step {RESTART_AFTER}")
         # the two groups alive at the end save one checkpoint together (issue 62: each
         # group's two ranks send their manifests as files, the groups commit by record)
-        rejoined = job.start(2, "replica2_again", FT_TEST_SAVE="1")
+        rejoined = job.start(2, "replica2_again", FT_TEST_SAVE="1", FT_TEST_PAUSE_AT=pause)
         newcomer = job.start(3, "replica3", FT_TEST_DIE_IN_TRANSFER="3")
+        # etcd loses its data while the three groups wait before step 10; they go on
+        # once each leader noticed it
+        _wait(lambda: len(glob.glob(os.path.join(job.work, "paused*"))) == 6, deadline, job,
+              f"replicas 0-2 to wait before step {WIPE_AT}")
+        job.restart_coordinator(wipe=True)
+        _wait(lambda: all("etcd lost its data" in _log(job, name) for name in
+                          ("replica0", "replica1", "replica2_again")), deadline, job,
+              "every leader to notice that etcd lost its data")
+        open(os.path.join(job.work, f"go{WIPE_AT}"), "w").close()
         for proc in (first, rejoined, newcomer):
             _wait(lambda: proc.poll() is not None, deadline, job, "replicas 0 and 2 to end")
         assert [first.returncode, rejoined.returncode] == [0, 0], job.logs()
@@ -210,6 +253,9 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     # what it cost: from the kill to replica 0's next committed step, and the rejoin
     runs = [json.load(open(p)) for p in glob.glob(os.path.join(job.work, "replica*.json"))]
     killed_at = min(float(open(p).read()) for p in glob.glob(os.path.join(job.work, "killed2_*")))
+    etcd_down, etcd_back, wiped_back = (float(open(os.path.join(job.work, name)).read())
+                                        for name in ("etcd_down", "etcd_back", "etcd_wiped_back"))
+    assert etcd_down + 2.5 < killed_at < etcd_back - 40, (etcd_down, killed_at, etcd_back)
     leader = next(r for r in runs if r["replica"] == 0 and r["rank"] == 0)
     resumed = min(e["time"] for e in leader["history"]
                   if e["kind"] == "step" and e["step"] >= KILL_AT)
@@ -234,9 +280,22 @@ def test_a_killed_replica_leaves_the_others_training_and_rejoins():
     stopped_at = float(open(os.path.join(job.work, "stopped1_rank1")).read())
     after_hang = min(e["time"] for e in leader["history"]
                      if e["kind"] == "step" and e["step"] >= STOP_AT)
-    print(f"fault tolerance: from the kill to the next step {resumed - killed_at:.1f} s, from "
-          f"the hang {after_hang - stopped_at:.1f} s; rejoin set-up {rejoin['set_up_s']:.2f} s "
-          f"(round {rejoin['round_s']:.2f} s); scenario {took:.0f} s")
+    assert resumed > etcd_back  # the round waited for etcd: the survivors lived through
+    # after etcd lost its data: step 10's first attempt failed, and the three groups met
+    # at one round with their own steps (no state moved), the round after the last
+    met = [e for e in leader["history"] if e["kind"] == "step" and e["step"] == WIPE_AT]
+    assert met and met[0]["replicas"] == [0, 1, 2] and met[0]["receivers"] == [], met
+    wiped = [e for e in leader["history"] if e["kind"] == "failed" and e["step"] == WIPE_AT - 1]
+    assert wiped and met[0]["round"] == wiped[-1]["round"] + 1, (wiped, met)
+    go = os.path.getmtime(os.path.join(job.work, f"go{WIPE_AT}"))
+    print(f"fault tolerance: etcd away {etcd_back - etcd_down:.0f} s, replica 2 killed "
+          f"{killed_at - etcd_down:.1f} s after it went; from etcd's return to the next step "
+          f"{resumed - etcd_back:.1f} s; etcd wiped: every leader noticed it "
+          f"{go - wiped_back:.1f} s after it was back, step {WIPE_AT} committed "
+          f"{met[0]['time'] - go:.1f} s after the groups went on; from the hang "
+          f"{after_hang - stopped_at:.1f} s; rejoin "
+          f"set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s); scenario "
+          f"{took:.0f} s")
 
 
 def test_a_misconfigured_joiner_and_a_second_launch_of_a_live_id_are_refused():

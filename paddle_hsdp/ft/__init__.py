@@ -6,7 +6,12 @@ replica group as its own ``paddle.distributed.launch`` job; in the training scri
 ``replica.attach(model, optimizer)``, and ``replica.train_step(fn)`` for each step.
 """
 
-from .replica import Replica, init
-from .protocol import FaultToleranceError
+import sys
+
+# the coordinator's start (``python -m paddle_hsdp.ft.coordinator``) needs etcd alone, not
+# Paddle: the package, imported first, said so (read, not imported: it sits above ft)
+if not getattr(sys.modules.get(__name__.rpartition(".")[0]), "COORDINATOR_ONLY", False):
+    from .replica import Replica, init
+    from .protocol import FaultToleranceError
 
 __all__ = ["FaultToleranceError", "Replica", "init"]

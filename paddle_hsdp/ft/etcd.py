@@ -4,8 +4,9 @@ It speaks etcd's HTTP/JSON gateway (``/v3/...``) through ``etcd3gw``'s client, s
 nothing here needs gRPC or a protobuf that could clash with Paddle's. It adds what the
 protocol (:mod:`.protocol`) needs and the library leaves out: several endpoints (a
 3-member cluster: a call that cannot reach one tries the next), a watch that resumes
-from the revision after the last event it delivered when its stream breaks, and a count
-of requests (``requests``), which the scale simulator reports.
+from the revision after the last event it delivered when its stream breaks, a
+:class:`History` that notices an etcd that lost its data (its revision went back), and a
+count of requests (``requests``), which the scale simulator reports.
 
 Addresses: ``etcd://host:port[,host:port...]`` (or plain ``host:port``). TLS and etcd's
 own users come from the environment (:func:`security_from_env`).
@@ -47,6 +48,60 @@ class EtcdUnavailable(ConnectionError):
 class EtcdRefused(RuntimeError):
     """etcd answered a request with an error (its text says why: a lease not found,
     an unauthenticated client, a bad request)."""
+
+
+class EtcdReset(RuntimeError):
+    """etcd answered as a service that lost its data (restarted on an empty folder, or
+    another cluster at the same address): every key and lease held before is gone. The
+    answer that showed it is not returned: what it says is of the new service."""
+
+
+class History:
+    """What the clients of one user (a group's leader: its threads' clients and
+    watches) have seen of etcd: its cluster id and the highest revision. A revision
+    never goes back, so an answer with a lower one, or another cluster id, is of an
+    etcd that lost its data: ``on_reset(why)`` is called once for it, and the answer
+    raises :class:`EtcdReset`. From then on the new service's figures are the ones
+    kept. An answer is held to the revision seen before its request was sent (threads'
+    answers arrive in any order), so only a service that went back trips it."""
+
+    def __init__(self, on_reset: Callable[[str], None] = lambda why: None):
+        self._lock = threading.Lock()
+        self._on_reset = on_reset
+        self.cluster = ""
+        self.revision = 0
+        self.resets = 0
+
+    def mark(self) -> tuple[int, int]:
+        """What an answer to a request sent now is held to (:meth:`observe`)."""
+        with self._lock:
+            return self.revision, self.resets
+
+    def observe(self, header: Mapping | None, mark: tuple[int, int]) -> None:
+        """An answer's ``header``; ``mark``: :meth:`mark` when its request was sent (a
+        request sent before a loss already noticed is not judged again)."""
+        if not header or "revision" not in header:
+            return
+        revision, cluster = int(header["revision"]), str(header.get("cluster_id", ""))
+        floor, resets = mark
+        with self._lock:
+            if resets != self.resets:
+                return  # sent before the loss was noticed: its figures may be the old one's
+            why = None
+            if self.cluster and cluster and cluster != self.cluster:
+                why = f"another cluster id ({cluster}, was {self.cluster})"
+            elif revision < floor:
+                why = f"its revision went back from {floor} to {revision}"
+            self.cluster = cluster or self.cluster
+            if why is None:
+                self.revision = max(self.revision, revision)
+                return
+            self.revision = revision  # the new service's, from now on
+            self.resets += 1
+        why = f"etcd lost its data: {why} (restarted on an empty data folder?)"
+        logger.warning("paddle_hsdp.ft: %s", why)
+        self._on_reset(why)
+        raise EtcdReset(f"paddle_hsdp.ft: {why}")
 
 
 def parse_endpoints(address: str) -> list[tuple[str, int]]:
@@ -108,14 +163,18 @@ class Etcd:
     not shared between threads here). ``timeout_s`` bounds each request."""
 
     def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None,
-                 away_s: float = 0.0):
+                 away_s: float = 0.0, history: History | None = None):
         self.address = address
+        # what this client's user has seen of etcd, to notice a loss of its data (None:
+        # not judged here; the group's control plane does, and re-registers)
+        self.history = history
         self.endpoints = parse_endpoints(address)
         self.timeout_s = timeout_s
         # how long a call waits for an endpoint to come back (a restarted coordinator,
         # an etcd member replaced), counted once from when none answered
         self.away_s = away_s
         self._gone_since: float | None = None
+        self.came_back = float("-inf")  # when a call last found etcd again (monotonic)
         self.security = security or Security()
         self.requests = 0  # every request sent, watches' creations included
         self._clients = [self._client(h, p) for h, p in self.endpoints]
@@ -133,7 +192,8 @@ class Etcd:
         """POST ``payload`` to ``/v3/<path>`` on the first endpoint that answers; while
         none does, again every 0.2 s for up to ``away_s`` (one bound from when the
         service was first found gone, shared by the calls after)."""
-        next_word = 0.0
+        history = self.history
+        next_word, mark = 0.0, history.mark() if history else (0, 0)
         while True:
             last = None
             for i in range(len(self._clients)):
@@ -143,7 +203,12 @@ class Etcd:
                 try:
                     result = client.post(client.get_url(path), json=payload,
                                          headers=self._auth_header(client), **self.tls())
+                    if self._gone_since is not None:
+                        self.came_back = time.monotonic()
                     self._at, self._gone_since = at, None
+                    if history is not None:  # a lease's answers carry it one level down
+                        history.observe(result.get("header") or
+                                        (result.get("result") or {}).get("header"), mark)
                     return result
                 except (ConnectionFailedError, ConnectionTimeoutError) as e:
                     last = e
@@ -315,7 +380,10 @@ class Watch:
     def __init__(self, etcd: Etcd, prefix: str, on_event: OnEvent, start_revision: int | None,
                  no_put: bool):
         self._owner = etcd  # counts the requests
-        self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)  # fails at once: retried
+        # fails at once: retried. A watch does not judge whether etcd lost its data (a
+        # cluster's follower may answer a revision behind the leader's): its owner's
+        # requests do, and replace the watch (GroupControl.register)
+        self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)
         self._prefix, self._on_event = prefix, on_event
         self._next = start_revision  # the first revision not delivered yet
         self._no_put = no_put

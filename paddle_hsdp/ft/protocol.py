@@ -25,7 +25,13 @@ What each replica group (its leader) does, and what it costs the service:
 * **Joiners** (a group started later, or left out) arrive at the round after ``closed``
   and write ``ctl/<n>/join``; members hear it and arrive there at their next step.
 * **Failures.** A member whose attempt fails writes ``ctl/<n>/failed`` (once: the first
-  writer creates it); every member hears it and drops the attempt.
+  writer creates it; from a thread of its own, so the group's vote never waits for
+  etcd); every member hears it and drops the attempt.
+* **etcd away or lost.** Every call waits for etcd up to the round timeout; a group
+  whose renewals found it away longer stops (``EtcdUnavailable``). An etcd that lost
+  its data (:class:`~.etcd.History`: its revision went back) is noticed by the first
+  request that reaches it: every group registers anew, watches the new etcd, and
+  meets the others at the ``restart`` round with the step it holds.
 
 **Trust.** With the job's secret (``PADDLE_HSDP_FT_SECRET``, :mod:`.trust`) every
 arrival, record, ``closed``, ``finished``, decider key, claim and configuration is
@@ -50,12 +56,13 @@ import hashlib
 import json
 from collections import Counter
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from .etcd import Etcd, EtcdRefused, EtcdUnavailable, Security, Watch
+from .etcd import Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch
 from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -92,6 +99,8 @@ class Keys:
         self.groups = self.root + "groups/"
         self.ctl = self.root + "ctl/"
         self.closed = self.root + "closed"  # the number of the last closed round
+        # the round every group meets at after etcd lost its data (the first proposal)
+        self.restart = self.root + "restart"
         self.finished = self.ctl + "finished"
         self.kv = self.root + "kv/"  # the job's shared data (:mod:`.kv`)
 
@@ -446,13 +455,28 @@ class GroupControl:
         self.ttl_s = max(2, int(round(ttl_s)))
         self._healthy, self._on_failure, self._on_lost = healthy, on_failure, on_lost
         self._address, self._security = address, security
+        # what every client of this group saw of etcd: an etcd that lost its data is
+        # noticed by the first request that reaches it (_on_reset)
+        self._history = History(self._on_reset)
         # the leader's main thread's, and the renewing thread's: each waits up to the
         # round timeout for a restarted coordinator
-        self.etcd = Etcd(address, security=security, away_s=round_timeout_s)
-        self._kept = Etcd(address, security=security, away_s=round_timeout_s)
-        # failures are announced from the main thread and from the group's watch thread
-        self._announcer = Etcd(address, security=security, away_s=round_timeout_s)
+        self.etcd = Etcd(address, security=security, away_s=round_timeout_s,
+                         history=self._history)
+        self._kept = Etcd(address, security=security, away_s=round_timeout_s,
+                          history=self._history)
+        # failures are written by a thread of their own (announce_failure returns at
+        # once: the group's vote never waits for etcd)
+        self._announcer = Etcd(address, security=security, away_s=round_timeout_s,
+                               history=self._history)
         self._announcing = threading.Lock()
+        self._to_announce: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._announcing_thread: threading.Thread | None = None
+        # why etcd stays away longer than the round timeout (the group stops), if it does
+        self.unavailable: str | None = None
+        self._reset = False  # etcd lost its data since the group last took a round from it
+        self._watches_stale = False  # the watches resume from the lost etcd's revisions
+        self._configs: dict[str, str] = {}  # published (again after etcd lost its data)
+        self._restart_number = -1  # the round the groups met at after etcd lost its data
         self.attempt = Attempt()
         self.lease = 0
         self._cv = threading.Condition()
@@ -483,7 +507,28 @@ class GroupControl:
         again once the lease is lost, it takes the id anew (a new group to the others)."""
         if self.attempt.state is not AttemptState.UNREGISTERED:
             self.attempt.to(AttemptState.UNREGISTERED)
-        self.lease = self.etcd.grant(self.ttl_s)
+        if self._renewer is not None:  # the last lease's thread, if it still runs
+            self._stop.set()
+            self._renewer.join(timeout=self.round_timeout_s)
+        try:
+            self.lease = self.etcd.grant(self.ttl_s)
+        except EtcdReset:  # noticed by this very request (_on_reset ran): the new etcd's
+            self.lease = self.etcd.grant(self.ttl_s)
+        with self._cv:
+            seen = max(self._records, default=-1)
+        if seen >= 0 and not self._reset and self.etcd.get(self.keys.closed) is None and \
+                self.etcd.get(self.keys.restart) is None:
+            # its lease ended, and the rounds it took are gone too: etcd lost its data
+            # though its revision did not go back (a young job): the same recovery
+            self._on_reset(f"etcd lost its data: {self.keys.closed} is gone, yet round "
+                           f"{seen} closed (restarted on an empty data folder?)")
+        if self._watches_stale:  # they would wait for the lost etcd's revisions
+            self._watches_stale = False
+            for watch in self._watches:
+                watch.stop()
+            self._watches = []
+            for digest, text in self._configs.items():
+                self.publish_config(digest, text)
 
         key = self.keys.group(self.replica)
 
@@ -561,6 +606,8 @@ class GroupControl:
         interval, due = self.ttl_s / RENEWALS_PER_TTL, 0.0
         lease = self.lease
         while not self._stop.wait(HEALTH_TICK_S):
+            if lease != self.lease:  # registered anew: the new lease has its own thread
+                return
             if not self._healthy():
                 self._lose(lease, "a rank of this group stopped answering its mates (hung or "
                                   "dead): the group left the job")
@@ -573,9 +620,66 @@ class GroupControl:
                                   "(the leader was stopped or cut off from etcd)")
                     return
                 due = time.monotonic() + interval
-            except EtcdUnavailable as e:  # try again next tick; the TTL bounds it
-                logger.warning("paddle_hsdp.ft: renewing replica %d's lease: %s",
-                               self.replica, e)
+            except EtcdReset:
+                return  # _on_reset told the group: it registers anew, with a new lease
+            except EtcdRefused as e:  # "requested lease not found": it ended
+                self._lose(0, f"its lease ended ({e})")
+                return
+            except EtcdUnavailable as e:  # the call waited the round timeout (said each 10 s)
+                self._unreachable(str(e))
+                return
+
+    def _unreachable(self, why: str) -> None:
+        """etcd stayed away longer than the round timeout: the group stops at its next
+        step (every rank: EtcdUnavailable, Replica._arrive), not later at a round that
+        could never form."""
+        why = (f"paddle_hsdp.ft: replica {self.replica} stops: etcd stayed away longer than "
+               f"the round timeout ({self.round_timeout_s:g} s, PADDLE_HSDP_FT_ROUND_TIMEOUT)"
+               f": {why}")
+        with self._cv:
+            self.unavailable = self.unavailable or why
+            self._cv.notify_all()
+        logger.warning("%s", why)
+        self._on_lost(why)
+
+    def _on_reset(self, why: str) -> None:
+        """etcd lost its data (any request of this group's can notice it first): this
+        group's lease, every round's key and the watches' revisions are gone. What it
+        read from the lost etcd is forgotten; its attempt fails, and its leader
+        registers anew (:meth:`register`) and meets the others at one round
+        (:meth:`restart_round`), each group with the step it holds."""
+        with self._cv:
+            self._reset = self._watches_stale = True
+            self.lost = self.lost or why
+            for seen in (self._records, self._record_revision, self._gone):
+                seen.clear()
+            for numbers in (self._failed, self._joins, self._decider_gone):
+                numbers.clear()
+            self._cv.notify_all()
+        self._on_lost(why)
+
+    def take_reset(self) -> bool:
+        """Whether etcd lost its data since the last call (the caller meets the other
+        groups at :meth:`restart_round`, with its own state, not as a fresh joiner)."""
+        with self._cv:
+            reset, self._reset = self._reset, False
+        return reset
+
+    def restart_round(self, proposal: int) -> int:
+        """The round every group meets at after etcd lost its data: the first group's
+        proposal (its next round; an etcd transaction picks it), read by the others. A
+        group that comes after that round closed is left out of it and rejoins as any
+        left-out group does."""
+        key = self.keys.restart
+        try:
+            if self.etcd.create(key, self._sign(key, str(proposal))):
+                self._restart_number = proposal
+                return proposal
+            text = self.signer.check(key, self.etcd.get(key))
+        except EtcdReset:  # lost again meanwhile: the caller registers once more
+            return proposal
+        self._restart_number = int(text) if text is not None else proposal
+        return self._restart_number
 
     def _lose(self, lease: int, why: str) -> None:
         self.lost = why  # before the others can hear of it
@@ -594,6 +698,7 @@ class GroupControl:
         """Stop renewing and watching; ``revoke``: leave the job now (else the lease
         expires: what a killed group does)."""
         self._stop.set()
+        self._to_announce.put(None)
         if self._renewer is not None:
             self._renewer.join(timeout=2)
         for watch in self._watches:
@@ -664,11 +769,32 @@ class GroupControl:
 
     def announce_failure(self, number: int) -> None:
         """Tell every member of round ``number`` that its attempt failed (the first
-        writer creates the key: one event for everyone, whoever else fails too)."""
+        writer creates the key: one event for everyone, whoever else fails too). It
+        returns at once: a thread of its own writes the key, waiting up to the round
+        timeout for an etcd that is away, so the group's own vote and the shut-down
+        of its outer group never wait for etcd (a group's death while etcd is away
+        must not time out its survivors' votes)."""
         with self._announcing:
-            if number not in self._failed:
-                self._failed.add(number)  # once: the watch confirms it for everyone
+            if number in self._failed:
+                return
+            self._failed.add(number)  # once: the watch confirms it for everyone
+            if self._announcing_thread is None:
+                self._announcing_thread = threading.Thread(
+                    target=self._announce, daemon=True, name="paddle_hsdp-ft-announce")
+                self._announcing_thread.start()
+        self._to_announce.put((number, self._history.resets))
+
+    def _announce(self) -> None:
+        while (item := self._to_announce.get()) is not None:
+            number, resets = item
+            if resets != self._history.resets:
+                continue  # a round of an etcd that lost its data since
+            try:
                 self._announcer.create(self.keys.failed(number), self.token)
+            except (EtcdUnavailable, EtcdRefused, EtcdReset) as e:
+                # the members learn it from their own collectives, or the lease's end
+                logger.warning("paddle_hsdp.ft: replica %d could not announce round %d's "
+                               "failure on etcd: %s", self.replica, number, e)
 
     def committed(self) -> None:
         self.attempt.to(AttemptState.TRAINING)
@@ -684,6 +810,17 @@ class GroupControl:
         raw = self.etcd.get(self.keys.closed)
         closed = self.signer.check(self.keys.closed, raw)
         last = int(closed) if closed is not None else -1
+        if raw is None:
+            restart = self.etcd.get(self.keys.restart)
+            if restart is not None:  # the groups meet there after etcd lost its data
+                return int(self.signer.check(self.keys.restart, restart) or 0)
+            with self._cv:
+                seen = max(self._records, default=-1)
+            if seen >= 0:  # no round closed, yet this group read one: etcd lost its data
+                self._on_reset(f"etcd lost its data: {self.keys.closed} is gone, yet "
+                               f"round {seen} closed (restarted on an empty data folder?)")
+                raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in "
+                                f"the job: {self.lost}")
         if self.signer.authenticated or closed is None and raw is not None:
             # a forged value is refused, and one put back from an earlier round (signed,
             # but old) is outdone by the latest genuine record, which ``closed`` names
@@ -714,7 +851,25 @@ class GroupControl:
                needs_state: bool = False) -> Round | None:
         """Arrive at round ``number`` and return its record, or None if it closed without
         this group (it arrives at a later one, as a joiner). ``expected``: the last
-        round's members (None: a joiner)."""
+        round's members (None: a joiner). LeaseLost once this group's lease ended (etcd
+        that lost its data included); EtcdUnavailable once etcd stayed away longer than
+        the round timeout."""
+        try:
+            return self._arrive(number, expected, arrival, needs_state)
+        except EtcdReset:  # _on_reset ran: the group registers anew
+            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
+                            f"job: {self.lost}") from None
+        except EtcdRefused as e:
+            if "lease" not in str(e):
+                raise
+            self.lost = self.lost or f"its lease ended ({e})"
+            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
+                            f"job: {self.lost}") from None
+
+    def _arrive(self, number: int, expected: list[int] | None, arrival: Arrival,
+                needs_state: bool) -> Round | None:
+        if self.unavailable is not None:
+            raise EtcdUnavailable(self.unavailable)
         if self.lost is not None:
             raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
                             f"job: {self.lost}")
@@ -751,6 +906,8 @@ class GroupControl:
                     record = self._read_unread(number)
                 if record is not None:
                     break
+                if self.unavailable is not None:
+                    raise EtcdUnavailable(self.unavailable)
                 if self.lost is not None:
                     raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place "
                                     f"in the job: {self.lost}")
@@ -859,18 +1016,30 @@ class GroupControl:
             return "its lease ended (killed, hung or cut off)" if revision > since else None
         return dead
 
+    def _patience(self, number: int) -> Rules:
+        """The rules round ``number`` is decided by: right after etcd came back, or at
+        the round every group meets at after it lost its data, the members are waited
+        for a TTL (their leaders reach etcd again, or register anew, each at its own
+        pace; a member's death may not be known yet), not only the join window."""
+        back = max(c.came_back for c in (self.etcd, self._kept, self._announcer))
+        if number == self._restart_number or time.monotonic() - back < self.ttl_s:
+            return replace(self.rules, join_window_s=max(self.rules.join_window_s,
+                                                         float(self.ttl_s)))
+        return self.rules
+
     def _try_decide(self, number: int, expected: list[int] | None, arrivals: _Arrivals,
                     arrived_at: float, needs_state: bool) -> Round | None:
         present = arrivals.present()
+        rules = self._patience(number)
         with self._cv:
             dead = self._dead_since(number - 1)
             last = self._records.get(number - 1)
             failures = (last.failures if last else 0) + (number - 1 in self._failed)
         if not may_close(number, present, expected, dead, self.clock() - arrived_at,
-                         self.rules, needs_state):
+                         rules, needs_state):
             return None
         refused = self._refusals(present, expected)
-        record = decide(number, present, expected, dead, self.rules, failures, refused,
+        record = decide(number, present, expected, dead, rules, failures, refused,
                         decider=self.replica)
         key, closed, snapshot = self.keys.record(number), self.keys.closed, \
             self.keys.snapshot(number)
@@ -941,6 +1110,7 @@ class GroupControl:
         return out
 
     def publish_config(self, digest: str, text: str) -> None:
+        self._configs[digest] = text
         key = self.keys.config(digest)
         self.etcd.create(key, self._sign(key, text))
 

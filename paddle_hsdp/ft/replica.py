@@ -45,7 +45,8 @@ from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
 from . import config, groups, transfer
-from .etcd import SECURITY_ENV, security_from_env, wait_until_answers
+from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, security_from_env,
+                   wait_until_answers)
 from .joint_save import JointSave
 from .kv import JobStore
 from .pieces import PiecePlan, plan_of
@@ -411,12 +412,19 @@ class Replica:
             except FaultToleranceError as e:  # refused, or no round: mates hear it too
                 self._watch.publish(name, "refused:" + str(e))
                 raise
+            except EtcdUnavailable as e:  # etcd away past the round timeout: the same
+                self._watch.publish(name, "unavailable:" + str(e))
+                raise
             self._watch.publish(name, record.to_delta(self.round))
         else:
+            # the leader's waits for etcd end within the round timeout (twice: a
+            # restarted etcd, then the round's own wait)
             text = self._watch.read(name, 2 * self.round_timeout_s,
                                     f"replica {self.replica_id}'s leader to join a round")
-            if text.startswith("refused:"):
-                raise FaultToleranceError(text[len("refused:"):])
+            for prefix, error in (("refused:", FaultToleranceError),
+                                  ("unavailable:", EtcdUnavailable)):
+                if text.startswith(prefix):
+                    raise error(text[len(prefix):])
             try:
                 record = Round.from_delta(text, self.round)
             except WrongBase as e:  # every rank of a group ends each _arrive alike
@@ -435,25 +443,39 @@ class Replica:
         needs_state = self.round is not None and any(
             not a.fresh for a in self.round.members.values())
         while True:
+            if control.unavailable is not None:  # etcd away past the round timeout
+                raise EtcdUnavailable(control.unavailable)
             if control.lost is not None:  # its lease ended: the job went on without it
-                logger.warning("paddle_hsdp.ft: replica %d rejoins the job as a new group "
-                               "(%s)", self.replica_id, control.lost)
+                why = control.lost
                 control.register()
-                self._next_round, self._members, self.fresh, number = None, None, True, None
-            if number is None:
-                number = self._next_round if self._next_round is not None \
-                    else control.next_open()
-            arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
+                if control.take_reset():
+                    # etcd lost its data, not the job this group: every group meets at
+                    # one round with the step it holds (its state is as good as before)
+                    number = control.restart_round(
+                        self._next_round if self._next_round is not None else 0)
+                    logger.warning("paddle_hsdp.ft: replica %d meets the other groups at "
+                                   "round %d, at its step %d (%s)", self.replica_id,
+                                   number, self.step, why)
+                else:
+                    logger.warning("paddle_hsdp.ft: replica %d rejoins the job as a new "
+                                   "group (%s)", self.replica_id, why)
+                    self._next_round, self._members, self.fresh = None, None, True
+                    number = None
             try:
+                if number is None:
+                    number = self._next_round if self._next_round is not None \
+                        else control.next_open()
+                arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
                 record = control.arrive(number, self._members, arrival, needs_state)
-            except LeaseLost:
-                continue  # registered again above, a joiner
-            if record is not None:
-                self._members = record.replicas
-                return record
-            # left out (or the members went past): a joiner at the next open round
-            number = max(number + 1, control.next_open())
-            self._members, self.fresh = None, True
+                if record is None:
+                    # left out (or the members went past): a joiner at the next open round
+                    number = max(number + 1, control.next_open())
+                    self._members, self.fresh = None, True
+                    continue
+            except (LeaseLost, EtcdReset):  # (a lost etcd: _on_reset marked it lost)
+                continue  # registered again above
+            self._members = record.replicas
+            return record
 
     def _round_failed(self, round_number: int) -> None:
         """A failure of round ``round_number`` was announced in this group (by a rank

@@ -5,7 +5,11 @@ restart them, stop (hang) a rank, and kill a joiner or a donor in the state tran
 Each rank's batches come from a loader whose position is attached to the replica's
 state and fetched through train_step's next_batch (a rejoining group must go on
 from the donor's position, not train a stale batch). argv: out_dir, steps. Environment (besides paddle_hsdp.ft's own): FT_TEST_KILL_AT=k
-(every rank SIGKILLs itself in the middle of step k's backward), FT_TEST_STOP_AT=k@i
+(every rank SIGKILLs itself in the middle of step k's backward; with
+FT_TEST_KILL_AFTER_ETCD=1 it first writes out_dir/dying<r>_rank<i>, waits for
+out_dir/etcd_down, which the test writes once it killed etcd, and dies 3 s after),
+FT_TEST_PAUSE_AT=k (before step k every rank writes out_dir/paused<r>_rank<i> and waits
+for out_dir/go<k>, which the test writes), FT_TEST_STOP_AT=k@i
 (rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
 SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
 taken k steps), FT_TEST_DIE_IN_CONNECT=d@k (every rank SIGKILLs itself d s after it
@@ -50,6 +54,7 @@ wait_join: dict[int, list[int]] = {}  # step -> the replicas awaited before it
 for item in filter(None, os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")):
     joiner, step = item.split("@")
     wait_join.setdefault(int(step), []).append(int(joiner))
+pause_at = int(os.environ.get("FT_TEST_PAUSE_AT", "0"))
 stop_at = [int(v) for v in os.environ["FT_TEST_STOP_AT"].split("@")] \
     if os.environ.get("FT_TEST_STOP_AT") else None
 faulthandler.register(signal.SIGUSR1)  # a stuck rank's stacks, on demand (kill -USR1)
@@ -142,6 +147,12 @@ def fail_first_attempt():
 
 
 def die(_grad):
+    if os.environ.get("FT_TEST_KILL_AFTER_ETCD") == "1":  # a death while etcd is away
+        open(os.path.join(out_dir, f"dying{replica.replica_id}_rank{rank}"), "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(out_dir, "etcd_down")) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(3)
     with open(os.path.join(out_dir, f"killed{replica.replica_id}_rank{rank}"), "w") as f:
         f.write(str(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
@@ -182,6 +193,12 @@ def counted_issue(self, buf):
 outer_sync.OuterSyncSchedule._issue = counted_issue
 losses, sockets = {}, []
 while replica.step < steps:
+    if replica.step + 1 == pause_at:  # the test does something to etcd meanwhile
+        open(os.path.join(out_dir, f"paused{replica.replica_id}_rank{rank}"), "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(out_dir, f"go{pause_at}")):
+            assert time.time() < deadline, "the test never said go"  # test only
+            time.sleep(0.05)
     if replica.step + 1 in wait_join:
         # every rank waits (a rank blocked in a collective with a waiting one would
         # meet the watchdog)
