@@ -33,6 +33,8 @@ Every value this module writes to etcd is bounded: a payload over
 outcome is cut to :data:`MAX_OUTCOME_CHARS`.
 
 The result is an ordinary checkpoint: it loads into any layout and into one process.
+Its metadata also holds each writing rank's resume state (:meth:`JointSave.resume_state`),
+from which ``replica.load_checkpoint`` resumes the whole job (:mod:`.resume`).
 """
 
 from __future__ import annotations
