@@ -370,6 +370,31 @@ def _load_other(tmp_path, net):
     paddle_hsdp.load_checkpoint(tmp_path / "ck", net)
 
 
+def _replica(model, optimizer, step=0):
+    """A fault-tolerant replica as ``load_checkpoint`` sees it (no fleet, no etcd)."""
+    from paddle_hsdp.ft.replica import Replica
+    ft = object.__new__(Replica)
+    ft.model, ft.optimizer, ft.step, ft.round, ft.history = model, optimizer, step, None, []
+    ft.rank, ft.ranks_per_replica = 0, 1
+    return ft
+
+
+@row("`replica.load_checkpoint(path)` (ft)", "a checkpoint saved outside a fault-tolerant job",
+     checkpoint.CheckpointError, "no fault-tolerant job's resume state",
+     "paddle_hsdp.load_checkpoint")
+def _resume_plain(tmp_path, net):
+    opt = paddle.optimizer.AdamW(parameters=net.parameters())
+    paddle_hsdp.save_checkpoint(tmp_path / "ck", net, opt)
+    _replica(net, opt).load_checkpoint(tmp_path / "ck")
+
+
+@row("`replica.load_checkpoint(path)` (ft)", "after the first `train_step`", RuntimeError,
+     "load_checkpoint", "before the first train_step")
+def _resume_late(tmp_path, net):
+    _replica(net, paddle.optimizer.AdamW(parameters=net.parameters()), step=1) \
+        .load_checkpoint(tmp_path)
+
+
 @row("`save_checkpoint(path, model, extra=)`", "`{'rng': object()}` (not JSON)", TypeError,
      "JSON serializable")
 def _save_extra(tmp_path):

@@ -762,3 +762,89 @@ def test_after_etcd_lost_its_data_a_group_meets_the_others_with_its_own_state():
     ft = _replica(0, _GroupStore(), control)
     ft._form_round()
     assert calls == ["register", (12, None, Arrival(9, True, True))]
+
+
+def _resuming_replica(**fields):
+    """A Replica as load_checkpoint sees it (no fleet, no etcd): ``fields`` set on it."""
+    from paddle_hsdp.ft import replica
+    ft = object.__new__(replica.Replica)
+    ft.model, ft.optimizer, ft.step, ft.round, ft.history = None, None, 0, None, []
+    ft.rank, ft.ranks_per_replica = 0, 1
+    for name, value in fields.items():
+        setattr(ft, name, value)
+    return ft
+
+
+def test_a_resume_is_refused_before_attach_after_a_step_and_for_a_bad_path():
+    """Issue 63: replica.load_checkpoint's bad input is refused on the rank that made
+    the call before any collective (each check is alike on every rank)."""
+    with pytest.raises(RuntimeError, match="call attach"):
+        _resuming_replica().load_checkpoint("/ckpt")
+    attached = {"model": object(), "optimizer": object()}
+    with pytest.raises(RuntimeError, match="before the first train_step"):
+        _resuming_replica(step=3, **attached).load_checkpoint("/ckpt")
+    with pytest.raises(RuntimeError, match="before the first train_step"):
+        _resuming_replica(round=object(), **attached).load_checkpoint("/ckpt")
+    with pytest.raises(TypeError, match="path must be a checkpoint folder"):
+        _resuming_replica(**attached).load_checkpoint(7)
+
+
+def test_a_resume_refuses_a_plain_checkpoint_another_model_and_another_group_size(
+        tmp_path, registry):
+    """Issue 63: a checkpoint saved outside a fault-tolerant job (or before the joint
+    save kept a resume state) is refused naming what to call instead; one of another
+    model names the tensors that differ; one saved by groups of another size says
+    so. A folder that is no checkpoint is named."""
+    from kit import models
+    import paddle_hsdp
+    model = models.build_model()
+    opt = models.make_optimizer(model, model.parameters(), 0.2)
+    paddle_hsdp.save_checkpoint(tmp_path / "plain", model, opt)
+    ft = _resuming_replica(model=model, optimizer=opt)
+    with pytest.raises(paddle_hsdp.CheckpointError, match="is not a checkpoint"):
+        ft.load_checkpoint(tmp_path / "nothing")
+    with pytest.raises(paddle_hsdp.CheckpointError,
+                       match="no fault-tolerant job's resume state.*paddle_hsdp.load_checkpoint"):
+        ft.load_checkpoint(tmp_path / "plain")
+    meta_path = tmp_path / "plain" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    state = {"step": 4, "rank": 0, "rng": None, "lr_scheduler": None, "user": None}
+    meta["ft"] = {"step": 4, "ranks": [state, dict(state, rank=1)]}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="groups of 2 ranks, this group has 1"):
+        ft.load_checkpoint(tmp_path / "plain")
+    # a tensor this model does not have (the metadata of another model)
+    meta["tensors"]["blocks.9.weight"] = meta["tensors"][next(iter(meta["tensors"]))]
+    meta["ft"]["ranks"] = [state]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(paddle_hsdp.CheckpointError,
+                       match="not a checkpoint of this model.*unexpected .'blocks.9.weight'"):
+        ft.load_checkpoint(tmp_path / "plain")
+    assert ft.step == 0 and getattr(ft, "_resume_path", None) is None  # nothing was loaded
+
+
+def test_a_joint_saves_resume_state_is_the_writing_groups_ranks_in_order():
+    """Issue 63: the metadata's ``ft`` is one entry per rank of the group that writes
+    the replicated boxes, in rank order; states that disagree fail the save; a save
+    whose ranks gave none (a stand-in saver) has none."""
+    from paddle_hsdp.checkpoint.save import resume_of
+    state = {"step": 6, "rng": [1], "lr_scheduler": None, "user": {"position": 6}}
+    manifests = [{"pieces": [], "resume": dict(state, rank=1)}, {"pieces": [], "resume": None},
+                 {"pieces": [], "resume": dict(state, rank=0)}]
+    resume, why = resume_of(manifests)
+    assert why is None and resume["step"] == 6 and [s["rank"] for s in resume["ranks"]] == [0, 1]
+    manifests[0]["resume"]["step"] = 7
+    assert resume_of(manifests)[0] is None and "disagree" in resume_of(manifests)[1]
+    assert resume_of([{"pieces": []}]) == (None, None)
+
+
+def test_the_resume_state_a_save_keeps_is_the_users_state_after_the_step():
+    """A donor sends the user's state as of its step's start (the receiver fetches that
+    step's batch again); a checkpoint keeps it as of the save, after the step."""
+    position = [5]
+    ft = _resuming_replica(step=5, lr_scheduler=None, _user_state='{"position": 4}',
+                           _state_fn=lambda: {"position": position[0]})
+    paddle.seed(3)
+    state = ft.resume_state()
+    assert state["user"] == {"position": 5} and state["step"] == 5 and state["rank"] == 0
+    json.dumps(state)  # kept in the metadata as JSON

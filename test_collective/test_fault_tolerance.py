@@ -560,3 +560,109 @@ def _stall(history: list, round_number: int) -> dict:
     at = next(e for e in history if e["kind"] == "step" and e["round"] == round_number)
     plain = sorted(e["seconds"] for e in history if e["kind"] == "step" and "round_s" not in e)
     return dict(at, median_s=plain[len(plain) // 2])
+
+
+# The whole job stops and resumes from its joint checkpoint (issue 63, item 1)
+RESUME_SAVE_AT, RESUME_STEPS = 6, 12
+
+
+def _bytes_in_files(checkpoint: str) -> int:
+    """The tensor bytes a checkpoint's files hold (every listed piece), from its
+    metadata (the test's process imports no Paddle)."""
+    with open(os.path.join(checkpoint, "metadata.json")) as f:
+        tensors = json.load(f)["tensors"]
+    itemsize = {"float64": 8, "float32": 4, "int64": 8, "int32": 4}
+    total = 0
+    for entry in tensors.values():
+        assert not entry.get("rules"), "a ruled tensor: count its rules' rows too"
+        for piece in entry["pieces"]:
+            if "file" in piece:
+                count = 1
+                for d in piece["shape"]:
+                    count *= d
+                total += count * itemsize[entry["dtype"]]
+    return total
+
+
+def stop_and_resume(groups: int, ranks: int, resumed_groups: int, **env) -> dict:
+    """``groups`` replica groups of ``ranks`` ranks train to step RESUME_SAVE_AT, save
+    one checkpoint together, and every one of them dies (SIGKILL) in the next step's
+    backward: the whole job stopped. Then ``resumed_groups`` groups start again
+    (another job name on the same coordinator: the stopped job's rounds are its own),
+    each calls replica.load_checkpoint, and they train to RESUME_STEPS. Returns the
+    reference's output, each resumed rank's results, and the checkpoint's tensor bytes."""
+    job = FaultTolerantJob(replicas=groups, ranks=ranks, steps=RESUME_STEPS)
+    job.env.update(env)
+    deadline = time.time() + BOUND_S
+    try:
+        stopped = [job.start(r, f"replica{r}", FT_TEST_SAVE_AT=str(RESUME_SAVE_AT),
+                             FT_TEST_KILL_AT=str(RESUME_SAVE_AT + 1)) for r in range(groups)]
+        for proc in stopped:
+            _wait(lambda: proc.poll() is not None, deadline, job, "every group to die")
+        assert all(p.returncode != 0 for p in stopped), job.logs()
+        checkpoint = os.path.join(job.work, "ckpt")
+        assert os.path.isfile(os.path.join(checkpoint, "metadata.json")), job.logs()
+        resumed = [job.start(r, f"resumed{r}", PADDLE_HSDP_FT_JOB="resumed",
+                             PADDLE_HSDP_FT_START_REPLICAS=str(resumed_groups),
+                             FT_TEST_RESUME="1") for r in range(resumed_groups)]
+        for proc in resumed:
+            _wait(lambda: proc.poll() is not None, deadline, job, "the resumed groups to end")
+        assert [p.returncode for p in resumed] == [0] * resumed_groups, job.logs()
+    finally:
+        job.stop()
+    out = run_single("single_process_ft.py", job.work, str(RESUME_STEPS), str(ranks),
+                     env.get("FT_TEST_PENALTY", "0"))
+    assert "FT_PARITY_OK" in out and "FT_CHECKPOINT_OK" in out, out[-2000:]
+    runs = [json.load(open(p)) for p in glob.glob(os.path.join(job.work, "replica*.json"))]
+    return {"out": out, "saved": [r for r in runs if r["params_step"] == RESUME_SAVE_AT],
+            "resumed": [r for r in runs if r["rng_resumed"] is not None],
+            "bytes": _bytes_in_files(checkpoint)}
+
+
+def _check_resume(run: dict, groups: int, resumed_groups: int, ranks: int) -> float:
+    """What every resume must show: the members per step, nothing moved between groups
+    at the resume, the RNG each rank resumed with the saving group's (replica 0's)
+    rank's, and the bytes the job read about the checkpoint's size. Returns the ratio."""
+    members = _members(run["out"])
+    assert members == {t: list(range(groups if t <= RESUME_SAVE_AT else resumed_groups))
+                       for t in range(1, RESUME_STEPS + 1)}, members
+    resumed = run["resumed"]
+    assert len(resumed) == resumed_groups * ranks, [(r["replica"], r["rank"]) for r in resumed]
+    saved_rng = {r["rank"]: r["rng"] for r in run["saved"] if r["replica"] == 0}
+    read = 0
+    for r in resumed:
+        assert r["rng_resumed"] == saved_rng[r["rank"]], (r["replica"], r["rank"])
+        first = r["history"][0]
+        # every group arrived with the checkpoint's step: the first round moved no state
+        assert first["step"] == RESUME_SAVE_AT + 1 and first["receivers"] == [] and \
+            first.get("state_bytes", 0) == 0, first
+        read += first["resume_bytes"]
+    ratio = read / run["bytes"]
+    assert ratio <= 1.05, (read, run["bytes"])
+    return ratio
+
+
+def test_a_stopped_hsdp_job_resumes_from_its_joint_checkpoint_as_if_uninterrupted():
+    """Issue 63, item 1: three HSDP groups of two ranks save at step 6 and all die in
+    step 7; started again, each loads the joint checkpoint (the model, the optimizer,
+    the scheduler, the RNG, the step and the loader's position) and they train to step
+    12: every loss and parameter equals one process trained on the live groups'
+    batches throughout, and the groups read the checkpoint once between them."""
+    started = time.time()
+    run = stop_and_resume(3, 2, 3, **SECRET)
+    ratio = _check_resume(run, 3, 3, 2)
+    print(f"resume (HSDP, 3 groups of 2 ranks): the job read {ratio:.3f}x the checkpoint's "
+          f"{run['bytes']} tensor bytes; scenario {time.time() - started:.0f} s")
+
+
+def test_a_stopped_hfsdp_job_resumes_into_fewer_groups():
+    """Issue 63, item 1: four HFSDP groups with redundancy 2 (the optimizer state in two
+    pieces, each held twice) save at step 6 and all die; the job resumes into two
+    groups (one piece: another outer sharding), which read the checkpoint's boxes by
+    their own layout, once between them, and train as one process would."""
+    started = time.time()
+    run = stop_and_resume(4, 1, 2, FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2",
+                          FT_TEST_PENALTY=PENALTY)
+    ratio = _check_resume(run, 4, 2, 1)
+    print(f"resume (HFSDP, 4 groups into 2): the job read {ratio:.3f}x the checkpoint's "
+          f"{run['bytes']} tensor bytes; scenario {time.time() - started:.0f} s")

@@ -43,6 +43,17 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     collective on a sharded model: call it on every rank. Nothing changes unless every
     rank read everything it needs. ``trainable_only=True``: only the parameters that
     are not frozen (``stop_gradient``) are read; the frozen ones keep their values."""
+    return load_counted(path, model, optimizer, strict, trainable_only)[0]
+
+
+def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
+                 optimizer: paddle.optimizer.Optimizer | None = None, strict: bool = True,
+                 trainable_only: bool = False, live_groups_read_together: bool = False,
+                 ) -> tuple[Any, int]:
+    """:func:`load_checkpoint`, returning ``(extra, bytes this rank read from the
+    files)``. ``live_groups_read_together``: a fault-tolerant job's groups split the
+    reading over their live outer group as outer replicas do (only inside a round every
+    member loads in: checkpoint/resume.py); otherwise each group reads its own copy."""
     wait_for_pending_save()  # an async save still in flight is published first
     path = os.path.abspath(os.fspath(path))
     items, aliases, optimizer, _ = all_items(model, optimizer, "load_checkpoint",
@@ -51,6 +62,7 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     expect_everyone(None, call)
     loaded: list[tuple[Item, np.ndarray]] = []
     shared: list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]] = []
+    bytes_read = 0
     error: Exception | None = None
     meta: dict = {}  # read only where error is None, so once read_metadata_once returned
     unexpected: list[str] = []
@@ -72,8 +84,9 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
                 unexpected = sorted(set(unexpected) & set(other))
     if error is None:
         try:
-            loaded, shared = _read_items(path, meta, items, optimizer,
-                                         unexpected if strict else [])
+            loaded, shared, bytes_read = _read_items(path, meta, items, optimizer,
+                                                     unexpected if strict else [],
+                                                     live_groups_read_together)
         except Exception as e:
             error = e
     errors = errors_everywhere(None if error is None else f"rank {rank_world()[0]}: {error}",
@@ -94,14 +107,17 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     lr = getattr(optimizer, "_learning_rate", None)
     if meta.get("lr_scheduler") and lr is not None and hasattr(lr, "set_state_dict"):
         lr.set_state_dict(meta["lr_scheduler"])
-    return meta.get("extra")
+    return meta.get("extra"), bytes_read
 
 
 def _read_items(path: str, meta: dict, items: list[Item],
                 optimizer: paddle.optimizer.Optimizer | None, unexpected: list[str],
+                live_groups_read_together: bool = False,
                 ) -> tuple[list[tuple[Item, np.ndarray]],
-                           list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]]]:
-    """``[(item, box read)]`` for every item, after checking names, full shapes, CRCs."""
+                           list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]],
+                           int]:
+    """``[(item, box read)]`` for every item, after checking names, full shapes, CRCs;
+    the outer groups' shares; the bytes this rank read."""
     tensors = meta["tensors"]
     missing = sorted({it.name for it in items} - set(tensors))
     if optimizer is None:
@@ -124,9 +140,11 @@ def _read_items(path: str, meta: dict, items: list[Item],
         if it.empty:
             continue
         group = it.outer_group if any(a[0] == "outer" for a in it.replicas.axes) else None
-        if group is None or group.nranks <= 1 or traits_of(group).joint_save is not None:
+        if group is None or group.nranks <= 1 or (
+                traits_of(group).joint_save is not None and not live_groups_read_together):
             loaded.append((it, read_box(reader, it.name, entry, it.offset, it.size)))
-        else:  # the outer replicas split the reading (a fault-tolerant job's groups not)
+        else:  # the outer replicas split the reading (a fault-tolerant job's groups only
+            # when they load together, in a round)
             by_group.setdefault(tuple(group.ranks), (group, []))[1].append(it)
     shared = []
     for ranks in sorted(by_group):  # one order on every member of each group
@@ -141,7 +159,7 @@ def _read_items(path: str, meta: dict, items: list[Item],
                                                            write.offset, write.shape)
         loaded += [(it, arrays[it.name]) for it in group_items]
         shared.append((group, plan, arrays))
-    return loaded, shared
+    return loaded, shared, reader.bytes_read
 
 
 def _share(group: Group, plan: list[tuple[Write, int]], arrays: dict[str, np.ndarray]) -> None:

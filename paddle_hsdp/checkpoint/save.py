@@ -64,6 +64,7 @@ class JointSaver(Protocol):
     def gather(self, payload: dict) -> list | None: ...
     def announce(self, outcome: str) -> None: ...
     def outcome(self) -> str: ...
+    def resume_state(self) -> dict | None: ...
 
 
 def _write_rank_file(path: str, tensors: dict, header: dict | None = None) -> None:
@@ -139,6 +140,9 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
             # where no holder's plan wrote it (plans that disagreed)
             save.expected = sorted({it.name for it in held
                                     if it.replicas.without(drop).index == 0})
+            # what a resume of the job needs beyond tensors (step, RNG, scheduler, the
+            # user's state), from the ranks of the group that writes the replicated boxes
+            save.resume = joint.resume_state() if joint is not None else None
         except Exception as e:  # every rank must learn of it: rank 0 says it below
             save.error = f"rank {rank}: {type(e).__name__}: {e}"
     if not async_save:
@@ -203,6 +207,7 @@ class AsyncSave:
         self.pieces: list = []
         self.expected: list = []  # names of boxes this rank is the first holder of
         self.rules: dict = {}  # the rules this rank leads (checkpoint/rules.py)
+        self.resume: dict | None = None  # jointly: this rank's resume state, if it gives it
         self._thread: threading.Thread | None = None
         self._done = False
 
@@ -247,7 +252,9 @@ def _finish(save: AsyncSave) -> None:
     path, tmp, joint, rank = save.path, save.tmp, save.joint, rank_world()[0]
     call = f"save_checkpoint({path!r})"
     manifests = _gather_manifests({"pieces": save.pieces, "error": save.error,
-                                   "expected": save.expected, **save.rules}, tmp,
+                                   "expected": save.expected, **save.rules,
+                                   **({"resume": save.resume} if joint is not None else {})},
+                                  tmp,
                                   joint.file_rank() if joint is not None else rank, call)
     errors: list[str] = []
     if joint is not None and rank != 0:  # the group's leader decides; wait in the store
@@ -321,6 +328,10 @@ def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[Item],
             outcome = joint.outcome()
             return [outcome] if outcome else []
         every, errors = _read_groups(tmp, groups)
+        if not errors:
+            resume, why = resume_of(every)
+            plain = dict(plain, ft=resume)
+            errors += [why] if why else []
         if not errors:
             try:
                 _publish(path, tmp, items, every, aliases, plain, joint.world_size, axes)
@@ -441,6 +452,22 @@ def _read_groups(tmp: str, commits: list[dict]) -> tuple[list[dict], list[str]]:
         manifests += payload["manifests"]
         errors += payload["errors"]
     return manifests, errors
+
+
+def resume_of(manifests: list[dict]) -> tuple[dict | None, str | None]:
+    """A joint save's resume state (the metadata's ``ft``): ``{"step", "ranks"}``, one
+    entry per rank of the group that wrote the replicated boxes (each its step, RNG,
+    scheduler and user state), from the ranks' manifests; and why it is unusable, or
+    None. ``(None, None)`` when no rank gave one (a saver without a resume state)."""
+    states = sorted((m["resume"] for m in manifests if m.get("resume")),
+                    key=lambda state: state["rank"])
+    if not states:
+        return None, None
+    if [s["rank"] for s in states] != list(range(len(states))) or \
+            len({s["step"] for s in states}) != 1:
+        return None, ("the writing group's resume states disagree (ranks "
+                      f"{[s['rank'] for s in states]}, steps {sorted({s['step'] for s in states})})")
+    return {"step": states[0]["step"], "ranks": states}, None
 
 
 def _refusal_to_tile(tensors: dict, tags: dict, rules: dict | None = None) -> str | None:
@@ -568,6 +595,8 @@ def _publish(path: str, tmp: str, items: list[Item], manifests: list[dict], alia
             "tensors": tensors, "rules": rules, "rank_groups": groups, "aliases": aliases,
             "lr_scheduler": plain["lr_scheduler"], "extra": plain["extra"],
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if plain.get("ft") is not None:  # a fault-tolerant job's joint save: what resumes it
+        meta["ft"] = plain["ft"]
     meta_path = os.path.join(tmp, META)
     os.makedirs(tmp, exist_ok=True)
     shutil.rmtree(os.path.join(tmp, MANIFESTS), ignore_errors=True)  # read: not published

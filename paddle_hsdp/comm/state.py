@@ -1,8 +1,9 @@
 """The communication layer's runtime state in one object (issue 52), not in module
 globals: the watchdog's thread and the communication thread (made on first use), the
 fingerprint check's switch, the all-gather tags' forward position and flag peak, the
-describers the engine registers to name units and buffers in messages, and the groups'
-declared traits (comm/traits.py).
+describers the engine registers to name units and buffers in messages, the
+checkpoint package's resumer (which ft calls), and the groups' declared traits
+(comm/traits.py).
 :meth:`CommState.reset` returns what a test may change to its state at import; the
 threads, once made, live as long as the process."""
 
@@ -30,6 +31,10 @@ class CommState:
     step_peak: int = 0  # the most tag flags one step boundary has read
     buffer_describer: Callable[[int, int], str | None] | None = None
     unit_describer: Callable[[int], str | None] | None = None
+    # the checkpoint package's resume of a fault-tolerant job from its joint checkpoint
+    # (checkpoint/resume.py's ``Resumer``, registered at its import): ft calls it, the
+    # two packages knowing nothing of each other
+    resumer: Any = None
     # comm/traits.py: what a group is beyond its ranks, held weakly by group
     group_traits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 

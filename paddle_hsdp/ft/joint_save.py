@@ -33,6 +33,8 @@ Every value this module writes to etcd is bounded: a payload over
 outcome is cut to :data:`MAX_OUTCOME_CHARS`.
 
 The result is an ordinary checkpoint: it loads into any layout and into one process.
+Its metadata also holds each writing rank's resume state (:meth:`JointSave.resume_state`),
+from which ``replica.load_checkpoint`` resumes the whole job (:mod:`.resume`).
 """
 
 from __future__ import annotations
@@ -69,11 +71,14 @@ class ReplicaView(Protocol):
     outer: LiveOuterGroup
     store: JobStore
 
+    def resume_state(self) -> dict: ...
+
 
 class JointSave:
     """The checkpoint package's view of the live replica groups (duck-typed there:
     ``begin``, ``writes``, ``file_rank``, ``world_size``, ``gather``, ``announce``,
-    ``outcome``). Built by :class:`~.replica.Replica`; valid after a committed step."""
+    ``outcome``, ``resume_state``). Built by :class:`~.replica.Replica`; valid after a
+    committed step."""
 
     def __init__(self, replica: ReplicaView):
         self._replica = replica
@@ -111,6 +116,12 @@ class JointSave:
             return self._replica.replica_id == min(replicas)
         holders = [r for r in replicas if plan.piece_of(r) == piece]
         return bool(holders) and self._replica.replica_id == min(holders)
+
+    def resume_state(self) -> dict | None:
+        """This rank's resume state (step, RNG, scheduler, user state) if its group
+        writes the replicated boxes (the lowest live replica), else None: the metadata
+        keeps one per rank of that group, so a resumed job goes on as this one would."""
+        return self._replica.resume_state() if self.writes(None) else None
 
     def file_rank(self) -> int:
         """This rank's index among every live group's ranks (its rank file's name)."""

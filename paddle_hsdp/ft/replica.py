@@ -44,7 +44,7 @@ from ..comm.collectives import CollectiveError
 from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
-from . import config, groups, transfer
+from . import config, groups, resume, transfer
 from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, security_from_env,
                    wait_until_answers)
 from .joint_save import JointSave
@@ -204,6 +204,7 @@ class Replica:
         self._state_fn: Callable[[], object] | None = None
         self._load_state_fn: Callable[[Any], object] | None = None
         self._user_state: str | None = None  # the user's (JSON), as of this step's start
+        self._resume_path: str | None = None  # a checkpoint resumed from, until a commit
         hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
 
     # ------------------------------------------------------------ set-up
@@ -231,6 +232,24 @@ class Replica:
             self._config_hash, text = config.digest(config.describe(
                 self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))
             self._leader().publish_config(self._config_hash, text)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Resume the job from its joint checkpoint at ``path`` (``save_checkpoint`` on
+        every live group): on every rank of every group, after :meth:`attach`, before
+        the first :meth:`train_step`. The step, RNG, scheduler and ``attach``'s user
+        state load now; the model and optimizer in the first round, once the outer
+        groups over the live groups exist, which then read the checkpoint about once
+        between them (:mod:`.resume`). Bad input raises here, on every rank alike."""
+        self._resume_path = resume.start(self, path)
+
+    def resume_state(self) -> dict:
+        """What a resume from a checkpoint saved now needs beyond tensors: this rank's
+        step, RNG, scheduler and user state (``attach``'s ``state_dict()`` now, after
+        the last committed step's batch). The joint save stores it."""
+        state = self._plain_state()
+        state["user"] = json.loads(_user_json(self._state_fn())) if self._state_fn else None
+        state["rank"] = self.rank
+        return state
 
     @property
     def piece_plan(self) -> PiecePlan | None:
@@ -354,6 +373,7 @@ class Replica:
                 optimizer.clear_grad()
                 self.step += 1
                 self._failed = self.fresh = False
+                self._resume_path = None  # resumed: a later round loads nothing
                 self._log(record, started, "step")
                 return loss
             optimizer.clear_grad()  # every grad of the attempt, synced or not
@@ -505,6 +525,9 @@ class Replica:
                 replication.order_outer_syncs_again(self._attached().model)
             else:
                 self.outer.carry_into(record.number)
+            if self._resume_path is not None:  # the tensors resumed from, before a transfer
+                self._timing["resume_bytes"] = resume.load_in_round(
+                    self, self._resume_path, record, receiving)
             if record.receivers:
                 model, optimizer = self._attached()
                 extra, self._timing["state_bytes"] = transfer.stream_state(

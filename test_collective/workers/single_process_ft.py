@@ -1,7 +1,10 @@
 """The single-process reference of the fault-tolerance test: step t trains on the
 batches of the replicas live at step t (as every replica recorded it), the mean loss
 over their ranks' rows; then every rank's committed losses and every replica's final
-parameters are compared with it (float64, the parity bound of workers/parity.py).
+parameters are compared with it (float64, the parity bound of workers/parity.py):
+each as of the step it was written at (``params_step``: a job that saved, stopped and
+resumed wrote them at the save too). A joint checkpoint out_dir/ckpt is loaded into
+one process and compared with the reference at its step (its ``extra``).
 
 argv: the folder worker_ft.py wrote into, the number of steps, the ranks per replica
 (default 2) and the penalty on the parameters' squared norm (worker_ft.py's
@@ -42,6 +45,14 @@ assert len(kinds) == 1, f"the replicas trained with different optimizers: {kinds
 kind = kinds.pop()
 model = build_model()
 opt, scheduler = make_optimizer(model.parameters(), kind)
+checkpoint = os.path.join(out_dir, "ckpt")
+checkpoint_step = None
+if os.path.isdir(checkpoint):
+    import paddle_hsdp
+    checkpoint_step = paddle_hsdp.checkpoint.read_metadata(checkpoint)["extra"]["step"]
+params_at = {run.get("params_step", steps) for run in runs}
+want_params_at: dict[int, dict] = {}  # step -> the reference's parameters after it
+ckpt_diffs = {}
 want_losses: dict[tuple, float] = {}  # (step, replica, rank) -> loss before the update
 for t in range(steps):
     per_rank = []
@@ -55,7 +66,21 @@ for t in range(steps):
     opt.step()
     scheduler.step()
     opt.clear_grad()
-want_params = {k: v.numpy() for k, v in model.state_dict().items()}
+    if t + 1 in params_at:
+        want_params_at[t + 1] = {k: v.numpy() for k, v in model.state_dict().items()}
+    if t + 1 == checkpoint_step:  # the live groups' joint checkpoint, loaded into one process
+        from paddle_hsdp.engine.optimizers import states_of
+        loaded = build_model()
+        loaded_opt, _ = make_optimizer(loaded.parameters(), kind)
+        extra = paddle_hsdp.load_checkpoint(checkpoint, loaded, loaded_opt)
+        assert extra == {"step": t + 1}, extra
+        for (name, want), got in zip(model.named_parameters(), loaded.parameters()):
+            ckpt_diffs[name] = max_rel(got.numpy(), want.numpy())
+            want_states, got_states = states_of(opt, want), states_of(loaded_opt, got)
+            assert sorted(want_states) == sorted(got_states), (sorted(want_states),
+                                                               sorted(got_states))
+            for acc, value in want_states.items():
+                ckpt_diffs[f"{name} {acc}"] = max_rel(got_states[acc].numpy(), value.numpy())
 
 loss_diffs, param_diffs = {}, {}
 for run in runs:
@@ -63,28 +88,15 @@ for run in runs:
     for step, loss in run["losses"].items():
         want = want_losses[(int(step), run["replica"], run["rank"])]
         loss_diffs[f"{who} step {int(step) + 1}"] = abs(loss - want) / abs(want)
+    want_params = want_params_at[run.get("params_step", steps)]
     assert sorted(run["params"]) == sorted(want_params), (sorted(run["params"]),
                                                           sorted(want_params))
     for name, value in run["params"].items():
         param_diffs[f"{who} {name}"] = max_rel(value, want_params[name])
 report("ft: per-step losses of every rank vs the reference", loss_diffs)
 report("ft: final parameters of every replica vs the reference", param_diffs)
-checkpoint = os.path.join(out_dir, "ckpt")
-if os.path.isdir(checkpoint):  # the live groups' joint checkpoint, loaded into one process
-    import paddle_hsdp
-    from paddle_hsdp.engine.optimizers import states_of
-    loaded = build_model()
-    loaded_opt, _ = make_optimizer(loaded.parameters(), kind)
-    extra = paddle_hsdp.load_checkpoint(checkpoint, loaded, loaded_opt)
-    assert extra == {"step": steps}, extra
-    ckpt_diffs = {}
-    for (name, want), got in zip(model.named_parameters(), loaded.parameters()):
-        ckpt_diffs[name] = max_rel(got.numpy(), want.numpy())
-        want_states, got_states = states_of(opt, want), states_of(loaded_opt, got)
-        assert sorted(want_states) == sorted(got_states), (sorted(want_states),
-                                                           sorted(got_states))
-        for acc, value in want_states.items():
-            ckpt_diffs[f"{name} {acc}"] = max_rel(got_states[acc].numpy(), value.numpy())
+if checkpoint_step is not None:
+    assert ckpt_diffs, f"the checkpoint's step {checkpoint_step} is not one of 1..{steps}"
     report("ft: the live groups' checkpoint (model and optimizer) vs the reference",
            ckpt_diffs)
     print(f"FT_CHECKPOINT_OK {len(ckpt_diffs)} tensors", flush=True)

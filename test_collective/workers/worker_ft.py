@@ -17,7 +17,11 @@ starts creating a round's outer groups, once it has taken k steps), FT_TEST_WAIT
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
 the squared norm of model.parameters() added to each rank's loss), FT_TEST_SAVE=1
-(after the last step the live groups save one checkpoint, out_dir/ckpt),
+(after the last step the live groups save one checkpoint, out_dir/ckpt), FT_TEST_SAVE_AT=k
+(after step k the live groups save out_dir/ckpt and each rank writes its results so far,
+its parameters as of step k; with FT_TEST_KILL_AT=k+1 every group then dies: the whole
+job stops), FT_TEST_RESUME=1 (replica.load_checkpoint(out_dir/ckpt) before the first
+step: the job resumes from that joint checkpoint),
 FT_TEST_OPTIMIZER=muon (paddle_hsdp.Muon, each matrix owned by one rank of
 the group; default adamw), FT_TEST_FAIL_EACH_STEP=1 (the first attempt of every step after the first fails here, as
 a failed collective would: a round that rebuilds the outer groups each step). Each rank writes
@@ -28,6 +32,7 @@ out_dir/progress<r> (steps done) after each step.
 """
 
 import faulthandler
+import hashlib
 import json
 import logging
 import os
@@ -90,11 +95,31 @@ loader = Loader()
 replica.attach(model, opt, lr_scheduler=scheduler,
                state_dict=lambda: {"position": loader.position},
                load_state_dict=lambda state: setattr(loader, "position", state["position"]))
-if os.environ.get("FT_TEST_OPTIM"):  # HFSDP as ft cut it: two pieces, each held twice
+if os.environ.get("FT_TEST_OPTIM"):  # HFSDP as ft cut it: start // redundancy pieces
     from paddle_hsdp.engine.registry import registry
+    parts = int(os.environ["PADDLE_HSDP_FT_START_REPLICAS"]) // \
+        int(os.environ["PADDLE_HSDP_FT_REDUNDANCY"])
     buffers = [b for u in registry.units_under(model) for b in u.buffers if b.trainable]
-    assert buffers and all(b.shared_pieces and (b.parts, b.part) == (2, replica.replica_id % 2)
-                           for b in buffers), [(b.parts, b.part) for b in buffers]
+    assert buffers and all((b.parts, b.part) == (parts, replica.replica_id % parts) and
+                           b.shared_pieces == (parts > 1) for b in buffers), \
+        [(b.parts, b.part) for b in buffers]
+save_at = int(os.environ.get("FT_TEST_SAVE_AT", "0"))
+resuming = bool(os.environ.get("FT_TEST_RESUME"))
+# a save or a resume draws from the RNG each step (the model draws nothing), so the RNG
+# state a resume restores is one no fresh start has
+draws = bool(save_at or resuming)
+
+
+def rng_digest() -> str:
+    return hashlib.sha256(json.dumps([s.__getstate__() for s in paddle.get_rng_state()])
+                          .encode()).hexdigest()[:16]
+
+
+rng_resumed = None
+if resuming:  # the whole job stopped: resume from its joint checkpoint
+    replica.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    assert loader.position == replica.step > 0, (loader.position, replica.step)
+    rng_resumed = rng_digest()
 if os.environ.get("FT_TEST_DIE_IN_TRANSFER"):  # die at the n-th tensor moved
     from paddle_hsdp.comm import collectives
     received, broadcast = [0], collectives.broadcast
@@ -174,6 +199,8 @@ def fault_hook():
 
 def forward_backward(xy):
     fail_first_attempt()
+    if draws:
+        paddle.rand([1])
     x, y = xy
     loss = loss_of(model, x, y, fault_hook())
     (loss + penalty_of(model, penalty) if penalty else loss).backward()
@@ -191,7 +218,22 @@ def counted_issue(self, buf):
 
 
 outer_sync.OuterSyncSchedule._issue = counted_issue
-losses, sockets = {}, []
+losses, sockets, history_from = {}, [], 0
+
+
+def write_results():
+    """This rank's losses and history since the last write, and its full parameters
+    as of now (``params_step``)."""
+    full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(model).items()}
+    with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}_"
+                           f"{replica.step}.json"), "w") as f:
+        json.dump({"replica": replica.replica_id, "rank": rank, "optimizer": kind,
+                   "losses": losses, "history": replica.history[history_from:],
+                   "params": full, "params_step": replica.step, "sockets": sockets,
+                   "groups_freed": replica.outer.freed, "early_syncs": early_syncs,
+                   "rng": rng_digest(), "rng_resumed": rng_resumed}, f)
+
+
 while replica.step < steps:
     if replica.step + 1 == pause_at:  # the test does something to etcd meanwhile
         open(os.path.join(out_dir, f"paused{replica.replica_id}_rank{rank}"), "w").close()
@@ -221,14 +263,16 @@ while replica.step < steps:
     if rank == 0:
         with open(os.path.join(out_dir, f"progress{replica.replica_id}"), "w") as f:
             f.write(str(replica.step))
+    if replica.step == save_at:  # every live group saves, then trains on (until killed)
+        paddle_hsdp.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt,
+                                    extra={"step": replica.step})
+        write_results()
+        losses, history_from = {}, len(replica.history)  # the next file: the steps after
+
+
 if os.environ.get("FT_TEST_SAVE"):  # every live group, one checkpoint together
     paddle_hsdp.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt,
                                 extra={"step": replica.step})
 replica.finish()
-full = {name: t.numpy().tolist() for name, t in paddle_hsdp.full_state_dict(model).items()}
-with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}.json"),
-          "w") as f:
-    json.dump({"replica": replica.replica_id, "rank": rank, "optimizer": kind, "losses": losses,
-               "history": replica.history, "params": full, "sockets": sockets,
-               "groups_freed": replica.outer.freed, "early_syncs": early_syncs}, f)
+write_results()
 print("WORKER_OK", flush=True)
