@@ -80,12 +80,16 @@ def resolve_modules(model: paddle.nn.Layer, config: HSDPConfig) -> ModuleChoice:
 
 
 def mp_policy_of(config: HSDPConfig) -> MixedPrecisionPolicy | None:
-    """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype)."""
+    """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype and
+    no ``fsdp_outer_compress``)."""
     dtypes = {k: _DTYPES[getattr(config, k)] for k in ("param_dtype", "reduce_dtype",
                                                         "output_dtype") if getattr(config, k)}
-    if not dtypes:
+    if not dtypes and config.fsdp_outer_compress is None:
         return None
-    return MixedPrecisionPolicy(cast_forward_inputs=config.cast_forward_inputs, **dtypes)
+    return MixedPrecisionPolicy(cast_forward_inputs=config.cast_forward_inputs,
+                                outer_compress=config.fsdp_outer_compress,
+                                outer_compress_block=config.fsdp_outer_compress_block,
+                                **dtypes)
 
 
 def reshard_after_forward_of(config: HSDPConfig, is_root: bool) -> bool:

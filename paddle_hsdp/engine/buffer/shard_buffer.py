@@ -82,7 +82,7 @@ class ShardBuffer:
         self.storage = ShardStorage(self)
         self.grads = ShardGrads(self)
         self.full_grads = FullGrads(self)
-        self.pieces = OuterPieces(self)
+        self.pieces = OuterPieces(self, mp_policy)
 
     # -------------------------------------------------------------- a new layout
     def layout_with_owners(self, owned: list[bool], parts: int | None = None,
