@@ -235,7 +235,10 @@ def _buffer_shape(params: list[ShardedParam], expert: bool, policy: MixedPrecisi
         master_bytes=element_size(params[0].dtype), gather_bytes=element_size(gather),
         reduce_bytes=element_size(reduce), compute_bytes=element_size(compute),
         trainable=params[0].trainable,
-        inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"])
+        inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"],
+        outer_compress_block=(policy.outer_compress_block
+                              if policy is not None and policy.outer_compress
+                              and params[0].trainable else 0))
 
 
 def build_lazily(factory: Callable[[], paddle.nn.Layer]) -> paddle.nn.Layer:

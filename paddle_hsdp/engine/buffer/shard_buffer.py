@@ -179,7 +179,8 @@ class ShardBuffer:
             reduce_bytes=element_size(self.grads.reduce_dtype()),
             compute_bytes=self.dtypes.compute_size, trainable=self.trainable,
             inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer),
-            outer_parts=self.parts)
+            outer_parts=self.parts,
+            outer_compress_block=self.pieces.compress_block if self.pieces.compress else 0)
 
     # -------------------------------------------------------------- dtypes
     @property
