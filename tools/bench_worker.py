@@ -182,7 +182,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
             nbytes = buf.logical_numel * buf.shape().master_bytes
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
-            if buf.trainable and buf.pieces.compress:
+            if buf.trainable and getattr(buf.pieces, "compress", None):
                 # int8 outer sync: an all-gather of every replica's codes of the shard
                 # (n / inner values) and one float32 scale per block, (O - 1) of them
                 # per rank; HFSDP's rebuild all-gather as below

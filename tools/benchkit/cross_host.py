@@ -77,7 +77,7 @@ def summarise_two_hosts(results: dict, args) -> dict:
     return summary
 
 
-def byte_target_status(summary: dict, variant: str, base: str, at_most: float) -> dict:
+def byte_target_status(summary: dict, variant: str, base: str, at_most: float | None) -> dict:
     """Cross-host bytes per step (the veth's TCP payload, and the counter's ring
     figure) of ``variant`` over ``base``'s, measured in the same run."""
     variants = summary["variants"]
@@ -89,7 +89,7 @@ def byte_target_status(summary: dict, variant: str, base: str, at_most: float) -
     ratio = ratios.get("veth_payload_bytes_per_step")
     return {"variant": variant, "vs": base, "at_most": at_most, "ratio": ratio,
             "expected_ratio": ratios.get("expected_bytes_per_step"),
-            "met": None if ratio is None else ratio <= at_most}
+            "met": None if ratio is None or at_most is None else ratio <= at_most}
 
 
 def add_ratios(summary: dict) -> None:
@@ -112,7 +112,7 @@ def add_ratios(summary: dict) -> None:
 def target_status(summary: dict, variant: str, base: str, at_most: float) -> dict:
     ratio = summary["variants"].get(variant, {}).get(f"time_vs_{base}")
     return {"variant": variant, "vs": base, "at_most": at_most, "ratio": ratio,
-            "met": None if ratio is None else ratio <= at_most}
+            "met": None if ratio is None or at_most is None else ratio <= at_most}
 
 
 def check_two_host_losses(summary: dict) -> None:

@@ -95,8 +95,11 @@ def print_two_hosts(summary: dict) -> None:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}x"
         expected = "" if t["expected_ratio"] is None else \
             f" (counter, ring: {t['expected_ratio']:.3f}x)"
-        print(f"target {t['variant']} cross-host bytes <= {t['at_most']}x {t['vs']}'s: "
-              f"{ratio}{expected} {verdict}")
+        bound = "" if t["at_most"] is None else f" <= {t['at_most']}x"
+        if t["at_most"] is None:
+            verdict = "(no target)"
+        print(f"{t['variant']} cross-host bytes{bound} vs {t['vs']}'s: {ratio}{expected} "
+              f"{verdict}")
     cross = summary["variants"].get("hfsdp2x2", {}).get("cross_vs_hsdp2x2")
     if cross:  # HFSDP's cross-host bytes against HSDP's (target: equal within 1%)
         print("hfsdp2x2 cross-host bytes vs hsdp2x2: " + ", ".join(
