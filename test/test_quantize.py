@@ -121,3 +121,22 @@ def test_the_knob_refuses_bad_values_before_anything_runs():
     assert (policy.outer_compress, policy.outer_compress_block) == ("int8", 64)
     assert policy.param_dtype is None and policy.reduce_dtype is None
     assert mp_policy_of(load_config({})) is None
+
+
+def test_cost_formula_of_the_int8_outer_sync():
+    """topology/cost.py: (O - 1) (S' + 4 S' / B) per rank for a shard of S values
+    rounded up to S' (whole blocks), in place of the all-reduce; HFSDP keeps its
+    all-gather of the updated float32 pieces."""
+    from paddle_hsdp.topology import cost
+
+    def outer_bytes(outer, parts, block):
+        b = cost.BufferShape(shard_numel=1000, logical_numel=1990, inner=2, outer=outer,
+                             master_bytes=4, gather_bytes=4, reduce_bytes=4, compute_bytes=4,
+                             trainable=True, outer_parts=parts, outer_compress_block=block)
+        comm = cost.step_comm([cost.UnitShape("u", (b,), True, 1990)])
+        return {op: v for (label, op), v in comm.items() if label == "outer"}
+
+    assert outer_bytes(2, 1, 0) == {"all_reduce": 2 * 0.5 * 4000}  # plain, unchanged
+    assert outer_bytes(2, 1, 256) == {"all_reduce_int8": 1 * (1024 + 16)}
+    assert outer_bytes(4, 1, 100) == {"all_reduce_int8": 3 * (1000 + 40)}
+    assert outer_bytes(2, 2, 256) == {"all_reduce_int8": 1040, "all_gather": 0.5 * 4000}
