@@ -19,7 +19,9 @@ rank's own (its data's), kept beside the grad shard in :class:`OuterPieces`, and
 committed only when the sync lands: a sync that is abandoned (a failed backward)
 leaves it as it was, and the grads are sent again. Checkpoints do not hold it: a
 loaded run starts from a zero residual (the first step after a load sends its grads
-without the last residual: one step's rounding, at most ``scale / 2`` per value).
+without the last residual: one step's rounding, at most ``scale / 2`` per value); so
+does a buffer laid out anew (``ShardBuffer.relayout``: a whole-matrix optimizer's first
+step), whose residual would sit at the old positions.
 
 Accumulation: grads accumulate unquantised in the grad shard; only the step's sync
 quantises. A sync undone (``unsync``: more grads after an early sync) brings the

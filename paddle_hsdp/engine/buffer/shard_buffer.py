@@ -125,6 +125,9 @@ class ShardBuffer:
                 paddle.assign(rows, output=sp.inner_block_of(flat))
         self.storage.adopt(flat)
         self.pieces.note_rebuilt()  # every rank holds its whole inner block
+        # the int8 outer sync's residual is laid out as the old shard: dropped (one
+        # step's rounding, as on a checkpoint load; outer_compress.py)
+        self.pieces.residual = None
         if grads is not None:
             self.grads.relay(grads)
 
