@@ -53,6 +53,31 @@ def test_round_trip_error_per_block_and_same_bits_as_numpy():
         assert np.abs(codes.numpy()).max() == 127
 
 
+def test_fp8_round_trip_same_bits_as_ml_dtypes():
+    """``"fp8"``: codes are x / scale cast to float8 e4m3 (scale = max|x| / 448),
+    relative error at most 2^-4 per value above e4m3's subnormals."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for seed in range(5):
+        x = values(seed)
+        codes, scales = quantize.quantize(paddle.to_tensor(x), BLOCK, "fp8")
+        assert codes.dtype == paddle.int8 and codes.shape == [len(x)]
+        back = quantize.dequantize(codes, scales, BLOCK, "fp8").numpy()
+        grid = x.reshape(-1, BLOCK)
+        amax = np.abs(grid).max(axis=1)
+        want_scales = np.where(amax > 0, amax / np.float32(448), np.float32(1)) \
+            .astype(np.float32)
+        scaled = np.clip(grid / want_scales[:, None], -448, 448)
+        want = (scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                * want_scales[:, None]).reshape(-1)
+        np.testing.assert_array_equal(scales.numpy(), want_scales)
+        np.testing.assert_array_equal(back, want)
+        normal = np.abs(x) >= np.repeat(want_scales, BLOCK) * 2.0 ** -6
+        assert (np.abs(back - x)[normal] <= 2.0 ** -4 * np.abs(x)[normal] * (1 + 1e-6)).all()
+        pieces = quantize.sum_of_messages(quantize.pack(codes, scales), 1, len(x), BLOCK,
+                                          3, 70, "fp8").numpy()
+        np.testing.assert_array_equal(pieces, want[3:70])
+
+
 def test_pack_unpack_and_rank_order_sum():
     messages, parts = [], []
     for r in range(3):
@@ -106,7 +131,7 @@ def test_error_feedback_keeps_the_running_sum_within_one_residual():
 
 
 def test_the_knob_refuses_bad_values_before_anything_runs():
-    with pytest.raises(ValueError, match=r"outer_compress=.*None, 'int8'.*'int4'"):
+    with pytest.raises(ValueError, match=r"outer_compress=.*None, 'int8', 'fp8'.*'int4'"):
         MixedPrecisionPolicy(outer_compress="int4")
     with pytest.raises(ValueError, match=r"outer_compress_block=.*>= 8.*4"):
         MixedPrecisionPolicy(outer_compress="int8", outer_compress_block=4)

@@ -211,7 +211,7 @@ def measured_comm() -> dict:
             "inner reduce_scatter": c.get("inner", "reduce_scatter").wire_bytes,
             "outer all_reduce": sum(c.get("outer", op).wire_bytes for op in
                                     ("all_reduce", "reduce_scatter", "all_gather",
-                                     "all_reduce_int8"))}
+                                     "all_reduce_int8", "all_reduce_fp8"))}
 
 
 # ---------------------------------------------------------------- two hosts

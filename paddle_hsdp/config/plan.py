@@ -238,7 +238,8 @@ def _buffer_shape(params: list[ShardedParam], expert: bool, policy: MixedPrecisi
         inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"],
         outer_compress_block=(policy.outer_compress_block
                               if policy is not None and policy.outer_compress
-                              and params[0].trainable else 0))
+                              and params[0].trainable else 0),
+        outer_compress=(policy.outer_compress if policy is not None else None) or "int8")
 
 
 def build_lazily(factory: Callable[[], paddle.nn.Layer]) -> paddle.nn.Layer:

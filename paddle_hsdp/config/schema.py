@@ -107,7 +107,7 @@ def _check_outer_sharding(value: Any, allowed: str):
     return value
 
 
-OUTER_COMPRESS = ("int8",)  # fsdp_outer_compress besides null
+OUTER_COMPRESS = ("int8", "fp8")  # fsdp_outer_compress besides null
 
 
 def _check_outer_compress(value: Any, allowed: str):
@@ -204,8 +204,9 @@ _KEYS = (
     _Key("pin_memory", False, "true or false", _check_bool),
     _Key("param_dtype", None, _DTYPE, _check_dtype),
     _Key("reduce_dtype", None, _DTYPE, _check_dtype),
-    _Key("fsdp_outer_compress", None, "null or 'int8' (int8: the outer sync crosses "
-         "machines as blockwise int8 with error feedback)", _check_outer_compress),
+    _Key("fsdp_outer_compress", None, "null, 'int8' or 'fp8' (the outer sync crosses "
+         "machines as blockwise int8 / float8 e4m3 codes with error feedback)",
+         _check_outer_compress),
     _Key("fsdp_outer_compress_block", 256, "an int >= 8 (values per float32 scale of "
          "fsdp_outer_compress)", _check_compress_block),
     _Key("owned_matrices", False, "true or false (true: each matrix Muon updates whole "

@@ -28,9 +28,9 @@ class MixedPrecisionPolicy:
     reduce_dtype: Any = None
     output_dtype: Any = None
     cast_forward_inputs: bool = True
-    # paddle_hsdp's: the outer sync (the cross-machine bytes) as blockwise int8 with
-    # error feedback, ``outer_compress_block`` values per float32 scale
-    # (engine/buffer/outer_compress.py); None: in ``reduce_dtype``
+    # paddle_hsdp's: the outer sync (the cross-machine bytes) as blockwise int8 or
+    # float8 (e4m3) codes with error feedback, ``outer_compress_block`` values per
+    # float32 scale (engine/buffer/outer_compress.py); None: in ``reduce_dtype``
     outer_compress: str | None = None
     outer_compress_block: int = 256
 
@@ -49,7 +49,7 @@ class MixedPrecisionPolicy:
                              f">= {MIN_BLOCK} (values per float32 scale), got {block!r}")
 
 
-OUTER_COMPRESS = (None, "int8")  # MixedPrecisionPolicy(outer_compress=...)
+OUTER_COMPRESS = (None, "int8", "fp8")  # MixedPrecisionPolicy(outer_compress=...)
 MIN_BLOCK = 8  # below it the scales outweigh the codes
 
 

@@ -1,12 +1,14 @@
 """The compressed outer all-reduce (``MixedPrecisionPolicy(outer_compress="int8")``) on
-HSDP 2 x 2 and HFSDP 2 x 2, float32, 2 micro-steps, against a one-process simulation.
+HSDP 2 x 2 and HFSDP 2 x 2 (and ``"fp8"`` on HSDP 2 x 2), float32, 2 micro-steps,
+against a one-process simulation.
 
 Each step the simulation starts from the run's parameters before it (so float32
 differences do not compound through training), computes each replica's grads in one
 process (the sum over its two ranks of their micro-step losses' grads, as the inner
 reduce-scatter leaves them), lays them out as the run's buffers are laid out (their
 segment layouts), cuts them into the inner ranks' shards and quantises each shard in
-NumPy (blocks of ``BLOCK``, scale max|x| / 127, round half to even) with its own
+NumPy (blocks of ``BLOCK``, scale max|x| / 127, round half to even; fp8: max|x| /
+448, cast to float8 e4m3 with ``ml_dtypes``) with its own
 error-feedback residual per replica; the replicas' dequantised shards are added in
 replica order, divided by the 4 ranks, and SGD steps on them. Every step's parameters
 of both runs are compared with its prediction. The same simulation without error
@@ -17,6 +19,7 @@ the comm counter: the outer group sends only the int8 all-gathers, ``(O - 1) / O
 Prints ``OUTER_COMPRESS <name> ...`` lines.
 """
 
+import ml_dtypes
 import numpy as np
 from common import finish, init_fleet
 
@@ -50,22 +53,27 @@ def use_extra(micro):
     return micro == 1
 
 
-def policy():
-    return paddle_hsdp.MixedPrecisionPolicy(outer_compress="int8", outer_compress_block=BLOCK)
+def policy(kind):
+    return paddle_hsdp.MixedPrecisionPolicy(outer_compress=kind, outer_compress_block=BLOCK)
 
 
 # ------------------------------------------------------------------ simulation (NumPy)
-def np_quantize(x):
+def np_quantize(x, kind):
     """``(dequantised x, each value's block scale)``."""
+    top = np.float32(127 if kind == "int8" else 448)
     grid = x.reshape(-1, BLOCK)
     amax = np.abs(grid).max(axis=1)
-    scales = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    codes = np.clip(np.round(grid / scales[:, None]), -127, 127)
-    deq = (codes.astype(np.float32) * scales[:, None]).reshape(-1)
+    scales = np.where(amax > 0, amax / top, np.float32(1)).astype(np.float32)
+    if kind == "int8":
+        codes = np.clip(np.round(grid / scales[:, None]), -top, top).astype(np.float32)
+    else:
+        codes = np.clip(grid / scales[:, None], -top, top).astype(ml_dtypes.float8_e4m3fn) \
+            .astype(np.float32)
+    deq = (codes * scales[:, None]).reshape(-1)
     return deq, np.repeat(scales, BLOCK)
 
 
-def simulate(layouts, history, feedback=True):
+def simulate(layouts, history, kind, feedback=True):
     """Per step, from the run's parameters before it (``history[step - 1]``; the
     initial model first): ``({name: predicted value}, {name: one code's step})``.
     ``layouts``: per trainable buffer, ``(layout, [(name, k)], shard_numel)``."""
@@ -105,7 +113,7 @@ def simulate(layouts, history, feedback=True):
                     key = (b, replica, i)
                     if feedback and key in residual:
                         x = x + residual[key]
-                    deq, scale = np_quantize(x)
+                    deq, scale = np_quantize(x, kind)
                     residual[key] = x - deq
                     piece = slice(i * shard_numel, (i + 1) * shard_numel)
                     sent[piece] = deq[:shard_numel]
@@ -126,7 +134,8 @@ def compare(history, simulated):
     """``(share of values off by more than float32's rounding, worst such miss in
     codes of its block)``: with error feedback a value's code may flip where the
     run's and the simulation's grads (float32, summed in other orders) straddle a
-    rounding boundary, and the residual carries that one code into the next step."""
+    rounding boundary, and the residual carries that one code into the next step
+    (fp8: one code is the block scale's here, an upper bound on a flip's size)."""
     off = total = 0
     worst_codes = 0.0
     for got, (predicted, quantum) in zip(history, simulated):
@@ -141,8 +150,8 @@ def compare(history, simulated):
 
 
 # ------------------------------------------------------------------ the runs
-def train(**kwargs):
-    model = shard_tinylm(build_model(), mp_policy=policy(), **kwargs)
+def train(kind="int8", **kwargs):
+    model = shard_tinylm(build_model(), mp_policy=policy(kind), **kwargs)
     opt = paddle.optimizer.SGD(learning_rate=LR, parameters=model.parameters())
     history, counts = [], []
     for step in data:
@@ -173,13 +182,18 @@ assert all(b.pieces.compresses for b in buffers)
 hf_model, hf_hist, hf_counts = train(fsdp_outer_sharding="optim")
 hf_buffers = [b for u in hsdp_registry.units_under(hf_model) for b in u.buffers if b.trainable]
 assert all(b.parts == 2 and b.pieces.compresses for b in hf_buffers)
+fp8_model, fp8_hist, fp8_counts = train("fp8")
+fp8_buffers = [b for u in hsdp_registry.units_under(fp8_model) for b in u.buffers if b.trainable]
 
 results = {}
-for label, model, history in (("hsdp", hsdp_model, hsdp_hist), ("hfsdp", hf_model, hf_hist)):
+for label, model, history, kind in (("hsdp", hsdp_model, hsdp_hist, "int8"),
+                                    ("hfsdp", hf_model, hf_hist, "int8"),
+                                    ("hsdp fp8", fp8_model, fp8_hist, "fp8")):
     layouts = layouts_of(model)
-    results[label] = compare(history, simulate(layouts, history))
-    results[label + " without feedback"] = compare(history, simulate(layouts, history, False))
-for label in ("hsdp", "hfsdp"):
+    results[label] = compare(history, simulate(layouts, history, kind))
+    results[label + " without feedback"] = compare(history, simulate(layouts, history, kind,
+                                                                     False))
+for label in ("hsdp", "hfsdp", "hsdp fp8"):
     share, codes = results[label]
     assert share <= MAX_FLIPPED and codes <= MAX_CODES, (label, results)
     assert results[label + " without feedback"][0] > 20 * MAX_FLIPPED, (label, results)
@@ -188,17 +202,19 @@ print("OUTER_COMPRESS parity " + "; ".join(
     in results.items()) + f" (allowed {MAX_FLIPPED:.1%}, {MAX_CODES} codes)", flush=True)
 
 # every replica holds the same bits: this rank's shards against its outer peer's
-for bufs in (buffers, hf_buffers):
+for bufs in (buffers, hf_buffers, fp8_buffers):
     mine = paddle.concat([b.storage.raw[:b.shard_numel] for b in bufs])
     both = paddle.empty([OUTER * mine.shape[0]], dtype=mine.dtype)
     comm.all_gather_into(both, mine, outer, tag="test")
     halves = both.numpy().reshape(OUTER, -1)
     assert (halves[0] == halves[1]).all(), "replicas differ"
-print("OUTER_COMPRESS replicas bit-identical (HSDP and HFSDP)", flush=True)
+print("OUTER_COMPRESS replicas bit-identical (HSDP, HFSDP, HSDP fp8)", flush=True)
 
 # the bytes: only the int8 all-gathers cross the outer group, each (O-1)/O of O packed
 # messages (n codes padded to whole blocks, 4 bytes a block); HFSDP adds its rebuild
-for label, bufs, counts in (("hsdp", buffers, hsdp_counts), ("hfsdp", hf_buffers, hf_counts)):
+for label, bufs, counts, op in (("hsdp", buffers, hsdp_counts, "all_reduce_int8"),
+                                ("hfsdp", hf_buffers, hf_counts, "all_reduce_int8"),
+                                ("hsdp fp8", fp8_buffers, fp8_counts, "all_reduce_fp8")):
     expected = fp32 = 0.0
     for b in bufs:
         padded = -(-b.shard_numel // BLOCK) * BLOCK
@@ -206,9 +222,9 @@ for label, bufs, counts in (("hsdp", buffers, hsdp_counts), ("hfsdp", hf_buffers
         fp32 += 2 * (OUTER - 1) / OUTER * 4 * b.shard_numel
     for snap in counts:
         outer_ops = {op: st for (group, op), st in snap.items() if group == "outer"}
-        assert set(outer_ops) <= {"all_reduce_int8", "all_gather"}, outer_ops
-        assert label == "hfsdp" or set(outer_ops) == {"all_reduce_int8"}, outer_ops
-        sent = outer_ops["all_reduce_int8"]
+        assert set(outer_ops) <= {op, "all_gather"}, outer_ops
+        assert label == "hfsdp" or set(outer_ops) == {op}, outer_ops
+        sent = outer_ops[op]
         assert sent.calls == len(bufs) and sent.wire_bytes == expected, (sent, expected)
     print(f"OUTER_COMPRESS {label} bytes per step {expected:.0f} = {expected / fp32:.3f}x "
           f"the fp32 all-reduce's {fp32:.0f} (block {BLOCK})", flush=True)

@@ -1,6 +1,7 @@
-"""The compressed outer sync (``MixedPrecisionPolicy(outer_compress="int8")``): the grad
-shard crosses the outer group as blockwise int8 codes and float32 scales
-(:mod:`paddle_hsdp.comm.quantize`) instead of an all-reduce in ``reduce_dtype``.
+"""The compressed outer sync (``MixedPrecisionPolicy(outer_compress="int8")``, or
+``"fp8"``): the grad shard crosses the outer group as blockwise int8 (float8 e4m3)
+codes and float32 scales (:mod:`paddle_hsdp.comm.quantize`) instead of an all-reduce in
+``reduce_dtype``.
 
 An int8 sum cannot be reduced in int8, and gloo has no all-to-all or reduce-scatter,
 so each rank quantises its whole grad shard, one all-gather gives every rank every
@@ -42,7 +43,11 @@ from ...comm import quantize
 if TYPE_CHECKING:
     from .shard_buffer import ShardBuffer
 
-COUNTED_AS = "all_reduce_int8"  # the comm counter's op for the compressed sync
+
+
+def counted_as(kind: str) -> str:
+    """The comm counter's op for the compressed sync: ``all_reduce_int8`` / ``_fp8``."""
+    return f"all_reduce_{kind}"
 
 
 @dataclass
@@ -54,13 +59,16 @@ class PendingCompressed:
     numel: int  # values sent (the grad shard's)
     out: paddle.Tensor  # the grad shard it lands in
     scatter: bool  # HFSDP: only this rank's piece lands
+    kind: str  # the codes: "int8" or "fp8"
 
 
 def start(buf: ShardBuffer, values: paddle.Tensor, flat: paddle.Tensor, scatter: bool,
           async_op: bool, on_thread: bool) -> PendingCompressed:
     """Quantise ``values`` (the grad shard, or its device copy) plus the residual and
     issue the all-gather of the message over the outer group."""
-    block = buf.pieces.compress_block
+    block, kind = buf.pieces.compress_block, buf.pieces.compress
+    if kind is None:
+        raise AssertionError(f"{buf.describe()}: a compressed outer sync without outer_compress")
     numel = comm.numel_of(values)
     padded = quantize.padded_numel(numel, block)
     x = values.reshape([-1]).astype("float32")
@@ -69,16 +77,17 @@ def start(buf: ShardBuffer, values: paddle.Tensor, flat: paddle.Tensor, scatter:
     residual = buf.pieces.residual
     if residual is not None:
         x = x + residual
-    codes, scales = quantize.quantize(x, block)
-    new_residual = x - quantize.dequantize(codes, scales, block)
+    codes, scales = quantize.quantize(x, block, kind)
+    new_residual = x - quantize.dequantize(codes, scales, block, kind)
     message = quantize.pack(codes, scales)
     gathered = paddle.empty([buf.outer.nranks * comm.numel_of(message)], dtype="int8")
     handle = comm.all_gather_into(gathered, message, buf.outer, async_op=True,
-                                  what=buf.describe, counted_as=COUNTED_AS,
+                                  what=buf.describe, counted_as=counted_as(kind),
                                   on_thread=on_thread)
     if not async_op:
         handle.wait()
-    return PendingCompressed(handle, message, gathered, new_residual, numel, flat, scatter)
+    return PendingCompressed(handle, message, gathered, new_residual, numel, flat, scatter,
+                             kind)
 
 
 def finish(buf: ShardBuffer, pending: PendingCompressed, lo: int = 0,
@@ -90,4 +99,4 @@ def finish(buf: ShardBuffer, pending: PendingCompressed, lo: int = 0,
     padded = comm.numel_of(pending.residual)
     return quantize.sum_of_messages(pending.gathered, buf.outer.nranks, padded,
                                     buf.pieces.compress_block, lo,
-                                    pending.numel if hi is None else hi)
+                                    pending.numel if hi is None else hi, pending.kind)

@@ -54,7 +54,8 @@ class OuterPieces:
         # the compressed outer sync (outer_compress.py): "int8" or None, values per scale
         floating = buf.dtypes.master in (paddle.float32, paddle.float64, paddle.float16,
                                          paddle.bfloat16)
-        self.compress = getattr(mp_policy, "outer_compress", None) if floating else None
+        self.compress: str | None = (getattr(mp_policy, "outer_compress", None) if floating
+                                     else None)
         self.compress_block: int = getattr(mp_policy, "outer_compress_block", 0)
         # the post-step all-gather in flight, and whether the flat shard holds every
         # replica's latest piece (a rebuild is owed before the next read once

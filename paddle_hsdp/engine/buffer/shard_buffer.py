@@ -183,7 +183,8 @@ class ShardBuffer:
             compute_bytes=self.dtypes.compute_size, trainable=self.trainable,
             inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer),
             outer_parts=self.parts,
-            outer_compress_block=self.pieces.compress_block if self.pieces.compress else 0)
+            outer_compress_block=self.pieces.compress_block if self.pieces.compress else 0,
+            outer_compress=self.pieces.compress or "int8")
 
     # -------------------------------------------------------------- dtypes
     @property
