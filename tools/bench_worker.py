@@ -1,11 +1,13 @@
 """One benchmark variant on this process's rank (launched by tools/bench.py).
 
-argv: JSON with variant (hsdp2x2, hsdp2x2_bf16, hfsdp2x2, hsdp1x4, dp, stage3, single), shape,
+argv: JSON with variant (hsdp2x2, hsdp2x2_bf16, hsdp2x2_int8, hfsdp2x2, hfsdp2x2_int8, hsdp1x4,
+dp, stage3, single), shape,
 steps, per_rank (sequences per rank), world (ranks of the distributed variants), out
 (where rank 0 writes its JSON result) and optionally two_hosts (launched by
 tools/two_hosts.py: also measure what crosses between the hosts, see ``net_report``).
 ``hsdp2x2_bf16`` passes ``MixedPrecisionPolicy(reduce_dtype="bfloat16")`` to every
-``fully_shard`` call; ``hfsdp2x2`` is HSDP 2 x 2 with ``sharding_configs
+``fully_shard`` call, ``*_int8`` ``MixedPrecisionPolicy(outer_compress="int8")`` (the outer
+sync as blockwise int8 with error feedback, blocks of 256); ``hfsdp2x2`` is HSDP 2 x 2 with ``sharding_configs
 ["fsdp_outer_sharding"] = "optim"`` (the optimizer state sharded across the outer group
 too). The paddle_hsdp variants also report the optimizer's state bytes on rank 0
 (``memory_report(model, opt)["optimizer"]``, after the first step created them).
@@ -86,8 +88,11 @@ def wrap(variant: str, model):
         return paddle.optimizer.AdamW(learning_rate=1e-3, parameters=params)
 
     if is_engine(variant):
-        policy = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="bfloat16") \
-            if variant.endswith("_bf16") else None
+        policy = None
+        if variant.endswith("_bf16"):
+            policy = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="bfloat16")
+        elif variant.endswith("_int8"):  # the outer sync as blockwise int8 (issue 66)
+            policy = paddle_hsdp.MixedPrecisionPolicy(outer_compress="int8")
         kwargs = {"mp_policy": policy}
         if "_muon" in variant:  # Muon: its matrices owned by one rank, or whole on all
             kwargs["shard_placement_fn"] = muon_placement(model, variant)
@@ -171,13 +176,22 @@ def stage3(model, opt):
 
 def theoretical_comm(units, inner: int, outer: int) -> dict:
     """Per-step wire bytes per rank from the volume formulas (docs/architecture.md), unpadded (one micro-step)."""
-    gather = reduce = outer_sync = 0.0
+    gather = reduce = outer_sync = compressed = 0.0
     for unit in units:
         for buf in unit.buffers:
             nbytes = buf.logical_numel * buf.shape().master_bytes
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
-            if buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
+            if buf.trainable and getattr(buf.pieces, "compress", None):
+                # int8 outer sync: an all-gather of every replica's codes of the shard
+                # (n / inner values) and one float32 scale per block, (O - 1) of them
+                # per rank; HFSDP's rebuild all-gather as below
+                reduce += buf.logical_numel * buf.shape().reduce_bytes
+                n = buf.logical_numel / inner
+                compressed += (outer - 1) * (n + 4 * n / buf.pieces.compress_block)
+                if getattr(buf, "parts", 1) > 1:
+                    outer_sync += buf.logical_numel * buf.shape().master_bytes
+            elif buf.trainable:  # reduce-scatter and outer all-reduce travel in reduce_dtype
                 numel = buf.logical_numel * buf.shape().reduce_bytes
                 reduce += numel
                 # HFSDP: the outer all-reduce is a reduce-scatter (reduce_dtype) and an
@@ -186,7 +200,7 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
                                         if getattr(buf, "parts", 1) > 1 else numel))
     return {"inner all_gather": gather,
             "inner reduce_scatter": (inner - 1) / inner * reduce,
-            "outer all_reduce": (outer - 1) / outer * outer_sync / inner}
+            "outer all_reduce": (outer - 1) / outer * outer_sync / inner + compressed}
 
 
 def measured_comm() -> dict:
@@ -196,7 +210,8 @@ def measured_comm() -> dict:
     return {"inner all_gather": c.get("inner", "all_gather").wire_bytes,
             "inner reduce_scatter": c.get("inner", "reduce_scatter").wire_bytes,
             "outer all_reduce": sum(c.get("outer", op).wire_bytes for op in
-                                    ("all_reduce", "reduce_scatter", "all_gather"))}
+                                    ("all_reduce", "reduce_scatter", "all_gather",
+                                     "all_reduce_int8", "all_reduce_fp8"))}
 
 
 # ---------------------------------------------------------------- two hosts

@@ -412,22 +412,25 @@ def _needs_fp32_staging(tensor: paddle.Tensor, group: Group) -> bool:
 @overload
 def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
                     async_op: Literal[False] = ..., tag: str | None = ...,
-                    what: Description = ..., counted_as: str = ...) -> None: ...
+                    what: Description = ..., counted_as: str = ...,
+                    on_thread: bool = ...) -> None: ...
 @overload
 def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
                     async_op: Literal[True], tag: str | None = ..., what: Description = ...,
-                    counted_as: str = ...) -> Handle: ...
+                    counted_as: str = ..., on_thread: bool = ...) -> Handle: ...
 @overload
 def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
                     async_op: bool, tag: str | None = ..., what: Description = ...,
-                    counted_as: str = ...) -> Handle | None: ...
+                    counted_as: str = ..., on_thread: bool = ...) -> Handle | None: ...
 def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
                     async_op: bool = False, tag: str | None = None, what: Description = None,
-                    counted_as: str = "all_gather") -> Handle | None:
+                    counted_as: str = "all_gather", on_thread: bool = False) -> Handle | None:
     """Gather equal shards of the group into ``out_flat`` (rank order), in place.
     ``what`` names the caller's tensors in error messages and fingerprints;
     ``counted_as``: the op the byte counter files it under (``all_gather_tags`` for
-    the all-gather check's own small call, engine/buffer/gather.py)."""
+    the all-gather check's own small call, engine/buffer/gather.py;
+    ``all_reduce_int8`` for the compressed outer all-reduce's). ``on_thread`` (with
+    ``async_op``, on gloo): on the communication thread, as :func:`all_reduce`."""
     n = group.nranks
     _check_split("all_gather_into: output", out_flat, shard, n)
     payload = _nbytes(out_flat)
@@ -437,8 +440,9 @@ def all_gather_into(out_flat: paddle.Tensor, shard: paddle.Tensor, group: Group,
         return _finish(Handle(), async_op)
     what = what or tag
     _verify("all_gather", shard, group, what)
+    threaded = on_thread and async_op and is_gloo(group)
     task = _issue("all_gather", group, what, lambda: dist.stream.all_gather(
-        out_flat, shard, group=group, sync_op=not async_op))
+        out_flat, shard, group=group, sync_op=not async_op or threaded), on_thread=threaded)
     return _finish(Handle([task], failure=_failure("all_gather", group, what),
                           waiting_for=_waiting_for("all_gather", group, what),
                           keep=(out_flat, shard)), async_op)

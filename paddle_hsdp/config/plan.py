@@ -80,12 +80,16 @@ def resolve_modules(model: paddle.nn.Layer, config: HSDPConfig) -> ModuleChoice:
 
 
 def mp_policy_of(config: HSDPConfig) -> MixedPrecisionPolicy | None:
-    """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype)."""
+    """The ``MixedPrecisionPolicy`` a config asks for (None when it sets no dtype and
+    no ``fsdp_outer_compress``)."""
     dtypes = {k: _DTYPES[getattr(config, k)] for k in ("param_dtype", "reduce_dtype",
                                                         "output_dtype") if getattr(config, k)}
-    if not dtypes:
+    if not dtypes and config.fsdp_outer_compress is None:
         return None
-    return MixedPrecisionPolicy(cast_forward_inputs=config.cast_forward_inputs, **dtypes)
+    return MixedPrecisionPolicy(cast_forward_inputs=config.cast_forward_inputs,
+                                outer_compress=config.fsdp_outer_compress,
+                                outer_compress_block=config.fsdp_outer_compress_block,
+                                **dtypes)
 
 
 def reshard_after_forward_of(config: HSDPConfig, is_root: bool) -> bool:
@@ -231,7 +235,11 @@ def _buffer_shape(params: list[ShardedParam], expert: bool, policy: MixedPrecisi
         master_bytes=element_size(params[0].dtype), gather_bytes=element_size(gather),
         reduce_bytes=element_size(reduce), compute_bytes=element_size(compute),
         trainable=params[0].trainable,
-        inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"])
+        inner_label=labels["expert_inner" if expert else "inner"], outer_label=labels["outer"],
+        outer_compress_block=(policy.outer_compress_block
+                              if policy is not None and policy.outer_compress
+                              and params[0].trainable else 0),
+        outer_compress=(policy.outer_compress if policy is not None else None) or "int8")
 
 
 def build_lazily(factory: Callable[[], paddle.nn.Layer]) -> paddle.nn.Layer:

@@ -107,6 +107,23 @@ def _check_outer_sharding(value: Any, allowed: str):
     return value
 
 
+OUTER_COMPRESS = ("int8", "fp8")  # fsdp_outer_compress besides null
+
+
+def _check_outer_compress(value: Any, allowed: str):
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _expected(allowed, value, wrong_type=True)
+    if value not in OUTER_COMPRESS:
+        raise _expected(allowed, value, wrong_type=False)
+    return value
+
+
+def _check_compress_block(value: Any, allowed: str):
+    return _check_int_at_least(value, allowed, 8)
+
+
 def _check_optional_bool(value: Any, allowed: str):
     return None if value is None else _check_bool(value, allowed)
 
@@ -187,6 +204,11 @@ _KEYS = (
     _Key("pin_memory", False, "true or false", _check_bool),
     _Key("param_dtype", None, _DTYPE, _check_dtype),
     _Key("reduce_dtype", None, _DTYPE, _check_dtype),
+    _Key("fsdp_outer_compress", None, "null, 'int8' or 'fp8' (the outer sync crosses "
+         "machines as blockwise int8 / float8 e4m3 codes with error feedback)",
+         _check_outer_compress),
+    _Key("fsdp_outer_compress_block", 256, "an int >= 8 (values per float32 scale of "
+         "fsdp_outer_compress)", _check_compress_block),
     _Key("owned_matrices", False, "true or false (true: each matrix Muon updates whole "
          "on one rank, paddle_hsdp.owned_matrices())", _check_bool),
     _Key("output_dtype", None, _DTYPE, _check_dtype),
@@ -230,6 +252,8 @@ class HSDPConfig:
     pin_memory: bool = False
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    fsdp_outer_compress: str | None = None
+    fsdp_outer_compress_block: int = 256
     owned_matrices: bool = False
     output_dtype: str | None = None
     sync_module_states: bool = True

@@ -28,6 +28,11 @@ class MixedPrecisionPolicy:
     reduce_dtype: Any = None
     output_dtype: Any = None
     cast_forward_inputs: bool = True
+    # paddle_hsdp's: the outer sync (the cross-machine bytes) as blockwise int8 or
+    # float8 (e4m3) codes with error feedback, ``outer_compress_block`` values per
+    # float32 scale (engine/buffer/outer_compress.py); None: in ``reduce_dtype``
+    outer_compress: str | None = None
+    outer_compress_block: int = 256
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -35,6 +40,17 @@ class MixedPrecisionPolicy:
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError("MixedPrecisionPolicy(cast_forward_inputs=...) must be True or "
                             f"False, got {self.cast_forward_inputs!r}")
+        if self.outer_compress not in OUTER_COMPRESS:
+            raise ValueError("MixedPrecisionPolicy(outer_compress=...) must be one of "
+                             f"{list(OUTER_COMPRESS)}, got {self.outer_compress!r}")
+        block = self.outer_compress_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < MIN_BLOCK:
+            raise ValueError("MixedPrecisionPolicy(outer_compress_block=...) must be an int "
+                             f">= {MIN_BLOCK} (values per float32 scale), got {block!r}")
+
+
+OUTER_COMPRESS = (None, "int8", "fp8")  # MixedPrecisionPolicy(outer_compress=...)
+MIN_BLOCK = 8  # below it the scales outweigh the codes
 
 
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -24,7 +24,14 @@ step, the counter's ring accounting:
   outer reduce-scatter (payload ``S * reduce bytes``, wire ``(O - 1) / O``) and, after
   the update, an outer all-gather (payload ``S * master bytes``, the parameters' own
   dtype, wire ``(O - 1) / O``), once each: the all-reduce's bytes when ``reduce_dtype``
-  is the parameters' dtype. The optimizer state per rank is ``1 / O`` of HSDP's.
+  is the parameters' dtype. The optimizer state per rank is ``1 / O`` of HSDP's;
+* with ``outer_compress="int8"`` (or ``"fp8"``: the same bytes, op ``all_reduce_fp8``)
+  in blocks of ``B`` (engine/buffer/outer_compress.py),
+  instead of the all-reduce or reduce-scatter: one outer all-gather of every rank's
+  message, ``S`` rounded up to whole blocks ``S'`` of int8 codes plus ``4 S' / B`` bytes
+  of float32 scales (op ``all_reduce_int8``: payload ``O (S' + 4 S' / B)``, wire
+  ``(O - 1) / O`` of it, i.e. ``(O - 1) (S' + 4 S' / B)`` per rank); HFSDP's all-gather
+  after the update as above.
 
 ``TAG`` is the all-gather check's few elements per rank (:mod:`paddle_hsdp.comm.gather_tags`).
 """
@@ -55,6 +62,8 @@ class BufferShape:
     inner_label: str = "inner"  # the counter's labels of the groups it talks to
     outer_label: str = "outer"
     outer_parts: int = 1  # the optimizer sees 1/outer_parts of the shard (HFSDP: O)
+    outer_compress_block: int = 0  # values per scale of the int8 / fp8 outer sync; 0: none
+    outer_compress: str = "int8"  # its codes (with outer_compress_block)
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,14 @@ def add_outer(add: Callable[[str, str, float, float], None], b: BufferShape) -> 
     """The step's outer traffic of a trainable buffer: one all-reduce, or with outer
     sub-shards one reduce-scatter and one all-gather (the same bytes, see above)."""
     ring = (b.outer - 1) / b.outer
-    if b.outer_parts > 1:
+    if b.outer_compress_block and b.outer > 1:
+        block = b.outer_compress_block
+        padded = -(-b.shard_numel // block) * block
+        add(b.outer_label, f"all_reduce_{b.outer_compress}",
+            b.outer * (padded + 4 * padded // block), ring)
+        if b.outer_parts > 1:
+            add(b.outer_label, "all_gather", b.shard_numel * b.master_bytes, ring)
+    elif b.outer_parts > 1:
         add(b.outer_label, "reduce_scatter", b.shard_numel * b.reduce_bytes, ring)
         add(b.outer_label, "all_gather", b.shard_numel * b.master_bytes, ring)
     else:

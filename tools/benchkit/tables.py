@@ -90,6 +90,16 @@ def print_two_hosts(summary: dict) -> None:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}x"
         print(f"target {t['variant']} <= {t['at_most']}x {t['vs']}: {ratio} {verdict}")
+    for t in summary.get("byte_targets", []):
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}x"
+        expected = "" if t["expected_ratio"] is None else \
+            f" (counter, ring: {t['expected_ratio']:.3f}x)"
+        bound = "" if t["at_most"] is None else f" <= {t['at_most']}x"
+        if t["at_most"] is None:
+            verdict = "(no target)"
+        print(f"{t['variant']} cross-host bytes{bound} vs {t['vs']}'s: {ratio}{expected} "
+              f"{verdict}")
     cross = summary["variants"].get("hfsdp2x2", {}).get("cross_vs_hsdp2x2")
     if cross:  # HFSDP's cross-host bytes against HSDP's (target: equal within 1%)
         print("hfsdp2x2 cross-host bytes vs hsdp2x2: " + ", ".join(

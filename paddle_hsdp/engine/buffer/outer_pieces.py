@@ -36,6 +36,8 @@ import paddle
 from ...comm import collectives as comm
 from ...comm.traits import traits_of
 from .. import trace
+from . import outer_compress
+from .outer_compress import PendingCompressed
 from ..pending import PendingOuterReduce, PendingRebuild, PendingReduce
 from ..registry import registry
 from ..states import GradState, RebuildState, expect, move
@@ -47,8 +49,14 @@ if TYPE_CHECKING:
 class OuterPieces:
     """The outer sync and the outer sub-shards of one :class:`~.shard_buffer.ShardBuffer`."""
 
-    def __init__(self, buf: ShardBuffer):
+    def __init__(self, buf: ShardBuffer, mp_policy: object | None = None):
         self.buf = buf
+        # the compressed outer sync (outer_compress.py): "int8" or None, values per scale
+        floating = buf.dtypes.master in (paddle.float32, paddle.float64, paddle.float16,
+                                         paddle.bfloat16)
+        self.compress: str | None = (getattr(mp_policy, "outer_compress", None) if floating
+                                     else None)
+        self.compress_block: int = getattr(mp_policy, "outer_compress_block", 0)
         # the post-step all-gather in flight, and whether the flat shard holds every
         # replica's latest piece (a rebuild is owed before the next read once
         # sharded_state_dict handed out views a load may write)
@@ -60,13 +68,23 @@ class OuterPieces:
         self._versions: list[int] = []
         self.edited = False
         self._edits_epoch = -1
+        # the compressed outer sync's error feedback (outer_compress.py): float32, the
+        # padded grad shard's size; None until the first compressed sync lands
+        self.residual: paddle.Tensor | None = None
 
     def describe(self) -> str:
         return self.buf.describe()
 
+    @property
+    def compresses(self) -> bool:
+        """Whether the outer sync travels compressed (``outer_compress``; over one
+        replica there is nothing to send)."""
+        buf = self.buf
+        return self.compress is not None and buf.trainable and buf.outer.nranks > 1
+
     # -------------------------------------------------------------- the outer sync
     def start_outer_sync(self, async_op: bool = False, on_thread: bool = False
-                         ) -> PendingReduce | PendingOuterReduce:
+                         ) -> PendingReduce | PendingOuterReduce | PendingCompressed:
         """The step's one outer collective of the grad shard: the all-reduce, or with
         outer sub-shards the reduce-scatter (:meth:`start_outer_reduce`). ``on_thread``:
         on gloo, on the communication thread (engine/outer_sync.py)."""
@@ -79,16 +97,20 @@ class OuterPieces:
         return pending
 
     def start_all_reduce(self, async_op: bool = False, on_thread: bool = False
-                         ) -> PendingReduce:
+                         ) -> PendingReduce | PendingCompressed:
         """Issue the outer all-reduce of the grad shard, in place (offloaded: of a
         device copy). It travels in ``reduce_dtype``, like the reduce-scatter: these
         are the bytes that cross machines, the ones a bf16 ``reduce_dtype`` halves.
-        Under MixPrecisionLayer it reduces the main grads."""
+        Under MixPrecisionLayer it reduces the main grads. Compressed
+        (``outer_compress``): an all-gather of int8 codes instead (outer_compress.py)."""
         buf = self.buf
         flat = buf.grads.acc_flat()
         # offloaded: a device copy to reduce (none for one replica: nothing to reduce)
         target = buf.host.upload(flat) if buf.host is not None and buf.outer.nranks > 1 \
             else flat
+        if self.compresses:
+            trace.record("issue", "all_reduce", buf.unit_index)
+            return outer_compress.start(buf, target, flat, False, async_op, on_thread)
         dtype = buf.grads.reduce_dtype()
         if dtype != flat.dtype and buf.outer.nranks > 1:
             target = target.astype(dtype)
@@ -99,17 +121,21 @@ class OuterPieces:
             handle.wait()
         return PendingReduce(handle, target, flat)
 
-    def finish_all_reduce(self, pending: PendingReduce, scale: float) -> None:
+    def finish_all_reduce(self, pending: PendingReduce | PendingCompressed,
+                          scale: float) -> None:
         buf = self.buf
         pending.handle.wait()
         trace.record("wait", "all_reduce", buf.unit_index)
         trace.record_span("all_reduce", buf.unit_index, pending.handle.span())
         flat = pending.out
-        if pending.grid is flat:
+        if isinstance(pending, PendingCompressed):
+            reduced = outer_compress.finish(buf, pending)  # float32, every replica's
+        elif pending.grid is flat:
             with buf.on_host():
                 flat.scale_(scale)
             return
-        reduced = pending.grid  # a reduce_dtype or offloaded copy comes back
+        else:
+            reduced = pending.grid  # a reduce_dtype or offloaded copy comes back
         if reduced.dtype != flat.dtype:
             reduced = reduced.astype(flat.dtype)
         reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves
@@ -118,11 +144,12 @@ class OuterPieces:
         else:
             paddle.assign(reduced, output=flat)
 
-    def finish_outer_sync(self, pending: PendingReduce | PendingOuterReduce,
+    def finish_outer_sync(self, pending: PendingReduce | PendingOuterReduce | PendingCompressed,
                           scale: float) -> None:
         grads = self.buf.grads
         expect(grads.state, (GradState.SYNCING,), "finish_outer_sync", self.describe)
-        if isinstance(pending, PendingOuterReduce):
+        if isinstance(pending, PendingOuterReduce) or (
+                isinstance(pending, PendingCompressed) and pending.scatter):
             self.finish_outer_reduce(pending, scale)
         else:
             self.finish_all_reduce(pending, scale)
@@ -147,13 +174,16 @@ class OuterPieces:
         grads.move(GradState.REDUCED, "unsync")
 
     def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
-                           ) -> PendingOuterReduce:
+                           ) -> PendingOuterReduce | PendingCompressed:
         """Issue the outer reduce-scatter of the accumulated grad shard (or main grads)
         in ``reduce_dtype``: the first half of an all-reduce, the same bytes across
         machines; this rank receives the sum of its piece."""
         buf = self.buf
         acc = buf.grads.acc_flat()
         send = buf.host.upload(acc) if buf.host is not None else acc  # offloaded: a copy
+        if self.compresses:
+            trace.record("issue", "outer_reduce_scatter", buf.unit_index)
+            return outer_compress.start(buf, send, acc, True, async_op, on_thread)
         dtype = buf.grads.reduce_dtype()
         if dtype != acc.dtype:
             send = send.astype(dtype)
@@ -167,7 +197,8 @@ class OuterPieces:
             handle.wait()
         return PendingOuterReduce(handle, send, out, acc)
 
-    def finish_outer_reduce(self, pending: PendingOuterReduce, scale: float) -> None:
+    def finish_outer_reduce(self, pending: PendingOuterReduce | PendingCompressed,
+                            scale: float) -> None:
         """Wait for :meth:`start_outer_reduce`; this rank's piece of the grad shard
         becomes the scaled sum, every other piece zero (what the optimizer does not see
         must not carry into the next step's accumulation)."""
@@ -175,7 +206,12 @@ class OuterPieces:
         pending.handle.wait()
         trace.record("wait", "outer_reduce_scatter", buf.unit_index)
         trace.record_span("outer_reduce_scatter", buf.unit_index, pending.handle.span())
-        acc, reduced = pending.acc, pending.out
+        if isinstance(pending, PendingCompressed):
+            lo = buf.part * buf.piece_numel
+            acc = pending.out
+            reduced = outer_compress.finish(buf, pending, lo, lo + buf.piece_numel)
+        else:
+            acc, reduced = pending.acc, pending.out
         if reduced.dtype != acc.dtype:
             reduced = reduced.astype(acc.dtype)
         reduced.scale_(scale)  # in the grads' dtype, as on the grads themselves

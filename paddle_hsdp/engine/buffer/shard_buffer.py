@@ -83,7 +83,7 @@ class ShardBuffer:
         self.storage = ShardStorage(self)
         self.grads = ShardGrads(self)
         self.full_grads = FullGrads(self)
-        self.pieces = OuterPieces(self)
+        self.pieces = OuterPieces(self, mp_policy)
 
     # -------------------------------------------------------------- a new layout
     def layout_with_owners(self, owned: list[bool], parts: int | None = None,
@@ -127,6 +127,9 @@ class ShardBuffer:
             sp.cut_into(full, flat, sub=False)
         self.storage.adopt(flat)
         self.pieces.note_rebuilt()  # every rank holds its whole inner block
+        # the int8 outer sync's residual is laid out as the old shard: dropped (one
+        # step's rounding, as on a checkpoint load; outer_compress.py)
+        self.pieces.residual = None
         if grads is not None:
             self.grads.relay(grads)
 
@@ -181,7 +184,9 @@ class ShardBuffer:
             reduce_bytes=element_size(self.grads.reduce_dtype()),
             compute_bytes=self.dtypes.compute_size, trainable=self.trainable,
             inner_label=comm.group_label(self.inner), outer_label=comm.group_label(self.outer),
-            outer_parts=self.parts)
+            outer_parts=self.parts,
+            outer_compress_block=self.pieces.compress_block if self.pieces.compress else 0,
+            outer_compress=self.pieces.compress or "int8")
 
     # -------------------------------------------------------------- dtypes
     @property
