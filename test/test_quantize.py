@@ -165,3 +165,19 @@ def test_cost_formula_of_the_int8_outer_sync():
     assert outer_bytes(2, 1, 256) == {"all_reduce_int8": 1 * (1024 + 16)}
     assert outer_bytes(4, 1, 100) == {"all_reduce_int8": 3 * (1000 + 40)}
     assert outer_bytes(2, 2, 256) == {"all_reduce_int8": 1040, "all_gather": 0.5 * 4000}
+
+
+def test_a_compressed_sync_that_would_cost_more_than_float32_is_said_once(caplog):
+    """The all-gather form sends (O - 1)(1 + 4/B) bytes a value against the float32 ring's
+    8 (O - 1) / O: a quarter at 2 replicas, more from 8 on, said once per degree."""
+    from paddle_hsdp.engine.buffer import outer_compress
+
+    assert outer_compress.bytes_against_float32(2, 256) == pytest.approx(0.254, abs=1e-3)
+    assert outer_compress.bytes_against_float32(8, 256) > 1
+    outer_compress._warned_degrees.discard(8)
+    with caplog.at_level("WARNING", logger="paddle_hsdp"):
+        outer_compress._warn_if_costlier(2, 256, "int8")
+        outer_compress._warn_if_costlier(8, 256, "int8")
+        outer_compress._warn_if_costlier(8, 256, "int8")
+    said = [r.getMessage() for r in caplog.records if "outer_compress" in r.getMessage()]
+    assert len(said) == 1 and "over 8 replicas sends 1.02x" in said[0], said

@@ -32,6 +32,7 @@ residual of the first: the running sum stays exact up to one residual.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,29 @@ from ...comm import quantize
 
 if TYPE_CHECKING:
     from .shard_buffer import ShardBuffer
+
+logger = logging.getLogger("paddle_hsdp")
+_warned_degrees: set[int] = set()  # outer degrees the costly-compression warning named
+
+
+def bytes_against_float32(outer: int, block: int) -> float:
+    """What the compressed sync sends per rank over what a float32 ring all-reduce
+    would: ``(O - 1)(1 + 4 / B)`` bytes a value against ``8 (O - 1) / O``."""
+    return outer * (1 + 4 / block) / 8
+
+
+def _warn_if_costlier(outer: int, block: int, kind: str) -> None:
+    """Once per outer degree and process: an all-gather of every replica's message grows
+    with the replicas, so from about 8 of them it sends more than float32 would (a
+    fault-tolerant job's live outer group may grow there after fully_shard)."""
+    ratio = bytes_against_float32(outer, block)
+    if ratio >= 1 and outer not in _warned_degrees:
+        _warned_degrees.add(outer)
+        logger.warning(
+            "paddle_hsdp: outer_compress=%r over %d replicas sends %.2fx the bytes of a "
+            "float32 outer all-reduce (each rank gathers every replica's message); below "
+            "about 8 replicas it sends less. Drop outer_compress (or use reduce_dtype="
+            "'bfloat16') at this outer degree.", kind, outer, ratio)
 
 
 
@@ -69,6 +93,7 @@ def start(buf: ShardBuffer, values: paddle.Tensor, flat: paddle.Tensor, scatter:
     block, kind = buf.pieces.compress_block, buf.pieces.compress
     if kind is None:
         raise AssertionError(f"{buf.describe()}: a compressed outer sync without outer_compress")
+    _warn_if_costlier(buf.outer.nranks, block, kind)
     numel = comm.numel_of(values)
     padded = quantize.padded_numel(numel, block)
     x = values.reshape([-1]).astype("float32")
