@@ -299,8 +299,9 @@ def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
         paths, targets, rest = received_opt
         optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True), rest))
     replication.state_replaced(model)  # views re-pointed, gathered params resharded
-    if point_to_point:
-        store.set(_received_key(record, group.local_rank, replica), "1")
+    if point_to_point:  # one value per receiver, each local rank's receipt a part
+        store.set_part(_received_key(record, replica), group.local_rank, group.inner_size,
+                       "1")
     return received_extra, moved
 
 
@@ -309,13 +310,14 @@ def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
 TRANSFER_WAIT_ROUNDS = 10
 
 
-def _received_key(record: Round, local_rank: int, receiver: int) -> str:
-    return round_kv(record.number, "received", local_rank, receiver)
+def _received_key(record: Round, receiver: int) -> str:
+    return round_kv(record.number, "received", receiver)
 
 
 def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGroup) -> None:
     """A member neither sending nor taking state waits until every receiver's rank of
-    its local rank has its state (one key each, on etcd), so that its first outer
+    its local rank has its state (one value per receiver on etcd, each local rank's
+    receipt a part of it), so that its first outer
     collective does not wait out the transfer under the backend's own timeout (gloo's
     is fixed): the wait is bounded by round timeouts, and ends at once on a failure
     announced in the round."""
@@ -324,8 +326,8 @@ def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGrou
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{record.number} during its state transfer")
     for receiver in record.receivers:
-        store.get(_received_key(record, group.local_rank, receiver),
-                  store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
+        store.get_part(_received_key(record, receiver), group.local_rank,
+                       store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
 
 
 class _Sender:
