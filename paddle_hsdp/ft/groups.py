@@ -36,8 +36,7 @@ from .protocol import FaultToleranceError, round_kv
 from .store import on_socket, socket_fds
 
 if TYPE_CHECKING:
-    from .kv import JobStore
-    from .relay import RelayedStore
+    from .kv import SharedData
 
 _T = TypeVar("_T")
 
@@ -197,7 +196,7 @@ def group_id(round_number: int, local_rank: int) -> int:
     return _ROUND_GROUP_BASE + round_number * 1024 + local_rank
 
 
-def connect(store: JobStore | RelayedStore, round_number: int, replicas: list[int], group: LiveOuterGroup,
+def connect(store: SharedData, round_number: int, replicas: list[int], group: LiveOuterGroup,
             timeout_s: float) -> Connection:
     """Create this rank's outer process group for a round (every member calls it):
     ``(process group, the socket descriptors its creation opened)``, ``(None, ())`` for
@@ -238,7 +237,7 @@ def pair_id(round_number: int, local_rank: int, index: int) -> int:
         + index
 
 
-def connect_pair(store: JobStore | RelayedStore, round_number: int, pair: tuple[int, int], index: int,
+def connect_pair(store: SharedData, round_number: int, pair: tuple[int, int], index: int,
                  group: LiveOuterGroup, timeout_s: float) -> PairGroup:
     """The process group of replicas ``pair`` (sorted; this rank's replica is one of
     them) for round ``round_number``'s transfer: both call it, nobody else. Its
@@ -262,7 +261,7 @@ class _LocalRankPart:
     part of it (:meth:`~.kv.JobStore.set_part`): one request to etcd per group and
     round, not one per rank. A rendezvous store as ``make_group_store`` takes it."""
 
-    def __init__(self, store: JobStore | RelayedStore, name: str, group: LiveOuterGroup):
+    def __init__(self, store: SharedData, name: str, group: LiveOuterGroup):
         self._store, self._name = store, name
         self._part, self._parts = group.local_rank, group.inner_size
 
@@ -273,7 +272,7 @@ class _LocalRankPart:
         return self._store.get_part(self._name, self._part, abort=abort)
 
 
-def _create(store: JobStore | RelayedStore, round_number: int, group: LiveOuterGroup,
+def _create(store: SharedData, round_number: int, group: LiveOuterGroup,
             rank: int, size: int, pg_id: int, store_name: str, timeout_s: float,
             what: str) -> tuple[core.ProcessGroup, set[int]]:
     """A process group of ``size`` ranks on a rendezvous store of its own (its address
@@ -340,7 +339,7 @@ def _abandon_on_failure(create: Callable[[], _T], abort: Callable[[], object],
     return result["pg"]
 
 
-def _abort_on_failure(store: JobStore | RelayedStore, round_number: int) -> Callable[[], None]:
+def _abort_on_failure(store: SharedData, round_number: int) -> Callable[[], None]:
     """Stop waiting for a round's group-store host once a failure is announced in the
     round (the host's, or another member's, lease ended): without it a host that
     died before publishing its address held every member for the round timeout."""

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from .etcd import Etcd, Security, _b64, _text
+from .etcd import Etcd, Security, Watch, _b64, _text
 from .protocol import Keys
 from .trust import UNSIGNED, Signer
 
@@ -54,6 +54,28 @@ class Counters(Protocol):
     blocking). :class:`JobStore` and the group's :class:`~.store.GroupWatch` are."""
 
     def add(self, name: str, amount: int) -> int: ...
+
+
+class SharedData(Protocol):
+    """What the data plane's helpers (:mod:`.groups`, :mod:`.transfer`,
+    :mod:`.joint_save`) call on the job's shared data: a leader's :class:`JobStore`,
+    or a mate's :class:`~.relay.RelayedStore` (the same calls, through its leader)."""
+
+    keys: Keys
+    timeout_s: float
+    signer: Signer
+    failed: Callable[[int], bool]
+
+    def set(self, name: str, value: str | bytes, lease: int = 0) -> None: ...
+    def lease(self, ttl_s: float) -> int: ...
+    def add(self, name: str, amount: int, lease: int = 0) -> int: ...
+    def get(self, name: str, timeout_s: float | None = None,
+            abort: Callable[[], object] | None = None) -> bytes: ...
+    def wait_count(self, name: str, at_least: int, timeout_s: float, what: str,
+                   abort: Callable[[], object] | None = None) -> int: ...
+    def set_part(self, name: str, part: int, parts: int, value: str) -> None: ...
+    def get_part(self, name: str, part: int, timeout_s: float | None = None,
+                 abort: Callable[[], object] | None = None) -> bytes: ...
 
 
 class JobStore:
@@ -217,7 +239,7 @@ class _KeyWait:
 
     def __init__(self) -> None:
         self.users = 0
-        self.watch = None  # the etcd watch, while the value is not there yet
+        self.watch: Watch | None = None  # the etcd watch, while the value is not there
         self._event = threading.Event()
         self._value: str | None = None
         self._error: BaseException | None = None

@@ -47,7 +47,7 @@ from ..hints import did_you_mean
 from . import config, groups, transfer
 from .etcd import SECURITY_ENV, EtcdUnavailable, parse_endpoints, security_from_env, wait_until_answers
 from .joint_save import JointSave
-from .kv import JobStore
+from .kv import JobStore, SharedData
 from .relay import Relay, RelayedStore
 from .pieces import PiecePlan, plan_of
 from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
@@ -164,7 +164,7 @@ class Replica:
         # the job's shared data: the leader's client of etcd, which serves its mates'
         # requests over the group's own store (ft/relay.py); a mate's calls go there
         self._relay: Relay | None = None
-        self.store: JobStore | RelayedStore
+        self.store: SharedData
         if self.rank == 0:
             self.store = JobStore(coordinator, job, round_timeout_s, security, signer)
             if self.ranks_per_replica > 1:
@@ -182,7 +182,7 @@ class Replica:
         token = [uuid.uuid4().hex[:12], unreachable]
         if self._world is not None:
             dist.broadcast_object_list(token, src=0)
-        self._token = token[0]
+        self._token = str(token[0])
         if token[1] is not None:  # the leader's etcd did not answer: no rank goes on
             self._watch.stop()
             if self._relay is not None:

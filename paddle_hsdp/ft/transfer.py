@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
     from paddle.optimizer import Optimizer
 
-    from .kv import JobStore
+    from .kv import SharedData
     from .pieces import PiecePlan
     from .protocol import Round
 
@@ -94,7 +94,7 @@ def _dtype(tensor: paddle.Tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")  # what paddle.zeros takes
 
 
-def _checksums(store: JobStore, number: int, what: tuple,
+def _checksums(store: SharedData, number: int, what: tuple,
                tensors: Iterable[paddle.Tensor]) -> list[int]:
     """The checks of round ``number``'s copy ``what``, in order (:class:`_Digests`'
     blocks), computed one after the other on this thread."""
@@ -136,7 +136,7 @@ class _Digests:
     at most, is left after the transfer. ``thread`` False: everything on the caller's
     thread, at once. A context: the thread ends with it."""
 
-    def __init__(self, store: JobStore, number: int, what: tuple, thread: bool = True):
+    def __init__(self, store: SharedData, number: int, what: tuple, thread: bool = True):
         self._signer, self._where = store.signer, (number, *what)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="paddle_hsdp-ft-digest") \
             if thread else None
@@ -239,7 +239,7 @@ def _pairs(phases: Iterable[Phase]) -> list[tuple[int, int]]:
     return sorted({_pair_of(p) for p in phases})
 
 
-def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
+def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
                  model: paddle.nn.Layer, optimizer: Optimizer,
                  extra: dict) -> tuple[dict | None, int]:
     """Copy round ``record``'s state to this rank if its replica is a receiver. Every
@@ -314,7 +314,7 @@ def _received_key(record: Round, receiver: int) -> str:
     return round_kv(record.number, "received", receiver)
 
 
-def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGroup) -> None:
+def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGroup) -> None:
     """A member neither sending nor taking state waits until every receiver's rank of
     its local rank has its state (one value per receiver on etcd, each local rank's
     receipt a part of it), so that its first outer
@@ -334,7 +334,7 @@ class _Sender:
     """A donor's side: the metadata written once per copy it serves, and each tensor's
     checksum computed once, however many receivers it feeds."""
 
-    def __init__(self, store: JobStore, record: Round, group: groups.LiveOuterGroup,
+    def __init__(self, store: SharedData, record: Round, group: groups.LiveOuterGroup,
                  model: paddle.nn.Layer, optimizer: Optimizer, extra: dict):
         self.store, self.record, self.group = store, record, group
         self.model, self.optimizer, self.extra = model, optimizer, extra
@@ -397,7 +397,7 @@ def _move(link: Group, tensor: paddle.Tensor, donor: int, group: groups.LiveOute
     return math.prod(tensor.shape) * tensor.element_size()
 
 
-def _take(store: JobStore, number: int, link: Group, phase: Phase,
+def _take(store: SharedData, number: int, link: Group, phase: Phase,
           targets: list[paddle.Tensor], group: groups.LiveOuterGroup, check: bool) -> int:
     """Receive ``phase``'s tensors into ``targets`` and, on a taker (``check``), compare
     their checks with those its donor sent after them (round ``number``'s), each
@@ -470,7 +470,7 @@ def _described(tensors: Iterable[tuple[object, paddle.Tensor]]) -> list:
     return [[n, list(t.shape), _dtype(t)] for n, t in tensors]  # as JSON gives it back
 
 
-def _exchange_meta(store: JobStore, record: Round, where: tuple, sending: bool,
+def _exchange_meta(store: SharedData, record: Round, where: tuple, sending: bool,
                    build: Callable[[], dict] | None) -> dict:
     """What is not a tensor goes as JSON through the store (never a pickle: what a
     trainer reads from the network must not run code): the sender writes ``build()``
