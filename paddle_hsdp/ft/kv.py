@@ -99,6 +99,7 @@ class JobStore:
         self._waits_lock = threading.Lock()
         self._waits: dict[tuple, _KeyWait] = {}  # (name, at least) -> the shared wait
         self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._counts: OrderedDict[str, int] = OrderedDict()  # counters seen, their values
         self._parts: OrderedDict[str, dict[int, str]] = OrderedDict()
         self.watches = 0  # watches made for waits (each a connection while it waits)
 
@@ -145,9 +146,19 @@ class JobStore:
                    abort: Callable[[], object] | None = None) -> int:
         """The counter ``name`` once it reaches ``at_least`` (a watch of it, as ``get``
         waits; TimeoutError naming ``what`` after ``timeout_s``)."""
+        with self._waits_lock:  # a counter only grows: one seen high enough stays so
+            seen = self._counts.get(name, 0)
+        if seen >= at_least:
+            return seen
+
         def reached(raw: str | None) -> str | None:
             return raw if raw is not None and int(raw or 0) >= at_least else None
-        return int(self._wait((name, at_least), reached, timeout_s, what, abort))
+        value = int(self._wait((name, at_least), reached, timeout_s, what, abort))
+        with self._waits_lock:
+            self._counts[name] = max(value, self._counts.pop(name, 0))
+            while len(self._counts) > self.CACHED_VALUES:
+                self._counts.popitem(last=False)
+        return value
 
     def _wait(self, wanted: tuple, accept: Callable[[str | None], str | None],
               timeout_s: float | None, what: str,

@@ -207,6 +207,8 @@ class Replica:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
             self._watch.stop()
+            if self._relay is not None:
+                self._relay.stop()
             raise FaultToleranceError(refusal[0])
         self._arrivals = 0
         self._loads = 0  # plain states received from a donor
