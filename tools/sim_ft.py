@@ -203,19 +203,30 @@ class SimGroup:
                 return
             started = time.time()
             metadata = "m" * (self.args.meta_kb * 1000)
+            donors = {record.donor_of(r) for r in record.receivers}
+            # one donor feeding every other member broadcasts over the outer group
+            # (every member reads its metadata, nobody writes a receipt); otherwise
+            # point to point: receivers read and write receipts, bystanders await them
+            broadcast = len(donors) == 1 and \
+                set(record.receivers) == set(record.replicas) - donors
+            bystander = self.replica not in donors and self.replica not in record.receivers
             for receiver in record.receivers:
                 donor = record.donor_of(receiver)
                 receipts = p.round_kv(n, "received", receiver)
                 for lr, rank in enumerate(ranks):
                     meta = p.round_kv(n, "state", lr, "model", donor)
                     if self.replica == donor:
-                        rank.set(meta, metadata)
-                    elif self.replica == receiver:
+                        if receiver == record.receivers[0] or not broadcast:
+                            rank.set(meta, metadata)
+                    elif broadcast or self.replica == receiver:
                         rank.get(meta, timeout)
-                        rank.set_part(receipts, lr, len(ranks), "1")
-                    else:
+                        if not broadcast:
+                            rank.set_part(receipts, lr, len(ranks), "1")
+                    elif bystander:
                         rank.get_part(receipts, lr, timeout)
-            self.phases.append(("rejoin", n, started, time.time()))
+                if broadcast:
+                    break
+            self.phases.append(("rejoin" if n else "first_transfer", n, started, time.time()))
         except Exception as e:  # noqa: BLE001 - reported with the figures
             self.errors.append(f"round {n} set-up: {type(e).__name__}: {e}")
 
@@ -239,7 +250,7 @@ class SimGroup:
                 rank.wait_count(f"{base}/arrived", len(replicas), self.args.round_timeout,
                                 "every group's record")
                 rank.get(f"{base}/outcome", self.args.round_timeout)
-            self.phases.append(("joint_save", record.number, started, time.time()))
+            self.phases.append(("joint_save", number, started, time.time()))
         except Exception as e:  # noqa: BLE001 - reported with the figures
             self.errors.append(f"save {number}: {type(e).__name__}: {e}")
 
@@ -470,7 +481,7 @@ def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
     kinds: dict[str, list[dict]] = {}
     for (phase, number), (start, stop) in sorted(spans.items(), key=lambda kv: kv[1][0]):
         kind = "first_round" if phase == "round" and number == 0 else \
-            "first_set_up" if number == 0 else phase
+            "first_set_up" if phase == "set_up" and number == 0 else phase
         kinds.setdefault(kind, []).append(window_figures(start, stop, 1))
     for kind, rows in kinds.items():  # the worst of each phase's instances
         out["phases"][kind] = {"count": len(rows), **{
