@@ -80,67 +80,126 @@ def _protocol():
 
 
 class Renewer:
-    """Every simulated group's lease renewals in one worker process, on one thread,
-    earliest due first (in place of a renewing thread per group, the protocol's own,
-    which at 512 groups on 2 cores starved one another: leases lapsed unrenewed). Each
-    renewal's lateness (sent after it was due because this simulator was behind) is
-    kept per group, so a death it caused is told apart from one the protocol caused."""
+    """Every simulated group's lease renewals of one worker process, sent by a process of
+    their own (:func:`_renew_leases`: one etcd client, earliest due first, at the
+    worker's priority before it lowers its own) in place of a renewing thread per group,
+    the protocol's own: at 512 groups on 2 cores those threads starved one another (and
+    shared Python's lock with the groups parsing a round's values), and leases lapsed
+    unrenewed. Here stays what the protocol's renewing thread also does each tick: a
+    hung group's leader revokes its lease; a lease etcd found expired loses its group.
+    Each renewal's lateness (answered after it was due: the simulator, or etcd on the
+    same loaded cores, was behind) is kept per group, so a death it caused is told apart
+    from one the protocol caused."""
 
     def __init__(self, protocol):
         self.p = protocol
-        self._controls: dict[int, object] = {}  # id(control) -> control
-        self._due: dict[int, float] = {}
+        ctx = mp.get_context("fork")
+        self._orders, self._reports = ctx.Queue(), ctx.Queue()
+        self.sent = ctx.Value("q", 0)  # renewals sent (requests to etcd)
+        self._process = ctx.Process(target=_renew_leases, args=(
+            self._orders, self._reports, protocol.HEALTH_TICK_S, self.sent), daemon=True)
+        self._process.start()
+        self._controls: dict[int, object] = {}  # lease -> control
         self._lock = threading.Lock()
         self.late: dict[int, float] = {}  # replica -> its worst renewal lateness, s
         self.lapsed: set[int] = set()  # replicas whose lease etcd found expired
-        threading.Thread(target=self._run, daemon=True, name="sim-renewer").start()
+        self._ended = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="sim-health").start()
+        threading.Thread(target=self._hear, daemon=True, name="sim-lapsed").start()
 
     def add(self, control) -> None:
         with self._lock:
-            self._controls[id(control)] = control
-            self._due[id(control)] = time.monotonic() + control.ttl_s / self.p.RENEWALS_PER_TTL
+            self._controls[control.lease] = control
+        self._orders.put(("add", control.replica, control.lease,
+                          control.ttl_s / self.p.RENEWALS_PER_TTL))
 
-    def overdue(self) -> None:
-        """Count the renewals still due, at the end, as late as they are by now."""
-        now = time.monotonic()
+    def drop(self, control) -> None:
+        """Stop renewing ``control``'s lease (its group was killed: it expires)."""
         with self._lock:
-            for key, c in self._controls.items():
-                if now > self._due[key]:
-                    self.late[c.replica] = max(self.late.get(c.replica, 0.0),
-                                               now - self._due[key])
+            self._controls.pop(control.lease, None)
+        self._orders.put(("drop", control.lease))
 
-    def _run(self) -> None:
-        p = self.p
+    def _watch(self) -> None:
         while True:
-            time.sleep(p.HEALTH_TICK_S / 5)
+            time.sleep(self.p.HEALTH_TICK_S)
             with self._lock:
-                controls = sorted(self._controls.items(), key=lambda kv: self._due[kv[0]])
-            now = time.monotonic()
-            for key, c in controls:
+                controls = list(self._controls.values())
+            for c in controls:
                 if c._stop.is_set() or c.lost is not None:
-                    with self._lock:
-                        self._controls.pop(key, None)
-                    continue
-                if not c._healthy():
+                    self.drop(c)
+                elif not c._healthy():
+                    self.drop(c)
                     c._lose(c.lease, "a rank of this group stopped answering its mates "
                                      "(simulated hang)")
-                    continue
-                due = self._due[key]
-                if now < due:
-                    continue
-                try:
-                    alive = c._kept.keep_alive(c.lease) >= 0
-                except Exception:  # noqa: BLE001 - a closed group's client: next time
-                    alive = True
-                # how long after it was due the renewal reached etcd and came back: late
-                # when this process (or etcd, on the same loaded cores) was behind
-                late = time.monotonic() - due
-                self.late[c.replica] = max(self.late.get(c.replica, 0.0), late)
-                if not alive:
-                    self.lapsed.add(c.replica)
-                    c._lose(0, "its lease expired (simulated)")
-                    continue
-                self._due[key] = time.monotonic() + c.ttl_s / p.RENEWALS_PER_TTL
+
+    def _hear(self) -> None:
+        while True:
+            report = self._reports.get()
+            if report[0] == "late":
+                self.late = report[1]
+                self._ended.set()
+                return
+            _, replica, lease = report
+            self.lapsed.add(replica)
+            with self._lock:
+                c = self._controls.pop(lease, None)
+            if c is not None and c.lost is None:
+                c._lose(0, "its lease expired (simulated)")
+
+    def finish(self) -> None:
+        """The renewals' lateness, each group's worst (those still due count as late
+        as they are by now)."""
+        self._orders.put(("end",))
+        self._ended.wait(60)
+
+
+def _renew_leases(orders, reports, tick_s: float, sent) -> None:
+    """The renewing process: ``("add", replica, lease, interval)`` starts renewing a lease
+    every ``interval`` s, ``("drop", lease)`` stops, ``("end",)`` reports every
+    replica's worst lateness and ends; ``("lapsed", replica, lease)`` is reported for a
+    lease etcd found expired."""
+    import queue
+    etcd = None
+    due: dict[int, tuple[float, int, float]] = {}  # lease -> (due, replica, interval)
+    late: dict[int, float] = {}
+    while True:
+        try:
+            while True:
+                order = orders.get(timeout=tick_s / 5)
+                if order[0] == "add":
+                    _, replica, lease, interval = order
+                    due[lease] = (time.monotonic() + interval, replica, interval)
+                elif order[0] == "drop":
+                    due.pop(order[1], None)
+                else:
+                    now = time.monotonic()
+                    for at, replica, _ in due.values():
+                        if now > at:
+                            late[replica] = max(late.get(replica, 0.0), now - at)
+                    reports.put(("late", late))
+                    return
+        except queue.Empty:
+            pass
+        if etcd is None:
+            from paddle_hsdp.ft.etcd import Etcd
+            etcd = Etcd(SIM_ENDPOINTS[0])
+        for lease, (at, replica, interval) in sorted(due.items(), key=lambda kv: kv[1][0]):
+            if time.monotonic() < at:
+                break
+            try:
+                sent.value += 1
+                alive = etcd.keep_alive(lease) >= 0
+            except Exception:  # noqa: BLE001 - etcd away: the next tick
+                continue
+            late[replica] = max(late.get(replica, 0.0), time.monotonic() - at)
+            if alive:
+                due[lease] = (time.monotonic() + interval, replica, interval)
+            else:
+                due.pop(lease, None)
+                reports.put(("lapsed", replica, lease))
+
+
+SIM_ENDPOINTS: list[str] = []  # the etcd the simulation runs against (set before forking)
 
 
 class SimGroup:
@@ -163,6 +222,7 @@ class SimGroup:
             args.ttl, args.round_timeout, healthy=self._healthy,
             on_failure=lambda number: self._failure.set())
         self.control._renew = lambda: renewer.add(self.control)  # one renewer a process
+        self.renewer = renewer
         self.store = JobStore(args.endpoints, "sim", args.round_timeout)
         self.relay = None
         self.ranks = [self.store]
@@ -316,6 +376,7 @@ class SimGroup:
 
     def stop(self) -> None:
         self.killed = True
+        self.renewer.drop(self.control)  # its lease expires, as a killed group's does
         self.control.close(revoke=False)
         if self.relay is not None:
             self.relay.stop()
@@ -340,11 +401,11 @@ def _count_bytes(etcd_module) -> list[int]:
 
 
 def _worker(args, replicas, schedule, t0, end, queue):
-    os.nice(5)  # below the etcd server: the simulated clients wait, not etcd
     protocol, _ = _protocol()
+    renewer = Renewer(protocol)  # (forked before this process lowers its priority)
+    os.nice(5)  # below etcd and the renewals: the simulated clients wait, not they
     from paddle_hsdp.ft import etcd as etcd_module
     read = _count_bytes(etcd_module)
-    renewer = Renewer(protocol)
     groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer) for r in replicas}
     threads = {r: threading.Thread(target=g.run, args=(False, end), daemon=True)
                for r, g in groups.items()}
@@ -358,13 +419,14 @@ def _worker(args, replicas, schedule, t0, end, queue):
         while time.time() < end:
             tick += 1
             time.sleep(max(0.0, t0 + tick * SAMPLE_S - time.time()))
-            series.append((tick, sum(g.requests for g in every), read[0]))
+            series.append((tick, sum(g.requests for g in every) + renewer.sent.value,
+                           read[0]))
     threading.Thread(target=sample, daemon=True, name="sim-sampler").start()
     samples, events = {}, sorted(schedule.get("events", []))
     for when, what, replica in events:
         time.sleep(max(0.0, when - time.time()))
         if what == "sample":
-            samples[replica] = sum(g.requests for g in every)
+            samples[replica] = sum(g.requests for g in every) + renewer.sent.value
         elif replica in groups and what == "kill":
             groups[replica].stop()
         elif replica in groups and what == "hang":
@@ -377,7 +439,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
                                                 daemon=True)
             threads[replica].start()
     time.sleep(max(0.0, end - time.time()))
-    renewer.overdue()
+    renewer.finish()
     for g in every:  # a group waiting for a round the others left stops waiting
         g.stop()
     for thread in threads.values():
@@ -390,7 +452,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
                "lost": [g.replica for g in every if g.control.lost is not None],
                "late": renewer.late, "lapsed": sorted(renewer.lapsed),
                "errors": [f"group {g.replica}: {e}" for g in every for e in g.errors][:20],
-               "requests": sum(g.requests for g in every)})
+               "requests": sum(g.requests for g in every) + renewer.sent.value})
 
 
 SAMPLE_S = 0.5  # requests and bytes are sampled this often (phase peaks: per second)
@@ -431,6 +493,7 @@ def simulate(args) -> dict:
                 "saves": saves}
     procs = max(1, min(args.processes or max(1, args.groups // 64), args.groups))
     port = int(args.endpoints.rsplit(":", 1)[1])
+    SIM_ENDPOINTS[:] = [args.endpoints]
     queue = mp.get_context("fork").Queue()
     workers = [mp.get_context("fork").Process(
         target=_worker, args=(args, list(range(i, args.groups, procs)), schedule, t0, end, queue))
@@ -474,7 +537,7 @@ def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
 
     def window_figures(start: float, stop: float, rounds: int) -> dict:
         inside = [t for t in ticks if start - SAMPLE_S <= t0 + t * SAMPLE_S <= stop + 2 * SAMPLE_S]
-        rates = [(totals[b][0] - totals[a][0]) * per_s for a, b in zip(inside, inside[1:])]
+        rates = [(totals[b][0] - totals[a][0]) * per_s for a, b in zip(inside, inside[1:], strict=False)]
         peak = max((sum(rates[i:i + int(per_s)]) / int(per_s) * 1
                     for i in range(max(1, len(rates) - int(per_s) + 1))), default=0.0)
         read = totals[inside[-1]][1] - totals[inside[0]][1] if len(inside) > 1 else 0
