@@ -272,24 +272,24 @@ class SimGroup:
                 else:
                     rank.get_part(name, lr, timeout)
             self.phases.append(("set_up", n, started, time.time()))
-            if not record.receivers:
+            if not _transfer_plan(record)[0]:
                 return
             started = time.time()
             metadata = "m" * (self.args.meta_kb * 1000)
-            donors = {record.donor_of(r) for r in record.receivers}
+            receivers, donor_of = _transfer_plan(record)
+            donors = set(donor_of.values())
             # one donor feeding every other member broadcasts over the outer group
             # (every member reads its metadata, nobody writes a receipt); otherwise
             # point to point: receivers read and write receipts, bystanders await them
-            broadcast = len(donors) == 1 and \
-                set(record.receivers) == set(record.replicas) - donors
-            bystander = self.replica not in donors and self.replica not in record.receivers
-            for receiver in record.receivers:
-                donor = record.donor_of(receiver)
+            broadcast = len(donors) == 1 and set(receivers) == set(record.replicas) - donors
+            bystander = self.replica not in donors and self.replica not in receivers
+            for receiver in receivers:
+                donor = donor_of[receiver]
                 receipts = p.round_kv(n, "received", receiver)
                 for lr, rank in enumerate(ranks):
                     meta = p.round_kv(n, "state", lr, "model", donor)
                     if self.replica == donor:
-                        if receiver == record.receivers[0] or not broadcast:
+                        if receiver == receivers[0] or not broadcast:
                             rank.set(meta, metadata)
                     elif broadcast or self.replica == receiver:
                         rank.get(meta, timeout)
@@ -382,6 +382,22 @@ class SimGroup:
             self.relay.stop()
 
 
+_plans: dict[tuple, tuple[list[int], dict[int, int]]] = {}
+_plans_lock = threading.Lock()
+
+
+def _transfer_plan(record) -> tuple[list[int], dict[int, int]]:
+    """A round's receivers and each one's donor, computed once per process (the record
+    computes them anew at each call, O(R) each: the process's groups asking R times
+    each took minutes of CPU at 128 groups)."""
+    key = (record.number, tuple(record.replicas))
+    with _plans_lock:
+        if key not in _plans:
+            receivers = list(record.receivers)
+            _plans[key] = (receivers, {r: record.donor_of(r) for r in receivers})
+        return _plans[key]
+
+
 def _count_bytes(etcd_module) -> list[int]:
     """Count the bytes of JSON every etcd client of this process reads (unary answers
     and watch events): [total]."""
@@ -401,6 +417,9 @@ def _count_bytes(etcd_module) -> list[int]:
 
 
 def _worker(args, replicas, schedule, t0, end, queue):
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <worker>: every thread's stack
     protocol, _ = _protocol()
     renewer = Renewer(protocol)  # (forked before this process lowers its priority)
     os.nice(5)  # below etcd and the renewals: the simulated clients wait, not they
