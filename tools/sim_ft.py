@@ -56,6 +56,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -470,7 +471,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
                "deaths": [(t, r, g.replica) for g in every for t, r in g.control.deaths_seen],
                "lost": [g.replica for g in every if g.control.lost is not None],
                "late": renewer.late, "lapsed": sorted(renewer.lapsed),
-               "errors": [f"group {g.replica}: {e}" for g in every for e in g.errors][:20],
+               "errors": [f"group {g.replica}: {e}" for g in every for e in g.errors],
                "requests": sum(g.requests for g in every) + renewer.sent.value})
 
 
@@ -588,7 +589,13 @@ def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
     out["peak_connections"] = max((n for _, n in connections), default=None)
     out["renewal_late_max_s"] = round(max((v for res in results for v in res["late"].values()),
                                           default=0.0), 2)
-    out["errors"] = [e for res in results for e in res["errors"]][:10]
+    # each group's errors, by kind (numbers left out), the most frequent first
+    kinds_of_error: dict[str, int] = {}
+    for res in results:
+        for e in res["errors"]:
+            text = re.sub(r"\d+", "N", e.split(": ", 1)[-1])[:160]
+            kinds_of_error[text] = kinds_of_error.get(text, 0) + 1
+    out["errors"] = sorted(kinds_of_error.items(), key=lambda kv: -kv[1])[:6]
     return out
 
 

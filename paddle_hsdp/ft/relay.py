@@ -211,7 +211,8 @@ class Relay:
         try:
             answer = {"ok": perform(self.store, request, abort)}
         except _Cancelled:
-            answer = {"error": "Cancelled", "text": "cancelled by the mate"}
+            answer = {"error": "Cancelled", "text": "cancelled: the mate stopped waiting, "
+                                                    "or the relay stopped"}
         except Exception as e:  # noqa: BLE001 - handed to the mate
             answer = {"error": type(e).__name__, "text": str(e)}
         finally:
