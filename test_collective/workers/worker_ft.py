@@ -131,7 +131,8 @@ def arrived(replica, number) -> set:
     """The replica groups that have arrived at round ``number`` (read from etcd)."""
     if not _probe:
         from paddle_hsdp.ft.etcd import Etcd
-        _probe.append(Etcd(os.environ["PADDLE_HSDP_FT_COORDINATOR"]))
+        # it waits for a restarted coordinator, as the job's clients do
+        _probe.append(Etcd(os.environ["PADDLE_HSDP_FT_COORDINATOR"], away_s=120))
     found, _ = _probe[0].get_prefix(replica.store.keys.rounds(number) + "arrivals/")
     return {int(k.rsplit("/", 1)[1]) for k in found}
 
