@@ -1115,3 +1115,127 @@ def test_a_joint_saves_keys_are_leased_to_end_by_themselves(etcd):
         assert lease, f"{key} has no lease"
         ttl = int(probe.call("kv/lease/timetolive", {"ID": lease})["TTL"])
         assert 0 < ttl <= 15, (key, ttl)
+
+
+# ------------------------------------------------------------------ the relay (ft/relay.py)
+def _relayed_group(etcd, job, ranks, signer=None):
+    """A replica group's job stores as ft.init builds them: the leader's JobStore,
+    serving its mates over the group's own store (here in memory) through a Relay, and
+    each mate's RelayedStore."""
+    from paddle_hsdp.ft.kv import JobStore
+    from paddle_hsdp.ft.relay import MemoryChannel, Relay, RelayedStore
+    from paddle_hsdp.ft.trust import UNSIGNED
+    signer = signer or UNSIGNED
+    channel = MemoryChannel()
+    leader = JobStore(etcd["address"], job, 20, signer=signer)
+    relay = Relay(leader, channel)
+    mates = [RelayedStore(channel, job, 20, signer) for _ in range(ranks - 1)]
+    return leader, relay, mates, channel
+
+
+def _on_threads(calls, timeout=30):
+    out, errors = [None] * len(calls), []
+
+    def go(i, call):
+        try:
+            out[i] = call()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return out
+
+
+def test_a_mates_requests_reach_etcd_only_through_its_leader_once_per_group(etcd,
+                                                                           monkeypatch):
+    """Two groups of 4 ranks set up a round's outer groups as groups.connect does: the
+    first group's ranks each publish their address as a part, the other's ranks wait
+    for theirs, before it is written. No mate makes an etcd client or request; each
+    leader's are O(1) whatever its ranks (one value written; one read and one watch
+    shared by its waiting ranks, not a poll); every rank gets its own local rank's
+    address, and a counter and a wait for it work through the relay too."""
+    from paddle_hsdp.ft import etcd as etcd_module
+    made, calls = [], []
+    real_init, real_call = etcd_module.Etcd.__init__, etcd_module.Etcd.call
+    monkeypatch.setattr(etcd_module.Etcd, "__init__", lambda self, *a, **k: (
+        made.append(threading.current_thread().name), real_init(self, *a, **k))[1])
+    monkeypatch.setattr(etcd_module.Etcd, "call", lambda self, *a, **k: (
+        calls.append(threading.current_thread().name), real_call(self, *a, **k))[1])
+    job = f"relay{next(_jobs)}"
+    host, host_relay, host_mates, _ = _relayed_group(etcd, job, 4)
+    other, other_relay, other_mates, channel = _relayed_group(etcd, job, 4)
+    name = "round/000000001/outer_store"
+    try:
+        made.clear()
+        before = (host.etcd.requests, other.etcd.requests)
+        readers = [other, *other_mates]
+        waiting = threading.Thread(target=lambda: got.extend(_on_threads(
+            [lambda s=s, lr=lr: s.get_part(name, lr) for lr, s in enumerate(readers)])))
+        got: list = []
+        waiting.start()
+        time.sleep(0.8)  # the readers wait for a value not written yet
+        assert not got and other.watches == 1  # one watch for the group's four ranks
+        _on_threads([lambda s=s, lr=lr: s.set_part(name, lr, 4, f"10.0.0.{lr}:7")
+                     for lr, s in enumerate([host, *host_mates])])
+        waiting.join(10)
+        assert got == [f"10.0.0.{lr}:7".encode() for lr in range(4)]
+        # the host's leader wrote one value; the readers' leader read once and watched
+        # once (a poll over 0.8 s would be dozens)
+        assert host.etcd.requests - before[0] == 1
+        assert other.etcd.requests - before[1] <= 3, other.etcd.requests - before[1]
+        # a mate has no client of etcd; the only one made was the readers' leader's
+        # watch (its own connection while it waited), and every request was a leader's
+        assert len(made) == 1 and not any(hasattr(m, "etcd") for m in other_mates)
+        assert len(calls) == (host.etcd.requests - before[0]) + \
+            (other.etcd.requests - before[1]) - other.watches  # (a watch's creation is
+        # counted on its owner, not sent through call)
+        assert sum(m.requests for m in other_mates) == 3 and channel.requests > 0
+        # counters and their waits go the same way
+        assert other_mates[0].add("count", 2) == 2 and other.add("count", 1) == 3
+        assert other_mates[1].wait_count("count", 3, 5, "the count") == 3
+        with pytest.raises(ValueError, match="ttl_s must be > 0"):
+            other_mates[0].lease(0)  # refused before anything reaches the leader
+        with pytest.raises(TimeoutError, match="never/written to be written"):
+            other_mates[2].get("never/written", timeout_s=0.3)
+    finally:
+        host_relay.stop()
+        other_relay.stop()
+
+
+def test_a_mates_wait_ends_when_its_round_fails_and_its_leaders_watch_with_it(etcd):
+    """A mate waiting (through its leader) for a key nobody writes stops as soon as its
+    abort() raises (a failure announced in the round), long before its timeout; the
+    leader's watch ends once no rank waits for the key any more; a forged value is not
+    taken, the genuine one is."""
+    from paddle_hsdp.ft.protocol import FaultToleranceError as Failed
+    from paddle_hsdp.ft.trust import Signer
+    job = f"relay{next(_jobs)}"
+    signer = Signer("0123456789abcdef-relay")
+    leader, relay, mates, _ = _relayed_group(etcd, job, 3, signer)
+    failed = threading.Event()
+
+    def abort():
+        if failed.is_set():
+            raise Failed("a failure was announced in round 4")
+    try:
+        threading.Timer(0.5, failed.set).start()
+        started = time.monotonic()
+        with pytest.raises(Failed, match="announced in round 4"):
+            mates[0].get("round/000000004/state/0/model/1", timeout_s=60, abort=abort)
+        assert time.monotonic() - started < 3
+        deadline = time.monotonic() + 5
+        while (leader._waits or relay._running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not leader._waits and not relay._running  # the leader's watch stopped
+        # a forged value (no signature) is waited past; the genuine one is taken
+        name = "round/000000005/state/0/model/1"
+        forger = Etcd(etcd["address"])
+        threading.Timer(0.2, forger.put, (leader._key(name), "forged")).start()
+        threading.Timer(0.6, leader.set, (name, "genuine")).start()
+        assert mates[1].get(name, timeout_s=10) == b"genuine"
+    finally:
+        relay.stop()

@@ -1,11 +1,21 @@
 """The fault-tolerance control plane at scale, simulated on one machine.
 
-    python tools/sim_ft.py --groups 512 [--minutes 10] [--json]
+    python tools/sim_ft.py --groups 512 [--ranks-per-group 8] [--churn] [--minutes 10] [--json]
 
 R replica groups run the real protocol (paddle_hsdp/ft/protocol.py, its etcd client and
 lease renewals, no Paddle: a group's training is a sleep per step and its outer group a
 flag) against a real etcd (the embedded one unless --endpoints names another), spread
-over a few processes. After the first round and a quiet stretch it injects, one at a
+over a few processes (R/64). A process's leases are renewed by one thread of its own,
+earliest due first (:class:`Renewer`; a thread per group, the protocol's own, starved
+one another at 512 groups on 2 cores), and the worker processes run at a lower
+priority than etcd. With ``--ranks-per-group G`` every group also has G ranks, each a
+real client of the job's shared data as ``ft.init`` builds them (the leader's
+``JobStore``; each other rank's ``RelayedStore``, through the group's own store,
+simulated in memory, and the leader's ``Relay``), which after each round do what
+``groups.connect`` and a rejoin's transfer do with it (addresses, metadata of
+``--meta-kb`` per rank, receipts); ``--churn`` adds ``--saves`` joint saves after the
+rejoin (``ft/joint_save.py``'s records, count and outcome, every rank waiting for it).
+After the first round and a quiet stretch it injects, one at a
 time: a failed attempt (one group's collective fails: every group arrives at once), a
 killed group (its lease is left to expire), a hung group (its leader sees a mate silent
 for the heartbeat timeout and revokes the lease) and the killed group's restart (a
@@ -17,8 +27,17 @@ joiner), and keeps stepping to the end. It prints, measured:
 * ``rejoin_round_s``, ``first_round_s``: the same for the joiner's round and round 0;
 * ``detect_dead_s`` / ``detect_hung_s``: from the kill / hang to the last group hearing
   of it (bounds: the lease TTL + 1 s, the heartbeat timeout + 1 s);
-* ``false_deaths``: groups heard of as gone that nobody killed or hung, over the run;
-* ``req_per_round``: requests the groups sent while forming a round, per round.
+* ``false_deaths``: groups heard of as gone that nobody killed or hung, over the run,
+  caused by the protocol; ``false_deaths_by_simulator``: those whose lease lapsed
+  because a renewal went out late (the simulator's process was behind), and
+  ``renewal_late_max_s``, the latest renewal;
+* ``req_per_round``: requests the groups sent while forming a round, per round;
+* ``phases``: per phase (``steady``, ``first_round``, ``round``, ``set_up``,
+  ``rejoin``, ``joint_save``; each the worst of its instances, a window from the
+  first group's start to the last group's end): the peak requests/s to etcd over any
+  second of it, the most TCP connections open to etcd (counted in /proc/net/tcp), the
+  bytes of JSON the clients read per group and round; ``keys_after``: the job's keys
+  at the end.
 
 With ``--json`` the last line is one JSON object of those figures.
 
@@ -37,6 +56,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -59,11 +80,139 @@ def _protocol():
     return protocol, etcd_server
 
 
-class SimGroup:
-    """One simulated replica group: the protocol's leader side and a step loop."""
+class Renewer:
+    """Every simulated group's lease renewals of one worker process, sent by a process of
+    their own (:func:`_renew_leases`: one etcd client, earliest due first, at the
+    worker's priority before it lowers its own) in place of a renewing thread per group,
+    the protocol's own: at 512 groups on 2 cores those threads starved one another (and
+    shared Python's lock with the groups parsing a round's values), and leases lapsed
+    unrenewed. Here stays what the protocol's renewing thread also does each tick: a
+    hung group's leader revokes its lease; a lease etcd found expired loses its group.
+    Each renewal's lateness (answered after it was due: the simulator, or etcd on the
+    same loaded cores, was behind) is kept per group, so a death it caused is told apart
+    from one the protocol caused."""
 
-    def __init__(self, args, replica: int, token: str, schedule: dict, t0: float):
+    def __init__(self, protocol):
+        self.p = protocol
+        ctx = mp.get_context("fork")
+        self._orders, self._reports = ctx.Queue(), ctx.Queue()
+        self.sent = ctx.Value("q", 0)  # renewals sent (requests to etcd)
+        self._process = ctx.Process(target=_renew_leases, args=(
+            self._orders, self._reports, protocol.HEALTH_TICK_S, self.sent), daemon=True)
+        self._process.start()
+        self._controls: dict[int, object] = {}  # lease -> control
+        self._lock = threading.Lock()
+        self.late: dict[int, float] = {}  # replica -> its worst renewal lateness, s
+        self.lapsed: set[int] = set()  # replicas whose lease etcd found expired
+        self._ended = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="sim-health").start()
+        threading.Thread(target=self._hear, daemon=True, name="sim-lapsed").start()
+
+    def add(self, control) -> None:
+        with self._lock:
+            self._controls[control.lease] = control
+        self._orders.put(("add", control.replica, control.lease,
+                          control.ttl_s / self.p.RENEWALS_PER_TTL))
+
+    def drop(self, control) -> None:
+        """Stop renewing ``control``'s lease (its group was killed: it expires)."""
+        with self._lock:
+            self._controls.pop(control.lease, None)
+        self._orders.put(("drop", control.lease))
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.p.HEALTH_TICK_S)
+            with self._lock:
+                controls = list(self._controls.values())
+            for c in controls:
+                if c._stop.is_set() or c.lost is not None:
+                    self.drop(c)
+                elif not c._healthy():
+                    self.drop(c)
+                    c._lose(c.lease, "a rank of this group stopped answering its mates "
+                                     "(simulated hang)")
+
+    def _hear(self) -> None:
+        while True:
+            report = self._reports.get()
+            if report[0] == "late":
+                self.late = report[1]
+                self._ended.set()
+                return
+            _, replica, lease = report
+            self.lapsed.add(replica)
+            with self._lock:
+                c = self._controls.pop(lease, None)
+            if c is not None and c.lost is None:
+                c._lose(0, "its lease expired (simulated)")
+
+    def finish(self) -> None:
+        """The renewals' lateness, each group's worst (those still due count as late
+        as they are by now)."""
+        self._orders.put(("end",))
+        self._ended.wait(60)
+
+
+def _renew_leases(orders, reports, tick_s: float, sent) -> None:
+    """The renewing process: ``("add", replica, lease, interval)`` starts renewing a lease
+    every ``interval`` s, ``("drop", lease)`` stops, ``("end",)`` reports every
+    replica's worst lateness and ends; ``("lapsed", replica, lease)`` is reported for a
+    lease etcd found expired."""
+    import queue
+    etcd = None
+    due: dict[int, tuple[float, int, float]] = {}  # lease -> (due, replica, interval)
+    late: dict[int, float] = {}
+    while True:
+        try:
+            while True:
+                order = orders.get(timeout=tick_s / 5)
+                if order[0] == "add":
+                    _, replica, lease, interval = order
+                    due[lease] = (time.monotonic() + interval, replica, interval)
+                elif order[0] == "drop":
+                    due.pop(order[1], None)
+                else:
+                    now = time.monotonic()
+                    for at, replica, _ in due.values():
+                        if now > at:
+                            late[replica] = max(late.get(replica, 0.0), now - at)
+                    reports.put(("late", late))
+                    return
+        except queue.Empty:
+            pass
+        if etcd is None:
+            from paddle_hsdp.ft.etcd import Etcd
+            etcd = Etcd(SIM_ENDPOINTS[0])
+        for lease, (at, replica, interval) in sorted(due.items(), key=lambda kv: kv[1][0]):
+            if time.monotonic() < at:
+                break
+            try:
+                sent.value += 1
+                alive = etcd.keep_alive(lease) >= 0
+            except Exception:  # noqa: BLE001 - etcd away: the next tick
+                continue
+            late[replica] = max(late.get(replica, 0.0), time.monotonic() - at)
+            if alive:
+                due[lease] = (time.monotonic() + interval, replica, interval)
+            else:
+                due.pop(lease, None)
+                reports.put(("lapsed", replica, lease))
+
+
+SIM_ENDPOINTS: list[str] = []  # the etcd the simulation runs against (set before forking)
+
+
+class SimGroup:
+    """One simulated replica group: the protocol's leader side, its ranks' clients of
+    the job's shared data (the leader's JobStore; each other rank's RelayedStore,
+    through the group's own store simulated in memory) and a step loop."""
+
+    def __init__(self, args, replica: int, token: str, schedule: dict, t0: float,
+                 renewer: Renewer):
         protocol, _ = _protocol()
+        from paddle_hsdp.ft.kv import JobStore
+        from paddle_hsdp.ft.relay import MemoryChannel, Relay, RelayedStore
         self.p, self.args, self.replica, self.t0 = protocol, args, replica, t0
         self.schedule = schedule
         self.hung_at: float | None = None
@@ -73,9 +222,25 @@ class SimGroup:
             protocol.Rules(start_replicas=args.groups, join_window_s=args.join_window),
             args.ttl, args.round_timeout, healthy=self._healthy,
             on_failure=lambda number: self._failure.set())
+        self.control._renew = lambda: renewer.add(self.control)  # one renewer a process
+        self.renewer = renewer
+        self.store = JobStore(args.endpoints, "sim", args.round_timeout)
+        self.relay = None
+        self.ranks = [self.store]
+        if args.ranks_per_group > 1:
+            channel = MemoryChannel()
+            self.relay = Relay(self.store, channel)
+            self.ranks += [RelayedStore(channel, "sim", args.round_timeout)
+                           for _ in range(args.ranks_per_group - 1)]
         self.rounds: dict[int, dict] = {}  # number -> arrived, held (wall times), requests
+        self.phases: list[tuple[str, int, float, float]] = []  # (phase, round, from, to)
+        self.errors: list[str] = []
         self.killed = False  # the simulated process is gone: the thread stops
         self.step = 0
+
+    @property
+    def requests(self) -> int:
+        return self.control.requests + self.store.etcd.requests
 
     def _healthy(self) -> bool:  # a hung rank is noticed by its leader after the timeout
         return self.hung_at is None or time.time() - self.hung_at < self.args.ttl
@@ -86,14 +251,89 @@ class SimGroup:
         self.rounds[number] = {"arrived": t, "held": time.time(),
                                "requests": self.control.etcd.requests - before,
                                "member": record is not None}
+        if record is not None:
+            self._set_up(record)
         return record
+
+    def _set_up(self, record) -> None:
+        """What every rank of the group does with the job's shared data once a round
+        is formed (groups.connect, transfer.stream_state): the first member's ranks
+        publish their outer groups' store addresses, the others' read theirs; in a
+        rejoin the donor's ranks write their metadata, the receiver's read it and write
+        their receipts, the other members' ranks wait for them."""
+        if len(record.replicas) < 2 or self.args.ranks_per_group < 1:
+            return
+        p, n, started = self.p, record.number, time.time()
+        ranks, timeout = self.ranks, self.args.round_timeout
+        name = p.round_kv(n, "outer_store")
+        try:
+            for lr, rank in enumerate(ranks):
+                if record.replicas[0] == self.replica:
+                    rank.set_part(name, lr, len(ranks), f"127.0.0.1:{20000 + lr}")
+                else:
+                    rank.get_part(name, lr, timeout)
+            self.phases.append(("set_up", n, started, time.time()))
+            if not _transfer_plan(record)[0]:
+                return
+            started = time.time()
+            metadata = "m" * (self.args.meta_kb * 1000)
+            receivers, donor_of = _transfer_plan(record)
+            donors = set(donor_of.values())
+            # one donor feeding every other member broadcasts over the outer group
+            # (every member reads its metadata, nobody writes a receipt); otherwise
+            # point to point: receivers read and write receipts, bystanders await them
+            broadcast = len(donors) == 1 and set(receivers) == set(record.replicas) - donors
+            bystander = self.replica not in donors and self.replica not in receivers
+            for receiver in receivers:
+                donor = donor_of[receiver]
+                receipts = p.round_kv(n, "received", receiver)
+                for lr, rank in enumerate(ranks):
+                    meta = p.round_kv(n, "state", lr, "model", donor)
+                    if self.replica == donor:
+                        if receiver == receivers[0] or not broadcast:
+                            rank.set(meta, metadata)
+                    elif broadcast or self.replica == receiver:
+                        rank.get(meta, timeout)
+                        if not broadcast:
+                            rank.set_part(receipts, lr, len(ranks), "1")
+                    elif bystander:
+                        rank.get_part(receipts, lr, timeout)
+                if broadcast:
+                    break
+            self.phases.append(("rejoin" if n else "first_transfer", n, started, time.time()))
+        except Exception as e:  # noqa: BLE001 - reported with the figures
+            self.errors.append(f"round {n} set-up: {type(e).__name__}: {e}")
+
+    def _save(self, record, number: int) -> None:
+        """A joint save's traffic (ft/joint_save.py's names and calls): the leader puts
+        its commit record and counts the group in; the group that completes the count
+        reads every record and announces the outcome; every other rank waits for the
+        count and the outcome (the mates through their leader)."""
+        started, replicas = time.time(), record.replicas
+        base = f"paddle_hsdp/ft/save/sim{number}"
+        try:
+            lease = self.store.lease(3 * self.args.round_timeout)
+            self.store.set(f"{base}/group/{self.replica}", json.dumps(
+                {"file": f"group{self.replica}.json", "bytes": 1, "sha256": "0"}), lease)
+            publisher = self.store.add(f"{base}/arrived", 1, lease) == len(replicas)
+            if publisher:
+                for r in replicas:
+                    self.store.get(f"{base}/group/{r}", self.args.round_timeout)
+                self.store.set(f"{base}/outcome", "", lease)
+            for rank in self.ranks[1 if publisher else 0:]:
+                rank.wait_count(f"{base}/arrived", len(replicas), self.args.round_timeout,
+                                "every group's record")
+                rank.get(f"{base}/outcome", self.args.round_timeout)
+            self.phases.append(("joint_save", number, started, time.time()))
+        except Exception as e:  # noqa: BLE001 - reported with the figures
+            self.errors.append(f"save {number}: {type(e).__name__}: {e}")
 
     def run(self, joiner: bool, end: float) -> None:
         try:
             self._run(joiner, end)
         except Exception as e:  # noqa: BLE001 - a killed group's calls fail: it is gone
             if not self.killed:
-                print(f"sim_ft: group {self.replica}: {type(e).__name__}: {e}", file=sys.stderr)
+                self.errors.append(f"{type(e).__name__}: {e}")
 
     def _run(self, joiner: bool, end: float) -> None:
         c, args = self.control, self.args
@@ -113,11 +353,15 @@ class SimGroup:
             k = int((time.time() - self.t0) / args.step_s) + 1
             boundary = self.t0 + k * args.step_s
             failed = self._failure.wait(max(0.0, boundary - time.time()))
+            now = time.time()
             if self.replica == self.schedule.get("fail_by") and \
-                    self.schedule["fail_at"] <= time.time() < self.schedule["fail_at"] + args.step_s:
-                self.schedule = {}
+                    self.schedule["fail_at"] <= now < self.schedule["fail_at"] + args.step_s:
+                self.schedule = {**self.schedule, "fail_by": None}
                 c.announce_failure(record.number)  # as a failed collective would
                 failed = True
+            for i, at in enumerate(self.schedule.get("saves", [])):
+                if at <= now < at + args.step_s and not failed:
+                    self._save(record, i)
             if failed or c.round_failed(record.number) or c.join_waiting():
                 self._failure.clear()
                 if failed or c.round_failed(record.number):
@@ -131,71 +375,228 @@ class SimGroup:
             self.step += 1
             c.committed()
 
+    def stop(self) -> None:
+        self.killed = True
+        self.renewer.drop(self.control)  # its lease expires, as a killed group's does
+        self.control.close(revoke=False)
+        if self.relay is not None:
+            self.relay.stop()
+
+
+_plans: dict[tuple, tuple[list[int], dict[int, int]]] = {}
+_plans_lock = threading.Lock()
+
+
+def _transfer_plan(record) -> tuple[list[int], dict[int, int]]:
+    """A round's receivers and each one's donor, computed once per process (the record
+    computes them anew at each call, O(R) each: the process's groups asking R times
+    each took minutes of CPU at 128 groups)."""
+    key = (record.number, tuple(record.replicas))
+    with _plans_lock:
+        if key not in _plans:
+            receivers = list(record.receivers)
+            _plans[key] = (receivers, {r: record.donor_of(r) for r in receivers})
+        return _plans[key]
+
+
+def _count_bytes(etcd_module) -> list[int]:
+    """Count the bytes of JSON every etcd client of this process reads (unary answers
+    and watch events): [total]."""
+    read = [0]
+    call, deliver = etcd_module.Etcd.call, etcd_module.Watch._deliver
+
+    def counted_call(self, path, payload):
+        result = call(self, path, payload)
+        read[0] += len(json.dumps(result))
+        return result
+
+    def counted_deliver(self, result):
+        read[0] += len(json.dumps(result))
+        return deliver(self, result)
+    etcd_module.Etcd.call, etcd_module.Watch._deliver = counted_call, counted_deliver
+    return read
+
 
 def _worker(args, replicas, schedule, t0, end, queue):
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <worker>: every thread's stack
     protocol, _ = _protocol()
-    groups = {r: SimGroup(args, r, f"t{r}", schedule, t0) for r in replicas}
+    renewer = Renewer(protocol)  # (forked before this process lowers its priority)
+    os.nice(5)  # below etcd and the renewals: the simulated clients wait, not they
+    from paddle_hsdp.ft import etcd as etcd_module
+    read = _count_bytes(etcd_module)
+    groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer) for r in replicas}
     threads = {r: threading.Thread(target=g.run, args=(False, end), daemon=True)
                for r, g in groups.items()}
     for thread in threads.values():
         thread.start()
+    every = list(groups.values())
+    series: list[tuple[int, int, int]] = []  # (tick, requests, bytes read)
+
+    def sample() -> None:
+        tick = int((time.time() - t0) / SAMPLE_S)
+        while time.time() < end:
+            tick += 1
+            time.sleep(max(0.0, t0 + tick * SAMPLE_S - time.time()))
+            series.append((tick, sum(g.requests for g in every) + renewer.sent.value,
+                           read[0]))
+    threading.Thread(target=sample, daemon=True, name="sim-sampler").start()
     samples, events = {}, sorted(schedule.get("events", []))
     for when, what, replica in events:
         time.sleep(max(0.0, when - time.time()))
         if what == "sample":
-            samples[replica] = sum(g.control.requests for g in groups.values())
+            samples[replica] = sum(g.requests for g in every) + renewer.sent.value
         elif replica in groups and what == "kill":
-            groups[replica].killed = True
-            groups[replica].control.close(revoke=False)
+            groups[replica].stop()
         elif replica in groups and what == "hang":
             groups[replica].hung_at = time.time()
         elif replica in groups and what == "rejoin":
-            old = groups[replica]
-            groups[replica] = SimGroup(args, replica, f"t{replica}b", {}, t0)
-            groups[replica].old = old
+            groups[replica] = SimGroup(args, replica, f"t{replica}b",
+                                       {**schedule, "fail_by": None}, t0, renewer)
+            every.append(groups[replica])
             threads[replica] = threading.Thread(target=groups[replica].run, args=(True, end),
                                                 daemon=True)
             threads[replica].start()
     time.sleep(max(0.0, end - time.time()))
-    every = list(groups.values()) + [g.old for g in groups.values() if hasattr(g, "old")]
+    renewer.finish()
     for g in every:  # a group waiting for a round the others left stops waiting
-        g.killed = True
-        g.control.close(revoke=False)
+        g.stop()
     for thread in threads.values():
         thread.join(timeout=5)
-    queue.put({"samples": samples,
+    queue.put({"samples": samples, "series": series,
                "rounds": [{**v, "replica": g.replica, "number": n}
                           for g in every for n, v in g.rounds.items()],
+               "phases": [(ph, n, a, b, g.replica) for g in every for ph, n, a, b in g.phases],
                "deaths": [(t, r, g.replica) for g in every for t, r in g.control.deaths_seen],
                "lost": [g.replica for g in every if g.control.lost is not None],
-               "requests": sum(g.control.requests for g in every)})
+               "late": renewer.late, "lapsed": sorted(renewer.lapsed),
+               "errors": [f"group {g.replica}: {e}" for g in every for e in g.errors],
+               "requests": sum(g.requests for g in every) + renewer.sent.value})
+
+
+SAMPLE_S = 0.5  # requests and bytes are sampled this often (phase peaks: per second)
+
+
+def _etcd_connections(port: int) -> int:
+    """Established TCP connections to ``port`` from this host's clients (Linux)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                        count += 1
+        except OSError:
+            continue
+    return count
 
 
 def simulate(args) -> dict:
     t0 = time.time() + 3.0 + args.groups / 200  # every process set up by then
-    steady_from = t0 + 10.0
+    steady_from = t0 + 10.0 + args.groups / 100  # round 0's set-up done
     steady_to = steady_from + args.steady_s
     gap = args.ttl + 2 * args.join_window + 5
     fail_at, kill_at = steady_to + 1, steady_to + 1 + gap
     hang_at, rejoin_at = kill_at + gap, kill_at + 2 * gap
-    end = t0 + max(args.minutes * 60, rejoin_at + gap - t0)
+    saves = [rejoin_at + gap + i * 4 * args.step_s for i in range(args.saves)] \
+        if args.churn else []
+    last = saves[-1] + gap if saves else rejoin_at + gap
+    end = t0 + max(args.minutes * 60, last - t0)
     victims = {"fail_by": 1, "kill": 2, "hang": 3}
     events = [(steady_from, "sample", "from"), (steady_to, "sample", "to"),
               (kill_at, "kill", victims["kill"]), (hang_at, "hang", victims["hang"]),
               (rejoin_at, "rejoin", victims["kill"])]
-    schedule = {"fail_by": victims["fail_by"], "fail_at": fail_at, "events": events}
+    schedule = {"fail_by": victims["fail_by"], "fail_at": fail_at, "events": events,
+                "saves": saves}
     procs = max(1, min(args.processes or max(1, args.groups // 64), args.groups))
+    port = int(args.endpoints.rsplit(":", 1)[1])
+    SIM_ENDPOINTS[:] = [args.endpoints]
     queue = mp.get_context("fork").Queue()
     workers = [mp.get_context("fork").Process(
         target=_worker, args=(args, list(range(i, args.groups, procs)), schedule, t0, end, queue))
         for i in range(procs)]
     for w in workers:
         w.start()
+    connections: list[tuple[float, int]] = []
+    while time.time() < end:
+        connections.append((time.time(), _etcd_connections(port)))
+        time.sleep(SAMPLE_S)
     results = [queue.get(timeout=end - time.time() + 3 * args.round_timeout) for _ in workers]
     for w in workers:
         w.join(timeout=30)
-    return _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_at,
-                    rejoin_at, victims)
+    keys = _key_count(args.endpoints)
+    figures = _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_at,
+                       rejoin_at, victims)
+    figures.update(_phases(args, results, t0, steady_from, steady_to, connections))
+    figures["keys_after"] = keys
+    figures["load_average_1m"] = os.getloadavg()[0]  # others' work on the same cores
+    return figures
+
+
+def _key_count(endpoints: str) -> int:
+    protocol, _ = _protocol()
+    from paddle_hsdp.ft.etcd import Etcd
+    return Etcd(endpoints).count_prefix(protocol.Keys("sim").root)
+
+
+def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
+    """Per phase: its window (the first group's start to the last group's end), the
+    peak requests/s to etcd over any second of it, the most connections open to etcd,
+    and the bytes read per group (JSON as the clients parse it) per round."""
+    totals: dict[int, list[int]] = {}
+    for res in results:
+        for tick, requests, read in res["series"]:
+            row = totals.setdefault(tick, [0, 0])
+            row[0] += requests
+            row[1] += read
+    ticks = sorted(totals)
+    per_s = 1 / SAMPLE_S
+
+    def window_figures(start: float, stop: float, rounds: int) -> dict:
+        inside = [t for t in ticks if start - SAMPLE_S <= t0 + t * SAMPLE_S <= stop + 2 * SAMPLE_S]
+        rates = [(totals[b][0] - totals[a][0]) * per_s for a, b in zip(inside, inside[1:], strict=False)]
+        peak = max((sum(rates[i:i + int(per_s)]) / int(per_s) * 1
+                    for i in range(max(1, len(rates) - int(per_s) + 1))), default=0.0)
+        read = totals[inside[-1]][1] - totals[inside[0]][1] if len(inside) > 1 else 0
+        conns = [n for t, n in connections if start - SAMPLE_S <= t <= stop + SAMPLE_S]
+        return {"from_s": round(start - t0, 1), "seconds": round(stop - start, 2),
+                "peak_req_per_s": round(peak, 1),
+                "connections": max(conns, default=None),
+                "bytes_read_per_group_per_round": round(read / args.groups / max(1, rounds))}
+    out: dict = {"phases": {"steady": window_figures(steady_from, steady_to, 1)}}
+    out["phases"]["steady"]["bytes_read_per_group_per_round"] = None  # (no round)
+    spans: dict[tuple[str, int], list[float]] = {}
+    for res in results:
+        for phase, number, start, stop, _ in res["phases"]:
+            span = spans.setdefault((phase, number), [start, stop])
+            span[0], span[1] = min(span[0], start), max(span[1], stop)
+        for r in res["rounds"]:  # a round: its first arrival to its last holder
+            span = spans.setdefault(("round", r["number"]), [r["arrived"], r["held"]])
+            span[0], span[1] = min(span[0], r["arrived"]), max(span[1], r["held"])
+    kinds: dict[str, list[dict]] = {}
+    for (phase, number), (start, stop) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+        kind = "first_round" if phase == "round" and number == 0 else \
+            "first_set_up" if phase == "set_up" and number == 0 else phase
+        kinds.setdefault(kind, []).append(window_figures(start, stop, 1))
+    for kind, rows in kinds.items():  # the worst of each phase's instances
+        out["phases"][kind] = {"count": len(rows), **{
+            name: max((r[name] for r in rows if r[name] is not None), default=None)
+            for name in ("seconds", "peak_req_per_s", "connections",
+                         "bytes_read_per_group_per_round")}}
+    out["peak_connections"] = max((n for _, n in connections), default=None)
+    out["renewal_late_max_s"] = round(max((v for res in results for v in res["late"].values()),
+                                          default=0.0), 2)
+    # each group's errors, by kind (numbers left out), the most frequent first
+    kinds_of_error: dict[str, int] = {}
+    for res in results:
+        for e in res["errors"]:
+            text = re.sub(r"\d+", "N", e.split(": ", 1)[-1])[:160]
+            kinds_of_error[text] = kinds_of_error.get(text, 0) + 1
+    out["errors"] = sorted(kinds_of_error.items(), key=lambda kv: -kv[1])[:6]
+    return out
 
 
 def _round_s(rounds, number, since: str = "first") -> float | None:
@@ -244,12 +645,28 @@ def _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_a
         "detect_hung_s": detected(victims["hang"], hang_at),
         "detect_dead_first_s": detected(victims["kill"], kill_at, first=True),
         "detect_hung_first_s": detected(victims["hang"], hang_at, first=True),
-        "false_deaths": len({who for _, who, _ in deaths if who not in injected}) +
-        len([r for res in results for r in res["lost"] if r not in injected]),
+        # a group heard of as gone, or that lost its lease, that nobody killed or hung:
+        # the simulator's if one of its renewals went out late enough for the lease to
+        # lapse (this process was behind), else the protocol's
+        **_false_deaths(args, results, deaths, injected),
         "req_per_round": round(statistics.mean(per_round), 1) if per_round else None,
         "rounds": len(numbers),
         "requests_total": sum(res["requests"] for res in results),
     }
+
+
+def _false_deaths(args, results, deaths, injected) -> dict:
+    falsely = {who for _, who, _ in deaths if who not in injected} | \
+        {r for res in results for r in res["lost"] if r not in injected}
+    late = {}
+    for res in results:
+        for replica, seconds in res["late"].items():
+            late[replica] = max(late.get(replica, 0.0), seconds)
+    lapsed = {r for res in results for r in res["lapsed"]}
+    slack = args.ttl - max(2, round(args.ttl)) / 3  # a renewal this late lets it lapse
+    by_simulator = {r for r in falsely if r in lapsed or late.get(r, 0.0) >= slack - 1}
+    return {"false_deaths": len(falsely - by_simulator),
+            "false_deaths_by_simulator": len(by_simulator)}
 
 
 # ---------------------------------------------------------------- the soak
@@ -281,7 +698,7 @@ def soak(endpoints: str, rounds: int, groups: int = 4, ranks: int = 2,
     keys, probe = protocol.Keys(job), Etcd(endpoints)
     # a round closes once every member is in; the window matters only for a late one
     rules = protocol.Rules(start_replicas=groups, join_window_s=round_timeout / 2)
-    stores = {}  # (replica, local rank) -> JobStore (one client per rank, as in a job)
+    stores = {}  # replica -> JobStore (its leader's: its ranks' calls go through it)
 
     def control(replica: int, generation: int):
         c = protocol.GroupControl(endpoints, job, replica, f"t{replica}.{generation}",
@@ -289,10 +706,10 @@ def soak(endpoints: str, rounds: int, groups: int = 4, ranks: int = 2,
         c.register()
         return c
 
-    def store(replica: int, local_rank: int) -> JobStore:
-        if (replica, local_rank) not in stores:
-            stores[replica, local_rank] = JobStore(endpoints, job, round_timeout)
-        return stores[replica, local_rank]
+    def store(replica: int) -> JobStore:
+        if replica not in stores:
+            stores[replica] = JobStore(endpoints, job, round_timeout)
+        return stores[replica]
 
     def together(calls) -> list:
         out, errors = [None] * len(calls), []
@@ -373,19 +790,20 @@ def soak(endpoints: str, rounds: int, groups: int = 4, ranks: int = 2,
             if r not in left_out:
                 c.committed()  # the step trained
         first = record.replicas[0]
-        for lr in range(ranks):  # make_group_store's address, by the first member's ranks
-            store(first, lr).set(protocol.round_kv(number, "outer_store", lr), "127.0.0.1:1")
+        for lr in range(ranks):  # make_group_store's addresses: parts of one value
+            store(first).set_part(protocol.round_kv(number, "outer_store"), lr, ranks,
+                                  "127.0.0.1:1")
         for receiver in record.receivers:  # the rejoin's metadata, read, and receipts
             donor = record.donor_of(receiver)
             for lr in range(ranks):
                 name = protocol.round_kv(number, "state", lr, "model", donor)
-                store(donor, lr).set(name, metadata)
-                store(receiver, lr).get(name)
-                store(receiver, lr).set(protocol.round_kv(number, "received", lr, receiver),
-                                        "1")
+                store(donor).set(name, metadata)
+                store(receiver).get(name)
+                store(receiver).set_part(protocol.round_kv(number, "received", receiver),
+                                         lr, ranks, "1")
         if save_every and number % save_every == 0:
             _soak_save(joint_save, record, steps, round_timeout,
-                       {r: store(r, 0) for r in record.replicas}, together)
+                       {r: store(r) for r in record.replicas}, together)
         if number % sample_every == 0 or number == rounds:
             sample()
     for c in controls.values():
@@ -416,6 +834,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=16, help="replica groups (R)")
     parser.add_argument("--minutes", type=float, default=0, help="run at least this long")
+    parser.add_argument("--ranks-per-group", type=int, default=1,
+                        help="ranks per group (G): each a client of the job's shared data "
+                             "in every round's set-up, rejoin and joint save (the leader's "
+                             "JobStore; the others' RelayedStore, through the group's own "
+                             "store, simulated in memory)")
+    parser.add_argument("--churn", action="store_true",
+                        help="also joint saves (--saves of them) after the rejoin, and "
+                             "per-phase figures (in the JSON: phases)")
+    parser.add_argument("--saves", type=int, default=2, help="joint saves with --churn")
     parser.add_argument("--processes", type=int, default=0,
                         help="processes the groups are spread over (default R/64: more starved"
                              " the leases' renewals on this 2-core machine)")
@@ -447,6 +874,9 @@ def main(argv=None) -> int:
     if args.groups < 4:
         parser.error(f"--groups must be >= 4 (a failing, a killed and a hung group, and "
                      f"one that sees them), got {args.groups}")
+    if args.ranks_per_group < 1 or args.saves < 0:
+        parser.error(f"--ranks-per-group must be >= 1 and --saves >= 0, got "
+                     f"{args.ranks_per_group} and {args.saves}")
     _, etcd_server = _protocol()
     server = None
     if not args.endpoints:
@@ -460,8 +890,13 @@ def main(argv=None) -> int:
         if server is not None:
             server.terminate()
             server.wait()
+            shutil.rmtree(data, ignore_errors=True)
     for name, value in figures.items():
-        print(f"{name:>18}: {value}")
+        if name == "phases":
+            for phase, row in value.items():
+                print(f"{phase:>18}: " + " ".join(f"{k}={v}" for k, v in row.items()))
+        else:
+            print(f"{name:>18}: {value}")
     if args.json:
         print(json.dumps(figures))
     return 0
@@ -495,6 +930,7 @@ def _main_soak(args, parser) -> int:
         if server is not None:
             server.terminate()
             server.wait()
+            shutil.rmtree(data, ignore_errors=True)
     if args.json:
         print(json.dumps(samples))
     return 0

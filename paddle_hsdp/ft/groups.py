@@ -5,7 +5,9 @@ usual ones, and the inner group is the replica's sharding group. Across replicas
 nothing of fleet's exists: local rank ``i`` of every live replica forms outer group
 ``i``, created for a round straight from Paddle's process-group classes on a
 rendezvous store of its own (:func:`paddle_hsdp.comm.gloo_store.make_group_store`,
-its address published in the job's shared data on etcd under the round's key).
+its address published in the job's shared data on etcd under the round's key: one
+value per round holding every local rank's address, written by the first member's
+leader once each of its ranks handed it its part, :mod:`.relay`).
 
 Ranks across replicas are *virtual*: ``replica * inner + local_rank``. The engine
 holds one :class:`LiveOuterGroup` per process from ``fully_shard`` on; each new round
@@ -34,7 +36,7 @@ from .protocol import FaultToleranceError, round_kv
 from .store import on_socket, socket_fds
 
 if TYPE_CHECKING:
-    from .kv import JobStore
+    from .kv import SharedData
 
 _T = TypeVar("_T")
 
@@ -194,7 +196,7 @@ def group_id(round_number: int, local_rank: int) -> int:
     return _ROUND_GROUP_BASE + round_number * 1024 + local_rank
 
 
-def connect(store: JobStore, round_number: int, replicas: list[int], group: LiveOuterGroup,
+def connect(store: SharedData, round_number: int, replicas: list[int], group: LiveOuterGroup,
             timeout_s: float) -> Connection:
     """Create this rank's outer process group for a round (every member calls it):
     ``(process group, the socket descriptors its creation opened)``, ``(None, ())`` for
@@ -203,7 +205,7 @@ def connect(store: JobStore, round_number: int, replicas: list[int], group: Live
         return None, ()
     return _create(store, round_number, group, replicas.index(group.replica),
                    len(replicas), group_id(round_number, group.local_rank),
-                   round_kv(round_number, "outer_store", group.local_rank), timeout_s,
+                   round_kv(round_number, "outer_store"), timeout_s,
                    f"round {round_number}'s outer group")
 
 
@@ -235,7 +237,7 @@ def pair_id(round_number: int, local_rank: int, index: int) -> int:
         + index
 
 
-def connect_pair(store: JobStore, round_number: int, pair: tuple[int, int], index: int,
+def connect_pair(store: SharedData, round_number: int, pair: tuple[int, int], index: int,
                  group: LiveOuterGroup, timeout_s: float) -> PairGroup:
     """The process group of replicas ``pair`` (sorted; this rank's replica is one of
     them) for round ``round_number``'s transfer: both call it, nobody else. Its
@@ -243,7 +245,7 @@ def connect_pair(store: JobStore, round_number: int, pair: tuple[int, int], inde
     them down too."""
     pg_id = pair_id(round_number, group.local_rank, index)
     pg, sockets = _create(store, round_number, group, pair.index(group.replica), 2, pg_id,
-                          round_kv(round_number, "pair_store", group.local_rank, *pair),
+                          round_kv(round_number, "pair_store", *pair),
                           timeout_s, f"round {round_number}'s transfer pair {pair}")
     group.track(round_number, sockets)
     pair_group = PairGroup(pair.index(group.replica), pg_id,
@@ -253,16 +255,35 @@ def connect_pair(store: JobStore, round_number: int, pair: tuple[int, int], inde
     return pair_group
 
 
-def _create(store: JobStore, round_number: int, group: LiveOuterGroup, rank: int, size: int,
-            pg_id: int, store_key: str, timeout_s: float,
+class _LocalRankPart:
+    """Where the first member's ranks publish their group stores' addresses: one value
+    per replica group in the job's shared data (``name``), each local rank's address a
+    part of it (:meth:`~.kv.JobStore.set_part`): one request to etcd per group and
+    round, not one per rank. A rendezvous store as ``make_group_store`` takes it."""
+
+    def __init__(self, store: SharedData, name: str, group: LiveOuterGroup):
+        self._store, self._name = store, name
+        self._part, self._parts = group.local_rank, group.inner_size
+
+    def set(self, key: str, value: str, /) -> None:
+        self._store.set_part(self._name, self._part, self._parts, value)
+
+    def get(self, key: str, /, *, abort: Callable[[], object] | None = None) -> bytes:
+        return self._store.get_part(self._name, self._part, abort=abort)
+
+
+def _create(store: SharedData, round_number: int, group: LiveOuterGroup,
+            rank: int, size: int, pg_id: int, store_name: str, timeout_s: float,
             what: str) -> tuple[core.ProcessGroup, set[int]]:
     """A process group of ``size`` ranks on a rendezvous store of its own (its address
-    published under ``store_key``): ``(process group, the sockets its creation opened)``.
-    A failure announced in the round meanwhile cuts the creation short."""
+    published as this local rank's part of ``store_name``): ``(process group, the
+    sockets its creation opened)``. A failure announced in the round meanwhile cuts
+    the creation short."""
     before = socket_fds()
     abort = _abort_on_failure(store, round_number)
     with group.creating(round_number, before):
-        group_store = make_group_store(store, rank, size, pg_id, key=store_key,
+        group_store = make_group_store(_LocalRankPart(store, store_name, group), rank, size,
+                                       pg_id, key=store_name,
                                        timeout_s=max(1, int(timeout_s)), listen_first=True,
                                        abort=abort)
         if (collective._default_backend or "gloo") == "nccl":  # unverified: no GPU here
@@ -318,7 +339,7 @@ def _abandon_on_failure(create: Callable[[], _T], abort: Callable[[], object],
     return result["pg"]
 
 
-def _abort_on_failure(store: JobStore, round_number: int) -> Callable[[], None]:
+def _abort_on_failure(store: SharedData, round_number: int) -> Callable[[], None]:
     """Stop waiting for a round's group-store host once a failure is announced in the
     round (the host's, or another member's, lease ended): without it a host that
     died before publishing its address held every member for the round timeout."""

@@ -56,7 +56,7 @@ SAVE_KEYS_ROUND_TIMEOUTS = 3
 
 if TYPE_CHECKING:
     from .groups import LiveOuterGroup
-    from .kv import JobStore
+    from .kv import SharedData
     from .protocol import Round
 
 
@@ -69,7 +69,7 @@ class ReplicaView(Protocol):
     step: int
     round: Round | None
     outer: LiveOuterGroup
-    store: JobStore
+    store: SharedData
 
     def resume_state(self) -> dict: ...
 

@@ -45,10 +45,11 @@ from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
 from . import config, groups, resume, transfer
-from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, security_from_env,
-                   wait_until_answers)
+from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, parse_endpoints,
+                   security_from_env, wait_until_answers)
 from .joint_save import JointSave
-from .kv import JobStore
+from .kv import JobStore, SharedData
+from .relay import Relay, RelayedStore
 from .pieces import PiecePlan, plan_of
 from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
                        Round, Rules, WrongBase)
@@ -141,8 +142,13 @@ class Replica:
         signer = signer_from_env()  # the job's secret: what is read from etcd is checked
         if not job.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"{JOB_ENV} must be letters, digits, '-' or '_', got {job!r}")
-        wait_until_answers(coordinator, round_timeout_s, security)  # raises naming it
-        self.store = JobStore(coordinator, job, round_timeout_s, security, signer)
+        parse_endpoints(coordinator)  # a bad address is named on every rank, at once
+        unreachable: str | None = None  # why etcd did not answer the leader (below)
+        if self.rank == 0:  # the group's one client of etcd (its mates: through it)
+            try:
+                wait_until_answers(coordinator, round_timeout_s, security)
+            except EtcdUnavailable as e:  # every rank raises it, after the broadcast
+                unreachable = str(e)
         if not signer.authenticated and self.rank == 0:
             logger.warning(
                 "paddle_hsdp.ft: %s is not set: the rounds' records, group-store addresses "
@@ -156,6 +162,17 @@ class Replica:
         self.control: GroupControl | None = None  # the leader's side of the protocol (below)
         self._watch = GroupWatch(self.rank, self.ranks_per_replica, liveness_s,
                                  self._round_failed, round_timeout_s)
+        # the job's shared data: the leader's client of etcd, which serves its mates'
+        # requests over the group's own store (ft/relay.py); a mate's calls go there
+        self._relay: Relay | None = None
+        self.store: SharedData
+        if self.rank == 0:
+            self.store = JobStore(coordinator, job, round_timeout_s, security, signer)
+            if self.ranks_per_replica > 1:
+                self._relay = Relay(self.store, self._watch)
+                atexit.register(self._relay.stop)
+        else:
+            self.store = RelayedStore(self._watch, job, round_timeout_s, signer)
         self.store.failed = self._watch.failed
         # this replica group's ranks (a group of one rank has no global group: nothing
         # to vote with)
@@ -163,10 +180,15 @@ class Replica:
             else None
         # this process's run of the replica group: keys of a restarted one never
         # meet its predecessor's
-        token = [uuid.uuid4().hex[:12]]
+        token = [uuid.uuid4().hex[:12], unreachable]
         if self._world is not None:
             dist.broadcast_object_list(token, src=0)
-        self._token = token[0]
+        self._token = str(token[0])
+        if token[1] is not None:  # the leader's etcd did not answer: no rank goes on
+            self._watch.stop()
+            if self._relay is not None:
+                self._relay.stop()
+            raise EtcdUnavailable(token[1])
         # the leader takes the group's place in the job (a lease on its id): a second
         # launch of a running id is refused
         refusal: list[str | None] = [None]
@@ -186,6 +208,8 @@ class Replica:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
             self._watch.stop()
+            if self._relay is not None:
+                self._relay.stop()
             raise FaultToleranceError(refusal[0])
         self._arrivals = 0
         self._loads = 0  # plain states received from a donor

@@ -214,6 +214,16 @@ class GroupWatch:
         """The group store's counter (what :func:`~.kv.wait_count` reads)."""
         return int(self._call("add", name, amount))
 
+    def set(self, name: str, value: str) -> None:
+        """Write ``name`` in the group's store (the relay's requests and answers,
+        :mod:`.relay`: this client serves it too, so a rank holds one connection)."""
+        self._call("set", name, value)
+
+    def get(self, name: str) -> bytes:
+        """``name``'s value in the group's store; only for a key known to be written
+        (Paddle's store waits without bound for one that is not)."""
+        return bytes(self._call("get", name))
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

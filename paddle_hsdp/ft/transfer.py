@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
     from paddle.optimizer import Optimizer
 
-    from .kv import JobStore
+    from .kv import SharedData
     from .pieces import PiecePlan
     from .protocol import Round
 
@@ -94,7 +94,7 @@ def _dtype(tensor: paddle.Tensor) -> str:
     return str(tensor.dtype).replace("paddle.", "")  # what paddle.zeros takes
 
 
-def _checksums(store: JobStore, number: int, what: tuple,
+def _checksums(store: SharedData, number: int, what: tuple,
                tensors: Iterable[paddle.Tensor]) -> list[int]:
     """The checks of round ``number``'s copy ``what``, in order (:class:`_Digests`'
     blocks), computed one after the other on this thread."""
@@ -136,7 +136,7 @@ class _Digests:
     at most, is left after the transfer. ``thread`` False: everything on the caller's
     thread, at once. A context: the thread ends with it."""
 
-    def __init__(self, store: JobStore, number: int, what: tuple, thread: bool = True):
+    def __init__(self, store: SharedData, number: int, what: tuple, thread: bool = True):
         self._signer, self._where = store.signer, (number, *what)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="paddle_hsdp-ft-digest") \
             if thread else None
@@ -239,7 +239,7 @@ def _pairs(phases: Iterable[Phase]) -> list[tuple[int, int]]:
     return sorted({_pair_of(p) for p in phases})
 
 
-def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
+def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
                  model: paddle.nn.Layer, optimizer: Optimizer,
                  extra: dict) -> tuple[dict | None, int]:
     """Copy round ``record``'s state to this rank if its replica is a receiver. Every
@@ -299,8 +299,9 @@ def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
         paths, targets, rest = received_opt
         optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True), rest))
     replication.state_replaced(model)  # views re-pointed, gathered params resharded
-    if point_to_point:
-        store.set(_received_key(record, group.local_rank, replica), "1")
+    if point_to_point:  # one value per receiver, each local rank's receipt a part
+        store.set_part(_received_key(record, replica), group.local_rank, group.inner_size,
+                       "1")
     return received_extra, moved
 
 
@@ -309,13 +310,14 @@ def stream_state(store: JobStore, record: Round, group: groups.LiveOuterGroup,
 TRANSFER_WAIT_ROUNDS = 10
 
 
-def _received_key(record: Round, local_rank: int, receiver: int) -> str:
-    return round_kv(record.number, "received", local_rank, receiver)
+def _received_key(record: Round, receiver: int) -> str:
+    return round_kv(record.number, "received", receiver)
 
 
-def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGroup) -> None:
+def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGroup) -> None:
     """A member neither sending nor taking state waits until every receiver's rank of
-    its local rank has its state (one key each, on etcd), so that its first outer
+    its local rank has its state (one value per receiver on etcd, each local rank's
+    receipt a part of it), so that its first outer
     collective does not wait out the transfer under the backend's own timeout (gloo's
     is fixed): the wait is bounded by round timeouts, and ends at once on a failure
     announced in the round."""
@@ -324,15 +326,15 @@ def _await_receivers(store: JobStore, record: Round, group: groups.LiveOuterGrou
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{record.number} during its state transfer")
     for receiver in record.receivers:
-        store.get(_received_key(record, group.local_rank, receiver),
-                  store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
+        store.get_part(_received_key(record, receiver), group.local_rank,
+                       store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
 
 
 class _Sender:
     """A donor's side: the metadata written once per copy it serves, and each tensor's
     checksum computed once, however many receivers it feeds."""
 
-    def __init__(self, store: JobStore, record: Round, group: groups.LiveOuterGroup,
+    def __init__(self, store: SharedData, record: Round, group: groups.LiveOuterGroup,
                  model: paddle.nn.Layer, optimizer: Optimizer, extra: dict):
         self.store, self.record, self.group = store, record, group
         self.model, self.optimizer, self.extra = model, optimizer, extra
@@ -395,7 +397,7 @@ def _move(link: Group, tensor: paddle.Tensor, donor: int, group: groups.LiveOute
     return math.prod(tensor.shape) * tensor.element_size()
 
 
-def _take(store: JobStore, number: int, link: Group, phase: Phase,
+def _take(store: SharedData, number: int, link: Group, phase: Phase,
           targets: list[paddle.Tensor], group: groups.LiveOuterGroup, check: bool) -> int:
     """Receive ``phase``'s tensors into ``targets`` and, on a taker (``check``), compare
     their checks with those its donor sent after them (round ``number``'s), each
@@ -468,7 +470,7 @@ def _described(tensors: Iterable[tuple[object, paddle.Tensor]]) -> list:
     return [[n, list(t.shape), _dtype(t)] for n, t in tensors]  # as JSON gives it back
 
 
-def _exchange_meta(store: JobStore, record: Round, where: tuple, sending: bool,
+def _exchange_meta(store: SharedData, record: Round, where: tuple, sending: bool,
                    build: Callable[[], dict] | None) -> dict:
     """What is not a tensor goes as JSON through the store (never a pickle: what a
     trainer reads from the network must not run code): the sender writes ``build()``
