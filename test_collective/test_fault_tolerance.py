@@ -477,8 +477,9 @@ def test_a_donor_that_dies_while_a_rejoin_rounds_groups_are_created_fails_that_r
     outer groups crashed healthy groups (a ValueError from ProcessGroupGloo.create the
     set-up did not catch), and one that died before publishing its group store's
     address held every member for the round timeout (120 s). Now that round fails in
-    about a heartbeat timeout (a watcher announces the death; 5 s here), and the next
-    goes on without the donor: replica 1 gives the joiner its state. The groups train
+    about a heartbeat timeout (a watcher announces the death; 5 s here), or, where the
+    death is heard before the set-up begins, the round forms without the donor; either
+    way no attempt nears the round timeout and the next goes on without the donor: replica 1 gives the joiner its state. The groups train
     with Muon, each matrix owned by one rank (issue 53): the joiner's owners take the
     momentum of the donor's, and the run equals one process."""
     run = run_with_a_death_in_set_up("donor", "connect:0.05", optimizer="muon")
@@ -489,9 +490,14 @@ def test_a_donor_that_dies_while_a_rejoin_rounds_groups_are_created_fails_that_r
     assert back > SETUP_JOIN_AT and all(
         members[t] == ([0, 1, 2] if t < SETUP_KILL_AT else [0, 1] if t < back else [1, 2])
         for t in members), members
-    failed = [s for _, kind, _, s, _ in run["slowest"] if kind == "failed"]
-    assert failed and max(failed) < 60, run["slowest"]  # the round timeout is 120 s
-    print(f"a donor's death in set-up: failed round {max(failed):.1f} s, run {run['seconds']} s")
+    # no attempt waited anywhere near the round timeout (120 s): the set-up the donor
+    # died in failed within about a heartbeat timeout, or (its death heard before the
+    # set-up began, now that a round's waits are its leader's watches) the round formed
+    # without it at once
+    slowest = run["slowest"][0]
+    assert slowest[3] < 60, run["slowest"]
+    print(f"a donor's death in set-up: slowest attempt {slowest[3]:.1f} s ({slowest[1]}), "
+          f"run {run['seconds']} s")
 
 
 HFSDP_STEPS = 14
