@@ -28,3 +28,21 @@ def require(tool: str, folder: str, modules: tuple, command: str = "") -> None:
         raise SystemExit(f"{tool}: cannot import {', '.join(missing)} (from {folder}/): put "
                          f"{os.path.join(ROOT, folder)} on PYTHONPATH, e.g. from the "
                          f"repository root: {command}")
+
+
+def ft_without_paddle(*names: str) -> tuple:
+    """``paddle_hsdp.ft``'s Paddle-free modules ``names`` (``protocol``, ``trust``,
+    ``etcd_server``, ...), imported without ``paddle_hsdp/__init__.py`` and
+    ``paddle_hsdp/ft/__init__.py``, which import Paddle: the one-process simulators run
+    thousands of simulated clients and do not pay Paddle's import per process. Empty
+    packages stand in for the two (in ``sys.modules``, unless the real ones are there)."""
+    import importlib
+    import sys
+    import types
+
+    for name, path in (("paddle_hsdp", "paddle_hsdp"), ("paddle_hsdp.ft", "paddle_hsdp/ft")):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [os.path.join(ROOT, path)]
+            sys.modules[name] = module
+    return tuple(importlib.import_module(f"paddle_hsdp.ft.{name}") for name in names)

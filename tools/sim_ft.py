@@ -65,19 +65,12 @@ import threading
 import time
 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pythonpath  # (tools/ is on the path: python tools/sim_ft.py)
 
 
 def _protocol():
-    """paddle_hsdp.ft.protocol without paddle_hsdp's __init__ (which imports Paddle):
-    the protocol and its etcd client import nothing of Paddle."""
-    for name, path in (("paddle_hsdp", "paddle_hsdp"), ("paddle_hsdp.ft", "paddle_hsdp/ft")):
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__path__ = [os.path.join(ROOT, path)]
-            sys.modules[name] = module
-    from paddle_hsdp.ft import etcd_server, protocol
-    return protocol, etcd_server
+    """The protocol and its etcd_server without Paddle (tools/pythonpath.py)."""
+    return pythonpath.ft_without_paddle("protocol", "etcd_server")
 
 
 class Renewer:

@@ -23,26 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pythonpath
+
 SECRET = "a-job-secret-of-32-characters-ab"  # the size of `openssl rand -hex 16`
 CONFIG = "0123456789abcdef"  # a configuration hash (ft/config.py: 16 hex digits)
 DIES = 3  # the group that dies in the failure round and rejoins after
 
 
 def _protocol():
-    """paddle_hsdp.ft.protocol and .trust without paddle_hsdp's __init__ (which imports
-    Paddle): they import nothing of Paddle."""
-    for name, path in (("paddle_hsdp", "paddle_hsdp"), ("paddle_hsdp.ft", "paddle_hsdp/ft")):
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__path__ = [os.path.join(ROOT, path)]
-            sys.modules[name] = module
-    from paddle_hsdp.ft import protocol, trust
-    return protocol, trust
+    """The protocol and its trust without Paddle (tools/pythonpath.py)."""
+    return pythonpath.ft_without_paddle("protocol", "trust")
 
 
 def record_bytes(groups: int) -> dict[str, dict[str, int]]:
