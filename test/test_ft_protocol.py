@@ -55,6 +55,26 @@ def _groups(etcd, n, start=None, job=None, **kw):
     return groups, failures, job
 
 
+def _take_a_joiner_in(members, joiner, number, step, at=None):
+    """``joiner`` (a fresh group) arrives at round ``at`` (default: its next open one)
+    while ``members`` commit their step and, once they heard it wait, arrive at round
+    ``number`` at ``step``: ``(the joiner's record, the members' records by replica)``."""
+    got = {}
+    thread = threading.Thread(target=lambda: got.setdefault("record", joiner.arrive(
+        joiner.next_open() if at is None else at, None, Arrival(0, True))))
+    thread.start()
+    for g in members:
+        g.committed()
+    deadline = time.monotonic() + 5
+    while not all(g.join_waiting() for g in members):
+        assert time.monotonic() < deadline, "the members never heard the joiner"
+        time.sleep(0.02)
+    replicas = [g.replica for g in members]
+    views = _arrive_all(members, number, replicas, {r: Arrival(step) for r in replicas})
+    thread.join(10)
+    return got["record"], views
+
+
 def _arrive_all(groups, number, expected, arrivals=None):
     out, errors = {}, []
 
@@ -247,19 +267,8 @@ def test_groups_form_rounds_hear_a_death_and_take_a_joiner_in(etcd):
         back = GroupControl(etcd["address"], job, 2, "tok2b", "host", rules, TTL, 20)
         back.register()
         assert back.next_open() == 2
-        got = {}
-        joiner = threading.Thread(target=lambda: got.setdefault(
-            2, back.arrive(2, None, Arrival(0, True))))
-        joiner.start()
-        for g in groups[:2]:
-            g.committed()
-        deadline = time.monotonic() + 5
-        while not all(g.join_waiting() for g in groups[:2]):
-            assert time.monotonic() < deadline, "the members never heard the joiner"
-            time.sleep(0.02)
-        third = _arrive_all(groups[:2], 2, [0, 1], {r: Arrival(1) for r in (0, 1)})
-        joiner.join(10)
-        assert got[2] == third[0] and third[0].replicas == [0, 1, 2]
+        joined, third = _take_a_joiner_in(groups[:2], back, 2, step=1, at=2)
+        assert joined == third[0] and third[0].replicas == [0, 1, 2]
         assert third[0].receivers == [2] and third[0].donor == 0
         groups[2] = back
     finally:
@@ -317,19 +326,8 @@ def test_every_group_reads_each_rounds_members_as_its_decider_wrote_them(etcd):
                             Rules(start_replicas=3, join_window_s=1.0), TTL, 20)
         back.register()
         spy(back)
-        got = {}
-        joiner = threading.Thread(target=lambda: got.setdefault(
-            2, back.arrive(back.next_open(), None, Arrival(0, True))))
-        joiner.start()
-        for g in groups[:2]:
-            g.committed()
-        deadline = time.monotonic() + 5
-        while not all(g.join_waiting() for g in groups[:2]):
-            assert time.monotonic() < deadline, "the members never heard the joiner"
-            time.sleep(0.02)
-        views = _arrive_all(groups[:2], 2, [0, 1], {r: Arrival(4) for r in (0, 1)})
-        joiner.join(10)
-        third = check(2, {**views, 2: got[2]})
+        joined, views = _take_a_joiner_in(groups[:2], back, 2, step=4)
+        third = check(2, {**views, 2: joined})
         assert third.replicas == [0, 1, 2] and third.receivers == [2]
         groups[2] = back
         assert snapshots_read == {2: [keys.snapshot(2)]}, snapshots_read
