@@ -31,5 +31,8 @@ else
     "$PY" -m pip install -q -e ".[cpu,test,ft,paddleformers]"
     echo "$want" > "$stamp"
   fi
+  # as an activated venv: what the tests start by name (paddleformers-cli's own
+  # `python -m paddle.distributed.launch`) finds .venv's, also where no `python` is on PATH
+  export PATH="$ROOT/.venv/bin:$PATH" VIRTUAL_ENV="$ROOT/.venv"
 fi
 export PY
