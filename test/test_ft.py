@@ -521,6 +521,48 @@ def test_a_rejoining_group_fetches_its_batch_after_the_donors_position_is_loaded
     assert sent == [{"position": 0}, {"position": 0}]
 
 
+def test_a_steps_attempts_move_through_their_phases_in_order(monkeypatch):
+    """Issue 68: train_step's attempts are a machine (ft/replica.py ``_Step``): a round's
+    attempt sets up, runs, votes and commits; one a mate failed retries from a new round;
+    one this rank failed announces it before the vote; a move the table lacks is refused,
+    and every phase lies on a way from the first to the step's end."""
+    from paddle_hsdp.ft import replica
+    from paddle_hsdp.ft.protocol import ProtocolError
+    P, moves, move = replica.StepPhase, [], replica._Step._move
+
+    def recording(step, to):
+        moves.append(to)
+        move(step, to)
+    monkeypatch.setattr(replica._Step, "_move", recording)
+    ft, _, _, fb, next_batch, _ = _replica_with_loader(monkeypatch, [(False, True),
+                                                                    (False, False)])
+    ft.train_step(fb, next_batch=next_batch)
+    attempt = [P.SETTING_UP, P.RUNNING, P.VOTING]
+    assert moves == [*attempt, P.RETRYING, P.ARRIVING, *attempt, P.COMMITTING, P.DONE]
+    ft, _, _, fb, next_batch, _ = _replica_with_loader(monkeypatch, [(False, False)] * 2)
+    raised = iter([FaultToleranceError("a collective failed")])
+
+    def failing_once(batch):
+        error = next(raised, None)
+        if error is not None:
+            raise error
+        return fb(batch)
+    moves.clear()
+    ft.train_step(failing_once, next_batch=next_batch)
+    assert moves == [P.SETTING_UP, P.RUNNING, P.ANNOUNCING, P.VOTING, P.RETRYING,
+                     P.ARRIVING, *attempt, P.COMMITTING, P.DONE]
+    done = object.__new__(replica._Step)
+    done.phase = P.DONE
+    with pytest.raises(ProtocolError, match="from 'done' to 'arriving'"):
+        move(done, P.ARRIVING)
+    reached, frontier = {P.ARRIVING}, [P.ARRIVING]
+    while frontier:
+        after = replica.STEP_TRANSITIONS[frontier.pop()] - reached
+        reached |= after
+        frontier += after
+    assert reached == set(P) and set(replica.STEP_TRANSITIONS) == set(P)
+
+
 def test_attached_user_state_needs_next_batch_and_both_callables():
     from paddle_hsdp.ft import replica
     ft = object.__new__(replica.Replica)

@@ -147,23 +147,29 @@ def full_optimizer_state_dict(model: paddle.nn.Layer, optimizer: paddle.optimize
     for unit in units:  # registration order: the same on every rank
         for buf in unit.buffers:
             held = [sp for sp in buf.params if id(getattr(sp, "shard", None)) in by_shard]
-            if not held:
-                continue
-            for name in _state_names(held, by_shard):
-                tensors = [by_shard[id(sp.shard)].get(name) for sp in held]
-                for sp, value in zip(held, _gather_states(buf, held, tensors, name),
-                                     strict=True):
-                    if value is None:
-                        continue
-                    if name == "master_weight":
-                        masters[sp.shard.name] = value
-                    else:
-                        full[by_shard[id(sp.shard)][name].name] = value
+            if held:
+                _gather_buffer_states(buf, held, by_shard, full, masters)
     if masters:
         full["master_weights"] = masters
     if rank0_only and paddle.distributed.get_rank() != 0:
         return {}
     return full
+
+
+def _gather_buffer_states(buf: ShardBuffer, held: list[ShardedParam],
+                          by_shard: dict[int, dict], full: dict[str, Any],
+                          masters: dict[str, Any]) -> None:
+    """One buffer's per-parameter states gathered full-size into ``full`` under their
+    keys (master weights into ``masters``): a collective over its inner group."""
+    for name in _state_names(held, by_shard):
+        tensors = [by_shard[id(sp.shard)].get(name) for sp in held]
+        for sp, value in zip(held, _gather_states(buf, held, tensors, name), strict=True):
+            if value is None:
+                continue
+            if name == "master_weight":
+                masters[sp.shard.name] = value
+            else:
+                full[by_shard[id(sp.shard)][name].name] = value
 
 
 def _state_names(held: list[ShardedParam], by_shard: dict[int, dict]) -> list[str]:

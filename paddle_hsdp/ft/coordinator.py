@@ -57,7 +57,7 @@ def is_loopback(host: str) -> bool:
                                for a in found)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m paddle_hsdp.ft.coordinator",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1",
@@ -72,30 +72,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default="",
                         help="etcd's data (default: <tmp>/paddle_hsdp_ft_etcd_<port>, "
                              "removed at a clean stop)")
+    return parser
+
+
+def _refuse_an_exposed_plain_host(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                                  tls: bool) -> None:
+    """A --host other hosts reach, served without TLS: refused unless --insecure (which
+    is warned about)."""
+    if tls or is_loopback(args.host):
+        return
+    where = "every interface" if args.host in ("0.0.0.0", "::", "") else \
+        "an address other hosts can reach"
+    if not args.insecure:
+        parser.error(
+            f"--host {args.host!r} is {where}, and etcd would serve it without TLS: "
+            "whoever reaches the port could write what every replica group reads. "
+            "Allowed: a loopback --host (127.0.0.1, the default: a one-host job); "
+            "TLS (PADDLE_HSDP_FT_ETCD_CA, PADDLE_HSDP_FT_ETCD_CERT and "
+            "PADDLE_HSDP_FT_ETCD_KEY); or --insecure on a network only the job's hosts "
+            "reach (with PADDLE_HSDP_FT_SECRET set in every replica group, a writer "
+            "without it cannot steer the job: docs/fault-tolerance.md, Trust)")
+    print(f"paddle_hsdp.ft coordinator: WARNING: --insecure: listening on {where} "
+          f"({args.host!r}) without TLS; whoever reaches the port can write what every "
+          "replica group reads (with PADDLE_HSDP_FT_SECRET set in the groups they "
+          "refuse what it forges, yet it can still disturb rounds).",
+          file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     for name in ("port", "peer_port"):
         value = getattr(args, name)
         if not (0 < value < 65536 or (name == "peer_port" and value == 0)):
             parser.error(f"--{name.replace('_', '-')} must be in 1..65535, got {value}")
     security = security_from_env()
-    tls = bool(security.ca and security.cert and security.key)
-    if not tls and not is_loopback(args.host):
-        where = "every interface" if args.host in ("0.0.0.0", "::", "") else \
-            "an address other hosts can reach"
-        if not args.insecure:
-            parser.error(
-                f"--host {args.host!r} is {where}, and etcd would serve it without TLS: "
-                "whoever reaches the port could write what every replica group reads. "
-                "Allowed: a loopback --host (127.0.0.1, the default: a one-host job); "
-                "TLS (PADDLE_HSDP_FT_ETCD_CA, PADDLE_HSDP_FT_ETCD_CERT and "
-                "PADDLE_HSDP_FT_ETCD_KEY); or --insecure on a network only the job's hosts "
-                "reach (with PADDLE_HSDP_FT_SECRET set in every replica group, a writer "
-                "without it cannot steer the job: docs/fault-tolerance.md, Trust)")
-        print(f"paddle_hsdp.ft coordinator: WARNING: --insecure: listening on {where} "
-              f"({args.host!r}) without TLS; whoever reaches the port can write what every "
-              "replica group reads (with PADDLE_HSDP_FT_SECRET set in the groups they "
-              "refuse what it forges, yet it can still disturb rounds).",
-              file=sys.stderr, flush=True)
+    _refuse_an_exposed_plain_host(parser, args,
+                                  tls=bool(security.ca and security.cert and security.key))
     default_dir = not args.data_dir
     data_dir = args.data_dir or os.path.join(tempfile.gettempdir(),
                                              f"paddle_hsdp_ft_etcd_{args.port}")

@@ -25,6 +25,7 @@ its step count, and those behind the furthest take the state of a replica there.
 from __future__ import annotations
 
 import atexit
+import enum
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 import paddle
@@ -45,7 +46,7 @@ from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
 from . import config, groups, resume, transfer
-from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, parse_endpoints,
+from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, Security, parse_endpoints,
                    security_from_env, wait_until_answers)
 from .joint_save import JointSave
 from .kv import JobStore, SharedData
@@ -53,7 +54,7 @@ from .relay import Relay, RelayedStore
 from .pieces import PiecePlan, plan_of
 from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
                        Round, Rules, WrongBase)
-from .trust import SECRET_ENV, signer_from_env
+from .trust import SECRET_ENV, Signer, signer_from_env
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
                     float_env, heartbeat_timeout_s, join_window_s)
 
@@ -101,29 +102,54 @@ class _Attached(NamedTuple):
     optimizer: Optimizer
 
 
+class _Job(NamedTuple):
+    """Where the job's shared data lives (``coordinator``, the job's ``name`` on it)
+    and how it is reached and trusted: checked on every rank, before any collective."""
+    coordinator: str
+    name: str
+    security: Security
+    signer: Signer
+
+    @classmethod
+    def from_env(cls, coordinator: str) -> _Job:
+        name, security = os.environ.get(JOB_ENV, "") or "default", security_from_env()
+        signer = signer_from_env()  # the job's secret: what is read from etcd is checked
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{JOB_ENV} must be letters, digits, '-' or '_', got {name!r}")
+        parse_endpoints(coordinator)  # a bad address is named on every rank, at once
+        return cls(coordinator, name, security, signer)
+
+
+def _checked_hsdp_groups(replica_id: int, start_replicas: int, min_replicas: int) -> Any:
+    """fleet's HSDP groups (made by ``fleet.init``, outer degree 1) and ``init``'s
+    numbers, checked on every rank alike before any collective."""
+    hcg = fleet.get_hybrid_communicate_group()
+    hsdp = getattr(hcg, "_hsdp_groups", None)
+    if hsdp is None:
+        raise RuntimeError("paddle_hsdp.ft.init(): call fleet.init first (after "
+                           "`import paddle_hsdp`); the replica group is that job.")
+    if hsdp.outer_degree != 1:
+        raise ValueError(
+            "paddle_hsdp.ft.init(): sharding_configs['fsdp_outer_degree'] must be 1 in "
+            f"a fault-tolerant job, got {hsdp.outer_degree}: each replica group is its "
+            "own launch job, and the outer groups join the replica groups.")
+    if not isinstance(replica_id, int) or replica_id < 0:
+        raise ValueError(f"paddle_hsdp.ft.init(): replica_id must be an integer >= 0, "
+                         f"got {replica_id!r}")
+    if min_replicas < 1 or start_replicas < min_replicas:
+        raise ValueError(f"paddle_hsdp.ft.init(): need 1 <= min_replicas <= "
+                         f"start_replicas, got min_replicas={min_replicas}, "
+                         f"start_replicas={start_replicas}")
+    return hsdp
+
+
 class Replica:
     """This process's view of its replica group (build it with :func:`paddle_hsdp.ft.init`)."""
 
     def __init__(self, replica_id: int, coordinator: str, start_replicas: int,
                  min_replicas: int, round_timeout_s: float, max_failed_attempts: int,
                  redundancy: int = 2):
-        hcg = fleet.get_hybrid_communicate_group()
-        hsdp = getattr(hcg, "_hsdp_groups", None)
-        if hsdp is None:
-            raise RuntimeError("paddle_hsdp.ft.init(): call fleet.init first (after "
-                               "`import paddle_hsdp`); the replica group is that job.")
-        if hsdp.outer_degree != 1:
-            raise ValueError(
-                "paddle_hsdp.ft.init(): sharding_configs['fsdp_outer_degree'] must be 1 in "
-                f"a fault-tolerant job, got {hsdp.outer_degree}: each replica group is its "
-                "own launch job, and the outer groups join the replica groups.")
-        if not isinstance(replica_id, int) or replica_id < 0:
-            raise ValueError(f"paddle_hsdp.ft.init(): replica_id must be an integer >= 0, "
-                             f"got {replica_id!r}")
-        if min_replicas < 1 or start_replicas < min_replicas:
-            raise ValueError(f"paddle_hsdp.ft.init(): need 1 <= min_replicas <= "
-                             f"start_replicas, got min_replicas={min_replicas}, "
-                             f"start_replicas={start_replicas}")
+        hsdp = _checked_hsdp_groups(replica_id, start_replicas, min_replicas)
         pieces = _pieces_of(hsdp.outer_sharding, start_replicas, redundancy)
         self._outer_sharding, self._pieces = hsdp.outer_sharding, pieces
         self._config_hash = ""  # of what every group must share (attach computes it)
@@ -138,18 +164,36 @@ class Replica:
                 if pieces > 1 else None)
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
-        job, security = os.environ.get(JOB_ENV, "") or "default", security_from_env()
-        signer = signer_from_env()  # the job's secret: what is read from etcd is checked
-        if not job.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"{JOB_ENV} must be letters, digits, '-' or '_', got {job!r}")
-        parse_endpoints(coordinator)  # a bad address is named on every rank, at once
-        unreachable: str | None = None  # why etcd did not answer the leader (below)
-        if self.rank == 0:  # the group's one client of etcd (its mates: through it)
-            try:
-                wait_until_answers(coordinator, round_timeout_s, security)
-            except EtcdUnavailable as e:  # every rank raises it, after the broadcast
-                unreachable = str(e)
-        if not signer.authenticated and self.rank == 0:
+        job = _Job.from_env(coordinator)
+        unreachable = self._leader_reaches_etcd(job)
+        liveness_s = heartbeat_timeout_s()
+        # this replica group's ranks watch each other on the group's own store
+        self.control: GroupControl | None = None  # the leader's side of the protocol (below)
+        self._watch = GroupWatch(self.rank, self.ranks_per_replica, liveness_s,
+                                 self._round_failed, round_timeout_s)
+        self._open_job_store(job)
+        # this replica group's ranks (a group of one rank has no global group: nothing
+        # to vote with)
+        self._world = dist.collective._get_global_group() if self.ranks_per_replica > 1 \
+            else None
+        self._token = self._share_token(unreachable)
+        self._take_place(job, Rules(start_replicas, min_replicas, join_window_s(), pieces),
+                         liveness_s)
+        self._start_progress()
+        hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
+
+    def _leader_reaches_etcd(self, job: _Job) -> str | None:
+        """The leader, the group's one client of etcd (its mates go through it), waits
+        until etcd answers and warns if the job has no secret. Returns why etcd did not
+        answer (every rank raises it, after the token's broadcast), else None."""
+        if self.rank != 0:
+            return None
+        unreachable = None
+        try:
+            wait_until_answers(job.coordinator, self.round_timeout_s, job.security)
+        except EtcdUnavailable as e:
+            unreachable = str(e)
+        if not job.signer.authenticated:
             logger.warning(
                 "paddle_hsdp.ft: %s is not set: the rounds' records, group-store addresses "
                 "and a rejoin's checksums are not authenticated, so a writer to the job's "
@@ -157,48 +201,44 @@ class Replica:
                 "(16+ characters, e.g. `openssl rand -hex 32`) in every replica group, or "
                 "keep etcd on a network only the job reaches (docs/fault-tolerance.md, "
                 "Trust).", SECRET_ENV)
-        liveness_s = heartbeat_timeout_s()
-        # this replica group's ranks watch each other on the group's own store
-        self.control: GroupControl | None = None  # the leader's side of the protocol (below)
-        self._watch = GroupWatch(self.rank, self.ranks_per_replica, liveness_s,
-                                 self._round_failed, round_timeout_s)
-        # the job's shared data: the leader's client of etcd, which serves its mates'
-        # requests over the group's own store (ft/relay.py); a mate's calls go there
+        return unreachable
+
+    def _open_job_store(self, job: _Job) -> None:
+        """The job's shared data: the leader's client of etcd, which serves its mates'
+        requests over the group's own store (ft/relay.py); a mate's calls go there."""
         self._relay: Relay | None = None
         self.store: SharedData
         if self.rank == 0:
-            self.store = JobStore(coordinator, job, round_timeout_s, security, signer)
+            self.store = JobStore(job.coordinator, job.name, self.round_timeout_s,
+                                  job.security, job.signer)
             if self.ranks_per_replica > 1:
                 self._relay = Relay(self.store, self._watch)
                 atexit.register(self._relay.stop)
         else:
-            self.store = RelayedStore(self._watch, job, round_timeout_s, signer)
+            self.store = RelayedStore(self._watch, job.name, self.round_timeout_s, job.signer)
         self.store.failed = self._watch.failed
-        # this replica group's ranks (a group of one rank has no global group: nothing
-        # to vote with)
-        self._world = dist.collective._get_global_group() if self.ranks_per_replica > 1 \
-            else None
-        # this process's run of the replica group: keys of a restarted one never
-        # meet its predecessor's
+
+    def _share_token(self, unreachable: str | None) -> str:
+        """This process's run of the replica group (keys of a restarted one never meet
+        its predecessor's), the leader's on every rank, with whether etcd answered the
+        leader: if not, no rank goes on."""
         token = [uuid.uuid4().hex[:12], unreachable]
         if self._world is not None:
             dist.broadcast_object_list(token, src=0)
-        self._token = str(token[0])
-        if token[1] is not None:  # the leader's etcd did not answer: no rank goes on
-            self._watch.stop()
-            if self._relay is not None:
-                self._relay.stop()
-            raise EtcdUnavailable(token[1])
-        # the leader takes the group's place in the job (a lease on its id): a second
-        # launch of a running id is refused
+        if token[1] is not None:
+            self._give_up(EtcdUnavailable(token[1]))
+        return str(token[0])
+
+    def _take_place(self, job: _Job, rules: Rules, liveness_s: float) -> None:
+        """The leader takes the group's place in the job (a lease on its id): a second
+        launch of a running id is refused, on every rank of it."""
         refusal: list[str | None] = [None]
         if self.rank == 0:
             control = self.control = GroupControl(
-                coordinator, job, replica_id, self._token, socket.gethostname(),
-                Rules(start_replicas, min_replicas, join_window_s(), pieces), liveness_s,
-                round_timeout_s, healthy=self._watch.healthy,
-                on_failure=self._watch.announce, on_lost=self._lost, security=security,
-                signer=signer)
+                job.coordinator, job.name, self.replica_id, self._token,
+                socket.gethostname(), rules, liveness_s, self.round_timeout_s,
+                healthy=self._watch.healthy, on_failure=self._watch.announce,
+                on_lost=self._lost, security=job.security, signer=job.signer)
             try:
                 control.register()
             except FaultToleranceError as e:
@@ -207,10 +247,17 @@ class Replica:
         if self._world is not None:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
-            self._watch.stop()
-            if self._relay is not None:
-                self._relay.stop()
-            raise FaultToleranceError(refusal[0])
+            self._give_up(FaultToleranceError(refusal[0]))
+
+    def _give_up(self, error: Exception) -> NoReturn:
+        """Init failed on every rank alike: this rank's watch and relay stop first."""
+        self._watch.stop()
+        if self._relay is not None:
+            self._relay.stop()
+        raise error
+
+    def _start_progress(self) -> None:
+        """No step taken, no round yet: the counters and records of the steps."""
         self._arrivals = 0
         self._loads = 0  # plain states received from a donor
         self.step = 0  # optimizer steps taken
@@ -229,7 +276,6 @@ class Replica:
         self._load_state_fn: Callable[[Any], object] | None = None
         self._user_state: str | None = None  # the user's (JSON), as of this step's start
         self._resume_path: str | None = None  # a checkpoint resumed from, until a commit
-        hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
 
     # ------------------------------------------------------------ set-up
     def attach(self, model: paddle.nn.Layer, optimizer: Optimizer,
@@ -327,88 +373,7 @@ class Replica:
                 "train_step(forward_backward, next_batch=lambda: next(loader)), and calls "
                 "forward_backward(batch). A batch fetched before train_step would be the "
                 "stale one of the group's old position.")
-        optimizer = self._attached().optimizer
-        batch, batch_loads = None, -1  # the fetched batch, and self._loads when fetched
-        # what a donor sends is the user's state before this step's batch was fetched
-        # (a retried attempt has fetched it already): the receiver fetches the same one
-        self._user_state = _user_json(self._state_fn()) if self._state_fn else None
-        failures = 0
-        while True:
-            started = time.perf_counter()
-            self._timing = {}
-            loss, error, receiving = None, None, False
-            # whether a group waits to join: the outer all-reduce's flag, then the vote's
-            join_wanted: bool | paddle.Tensor = False
-            if self._need_round:
-                self.round = self._arrive()
-                receiving = self.replica_id in self.round.receivers
-                plan = self.piece_plan
-                if plan is not None:  # a lost piece ends the job on every rank alike
-                    plan.arrange(self.round)
-                self._timing["round_s"] = time.perf_counter() - started
-                error = self._set_up_round(self.round, receiving)
-                logger.debug("rank %d: round %d set up (%s)", self.rank, self.round.number,
-                             error or "ok")
-                self._timing["set_up_s"] = time.perf_counter() - started - \
-                    self._timing["round_s"]
-                # a set-up that failed on one rank fails the attempt on all of them
-                # before any inner collective of the step (which the failed rank skips)
-                if self._replica_votes(error is not None, False)[0]:
-                    error = error or FaultToleranceError(
-                        "paddle_hsdp.ft: a replica-mate's round set-up failed")
-            record = self.round
-            if record is None:  # a replica group's first attempt starts with a round
-                raise ProtocolError("paddle_hsdp.ft: an attempt outside any round")
-            if error is None:
-                self._need_round = False
-                try:
-                    if next_batch is None:
-                        loss = forward_backward()
-                    else:
-                        # the first attempt's; again only once the user's state (the
-                        # loader's position) was loaded since
-                        if batch_loads < 0 or (batch_loads != self._loads
-                                               and self._load_state_fn is not None):
-                            batch, batch_loads = next_batch(), self._loads
-                        loss = forward_backward(batch)
-                    # after the grads' all-reduces: a group whose backward issued them
-                    # early and one that issues them here send them in one order
-                    replication.finish_grad_sync(optimizer)
-                    join_wanted = self._joiners_waiting()
-                except (CollectiveError, FaultToleranceError) as e:
-                    error = e
-            if error is not None:  # before the vote: peers may be blocked on us
-                # this group's ranks at once; the other groups through the leader (its
-                # watch relays a mate's announcement): one request per group, not per rank
-                self._watch.announce(record.number)
-                if self.control is not None:
-                    self.control.announce_failure(record.number)
-                self.outer.abandon()
-            failed, join_wanted = self._replica_votes(error is not None, join_wanted)
-            logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", self.rank,
-                         self.step + 1, failed, error, join_wanted)
-            self._need_round = failed or join_wanted
-            if self.control is not None:
-                self.control.failed() if failed else self.control.committed()
-            if not failed:
-                optimizer.step()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-                optimizer.clear_grad()
-                self.step += 1
-                self._failed = self.fresh = False
-                self._resume_path = None  # resumed: a later round loads nothing
-                self._log(record, started, "step")
-                return loss
-            optimizer.clear_grad()  # every grad of the attempt, synced or not
-            self._failed = True
-            self.fresh = self.fresh or receiving
-            failures += 1
-            self._log(record, started, "failed", error)
-            if failures > self.max_failed_attempts:
-                raise FaultToleranceError(
-                    f"paddle_hsdp.ft: step {self.step} failed {failures} times in a row; "
-                    f"the last error: {error}")
+        return _Step(self, forward_backward, next_batch).run()
 
     def finish(self) -> None:
         """The training loop is over: a replica group still waiting to join stops with
@@ -647,6 +612,194 @@ class Replica:
         logger.warning("paddle_hsdp.ft: round %d: %s; %d replicas %s (round %.2f s, "
                        "set-up %.2f s)", record.number, ", ".join(parts), len(now), now,
                        self._timing.get("round_s", 0.0), self._timing.get("set_up_s", 0.0))
+
+
+class StepPhase(enum.Enum):
+    """Where an attempt of one optimizer step is (:class:`_Step`)."""
+
+    #: an attempt begins: a round first (on etcd), if one is needed
+    ARRIVING = "arriving"
+    #: the round's outer groups and any donor's state, and the group's vote on them
+    SETTING_UP = "setting up"
+    #: the batch, forward and backward, the grads' outer sync, the joiner flag
+    RUNNING = "running"
+    #: this rank's attempt failed: its group and the others are told before the vote
+    ANNOUNCING = "announcing a failure"
+    #: the replica group's ranks agree whether the attempt failed, a joiner waits
+    VOTING = "voting"
+    #: nobody failed: the optimizer (and scheduler) steps
+    COMMITTING = "committing"
+    #: someone failed: every grad is dropped, the next attempt starts with a round
+    RETRYING = "retrying"
+    #: the step is committed
+    DONE = "done"
+
+
+_P = StepPhase
+#: Every move between an attempt's phases :class:`_Step` may make.
+STEP_TRANSITIONS: dict[StepPhase, frozenset[StepPhase]] = {
+    _P.ARRIVING: frozenset({_P.SETTING_UP, _P.RUNNING}),  # a round, or the last one's
+    _P.SETTING_UP: frozenset({_P.RUNNING, _P.ANNOUNCING}),  # ... set up, or failed
+    _P.RUNNING: frozenset({_P.VOTING, _P.ANNOUNCING}),
+    _P.ANNOUNCING: frozenset({_P.VOTING}),  # (peers may be blocked on this rank)
+    _P.VOTING: frozenset({_P.COMMITTING, _P.RETRYING}),
+    _P.COMMITTING: frozenset({_P.DONE}),
+    _P.RETRYING: frozenset({_P.ARRIVING}),
+    _P.DONE: frozenset(),
+}
+
+
+class _Step:
+    """One optimizer step of a replica group (:meth:`Replica.train_step`), attempted
+    until an attempt commits: one method per :class:`StepPhase`, each returning the
+    next, every move checked against :data:`STEP_TRANSITIONS`. What outlasts an
+    attempt: the batch (fetched again only once a round loaded the user's state anew)
+    and the count of failed attempts."""
+
+    def __init__(self, replica: Replica, forward_backward: Callable[..., Any],
+                 next_batch: Callable[[], Any] | None):
+        self.replica, self.optimizer = replica, replica._attached().optimizer
+        self.forward_backward, self.next_batch = forward_backward, next_batch
+        self.phase = StepPhase.ARRIVING
+        self.batch, self.batch_loads = None, -1  # the fetched batch, and _loads then
+        self.failures = 0
+        # what a donor sends is the user's state before this step's batch was fetched
+        # (a retried attempt has fetched it already): the receiver fetches the same one
+        replica._user_state = _user_json(replica._state_fn()) if replica._state_fn else None
+        # this attempt's (set anew as each begins)
+        self.started, self.receiving = 0.0, False
+        self.record: Round | None = None
+        self.loss: Any = None
+        self.error: Exception | None = None
+        # whether a group waits to join: the outer all-reduce's flag, then the vote's
+        self.join_wanted: bool | paddle.Tensor = False
+
+    def run(self) -> Any:
+        """Attempt the step until an attempt commits; the loss of that attempt."""
+        phases = {_P.ARRIVING: self._arrive, _P.SETTING_UP: self._set_up,
+                  _P.RUNNING: self._train, _P.ANNOUNCING: self._announce_failure,
+                  _P.VOTING: self._vote, _P.COMMITTING: self._commit,
+                  _P.RETRYING: self._retry}
+        while self.phase is not _P.DONE:
+            self._move(phases[self.phase]())
+        return self.loss
+
+    def _move(self, to: StepPhase) -> None:
+        if to not in STEP_TRANSITIONS[self.phase]:
+            raise ProtocolError(
+                f"paddle_hsdp.ft: a step's attempt moved from {self.phase.value!r} to "
+                f"{to.value!r}, which ft/replica.py STEP_TRANSITIONS does not allow (a "
+                "bug in paddle_hsdp: please report it with this traceback)")
+        self.phase = to
+
+    def _arrive(self) -> StepPhase:
+        replica = self.replica
+        self.started, replica._timing = time.perf_counter(), {}
+        self.loss, self.error, self.receiving, self.join_wanted = None, None, False, False
+        if not replica._need_round:
+            if replica.round is None:  # a replica group's first attempt starts with a round
+                raise ProtocolError("paddle_hsdp.ft: an attempt outside any round")
+            self.record = replica.round
+            return _P.RUNNING
+        self.record = replica.round = replica._arrive()
+        self.receiving = replica.replica_id in self.record.receivers
+        plan = replica.piece_plan
+        if plan is not None:  # a lost piece ends the job on every rank alike
+            plan.arrange(self.record)
+        replica._timing["round_s"] = time.perf_counter() - self.started
+        return _P.SETTING_UP
+
+    def _set_up(self) -> StepPhase:
+        replica, record = self.replica, self._record()
+        error = replica._set_up_round(record, self.receiving)
+        logger.debug("rank %d: round %d set up (%s)", replica.rank, record.number,
+                     error or "ok")
+        replica._timing["set_up_s"] = time.perf_counter() - self.started - \
+            replica._timing["round_s"]
+        # a set-up that failed on one rank fails the attempt on all of them before any
+        # inner collective of the step (which the failed rank skips)
+        if replica._replica_votes(error is not None, False)[0]:
+            self.error = error or FaultToleranceError(
+                "paddle_hsdp.ft: a replica-mate's round set-up failed")
+            return _P.ANNOUNCING
+        return _P.RUNNING
+
+    def _train(self) -> StepPhase:
+        replica = self.replica
+        replica._need_round = False
+        try:
+            self.loss = self._forward_backward()
+            # after the grads' all-reduces: a group whose backward issued them early
+            # and one that issues them here send them in one order
+            replication.finish_grad_sync(self.optimizer)
+            self.join_wanted = replica._joiners_waiting()
+        except (CollectiveError, FaultToleranceError) as e:
+            self.error = e
+            return _P.ANNOUNCING
+        return _P.VOTING
+
+    def _forward_backward(self) -> Any:
+        if self.next_batch is None:
+            return self.forward_backward()
+        # the first attempt's batch; fetched again only once the user's state (the
+        # loader's position) was loaded since
+        loads = self.replica._loads
+        if self.batch_loads < 0 or (self.batch_loads != loads
+                                    and self.replica._load_state_fn is not None):
+            self.batch, self.batch_loads = self.next_batch(), loads
+        return self.forward_backward(self.batch)
+
+    def _announce_failure(self) -> StepPhase:
+        """Before the vote (peers may be blocked on this rank): this group's ranks at
+        once; the other groups through the leader (its watch relays a mate's
+        announcement): one request per group, not per rank."""
+        replica, number = self.replica, self._record().number
+        replica._watch.announce(number)
+        if replica.control is not None:
+            replica.control.announce_failure(number)
+        replica.outer.abandon()
+        return _P.VOTING
+
+    def _vote(self) -> StepPhase:
+        replica = self.replica
+        failed, join_wanted = replica._replica_votes(self.error is not None, self.join_wanted)
+        logger.debug("rank %d: step %d attempt: failed %s (%s), join wanted %s", replica.rank,
+                     replica.step + 1, failed, self.error, join_wanted)
+        replica._need_round = failed or join_wanted
+        if replica.control is not None:
+            replica.control.failed() if failed else replica.control.committed()
+        return _P.RETRYING if failed else _P.COMMITTING
+
+    def _commit(self) -> StepPhase:
+        replica = self.replica
+        self.optimizer.step()
+        if replica.lr_scheduler is not None:
+            replica.lr_scheduler.step()
+        self.optimizer.clear_grad()
+        replica.step += 1
+        replica._failed = replica.fresh = False
+        replica._resume_path = None  # resumed: a later round loads nothing
+        replica._log(self._record(), self.started, "step")
+        return _P.DONE
+
+    def _retry(self) -> StepPhase:
+        replica = self.replica
+        self.optimizer.clear_grad()  # every grad of the attempt, synced or not
+        replica._failed = True
+        replica.fresh = replica.fresh or self.receiving
+        self.failures += 1
+        replica._log(self._record(), self.started, "failed", self.error)
+        if self.failures > replica.max_failed_attempts:
+            raise FaultToleranceError(
+                f"paddle_hsdp.ft: step {replica.step} failed {self.failures} times in a "
+                f"row; the last error: {self.error}")
+        return _P.ARRIVING
+
+    def _record(self) -> Round:
+        """This attempt's round (set as it arrives)."""
+        if self.record is None:
+            raise ProtocolError("paddle_hsdp.ft: an attempt outside any round")
+        return self.record
 
 
 def _user_json(state: object) -> str:

@@ -250,59 +250,87 @@ def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
     took against the checksums its donor computed once per tensor."""
     replica = group.replica
     phases, point_to_point = plan_transfer(record, plan_of(group))
+    links = _PairLinks(store, record.number, group, _pairs(phases)) if point_to_point \
+        else None
     if point_to_point:
-        pairs = _pairs(phases)
         phases = [p for p in phases if replica == p.donor or replica in p.takers]
     if not phases:
         if point_to_point:  # a bystander: its step's first outer all-reduce would wait
             _await_receivers(store, record, group)  # out the transfer under gloo's timeout
         return None, 0
     sender = _Sender(store, record, group, model, optimizer, extra)
-    links: dict = {}
-    received_extra, received_opt, moved = None, None, 0
+    kept: dict[str, Any] = {}  # what this rank took as a taker, by "model"/"optimizer"
+    moved = 0
     try:
         for phase in phases:
-            if point_to_point:
-                pair = _pair_of(phase)
-                if pair not in links:
-                    links[pair] = groups.connect_pair(store, record.number, pair,
-                                                      pairs.index(pair), group,
-                                                      store.timeout_s)
-                link = links[pair]
-            else:
-                link = group
+            link = links.of(phase) if links is not None else group
             if replica == phase.donor:
                 moved += sender.send(phase, link)
                 continue
-            taking = replica in phase.takers
-            meta = _exchange_meta(store, record, (group.local_rank, *phase.what, phase.donor),
-                                  False, None)
-            if phase.what[0] == "model":
-                tensors = replication.state_tensors(model) if taking else None
-                _check_same_model(tensors, meta, replica, phase.donor)
-                targets = [t for _, t in tensors] if tensors is not None else \
-                    [paddle.zeros(s, d) for _, s, d in meta["model"]]
-            else:
-                targets = [paddle.zeros(s, d) for _, s, d in meta["tensors"]]
-            moved += _take(store, record.number, link, phase, targets, group, check=taking)
-            if taking and phase.what[0] == "model":
-                received_extra = meta["extra"]
-            elif taking:
-                received_opt = ([tuple(p) for p, _, _ in meta["tensors"]], targets,
-                                meta["rest"])
+            took, taken = _take_phase(store, record, group, model, phase, link)
+            moved += took
+            if taken is not None:
+                kept[phase.what[0]] = taken
     finally:
-        for link in links.values():
-            forget_group_store(link.id)  # both ends connected: the rendezvous is over
+        if links is not None:
+            links.forget()  # both ends connected: the rendezvous is over
     if replica not in record.receivers:
         return None, moved
-    if received_opt is not None:
-        paths, targets, rest = received_opt
+    if "optimizer" in kept:
+        paths, targets, rest = kept["optimizer"]
         optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True), rest))
     replication.state_replaced(model)  # views re-pointed, gathered params resharded
     if point_to_point:  # one value per receiver, each local rank's receipt a part
         store.set_part(_received_key(record, replica), group.local_rank, group.inner_size,
                        "1")
-    return received_extra, moved
+    return kept.get("model"), moved
+
+
+class _PairLinks:
+    """Point to point: the pair groups this rank's phases run over, each connected when
+    first used; a pair's index among all the round's ``pairs`` names its rendezvous (the
+    same on both ends)."""
+
+    def __init__(self, store: SharedData, round_number: int, group: groups.LiveOuterGroup,
+                 pairs: list[tuple[int, int]]):
+        self._store, self._round, self._group, self._pairs = store, round_number, group, pairs
+        self._made: dict[tuple[int, int], groups.PairGroup] = {}
+
+    def of(self, phase: Phase) -> groups.PairGroup:
+        pair = _pair_of(phase)
+        if pair not in self._made:
+            self._made[pair] = groups.connect_pair(
+                self._store, self._round, pair, self._pairs.index(pair), self._group,
+                self._store.timeout_s)
+        return self._made[pair]
+
+    def forget(self) -> None:
+        for link in self._made.values():
+            forget_group_store(link.id)
+
+
+def _take_phase(store: SharedData, record: Round, group: groups.LiveOuterGroup,
+                model: paddle.nn.Layer, phase: Phase, link: Group) -> tuple[int, Any]:
+    """A phase this rank does not send: its tensors received over ``link``, checked
+    and kept where this replica is a taker. Returns the bytes, and what a taker keeps:
+    the donor's plain state for the model's phase, ``(paths, tensors, rest)`` for an
+    optimizer phase (None elsewhere)."""
+    replica, taking = group.replica, group.replica in phase.takers
+    meta = _exchange_meta(store, record, (group.local_rank, *phase.what, phase.donor),
+                          False, None)
+    if phase.what[0] == "model":
+        tensors = replication.state_tensors(model) if taking else None
+        _check_same_model(tensors, meta, replica, phase.donor)
+        targets = [t for _, t in tensors] if tensors is not None else \
+            [paddle.zeros(s, d) for _, s, d in meta["model"]]
+    else:
+        targets = [paddle.zeros(s, d) for _, s, d in meta["tensors"]]
+    moved = _take(store, record.number, link, phase, targets, group, check=taking)
+    if not taking:
+        return moved, None
+    if phase.what[0] == "model":
+        return moved, meta["extra"]
+    return moved, ([tuple(p) for p, _, _ in meta["tensors"]], targets, meta["rest"])
 
 
 # how long a bystander waits for a transfer, in round timeouts (a large state on a
