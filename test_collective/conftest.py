@@ -30,7 +30,8 @@ HSDP_2X2 = {"sharding_degree": 4, "outer": 2}
 ON_MESH = [[True, False], [False, False], [True, False, True]]
 SHARED_2X2_WORKERS = [
     ["worker_comm.py", json.dumps(dict(HSDP_2X2, check_typo=True))],
-    ["worker_knobs.py"], ["worker_outer_compress.py"], ["worker_zero.py", json.dumps(HSDP_2X2)],
+    ["worker_knobs.py"], ["worker_outer_compress.py"], ["worker_diloco.py"],
+    ["worker_zero.py", json.dumps(HSDP_2X2)],
     ["worker_recipes.py"],
     ["worker_engine.py", json.dumps(HSDP_2X2)],
     ["worker_engine.py", json.dumps(dict(HSDP_2X2, mesh=[0, 1, 2, 3], variants=ON_MESH))],
