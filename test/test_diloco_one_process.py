@@ -1,15 +1,22 @@
 """The outer sync every H steps (``OuterSyncPolicy``, engine/diloco.py) in one process
 (the one-rank fake mesh): ``every=1`` is plain HSDP bit for bit (no DiLoCo state is
 made), and with one replica DiLoCo is AdamW for H steps then the outer Nesterov step
-on the change since the last sync, against a plain-Paddle reference (float64). The
+on the change since the last sync, against a plain-Paddle reference (float64); the
+config file's keys and fleet's ``sharding_configs`` keys reach ``fully_shard``. The
 multi-replica runs are in test_collective/test_diloco.py."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
+from paddle.distributed import fleet
 
 import paddle_hsdp
 from kit import batch_ids
+from paddle_hsdp.config.plan import outer_sync_policy_of
+from paddle_hsdp.config.schema import ConfigError, load_config
 from models import build_model, lm_loss, make_optimizer, shard_tinylm as shard_with
 
 EVERY, STEPS, LR, MOMENTUM = 3, 7, 0.7, 0.9
@@ -73,3 +80,45 @@ def test_one_replica_is_inner_adamw_then_outer_nesterov(fake_mesh, float64):
     train(plain)
     apart = max(float(np.abs(p.numpy() - want[n]).max()) for n, p in plain.state_dict().items())
     assert apart > 1e-3, apart
+
+
+def test_config_keys_make_the_policy():
+    config = load_config({"fsdp_outer_sync_every": 16,
+                          "fsdp_outer_optimizer": {"lr": 0.5, "nesterov": False}})
+    assert outer_sync_policy_of(config) == paddle_hsdp.OuterSyncPolicy(
+        every=16, lr=0.5, momentum=0.9, nesterov=False)
+    assert outer_sync_policy_of(load_config({})) is None  # every 1: plain HSDP
+    for bad, says in (({"fsdp_outer_sync_every": 0}, "an int >= 1"),
+                      ({"fsdp_outer_optimizer": {"lr": 0.5}}, "unused with"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_optimizer": {"lrr": 1}},
+                       "unknown keys ['lrr']; allowed: lr, momentum, nesterov"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_optimizer": {"momentum": 1}},
+                       "momentum"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_sharding": "optim"},
+                       "conflicts with fsdp_outer_sharding: optim")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(bad)
+
+
+def test_sharding_configs_keys_reach_fully_shard(fake_mesh, monkeypatch):
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"sharding_degree": 1, "sharding_configs": {
+        "fsdp_outer_compress": "int8", "fsdp_outer_compress_block": 64,
+        "fsdp_outer_sync_every": 8, "fsdp_outer_optimizer": {"lr": 0.5}}}
+    mp, outer = strategy._hsdp_outer_policies
+    assert (mp.outer_compress, mp.outer_compress_block) == ("int8", 64)
+    assert outer == paddle_hsdp.OuterSyncPolicy(every=8, lr=0.5)
+    # fully_shard on fleet's mesh takes them where its own arguments set none
+    monkeypatch.setattr(fake_mesh, "outer_policies", lambda: (mp, outer), raising=False)
+    model = paddle_hsdp.fully_shard(build_model())
+    unit = model._hsdp_unit_
+    assert unit.outer_sync.policy == outer and unit.buffers[0].pieces.compress == "int8"
+    own = paddle_hsdp.OuterSyncPolicy(every=2)
+    bf16 = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="float32")
+    other = paddle_hsdp.fully_shard(build_model(), outer_sync_policy=own, mp_policy=bf16)
+    assert other._hsdp_unit_.outer_sync.policy == own
+    assert other._hsdp_unit_.policies.mp.outer_compress == "int8"
+    with pytest.raises(ValueError, match=r"sharding_configs.*fsdp_outer_optimizer.*unused"):
+        strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_optimizer": {"lr": 1.0}}}
+    with pytest.raises(ValueError, match=r"sharding_configs.*outer_compress.*'int4'"):
+        strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_compress": "int4"}}

@@ -5,6 +5,7 @@ Thin: it validates, builds an :class:`~paddle_hsdp.engine.unit.FSDPUnit` and reg
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -372,6 +373,23 @@ def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
 OUTER_SHARDING = ("none", "optim")
 
 
+def _with_sharding_configs(mesh, mp_policy: MixedPrecisionPolicy | None,
+                           outer_sync_policy: OuterSyncPolicy | None) -> tuple:
+    """The policies with fleet's ``sharding_configs`` filled in where the call sets
+    none (``fsdp_outer_compress`` where ``mp_policy`` compresses nothing,
+    ``fsdp_outer_sync_every`` / ``fsdp_outer_optimizer`` where ``outer_sync_policy``
+    is None)."""
+    configured_mp, configured_outer = mesh.outer_policies()
+    if configured_mp is not None:
+        if mp_policy is None:
+            mp_policy = configured_mp
+        elif isinstance(mp_policy, MixedPrecisionPolicy) and mp_policy.outer_compress is None:
+            mp_policy = dataclasses.replace(
+                mp_policy, outer_compress=configured_mp.outer_compress,
+                outer_compress_block=configured_mp.outer_compress_block)
+    return mp_policy, configured_outer if outer_sync_policy is None else outer_sync_policy
+
+
 def _check_outer_sync_policy(policy: object, outer_sharding: str, placements: dict,
                              offload_policy: OffloadPolicy | None) -> None:
     """What DiLoCo (``OuterSyncPolicy(every >= 2)``) cannot be combined with yet, refused
@@ -476,6 +494,8 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     resolved = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
     if outer_sharding is None:
         outer_sharding = resolved.outer_sharding()
+    mp_policy, outer_sync_policy = _with_sharding_configs(resolved, mp_policy,
+                                                          outer_sync_policy)
     _check_outer_sync_policy(outer_sync_policy, outer_sharding, placements, offload_policy)
     claims = _plan_claims(module, ignored, placements)
     _check_sizes(claims)

@@ -92,6 +92,25 @@ class OuterSyncPolicy:
         return self.every > 1
 
 
+OUTER_OPTIMIZER_FIELDS = ("lr", "momentum", "nesterov")  # fsdp_outer_optimizer's keys
+
+
+def outer_sync_policy_from(every: object, optimizer: object) -> OuterSyncPolicy:
+    """The policy that ``fsdp_outer_sync_every`` and ``fsdp_outer_optimizer`` (None or
+    a mapping of :data:`OUTER_OPTIMIZER_FIELDS`, each optional) name, in a config file
+    or fleet's ``sharding_configs`` (errors name neither: the caller says which)."""
+    if optimizer is None:
+        optimizer = {}
+    if not isinstance(optimizer, dict):
+        raise ValueError("must be null or a mapping with keys "
+                         f"{', '.join(OUTER_OPTIMIZER_FIELDS)}, got {type(optimizer).__name__}")
+    unknown = sorted(str(key) for key in optimizer if key not in OUTER_OPTIMIZER_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}; allowed: "
+                         f"{', '.join(OUTER_OPTIMIZER_FIELDS)}")
+    return OuterSyncPolicy(every, **optimizer)  # type: ignore[arg-type]
+
+
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
