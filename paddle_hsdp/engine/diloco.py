@@ -32,6 +32,7 @@ kept to mean HSDP, bit for bit.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import paddle
@@ -59,9 +60,14 @@ class OuterSyncState:
     def take_anchors(self, unit: FSDPUnit) -> None:
         """Before the first update: the shards now are where the interval starts."""
         for buf in _synced_buffers(unit):
-            if buf.index not in self.anchors:
-                buf.storage.repair_views()
-                self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
+            self._anchor_of(buf)
+
+    def _anchor_of(self, buf: ShardBuffer) -> paddle.Tensor:
+        """``buf``'s anchor, taken from its shard now if it has none yet."""
+        if buf.index not in self.anchors:
+            buf.storage.repair_views()
+            self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
+        return self.anchors[buf.index]
 
     def after_step(self, unit: FSDPUnit) -> None:
         self.steps += 1
@@ -90,7 +96,7 @@ class OuterSyncState:
         else:
             summed = paddle.empty([piece], delta.dtype)
             comm.reduce_scatter(summed, delta, outer,
-                                what=lambda: f"{buf.describe()}: outer sync (pseudo-grad)")
+                                what=functools.partial(_label, buf, "outer sync (pseudo-grad)"))
         mean = summed * (1.0 / replicas)
         momentum = self.momentum.get(buf.index)
         if momentum is None:
@@ -101,9 +107,66 @@ class OuterSyncState:
         mine = _padded(anchor, piece * replicas)[lo:lo + piece] - step * policy.lr
         gathered = paddle.empty([piece * replicas], delta.dtype)
         comm.all_gather_into(gathered, mine, outer,
-                             what=lambda: f"{buf.describe()}: outer sync (new params)")
+                             what=functools.partial(_label, buf, "outer sync (new params)"))
         paddle.assign(gathered[:numel], output=shard)
         self.anchors[buf.index] = gathered[:numel].clone()
+
+
+    # ------------------------------------------------------------ checkpoints
+    # Saved per parameter as its optimizer states (checkpoint/items.py): the anchor and
+    # the momentum as blocks like the parameter's (so any layout loads them), the
+    # position in the interval as one element.
+
+    def gather_momentum(self, unit: FSDPUnit) -> dict[int, paddle.Tensor]:
+        """Every buffer's outer momentum as a whole shard (one all-gather of the pieces
+        over the outer group per buffer; zeros before the first sync): what a save
+        reads blocks from. A collective: every rank of the outer group, in buffer
+        order."""
+        self.take_anchors(unit)
+        whole = {}
+        for buf in _synced_buffers(unit):
+            piece = -(-buf.shard_numel // buf.outer.nranks)
+            mine = self.momentum.get(buf.index)
+            if mine is None:
+                mine = paddle.zeros([piece], buf.dtype)
+            gathered = paddle.empty([piece * buf.outer.nranks], buf.dtype)
+            comm.all_gather_into(gathered, mine, buf.outer,
+                                 what=functools.partial(_label, buf, "outer momentum (save)"))
+            whole[buf.index] = gathered[:buf.shard_numel]
+        return whole
+
+    def read_block(self, flat: paddle.Tensor, sp) -> paddle.Tensor:
+        """``sp``'s inner block of a shard-layout ``flat`` (the anchor, or a gathered
+        momentum), shaped ``[rows held, ...]``."""
+        count = sp.row_range(sub=False)[1]
+        if count == 0:  # (Paddle will not view an empty slice)
+            return paddle.zeros([0] + sp.rest, dtype=flat.dtype)
+        return sp.inner_block_of(flat).reshape([count] + sp.rest)
+
+    def write_anchor_block(self, buf: ShardBuffer, sp, block: paddle.Tensor) -> None:
+        anchor = self._anchor_of(buf)
+        if sp.inner_numel:
+            paddle.assign(block.reshape([-1]).astype(buf.dtype),
+                          output=sp.inner_block_of(anchor))
+
+    def write_momentum_block(self, buf: ShardBuffer, sp, block: paddle.Tensor) -> None:
+        """Write the part of ``sp``'s block (of a loaded whole-shard momentum) that
+        falls in this rank's piece; the rest is other replicas' to keep."""
+        piece = -(-buf.shard_numel // buf.outer.nranks)
+        lo = buf.outer.rank * piece
+        start = sp.slot.inner_offset
+        first, last = max(start, lo), min(start + sp.inner_numel, lo + piece)
+        if first >= last:
+            return
+        momentum = self.momentum.get(buf.index)
+        if momentum is None:
+            momentum = self.momentum[buf.index] = paddle.zeros([piece], buf.dtype)
+        values = block.reshape([-1]).astype(buf.dtype)[first - start:last - start]
+        paddle.assign(values, output=momentum[first - lo:last - lo])
+
+
+def _label(buf: ShardBuffer, what: str) -> str:
+    return f"{buf.describe()}: {what}"
 
 
 def _padded(flat: paddle.Tensor, numel: int) -> paddle.Tensor:

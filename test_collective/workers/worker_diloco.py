@@ -11,8 +11,16 @@ the padded shard. Then the same with ``outer_compress="int8"``: the replicas agr
 after each sync and the outer group carries only the int8 all-gather and the new
 params' all-gather.
 
+After step 6 (mid-interval) the run saves a checkpoint, which then loads in another
+layout (4 x 1, an explicit mesh): the outer anchor, momentum and position in the
+interval equal the reference's. argv: JSON with ``work`` (where it saves).
+
 Prints ``DILOCO <name> ...`` lines.
 """
+
+import json
+import os
+import sys
 
 import numpy as np
 from common import finish, init_fleet
@@ -20,6 +28,7 @@ from parity import report, set_dtype
 
 import paddle
 import paddle.distributed as dist
+from paddle.distributed import ProcessMesh
 
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
@@ -28,6 +37,7 @@ from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm, 
 from parity import max_rel
 
 STEPS, EVERY, MICRO, PER_RANK = 10, 4, 2, 2
+SAVE_AT = 6  # two steps after the first sync: the checkpoint's position in the interval
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 POLICY = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=OUTER_LR, momentum=OUTER_MOMENTUM)
 
@@ -54,7 +64,8 @@ def micro_loss(model, micro, ranks):
 
 
 def reference(groups):
-    """Per step: each replica's loss and parameters, as DiLoCo defines them."""
+    """Per step: each replica's loss and parameters, as DiLoCo defines them; and the
+    outer state (anchor, momentum) after step SAVE_AT."""
     replicas = [build_model() for _ in groups]
     opts = [make_optimizer(m, m.parameters(), None) for m in replicas]
     trainable = [n for n, p in replicas[0].named_parameters() if not p.stop_gradient]
@@ -82,13 +93,16 @@ def reference(groups):
                 for p in named:
                     p[n].set_value(new)
                 anchor[n] = new
+        if s + 1 == SAVE_AT:
+            saved = ({n: a.copy() for n, a in anchor.items() if n in momentum},
+                     {n: m.copy() for n, m in momentum.items()})
         losses.append(step_losses)
         params.append([{n: p.numpy().copy() for n, p in m.state_dict().items()}
                        for m in replicas])
-    return losses, params
+    return losses, params, saved
 
 
-def train(policy, mp_policy=None):
+def train(policy, mp_policy=None, save=None):
     model = shard_tinylm(build_model(), outer_sync_policy=policy, mp_policy=mp_policy)
     opt = make_optimizer(model, model.parameters(), None)
     losses, params, counts = [], [], []
@@ -102,6 +116,8 @@ def train(policy, mp_policy=None):
         opt.step()
         counts.append(comm.counter.snapshot())
         opt.clear_grad()
+        if save is not None and len(counts) == SAVE_AT:
+            paddle_hsdp.save_checkpoint(save, model, opt)
         mean = paddle.to_tensor([total], dtype="float64")  # this replica's loss
         dist.all_reduce(mean, group=inner)
         losses.append(float(mean) / I)
@@ -122,8 +138,9 @@ def replicas_agree(model) -> bool:
 set_dtype("float64")
 groups = replica_ranks()
 me = outer.rank
-ref_losses, ref_params = reference(groups)
-model, losses, params, counts = train(POLICY)
+ref_losses, ref_params, (ref_anchor, ref_momentum) = reference(groups)
+CKPT = os.path.join(json.loads(sys.argv[1])["work"], "diloco_ckpt")
+model, losses, params, counts = train(POLICY, save=CKPT)
 assert model.embed._hsdp_unit_.outer_sync is not None
 worst = {}
 for s in range(STEPS):
@@ -157,6 +174,30 @@ print(f"DILOCO no outer collective between syncs; at a sync {2 * len(bufs)} coll
       f"{2 * (O - 1) / O * padded * esize:.0f} bytes", flush=True)
 assert not replicas_agree(model)  # two steps after the last sync
 print("DILOCO replicas apart after the last sync's interval", flush=True)
+
+# the checkpoint (saved by 2 x 2 after step 6) loads in another layout, 4 x 1 (four
+# replicas of the whole model, each holding 1/4 of the outer momentum): the anchor,
+# the momentum and the position in the interval are the reference's
+mesh = ProcessMesh([[0], [1], [2], [3]], dim_names=["outer", "inner"])
+other = shard_tinylm(build_model(seed=5), mesh=mesh, outer_sync_policy=POLICY)
+other_opt = make_optimizer(other, other.parameters(), None)
+paddle_hsdp.load_checkpoint(CKPT, other, other_opt)
+worst = {}
+for unit in hsdp_registry.units_under(other):
+    state = unit.outer_sync
+    assert state.steps == SAVE_AT % EVERY, state.steps
+    momentum = state.gather_momentum(unit)
+    for buf in (b for b in unit.buffers if b.trainable):
+        for sp in buf.params:
+            name = hsdp_registry.param_path(sp)
+            worst[name + " anchor"] = max_rel(state.read_block(state.anchors[buf.index], sp)
+                                              .numpy(), ref_anchor[name])
+            worst[name + " momentum"] = max_rel(state.read_block(momentum[buf.index], sp)
+                                                .numpy(), ref_momentum[name])
+assert len(worst) == 2 * len(ref_momentum), (sorted(worst), sorted(ref_momentum))
+report("diloco checkpoint 2x2 -> 4x1: outer anchor and momentum", worst)
+print(f"DILOCO checkpoint 2x2 -> 4x1: outer state {max(worst.values()):.1e} from the "
+      f"reference's, position {SAVE_AT % EVERY} of {EVERY}", flush=True)
 
 # compressed: the replicas agree after a sync, and the outer group carries the int8
 # all-gather and the new params' all-gather only
