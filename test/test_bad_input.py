@@ -214,18 +214,6 @@ def _shard_outer_sync_hfsdp():
                             fsdp_outer_sharding="optim")
 
 
-@row("`optimizer.step()`", "a `grad_clip` with `OuterSyncPolicy(every=4)` (replicas hold "
-     "different grads between outer syncs)", NotImplementedError, "grad_clip",
-     "OuterSyncPolicy(every >= 2)")
-def _step_clip_with_outer_sync():
-    model = _net()
-    paddle_hsdp.fully_shard(model, outer_sync_policy=paddle_hsdp.OuterSyncPolicy(every=4))
-    opt = paddle.optimizer.SGD(0.1, parameters=model.parameters(),
-                               grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    model(paddle.ones([2, 4])).sum().backward()
-    opt.step()
-
-
 @row("`fully_shard(offload_policy=)`", "True (not a policy)", TypeError, "offload_policy",
      "CPUOffloadPolicy")
 def _shard_offload():

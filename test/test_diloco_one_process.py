@@ -20,10 +20,11 @@ from paddle_hsdp.config.schema import ConfigError, load_config
 from models import build_model, lm_loss, make_optimizer, shard_tinylm as shard_with
 
 EVERY, STEPS, LR, MOMENTUM = 3, 7, 0.7, 0.9
+CLIP = 0.5  # below every step's grad norm here: the clip is active
 
 
-def train(model, steps=STEPS):
-    opt = make_optimizer(model, model.parameters(), None)
+def train(model, steps=STEPS, clip=None):
+    opt = make_optimizer(model, model.parameters(), clip)
     for s in range(steps):
         lm_loss(model, batch_ids(seed=s), True).backward()
         opt.step()
@@ -45,11 +46,11 @@ def test_every_one_is_plain_hsdp_bit_for_bit(fake_mesh, float64):
     assert all((a[n] == b[n]).all() for n in a)
 
 
-def reference_one_replica():
+def reference_one_replica(clip=None):
     """AdamW on plain Paddle; every EVERY-th step the outer Nesterov step from the
     anchor on the (one replica's) pseudo-gradient."""
     model = build_model()
-    opt = make_optimizer(model, model.parameters(), None)
+    opt = make_optimizer(model, model.parameters(), clip)
     params = [p for p in model.parameters() if not p.stop_gradient]
     anchor = [p.numpy().copy() for p in params]
     momentum = [np.zeros_like(a) for a in anchor]
@@ -66,11 +67,15 @@ def reference_one_replica():
     return {n: v.numpy() for n, v in model.state_dict().items()}
 
 
-def test_one_replica_is_inner_adamw_then_outer_nesterov(fake_mesh, float64):
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_one_replica_is_inner_adamw_then_outer_nesterov(fake_mesh, float64, clip):
     policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
     model = shard_with(build_model(), outer_sync_policy=policy)
-    train(model)
-    got, want = full(model), reference_one_replica()
+    opt = train(model, clip=clip)
+    if clip:  # the replica's own norm (one replica: the whole model's), and it clipped
+        assert paddle_hsdp.last_global_norm(opt) > CLIP
+        assert opt._grad_clip.per_replica
+    got, want = full(model), reference_one_replica(clip)
     worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
     assert worst <= 1e-12, worst
     # the interval's position: 7 steps, syncs after 3 and 6, one step since

@@ -12,6 +12,6 @@ def test_diloco(hsdp_2x2_log):
     log = hsdp_2x2_log  # workers/worker_diloco.py, in the shared 2 x 2 launch
     for line in ("DILOCO parity h4:", "DILOCO no outer collective between syncs",
                  "DILOCO replicas apart after the last sync's interval",
-                 "DILOCO checkpoint 2x2 -> 4x1: outer state",
+                 "DILOCO checkpoint 2x2 -> 4x1: outer state", "DILOCO clip per replica:",
                  "DILOCO int8 replicas bit-identical after the sync"):
         assert line in log, log[-3000:]

@@ -193,24 +193,3 @@ def after_update(units) -> None:
         if unit.outer_sync is not None:
             unit.outer_sync.after_step(unit)
 
-
-def refuse_clip(optimizer: paddle.optimizer.Optimizer, units) -> None:
-    """A global-norm clip over shards counts each replica's copy once (outer rank 0's:
-    patches/clip.py), right when replicas hold the same grads; between DiLoCo's syncs
-    they do not, so a clip would scale every replica by replica 0's norm. Refused
-    before the update (each replica would need its own norm over its inner group)."""
-    if not any(unit.outer_sync is not None for unit in units):
-        return
-    level = optimizer
-    while level is not None:
-        own = vars(level)
-        clips = [own.get("_grad_clip")] + [group.get("grad_clip") for group in
-                                           own.get("_param_groups") or []
-                                           if isinstance(group, dict)]
-        if any(clip is not None for clip in clips):
-            raise NotImplementedError(
-                f"{type(optimizer).__name__}(grad_clip=...) with OuterSyncPolicy(every >= 2) "
-                "(fsdp_outer_sync_every): between outer syncs the replicas hold different "
-                "grads, and the HSDP clip's norm counts replica 0's only. Drop the clip or "
-                "set every=1. Nothing was updated.")
-        level = own.get("_inner_opt")

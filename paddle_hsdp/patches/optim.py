@@ -86,7 +86,6 @@ class _StepBoundary:
         gather_tags.raise_pending(step=True)  # one bounded host read (watchdog.host_sync)
         units = units_of_shards(params)
         if params:
-            diloco.refuse_clip(optimizer, units)
             to_move = refuse_row_sharded_matrices(optimizer, params)
             finish_grad_sync(params)  # a no-op where backward finished it
             if to_move:  # a whole-matrix optimizer's first step: its matrices onto owners

@@ -4,8 +4,9 @@ trains the O replicas on their own batches (each the mean over its inner ranks' 
 with their own AdamW and applies the same outer step to their mean pseudo-gradient
 every H steps. 10 steps: syncs after steps 4 and 8, then two steps apart again (the
 position in the interval is 2 at the end). Checks every step's losses and parameters
-of each replica (parity bound), the replicas bit-identical after a sync and apart
-between syncs, and the comm counter: no outer collective between syncs, one
+of each replica (parity bound), also with a grad clip (each replica clips by its own
+norm), the replicas bit-identical after a sync and apart between syncs, and the comm
+counter: no outer collective between syncs, one
 reduce-scatter and one all-gather per trainable buffer at a sync, each (O - 1) / O of
 the padded shard. Then the same with ``outer_compress="int8"``: the replicas agree
 after each sync and the outer group carries only the int8 all-gather and the new
@@ -39,6 +40,7 @@ from parity import max_rel
 STEPS, EVERY, MICRO, PER_RANK = 10, 4, 2, 2
 SAVE_AT = 6  # two steps after the first sync: the checkpoint's position in the interval
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+CLIP = 0.3  # below the replicas' grad norms here: the clip acts
 POLICY = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=OUTER_LR, momentum=OUTER_MOMENTUM)
 
 hcg = init_fleet({"sharding_degree": 4, "outer": 2})
@@ -63,16 +65,17 @@ def micro_loss(model, micro, ranks):
                        uses_extra(r)) for r in ranks) / len(ranks)
 
 
-def reference(groups):
+def reference(groups, data, clip=None):
     """Per step: each replica's loss and parameters, as DiLoCo defines them; and the
     outer state (anchor, momentum) after step SAVE_AT."""
     replicas = [build_model() for _ in groups]
-    opts = [make_optimizer(m, m.parameters(), None) for m in replicas]
+    opts = [make_optimizer(m, m.parameters(), clip) for m in replicas]
     trainable = [n for n, p in replicas[0].named_parameters() if not p.stop_gradient]
     anchor = {n: p.numpy().copy() for n, p in replicas[0].named_parameters()}
     momentum = {n: np.zeros_like(anchor[n]) for n in trainable}
     losses, params = [], []
-    for s, step in enumerate(DATA):
+    saved = None
+    for s, step in enumerate(data):
         step_losses = []
         for model, opt, ranks in zip(replicas, opts, groups, strict=True):
             total = 0.0
@@ -102,11 +105,11 @@ def reference(groups):
     return losses, params, saved
 
 
-def train(policy, mp_policy=None, save=None):
+def train(policy, mp_policy=None, save=None, data=DATA, clip=None):
     model = shard_tinylm(build_model(), outer_sync_policy=policy, mp_policy=mp_policy)
-    opt = make_optimizer(model, model.parameters(), None)
+    opt = make_optimizer(model, model.parameters(), clip)
     losses, params, counts = [], [], []
-    for step in DATA:
+    for step in data:
         comm.counter.reset()
         total = 0.0
         for micro in step:
@@ -138,15 +141,22 @@ def replicas_agree(model) -> bool:
 set_dtype("float64")
 groups = replica_ranks()
 me = outer.rank
-ref_losses, ref_params, (ref_anchor, ref_momentum) = reference(groups)
+ref_losses, ref_params, (ref_anchor, ref_momentum) = reference(groups, DATA)
 CKPT = os.path.join(json.loads(sys.argv[1])["work"], "diloco_ckpt")
 model, losses, params, counts = train(POLICY, save=CKPT)
 assert model.embed._hsdp_unit_.outer_sync is not None
-worst = {}
-for s in range(STEPS):
-    worst[f"loss {s}"] = max_rel([losses[s]], [ref_losses[s][me]])
-    for name, value in params[s].items():
-        worst[f"{name} {s}"] = max_rel(value, ref_params[s][me][name])
+
+
+def against_reference(losses, params, ref_losses, ref_params):
+    worst = {}
+    for s in range(len(losses)):
+        worst[f"loss {s}"] = max_rel([losses[s]], [ref_losses[s][me]])
+        for name, value in params[s].items():
+            worst[f"{name} {s}"] = max_rel(value, ref_params[s][me][name])
+    return worst
+
+
+worst = against_reference(losses, params, ref_losses, ref_params)
 report("diloco h4 2x2 losses and params vs one-process DiLoCo", worst)
 # the check can fail: the replicas really trained apart, and apart from plain averaging
 apart = max(max_rel(ref_params[STEPS - 1][0][n], ref_params[STEPS - 1][1][n])
@@ -199,13 +209,25 @@ report("diloco checkpoint 2x2 -> 4x1: outer anchor and momentum", worst)
 print(f"DILOCO checkpoint 2x2 -> 4x1: outer state {max(worst.values()):.1e} from the "
       f"reference's, position {SAVE_AT % EVERY} of {EVERY}", flush=True)
 
+# a grad clip: each replica clips by its own norm (over its inner group), as the
+# reference's replicas do, 6 steps (a sync after 4)
+CLIP_DATA = DATA[:6]
+clip_ref = reference(groups, CLIP_DATA, CLIP)
+clipped, clip_losses, clip_params, _ = train(POLICY, data=CLIP_DATA, clip=CLIP)
+worst = against_reference(clip_losses, clip_params, *clip_ref[:2])
+report("diloco h4 2x2 with a per-replica clip vs one-process DiLoCo", worst)
+acted = max(max_rel(clip_ref[1][5][me][n], ref_params[5][me][n]) for n in ref_params[5][me])
+assert acted > 1e-3, acted  # the clip changed the training: the check can fail
+print(f"DILOCO clip per replica: {max(worst.values()):.1e} over {len(CLIP_DATA)} steps",
+      flush=True)
+
 # compressed: the replicas agree after a sync, and the outer group carries the int8
 # all-gather and the new params' all-gather only
 set_dtype("float32")
 mp = paddle_hsdp.MixedPrecisionPolicy(outer_compress="int8", outer_compress_block=16)
 STEPS = EVERY
 DATA = DATA[:EVERY]
-model, losses, params, counts = train(POLICY, mp)
+model, losses, params, counts = train(POLICY, mp, data=DATA)
 assert replicas_agree(model)
 for s, snap in enumerate(counts):
     outer_ops = {op for (group, op), st in snap.items() if group == "outer"}
