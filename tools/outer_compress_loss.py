@@ -2,7 +2,8 @@
 "small") trained by HSDP 2 x 2 on 4 CPU ranks, from config files that differ only in
 the outer sync: plain (float32), ``reduce_dtype: bf16``, ``fsdp_outer_compress: int8``
 (blocks of 256, error feedback), and DiLoCo (``fsdp_outer_sync_every: 16``, the outer
-Nesterov step with DiLoCo's 0.7 and 0.9; with int8 too), same seed and data.
+Nesterov step with DiLoCo's 0.7 and 0.9; with int8 too; or as plain averaging, lr 1 and
+no momentum), same seed and data.
 
     python tools/outer_compress_loss.py               # 200 steps each, ~10 minutes here
     python tools/outer_compress_loss.py --steps 20    # a quick look
@@ -32,7 +33,10 @@ BASE = {"fsdp_outer_degree": 2, "sub_modules_to_wrap": ["blocks.{*}"]}
 INT8 = {"fsdp_outer_compress": "int8", "fsdp_outer_compress_block": 256}
 VARIANTS = {"plain": {}, "bf16_reduce": {"reduce_dtype": "bf16"}, "int8": INT8,
             "diloco16": {"fsdp_outer_sync_every": 16},
-            "diloco16_int8": dict(INT8, fsdp_outer_sync_every=16)}
+            "diloco16_int8": dict(INT8, fsdp_outer_sync_every=16),
+            # the outer step as plain averaging (lr 1, no momentum): local SGD every 16
+            "diloco16_avg": {"fsdp_outer_sync_every": 16,
+                             "fsdp_outer_optimizer": {"lr": 1.0, "momentum": 0.0}}}
 DEFAULT_VARIANTS = "plain,bf16_reduce,int8"
 TAIL = 10  # steps averaged for "the loss at the end"
 TARGET = 0.02  # issue 66: int8's (and DiLoCo's) loss within 2% of plain HSDP's

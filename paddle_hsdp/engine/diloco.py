@@ -111,7 +111,6 @@ class OuterSyncState:
         paddle.assign(gathered[:numel], output=shard)
         self.anchors[buf.index] = gathered[:numel].clone()
 
-
     # ------------------------------------------------------------ checkpoints
     # Saved per parameter as its optimizer states (checkpoint/items.py): the anchor and
     # the momentum as blocks like the parameter's (so any layout loads them), the
