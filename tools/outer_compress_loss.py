@@ -47,19 +47,23 @@ def run(name: str, extra: dict, steps: int, work: str) -> dict:
     with open(cfg, "w") as f:
         json.dump(dict(BASE, **extra), f)
     run_dir = os.path.join(work, name)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    done = os.path.exists(os.path.join(run_dir, "comm.json")) and \
+        sum(1 for _ in open(metrics)) == steps  # --work: a finished run is read again
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOG_minloglevel="2")
     start = time.time()
-    proc = subprocess.run(
+    proc = subprocess.CompletedProcess([], 0) if done else subprocess.run(
         [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "4",
          "--log_dir", os.path.join(work, f"logs_{name}"), os.path.join(HERE, "demo.py"),
          "--config", cfg, "--steps", str(steps), "--run-dir", run_dir],
         env=env, cwd=work, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} failed (rc={proc.returncode}); logs in {work}/logs_{name}")
-    losses = [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    losses = [json.loads(line)["loss"] for line in open(metrics)]
     comm = json.load(open(os.path.join(run_dir, "comm.json")))
-    outer = {k: v["wire_bytes"] for k, v in comm.items() if k.startswith("outer ")}
+    # (an op only the plan has, e.g. the all-reduce DiLoCo does not make, has no bytes)
+    outer = {k: v.get("wire_bytes", 0.0) for k, v in comm.items() if k.startswith("outer ")}
     print(f"  {name:12s} {time.time() - start:6.1f} s wall", flush=True)
     return {"losses": losses, "final_loss": sum(losses[-TAIL:]) / min(TAIL, len(losses)),
             "outer_wire_bytes_per_step": outer,
@@ -74,14 +78,18 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
                     help=f"comma-separated, 'plain' first; of {', '.join(VARIANTS)}")
     ap.add_argument("--plot", default=None, help="a PNG of every variant's loss curve")
+    ap.add_argument("--work", default=None, help="the runs' folder, kept (default: a new "
+                    "temporary one, removed); a variant whose run there finished is read, "
+                    "not run again")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
     if names[0] != "plain" or not set(names) <= set(VARIANTS):
         raise SystemExit(f"--variants: 'plain' first, then any of {', '.join(VARIANTS)}; "
                          f"got {args.variants!r}")
-    work = tempfile.mkdtemp(prefix="hsdp_outer_compress_")
+    work = args.work or tempfile.mkdtemp(prefix="hsdp_outer_compress_")
     results = {name: run(name, VARIANTS[name], args.steps, work) for name in names}
-    shutil.rmtree(work, ignore_errors=True)  # (a failed run keeps its logs there)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)  # (a failed run keeps its logs there)
     plain = results["plain"]
     print(f"\ndemo CharLM small, HSDP 2x2 on 4 CPU ranks, {args.steps} steps, loss = mean "
           f"of the last {TAIL} steps")
