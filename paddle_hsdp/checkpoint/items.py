@@ -237,10 +237,6 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
     return items
 
 
-# DiLoCo's outer state (engine/diloco.py), saved as optimizer states of each parameter
-OUTER_STATES = ("outer_anchor", "outer_momentum", "outer_steps")
-
-
 def _outer_sync_items(model: paddle.nn.Layer, by_shard: dict, param_items: dict,
                       axes: ModelAxes) -> list[Item]:
     """The outer sync's state of every trainable sharded parameter of a unit that syncs
