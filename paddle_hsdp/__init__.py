@@ -42,7 +42,8 @@ if not COORDINATOR_ONLY:  # the whole package, Paddle with it
     from .engine.optimizers import finish_grad_sync
     from .engine.placements import Owned, owned_matrices
     from .optim import Muon
-    from .engine.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    from .engine.policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                  OuterSyncPolicy)
     from .patches.clip import HSDPClipGradByGlobalNorm, last_global_norm
     from .topology.fleet import get_fsdp_outer_degree
     from .topology.mesh import create_mesh_groups
@@ -54,8 +55,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy", "CheckpointError", "CollectiveError", "CollectiveMismatchError",
     "ConfigError", "FSDPModule", "HSDPClipGradByGlobalNorm", "HSDPConfig",
-    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "Owned", "ReplicaMismatchError",
-    "apply_config",
+    "MixedPrecisionPolicy", "Muon", "OffloadPolicy", "OuterSyncPolicy", "Owned",
+    "ReplicaMismatchError", "apply_config",
     "check_collectives",
     "create_mesh_groups", "finish_grad_sync", "forget", "full_grads",
     "full_optimizer_state_dict", "full_state_dict",

@@ -36,6 +36,9 @@ class PlainMeshParts:
     def outer_sharding(self):
         return "none"
 
+    def outer_policies(self):
+        return None, None
+
 
 class FakeMesh(PlainMeshParts):
     """What ``resolve_mesh`` returns, with one-rank groups: inner = outer = fsdp = {0}."""

@@ -191,6 +191,29 @@ def _policy_dtype():
     paddle_hsdp.MixedPrecisionPolicy(param_dtype="int32")
 
 
+@row("`OuterSyncPolicy(every=)`", "0", ValueError, "every", ">= 1")
+def _outer_sync_every():
+    paddle_hsdp.OuterSyncPolicy(every=0)
+
+
+@row("`OuterSyncPolicy(momentum=)`", "1.0", ValueError, "momentum", "[0, 1)")
+def _outer_sync_momentum():
+    paddle_hsdp.OuterSyncPolicy(every=4, momentum=1.0)
+
+
+@row("`fully_shard(outer_sync_policy=)`", "4 (not a policy)", TypeError,
+     "outer_sync_policy", "OuterSyncPolicy")
+def _shard_outer_sync_type():
+    paddle_hsdp.fully_shard(_net(), outer_sync_policy=4)
+
+
+@row("`fully_shard(outer_sync_policy=)`", "`every=4` with `fsdp_outer_sharding=\"optim\"`",
+     NotImplementedError, "fsdp_outer_sync_every", "fsdp_outer_sharding='optim'")
+def _shard_outer_sync_hfsdp():
+    paddle_hsdp.fully_shard(_net(), outer_sync_policy=paddle_hsdp.OuterSyncPolicy(every=4),
+                            fsdp_outer_sharding="optim")
+
+
 @row("`fully_shard(offload_policy=)`", "True (not a policy)", TypeError, "offload_policy",
      "CPUOffloadPolicy")
 def _shard_offload():

@@ -52,12 +52,13 @@ def shared_2x2_work():
 @pytest.fixture(scope="session")
 def hsdp_2x2_log(shared_2x2_work):
     """Rank 0's log of one launch running every SHARED_2X2_WORKERS worker in turn (and
-    worker_checkpoint.py and worker_hfsdp.py, which save into ``shared_2x2_work``, then
-    worker_exit.py, which ends it without a final barrier);
+    worker_diloco.py, worker_checkpoint.py and worker_hfsdp.py, which save into
+    ``shared_2x2_work``, then worker_exit.py, which ends it without a final barrier);
     each test asserts its own worker's lines (a failing worker fails the launch, and so
     every test that uses it, with the ranks' logs)."""
     jobs = SHARED_2X2_WORKERS + [["worker_muon.py", json.dumps(dict(HSDP_2X2,
                                                                     work=shared_2x2_work))],
+                                 ["worker_diloco.py", json.dumps({"work": shared_2x2_work})],
                                  ["worker_checkpoint.py", shared_2x2_work],
                                  ["worker_hfsdp.py", json.dumps(dict(
                                      HSDP_2X2, work=shared_2x2_work,

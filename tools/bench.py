@@ -35,7 +35,9 @@ CPU bypass (not done here: no GPU).
 ``--two-hosts RATE`` (root and iproute2: ``tools/two_hosts.py``) runs ``dp``, ``stage3``,
 ``hsdp2x2``, ``hsdp2x2_bf16`` (bfloat16 reduce), ``hsdp2x2_int8`` and ``hfsdp2x2_int8``
 (the outer sync as blockwise int8, its cross-host bytes against the fp32 run's),
-``hfsdp2x2`` and ``hsdp1x4`` on two
+``hfsdp2x2``, ``hsdp1x4`` and ``hsdp2x2_diloco16`` (DiLoCo: the replicas sync every 16
+steps; run ``--steps 17`` so its timed window holds one sync; its step time is the
+mean, the sync's included) on two
 network-namespace hosts of 2 ranks each, joined by a link limited to RATE, on the 4M
 model by default, and writes ``OUT/two_hosts.json``: median step time and its ratio to
 DataParallel and stage 3, and the bytes that cross the link per step, (a) expected from the ranks' ring traffic

@@ -23,6 +23,7 @@ everything is set up.
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 import time
@@ -94,6 +95,9 @@ def wrap(variant: str, model):
         elif variant.endswith("_int8"):  # the outer sync as blockwise int8 (issue 66)
             policy = paddle_hsdp.MixedPrecisionPolicy(outer_compress="int8")
         kwargs = {"mp_policy": policy}
+        every = re.search(r"_diloco(\d+)", variant)
+        if every:  # DiLoCo: the replicas sync every H steps (engine/diloco.py)
+            kwargs["outer_sync_policy"] = paddle_hsdp.OuterSyncPolicy(every=int(every[1]))
         if "_muon" in variant:  # Muon: its matrices owned by one rank, or whole on all
             kwargs["shard_placement_fn"] = muon_placement(model, variant)
         for layer in model.layers:
@@ -182,7 +186,19 @@ def theoretical_comm(units, inner: int, outer: int) -> dict:
             nbytes = buf.logical_numel * buf.shape().master_bytes
             times = 2 if unit.should_reshard_after_forward() else 1
             gather += times * (inner - 1) / inner * nbytes
-            if buf.trainable and getattr(buf.pieces, "compress", None):
+            if buf.trainable and getattr(unit, "outer_sync", None) is not None:
+                # DiLoCo: every H steps the pseudo-gradient's reduce-scatter (in the
+                # params' dtype, or int8's all-gather of every replica's codes) and an
+                # all-gather of the new params
+                every = unit.outer_sync.policy.every
+                reduce += buf.logical_numel * buf.shape().reduce_bytes
+                outer_sync += nbytes / every
+                if getattr(buf.pieces, "compress", None):
+                    n = buf.logical_numel / inner
+                    compressed += (outer - 1) * (n + 4 * n / buf.pieces.compress_block) / every
+                else:
+                    outer_sync += nbytes / every
+            elif buf.trainable and getattr(buf.pieces, "compress", None):
                 # int8 outer sync: an all-gather of every replica's codes of the shard
                 # (n / inner values) and one float32 scale per block, (O - 1) of them
                 # per rank; HFSDP's rebuild all-gather as below

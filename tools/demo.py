@@ -309,8 +309,11 @@ def main():
                f"({losses[-1] / losses[0]:.0%} of the first step)")
         if plan is not None:  # the plan's bytes against the communication counter's
             measured = paddle_hsdp.comm.counter.snapshot()
+            # (an op the plan has and the run had not, e.g. DiLoCo's outer sync every H
+            # steps, which the plan does not model: shown as 0)
             report("communication per step, measured / planned: " + ", ".join(
-                f"{label} {op} {measured[(label, op)].wire_bytes / args.steps / planned:.3f}"
+                f"{label} {op} "
+                f"{getattr(measured.get((label, op)), 'wire_bytes', 0) / args.steps / planned:.3f}"
                 for (label, op), planned in plan.comm_bytes().items() if planned))
         run.finish(losses, args.steps, plan)
         report(f"run directory: {run.path} (metrics.jsonl, loss.png, comm.json, args.json)")

@@ -15,6 +15,7 @@ decides who writes it.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -236,6 +237,64 @@ def _optimizer_items(optimizer: paddle.optimizer.Optimizer, by_shard: dict, para
     return items
 
 
+def _outer_sync_items(model: paddle.nn.Layer, by_shard: dict, param_items: dict,
+                      axes: ModelAxes) -> list[Item]:
+    """The outer sync's state of every trainable sharded parameter of a unit that syncs
+    every H >= 2 steps: ``NAME/optim/outer_anchor`` and ``outer_momentum`` (boxes like
+    the parameter's, the same on every outer replica; the momentum's pieces gathered
+    here, on every rank: a collective) and ``outer_steps`` (the position in the
+    interval, one element)."""
+    items: list[Item] = []
+    for unit in registry.units_under(model):
+        state = unit.outer_sync
+        if state is None:
+            continue
+        momentum = state.gather_momentum(unit)
+        for buf in unit.buffers:
+            if not buf.trainable:
+                continue
+            for sp in buf.params:
+                name = by_shard.get(id(sp.shard))
+                if name is None:
+                    continue
+                owner = param_items[name]
+                for acc, flat, write in (
+                        ("outer_anchor", state.anchors[buf.index], state.write_anchor_block),
+                        ("outer_momentum", momentum[buf.index], state.write_momentum_block)):
+                    items.append(Item(f"{name}/optim/{acc}", owner.shape, owner.dtype,
+                                      owner.offset, owner.size,
+                                      _outer_getter(state, flat, sp),
+                                      _outer_putter(write, buf, sp), owner.split, owner.tag,
+                                      owner.stage, owner.replicas))
+                    items[-1].outer_group = owner.outer_group
+                scalar = Replicas(_axis("inner", buf.inner) + _axis("outer", buf.outer)
+                                  + _mp_axis(axes))
+                items.append(Item(f"{name}/optim/outer_steps", [1], "int64", [0], [1],
+                                  functools.partial(_get_steps, state),
+                                  functools.partial(_put_steps, state), None, owner.tag,
+                                  owner.stage, scalar))
+    return items
+
+
+def _outer_getter(state, flat: paddle.Tensor, sp: ShardedParam) -> Getter:
+    return lambda: state.read_block(flat, sp).numpy()
+
+
+def _outer_putter(write: Callable, buf: ShardBuffer, sp: ShardedParam) -> Putter:
+    @paddle.no_grad()
+    def put(array: np.ndarray) -> None:
+        write(buf, sp, paddle.to_tensor(array, dtype=buf.dtype))
+    return put
+
+
+def _get_steps(state) -> np.ndarray:
+    return np.array([state.steps], dtype="int64")
+
+
+def _put_steps(state, array: np.ndarray) -> None:
+    state.steps = int(array.reshape([-1])[0])
+
+
 def _index_in(buf: ShardBuffer, sp: ShardedParam, positions: dict[int, dict[int, int]],
               ) -> int:
     """``sp``'s index in its buffer's layout (``positions``: a cache per call)."""
@@ -270,4 +329,5 @@ def all_items(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | No
         optimizer = unwrap_optimizer(optimizer)
         by_name = {it.name: it for it in items}
         items += _optimizer_items(optimizer, by_shard, by_name, axes)
+        items += _outer_sync_items(model, by_shard, by_name, axes)
     return items, aliases, optimizer, axes

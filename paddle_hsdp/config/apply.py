@@ -24,7 +24,7 @@ from ..optim.muon import muon_param_info
 from ..engine.policies import CPUOffloadPolicy
 from ..hints import expect_layer
 from ..topology.fleet import MOE_ORDER_HINT
-from .plan import Plan, build_plan, mp_policy_of, resolve_modules
+from .plan import Plan, build_plan, mp_policy_of, outer_sync_policy_of, resolve_modules
 from .schema import (AUTO, ConfigError, load_config, ranks_per_node_from_env,
                      resolve_degrees)
 
@@ -60,7 +60,8 @@ def apply_config(model: paddle.nn.Layer, config: str | os.PathLike | dict | HSDP
               if cfg.offload_to_cpu else None,
               "ignored_params": choice.ignored_params() or None,
               "fsdp_outer_sharding": outer_sharding,
-              "sync_module_states": cfg.sync_module_states}
+              "sync_module_states": cfg.sync_module_states,
+              "outer_sync_policy": outer_sync_policy_of(cfg)}
     if cfg.owned_matrices:  # Muon's matrices whole on one rank each
         kwargs["shard_placement_fn"] = owned_matrices(info=muon_param_info(model))
     for _, module in choice.wrap:

@@ -24,7 +24,7 @@ from ..engine.layout import segment_layout
 from ..engine.param import ShardedParam
 from ..engine.placements import Owned, owned_matrices
 from ..optim.muon import muon_param_info
-from ..engine.policies import MixedPrecisionPolicy
+from ..engine.policies import MixedPrecisionPolicy, OuterSyncPolicy, outer_sync_policy_from
 from ..engine.unit import buffer_groups
 from ..topology.placement import is_expert
 from ..topology import cost
@@ -90,6 +90,14 @@ def mp_policy_of(config: HSDPConfig) -> MixedPrecisionPolicy | None:
                                 outer_compress=config.fsdp_outer_compress,
                                 outer_compress_block=config.fsdp_outer_compress_block,
                                 **dtypes)
+
+
+def outer_sync_policy_of(config: HSDPConfig) -> OuterSyncPolicy | None:
+    """The ``OuterSyncPolicy`` of ``fsdp_outer_sync_every`` and ``fsdp_outer_optimizer``
+    (None for every 1: plain HSDP)."""
+    if config.fsdp_outer_sync_every == 1:
+        return None
+    return outer_sync_policy_from(config.fsdp_outer_sync_every, config.fsdp_outer_optimizer)
 
 
 def reshard_after_forward_of(config: HSDPConfig, is_root: bool) -> bool:

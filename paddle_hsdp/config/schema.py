@@ -124,6 +124,20 @@ def _check_compress_block(value: Any, allowed: str):
     return _check_int_at_least(value, allowed, 8)
 
 
+def _check_outer_optimizer(value: Any, allowed: str):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _expected(allowed, value, wrong_type=True)
+    # the policy's own checks (imported here: the schema loads without Paddle)
+    from ..engine.policies import outer_sync_policy_from  # noqa: PLC0415
+    try:
+        outer_sync_policy_from(2, value)
+    except (TypeError, ValueError) as error:
+        raise _Invalid(str(error)) from None
+    return dict(value)
+
+
 def _check_optional_bool(value: Any, allowed: str):
     return None if value is None else _check_bool(value, allowed)
 
@@ -209,6 +223,12 @@ _KEYS = (
          _check_outer_compress),
     _Key("fsdp_outer_compress_block", 256, "an int >= 8 (values per float32 scale of "
          "fsdp_outer_compress)", _check_compress_block),
+    _Key("fsdp_outer_sync_every", 1, "an int >= 1 (optimizer steps between outer syncs; "
+         "1: plain HSDP, >= 2: DiLoCo, the replicas step apart in between)",
+         lambda value, allowed: _check_int_at_least(value, allowed, 1)),
+    _Key("fsdp_outer_optimizer", None, "null or a mapping of lr (> 0), momentum (in "
+         "[0, 1)) and nesterov (true or false), each optional (DiLoCo's outer SGD; "
+         "defaults 0.7, 0.9, true)", _check_outer_optimizer),
     _Key("owned_matrices", False, "true or false (true: each matrix Muon updates whole "
          "on one rank, paddle_hsdp.owned_matrices())", _check_bool),
     _Key("output_dtype", None, _DTYPE, _check_dtype),
@@ -254,6 +274,8 @@ class HSDPConfig:
     reduce_dtype: str | None = None
     fsdp_outer_compress: str | None = None
     fsdp_outer_compress_block: int = 256
+    fsdp_outer_sync_every: int = 1
+    fsdp_outer_optimizer: dict | None = None
     owned_matrices: bool = False
     output_dtype: str | None = None
     sync_module_states: bool = True
@@ -301,6 +323,16 @@ def _cross_key_errors(values: dict) -> list[str]:
         errors.append("zero_stage: conflicts with reshard_after_forward (zero_stage sets it: "
                       "3 -> true, 1 and 2 -> false); keep zero_stage to also choose when "
                       "grads sync, or keep reshard_after_forward alone")
+    every = values.get("fsdp_outer_sync_every", 1)
+    if every == 1 and values.get("fsdp_outer_optimizer") is not None:
+        errors.append("fsdp_outer_optimizer: unused with fsdp_outer_sync_every: 1 (plain "
+                      "HSDP averages the grads every step); set fsdp_outer_sync_every "
+                      ">= 2 or drop fsdp_outer_optimizer")
+    if every != 1 and values.get("fsdp_outer_sharding") == "optim":
+        errors.append("fsdp_outer_sync_every: > 1 (DiLoCo) conflicts with "
+                      "fsdp_outer_sharding: optim (each replica's optimizer would hold 1/O "
+                      "of the state, so replicas cannot step apart); use "
+                      "fsdp_outer_sharding: none")
     return errors
 
 

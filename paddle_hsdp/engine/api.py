@@ -5,6 +5,7 @@ Thin: it validates, builds an :class:`~paddle_hsdp.engine.unit.FSDPUnit` and reg
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -26,7 +27,7 @@ from .flex import sharded_state_dict
 from .param import ShardedParam
 from .reductions import wait_pending_reduces
 from .placements import Owned
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, OuterSyncPolicy
 from .registry import managed_param, owning_unit, param_path, registry, units_under
 from .states import ParamState
 from .unit import FSDPUnit, expect_everyone_in
@@ -372,6 +373,51 @@ def _placements(module: paddle.nn.Layer, shard_placement_fn: PlacementFn | None,
 OUTER_SHARDING = ("none", "optim")
 
 
+def _with_sharding_configs(mesh, mp_policy: MixedPrecisionPolicy | None,
+                           outer_sync_policy: OuterSyncPolicy | None) -> tuple:
+    """The policies with fleet's ``sharding_configs`` filled in where the call sets
+    none (``fsdp_outer_compress`` where ``mp_policy`` compresses nothing,
+    ``fsdp_outer_sync_every`` / ``fsdp_outer_optimizer`` where ``outer_sync_policy``
+    is None)."""
+    configured_mp, configured_outer = mesh.outer_policies()
+    if configured_mp is not None:
+        if mp_policy is None:
+            mp_policy = configured_mp
+        elif isinstance(mp_policy, MixedPrecisionPolicy) and mp_policy.outer_compress is None:
+            mp_policy = dataclasses.replace(
+                mp_policy, outer_compress=configured_mp.outer_compress,
+                outer_compress_block=configured_mp.outer_compress_block)
+    return mp_policy, configured_outer if outer_sync_policy is None else outer_sync_policy
+
+
+def _check_outer_sync_policy(policy: object, outer_sharding: str, placements: dict,
+                             offload_policy: OffloadPolicy | None) -> None:
+    """What DiLoCo (``OuterSyncPolicy(every >= 2)``) cannot be combined with yet, refused
+    before any collective."""
+    if policy is None:
+        return
+    if not isinstance(policy, OuterSyncPolicy):
+        raise TypeError("fully_shard(outer_sync_policy=...) must be None or a "
+                        f"paddle_hsdp.OuterSyncPolicy, got {type(policy).__name__}")
+    if not policy.trains_apart:
+        return
+    if outer_sharding == "optim":
+        raise NotImplementedError(
+            f"OuterSyncPolicy(every={policy.every}) (fsdp_outer_sync_every) with "
+            "fsdp_outer_sharding='optim' (HFSDP): each replica's inner optimizer would hold "
+            "1/O of the state, so replicas cannot step apart between outer syncs. Use "
+            "fsdp_outer_sharding='none' with outer syncs every H steps, or every=1.")
+    if "replicate" in placements.values():
+        raise NotImplementedError(
+            f"OuterSyncPolicy(every={policy.every}) with a Replicate() placement: a "
+            "replicated parameter's grads are reduced over the whole FSDP group, across "
+            "the replicas. Shard it (Shard(0), the default) or use every=1.")
+    if getattr(offload_policy, "offloads", False):
+        raise NotImplementedError(
+            f"OuterSyncPolicy(every={policy.every}) with CPUOffloadPolicy: the outer sync "
+            "reads the shards where the device holds them. Use one of the two.")
+
+
 def _check_outer_sharding(value: object) -> str | None:
     if value is None or (isinstance(value, str) and value in OUTER_SHARDING):
         return value
@@ -388,7 +434,8 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
                 ignored_params: Iterable[paddle.Tensor] | None = None,
                 enable_tensor_fusion_and_overlap: bool = True,
                 fsdp_outer_sharding: str | None = None,
-                sync_module_states: bool = True) -> _L:
+                sync_module_states: bool = True,
+                outer_sync_policy: OuterSyncPolicy | None = None) -> _L:
     """Shard ``module``'s parameters over the inner group, replicate over the outer.
 
     Call it bottom-up: each call makes one communication unit of the parameters not
@@ -423,6 +470,11 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     known to be equal on every rank; a fingerprint per tensor is compared instead, and
     the call refuses on every rank, naming the first tensor that differs
     (docs/engine.md, "Replicas agree before sharding").
+    ``outer_sync_policy`` (paddle_hsdp's addition): an :class:`OuterSyncPolicy`;
+    ``every=H >= 2`` trains the outer replicas apart and syncs them every H optimizer
+    steps with an outer Nesterov step (DiLoCo, docs/knobs.md); None or ``every=1``:
+    plain HSDP, the grads averaged at every step. Not with ``fsdp_outer_sharding=
+    "optim"``, ``Replicate()`` placements or offloading.
     Every check runs before anything changes and before any collective (but the
     fingerprints' own), so a rejected call raises on every rank alike and leaves the
     model as it was.
@@ -440,6 +492,11 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     if isinstance(offload_policy, CPUOffloadPolicy):
         offload_policy.check_supported()
     resolved = resolve_mesh(mesh)  # may create an explicit mesh's groups (every rank alike)
+    if outer_sharding is None:
+        outer_sharding = resolved.outer_sharding()
+    mp_policy, outer_sync_policy = _with_sharding_configs(resolved, mp_policy,
+                                                          outer_sync_policy)
+    _check_outer_sync_policy(outer_sync_policy, outer_sharding, placements, offload_policy)
     claims = _plan_claims(module, ignored, placements)
     _check_sizes(claims)
     module_buffers = agreement.module_buffers(module)
@@ -449,10 +506,8 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     # Nothing changed so far; from here on the call acts.
     registry.ignored.update(ignored_here)
     hooks.install()
-    if outer_sharding is None:
-        outer_sharding = resolved.outer_sharding()
     unit = FSDPUnit(module, registry.next_index, resolved,
-                    UnitPolicies(mp_policy, offload_policy, outer_sharding),
+                    UnitPolicies(mp_policy, offload_policy, outer_sharding, outer_sync_policy),
                     UnitControls(reshard_after_forward=reshard_after_forward,
                                  overlap=bool(enable_tensor_fusion_and_overlap)))
     _apply_claims(unit, claims, placements)

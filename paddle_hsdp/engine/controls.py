@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import MixedPrecisionPolicy, OffloadPolicy, OuterSyncPolicy
 
 if TYPE_CHECKING:
     from .unit import FSDPUnit
@@ -24,6 +24,8 @@ class UnitPolicies:
     # "optim": the optimizer of each outer replica sees 1/O of every trainable buffer
     # (HFSDP; see [Note: outer sub-shards] in engine/param.py)
     outer_sharding: str = "none"
+    # every >= 2: the replicas step apart and sync every H steps (DiLoCo: diloco.py)
+    outer_sync: OuterSyncPolicy | None = None
 
 
 @dataclass

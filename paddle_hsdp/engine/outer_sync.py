@@ -226,7 +226,7 @@ def finish_outer_syncs(work: list) -> None:
 
 def _takes_part(unit, buf) -> bool:
     # ``early_sync`` False on an outer group: it syncs at the step only
-    return (buf.trainable and unit.controls.overlap and unit.controls.requires_all_reduce
+    return (buf.trainable and unit.controls.overlap and unit.syncs_grads_over_outer
             and unit.grads_pending_outer_sync and traits_of(buf.outer).early_sync
             and not any(b.host is not None for b in unit.buffers))
 

@@ -53,6 +53,64 @@ OUTER_COMPRESS = (None, "int8", "fp8")  # MixedPrecisionPolicy(outer_compress=..
 MIN_BLOCK = 8  # below it the scales outweigh the codes
 
 
+@dataclass(frozen=True)
+class OuterSyncPolicy:
+    """How often the outer replicas synchronise (DiLoCo; docs/knobs.md, "Outer sync
+    every H steps"). ``every=1`` (the default) is plain HSDP: the grads are averaged
+    over the outer group at every step and the outer optimizer fields are unused.
+    ``every=H >= 2``: each replica steps its own inner optimizer on grads averaged
+    over its inner group only, and every H-th optimizer step the replicas average
+    their pseudo-gradient (the params at the last sync minus the params now) and
+    apply an outer SGD step, ``lr`` and ``momentum``, Nesterov when ``nesterov``
+    (DiLoCo's defaults: 0.7, 0.9, True); every replica then holds the same params
+    (engine/diloco.py)."""
+
+    every: int = 1
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError("OuterSyncPolicy(every=...) must be an int >= 1 (optimizer "
+                             f"steps between outer syncs; 1: plain HSDP), got {every!r}")
+        for field, low, high in (("lr", 0.0, None), ("momentum", 0.0, 1.0)):
+            value = getattr(self, field)
+            bad = isinstance(value, bool) or not isinstance(value, (int, float))
+            if bad or not (value > low if field == "lr" else low <= value < high):
+                allowed = "a number > 0" if field == "lr" else "a number in [0, 1)"
+                raise ValueError(f"OuterSyncPolicy({field}=...) must be {allowed}, got "
+                                 f"{value!r}")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError("OuterSyncPolicy(nesterov=...) must be True or False, got "
+                            f"{self.nesterov!r}")
+
+    @property
+    def trains_apart(self) -> bool:
+        """Whether the replicas step apart between outer syncs (``every >= 2``)."""
+        return self.every > 1
+
+
+OUTER_OPTIMIZER_FIELDS = ("lr", "momentum", "nesterov")  # fsdp_outer_optimizer's keys
+
+
+def outer_sync_policy_from(every: object, optimizer: object) -> OuterSyncPolicy:
+    """The policy that ``fsdp_outer_sync_every`` and ``fsdp_outer_optimizer`` (None or
+    a mapping of :data:`OUTER_OPTIMIZER_FIELDS`, each optional) name, in a config file
+    or fleet's ``sharding_configs`` (errors name neither: the caller says which)."""
+    if optimizer is None:
+        optimizer = {}
+    if not isinstance(optimizer, dict):
+        raise ValueError("must be null or a mapping with keys "
+                         f"{', '.join(OUTER_OPTIMIZER_FIELDS)}, got {type(optimizer).__name__}")
+    unknown = sorted(str(key) for key in optimizer if key not in OUTER_OPTIMIZER_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}; allowed: "
+                         f"{', '.join(OUTER_OPTIMIZER_FIELDS)}")
+    return OuterSyncPolicy(every, **optimizer)  # type: ignore[arg-type]
+
+
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 

@@ -3,7 +3,8 @@
 named here, and ft holds no registry, unit or buffer.
 
 * :func:`refusal_to_replicate`: why a model cannot train as a replica group (a buffer
-  not sharded over the live outer group, outer sub-shards of its own), or None;
+  not sharded over the live outer group, outer sub-shards of its own, DiLoCo's outer
+  sync every H steps), or None;
 * :func:`parameter_table`: the sharded parameters, for the groups' configuration check;
 * :func:`state_tensors`: the tensors a replica's model state is made of (each buffer's
   flat shard, unsharded parameters, buffers), in one order on every replica;
@@ -34,6 +35,12 @@ def refusal_to_replicate(model: paddle.nn.Layer, outer: Group) -> str | None:
     """Why ``model``'s buffers cannot train across live replica groups over ``outer``
     (the group's outer group), or None."""
     for unit in registry.units_under(model):
+        if unit.outer_sync is not None:
+            return (f"{unit.label} syncs its replicas every {unit.outer_sync.policy.every} "
+                    "steps (OuterSyncPolicy, fsdp_outer_sync_every): a replica that joins "
+                    "would need the outer state (the last sync's params, the outer "
+                    "momentum's pieces), which the transfer does not carry. Use every=1 "
+                    "in a fault-tolerant job.")
         for buf in unit.buffers:
             if buf.outer is not outer:
                 return (f"{buf.describe()} is not sharded over the inner group (a "

@@ -38,6 +38,7 @@ from .agreement import Held
 from .outer_sync import schedule_of
 from .buffer import ShardBuffer
 from .controls import UnitControls, UnitPolicies
+from .diloco import OuterSyncState
 from .pending import PendingGather, settle
 from . import memory
 from .param import ShardedParam
@@ -94,6 +95,10 @@ class FSDPUnit:
         self.pending_calls: weakref.WeakSet = weakref.WeakSet()
         self.full_grads_pending = False  # full-size grads not reduce-scattered yet
         self._pending_gather: list[PendingGather | None] | None = None  # a prefetch's
+        # DiLoCo (OuterSyncPolicy(every >= 2)): the replicas step apart between syncs
+        outer_policy = policies.outer_sync
+        self.outer_sync = (OuterSyncState(outer_policy) if outer_policy is not None
+                           and outer_policy.trains_apart else None)
 
     @functools.cached_property
     def subtree_ids(self) -> frozenset[int]:
@@ -452,11 +457,18 @@ class FSDPUnit:
         for buf in self.buffers:
             if not buf.trainable:
                 continue
-            if self.controls.requires_all_reduce:
+            if self.syncs_grads_over_outer:
                 work.append((buf, buf.pieces.start_outer_sync(async_op=self.controls.overlap),
                              1.0 / self.divisor(buf)))
             else:
                 buf.pieces.sync_locally(buf.outer.nranks / self.divisor(buf))
+
+    @property
+    def syncs_grads_over_outer(self) -> bool:
+        """Whether this step's grads are averaged over the outer replicas: not with
+        ``set_requires_all_reduce(False)``, nor between DiLoCo's outer syncs (every
+        step: the replicas sync params instead, engine/diloco.py)."""
+        return self.controls.requires_all_reduce and self.outer_sync is None
 
     def check_outer_sync(self) -> None:
         """With outer sub-shards each replica's optimizer holds only its piece of the

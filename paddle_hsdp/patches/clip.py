@@ -72,14 +72,18 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
 
     ``mp_rank`` / ``sep_rank``: this rank's index in the tensor-parallel and sep groups;
     ``group``: the group that spans every distinct shard (None: the whole job).
+    ``per_replica``: each outer replica's own norm (DiLoCo's replicas train apart
+    between outer syncs: engine/diloco.py): every rank counts its shards, ``group`` is
+    the replica's inner group.
     """
 
     def __init__(self, clip_norm: float, group: Group | None = None, mp_rank: int = 0,
                  sep_rank: int = 0, group_name: str = "default_group",
                  auto_skip_clip: bool = False, fsdp_rank: int = 0,
-                 expert_fsdp_rank: int = 0) -> None:
+                 expert_fsdp_rank: int = 0, per_replica: bool = False) -> None:
         super().__init__(clip_norm, group_name, auto_skip_clip)
         self.group = group
+        self.per_replica = per_replica
         self.mp_rank = mp_rank
         self.sep_rank = sep_rank
         self.fsdp_rank, self.expert_fsdp_rank = fsdp_rank, expert_fsdp_rank
@@ -87,7 +91,8 @@ class HSDPClipGradByGlobalNorm(ClipGradByGlobalNorm):
 
     def counts(self, param: paddle.Tensor) -> bool:
         """Whether this rank's copy of ``param`` is the one the norm counts."""
-        if getattr(param, "is_firstly_shared", True) is False:
+        if getattr(param, "is_firstly_shared", True) is False and not (
+                self.per_replica and hasattr(param, "_hsdp_sharded_param")):
             return False
         if not hasattr(param, "_hsdp_sharded_param"):
             # Not an HSDP shard (ignored_params): a copy on every FSDP rank, which the
@@ -219,14 +224,41 @@ def norm_dtype(grads: Iterable[paddle.Tensor | None]) -> NormDtype:
                             for g in grads) else "float32"
 
 
-def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh: Mesh) -> HSDPClipGradByGlobalNorm:
+def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh: Mesh,
+                  shards: Sequence[paddle.Tensor] = ()) -> HSDPClipGradByGlobalNorm:
     # The norm spans the mesh's ranks: the whole job on the fleet HCG, the mesh's own
-    # group for an explicit mesh that covers part of the world.
+    # group for an explicit mesh that covers part of the world; with DiLoCo's replicas
+    # training apart, one replica's (its inner group).
+    if _replicas_train_apart(mesh, shards):
+        inner = mesh.inner(False)
+        return HSDPClipGradByGlobalNorm(clip.clip_norm, inner, mesh.mp_rank(),
+                                        mesh.sep_rank(), clip.group_name,
+                                        clip.auto_skip_clip, fsdp_rank=inner.rank,
+                                        expert_fsdp_rank=inner.rank, per_replica=True)
     group = mesh.clip_group()
     return HSDPClipGradByGlobalNorm(clip.clip_norm, group, mesh.mp_rank(), mesh.sep_rank(),
                                     clip.group_name, clip.auto_skip_clip,
                                     fsdp_rank=mesh.fsdp_group(False).rank,
                                     expert_fsdp_rank=mesh.fsdp_group(True).rank)
+
+
+def _replicas_train_apart(mesh: Mesh, shards: Sequence[paddle.Tensor]) -> bool:
+    """Whether a unit of ``shards`` syncs every H >= 2 steps (DiLoCo): the clip's norm
+    is then each replica's, over its inner group, which spans the replica only where
+    the clip's whole span is the dense FSDP group (no tensor, pipeline or sep
+    parallelism) and no shard is an expert's; elsewhere refused, before any update."""
+    units = units_of_shards(shards)
+    if not any(unit.outer_sync is not None for unit in units):
+        return False
+    span = mesh.clip_group() or paddle.distributed.collective._get_global_group()
+    experts = any(buf.is_expert for unit in units for buf in unit.buffers)
+    if span.nranks != mesh.fsdp_group(False).nranks or experts:
+        raise NotImplementedError(
+            "a grad clip with OuterSyncPolicy(every >= 2) (fsdp_outer_sync_every): each "
+            "replica clips by its own norm, over its inner group, which spans the "
+            "replica only without tensor, pipeline or sep parallelism and experts. Drop "
+            "the clip or set every=1. Nothing was updated.")
+    return True
 
 
 def make_clip_hsdp_aware(optimizer: paddle.optimizer.Optimizer,
@@ -241,10 +273,10 @@ def make_clip_hsdp_aware(optimizer: paddle.optimizer.Optimizer,
     while level is not None:
         own = vars(level)
         if "_grad_clip" in own:
-            level._grad_clip = _hsdp_aware(own["_grad_clip"], mesh)
+            level._grad_clip = _hsdp_aware(own["_grad_clip"], mesh, params)
         for group in own.get("_param_groups") or []:
             if isinstance(group, dict) and "grad_clip" in group:
-                group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh)
+                group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh, params)
         level = own.get("_inner_opt")
 
 
@@ -254,19 +286,20 @@ def hsdp_aware_for(clip: ClipGradBase | HybridParallelClipGrad | None,
     """``clip`` as :func:`make_clip_hsdp_aware` decides it for ``optimizer``'s shards
     (a parameter group's clip that ``Optimizer.step`` copied before the swap)."""
     shards = sharded_params_of(optimizer)
-    return _hsdp_aware(clip, shards[0]._hsdp_sharded_param.mesh) if shards else clip
+    return _hsdp_aware(clip, shards[0]._hsdp_sharded_param.mesh, shards) if shards else clip
 
 
-def _hsdp_aware(clip: ClipGradBase | HybridParallelClipGrad | None,
-                mesh: Mesh) -> ClipGradBase | HybridParallelClipGrad | None:
+def _hsdp_aware(clip: ClipGradBase | HybridParallelClipGrad | None, mesh: Mesh,
+                shards: Sequence[paddle.Tensor] = ()
+                ) -> ClipGradBase | HybridParallelClipGrad | None:
     if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
         return clip
     if isinstance(clip, HybridParallelClipGrad):
         # fleet's clip over the mp / pp / sharding groups: the HSDP clip counts the
         # same marks over the whole job, in every dtype (Paddle's skips float64)
-        return _hsdp_aware(clip._clip, mesh)
+        return _hsdp_aware(clip._clip, mesh, shards)
     if type(clip) is ClipGradByGlobalNorm:
-        return hsdp_clip_for(clip, mesh)
+        return hsdp_clip_for(clip, mesh, shards)
     if isinstance(clip, ClipGradByGlobalNorm):
         raise NotImplementedError(
             f"{type(clip).__name__} subclasses ClipGradByGlobalNorm; paddle_hsdp cannot "
@@ -315,7 +348,7 @@ def clip_grad_norm_(parameters: paddle.Tensor | Iterable[paddle.Tensor], max_nor
     sync_grads(units_of_shards(shards))
     params = shards + [p for p in parameters if managed_param(p) is None]
     counter = hsdp_clip_for(ClipGradByGlobalNorm(float(max_norm)),
-                            shards[0]._hsdp_sharded_param.mesh)
+                            shards[0]._hsdp_sharded_param.mesh, shards)
     total = _global_norm([p for p in params if p.grad is not None], float(norm_type),
                          counter)
     if error_if_nonfinite and not bool(paddle.isfinite(total)):

@@ -39,8 +39,10 @@ from paddle.distributed.fleet.proto import distributed_strategy_pb2 as pb
 from paddle.distributed.fleet.utils import hybrid_parallel_util as util
 from paddle.distributed.fleet.utils import sequence_parallel_utils
 
+from ..engine.policies import MixedPrecisionPolicy, outer_sync_policy_from
 from ..engine.registry import managed_param
-from ..topology.fleet import (HCG_METHODS, OPTION, SHARDING_OPTION, build_hsdp_groups,
+from ..topology.fleet import (HCG_METHODS, OPTION, OUTER_SYNC_OPTIONS, SHARDING_OPTION,
+                              build_hsdp_groups,
                               check_sharding_config_keys, get_fsdp_outer_degree,
                               get_fsdp_outer_sharding, validate_strategy)
 from . import sequence_parallel
@@ -80,6 +82,9 @@ def _patch_strategy(strategy_cls: type[DistributedStrategy]) -> None:
                 self._hsdp_fsdp_outer_degree = sharding.pop(OPTION)
             if SHARDING_OPTION in sharding:
                 self._hsdp_fsdp_outer_sharding = sharding.pop(SHARDING_OPTION)
+            given = {key: sharding.pop(key) for key in OUTER_SYNC_OPTIONS if key in sharding}
+            if given:
+                self._hsdp_outer_policies = outer_policies_of(given)
             assign_configs_value(self.strategy.hybrid_configs.sharding_configs, sharding)
         original_set(self, configs)
 
@@ -87,9 +92,31 @@ def _patch_strategy(strategy_cls: type[DistributedStrategy]) -> None:
     replace(strategy_cls, "_hsdp_fsdp_outer_degree", 1, "the option's default: plain FSDP")
     replace(strategy_cls, "_hsdp_fsdp_outer_sharding", "none",
             "the option's default: HSDP (optimizer state replicated across outer)")
+    replace(strategy_cls, "_hsdp_outer_policies", (None, None),
+            "the outer sync's default: uncompressed, every step")
     replace(strategy_cls, "hybrid_configs",
             property(original.fget, set_hybrid_configs, None, original.__doc__),
             "Paddle 3.3 rejects fsdp_outer_degree inside sharding_configs; kept aside")
+
+
+def outer_policies_of(given: dict) -> tuple:
+    """``sharding_configs``' outer-sync keys (:data:`OUTER_SYNC_OPTIONS`, the config
+    file's names) as ``(MixedPrecisionPolicy | None, OuterSyncPolicy | None)``, checked
+    where the strategy is assigned: on every rank, before ``fleet.init``."""
+    try:
+        compress = given.get("fsdp_outer_compress")
+        mp = None if compress is None else MixedPrecisionPolicy(
+            outer_compress=compress,
+            outer_compress_block=given.get("fsdp_outer_compress_block", 256))
+        every = given.get("fsdp_outer_sync_every", 1)
+        if every == 1 and given.get("fsdp_outer_optimizer") is not None:
+            raise ValueError("fsdp_outer_optimizer is unused with fsdp_outer_sync_every 1 "
+                             "(plain HSDP); set fsdp_outer_sync_every >= 2 or drop it")
+        outer = outer_sync_policy_from(every, given.get("fsdp_outer_optimizer"))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"hybrid_configs['sharding_configs'] {sorted(given)}: {error}"
+                         ) from None
+    return mp, (outer if outer.trains_apart else None)
 
 
 # ---------------------------------------------------------------- fleet.init and the HCG
@@ -112,6 +139,8 @@ def _patch_fleet(fleet_cls: type[Fleet]) -> None:
         strategy = cast("HSDPDistributedStrategy", self._user_defined_strategy)
         self._hcg._hsdp_groups = build_hsdp_groups(self._hcg, get_fsdp_outer_degree(strategy),
                                                    get_fsdp_outer_sharding(strategy))
+        self._hcg._hsdp_groups.outer_policies = getattr(strategy, "_hsdp_outer_policies",
+                                                        (None, None))
 
     replace(fleet_cls, "init", init, "validate fsdp_outer_degree on every rank before any group")
     replace(fleet_cls, "_init_hybrid_parallel_env", init_hybrid_parallel_env,

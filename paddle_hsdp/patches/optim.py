@@ -44,7 +44,7 @@ from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
 
 from ..comm import collectives as comm
 from ..comm import gather_tags
-from ..engine import offload, outer_sync, trace
+from ..engine import diloco, offload, outer_sync, trace
 from ..engine.optimizers import (not_elementwise_classes, sharded_params_of, units_of_shards,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes,
                                  move_matrices_to_owners, refuse_row_sharded_matrices,
@@ -93,6 +93,7 @@ class _StepBoundary:
             clip.make_clip_hsdp_aware(optimizer, params)
             for unit in units:  # the update writes what an outer all-gather may still read
                 unit.finish_rebuild()
+            diloco.before_update(units)  # DiLoCo's first step: where its interval starts
         self.open = optimizer
         try:
             # offloaded shards: every grad copied back, then the update runs on the host
@@ -103,6 +104,7 @@ class _StepBoundary:
         registry.storage_may_have_changed()  # an optimizer may rebind what it updates
         for unit in units:
             unit.owe_rebuild()  # outer sub-shards: every replica needs every piece
+        diloco.after_update(units)  # DiLoCo: every H-th step, the outer sync
         for unit in units:
             unit.reshard(force=True)  # params kept gathered are stale after the update
         outer_sync.step_taken(units)  # how many backwards a step has: the next predicted

@@ -65,9 +65,13 @@ OPTION = "fsdp_outer_degree"
 # HFSDP (the optimizer state is sharded across the outer group too; docs/engine.md)
 SHARDING_OPTION = "fsdp_outer_sharding"
 OUTER_SHARDING_VALUES = ("none", "optim")
+# The outer sync's keys (the config file's names; patches/fleet.py turns them into the
+# policies fully_shard takes when it is given none: engine/policies.py)
+OUTER_SYNC_OPTIONS = ("fsdp_outer_compress", "fsdp_outer_compress_block",
+                      "fsdp_outer_sync_every", "fsdp_outer_optimizer")
 # Every key paddle_hsdp adds to fleet's sharding_configs (Paddle's own come from its
 # strategy definition at run time).
-HSDP_OPTIONS = (OPTION, SHARDING_OPTION)
+HSDP_OPTIONS = (OPTION, SHARDING_OPTION, *OUTER_SYNC_OPTIONS)
 MOE_ORDER_HINT = ["dp", "pp", "moe_sharding", "ep", "sharding", "sep", "cp", "mp"]
 
 
@@ -168,6 +172,9 @@ class HSDPGroups:
         self._twins = reduce_scatter_twins or {}  # inner member tuple -> its twin
         # set by paddle_hsdp.ft: the outer group across replicas
         self.live_outer: Group | None = None
+        # sharding_configs' outer-sync keys as policies (MixedPrecisionPolicy | None,
+        # OuterSyncPolicy | None): what fully_shard uses when given none
+        self.outer_policies: tuple = (None, None)
 
     def fsdp(self, is_expert: bool) -> Group:
         return self._fsdp[bool(is_expert)]

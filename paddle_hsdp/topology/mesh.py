@@ -70,7 +70,8 @@ def model_parallel_degrees(hcg: HybridCommunicateGroup | None = None) -> dict[st
 class Mesh(Protocol):
     """What the engine, the clip and checkpoints ask of a mesh: its groups for dense
     (``is_expert=False``) or expert parameters, this rank's mp and sep coordinates, the
-    clip's group (None: the whole job) and the outer sharding ("none" or "optim").
+    clip's group (None: the whole job), the outer sharding ("none" or "optim") and the
+    outer sync's policies from fleet's ``sharding_configs``.
     :class:`HCGMesh` (fleet's), :class:`ProcessMeshGroups` (an explicit ProcessMesh) and
     the tests' fake meshes satisfy it (test/test_engine_context.py)."""
 
@@ -83,6 +84,7 @@ class Mesh(Protocol):
     def sep_rank(self) -> int: ...
     def clip_group(self) -> Any: ...
     def outer_sharding(self) -> str: ...
+    def outer_policies(self) -> tuple: ...
 
 
 class HCGMesh:
@@ -139,6 +141,11 @@ class HCGMesh:
     def outer_sharding(self) -> str:
         """``sharding_configs["fsdp_outer_sharding"]``: "none" or "optim"."""
         return self.hcg._hsdp_groups.outer_sharding
+
+    def outer_policies(self) -> tuple:
+        """``sharding_configs``' outer-sync keys as ``(MixedPrecisionPolicy | None,
+        OuterSyncPolicy | None)`` (patches/fleet.py)."""
+        return self.hcg._hsdp_groups.outer_policies
 
 
 # ---------------------------------------------------------------- explicit mesh: planning
@@ -321,6 +328,10 @@ class ProcessMeshGroups:
         """An explicit mesh's default: "none" (``fully_shard(...,
         fsdp_outer_sharding="optim")`` asks for outer sub-shards on it)."""
         return "none"
+
+    def outer_policies(self) -> tuple:
+        """An explicit mesh carries no sharding_configs: fully_shard's arguments alone."""
+        return None, None
 
     def __repr__(self) -> str:
         return (f"ProcessMeshGroups(ids={list(self.plan.process_ids)}, "

@@ -87,7 +87,8 @@ def main_two_hosts(args):
         raise SystemExit(f"--two-hosts runs {', '.join(TWO_HOST_VARIANTS)}; not {unknown}")
     if args.baseline:  # (an engine from before issue 66 has no int8 outer sync)
         args.baseline = os.path.abspath(args.baseline)
-        variants += [f"{v}_base" for v in variants if "hsdp" in v and not v.endswith("_int8")]
+        variants += [f"{v}_base" for v in variants if "hsdp" in v and not v.endswith("_int8")
+                     and "_diloco" not in v]
     out_dir = args.out or tempfile.mkdtemp(prefix="hsdp_bench_two_hosts_")
     os.makedirs(out_dir, exist_ok=True)
     start, engine = time.time(), engine_version()

@@ -1,0 +1,194 @@
+"""The outer sync every H steps (DiLoCo): ``OuterSyncPolicy(every=H >= 2)``.
+
+Between syncs each outer replica trains on its own: the inner reduce-scatter still
+runs, but the grad shard is scaled to the mean over the replica's inner group and the
+step's outer collective is skipped (as ``set_requires_all_reduce(False)`` does:
+``FSDPUnit.start_grad_sync``), so each replica's inner optimizer steps on its own
+data. After every H-th optimizer step of a unit, each of its trainable buffers runs
+:func:`_sync_buffer`, in unit and buffer order on every rank:
+
+1. the pseudo-gradient of the shard, ``anchor - params`` (``anchor``: the params at the
+   last sync, kept per buffer in the params' dtype), zero-padded to a multiple of O;
+2. one reduce-scatter over the outer group: rank q of the outer group receives the sum
+   of piece q (1/O of the shard), scaled by 1/O: the replicas' mean. With
+   ``outer_compress`` that is the int8/fp8 all-gather of outer_compress.py instead,
+   each rank adding up its own piece (with its error feedback);
+3. the outer SGD step on that piece with the piece's momentum: ``m = mu m + g``, the
+   step ``g + mu m`` (Nesterov) or ``m``, ``new = anchor - lr step``. The momentum is
+   held for this rank's piece only, so the outer optimizer's state per rank is
+   1/(I x O) of the model; the anchor is 1/I (every replica needs the whole shard's
+   pseudo-gradient);
+4. one all-gather of the new pieces over the outer group into the shard and the
+   anchor: every replica holds the same bits after a sync.
+
+On the wire, per sync: the reduce-scatter and the all-gather, each ``(O - 1) / O`` of
+the shard in the params' dtype (an all-reduce's bytes, once per H steps).
+
+``every=1`` is plain HSDP (this module does nothing): the grads are averaged at every
+step. DiLoCo's H=1 with an outer SGD of lr 1 averages the replicas' *updated params*,
+which is not HSDP's averaged *grads* under a non-linear optimizer (Adam), so H=1 is
+kept to mean HSDP, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import paddle
+
+from ..comm import collectives as comm
+from .buffer import outer_compress
+
+if TYPE_CHECKING:
+    from .buffer.shard_buffer import ShardBuffer
+    from .policies import OuterSyncPolicy
+    from .unit import FSDPUnit
+
+
+class OuterSyncState:
+    """One unit's DiLoCo state: the steps since its last outer sync (the position in
+    the interval), and per trainable buffer (by index) the anchor (the shard at the
+    last sync) and the outer momentum of this rank's piece."""
+
+    def __init__(self, policy: OuterSyncPolicy) -> None:
+        self.policy = policy
+        self.steps = 0
+        self.anchors: dict[int, paddle.Tensor] = {}
+        self.momentum: dict[int, paddle.Tensor] = {}
+
+    def take_anchors(self, unit: FSDPUnit) -> None:
+        """Before the first update: the shards now are where the interval starts."""
+        for buf in _synced_buffers(unit):
+            self._anchor_of(buf)
+
+    def _anchor_of(self, buf: ShardBuffer) -> paddle.Tensor:
+        """``buf``'s anchor, taken from its shard now if it has none yet."""
+        if buf.index not in self.anchors:
+            buf.storage.repair_views()
+            self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
+        return self.anchors[buf.index]
+
+    def after_step(self, unit: FSDPUnit) -> None:
+        self.steps += 1
+        if self.steps < self.policy.every:
+            return
+        for buf in _synced_buffers(unit):
+            self._sync_buffer(buf)
+        self.steps = 0
+
+    def _sync_buffer(self, buf: ShardBuffer) -> None:
+        policy, outer = self.policy, buf.outer
+        numel, replicas = buf.shard_numel, outer.nranks
+        piece = -(-numel // replicas)
+        buf.storage.repair_views()  # an optimizer may have given a shard new storage
+        shard = buf.storage.raw[:numel]
+        anchor = self.anchors[buf.index]
+        delta = anchor - shard
+        if piece * replicas > numel:
+            delta = paddle.concat([delta, paddle.zeros([piece * replicas - numel],
+                                                       delta.dtype)])
+        lo = outer.rank * piece
+        if buf.pieces.compresses:
+            pending = outer_compress.start(buf, delta, delta, True, async_op=False,
+                                           on_thread=False)
+            summed = outer_compress.finish(buf, pending, lo, lo + piece).astype(delta.dtype)
+        else:
+            summed = paddle.empty([piece], delta.dtype)
+            comm.reduce_scatter(summed, delta, outer,
+                                what=functools.partial(_label, buf, "outer sync (pseudo-grad)"))
+        mean = summed * (1.0 / replicas)
+        momentum = self.momentum.get(buf.index)
+        if momentum is None:
+            momentum = paddle.zeros([piece], delta.dtype)
+        momentum = momentum * policy.momentum + mean
+        step = mean + momentum * policy.momentum if policy.nesterov else momentum
+        self.momentum[buf.index] = momentum
+        mine = _padded(anchor, piece * replicas)[lo:lo + piece] - step * policy.lr
+        gathered = paddle.empty([piece * replicas], delta.dtype)
+        comm.all_gather_into(gathered, mine, outer,
+                             what=functools.partial(_label, buf, "outer sync (new params)"))
+        paddle.assign(gathered[:numel], output=shard)
+        self.anchors[buf.index] = gathered[:numel].clone()
+
+    # ------------------------------------------------------------ checkpoints
+    # Saved per parameter as its optimizer states (checkpoint/items.py): the anchor and
+    # the momentum as blocks like the parameter's (so any layout loads them), the
+    # position in the interval as one element.
+
+    def gather_momentum(self, unit: FSDPUnit) -> dict[int, paddle.Tensor]:
+        """Every buffer's outer momentum as a whole shard (one all-gather of the pieces
+        over the outer group per buffer; zeros before the first sync): what a save
+        reads blocks from. A collective: every rank of the outer group, in buffer
+        order."""
+        self.take_anchors(unit)
+        whole = {}
+        for buf in _synced_buffers(unit):
+            piece = -(-buf.shard_numel // buf.outer.nranks)
+            mine = self.momentum.get(buf.index)
+            if mine is None:
+                mine = paddle.zeros([piece], buf.dtype)
+            gathered = paddle.empty([piece * buf.outer.nranks], buf.dtype)
+            comm.all_gather_into(gathered, mine, buf.outer,
+                                 what=functools.partial(_label, buf, "outer momentum (save)"))
+            whole[buf.index] = gathered[:buf.shard_numel]
+        return whole
+
+    def read_block(self, flat: paddle.Tensor, sp) -> paddle.Tensor:
+        """``sp``'s inner block of a shard-layout ``flat`` (the anchor, or a gathered
+        momentum), shaped ``[rows held, ...]``."""
+        count = sp.row_range(sub=False)[1]
+        if count == 0:  # (Paddle will not view an empty slice)
+            return paddle.zeros([0] + sp.rest, dtype=flat.dtype)
+        return sp.inner_block_of(flat).reshape([count] + sp.rest)
+
+    def write_anchor_block(self, buf: ShardBuffer, sp, block: paddle.Tensor) -> None:
+        anchor = self._anchor_of(buf)
+        if sp.inner_numel:
+            paddle.assign(block.reshape([-1]).astype(buf.dtype),
+                          output=sp.inner_block_of(anchor))
+
+    def write_momentum_block(self, buf: ShardBuffer, sp, block: paddle.Tensor) -> None:
+        """Write the part of ``sp``'s block (of a loaded whole-shard momentum) that
+        falls in this rank's piece; the rest is other replicas' to keep."""
+        piece = -(-buf.shard_numel // buf.outer.nranks)
+        lo = buf.outer.rank * piece
+        start = sp.slot.inner_offset
+        first, last = max(start, lo), min(start + sp.inner_numel, lo + piece)
+        if first >= last:
+            return
+        momentum = self.momentum.get(buf.index)
+        if momentum is None:
+            momentum = self.momentum[buf.index] = paddle.zeros([piece], buf.dtype)
+        values = block.reshape([-1]).astype(buf.dtype)[first - start:last - start]
+        paddle.assign(values, output=momentum[first - lo:last - lo])
+
+
+def _label(buf: ShardBuffer, what: str) -> str:
+    return f"{buf.describe()}: {what}"
+
+
+def _padded(flat: paddle.Tensor, numel: int) -> paddle.Tensor:
+    extra = numel - flat.shape[0]
+    return paddle.concat([flat, paddle.zeros([extra], flat.dtype)]) if extra else flat
+
+
+def _synced_buffers(unit: FSDPUnit) -> list:
+    return [buf for buf in unit.buffers if buf.trainable]
+
+
+def before_update(units) -> None:
+    """The step boundary, before the optimizer's update: units training apart that
+    have no anchor yet take it (their first step)."""
+    for unit in units:
+        if unit.outer_sync is not None:
+            unit.outer_sync.take_anchors(unit)
+
+
+def after_update(units) -> None:
+    """The step boundary, after the update (``units`` in one order on every rank):
+    each unit training apart counts the step and, every H-th, syncs its buffers."""
+    for unit in units:
+        if unit.outer_sync is not None:
+            unit.outer_sync.after_step(unit)
+

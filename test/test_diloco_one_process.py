@@ -1,0 +1,164 @@
+"""The outer sync every H steps (``OuterSyncPolicy``, engine/diloco.py) in one process
+(the one-rank fake mesh): ``every=1`` is plain HSDP bit for bit (no DiLoCo state is
+made), and with one replica DiLoCo is AdamW for H steps then the outer Nesterov step
+on the change since the last sync, against a plain-Paddle reference (float64); the
+config file's keys and fleet's ``sharding_configs`` keys reach ``fully_shard``. The
+multi-replica runs are in test_collective/test_diloco.py."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from paddle.distributed import fleet
+
+import paddle_hsdp
+from kit import batch_ids
+from paddle_hsdp.config.plan import outer_sync_policy_of
+from paddle_hsdp.config.schema import ConfigError, load_config
+from models import build_model, lm_loss, make_optimizer, shard_tinylm as shard_with
+
+EVERY, STEPS, LR, MOMENTUM = 3, 7, 0.7, 0.9
+CLIP = 0.5  # below every step's grad norm here: the clip is active
+
+
+def train(model, steps=STEPS, clip=None):
+    opt = make_optimizer(model, model.parameters(), clip)
+    for s in range(steps):
+        lm_loss(model, batch_ids(seed=s), True).backward()
+        opt.step()
+        opt.clear_grad()
+    return opt
+
+
+def full(model):
+    return {n: v.numpy() for n, v in paddle_hsdp.full_state_dict(model).items()}
+
+
+def test_every_one_is_plain_hsdp_bit_for_bit(fake_mesh, float64):
+    plain = shard_with(build_model())
+    train(plain)
+    one = shard_with(build_model(), outer_sync_policy=paddle_hsdp.OuterSyncPolicy(every=1))
+    assert one.embed._hsdp_unit_.outer_sync is None  # the plain path: nothing else runs
+    train(one)
+    a, b = full(plain), full(one)
+    assert all((a[n] == b[n]).all() for n in a)
+
+
+def reference_one_replica(clip=None):
+    """AdamW on plain Paddle; every EVERY-th step the outer Nesterov step from the
+    anchor on the (one replica's) pseudo-gradient."""
+    model = build_model()
+    opt = make_optimizer(model, model.parameters(), clip)
+    params = [p for p in model.parameters() if not p.stop_gradient]
+    anchor = [p.numpy().copy() for p in params]
+    momentum = [np.zeros_like(a) for a in anchor]
+    for s in range(STEPS):
+        lm_loss(model, batch_ids(seed=s), True).backward()
+        opt.step()
+        opt.clear_grad()
+        if (s + 1) % EVERY == 0:
+            for i, p in enumerate(params):
+                delta = anchor[i] - p.numpy()
+                momentum[i] = MOMENTUM * momentum[i] + delta
+                anchor[i] = anchor[i] - LR * (delta + MOMENTUM * momentum[i])
+                p.set_value(anchor[i])
+    return {n: v.numpy() for n, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("clip", [None, CLIP])
+def test_one_replica_is_inner_adamw_then_outer_nesterov(fake_mesh, float64, clip):
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
+    model = shard_with(build_model(), outer_sync_policy=policy)
+    opt = train(model, clip=clip)
+    if clip:  # the replica's own norm (one replica: the whole model's), and it clipped
+        assert paddle_hsdp.last_global_norm(opt) > CLIP
+        assert opt._grad_clip.per_replica
+    got, want = full(model), reference_one_replica(clip)
+    worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    assert worst <= 1e-12, worst
+    # the interval's position: 7 steps, syncs after 3 and 6, one step since
+    assert model.embed._hsdp_unit_.outer_sync.steps == STEPS % EVERY
+    # the check can fail: plain AdamW (no outer step) is far from it
+    plain = build_model()
+    train(plain)
+    apart = max(float(np.abs(p.numpy() - want[n]).max()) for n, p in plain.state_dict().items())
+    assert apart > 1e-3, apart
+
+
+def test_config_keys_make_the_policy():
+    config = load_config({"fsdp_outer_sync_every": 16,
+                          "fsdp_outer_optimizer": {"lr": 0.5, "nesterov": False}})
+    assert outer_sync_policy_of(config) == paddle_hsdp.OuterSyncPolicy(
+        every=16, lr=0.5, momentum=0.9, nesterov=False)
+    assert outer_sync_policy_of(load_config({})) is None  # every 1: plain HSDP
+    for bad, says in (({"fsdp_outer_sync_every": 0}, "an int >= 1"),
+                      ({"fsdp_outer_optimizer": {"lr": 0.5}}, "unused with"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_optimizer": {"lrr": 1}},
+                       "unknown keys ['lrr']; allowed: lr, momentum, nesterov"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_optimizer": {"momentum": 1}},
+                       "momentum"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_sharding": "optim"},
+                       "conflicts with fsdp_outer_sharding: optim")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(bad)
+
+
+def test_sharding_configs_keys_reach_fully_shard(fake_mesh, monkeypatch):
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"sharding_degree": 1, "sharding_configs": {
+        "fsdp_outer_compress": "int8", "fsdp_outer_compress_block": 64,
+        "fsdp_outer_sync_every": 8, "fsdp_outer_optimizer": {"lr": 0.5}}}
+    mp, outer = strategy._hsdp_outer_policies
+    assert (mp.outer_compress, mp.outer_compress_block) == ("int8", 64)
+    assert outer == paddle_hsdp.OuterSyncPolicy(every=8, lr=0.5)
+    # fully_shard on fleet's mesh takes them where its own arguments set none
+    monkeypatch.setattr(fake_mesh, "outer_policies", lambda: (mp, outer), raising=False)
+    model = paddle_hsdp.fully_shard(build_model())
+    unit = model._hsdp_unit_
+    assert unit.outer_sync.policy == outer and unit.buffers[0].pieces.compress == "int8"
+    own = paddle_hsdp.OuterSyncPolicy(every=2)
+    bf16 = paddle_hsdp.MixedPrecisionPolicy(reduce_dtype="float32")
+    other = paddle_hsdp.fully_shard(build_model(), outer_sync_policy=own, mp_policy=bf16)
+    assert other._hsdp_unit_.outer_sync.policy == own
+    assert other._hsdp_unit_.policies.mp.outer_compress == "int8"
+    with pytest.raises(ValueError, match=r"sharding_configs.*fsdp_outer_optimizer.*unused"):
+        strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_optimizer": {"lr": 1.0}}}
+    with pytest.raises(ValueError, match=r"sharding_configs.*outer_compress.*'int4'"):
+        strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_compress": "int4"}}
+
+
+def test_checkpoint_mid_interval_resumes_bit_for_bit(fake_mesh, float64, tmp_path):
+    """Saved after 5 steps (a sync after 3, two steps into the next interval), loaded
+    into a fresh model and optimizer, 4 more steps (a sync at 6): the same bits as 9
+    steps at once. Without the outer state (a fresh interval) it must differ."""
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
+
+    def run(model, opt, steps):
+        for s in steps:
+            lm_loss(model, batch_ids(seed=s), True).backward()
+            opt.step()
+            opt.clear_grad()
+
+    whole = shard_with(build_model(), outer_sync_policy=policy)
+    opt = make_optimizer(whole, whole.parameters(), None)
+    run(whole, opt, range(5))
+    paddle_hsdp.save_checkpoint(tmp_path / "ckpt", whole, opt)
+    run(whole, opt, range(5, 9))
+    resumed = shard_with(build_model(seed=5), outer_sync_policy=policy)
+    opt2 = make_optimizer(resumed, resumed.parameters(), None)
+    paddle_hsdp.load_checkpoint(tmp_path / "ckpt", resumed, opt2)
+    assert resumed.embed._hsdp_unit_.outer_sync.steps == 5 % EVERY
+    run(resumed, opt2, range(5, 9))
+    a, b = full(whole), full(resumed)
+    assert all((a[n] == b[n]).all() for n in a)
+    # the check can fail: a load that drops the outer state starts a fresh interval
+    fresh = shard_with(build_model(seed=5), outer_sync_policy=policy)
+    opt3 = make_optimizer(fresh, fresh.parameters(), None)
+    paddle_hsdp.load_checkpoint(tmp_path / "ckpt", fresh, opt3)
+    for unit in paddle_hsdp.engine.registry.registry.units_under(fresh):
+        unit.outer_sync.steps, unit.outer_sync.anchors, unit.outer_sync.momentum = 0, {}, {}
+    run(fresh, opt3, range(5, 9))
+    c = full(fresh)
+    assert any(not (a[n] == c[n]).all() for n in a)
