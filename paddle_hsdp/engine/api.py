@@ -34,6 +34,7 @@ from .unit import FSDPUnit, expect_everyone_in
 
 if TYPE_CHECKING:
     from paddle.distributed import Placement, ProcessMesh
+    from ..topology.mesh import HCGMesh, ProcessMeshGroups
     from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
     # fully_shard's shard_placement_fn: a parameter's placement (None: the default)
@@ -504,16 +505,27 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
         agreement.verify(_held_params(claims) + module_buffers, resolved,
                          f"fully_shard({type(module).__name__})")
     # Nothing changed so far; from here on the call acts.
+    _build_unit(module, resolved, claims, placements, ignored_here, module_buffers,
+                UnitPolicies(mp_policy, offload_policy, outer_sharding, outer_sync_policy),
+                UnitControls(reshard_after_forward=reshard_after_forward,
+                             overlap=bool(enable_tensor_fusion_and_overlap)),
+                bool(sync_module_states))
+    return module
+
+
+def _build_unit(module: paddle.nn.Layer, resolved: HCGMesh | ProcessMeshGroups, claims: Any,
+                placements: Any, ignored_here: Any, module_buffers: list,
+                policies: UnitPolicies, controls: UnitControls,
+                sync_module_states: bool) -> None:
+    """fully_shard's acting half, every argument checked: the unit made, its
+    parameters claimed and cut (the first collectives), its hooks installed."""
     registry.ignored.update(ignored_here)
     hooks.install()
-    unit = FSDPUnit(module, registry.next_index, resolved,
-                    UnitPolicies(mp_policy, offload_policy, outer_sharding, outer_sync_policy),
-                    UnitControls(reshard_after_forward=reshard_after_forward,
-                                 overlap=bool(enable_tensor_fusion_and_overlap)))
+    unit = FSDPUnit(module, registry.next_index, resolved, policies, controls)
     _apply_claims(unit, claims, placements)
     unit.build_buffers(placements)
     grad_hooks.watch_grads(unit)
-    unit.shard_initial(bool(sync_module_states), module_buffers)  # first collectives
+    unit.shard_initial(sync_module_states, module_buffers)  # first collectives
     grad_hooks.watch_shard_grads(unit)
     registry.add(unit)
     hooks.register_unit_hooks(unit, registry.units)
@@ -522,7 +534,6 @@ def fully_shard(module: _L, *, mesh: ProcessMesh | None = None,
     for sp in unit.params:
         for sub, _ in sp.users:
             direct_calls.watch_direct_calls(sub, unit, registry.units)
-    return module
 
 
 def forget(model: paddle.nn.Layer) -> None:
