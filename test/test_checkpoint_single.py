@@ -306,3 +306,5 @@ def test_layout_of_states_every_tensor_once_and_reads_its_values(fake_mesh):  # 
     assert [b.unit for b in held.buffers] == sorted(b.unit for b in held.buffers)
     with pytest.raises(dataclasses.FrozenInstanceError):
         params[0].name = "renamed"
+    with pytest.raises(TypeError):
+        held.aliases["pos"] = "embed.weight"

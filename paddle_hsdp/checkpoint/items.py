@@ -92,5 +92,5 @@ def all_items(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | No
     holdings = layout_of(model, optimizer, trainable_only)
     split = tensor_parallel_slices(holdings)
     if split:
-        check_merge_is_concat(model, split, holdings.job_layout["mp_degree"])
+        check_merge_is_concat(model, split, holdings.mp_degree)
     return [item_of(t) for t in holdings.tensors], holdings

@@ -20,7 +20,7 @@ paddle_hsdp.ft and this package know nothing of each other (.importlinter): ft's
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from .format import CheckpointError, read_metadata_once
 from .items import all_items
@@ -65,7 +65,7 @@ class Resumer:
                             live_groups_read_together=together)[1]
 
 
-def _mismatch(saved: dict, items: list, aliases: dict) -> str | None:
+def _mismatch(saved: dict, items: list, aliases: Mapping[str, str]) -> str | None:
     """Why the checkpoint's tensors (``saved``: the metadata's) are not this rank's
     items' (names, full shapes, dtypes), or None. Every rank of every group holds the
     same names (a fault-tolerant job has no expert parallelism across groups)."""

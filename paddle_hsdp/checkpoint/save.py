@@ -586,9 +586,9 @@ def _publish(path: str, tmp: str, items: list[Item], manifests: list[dict], plai
     if holdings.pp_degree > 1:
         for name, t in tensors.items():
             t["stages"] = sorted(stages.get(name, ()))
-    meta = {"format": FORMAT, "world_size": world, "layout": holdings.job_layout,
+    meta = {"format": FORMAT, "world_size": world, "layout": dict(holdings.job_layout),
             "tensors": tensors, "rules": rules, "rank_groups": groups,
-            "aliases": holdings.aliases,
+            "aliases": dict(holdings.aliases),
             "lr_scheduler": plain["lr_scheduler"], "extra": plain["extra"],
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if plain.get("ft") is not None:  # a fault-tolerant job's joint save: what resumes it

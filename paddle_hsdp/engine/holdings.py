@@ -28,7 +28,8 @@ into the registry, the experts' renames and the placements in turn.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 import paddle
@@ -106,16 +107,17 @@ class HeldTensor:
 class Holdings:
     """Everything :func:`layout_of` states: the tensors (parameters and buffers, then
     optimizer states), the tied aliases (``{alias: canonical name}``), every buffer of
-    the model's units, this rank's pipeline stage and the job's degrees (what a
-    checkpoint's metadata records as its layout), and the optimizer under fleet's
-    wrappers."""
+    the model's units, this rank's pipeline stage, the pipeline and tensor-parallel
+    degrees, the job's degrees (what a checkpoint's metadata records as its layout),
+    and the optimizer under fleet's wrappers."""
 
     tensors: tuple[HeldTensor, ...]
-    aliases: dict[str, str]
+    aliases: Mapping[str, str]
     buffers: tuple[HeldBuffer, ...]
     stage: int
     pp_degree: int
-    job_layout: dict
+    mp_degree: int
+    job_layout: Mapping[str, object]
     optimizer: paddle.optimizer.Optimizer | None
     units: tuple[FSDPUnit, ...] = field(repr=False)
 
@@ -162,8 +164,9 @@ def layout_of(model: paddle.nn.Layer, optimizer: paddle.optimizer.Optimizer | No
     if optimizer is not None:
         optimizer = unwrap_optimizer(optimizer)
         tensors += _optimizer_tensors(optimizer, by_shard, axes)
-    return Holdings(tuple(tensors), aliases, tuple(held.values()),
-                    axes.stage, axes.pp_degree, axes.layout(), optimizer, units)
+    return Holdings(tuple(tensors), MappingProxyType(aliases), tuple(held.values()),
+                    axes.stage, axes.pp_degree, axes.mp_degree,
+                    MappingProxyType(axes.layout()), optimizer, units)
 
 
 def _held_buffer(buf: ShardBuffer) -> HeldBuffer:
