@@ -192,6 +192,7 @@ def _model_tensors(model: paddle.nn.Layer, axes: ModelAxes, trainable_only: bool
     renamed_experts = tuple(global_names(model).values())
     mp = _mp_axis(axes)
     tensors, by_shard = [], {}
+    positions: dict[int, dict[int, int]] = {}  # id(buffer) -> {id(param): its index}
     for name, value in canonical.items():
         sp = managed_param(value)
         original, local = original_and_local(value)
@@ -210,7 +211,9 @@ def _model_tensors(model: paddle.nn.Layer, axes: ModelAxes, trainable_only: bool
                 held_buffers[id(buf)] = _held_buffer(buf)
             held = held_buffers[id(buf)]
             read, write = _block_reader(buf, sp, count), _block_writer(buf, sp, count)
-            index = next(k for k, p in enumerate(buf.params) if p is sp)
+            if id(buf) not in positions:  # (once per buffer: not a scan per parameter)
+                positions[id(buf)] = {id(p): k for k, p in enumerate(buf.params)}
+            index = positions[id(buf)][id(sp)]
             replicas = _axis("outer", buf.outer) + unsplit_mp
         offset, size = place.rows(start, count)
         tensors.append(HeldTensor(
