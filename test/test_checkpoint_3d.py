@@ -14,8 +14,9 @@ from paddle.distributed.fleet.base import topology as fleet_topology
 
 import paddle_hsdp
 from paddle_hsdp import checkpoint
-from paddle_hsdp.checkpoint import boxes, names, plan, save, tp_merge
+from paddle_hsdp.checkpoint import boxes, plan, save, tp_merge
 from paddle_hsdp.checkpoint.format import read_metadata
+from paddle_hsdp.engine import saved_names
 from paddle_hsdp.topology.placement import ModelAxes
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -81,7 +82,7 @@ def test_local_experts_without_global_indices_carry_their_ep_rank():
 
 # ---------------------------------------------------------------- pipeline names
 class _PipeModel:
-    """PaddleFormers' PipelinePretrainedModel as names.py reads it."""
+    """PaddleFormers' PipelinePretrainedModel as engine/saved_names.py reads it."""
 
     def get_sequential_name_prefixes(self):
         return {"0": "model", "1": "model.layers.0", "2": "model.layers.1", "3": "lm_head"}
@@ -92,14 +93,14 @@ class _PipeModel:
 
 
 def test_pipeline_models_use_their_one_process_names():
-    rename = names.pipeline_renamer(_PipeModel())
+    rename = saved_names.pipeline_renamer(_PipeModel())
     assert rename("2.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
     assert rename("3.weight") == "lm_head.weight"
     assert rename("1.1.self_attn.q_proj.weight") == "model.layers.1.self_attn.q_proj.weight"
     assert rename("shared_layers.embed_shared.embed_tokens.weight") == "model.embed_tokens.weight"
     with pytest.raises(ValueError, match="not a pipeline layer's parameter name"):
         rename("norm.weight")
-    assert names.pipeline_renamer(paddle.nn.Linear(2, 2)) is None
+    assert saved_names.pipeline_renamer(paddle.nn.Linear(2, 2)) is None
 
 
 # ---------------------------------------------------------------- writers and tiling
@@ -198,12 +199,10 @@ class _Fused(paddle.nn.Layer):
 
 def test_a_model_whose_own_merge_is_not_a_concatenation_is_refused():
     model = _Fused()
-    for p, axis in ((model.qkv.weight, 1), (model.qkv.bias, 0)):
-        p.is_distributed, p.split_axis = True, axis
     with pytest.raises(NotImplementedError, match="qkv.weight: .*not a concatenation"):
-        tp_merge.check_merge_is_concat(model, {"qkv.weight": (model.qkv.weight, [2, 4]),
-                                               "qkv.bias": (model.qkv.bias, [4])}, 2)
-    tp_merge.check_merge_is_concat(model, {"qkv.bias": (model.qkv.bias, [4])}, 2)
+        tp_merge.check_merge_is_concat(model, {"qkv.weight": (1, [2, 4]),
+                                               "qkv.bias": (0, [4])}, 2)
+    tp_merge.check_merge_is_concat(model, {"qkv.bias": (0, [4])}, 2)
 
 
 # ---------------------------------------------------------------- version 1

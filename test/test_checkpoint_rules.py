@@ -6,22 +6,20 @@ places whatever order an explicit mesh gives them, refusing a clash or a gap."""
 import pytest
 
 from paddle_hsdp.checkpoint import rules
+from paddle_hsdp.engine.holdings import HeldBuffer
 from paddle_hsdp.engine.layout import segment_layout
 
 
-class _Group:
-    def __init__(self, nranks):
-        self.nranks = nranks
-
-
-class _Buffer:
-    def __init__(self, shapes, inner, parts):
-        self.layout = segment_layout(shapes, inner * parts)
-        self.inner, self.parts, self.is_expert = _Group(inner), parts, False
+def _buffer(shapes, inner, parts):
+    """A buffer as engine/holdings.py states it (rank 0 of its group, part 0)."""
+    return HeldBuffer(unit=0, index=0, expert=False,
+                      layout=segment_layout(shapes, inner * parts), inner_size=inner,
+                      inner_rank=0, parts=parts, part=0, shared_pieces=False,
+                      fsdp_group=None, outer_group=None)
 
 
 def _rule(shapes, inner, parts, base=(0, 0)):
-    buf = _Buffer(shapes, inner, parts)
+    buf = _buffer(shapes, inner, parts)
     tensors = {f"p{k}/optim/moment1": [k, list(base)[:len(s)], list(s[1:]), list(s), "float32",
                                       None] for k, s in enumerate(shapes)}
     return rules.rule_of(buf, "dense:0:x", 0, tensors), buf.layout

@@ -2,6 +2,7 @@
 sharded model): the format, the plain-model round trip, refusals and the CLI.
 Cross-layout resumes are in test_collective/test_checkpoint.py."""
 
+import dataclasses
 import json
 import os
 
@@ -12,6 +13,7 @@ import pytest
 import paddle_hsdp
 from paddle_hsdp import checkpoint
 from paddle_hsdp.checkpoint.format import Reader
+from paddle_hsdp.engine.holdings import layout_of
 from kit import batch_ids, models, shard_tinylm
 
 
@@ -273,3 +275,36 @@ def test_rank_0_reads_each_ranks_manifest_from_its_file_and_names_a_bad_one(
     assert got[0] == records[0] and got[1] == records[1] and got[3] == records[3]
     assert got[2]["error"].startswith("rank 2: its manifest") and "rank-00012.json" in \
         got[2]["error"] and "where the rank wrote" in got[2]["error"]
+
+
+def test_layout_of_states_every_tensor_once_and_reads_its_values(fake_mesh):  # noqa: F811
+    """engine/holdings.py's ``layout_of``, all the checkpoint reads of the engine: every
+    tensor of a sharded TinyLM once under its saved name (the tied head an alias), its
+    full shape and the box this one rank holds (all of it), each AdamW state of each
+    trainable parameter; ``read()`` gives what ``full_state_dict`` gives; it cannot be
+    changed."""
+    sharded = shard_tinylm(models.build_model())
+    opt = models.make_optimizer(sharded, sharded.parameters(), 0.2)
+    _train_step(sharded, opt)
+    held = layout_of(sharded, opt)
+    full = paddle_hsdp.full_state_dict(sharded)
+    assert held.aliases == {"head.weight": "embed.weight"}
+    params = [t for t in held.tensors if t.state is None]
+    assert sorted(t.name for t in params) == sorted(set(full) - set(held.aliases))
+    for t in params:
+        assert t.full_shape == tuple(full[t.name].shape) == t.size, t
+        assert t.offset == (0,) * len(t.size) and t.buffer is not None, t
+        assert np.array_equal(t.read(), full[t.name].numpy()), t.name
+    states = {}
+    for t in held.tensors:
+        if t.state is not None:
+            states.setdefault(t.name, set()).add(t.state)
+    assert states == {t.name: {"moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc"}
+                      for t in params if t.name != "pos"}, states  # (pos is frozen)
+    assert {t.name for t in layout_of(sharded, opt, trainable_only=True).tensors} == \
+        set(states)
+    assert [b.unit for b in held.buffers] == sorted(b.unit for b in held.buffers)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params[0].name = "renamed"
+    with pytest.raises(TypeError):
+        held.aliases["pos"] = "embed.weight"

@@ -724,7 +724,7 @@ def test_a_joint_save_whose_group_file_differs_fails_and_leaves_the_previous_che
             self.announced.append(outcome)
     joint = Publisher()
     errors = save._publish_jointly(joint, path, tmp, [], [{"pieces": [], "error": None}],
-                                   {}, {}, None)
+                                   {}, None)
     assert len(errors) == 1 and "group-00002.json differ from the group's commit" in errors[0]
     assert joint.announced == errors  # every other group raises the same
     assert not os.path.exists(tmp)

@@ -3,6 +3,7 @@
 __main__ | integrations, checkpoint and config independent, no cycle between siblings),
 and a few rules the contracts cannot say, read from grimp's import graph."""
 
+import configparser
 import os
 import shutil
 import subprocess
@@ -77,6 +78,25 @@ def test_no_import_cycle_between_modules(runtime_graph):
         if module not in index:
             visit(module)
     assert cycles == []
+
+
+# the engine modules each seam may import: every other one is named forbidden
+_SEAMS = {"ft-seam": {"replication"}, "checkpoint-seam": {"holdings", "saved_names", "layout"}}
+
+
+@pytest.mark.parametrize("contract", sorted(_SEAMS))
+def test_a_seam_forbids_every_other_engine_module(graph, contract):
+    """ft and checkpoint each reach the engine through their seam alone: the contract's
+    list names every other engine module (one added to the engine and not to the list
+    would be open to them)."""
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, ".importlinter"))
+    listed = set(config[f"importlinter:contract:{contract}"]["forbidden_modules"].split())
+    engine = {m for m in graph.find_children(f"{PACKAGE}.engine")}
+    allowed = {f"{PACKAGE}.engine.{name}" for name in _SEAMS[contract]}
+    assert allowed <= engine, allowed - engine
+    assert engine - allowed - listed == set()
+    assert listed & allowed == set()
 
 
 def test_registry_imports_nothing_of_the_package(graph):

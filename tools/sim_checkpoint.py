@@ -45,6 +45,8 @@ from types import SimpleNamespace
 from paddle_hsdp.checkpoint import plan, save
 from paddle_hsdp.checkpoint import rules as rules_mod
 from paddle_hsdp.checkpoint.format import CheckpointError
+from paddle_hsdp.checkpoint.items import item_of
+from paddle_hsdp.engine.holdings import HeldBuffer, HeldTensor
 from paddle_hsdp.engine.layout import segment_layout
 
 HIDDEN, FFN, VOCAB, LAYERS, KV = 8192, 28672, 128256, 80, 1024
@@ -71,18 +73,24 @@ def units() -> list[list[tuple[str, list[int], int | None]]]:
     return [params[:1]] + [params[1 + 9 * i:10 + 9 * i] for i in range(LAYERS)] + [params[-2:]]
 
 
-class Item:
-    """What checkpoint/items.py builds for one box on one rank (no data)."""
+def _no_data(*_):
+    raise AssertionError("a simulated rank holds no data: nothing is read or written")
 
-    def __init__(self, name, shape, dtype, offset, size, replicas, split=None, spot=None):
-        self.name, self.shape, self.dtype = name, shape, dtype
-        self.offset, self.size, self.replicas, self.split = offset, size, replicas, split
-        self.tag, self.stage, self.spot = "", 0, spot
-        self.piece = None  # a fault-tolerant HFSDP job's piece of the optimizer state
 
-    @property
-    def empty(self) -> bool:
-        return any(d == 0 for d in self.size)
+def held(name, state, shape, dtype, offset, size, replicas, split=None, buffer=None,
+         index=None, slice_offset=(0,), piece=None):
+    """What engine/holdings.py's ``layout_of`` states of one tensor on one rank (no data),
+    as the checkpoint's item it becomes (checkpoint/items.py ``item_of``)."""
+    return item_of(HeldTensor(name, state, tuple(shape), dtype, tuple(offset), tuple(size),
+                              replicas, _no_data, _no_data, split, slice_offset=slice_offset,
+                              buffer=buffer, layout_index=index, piece=piece))
+
+
+def held_buffer(u: int, seg, inner: int, i: int, parts: int, part: int,
+                shared: bool = False) -> HeldBuffer:
+    """Unit ``u``'s buffer as ``layout_of`` states it on inner rank ``i``, outer part
+    ``part`` (no process groups in one process)."""
+    return HeldBuffer(u, 0, False, seg, inner, i, parts, part, shared, None, None)
 
 
 def layout(kind: str, world: int) -> dict:
@@ -109,36 +117,37 @@ def local_shape(shape, axis, mp) -> list[int]:
     return local
 
 
-def rank_items(lay: dict, m: int, i: int, o: int) -> list[Item]:
+def rank_items(lay: dict, m: int, i: int, o: int) -> list:
     """The items of the rank at mp ``m``, inner ``i``, outer ``o``, empty ones too."""
     mp, inner, outer, parts = lay["mp"], lay["inner"], lay["outer"], lay["parts"]
     out_axis = (("outer", outer, o),) if outer > 1 else ()
     mp_axis = (("mp", mp, m),) if mp > 1 else ()
-    scalar_axes = plan.Replicas(((("inner", inner, i),) if inner > 1 else ()) + out_axis + mp_axis)
+    scalar_axes = ((("inner", inner, i),) if inner > 1 else ()) + out_axis + mp_axis
     items = []
     for u, (params, seg) in enumerate(lay["units"]):
+        buf = held_buffer(u, seg, inner, i, parts, o if lay["optim_outer"] else 0)
         for k, (name, shape, axis) in enumerate(params):
             local, offset = local_shape(shape, axis, mp), [0] * len(shape)
-            split = axis if mp > 1 else None
+            split = (axis, mp) if mp > 1 and axis is not None else None
             if split is not None:
-                offset[split] = m * local[split]
+                offset[axis] = m * local[axis]
             lo, count = seg.rows_in(k, i * parts, parts)  # the rank's inner block
             off = [offset[0] + lo] + offset[1:]
             size = [count] + local[1:]
-            replicas = plan.Replicas(out_axis + (mp_axis if split is None else ()))
-            items.append(Item(name, shape, "bfloat16", off, size, replicas, split))
-            sub_off, sub_size, sub_rep, spot = off, size, replicas, None
+            replicas = out_axis + (mp_axis if split is None else ())
+            items.append(held(name, None, shape, "bfloat16", off, size, replicas, split, buf, k,
+                              offset))
+            sub_off, sub_size, sub_rep, piece = off, size, replicas, None
             if lay["optim_outer"]:  # HFSDP: its own rows of the segment, indexed by rule
                 slo, scount = seg.rows_in(k, i * parts + o)
                 sub_off = [offset[0] + slo] + offset[1:]
                 sub_size = [scount] + local[1:]
-                sub_rep = plan.Replicas(mp_axis if split is None else ())
-                spot = (u, k, tuple(offset))
+                sub_rep, piece = (mp_axis if split is None else ()), o
             for state in ("master_weight", "moment1", "moment2"):
-                items.append(Item(f"{name}/optim/{state}", shape, "float32", sub_off, sub_size,
-                                  sub_rep, split, spot))
+                items.append(held(name, state, shape, "float32", sub_off, sub_size, sub_rep,
+                                  split, buf, k, offset, piece))
             for state in ("beta1_pow_acc", "beta2_pow_acc"):
-                items.append(Item(f"{name}/optim/{state}", [1], "float32", [0], [1], scalar_axes))
+                items.append(held(name, state, [1], "float32", [0], [1], scalar_axes))
     return items
 
 
@@ -162,15 +171,14 @@ def rules_of(lay: dict) -> dict:
         gid = f"dense:{m}"
         places += [[gid, i, o, (o * inner + i) * mp + m] for o in range(outer)
                    for i in range(inner)]
-        leader = rank_items(lay, m, 0, 0)
-        for u, (_, seg) in enumerate(lay["units"]):
-            buf = SimpleNamespace(layout=seg, inner=SimpleNamespace(nranks=inner),
-                                  parts=lay["parts"])
-            tensors = {it.name: [it.spot[1], list(it.spot[2]), it.size[1:], it.shape, it.dtype,
-                                 it.split]
-                       for it in leader if it.spot is not None and it.spot[0] == u
-                       and it.replicas.index == 0}
-            rules[f"{gid}/{u}.0"] = rules_mod.rule_of(buf, gid, 0, tensors)
+        by_unit: dict = {}  # the group's first rank's ruled items, by buffer
+        for it in rank_items(lay, m, 0, 0):
+            if it.spot is not None and it.replicas.index == 0:
+                by_unit.setdefault(it.spot.buffer.unit, []).append(it)
+        for u, ruled in by_unit.items():
+            tensors = {it.name: [it.spot.index, list(it.spot.base), it.size[1:], it.shape,
+                                 it.dtype, it.split] for it in ruled}
+            rules[f"{gid}/{u}.0"] = rules_mod.rule_of(ruled[0].spot.buffer, gid, 0, tensors)
     return {"rules": rules, "places": places}
 
 
@@ -361,29 +369,29 @@ def _index(record: dict) -> tuple[int, str | None]:
 
 
 # ---------------------------------------------------------------- the joint save
-def joint_items(groups: int, inner: int, parts: int, g: int, i: int, lay_units) -> list[Item]:
+def joint_items(groups: int, inner: int, parts: int, g: int, i: int, lay_units) -> list:
     """What rank ``i`` of replica group ``g`` holds in a fault-tolerant HFSDP job
-    (checkpoint/items.py with shared pieces: no rule, every box listed): its inner block
+    (engine/holdings.py with shared pieces: no rule, every box listed): its inner block
     of each parameter (held by every group), its piece's rows of each optimizer state
     (piece ``g % parts``: held by the groups of that piece), the beta powers (every
     rank)."""
     outer_axis = (("outer", groups, g),)
     piece = g % parts
     items = []
-    for params, seg in lay_units:
+    for u, (params, seg) in enumerate(lay_units):
+        buf = held_buffer(u, seg, inner, i, parts, piece, shared=True)
         for k, (name, shape, _) in enumerate(params):
+            base = [0] * len(shape)
             lo, count = seg.rows_in(k, i * parts, parts)
-            items.append(Item(name, shape, "bfloat16", [lo] + [0] * (len(shape) - 1),
-                              [count] + shape[1:], plan.Replicas(outer_axis)))
+            items.append(held(name, None, shape, "bfloat16", [lo] + base[1:],
+                              [count] + shape[1:], outer_axis, None, buf, k, base))
             slo, scount = seg.rows_in(k, i * parts + piece)
             for state in ("master_weight", "moment1", "moment2"):
-                items.append(Item(f"{name}/optim/{state}", shape, "float32",
-                                  [slo] + [0] * (len(shape) - 1), [scount] + shape[1:],
-                                  plan.Replicas()))
-                items[-1].piece = piece
+                items.append(held(name, state, shape, "float32", [slo] + base[1:],
+                                  [scount] + shape[1:], (), None, buf, k, base, piece))
             for state in ("beta1_pow_acc", "beta2_pow_acc"):
-                items.append(Item(f"{name}/optim/{state}", [1], "float32", [0], [1],
-                                  plan.Replicas((("inner", inner, i),) + outer_axis)))
+                items.append(held(name, state, [1], "float32", [0], [1],
+                                  (("inner", inner, i),) + outer_axis))
     return items
 
 

@@ -2,8 +2,9 @@
 ``load_checkpoint``, and ``python -m paddle_hsdp.checkpoint inspect / consolidate``.
 
 :mod:`.format` (the format, reading checked boxes, the ranks' agreement), :mod:`.boxes`
-(box arithmetic), :mod:`.names` (the names tensors are saved under), :mod:`.items`
-(what this rank holds, each a box of its full tensor), :mod:`.tp_merge` (models whose
+(box arithmetic), :mod:`.items` (what this rank holds, each a box of its full tensor,
+from the engine's one statement of it, :func:`paddle_hsdp.engine.holdings.layout_of`:
+all a save or load asks of the engine), :mod:`.tp_merge` (models whose
 tensor-parallel merge is not a concatenation), :mod:`.save`, :mod:`.load`,
 :mod:`.full_model` (every shard, mp slice and stage joined on rank 0: what
 ``export_pretrained`` writes), :mod:`.cli` (``inspect``, ``consolidate``) and

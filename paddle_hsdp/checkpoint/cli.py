@@ -56,7 +56,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     os.makedirs(parent, exist_ok=True)  # like `cp`, but the folders are made
     # safetensors.paddle writes bfloat16 as BF16 (numpy has no bfloat16). (Paddle's
     # DTypeLike takes dtype names only as literals; these are the metadata's, which
-    # checkpoint/items.py's dtype_name wrote from paddle dtypes)
+    # engine/holdings.py's dtype_name wrote from paddle dtypes)
     save_file({k: paddle.to_tensor(np.ascontiguousarray(v),
                                    dtype=_dtype_of(meta, k))  # type: ignore[arg-type]
                for k, v in full.items()}, os.fspath(out), metadata=CONSOLIDATED_METADATA)

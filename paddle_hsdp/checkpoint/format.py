@@ -6,7 +6,7 @@ Format (a directory)::
     CKPT/metadata.json            every tensor: full shape, dtype, where its pieces are
     CKPT/rank-00003.safetensors   the pieces one rank wrote
 
-A tensor is a model parameter or buffer under its checkpoint name (checkpoint/names.py:
+A tensor is a model parameter or buffer under its checkpoint name (engine/saved_names.py:
 the unsharded one-process model's name; tied aliases recorded as aliases; local experts
 by global index) or an optimizer state of a parameter (``NAME/optim/moment1``,
 ``.../moment2``, ``.../beta1_pow_acc``, ..., ``.../master_weight``), with its full

@@ -1,5 +1,5 @@
 """The full model on one rank: every sharded block, tensor-parallel slice and pipeline
-stage joined, under the checkpoint's names (checkpoint/names.py). What an export
+stage joined, under the checkpoint's names (engine/saved_names.py). What an export
 writes; ``consolidate`` builds the same from a checkpoint's files.
 
 1. Within each sharding group: the managed parameters gathered from their shards (one
@@ -20,12 +20,11 @@ import paddle
 import paddle.distributed as dist
 
 from ..comm import collectives as comm
-from ..engine.registry import managed_param
-from ..patches.state_dict import gather_full
+from ..engine.holdings import dtype_name, original_and_local, trainable_names
+from ..engine.saved_names import saved_names
+from ..patches.state_dict import full_values
 from ..topology.placement import ModelAxes, split_axis
 from .format import gather_json
-from .items import dtype_name, original_and_local, trainable_names
-from .names import checkpoint_names
 from .tp_merge import check_merge_is_concat
 
 _TAG = "export"
@@ -54,22 +53,21 @@ def full_model(model: paddle.nn.Layer, call: str = "full_model",
     why = refusal(model, axes, call)
     if why is not None:
         raise NotImplementedError(why)
-    canonical, aliases = checkpoint_names(model)
+    canonical, aliases = saved_names(model)
     if trainable_only:
         canonical, aliases = trainable_names(canonical, aliases)
-    split = {}  # {name: (parameter with the marks, local shape)} of mp-split tensors
-    split_at: dict[str, int] = {}  # {name: its split axis} of the same
+    split = {}  # {name: (split axis, local shape)} of mp-split tensors
     if axes.mp_degree > 1:
         for name, value in canonical.items():
-            pair = original_and_local(value)
-            axis = split_axis(pair[0])
+            original, local = original_and_local(value)
+            axis = split_axis(original)
             if axis is not None:
-                split[name], split_at[name] = pair, axis
+                split[name] = (axis, local)
     if split:
         check_merge_is_concat(model, split, axes.mp_degree)
-    tensors = _gathered_over_sharding(canonical)
+    tensors = full_values(canonical)
     for name in sorted(split):
-        tensors[name] = _joined_over_mp(tensors[name], split_at[name], axes, name)
+        tensors[name] = _joined_over_mp(tensors[name], split[name][0], axes, name)
     if axes.pp_degree > 1:
         tensors = _joined_over_stages(tensors, axes)
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -77,13 +75,6 @@ def full_model(model: paddle.nn.Layer, call: str = "full_model",
     for alias, name in aliases.items():
         tensors.setdefault(alias, tensors[name])
     return tensors
-
-
-def _gathered_over_sharding(canonical: dict) -> dict:
-    managed = [sp for v in canonical.values() if (sp := managed_param(v)) is not None]
-    full_of = gather_full(managed)
-    return {name: full_of[id(sp)] if (sp := managed_param(v)) is not None else v.detach().clone()
-            for name, v in canonical.items()}
 
 
 def _joined_over_mp(tensor: paddle.Tensor, axis: int, axes: ModelAxes,

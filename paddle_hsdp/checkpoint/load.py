@@ -20,7 +20,6 @@ import paddle
 from ..comm import collectives as comm
 from ..comm.arrival import expect_everyone
 from ..comm.traits import traits_of
-from ..engine.registry import units_under
 from .format import (CheckpointError, errors_everywhere, gather_json,
                      largest_everywhere, rank_world, Reader,
                      numpy_dtype, read_box, read_metadata_once)
@@ -56,8 +55,8 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
     member loads in: checkpoint/resume.py); otherwise each group reads its own copy."""
     wait_for_pending_save()  # an async save still in flight is published first
     path = os.path.abspath(os.fspath(path))
-    items, aliases, optimizer, _ = all_items(model, optimizer, "load_checkpoint",
-                                             trainable_only)
+    items, holdings = all_items(model, optimizer, "load_checkpoint", trainable_only)
+    aliases, optimizer = holdings.aliases, holdings.optimizer
     call = f"load_checkpoint({path!r})"
     expect_everyone(None, call)
     loaded: list[tuple[Item, np.ndarray]] = []
@@ -100,8 +99,7 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
                               f"was changed: {'; '.join(errors)[:2000]}")
     for group, plan, arrays in shared:  # every rank read its chunks: hand them round
         _share(group, plan, arrays)
-    for unit in units_under(model):
-        unit.reshard(force=True)  # gathered copies would be stale
+    holdings.drop_gathered_copies()
     for it, array in loaded:
         it.put(array)
     lr = getattr(optimizer, "_learning_rate", None)

@@ -20,7 +20,7 @@ paddle_hsdp.ft and this package know nothing of each other (.importlinter): ft's
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from .format import CheckpointError, read_metadata_once
 from .items import all_items
@@ -40,7 +40,7 @@ class Resumer:
         collective inside the replica group: every rank raises alike)."""
         where = os.path.abspath(os.fspath(path))
         call = f"Replica.load_checkpoint({where!r})"
-        items, aliases = all_items(model, optimizer, call)[:2]
+        items, holdings = all_items(model, optimizer, call)
         meta = read_metadata_once(where, call)
         resume = meta.get("ft")
         if not isinstance(resume, dict) or not resume.get("ranks"):
@@ -50,7 +50,7 @@ class Resumer:
                 "fault-tolerant job, or by a version before 2026-12-07. Load its tensors "
                 "with paddle_hsdp.load_checkpoint(path, model, optimizer) instead (the "
                 "job then trains from replica.step 0).")
-        why = _mismatch(meta["tensors"], items, aliases)
+        why = _mismatch(meta["tensors"], items, holdings.aliases)
         if why:
             raise CheckpointError(f"{call}: {where} is not a checkpoint of this model and "
                                   f"optimizer: {why}")
@@ -65,7 +65,7 @@ class Resumer:
                             live_groups_read_together=together)[1]
 
 
-def _mismatch(saved: dict, items: list, aliases: dict) -> str | None:
+def _mismatch(saved: dict, items: list, aliases: Mapping[str, str]) -> str | None:
     """Why the checkpoint's tensors (``saved``: the metadata's) are not this rank's
     items' (names, full shapes, dtypes), or None. Every rank of every group holds the
     same names (a fault-tolerant job has no expert parallelism across groups)."""

@@ -27,7 +27,7 @@ from ..engine.layout import SegmentLayout
 from .boxes import intersect
 
 if TYPE_CHECKING:
-    from ..engine.buffer import ShardBuffer
+    from ..engine.holdings import HeldBuffer
     from .boxes import Box
 
 
@@ -36,23 +36,23 @@ class Spot:
     """Where a ruled item's rows sit: its buffer, the parameter's index in the buffer's
     layout, and the full tensor's offset of the slice's row 0 (the box the buffer's
     rows of this parameter are cut from)."""
-    buffer: ShardBuffer
+    buffer: HeldBuffer
     index: int
     base: tuple
 
 
-def group_id(buf: ShardBuffer, members: list[int]) -> str:
+def group_id(buf: HeldBuffer, members: list[int]) -> str:
     """A name for the buffer's FSDP group (``members``: its ranks), the same on its every
     rank and distinct from any other group's (explicit meshes may share a first rank)."""
-    kind = "expert" if buf.is_expert else "dense"
+    kind = "expert" if buf.expert else "dense"
     return f"{kind}:{members[0]}:{zlib.crc32(repr(list(members)).encode()):08x}"
 
 
-def place_of(buf: ShardBuffer, rank: int, gid: str) -> list:
+def place_of(buf: HeldBuffer, rank: int, gid: str) -> list:
     """``[group, inner index, outer part, rank]``: where this rank sits in the group's
     grid (its segment is ``inner index * parts + outer part``). Rank 0 builds each
     group's ranks from every member's place, so no layout of the group is assumed."""
-    return [gid, buf.params[0].inner_rank, buf.part, rank]
+    return [gid, buf.inner_rank, buf.part, rank]
 
 
 def grids(places: list, rules: dict) -> dict:
@@ -75,12 +75,12 @@ def grids(places: list, rules: dict) -> dict:
     return out
 
 
-def rule_of(buf: ShardBuffer, gid: str, stage: int, tensors: dict) -> dict:
+def rule_of(buf: HeldBuffer, gid: str, stage: int, tensors: dict) -> dict:
     """The rule of ``buf`` (JSON): its layout, its FSDP group ``gid``, and for each
     ruled tensor ``[parameter index, base offset, trailing shape, full shape, dtype,
     split]`` (``tensors``: name -> those)."""
     layout = buf.layout
-    return {"group": gid, "inner": buf.inner.nranks, "parts": buf.parts, "stage": stage,
+    return {"group": gid, "inner": buf.inner_size, "parts": buf.parts, "stage": stage,
             "segment_numel": layout.segment_numel, "segments": layout.segments,
             "offsets": list(layout.offsets), "rows": list(layout.rows),
             "row_numels": list(layout.row_numels), "tensors": tensors}

@@ -36,8 +36,6 @@ from safetensors.numpy import save_file
 
 from ..comm.arrival import expect_everyone
 from ..comm.traits import traits_of
-from ..engine.registry import registry
-
 from .boxes import tiling_error
 from .format import (FORMAT, META, CheckpointError, broadcast_json, chunk_rows,
                      gather_sizes_to_root, rank_world, read_metadata)
@@ -48,7 +46,7 @@ from .rules import crc_header, grids, group_id, place_of, rule_of, slice_box
 if TYPE_CHECKING:
     import paddle
 
-    from ..topology.placement import ModelAxes
+    from ..engine.holdings import Holdings
     from .items import Item
 
 
@@ -97,11 +95,10 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
     wait_for_pending_save()  # a previous async save is published first (every rank)
     path = os.path.abspath(os.fspath(path))
     rank, world = rank_world()
-    items, aliases, optimizer, axes = all_items(model, optimizer, "save_checkpoint",
-                                                trainable_only)
+    items, holdings = all_items(model, optimizer, "save_checkpoint", trainable_only)
     call = f"save_checkpoint({path!r})"
     expect_everyone(None, call)
-    joint = _joint_save(model)  # a fault-tolerant job: the live replica groups save together
+    joint = _joint_save(holdings)  # a fault-tolerant job: the live replica groups save together
     if joint is not None and async_save:  # (every rank alike, before any collective)
         raise NotImplementedError(
             "save_checkpoint(async_save=True) in a fault-tolerant job: the replica groups "
@@ -113,13 +110,13 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
                             if rank == 0 else None, call)
     # what the metadata records besides the tensors, as of this call (an async save
     # publishes later, after the scheduler has stepped on)
-    lr = getattr(optimizer, "_learning_rate", None)
+    lr = getattr(holdings.optimizer, "_learning_rate", None)
     plain = json.loads(json.dumps({
         "lr_scheduler": lr.state_dict() if lr is not None and hasattr(lr, "state_dict")
         else None,
         "extra": extra}, default=float))
     save = AsyncSave(path, f"{path}.tmp-{token or start['token']}", joint,
-                     (items, aliases, plain, axes, world))
+                     (items, plain, holdings, world))
     save.error = start["refusal"]
     if save.error is None:
         try:
@@ -134,7 +131,7 @@ def save_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
             ruled = [it for it in items if it.spot is not None]
             writes = plan_writes([it for it in held if it.spot is None],
                                  drop_axes=drop) + ruled_writes(ruled)
-            save.rules = describe_rules(ruled, axes.stage, rank)  # (a rank's empty rows too)
+            save.rules = describe_rules(ruled, holdings.stage, rank)  # (a rank's empty rows too)
             save.staged = _stage(writes)  # host copies: training may go on
             # the first holder of each box vouches that it exists: rank 0 refuses a save
             # where no holder's plan wrote it (plans that disagreed)
@@ -248,7 +245,7 @@ class AsyncSave:
 def _finish(save: AsyncSave) -> None:
     """Every rank: the manifests to rank 0, which checks and publishes (or, jointly,
     the groups' publisher), and the outcome to every rank."""
-    items, aliases, plain, axes, world = save._what
+    items, plain, holdings, world = save._what
     path, tmp, joint, rank = save.path, save.tmp, save.joint, rank_world()[0]
     call = f"save_checkpoint({path!r})"
     manifests = _gather_manifests({"pieces": save.pieces, "error": save.error,
@@ -263,12 +260,12 @@ def _finish(save: AsyncSave) -> None:
     elif manifests is None:  # not rank 0 (the manifests reach rank 0 only): it learns
         pass                 # the outcome below
     elif joint is not None:
-        errors = _publish_jointly(joint, path, tmp, items, manifests, aliases, plain, axes)
+        errors = _publish_jointly(joint, path, tmp, items, manifests, plain, holdings)
     else:  # rank 0
         errors = [r["error"] for r in manifests if r["error"]]
         if not errors:
             try:
-                _publish(path, tmp, items, manifests, aliases, plain, world, axes)
+                _publish(path, tmp, items, manifests, plain, world, holdings)
             except Exception as e:
                 errors.append(f"rank 0: {type(e).__name__}: {e}")
         if errors:  # before the others learn the outcome: they return to a clean dir
@@ -302,20 +299,18 @@ def _stage(writes: Iterable[Write[Item]]) -> list[tuple[Write[Item], np.ndarray]
     return staged
 
 
-def _joint_save(model: paddle.nn.Layer) -> JointSaver | None:
-    """The live replica groups' :class:`paddle_hsdp.ft.joint_save.JointSave` when
-    ``model`` trains in a fault-tolerant job (its outer group carries one), else None."""
-    for unit in registry.units_under(model):
-        for buf in unit.buffers:
-            # (comm's GroupTraits types joint_save as object, knowing nothing of
-            # checkpoint; the one declaration, ft's Replica, declares a JointSave)
-            return cast("JointSaver | None", traits_of(buf.outer).joint_save)
+def _joint_save(holdings: Holdings) -> JointSaver | None:
+    """The live replica groups' :class:`paddle_hsdp.ft.joint_save.JointSave` when the
+    model trains in a fault-tolerant job (its outer group carries one), else None."""
+    for buf in holdings.buffers:
+        # (comm's GroupTraits types joint_save as object, knowing nothing of
+        # checkpoint; the one declaration, ft's Replica, declares a JointSave)
+        return cast("JointSaver | None", traits_of(buf.outer_group).joint_save)
     return None
 
 
 def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[Item],
-                     manifests: list[dict], aliases: dict, plain: dict,
-                     axes: ModelAxes) -> list[str]:
+                     manifests: list[dict], plain: dict, holdings: Holdings) -> list[str]:
     """A replica group's leader: hand this group's manifests to the others; the group
     that completes the set checks that every group's pieces tile every tensor and
     publishes, the others learn its outcome. Returns the save's errors (none:
@@ -334,7 +329,7 @@ def _publish_jointly(joint: JointSaver, path: str, tmp: str, items: list[Item],
             errors += [why] if why else []
         if not errors:
             try:
-                _publish(path, tmp, items, every, aliases, plain, joint.world_size, axes)
+                _publish(path, tmp, items, every, plain, joint.world_size, holdings)
             except Exception as e:
                 errors.append(f"the publishing group: {type(e).__name__}: {e}")
         if errors:
@@ -546,7 +541,7 @@ def describe_rules(ruled: Iterable[Item], stage: int, rank: int) -> dict:
     rules, places, gids = {}, [], {}
     for group in by_buffer.values():
         buf = group[0].spot.buffer
-        fsdp = buf.params[0].mesh.fsdp_group(buf.is_expert)
+        fsdp = buf.fsdp_group
         if id(fsdp) not in gids:  # (named from its members once, not once per buffer)
             gids[id(fsdp)] = group_id(buf, list(fsdp.ranks))
         gid = gids[id(fsdp)]
@@ -558,7 +553,7 @@ def describe_rules(ruled: Iterable[Item], stage: int, rank: int) -> dict:
         tensors = {it.name: [it.spot.index, list(it.spot.base), it.size[1:], it.shape,
                              it.dtype, it.split]
                    for it in group if it.replicas.index == 0}
-        rules[f"{gid}/{buf.unit_index}.{buf.index}"] = rule_of(buf, gid, stage, tensors)
+        rules[f"{gid}/{buf.unit}.{buf.index}"] = rule_of(buf, gid, stage, tensors)
     return {"rules": rules, "places": places} if places else {}
 
 
@@ -584,15 +579,16 @@ def _refusal_to_replace(path: str) -> str | None:
             "Choose another path or remove it.")
 
 
-def _publish(path: str, tmp: str, items: list[Item], manifests: list[dict], aliases: dict,
-             plain: dict, world: int, axes: ModelAxes) -> None:
+def _publish(path: str, tmp: str, items: list[Item], manifests: list[dict], plain: dict,
+             world: int, holdings: Holdings) -> None:
     tensors = {it.name: _entry(it.shape, it.dtype, it.split) for it in items}
     rules, groups, stages = index_manifests(tensors, manifests)
-    if axes.pp_degree > 1:
+    if holdings.pp_degree > 1:
         for name, t in tensors.items():
             t["stages"] = sorted(stages.get(name, ()))
-    meta = {"format": FORMAT, "world_size": world, "layout": axes.layout(),
-            "tensors": tensors, "rules": rules, "rank_groups": groups, "aliases": aliases,
+    meta = {"format": FORMAT, "world_size": world, "layout": dict(holdings.job_layout),
+            "tensors": tensors, "rules": rules, "rank_groups": groups,
+            "aliases": dict(holdings.aliases),
             "lr_scheduler": plain["lr_scheduler"], "extra": plain["extra"],
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if plain.get("ft") is not None:  # a fault-tolerant job's joint save: what resumes it

@@ -11,15 +11,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..topology.placement import split_axis
-
 if TYPE_CHECKING:
     import paddle
 
 
 def check_merge_is_concat(model: paddle.nn.Layer, split: dict, mp_degree: int) -> None:
     """Refuse a model whose own tensor-parallel merge of a parameter of ``split``
-    (``{name: (mp-split parameter, its local shape)}``) is not the concatenation along
+    (``{name: (its split axis, its local shape)}``) is not the concatenation along
     its split axis, e.g. a fused QKV weight whose mp slices interleave q, k and v:
     probed on index arrays, no data moved."""
     for name, (action, axis, shape) in merge_actions(model, split).items():
@@ -38,7 +36,7 @@ def check_merge_is_concat(model: paddle.nn.Layer, split: dict, mp_degree: int) -
 
 def merge_actions(model: paddle.nn.Layer, split: dict) -> dict:
     """``{name: (merge action, split axis, local shape)}`` for the parameters of
-    ``split`` (``{name: (mp-split parameter, local shape)}``) that the model class's own
+    ``split`` (``{name: (split axis, local shape)}``) that the model class's own
     tensor-parallel mappings cover (PaddleFormers' ``_get_tensor_parallel_mappings(config,
     is_split=False)``); empty when the class has none (PaddleFormers 1.2's Llama: its mp
     layers' marks are the whole story)."""
@@ -56,6 +54,6 @@ def merge_actions(model: paddle.nn.Layer, split: dict) -> dict:
     for base, action in actions.items():
         name = keys.get(base, base)
         if name in split:
-            param, shape = split[name]
-            out[name] = (action, split_axis(param), [int(d) for d in shape])
+            axis, shape = split[name]
+            out[name] = (action, axis, [int(d) for d in shape])
     return out

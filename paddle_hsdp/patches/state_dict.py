@@ -73,6 +73,14 @@ def gather_full(sharded_params: Iterable[ShardedParam]) -> dict[int, paddle.Tens
     return out
 
 
+def full_values(named: dict[str, paddle.Tensor]) -> dict[str, paddle.Tensor]:
+    """``{name: full value}`` of a model's tensors on this rank: the sharded parameters
+    gathered (:func:`gather_full`, a collective), the others copied."""
+    full_of = gather_full([sp for v in named.values() if (sp := managed_param(v)) is not None])
+    return {name: full_of[id(sp)] if (sp := managed_param(v)) is not None else v.detach().clone()
+            for name, v in named.items()}
+
+
 def _patch_state_dict(layer_cls: type[paddle.nn.Layer]) -> None:
     original = layer_cls.state_dict
 

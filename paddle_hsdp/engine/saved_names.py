@@ -1,4 +1,5 @@
-"""The names a checkpoint gives a model's tensors: the same in every layout.
+"""The names a model's tensors are saved under: the same in every layout
+(engine/holdings.py states them for the checkpoint).
 
 * the unsharded model's structured names, tied aliases recorded once
   (:func:`paddle_hsdp.engine.experts.names_and_aliases`);
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from ..engine.experts import names_and_aliases
+from .experts import names_and_aliases
 
 if TYPE_CHECKING:
     import paddle
 
 
-def checkpoint_names(model: paddle.nn.Layer) -> tuple[dict, dict]:
+def saved_names(model: paddle.nn.Layer) -> tuple[dict, dict]:
     """``(canonical, aliases)`` as :func:`names_and_aliases` gives them, renamed for a
     PaddleFormers pipeline model (see the module docstring)."""
     canonical, aliases = names_and_aliases(model)
