@@ -1185,9 +1185,9 @@ def test_a_mates_requests_reach_etcd_only_through_its_leader_once_per_group(etcd
         # once (a poll over 0.8 s would be dozens)
         assert host.etcd.requests - before[0] == 1
         assert other.etcd.requests - before[1] <= 3, other.etcd.requests - before[1]
-        # a mate has no client of etcd; the only one made was the readers' leader's
-        # watch (its own connection while it waited), and every request was a leader's
-        assert len(made) == 1 and not any(hasattr(m, "etcd") for m in other_mates)
+        # a mate has no client of etcd, and no client was made for the wait (its watch
+        # is one more on the leader's watch stream); every request was a leader's
+        assert not made and not any(hasattr(m, "etcd") for m in other_mates)
         assert len(calls) == (host.etcd.requests - before[0]) + \
             (other.etcd.requests - before[1]) - other.watches  # (a watch's creation is
         # counted on its owner, not sent through call)
@@ -1237,3 +1237,73 @@ def test_a_mates_wait_ends_when_its_round_fails_and_its_leaders_watch_with_it(et
         assert mates[1].get(name, timeout_s=10) == b"genuine"
     finally:
         relay.stop()
+
+
+def _connections_to(port: int) -> int:
+    """Established TCP connections whose far end is ``port`` on this host (Linux's
+    /proc/net/tcp): clients' connections to an etcd there (and its gateway's own)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            count += sum(1 for line in f if line.split()[3] == "01" and
+                         int(line.split()[2].rsplit(":", 1)[1], 16) == port)
+    return count
+
+
+def test_a_leader_holds_two_connections_to_etcd_through_a_failure_round_and_a_set_up(tmp_path):
+    """Issue 62: a group's leader, its protocol and its job store together, reaches etcd
+    over 2 connections whatever it does: one for every request (the lease's renewals
+    included), one stream for every watch (the control keys, group deletions, the
+    decider's arrivals, each key a rank waits for). Two groups go through round 0, a
+    failed attempt's round and a set-up in which one waits for the other's addresses
+    and a count; the connections to their own etcd never exceed 2 per group (before:
+    5 per group, and one more per key waited for)."""
+    from paddle_hsdp.ft.kv import JobStore
+    from paddle_hsdp.ft.protocol import round_kv
+    own = _OwnEtcd(tmp_path)
+    peak, done, groups = [0], threading.Event(), []
+    time.sleep(0.5)
+    base = _connections_to(own.port)  # the gateway's own, and the start's probe if kept
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _connections_to(own.port) - base)
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        rules = Rules(start_replicas=2, join_window_s=1.0)
+        stores = [JobStore(own.address, "conns", 20) for _ in range(2)]
+        groups = [GroupControl(own.address, "conns", r, f"tok{r}", "host", rules, TTL, 20,
+                               shared=stores[r].etcd) for r in range(2)]
+        for g in groups:
+            g.register()
+        _arrive_all(groups, 0, None)
+        for g in groups:
+            g.committed()
+        groups[1].announce_failure(0)
+        _until(lambda: groups[0].round_failed(0), 5, "the failure was not heard")
+        for g in groups:
+            g.failed()
+        again = _arrive_all(groups, 1, [0, 1], {r: Arrival(1, failed=True) for r in range(2)})
+        assert again[0].replicas == [0, 1] and again[0].rebuild
+        name, got = round_kv(1, "outer_store"), []
+        reader = threading.Thread(target=lambda: got.append((
+            stores[1].get_part(name, 0), stores[1].wait_count("saved", 2, 5, "the count"))))
+        reader.start()
+        time.sleep(0.5)  # group 1 waits for both: two more watches on its stream
+        stores[0].set_part(name, 0, 1, "10.0.0.1:7")
+        stores[0].add("saved", 1)
+        stores[1].add("saved", 1)
+        reader.join(10)
+        assert got == [(b"10.0.0.1:7", 2)]
+        assert stores[1].watches == 2
+        time.sleep(TTL)  # leases renewed meanwhile, over the requests' connection
+        assert all(g.lost is None for g in groups)
+    finally:
+        done.set()
+        sampler.join()
+        _close(groups)
+        own.stop()
+    assert 3 <= peak[0] <= 2 * len(groups), f"{peak[0]} connections to etcd for 2 groups"

@@ -81,8 +81,9 @@ class SharedData(Protocol):
 class JobStore:
     """The leader's client of the job's shared data (``timeout_s``: a ``get``'s bound),
     for its own rank and, through :class:`~.relay.Relay`, for its mates. Safe to use
-    from several threads: requests go one at a time over one connection; a wait's
-    watch has a connection of its own while it waits."""
+    from several threads: requests go one at a time over one connection, and a wait's
+    watch is one more on the client's one watch stream; the group's protocol shares
+    both (``GroupControl(shared=store.etcd)``: 2 connections to etcd per group)."""
 
     # a value read once is kept for the group's other ranks: at most this many values
     # and bytes (a rejoin's metadata is a few hundred KB per local rank)
@@ -101,7 +102,7 @@ class JobStore:
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._counts: OrderedDict[str, int] = OrderedDict()  # counters seen, their values
         self._parts: OrderedDict[str, dict[int, str]] = OrderedDict()
-        self.watches = 0  # watches made for waits (each a connection while it waits)
+        self.watches = 0  # watches made for waits (each on the one watch stream)
 
     def _key(self, name: str) -> str:
         return f"{self.keys.root}kv/{name}"

@@ -452,7 +452,8 @@ class GroupControl:
                  on_failure: Callable[[int], None] = lambda number: None,
                  on_lost: Callable[[str], None] = lambda why: None,
                  security: Security | None = None,
-                 clock: Callable[[], float] = time.monotonic, signer: Signer = UNSIGNED):
+                 clock: Callable[[], float] = time.monotonic, signer: Signer = UNSIGNED,
+                 shared: Etcd | None = None):
         self.keys, self.replica, self.token, self.host = Keys(job), replica, token, host
         self.signer = signer  # signs what this group writes, checks what it reads
         self.rules, self.round_timeout_s, self.clock = rules, round_timeout_s, clock
@@ -462,16 +463,19 @@ class GroupControl:
         # what every client of this group saw of etcd: an etcd that lost its data is
         # noticed by the first request that reaches it (_on_reset)
         self._history = History(self._on_reset)
-        # the leader's main thread's, and the renewing thread's: each waits up to the
-        # round timeout for a restarted coordinator
+        # the leader's main thread's, the renewing thread's and the announcer's: each
+        # waits up to the round timeout for a restarted coordinator. They share one
+        # connection for their requests and one stream for every watch (and, with
+        # ``shared``, the group's job store's: ft/kv.py), so a leader holds 2 connections
+        # to etcd; a renewal waits at most for one short request (waits are watches)
         self.etcd = Etcd(address, security=security, away_s=round_timeout_s,
-                         history=self._history)
+                         history=self._history, shared=shared)
         self._kept = Etcd(address, security=security, away_s=round_timeout_s,
-                          history=self._history)
+                          history=self._history, shared=self.etcd)
         # failures are written by a thread of their own (announce_failure returns at
         # once: the group's vote never waits for etcd)
         self._announcer = Etcd(address, security=security, away_s=round_timeout_s,
-                               history=self._history)
+                               history=self._history, shared=self.etcd)
         self._announcing = threading.Lock()
         self._to_announce: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self._announcing_thread: threading.Thread | None = None

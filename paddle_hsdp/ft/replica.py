@@ -32,7 +32,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import paddle
@@ -198,7 +198,7 @@ class Replica:
                 Rules(start_replicas, min_replicas, join_window_s(), pieces), liveness_s,
                 round_timeout_s, healthy=self._watch.healthy,
                 on_failure=self._watch.announce, on_lost=self._lost, security=security,
-                signer=signer)
+                signer=signer, shared=cast(JobStore, self.store).etcd)  # its 2 connections
             try:
                 control.register()
             except FaultToleranceError as e:
