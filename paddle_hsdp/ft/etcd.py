@@ -4,8 +4,9 @@ It speaks etcd's HTTP/JSON gateway (``/v3/...``) through ``etcd3gw``'s client, s
 nothing here needs gRPC or a protobuf that could clash with Paddle's. It adds what the
 protocol (:mod:`.protocol`) needs and the library leaves out: several endpoints (a
 3-member cluster: a call that cannot reach one tries the next), clients that share one
-connection for their requests and one stream for their watches (each resuming from the
-revision after the last event it delivered when the stream breaks), a :class:`History` that notices an etcd that lost its data (its revision went back), and a
+connection for their requests and hand each other the events of one watch, a watch that
+resumes from the revision after the last event it delivered when its stream breaks, a
+:class:`History` that notices an etcd that lost its data (its revision went back), and a
 count of requests (``requests``), which the scale simulator reports.
 
 Addresses: ``etcd://host:port[,host:port...]`` (or plain ``host:port``). TLS and etcd's
@@ -160,11 +161,12 @@ def prefix_end(prefix: str) -> str:
 
 class Etcd:
     """A client of the job's etcd. ``timeout_s`` bounds each request. Clients made with
-    ``shared=`` another share its connection: one keep-alive HTTP connection carries
-    every request of them all, one at a time (each is short: a wait is a watch), and one
-    watch stream carries all their watches (:class:`WatchStream`); so a group's leader
-    holds two connections to etcd whatever it does (docs/fault-tolerance.md, "One etcd
-    client per group"). Safe to use from several threads."""
+    ``shared=`` another share its connection (a *link*): one keep-alive HTTP connection
+    carries every request of them all, one at a time (each is short: a wait is a
+    watch), and the keys one of them watches for all (:meth:`relay_events`: a group's
+    control keys) reach the others' waits in-process (:meth:`listen`), so a group's
+    leader holds two connections to etcd (docs/fault-tolerance.md, "One etcd client per
+    group"). Safe to use from several threads."""
 
     def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None,
                  away_s: float = 0.0, history: History | None = None,
@@ -375,207 +377,152 @@ class Etcd:
             logger.debug("paddle_hsdp.ft: revoke of lease %x: %s", lease, e)
 
     def watch(self, prefix: str, on_event: OnEvent, start_revision: int | None = None,
-              no_put: bool = False) -> Watch:
+              no_put: bool = False, end: str | None = None) -> Watch:
         """Call ``on_event(kind, key, value, revision)`` (kind ``"PUT"`` or ``"DELETE"``)
-        for every change under ``prefix`` from ``start_revision`` on, in order, from the
-        thread of this client's watch stream (shared by the clients that share its
-        connection: :class:`WatchStream`), until the watch is stopped."""
-        return self._link.stream(self).add(prefix, on_event, start_revision, no_put)
+        for every change under ``prefix`` (or, with ``end``, of every key from
+        ``prefix`` up to ``end``, excluded) from ``start_revision`` on, in order, on a
+        thread of its own (and an HTTP stream of its own: one connection), until the
+        watch is stopped."""
+        return Watch(self, prefix, on_event, start_revision, no_put, end)
+
+    # what a watch of the link's keys hands on to its other clients (ft/kv.py's waits
+    # for keys the group's one watch already carries: no stream of their own)
+    def relay_events(self, first: str, end: str) -> None:
+        """This link's watch of the keys from ``first`` to ``end`` is live: its events
+        go to :meth:`listen`'s callbacks (:meth:`dispatch`)."""
+        with self._link.listening:
+            self._link.relayed = (first, end)
+
+    def relays(self, key: str) -> bool:
+        """Whether a live watch of this link carries ``key``'s events (:meth:`listen`)."""
+        first, end = self._link.relayed or ("", "")
+        return first <= key < end
+
+    def listen(self, key: str, on_event: OnEvent) -> Callable[[], None]:
+        """Call ``on_event`` for each change of ``key`` the link's watch delivers; the
+        returned function stops it."""
+        with self._link.listening:
+            self._link.listeners.setdefault(key, []).append(on_event)
+
+        def stop() -> None:
+            with self._link.listening:
+                callbacks = self._link.listeners.get(key, [])
+                if on_event in callbacks:
+                    callbacks.remove(on_event)
+                if not callbacks:
+                    self._link.listeners.pop(key, None)
+        return stop
+
+    def dispatch(self, kind: str, key: str, value: str, revision: int) -> None:
+        """An event of the link's watch, to the callbacks listening to its key."""
+        with self._link.listening:
+            callbacks = list(self._link.listeners.get(key, ()))
+        for on_event in callbacks:
+            on_event(kind, key, value, revision)
 
 
 class _Link:
     """What clients made with ``shared=`` share: the HTTP sessions (one per endpoint;
-    requests go one at a time, so each keeps one connection), etcd's auth token and the
-    watch stream."""
+    requests go one at a time, so each keeps one connection), etcd's auth token, and
+    the range of keys one of them watches for all (``relayed``) with its listeners."""
 
     def __init__(self, clients: list[Etcd3Client]):
         self.clients = clients
         self.lock = threading.Lock()
         self.token: str | None = None
-        self._stream: WatchStream | None = None
+        self.listening = threading.Lock()  # (not the requests': one may take seconds)
+        self.relayed: tuple[str, str] | None = None
+        self.listeners: dict[str, list[OnEvent]] = {}
 
-    def stream(self, etcd: Etcd) -> WatchStream:
-        with self.lock:
-            if self._stream is None:
-                self._stream = WatchStream(etcd)
-            return self._stream
 
 
 class Watch:
-    """One watch of a key range on a :class:`WatchStream` (``ready``: etcd created it)."""
+    """A watch of a key range that outlives a broken stream (etcd restarted, another
+    endpoint): it resumes from the revision after the last event it delivered."""
 
-    def __init__(self, stream: WatchStream, number: int, prefix: str, on_event: OnEvent,
-                 start_revision: int | None, no_put: bool):
-        self._stream, self.number = stream, number
-        self._prefix, self._on_event, self._no_put = prefix, on_event, no_put
+    def __init__(self, etcd: Etcd, prefix: str, on_event: OnEvent, start_revision: int | None,
+                 no_put: bool, end: str | None = None):
+        self._owner = etcd  # counts the requests
+        # fails at once: retried. A watch does not judge whether etcd lost its data (a
+        # cluster's follower may answer a revision behind the leader's): its owner's
+        # requests do, and replace the watch (GroupControl.register)
+        self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)
+        self._prefix, self._on_event = prefix, on_event
+        self._end = prefix_end(prefix) if end is None else end
         self._next = start_revision  # the first revision not delivered yet
-        self.stopped = False
-        self.ready = threading.Event()  # etcd created it (the first time)
+        self._no_put = no_put
+        self._stopped = threading.Event()
+        self._response: requests.Response | None = None
+        self.ready = threading.Event()  # the first stream is created
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"paddle_hsdp-ft-watch {prefix}")
+        self._thread.start()
 
-    def create_request(self) -> dict:
-        request: dict[str, object] = {"key": _b64(self._prefix),
-                                      "range_end": _b64(prefix_end(self._prefix)),
-                                      "watch_id": self.number}
+    def _create_request(self) -> dict:
+        request: dict[str, object] = {"key": _b64(self._prefix), "range_end": _b64(self._end)}
         if self._next is not None:
             request["start_revision"] = self._next
         if self._no_put:
             request["filters"] = ["NOPUT"]
         return {"create_request": request}
 
-    def stop(self) -> None:
-        """No event is delivered once this returns (from another thread than the
-        stream's: one delivering may finish)."""
-        self._stream.remove(self)
-
-
-class WatchStream:
-    """Every watch of the clients that share one connection, on ONE HTTP stream to etcd
-    (etcd's gateway speaks HTTP/1.1: a stream is a connection, so a group's leader
-    holds one however many keys it waits for). etcd's watch stream carries many watches
-    (each created with an id of ours; each answer names its watch), but the gateway
-    reads a request's body once: so a watch added while the stream runs reopens it
-    with every live watch, each from the revision after the last event it delivered
-    (nothing missed); a watch stopped is dropped at once here and from etcd at the
-    next reopening (its events meanwhile are ignored). A broken stream resumes the
-    same way (etcd restarted, another endpoint). The stream's thread runs while a
-    watch is live. A watch does not judge whether etcd lost its data (a cluster's
-    follower may answer a revision behind the leader's): its owner's requests do, and
-    replace the watch (GroupControl.register)."""
-
-    def __init__(self, etcd: Etcd):
-        self._etcd = etcd  # counts the creations, answers for auth and TLS
-        self._lock = threading.Lock()
-        self._watches: dict[int, Watch] = {}  # the live ones, by id
-        self._numbers = 0
-        self._reopen = False  # a watch was added: reopen with it
-        self._response: requests.Response | None = None
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()  # cuts the pause after a broken stream
-        self.opened = 0  # streams opened (each a request to etcd)
-
-    def add(self, prefix: str, on_event: OnEvent, start_revision: int | None,
-            no_put: bool) -> Watch:
-        with self._lock:
-            self._numbers += 1  # (0 is the gateway's "no id": not used)
-            watch = Watch(self, self._numbers, prefix, on_event, start_revision, no_put)
-            self._watches[watch.number] = watch
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="paddle_hsdp-ft-watch")
-                self._thread.start()
-                return watch
-            self._reopen = True
-            response = self._response
-        self._wake.set()
-        _cut(response)  # the stream's thread reopens it with this watch too
-        return watch
-
-    def remove(self, watch: Watch) -> None:
-        with self._lock:
-            watch.stopped = True
-            self._watches.pop(watch.number, None)
-            if self._watches:
-                return
-            response, thread = self._response, self._thread
-        self._wake.set()
-        _cut(response)  # the last one: the stream closes (its thread ends)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2)
-
     def _run(self) -> None:
-        etcd, at = self._etcd, self._etcd._at
-        while True:
-            with self._lock:
-                watches = list(self._watches.values())
-                if not watches:
-                    self._thread = None
-                    return
-                self._reopen = False
+        etcd, at = self._etcd, self._owner._at
+        while not self._stopped.is_set():
             client = etcd._clients[at % len(etcd._clients)]
-            session = requests.Session()  # a fresh connection: the last one was cut
-            session.verify = etcd.security.ca or True
-            if etcd.security.cert and etcd.security.key:
-                session.cert = (etcd.security.cert, etcd.security.key)
-            broke = True  # unless reopened on purpose (a watch added, canceled, the last gone)
             try:
-                etcd.requests += len(watches)  # a creation of each
-                self.opened += 1
-                with etcd._link.lock:
-                    headers = etcd._auth_header(client)
-                response = session.post(
-                    client.get_url("watch"), stream=True, timeout=(etcd.timeout_s, None),
-                    data="".join(json.dumps(w.create_request()) for w in watches),
-                    headers=headers, **etcd.tls())
-                with self._lock:
-                    self._response = response
-                    done = self._reopen or not self._watches
-                if done:
-                    broke = False
-                else:
-                    by_number = {w.number: w for w in watches}
-                    for line in response.iter_lines():
-                        if line and self._deliver(json.loads(line).get("result", {}),
-                                                  by_number):
-                            broke = False  # a watch was canceled: reopened from where it is
-                            break
-                        if self._reopen:
-                            broke = False
-                            break
+                self._owner.requests += 1
+                with self._owner._link.lock:
+                    headers = self._owner._auth_header(client)
+                self._response = client.session.post(
+                    client.get_url("watch"), json=self._create_request(), stream=True,
+                    timeout=(etcd.timeout_s, None), headers=headers, **etcd.tls())
+                for line in self._response.iter_lines():
+                    if self._stopped.is_set():
+                        return
+                    if line:
+                        self._deliver(json.loads(line).get("result", {}))
             except (requests.RequestException, ConnectionFailedError, ValueError,
                     AttributeError, OSError) as e:
-                broke = not self._reopen and bool(self._watches)
-                if broke:
-                    logger.debug("paddle_hsdp.ft: the watch stream broke (%s); resuming", e)
-            finally:
-                with self._lock:
-                    response, self._response = self._response, None
-                if response is not None:
-                    response.close()
-                session.close()
-            if broke:
-                at += 1  # the next endpoint (the same one, with a single endpoint)
-                self._wake.wait(0.2)
-            self._wake.clear()
+                if self._stopped.is_set():
+                    return
+                logger.debug("paddle_hsdp.ft: watch of %s broke (%s); resuming", self._prefix, e)
+            at += 1  # the next endpoint (the same one, with a single endpoint)
+            self._stopped.wait(0.2)
 
-    def _deliver(self, result: dict, by_number: dict[int, Watch]) -> bool:
-        """One answer of the stream; True if a watch was canceled (the stream reopens)."""
-        watch = by_number.get(int(result.get("watch_id", 0)))
-        if watch is None or watch.stopped:
-            return False
+    def _deliver(self, result: dict) -> None:
         if result.get("created"):
-            if watch._next is None:  # from now on: nothing before it was asked for
-                watch._next = int(result["header"]["revision"]) + 1
-            watch.ready.set()
-            return False
-        if result.get("canceled"):  # history compacted past its revision: from what is left
+            if self._next is None:  # from now on: nothing before it was asked for
+                self._next = int(result["header"]["revision"]) + 1
+            self.ready.set()
+            return
+        if result.get("canceled"):  # history compacted past our revision: from what is left
             compacted = int(result.get("compact_revision", 0))
             logger.warning("paddle_hsdp.ft: watch of %s lost the events before revision %d "
-                           "(compacted)", watch._prefix, compacted)
-            if not compacted:  # another reason: the stream breaks, and resumes
-                raise ValueError(f"watch of {watch._prefix} canceled: {result}")
-            watch._next = compacted
-            return True
+                           "(compacted)", self._prefix, compacted)
+            self._next = compacted or None
+            raise ValueError("watch canceled")
         for event in result.get("events", []):
-            if watch.stopped:
-                break
             kv = event["kv"]
-            watch._next = int(kv["mod_revision"]) + 1
-            watch._on_event(event.get("type", "PUT"), _text(kv["key"]),
-                            _text(kv.get("value")), watch._next - 1)
-        return False
+            self._next = int(kv["mod_revision"]) + 1
+            self._on_event(event.get("type", "PUT"), _text(kv["key"]), _text(kv.get("value")),
+                           self._next - 1)
 
-
-def _cut(response: requests.Response | None) -> None:
-    """Unblock the thread reading ``response`` (its socket shut down)."""
-    if response is None:
-        return
-    try:
-        fd = response.raw._fp.fp.raw._sock.fileno()  # noqa: SLF001
-        sock = socket.socket(fileno=os.dup(fd))
-        sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
-    except (AttributeError, OSError, ValueError):
-        pass
+    def stop(self) -> None:
+        self._stopped.set()
+        response = self._response
+        if response is not None:  # unblock the reading thread
+            try:
+                fd = response.raw._fp.fp.raw._sock.fileno()  # noqa: SLF001
+                sock = socket.socket(fileno=os.dup(fd))
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except (AttributeError, OSError, ValueError):
+                pass
+            response.close()
+        self._thread.join(timeout=2)
+        for client in self._etcd._clients:  # its connections (a dead one stays pooled)
+            client.session.close()
 
 
 def wait_until_answers(address: str, timeout_s: float, security: Security | None = None) -> None:

@@ -81,9 +81,10 @@ class SharedData(Protocol):
 class JobStore:
     """The leader's client of the job's shared data (``timeout_s``: a ``get``'s bound),
     for its own rank and, through :class:`~.relay.Relay`, for its mates. Safe to use
-    from several threads: requests go one at a time over one connection, and a wait's
-    watch is one more on the client's one watch stream; the group's protocol shares
-    both (``GroupControl(shared=store.etcd)``: 2 connections to etcd per group)."""
+    from several threads: requests go one at a time over one connection, which the
+    group's protocol shares (``GroupControl(shared=store.etcd)``); a wait for a round's
+    value every group waits for is heard from the protocol's one watch (2 connections
+    to etcd per group), a wait for another key watches it (one more while it waits)."""
 
     # a value read once is kept for the group's other ranks: at most this many values
     # and bytes (a rejoin's metadata is a few hundred KB per local rank)
@@ -102,10 +103,10 @@ class JobStore:
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._counts: OrderedDict[str, int] = OrderedDict()  # counters seen, their values
         self._parts: OrderedDict[str, dict[int, str]] = OrderedDict()
-        self.watches = 0  # watches made for waits (each on the one watch stream)
+        self.watches = 0  # watches made for waits (each a connection while it waits)
 
     def _key(self, name: str) -> str:
-        return f"{self.keys.root}kv/{name}"
+        return self.keys.shared_data(name)
 
     def set(self, name: str, value: str | bytes, lease: int = 0) -> None:
         """Write ``name`` (signed with the job's secret, if any); with ``lease``
@@ -189,7 +190,16 @@ class JobStore:
 
     def _start(self, wait: _KeyWait, key: str, accept: Callable[[str | None], str | None]
                ) -> None:
+        def on_event(kind: str, event_key: str, raw: str, revision: int) -> None:
+            if kind == "PUT" and event_key == key:  # (a longer key shares the prefix)
+                taken = accept(raw)
+                if taken is not None:
+                    wait.done(taken)
         try:
+            # a key the group's one watch carries (Keys.shared_data): heard from it, no
+            # watch of its own; listened to before the read, so nothing falls between
+            if self.etcd.relays(key):
+                wait.unlisten = self.etcd.listen(key, on_event)
             with self._calls:
                 found = self.etcd.call("kv/range", {"key": _b64(key)})
             kvs = found.get("kvs", [])
@@ -197,12 +207,8 @@ class JobStore:
             if value is not None:
                 wait.done(value)
                 return
-
-            def on_event(kind: str, event_key: str, raw: str, revision: int) -> None:
-                if kind == "PUT" and event_key == key:  # (a longer key shares the prefix)
-                    taken = accept(raw)
-                    if taken is not None:
-                        wait.done(taken)
+            if wait.unlisten is not None:
+                return
             self.watches += 1
             wait.watch = self.etcd.watch(key, on_event,
                                          start_revision=int(found["header"]["revision"]) + 1)
@@ -252,6 +258,7 @@ class _KeyWait:
     def __init__(self) -> None:
         self.users = 0
         self.watch: Watch | None = None  # the etcd watch, while the value is not there
+        self.unlisten: Callable[[], None] | None = None  # or the group's watch's listener
         self._event = threading.Event()
         self._value: str | None = None
         self._error: BaseException | None = None
@@ -279,6 +286,9 @@ class _KeyWait:
         watch, self.watch = self.watch, None
         if watch is not None:
             watch.stop()
+        unlisten, self.unlisten = self.unlisten, None
+        if unlisten is not None:
+            unlisten()
 
 
 def poll_until(read: Callable[[], _T | None], timeout_s: float, what: str,

@@ -57,13 +57,15 @@ import json
 from collections import Counter
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
-from .etcd import Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch
+from .etcd import (Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch,
+                   prefix_end)
 from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -136,6 +138,16 @@ class Keys:
         it goes with the round's arrivals (:meth:`GroupControl._forget`)."""
         return self.rounds(number) + "record"
 
+    def shared_data(self, name: str) -> str:
+        """The key of ``name`` in the job's shared data (:mod:`.kv`): under ``kv/``,
+        except a round's values that every group of it waits for (its outer groups'
+        addresses, a receiver's receipts), which go under the round's ``ctl/<n>/kv/``:
+        every group's one watch (:meth:`GroupControl.register`) carries them to its
+        waiting ranks, no watch of their own (a stream, a connection), and they go with
+        the round's ``ctl/`` keys (:meth:`GroupControl._forget`)."""
+        found = _EVERY_GROUP_WAITS.fullmatch(name)
+        return f"{self.ctl_of(int(found[1]))}kv/{name}" if found else self.kv + name
+
     def kv_round(self, number: int) -> str:
         """The prefix of round ``number``'s keys in the shared data (:func:`round_kv`)."""
         return self.kv + round_kv(number)
@@ -149,6 +161,10 @@ class Keys:
         rest = key[len(self.ctl):]
         number, _, what = rest.partition("/")
         return (what, int(number)) if what else (number, -1)
+
+
+# a round's shared values that every group of the round waits for (Keys.shared_data)
+_EVERY_GROUP_WAITS = re.compile(r"round/(\d{9})/(?:outer_store|received/\d+)")
 
 
 def round_kv(number: int, *parts: object) -> str:
@@ -579,13 +595,17 @@ class GroupControl:
                                          name="paddle_hsdp-ft-lease")
         self._renewer.start()
         if not self._watches:
-            self._watches = [
-                self.etcd.watch(self.keys.ctl, self._on_ctl),
-                self.etcd.watch(self.keys.groups, self._on_group, no_put=True)]
+            # ONE watch (one stream: etcd's gateway speaks HTTP/1.1, a stream is a
+            # connection) of the keys from ctl/ to groups/ (nothing else sorts between):
+            # the control keys, the shared values every group waits for (handed to the
+            # job store's waits: Etcd.listen) and the groups' deaths
+            self._watches = [self.etcd.watch(self.keys.ctl, self._on_watched,
+                                             end=prefix_end(self.keys.groups))]
             for watch in self._watches:
                 if not watch.ready.wait(self.round_timeout_s):
                     raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
                                               f"{self.round_timeout_s:g} s")
+            self.etcd.relay_events(self.keys.ctl, prefix_end(self.keys.ctl))
             # what the watch, from now on, cannot tell: whether the job already finished
             self.finished = self.finished or self.signer.check(
                 self.keys.finished, self.etcd.get(self.keys.finished)) is not None
@@ -712,6 +732,7 @@ class GroupControl:
         for watch in self._watches:
             watch.stop()
         self._watches = []
+        self.etcd.relay_events("", "")  # the job store's waits watch for themselves
         if revoke and self.lease and self.lost is None:
             try:
                 self.etcd.revoke(self.lease)
@@ -721,6 +742,18 @@ class GroupControl:
             self.attempt.to(AttemptState.STOPPED)
 
     # ------------------------------------------------------------ events
+    def _on_watched(self, kind: str, key: str, value: str, revision: int) -> None:
+        """An event of the group's one watch: a group's key (its deletion: the group
+        is gone; a registration is no news), a round's shared value (to the job store's
+        waits) or a control key."""
+        if key.startswith(self.keys.groups):
+            if kind == "DELETE":
+                self._on_group(kind, key, value, revision)
+        elif self.keys.parse_ctl(key)[0].startswith("kv/"):
+            self.etcd.dispatch(kind, key, value, revision)
+        else:
+            self._on_ctl(kind, key, value, revision)
+
     def _on_ctl(self, kind: str, key: str, value: str, revision: int) -> None:
         what, number = self.keys.parse_ctl(key)
         failed_now = None
