@@ -184,7 +184,8 @@ class Etcd:
         self.came_back = float("-inf")  # when a call last found etcd again (monotonic)
         self.security = security or Security()
         self.requests = 0  # every request sent, watches' creations included
-        if shared is not None:  # its HTTP sessions (their one connection) and its stream
+        self._link: _Link
+        if shared is not None:  # its HTTP sessions (their one connection), its listeners
             self._link = shared._link
         else:
             self._link = _Link([self._client(h, p) for h, p in self.endpoints])

@@ -23,7 +23,10 @@ job's length.
 **One client per replica group.** Only a group's leader holds a :class:`JobStore`;
 its other ranks reach it through the group's own store (:mod:`.relay`). A wait
 (``get``, :meth:`JobStore.wait_count`) reads the key once and, if it is not there yet,
-watches it from the revision of that read (nothing is missed; no poll of etcd); the
+watches it from the revision of that read (nothing is missed; no poll of etcd), or,
+for a round's value every group waits for (its outer groups' addresses, a receiver's
+receipts: under the round's ``ctl/<n>/kv/``, :meth:`~.protocol.Keys.shared_data`),
+hears it from the group's one watch (no stream of its own); the
 ranks of a group waiting for the same key share one wait, and a value once read is
 kept (a few dozen, a few MB at most), so a group's ranks cost etcd what its leader
 alone would. Values a round needs from each local rank (a group-store address per
