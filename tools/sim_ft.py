@@ -35,9 +35,11 @@ joiner), and keeps stepping to the end. It prints, measured:
 * ``phases``: per phase (``steady``, ``first_round``, ``round``, ``set_up``,
   ``rejoin``, ``joint_save``; each the worst of its instances, a window from the
   first group's start to the last group's end): the peak requests/s to etcd over any
-  second of it, the most TCP connections open to etcd (counted in /proc/net/tcp), the
-  bytes of JSON the clients read per group and round; ``keys_after``: the job's keys
-  at the end.
+  second of it, the most TCP connections the groups held open to etcd (counted in
+  /proc/net/tcp, less ``connections_not_the_groups``: etcd's gateway's own and one per
+  renewing process), the bytes of JSON the clients read per group and round;
+  ``set_ups_done``: how many groups completed each phase of each round;
+  ``keys_after``: the job's keys at the end.
 
 With ``--json`` the last line is one JSON object of those figures.
 
