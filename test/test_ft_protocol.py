@@ -1095,7 +1095,10 @@ def test_the_keys_of_rounds_and_rejoins_do_not_grow_with_the_rounds(etcd):
             probe.call("kv/range", {"key": _b64(keys.closed), "revision": 2})
     names = {n: [k.replace(f"{n - 1:09d}", "PREV").replace(f"{n:09d}", "LAST")
                  for k in found] for n, (found, _) in counts.items()}
-    assert names[9] == names[30] and counts[9][1] == counts[30][1] > 0, counts
+    assert names[9] == names[30] and counts[9][1] == counts[30][1], counts
+    # the last two rounds' outer-group addresses, under their rounds' ctl/ (every group
+    # waits for them: its one watch carries them), not kv/
+    assert sum("/kv/round/" in k and "outer_store" in k for k in names[30]) == 2, names[30]
 
 
 def test_a_joint_saves_keys_are_leased_to_end_by_themselves(etcd):
@@ -1186,7 +1189,8 @@ def test_a_mates_requests_reach_etcd_only_through_its_leader_once_per_group(etcd
         assert host.etcd.requests - before[0] == 1
         assert other.etcd.requests - before[1] <= 3, other.etcd.requests - before[1]
         # a mate has no client of etcd; the only one made was the readers' leader's
-        # watch (its own connection while it waited), and every request was a leader's
+        # watch (its own connection while it waited: no group's watch carries the key
+        # here), and every request was a leader's
         assert len(made) == 1 and not any(hasattr(m, "etcd") for m in other_mates)
         assert len(calls) == (host.etcd.requests - before[0]) + \
             (other.etcd.requests - before[1]) - other.watches  # (a watch's creation is
@@ -1237,3 +1241,76 @@ def test_a_mates_wait_ends_when_its_round_fails_and_its_leaders_watch_with_it(et
         assert mates[1].get(name, timeout_s=10) == b"genuine"
     finally:
         relay.stop()
+
+
+def _connections_to(port: int) -> int:
+    """Established TCP connections whose far end is ``port`` on this host (Linux's
+    /proc/net/tcp): clients' connections to an etcd there (and its gateway's own)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            count += sum(1 for line in f if line.split()[3] == "01" and
+                         int(line.split()[2].rsplit(":", 1)[1], 16) == port)
+    return count
+
+
+def test_a_leader_holds_two_connections_to_etcd_through_a_failure_round_and_a_set_up(tmp_path):
+    """Issue 62: a group's leader, its protocol and its job store together, reaches etcd
+    over 2 connections: one for every request (the lease's renewals included), one
+    watch stream of the keys every group waits for (a round's records, failures,
+    deaths, its outer groups' addresses, a rejoin's receipts). Two groups go through round 0, a failed attempt's
+    round and a set-up in which each waits for the other's values; the connections to
+    their own etcd never exceed 2 per group (before: 5 per group, and one more per key
+    waited for)."""
+    from paddle_hsdp.ft.kv import JobStore
+    from paddle_hsdp.ft.protocol import round_kv
+    own = _OwnEtcd(tmp_path)
+    peak, done, groups = [0], threading.Event(), []
+    time.sleep(0.5)
+    base = _connections_to(own.port)  # the gateway's own, and the start's probe if kept
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _connections_to(own.port) - base)
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        rules = Rules(start_replicas=2, join_window_s=1.0)
+        stores = [JobStore(own.address, "conns", 20) for _ in range(2)]
+        groups = [GroupControl(own.address, "conns", r, f"tok{r}", "host", rules, TTL, 20,
+                               shared=stores[r].etcd) for r in range(2)]
+        for g in groups:
+            g.register()
+        _arrive_all(groups, 0, None)
+        for g in groups:
+            g.committed()
+        groups[1].announce_failure(0)
+        _until(lambda: groups[0].round_failed(0), 5, "the failure was not heard")
+        for g in groups:
+            g.failed()
+        again = _arrive_all(groups, 1, [0, 1], {r: Arrival(1, failed=True) for r in range(2)})
+        assert again[0].replicas == [0, 1] and again[0].rebuild
+        # the set-up: group 1 waits for group 0's addresses, group 0 for group 1's
+        # receipts (a rejoin's bystander): heard from each group's one watch
+        name, receipts, got = round_kv(1, "outer_store"), round_kv(1, "received", 1), []
+        waiting = [threading.Thread(target=lambda: got.append(stores[1].get_part(name, 0))),
+                   threading.Thread(target=lambda: got.append(stores[0].get_part(receipts, 0)))]
+        for thread in waiting:
+            thread.start()
+        time.sleep(0.5)
+        stores[0].set_part(name, 0, 1, "10.0.0.1:7")
+        stores[1].set_part(receipts, 0, 1, "1")
+        for thread in waiting:
+            thread.join(10)
+        assert sorted(got) == [b"1", b"10.0.0.1:7"]
+        assert stores[0].watches == stores[1].watches == 0  # no watch of their own
+        time.sleep(TTL)  # leases renewed meanwhile, over the requests' connection
+        assert all(g.lost is None for g in groups)
+    finally:
+        done.set()
+        sampler.join()
+        _close(groups)
+        own.stop()
+    assert 3 <= peak[0] <= 2 * len(groups), f"{peak[0]} connections to etcd for 2 groups"

@@ -35,9 +35,11 @@ joiner), and keeps stepping to the end. It prints, measured:
 * ``phases``: per phase (``steady``, ``first_round``, ``round``, ``set_up``,
   ``rejoin``, ``joint_save``; each the worst of its instances, a window from the
   first group's start to the last group's end): the peak requests/s to etcd over any
-  second of it, the most TCP connections open to etcd (counted in /proc/net/tcp), the
-  bytes of JSON the clients read per group and round; ``keys_after``: the job's keys
-  at the end.
+  second of it, the most TCP connections the groups held open to etcd (counted in
+  /proc/net/tcp, less ``connections_not_the_groups``: etcd's gateway's own and one per
+  renewing process), the bytes of JSON the clients read per group and round;
+  ``set_ups_done``: how many groups completed each phase of each round;
+  ``keys_after``: the job's keys at the end.
 
 With ``--json`` the last line is one JSON object of those figures.
 
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import multiprocessing as mp
 import os
 import re
@@ -202,7 +205,7 @@ class SimGroup:
     through the group's own store simulated in memory) and a step loop."""
 
     def __init__(self, args, replica: int, token: str, schedule: dict, t0: float,
-                 renewer: Renewer):
+                 renewer: Renewer, relays: list):
         protocol, _ = _protocol()
         from paddle_hsdp.ft.kv import JobStore
         from paddle_hsdp.ft.relay import MemoryChannel, Relay, RelayedStore
@@ -210,21 +213,27 @@ class SimGroup:
         self.schedule = schedule
         self.hung_at: float | None = None
         self._failure = threading.Event()
+        # the leader's clients as ft.init makes them: its job store, and its protocol
+        # sharing the store's connection (2 connections to etcd with the one watch)
+        self.store = JobStore(args.endpoints, "sim", args.round_timeout)
         self.control = protocol.GroupControl(
             args.endpoints, "sim", replica, token, f"sim{replica}",
             protocol.Rules(start_replicas=args.groups, join_window_s=args.join_window),
             args.ttl, args.round_timeout, healthy=self._healthy,
-            on_failure=lambda number: self._failure.set())
+            on_failure=lambda number: self._failure.set(), shared=self.store.etcd)
         self.control._renew = lambda: renewer.add(self.control)  # one renewer a process
         self.renewer = renewer
-        self.store = JobStore(args.endpoints, "sim", args.round_timeout)
         self.relay = None
         self.ranks = [self.store]
         if args.ranks_per_group > 1:
             channel = MemoryChannel()
-            self.relay = Relay(self.store, channel)
+            # looked at by the process's one relay thread (_look_at_relays), not a
+            # thread per group
+            self.relay = Relay(self.store, channel, looks=False)
+            relays.append(self.relay)
             self.ranks += [RelayedStore(channel, "sim", args.round_timeout)
                            for _ in range(args.ranks_per_group - 1)]
+        self._relays = relays
         self.rounds: dict[int, dict] = {}  # number -> arrived, held (wall times), requests
         self.phases: list[tuple[str, int, float, float]] = []  # (phase, round, from, to)
         self.errors: list[str] = []
@@ -374,6 +383,8 @@ class SimGroup:
         self.control.close(revoke=False)
         if self.relay is not None:
             self.relay.stop()
+            if self.relay in self._relays:
+                self._relays.remove(self.relay)
 
 
 _plans: dict[tuple, tuple[list[int], dict[int, int]]] = {}
@@ -410,6 +421,20 @@ def _count_bytes(etcd_module) -> list[int]:
     return read
 
 
+def _look_at_relays(relays: list, end: float) -> None:
+    """Every simulated group's relay, looked at by one thread of the process as each
+    leader's relay thread would (at once while busy, backing off to MAX_PAUSE_S while
+    idle): a polling thread per group starved 2 cores at 1,024 groups."""
+    from paddle_hsdp.ft.relay import MAX_PAUSE_S, PAUSE_S
+    pause = PAUSE_S
+    while time.time() < end:
+        busy = False
+        for relay in list(relays):
+            busy = relay.look() or busy
+        pause = PAUSE_S if busy else min(2 * pause, MAX_PAUSE_S)
+        time.sleep(pause)
+
+
 def _worker(args, replicas, schedule, t0, end, queue):
     import faulthandler
     import signal
@@ -419,7 +444,10 @@ def _worker(args, replicas, schedule, t0, end, queue):
     os.nice(5)  # below etcd and the renewals: the simulated clients wait, not they
     from paddle_hsdp.ft import etcd as etcd_module
     read = _count_bytes(etcd_module)
-    groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer) for r in replicas}
+    relays: list = []
+    groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer, relays) for r in replicas}
+    threading.Thread(target=_look_at_relays, args=(relays, end + 3 * args.round_timeout),
+                     daemon=True, name="sim-relays").start()
     threads = {r: threading.Thread(target=g.run, args=(False, end), daemon=True)
                for r, g in groups.items()}
     for thread in threads.values():
@@ -446,7 +474,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
             groups[replica].hung_at = time.time()
         elif replica in groups and what == "rejoin":
             groups[replica] = SimGroup(args, replica, f"t{replica}b",
-                                       {**schedule, "fail_by": None}, t0, renewer)
+                                       {**schedule, "fail_by": None}, t0, renewer, relays)
             every.append(groups[replica])
             threads[replica] = threading.Thread(target=groups[replica].run, args=(True, end),
                                                 daemon=True)
@@ -507,6 +535,9 @@ def simulate(args) -> dict:
     procs = max(1, min(args.processes or max(1, args.groups // 64), args.groups))
     port = int(args.endpoints.rsplit(":", 1)[1])
     SIM_ENDPOINTS[:] = [args.endpoints]
+    # not the groups': etcd's gateway's own (to its gRPC server), and one per renewing
+    # process (the groups' renewals, which a real leader sends over its requests' one)
+    others = _etcd_connections(port) + procs
     queue = mp.get_context("fork").Queue()
     workers = [mp.get_context("fork").Process(
         target=_worker, args=(args, list(range(i, args.groups, procs)), schedule, t0, end, queue))
@@ -523,7 +554,9 @@ def simulate(args) -> dict:
     keys = _key_count(args.endpoints)
     figures = _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_at,
                        rejoin_at, victims)
-    figures.update(_phases(args, results, t0, steady_from, steady_to, connections))
+    figures.update(_phases(args, results, t0, steady_from, steady_to,
+                           [(t, n - others) for t, n in connections]))
+    figures["connections_not_the_groups"] = others
     figures["keys_after"] = keys
     figures["load_average_1m"] = os.getloadavg()[0]  # others' work on the same cores
     return figures
@@ -579,6 +612,8 @@ def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
             name: max((r[name] for r in rows if r[name] is not None), default=None)
             for name in ("seconds", "peak_req_per_s", "connections",
                          "bytes_read_per_group_per_round")}}
+    out["set_ups_done"] = {f"{phase} {number}": count for (phase, number), count in sorted(
+        Counter((ph, n) for res in results for ph, n, _, _, _ in res["phases"]).items())}
     out["peak_connections"] = max((n for _, n in connections), default=None)
     out["renewal_late_max_s"] = round(max((v for res in results for v in res["late"].values()),
                                           default=0.0), 2)

@@ -3,8 +3,9 @@
 It speaks etcd's HTTP/JSON gateway (``/v3/...``) through ``etcd3gw``'s client, so
 nothing here needs gRPC or a protobuf that could clash with Paddle's. It adds what the
 protocol (:mod:`.protocol`) needs and the library leaves out: several endpoints (a
-3-member cluster: a call that cannot reach one tries the next), a watch that resumes
-from the revision after the last event it delivered when its stream breaks, a
+3-member cluster: a call that cannot reach one tries the next), clients that share one
+connection for their requests and hand each other the events of one watch, a watch that
+resumes from the revision after the last event it delivered when its stream breaks, a
 :class:`History` that notices an etcd that lost its data (its revision went back), and a
 count of requests (``requests``), which the scale simulator reports.
 
@@ -159,11 +160,17 @@ def prefix_end(prefix: str) -> str:
 
 
 class Etcd:
-    """One thread's client of the job's etcd (make one per thread: an HTTP session is
-    not shared between threads here). ``timeout_s`` bounds each request."""
+    """A client of the job's etcd. ``timeout_s`` bounds each request. Clients made with
+    ``shared=`` another share its connection (a *link*): one keep-alive HTTP connection
+    carries every request of them all, one at a time (each is short: a wait is a
+    watch), and the keys one of them watches for all (:meth:`relay_events`: a group's
+    control keys) reach the others' waits in-process (:meth:`listen`), so a group's
+    leader holds two connections to etcd (docs/fault-tolerance.md, "One etcd client per
+    group"). Safe to use from several threads."""
 
     def __init__(self, address: str, timeout_s: float = 5.0, security: Security | None = None,
-                 away_s: float = 0.0, history: History | None = None):
+                 away_s: float = 0.0, history: History | None = None,
+                 shared: Etcd | None = None):
         self.address = address
         # what this client's user has seen of etcd, to notice a loss of its data (None:
         # not judged here; the group's control plane does, and re-registers)
@@ -177,9 +184,13 @@ class Etcd:
         self.came_back = float("-inf")  # when a call last found etcd again (monotonic)
         self.security = security or Security()
         self.requests = 0  # every request sent, watches' creations included
-        self._clients = [self._client(h, p) for h, p in self.endpoints]
+        self._link: _Link
+        if shared is not None:  # its HTTP sessions (their one connection), its listeners
+            self._link = shared._link
+        else:
+            self._link = _Link([self._client(h, p) for h, p in self.endpoints])
+        self._clients = self._link.clients
         self._at = 0  # the endpoint that answered last
-        self._token: str | None = None
 
     def _client(self, host: str, port: int) -> Etcd3Client:
         sec = self.security
@@ -201,8 +212,9 @@ class Etcd:
                 client = self._clients[at]
                 self.requests += 1
                 try:
-                    result = client.post(client.get_url(path), json=payload,
-                                         headers=self._auth_header(client), **self.tls())
+                    with self._link.lock:  # one request at a time: one connection
+                        result = client.post(client.get_url(path), json=payload,
+                                             headers=self._auth_header(client), **self.tls())
                     if self._gone_since is not None:
                         self.came_back = time.monotonic()
                     self._at, self._gone_since = at, None
@@ -214,8 +226,8 @@ class Etcd:
                     last = e
                 except Etcd3Exception as e:
                     text = str(e.detail_text or e)
-                    if self._token is not None and "auth token" in text:
-                        self._token = None  # expired (etcd's simple tokens: 5 min idle)
+                    if self._link.token is not None and "auth token" in text:
+                        self._link.token = None  # expired (etcd's simple tokens: 5 min idle)
                         return self.call(path, payload)
                     raise EtcdRefused(f"paddle_hsdp.ft: etcd refused {path}: {text}") from None
             now = time.monotonic()
@@ -241,11 +253,11 @@ class Etcd:
         sec = self.security
         if sec.user is None:
             return {}
-        if self._token is None:
+        if self._link.token is None:
             self.requests += 1
-            self._token = client.post(client.get_url("auth/authenticate"), json={
+            self._link.token = client.post(client.get_url("auth/authenticate"), json={
                 "name": sec.user, "password": sec.password}, **self.tls())["token"]
-        return {"Authorization": self._token}
+        return {"Authorization": self._link.token}
 
     def put(self, key: str, value: str, lease: int = 0) -> int:
         """Write ``key``; the store's revision after it."""
@@ -366,11 +378,63 @@ class Etcd:
             logger.debug("paddle_hsdp.ft: revoke of lease %x: %s", lease, e)
 
     def watch(self, prefix: str, on_event: OnEvent, start_revision: int | None = None,
-              no_put: bool = False) -> Watch:
+              no_put: bool = False, end: str | None = None) -> Watch:
         """Call ``on_event(kind, key, value, revision)`` (kind ``"PUT"`` or ``"DELETE"``)
-        for every change under ``prefix`` from ``start_revision`` on, in order, on a
-        thread of its own (and an HTTP session of its own), until the watch is stopped."""
-        return Watch(self, prefix, on_event, start_revision, no_put)
+        for every change under ``prefix`` (or, with ``end``, of every key from
+        ``prefix`` up to ``end``, excluded) from ``start_revision`` on, in order, on a
+        thread of its own (and an HTTP stream of its own: one connection), until the
+        watch is stopped."""
+        return Watch(self, prefix, on_event, start_revision, no_put, end)
+
+    # what a watch of the link's keys hands on to its other clients (ft/kv.py's waits
+    # for keys the group's one watch already carries: no stream of their own)
+    def relay_events(self, first: str, end: str) -> None:
+        """This link's watch of the keys from ``first`` to ``end`` is live: its events
+        go to :meth:`listen`'s callbacks (:meth:`dispatch`)."""
+        with self._link.listening:
+            self._link.relayed = (first, end)
+
+    def relays(self, key: str) -> bool:
+        """Whether a live watch of this link carries ``key``'s events (:meth:`listen`)."""
+        first, end = self._link.relayed or ("", "")
+        return first <= key < end
+
+    def listen(self, key: str, on_event: OnEvent) -> Callable[[], None]:
+        """Call ``on_event`` for each change of ``key`` the link's watch delivers; the
+        returned function stops it."""
+        with self._link.listening:
+            self._link.listeners.setdefault(key, []).append(on_event)
+
+        def stop() -> None:
+            with self._link.listening:
+                callbacks = self._link.listeners.get(key, [])
+                if on_event in callbacks:
+                    callbacks.remove(on_event)
+                if not callbacks:
+                    self._link.listeners.pop(key, None)
+        return stop
+
+    def dispatch(self, kind: str, key: str, value: str, revision: int) -> None:
+        """An event of the link's watch, to the callbacks listening to its key."""
+        with self._link.listening:
+            callbacks = list(self._link.listeners.get(key, ()))
+        for on_event in callbacks:
+            on_event(kind, key, value, revision)
+
+
+class _Link:
+    """What clients made with ``shared=`` share: the HTTP sessions (one per endpoint;
+    requests go one at a time, so each keeps one connection), etcd's auth token, and
+    the range of keys one of them watches for all (``relayed``) with its listeners."""
+
+    def __init__(self, clients: list[Etcd3Client]):
+        self.clients = clients
+        self.lock = threading.Lock()
+        self.token: str | None = None
+        self.listening = threading.Lock()  # (not the requests': one may take seconds)
+        self.relayed: tuple[str, str] | None = None
+        self.listeners: dict[str, list[OnEvent]] = {}
+
 
 
 class Watch:
@@ -378,13 +442,14 @@ class Watch:
     endpoint): it resumes from the revision after the last event it delivered."""
 
     def __init__(self, etcd: Etcd, prefix: str, on_event: OnEvent, start_revision: int | None,
-                 no_put: bool):
+                 no_put: bool, end: str | None = None):
         self._owner = etcd  # counts the requests
         # fails at once: retried. A watch does not judge whether etcd lost its data (a
         # cluster's follower may answer a revision behind the leader's): its owner's
         # requests do, and replace the watch (GroupControl.register)
         self._etcd = Etcd(etcd.address, etcd.timeout_s, etcd.security)
         self._prefix, self._on_event = prefix, on_event
+        self._end = prefix_end(prefix) if end is None else end
         self._next = start_revision  # the first revision not delivered yet
         self._no_put = no_put
         self._stopped = threading.Event()
@@ -395,8 +460,7 @@ class Watch:
         self._thread.start()
 
     def _create_request(self) -> dict:
-        request: dict[str, object] = {"key": _b64(self._prefix),
-                                      "range_end": _b64(prefix_end(self._prefix))}
+        request: dict[str, object] = {"key": _b64(self._prefix), "range_end": _b64(self._end)}
         if self._next is not None:
             request["start_revision"] = self._next
         if self._no_put:
@@ -409,10 +473,11 @@ class Watch:
             client = etcd._clients[at % len(etcd._clients)]
             try:
                 self._owner.requests += 1
+                with self._owner._link.lock:
+                    headers = self._owner._auth_header(client)
                 self._response = client.session.post(
                     client.get_url("watch"), json=self._create_request(), stream=True,
-                    timeout=(etcd.timeout_s, None), headers=etcd._auth_header(client),
-                    **etcd.tls())
+                    timeout=(etcd.timeout_s, None), headers=headers, **etcd.tls())
                 for line in self._response.iter_lines():
                     if self._stopped.is_set():
                         return

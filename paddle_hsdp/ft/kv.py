@@ -23,7 +23,10 @@ job's length.
 **One client per replica group.** Only a group's leader holds a :class:`JobStore`;
 its other ranks reach it through the group's own store (:mod:`.relay`). A wait
 (``get``, :meth:`JobStore.wait_count`) reads the key once and, if it is not there yet,
-watches it from the revision of that read (nothing is missed; no poll of etcd); the
+watches it from the revision of that read (nothing is missed; no poll of etcd), or,
+for a round's value every group waits for (its outer groups' addresses, a receiver's
+receipts: under the round's ``ctl/<n>/kv/``, :meth:`~.protocol.Keys.shared_data`),
+hears it from the group's one watch (no stream of its own); the
 ranks of a group waiting for the same key share one wait, and a value once read is
 kept (a few dozen, a few MB at most), so a group's ranks cost etcd what its leader
 alone would. Values a round needs from each local rank (a group-store address per
@@ -81,8 +84,10 @@ class SharedData(Protocol):
 class JobStore:
     """The leader's client of the job's shared data (``timeout_s``: a ``get``'s bound),
     for its own rank and, through :class:`~.relay.Relay`, for its mates. Safe to use
-    from several threads: requests go one at a time over one connection; a wait's
-    watch has a connection of its own while it waits."""
+    from several threads: requests go one at a time over one connection, which the
+    group's protocol shares (``GroupControl(shared=store.etcd)``); a wait for a round's
+    value every group waits for is heard from the protocol's one watch (2 connections
+    to etcd per group), a wait for another key watches it (one more while it waits)."""
 
     # a value read once is kept for the group's other ranks: at most this many values
     # and bytes (a rejoin's metadata is a few hundred KB per local rank)
@@ -104,7 +109,7 @@ class JobStore:
         self.watches = 0  # watches made for waits (each a connection while it waits)
 
     def _key(self, name: str) -> str:
-        return f"{self.keys.root}kv/{name}"
+        return self.keys.shared_data(name)
 
     def set(self, name: str, value: str | bytes, lease: int = 0) -> None:
         """Write ``name`` (signed with the job's secret, if any); with ``lease``
@@ -188,7 +193,16 @@ class JobStore:
 
     def _start(self, wait: _KeyWait, key: str, accept: Callable[[str | None], str | None]
                ) -> None:
+        def on_event(kind: str, event_key: str, raw: str, revision: int) -> None:
+            if kind == "PUT" and event_key == key:  # (a longer key shares the prefix)
+                taken = accept(raw)
+                if taken is not None:
+                    wait.done(taken)
         try:
+            # a key the group's one watch carries (Keys.shared_data): heard from it, no
+            # watch of its own; listened to before the read, so nothing falls between
+            if self.etcd.relays(key):
+                wait.unlisten = self.etcd.listen(key, on_event)
             with self._calls:
                 found = self.etcd.call("kv/range", {"key": _b64(key)})
             kvs = found.get("kvs", [])
@@ -196,12 +210,8 @@ class JobStore:
             if value is not None:
                 wait.done(value)
                 return
-
-            def on_event(kind: str, event_key: str, raw: str, revision: int) -> None:
-                if kind == "PUT" and event_key == key:  # (a longer key shares the prefix)
-                    taken = accept(raw)
-                    if taken is not None:
-                        wait.done(taken)
+            if wait.unlisten is not None:
+                return
             self.watches += 1
             wait.watch = self.etcd.watch(key, on_event,
                                          start_revision=int(found["header"]["revision"]) + 1)
@@ -251,6 +261,7 @@ class _KeyWait:
     def __init__(self) -> None:
         self.users = 0
         self.watch: Watch | None = None  # the etcd watch, while the value is not there
+        self.unlisten: Callable[[], None] | None = None  # or the group's watch's listener
         self._event = threading.Event()
         self._value: str | None = None
         self._error: BaseException | None = None
@@ -278,6 +289,9 @@ class _KeyWait:
         watch, self.watch = self.watch, None
         if watch is not None:
             watch.stop()
+        unlisten, self.unlisten = self.unlisten, None
+        if unlisten is not None:
+            unlisten()
 
 
 def poll_until(read: Callable[[], _T | None], timeout_s: float, what: str,

@@ -6,8 +6,8 @@ What each replica group (its leader) does, and what it costs the service:
   lease of its own (TTL: the heartbeat timeout), renewed by its leader a few times per
   TTL only while the group's own ranks answer each other (``healthy()``, watched inside
   the group, never by other groups). A killed group's lease expires; a hung one's leader
-  revokes it. Either way etcd deletes the key, and every group hears it through one
-  watch of ``groups/`` (deletions only). A second launch of a live id is refused: the
+  revokes it. Either way etcd deletes the key, and every group hears it through its
+  one watch (below; a registration's event is no news). A second launch of a live id is refused: the
   key exists and its lease is being renewed; a launch that finds the holder's lease not
   renewed for a renewal interval (a crashed group restarted) revokes it and takes the id.
 * **Rounds.** Round ``n``'s arrivals are keys ``rounds/<n>/arrivals/<id>`` written with
@@ -15,7 +15,9 @@ What each replica group (its leader) does, and what it costs the service:
   first member to arrive takes the round's decider key (an etcd transaction), watches
   the arrivals, and writes the round's record once it may close (:func:`may_close`):
   ``ctl/<n>/record``, in one transaction with ``closed`` (the last closed round). Every
-  group reads the record from its one watch of ``ctl/``: the changes since round
+  group reads the record from its one watch, of the keys from ``ctl/`` to ``groups/``
+  (one stream, one connection; its job store's waits for a round's values every group
+  waits for hear them from it too: :meth:`Keys.shared_data`): the changes since round
   ``n-1``'s record, which every member holds (:meth:`Round.to_delta`: its size follows
   the changes, not the number of groups). The whole record goes, in the same
   transaction, to ``rounds/<n>/record``, outside the watch: a group without round
@@ -57,13 +59,15 @@ import json
 from collections import Counter
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
-from .etcd import Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch
+from .etcd import (Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch,
+                   prefix_end)
 from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
 
 logger = logging.getLogger("paddle_hsdp.ft")
@@ -136,6 +140,16 @@ class Keys:
         it goes with the round's arrivals (:meth:`GroupControl._forget`)."""
         return self.rounds(number) + "record"
 
+    def shared_data(self, name: str) -> str:
+        """The key of ``name`` in the job's shared data (:mod:`.kv`): under ``kv/``,
+        except a round's values that every group of it waits for (its outer groups'
+        addresses, a receiver's receipts), which go under the round's ``ctl/<n>/kv/``:
+        every group's one watch (:meth:`GroupControl.register`) carries them to its
+        waiting ranks, no watch of their own (a stream, a connection), and they go with
+        the round's ``ctl/`` keys (:meth:`GroupControl._forget`)."""
+        found = _EVERY_GROUP_WAITS.fullmatch(name)
+        return f"{self.ctl_of(int(found[1]))}kv/{name}" if found else self.kv + name
+
     def kv_round(self, number: int) -> str:
         """The prefix of round ``number``'s keys in the shared data (:func:`round_kv`)."""
         return self.kv + round_kv(number)
@@ -149,6 +163,10 @@ class Keys:
         rest = key[len(self.ctl):]
         number, _, what = rest.partition("/")
         return (what, int(number)) if what else (number, -1)
+
+
+# a round's shared values that every group of the round waits for (Keys.shared_data)
+_EVERY_GROUP_WAITS = re.compile(r"round/(\d{9})/(?:outer_store|received/\d+)")
 
 
 def round_kv(number: int, *parts: object) -> str:
@@ -452,7 +470,8 @@ class GroupControl:
                  on_failure: Callable[[int], None] = lambda number: None,
                  on_lost: Callable[[str], None] = lambda why: None,
                  security: Security | None = None,
-                 clock: Callable[[], float] = time.monotonic, signer: Signer = UNSIGNED):
+                 clock: Callable[[], float] = time.monotonic, signer: Signer = UNSIGNED,
+                 shared: Etcd | None = None):
         self.keys, self.replica, self.token, self.host = Keys(job), replica, token, host
         self.signer = signer  # signs what this group writes, checks what it reads
         self.rules, self.round_timeout_s, self.clock = rules, round_timeout_s, clock
@@ -462,16 +481,19 @@ class GroupControl:
         # what every client of this group saw of etcd: an etcd that lost its data is
         # noticed by the first request that reaches it (_on_reset)
         self._history = History(self._on_reset)
-        # the leader's main thread's, and the renewing thread's: each waits up to the
-        # round timeout for a restarted coordinator
+        # the leader's main thread's, the renewing thread's and the announcer's: each
+        # waits up to the round timeout for a restarted coordinator. They share one
+        # connection for their requests and one stream for every watch (and, with
+        # ``shared``, the group's job store's: ft/kv.py), so a leader holds 2 connections
+        # to etcd; a renewal waits at most for one short request (waits are watches)
         self.etcd = Etcd(address, security=security, away_s=round_timeout_s,
-                         history=self._history)
+                         history=self._history, shared=shared)
         self._kept = Etcd(address, security=security, away_s=round_timeout_s,
-                          history=self._history)
+                          history=self._history, shared=self.etcd)
         # failures are written by a thread of their own (announce_failure returns at
         # once: the group's vote never waits for etcd)
         self._announcer = Etcd(address, security=security, away_s=round_timeout_s,
-                               history=self._history)
+                               history=self._history, shared=self.etcd)
         self._announcing = threading.Lock()
         self._to_announce: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self._announcing_thread: threading.Thread | None = None
@@ -575,13 +597,17 @@ class GroupControl:
                                          name="paddle_hsdp-ft-lease")
         self._renewer.start()
         if not self._watches:
-            self._watches = [
-                self.etcd.watch(self.keys.ctl, self._on_ctl),
-                self.etcd.watch(self.keys.groups, self._on_group, no_put=True)]
+            # ONE watch (one stream: etcd's gateway speaks HTTP/1.1, a stream is a
+            # connection) of the keys from ctl/ to groups/ (nothing else sorts between):
+            # the control keys, the shared values every group waits for (handed to the
+            # job store's waits: Etcd.listen) and the groups' deaths
+            self._watches = [self.etcd.watch(self.keys.ctl, self._on_watched,
+                                             end=prefix_end(self.keys.groups))]
             for watch in self._watches:
                 if not watch.ready.wait(self.round_timeout_s):
                     raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
                                               f"{self.round_timeout_s:g} s")
+            self.etcd.relay_events(self.keys.ctl, prefix_end(self.keys.ctl))
             # what the watch, from now on, cannot tell: whether the job already finished
             self.finished = self.finished or self.signer.check(
                 self.keys.finished, self.etcd.get(self.keys.finished)) is not None
@@ -708,6 +734,7 @@ class GroupControl:
         for watch in self._watches:
             watch.stop()
         self._watches = []
+        self.etcd.relay_events("", "")  # the job store's waits watch for themselves
         if revoke and self.lease and self.lost is None:
             try:
                 self.etcd.revoke(self.lease)
@@ -717,6 +744,18 @@ class GroupControl:
             self.attempt.to(AttemptState.STOPPED)
 
     # ------------------------------------------------------------ events
+    def _on_watched(self, kind: str, key: str, value: str, revision: int) -> None:
+        """An event of the group's one watch: a group's key (its deletion: the group
+        is gone; a registration is no news), a round's shared value (to the job store's
+        waits) or a control key."""
+        if key.startswith(self.keys.groups):
+            if kind == "DELETE":
+                self._on_group(kind, key, value, revision)
+        elif self.keys.parse_ctl(key)[0].startswith("kv/"):
+            self.etcd.dispatch(kind, key, value, revision)
+        else:
+            self._on_ctl(kind, key, value, revision)
+
     def _on_ctl(self, kind: str, key: str, value: str, revision: int) -> None:
         what, number = self.keys.parse_ctl(key)
         failed_now = None

@@ -158,7 +158,7 @@ class Relay:
     thread of its own (a wait may last a round timeout), the channel shared under a
     lock (Paddle's store client is not shared between threads otherwise)."""
 
-    def __init__(self, store: JobStore, channel: Channel):
+    def __init__(self, store: JobStore, channel: Channel, looks: bool = True):
         self.store, self._channel = store, channel
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -166,9 +166,13 @@ class Relay:
         self._unwritten: set[int] = set()  # numbered, not written yet
         self._running: dict[int, threading.Event] = {}  # request -> cancelled
         self.served = 0
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="paddle_hsdp-ft-relay")
-        self._thread.start()
+        # ``looks=False``: no thread of its own; its owner calls :meth:`look` (the
+        # simulator: one thread looks at every group's, not a thread per group)
+        self._thread: threading.Thread | None = None
+        if looks:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="paddle_hsdp-ft-relay")
+            self._thread.start()
 
     def _call(self, op: str, *args: object) -> Any:
         with self._lock:
@@ -177,12 +181,16 @@ class Relay:
     def _run(self) -> None:
         pause = PAUSE_S
         while not self._stop.wait(pause):
-            try:
-                busy = self._tick()
-            except Exception as e:  # noqa: BLE001 - the group's store is going: next tick
-                logger.debug("paddle_hsdp.ft relay: %s", e)
-                busy = False
-            pause = PAUSE_S if busy else min(2 * pause, MAX_PAUSE_S)
+            pause = PAUSE_S if self.look() else min(2 * pause, MAX_PAUSE_S)
+
+    def look(self) -> bool:
+        """Take the requests the mates wrote since the last look (each served on a
+        thread of its own): whether there were any."""
+        try:
+            return self._tick()
+        except Exception as e:  # noqa: BLE001 - the group's store is going: next look
+            logger.debug("paddle_hsdp.ft relay: %s", e)
+            return False
 
     def _tick(self) -> bool:
         top = int(self._call("add", _SEQ, 0))
@@ -226,7 +234,8 @@ class Relay:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 class _Cancelled(Exception):

@@ -33,7 +33,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 import paddle
@@ -238,7 +238,8 @@ class Replica:
                 job.coordinator, job.name, self.replica_id, self._token,
                 socket.gethostname(), rules, liveness_s, self.round_timeout_s,
                 healthy=self._watch.healthy, on_failure=self._watch.announce,
-                on_lost=self._lost, security=job.security, signer=job.signer)
+                on_lost=self._lost, security=job.security, signer=job.signer,
+                shared=cast(JobStore, self.store).etcd)  # its 2 connections to etcd
             try:
                 control.register()
             except FaultToleranceError as e:
