@@ -32,11 +32,14 @@ class MemoryStore:
             self.data[name] = value.encode() if isinstance(value, str) else value
 
     def get(self, name, timeout_s=None, abort=None):
-        deadline = time.monotonic() + 5
+        # as JobStore: TimeoutError after timeout_s (a test's own bound without one)
+        deadline = time.monotonic() + (timeout_s or 5)
         while True:
             with self.lock:
                 if name in self.data:
                     return self.data[name]
+            if timeout_s is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"paddle_hsdp.ft: waited {timeout_s:g} s for {name}")
             assert time.monotonic() < deadline, f"get({name!r}) never answered"
             time.sleep(0.001)
 

@@ -21,8 +21,11 @@ step and
   that completes the count reads every group's file, checked against its record,
   checks that the pieces of all groups tile every tensor, writes the metadata and
   moves the folder into place, then announces the outcome, which every other group
-  awaits (bounded by the round timeout). A group that dies meanwhile fails the save on
-  every live rank; the previous checkpoint stays.
+  awaits (bounded by two round timeouts: the others' parts, then the publishing). The
+  outcome is a value of the round that every group waits for, so each group hears it on
+  its one watch of etcd (:meth:`~.protocol.Keys.shared_data`); the count is only the
+  publisher's (on that watch, every group's increment would reach every group). A group
+  that dies meanwhile fails the save on every live rank; the previous checkpoint stays.
 
 A save's keys in etcd go by themselves: each is written with a lease (never renewed)
 that ends :data:`SAVE_KEYS_ROUND_TIMEOUTS` round timeouts later, when no reader waits
@@ -43,8 +46,8 @@ import json
 import zlib
 from typing import TYPE_CHECKING, Protocol
 
-from .kv import wait_count
 from .pieces import plan_of
+from .protocol import round_kv
 from .store import key
 
 # the largest value a joint save writes to the job's etcd (etcd's own limit is 1.5 MiB
@@ -159,13 +162,17 @@ class JointSave:
         store = self._replica.store
         if len(outcome) > MAX_OUTCOME_CHARS:
             outcome = outcome[:MAX_OUTCOME_CHARS] + " (cut)"
-        store.set(self._key("outcome"), outcome, lease=store.lease(self._keys_ttl_s()))
+        store.set(self._outcome_key(), outcome, lease=store.lease(self._keys_ttl_s()))
+
+    def _outcome_key(self) -> str:
+        """The save's outcome, under its round's keys: every group's one watch carries it."""
+        return round_kv(self._round.number, "save", self._token, "outcome")
 
     def _keys_ttl_s(self) -> float:
         """How long this save's keys live: every reader is done by then (a group's record
-        is read by the publisher once the count completes; the count and the outcome
-        are awaited for at most a round timeout each from a reader's start, and every
-        group starts within a round timeout of the others, or the save fails)."""
+        is read by the publisher once the count completes; the outcome is awaited for at
+        most two round timeouts from a reader's start, and every group starts within a
+        round timeout of the others, or the save fails)."""
         return SAVE_KEYS_ROUND_TIMEOUTS * self._replica.round_timeout_s
 
     def outcome(self) -> str:
@@ -173,12 +180,10 @@ class JointSave:
         came in time (read from the store by each rank, so no rank waits in a
         collective of its group meanwhile: gloo's own timeout is 30 s)."""
         store = self._replica.store
-        timeout_s = self._replica.round_timeout_s
+        timeout_s = 2 * self._replica.round_timeout_s  # the others' parts, the publishing
         try:
-            wait_count(store, self._key("arrived"), len(self._round.replicas),
-                       timeout_s, "every live replica group to write its part of the "
-                       "checkpoint")
-            return store.get(self._key("outcome"), timeout_s).decode()
+            return store.get(self._outcome_key(), timeout_s).decode()
         except TimeoutError as e:
-            return (f"{e}: a replica group died or fell behind during the save "
+            return (f"{e}: no outcome of the joint save within {timeout_s:.0f} s: a replica "
+                    f"group died or fell behind during the save "
                     f"(replicas {self._round.replicas} were live)")

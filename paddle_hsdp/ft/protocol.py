@@ -166,7 +166,9 @@ class Keys:
 
 
 # a round's shared values that every group of the round waits for (Keys.shared_data)
-_EVERY_GROUP_WAITS = re.compile(r"round/(\d{9})/(?:outer_store|received/\d+)")
+# (its outer groups' addresses, a receiver's receipts, a joint save's outcome)
+_EVERY_GROUP_WAITS = re.compile(
+    r"round/(\d{9})/(?:outer_store|received/\d+|save/[^/]+/outcome)")
 
 
 def round_kv(number: int, *parts: object) -> str:
