@@ -62,9 +62,10 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from typing import Generic, TypeVar
 
 from .etcd import (Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch,
                    prefix_end)
@@ -413,6 +414,33 @@ def decide(number: int, present: dict[int, Arrival], expected: list[int] | None,
                    dead(r) or (f"not arrived within the join window ({window:g} s; a slow "
                                "group joins the next round)"))
     return Round(number, members, rebuild, failures, rules.pieces, left, refused, decider)
+
+
+# ---------------------------------------------------------------- machines of phases
+Phase = TypeVar("Phase", bound=enum.Enum)
+
+
+class PhaseMachine(Generic[Phase]):
+    """A piece of work as phases: one method per phase, each returning the next, every
+    move checked against :attr:`transitions` (a move it lacks is a bug in paddle_hsdp,
+    not a fault: ProtocolError). ft/replica.py's ``_Step`` and :class:`_RoundArrival`."""
+
+    phase: Phase
+    transitions: Mapping[Phase, frozenset[Phase]]
+    what: str  # the work, as a bug's message names it
+    table: str  # where the transitions are written
+
+    def _run_phases(self, phases: Mapping[Phase, Callable[[], Phase]], end: Phase) -> None:
+        while self.phase is not end:
+            self._move(phases[self.phase]())
+
+    def _move(self, to: Phase) -> None:
+        if to not in self.transitions[self.phase]:
+            raise ProtocolError(
+                f"paddle_hsdp.ft: {self.what} moved from {self.phase.value!r} to "
+                f"{to.value!r}, which {self.table} does not allow (a bug in paddle_hsdp: "
+                "please report it with this traceback)")
+        self.phase = to
 
 
 # ---------------------------------------------------------------- a group's attempt
@@ -1139,13 +1167,16 @@ ARRIVAL_TRANSITIONS: dict[ArrivalPhase, frozenset[ArrivalPhase]] = {
 }
 
 
-class _RoundArrival:
+class _RoundArrival(PhaseMachine[ArrivalPhase]):
     """One replica group's arrival at round ``number`` (:meth:`GroupControl.arrive`),
     until it holds the round's record: one method per :class:`ArrivalPhase`, each a
     pass that returns the next phase, every move checked against
     :data:`ARRIVAL_TRANSITIONS`. Each pass of a waiting or deciding group waits one
     health tick at most, then checks it may still wait (its lease, etcd, the round
     timeout)."""
+
+    transitions = ARRIVAL_TRANSITIONS
+    what, table = "an arrival at a round", "ft/protocol.py ARRIVAL_TRANSITIONS"
 
     def __init__(self, control: GroupControl, number: int, expected: list[int] | None,
                  arrival: Arrival, needs_state: bool):
@@ -1161,21 +1192,12 @@ class _RoundArrival:
         phases = {_A.ARRIVING: self._arrive, _A.WAITING: self._wait,
                   _A.DECIDING: self._decide}
         try:
-            while self.phase is not _A.RECORDED:
-                self._move(phases[self.phase]())
+            self._run_phases(phases, _A.RECORDED)
         finally:
             if self.decider is not None:
                 self.decider.stop()
         assert self.record is not None  # RECORDED is reached with it only
         return self.record
-
-    def _move(self, to: ArrivalPhase) -> None:
-        if to not in ARRIVAL_TRANSITIONS[self.phase]:
-            raise ProtocolError(
-                f"paddle_hsdp.ft: an arrival at a round moved from {self.phase.value!r} to "
-                f"{to.value!r}, which ft/protocol.py ARRIVAL_TRANSITIONS does not allow (a "
-                "bug in paddle_hsdp: please report it with this traceback)")
-        self.phase = to
 
     def _arrive(self) -> ArrivalPhase:
         control, keys = self.control, self.control.keys
