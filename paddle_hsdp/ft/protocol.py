@@ -1213,7 +1213,7 @@ class _RoundArrival(PhaseMachine[ArrivalPhase]):
             control.lost = control.lost or f"its lease ended ({e})"
             raise control._lease_lost() from None
         if self.expected is None and self.number > 0:
-            control.etcd.create(keys.join(self.number), str(control.replica))
+            control.etcd.create(keys.join(self.number), str(control.replica))  # wakes members
         self.arrived_at = control.clock()
         self.deadline = self.arrived_at + control.round_timeout_s
         self.next_word = self.arrived_at + WAIT_LOG_S
