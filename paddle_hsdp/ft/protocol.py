@@ -62,9 +62,10 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from typing import Generic, TypeVar
 
 from .etcd import (Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch,
                    prefix_end)
@@ -417,6 +418,33 @@ def decide(number: int, present: dict[int, Arrival], expected: list[int] | None,
     return Round(number, members, rebuild, failures, rules.pieces, left, refused, decider)
 
 
+# ---------------------------------------------------------------- machines of phases
+Phase = TypeVar("Phase", bound=enum.Enum)
+
+
+class PhaseMachine(Generic[Phase]):
+    """A piece of work as phases: one method per phase, each returning the next, every
+    move checked against :attr:`transitions` (a move it lacks is a bug in paddle_hsdp,
+    not a fault: ProtocolError). ft/replica.py's ``_Step`` and :class:`_RoundArrival`."""
+
+    phase: Phase
+    transitions: Mapping[Phase, frozenset[Phase]]
+    what: str  # the work, as a bug's message names it
+    table: str  # where the transitions are written
+
+    def _run_phases(self, phases: Mapping[Phase, Callable[[], Phase]], end: Phase) -> None:
+        while self.phase is not end:
+            self._move(phases[self.phase]())
+
+    def _move(self, to: Phase) -> None:
+        if to not in self.transitions[self.phase]:
+            raise ProtocolError(
+                f"paddle_hsdp.ft: {self.what} moved from {self.phase.value!r} to "
+                f"{to.value!r}, which {self.table} does not allow (a bug in paddle_hsdp: "
+                "please report it with this traceback)")
+        self.phase = to
+
+
 # ---------------------------------------------------------------- a group's attempt
 class AttemptState(enum.Enum):
     UNREGISTERED = "unregistered"  # no lease (before the start, or after losing it)
@@ -480,25 +508,7 @@ class GroupControl:
         self.ttl_s = max(2, int(round(ttl_s)))
         self._healthy, self._on_failure, self._on_lost = healthy, on_failure, on_lost
         self._address, self._security = address, security
-        # what every client of this group saw of etcd: an etcd that lost its data is
-        # noticed by the first request that reaches it (_on_reset)
-        self._history = History(self._on_reset)
-        # the leader's main thread's, the renewing thread's and the announcer's: each
-        # waits up to the round timeout for a restarted coordinator. They share one
-        # connection for their requests and one stream for every watch (and, with
-        # ``shared``, the group's job store's: ft/kv.py), so a leader holds 2 connections
-        # to etcd; a renewal waits at most for one short request (waits are watches)
-        self.etcd = Etcd(address, security=security, away_s=round_timeout_s,
-                         history=self._history, shared=shared)
-        self._kept = Etcd(address, security=security, away_s=round_timeout_s,
-                          history=self._history, shared=self.etcd)
-        # failures are written by a thread of their own (announce_failure returns at
-        # once: the group's vote never waits for etcd)
-        self._announcer = Etcd(address, security=security, away_s=round_timeout_s,
-                               history=self._history, shared=self.etcd)
-        self._announcing = threading.Lock()
-        self._to_announce: queue.Queue[tuple[int, int] | None] = queue.Queue()
-        self._announcing_thread: threading.Thread | None = None
+        self._open_clients(shared)
         # why etcd stays away longer than the round timeout (the group stops), if it does
         self.unavailable: str | None = None
         self._reset = False  # etcd lost its data since the group last took a round from it
@@ -524,6 +534,27 @@ class GroupControl:
         self._renewer: threading.Thread | None = None
         self.deaths_seen: list[tuple[float, int]] = []  # (time, replica): for simulation
 
+    def _open_clients(self, shared: Etcd | None) -> None:
+        """The leader's main thread's, the renewing thread's and the announcer's etcd
+        clients: each waits up to the round timeout for a restarted coordinator. They
+        share one connection for their requests and one stream for every watch (and,
+        with ``shared``, the group's job store's: ft/kv.py), so a leader holds 2
+        connections to etcd; a renewal waits at most for one short request (waits are
+        watches). Failures are written by a thread of their own (announce_failure
+        returns at once: the group's vote never waits for etcd)."""
+        # what every client of this group saw of etcd: an etcd that lost its data is
+        # noticed by the first request that reaches it (_on_reset)
+        self._history = History(self._on_reset)
+
+        def client(shared: Etcd | None) -> Etcd:
+            return Etcd(self._address, security=self._security, away_s=self.round_timeout_s,
+                        history=self._history, shared=shared)
+        self.etcd = client(shared)
+        self._kept, self._announcer = client(self.etcd), client(self.etcd)
+        self._announcing = threading.Lock()
+        self._to_announce: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._announcing_thread: threading.Thread | None = None
+
     # ------------------------------------------------------------ set-up
     @property
     def requests(self) -> int:
@@ -542,55 +573,10 @@ class GroupControl:
             self.lease = self.etcd.grant(self.ttl_s)
         except EtcdReset:  # noticed by this very request (_on_reset ran): the new etcd's
             self.lease = self.etcd.grant(self.ttl_s)
-        with self._cv:
-            seen = max(self._records, default=-1)
-        if seen >= 0 and not self._reset and self.etcd.get(self.keys.closed) is None and \
-                self.etcd.get(self.keys.restart) is None:
-            # its lease ended, and the rounds it took are gone too: etcd lost its data
-            # though its revision did not go back (a young job): the same recovery
-            self._on_reset(f"etcd lost its data: {self.keys.closed} is gone, yet round "
-                           f"{seen} closed (restarted on an empty data folder?)")
+        self._notice_rounds_gone()
         if self._watches_stale:  # they would wait for the lost etcd's revisions
-            self._watches_stale = False
-            for watch in self._watches:
-                watch.stop()
-            self._watches = []
-            for digest, text in self._configs.items():
-                self.publish_config(digest, text)
-
-        key = self.keys.group(self.replica)
-
-        def claim() -> str:  # with the lease held at the time
-            return self._sign(key, json.dumps({"token": self.token, "host": self.host,
-                                               "lease": self.lease}))
-        while not self.etcd.create(key, claim(), self.lease):
-            # the holder's lease as etcd keeps it (not as the value says: a value put
-            # back or forged may name any)
-            raw, revision, lease = self.etcd.get_lease(key)
-            if raw is None:
-                continue  # it expired just now
-            try:
-                host = json.loads(self.signer.open(key, raw))["host"]
-            except Forged as e:  # not a claim of this job's secret: logged; a group's
-                self.signer.refused(e)  # (it has a lease) is taken for one below
-                host = "unknown: its claim is not signed with this group's secret"
-            if lease and self._renewed(lease):
-                self.etcd.revoke(self.lease)
-                self.attempt.to(AttemptState.STOPPED)
-                raise FaultToleranceError(
-                    f"paddle_hsdp.ft: replica id {self.replica} is already running (its "
-                    f"leader on host {host}): a second launch with "
-                    f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
-                    "an id no running group has, or stop the running one first.")
-            # nothing renewed the holder's lease for a renewal interval: it died or hangs
-            # (the restart of a crashed group), so end its lease now rather than wait
-            # out the TTL; the others hear it as the group's death. A claim no lease
-            # holds (forged, or an old one put back) is removed as a lease's end would
-            if lease:
-                self.etcd.revoke(lease)
-            self.etcd.delete(key, revision)  # (no-op once the revoke deleted it)
-            if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
-                self.lease = self.etcd.grant(self.ttl_s)
+            self._restart_watches()
+        self._claim_id()
         self.lost = None
         self.attempt.to(AttemptState.REGISTERED)
         # renewed from now on: creating the watches may take a while on a loaded host
@@ -599,20 +585,87 @@ class GroupControl:
                                          name="paddle_hsdp-ft-lease")
         self._renewer.start()
         if not self._watches:
-            # ONE watch (one stream: etcd's gateway speaks HTTP/1.1, a stream is a
-            # connection) of the keys from ctl/ to groups/ (nothing else sorts between):
-            # the control keys, the shared values every group waits for (handed to the
-            # job store's waits: Etcd.listen) and the groups' deaths
-            self._watches = [self.etcd.watch(self.keys.ctl, self._on_watched,
-                                             end=prefix_end(self.keys.groups))]
-            for watch in self._watches:
-                if not watch.ready.wait(self.round_timeout_s):
-                    raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
-                                              f"{self.round_timeout_s:g} s")
-            self.etcd.relay_events(self.keys.ctl, prefix_end(self.keys.ctl))
-            # what the watch, from now on, cannot tell: whether the job already finished
-            self.finished = self.finished or self.signer.check(
-                self.keys.finished, self.etcd.get(self.keys.finished)) is not None
+            self._watch_job()
+
+    def _notice_rounds_gone(self) -> None:
+        """A group re-registering whose lease ended and whose rounds are gone too: etcd
+        lost its data though its revision did not go back (a young job): the same
+        recovery as a revision gone back (:meth:`_on_reset`)."""
+        with self._cv:
+            seen = max(self._records, default=-1)
+        if seen >= 0 and not self._reset and self.etcd.get(self.keys.closed) is None and \
+                self.etcd.get(self.keys.restart) is None:
+            self._on_reset(f"etcd lost its data: {self.keys.closed} is gone, yet round "
+                           f"{seen} closed (restarted on an empty data folder?)")
+
+    def _restart_watches(self) -> None:
+        """After etcd lost its data: the watches go (made anew by :meth:`_watch_job`)
+        and this group's configurations are published again."""
+        self._watches_stale = False
+        for watch in self._watches:
+            watch.stop()
+        self._watches = []
+        for digest, text in self._configs.items():
+            self.publish_config(digest, text)
+
+    def _claim_id(self) -> None:
+        """Create this group's key with its lease; a holder found in the way is either
+        live (FaultToleranceError) or cleared (:meth:`_clear_holder`), and the claim
+        tried again."""
+        key = self.keys.group(self.replica)
+
+        def claim() -> str:  # with the lease held at the time
+            return self._sign(key, json.dumps({"token": self.token, "host": self.host,
+                                               "lease": self.lease}))
+        while not self.etcd.create(key, claim(), self.lease):
+            self._clear_holder(key)
+
+    def _clear_holder(self, key: str) -> None:
+        """The group holding this group's id ``key``: refused if its lease is renewed,
+        else its lease ended and its claim removed."""
+        # the holder's lease as etcd keeps it (not as the value says: a value put
+        # back or forged may name any)
+        raw, revision, lease = self.etcd.get_lease(key)
+        if raw is None:
+            return  # it expired just now
+        try:
+            host = json.loads(self.signer.open(key, raw))["host"]
+        except Forged as e:  # not a claim of this job's secret: logged; a group's
+            self.signer.refused(e)  # (it has a lease) is taken for one below
+            host = "unknown: its claim is not signed with this group's secret"
+        if lease and self._renewed(lease):
+            self.etcd.revoke(self.lease)
+            self.attempt.to(AttemptState.STOPPED)
+            raise FaultToleranceError(
+                f"paddle_hsdp.ft: replica id {self.replica} is already running (its "
+                f"leader on host {host}): a second launch with "
+                f"PADDLE_HSDP_FT_REPLICA_ID={self.replica} is refused. Give this group "
+                "an id no running group has, or stop the running one first.")
+        # nothing renewed the holder's lease for a renewal interval: it died or hangs
+        # (the restart of a crashed group), so end its lease now rather than wait
+        # out the TTL; the others hear it as the group's death. A claim no lease
+        # holds (forged, or an old one put back) is removed as a lease's end would
+        if lease:
+            self.etcd.revoke(lease)
+        self.etcd.delete(key, revision)  # (no-op once the revoke deleted it)
+        if self.etcd.keep_alive(self.lease) < 0:  # ours, meanwhile: a new one
+            self.lease = self.etcd.grant(self.ttl_s)
+
+    def _watch_job(self) -> None:
+        """ONE watch (one stream: etcd's gateway speaks HTTP/1.1, a stream is a
+        connection) of the keys from ctl/ to groups/ (nothing else sorts between): the
+        control keys, the shared values every group waits for (handed to the job
+        store's waits: Etcd.listen) and the groups' deaths."""
+        self._watches = [self.etcd.watch(self.keys.ctl, self._on_watched,
+                                         end=prefix_end(self.keys.groups))]
+        for watch in self._watches:
+            if not watch.ready.wait(self.round_timeout_s):
+                raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
+                                          f"{self.round_timeout_s:g} s")
+        self.etcd.relay_events(self.keys.ctl, prefix_end(self.keys.ctl))
+        # what the watch, from now on, cannot tell: whether the job already finished
+        self.finished = self.finished or self.signer.check(
+            self.keys.finished, self.etcd.get(self.keys.finished)) is not None
 
     def _renewed(self, lease: int) -> bool:
         """Whether another launch keeps ``lease`` alive. etcd reports a lease's time to
@@ -864,8 +917,7 @@ class GroupControl:
             if seen >= 0:  # no round closed, yet this group read one: etcd lost its data
                 self._on_reset(f"etcd lost its data: {self.keys.closed} is gone, yet "
                                f"round {seen} closed (restarted on an empty data folder?)")
-                raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in "
-                                f"the job: {self.lost}")
+                raise self._lease_lost()
         if self.signer.authenticated or closed is None and raw is not None:
             # a forged value is refused, and one put back from an earlier round (signed,
             # but old) is outdone by the latest genuine record, which ``closed`` names
@@ -902,100 +954,16 @@ class GroupControl:
         try:
             return self._arrive(number, expected, arrival, needs_state)
         except EtcdReset:  # _on_reset ran: the group registers anew
-            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
-                            f"job: {self.lost}") from None
+            raise self._lease_lost() from None
         except EtcdRefused as e:
             if "lease" not in str(e):
                 raise
             self.lost = self.lost or f"its lease ended ({e})"
-            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
-                            f"job: {self.lost}") from None
+            raise self._lease_lost() from None
 
     def _arrive(self, number: int, expected: list[int] | None, arrival: Arrival,
                 needs_state: bool) -> Round | None:
-        if self.unavailable is not None:
-            raise EtcdUnavailable(self.unavailable)
-        if self.lost is not None:
-            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
-                            f"job: {self.lost}")
-        self.attempt.to(AttemptState.ARRIVED)
-        with self._cv:
-            self.armed, self.members = None, []  # nothing is watched while a round forms
-        keys, etcd = self.keys, self.etcd
-        try:
-            at = keys.arrival(number, self.replica)
-            etcd.put(at, self._sign(at, json.dumps(asdict(arrival))), self.lease)
-        except EtcdRefused as e:  # the lease ended just now ("requested lease not found")
-            self.lost = self.lost or f"its lease ended ({e})"
-            raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
-                            f"job: {self.lost}") from None
-        if expected is None and number > 0:
-            etcd.create(keys.join(number), str(self.replica))  # wakes the members
-        arrived_at = self.clock()
-        deadline, next_word = arrived_at + self.round_timeout_s, arrived_at + WAIT_LOG_S
-        decider = None  # this group's watch of the arrivals, if it decides
-        tried = False
-        try:
-            while True:
-                may_decide = self._may_decide(number, expected, arrived_at)
-                with self._cv:
-                    record = self._records.get(number)
-                    retry = number in self._decider_gone
-                    self._decider_gone.discard(number)
-                    if record is None and number not in self._unread and self.lost is None:
-                        if (not may_decide or (tried and not retry)) and decider is None:
-                            self._cv.wait(HEALTH_TICK_S)
-                            record = self._records.get(number)
-                    unread = record is None and number in self._unread
-                if unread:  # a delta against a round this group was not in
-                    record = self._read_unread(number)
-                if record is not None:
-                    break
-                if self.unavailable is not None:
-                    raise EtcdUnavailable(self.unavailable)
-                if self.lost is not None:
-                    raise LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place "
-                                    f"in the job: {self.lost}")
-                if self._stop.is_set():
-                    raise FaultToleranceError(f"paddle_hsdp.ft: replica {self.replica} left "
-                                              "the job while it waited for a round")
-                if may_decide and decider is None and (not tried or retry):
-                    tried = True
-                    at = keys.decider(number)
-                    if etcd.create(at, self._sign(at, self.token), self.lease):
-                        decider = _Arrivals(etcd, keys.rounds(number) + "arrivals/",
-                                            self.signer)
-                    elif self.signer.authenticated:
-                        # a key no lease holds and no secret signed is a forger's (a
-                        # decider's has its group's lease): deleted, its deletion a
-                        # retry. A group's key this group cannot verify (another
-                        # secret) stays: that group decides, and this one, refusing
-                        # its record, times out rather than form a job of its own
-                        raw, revision, lease = etcd.get_lease(at)
-                        if raw is not None and not lease and \
-                                self.signer.check(at, raw) is None:
-                            etcd.delete(at, revision)
-                if decider is not None:
-                    record = self._try_decide(number, expected, decider, arrived_at,
-                                              needs_state)
-                    if record is not None:
-                        break
-                    decider.wait(HEALTH_TICK_S)
-                now = self.clock()
-                if now > deadline:
-                    raise FaultToleranceError(self._timeout_message(number, expected))
-                if now > next_word:
-                    next_word += WAIT_LOG_S
-                    logger.warning("paddle_hsdp.ft: replica %d has waited %.0f s for round %d "
-                                   "(bound %g s)", self.replica, now - arrived_at, number,
-                                   self.round_timeout_s)
-                if expected is None and self.finished:
-                    raise FaultToleranceError(
-                        f"paddle_hsdp.ft: replica {self.replica} cannot join: the job has "
-                        "finished (a replica group called Replica.finish())")
-        finally:
-            if decider is not None:
-                decider.stop()
+        record = _RoundArrival(self, number, expected, arrival, needs_state).run()
         if self.replica in record.refused:
             self.attempt.to(AttemptState.STOPPED)
             raise FaultToleranceError(record.refused[self.replica])
@@ -1011,6 +979,10 @@ class GroupControl:
         if failed_already:  # a member died between the record and now
             self._on_failure(number)
         return record
+
+    def _lease_lost(self) -> LeaseLost:
+        return LeaseLost(f"paddle_hsdp.ft: replica {self.replica} lost its place in the "
+                         f"job: {self.lost}")
 
     def _read_unread(self, number: int) -> Round:
         """Round ``number``'s record, which came as a delta against a round this group
@@ -1173,6 +1145,182 @@ class GroupControl:
                 f"round {number} to close: it needs {need}. Is the coordinator's address "
                 "right, and are enough replica groups running? (PADDLE_HSDP_FT_ROUND_TIMEOUT "
                 "sets the bound.)")
+
+
+# ---------------------------------------------------------------- a group's arrival at a round
+class ArrivalPhase(enum.Enum):
+    #: writes its arrival (a joiner also its join key, which wakes the members)
+    ARRIVING = "arriving"
+    #: waits for the round's record, competing for its decider key where it may
+    WAITING = "waiting"
+    #: holds the decider key: watches the arrivals until the round may close
+    DECIDING = "deciding"
+    #: the round's record is in hand (written by this group or read)
+    RECORDED = "recorded"
+
+
+_A = ArrivalPhase
+#: Every move between an arrival's phases :class:`_RoundArrival` may make.
+ARRIVAL_TRANSITIONS: dict[ArrivalPhase, frozenset[ArrivalPhase]] = {
+    _A.ARRIVING: frozenset({_A.WAITING}),
+    _A.WAITING: frozenset({_A.WAITING, _A.DECIDING, _A.RECORDED}),  # (the decider key)
+    _A.DECIDING: frozenset({_A.DECIDING, _A.RECORDED}),  # a decider keeps its key
+    _A.RECORDED: frozenset(),
+}
+
+
+class _RoundArrival(PhaseMachine[ArrivalPhase]):
+    """One replica group's arrival at round ``number`` (:meth:`GroupControl.arrive`),
+    until it holds the round's record: one method per :class:`ArrivalPhase`, each a
+    pass that returns the next phase, every move checked against
+    :data:`ARRIVAL_TRANSITIONS`. Each pass of a waiting or deciding group waits one
+    health tick at most, then checks it may still wait (its lease, etcd, the round
+    timeout)."""
+
+    transitions = ARRIVAL_TRANSITIONS
+    what, table = "an arrival at a round", "ft/protocol.py ARRIVAL_TRANSITIONS"
+
+    def __init__(self, control: GroupControl, number: int, expected: list[int] | None,
+                 arrival: Arrival, needs_state: bool):
+        self.control, self.number, self.expected = control, number, expected
+        self.arrival, self.needs_state = arrival, needs_state
+        self.phase = ArrivalPhase.ARRIVING
+        self.arrived_at = self.deadline = self.next_word = 0.0
+        self.decider: _Arrivals | None = None  # the watch of the arrivals, once deciding
+        self.tried = False  # whether this group competed for the decider key
+        self.record: Round | None = None
+
+    def run(self) -> Round:
+        phases = {_A.ARRIVING: self._arrive, _A.WAITING: self._wait,
+                  _A.DECIDING: self._decide}
+        try:
+            self._run_phases(phases, _A.RECORDED)
+        finally:
+            if self.decider is not None:
+                self.decider.stop()
+        assert self.record is not None  # RECORDED is reached with it only
+        return self.record
+
+    def _arrive(self) -> ArrivalPhase:
+        control, keys = self.control, self.control.keys
+        self._check_still_in()
+        control.attempt.to(AttemptState.ARRIVED)
+        with control._cv:  # nothing is watched while a round forms
+            control.armed, control.members = None, []
+        try:
+            at = keys.arrival(self.number, control.replica)
+            control.etcd.put(at, control._sign(at, json.dumps(asdict(self.arrival))),
+                             control.lease)
+        except EtcdRefused as e:  # the lease ended just now ("requested lease not found")
+            control.lost = control.lost or f"its lease ended ({e})"
+            raise control._lease_lost() from None
+        if self.expected is None and self.number > 0:
+            control.etcd.create(keys.join(self.number), str(control.replica))  # wakes members
+        self.arrived_at = control.clock()
+        self.deadline = self.arrived_at + control.round_timeout_s
+        self.next_word = self.arrived_at + WAIT_LOG_S
+        return _A.WAITING
+
+    def _wait(self) -> ArrivalPhase:
+        """A pass of a group that does not decide: the record, if it came (else a tick's
+        wait for it, unless it competes for the decider key now); the key, if it may
+        compete (again once the last decider's key was freed)."""
+        may_decide = self.control._may_decide(self.number, self.expected, self.arrived_at)
+        retry = self._look_for_record(
+            lambda retry: not may_decide or (self.tried and not retry))
+        if self.record is not None:
+            return _A.RECORDED
+        self._check_still_in()
+        if may_decide and (not self.tried or retry):
+            self.tried = True
+            if self._take_decider_key():
+                return _A.DECIDING
+        self._check_patience()
+        return _A.WAITING
+
+    def _decide(self) -> ArrivalPhase:
+        """A pass of the decider: the record, if another decider wrote it (this one's
+        lease lapsed); else the round's record written once it may close, or a tick's
+        wait for arrivals."""
+        self._look_for_record(lambda retry: False)  # (never idle: it waits on arrivals)
+        if self.record is not None:
+            return _A.RECORDED
+        self._check_still_in()
+        assert self.decider is not None  # DECIDING is reached with it only
+        self.record = self.control._try_decide(self.number, self.expected, self.decider,
+                                               self.arrived_at, self.needs_state)
+        if self.record is not None:
+            return _A.RECORDED
+        self.decider.wait(HEALTH_TICK_S)
+        self._check_patience()
+        return _A.DECIDING
+
+    def _look_for_record(self, idle: Callable[[bool], bool]) -> bool:
+        """Take the round's record into ``self.record`` if it came (a delta against a
+        round this group was not in is read whole); without it, wait a health tick for
+        it if ``idle(retry)``. Whether the decider's key was freed since the last look
+        (``retry``: it may be competed for again)."""
+        control, number = self.control, self.number
+        with control._cv:
+            record = control._records.get(number)
+            retry = number in control._decider_gone
+            control._decider_gone.discard(number)
+            if record is None and number not in control._unread and control.lost is None \
+                    and idle(retry):
+                control._cv.wait(HEALTH_TICK_S)
+                record = control._records.get(number)
+            unread = record is None and number in control._unread
+        if unread:
+            record = control._read_unread(number)
+        self.record = record
+        return retry
+
+    def _take_decider_key(self) -> bool:
+        """Whether this group took the round's decider key (then it watches the
+        arrivals). A key in the way that no lease holds and no secret signed is a
+        forger's (a decider's has its group's lease): deleted, its deletion a retry. A
+        group's key this group cannot verify (another secret) stays: that group
+        decides, and this one, refusing its record, times out rather than form a job of
+        its own."""
+        control, etcd = self.control, self.control.etcd
+        at = control.keys.decider(self.number)
+        if etcd.create(at, control._sign(at, control.token), control.lease):
+            self.decider = _Arrivals(etcd, control.keys.rounds(self.number) + "arrivals/",
+                                     control.signer)
+            return True
+        if control.signer.authenticated:
+            raw, revision, lease = etcd.get_lease(at)
+            if raw is not None and not lease and control.signer.check(at, raw) is None:
+                etcd.delete(at, revision)
+        return False
+
+    def _check_still_in(self) -> None:
+        """Raise if this group may no longer wait: etcd stayed away, its lease ended, or
+        it is closing."""
+        control = self.control
+        if control.unavailable is not None:
+            raise EtcdUnavailable(control.unavailable)
+        if control.lost is not None:
+            raise control._lease_lost()
+        if self.phase is not _A.ARRIVING and control._stop.is_set():
+            raise FaultToleranceError(f"paddle_hsdp.ft: replica {control.replica} left "
+                                      "the job while it waited for a round")
+
+    def _check_patience(self) -> None:
+        """Raise once the round timeout passed (or, for a joiner, the job finished);
+        say what it waits for every ``WAIT_LOG_S``."""
+        control, now = self.control, self.control.clock()
+        if now > self.deadline:
+            raise FaultToleranceError(control._timeout_message(self.number, self.expected))
+        if now > self.next_word:
+            self.next_word += WAIT_LOG_S
+            logger.warning("paddle_hsdp.ft: replica %d has waited %.0f s for round %d "
+                           "(bound %g s)", control.replica, now - self.arrived_at,
+                           self.number, control.round_timeout_s)
+        if self.expected is None and control.finished:
+            raise FaultToleranceError(
+                f"paddle_hsdp.ft: replica {control.replica} cannot join: the job has "
+                "finished (a replica group called Replica.finish())")
 
 
 def first_difference(theirs: dict | None, ours: dict | None) -> str:

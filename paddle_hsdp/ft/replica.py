@@ -52,8 +52,8 @@ from .joint_save import JointSave
 from .kv import JobStore, SharedData
 from .relay import Relay, RelayedStore
 from .pieces import PiecePlan, plan_of
-from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, ProtocolError,
-                       Round, Rules, WrongBase)
+from .protocol import (Arrival, FaultToleranceError, GroupControl, LeaseLost, PhaseMachine,
+                       ProtocolError, Round, Rules, WrongBase)
 from .trust import SECRET_ENV, Signer, signer_from_env
 from .store import (COORDINATOR_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, GroupWatch,
                     float_env, heartbeat_timeout_s, join_window_s)
@@ -650,12 +650,15 @@ STEP_TRANSITIONS: dict[StepPhase, frozenset[StepPhase]] = {
 }
 
 
-class _Step:
+class _Step(PhaseMachine[StepPhase]):
     """One optimizer step of a replica group (:meth:`Replica.train_step`), attempted
     until an attempt commits: one method per :class:`StepPhase`, each returning the
     next, every move checked against :data:`STEP_TRANSITIONS`. What outlasts an
     attempt: the batch (fetched again only once a round loaded the user's state anew)
     and the count of failed attempts."""
+
+    transitions = STEP_TRANSITIONS
+    what, table = "a step's attempt", "ft/replica.py STEP_TRANSITIONS"
 
     def __init__(self, replica: Replica, forward_backward: Callable[..., Any],
                  next_batch: Callable[[], Any] | None):
@@ -681,17 +684,8 @@ class _Step:
                   _P.RUNNING: self._train, _P.ANNOUNCING: self._announce_failure,
                   _P.VOTING: self._vote, _P.COMMITTING: self._commit,
                   _P.RETRYING: self._retry}
-        while self.phase is not _P.DONE:
-            self._move(phases[self.phase]())
+        self._run_phases(phases, _P.DONE)
         return self.loss
-
-    def _move(self, to: StepPhase) -> None:
-        if to not in STEP_TRANSITIONS[self.phase]:
-            raise ProtocolError(
-                f"paddle_hsdp.ft: a step's attempt moved from {self.phase.value!r} to "
-                f"{to.value!r}, which ft/replica.py STEP_TRANSITIONS does not allow (a "
-                "bug in paddle_hsdp: please report it with this traceback)")
-        self.phase = to
 
     def _arrive(self) -> StepPhase:
         replica = self.replica
