@@ -228,6 +228,44 @@ def test_an_attempt_takes_only_the_protocols_transitions():
         attempt.to(AttemptState.REGISTERED)
 
 
+
+def test_an_arrival_moves_through_its_phases_and_only_the_tables(etcd, monkeypatch):
+    """GroupControl.arrive as a machine (protocol._RoundArrival, issue 68): two groups
+    arrive at round 0; the one that took the decider key went arriving, waiting,
+    deciding, recorded; the other waited until it read the record. A move the table
+    lacks is refused, and every phase is reachable from the first."""
+    from paddle_hsdp.ft import protocol
+    moves = []
+    original = protocol._RoundArrival._move
+
+    def recorded(self, to):
+        moves.append((self.control.replica, self.phase, to))
+        original(self, to)
+    monkeypatch.setattr(protocol._RoundArrival, "_move", recorded)
+    groups, _, _ = _groups(etcd, 2)
+    try:
+        records = _arrive_all(groups, 0, None)
+        assert records[0] == records[1] and records[0].replicas == [0, 1]
+    finally:
+        _close(groups)
+    A = protocol.ArrivalPhase
+    paths = {r: [A.ARRIVING] + [to for who, _, to in moves if who == r] for r in (0, 1)}
+    for path in paths.values():  # (repeated passes of one phase are that phase again)
+        assert path[:2] == [A.ARRIVING, A.WAITING] and path[-1] is A.RECORDED, path
+    deciders = [r for r, path in paths.items() if A.DECIDING in path]
+    assert len(deciders) == 1, paths  # one group decided, the other read its record
+    assert [p for p in paths[1 - deciders[0]] if p is A.DECIDING] == []
+    arrival = protocol._RoundArrival.__new__(protocol._RoundArrival)
+    arrival.phase = A.ARRIVING
+    with pytest.raises(ProtocolError, match="from 'arriving' to 'recorded'"):
+        original(arrival, A.RECORDED)
+    reached, frontier = {A.ARRIVING}, [A.ARRIVING]
+    while frontier:
+        after = protocol.ARRIVAL_TRANSITIONS[frontier.pop()] - reached
+        reached |= after
+        frontier += after
+    assert reached == set(A) and set(protocol.ARRIVAL_TRANSITIONS) == set(A)
+
 @pytest.mark.parametrize("address", ["", "etcd://", "localhost", "etcd://h:0", "h:p"])
 def test_a_bad_etcd_address_is_named(address):
     with pytest.raises(ValueError, match="etcd://host:port"):
