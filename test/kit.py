@@ -91,3 +91,14 @@ def assert_raises_without_side_effects(exc, match, module, **kwargs):
     assert comm.counter.snapshot() == calls_before, "a collective ran before the check"
     assert hsdp_registry.units == units_before
     assert type(module) is cls_before
+
+
+def reachable(transitions: dict, start) -> set:
+    """Every state a transition table reaches from ``start`` (the ft machines' tables:
+    no phase written in vain)."""
+    reached, frontier = {start}, [start]
+    while frontier:
+        after = set(transitions[frontier.pop()]) - reached
+        reached |= after
+        frontier += after
+    return reached

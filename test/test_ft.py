@@ -13,6 +13,7 @@ import types
 import numpy as np
 import paddle
 import pytest
+import kit
 
 from paddle_hsdp.comm.traits import declare, traits_of
 from paddle_hsdp.ft import groups, transfer
@@ -563,12 +564,8 @@ def test_a_steps_attempts_move_through_their_phases_in_order(monkeypatch):
     done.phase = P.DONE
     with pytest.raises(ProtocolError, match="from 'done' to 'arriving'"):
         move(done, P.ARRIVING)
-    reached, frontier = {P.ARRIVING}, [P.ARRIVING]
-    while frontier:
-        after = replica.STEP_TRANSITIONS[frontier.pop()] - reached
-        reached |= after
-        frontier += after
-    assert reached == set(P) and set(replica.STEP_TRANSITIONS) == set(P)
+    assert kit.reachable(replica.STEP_TRANSITIONS, P.ARRIVING) == set(P)
+    assert set(replica.STEP_TRANSITIONS) == set(P)
 
 
 def test_attached_user_state_needs_next_batch_and_both_callables():

@@ -13,6 +13,7 @@ import time
 import types
 
 import pytest
+import kit
 
 from paddle_hsdp.ft import etcd_server
 from paddle_hsdp.ft.etcd import (Etcd, EtcdReset, EtcdUnavailable, History, _b64, parse_endpoints,
@@ -259,12 +260,8 @@ def test_an_arrival_moves_through_its_phases_and_only_the_tables(etcd, monkeypat
     arrival.phase = A.ARRIVING
     with pytest.raises(ProtocolError, match="from 'arriving' to 'recorded'"):
         original(arrival, A.RECORDED)
-    reached, frontier = {A.ARRIVING}, [A.ARRIVING]
-    while frontier:
-        after = protocol.ARRIVAL_TRANSITIONS[frontier.pop()] - reached
-        reached |= after
-        frontier += after
-    assert reached == set(A) and set(protocol.ARRIVAL_TRANSITIONS) == set(A)
+    assert kit.reachable(protocol.ARRIVAL_TRANSITIONS, A.ARRIVING) == set(A)
+    assert set(protocol.ARRIVAL_TRANSITIONS) == set(A)
 
 @pytest.mark.parametrize("address", ["", "etcd://", "localhost", "etcd://h:0", "h:p"])
 def test_a_bad_etcd_address_is_named(address):
