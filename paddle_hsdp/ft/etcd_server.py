@@ -11,12 +11,14 @@ and lease it held, so a restarted coordinator loses nothing. Production jobs run
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 
-from .etcd import Security, wait_until_answers
+from .etcd import EtcdUnavailable, Security, wait_until_answers
 
 
 def etcd_binary() -> str:
@@ -61,7 +63,8 @@ def start(host: str, port: int, data_dir: str, peer_port: int | None = None,
         args += ["--cert-file", sec.cert or "", "--key-file", sec.key or ""]
         args += [] if sec.user else ["--trusted-ca-file", sec.ca, "--client-cert-auth"]
     os.makedirs(data_dir, exist_ok=True)
-    log = open(log_path or os.path.join(data_dir, "etcd.log"), "ab")
+    log_path = log_path or os.path.join(data_dir, "etcd.log")
+    log = open(log_path, "ab")
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                preexec_fn=preexec_fn)
     log.close()
@@ -69,10 +72,46 @@ def start(host: str, port: int, data_dir: str, peer_port: int | None = None,
         address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         # asked as a client of this server asks: with users on, no certificate (and
         # no user yet: a new server has none)
-        wait_until_answers(address, ready_s, Security(ca=sec.ca) if sec.user else
-                           Security(sec.ca, sec.cert, sec.key))
+        _wait_until_serving(process, address, ready_s, Security(ca=sec.ca) if sec.user
+                            else Security(sec.ca, sec.cert, sec.key), log_path)
     except BaseException:
         process.kill()
         process.wait()
         raise
     return process
+
+
+def _wait_until_serving(process: subprocess.Popen, address: str, ready_s: float,
+                        security: Security, log_path: str) -> None:
+    """Until etcd answers at ``address``; an etcd that exits first (a port taken: its
+    client's or its peer's) is said at once with the end of its log, not after
+    ``ready_s`` as an etcd that never answered."""
+    deadline = time.monotonic() + ready_s
+    while True:
+        try:
+            wait_until_answers(address, min(1.0, max(deadline - time.monotonic(), 0.0)),
+                               security)
+            return
+        except EtcdUnavailable:
+            if process.poll() is not None:
+                raise EtcdUnavailable(
+                    f"paddle_hsdp.ft: etcd exited (status {process.returncode}) before "
+                    f"serving {address}: {_why_it_stopped(log_path)} (its log: "
+                    f"{log_path})") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _why_it_stopped(log_path: str) -> str:
+    """etcd's last fatal or error line (JSON: its message and error), else its log's end."""
+    with open(log_path, "rb") as f:
+        f.seek(max(f.seek(0, os.SEEK_END) - 16384, 0))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        if '"level":"fatal"' in line or '"level":"error"' in line:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                return line[:300]
+            return f"{entry.get('msg', '')}: {entry.get('error', '')}".strip(": ")
+    return " | ".join(lines[-3:])[-300:]
