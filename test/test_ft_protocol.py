@@ -581,6 +581,28 @@ class _OwnEtcd:
             self.server = None
 
 
+def _groups_past_round_0(own, job, n, round_timeout_s):
+    """``n`` groups on ``own`` etcd, through round 0 and a committed step, each
+    recording the failures and losses it is told: ``(groups, failures, lost)``. A set-up
+    that fails closes them (the caller's ``finally`` is not entered yet)."""
+    failures, lost = {r: [] for r in range(n)}, {r: [] for r in range(n)}
+    rules = Rules(start_replicas=n, join_window_s=1.0)
+    groups = [GroupControl(own.address, job, r, f"tok{r}", "host", rules, TTL,
+                           round_timeout_s, on_failure=failures[r].append,
+                           on_lost=lost[r].append) for r in range(n)]
+    try:
+        for g in groups:
+            g.register()
+        _arrive_all(groups, 0, None)
+        for g in groups:
+            g.committed()
+    except BaseException:
+        for g in groups:
+            g.close(revoke=False)
+        own.stop()
+        raise
+    return groups, failures, lost
+
 def _until(condition, bound_s, what):
     deadline = time.monotonic() + bound_s
     while not condition():
@@ -594,18 +616,8 @@ def test_while_etcd_is_away_a_failure_is_announced_off_the_vote_and_waits_are_bo
     out the survivors' votes); the announcement lands once etcd is back; an etcd away
     past the round timeout stops the group once, said once, not at every renewal tick."""
     own = _OwnEtcd(tmp_path)
-    lost = {0: [], 1: []}
-    rules = Rules(start_replicas=2, join_window_s=1.0)
-    failures = {0: [], 1: []}
-    groups = [GroupControl(own.address, "away", r, f"tok{r}", "host", rules, TTL, 4,
-                           on_failure=failures[r].append, on_lost=lost[r].append)
-              for r in range(2)]
+    groups, failures, lost = _groups_past_round_0(own, "away", 2, round_timeout_s=4)
     try:
-        for g in groups:
-            g.register()
-        _arrive_all(groups, 0, None)
-        for g in groups:
-            g.committed()
         own.stop()
         started = time.monotonic()
         groups[0].announce_failure(0)
@@ -643,18 +655,8 @@ def test_an_etcd_that_lost_its_data_is_noticed_and_every_group_meets_anew_at_its
     last seen), registers anew, and all meet at one round decided from their own
     steps; their watches follow the new etcd (a failure and a death reach everyone)."""
     own = _OwnEtcd(tmp_path)
-    lost = {r: [] for r in range(3)}
-    failures = {r: [] for r in range(3)}
-    rules = Rules(start_replicas=3, join_window_s=1.0)
-    groups = [GroupControl(own.address, "reset", r, f"tok{r}", "host", rules, TTL, 20,
-                           on_failure=failures[r].append, on_lost=lost[r].append)
-              for r in range(3)]
+    groups, failures, lost = _groups_past_round_0(own, "reset", 3, round_timeout_s=20)
     try:
-        for g in groups:
-            g.register()
-        _arrive_all(groups, 0, None)
-        for g in groups:
-            g.committed()
         for i in range(40):  # a job's history: more revisions than re-registering makes
             groups[0].etcd.put(f"/history/{i}", "x")
         own.stop()
@@ -689,7 +691,7 @@ def test_an_etcd_that_lost_its_data_is_noticed_and_every_group_meets_anew_at_its
         _until(lambda: failures[0][-1:] == [2] and failures[1][-1:] == [2], TTL + 2,
                "a death after the reset was not heard")
         # a group that never noticed the revision (it caught up) finds `closed` gone
-        late = GroupControl(own.address, "reset", 5, "tok5", "host", rules, TTL, 20)
+        late = GroupControl(own.address, "reset", 5, "tok5", "host", groups[0].rules, TTL, 20)
         late.register()
         late._records[3] = out[0]
         late.etcd.delete_prefix(late.keys.root)
