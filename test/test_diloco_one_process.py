@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import paddle
 import pytest
 from paddle.distributed import fleet
 
@@ -46,19 +47,22 @@ def test_every_one_is_plain_hsdp_bit_for_bit(fake_mesh, float64):
     assert all((a[n] == b[n]).all() for n in a)
 
 
-def reference_one_replica(clip=None):
-    """AdamW on plain Paddle; every EVERY-th step the outer Nesterov step from the
+def reference_one_replica(clip=None, start=None, position=0, seeds=range(STEPS)):
+    """AdamW on plain Paddle (from ``start``'s values, if given); every EVERY-th step
+    (``position`` steps into the interval at the start) the outer Nesterov step from the
     anchor on the (one replica's) pseudo-gradient."""
     model = build_model()
+    if start is not None:
+        model.set_state_dict({n: paddle.to_tensor(v) for n, v in start.items()})
     opt = make_optimizer(model, model.parameters(), clip)
     params = [p for p in model.parameters() if not p.stop_gradient]
     anchor = [p.numpy().copy() for p in params]
     momentum = [np.zeros_like(a) for a in anchor]
-    for s in range(STEPS):
+    for k, s in enumerate(seeds):
         lm_loss(model, batch_ids(seed=s), True).backward()
         opt.step()
         opt.clear_grad()
-        if (s + 1) % EVERY == 0:
+        if (position + k + 1) % EVERY == 0:
             for i, p in enumerate(params):
                 delta = anchor[i] - p.numpy()
                 momentum[i] = MOMENTUM * momentum[i] + delta
@@ -162,3 +166,34 @@ def test_checkpoint_mid_interval_resumes_bit_for_bit(fake_mesh, float64, tmp_pat
     run(fresh, opt3, range(5, 9))
     c = full(fresh)
     assert any(not (a[n] == c[n]).all() for n in a)
+
+
+def test_load_without_optimizer_moves_the_anchor(fake_mesh, float64, tmp_path):
+    """``load_checkpoint(optimizer=None)`` mid-interval: the params change, so the
+    anchor (the params at the last sync) must move with them, or the next sync's
+    pseudo-gradient is the loaded params' distance from another run's. A model two
+    steps into its interval loads another run's params, a fresh AdamW, then 4 steps
+    (syncs after 1 and 4): one-process DiLoCo from the loaded params, position 2."""
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
+    saved = shard_with(build_model(), outer_sync_policy=policy)
+    train(saved, steps=4)
+    paddle_hsdp.save_checkpoint(tmp_path / "ckpt", saved)
+    start = full(saved)
+    model = shard_with(build_model(seed=5), outer_sync_policy=policy)
+    first = make_optimizer(model, model.parameters(), None)
+    for s in (10, 11):  # its anchor: its own init; two steps into the interval
+        lm_loss(model, batch_ids(seed=s), True).backward()
+        first.step()
+        first.clear_grad()
+    paddle_hsdp.load_checkpoint(tmp_path / "ckpt", model)
+    sync = model.embed._hsdp_unit_.outer_sync
+    assert sync.steps == 2  # the position is optimizer state: kept
+    opt = make_optimizer(model, model.parameters(), None)
+    for s in range(4, 8):
+        lm_loss(model, batch_ids(seed=s), True).backward()
+        opt.step()
+        opt.clear_grad()
+    want = reference_one_replica(start=start, position=2, seeds=range(4, 8))
+    got = full(model)
+    worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    assert worst <= 1e-12, worst

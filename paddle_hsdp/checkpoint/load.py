@@ -102,6 +102,10 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
     holdings.drop_gathered_copies()
     for it, array in loaded:
         it.put(array)
+    if optimizer is None:  # DiLoCo's anchors: the params at the last sync, now these
+        for unit in holdings.units:
+            if unit.outer_sync is not None:
+                unit.outer_sync.reanchor(unit)
     lr = getattr(optimizer, "_learning_rate", None)
     if meta.get("lr_scheduler") and lr is not None and hasattr(lr, "set_state_dict"):
         lr.set_state_dict(meta["lr_scheduler"])

@@ -69,6 +69,17 @@ class OuterSyncState:
             self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
         return self.anchors[buf.index]
 
+    def reanchor(self, unit: FSDPUnit) -> None:
+        """The params changed outside training (a checkpoint's params loaded without its
+        optimizer, so without its outer state): the interval goes on from them, so the
+        next sync's pseudo-gradient is the change since now. The outer momentum and
+        the position in the interval are optimizer state, kept as the inner
+        optimizer's is. Local (no collective): every replica loaded the same params."""
+        for buf in _synced_buffers(unit):
+            if buf.index in self.anchors:
+                buf.storage.repair_views()
+                self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
+
     def after_step(self, unit: FSDPUnit) -> None:
         self.steps += 1
         if self.steps < self.policy.every:
