@@ -225,11 +225,15 @@ def norm_dtype(grads: Iterable[paddle.Tensor | None]) -> NormDtype:
 
 
 def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh: Mesh,
-                  shards: Sequence[paddle.Tensor] = ()) -> HSDPClipGradByGlobalNorm:
+                  shards: Sequence[paddle.Tensor] = (),
+                  apart: bool | None = None) -> HSDPClipGradByGlobalNorm:
     # The norm spans the mesh's ranks: the whole job on the fleet HCG, the mesh's own
-    # group for an explicit mesh that covers part of the world; with DiLoCo's replicas
-    # training apart, one replica's (its inner group).
-    if _replicas_train_apart(mesh, shards):
+    # group for an explicit mesh that covers part of the world; with the replicas
+    # training apart (DiLoCo, or set_requires_all_reduce(False) at the step), one
+    # replica's (its inner group). ``apart``: that decision, where the caller made it.
+    if apart is None:
+        apart = _replicas_train_apart(mesh, shards)
+    if apart:
         inner = mesh.inner(False)
         return HSDPClipGradByGlobalNorm(clip.clip_norm, inner, mesh.mp_rank(),
                                         mesh.sep_rank(), clip.group_name,
@@ -243,21 +247,28 @@ def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh: Mesh,
 
 
 def _replicas_train_apart(mesh: Mesh, shards: Sequence[paddle.Tensor]) -> bool:
-    """Whether a unit of ``shards`` syncs every H >= 2 steps (DiLoCo): the clip's norm
-    is then each replica's, over its inner group, which spans the replica only where
-    the clip's whole span is the dense FSDP group (no tensor, pipeline or sep
-    parallelism) and no shard is an expert's; elsewhere refused, before any update."""
+    """Whether a unit of ``shards`` skips this step's outer grad sync (DiLoCo's
+    ``OuterSyncPolicy(every >= 2)``, or ``set_requires_all_reduce(False)`` at the
+    step): the replicas then step on different grads, and each must clip by its own
+    norm (one norm for all would be replica 0's, the only one counted), over its inner
+    group, which spans the replica only where the clip's whole span is the dense FSDP
+    group (no tensor, pipeline or sep parallelism) and no shard is an expert's;
+    elsewhere refused, before any update."""
     units = units_of_shards(shards)
-    if not any(unit.outer_sync is not None for unit in units):
+    apart = [unit for unit in units if not unit.syncs_grads_over_outer]
+    if not apart:
         return False
     span = mesh.clip_group() or paddle.distributed.collective._get_global_group()
     experts = any(buf.is_expert for unit in units for buf in unit.buffers)
     if span.nranks != mesh.fsdp_group(False).nranks or experts:
+        why = ("OuterSyncPolicy(every >= 2) (fsdp_outer_sync_every)"
+               if apart[0].outer_sync is not None else "set_requires_all_reduce(False)")
         raise NotImplementedError(
-            "a grad clip with OuterSyncPolicy(every >= 2) (fsdp_outer_sync_every): each "
-            "replica clips by its own norm, over its inner group, which spans the "
-            "replica only without tensor, pipeline or sep parallelism and experts. Drop "
-            "the clip or set every=1. Nothing was updated.")
+            f"a grad clip with {why} at the step ({apart[0].label}): the replicas step on "
+            "their own grads, so each clips by its own norm, over its inner group, which "
+            "spans the replica only without tensor, pipeline or sep parallelism and "
+            "experts. Drop the clip, or sync the grads at the step (every=1, "
+            "set_requires_all_reduce(True)). Nothing was updated.")
     return True
 
 
@@ -292,8 +303,13 @@ def hsdp_aware_for(clip: ClipGradBase | HybridParallelClipGrad | None,
 def _hsdp_aware(clip: ClipGradBase | HybridParallelClipGrad | None, mesh: Mesh,
                 shards: Sequence[paddle.Tensor] = ()
                 ) -> ClipGradBase | HybridParallelClipGrad | None:
-    if clip is None or isinstance(clip, HSDPClipGradByGlobalNorm):
+    if clip is None:
         return clip
+    if isinstance(clip, HSDPClipGradByGlobalNorm):
+        # whether the replicas train apart may change from step to step
+        # (set_requires_all_reduce): the norm's span follows it
+        apart = _replicas_train_apart(mesh, shards) if shards else clip.per_replica
+        return clip if clip.per_replica == apart else hsdp_clip_for(clip, mesh, shards, apart)
     if isinstance(clip, HybridParallelClipGrad):
         # fleet's clip over the mp / pp / sharding groups: the HSDP clip counts the
         # same marks over the whole job, in every dtype (Paddle's skips float64)
