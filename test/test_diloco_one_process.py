@@ -18,7 +18,8 @@ import paddle_hsdp
 from kit import batch_ids
 from paddle_hsdp.config.plan import outer_sync_policy_of
 from paddle_hsdp.config.schema import ConfigError, load_config
-from models import build_model, lm_loss, make_optimizer, shard_tinylm as shard_with
+from models import (build_model, fragment_of, lm_loss, make_optimizer,
+                    shard_tinylm as shard_with)
 
 EVERY, STEPS, LR, MOMENTUM = 3, 7, 0.7, 0.9
 CLIP = 0.5  # below every step's grad norm here: the clip is active
@@ -47,23 +48,29 @@ def test_every_one_is_plain_hsdp_bit_for_bit(fake_mesh, float64):
     assert all((a[n] == b[n]).all() for n in a)
 
 
-def reference_one_replica(clip=None, start=None, position=0, seeds=range(STEPS)):
+def reference_one_replica(clip=None, start=None, position=0, seeds=range(STEPS),
+                          fragments=None):
     """AdamW on plain Paddle (from ``start``'s values, if given); every EVERY-th step
     (``position`` steps into the interval at the start) the outer Nesterov step from the
-    anchor on the (one replica's) pseudo-gradient."""
+    anchor on the (one replica's) pseudo-gradient. ``fragments``: ``(F, {name:
+    fragment})``, fragment f's params stepped where the position comes round to
+    f EVERY // F."""
+    count, fragment = fragments or (1, {})
     model = build_model()
     if start is not None:
         model.set_state_dict({n: paddle.to_tensor(v) for n, v in start.items()})
     opt = make_optimizer(model, model.parameters(), clip)
-    params = [p for p in model.parameters() if not p.stop_gradient]
+    named = [(n, p) for n, p in model.named_parameters() if not p.stop_gradient]
+    params = [p for _, p in named]
     anchor = [p.numpy().copy() for p in params]
     momentum = [np.zeros_like(a) for a in anchor]
     for k, s in enumerate(seeds):
         lm_loss(model, batch_ids(seed=s), True).backward()
         opt.step()
         opt.clear_grad()
-        if (position + k + 1) % EVERY == 0:
-            for i, p in enumerate(params):
+        phase = (position + k + 1) % EVERY
+        for i, (name, p) in enumerate(named):
+            if phase == fragment.get(name, 0) * EVERY // count:
                 delta = anchor[i] - p.numpy()
                 momentum[i] = MOMENTUM * momentum[i] + delta
                 anchor[i] = anchor[i] - LR * (delta + MOMENTUM * momentum[i])
@@ -91,11 +98,32 @@ def test_one_replica_is_inner_adamw_then_outer_nesterov(fake_mesh, float64, clip
     assert apart > 1e-3, apart
 
 
+@pytest.mark.parametrize("fragments", [2, 3])
+def test_fragments_sync_in_turn(fake_mesh, float64, fragments):
+    """Streaming DiLoCo, one replica: unit i in fragment i % F, fragment f stepped by
+    the outer optimizer after the steps where step % EVERY == f EVERY // F (F = 3:
+    one fragment after every step), against the plain-Paddle reference."""
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM,
+                                         fragments=fragments)
+    model = shard_with(build_model(), outer_sync_policy=policy)
+    train(model)
+    by_name = fragment_of(model, fragments)
+    assert set(by_name.values()) == set(range(fragments))  # every fragment has units
+    got = full(model)
+    want = reference_one_replica(fragments=(fragments, by_name))
+    worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    assert worst <= 1e-12, worst
+    # the check can fail: all units synced together (one fragment) is far from it
+    together = reference_one_replica()
+    apart = max(float(np.abs(together[n] - want[n]).max()) for n in want)
+    assert apart > 1e-3, apart
+
+
 def test_config_keys_make_the_policy():
-    config = load_config({"fsdp_outer_sync_every": 16,
+    config = load_config({"fsdp_outer_sync_every": 16, "fsdp_outer_sync_fragments": 4,
                           "fsdp_outer_optimizer": {"lr": 0.5, "nesterov": False}})
     assert outer_sync_policy_of(config) == paddle_hsdp.OuterSyncPolicy(
-        every=16, lr=0.5, momentum=0.9, nesterov=False)
+        every=16, lr=0.5, momentum=0.9, nesterov=False, fragments=4)
     assert outer_sync_policy_of(load_config({})) is None  # every 1: plain HSDP
     for bad, says in (({"fsdp_outer_sync_every": 0}, "an int >= 1"),
                       ({"fsdp_outer_optimizer": {"lr": 0.5}}, "unused with"),
@@ -103,6 +131,10 @@ def test_config_keys_make_the_policy():
                        "unknown keys ['lrr']; allowed: lr, momentum, nesterov"),
                       ({"fsdp_outer_sync_every": 4, "fsdp_outer_optimizer": {"momentum": 1}},
                        "momentum"),
+                      ({"fsdp_outer_sync_fragments": 2},
+                       "fsdp_outer_sync_fragments: 2 needs fsdp_outer_sync_every >= 2"),
+                      ({"fsdp_outer_sync_every": 4, "fsdp_outer_sync_fragments": 0},
+                       "an int from 1 to fsdp_outer_sync_every"),
                       ({"fsdp_outer_sync_every": 4, "fsdp_outer_sharding": "optim"},
                        "conflicts with fsdp_outer_sharding: optim")):
         with pytest.raises(ConfigError, match=re.escape(says)):
@@ -113,10 +145,11 @@ def test_sharding_configs_keys_reach_fully_shard(fake_mesh, monkeypatch):
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"sharding_degree": 1, "sharding_configs": {
         "fsdp_outer_compress": "int8", "fsdp_outer_compress_block": 64,
-        "fsdp_outer_sync_every": 8, "fsdp_outer_optimizer": {"lr": 0.5}}}
+        "fsdp_outer_sync_every": 8, "fsdp_outer_optimizer": {"lr": 0.5},
+        "fsdp_outer_sync_fragments": 2}}
     mp, outer = strategy._hsdp_outer_policies
     assert (mp.outer_compress, mp.outer_compress_block) == ("int8", 64)
-    assert outer == paddle_hsdp.OuterSyncPolicy(every=8, lr=0.5)
+    assert outer == paddle_hsdp.OuterSyncPolicy(every=8, lr=0.5, fragments=2)
     # fully_shard on fleet's mesh takes them where its own arguments set none
     monkeypatch.setattr(fake_mesh, "outer_policies", lambda: (mp, outer), raising=False)
     model = paddle_hsdp.fully_shard(build_model())
@@ -129,15 +162,22 @@ def test_sharding_configs_keys_reach_fully_shard(fake_mesh, monkeypatch):
     assert other._hsdp_unit_.policies.mp.outer_compress == "int8"
     with pytest.raises(ValueError, match=r"sharding_configs.*fsdp_outer_optimizer.*unused"):
         strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_optimizer": {"lr": 1.0}}}
+    with pytest.raises(ValueError, match=re.escape("fragments=...) must be an int from 1 to "
+                                                   "every (4;")):
+        strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_sync_every": 4,
+                                                        "fsdp_outer_sync_fragments": 5}}
     with pytest.raises(ValueError, match=r"sharding_configs.*outer_compress.*'int4'"):
         strategy.hybrid_configs = {"sharding_configs": {"fsdp_outer_compress": "int4"}}
 
 
-def test_checkpoint_mid_interval_resumes_bit_for_bit(fake_mesh, float64, tmp_path):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_checkpoint_mid_interval_resumes_bit_for_bit(fake_mesh, float64, tmp_path, fragments):
     """Saved after 5 steps (a sync after 3, two steps into the next interval), loaded
     into a fresh model and optimizer, 4 more steps (a sync at 6): the same bits as 9
-    steps at once. Without the outer state (a fresh interval) it must differ."""
-    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
+    steps at once (also streaming, two fragments: the position is every fragment's
+    turn). Without the outer state (a fresh interval) it must differ."""
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM,
+                                         fragments=fragments)
 
     def run(model, opt, steps):
         for s in steps:

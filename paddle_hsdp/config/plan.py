@@ -97,7 +97,8 @@ def outer_sync_policy_of(config: HSDPConfig) -> OuterSyncPolicy | None:
     (None for every 1: plain HSDP)."""
     if config.fsdp_outer_sync_every == 1:
         return None
-    return outer_sync_policy_from(config.fsdp_outer_sync_every, config.fsdp_outer_optimizer)
+    return outer_sync_policy_from(config.fsdp_outer_sync_every, config.fsdp_outer_optimizer,
+                                  config.fsdp_outer_sync_fragments)
 
 
 def reshard_after_forward_of(config: HSDPConfig, is_root: bool) -> bool:

@@ -229,6 +229,9 @@ _KEYS = (
     _Key("fsdp_outer_optimizer", None, "null or a mapping of lr (> 0), momentum (in "
          "[0, 1)) and nesterov (true or false), each optional (DiLoCo's outer SGD; "
          "defaults 0.7, 0.9, true)", _check_outer_optimizer),
+    _Key("fsdp_outer_sync_fragments", 1, "an int from 1 to fsdp_outer_sync_every (streaming "
+         "DiLoCo: the units synced in that many fragments in turn)",
+         lambda value, allowed: _check_int_at_least(value, allowed, 1)),
     _Key("owned_matrices", False, "true or false (true: each matrix Muon updates whole "
          "on one rank, paddle_hsdp.owned_matrices())", _check_bool),
     _Key("output_dtype", None, _DTYPE, _check_dtype),
@@ -276,6 +279,7 @@ class HSDPConfig:
     fsdp_outer_compress_block: int = 256
     fsdp_outer_sync_every: int = 1
     fsdp_outer_optimizer: dict | None = None
+    fsdp_outer_sync_fragments: int = 1
     owned_matrices: bool = False
     output_dtype: str | None = None
     sync_module_states: bool = True
@@ -328,6 +332,11 @@ def _cross_key_errors(values: dict) -> list[str]:
         errors.append("fsdp_outer_optimizer: unused with fsdp_outer_sync_every: 1 (plain "
                       "HSDP averages the grads every step); set fsdp_outer_sync_every "
                       ">= 2 or drop fsdp_outer_optimizer")
+    fragments = values.get("fsdp_outer_sync_fragments", 1)
+    if fragments != 1 and (not isinstance(every, int) or fragments > every):
+        errors.append(f"fsdp_outer_sync_fragments: {fragments} needs fsdp_outer_sync_every "
+                      f">= {fragments} (each fragment syncs every H steps, at its own step "
+                      f"of the interval); got fsdp_outer_sync_every: {every}")
     if every != 1 and values.get("fsdp_outer_sharding") == "optim":
         errors.append("fsdp_outer_sync_every: > 1 (DiLoCo) conflicts with "
                       "fsdp_outer_sharding: optim (each replica's optimizer would hold 1/O "

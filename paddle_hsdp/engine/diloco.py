@@ -24,6 +24,16 @@ data. After every H-th optimizer step of a unit, each of its trainable buffers r
 On the wire, per sync: the reduce-scatter and the all-gather, each ``(O - 1) / O`` of
 the shard in the params' dtype (an all-reduce's bytes, once per H steps).
 
+**Streaming** (``fragments=F``, streaming DiLoCo): the units training apart, in the
+order every rank steps them (their index), are dealt into F fragments (unit i in
+fragment i % F), and fragment f syncs after the steps where the position in the
+interval (``steps``, 0 to H - 1, the same on every unit) comes round to ``f H // F``:
+each unit still syncs every H steps, but a sync moves only its fragment, about 1/F of
+the bytes (as even as the units are), so the link's peak falls about F times. Fragment
+f > 0 has a shorter first interval (f H // F steps). The sync blocks the step as with
+F = 1 (gloo runs one collective at a time per process, on the main thread here): it is
+not overlapped with the next inner steps.
+
 ``every=1`` is plain HSDP (this module does nothing): the grads are averaged at every
 step. DiLoCo's H=1 with an outer SGD of lr 1 averages the replicas' *updated params*,
 which is not HSDP's averaged *grads* under a non-linear optimizer (Adam), so H=1 is
@@ -47,9 +57,10 @@ if TYPE_CHECKING:
 
 
 class OuterSyncState:
-    """One unit's DiLoCo state: the steps since its last outer sync (the position in
-    the interval), and per trainable buffer (by index) the anchor (the shard at the
-    last sync) and the outer momentum of this rank's piece."""
+    """One unit's DiLoCo state: the position in the interval (``steps``: optimizer
+    steps mod H since training began; with one fragment, the steps since the last
+    sync), and per trainable buffer (by index) the anchor (the shard at the last sync)
+    and the outer momentum of this rank's piece."""
 
     def __init__(self, policy: OuterSyncPolicy) -> None:
         self.policy = policy
@@ -80,13 +91,14 @@ class OuterSyncState:
                 buf.storage.repair_views()
                 self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
 
-    def after_step(self, unit: FSDPUnit) -> None:
-        self.steps += 1
-        if self.steps < self.policy.every:
+    def after_step(self, unit: FSDPUnit, fragment: int) -> None:
+        """Count the step; sync ``unit`` (in ``fragment``) where its turn came."""
+        every = self.policy.every
+        self.steps = (self.steps + 1) % every
+        if self.steps != fragment * every // self.policy.fragments:
             return
         for buf in _synced_buffers(unit):
             self._sync_buffer(buf)
-        self.steps = 0
 
     def _sync_buffer(self, buf: ShardBuffer) -> None:
         policy, outer = self.policy, buf.outer
@@ -198,8 +210,9 @@ def before_update(units) -> None:
 
 def after_update(units) -> None:
     """The step boundary, after the update (``units`` in one order on every rank):
-    each unit training apart counts the step and, every H-th, syncs its buffers."""
-    for unit in units:
-        if unit.outer_sync is not None:
-            unit.outer_sync.after_step(unit)
+    each unit training apart counts the step and, every H-th (at its fragment's turn),
+    syncs its buffers."""
+    apart = [unit for unit in units if unit.outer_sync is not None]
+    for i, unit in enumerate(apart):
+        unit.outer_sync.after_step(unit, i % unit.outer_sync.policy.fragments)
 

@@ -63,12 +63,15 @@ class OuterSyncPolicy:
     their pseudo-gradient (the params at the last sync minus the params now) and
     apply an outer SGD step, ``lr`` and ``momentum``, Nesterov when ``nesterov``
     (DiLoCo's defaults: 0.7, 0.9, True); every replica then holds the same params
-    (engine/diloco.py)."""
+    (engine/diloco.py). ``fragments=F`` (streaming DiLoCo): the units in F fragments
+    (unit i in fragment i % F), fragment f synced at the steps where step % H is
+    f H // F, so a sync moves about 1/F of the model."""
 
     every: int = 1
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         every = self.every
@@ -82,6 +85,12 @@ class OuterSyncPolicy:
                 allowed = "a number > 0" if field == "lr" else "a number in [0, 1)"
                 raise ValueError(f"OuterSyncPolicy({field}=...) must be {allowed}, got "
                                  f"{value!r}")
+        fragments = self.fragments
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or \
+                not 1 <= fragments <= max(every, 1):
+            raise ValueError("OuterSyncPolicy(fragments=...) must be an int from 1 to every "
+                             f"({every}; fragments synced in turn, each every {every} steps; "
+                             f"every >= 2 for more than 1), got {fragments!r}")
         if not isinstance(self.nesterov, bool):
             raise TypeError("OuterSyncPolicy(nesterov=...) must be True or False, got "
                             f"{self.nesterov!r}")
@@ -95,10 +104,12 @@ class OuterSyncPolicy:
 OUTER_OPTIMIZER_FIELDS = ("lr", "momentum", "nesterov")  # fsdp_outer_optimizer's keys
 
 
-def outer_sync_policy_from(every: object, optimizer: object) -> OuterSyncPolicy:
-    """The policy that ``fsdp_outer_sync_every`` and ``fsdp_outer_optimizer`` (None or
-    a mapping of :data:`OUTER_OPTIMIZER_FIELDS`, each optional) name, in a config file
-    or fleet's ``sharding_configs`` (errors name neither: the caller says which)."""
+def outer_sync_policy_from(every: object, optimizer: object,
+                           fragments: object = 1) -> OuterSyncPolicy:
+    """The policy that ``fsdp_outer_sync_every``, ``fsdp_outer_optimizer`` (None or a
+    mapping of :data:`OUTER_OPTIMIZER_FIELDS`, each optional) and
+    ``fsdp_outer_sync_fragments`` name, in a config file or fleet's
+    ``sharding_configs`` (errors name neither: the caller says which)."""
     if optimizer is None:
         optimizer = {}
     if not isinstance(optimizer, dict):
@@ -108,7 +119,8 @@ def outer_sync_policy_from(every: object, optimizer: object) -> OuterSyncPolicy:
     if unknown:
         raise ValueError(f"unknown keys {unknown}; allowed: "
                          f"{', '.join(OUTER_OPTIMIZER_FIELDS)}")
-    return OuterSyncPolicy(every, **optimizer)  # type: ignore[arg-type]
+    return OuterSyncPolicy(every, fragments=fragments,  # type: ignore[arg-type]
+                           **optimizer)
 
 
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -112,7 +112,8 @@ def outer_policies_of(given: dict) -> tuple:
         if every == 1 and given.get("fsdp_outer_optimizer") is not None:
             raise ValueError("fsdp_outer_optimizer is unused with fsdp_outer_sync_every 1 "
                              "(plain HSDP); set fsdp_outer_sync_every >= 2 or drop it")
-        outer = outer_sync_policy_from(every, given.get("fsdp_outer_optimizer"))
+        outer = outer_sync_policy_from(every, given.get("fsdp_outer_optimizer"),
+                                       given.get("fsdp_outer_sync_fragments", 1))
     except (TypeError, ValueError) as error:
         raise ValueError(f"hybrid_configs['sharding_configs'] {sorted(given)}: {error}"
                          ) from None

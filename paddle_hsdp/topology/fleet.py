@@ -68,7 +68,8 @@ OUTER_SHARDING_VALUES = ("none", "optim")
 # The outer sync's keys (the config file's names; patches/fleet.py turns them into the
 # policies fully_shard takes when it is given none: engine/policies.py)
 OUTER_SYNC_OPTIONS = ("fsdp_outer_compress", "fsdp_outer_compress_block",
-                      "fsdp_outer_sync_every", "fsdp_outer_optimizer")
+                      "fsdp_outer_sync_every", "fsdp_outer_optimizer",
+                      "fsdp_outer_sync_fragments")
 # Every key paddle_hsdp adds to fleet's sharding_configs (Paddle's own come from its
 # strategy definition at run time).
 HSDP_OPTIONS = (OPTION, SHARDING_OPTION, *OUTER_SYNC_OPTIONS)

@@ -162,3 +162,14 @@ def shard_tinylm(model, **kwargs):
         paddle_hsdp.fully_shard(layer, **kwargs)
     paddle_hsdp.fully_shard(model, **kwargs)
     return model
+
+
+def fragment_of(model, fragments):
+    """Each trainable parameter's streaming-DiLoCo fragment (``OuterSyncPolicy
+    (fragments=F)``): the units in the order every rank steps them (their index),
+    unit i in fragment i % F; ``{name: fragment}``, names as ``state_dict()``'s."""
+    from paddle_hsdp.engine.registry import registry
+
+    units = sorted(registry.units_under(model), key=lambda u: u.index)
+    return {registry.param_path(sp): i % fragments for i, unit in enumerate(units)
+            for buf in unit.buffers if buf.trainable for sp in buf.params}

@@ -34,7 +34,8 @@ from paddle.distributed import ProcessMesh
 import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
-from models import batches, build_model, lm_loss, make_optimizer, shard_tinylm, uses_extra
+from models import (batches, build_model, fragment_of, lm_loss, make_optimizer, shard_tinylm,
+                    uses_extra)
 from parity import max_rel
 
 STEPS, EVERY, MICRO, PER_RANK = 10, 4, 2, 2
@@ -65,9 +66,12 @@ def micro_loss(model, micro, ranks):
                        uses_extra(r)) for r in ranks) / len(ranks)
 
 
-def reference(groups, data, clip=None):
-    """Per step: each replica's loss and parameters, as DiLoCo defines them; and the
+def reference(groups, data, clip=None, every=EVERY, fragments=None):
+    """Per step: each replica's loss and parameters, as DiLoCo defines them (``every``
+    None: the replicas never sync; ``fragments``, ``(F, {name: fragment})``: streaming,
+    fragment f's params synced where step % every comes round to f every // F); and the
     outer state (anchor, momentum) after step SAVE_AT."""
+    count, fragment = fragments or (1, {})
     replicas = [build_model() for _ in groups]
     opts = [make_optimizer(m, m.parameters(), clip) for m in replicas]
     trainable = [n for n, p in replicas[0].named_parameters() if not p.stop_gradient]
@@ -86,9 +90,11 @@ def reference(groups, data, clip=None):
             opt.step()
             opt.clear_grad()
             step_losses.append(total)
-        if (s + 1) % EVERY == 0:
+        due = [] if every is None else [
+            n for n in trainable if (s + 1) % every == fragment.get(n, 0) * every // count]
+        if due:
             named = [dict(m.named_parameters()) for m in replicas]
-            for n in trainable:
+            for n in due:
                 deltas = [anchor[n] - p[n].numpy() for p in named]
                 mean = sum(deltas[1:], deltas[0]) / len(deltas)
                 momentum[n] = OUTER_MOMENTUM * momentum[n] + mean
@@ -105,8 +111,9 @@ def reference(groups, data, clip=None):
     return losses, params, saved
 
 
-def train(policy, mp_policy=None, save=None, data=DATA, clip=None):
+def train(policy, mp_policy=None, save=None, data=DATA, clip=None, all_reduce=True):
     model = shard_tinylm(build_model(), outer_sync_policy=policy, mp_policy=mp_policy)
+    model.set_requires_all_reduce(all_reduce)  # False: each replica steps on its own grads
     opt = make_optimizer(model, model.parameters(), clip)
     losses, params, counts = [], [], []
     for step in data:
@@ -219,6 +226,42 @@ report("diloco h4 2x2 with a per-replica clip vs one-process DiLoCo", worst)
 acted = max(max_rel(clip_ref[1][5][me][n], ref_params[5][me][n]) for n in ref_params[5][me])
 assert acted > 1e-3, acted  # the clip changed the training: the check can fail
 print(f"DILOCO clip per replica: {max(worst.values()):.1e} over {len(CLIP_DATA)} steps",
+      flush=True)
+
+# plain HSDP with set_requires_all_reduce(False) at the step: the replicas step on their
+# own grads, so each clips by its own norm (the bug: one norm, replica 0's, for both),
+# as the reference's replicas that never sync; then on again: one norm over the job
+apart_ref = reference(groups, CLIP_DATA, CLIP, every=None)
+_, alone_losses, alone_params, _ = train(None, data=CLIP_DATA, clip=CLIP, all_reduce=False)
+worst = against_reference(alone_losses, alone_params, *apart_ref[:2])
+report("set_requires_all_reduce(False) 2x2 with a clip vs replicas apart", worst)
+unclipped = reference(groups, CLIP_DATA, None, every=None)[1][5][me]
+acted = max(max_rel(apart_ref[1][5][me][n], unclipped[n]) for n in unclipped)
+assert acted > 1e-3, acted  # the clip changed the training: the check can fail
+print(f"DILOCO set_requires_all_reduce(False) clips per replica: {max(worst.values()):.1e} "
+      f"over {len(CLIP_DATA)} steps", flush=True)
+
+# streaming (two fragments: units 0, 2, ... and 1, 3, ... in their order): fragment 1
+# synced after steps 2 and 6, fragment 0 after step 4, each moving its own buffers only
+STREAM = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=OUTER_LR, momentum=OUTER_MOMENTUM,
+                                     fragments=2)
+streamed, stream_losses, stream_params, stream_counts = train(STREAM, data=CLIP_DATA)
+by_name = fragment_of(streamed, 2)
+stream_ref = reference(groups, CLIP_DATA, fragments=(2, by_name))
+worst = against_reference(stream_losses, stream_params, *stream_ref[:2])
+report("diloco h4 streaming f2 2x2 vs one-process streaming DiLoCo", worst)
+apart = max(max_rel(stream_ref[1][5][me][n], ref_params[5][me][n]) for n in by_name)
+assert apart > 1e-3, apart  # not the unfragmented run: the check can fail
+per_sync = []
+for s, snap in enumerate(stream_counts):
+    moved = sum(st.wire_bytes for (group, op), st in snap.items() if group == "outer")
+    assert (moved > 0) == ((s + 1) % 2 == 0), (s, moved)  # steps 2, 4, 6 only
+    if moved:
+        per_sync.append(moved)
+whole = 2 * (O - 1) / O * padded * esize  # one unfragmented sync's bytes
+assert sum(per_sync[:2]) == whole and max(per_sync) < whole, (per_sync, whole)
+print(f"DILOCO streaming f2: {max(worst.values()):.1e} over {len(CLIP_DATA)} steps; bytes "
+      f"per sync {', '.join(f'{b:.0f}' for b in per_sync)} (one whole sync {whole:.0f})",
       flush=True)
 
 # compressed: the replicas agree after a sync, and the outer group carries the int8
