@@ -1,8 +1,10 @@
 """The outer sync every H steps (``OuterSyncPolicy``, engine/diloco.py) in one process
 (the one-rank fake mesh): ``every=1`` is plain HSDP bit for bit (no DiLoCo state is
 made), and with one replica DiLoCo is AdamW for H steps then the outer Nesterov step
-on the change since the last sync, against a plain-Paddle reference (float64); the
-config file's keys and fleet's ``sharding_configs`` keys reach ``fully_shard``. The
+on the change since the last sync, against a plain-Paddle reference (float64), also
+streaming (fragments synced in turn) and after ``load_checkpoint`` without the
+optimizer (the anchor moves to the loaded params); the config file's keys and fleet's
+``sharding_configs`` keys reach ``fully_shard``. The
 multi-replica runs are in test_collective/test_diloco.py."""
 
 from __future__ import annotations

@@ -97,7 +97,9 @@ def wrap(variant: str, model):
         kwargs = {"mp_policy": policy}
         every = re.search(r"_diloco(\d+)", variant)
         if every:  # DiLoCo: the replicas sync every H steps (engine/diloco.py)
-            kwargs["outer_sync_policy"] = paddle_hsdp.OuterSyncPolicy(every=int(every[1]))
+            fragments = re.search(r"_f(\d+)$", variant)  # streaming: F fragments in turn
+            kwargs["outer_sync_policy"] = paddle_hsdp.OuterSyncPolicy(
+                every=int(every[1]), fragments=int(fragments[1]) if fragments else 1)
         if "_muon" in variant:  # Muon: its matrices owned by one rank, or whole on all
             kwargs["shard_placement_fn"] = muon_placement(model, variant)
         for layer in model.layers:

@@ -12,6 +12,11 @@ the padded shard. Then the same with ``outer_compress="int8"``: the replicas agr
 after each sync and the outer group carries only the int8 all-gather and the new
 params' all-gather.
 
+Then, 6 steps each: plain HSDP with ``set_requires_all_reduce(False)`` at the step and a
+clip (each replica clipped by its own norm, as replicas that never sync), and streaming
+DiLoCo (``fragments=2``) against the reference of the same schedule, each sync moving
+its fragment's bytes only.
+
 After step 6 (mid-interval) the run saves a checkpoint, which then loads in another
 layout (4 x 1, an explicit mesh): the outer anchor, momentum and position in the
 interval equal the reference's. argv: JSON with ``work`` (where it saves).
