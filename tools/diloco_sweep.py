@@ -150,7 +150,7 @@ def run(name: str, steps: int) -> dict:
             anchor = {n: first[n].numpy().copy() for n in trainable}
             momentum = {n: np.zeros_like(a) for n, a in anchor.items()}
         mine = []
-        for (model, opt), rows in zip(replicas, ranks):
+        for (model, opt), rows in zip(replicas, ranks, strict=True):
             mine.append(step_loss(model, step, rows))
             opt_step(opt)
         losses.append(float(np.mean(mine)))
@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="a PNG: the variants' loss over plain's "
                     "per step (left), the final gap against H (right, the h<H>_lr1.0_mu0 "
                     "variants)")
+    ap.add_argument("--plot-variants", default=None, help="the left panel's variants "
+                    "(default: every one with the demo's constant inner lr)")
     args = ap.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
     names += [n for g in args.grid for n in expand(g)]
@@ -195,9 +197,13 @@ def main(argv=None) -> int:
             done[name] = run(name, args.steps)
             if args.out:
                 save(args, done)
+    if args.out:
+        save(args, {n: done[n] for n in names})
     plain = done.get("plain")
     if args.plot and plain:
-        plot({n: done[n] for n in names}, plain, args.plot)
+        shown = args.plot_variants.split(",") if args.plot_variants else [
+            n for n in names if not done[n]["settings"]["cosine"]]
+        plot({n: done[n] for n in names}, shown, plain, args.plot)
     for name in names:
         r = done[name]
         ratio = f"{r['final_loss'] / plain['final_loss']:.4f}" if plain else "-"
@@ -212,20 +218,21 @@ def smooth(losses: list[float]) -> np.ndarray:
     return (sums[1:] - sums[lo]) / (np.arange(1, len(losses) + 1) - lo)
 
 
-def plot(results: dict, plain: dict, path: str) -> None:
+def plot(results: dict, shown: list[str], plain: dict, path: str) -> None:
     import matplotlib  # noqa: PLC0415  (only for --plot)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     base = smooth(plain["losses"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
+    for name in shown:
+        r = results[name]
         if name != "plain":
             left.plot(np.arange(1, len(base) + 1), smooth(r["losses"]) / base - 1,
                       label=f"{name} ({r['final_loss'] / plain['final_loss'] - 1:+.1%})")
     left.axhline(0.02, color="grey", ls="--", lw=0.8)
     left.set(xlabel="optimizer step", ylabel="loss over plain HSDP's - 1 (last 10 steps)",
-             title="DiLoCo vs plain HSDP, demo CharLM small, 2 replicas", ylim=(-0.05, 0.6))
+             title="DiLoCo vs plain HSDP, demo CharLM small (2 replicas; r4: 4)", ylim=(-0.05, 0.6))
     left.legend(fontsize=7)
     by_h = sorted((r["settings"]["every"], r["final_loss"] / plain["final_loss"] - 1)
                   for n, r in results.items()
