@@ -201,6 +201,12 @@ def _outer_sync_momentum():
     paddle_hsdp.OuterSyncPolicy(every=4, momentum=1.0)
 
 
+@row("`OuterSyncPolicy(fragments=)`", "5 with `every=4`", ValueError, "fragments",
+     "from 1 to every (4")
+def _outer_sync_fragments():
+    paddle_hsdp.OuterSyncPolicy(every=4, fragments=5)
+
+
 @row("`fully_shard(outer_sync_policy=)`", "4 (not a policy)", TypeError,
      "outer_sync_policy", "OuterSyncPolicy")
 def _shard_outer_sync_type():
@@ -595,6 +601,10 @@ MULTI_RANK = [
     ("`set_requires_all_reduce(False)` at the optimizer step with "
      "`fsdp_outer_sharding=\"optim\"` (replicas hold 1/O of the optimizer state each)",
      "`NotImplementedError` on every rank before any collective", "test_hfsdp.py"),
+    ("`set_requires_all_reduce(False)` at the optimizer step with a grad clip: each "
+     "replica clips by its own norm (2026-12-07; it was replica 0's for all)",
+     "the replicas' own norms; with tensor, pipeline or sep parallelism or experts "
+     "`NotImplementedError` before any update", "test_diloco.py"),
     ("`state_dict()`, `full_state_dict`, `full_grads`, `save_checkpoint` or "
      "`load_checkpoint` called on some ranks only", "`CollectiveMismatchError` on the "
      "callers, naming the call and how many ranks came, within "
