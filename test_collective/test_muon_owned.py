@@ -30,6 +30,9 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
         line = next((l for l in log.splitlines() if l.startswith(f"MUON {layout}: ")), "")
         assert "max rel diff" in line, (layout, log[-3000:])
         assert f"= {copies} x " in line, line  # the momentum lives on the owners only
+        # issue 65: each matrix orthogonalised once per job, replicas that keep their
+        # inner owners included (each does its share, the results all-gathered)
+        assert "Newton-Schulz flops over the ranks" in line and "= 1 x the model's" in line, line
     for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
         assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]

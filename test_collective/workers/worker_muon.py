@@ -33,6 +33,7 @@ from paddle.distributed import ProcessMesh, Shard
 import paddle_hsdp
 from paddle_hsdp.engine.layout import owner_balance
 from paddle_hsdp.engine.registry import managed_param, units_under
+from paddle_hsdp.optim.muon import newton_schulz_flops
 from models import (batches, build_model, decay_filter, global_norm, lm_loss, shard_tinylm,
                     uses_extra)
 
@@ -102,6 +103,19 @@ def momentum_elements(model, opt) -> tuple[int, int]:
     return held, total
 
 
+def newton_schulz_once(model, opt, steps) -> str:
+    """The Newton-Schulz flops over every rank equal the model's matrices' once per
+    step (issue 65: no replica repeats another's, the owners in the inner group
+    included); what the line says."""
+    flops = paddle.to_tensor([opt.ns_flops], dtype="int64")
+    dist.all_reduce(flops)
+    model_flops = steps * sum(
+        newton_schulz_flops(sorted(p._hsdp_sharded_param.shape), opt._ns_steps)
+        for p in model.parameters() if opt.updates_as_matrix(p) and not p.stop_gradient)
+    assert int(flops.item()) == model_flops, (int(flops.item()), model_flops)
+    return f"Newton-Schulz flops over the ranks {int(flops.item())} = 1 x the model's"
+
+
 def balance(model) -> str:
     return "/".join(f"{owner_balance(buf.layout)['imbalance']:.2f}"
                     for unit in units_under(model) for buf in unit.buffers
@@ -166,7 +180,8 @@ def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw
     replicas = world // (block.inner.nranks * block.parts)
     assert int(counts.item()) == total * replicas, (name, int(counts.item()), total, replicas)
     print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
-          f"{int(counts.item())} = {replicas} x {total}; owner imbalance per unit "
+          f"{int(counts.item())} = {replicas} x {total}; "
+          f"{newton_schulz_once(model, opt, len(data))}; owner imbalance per unit "
           f"{balance(model)}", flush=True)
     if work is not None:
         checkpoints(model, opt, shard_kwargs, work)
