@@ -390,7 +390,7 @@ def _replica_shares(optimizer: paddle.optimizer.Optimizer, shards: list[paddle.T
             if sp.trainable and len(sp.shape) == 2 and not getattr(sp.shard, "is_distributed", False)
             and comm.numel_of(sp.shard) == math.prod(sp.shape)
             and _updates_as_matrix(optimizer, sp.shard))
-    chosen = []
+    chosen: list[tuple] = []
     for matrices in filter(None, by_group.values()):
         group = matrices[0].buffer.outer
         owners = spread_matrices([list(sp.shape) for sp in matrices], group.nranks)

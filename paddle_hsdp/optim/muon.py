@@ -360,15 +360,16 @@ class Muon(paddle.optimizer.Optimizer):
 
     def _finish_update(self, block: Any, parameters_and_grads: Any) -> None:
         """The step's tensor-parallel slices (``tp_mode="duplicated"``), all at once:
-        :meth:`_orthogonalize_joined`, then each one's decay and step."""
+        :meth:`_orthogonalize_joined`, then each one's decay and step; then the matrices
+        shared over the replicas (:meth:`_exchange_over_replicas`)."""
         joined, self._joined = self._joined, []
         if joined:
             for entry, ortho in zip(joined, self._orthogonalize_joined(joined), strict=True):
                 self._apply(entry.param, ortho, entry.lr, entry.with_decay, entry.master)
         shared, self._shared = self._shared, []
         buckets: dict[tuple[int, str], list[_Shared]] = {}
-        for entry in shared:  # one all-gather per outer group and dtype
-            buckets.setdefault((entry.group.id, str(entry.target.dtype)), []).append(entry)
+        for one in shared:  # one all-gather per outer group and dtype
+            buckets.setdefault((one.group.id, str(one.target.dtype)), []).append(one)
         for key in sorted(buckets):
             self._exchange_over_replicas(buckets[key])
 
