@@ -7,7 +7,9 @@ parameter within workers/parity.py's bound. Layouts in the shared 4-rank launch:
 inner x outer), 1 x 4 (an explicit mesh) and 2 x 2 with the shards offloaded to the
 host (the reduction's path without a grad grid). Also: every matrix's momentum lives on its
 owner only (the state's elements summed over the ranks are the model's, not inner
-times them), the owners' balance per unit is printed; Muon over the default placement
+times them), the Newton-Schulz flops over the ranks are the model's once per step in
+every layout (issue 65: replicas that keep their inner owners share the work, the
+results all-gathered), the owners' balance per unit is printed; Muon over the default placement
 (1 x 4, HFSDP 2 x 2) moves the cut matrices onto owners at its first step (issue 64)
 and trains as the owned layout does; over rows asked explicitly (``Shard(0)``) it is
 refused at its first step on every rank, nothing updated.
