@@ -4,7 +4,8 @@ workers/worker_muon.py in the shared 4-rank launch): ``paddle_hsdp.Muon`` with
 owners then span the replicas), HFSDP 2 x 2, 1 x 4 and 2 x 2 offloaded against one
 process running the same Muon on the whole batch (5 steps, clip active at every step,
 weight decay, float64: losses and every parameter within the parity bound), each
-matrix's momentum on its owner only; Muon over the default placement moved onto owners
+matrix's momentum on its owner only and orthogonalised once per job (the Newton-Schulz
+flops over the ranks, issue 65); Muon over the default placement moved onto owners
 at its first step (1 x 4, HFSDP 2 x 2, issue 64) and trained alike; over rows asked
 explicitly (Shard(0)) refused on every rank. Next to tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for
 Newton-Schulz, each once per mp group: the Newton-Schulz flops counted) and expert
