@@ -26,7 +26,12 @@ both, before the split, as Paddle's does.
 Under HSDP each matrix must be whole on the rank that updates it: shard with
 ``shard_placement_fn=paddle_hsdp.owned_matrices()`` (its owner holds all of it, the
 others a 0-row shard, skipped here), or keep it whole everywhere with ``Replicate()``;
-a matrix cut into rows is refused at the step (``needs_whole_matrices``).
+a matrix cut into rows is refused at the step (``needs_whole_matrices``). Where outer
+replicas each hold the same matrix whole (owners kept in the inner group), the engine
+gives each matrix to one replica (``orthogonalise_over_replicas``): only it runs the
+iteration, and one all-gather per outer group and dtype at the step's end brings the
+results to the others (the step's transient memory: the rank's matrices' results in
+one buffer), so each matrix is orthogonalised once per job.
 
 Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
 ``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``

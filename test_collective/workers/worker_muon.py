@@ -33,6 +33,7 @@ import paddle.distributed as dist
 from paddle.distributed import ProcessMesh, Shard
 
 import paddle_hsdp
+from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.layout import owner_balance
 from paddle_hsdp.engine.registry import managed_param, units_under
 from paddle_hsdp.optim.muon import newton_schulz_flops
@@ -118,6 +119,17 @@ def newton_schulz_once(model, opt, steps) -> str:
     return f"Newton-Schulz flops over the ranks {int(flops.item())} = 1 x the model's"
 
 
+def shared_gathers(model, gathers, steps) -> str:
+    """Where every buffer keeps its owners in the inner group over 2 replicas (no outer
+    all-gather of the engine's own): Muon's all-gathers of the shared results over the
+    outer group, one per step whatever the number of matrices (issue 65, item 4)."""
+    buffers = [b for unit in units_under(model) for b in unit.buffers if b.trainable]
+    if world // buffers[0].inner.nranks < 2 or any(b.parts != 1 for b in buffers):
+        return ""
+    assert gathers == steps, (gathers, steps)
+    return f"; Muon's all-gathers over the outer group {gathers // steps} a step"
+
+
 def balance(model) -> str:
     return "/".join(f"{owner_balance(buf.layout)['imbalance']:.2f}"
                     for unit in units_under(model) for buf in unit.buffers
@@ -169,7 +181,9 @@ def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw
     first step spreads the owners over the outer replicas where that costs at most
     SPREAD_PADDING_MAX in padding, issue 65)."""
     ref_losses, ref_params, norms = reference
+    before = comm.counter.get("outer", "all_gather").calls
     losses, full, _, model, opt = trained(data, shard_kwargs, **train_kw)
+    gathers = comm.counter.get("outer", "all_gather").calls - before
     measured = compare_with_reference(f"muon {name}", full, ref_params, losses, ref_losses, {})
     held, total = momentum_elements(model, opt)
     counts = paddle.to_tensor([held], dtype="int64")
@@ -184,7 +198,7 @@ def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw
     print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
           f"{int(counts.item())} = {replicas} x {total}; "
           f"{newton_schulz_once(model, opt, len(data))}; owner imbalance per unit "
-          f"{balance(model)}", flush=True)
+          f"{balance(model)}{shared_gathers(model, gathers, len(data))}", flush=True)
     if work is not None:
         checkpoints(model, opt, shard_kwargs, work)
 
