@@ -34,6 +34,8 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
         # issue 65: each matrix orthogonalised once per job, replicas that keep their
         # inner owners included (each does its share, the results all-gathered)
         assert "Newton-Schulz flops over the ranks" in line and "= 1 x the model's" in line, line
+        if copies == 2:  # every buffer keeps inner owners: one all-gather a step (item 4)
+            assert "Muon's all-gathers over the outer group 1 a step" in line, line
     for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
         assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]
