@@ -440,3 +440,40 @@ def test_newton_schulz_flops_are_counted():
     assert opt.ns_flops == newton_schulz_flops([4, 6], 3) == 3 * 2 * (2 * 16 * 6 + 64)
     opt.newton_schulz(paddle.rand([2, 4, 6]))
     assert opt.ns_flops == 3 * newton_schulz_flops([4, 6], 3)
+
+
+def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float64, monkeypatch):
+    """Issue 65: with the engine's shares (engine/optimizers.py,
+    share_orthogonalisation_over_replicas), this rank (replica 0 of 2) orthogonalises
+    its matrix alone (the flops count it only) and steps the other by what the
+    all-gather brings from replica 1 (here zeros: only the decay), each from its own
+    slice of the gathered buffer."""
+    from paddle_hsdp.comm import collectives as comm
+    from paddle_hsdp.optim.muon import newton_schulz_flops
+
+    rng = np.random.default_rng(4)
+    w0, v0 = rng.standard_normal([4, 6]), rng.standard_normal([5, 3])
+    mine, theirs = (paddle.create_parameter(w.shape, "float64",
+                                            default_initializer=paddle.nn.initializer.Assign(w))
+                    for w in (w0, v0))
+    group = SimpleNamespace(nranks=2, rank=0, id=-65)
+    sent = []
+
+    def all_gather_into(out, send, group, what=None, **_):
+        assert out.shape == [2 * send.shape[0]], (out.shape, send.shape)
+        sent.append(send.numpy().copy())
+        paddle.assign(paddle.concat([send, paddle.zeros_like(send)]), output=out)
+
+    monkeypatch.setattr(comm, "all_gather_into", all_gather_into)
+    monkeypatch.setattr(comm, "is_gloo", lambda group: True)  # (a stand-in group)
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[mine, theirs], momentum=0.9,
+                           weight_decay=0.05, muon_exclude_patterns=[], ns_matmul_dtype="float64")
+    opt.orthogonalise_over_replicas({mine.name: (group, 0), theirs.name: (group, 1)})
+    grad = rng.standard_normal([4, 6])
+    mine.grad, theirs.grad = paddle.to_tensor(grad), paddle.to_tensor(rng.standard_normal([5, 3]))
+    opt.step()
+    assert len(sent) == 1 and sent[0].shape == (24,)  # one all-gather, widest share 4 x 6
+    np.testing.assert_allclose(mine.numpy(), _numpy_muon(w0, [grad], 0.1, 0.9, 0.05),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(theirs.numpy(), v0 * (1 - 0.1 * 0.05))
+    assert opt.ns_flops == newton_schulz_flops([4, 6], 5)

@@ -4,7 +4,8 @@ workers/worker_muon.py in the shared 4-rank launch): ``paddle_hsdp.Muon`` with
 owners then span the replicas), HFSDP 2 x 2, 1 x 4 and 2 x 2 offloaded against one
 process running the same Muon on the whole batch (5 steps, clip active at every step,
 weight decay, float64: losses and every parameter within the parity bound), each
-matrix's momentum on its owner only; Muon over the default placement moved onto owners
+matrix's momentum on its owner only and orthogonalised once per job (the Newton-Schulz
+flops over the ranks, issue 65); Muon over the default placement moved onto owners
 at its first step (1 x 4, HFSDP 2 x 2, issue 64) and trained alike; over rows asked
 explicitly (Shard(0)) refused on every rank. Next to tensor parallelism (TP 2 x HSDP 2 x 2, the mp slices joined for
 Newton-Schulz, each once per mp group: the Newton-Schulz flops counted) and expert
@@ -30,6 +31,11 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
         line = next((l for l in log.splitlines() if l.startswith(f"MUON {layout}: ")), "")
         assert "max rel diff" in line, (layout, log[-3000:])
         assert f"= {copies} x " in line, line  # the momentum lives on the owners only
+        # issue 65: each matrix orthogonalised once per job, replicas that keep their
+        # inner owners included (each does its share, the results all-gathered)
+        assert "Newton-Schulz flops over the ranks" in line and "= 1 x the model's" in line, line
+        if copies == 2:  # every buffer keeps inner owners: one all-gather a step (item 4)
+            assert "Muon's all-gathers over the outer group 1 a step" in line, line
     for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
         assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]

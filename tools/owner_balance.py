@@ -31,6 +31,7 @@ import pythonpath  # noqa: F401  (the project on the path, or a one-line error)
 from paddle_hsdp.engine.layout import (ALIGN, balanced_rotations, orthogonalisation_work,
                                        owned_loads, owner_balance, segment_layout)
 from paddle_hsdp.engine.optimizers import SPREAD_PADDING_MAX
+from paddle_hsdp.optim.muon import spread_matrices
 
 # hidden, FFN, key/value width, layers ([in, out] weights, as Paddle lays them out)
 MODELS = {"llama2-7b (MHA)": (4096, 11008, 4096, 32),
@@ -93,23 +94,47 @@ def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int) -> str:
         per_rank = lambda w: [sum(owned_loads(lay, w)[j] for lay in layouts)  # noqa: E731
                               for j in range(ranks)]
         shard = spread.segment_numel * outer
-    else:  # every replica's owners do their inner segment's matrices
+    else:  # every replica's owners hold their inner segment's matrices
         layouts = [segment_layout(shapes, inner, owned, rotation=u) for u in range(units)]
         per_rank = lambda w: [sum(owned_loads(lay, w)[j // outer] for lay in layouts)  # noqa: E731
                               for j in range(ranks)]
         shard = inner_layout.segment_numel
     flops, state = per_rank(work), per_rank(numel)
+    extra = ""
+    if not taken and outer > 1:  # Newton-Schulz shared over the replicas (the engine's)
+        flops, extra = shared_over_replicas(layouts, shapes, owned, inner, outer,
+                                            units * segment_layout(shapes, inner).segment_numel)
     idle = ranks - len({lay_seg for lay_seg in (
         layouts[0].offsets[k] // layouts[0].segment_numel for k, o in enumerate(owned) if o)}) \
         * (1 if taken else outer)
     flat_shard = segment_layout(shapes, inner).segment_numel
     how = "owners span inner x outer" if taken else (
-        "owners in the inner group (repeated per replica)" if outer > 1 else "inner owners")
+        "inner owners, Newton-Schulz shared over the replicas" if outer > 1 else "inner owners")
     return (f"{model:16s} {inner} x {outer:<2d} {blocks_per_unit} block(s)/unit, {how}: "
             f"heaviest rank {max(flops) / (sum(work) * units / ranks):.2f}x its share of "
             f"the Newton-Schulz work, {max(state) / (sum(numel) * units / ranks):.2f}x of "
             f"Muon's state; {idle} of {ranks} ranks own no matrix of a unit; a shard "
-            f"{shard / flat_shard:.2f}x the flat layout's")
+            f"{shard / flat_shard:.2f}x the flat layout's{extra}")
+
+
+def shared_over_replicas(layouts, shapes, owned, inner: int, outer: int, flat_shard: int,
+                         ) -> tuple[list[int], str]:
+    """Where the owners stay in the inner group: each inner rank's matrices (unit
+    order, as the engine lists them) given to the ``outer`` replicas by
+    ``spread_matrices`` (engine/optimizers.py, _replica_shares). Newton-Schulz work per
+    rank (inner-major), and what the results' all-gather over the outer group adds
+    across machines, against the outer all-reduce of the flat layout's grads."""
+    flops, widest = [], 0
+    for j in range(inner):
+        held = [shapes[k] for lay in layouts for k, own in enumerate(owned)
+                if own and lay.offsets[k] // lay.segment_numel == j]
+        replica = spread_matrices(held, outer)
+        share = [[s for s, r in zip(held, replica) if r == o] for o in range(outer)]
+        flops.extend(sum(orthogonalisation_work(s) for s in mine) for mine in share)
+        widest = max(widest, max(sum(math.prod(s) for s in mine) for mine in share))
+    # per rank on the wire: (O - 1) x the widest share, against 2 (O - 1) / O x the shard
+    return flops, (f"; the results' all-gather adds {outer * widest / (2 * flat_shard):.2f}x "
+                   "the outer all-reduce's bytes")
 
 
 def time_search(inner: int, parts: int) -> float:

@@ -25,6 +25,7 @@ from paddle.base import framework
 from ..comm import collectives as comm
 from ..comm import watchdog
 from ..comm.traits import traits_of
+from ..optim.muon import spread_matrices
 from ..topology.placement import ModelAxes
 from . import offload
 from .layout import balanced_rotations, orthogonalisation_work, owned_loads
@@ -348,6 +349,54 @@ def move_matrices_to_owners(optimizer: paddle.optimizer.Optimizer,
             "(each matrix orthogonalised once per job; its grad reduce-scattered over the "
             "outer group and the updated matrices all-gathered, as with "
             "fsdp_outer_sharding='optim')", type(optimizer).__name__, spread)
+
+
+def share_orthogonalisation_over_replicas(optimizer: paddle.optimizer.Optimizer,
+                                          shards: list[paddle.Tensor]) -> None:
+    """Issue 65: a buffer whose owners stay in the inner group (not spread over the
+    outer replicas: padding past ``SPREAD_PADDING_MAX``, an offloaded buffer, main
+    grads) holds each of its matrices whole on one rank per replica, identical after
+    the outer all-reduce of the grads. Each such matrix is given to one replica
+    (greedy by Newton-Schulz work over the matrices this rank holds, the same list on
+    every rank of its outer group), which alone orthogonalises it; the optimizer
+    all-gathers the results over the outer group at the step's end
+    (``orthogonalise_over_replicas``). Chosen once (layouts fixed), told every step
+    for the units whose grads this step are averaged over the replicas (not
+    ``set_requires_all_reduce(False)``); no collective here."""
+    optimizer = unwrap_optimizer(optimizer)
+    share = getattr(optimizer, "orthogonalise_over_replicas", None)
+    if not callable(share):
+        return
+    chosen = getattr(optimizer, "_hsdp_replica_shares", None)
+    if chosen is None:
+        chosen = optimizer._hsdp_replica_shares = _replica_shares(optimizer, shards)
+    share({name: (group, owner) for unit, name, group, owner in chosen
+           if unit.syncs_grads_over_outer})
+
+
+def _replica_shares(optimizer: paddle.optimizer.Optimizer, shards: list[paddle.Tensor],
+                    ) -> list[tuple]:
+    """``(unit, matrix's name, outer group, replica that orthogonalises it)`` for
+    :func:`share_orthogonalisation_over_replicas`, in unit and buffer order."""
+    by_group: dict[int, list[ShardedParam]] = {}
+    for buf in sorted(_buffers_of(shards), key=lambda b: (b.unit_index, b.index)):
+        traits = traits_of(buf.outer)
+        if not buf.trainable or buf.parts != 1 or buf.outer.nranks <= 1 or \
+                buf.owner is None or buf.owner.outer_sync is not None or \
+                traits.watchdog_exempt or traits.pieces is not None:
+            continue  # one replica, outer pieces, DiLoCo or live replica groups
+        by_group.setdefault(id(buf.outer), []).extend(
+            sp for sp in buf.params
+            if sp.trainable and len(sp.shape) == 2 and not getattr(sp.shard, "is_distributed", False)
+            and comm.numel_of(sp.shard) == math.prod(sp.shape)
+            and _updates_as_matrix(optimizer, sp.shard))
+    chosen: list[tuple] = []
+    for matrices in filter(None, by_group.values()):
+        group = matrices[0].buffer.outer
+        owners = spread_matrices([list(sp.shape) for sp in matrices], group.nranks)
+        chosen.extend((sp.buffer.owner, sp.shard.name, group, owner)
+                      for sp, owner in zip(matrices, owners, strict=True))
+    return chosen
 
 
 def _model_wide_rotations(buffers: list[ShardBuffer],

@@ -26,7 +26,12 @@ both, before the split, as Paddle's does.
 Under HSDP each matrix must be whole on the rank that updates it: shard with
 ``shard_placement_fn=paddle_hsdp.owned_matrices()`` (its owner holds all of it, the
 others a 0-row shard, skipped here), or keep it whole everywhere with ``Replicate()``;
-a matrix cut into rows is refused at the step (``needs_whole_matrices``).
+a matrix cut into rows is refused at the step (``needs_whole_matrices``). Where outer
+replicas each hold the same matrix whole (owners kept in the inner group), the engine
+gives each matrix to one replica (``orthogonalise_over_replicas``): only it runs the
+iteration, and one all-gather per outer group and dtype at the step's end brings the
+results to the others (the step's transient memory: the rank's matrices' results in
+one buffer), so each matrix is orthogonalised once per job.
 
 Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
 ``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``
@@ -201,6 +206,10 @@ class Muon(paddle.optimizer.Optimizer):
         self._tp_mode = tp_mode
         # tensor-parallel slices whose update waits for the step's end (_finish_update)
         self._joined: list[_Joined] = []
+        # issue 65: {param.name: (outer group, replica)}: matrices whole and equal on
+        # every replica, orthogonalised by that replica alone (the engine says which)
+        self._replica_shares: dict[str, tuple[Any, int]] = {}
+        self._shared: list[_Shared] = []
         self._master_weights: dict = {}
         self._already_create_accumulator: set = set()
 
@@ -209,6 +218,14 @@ class Muon(paddle.optimizer.Optimizer):
         """engine/optimizers.py: whether the step calls the mp group per split matrix
         (``tp_mode="duplicated"``), so the mp ranks' owners must match."""
         return self._tp_mode == "duplicated"
+
+    def orthogonalise_over_replicas(self, shares: dict[str, tuple[Any, int]]) -> None:
+        """The engine's answer for this step (engine/optimizers.py,
+        ``share_orthogonalisation_over_replicas``): ``{param.name: (group, replica)}``
+        for matrices every rank of ``group`` holds whole with the same grad; replica
+        ``replica`` alone orthogonalises each, and the results are all-gathered over
+        ``group`` at the step's end (:meth:`_exchange_over_replicas`)."""
+        self._replica_shares = dict(shares)
 
     # -------------------------------------------------------------- which parameters
     def updates_as_matrix(self, param: paddle.Tensor) -> bool:
@@ -317,6 +334,11 @@ class Muon(paddle.optimizer.Optimizer):
             self._joined.append(_Joined(param, update.reshape(shape), axis, lr, with_decay,
                                         master))
             return
+        share = self._replica_shares.get(param.name)
+        if share is not None:  # one replica orthogonalises it (_exchange_over_replicas)
+            self._shared.append(_Shared(param, update.reshape(shape), *share, lr, with_decay,
+                                        master))
+            return
         self._apply(param, self._orthogonalize(update.reshape(shape), param.name), lr,
                     with_decay, master)
 
@@ -343,11 +365,51 @@ class Muon(paddle.optimizer.Optimizer):
 
     def _finish_update(self, block: Any, parameters_and_grads: Any) -> None:
         """The step's tensor-parallel slices (``tp_mode="duplicated"``), all at once:
-        :meth:`_orthogonalize_joined`, then each one's decay and step."""
+        :meth:`_orthogonalize_joined`, then each one's decay and step; then the matrices
+        shared over the replicas (:meth:`_exchange_over_replicas`)."""
         joined, self._joined = self._joined, []
         if joined:
             for entry, ortho in zip(joined, self._orthogonalize_joined(joined), strict=True):
                 self._apply(entry.param, ortho, entry.lr, entry.with_decay, entry.master)
+        shared, self._shared = self._shared, []
+        buckets: dict[tuple[int, str], list[_Shared]] = {}
+        for one in shared:  # one all-gather per outer group and dtype
+            buckets.setdefault((one.group.id, str(one.target.dtype)), []).append(one)
+        for key in sorted(buckets):
+            self._exchange_over_replicas(buckets[key])
+
+    def _exchange_over_replicas(self, entries: list[_Shared]) -> None:
+        """Issue 65: each replica orthogonalises its share of ``entries`` (matrices
+        whole and equal on every rank of one outer group, one dtype), the results, cast
+        to the dtype they step, are all-gathered over the group (each replica's share
+        padded to the largest), and every rank steps every matrix by the same bits."""
+        group = entries[0].group
+        n, me, dtype = group.nranks, group.rank, entries[0].target.dtype
+        sizes = [sum(math.prod(e.update.shape) for e in entries if e.replica == r)
+                 for r in range(n)]
+        width = max(sizes)
+        if width == 0:
+            return
+        mine = [self._orthogonalize(e.update, e.param.name).astype(dtype).reshape([-1])
+                for e in entries if e.replica == me]
+        send = paddle.concat(mine + [paddle.zeros([width - sizes[me]], dtype=dtype)])
+        # offloaded shards (host memory) under NCCL: the all-gather runs on the device
+        on_host = send.place.is_cpu_place() and not comm.is_gloo(group)
+        if on_host:
+            send = send.cuda()
+        gathered = paddle.empty([n * width], dtype=dtype)
+        if on_host:
+            gathered = gathered.cuda()
+        comm.all_gather_into(gathered, send, group, what=f"Muon: {len(entries)} matrices "
+                             "orthogonalised once over the replicas")
+        if on_host:
+            gathered = gathered.cpu()
+        start = [r * width for r in range(n)]
+        for e in entries:
+            size = math.prod(e.update.shape)
+            ortho = gathered[start[e.replica]:start[e.replica] + size].reshape(e.update.shape)
+            start[e.replica] += size
+            self._apply(e.param, ortho, e.lr, e.with_decay, e.master)
 
     def _orthogonalize_joined(self, joined: list[_Joined]) -> list[paddle.Tensor]:
         """Each mp-split matrix orthogonalised once over the mp group (issue 65): the
@@ -446,6 +508,24 @@ class _Joined:
     lr: paddle.Tensor
     with_decay: bool
     master: paddle.Tensor | None
+
+
+@dataclass
+class _Shared:
+    """A matrix whose orthogonalisation one outer replica does (``_finish_update``)."""
+
+    param: paddle.Tensor
+    update: paddle.Tensor  # the momentum update, whole (equal on every replica)
+    group: Any  # the outer group of replicas holding it
+    replica: int  # the rank in ``group`` that orthogonalises it
+    lr: paddle.Tensor
+    with_decay: bool
+    master: paddle.Tensor | None
+
+    @property
+    def target(self) -> paddle.Tensor:
+        """What the step writes (the master weight, if any): the result's dtype."""
+        return self.master if self.master is not None else self.param
 
 
 def _whole_shape(entry: _Joined) -> list[int]:

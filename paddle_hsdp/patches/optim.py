@@ -48,7 +48,7 @@ from ..engine import diloco, offload, outer_sync, trace
 from ..engine.optimizers import (not_elementwise_classes, sharded_params_of, units_of_shards,
                                  check_optimizer, finish_grad_sync, optimizer_state_bytes,
                                  move_matrices_to_owners, refuse_row_sharded_matrices,
-                                 untouched_shards)
+                                 share_orthogonalisation_over_replicas, untouched_shards)
 from ..engine.optimizer_state import adopt_shards, cut_full_state
 from ..engine.registry import registry
 from . import clip
@@ -90,6 +90,7 @@ class _StepBoundary:
             finish_grad_sync(params)  # a no-op where backward finished it
             if to_move:  # a whole-matrix optimizer's first step: its matrices onto owners
                 move_matrices_to_owners(optimizer, to_move)
+            share_orthogonalisation_over_replicas(optimizer, params)
             clip.make_clip_hsdp_aware(optimizer, params)
             for unit in units:  # the update writes what an outer all-gather may still read
                 unit.finish_rebuild()

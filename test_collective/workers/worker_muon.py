@@ -7,7 +7,9 @@ parameter within workers/parity.py's bound. Layouts in the shared 4-rank launch:
 inner x outer), 1 x 4 (an explicit mesh) and 2 x 2 with the shards offloaded to the
 host (the reduction's path without a grad grid). Also: every matrix's momentum lives on its
 owner only (the state's elements summed over the ranks are the model's, not inner
-times them), the owners' balance per unit is printed; Muon over the default placement
+times them), the Newton-Schulz flops over the ranks are the model's once per step in
+every layout (issue 65: replicas that keep their inner owners share the work, the
+results all-gathered), the owners' balance per unit is printed; Muon over the default placement
 (1 x 4, HFSDP 2 x 2) moves the cut matrices onto owners at its first step (issue 64)
 and trains as the owned layout does; over rows asked explicitly (``Shard(0)``) it is
 refused at its first step on every rank, nothing updated.
@@ -31,8 +33,10 @@ import paddle.distributed as dist
 from paddle.distributed import ProcessMesh, Shard
 
 import paddle_hsdp
+from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.layout import owner_balance
 from paddle_hsdp.engine.registry import managed_param, units_under
+from paddle_hsdp.optim.muon import newton_schulz_flops
 from models import (batches, build_model, decay_filter, global_norm, lm_loss, shard_tinylm,
                     uses_extra)
 
@@ -102,6 +106,30 @@ def momentum_elements(model, opt) -> tuple[int, int]:
     return held, total
 
 
+def newton_schulz_once(model, opt, steps) -> str:
+    """The Newton-Schulz flops over every rank equal the model's matrices' once per
+    step (issue 65: no replica repeats another's, the owners in the inner group
+    included); what the line says."""
+    flops = paddle.to_tensor([opt.ns_flops], dtype="int64")
+    dist.all_reduce(flops)
+    model_flops = steps * sum(
+        newton_schulz_flops(sorted(p._hsdp_sharded_param.shape), opt._ns_steps)
+        for p in model.parameters() if opt.updates_as_matrix(p) and not p.stop_gradient)
+    assert int(flops.item()) == model_flops, (int(flops.item()), model_flops)
+    return f"Newton-Schulz flops over the ranks {int(flops.item())} = 1 x the model's"
+
+
+def shared_gathers(model, gathers, steps) -> str:
+    """Where every buffer keeps its owners in the inner group over 2 replicas (no outer
+    all-gather of the engine's own): Muon's all-gathers of the shared results over the
+    outer group, one per step whatever the number of matrices (issue 65, item 4)."""
+    buffers = [b for unit in units_under(model) for b in unit.buffers if b.trainable]
+    if world // buffers[0].inner.nranks < 2 or any(b.parts != 1 for b in buffers):
+        return ""
+    assert gathers == steps, (gathers, steps)
+    return f"; Muon's all-gathers over the outer group {gathers // steps} a step"
+
+
 def balance(model) -> str:
     return "/".join(f"{owner_balance(buf.layout)['imbalance']:.2f}"
                     for unit in units_under(model) for buf in unit.buffers
@@ -153,7 +181,9 @@ def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw
     first step spreads the owners over the outer replicas where that costs at most
     SPREAD_PADDING_MAX in padding, issue 65)."""
     ref_losses, ref_params, norms = reference
+    before = comm.counter.get("outer", "all_gather").calls
     losses, full, _, model, opt = trained(data, shard_kwargs, **train_kw)
+    gathers = comm.counter.get("outer", "all_gather").calls - before
     measured = compare_with_reference(f"muon {name}", full, ref_params, losses, ref_losses, {})
     held, total = momentum_elements(model, opt)
     counts = paddle.to_tensor([held], dtype="int64")
@@ -166,8 +196,9 @@ def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw
     replicas = world // (block.inner.nranks * block.parts)
     assert int(counts.item()) == total * replicas, (name, int(counts.item()), total, replicas)
     print(f"MUON {name}: max rel diff {measured:.2e}; momentum elements over the ranks "
-          f"{int(counts.item())} = {replicas} x {total}; owner imbalance per unit "
-          f"{balance(model)}", flush=True)
+          f"{int(counts.item())} = {replicas} x {total}; "
+          f"{newton_schulz_once(model, opt, len(data))}; owner imbalance per unit "
+          f"{balance(model)}{shared_gathers(model, gathers, len(data))}", flush=True)
     if work is not None:
         checkpoints(model, opt, shard_kwargs, work)
 

@@ -80,7 +80,8 @@ def tensor_parallel():
     measured = report_over(world_group, "muon tp2 x hsdp 2x2", worst)
     # issue 65, item 2: each mp-split matrix orthogonalised once per mp group (spread
     # over its mp ranks), the others once per mp rank (their copies); the replicas of a
-    # buffer whose owners stay in the inner group each repeat its matrices
+    # buffer whose owners stay in the inner group each repeat its mp-split matrices
+    # and share the others (item 1: each replica does its share, results all-gathered)
     expected = 0
     for p in model.parameters():
         if p.stop_gradient or not opt.updates_as_matrix(p):
@@ -89,7 +90,7 @@ def tensor_parallel():
         joined = p.name in split
         shape = [int(d) * (mp_n if joined and k == p.split_axis else 1)
                  for k, d in enumerate(sp.shape)]
-        replicas = world // (mp_n * sp.buffer.inner.nranks * sp.buffer.parts)
+        replicas = world // (mp_n * sp.buffer.inner.nranks * sp.buffer.parts) if joined else 1
         expected += len(data) * newton_schulz_flops(sorted(shape), opt._ns_steps) * \
             replicas * (1 if joined else mp_n)
     flops = paddle.to_tensor([opt.ns_flops], dtype="int64")
