@@ -477,3 +477,34 @@ def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float
                                rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(theirs.numpy(), v0 * (1 - 0.1 * 0.05))
     assert opt.ns_flops == newton_schulz_flops([4, 6], 5)
+
+
+def test_share_over_replicas_false_repeats_the_iteration_and_sends_nothing(float64, monkeypatch):
+    """``Muon(share_over_replicas=False)``: the engine's shares are ignored, every
+    matrix is orthogonalised here (the flops count both) and nothing is all-gathered,
+    for a slow outer link where the results' bytes cost more than the iteration."""
+    from paddle_hsdp.comm import collectives as comm
+    from paddle_hsdp.optim.muon import newton_schulz_flops
+
+    rng = np.random.default_rng(5)
+    w0, v0 = rng.standard_normal([4, 6]), rng.standard_normal([5, 3])
+    mine, theirs = (paddle.create_parameter(w.shape, "float64",
+                                            default_initializer=paddle.nn.initializer.Assign(w))
+                    for w in (w0, v0))
+    group = SimpleNamespace(nranks=2, rank=0, id=-66)
+    monkeypatch.setattr(comm, "all_gather_into",
+                        lambda *a, **k: pytest.fail("share_over_replicas=False all-gathered"))
+    opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[mine, theirs], momentum=0.9,
+                           weight_decay=0.05, muon_exclude_patterns=[], ns_matmul_dtype="float64",
+                           share_over_replicas=False)
+    opt.orthogonalise_over_replicas({mine.name: (group, 0), theirs.name: (group, 1)})
+    grads = rng.standard_normal([4, 6]), rng.standard_normal([5, 3])
+    mine.grad, theirs.grad = (paddle.to_tensor(g) for g in grads)
+    opt.step()
+    np.testing.assert_allclose(mine.numpy(), _numpy_muon(w0, [grads[0]], 0.1, 0.9, 0.05),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(theirs.numpy(), _numpy_muon(v0, [grads[1]], 0.1, 0.9, 0.05),
+                               rtol=1e-12, atol=1e-12)
+    assert opt.ns_flops == newton_schulz_flops([4, 6], 5) + newton_schulz_flops([3, 5], 5)  # (taller: transposed)
+    with pytest.raises(TypeError, match="share_over_replicas"):
+        paddle_hsdp.Muon(parameters=[mine], share_over_replicas="no")

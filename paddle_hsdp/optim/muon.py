@@ -161,7 +161,8 @@ class Muon(paddle.optimizer.Optimizer):
                  muon_param_info_map: dict[str, MuonParamInfo] | None = None,
                  ns_matmul_dtype: str | paddle.dtype | None = None,
                  multi_precision: bool = False, name: str | None = None,
-                 tp_mode: str = "duplicated", **kwargs: Any):
+                 tp_mode: str = "duplicated", share_over_replicas: bool = True,
+                 **kwargs: Any):
         if parameters is None:
             raise ValueError("Muon(parameters=...): pass the parameters to update "
                              "(model.parameters())")
@@ -183,6 +184,9 @@ class Muon(paddle.optimizer.Optimizer):
                              f"{sorted(NS_COEFFICIENTS) + ['custom']}, got {ns_coeff_type!r}")
         if muon_version not in (1, 2, 3):
             raise ValueError(f"Muon(muon_version=...): 1, 2 or 3, got {muon_version!r}")
+        if not isinstance(share_over_replicas, bool):
+            raise TypeError("Muon(share_over_replicas=...) must be True or False, got "
+                            f"{share_over_replicas!r}")
         if tp_mode not in TP_MODES:
             raise ValueError(f"Muon(tp_mode=...): one of {list(TP_MODES)}, got {tp_mode!r}")
         if not 0.0 <= momentum < 1.0:
@@ -209,6 +213,9 @@ class Muon(paddle.optimizer.Optimizer):
         # issue 65: {param.name: (outer group, replica)}: matrices whole and equal on
         # every replica, orthogonalised by that replica alone (the engine says which)
         self._replica_shares: dict[str, tuple[Any, int]] = {}
+        # False: each replica repeats the iteration rather than send its results across
+        # machines (the all-gather's bytes: a slow outer link, small matrices)
+        self._share_over_replicas = share_over_replicas
         self._shared: list[_Shared] = []
         self._master_weights: dict = {}
         self._already_create_accumulator: set = set()
@@ -224,8 +231,9 @@ class Muon(paddle.optimizer.Optimizer):
         ``share_orthogonalisation_over_replicas``): ``{param.name: (group, replica)}``
         for matrices every rank of ``group`` holds whole with the same grad; replica
         ``replica`` alone orthogonalises each, and the results are all-gathered over
-        ``group`` at the step's end (:meth:`_exchange_over_replicas`)."""
-        self._replica_shares = dict(shares)
+        ``group`` at the step's end (:meth:`_exchange_over_replicas`). With
+        ``Muon(share_over_replicas=False)`` every replica orthogonalises them all."""
+        self._replica_shares = dict(shares) if self._share_over_replicas else {}
 
     # -------------------------------------------------------------- which parameters
     def updates_as_matrix(self, param: paddle.Tensor) -> bool:
