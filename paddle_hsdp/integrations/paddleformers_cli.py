@@ -157,9 +157,10 @@ def install() -> None:
                       lora_class=sft_workflow.LoRAModel, dpo_trainer=dpo_workflow.DPOTrainer)
     sft_workflow.SFTTrainer = HSDPSFTTrainer
     dpo_workflow.DPOTrainer = HSDPDPOTrainer
+    model_class = _PlainLoaderOnCPU(_installed["model_class"])
+    lora_class = _PlainLoaderOnCPU(_installed["lora_class"])
     for workflow in (sft_workflow, dpo_workflow):  # (both import the same two classes)
-        workflow.AutoModelForCausalLM = _PlainLoaderOnCPU(_installed["model_class"])
-        workflow.LoRAModel = _PlainLoaderOnCPU(_installed["lora_class"])
+        workflow.AutoModelForCausalLM, workflow.LoRAModel = model_class, lora_class
 
 
 def uninstall() -> None:
