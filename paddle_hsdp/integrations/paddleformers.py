@@ -608,6 +608,8 @@ class HSDPTrainer(Trainer):
     """PaddleFormers' ``Trainer`` on an HSDP-sharded model; use it with
     :class:`HSDPTrainingArguments`. See the module docstring."""
 
+    optimizer: Any  # (the Trainer's, set in its __init__ or by create_optimizer)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, HSDPTrainingArguments):
