@@ -14,6 +14,7 @@ pytest.importorskip("paddleformers.cli", reason="PaddleFormers is an optional ex
                     "pip install paddle_hsdp[paddleformers] (tools/test.sh installs it)")
 
 from paddleformers.cli.hparams import parser as cli_parser  # noqa: E402
+from paddleformers.cli.train.dpo import workflow as dpo_workflow  # noqa: E402
 from paddleformers.cli.train.sft import workflow  # noqa: E402
 
 from paddle_hsdp import ConfigError  # noqa: E402
@@ -52,6 +53,30 @@ def test_the_cli_builds_hsdp_arguments_and_trainer(installed, tmp_path):
     assert (cfg.fsdp_outer_degree, cfg.zero_stage, cfg.offload_to_cpu) == (1, 2, True)
     assert args.sharding == [] and not args.bf16
     assert workflow.SFTTrainer is paddleformers_cli.HSDPSFTTrainer
+    assert dpo_workflow.DPOTrainer is paddleformers_cli.HSDPDPOTrainer
+    assert dpo_workflow.AutoModelForCausalLM is workflow.AutoModelForCausalLM
+
+
+def test_optim_muon_selects_hsdp_muon_with_owned_matrices(installed, tmp_path):
+    """``optim: muon`` (PaddleFormers' own key) is paddle_hsdp.Muon under HSDP: each
+    matrix it updates whole on one rank, the Trainer's muon_* keys passed on."""
+    import paddle
+
+    from paddle_hsdp.integrations.paddleformers import hsdp_muon
+    *_, args = parse(cpu_yaml(tmp_path, optim="muon", muon_qkv_update_mode="fused_qkv",
+                              muon_ffn_split=False, muon_momentum=0.9, muon_ns_steps=3,
+                              muon_exclude_patterns=["embed", "lm_head"]))
+    assert args.hsdp_config_resolved.owned_matrices
+    model = paddle.nn.Layer()
+    model.proj, model.norm = paddle.nn.Linear(4, 4), paddle.nn.LayerNorm(4)
+    model.lm_head = paddle.nn.Linear(4, 8)
+    opt = hsdp_muon(model, args, None, 0.01)
+    assert (opt._momentum, opt._ns_steps, opt._epsilon) == (0.9, 3, args.adam_epsilon)
+    assert [opt.updates_as_matrix(p) for p in model.parameters()] == [
+        True, False, False, False, False, False]  # proj's weight; lm_head by its name
+    decays = [opt._apply_decay_param_fun(p.name) for p in model.parameters()]
+    assert decays == [True, False, False, False, True, False]  # not norms, not biases
+
 
 
 
@@ -90,7 +115,11 @@ def test_the_example_yaml_holds_only_keys_the_parser_knows(installed, tmp_path):
 
 
 @pytest.mark.parametrize("bad,named", [
-    ({"stage": "DPO"}, "stage: 'DPO'; allowed with paddle_hsdp: 'SFT', 'PT'"),
+    ({"stage": "VL-SFT"}, "stage: 'VL-SFT'; allowed with paddle_hsdp: 'SFT', 'PT', 'DPO'"),
+    ({"stage": "DPO", "ref_model_update_steps": 2}, "ref_model_update_steps: 2; allowed"),
+    ({"optim": "muon"}, "muon_qkv_update_mode: 'split_head'; allowed with HSDP's Muon: "
+     "'fused_qkv'"),
+    ({"optim": "muon", "muon_qkv_update_mode": "fused_qkv"}, "muon_ffn_split: True; allowed"),
     ({"compute_type": "fp16"}, "compute_type: 'fp16'; allowed with HSDP: 'bf16', 'float32'"),
     ({"sharding": "stage5"}, "sharding: 'stage5'; allowed"),
     ({"fsdp_outer_degree": 3}, "fsdp_outer_degree: 3 does not divide"),
@@ -105,6 +134,7 @@ def test_uninstall_gives_the_cli_back(tmp_path):
     paddleformers_cli.install()
     paddleformers_cli.uninstall()
     assert workflow.SFTTrainer.__name__ == "SFTTrainer"
+    assert dpo_workflow.DPOTrainer.__name__ == "DPOTrainer"
     with pytest.raises(ValueError, match="fsdp_outer_degree"):  # the CLI's own refusal
         parse(cpu_yaml(tmp_path))
 

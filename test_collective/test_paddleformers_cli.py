@@ -2,16 +2,24 @@
 against PaddleFormers' own data-parallel run of the same YAML.
 
 The launches (each its own: the CLI starts its ranks itself): PaddleFormers' own run,
-full fine-tuning and LoRA, at each world size (stage SFT; at 4 ranks the full run is
-stage PT); HSDP 1 x 2 and 2 x 2 through both ways in,
-the CLI itself with ``custom_register_path`` (paddle_hsdp/integrations/cli_plugin.py)
-and ``python -m paddle_hsdp.train``, with the same YAML plus ``fsdp_outer_degree`` (the
-2 x 2 LoRA run also with PaddleFormers' ``sharding: stage1``, mapped to HSDP's
-ZeRO-1); the 1 x 2 runs save checkpoints at step 3, and the CLI resumes the LoRA run
-from its copy on its own. Then workers/single_process_cli.py compares, in one process:
-every step's loss and the final weights (float32 bound), the LoRA checkpoint's content
-and size, the resume bit for bit. Every run must end with rc 0: a save that hangs (the
-LoRA save on rank 0 alone, before) fails its launch's timeout."""
+full fine-tuning and LoRA (stage SFT) at each world size, and DPO (full fine-tuning) at
+2 ranks (workers/cli_reference_plugin.py: the two CPU shims it needs there); HSDP 1 x 2
+and 2 x 2 through both ways in, the CLI itself with ``custom_register_path``
+(paddle_hsdp/integrations/cli_plugin.py) and ``python -m paddle_hsdp.train``, with the
+same YAML plus ``fsdp_outer_degree`` (the 2 x 2 LoRA run also with PaddleFormers'
+``sharding: stage1``, mapped to HSDP's ZeRO-1; the DPO run at 1 x 2, its reference
+model sharded too); the 1 x 2 runs save checkpoints at step 3, and the CLI resumes the
+LoRA run from its copy on its own. Then workers/single_process_cli.py compares, in one
+process: every step's loss and the final weights (float32 bound), the DPO reference
+model's bytes on a rank, the LoRA checkpoint's content and size, the resume bit for
+bit. Every run must end with rc 0: a save that hangs (the LoRA save on rank 0 alone,
+before) fails its launch's timeout.
+
+Stage PT has no launch of its own (its 2 x 2 pair became SFT full, which the issue's
+done-when lists): PaddleFormers runs PT through the same ``run_sft`` workflow as SFT,
+so through the same HSDPSFTTrainer; only its data preparation, PaddleFormers' own,
+differs."""
+
 
 import json
 import os
@@ -41,14 +49,17 @@ CHECKPOINTS = {"save_strategy": "steps", "save_steps": 3}
 RUNS = {
     "ref_full_2": (2, "cli", "full", {}),
     "ref_lora_2": (2, "cli", "LoRA", {"custom_register_path": REFERENCE_PLUGIN}),
+    "ref_dpo_2": (2, "cli", "full", {"stage": "DPO", "custom_register_path": REFERENCE_PLUGIN}),
     "cli_full_2": (2, "cli", "full", {"custom_register_path": PLUGIN,
                                       "fsdp_outer_degree": 1, **CHECKPOINTS}),
     "train_lora_2": (2, "train", "LoRA", {"fsdp_outer_degree": 1, **CHECKPOINTS}),
     "resume_lora_2": (2, "train", "LoRA", {"fsdp_outer_degree": 1, **CHECKPOINTS,
                                            "overwrite_output_dir": False}),
-    "ref_pt_4": (4, "cli", "full", {"stage": "PT"}),
+    "cli_dpo_2": (2, "cli", "full", {"stage": "DPO", "custom_register_path": PLUGIN,
+                                     "fsdp_outer_degree": 1}),
+    "ref_full_4": (4, "cli", "full", {}),
     "ref_lora_4": (4, "cli", "LoRA", {"custom_register_path": REFERENCE_PLUGIN}),
-    "train_pt_4": (4, "train", "full", {"stage": "PT", "fsdp_outer_degree": 2}),
+    "train_full_4": (4, "train", "full", {"fsdp_outer_degree": 2}),
     "cli_lora_4": (4, "cli", "LoRA", {"custom_register_path": PLUGIN, "fsdp_outer_degree": 2,
                                       "sharding": "stage1"}),
 }
@@ -63,7 +74,8 @@ def _free_port() -> int:
 def _launch(work: str, name: str) -> dict:
     ranks, entry, fine_tuning, added = RUNS[name]
     out, logs = os.path.join(work, name), os.path.join(work, f"{name}_logs")
-    values = dict(cli_common.base_yaml(work, out, fine_tuning), **added)
+    values = dict(cli_common.base_yaml(work, out, fine_tuning,
+                                       stage=added.get("stage", "SFT")), **added)
     path = cli_common.write_yaml(os.path.join(work, f"{name}.yaml"), values)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                GLOG_minloglevel="2", PADDLE_DISTRI_BACKEND="gloo")
@@ -121,7 +133,8 @@ def cli_checks():
 
 @pytest.mark.parametrize("run,ref", [("cli_full_2", "ref_full_2"),
                                      ("train_lora_2", "ref_lora_2"),
-                                     ("train_pt_4", "ref_pt_4"),
+                                     ("cli_dpo_2", "ref_dpo_2"),
+                                     ("train_full_4", "ref_full_4"),
                                      ("cli_lora_4", "ref_lora_4")])
 def test_hsdp_through_the_cli_matches_paddleformers_own_run(cli_checks, run, ref):
     """Each step's loss and the final weights (full model, or the LoRA adapters) within
@@ -133,13 +146,20 @@ def test_hsdp_through_the_cli_matches_paddleformers_own_run(cli_checks, run, ref
 def test_the_hsdp_runs_sharded_the_model(cli_checks):
     runs, _ = cli_checks
     layouts = {"cli_full_2": "outer 1 x inner 2", "train_lora_2": "outer 1 x inner 2",
-               "train_pt_4": "outer 2 x inner 2", "cli_lora_4": "outer 2 x inner 2"}
+               "cli_dpo_2": "outer 1 x inner 2", "train_full_4": "outer 2 x inner 2",
+               "cli_lora_4": "outer 2 x inner 2"}
     for run, layout in layouts.items():
         with open(runs[run]["log"], errors="replace") as f:
             log = f.read()
         assert "apply_config(<dict>): " in log and layout in log, (run, log[-2000:])
     with open(runs["cli_lora_4"]["log"], errors="replace") as f:
         assert "zero_stage=1" in f.read()  # PaddleFormers' sharding: stage1
+
+
+def test_dpo_reference_model_is_sharded_like_the_policy(cli_checks):
+    """Each rank of the 1 x 2 DPO run holds half the reference model's weights."""
+    _, checks = cli_checks
+    assert "CLI_DPO_REFERENCE_SHARDED" in checks, checks[-3000:]
 
 
 def test_lora_checkpoint_holds_the_adapters_alone(cli_checks):

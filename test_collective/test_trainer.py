@@ -49,7 +49,7 @@ def test_arguments_before_or_after_the_model_give_the_hsdp_groups(trainer_logs):
 
 
 @pytest.mark.parametrize("run", ["base", "recompute", "ga2_zero3", "ga2_zero1",
-                                 "plain_trainer"])
+                                 "plain_trainer", "muon"])
 def test_run_matches_the_one_process_trainer(trainer_logs, run):
     _, checks = trainer_logs
     assert f"TRAINER_MATCHES {run}\n" in checks, checks[-3000:]

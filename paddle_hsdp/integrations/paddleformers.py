@@ -33,6 +33,7 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.utils.hybrid_parallel_util import broadcast_mp_parameters
 from paddleformers.peft import LoRAConfig, LoRAModel
 from paddleformers.trainer import Trainer, TrainingArguments
+from paddleformers.trainer.trainer_utils import OptimizerNames
 from paddleformers.utils.env import LORA_WEIGHTS_NAME
 
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -42,6 +43,7 @@ from ..config.apply import (live_hcg, apply_config, init_fleet_if_needed, outer_
 from ..config.schema import (AUTO, OUTER_SHARDING, ConfigError, HSDPConfig, load_config,
                              ranks_per_node_from_env, resolve_degrees)
 from ..engine.api import FSDPModule
+from ..optim.muon import MUON_EXCLUDE, Muon, muon_param_info
 from ..patches.clip import last_global_norm
 from ..topology.placement import is_expert
 
@@ -123,6 +125,11 @@ class HSDPTrainingArguments(TrainingArguments):
             # the Trainer's flex-checkpoint paths call the hooks HSDPTrainer overrides,
             # on every rank
             self.save_checkpoint_format = self.load_checkpoint_format = _FLEX
+        with _muon_as_hsdp_muon(self):
+            self._paddleformers_post_init(world, split, outer_sharding, ep)
+
+    def _paddleformers_post_init(self, world: int, split: int, outer_sharding: str,
+                                 ep: int) -> None:
         if world > 1 and split > 1 and live_hcg() is None:
             with _data_ranks_as_hsdp(self.hsdp_degrees[0], outer_sharding):
                 super().__post_init__()  # PaddleFormers' hybrid strategy, HSDP data axes
@@ -203,6 +210,25 @@ def _hsdp_degrees(cfg: HSDPConfig, world: int,
                            f"expert_model_parallel_size {ep}): every expert replica set "
                            "must hold whole outer replicas"])
     return outer, inner
+
+
+def uses_muon(args: TrainingArguments) -> bool:
+    return str(getattr(args.optim, "value", args.optim)) == OptimizerNames.MUON.value
+
+
+@contextlib.contextmanager
+def _muon_as_hsdp_muon(args: HSDPTrainingArguments) -> Iterator[None]:
+    """While PaddleFormers' ``__post_init__`` runs: ``optim`` muon hidden, which it
+    refuses without its hybrid-parallel sharding (``use_hybrid_parallel``); under HSDP
+    ``optim: muon`` is paddle_hsdp.Muon, built by HSDPTrainer.create_optimizer."""
+    if not uses_muon(args):
+        yield
+        return
+    args.optim = OptimizerNames.ADAMW.value
+    try:
+        yield
+    finally:
+        args.optim = OptimizerNames.MUON
 
 
 @contextlib.contextmanager
@@ -302,6 +328,8 @@ def _refuse_what_cannot_work(args: HSDPTrainingArguments) -> None:
                       "machinery for its own sharding stages (MoEHybridParallelOptimizer, "
                       "no_sync, expert grad scaling); with HSDP set expert_model_parallel_size "
                       "alone (HSDP reduces expert grads over the expert data-parallel ranks)")
+    if uses_muon(args):
+        errors += _muon_refusals(args)
     if args.fp16:
         errors.append("fp16: not supported by HSDPTrainer (it would need loss scaling over "
                       "shards); use --bf16, which maps to HSDP's MixedPrecisionPolicy")
@@ -341,6 +369,22 @@ def _refuse_what_cannot_work(args: HSDPTrainingArguments) -> None:
         raise ConfigError(errors)
 
 
+def _muon_refusals(args: HSDPTrainingArguments) -> list[str]:
+    """``optim: muon`` is paddle_hsdp.Muon, which orthogonalises every weight matrix
+    whole: the user says so for the two PaddleFormers keys that ask for parts."""
+    errors = []
+    if args.muon_qkv_update_mode != "fused_qkv":
+        errors.append(f"muon_qkv_update_mode: {args.muon_qkv_update_mode!r}; allowed with "
+                      "HSDP's Muon: 'fused_qkv' (each weight matrix orthogonalised whole: "
+                      "separate q/k/v projections each as one matrix, a fused one as one); "
+                      "per-head or per-projection parts of a fused matrix are not done")
+    if args.muon_ffn_split:
+        errors.append("muon_ffn_split: True; allowed with HSDP's Muon: False (a fused "
+                      "gate_up matrix orthogonalised whole; separate gate and up "
+                      "projections are separate matrices either way)")
+    return errors
+
+
 def _hsdp_config_of(args: HSDPTrainingArguments) -> HSDPConfig:
     """The apply_config config the arguments mean: ``hsdp_config`` (or the defaults),
     with ``fsdp_outer_degree`` and ``hsdp_wrap_modules`` filled in or checked."""
@@ -374,6 +418,8 @@ def _hsdp_config_of(args: HSDPTrainingArguments) -> HSDPConfig:
             errors.append(f"{_PF_KEY_OF[name]}: means {name} {want!r}, but hsdp_config says "
                           f"{name} {getattr(base, name)!r}; set one of them")
         values[name] = want
+    if uses_muon(args):  # each matrix Muon updates whole on one rank (owned_matrices())
+        values["owned_matrices"] = True
     if args.bf16:
         for name, want in (("param_dtype", "bf16"), ("reduce_dtype", "fp32")):
             if values[name] not in (None, want):
@@ -521,6 +567,31 @@ def save_lora_adapters(model: LoRAModel, output_dir: str) -> None:
         dist.barrier()  # every rank returns once the directory is complete
 
 
+def hsdp_muon(model: paddle.nn.Layer, args: TrainingArguments, params: Any,
+              learning_rate: Any) -> Muon:
+    """paddle_hsdp.Muon with the Trainer's ``muon_*``, ``adam_*``, ``weight_decay`` and
+    ``max_grad_norm`` arguments; its decay rule (no decay for names holding ``bias`` or
+    ``norm``) and, for Muon's choice of matrices, the structured names of
+    ``muon_exclude_patterns`` (``muon_param_info``). ``params``: the trainable ones
+    when None."""
+    if params is None:
+        params = [p for p in model.parameters() if not p.stop_gradient]
+    decayed = {p.name for n, p in model.named_parameters()
+               if not p.stop_gradient and not any(nd in n for nd in ("bias", "norm"))}
+    clip = args.max_grad_norm
+    return Muon(
+        learning_rate=learning_rate, parameters=params, weight_decay=args.weight_decay,
+        apply_decay_param_fun=lambda name: name in decayed,
+        grad_clip=paddle.nn.ClipGradByGlobalNorm(clip) if clip > 0 else None,
+        momentum=args.muon_momentum, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon,
+        ns_steps=args.muon_ns_steps, ns_coeff_type=args.muon_ns_coeff_type,
+        ns_coeffs=args.muon_ns_coeffs, muon_version=args.muon_version,
+        muon_extra_scale_factor=args.muon_extra_scale_factor,
+        muon_param_info_map=muon_param_info(model, MUON_EXCLUDE if args.muon_exclude_patterns
+                                            is None else args.muon_exclude_patterns))
+
+
 def _newest_published(folder: str) -> str:
     """``" (NAME)"``: the newest sibling ``checkpoint-N`` of ``folder`` whose HSDP
     checkpoint was published, or ""."""
@@ -536,6 +607,8 @@ def _newest_published(folder: str) -> str:
 class HSDPTrainer(Trainer):
     """PaddleFormers' ``Trainer`` on an HSDP-sharded model; use it with
     :class:`HSDPTrainingArguments`. See the module docstring."""
+
+    optimizer: Any  # (the Trainer's, set in its __init__ or by create_optimizer)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -577,6 +650,16 @@ class HSDPTrainer(Trainer):
         # PipelineParallel and fleet's optimizer, sequence parallel's grad sync). With
         # dp 1 and its sharding stages off they add no data-parallel reduction.
         return super()._wrap_model(model, training)
+
+    def create_optimizer(self, lr_scheduler: Any = None) -> paddle.optimizer.Optimizer:
+        """``optim: muon``: paddle_hsdp.Muon over the shards (PaddleFormers' own asks for
+        ``paddle.optimizer.Muon``, which Paddle 3.3 lacks, and its sharding stages);
+        every other optimizer is PaddleFormers' own."""
+        if self.optimizer is not None or not uses_muon(self.args):
+            return super().create_optimizer(lr_scheduler)
+        self.optimizer = hsdp_muon(self.model, self.args, self.optimizer_grouped_parameters,
+                                   self.lr_scheduler if lr_scheduler is None else lr_scheduler)
+        return self.optimizer
 
     def _wrap_distributed_optimizer(self, optimizer: paddle.optimizer.Optimizer,
                                     ) -> paddle.optimizer.Optimizer:

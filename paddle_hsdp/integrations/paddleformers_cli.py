@@ -1,6 +1,7 @@
 """``paddleformers-cli train config.yaml`` with HSDP: the CLI's own workflow, with
 :class:`HSDPFinetuningArguments` in place of its ``FinetuningArguments`` and
-:class:`HSDPSFTTrainer` in place of its ``SFTTrainer``.
+:class:`HSDPSFTTrainer` / :class:`HSDPDPOTrainer` in place of its ``SFTTrainer`` /
+``DPOTrainer``.
 
 :func:`install` makes the swap. Two ways run it: PaddleFormers' own YAML hook,
 ``custom_register_path: <path of paddle_hsdp/integrations/cli_plugin.py>``, which the
@@ -17,33 +18,43 @@ What it changes, and nothing else:
   ``sharding_parallel_size`` map onto HSDP's (docs/paddleformers.md);
 * the SFT / PT workflow's trainer is ``HSDPSFTTrainer`` (``HSDPTrainer`` over the CLI's
   ``SFTTrainer``): the model, LoRA included, sharded before the optimizer is built;
-* on a build without CUDA, the workflow's ``from_pretrained`` calls (the model's, and
+* the DPO workflow's trainer is ``HSDPDPOTrainer`` (``HSDPTrainer`` over the CLI's
+  ``DPOTrainer``): the policy sharded so, and the reference model of full fine-tuning
+  sharded like it (with LoRA the reference is the policy with its adapters off);
+* on a build without CUDA, the workflows' ``from_pretrained`` calls (the model's, and
   ``LoRAModel``'s for ``lora_path``) take the plain loader where they would take
   flex_checkpoint's, whose reshard calls ``.cuda()``.
 
-A stage other than SFT or PT (DPO, the VL stages, the pretraining recipes) is refused
+A stage other than SFT, PT or DPO (the VL stages, the pretraining recipes) is refused
 with a ``ConfigError`` naming ``stage`` while the YAML is parsed, before any process
-group exists. So is a ``compute_type`` other than ``bf16`` or ``float32``.
+group exists. So are a ``compute_type`` other than ``bf16`` or ``float32`` and DPO's
+``ref_model_update_steps`` (a copy of the policy's state into the reference model).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import paddle
 from paddleformers.cli.hparams.finetuning_args import FinetuningArguments
+from paddleformers.cli.train.dpo import workflow as dpo_workflow
+from paddleformers.cli.train.dpo.dpo_trainer import DPOTrainer
 from paddleformers.cli.train.sft import workflow as sft_workflow
 from paddleformers.cli.train.sft.sft_trainer import SFTTrainer
 from paddleformers.trainer import PdArgumentParser
 
 from ..config.schema import ConfigError
-from .paddleformers import HSDPTrainer, HSDPTrainingArguments
+from ..engine.api import FSDPModule
+from .paddleformers import HSDPTrainer, HSDPTrainingArguments, shard_for_training
 
-# the CLI's stages this runs; the others build other trainers (DPO: a reference model
-# beside the policy) that HSDP does not shard yet
-STAGES = ("SFT", "PT")
+logger = logging.getLogger(__name__)
+
+# the CLI's stages this runs; the others (VL, the pretraining recipes) build other
+# models and trainers that HSDP does not shard yet
+STAGES = ("SFT", "PT", "DPO")
 # compute_type -> (bf16, fp16), set before HSDP reads them (the CLI's own
 # __post_init__ sets them from compute_type only after HSDP's checks ran)
 _COMPUTE_TYPES = {"bf16": (True, False), "float32": (False, False)}
@@ -66,6 +77,24 @@ class HSDPFinetuningArguments(HSDPTrainingArguments, FinetuningArguments):
 class HSDPSFTTrainer(HSDPTrainer, SFTTrainer):
     """The CLI's ``SFTTrainer`` (its data, generation and logging) over an HSDP-sharded
     model, with HSDPTrainer's training, checkpoints and saves."""
+
+
+class HSDPDPOTrainer(HSDPTrainer, DPOTrainer):
+    """The CLI's ``DPOTrainer`` (its loss, reference log-probs and metrics) over an
+    HSDP-sharded policy. Full fine-tuning's reference model is sharded like the policy
+    (the same config), where the CLI's would wrap it in ``fleet.distributed_model``:
+    each rank holds 1 / inner of its weights, and gathers one unit at a time in its
+    forward, which runs under ``no_grad`` (no backward, so no reduction)."""
+
+    def _wrap_ref_model(self, model: Any) -> Any:
+        # (the CLI's evaluate() passes the policy here too: already sharded)
+        if model is None or isinstance(model, FSDPModule):
+            return model
+        _, plan = shard_for_training(model, self.args.hsdp_config_resolved)
+        local = sum(p._numel() * p.element_size() for p in model.parameters())
+        logger.info("HSDPDPOTrainer: reference model sharded like the policy: %d "
+                    "parameter bytes on this rank (%s)", local, plan)
+        return model
 
 
 class _PlainLoaderOnCPU:
@@ -95,8 +124,13 @@ def check_stage(args: dict) -> None:
     stage = args.get("stage", "SFT")
     if stage not in STAGES:
         raise ConfigError([f"stage: {stage!r}; allowed with paddle_hsdp: "
-                           f"{', '.join(repr(s) for s in STAGES)} (DPO's reference model "
-                           "and the VL and pretraining recipes are not sharded by HSDP yet)"])
+                           f"{', '.join(repr(s) for s in STAGES)} (the VL and pretraining "
+                           "recipes build models HSDP does not shard yet)"])
+    update = args.get("ref_model_update_steps", -1)
+    if stage == "DPO" and update is not None and int(update) > 0:
+        raise ConfigError([f"ref_model_update_steps: {update!r}; allowed with paddle_hsdp: "
+                           "-1 (copying the sharded policy into the sharded reference model "
+                           "is not done yet)"])
 
 
 _installed: dict[str, Any] = {}
@@ -120,10 +154,13 @@ def install() -> None:
     _installed.update(parse_dict=original_parse_dict,
                       trainer=sft_workflow.SFTTrainer,
                       model_class=sft_workflow.AutoModelForCausalLM,
-                      lora_class=sft_workflow.LoRAModel)
+                      lora_class=sft_workflow.LoRAModel, dpo_trainer=dpo_workflow.DPOTrainer)
     sft_workflow.SFTTrainer = HSDPSFTTrainer
-    sft_workflow.AutoModelForCausalLM = _PlainLoaderOnCPU(sft_workflow.AutoModelForCausalLM)
-    sft_workflow.LoRAModel = _PlainLoaderOnCPU(sft_workflow.LoRAModel)
+    dpo_workflow.DPOTrainer = HSDPDPOTrainer
+    model_class = _PlainLoaderOnCPU(_installed["model_class"])
+    lora_class = _PlainLoaderOnCPU(_installed["lora_class"])
+    for workflow in (sft_workflow, dpo_workflow):  # (both import the same two classes)
+        workflow.AutoModelForCausalLM, workflow.LoRAModel = model_class, lora_class
 
 
 def uninstall() -> None:
@@ -132,8 +169,10 @@ def uninstall() -> None:
         return
     PdArgumentParser.parse_dict = _installed["parse_dict"]
     sft_workflow.SFTTrainer = _installed["trainer"]
-    sft_workflow.AutoModelForCausalLM = _installed["model_class"]
-    sft_workflow.LoRAModel = _installed["lora_class"]
+    dpo_workflow.DPOTrainer = _installed["dpo_trainer"]
+    for workflow in (sft_workflow, dpo_workflow):
+        workflow.AutoModelForCausalLM = _installed["model_class"]
+        workflow.LoRAModel = _installed["lora_class"]
     _installed.clear()
 
 

@@ -1,7 +1,8 @@
 """The paddleformers-cli tests' inputs (issue 67), built offline: a tiny Llama saved with
 ``save_pretrained`` (float32, untied, RMSNorm unfused), a 64-word tokenizer
 (``tokenizers``' WordLevel, saved as PaddleFormers' AutoTokenizer reads it), 64 SFT
-samples in the CLI's erniekit format, and the YAMLs: one for PaddleFormers' own
+SFT samples and 64 DPO pairs (prompt, chosen, rejected) in the CLI's erniekit format,
+and the YAMLs: one for PaddleFormers' own
 data-parallel run, and the same YAML with HSDP's lines added.
 
 What the CLI needs on CPU (PaddleFormers 1.2): ``device: cpu``, ``compute_type:
@@ -55,11 +56,25 @@ def write_data(path: str) -> None:
             f.write(json.dumps({"src": [src], "tgt": [tgt]}) + "\n")
 
 
-def base_yaml(work: str, output_dir: str, fine_tuning: str, per_device: int = 2) -> dict:
+def write_dpo_data(path: str) -> None:
+    rows = random.Random(2)
+
+    def words(low: int, high: int) -> str:
+        return " ".join(f"w{rows.randrange(VOCAB - 4)}" for _ in range(rows.randrange(low, high)))
+
+    with open(path, "w") as f:
+        for _ in range(SAMPLES):  # sort: the higher one is chosen
+            f.write(json.dumps({"src": [words(3, 8)], "tgt": [],
+                                "response": [[words(2, 6)], [words(2, 6)]],
+                                "sort": [1, 0]}) + "\n")
+
+
+def base_yaml(work: str, output_dir: str, fine_tuning: str, per_device: int = 2,
+              stage: str = "SFT") -> dict:
     """PaddleFormers' own run of the CLI on CPU: plain data parallelism."""
-    data = os.path.join(work, "train.jsonl")
+    data = os.path.join(work, "dpo.jsonl" if stage == "DPO" else "train.jsonl")
     return {
-        "stage": "SFT", "fine_tuning": fine_tuning,
+        "stage": stage, "fine_tuning": fine_tuning,
         "model_name_or_path": os.path.join(work, "model"),
         "train_dataset_type": "erniekit", "train_dataset_path": data,
         "train_dataset_prob": "1.0", "eval_dataset_type": "erniekit",
@@ -87,4 +102,5 @@ if __name__ == "__main__":  # python cli_common.py WORK: the model, tokenizer an
     os.makedirs(os.path.join(work, "model"), exist_ok=True)
     write_model(os.path.join(work, "model"))
     write_data(os.path.join(work, "train.jsonl"))
+    write_dpo_data(os.path.join(work, "dpo.jsonl"))
     print("CLI_INPUTS_WRITTEN", flush=True)

@@ -40,20 +40,32 @@ from paddleformers.transformers import LlamaForCausalLM
 
 import trainer_common as tc
 from paddle_hsdp.integrations.paddleformers import (HSDPTrainer, HSDPTrainingArguments,
-                                                    cpu_synchronize_is_a_no_op)
+                                                    cpu_synchronize_is_a_no_op, hsdp_muon)
 
 work = sys.argv[1]
 parity.set_dtype(tc.DTYPE)
 LOSS_BOUND, NORM_BOUND, PARAM_BOUND = tc.LOSS_BOUND, parity.bound(), parity.bound()
 
 
+class MuonTrainer(Trainer):
+    """PaddleFormers' one-process Trainer with paddle_hsdp.Muon built from its
+    arguments (its own optim: muon wants Paddle's Muon, absent in 3.3, and its
+    hybrid-parallel sharding)."""
+
+    def create_optimizer(self, lr_scheduler=None):
+        if self.optimizer is None:
+            self.optimizer = hsdp_muon(self.model, self.args, None, lr_scheduler or
+                                       self.lr_scheduler)
+        return self.optimizer
+
+
 def reference(run, per_device=8, accumulation=1, eval_data=None, tied=True, low=0,
-              causal_mask=False, **extra):
+              causal_mask=False, trainer_class=Trainer, **extra):
     model = tc.build_model(tied=tied)
     args = TrainingArguments(**tc.common_args(os.path.join(work, "ref_" + run), per_device,
                                               accumulation, **extra),
                              sharding="", amp_master_grad=False)
-    trainer = Trainer(model=model, args=args,
+    trainer = trainer_class(model=model, args=args,
                       train_dataset=tc.TokenData(low=low, causal_mask=causal_mask),
                       eval_dataset=eval_data)
     recorder = tc.Recorder(norm_before=tc.grad_norm_of(model))
@@ -124,6 +136,10 @@ for run in ("recompute", "plain_trainer"):
     compare(run, load_run(run), ref)
 for run in ("ga2_zero3", "ga2_zero1"):
     compare(run, load_run(run), ref_ga2)
+# (the Muon options but optim itself, which the one-process Trainer would refuse)
+muon_options = {k: v for k, v in tc.MUON_ARGS.items() if k != "optim"}
+compare("muon", load_run("muon"),
+        reference("muon", trainer_class=MuonTrainer, **muon_options))
 
 # resumed from step 3: in 2 x 2 bit for bit, in other layouts within the bounds
 assert_resumed_bit_exact("2x2", load_run("resume"), base)

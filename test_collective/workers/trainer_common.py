@@ -81,6 +81,12 @@ class TokenData(paddle.io.Dataset):
         return sample
 
 
+# optim: muon (paddle_hsdp.Muon under HSDP), with the two keys it needs set to whole
+# matrices, and fewer Newton-Schulz steps than the default 5 (the test's time)
+MUON_ARGS = {"optim": "muon", "muon_qkv_update_mode": "fused_qkv", "muon_ffn_split": False,
+             "muon_ns_steps": 3}
+
+
 def common_args(output_dir: str, per_device: int, accumulation: int = 1, **extra) -> dict:
     args = dict(output_dir=output_dir, per_device_train_batch_size=per_device,
                 per_device_eval_batch_size=per_device, gradient_accumulation_steps=accumulation,

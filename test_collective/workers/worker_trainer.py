@@ -15,7 +15,8 @@ With outer 2, in one launch:
    with and without ``last_fc_to_hf``; ``save_pretrained`` on the sharded model is
    refused), ``recompute``,
    ``ga2_zero3`` and ``ga2_zero1`` (2 accumulation steps), ``resume`` (from base's
-   step 3, must equal base's steps 4-6 bit for bit);
+   step 3, must equal base's steps 4-6 bit for bit), ``muon`` (``optim: muon``:
+   paddle_hsdp.Muon over owned matrices);
 4. ``plain_trainer``: PaddleFormers' own ``Trainer(sharding="")`` over a model sharded
    by ``apply_config`` with full recompute: the Trainer's fused all-reduce of every
    parameter's grad must leave the shards alone (the guard in paddle_hsdp.patches).
@@ -163,6 +164,8 @@ def full_runs():
     train("ga2_zero1", HSDPTrainer(model=tc.build_model(),
                                    args=hsdp_args("ga2_zero1", 1, 2, hsdp_config={"zero_stage": 1}),
                                    train_dataset=tc.TokenData()))
+    train("muon", HSDPTrainer(model=tc.build_model(), args=hsdp_args("muon", **tc.MUON_ARGS),
+                              train_dataset=tc.TokenData()))
     train("resume", HSDPTrainer(model=tc.build_model(), args=hsdp_args("resume"),
                                 train_dataset=tc.TokenData()),
           resume=os.path.join(work, "base", "checkpoint-3"))
