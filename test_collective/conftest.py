@@ -274,6 +274,61 @@ def paddleformers_6_log():
     return launch(6, "run_many.py", json.dumps(jobs), timeout=600)
 
 
+# tools/test.sh runs this tier as two pytest processes side by side
+# (--collective-stream): "own" takes the files below, whose tests start jobs of their own
+# and spend them mostly waiting (heartbeat and collective timeouts, leases, an etcd away
+# for 45 s, the CLI's and the tools' launchers), beside "shared", every other test, whose
+# launches keep the cores busy. A test that uses one of this file's fixtures stays in
+# "shared" wherever it is, so no shared launch runs in both processes.
+OWN_JOB_FILES = {"test_fault_tolerance.py", "test_two_hosts.py", "test_paddleformers_cli.py",
+                 "test_bench.py", "test_longrun.py", "test_lazy_init.py"}
+STREAMS = ("shared", "own")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--collective-stream", choices=STREAMS, default=None,
+                     help="run only this part of test_collective/ (tools/test.sh runs both "
+                          "side by side; default: every test)")
+
+
+def _is_shared_fixture(fixturedef) -> bool:
+    return getattr(fixturedef.func, "__globals__", None) is globals()
+
+
+def _stream_of(item) -> str:
+    uses_shared = any(_is_shared_fixture(d) for defs in item._fixtureinfo.name2fixturedefs.values()
+                      for d in defs)
+    own_file = os.path.basename(str(item.fspath)) in OWN_JOB_FILES
+    return "own" if own_file and not uses_shared else "shared"
+
+
+def pytest_collection_modifyitems(config, items):
+    stream = config.getoption("--collective-stream")
+    if stream is None:
+        return
+    kept = [item for item in items if _stream_of(item) == stream]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
+
+
+class _SharedLaunchGuard:
+    """In the "own" stream: a shared launch asked for by name (request.getfixturevalue)
+    would run a second time beside "shared"; refused, naming the fix. A plugin of its
+    own, since pytest asks a session fixture's hooks of the session, not of this folder."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        if _is_shared_fixture(fixturedef):
+            raise pytest.UsageError(
+                f"a test of the 'own' stream asks for conftest.py's {fixturedef.argname} "
+                f"by name: name it as an argument, or take its file out of OWN_JOB_FILES")
+
+
+def pytest_configure(config):
+    if config.getoption("--collective-stream") == "own":
+        config.pluginmanager.register(_SharedLaunchGuard(), "hsdp_shared_launch_guard")
+
+
 def pytest_terminal_summary(terminalreporter):
     if WORKER_TIMES:
         terminalreporter.write_line("run_many.py workers' wall time (s): " + ", ".join(
