@@ -23,7 +23,8 @@ touches the piece its optimizer updates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..comm.traits import traits_of
@@ -106,3 +107,103 @@ def plan_of(group: Group | None) -> PiecePlan | None:
         raise TypeError(f"paddle_hsdp.ft: the pieces declared on {group!r} are a "
                         f"{type(plan).__name__}, not a PiecePlan (only ft.init declares them)")
     return plan
+
+
+# ---------------------------------------------------------------- the re-cut
+def recut(members: Iterable[int], extra: Mapping[int, Iterable[int]], parts: int,
+          redundancy: int) -> dict[int, frozenset[int]]:
+    """[Note: the re-cut] Which pieces each member of a round holds besides its own
+    (``r % parts``, the piece its optimizer was built over), so that every piece is held
+    by ``redundancy`` members again (by all of them when fewer are left) without a
+    rejoin. ``extra``: the pieces each member holds a valid copy of besides its own
+    (as its arrival said; a member missing from it holds none).
+
+    A pure function of its inputs, so every group computes the same from the round's
+    record. Extra holdings a piece no longer needs (a holder rejoined) are dropped
+    first, from the most loaded member (the higher id on a tie); then each piece short
+    of holders, in piece order, takes the least loaded members that lack it (the
+    lower id on a tie), a member's load being the pieces it holds. O(R + P x
+    redundancy) heap operations of log R for R members and P pieces: no member reads
+    another's holdings piece by piece."""
+    own = {r: r % parts for r in sorted(set(members))}
+    if not own:
+        return {}
+    holding = {r: set() for r in own}
+    for r, pieces in extra.items():
+        if r in own:
+            holding[r].update(_checked_pieces(r, pieces, parts))
+            holding[r].discard(own[r])
+    holders: list[set[int]] = [set() for _ in range(parts)]
+    for r, q in own.items():
+        holders[q].add(r)
+    for r, pieces in holding.items():
+        for q in pieces:
+            holders[q].add(r)
+    target = min(redundancy, len(own))
+    _drop_surplus(holding, holders, target)
+    _fill_shortfall(holding, holders, target)
+    return {r: frozenset(pieces) for r, pieces in holding.items()}
+
+
+def _checked_pieces(replica: int, pieces: Iterable[int], parts: int) -> list[int]:
+    pieces = list(pieces)
+    bad = [q for q in pieces if not isinstance(q, int) or not 0 <= q < parts]
+    if bad:
+        raise ValueError(f"paddle_hsdp.ft: replica {replica} says it holds pieces {bad} "
+                         f"of the optimizer state, outside 0..{parts - 1} (the job's "
+                         f"{parts} pieces)")
+    return pieces
+
+
+def _drop_surplus(holding: dict[int, set[int]], holders: list[set[int]],
+                  target: int) -> None:
+    """Extra holdings beyond ``target`` holders go, the most loaded member's first."""
+    for q, members in enumerate(holders):
+        surplus = len(members) - target
+        if surplus <= 0:
+            continue
+        extras = sorted((r for r in members if q in holding[r]),
+                        key=lambda r: (-len(holding[r]), -r))
+        for r in extras[:surplus]:
+            holding[r].discard(q)
+            members.discard(r)
+
+
+def _fill_shortfall(holding: dict[int, set[int]], holders: list[set[int]],
+                    target: int) -> None:
+    """Each piece short of ``target`` holders takes the least loaded members without it."""
+    loads = [(1 + len(pieces), r) for r, pieces in holding.items()]
+    heapq.heapify(loads)
+    for q, members in enumerate(holders):
+        skipped = []
+        while len(members) < target:
+            load, r = heapq.heappop(loads)  # (target <= members: one lacks q)
+            if r in members:
+                skipped.append((load, r))
+                continue
+            holding[r].add(q)
+            members.add(r)
+            heapq.heappush(loads, (load + 1, r))
+        for entry in skipped:
+            heapq.heappush(loads, entry)
+
+
+def piece_copies(valid: Mapping[int, Iterable[int]], held: Mapping[int, Iterable[int]]
+                 ) -> list[tuple[int, int, int]]:
+    """``(piece, donor, taker)`` for every piece a member holds in ``held`` (all its
+    pieces, its own included) without a valid copy in ``valid`` (the same form), in
+    piece then taker order: a piece's takers take its valid holders in turn (the lower
+    id first), so several takers load several donors. A piece with no valid holder
+    is left out (the caller raises :class:`PieceLostError`)."""
+    donors: dict[int, list[int]] = {}
+    for r in sorted(valid):
+        for q in valid[r]:
+            donors.setdefault(q, []).append(r)
+    takers: dict[int, list[int]] = {}
+    for r in sorted(held):
+        have = set(valid.get(r, ()))
+        for q in held[r]:
+            if q not in have:
+                takers.setdefault(q, []).append(r)
+    return [(q, donors[q][i % len(donors[q])], r)
+            for q in sorted(takers) if q in donors for i, r in enumerate(takers[q])]
