@@ -12,6 +12,9 @@ from ``P``, and the shard parameters the optimizer was built over are views of i
 survivors of a failure therefore keep the cut; a piece whose holders died keeps being
 served by the ones that are left (its redundancy is down until a replica with that
 piece rejoins: a restarted replica takes its old piece, a new id ``r`` piece ``r % P``).
+:func:`recut` decides which survivors would take a dead replica's pieces besides their
+own, so that redundancy comes back without a rejoin; no round calls it yet (a replica
+stepping a second piece is not built: docs/fault-tolerance.md, "HFSDP").
 
 The engine reads a :class:`PiecePlan` from the outer group's traits
 (``traits_of(group).pieces``, comm/traits.py): its grads are all-reduced whole (not
@@ -128,7 +131,7 @@ def recut(members: Iterable[int], extra: Mapping[int, Iterable[int]], parts: int
     own = {r: r % parts for r in sorted(set(members))}
     if not own:
         return {}
-    holding = {r: set() for r in own}
+    holding: dict[int, set[int]] = {r: set() for r in own}
     for r, pieces in extra.items():
         if r in own:
             holding[r].update(_checked_pieces(r, pieces, parts))
