@@ -137,3 +137,58 @@ def test_copies_spread_takers_over_the_valid_holders():
     assert piece_copies(valid, held) == [(0, 0, 1), (0, 2, 3), (0, 4, 5)]
     # a piece no member holds validly is left out (the caller calls it lost)
     assert piece_copies({0: [0]}, {0: [0, 1], 1: [1]}) == []
+
+
+def test_a_copy_of_the_optimizer_over_another_piece_steps_it_as_its_holder_does():
+    """engine/piece_optimizer.py: a group's optimizer copied over a second piece (no
+    clip, its own state, the scheduler shared), loaded with a holder's state of that
+    piece (its accumulators named otherwise by Paddle), steps the piece exactly as the
+    holder's own optimizer does (float64), and its state reads as the holder's."""
+    import numpy as np
+    import paddle
+    from paddle.base import framework
+    from paddle.base.framework import EagerParamBase
+
+    from paddle_hsdp.engine.piece_optimizer import _copy_over, load_renamed
+
+    def param(name, value):
+        p = EagerParamBase(shape=list(value.shape), dtype="float64", name=name,
+                           trainable=True)
+        p.set_value(value)
+        return p
+
+    def backward(p, grad):  # p's grad becomes ``grad``
+        (p * paddle.to_tensor(grad)).sum().backward()
+
+    def adamw(params, scheduler, clip):
+        return paddle.optimizer.AdamW(scheduler, parameters=params, weight_decay=0.1,
+                                      grad_clip=clip)
+
+    rng = np.random.RandomState(63)
+    grads = [rng.rand(3, 3) for t in range(5)]
+    own_scheduler, holder_scheduler = (paddle.optimizer.lr.StepDecay(0.1, 2, 0.5)
+                                       for _ in range(2))
+    # this group's own piece (2 rows, clipped), and the other piece at its holder: the
+    # copy does not clip (the HSDP clip scaled every piece's grads already)
+    own_piece, holder_piece = param("recut_w", rng.rand(2, 3)), param("recut_w", rng.rand(3, 3))
+    own = adamw([own_piece], own_scheduler, paddle.nn.ClipGradByGlobalNorm(1e-3))
+    holder = adamw([holder_piece], holder_scheduler, None)
+    for t in range(2):  # both train; then this group takes the holder's piece
+        backward(holder_piece, grads[t]), backward(own_piece, grads[t][:2])
+        holder.step(), own.step(), holder_scheduler.step(), own_scheduler.step()
+        holder.clear_grad(), own.clear_grad()
+    mine = param("recut_w", holder_piece.numpy())
+    copy = _copy_over(own, [mine])
+    copy._create_accumulators(framework.default_main_program().global_block(), [mine])
+    assert sorted(copy.state_dict()) != sorted(holder.state_dict())  # Paddle's names
+    load_renamed(copy, holder.state_dict())
+    assert sorted(copy.state_dict()) == sorted(holder.state_dict())
+    for t in range(2, 5):
+        backward(holder_piece, grads[t]), backward(mine, grads[t])
+        holder.step(), copy.step(), holder_scheduler.step(), own_scheduler.step()
+        holder.clear_grad(), copy.clear_grad()
+    np.testing.assert_array_equal(mine.numpy(), holder_piece.numpy())
+    for key, value in holder.state_dict().items():
+        if isinstance(value, paddle.Tensor):
+            np.testing.assert_array_equal(copy.state_dict()[key].numpy(), value.numpy())
+    assert own._grad_clip is not None and copy._grad_clip is None

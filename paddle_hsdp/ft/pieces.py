@@ -44,53 +44,85 @@ class PieceLostError(FaultToleranceError):
 
 class PiecePlan:
     """The pieces of one rank's outer group: ``parts`` pieces, this replica's ``part``,
-    and per round the replica each piece is served from."""
+    and per round who holds which piece ([Note: the re-cut]: besides its own, a replica
+    may hold others while a piece is short of ``redundancy`` holders), who copies a
+    piece's optimizer state to whom, and the replica each piece is served from."""
 
-    def __init__(self, parts: int, replica: int, virtual_rank: Callable[[int], int]):
+    def __init__(self, parts: int, replica: int, virtual_rank: Callable[[int], int],
+                 redundancy: int = 2):
         self.parts, self.part = parts, replica % parts
-        self.replica = replica
+        self.replica, self.redundancy = replica, redundancy
         self._virtual_rank = virtual_rank  # replica -> its rank in the outer group
         self._donors: dict[int, int] = {q: replica for q in range(parts)}
-        self._valid = True  # this replica's own piece holds the round's state
-        self.holders = 1  # members of the round holding this replica's piece
+        self._valid: frozenset[int] = frozenset({self.part})  # pieces held at its step
+        self.extra: frozenset[int] = frozenset()  # the round's pieces besides its own
+        self.copies: list[tuple[int, int, int]] = []  # the round's (piece, donor, taker)
+        self.holding: dict[int, list[int]] = {}  # the round's piece -> its holders
+        self.holders = 1  # members of the round whose own piece is this replica's
 
     def piece_of(self, replica: int) -> int:
         return replica % self.parts
 
+    def valid_extra(self) -> tuple[int, ...]:
+        """The pieces besides its own this replica holds at its step (its arrival
+        says them)."""
+        return tuple(sorted(self._valid - {self.part}))
+
     def arrange(self, record: Round) -> None:
-        """Take round ``record``: each piece's donor is the lowest member with a valid
-        copy (not a receiver; in a round where every state is fresh, every member).
-        Raises :class:`PieceLostError` when a piece has none, on every member alike."""
+        """Take round ``record``: who holds each piece (:func:`recut` over the valid
+        copies its members' arrivals name: not a receiver's; in a round where every
+        state is fresh, each member's own), the copies that takes, and each piece's
+        donor, the lowest valid holder. Raises :class:`PieceLostError` when a piece has
+        none, on every member alike."""
         receivers = set(record.receivers)
         all_fresh = all(a.fresh for a in record.members.values())
-        valid = [r for r in record.replicas if all_fresh or r not in receivers]
-        donors: dict[int, int] = {}
+        valid = {r: (r % self.parts, *(() if all_fresh else record.members[r].extra))
+                 for r in record.replicas if all_fresh or r not in receivers}
         for q in range(self.parts):
-            holders = [r for r in valid if self.piece_of(r) == q]
-            if not holders:
-                held_by = [r for r in record.replicas if self.piece_of(r) == q]
-                raise PieceLostError(
-                    f"paddle_hsdp.ft: piece {q} of {self.parts} of the optimizer state "
-                    f"(fsdp_outer_sharding='optim') has no live holder in round "
-                    f"{record.number}: replicas {record.replicas} are live, and "
-                    f"{held_by or 'none of them'} hold it without a valid copy. Every "
-                    "replica group holding it failed before one could rejoin; restart "
-                    "the job from the last checkpoint the live groups saved together "
-                    "(paddle_hsdp.save_checkpoint on every group; a larger redundancy "
-                    "survives more).")
-            donors[q] = holders[0]
-        self._donors = donors
-        self._valid = self.replica in valid
+            if not any(q in pieces for pieces in valid.values()):
+                self._lost(record, q)
+        extra = recut(record.replicas, {r: v[1:] for r, v in valid.items()}, self.parts,
+                      self.redundancy)
+        held = {r: (r % self.parts, *sorted(extra[r])) for r in record.replicas}
+        self._donors = {q: min(r for r, v in valid.items() if q in v) for q in range(self.parts)}
+        copies = piece_copies(valid, held)
+        if all_fresh:  # the first round: each receiver takes its piece from its lowest holder
+            copies += [(r % self.parts, self._donors[r % self.parts], r)
+                       for r in record.receivers if self._donors[r % self.parts] != r]
+        self.copies = sorted(copies)
+        self.holding = {q: [r for r in record.replicas if q in held[r]] for q in range(self.parts)}
+        mine = set(valid.get(self.replica, ())) & set(held[self.replica])
+        self._valid, self.extra = frozenset(mine), extra[self.replica]
         self.holders = sum(1 for r in record.replicas if self.piece_of(r) == self.part)
 
+    def _lost(self, record: Round, q: int) -> None:
+        held_by = [r for r in record.replicas if record.members[r].holds(r, q, self.parts)]
+        raise PieceLostError(
+            f"paddle_hsdp.ft: piece {q} of {self.parts} of the optimizer state "
+            f"(fsdp_outer_sharding='optim') has no live holder in round "
+            f"{record.number}: replicas {record.replicas} are live, and "
+            f"{held_by or 'none of them'} hold it without a valid copy. Every "
+            "replica group holding it failed before one could rejoin; restart "
+            "the job from the last checkpoint the live groups saved together "
+            "(paddle_hsdp.save_checkpoint on every group; a larger redundancy "
+            "survives more).")
+
+    def committed(self) -> None:
+        """A step of this round committed: every piece the round gave this replica is
+        held at its step (the state copied in at the set-up, the params by the step's
+        rebuild, the update by its optimizers). Until then a piece it took is not
+        valid: it takes that piece's broadcast in place, and a failed attempt leaves
+        the piece to be copied again."""
+        self._valid = frozenset({self.part, *self.extra})
+
     def donor(self, q: int) -> int:
-        """The replica piece ``q`` is copied from in this round."""
+        """The replica piece ``q`` is served from in this round (its lowest valid holder)."""
         return self._donors[q]
 
     def receivers(self, record: Round, q: int) -> list[int]:
-        """The members of ``record`` that take piece ``q``'s optimizer state."""
-        return [r for r in record.receivers
-                if self.piece_of(r) == q and r != self._donors[q]]
+        """The members of ``record`` that take piece ``q``'s optimizer state (a receiver
+        its own piece, a member a piece the re-cut gave it)."""
+        return [taker for piece, _, taker in self.copies if piece == q]
 
     def src(self, q: int) -> int:
         """The outer-group rank piece ``q`` is broadcast from after a step."""
@@ -99,7 +131,7 @@ class PiecePlan:
     def keeps(self, q: int) -> bool:
         """Whether this rank holds a valid copy of piece ``q`` (it takes that piece's
         broadcast into scratch)."""
-        return q == self.part and self._valid
+        return q in self._valid
 
 
 def plan_of(group: Group | None) -> PiecePlan | None:
