@@ -10,11 +10,11 @@ when every one of its holders is gone at once.
 The cut is fixed for the job: a piece's shape (and so its optimizer state's) follows
 from ``P``, and the shard parameters the optimizer was built over are views of it. The
 survivors of a failure therefore keep the cut; a piece whose holders died keeps being
-served by the ones that are left (its redundancy is down until a replica with that
-piece rejoins: a restarted replica takes its old piece, a new id ``r`` piece ``r % P``).
-:func:`recut` decides which survivors would take a dead replica's pieces besides their
-own, so that redundancy comes back without a rejoin; no round calls it yet (a replica
-stepping a second piece is not built: docs/fault-tolerance.md, "HFSDP").
+served by the ones that are left (a restarted replica takes its old piece, a new id
+``r`` piece ``r % P``).
+:func:`recut` decides which survivors take a dead replica's pieces besides their own,
+so that redundancy comes back without a rejoin (each round, :meth:`PiecePlan.arrange`;
+a replica steps such a piece with a copy of its optimizer, engine/piece_optimizer.py).
 
 The engine reads a :class:`PiecePlan` from the outer group's traits
 (``traits_of(group).pieces``, comm/traits.py): its grads are all-reduced whole (not

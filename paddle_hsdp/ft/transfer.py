@@ -253,13 +253,14 @@ def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
     (it sends that piece's state from it, and loads it there)."""
     replica = group.replica
     phases, point_to_point = plan_transfer(record, plan_of(group))
+    takers = sorted({t for p in phases for t in p.takers})  # (receivers, a re-cut's takers)
     links = _PairLinks(store, record.number, group, _pairs(phases)) if point_to_point \
         else None
     if point_to_point:
         phases = [p for p in phases if replica == p.donor or replica in p.takers]
     if not phases:
         if point_to_point:  # a bystander: its step's first outer all-reduce would wait
-            _await_receivers(store, record, group)  # out the transfer under gloo's timeout
+            _await_receivers(store, record, group, takers)  # out the transfer (gloo's timeout)
         return None, 0
     optimizers: dict[Any, Any] = {**(piece_optimizers or {}), "own": optimizer}
     sender = _Sender(store, record, group, model, optimizers, extra)
@@ -283,13 +284,12 @@ def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
             paths, targets, rest = taken
             _optimizer_for(optimizers, what).set_state_dict(
                 _unflatten(zip(paths, targets, strict=True), rest))
-    if replica not in record.receivers:
-        return None, moved
-    replication.state_replaced(model)  # views re-pointed, gathered params resharded
-    if point_to_point:  # one value per receiver, each local rank's receipt a part
+    if replica in record.receivers:
+        replication.state_replaced(model)  # views re-pointed, gathered params resharded
+    if point_to_point and replica in takers:  # one value per taker, a local rank's a part
         store.set_part(_received_key(record, replica), group.local_rank, group.inner_size,
                        "1")
-    return kept.get(("model",)), moved
+    return kept.get(("model",)) if replica in record.receivers else None, moved
 
 
 def _optimizer_for(optimizers: Mapping[Any, Optimizer], what: tuple) -> Optimizer:
@@ -354,10 +354,12 @@ def _received_key(record: Round, receiver: int) -> str:
     return round_kv(record.number, "received", receiver)
 
 
-def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGroup) -> None:
-    """A member neither sending nor taking state waits until every receiver's rank of
-    its local rank has its state (one value per receiver on etcd, each local rank's
-    receipt a part of it), so that its first outer
+def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGroup,
+                     takers: list[int]) -> None:
+    """A member neither sending nor taking state waits until every taker's rank of its
+    local rank has its state (one value per taker on etcd, each local rank's receipt a
+    part of it: the receivers, and the takers of a piece the re-cut gave them), so that
+    its first outer
     collective does not wait out the transfer under the backend's own timeout (gloo's
     is fixed): the wait is bounded by round timeouts, and ends at once on a failure
     announced in the round."""
@@ -365,7 +367,7 @@ def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGr
         if store.failed(record.number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{record.number} during its state transfer")
-    for receiver in record.receivers:
+    for receiver in takers:
         store.get_part(_received_key(record, receiver), group.local_rank,
                        store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
 
