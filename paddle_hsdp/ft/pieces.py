@@ -78,19 +78,26 @@ class PiecePlan:
         all_fresh = all(a.fresh for a in record.members.values())
         valid = {r: (r % self.parts, *(() if all_fresh else record.members[r].extra))
                  for r in record.replicas if all_fresh or r not in receivers}
+        donors: dict[int, int] = {}  # each piece's lowest valid holder (O(R), not O(P x R))
+        for r in sorted(valid):
+            for q in valid[r]:
+                donors.setdefault(q, r)
         for q in range(self.parts):
-            if not any(q in pieces for pieces in valid.values()):
+            if q not in donors:
                 self._lost(record, q)
         extra = recut(record.replicas, {r: v[1:] for r, v in valid.items()}, self.parts,
                       self.redundancy)
         held = {r: (r % self.parts, *sorted(extra[r])) for r in record.replicas}
-        self._donors = {q: min(r for r, v in valid.items() if q in v) for q in range(self.parts)}
+        self._donors = donors
         copies = piece_copies(valid, held)
         if all_fresh:  # the first round: each receiver takes its piece from its lowest holder
             copies += [(r % self.parts, self._donors[r % self.parts], r)
                        for r in record.receivers if self._donors[r % self.parts] != r]
         self.copies = sorted(copies)
-        self.holding = {q: [r for r in record.replicas if q in held[r]] for q in range(self.parts)}
+        self.holding = {q: [] for q in range(self.parts)}
+        for r in record.replicas:
+            for q in held[r]:
+                self.holding[q].append(r)
         mine = set(valid.get(self.replica, ())) & set(held[self.replica])
         self._valid, self.extra = frozenset(mine), extra[self.replica]
         self.holders = sum(1 for r in record.replicas if self.piece_of(r) == self.part)
