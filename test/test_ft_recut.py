@@ -192,3 +192,28 @@ def test_a_copy_of_the_optimizer_over_another_piece_steps_it_as_its_holder_does(
         if isinstance(value, paddle.Tensor):
             np.testing.assert_array_equal(copy.state_dict()[key].numpy(), value.numpy())
     assert own._grad_clip is not None and copy._grad_clip is None
+
+
+def test_the_leader_logs_each_round_that_changes_who_holds_which_piece(caplog):
+    """The done-when's "logged": one line per change of the holders, with the copies."""
+    from paddle_hsdp.comm.traits import declare
+    from paddle_hsdp.ft import replica
+    from paddle_hsdp.ft.pieces import PiecePlan
+    from paddle_hsdp.ft.protocol import Arrival, Round
+
+    class Outer:  # a stand-in for the live outer group (traits attach to it)
+        pass
+    ft = object.__new__(replica.Replica)
+    ft.outer, ft._logged_holding = Outer(), {}
+    plan = PiecePlan(2, 0, lambda r: r)
+    declare(ft.outer, pieces=plan)
+    lines = []
+    for number, members in ((3, {0: Arrival(2), 2: Arrival(2), 3: Arrival(2)}),
+                            (4, {0: Arrival(3, extra=(1,)), 2: Arrival(3), 3: Arrival(3)})):
+        record = Round(number, members, True, pieces=2)
+        plan.arrange(record)
+        with caplog.at_level("WARNING", logger="paddle_hsdp.ft"):
+            ft._log_holders(record)
+        lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["paddle_hsdp.ft: round 3: piece holders {0: [0, 2], 1: [0, 3]} "
+                     "(copies: piece 1 3 -> 0)"], lines  # round 4 changed nothing
