@@ -44,13 +44,10 @@ class PieceOptimizer:
     def __init__(self, optimizer: Optimizer, piece: int):
         self.piece = piece
         main = unwrap_optimizer(optimizer)
+        why = why_no_second_piece(optimizer)
+        if why is not None:
+            raise NotImplementedError(f"paddle_hsdp.ft: {why}")
         shards = _shards(main)
-        if getattr(main, "_multi_precision", False) or any(
-                sp.buffer.grads.main_grads for sp, _ in shards):
-            raise NotImplementedError(
-                "paddle_hsdp.ft: re-cutting HFSDP's pieces among the survivors needs "
-                "plain grads and no master weights (a piece held besides a group's own "
-                "under multi_precision or MixPrecisionLayer is not built)")
         self._views = [(_view_at(sp, piece, index), sp.buffer) for sp, index in shards]
         params = [v.shard for v, _ in self._views]
         self.optimizer = _copy_over(main, params)
@@ -90,6 +87,19 @@ def load_renamed(optimizer: Optimizer, state: dict) -> None:
     optimizer.set_state_dict(state)
 
 
+def why_no_second_piece(optimizer: Optimizer) -> str | None:
+    """Why a group training with ``optimizer`` cannot hold a second piece (then the
+    pieces are not re-cut: redundancy comes back only when a holder rejoins), or None."""
+    main = unwrap_optimizer(optimizer)
+    if getattr(main, "_multi_precision", False):
+        return "its optimizer keeps master weights (multi_precision)"
+    if any(isinstance(g, dict) for g in main._param_groups):
+        return "its optimizer has parameter groups"
+    if any(sp.buffer.grads.main_grads for sp, _ in _shards(main)):
+        return "its grads are MixPrecisionLayer's main grads"
+    return None
+
+
 def _shards(optimizer: Optimizer) -> list[tuple[ShardedParam, int]]:
     """The trainable shards of HFSDP's shared pieces ``optimizer`` updates, each with its
     place in its buffer."""
@@ -118,9 +128,6 @@ def _view_at(sp: ShardedParam, piece: int, index: int) -> ShardedParam:
 def _copy_over(optimizer: Optimizer, params: list[EagerParamBase]) -> Optimizer:
     """A shallow copy of ``optimizer`` over ``params`` with a state of its own, no clip
     (its learning rate, a scheduler included, is the same object)."""
-    if any(isinstance(g, dict) for g in optimizer._param_groups):
-        raise NotImplementedError("paddle_hsdp.ft: re-cutting HFSDP's pieces among the "
-                                  "survivors with parameter groups is not built")
     clone = copy.copy(optimizer)
     clone._parameter_list, clone._param_groups = list(params), list(params)
     clone._accumulators = collections.defaultdict(dict)

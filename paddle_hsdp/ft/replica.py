@@ -301,6 +301,13 @@ class Replica:
             raise NotImplementedError(f"paddle_hsdp.ft: {why}")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
+        plan = self.piece_plan
+        why_not = replication.why_no_second_piece(optimizer) if plan is not None else None
+        if plan is not None and why_not is not None:  # (alike on every group: one program)
+            plan.redundancy = 1  # a piece is never short of one holder: no re-cut
+            logger.warning("paddle_hsdp.ft: HFSDP's pieces are not re-cut among the "
+                           "survivors: %s; a piece's redundancy comes back when a holder "
+                           "rejoins", why_not)
         if self.rank == 0:  # the leader arrives with it: a misconfigured group is refused
             tensors = replication.parameter_table(model)
             self._config_hash, text = config.digest(config.describe(
