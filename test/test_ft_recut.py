@@ -217,3 +217,17 @@ def test_the_leader_logs_each_round_that_changes_who_holds_which_piece(caplog):
         lines = [r.getMessage() for r in caplog.records]
     assert lines == ["paddle_hsdp.ft: round 3: piece holders {0: [0, 2], 1: [0, 3]} "
                      "(copies: piece 1 3 -> 0)"], lines  # round 4 changed nothing
+
+
+def test_a_group_that_cannot_step_a_second_piece_says_why():
+    """ft's attach turns the re-cut off (warned) for these, where every round that
+    re-cut would fail its set-up."""
+    import paddle
+
+    from paddle_hsdp.engine.replication import why_no_second_piece
+    params = paddle.nn.Linear(3, 3).parameters()
+    assert why_no_second_piece(paddle.optimizer.AdamW(0.1, parameters=params)) is None
+    assert "master weights" in why_no_second_piece(
+        paddle.optimizer.AdamW(0.1, parameters=params, multi_precision=True))
+    assert "parameter groups" in why_no_second_piece(
+        paddle.optimizer.AdamW(0.1, parameters=[{"params": params}]))
