@@ -281,12 +281,17 @@ def test_each_piece_is_served_by_its_lowest_valid_holder():
                                                   "valid copy"):
         plan.arrange(later)
     # with replica 1 alive, piece 1 comes from it, piece 0 from replica 2; 3 takes
-    # piece 1 and does not keep its own (it is a receiver)
+    # piece 1 and does not keep its own (it is a receiver); piece 0, held by 2 alone,
+    # is re-cut: replica 1 (as loaded as 3, the lower id) takes it besides its own
     later = _round(6, {1: (7,), 2: (7,), 3: (0, True)})
     plan.arrange(later)
     assert [plan.donor(q) for q in (0, 1)] == [2, 1] and later.donor == 1
-    assert plan.receivers(later, 0) == [] and plan.receivers(later, 1) == [3]
+    assert plan.receivers(later, 0) == [1] and plan.receivers(later, 1) == [3]
+    assert plan.copies == [(0, 2, 1), (1, 1, 3)]
+    assert plan.holding == {0: [1, 2], 1: [1, 3]} and plan.extra == frozenset()
     assert not plan.keeps(1)
+    plan.committed()  # after a committed step, replica 3 keeps its own piece
+    assert plan.keeps(1) and not plan.keeps(0) and plan.valid_extra() == ()
 
 
 def test_each_piece_with_a_receiver_is_one_optimizer_copy():
@@ -472,6 +477,7 @@ def _replica_with_loader(monkeypatch, rounds):
     ft.store = types.SimpleNamespace(announce_failure=lambda number: None)
     ft._watch = types.SimpleNamespace(announce=lambda number: None)
     ft.outer = types.SimpleNamespace(pieces=None, abandon=lambda: None)
+    ft._piece_optimizers = replica.replication.PieceOptimizers()
     plan = iter(rounds)
     sent = []
 
@@ -752,6 +758,7 @@ def _replica(rank, watch, control=None):
     ft._watch, ft.control, ft._token, ft._arrivals = watch, control, "tok", 0
     ft.round, ft._next_round, ft._members = None, 4, [0, 1]
     ft.step, ft.fresh, ft._failed, ft._config_hash = 9, False, True, ""
+    ft.outer = types.SimpleNamespace()  # (no HFSDP pieces declared on it)
     return ft
 
 

@@ -20,13 +20,15 @@ job, around a coordinator; three start.
 With HFSDP (fsdp_outer_sharding="optim", redundancy 2), four replica groups of one
 rank: each of the optimizer state's two pieces is held by two groups.
 
-1. Replica 3 dies (SIGKILL) in step 3's backward: piece 1 is left with replica 1.
+1. Replica 3 dies (SIGKILL) in step 3's backward: piece 1 is left with replica 1, and
+   the next round re-cuts it: replica 0 takes piece 1 from replica 1 besides its own.
 2. Replica 3 is started again; while replica 0, the round's donor, sends it the
-   state, replica 0 dies: the others go on with replica 3, which takes the model from
-   replica 1 and piece 1 from replica 1, while piece 0 is served by replica 2 alone.
-3. The coordinator (etcd) is killed and started again on its data, then replica 0
-   is started again and rejoins: the model from replica 1, its piece of the optimizer
-   state from replica 2.
+   state, replica 0 dies: the others go on with replica 3, which takes the model and
+   piece 1 from replica 1, while replica 1 takes piece 0 from replica 2 (the re-cut).
+3. Replica 2, piece 0's other holder, dies in step 8's backward: replica 1 holds it,
+   so the job goes on (before the re-cut: PieceLostError), replica 3 taking piece 0.
+4. The coordinator (etcd) is killed and started again on its data, then replica 0
+   is started again and rejoins: the model and its piece from replica 1.
 
 In each scenario every rank's losses and every replica's final parameters must equal a single-process
 reference that trains step t on the batches of the replicas live at step t
@@ -507,42 +509,48 @@ PENALTY = "0.01"
 def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
     """[module docstring, HFSDP] replicas 0-3, pieces {0, 2} and {1, 3}."""
     job = FaultTolerantJob(replicas=4, ranks=1, steps=HFSDP_STEPS)
-    # a penalty on model.parameters(): a term each group computes on its piece only
+    # a penalty on model.parameters(): a term each group computes on its own piece
+    # only, so not while a piece has no group holding it as its own (2 groups left)
     job.env.update(FT_TEST_OPTIM="1", PADDLE_HSDP_FT_REDUNDANCY="2", FT_TEST_PENALTY=PENALTY,
-                   FT_TEST_SAVE="1", **SECRET)
+                   FT_TEST_PENALTY_MIN_GROUPS="3", FT_TEST_SAVE="1", **SECRET)
     deadline = time.time() + BOUND_S
     try:
         waits = "3@6,0@10"  # replica 3 is back before step 6, replica 0 before step 10
         donor = job.start(0, "replica0", FT_TEST_WAIT_JOIN=waits, FT_TEST_DIE_IN_TRANSFER="3@5")
-        survivors = [job.start(r, f"replica{r}", FT_TEST_WAIT_JOIN=waits) for r in (1, 2)]
+        survivors = [job.start(1, "replica1", FT_TEST_WAIT_JOIN=waits)]
+        co_holder = job.start(2, "replica2", FT_TEST_WAIT_JOIN=waits, FT_TEST_KILL_AT="8")
         doomed = job.start(3, "replica3", FT_TEST_KILL_AT="3")
         _wait(lambda: doomed.poll() is not None, deadline, job, "replica 3 to die")
         _wait(lambda: min(job.steps_done(r) for r in (0, 1, 2)) >= 5, deadline, job,
               "replicas 0-2 to finish step 5")
         survivors.append(job.start(3, "replica3_again", FT_TEST_WAIT_JOIN="0@10"))
         _wait(lambda: donor.poll() is not None, deadline, job, "replica 0 to die as donor")
-        _wait(lambda: min(job.steps_done(r) for r in (1, 2, 3)) >= 9, deadline, job,
-              "replicas 1-3 to finish step 9")
+        _wait(lambda: co_holder.poll() is not None, deadline, job, "replica 2 to die")
+        _wait(lambda: min(job.steps_done(r) for r in (1, 3)) >= 9, deadline, job,
+              "replicas 1 and 3 to finish step 9")
         job.restart_coordinator()
         survivors.append(job.start(0, "replica0_again"))
         for proc in survivors:
             _wait(lambda: proc.poll() is not None, deadline, job, "replicas to end")
-        assert [p.returncode for p in survivors] == [0, 0, 0, 0], job.logs()
-        assert donor.returncode != 0 and doomed.returncode != 0
+        assert [p.returncode for p in survivors] == [0, 0, 0], job.logs()
+        assert donor.returncode != 0 and doomed.returncode != 0 and co_holder.returncode != 0
         assert glob.glob(os.path.join(job.work, "died_in_transfer_rank0")), job.logs()
     finally:
         job.stop()
 
-    out = run_single("single_process_ft.py", job.work, str(HFSDP_STEPS), "1", PENALTY)
+    out = run_single("single_process_ft.py", job.work, str(HFSDP_STEPS), "1", PENALTY, "3")
     assert "FT_PARITY_OK" in out and "FT_CHECKPOINT_OK" in out, out[-2000:]
-    expected = {t: [0, 1, 2, 3] if t < 3 else [0, 1, 2] if t < 7 else [1, 2, 3] if t < 11
-                else [0, 1, 2, 3] for t in range(1, HFSDP_STEPS + 1)}
+    expected = {t: [0, 1, 2, 3] if t < 3 else [0, 1, 2] if t < 7 else [1, 2, 3] if t < 8
+                else [1, 3] if t < 11 else [0, 1, 3] for t in range(1, HFSDP_STEPS + 1)}
     assert _members(out) == expected, _members(out)
-    # who sent what: replica 0 rejoined with the model from replica 1 and its piece
-    # (0) from replica 2
+    _check_re_cut(job)
+    # who sent what: replica 0 rejoined with the model and its piece (0) from replica 1
+    # (piece 0's holders were 1 and 3, both besides their own); 3's extra holding went
     rejoin = next(e for e in _history(job, 0) if e["kind"] == "step" and "receivers" in e)
     assert rejoin["receivers"] == [0] and rejoin["donor"] == 1 and \
-        rejoin["piece_donors"] == {"0": 2, "1": 1}, rejoin
+        rejoin["piece_donors"] == {"0": 1, "1": 1} and \
+        rejoin["piece_copies"] == [[0, 1, 0]] and \
+        rejoin["piece_holders"] == {"0": [0, 1], "1": [1, 3]}, rejoin
     # point to point: replica 3, neither donor nor receiver, moved nothing and went
     # straight to its step (what it waited for is the donors' transfer)
     assert rejoin["point_to_point"] and rejoin["donors"] == {"0": 1}, rejoin
@@ -558,6 +566,20 @@ def test_hfsdp_with_redundancy_survives_a_dead_donor_and_rejoins_each_piece():
           f" rejoin set-up {rejoin['set_up_s']:.2f} s (round {rejoin['round_s']:.2f} s); "
           f"a bystander's step at the rejoin {stall['seconds']:.2f} s (set-up "
           f"{stall['set_up_s']:.2f} s) against {stall['median_s']:.2f} s")
+
+
+def _check_re_cut(job: FaultTolerantJob) -> None:
+    """[module docstring, HFSDP] after each death, the next round's holders: every piece
+    with two live holders again (as replica 1, alive throughout, recorded each round)."""
+    rounds = {e["round"]: e for e in _history(job, 1) if "piece_holders" in e}
+    for entry in rounds.values():
+        assert all(len(h) == 2 for h in entry["piece_holders"].values()), entry
+    copies = [c for e in sorted(rounds.values(), key=lambda e: e["round"])
+              for c in e["piece_copies"]]
+    # 3 died: 0 took piece 1 from 1; 0 died: 3 took its own piece from 1, 1 took piece
+    # 0 from 2; 2 died: 3 took piece 0 from 1; 0 rejoined: its piece from 1
+    for copy in ([1, 1, 0], [1, 1, 3], [0, 2, 1], [0, 1, 3], [0, 1, 0]):
+        assert copy in copies, (copy, copies)
 
 
 def _stall(history: list, round_number: int) -> dict:

@@ -11,7 +11,9 @@ named here, and ft holds no registry, unit or buffer.
 * :func:`state_replaced`: after a transfer wrote into them, the engine's views and
   gathered copies are refreshed;
 * :func:`order_outer_syncs_again`, :func:`owe_rebuild`: a round changed who trains;
-* :func:`finish_grad_sync`: the deferred outer all-reduce, now.
+* :func:`finish_grad_sync`: the deferred outer all-reduce, now;
+* :class:`PieceOptimizers`, :func:`why_no_second_piece`: HFSDP's re-cut, the
+  optimizers of the pieces a replica holds besides its own (engine/piece_optimizer.py).
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import paddle
 
 from .hooks import record_outer_sync_again
 from .optimizers import finish_grad_sync
+from .piece_optimizer import PieceOptimizers, why_no_second_piece
 from .registry import registry
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
 
 __all__ = ["refusal_to_replicate", "parameter_table", "state_tensors", "state_replaced",
-           "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync"]
+           "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync", "PieceOptimizers",
+           "why_no_second_piece"]
 
 
 def refusal_to_replicate(model: paddle.nn.Layer, outer: Group) -> str | None:

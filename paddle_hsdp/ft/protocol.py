@@ -187,6 +187,15 @@ class Arrival:
     fresh: bool = False  # its state matches no replica's (just started, or left out)
     failed: bool = False  # its last attempt failed: the outer groups are rebuilt
     config: str = ""  # hash of what it must share with the others (ft/config.py)
+    # HFSDP's re-cut (ft/pieces.py): the pieces it holds a valid copy of besides its own
+    extra: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra", tuple(self.extra))  # (a list, read from JSON)
+
+    def holds(self, replica: int, piece: int, pieces: int) -> bool:
+        """Whether replica ``replica``, arriving so, holds ``piece`` of ``pieces``."""
+        return replica % pieces == piece or piece in self.extra
 
 
 @dataclass(frozen=True)
@@ -219,8 +228,8 @@ class Round:
         known = {r: a.step for r, a in self.members.items() if not a.fresh}
         steps = sorted(set(known.values()), reverse=True)
         for step in steps:
-            if all(any(t == step and r % self.pieces == q for r, t in known.items())
-                   for q in range(self.pieces)):
+            if all(any(t == step and self.members[r].holds(r, q, self.pieces)
+                       for r, t in known.items()) for q in range(self.pieces)):
                 return step
         return steps[0] if steps else 0
 
@@ -342,18 +351,22 @@ class WrongBase(ValueError):
 
 
 def _wire(arrival: Arrival) -> list:
-    return [arrival.step, int(arrival.fresh), int(arrival.failed), arrival.config]
+    wire = [arrival.step, int(arrival.fresh), int(arrival.failed), arrival.config]
+    return wire + [list(arrival.extra)] if arrival.extra else wire  # (HFSDP's re-cut only)
 
 
 def _arrival(wire: list | dict) -> Arrival:
-    return Arrival(wire[0], bool(wire[1]), bool(wire[2]), wire[3]) if isinstance(wire, list) \
-        else Arrival(**wire)
+    if isinstance(wire, dict):
+        return Arrival(**wire)
+    return Arrival(wire[0], bool(wire[1]), bool(wire[2]), wire[3],
+                   tuple(wire[4]) if len(wire) > 4 else ())
 
 
 def members_digest(members: dict[int, Arrival]) -> str:
     """A short hash of a round's members and their arrivals (16 hex digits): a delta
     applied to another base than its decider's gives another one."""
     text = ";".join(f"{r},{a.step},{a.fresh:d},{a.failed:d},{a.config}"
+                    + (f",{list(a.extra)}" if a.extra else "")
                     for r, a in sorted(members.items()))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -374,7 +387,7 @@ def pieces_without_state(present: dict[int, Arrival], expected: list[int] | None
     known copy of. HSDP waits for a holder until the round timeout. With HFSDP's pieces,
     only while a holder of the last round may still come: with every holder dead the
     round closes (and every rank stops with PieceLostError naming it)."""
-    held = {r % pieces for r, a in present.items() if not a.fresh}
+    held = {q for r, a in present.items() if not a.fresh for q in (r % pieces, *a.extra)}
     if pieces == 1:
         return [] if held else [0]
     return [q for q in range(pieces) if q not in held and any(

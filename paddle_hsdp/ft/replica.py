@@ -154,14 +154,17 @@ class Replica:
         self._outer_sharding, self._pieces = hsdp.outer_sharding, pieces
         self._config_hash = ""  # of what every group must share (attach computes it)
         self._logged_replicas: list[int] = []  # the last round's, as the leader logged it
+        self._logged_holding: dict[int, list[int]] = {}  # HFSDP: as the leader logged it
         self.replica_id = replica_id
         self.rank, self.ranks_per_replica = dist.get_rank(), dist.get_world_size()
         self.outer = groups.LiveOuterGroup(replica_id, self.rank, self.ranks_per_replica)
         # what the engine and checkpoints read of the live group (comm/traits.py): the
         # joint save and, with HFSDP, the plan the engine cuts the optimizer state by
         declare(self.outer, joint_save=JointSave(self),
-                pieces=PiecePlan(pieces, replica_id, self.outer.virtual_rank)
+                pieces=PiecePlan(pieces, replica_id, self.outer.virtual_rank, redundancy)
                 if pieces > 1 else None)
+        # HFSDP: the optimizers of the pieces it holds besides its own
+        self._piece_optimizers = replication.PieceOptimizers()
         self.round_timeout_s = round_timeout_s
         self.max_failed_attempts = max_failed_attempts
         job = _Job.from_env(coordinator)
@@ -298,6 +301,13 @@ class Replica:
             raise NotImplementedError(f"paddle_hsdp.ft: {why}")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
+        plan = self.piece_plan
+        why_not = replication.why_no_second_piece(optimizer) if plan is not None else None
+        if plan is not None and why_not is not None:  # (alike on every group: one program)
+            plan.redundancy = 1  # a piece is never short of one holder: no re-cut
+            logger.warning("paddle_hsdp.ft: HFSDP's pieces are not re-cut among the "
+                           "survivors: %s; a piece's redundancy comes back when a holder "
+                           "rejoins", why_not)
         if self.rank == 0:  # the leader arrives with it: a misconfigured group is refused
             tensors = replication.parameter_table(model)
             self._config_hash, text = config.digest(config.describe(
@@ -475,7 +485,9 @@ class Replica:
                 if number is None:
                     number = self._next_round if self._next_round is not None \
                         else control.next_open()
-                arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash)
+                plan = self.piece_plan
+                arrival = Arrival(self.step, self.fresh, self._failed, self._config_hash,
+                                  plan.valid_extra() if plan is not None else ())
                 record = control.arrive(number, self._members, arrival, needs_state)
                 if record is None:
                     # left out (or the members went past): a joiner at the next open round
@@ -518,17 +530,22 @@ class Replica:
             if self._resume_path is not None:  # the tensors resumed from, before a transfer
                 self._timing["resume_bytes"] = resume.load_in_round(
                     self, self._resume_path, record, receiving)
-            if record.receivers:
+            plan = self.piece_plan
+            if plan is not None:  # (new pieces' optimizers take their state below)
+                self._piece_optimizers.take(self._attached().optimizer, plan.extra)
+            if record.receivers or (plan is not None and plan.copies):
                 model, optimizer = self._attached()
                 extra, self._timing["state_bytes"] = transfer.stream_state(
-                    self.store, record, self.outer, model, optimizer, self._plain_state())
+                    self.store, record, self.outer, model, optimizer, self._plain_state(),
+                    self._piece_optimizers.by_piece)
                 if receiving:
                     if extra is None:  # a receiver takes the model, and the state with it
                         raise FaultToleranceError(
                             f"paddle_hsdp.ft: replica {self.replica_id} received no state "
                             f"from its donor in round {record.number}")
                     self._load_plain_state(extra)
-            if self.piece_plan is not None:
+            if plan is not None:
+                self._piece_optimizers.keep_only(plan.extra)
                 # every member rebuilds every piece from its round's holders before the
                 # next forward, whatever its last rebuild did (it may have failed half-way
                 # on one rank and not another; a receiver holds the donor's pieces)
@@ -578,11 +595,13 @@ class Replica:
             pieces = self.piece_plan
             if pieces is not None:
                 entry["piece_donors"] = {q: pieces.donor(q) for q in range(pieces.parts)}
+                entry.update(piece_holders=pieces.holding, piece_copies=pieces.copies)
         if error is not None:
             entry["error"] = str(error)[:300]
         self.history.append(entry)
         if self.rank == 0 and "round_s" in self._timing:
             self._log_membership(record)
+            self._log_holders(record)
         if self.rank == 0:
             if kind == "step":
                 logger.info("step %d: %d replicas %s", self.step, len(record.replicas),
@@ -591,6 +610,16 @@ class Replica:
                 logger.warning("step %d failed (replicas %s): %s", self.step + 1,
                                record.replicas, str(error)[:200])
 
+
+    def _log_holders(self, record: Round) -> None:
+        """HFSDP: one line when a round changes who holds which piece (the re-cut)."""
+        plan = self.piece_plan
+        if plan is None or plan.holding == self._logged_holding:
+            return
+        self._logged_holding = plan.holding
+        copies = ", ".join(f"piece {q} {d} -> {t}" for q, d, t in plan.copies) or "none"
+        logger.warning("paddle_hsdp.ft: round %d: piece holders %s (copies: %s)",
+                       record.number, plan.holding, copies)
 
     def _log_membership(self, record: Round) -> None:
         """One line when a round changes who trains: the groups that left and joined
@@ -768,6 +797,9 @@ class _Step(PhaseMachine[StepPhase]):
     def _commit(self) -> StepPhase:
         replica = self.replica
         self.optimizer.step()
+        replica._piece_optimizers.step()  # HFSDP: the pieces held besides its own
+        if replica.piece_plan is not None:
+            replica.piece_plan.committed()
         if replica.lr_scheduler is not None:
             replica.lr_scheduler.step()
         self.optimizer.clear_grad()

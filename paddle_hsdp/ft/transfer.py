@@ -35,7 +35,7 @@ import contextlib
 import ctypes
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -240,26 +240,31 @@ def _pairs(phases: Iterable[Phase]) -> list[tuple[int, int]]:
 
 
 def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
-                 model: paddle.nn.Layer, optimizer: Optimizer,
-                 extra: dict) -> tuple[dict | None, int]:
+                 model: paddle.nn.Layer, optimizer: Optimizer, extra: dict,
+                 piece_optimizers: Mapping[int, Optimizer] | None = None
+                 ) -> tuple[dict | None, int]:
     """Copy round ``record``'s state to this rank if its replica is a receiver. Every
     member of ``group`` calls it; point to point, those neither sending nor taking return
     at once. ``extra``: this replica's plain state (step, RNG, scheduler, user; a
     donor's is sent); returns the donor's ``extra`` on a receiver, None elsewhere, and
     the bytes of tensors this rank sent or took (for the log). Each taker checks what it
-    took against the checksums its donor computed once per tensor."""
+    took against the checksums its donor computed once per tensor. ``piece_optimizers``:
+    HFSDP's re-cut, the optimizer of each piece this replica holds besides its own
+    (it sends that piece's state from it, and loads it there)."""
     replica = group.replica
     phases, point_to_point = plan_transfer(record, plan_of(group))
+    takers = sorted({t for p in phases for t in p.takers})  # (receivers, a re-cut's takers)
     links = _PairLinks(store, record.number, group, _pairs(phases)) if point_to_point \
         else None
     if point_to_point:
         phases = [p for p in phases if replica == p.donor or replica in p.takers]
     if not phases:
         if point_to_point:  # a bystander: its step's first outer all-reduce would wait
-            _await_receivers(store, record, group)  # out the transfer under gloo's timeout
+            _await_receivers(store, record, group, takers)  # out the transfer (gloo's timeout)
         return None, 0
-    sender = _Sender(store, record, group, model, optimizer, extra)
-    kept: dict[str, Any] = {}  # what this rank took as a taker, by "model"/"optimizer"
+    optimizers: dict[Any, Any] = {**(piece_optimizers or {}), "own": optimizer}
+    sender = _Sender(store, record, group, model, optimizers, extra)
+    kept: dict[tuple, Any] = {}  # what this rank took as a taker, by its phase's what
     moved = 0
     try:
         for phase in phases:
@@ -270,20 +275,27 @@ def stream_state(store: SharedData, record: Round, group: groups.LiveOuterGroup,
             took, taken = _take_phase(store, record, group, model, phase, link)
             moved += took
             if taken is not None:
-                kept[phase.what[0]] = taken
+                kept[phase.what] = taken
     finally:
         if links is not None:
             links.forget()  # both ends connected: the rendezvous is over
-    if replica not in record.receivers:
-        return None, moved
-    if "optimizer" in kept:
-        paths, targets, rest = kept["optimizer"]
-        optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True), rest))
-    replication.state_replaced(model)  # views re-pointed, gathered params resharded
-    if point_to_point:  # one value per receiver, each local rank's receipt a part
+    for what, taken in kept.items():
+        if what[0] == "optimizer":
+            paths, targets, rest = taken
+            _optimizer_for(optimizers, what).set_state_dict(
+                _unflatten(zip(paths, targets, strict=True), rest))
+    if replica in record.receivers:
+        replication.state_replaced(model)  # views re-pointed, gathered params resharded
+    if point_to_point and replica in takers:  # one value per taker, a local rank's a part
         store.set_part(_received_key(record, replica), group.local_rank, group.inner_size,
                        "1")
-    return kept.get("model"), moved
+    return kept.get(("model",)) if replica in record.receivers else None, moved
+
+
+def _optimizer_for(optimizers: Mapping[Any, Optimizer], what: tuple) -> Optimizer:
+    """The optimizer of phase ``what``'s piece: a piece held besides its own has its own
+    optimizer (HFSDP's re-cut), its own piece (or HSDP's one) is the replica's ("own")."""
+    return optimizers.get(what[1], optimizers["own"])
 
 
 class _PairLinks:
@@ -342,10 +354,12 @@ def _received_key(record: Round, receiver: int) -> str:
     return round_kv(record.number, "received", receiver)
 
 
-def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGroup) -> None:
-    """A member neither sending nor taking state waits until every receiver's rank of
-    its local rank has its state (one value per receiver on etcd, each local rank's
-    receipt a part of it), so that its first outer
+def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGroup,
+                     takers: list[int]) -> None:
+    """A member neither sending nor taking state waits until every taker's rank of its
+    local rank has its state (one value per taker on etcd, each local rank's receipt a
+    part of it: the receivers, and the takers of a piece the re-cut gave them), so that
+    its first outer
     collective does not wait out the transfer under the backend's own timeout (gloo's
     is fixed): the wait is bounded by round timeouts, and ends at once on a failure
     announced in the round."""
@@ -353,7 +367,7 @@ def _await_receivers(store: SharedData, record: Round, group: groups.LiveOuterGr
         if store.failed(record.number):
             raise FaultToleranceError(f"paddle_hsdp.ft: a failure was announced in round "
                                       f"{record.number} during its state transfer")
-    for receiver in record.receivers:
+    for receiver in takers:
         store.get_part(_received_key(record, receiver), group.local_rank,
                        store.timeout_s * TRANSFER_WAIT_ROUNDS, abort=abort)
 
@@ -363,9 +377,9 @@ class _Sender:
     checksum computed once, however many receivers it feeds."""
 
     def __init__(self, store: SharedData, record: Round, group: groups.LiveOuterGroup,
-                 model: paddle.nn.Layer, optimizer: Optimizer, extra: dict):
+                 model: paddle.nn.Layer, optimizers: Mapping[Any, Optimizer], extra: dict):
         self.store, self.record, self.group = store, record, group
-        self.model, self.optimizer, self.extra = model, optimizer, extra
+        self.model, self.optimizers, self.extra = model, optimizers, extra
         self._tensors: dict[tuple, list[paddle.Tensor]] = {}  # what -> [tensor]
         # what -> int64 tensor of checksums (None until the first send computes them)
         self._sums: dict[tuple, paddle.Tensor | None] = {}
@@ -378,7 +392,7 @@ class _Sender:
                 meta = {"model": _described(named), "extra": self.extra}
                 tensors = [t for _, t in named]
             else:
-                pairs, rest = _flatten(self.optimizer.state_dict())
+                pairs, rest = _flatten(_optimizer_for(self.optimizers, what).state_dict())
                 meta = {"tensors": _described(pairs), "rest": rest}
                 tensors = [t for _, t in pairs]
             _exchange_meta(self.store, self.record,
@@ -532,12 +546,11 @@ def _plain(value: object) -> Any:
 def _optimizer_phases(record: Round, plan: PiecePlan | None) -> list[tuple[int, int, list[int]]]:
     """``(piece, its donor, the replicas taking it)`` for each optimizer-state copy of
     the round: the donor's whole state to every receiver, or with shared pieces one
-    copy per piece that has a receiver."""
+    copy per piece and donor (the plan's copies: a receiver's own piece, and a piece
+    the re-cut gave a member)."""
     if plan is None or plan.parts == 1:
         return [(0, record.donor, list(record.receivers))]
-    phases = []
-    for q in range(plan.parts):
-        takers = plan.receivers(record, q)
-        if takers:
-            phases.append((q, plan.donor(q), takers))
-    return phases
+    phases: dict[tuple[int, int], list[int]] = {}
+    for q, donor, taker in plan.copies:
+        phases.setdefault((q, donor), []).append(taker)
+    return [(q, donor, takers) for (q, donor), takers in phases.items()]

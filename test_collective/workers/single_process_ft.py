@@ -7,8 +7,9 @@ resumed wrote them at the save too). A joint checkpoint out_dir/ckpt is loaded i
 one process and compared with the reference at its step (its ``extra``).
 
 argv: the folder worker_ft.py wrote into, the number of steps, the ranks per replica
-(default 2) and the penalty on the parameters' squared norm (worker_ft.py's
-FT_TEST_PENALTY, default 0); the optimizer is the one the replicas recorded. Prints the membership per step and FT_PARITY_OK.
+(default 2), the penalty on the parameters' squared norm (worker_ft.py's
+FT_TEST_PENALTY, default 0) and the fewest groups a step has it with
+(FT_TEST_PENALTY_MIN_GROUPS, default 0); the optimizer is the one the replicas recorded. Prints the membership per step and FT_PARITY_OK.
 """
 
 import glob
@@ -24,6 +25,7 @@ import paddle
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 ranks_per_replica = int(sys.argv[3]) if len(sys.argv) > 3 else RANKS_PER_REPLICA
 penalty = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+penalty_min_groups = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 set_dtype("float64")
 runs = [json.load(open(p)) for p in sorted(glob.glob(f"{out_dir}/replica*_rank*.json"))]
 assert runs, f"no replica wrote its results into {out_dir}"
@@ -62,7 +64,8 @@ for t in range(steps):
             want_losses[(t, replica, rank)] = float(loss)
             per_rank.append(loss)
     mean = paddle.add_n(per_rank) / len(per_rank)  # equal rows: the global mean
-    (mean + penalty_of(model, penalty) if penalty else mean).backward()
+    penalised = penalty and len(members[t]) >= penalty_min_groups
+    (mean + penalty_of(model, penalty) if penalised else mean).backward()
     opt.step()
     scheduler.step()
     opt.clear_grad()

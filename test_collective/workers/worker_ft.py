@@ -16,7 +16,9 @@ taken k steps), FT_TEST_DIE_IN_CONNECT=d@k (every rank SIGKILLs itself d s after
 starts creating a round's outer groups, once it has taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
-the squared norm of model.parameters() added to each rank's loss), FT_TEST_SAVE=1
+the squared norm of model.parameters() added to each rank's loss; with
+FT_TEST_PENALTY_MIN_GROUPS=g only in rounds of g groups or more: under HFSDP's re-cut a
+piece no group holds as its own gets no penalty, docs/fault-tolerance.md), FT_TEST_SAVE=1
 (after the last step the live groups save one checkpoint, out_dir/ckpt), FT_TEST_SAVE_AT=k
 (after step k the live groups save out_dir/ckpt and each rank writes its results so far,
 its parameters as of step k; with FT_TEST_KILL_AT=k+1 every group then dies: the whole
@@ -54,6 +56,7 @@ from paddle_hsdp.ft.store import socket_fds
 
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 penalty = float(os.environ.get("FT_TEST_PENALTY", 0))
+penalty_min_groups = int(os.environ.get("FT_TEST_PENALTY_MIN_GROUPS", 0))
 kill_at = int(os.environ.get("FT_TEST_KILL_AT", "0"))
 wait_join: dict[int, list[int]] = {}  # step -> the replicas awaited before it
 for item in filter(None, os.environ.get("FT_TEST_WAIT_JOIN", "").split(",")):
@@ -209,7 +212,8 @@ def forward_backward(xy):
         paddle.rand([1])
     x, y = xy
     loss = loss_of(model, x, y, fault_hook())
-    (loss + penalty_of(model, penalty) if penalty else loss).backward()
+    penalised = penalty and len(replica.live_replicas) >= penalty_min_groups
+    (loss + penalty_of(model, penalty) if penalised else loss).backward()
     return loss
 
 
