@@ -6,8 +6,10 @@ What each replica group (its leader) does, and what it costs the service:
   lease of its own (TTL: the heartbeat timeout), renewed by its leader a few times per
   TTL only while the group's own ranks answer each other (``healthy()``, watched inside
   the group, never by other groups). A killed group's lease expires; a hung one's leader
-  revokes it. Either way etcd deletes the key, and every group hears it through its
-  one watch (below; a registration's event is no news). A second launch of a live id is refused: the
+  revokes it. Either way etcd deletes the key; the decider of the latest round, which
+  watches ``groups/`` for deletions, reports it under its round's ``ctl/`` keys, and
+  every group hears it through its one watch (below; the decider's own death is its
+  decider key's deletion). No group hears another's registration. A second launch of a live id is refused: the
   key exists and its lease is being renewed; a launch that finds the holder's lease not
   renewed for a renewal interval (a crashed group restarted) revokes it and takes the id.
 * **Rounds.** Round ``n``'s arrivals are keys ``rounds/<n>/arrivals/<id>`` written with
@@ -15,7 +17,7 @@ What each replica group (its leader) does, and what it costs the service:
   first member to arrive takes the round's decider key (an etcd transaction), watches
   the arrivals, and writes the round's record once it may close (:func:`may_close`):
   ``ctl/<n>/record``, in one transaction with ``closed`` (the last closed round). Every
-  group reads the record from its one watch, of the keys from ``ctl/`` to ``groups/``
+  group reads the record from its one watch, of the keys under ``ctl/``
   (one stream, one connection; its job store's waits for a round's values every group
   waits for hear them from it too: :meth:`Keys.shared_data`): the changes since round
   ``n-1``'s record, which every member holds (:meth:`Round.to_delta`: its size follows
