@@ -239,6 +239,7 @@ class SimGroup:
         self.errors: list[str] = []
         self.killed = False  # the simulated process is gone: the thread stops
         self.step = 0
+        self.saved: set[int] = set()  # the joint saves this group took part in
 
     @property
     def requests(self) -> int:
@@ -307,12 +308,14 @@ class SimGroup:
             self.errors.append(f"round {n} set-up: {type(e).__name__}: {e}")
 
     def _save(self, record, number: int) -> None:
-        """A joint save's traffic (ft/joint_save.py's names and calls): the leader puts
-        its commit record and counts the group in; the group that completes the count
-        reads every record and announces the outcome; every other rank waits for the
-        count and the outcome (the mates through their leader)."""
+        """A joint save's traffic (ft/joint_save.py's names and calls, JointSave.gather,
+        announce and outcome): the leader puts its commit record and counts the group
+        in; the group that completes the count reads every record and announces the
+        outcome, a value of the round (every group's one watch carries it); every other
+        rank waits for the outcome (the mates through their leader)."""
         started, replicas = time.time(), record.replicas
         base = f"paddle_hsdp/ft/save/sim{number}"
+        outcome = self.p.round_kv(record.number, "save", f"sim{number}", "outcome")
         try:
             lease = self.store.lease(3 * self.args.round_timeout)
             self.store.set(f"{base}/group/{self.replica}", json.dumps(
@@ -321,11 +324,9 @@ class SimGroup:
             if publisher:
                 for r in replicas:
                     self.store.get(f"{base}/group/{r}", self.args.round_timeout)
-                self.store.set(f"{base}/outcome", "", lease)
+                self.store.set(outcome, "", self.store.lease(3 * self.args.round_timeout))
             for rank in self.ranks[1 if publisher else 0:]:
-                rank.wait_count(f"{base}/arrived", len(replicas), self.args.round_timeout,
-                                "every group's record")
-                rank.get(f"{base}/outcome", self.args.round_timeout)
+                rank.get(outcome, 2 * self.args.round_timeout)
             self.phases.append(("joint_save", number, started, time.time()))
         except Exception as e:  # noqa: BLE001 - reported with the figures
             self.errors.append(f"save {number}: {type(e).__name__}: {e}")
@@ -361,8 +362,12 @@ class SimGroup:
                 self.schedule = {**self.schedule, "fail_by": None}
                 c.announce_failure(record.number)  # as a failed collective would
                 failed = True
+            # each save once, at the first step boundary from its time on (a group
+            # still in a rejoin's transfer then saves late, as a real one would at that
+            # step: it missed the window before, and every other group waited for it)
             for i, at in enumerate(self.schedule.get("saves", [])):
-                if at <= now < at + args.step_s and not failed:
+                if at <= now and i not in self.saved and not failed:
+                    self.saved.add(i)
                     self._save(record, i)
             if failed or c.round_failed(record.number) or c.join_waiting():
                 self._failure.clear()
@@ -403,21 +408,23 @@ def _transfer_plan(record) -> tuple[list[int], dict[int, int]]:
         return _plans[key]
 
 
-def _count_bytes(etcd_module) -> list[int]:
+def _count_bytes() -> list[int]:
     """Count the bytes of JSON every etcd client of this process reads (unary answers
-    and watch events): [total]."""
+    and watch events' lines, as they come off the connection): [total]. (Counted as
+    received, not encoded again: re-encoding every answer was 14% of a worker's CPU.)"""
+    import requests
     read = [0]
-    call, deliver = etcd_module.Etcd.call, etcd_module.Watch._deliver
+    answer, lines = requests.Response.json, requests.Response.iter_lines
 
-    def counted_call(self, path, payload):
-        result = call(self, path, payload)
-        read[0] += len(json.dumps(result))
-        return result
+    def counted_json(self, **kwargs):
+        read[0] += len(self.content)
+        return answer(self, **kwargs)
 
-    def counted_deliver(self, result):
-        read[0] += len(json.dumps(result))
-        return deliver(self, result)
-    etcd_module.Etcd.call, etcd_module.Watch._deliver = counted_call, counted_deliver
+    def counted_lines(self, *args, **kwargs):
+        for line in lines(self, *args, **kwargs):
+            read[0] += len(line)
+            yield line
+    requests.Response.json, requests.Response.iter_lines = counted_json, counted_lines
     return read
 
 
@@ -442,8 +449,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
     protocol, _ = _protocol()
     renewer = Renewer(protocol)  # (forked before this process lowers its priority)
     os.nice(5)  # below etcd and the renewals: the simulated clients wait, not they
-    from paddle_hsdp.ft import etcd as etcd_module
-    read = _count_bytes(etcd_module)
+    read = _count_bytes()
     relays: list = []
     groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer, relays) for r in replicas}
     threading.Thread(target=_look_at_relays, args=(relays, end + 3 * args.round_timeout),
