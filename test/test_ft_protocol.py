@@ -4,7 +4,6 @@ embedded one, started once for this file: under a second)."""
 
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -1196,10 +1195,11 @@ def test_the_keys_of_rounds_and_rejoins_do_not_grow_with_the_rounds(etcd):
         # history before the second-to-last round's record was compacted
         with pytest.raises(Exception, match="compacted"):
             probe.call("kv/range", {"key": _b64(keys.closed), "revision": 2})
-    # (a death's report names the group that died: one of the three, in turn)
-    names = {n: [re.sub(r"gone/\d+", "gone/ID",
-                        k.replace(f"{n - 1:09d}", "PREV").replace(f"{n:09d}", "LAST"))
-                 for k in found] for n, (found, _) in counts.items()}
+    # a death's report (the soak's killed group's) lands under the round its reporter
+    # held then: one of the last two, or already gone with its round
+    assert all(sum("/gone/" in k for k in found) <= 2 for found, _ in counts.values()), counts
+    names = {n: [k.replace(f"{n - 1:09d}", "PREV").replace(f"{n:09d}", "LAST")
+                 for k in found if "/gone/" not in k] for n, (found, _) in counts.items()}
     assert names[9] == names[30] and counts[9][1] == counts[30][1], counts
     # the last two rounds' outer-group addresses, under their rounds' ctl/ (every group
     # waits for them: its one watch carries them), not kv/
