@@ -222,6 +222,13 @@ class SimGroup:
             args.ttl, args.round_timeout, healthy=self._healthy,
             on_failure=lambda number: self._failure.set(), shared=self.store.etcd)
         self.control._renew = lambda: renewer.add(self.control)  # one renewer a process
+        self.watch_bytes = 0  # keys and values its one watch delivered
+        heard = self.control._on_watched
+
+        def counted(kind: str, key: str, value: str, revision: int) -> None:
+            self.watch_bytes += len(key) + len(value)
+            heard(kind, key, value, revision)
+        self.control._on_watched = counted
         self.renewer = renewer
         self.relay = None
         self.ranks = [self.store]
@@ -470,10 +477,13 @@ def _worker(args, replicas, schedule, t0, end, queue):
                            read[0]))
     threading.Thread(target=sample, daemon=True, name="sim-sampler").start()
     samples, events = {}, sorted(schedule.get("events", []))
+    watched: dict[int, tuple[int, int, int]] = {}
     for when, what, replica in events:
         time.sleep(max(0.0, when - time.time()))
         if what == "sample":
             samples[replica] = sum(g.requests for g in every) + renewer.sent.value
+            if replica == "from":
+                watched = {id(g): _watched(g) for g in groups.values()}
         elif replica in groups and what == "kill":
             groups[replica].stop()
         elif replica in groups and what == "hang":
@@ -486,12 +496,16 @@ def _worker(args, replicas, schedule, t0, end, queue):
                                                 daemon=True)
             threads[replica].start()
     time.sleep(max(0.0, end - time.time()))
+    # what the one watch of each group that ran throughout delivered: at the steady
+    # stretch's start (round 0 and its set-up) and, per round since, to the end
+    watch = [(*watched[id(g)], *_watched(g)) for g in groups.values()
+             if id(g) in watched and g.control.lost is None and not g.killed]
     renewer.finish()
     for g in every:  # a group waiting for a round the others left stops waiting
         g.stop()
     for thread in threads.values():
         thread.join(timeout=5)
-    queue.put({"samples": samples, "series": series,
+    queue.put({"samples": samples, "series": series, "watch": watch,
                "rounds": [{**v, "replica": g.replica, "number": n}
                           for g in every for n, v in g.rounds.items()],
                "phases": [(ph, n, a, b, g.replica) for g in every for ph, n, a, b in g.phases],
@@ -500,6 +514,11 @@ def _worker(args, replicas, schedule, t0, end, queue):
                "late": renewer.late, "lapsed": sorted(renewer.lapsed),
                "errors": [f"group {g.replica}: {e}" for g in every for e in g.errors],
                "requests": sum(g.requests for g in every) + renewer.sent.value})
+
+
+def _watched(group: SimGroup) -> tuple[int, int, int]:
+    """A group's watch so far: (events, bytes of keys and values, its newest round)."""
+    return group.control.events_seen, group.watch_bytes, group.control.newest_round()
 
 
 SAMPLE_S = 0.5  # requests and bytes are sampled this often (phase peaks: per second)
@@ -686,7 +705,18 @@ def _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_a
         "req_per_round": round(statistics.mean(per_round), 1) if per_round else None,
         "rounds": len(numbers),
         "requests_total": sum(res["requests"] for res in results),
+        **_watch_figures(results),
     }
+
+
+def _watch_figures(results) -> dict:
+    """Per group, what its one watch delivered: events by the end of round 0's set-up
+    (the start: R registrations once reached every group), and bytes per round after."""
+    rows = [w for res in results for w in res["watch"]]
+    per_round = [(b1 - b0) / (n1 - n0) for _, b0, n0, _, b1, n1 in rows if n1 > n0]
+    return {"watch_events_per_group_at_start": max((e0 for e0, *_ in rows), default=None),
+            "watch_bytes_per_group_per_round": round(statistics.mean(per_round))
+            if per_round else None}
 
 
 def _false_deaths(args, results, deaths, injected) -> dict:
