@@ -503,8 +503,9 @@ def _worker(args, replicas, schedule, t0, end, queue):
     renewer.finish()
     for g in every:  # a group waiting for a round the others left stops waiting
         g.stop()
+    gone_by = time.time() + 10  # (a rank's wait of a round timeout is not waited out)
     for thread in threads.values():
-        thread.join(timeout=5)
+        thread.join(timeout=max(0.0, gone_by - time.time()))
     queue.put({"samples": samples, "series": series, "watch": watch,
                "rounds": [{**v, "replica": g.replica, "number": n}
                           for g in every for n, v in g.rounds.items()],
