@@ -539,6 +539,8 @@ class GroupControl:
         self._stop = threading.Event()
         self._watches: list[Watch] = []
         self._deaths: _Deaths | None = None  # while this group reports the deaths
+        self._reporting = threading.Lock()  # (taken by the arrival and the watch's thread)
+        self._decides = -1  # the newest round whose decider key this group took
         self.events_seen = 0  # events its one watch delivered (tests, tools/sim_ft.py)
         self._renewer: threading.Thread | None = None
         self.deaths_seen: list[tuple[float, int]] = []  # (time, replica): for simulation
@@ -612,6 +614,7 @@ class GroupControl:
         and this group's configurations are published again."""
         self._watches_stale = False
         self._stop_reporting()
+        self._decides = -1  # (the rounds start anew)
         for watch in self._watches:
             watch.stop()
         self._watches = []
@@ -892,20 +895,29 @@ class GroupControl:
         """This group took round ``number``'s decider key: from now on it reports the
         groups' deaths (:class:`_Deaths`) since round ``number - 1``'s record, until a
         record of another decider's comes."""
-        if self._deaths is None:
-            with self._cv:
-                since = self._record_revision.get(number - 1)
-            self._deaths = _Deaths(self, since + 1 if since else None)
+        with self._cv:
+            since = self._record_revision.get(number - 1)
+        with self._reporting:
+            self._decides = max(self._decides, number)
+            if self._deaths is None:
+                self._deaths = _Deaths(self, since + 1 if since else None)
 
     def _hand_over_reporting(self) -> None:
-        """A newer record of another decider's came: that decider reports from now on."""
+        """A record of another decider's came, newer than any round whose decider key
+        this group took (it may have taken the next one's already): that decider
+        reports from now on."""
         with self._cv:
             newest = self._records.get(max(self._records, default=-1))
-        if self._deaths is not None and newest is not None and newest.decider != self.replica:
-            self._stop_reporting()
+        with self._reporting:  # (checked and taken at once: see _report_deaths)
+            if self._deaths is None or newest is None or newest.decider == self.replica \
+                    or newest.number < self._decides:
+                return
+            deaths, self._deaths = self._deaths, None
+        deaths.stop()
 
     def _stop_reporting(self) -> None:
-        deaths, self._deaths = self._deaths, None
+        with self._reporting:
+            deaths, self._deaths = self._deaths, None
         if deaths is not None:
             deaths.stop()
 
