@@ -39,7 +39,11 @@ joiner), and keeps stepping to the end. It prints, measured:
   /proc/net/tcp, less ``connections_not_the_groups``: etcd's gateway's own and one per
   renewing process), the bytes of JSON the clients read per group and round;
   ``set_ups_done``: how many groups completed each phase of each round;
-  ``keys_after``: the job's keys at the end.
+  ``keys_after``: the job's keys at the end;
+* ``watch_events_per_group_at_start``: the most events a group's one watch delivered
+  by the end of round 0's set-up (each group's registration once reached every group:
+  R or more), and ``watch_bytes_per_group_per_round``: its keys' and values' bytes per
+  round after that, for the groups that ran throughout.
 
 With ``--json`` the last line is one JSON object of those figures.
 
