@@ -39,7 +39,11 @@ joiner), and keeps stepping to the end. It prints, measured:
   /proc/net/tcp, less ``connections_not_the_groups``: etcd's gateway's own and one per
   renewing process), the bytes of JSON the clients read per group and round;
   ``set_ups_done``: how many groups completed each phase of each round;
-  ``keys_after``: the job's keys at the end.
+  ``keys_after``: the job's keys at the end;
+* ``watch_events_per_group_at_start``: the most events a group's one watch delivered
+  by the end of round 0's set-up (each group's registration once reached every group:
+  R or more), and ``watch_bytes_per_group_per_round``: its keys' and values' bytes per
+  round after that, for the groups that ran throughout.
 
 With ``--json`` the last line is one JSON object of those figures.
 
@@ -222,6 +226,13 @@ class SimGroup:
             args.ttl, args.round_timeout, healthy=self._healthy,
             on_failure=lambda number: self._failure.set(), shared=self.store.etcd)
         self.control._renew = lambda: renewer.add(self.control)  # one renewer a process
+        self.watch_bytes = 0  # keys and values its one watch delivered
+        heard = self.control._on_watched
+
+        def counted(kind: str, key: str, value: str, revision: int) -> None:
+            self.watch_bytes += len(key) + len(value)
+            heard(kind, key, value, revision)
+        self.control._on_watched = counted
         self.renewer = renewer
         self.relay = None
         self.ranks = [self.store]
@@ -239,6 +250,7 @@ class SimGroup:
         self.errors: list[str] = []
         self.killed = False  # the simulated process is gone: the thread stops
         self.step = 0
+        self.saved: set[int] = set()  # the joint saves this group took part in
 
     @property
     def requests(self) -> int:
@@ -307,12 +319,14 @@ class SimGroup:
             self.errors.append(f"round {n} set-up: {type(e).__name__}: {e}")
 
     def _save(self, record, number: int) -> None:
-        """A joint save's traffic (ft/joint_save.py's names and calls): the leader puts
-        its commit record and counts the group in; the group that completes the count
-        reads every record and announces the outcome; every other rank waits for the
-        count and the outcome (the mates through their leader)."""
+        """A joint save's traffic (ft/joint_save.py's names and calls, JointSave.gather,
+        announce and outcome): the leader puts its commit record and counts the group
+        in; the group that completes the count reads every record and announces the
+        outcome, a value of the round (every group's one watch carries it); every other
+        rank waits for the outcome (the mates through their leader)."""
         started, replicas = time.time(), record.replicas
         base = f"paddle_hsdp/ft/save/sim{number}"
+        outcome = self.p.round_kv(record.number, "save", f"sim{number}", "outcome")
         try:
             lease = self.store.lease(3 * self.args.round_timeout)
             self.store.set(f"{base}/group/{self.replica}", json.dumps(
@@ -321,11 +335,9 @@ class SimGroup:
             if publisher:
                 for r in replicas:
                     self.store.get(f"{base}/group/{r}", self.args.round_timeout)
-                self.store.set(f"{base}/outcome", "", lease)
+                self.store.set(outcome, "", self.store.lease(3 * self.args.round_timeout))
             for rank in self.ranks[1 if publisher else 0:]:
-                rank.wait_count(f"{base}/arrived", len(replicas), self.args.round_timeout,
-                                "every group's record")
-                rank.get(f"{base}/outcome", self.args.round_timeout)
+                rank.get(outcome, 2 * self.args.round_timeout)
             self.phases.append(("joint_save", number, started, time.time()))
         except Exception as e:  # noqa: BLE001 - reported with the figures
             self.errors.append(f"save {number}: {type(e).__name__}: {e}")
@@ -361,8 +373,12 @@ class SimGroup:
                 self.schedule = {**self.schedule, "fail_by": None}
                 c.announce_failure(record.number)  # as a failed collective would
                 failed = True
+            # each save once, at the first step boundary from its time on (a group
+            # still in a rejoin's transfer then saves late, as a real one would at that
+            # step: it missed the window before, and every other group waited for it)
             for i, at in enumerate(self.schedule.get("saves", [])):
-                if at <= now < at + args.step_s and not failed:
+                if at <= now and i not in self.saved and not failed:
+                    self.saved.add(i)
                     self._save(record, i)
             if failed or c.round_failed(record.number) or c.join_waiting():
                 self._failure.clear()
@@ -403,21 +419,23 @@ def _transfer_plan(record) -> tuple[list[int], dict[int, int]]:
         return _plans[key]
 
 
-def _count_bytes(etcd_module) -> list[int]:
+def _count_bytes() -> list[int]:
     """Count the bytes of JSON every etcd client of this process reads (unary answers
-    and watch events): [total]."""
+    and watch events' lines, as they come off the connection): [total]. (Counted as
+    received, not encoded again: re-encoding every answer was 14% of a worker's CPU.)"""
+    import requests
     read = [0]
-    call, deliver = etcd_module.Etcd.call, etcd_module.Watch._deliver
+    answer, lines = requests.Response.json, requests.Response.iter_lines
 
-    def counted_call(self, path, payload):
-        result = call(self, path, payload)
-        read[0] += len(json.dumps(result))
-        return result
+    def counted_json(self, **kwargs):
+        read[0] += len(self.content)
+        return answer(self, **kwargs)
 
-    def counted_deliver(self, result):
-        read[0] += len(json.dumps(result))
-        return deliver(self, result)
-    etcd_module.Etcd.call, etcd_module.Watch._deliver = counted_call, counted_deliver
+    def counted_lines(self, *args, **kwargs):
+        for line in lines(self, *args, **kwargs):
+            read[0] += len(line)
+            yield line
+    requests.Response.json, requests.Response.iter_lines = counted_json, counted_lines
     return read
 
 
@@ -442,8 +460,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
     protocol, _ = _protocol()
     renewer = Renewer(protocol)  # (forked before this process lowers its priority)
     os.nice(5)  # below etcd and the renewals: the simulated clients wait, not they
-    from paddle_hsdp.ft import etcd as etcd_module
-    read = _count_bytes(etcd_module)
+    read = _count_bytes()
     relays: list = []
     groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer, relays) for r in replicas}
     threading.Thread(target=_look_at_relays, args=(relays, end + 3 * args.round_timeout),
@@ -464,10 +481,13 @@ def _worker(args, replicas, schedule, t0, end, queue):
                            read[0]))
     threading.Thread(target=sample, daemon=True, name="sim-sampler").start()
     samples, events = {}, sorted(schedule.get("events", []))
+    watched: dict[int, tuple[int, int, int]] = {}
     for when, what, replica in events:
         time.sleep(max(0.0, when - time.time()))
         if what == "sample":
             samples[replica] = sum(g.requests for g in every) + renewer.sent.value
+            if replica == "from":
+                watched = {id(g): _watched(g) for g in groups.values()}
         elif replica in groups and what == "kill":
             groups[replica].stop()
         elif replica in groups and what == "hang":
@@ -480,12 +500,17 @@ def _worker(args, replicas, schedule, t0, end, queue):
                                                 daemon=True)
             threads[replica].start()
     time.sleep(max(0.0, end - time.time()))
+    # what the one watch of each group that ran throughout delivered: at the steady
+    # stretch's start (round 0 and its set-up) and, per round since, to the end
+    watch = [(*watched[id(g)], *_watched(g)) for g in groups.values()
+             if id(g) in watched and g.control.lost is None and not g.killed]
     renewer.finish()
     for g in every:  # a group waiting for a round the others left stops waiting
         g.stop()
+    gone_by = time.time() + 10  # (a rank's wait of a round timeout is not waited out)
     for thread in threads.values():
-        thread.join(timeout=5)
-    queue.put({"samples": samples, "series": series,
+        thread.join(timeout=max(0.0, gone_by - time.time()))
+    queue.put({"samples": samples, "series": series, "watch": watch,
                "rounds": [{**v, "replica": g.replica, "number": n}
                           for g in every for n, v in g.rounds.items()],
                "phases": [(ph, n, a, b, g.replica) for g in every for ph, n, a, b in g.phases],
@@ -494,6 +519,11 @@ def _worker(args, replicas, schedule, t0, end, queue):
                "late": renewer.late, "lapsed": sorted(renewer.lapsed),
                "errors": [f"group {g.replica}: {e}" for g in every for e in g.errors],
                "requests": sum(g.requests for g in every) + renewer.sent.value})
+
+
+def _watched(group: SimGroup) -> tuple[int, int, int]:
+    """A group's watch so far: (events, bytes of keys and values, its newest round)."""
+    return group.control.events_seen, group.watch_bytes, group.control.newest_round()
 
 
 SAMPLE_S = 0.5  # requests and bytes are sampled this often (phase peaks: per second)
@@ -680,7 +710,18 @@ def _figures(args, results, t0, steady_from, steady_to, fail_at, kill_at, hang_a
         "req_per_round": round(statistics.mean(per_round), 1) if per_round else None,
         "rounds": len(numbers),
         "requests_total": sum(res["requests"] for res in results),
+        **_watch_figures(results),
     }
+
+
+def _watch_figures(results) -> dict:
+    """Per group, what its one watch delivered: events by the end of round 0's set-up
+    (the start: R registrations once reached every group), and bytes per round after."""
+    rows = [w for res in results for w in res["watch"]]
+    per_round = [(b1 - b0) / (n1 - n0) for _, b0, n0, _, b1, n1 in rows if n1 > n0]
+    return {"watch_events_per_group_at_start": max((e0 for e0, *_ in rows), default=None),
+            "watch_bytes_per_group_per_round": round(statistics.mean(per_round))
+            if per_round else None}
 
 
 def _false_deaths(args, results, deaths, injected) -> dict:

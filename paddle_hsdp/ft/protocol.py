@@ -6,8 +6,10 @@ What each replica group (its leader) does, and what it costs the service:
   lease of its own (TTL: the heartbeat timeout), renewed by its leader a few times per
   TTL only while the group's own ranks answer each other (``healthy()``, watched inside
   the group, never by other groups). A killed group's lease expires; a hung one's leader
-  revokes it. Either way etcd deletes the key, and every group hears it through its
-  one watch (below; a registration's event is no news). A second launch of a live id is refused: the
+  revokes it. Either way etcd deletes the key; the decider of the latest round, which
+  watches ``groups/`` for deletions, reports it under its round's ``ctl/`` keys, and
+  every group hears it through its one watch (below; the decider's own death is its
+  decider key's deletion). No group hears another's registration. A second launch of a live id is refused: the
   key exists and its lease is being renewed; a launch that finds the holder's lease not
   renewed for a renewal interval (a crashed group restarted) revokes it and takes the id.
 * **Rounds.** Round ``n``'s arrivals are keys ``rounds/<n>/arrivals/<id>`` written with
@@ -15,7 +17,7 @@ What each replica group (its leader) does, and what it costs the service:
   first member to arrive takes the round's decider key (an etcd transaction), watches
   the arrivals, and writes the round's record once it may close (:func:`may_close`):
   ``ctl/<n>/record``, in one transaction with ``closed`` (the last closed round). Every
-  group reads the record from its one watch, of the keys from ``ctl/`` to ``groups/``
+  group reads the record from its one watch, of the keys under ``ctl/``
   (one stream, one connection; its job store's waits for a round's values every group
   waits for hear them from it too: :meth:`Keys.shared_data`): the changes since round
   ``n-1``'s record, which every member holds (:meth:`Round.to_delta`: its size follows
@@ -133,6 +135,11 @@ class Keys:
 
     def decider(self, number: int) -> str:
         return self.ctl_of(number) + "decider"
+
+    def gone(self, number: int, replica: int) -> str:
+        """The report that group ``replica``'s key went (its value: the revision it went
+        at), written under the reporter's latest round by the decider (:class:`_Deaths`)."""
+        return f"{self.ctl_of(number)}gone/{replica:06d}"
 
     def snapshot(self, number: int) -> str:
         """Round ``number``'s whole record, for a group that lacks the round before's
@@ -544,6 +551,10 @@ class GroupControl:
         self.lost: str | None = None  # why this group lost its lease
         self._stop = threading.Event()
         self._watches: list[Watch] = []
+        self._deaths: _Deaths | None = None  # while this group reports the deaths
+        self._reporting = threading.Lock()  # (taken by the arrival and the watch's thread)
+        self._decides = -1  # the newest round whose decider key this group took
+        self.events_seen = 0  # events its one watch delivered (tests, tools/sim_ft.py)
         self._renewer: threading.Thread | None = None
         self.deaths_seen: list[tuple[float, int]] = []  # (time, replica): for simulation
 
@@ -615,6 +626,8 @@ class GroupControl:
         """After etcd lost its data: the watches go (made anew by :meth:`_watch_job`)
         and this group's configurations are published again."""
         self._watches_stale = False
+        self._stop_reporting()
+        self._decides = -1  # (the rounds start anew)
         for watch in self._watches:
             watch.stop()
         self._watches = []
@@ -666,11 +679,12 @@ class GroupControl:
 
     def _watch_job(self) -> None:
         """ONE watch (one stream: etcd's gateway speaks HTTP/1.1, a stream is a
-        connection) of the keys from ctl/ to groups/ (nothing else sorts between): the
-        control keys, the shared values every group waits for (handed to the job
-        store's waits: Etcd.listen) and the groups' deaths."""
-        self._watches = [self.etcd.watch(self.keys.ctl, self._on_watched,
-                                         end=prefix_end(self.keys.groups))]
+        connection) of the keys under ctl/: the control keys, the shared values every
+        group waits for (handed to the job store's waits: Etcd.listen) and the groups'
+        deaths as the decider reports them (:class:`_Deaths`). Not ``groups/``: each
+        group's registration there would reach every group (R events each at the
+        start, and again after etcd lost its data)."""
+        self._watches = [self.etcd.watch(self.keys.ctl, self._on_watched)]
         for watch in self._watches:
             if not watch.ready.wait(self.round_timeout_s):
                 raise FaultToleranceError("paddle_hsdp.ft: etcd accepted no watch within "
@@ -802,6 +816,7 @@ class GroupControl:
         for watch in self._watches:
             watch.stop()
         self._watches = []
+        self._stop_reporting()
         self.etcd.relay_events("", "")  # the job store's waits watch for themselves
         if revoke and self.lease and self.lost is None:
             try:
@@ -813,20 +828,22 @@ class GroupControl:
 
     # ------------------------------------------------------------ events
     def _on_watched(self, kind: str, key: str, value: str, revision: int) -> None:
-        """An event of the group's one watch: a group's key (its deletion: the group
-        is gone; a registration is no news), a round's shared value (to the job store's
-        waits) or a control key."""
-        if key.startswith(self.keys.groups):
-            if kind == "DELETE":
-                self._on_group(kind, key, value, revision)
-        elif self.keys.parse_ctl(key)[0].startswith("kv/"):
+        """An event of the group's one watch: a round's shared value (to the job
+        store's waits), a group's death as reported, or a control key."""
+        self.events_seen += 1
+        what = self.keys.parse_ctl(key)[0]
+        if what.startswith("kv/"):
             self.etcd.dispatch(kind, key, value, revision)
+        elif what.startswith("gone/"):
+            text = self.signer.check(key, value) if kind == "PUT" else None
+            if text is not None:  # (its deletion with its round is no news)
+                self._note_gone(int(what[len("gone/"):]), int(text))
         else:
             self._on_ctl(kind, key, value, revision)
 
     def _on_ctl(self, kind: str, key: str, value: str, revision: int) -> None:
         what, number = self.keys.parse_ctl(key)
-        failed_now = None
+        failed_now = gone = None
         with self._cv:
             text = self.signer.check(key, value) if kind == "PUT" and \
                 what in ("record", "finished") else value
@@ -852,16 +869,33 @@ class GroupControl:
                 self._joins.add(number)
             elif what == "decider" and kind == "DELETE":
                 self._decider_gone.add(number)
+                gone = self._decider_died(number)
             elif what == "finished" and kind == "PUT":
                 self.finished = True
             self._cv.notify_all()
         if failed_now is not None:
             self._on_failure(failed_now)
+        if gone is not None:
+            self._note_gone(gone, revision)
+        if what == "record" and kind == "PUT":
+            self._hand_over_reporting()
 
-    def _on_group(self, kind: str, key: str, value: str, revision: int) -> None:
-        replica = int(key.rsplit("/", 1)[1])
+    def _decider_died(self, number: int) -> int | None:
+        """The group whose decider key of round ``number`` was deleted, if that is its
+        death (its lease's end: the decider does not report its own), not the clean-up
+        of an old round (:meth:`_forget` deletes rounds up to the newest but two)."""
+        record = self._records.get(number)
+        newest = max(self._records, default=-1)
+        return record.decider if record is not None and number >= newest - 1 and \
+            record.decider >= 0 else None
+
+    def _note_gone(self, replica: int, revision: int) -> None:
+        """Group ``replica``'s key was deleted at ``revision`` (its lease ended: it died,
+        hung or left): a round it is a member of fails."""
         now = time.time()
         with self._cv:
+            if self._gone.get(replica, (0, 0.0))[0] == revision:
+                return  # heard already (its decider key and the report both tell it)
             self._gone[replica] = (revision, now)
             self.deaths_seen.append((now, replica))
             failed = self.armed if self.armed is not None and replica in self.members \
@@ -869,6 +903,41 @@ class GroupControl:
             self._cv.notify_all()
         if failed is not None:
             self._on_failure(failed)
+
+    def _report_deaths(self, number: int) -> None:
+        """This group took round ``number``'s decider key: from now on it reports the
+        groups' deaths (:class:`_Deaths`) since round ``number - 1``'s record, until a
+        record of another decider's comes."""
+        with self._cv:
+            since = self._record_revision.get(number - 1)
+        with self._reporting:
+            self._decides = max(self._decides, number)
+            if self._deaths is None:
+                self._deaths = _Deaths(self, since + 1 if since else None)
+
+    def _hand_over_reporting(self) -> None:
+        """A record of another decider's came, newer than any round whose decider key
+        this group took (it may have taken the next one's already): that decider
+        reports from now on."""
+        with self._cv:
+            newest = self._records.get(max(self._records, default=-1))
+        with self._reporting:  # (checked and taken at once: see _report_deaths)
+            if self._deaths is None or newest is None or newest.decider == self.replica \
+                    or newest.number < self._decides:
+                return
+            deaths, self._deaths = self._deaths, None
+        deaths.stop()
+
+    def _stop_reporting(self) -> None:
+        with self._reporting:
+            deaths, self._deaths = self._deaths, None
+        if deaths is not None:
+            deaths.stop()
+
+    def newest_round(self) -> int:
+        """The newest round whose record this group holds (-1: none)."""
+        with self._cv:
+            return max(self._records, default=-1)
 
     # ------------------------------------------------------------ the steps
     def join_waiting(self) -> bool:
@@ -1300,6 +1369,7 @@ class _RoundArrival(PhaseMachine[ArrivalPhase]):
         if etcd.create(at, control._sign(at, control.token), control.lease):
             self.decider = _Arrivals(etcd, control.keys.rounds(self.number) + "arrivals/",
                                      control.signer)
+            control._report_deaths(self.number)
             return True
         if control.signer.authenticated:
             raw, revision, lease = etcd.get_lease(at)
@@ -1387,6 +1457,36 @@ class _Arrivals:
     def wait(self, timeout_s: float) -> None:
         with self._cv:
             self._cv.wait(timeout_s)
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
+class _Deaths:
+    """The groups' deaths, as the decider of the latest round reports them: it watches
+    ``groups/`` for deletions only (etcd filters out the registrations), and writes
+    each under its latest round's ``ctl/`` keys (:meth:`Keys.gone`), which every group's
+    one watch carries: a death costs each group one event, and R registrations none
+    (each group watching ``groups/`` itself heard every registration: R events per
+    group at the start). The reporter's own death is its decider key's deletion
+    (:meth:`GroupControl._decider_died`); a death meanwhile, before another group
+    takes a round's decider key, is reported by it from the last record's revision."""
+
+    def __init__(self, control: GroupControl, start_revision: int | None):
+        self._control = control
+        self._watch = control.etcd.watch(control.keys.groups, self._on_event,
+                                         start_revision=start_revision, no_put=True)
+
+    def _on_event(self, kind: str, key: str, value: str, revision: int) -> None:
+        if kind != "DELETE":
+            return
+        control = self._control
+        at = control.keys.gone(max(control.newest_round(), 0), int(key.rsplit("/", 1)[1]))
+        try:
+            control._announcer.put(at, control._sign(at, str(revision)))
+        except (EtcdUnavailable, EtcdRefused, EtcdReset) as e:
+            logger.warning("paddle_hsdp.ft: replica %d could not report %s's deletion: %s",
+                           control.replica, key, e)
 
     def stop(self) -> None:
         self._watch.stop()
