@@ -442,6 +442,14 @@ def test_newton_schulz_flops_are_counted():
     assert opt.ns_flops == 3 * newton_schulz_flops([4, 6], 3)
 
 
+def _two_matrices(rng):
+    """A 4 x 6 and a 5 x 3 float64 parameter, with their starting values."""
+    values = rng.standard_normal([4, 6]), rng.standard_normal([5, 3])
+    return [(w, paddle.create_parameter(w.shape, "float64",
+                                        default_initializer=paddle.nn.initializer.Assign(w)))
+            for w in values]
+
+
 def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float64, monkeypatch):
     """Issue 65: with the engine's shares (engine/optimizers.py,
     share_orthogonalisation_over_replicas), this rank (replica 0 of 2) orthogonalises
@@ -452,10 +460,7 @@ def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float
     from paddle_hsdp.optim.muon import newton_schulz_flops
 
     rng = np.random.default_rng(4)
-    w0, v0 = rng.standard_normal([4, 6]), rng.standard_normal([5, 3])
-    mine, theirs = (paddle.create_parameter(w.shape, "float64",
-                                            default_initializer=paddle.nn.initializer.Assign(w))
-                    for w in (w0, v0))
+    (w0, mine), (v0, theirs) = _two_matrices(rng)
     group = SimpleNamespace(nranks=2, rank=0, id=-65)
     sent = []
 
@@ -487,10 +492,7 @@ def test_share_over_replicas_false_repeats_the_iteration_and_sends_nothing(float
     from paddle_hsdp.optim.muon import newton_schulz_flops
 
     rng = np.random.default_rng(5)
-    w0, v0 = rng.standard_normal([4, 6]), rng.standard_normal([5, 3])
-    mine, theirs = (paddle.create_parameter(w.shape, "float64",
-                                            default_initializer=paddle.nn.initializer.Assign(w))
-                    for w in (w0, v0))
+    (w0, mine), (v0, theirs) = _two_matrices(rng)
     group = SimpleNamespace(nranks=2, rank=0, id=-66)
     monkeypatch.setattr(comm, "all_gather_into",
                         lambda *a, **k: pytest.fail("share_over_replicas=False all-gathered"))
