@@ -78,10 +78,8 @@ class PiecePlan:
         all_fresh = all(a.fresh for a in record.members.values())
         valid = {r: (r % self.parts, *(() if all_fresh else record.members[r].extra))
                  for r in record.replicas if all_fresh or r not in receivers}
-        donors: dict[int, int] = {}  # each piece's lowest valid holder (O(R), not O(P x R))
-        for r in sorted(valid):
-            for q in valid[r]:
-                donors.setdefault(q, r)
+        valid_holders = holders_by_piece(valid)  # (O(R), not O(P x R))
+        donors = {q: holders[0] for q, holders in valid_holders.items()}  # the lowest
         for q in range(self.parts):
             if q not in donors:
                 self._lost(record, q)
@@ -94,10 +92,8 @@ class PiecePlan:
             copies += [(r % self.parts, self._donors[r % self.parts], r)
                        for r in record.receivers if self._donors[r % self.parts] != r]
         self.copies = sorted(copies)
-        self.holding = {q: [] for q in range(self.parts)}
-        for r in record.replicas:
-            for q in held[r]:
-                self.holding[q].append(r)
+        by_piece = holders_by_piece(held)
+        self.holding = {q: by_piece.get(q, []) for q in range(self.parts)}
         mine = set(valid.get(self.replica, ())) & set(held[self.replica])
         self._valid, self.extra = frozenset(mine), extra[self.replica]
         self.holders = sum(1 for r in record.replicas if self.piece_of(r) == self.part)
@@ -230,6 +226,15 @@ def _fill_shortfall(holding: dict[int, set[int]], holders: list[set[int]],
             heapq.heappush(loads, entry)
 
 
+def holders_by_piece(holding: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
+    """``{piece: its holders, the lowest first}`` from ``{member: the pieces it holds}``."""
+    holders: dict[int, list[int]] = {}
+    for r in sorted(holding):
+        for q in holding[r]:
+            holders.setdefault(q, []).append(r)
+    return holders
+
+
 def piece_copies(valid: Mapping[int, Iterable[int]], held: Mapping[int, Iterable[int]]
                  ) -> list[tuple[int, int, int]]:
     """``(piece, donor, taker)`` for every piece a member holds in ``held`` (all its
@@ -237,10 +242,7 @@ def piece_copies(valid: Mapping[int, Iterable[int]], held: Mapping[int, Iterable
     piece then taker order: a piece's takers take its valid holders in turn (the lower
     id first), so several takers load several donors. A piece with no valid holder
     is left out (the caller raises :class:`PieceLostError`)."""
-    donors: dict[int, list[int]] = {}
-    for r in sorted(valid):
-        for q in valid[r]:
-            donors.setdefault(q, []).append(r)
+    donors = holders_by_piece(valid)
     takers: dict[int, list[int]] = {}
     for r in sorted(held):
         have = set(valid.get(r, ()))
