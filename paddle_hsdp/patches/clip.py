@@ -246,15 +246,18 @@ def hsdp_clip_for(clip: ClipGradByGlobalNorm, mesh: Mesh,
                                     expert_fsdp_rank=mesh.fsdp_group(True).rank)
 
 
-def _replicas_train_apart(mesh: Mesh, shards: Sequence[paddle.Tensor]) -> bool:
+def _replicas_train_apart(mesh: Mesh, shards: Sequence[paddle.Tensor],
+                          units: Sequence | None = None) -> bool:
     """Whether a unit of ``shards`` skips this step's outer grad sync (DiLoCo's
     ``OuterSyncPolicy(every >= 2)``, or ``set_requires_all_reduce(False)`` at the
     step): the replicas then step on different grads, and each must clip by its own
     norm (one norm for all would be replica 0's, the only one counted), over its inner
     group, which spans the replica only where the clip's whole span is the dense FSDP
     group (no tensor, pipeline or sep parallelism) and no shard is an expert's;
-    elsewhere refused, before any update."""
-    units = units_of_shards(shards)
+    elsewhere refused, before any update. ``units``: the shards' units, where the
+    caller has them (the step boundary does)."""
+    if units is None:
+        units = units_of_shards(shards)
     apart = [unit for unit in units if not unit.syncs_grads_over_outer]
     if not apart:
         return False
@@ -273,21 +276,32 @@ def _replicas_train_apart(mesh: Mesh, shards: Sequence[paddle.Tensor]) -> bool:
 
 
 def make_clip_hsdp_aware(optimizer: paddle.optimizer.Optimizer,
-                         params: Sequence[paddle.Tensor]) -> None:
+                         params: Sequence[paddle.Tensor],
+                         units: Sequence | None = None) -> None:
     """The one place that decides which clip a step over HSDP shards uses: every clip
     the optimizer and the optimizers it wraps keep (``_grad_clip`` of
     ``HybridParallelOptimizer``, ``MixPrecisionOptimizer`` and the optimizer under them,
     and each parameter group's ``grad_clip``) becomes the HSDP clip with the same
-    settings; clips that cannot be right on shards are refused, before any update."""
+    settings; clips that cannot be right on shards are refused, before any update.
+    ``units``: ``params``' units, where the caller has them (the step boundary does).
+    Whether the replicas train apart is decided once per call, and only when a clip
+    needs it (a step without a clip is never refused for it)."""
     mesh = params[0]._hsdp_sharded_param.mesh
+    decided: list[bool] = []
+
+    def apart() -> bool:
+        if not decided:
+            decided.append(_replicas_train_apart(mesh, params, units))
+        return decided[0]
+
     level = optimizer
     while level is not None:
         own = vars(level)
         if "_grad_clip" in own:
-            level._grad_clip = _hsdp_aware(own["_grad_clip"], mesh, params)
+            level._grad_clip = _hsdp_aware(own["_grad_clip"], mesh, apart)
         for group in own.get("_param_groups") or []:
             if isinstance(group, dict) and "grad_clip" in group:
-                group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh, params)
+                group["grad_clip"] = _hsdp_aware(group["grad_clip"], mesh, apart)
         level = own.get("_inner_opt")
 
 
@@ -297,25 +311,31 @@ def hsdp_aware_for(clip: ClipGradBase | HybridParallelClipGrad | None,
     """``clip`` as :func:`make_clip_hsdp_aware` decides it for ``optimizer``'s shards
     (a parameter group's clip that ``Optimizer.step`` copied before the swap)."""
     shards = sharded_params_of(optimizer)
-    return _hsdp_aware(clip, shards[0]._hsdp_sharded_param.mesh, shards) if shards else clip
+    if not shards:
+        return clip
+    mesh = shards[0]._hsdp_sharded_param.mesh
+    return _hsdp_aware(clip, mesh, lambda: _replicas_train_apart(mesh, shards))
 
 
 def _hsdp_aware(clip: ClipGradBase | HybridParallelClipGrad | None, mesh: Mesh,
-                shards: Sequence[paddle.Tensor] = ()
+                apart: Callable[[], bool]
                 ) -> ClipGradBase | HybridParallelClipGrad | None:
+    """``clip`` on HSDP shards; ``apart()``: whether the replicas train apart this step
+    (asked only where a clip needs it)."""
     if clip is None:
         return clip
     if isinstance(clip, HSDPClipGradByGlobalNorm):
         # whether the replicas train apart may change from step to step
         # (set_requires_all_reduce): the norm's span follows it
-        apart = _replicas_train_apart(mesh, shards) if shards else clip.per_replica
-        return clip if clip.per_replica == apart else hsdp_clip_for(clip, mesh, shards, apart)
+        now_apart = apart()
+        return (clip if clip.per_replica == now_apart
+                else hsdp_clip_for(clip, mesh, apart=now_apart))
     if isinstance(clip, HybridParallelClipGrad):
         # fleet's clip over the mp / pp / sharding groups: the HSDP clip counts the
         # same marks over the whole job, in every dtype (Paddle's skips float64)
-        return _hsdp_aware(clip._clip, mesh, shards)
+        return _hsdp_aware(clip._clip, mesh, apart)
     if type(clip) is ClipGradByGlobalNorm:
-        return hsdp_clip_for(clip, mesh, shards)
+        return hsdp_clip_for(clip, mesh, apart=apart())
     if isinstance(clip, ClipGradByGlobalNorm):
         raise NotImplementedError(
             f"{type(clip).__name__} subclasses ClipGradByGlobalNorm; paddle_hsdp cannot "

@@ -91,7 +91,7 @@ class _StepBoundary:
             if to_move:  # a whole-matrix optimizer's first step: its matrices onto owners
                 move_matrices_to_owners(optimizer, to_move)
             share_orthogonalisation_over_replicas(optimizer, params)
-            clip.make_clip_hsdp_aware(optimizer, params)
+            clip.make_clip_hsdp_aware(optimizer, params, units)
             for unit in units:  # the update writes what an outer all-gather may still read
                 unit.finish_rebuild()
             diloco.before_update(units)  # DiLoCo's first step: where its interval starts
