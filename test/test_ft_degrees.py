@@ -110,3 +110,17 @@ def test_a_joiner_of_another_size_receives_exactly_its_rows(donor, joiner):
         assert len(cuts) == max(1, donor // joiner)
     with pytest.raises(ValueError, match="joiner_size must divide segments=8, got 3"):
         transfer_cuts(2, 3, 0, 8, 1)
+
+
+def test_a_buffer_laid_out_per_inner_degree_cuts_other_rows():
+    """[Note: slices line up only on one layout]: the engine lays a group's buffers out
+    over its own inner degree, and a 2-rank group's layout of these parameters is not a
+    4-rank group's (the second starts one row later, the full buffers differ in size), so
+    the slices would sum different rows: why a group of another size is still refused.
+    Over one segment count (4) the layout is one, whichever group cuts it."""
+    from paddle_hsdp.engine.layout import segment_layout
+    shapes = [[5, 6], [10, 3]]
+    two, four = segment_layout(shapes, 2), segment_layout(shapes, 4)
+    assert (two.offsets, two.total_numel) == ((0, 32), 64)
+    assert (four.offsets, four.total_numel) == ((0, 33), 72)
+    check_lines_up(OuterPlan({0: 2, 1: 4}), 4)

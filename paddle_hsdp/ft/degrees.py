@@ -45,7 +45,7 @@ def sizes_fit(sizes: Mapping[int, int] | list[int]) -> bool:
     """Whether the group sizes divide one another (each distinct size the next's divisor)."""
     values = sorted(set(sizes.values() if isinstance(sizes, Mapping) else sizes))
     return all(size >= 1 for size in values) and \
-        all(big % small == 0 for small, big in zip(values, values[1:]))
+        all(big % small == 0 for small, big in zip(values, values[1:], strict=False))
 
 
 def describe_sizes(sizes: Mapping[int, int]) -> str:
