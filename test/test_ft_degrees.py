@@ -52,10 +52,11 @@ def test_each_outer_group_holds_one_rank_of_every_group_and_ranks_walk_up():
         check_lines_up(plan, 6)
 
 
-def _threaded_all_reduce(plan: OuterPlan, shards: dict, timeout_s: float = 10.0) -> None:
-    """Every rank's walk on a thread of its own; outer group ``j`` a barrier whose
+def _threaded_all_reduce(plan: OuterPlan, shards: dict, timeout_s: float = 10.0,
+                         walk=all_reduce_across_degrees) -> list:
+    """Every rank's ``walk`` on a thread of its own; outer group ``j`` a barrier whose
     members post their slices and take the sum (a member that waits for a rank which
-    never comes raises: the test's deadlock check)."""
+    never comes raises: the deadlock check). The errors the ranks raised."""
     posted = {j: {} for j in range(plan.largest)}
     barriers = {j: threading.Barrier(len(plan.members(j)), timeout=timeout_s)
                 for j in range(plan.largest)}
@@ -69,15 +70,16 @@ def _threaded_all_reduce(plan: OuterPlan, shards: dict, timeout_s: float = 10.0)
             barriers[j].wait()  # every member read
             return total
         try:
-            all_reduce_across_degrees(shards[replica, local], plan, replica, local, all_reduce)
-        except Exception as e:  # noqa: BLE001 - reported below
+            walk(shards[replica, local], plan, replica, local, all_reduce)
+        except Exception as e:  # noqa: BLE001 - returned
             errors.append(e)
     threads = [threading.Thread(target=rank, args=key) for key in shards]
     for t in threads:
         t.start()
     for t in threads:
         t.join(2 * timeout_s)
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert not any(t.is_alive() for t in threads)
+    return errors
 
 
 @pytest.mark.parametrize("sizes", [{0: 2, 1: 2, 2: 1}, {0: 1, 1: 4, 2: 2, 3: 4}, {0: 1, 1: 1}])
@@ -90,10 +92,27 @@ def test_the_outer_all_reduce_across_sizes_is_every_groups_mean(sizes):
     grads = {r: rng.integers(-64, 64, full) / 8.0 for r in sizes}
     shards = {(r, i): grads[r].reshape(d, -1)[i].copy() for r, d in sizes.items()
               for i in range(d)}
-    _threaded_all_reduce(plan, shards)
+    assert _threaded_all_reduce(plan, shards) == []
     mean = sum(grads.values()) / plan.divisor
     for (r, i), shard in shards.items():
         np.testing.assert_array_equal(shard / plan.divisor, mean.reshape(sizes[r], -1)[i])
+
+
+def test_ranks_that_walk_their_outer_groups_in_other_orders_deadlock():
+    """Why every rank walks up: the 1-rank group walking down waits in outer group 3
+    for rank 1 of the 2-rank group, which waits in group 2 for it."""
+    plan = OuterPlan({0: 1, 1: 2, 2: 4})
+
+    def down_for_replica_0(flat, plan, replica, local, all_reduce):
+        order = plan.groups_of(replica, local)
+        for j in (reversed(order) if replica == 0 else order):
+            start, stop = plan.slice_of(replica, local, j, len(flat))
+            flat[start:stop] = all_reduce(flat[start:stop], j)
+    shards = {(0, 0): np.zeros(8), **{(1, i): np.zeros(4) for i in range(2)},
+              **{(2, i): np.zeros(2) for i in range(4)}}
+    errors = _threaded_all_reduce(plan, shards, 0.5, down_for_replica_0)
+    assert errors and all(isinstance(e, threading.BrokenBarrierError) for e in errors)
+    assert _threaded_all_reduce(plan, shards) == []
 
 
 @pytest.mark.parametrize("donor,joiner", [(2, 1), (1, 2), (2, 4), (4, 2), (2, 2), (1, 8)])

@@ -6,6 +6,8 @@ each: outer group 0 is ranks 0, 2, 3 and outer group 1 ranks 1, 2, 3, so ranks 2
 grad is float64 multiples of 1/8 (every sum exact): after the walk and the divisor
 (3 groups) every rank must hold exactly the mean's rows of its shard."""
 
+import time
+
 import numpy as np
 from common import finish, init_fleet
 
@@ -16,7 +18,7 @@ from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.ft.degrees import OuterPlan, all_reduce_across_degrees
 
 init_fleet({"sharding_degree": 4, "outer": 2})
-rank = dist.get_rank()
+rank, started = dist.get_rank(), time.perf_counter()  # (what it adds to the launch)
 SIZES = {0: 2, 1: 1, 2: 1}  # replica -> ranks per group
 PLAYS = {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (2, 0)}  # global rank -> (replica, local rank)
 plan = OuterPlan(SIZES)
@@ -42,5 +44,6 @@ np.testing.assert_array_equal(flat.numpy() / plan.divisor,
                               mean.reshape(SIZES[replica], -1)[local])
 assert flat.dtype == paddle.float64
 print(f"OUTER_DEGREES_OK rank {rank} (replica {replica} rank {local} of "
-      f"{SIZES[replica]}, outer groups {list(plan.groups_of(replica, local))})", flush=True)
+      f"{SIZES[replica]}, outer groups {list(plan.groups_of(replica, local))}) in "
+      f"{time.perf_counter() - started:.2f} s", flush=True)
 finish()
