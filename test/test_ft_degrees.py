@@ -23,6 +23,9 @@ def test_sizes_that_divide_one_another_fit_and_others_do_not():
 def test_a_refusal_names_the_sizes_present_and_allowed():
     sizes = {0: 2, 1: 1, 2: 2}
     assert describe_sizes(sizes) == "2 ranks: replicas 0, 2; 1 rank: replica 1"
+    # a job of 1,000 groups: a few named per size, the rest counted
+    assert describe_sizes({**{r: 8 for r in range(999)}, 999: 4}) == \
+        "8 ranks: replicas 0, 1, 2, 3 and 995 more; 4 ranks: replica 999"
     assert size_refusal(0, sizes, 2) is None
     text = size_refusal(1, sizes, 2)
     assert text.startswith("PADDLE_HSDP_FT group sizes present: 2 ranks: replicas 0, 2; "

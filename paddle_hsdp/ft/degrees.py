@@ -48,14 +48,23 @@ def sizes_fit(sizes: Mapping[int, int] | list[int]) -> bool:
         all(big % small == 0 for small, big in zip(values, values[1:], strict=False))
 
 
+NAMED_PER_SIZE = 4  # replicas named per size: a refusal stays short at any job size
+
+
 def describe_sizes(sizes: Mapping[int, int]) -> str:
-    """``sizes`` (replica -> ranks per group) in words, largest size first."""
+    """``sizes`` (replica -> ranks per group) in words, largest size first, at most
+    ``NAMED_PER_SIZE`` replicas named per size (the others counted)."""
     by_size: dict[int, list[int]] = {}
     for replica, size in sorted(sizes.items()):
         by_size.setdefault(size, []).append(replica)
-    return "; ".join(f"{size} rank{'s' if size != 1 else ''}: replica"
-                     f"{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-                     for size, rs in sorted(by_size.items(), reverse=True))
+    parts = []
+    for size, replicas in sorted(by_size.items(), reverse=True):
+        named = ", ".join(map(str, replicas[:NAMED_PER_SIZE]))
+        more = len(replicas) - NAMED_PER_SIZE
+        parts.append(f"{size} rank{'s' if size != 1 else ''}: replica"
+                     f"{'s' if len(replicas) > 1 else ''} {named}"
+                     + (f" and {more} more" if more > 0 else ""))
+    return "; ".join(parts)
 
 
 def size_refusal(joiner: int, sizes: Mapping[int, int], running: int) -> str | None:
