@@ -532,6 +532,9 @@ def test_a_group_of_another_configuration_is_refused_by_the_record(etcd):
             t.join(20)
         assert out[0].replicas == [0]
         assert len(errors) == 1 and "ranks_per_group 1 where the running groups have 2" in errors[0]
+        # issue 63, item 3: every present group's size named, and the size allowed
+        assert "PADDLE_HSDP_FT group sizes present: 2 ranks: replica 0; 1 rank: replica 1; " \
+               "allowed: 2, the running groups' size" in errors[0], errors[0]
     finally:
         _close(groups)
 

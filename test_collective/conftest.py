@@ -39,7 +39,7 @@ SHARED_2X2_WORKERS = [
     ["worker_fingerprint.py"], ["worker_one_rank_call.py"], ["worker_master_grad.py"],
     ["worker_user_code.py"], ["worker_optimizer_patterns.py", json.dumps(HSDP_2X2)],
     ["worker_agreement.py", json.dumps(dict(HSDP_2X2, runs=["none", "optim"]))],
-    ["worker_full_optim_state.py", json.dumps(HSDP_2X2)]]
+    ["worker_full_optim_state.py", json.dumps(HSDP_2X2)], ["worker_outer_degrees.py"]]
 
 
 @pytest.fixture(scope="session")

@@ -329,6 +329,11 @@ def test_a_misconfigured_joiner_and_a_second_launch_of_a_live_id_are_refused():
         refusal = "replica 1 cannot join the running replica groups: ranks_per_group 1 " \
                   "where the running groups have 2"
         assert refusal in logs["replica1_one_rank"], logs["replica1_one_rank"][-3000:]
+        # issue 63, item 3: the refusal names every present group's size and the allowed one
+        sizes = ("PADDLE_HSDP_FT group sizes present: 2 ranks: replica 0; 1 rank: replica 1; "
+                 "allowed: 2, the running groups' size")
+        assert sizes in logs["replica1_one_rank"], logs["replica1_one_rank"][-3000:]
+        assert sizes in logs["replica0"], logs["replica0"][-3000:]
         assert refusal in logs["replica0"], logs["replica0"][-3000:]  # the closer's log
         # without the job's secret the leader says once that nothing is authenticated
         # (issue 62, item 7; the kill scenario runs with it and asserts no such line)
@@ -339,6 +344,15 @@ def test_a_misconfigured_joiner_and_a_second_launch_of_a_live_id_are_refused():
     result = _result(job, 0)
     assert len(result["losses"]) == 8 and all(e["replicas"] == [0] for e in result["history"]
                                               if e["kind"] == "step"), result["history"]
+
+
+def test_the_outer_all_reduce_spans_groups_of_two_sizes_exactly(hsdp_2x2_log):
+    """Issue 63, item 3: workers/worker_outer_degrees.py, in the shared 2 x 2 launch: a
+    group of 2 ranks and two of 1 rank all-reduce over 2 outer groups (ft/degrees.py),
+    the 1-rank groups in both; every rank holds exactly the mean's rows (float64)."""
+    # (rank 0's log; a rank whose rows differ fails the launch, and so this test)
+    assert "OUTER_DEGREES_OK rank 0 (replica 0 rank 0 of 2, outer groups [0])" in \
+        hsdp_2x2_log, hsdp_2x2_log[-3000:]
 
 
 REBUILD_STEPS = 24

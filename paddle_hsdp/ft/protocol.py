@@ -69,6 +69,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Generic, TypeVar
 
+from .degrees import size_refusal
 from .etcd import (Etcd, EtcdRefused, EtcdReset, EtcdUnavailable, History, Security, Watch,
                    prefix_end)
 from .trust import SECRET_ENV, UNSIGNED, Forged, Signer
@@ -1196,12 +1197,17 @@ class GroupControl:
                       and (expected is None or r in expected)) or \
             sorted(r for r in present if present[r].config)
         reference = Counter(present[r].config for r in base).most_common(1)[0][0]
-        ours = self.read_config(reference)
+        # each configuration read once: a refusal names every present group's size
+        configs = {a.config: self.read_config(a.config) for a in present.values() if a.config}
+        ours = configs[reference]
+        sizes = {r: c["ranks_per_group"] for r, a in present.items()
+                 if (c := configs.get(a.config)) is not None}
         out = {}
         for r, arrival in present.items():
             if arrival.config and arrival.config != reference:
+                why = first_difference(configs[arrival.config], ours, sizes, r)
                 out[r] = (f"paddle_hsdp.ft: replica {r} cannot join the running replica "
-                          f"groups: {first_difference(self.read_config(arrival.config), ours)}"
+                          f"groups: {why}"
                           ". Restart it with the same model, ranks per group "
                           "(--nproc_per_node), fsdp_outer_sharding and "
                           "PADDLE_HSDP_FT_START_REPLICAS / REDUNDANCY as the others.")
@@ -1406,14 +1412,19 @@ class _RoundArrival(PhaseMachine[ArrivalPhase]):
                 "finished (a replica group called Replica.finish())")
 
 
-def first_difference(theirs: dict | None, ours: dict | None) -> str:
+def first_difference(theirs: dict | None, ours: dict | None,
+                     sizes: Mapping[int, int] | None = None, joiner: int = -1) -> str:
     """The first thing in which a joiner's configuration (``theirs``) differs from the
-    members' (``ours``), in words."""
+    members' (``ours``), in words; ``sizes`` (replica -> ranks per group of the groups
+    present) names them all when the joiner's (``joiner``) differs."""
     if theirs is None or ours is None:
         return "its configuration could not be read"
     for name in ("ranks_per_group", "outer_sharding", "pieces"):
         if theirs[name] != ours[name]:
-            return f"{name} {theirs[name]!r} where the running groups have {ours[name]!r}"
+            text = f"{name} {theirs[name]!r} where the running groups have {ours[name]!r}"
+            sized = size_refusal(joiner, sizes, ours[name]) \
+                if name == "ranks_per_group" and sizes and joiner in sizes else None
+            return f"{text} ({sized})" if sized else text
     a, b = theirs["tensors"], ours["tensors"]
     for mine, other in zip(a, b, strict=False):
         if mine != other:
