@@ -24,12 +24,15 @@ data. After every H-th optimizer step of a unit, each of its trainable buffers r
 On the wire, per sync: the reduce-scatter and the all-gather, each ``(O - 1) / O`` of
 the shard in the params' dtype (an all-reduce's bytes, once per H steps).
 
-**Streaming** (``fragments=F``, streaming DiLoCo): the units training apart, in the
-order every rank steps them (their index), are dealt into F fragments (unit i in
-fragment i % F), and fragment f syncs after the steps where the position in the
-interval (``steps``, 0 to H - 1, the same on every unit) comes round to ``f H // F``:
-each unit still syncs every H steps, but a sync moves only its fragment, about 1/F of
-the bytes (as even as the units are), so the link's peak falls about F times. Fragment
+**Streaming** (``fragments=F``, streaming DiLoCo): the units training apart are dealt
+into F fragments by the bytes a sync moves (:func:`deal_fragments`: the largest unit
+first, each into the fragment with the fewest bytes so far; ties by the order every
+rank steps the units, so every rank deals alike), and fragment f syncs after the steps
+where the position in the interval (``steps``, 0 to H - 1, the same on every unit)
+comes round to ``f H // F``: each unit still syncs every H steps, but a sync moves only
+its fragment, about 1/F of the bytes, so the link's peak falls about F times. A unit is
+never split: one unit larger than 1/F of the model (a root holding the embedding and
+head) is a fragment alone and sets the peak. Fragment
 f > 0 has a shorter first interval (f H // F steps). The sync blocks the step as with
 F = 1 (gloo runs one collective at a time per process, on the main thread here): it is
 not overlapped with the next inner steps.
@@ -49,6 +52,7 @@ import paddle
 
 from ..comm import collectives as comm
 from .buffer import outer_compress
+from .dtypes import element_size
 
 if TYPE_CHECKING:
     from .buffer.shard_buffer import ShardBuffer
@@ -65,6 +69,7 @@ class OuterSyncState:
     def __init__(self, policy: OuterSyncPolicy) -> None:
         self.policy = policy
         self.steps = 0
+        self._sync_bytes: int | None = None
         self.anchors: dict[int, paddle.Tensor] = {}
         self.momentum: dict[int, paddle.Tensor] = {}
 
@@ -90,6 +95,14 @@ class OuterSyncState:
             if buf.index in self.anchors:
                 buf.storage.repair_views()
                 self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
+
+    def sync_bytes(self, unit: FSDPUnit) -> int:
+        """The bytes of ``unit``'s trainable shards (what a sync reduces): alike on every
+        rank (the shards are padded to one size), kept once known."""
+        if self._sync_bytes is None:
+            self._sync_bytes = sum(buf.shard_numel * element_size(buf.dtype)
+                                   for buf in _synced_buffers(unit))
+        return self._sync_bytes
 
     def after_step(self, unit: FSDPUnit, fragment: int) -> None:
         """Count the step; sync ``unit`` (in ``fragment``) where its turn came."""
@@ -213,6 +226,28 @@ def after_update(units) -> None:
     each unit training apart counts the step and, every H-th (at its fragment's turn),
     syncs its buffers."""
     apart = [unit for unit in units if unit.outer_sync is not None]
-    for i, unit in enumerate(apart):
-        unit.outer_sync.after_step(unit, i % unit.outer_sync.policy.fragments)
+    fragment_of: dict[int, int] = {}
+    by_count: dict[int, list] = {}  # (units of policies with another fragment count apart)
+    for unit in apart:
+        by_count.setdefault(unit.outer_sync.policy.fragments, []).append(unit)
+    for count, members in by_count.items():
+        dealt = deal_fragments([u.outer_sync.sync_bytes(u) for u in members], count) \
+            if count > 1 else [0] * len(members)
+        fragment_of.update((id(u), f) for u, f in zip(members, dealt, strict=True))
+    for unit in apart:
+        unit.outer_sync.after_step(unit, fragment_of[id(unit)])
+
+
+def deal_fragments(sizes: list[int], count: int) -> list[int]:
+    """Each unit's fragment (0 to ``count`` - 1), given the units' sizes in the order
+    every rank steps them: the largest first, each into the fragment holding the
+    fewest bytes so far (ties: the earlier unit, the lower fragment). Greedy, so the
+    largest fragment is at most 4/3 of the best split's (Graham's bound) and never
+    below the largest unit; deterministic, so every rank deals alike."""
+    held, fragment = [0] * count, [0] * len(sizes)
+    for unit in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        lightest = min(range(count), key=lambda f: (held[f], f))
+        fragment[unit] = lightest
+        held[lightest] += sizes[unit]
+    return fragment
 
