@@ -266,3 +266,52 @@ def test_load_without_optimizer_moves_the_anchor(fake_mesh, float64, tmp_path):
     got = full(model)
     worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
     assert worst <= 1e-12, worst
+
+
+def test_ft_sync_owed_runs_next_attempt_undone_on_failure(fake_mesh, float64):
+    """Under paddle_hsdp.ft (engine/replication.py): the outer state whole on every
+    group, and the sync a step comes to owed to the next attempt, which runs it
+    before its forward; a failed attempt undoes it to the bit (shards, anchors,
+    momentum) and the retry runs it again; committed, the run equals the one-process
+    reference (one replica: the sync over the live groups is its own). A receiver
+    of the outer state (as ft's transfer writes it) takes the anchor as its params and
+    the position."""
+    from paddle_hsdp.engine import replication
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
+    model = shard_with(build_model(), outer_sync_policy=policy)
+    replication.keep_outer_state_on_every_replica(model)
+    opt = make_optimizer(model, model.parameters(), None)
+    before = full(model)
+    for s in range(STEPS):
+        replication.run_owed_outer_syncs(model)
+        if s == EVERY:  # the attempt that ran the sync fails, then is retried
+            owed = full(model)
+            replication.settle_outer_syncs(model, committed=False)
+            back = full(model)
+            assert all((back[n] == before[n]).all() for n in back)
+            assert any((owed[n] != before[n]).any() for n in owed)  # it had synced
+            replication.run_owed_outer_syncs(model)
+        lm_loss(model, batch_ids(seed=s), True).backward()
+        replication.settle_outer_syncs(model, committed=True)
+        opt.step()
+        opt.clear_grad()
+        before = full(model)
+    sync = model.embed._hsdp_unit_.outer_sync
+    assert sync.owed is (STEPS % EVERY == 0)
+    want = reference_one_replica(seeds=range(STEPS))
+    got = full(model)
+    worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    assert worst <= 1e-12, worst
+    # a rejoiner: its state tensors written with the donor's, then state_replaced
+    joiner = shard_with(build_model(seed=5), outer_sync_policy=policy)
+    replication.keep_outer_state_on_every_replica(joiner)
+    for (name, mine), (_, theirs) in zip(replication.state_tensors(joiner),
+                                         replication.state_tensors(model), strict=True):
+        paddle.assign(theirs, output=mine)
+    replication.state_replaced(joiner)
+    taken, anchors = joiner.embed._hsdp_unit_.outer_sync, sync.anchors
+    assert taken.steps == sync.steps and taken.owed == sync.owed
+    for buf in joiner.embed._hsdp_unit_.buffers:
+        if buf.trainable:
+            assert (buf.storage.raw[:buf.shard_numel].numpy() ==
+                    anchors[buf.index].numpy()).all()

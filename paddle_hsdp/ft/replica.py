@@ -299,6 +299,7 @@ class Replica:
         why = replication.refusal_to_replicate(model, self.outer)
         if why is not None:
             raise NotImplementedError(f"paddle_hsdp.ft: {why}")
+        replication.keep_outer_state_on_every_replica(model)  # DiLoCo's, if it has any
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
         plan = self.piece_plan
@@ -752,6 +753,8 @@ class _Step(PhaseMachine[StepPhase]):
         replica = self.replica
         replica._need_round = False
         try:
+            # DiLoCo: the sync the last committed step owes, over this round's groups
+            replication.run_owed_outer_syncs(replica._attached().model)
             self.loss = self._forward_backward()
             # after the grads' all-reduces: a group whose backward issued them early
             # and one that issues them here send them in one order
@@ -796,6 +799,7 @@ class _Step(PhaseMachine[StepPhase]):
 
     def _commit(self) -> StepPhase:
         replica = self.replica
+        replication.settle_outer_syncs(replica._attached().model, committed=True)
         self.optimizer.step()
         replica._piece_optimizers.step()  # HFSDP: the pieces held besides its own
         if replica.piece_plan is not None:
@@ -812,6 +816,7 @@ class _Step(PhaseMachine[StepPhase]):
     def _retry(self) -> StepPhase:
         replica = self.replica
         self.optimizer.clear_grad()  # every grad of the attempt, synced or not
+        replication.settle_outer_syncs(replica._attached().model, committed=False)
         replica._failed = True
         replica.fresh = replica.fresh or self.receiving
         self.failures += 1
