@@ -298,6 +298,10 @@ def test_ft_sync_owed_runs_next_attempt_undone_on_failure(fake_mesh, float64):
         before = full(model)
     sync = model.embed._hsdp_unit_.outer_sync
     assert sync.owed is (STEPS % EVERY == 0)
+    sync.owed = True  # a save after a step that comes to a sync would lose it
+    with pytest.raises(ValueError, match="comes to an outer sync .* would lose it"):
+        sync.gather_momentum(model.embed._hsdp_unit_)
+    sync.owed = False
     want = reference_one_replica(seeds=range(STEPS))
     got = full(model)
     worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)

@@ -80,8 +80,9 @@ class OuterSyncState:
         self._sync_bytes: int | None = None
         self.anchors: dict[int, paddle.Tensor] = {}
         self.momentum: dict[int, paddle.Tensor] = {}
-        # paddle_hsdp.ft (keep_on_every_replica): the momentum whole on every replica,
-        # and the sync owed by the step that came to it, run by the next attempt
+        # paddle_hsdp.ft (replication.keep_outer_state_on_every_replica): the momentum
+        # whole on every replica, and the sync owed by the step that came to it, run by
+        # the next attempt
         self.replicated = False
         self.owed = False
         self._undo: dict[int, tuple] | None = None  # what the owed sync replaced
@@ -263,6 +264,12 @@ class OuterSyncState:
         over the outer group per buffer; zeros before the first sync): what a save
         reads blocks from. A collective: every rank of the outer group, in buffer
         order."""
+        if self.owed:  # (ft; alike on every rank of every live group)
+            raise ValueError(
+                f"save_checkpoint: {unit.label} comes to an outer sync (DiLoCo every "
+                f"{self.policy.every} steps) that paddle_hsdp.ft runs in the next step's "
+                "attempt; a checkpoint now would lose it. Save after a step that does "
+                "not come to a sync (one more step).")
         self.take_anchors(unit)
         whole = {}
         for buf in _synced_buffers(unit):
