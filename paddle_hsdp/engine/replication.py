@@ -106,13 +106,16 @@ def state_replaced(model: paddle.nn.Layer) -> None:
         unit.reshard(force=True)
 
 
-def keep_outer_state_on_every_replica(model: paddle.nn.Layer) -> None:
+def keep_outer_state_on_every_replica(model: paddle.nn.Layer) -> bool:
     """DiLoCo on replica groups: every group holds the outer momentum whole (not 1/O:
     the live groups' count changes, and a dead group would take its piece along), and
-    a step's sync is run by the next attempt (:func:`run_owed_outer_syncs`)."""
-    for unit in registry.units_under(model):
-        if unit.outer_sync is not None:
-            unit.outer_sync.replicated = True
+    a step's sync is run by the next attempt (:func:`run_owed_outer_syncs`). Whether
+    any unit syncs every H steps (else a step need not call the two below)."""
+    apart = [unit.outer_sync for unit in registry.units_under(model)
+             if unit.outer_sync is not None]
+    for sync in apart:
+        sync.replicated = True
+    return bool(apart)
 
 
 def run_owed_outer_syncs(model: paddle.nn.Layer) -> None:
