@@ -9,6 +9,7 @@ multi-replica runs are in test_collective/test_diloco.py."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -20,6 +21,7 @@ import paddle_hsdp
 from kit import batch_ids
 from paddle_hsdp.config.plan import outer_sync_policy_of
 from paddle_hsdp.config.schema import ConfigError, load_config
+from paddle_hsdp.engine.diloco import deal_fragments
 from models import (build_model, fragment_of, lm_loss, make_optimizer,
                     shard_tinylm as shard_with)
 
@@ -102,9 +104,10 @@ def test_one_replica_is_inner_adamw_then_outer_nesterov(fake_mesh, float64, clip
 
 @pytest.mark.parametrize("fragments", [2, 3])
 def test_fragments_sync_in_turn(fake_mesh, float64, fragments):
-    """Streaming DiLoCo, one replica: unit i in fragment i % F, fragment f stepped by
-    the outer optimizer after the steps where step % EVERY == f EVERY // F (F = 3:
-    one fragment after every step), against the plain-Paddle reference."""
+    """Streaming DiLoCo, one replica: the units dealt by size (models.fragment_of, the
+    schedule written apart from the engine's), fragment f stepped by the outer
+    optimizer after the steps where step % EVERY == f EVERY // F (F = 3: one fragment
+    after every step), against the plain-Paddle reference."""
     policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM,
                                          fragments=fragments)
     model = shard_with(build_model(), outer_sync_policy=policy)
@@ -119,6 +122,30 @@ def test_fragments_sync_in_turn(fake_mesh, float64, fragments):
     together = reference_one_replica()
     apart = max(float(np.abs(together[n] - want[n]).max()) for n in want)
     assert apart > 1e-3, apart
+
+
+def test_fragments_are_dealt_by_size():
+    """``deal_fragments``: the largest unit first, each into the lightest fragment
+    (ties: the earlier unit, the lower fragment). The two-host demo's model (three
+    layers of 0.66M parameters, then the root's 2.05M) in two fragments: the root
+    alone, where dealing by index (unit i in fragment i % F) put it with a layer (a
+    peak of 0.67 of the model, not 0.51). On random sizes the largest fragment is
+    within Graham's 4/3 of the best split (found by trying every one)."""
+    layers_then_root = [660_000, 660_000, 660_000, 2_050_000]
+    assert deal_fragments(layers_then_root, 2) == [1, 1, 1, 0]
+    assert deal_fragments(layers_then_root, 4) == [1, 2, 3, 0]
+    assert deal_fragments([5, 5, 5], 2) == [0, 1, 0]  # ties: by unit, then fragment
+    assert deal_fragments([3, 1], 3) == [0, 1]  # fewer units than fragments
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = rng.integers(1, 100, size=int(rng.integers(1, 7))).tolist()
+        count = int(rng.integers(2, 4))
+        dealt = deal_fragments(sizes, count)
+        assert dealt == deal_fragments(list(sizes), count)  # deterministic
+        peak = max(sum(s for s, f in zip(sizes, dealt) if f == g) for g in range(count))
+        best = min(max(sum(s for s, f in zip(sizes, split) if f == g) for g in range(count))
+                   for split in itertools.product(range(count), repeat=len(sizes)))
+        assert best <= peak <= best * 4 / 3, (sizes, count, dealt, best)
 
 
 def test_config_keys_make_the_policy():
@@ -239,3 +266,56 @@ def test_load_without_optimizer_moves_the_anchor(fake_mesh, float64, tmp_path):
     got = full(model)
     worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
     assert worst <= 1e-12, worst
+
+
+def test_ft_sync_owed_runs_next_attempt_undone_on_failure(fake_mesh, float64):
+    """Under paddle_hsdp.ft (engine/replication.py): the outer state whole on every
+    group, and the sync a step comes to owed to the next attempt, which runs it
+    before its forward; a failed attempt undoes it to the bit (shards, anchors,
+    momentum) and the retry runs it again; committed, the run equals the one-process
+    reference (one replica: the sync over the live groups is its own). A receiver
+    of the outer state (as ft's transfer writes it) takes the anchor as its params and
+    the position."""
+    from paddle_hsdp.engine import replication
+    policy = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=LR, momentum=MOMENTUM)
+    model = shard_with(build_model(), outer_sync_policy=policy)
+    replication.keep_outer_state_on_every_replica(model)
+    opt = make_optimizer(model, model.parameters(), None)
+    before = full(model)
+    for s in range(STEPS):
+        replication.run_owed_outer_syncs(model)
+        if s == EVERY:  # the attempt that ran the sync fails, then is retried
+            owed = full(model)
+            replication.settle_outer_syncs(model, committed=False)
+            back = full(model)
+            assert all((back[n] == before[n]).all() for n in back)
+            assert any((owed[n] != before[n]).any() for n in owed)  # it had synced
+            replication.run_owed_outer_syncs(model)
+        lm_loss(model, batch_ids(seed=s), True).backward()
+        replication.settle_outer_syncs(model, committed=True)
+        opt.step()
+        opt.clear_grad()
+        before = full(model)
+    sync = model.embed._hsdp_unit_.outer_sync
+    assert sync.owed is (STEPS % EVERY == 0)
+    sync.owed = True  # a save after a step that comes to a sync would lose it
+    with pytest.raises(ValueError, match="comes to an outer sync .* would lose it"):
+        sync.gather_momentum(model.embed._hsdp_unit_)
+    sync.owed = False
+    want = reference_one_replica(seeds=range(STEPS))
+    got = full(model)
+    worst = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    assert worst <= 1e-12, worst
+    # a rejoiner: its state tensors written with the donor's, then state_replaced
+    joiner = shard_with(build_model(seed=5), outer_sync_policy=policy)
+    replication.keep_outer_state_on_every_replica(joiner)
+    for (name, mine), (_, theirs) in zip(replication.state_tensors(joiner),
+                                         replication.state_tensors(model), strict=True):
+        paddle.assign(theirs, output=mine)
+    replication.state_replaced(joiner)
+    taken, anchors = joiner.embed._hsdp_unit_.outer_sync, sync.anchors
+    assert taken.steps == sync.steps and taken.owed == sync.owed
+    for buf in joiner.embed._hsdp_unit_.buffers:
+        if buf.trainable:
+            assert (buf.storage.raw[:buf.shard_numel].numpy() ==
+                    anchors[buf.index].numpy()).all()

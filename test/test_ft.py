@@ -227,21 +227,29 @@ def test_ft_init_needs_a_replica_id(monkeypatch):
         replica.init()
 
 
-def test_attach_refuses_unshared_outer_pieces_unsharded_buffers_and_diloco(monkeypatch):
+def test_attach_refuses_unshared_outer_pieces_unsharded_buffers_and_compressed_diloco(
+        monkeypatch):
     from paddle_hsdp.ft import replica
     ft = object.__new__(replica.Replica)
     ft.outer, ft.rank = object(), 1  # not the leader: it publishes no configuration
     buffers = [types.SimpleNamespace(outer=ft.outer, parts=2, shared_pieces=False,
-                                     describe=lambda: "buffer 0")]
+                                     describe=lambda: "buffer 0",
+                                     pieces=types.SimpleNamespace(compress=None))]
     unit = types.SimpleNamespace(buffers=buffers, outer_sync=None, label="unit 0")
     monkeypatch.setattr(replica.replication.registry, "units_under", lambda model: [unit])
     with pytest.raises(NotImplementedError, match="outer sub-shards of its own"):
         ft.attach(object(), object())
     buffers[0].shared_pieces = True  # cut by ft.init's plan: taken
     ft.attach(object(), object())
-    # DiLoCo's outer state would not reach a joining replica
-    unit.outer_sync = types.SimpleNamespace(policy=types.SimpleNamespace(every=16))
-    with pytest.raises(NotImplementedError, match="every 16 steps .* every=1"):
+    # DiLoCo: taken, its outer state kept whole on every group (not 1/O)
+    unit.outer_sync = types.SimpleNamespace(policy=types.SimpleNamespace(every=16),
+                                            replicated=False)
+    ft.attach(object(), object())
+    assert unit.outer_sync.replicated
+    # ... but not with a compressed reduce: its error feedback is each group's own
+    buffers[0].pieces.compress = "int8"
+    with pytest.raises(NotImplementedError, match="every 16 steps with a compressed reduce"
+                                                  ".*fsdp_outer_compress: null"):
         ft.attach(object(), object())
     unit.outer_sync = None
     buffers[0] = types.SimpleNamespace(outer=object(), parts=1, describe=lambda: "buffer 0")

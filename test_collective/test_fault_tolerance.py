@@ -708,3 +708,53 @@ def test_a_stopped_hfsdp_job_resumes_into_fewer_groups():
     ratio = _check_resume(run, 4, 2, 1)
     print(f"resume (HFSDP, 4 groups into 2): the job read {ratio:.3f}x the checkpoint's "
           f"{run['bytes']} tensor bytes; scenario {time.time() - started:.0f} s")
+
+
+# DiLoCo on replica groups: syncs owed after steps 3, 6, 9 (run by steps 4, 7, 10)
+DILOCO_EVERY, DILOCO_STEPS, DILOCO_KILL_AT, DILOCO_JOIN_AT = 3, 11, 7, 8
+
+
+def test_diloco_groups_lose_nothing_synced_when_one_dies_mid_interval_and_rejoins():
+    """Issue 66, item 3: three groups of one rank sync every 3 steps (DiLoCo, the outer
+    state whole on every group). Replica 2 dies in step 7's backward, after that
+    attempt ran the sync step 6 owed over the three: the others' attempt fails, the
+    sync is undone and run again over the two (their mean); replica 2 is started again
+    and joins at step 9, mid-interval: it takes the last synced model (the anchor), the
+    outer momentum and position and a donor's AdamW state, trains step 9, and the sync
+    at step 10 is the three groups' mean. Every rank's losses and every group's final
+    params equal one process that trains a model per live group
+    (workers/reference_ft_diloco.py). A launch of its own: every other scenario's
+    reference is one model over the live groups' batches (plain HSDP); its groups
+    have one rank, so it is the cheapest of them."""
+    job = FaultTolerantJob(replicas=3, ranks=1, steps=DILOCO_STEPS)
+    job.env["FT_TEST_DILOCO"] = str(DILOCO_EVERY)
+    deadline = time.time() + 180
+    started = time.time()
+    try:
+        wait = {"FT_TEST_WAIT_JOIN": f"2@{DILOCO_JOIN_AT}"}
+        procs = [job.start(r, f"replica{r}", **wait) for r in (0, 1)]
+        doomed = job.start(2, "replica2", FT_TEST_KILL_AT=str(DILOCO_KILL_AT))
+        _wait(lambda: doomed.poll() is not None and min(
+            job.steps_done(0), job.steps_done(1)) >= DILOCO_KILL_AT, deadline, job,
+            f"replica 2's death, then step {DILOCO_KILL_AT}")
+        procs.append(job.start(2, "replica2_again"))
+        for proc in procs:
+            _wait(lambda: proc.poll() is not None, deadline, job, "every group to end")
+        assert [p.returncode for p in procs] == [0, 0, 0], job.logs()
+    finally:
+        job.stop()
+    out = run_single("single_process_ft.py", job.work, str(DILOCO_STEPS), "1")
+    assert "FT_PARITY_OK (diloco every 3)" in out, out[-2000:]
+    members = _members(out)
+    assert members == {t: [0, 1, 2] if t < DILOCO_KILL_AT or t > DILOCO_JOIN_AT else [0, 1]
+                       for t in range(1, DILOCO_STEPS + 1)}, members
+    # the step-7 attempt that the death failed had run the sync over three groups
+    failed = [e for e in _history(job, 0) if e["kind"] == "failed"
+              and e["step"] == DILOCO_KILL_AT - 1]
+    assert failed and failed[0]["replicas"] == [0, 1, 2], _history(job, 0)
+    worst = [json.loads(line.split(" ", 1)[1])["measured"] for line in out.splitlines()
+             if line.startswith("PARITY_CHECK") and "ft diloco" in line]
+    apart = [line for line in out.splitlines() if line.startswith("FT_DILOCO_APART")]
+    assert len(apart) == 2, out[-2000:]  # the rules it must not follow are far from it
+    print(f"DiLoCo on replica groups: losses, params {worst}; {apart}; scenario "
+          f"{time.time() - started:.0f} s")

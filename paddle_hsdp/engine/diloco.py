@@ -24,15 +24,26 @@ data. After every H-th optimizer step of a unit, each of its trainable buffers r
 On the wire, per sync: the reduce-scatter and the all-gather, each ``(O - 1) / O`` of
 the shard in the params' dtype (an all-reduce's bytes, once per H steps).
 
-**Streaming** (``fragments=F``, streaming DiLoCo): the units training apart, in the
-order every rank steps them (their index), are dealt into F fragments (unit i in
-fragment i % F), and fragment f syncs after the steps where the position in the
-interval (``steps``, 0 to H - 1, the same on every unit) comes round to ``f H // F``:
-each unit still syncs every H steps, but a sync moves only its fragment, about 1/F of
-the bytes (as even as the units are), so the link's peak falls about F times. Fragment
+**Streaming** (``fragments=F``, streaming DiLoCo): the units training apart are dealt
+into F fragments by the bytes a sync moves (:func:`deal_fragments`: the largest unit
+first, each into the fragment with the fewest bytes so far; ties by the order every
+rank steps the units, so every rank deals alike), and fragment f syncs after the steps
+where the position in the interval (``steps``, 0 to H - 1, the same on every unit)
+comes round to ``f H // F``: each unit still syncs every H steps, but a sync moves only
+its fragment, about 1/F of the bytes, so the link's peak falls about F times. A unit is
+never split: one unit larger than 1/F of the model (a root holding the embedding and
+head) is a fragment alone and sets the peak. Fragment
 f > 0 has a shorter first interval (f H // F steps). The sync blocks the step as with
 F = 1 (gloo runs one collective at a time per process, on the main thread here): it is
 not overlapped with the next inner steps.
+
+**On paddle_hsdp.ft's replica groups** (``replicated``, set by ``Replica.attach``): the
+outer momentum is whole on every group (the live groups' count changes, and a dead
+group's piece would go with it), the sync is one all-reduce of the pseudo-gradient,
+and a step that comes to a sync owes it to the next attempt, which runs it over the
+live groups and undoes it if it fails (:meth:`OuterSyncState.run_owed`,
+:meth:`~OuterSyncState.settle`); a rejoiner takes the anchor as its params
+(:meth:`~OuterSyncState.took_carried`). docs/fault-tolerance.md, "DiLoCo".
 
 ``every=1`` is plain HSDP (this module does nothing): the grads are averaged at every
 step. DiLoCo's H=1 with an outer SGD of lr 1 averages the replicas' *updated params*,
@@ -49,6 +60,7 @@ import paddle
 
 from ..comm import collectives as comm
 from .buffer import outer_compress
+from .dtypes import element_size
 
 if TYPE_CHECKING:
     from .buffer.shard_buffer import ShardBuffer
@@ -65,8 +77,16 @@ class OuterSyncState:
     def __init__(self, policy: OuterSyncPolicy) -> None:
         self.policy = policy
         self.steps = 0
+        self._sync_bytes: int | None = None
         self.anchors: dict[int, paddle.Tensor] = {}
         self.momentum: dict[int, paddle.Tensor] = {}
+        # paddle_hsdp.ft (replication.keep_outer_state_on_every_replica): the momentum
+        # whole on every replica, and the sync owed by the step that came to it, run by
+        # the next attempt
+        self.replicated = False
+        self.owed = False
+        self._undo: dict[int, tuple] | None = None  # what the owed sync replaced
+        self._carried: paddle.Tensor | None = None  # the position, as a transfer moves it
 
     def take_anchors(self, unit: FSDPUnit) -> None:
         """Before the first update: the shards now are where the interval starts."""
@@ -91,11 +111,22 @@ class OuterSyncState:
                 buf.storage.repair_views()
                 self.anchors[buf.index] = buf.storage.raw[:buf.shard_numel].clone()
 
+    def sync_bytes(self, unit: FSDPUnit) -> int:
+        """The bytes of ``unit``'s trainable shards (what a sync reduces): alike on every
+        rank (the shards are padded to one size), kept once known."""
+        if self._sync_bytes is None:
+            self._sync_bytes = sum(buf.shard_numel * element_size(buf.dtype)
+                                   for buf in _synced_buffers(unit))
+        return self._sync_bytes
+
     def after_step(self, unit: FSDPUnit, fragment: int) -> None:
         """Count the step; sync ``unit`` (in ``fragment``) where its turn came."""
         every = self.policy.every
         self.steps = (self.steps + 1) % every
         if self.steps != fragment * every // self.policy.fragments:
+            return
+        if self.replicated:  # (ft: the next attempt runs it, and redoes it if that fails)
+            self.owed = True
             return
         for buf in _synced_buffers(unit):
             self._sync_buffer(buf)
@@ -103,23 +134,12 @@ class OuterSyncState:
     def _sync_buffer(self, buf: ShardBuffer) -> None:
         policy, outer = self.policy, buf.outer
         numel, replicas = buf.shard_numel, outer.nranks
-        piece = -(-numel // replicas)
         buf.storage.repair_views()  # an optimizer may have given a shard new storage
         shard = buf.storage.raw[:numel]
         anchor = self.anchors[buf.index]
         delta = anchor - shard
-        if piece * replicas > numel:
-            delta = paddle.concat([delta, paddle.zeros([piece * replicas - numel],
-                                                       delta.dtype)])
-        lo = outer.rank * piece
-        if buf.pieces.compresses:
-            pending = outer_compress.start(buf, delta, delta, True, async_op=False,
-                                           on_thread=False)
-            summed = outer_compress.finish(buf, pending, lo, lo + piece).astype(delta.dtype)
-        else:
-            summed = paddle.empty([piece], delta.dtype)
-            comm.reduce_scatter(summed, delta, outer,
-                                what=functools.partial(_label, buf, "outer sync (pseudo-grad)"))
+        summed, lo, piece = (self._all_reduced(buf, delta) if self.replicated
+                             else self._reduced_piece(buf, delta))
         mean = summed * (1.0 / replicas)
         momentum = self.momentum.get(buf.index)
         if momentum is None:
@@ -127,12 +147,112 @@ class OuterSyncState:
         momentum = momentum * policy.momentum + mean
         step = mean + momentum * policy.momentum if policy.nesterov else momentum
         self.momentum[buf.index] = momentum
+        if self.replicated:  # every replica computed the whole shard's new params
+            new = anchor - step * policy.lr
+            paddle.assign(new, output=shard)
+            self.anchors[buf.index] = new
+            return
         mine = _padded(anchor, piece * replicas)[lo:lo + piece] - step * policy.lr
         gathered = paddle.empty([piece * replicas], delta.dtype)
         comm.all_gather_into(gathered, mine, outer,
                              what=functools.partial(_label, buf, "outer sync (new params)"))
         paddle.assign(gathered[:numel], output=shard)
         self.anchors[buf.index] = gathered[:numel].clone()
+
+    def _reduced_piece(self, buf: ShardBuffer, delta: paddle.Tensor) -> tuple:
+        """The sum over the replicas of this rank's piece of ``delta`` (zero-padded to a
+        multiple of O), with the piece's start and size: one reduce-scatter (or the
+        compressed all-gather)."""
+        numel, replicas = buf.shard_numel, buf.outer.nranks
+        piece = -(-numel // replicas)
+        if piece * replicas > numel:
+            delta = paddle.concat([delta, paddle.zeros([piece * replicas - numel],
+                                                       delta.dtype)])
+        lo = buf.outer.rank * piece
+        if buf.pieces.compresses:
+            pending = outer_compress.start(buf, delta, delta, True, async_op=False,
+                                           on_thread=False)
+            return outer_compress.finish(buf, pending, lo, lo + piece).astype(delta.dtype), \
+                lo, piece
+        summed = paddle.empty([piece], delta.dtype)
+        comm.reduce_scatter(summed, delta, buf.outer,
+                            what=functools.partial(_label, buf, "outer sync (pseudo-grad)"))
+        return summed, lo, piece
+
+    def _all_reduced(self, buf: ShardBuffer, delta: paddle.Tensor) -> tuple:
+        """ft: the whole shard's sum over the live replicas (one all-reduce), so that
+        every replica holds the outer state whole and a dead one takes none of it."""
+        comm.all_reduce(delta, buf.outer,
+                        what=functools.partial(_label, buf, "outer sync (pseudo-grad)"))
+        return delta, 0, buf.shard_numel
+
+    # ------------------------------------------------------------ paddle_hsdp.ft
+    # A replica group may die in a sync, so under ft the sync is not run by the step
+    # that comes to it but by the next step's attempt, before its forward, and undone
+    # if that attempt fails (the next one redoes it over the groups still live): the
+    # committed state is the last committed step's, the sync included.
+
+    def run_owed(self, unit: FSDPUnit) -> None:
+        """The sync a committed step owes, now (a collective over the live groups);
+        what it replaces is kept until :meth:`settle`."""
+        if not self.owed or self._undo is not None:
+            return
+        undo = {}
+        for buf in _synced_buffers(unit):
+            buf.storage.repair_views()
+            undo[buf.index] = (buf.storage.raw[:buf.shard_numel].clone(),
+                               self.anchors[buf.index], self.momentum.get(buf.index))
+        self._undo = undo
+        for buf in _synced_buffers(unit):
+            self._sync_buffer(buf)
+
+    def settle(self, unit: FSDPUnit, committed: bool) -> None:
+        """The attempt that ran the owed sync committed (the sync is done), or failed
+        (the shards, anchors and momentum go back to before it; it stays owed)."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        if committed:
+            self.owed = False
+            return
+        for buf in _synced_buffers(unit):
+            shard, anchor, momentum = undo[buf.index]
+            buf.storage.repair_views()
+            paddle.assign(shard, output=buf.storage.raw[:buf.shard_numel])
+            self.anchors[buf.index] = anchor
+            if momentum is None:
+                self.momentum.pop(buf.index, None)
+            else:
+                self.momentum[buf.index] = momentum
+        unit.reshard(force=True)  # params the failed attempt kept gathered are stale
+
+    def carried(self, unit: FSDPUnit) -> list[tuple[str, paddle.Tensor]]:
+        """What a rejoining replica group takes from its donor (ft's transfer writes
+        into these, then :meth:`took_carried`): every buffer's anchor and whole
+        momentum, and the position in the interval with whether a sync is owed."""
+        self.take_anchors(unit)
+        out = []
+        for buf in _synced_buffers(unit):
+            if buf.index not in self.momentum:
+                self.momentum[buf.index] = paddle.zeros([buf.shard_numel], buf.dtype)
+            out += [(f"unit{unit.index}.buffer{buf.index}.outer_anchor",
+                     self.anchors[buf.index]),
+                    (f"unit{unit.index}.buffer{buf.index}.outer_momentum",
+                     self.momentum[buf.index])]
+        self._carried = paddle.to_tensor([self.steps, int(self.owed)], dtype="int64")
+        return out + [(f"unit{unit.index}.outer_position", self._carried)]
+
+    def took_carried(self, unit: FSDPUnit) -> None:
+        """A rejoining group took its donor's outer state: the position, and the last
+        synced model (the anchor) as its params, so that what it trains until the next
+        sync is its own change since then, as every replica's is."""
+        if self._carried is None:
+            return
+        self.steps, owed = (int(v) for v in self._carried.numpy())
+        self.owed, self._carried = bool(owed), None
+        for buf in _synced_buffers(unit):
+            buf.storage.repair_views()
+            paddle.assign(self.anchors[buf.index], output=buf.storage.raw[:buf.shard_numel])
 
     # ------------------------------------------------------------ checkpoints
     # Saved per parameter as its optimizer states (checkpoint/items.py): the anchor and
@@ -144,11 +264,21 @@ class OuterSyncState:
         over the outer group per buffer; zeros before the first sync): what a save
         reads blocks from. A collective: every rank of the outer group, in buffer
         order."""
+        if self.owed:  # (ft; alike on every rank of every live group)
+            raise ValueError(
+                f"save_checkpoint: {unit.label} comes to an outer sync (DiLoCo every "
+                f"{self.policy.every} steps) that paddle_hsdp.ft runs in the next step's "
+                "attempt; a checkpoint now would lose it. Save after a step that does "
+                "not come to a sync (one more step).")
         self.take_anchors(unit)
         whole = {}
         for buf in _synced_buffers(unit):
             piece = -(-buf.shard_numel // buf.outer.nranks)
             mine = self.momentum.get(buf.index)
+            if self.replicated:  # (ft) every replica holds it whole: nothing to gather
+                whole[buf.index] = mine if mine is not None else \
+                    paddle.zeros([buf.shard_numel], buf.dtype)
+                continue
             if mine is None:
                 mine = paddle.zeros([piece], buf.dtype)
             gathered = paddle.empty([piece * buf.outer.nranks], buf.dtype)
@@ -176,6 +306,8 @@ class OuterSyncState:
         falls in this rank's piece; the rest is other replicas' to keep."""
         piece = -(-buf.shard_numel // buf.outer.nranks)
         lo = buf.outer.rank * piece
+        if self.replicated:  # (ft) the whole shard's momentum is this replica's
+            piece, lo = buf.shard_numel, 0
         start = sp.slot.inner_offset
         first, last = max(start, lo), min(start + sp.inner_numel, lo + piece)
         if first >= last:
@@ -213,6 +345,28 @@ def after_update(units) -> None:
     each unit training apart counts the step and, every H-th (at its fragment's turn),
     syncs its buffers."""
     apart = [unit for unit in units if unit.outer_sync is not None]
-    for i, unit in enumerate(apart):
-        unit.outer_sync.after_step(unit, i % unit.outer_sync.policy.fragments)
+    fragment_of: dict[int, int] = {}
+    by_count: dict[int, list] = {}  # (units of policies with another fragment count apart)
+    for unit in apart:
+        by_count.setdefault(unit.outer_sync.policy.fragments, []).append(unit)
+    for count, members in by_count.items():
+        dealt = deal_fragments([u.outer_sync.sync_bytes(u) for u in members], count) \
+            if count > 1 else [0] * len(members)
+        fragment_of.update((id(u), f) for u, f in zip(members, dealt, strict=True))
+    for unit in apart:
+        unit.outer_sync.after_step(unit, fragment_of[id(unit)])
+
+
+def deal_fragments(sizes: list[int], count: int) -> list[int]:
+    """Each unit's fragment (0 to ``count`` - 1), given the units' sizes in the order
+    every rank steps them: the largest first, each into the fragment holding the
+    fewest bytes so far (ties: the earlier unit, the lower fragment). Greedy, so the
+    largest fragment is at most 4/3 of the best split's (Graham's bound) and never
+    below the largest unit; deterministic, so every rank deals alike."""
+    held, fragment = [0] * count, [0] * len(sizes)
+    for unit in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        lightest = min(range(count), key=lambda f: (held[f], f))
+        fragment[unit] = lightest
+        held[lightest] += sizes[unit]
+    return fragment
 

@@ -63,9 +63,10 @@ class OuterSyncPolicy:
     their pseudo-gradient (the params at the last sync minus the params now) and
     apply an outer SGD step, ``lr`` and ``momentum``, Nesterov when ``nesterov``
     (DiLoCo's defaults: 0.7, 0.9, True); every replica then holds the same params
-    (engine/diloco.py). ``fragments=F`` (streaming DiLoCo): the units in F fragments
-    (unit i in fragment i % F), fragment f synced at the steps where step % H is
-    f H // F, so a sync moves about 1/F of the model."""
+    (engine/diloco.py). ``fragments=F`` (streaming DiLoCo): the units dealt into F
+    fragments by size (``diloco.deal_fragments``: the largest first, each into the
+    lightest fragment), fragment f synced at the steps where step % H is f H // F, so
+    a sync moves about 1/F of the model (at least its largest unit)."""
 
     every: int = 1
     lr: float = 0.7

@@ -4,12 +4,17 @@ named here, and ft holds no registry, unit or buffer.
 
 * :func:`refusal_to_replicate`: why a model cannot train as a replica group (a buffer
   not sharded over the live outer group, outer sub-shards of its own, DiLoCo's outer
-  sync every H steps), or None;
+  sync with a compressed reduce), or None;
+* :func:`keep_outer_state_on_every_replica`, :func:`run_owed_outer_syncs`,
+  :func:`settle_outer_syncs`: DiLoCo on replica groups (engine/diloco.py): the outer
+  momentum whole on every group, and a step's sync run by the next attempt, undone if
+  that attempt fails;
 * :func:`parameter_table`: the sharded parameters, for the groups' configuration check;
 * :func:`state_tensors`: the tensors a replica's model state is made of (each buffer's
-  flat shard, unsharded parameters, buffers), in one order on every replica;
+  flat shard, unsharded parameters, buffers, DiLoCo's outer state), in one order on
+  every replica;
 * :func:`state_replaced`: after a transfer wrote into them, the engine's views and
-  gathered copies are refreshed;
+  gathered copies are refreshed (and DiLoCo's receiver takes the last synced params);
 * :func:`order_outer_syncs_again`, :func:`owe_rebuild`: a round changed who trains;
 * :func:`finish_grad_sync`: the deferred outer all-reduce, now;
 * :class:`PieceOptimizers`, :func:`why_no_second_piece`: HFSDP's re-cut, the
@@ -32,19 +37,21 @@ if TYPE_CHECKING:
 
 __all__ = ["refusal_to_replicate", "parameter_table", "state_tensors", "state_replaced",
            "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync", "PieceOptimizers",
-           "why_no_second_piece"]
+           "why_no_second_piece", "keep_outer_state_on_every_replica",
+           "run_owed_outer_syncs", "settle_outer_syncs"]
 
 
 def refusal_to_replicate(model: paddle.nn.Layer, outer: Group) -> str | None:
     """Why ``model``'s buffers cannot train across live replica groups over ``outer``
     (the group's outer group), or None."""
     for unit in registry.units_under(model):
-        if unit.outer_sync is not None:
+        if unit.outer_sync is not None and any(b.pieces.compress is not None
+                                               for b in unit.buffers):
             return (f"{unit.label} syncs its replicas every {unit.outer_sync.policy.every} "
-                    "steps (OuterSyncPolicy, fsdp_outer_sync_every): a replica that joins "
-                    "would need the outer state (the last sync's params, the outer "
-                    "momentum's pieces), which the transfer does not carry. Use every=1 "
-                    "in a fault-tolerant job.")
+                    "steps with a compressed reduce (fsdp_outer_compress): its error "
+                    "feedback is each replica's own and would not survive a group's death "
+                    "or follow a rejoiner. Use fsdp_outer_compress: null with "
+                    "fsdp_outer_sync_every in a fault-tolerant job.")
         for buf in unit.buffers:
             if buf.outer is not outer:
                 return (f"{buf.describe()} is not sharded over the inner group (a "
@@ -82,15 +89,48 @@ def state_tensors(model: paddle.nn.Layer) -> list[tuple[str, paddle.Tensor]]:
             out.append((f"param.{name}", param))
     for name, buffer in model.named_buffers():
         out.append((f"buffer.{name}", buffer))
+    for unit in registry.units_under(model):
+        if unit.outer_sync is not None:
+            out += unit.outer_sync.carried(unit)
     return out
 
 
 def state_replaced(model: paddle.nn.Layer) -> None:
     """The model's state tensors were written in place: views are re-pointed, and
-    parameters kept gathered are resharded (they hold the old values)."""
+    parameters kept gathered are resharded (they hold the old values). DiLoCo: the
+    receiver's params are the last synced ones (the donor's anchor)."""
     registry.storage_may_have_changed()
     for unit in registry.units_under(model):
+        if unit.outer_sync is not None:
+            unit.outer_sync.took_carried(unit)
         unit.reshard(force=True)
+
+
+def keep_outer_state_on_every_replica(model: paddle.nn.Layer) -> bool:
+    """DiLoCo on replica groups: every group holds the outer momentum whole (not 1/O:
+    the live groups' count changes, and a dead group would take its piece along), and
+    a step's sync is run by the next attempt (:func:`run_owed_outer_syncs`). Whether
+    any unit syncs every H steps (else a step need not call the two below)."""
+    apart = [unit.outer_sync for unit in registry.units_under(model)
+             if unit.outer_sync is not None]
+    for sync in apart:
+        sync.replicated = True
+    return bool(apart)
+
+
+def run_owed_outer_syncs(model: paddle.nn.Layer) -> None:
+    """Before an attempt's forward: the DiLoCo syncs the last committed step owes, over
+    the round's live groups (in unit order on every rank; a collective)."""
+    for unit in registry.units_under(model):
+        if unit.outer_sync is not None:
+            unit.outer_sync.run_owed(unit)
+
+
+def settle_outer_syncs(model: paddle.nn.Layer, committed: bool) -> None:
+    """The attempt committed (its syncs are done) or failed (undone, still owed)."""
+    for unit in registry.units_under(model):
+        if unit.outer_sync is not None:
+            unit.outer_sync.settle(unit, committed)
 
 
 def order_outer_syncs_again(model: paddle.nn.Layer) -> None:

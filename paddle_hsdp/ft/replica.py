@@ -146,6 +146,8 @@ def _checked_hsdp_groups(replica_id: int, start_replicas: int, min_replicas: int
 class Replica:
     """This process's view of its replica group (build it with :func:`paddle_hsdp.ft.init`)."""
 
+    _syncs_apart = False  # DiLoCo (set by attach): a step runs and settles owed syncs
+
     def __init__(self, replica_id: int, coordinator: str, start_replicas: int,
                  min_replicas: int, round_timeout_s: float, max_failed_attempts: int,
                  redundancy: int = 2):
@@ -299,6 +301,8 @@ class Replica:
         why = replication.refusal_to_replicate(model, self.outer)
         if why is not None:
             raise NotImplementedError(f"paddle_hsdp.ft: {why}")
+        # DiLoCo: its outer state whole on every group, its syncs run by the next attempt
+        self._syncs_apart = replication.keep_outer_state_on_every_replica(model)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self._state_fn, self._load_state_fn = state_dict, load_state_dict
         plan = self.piece_plan
@@ -752,6 +756,8 @@ class _Step(PhaseMachine[StepPhase]):
         replica = self.replica
         replica._need_round = False
         try:
+            if replica._syncs_apart:  # DiLoCo: the sync the last step owes, over the round
+                replication.run_owed_outer_syncs(replica._attached().model)
             self.loss = self._forward_backward()
             # after the grads' all-reduces: a group whose backward issued them early
             # and one that issues them here send them in one order
@@ -796,6 +802,8 @@ class _Step(PhaseMachine[StepPhase]):
 
     def _commit(self) -> StepPhase:
         replica = self.replica
+        if replica._syncs_apart:
+            replication.settle_outer_syncs(replica._attached().model, committed=True)
         self.optimizer.step()
         replica._piece_optimizers.step()  # HFSDP: the pieces held besides its own
         if replica.piece_plan is not None:
@@ -812,6 +820,8 @@ class _Step(PhaseMachine[StepPhase]):
     def _retry(self) -> StepPhase:
         replica = self.replica
         self.optimizer.clear_grad()  # every grad of the attempt, synced or not
+        if replica._syncs_apart:
+            replication.settle_outer_syncs(replica._attached().model, committed=False)
         replica._failed = True
         replica.fresh = replica.fresh or self.receiving
         self.failures += 1

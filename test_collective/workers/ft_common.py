@@ -53,6 +53,9 @@ def penalty_of(model, weight: float):
     return weight * paddle.add_n([(p * p).sum() for p in model.parameters()])
 
 
+#: DiLoCo's outer optimizer in the runs that sync every H steps (FT_TEST_DILOCO=H)
+DILOCO = {"lr": 0.7, "momentum": 0.9}
+
 #: the optimizers a run can train with (worker_ft.py's FT_TEST_OPTIMIZER)
 OPTIMIZERS = ("adamw", "muon")
 
@@ -75,3 +78,23 @@ def make_optimizer(params, kind: str = "adamw"):
 def placement(kind: str):
     """The ``shard_placement_fn`` of optimizer ``kind``."""
     return paddle_hsdp.owned_matrices() if kind == "muon" else None
+
+
+def diffs_against(runs, want_losses, want_params_of):
+    """``(loss diffs, param diffs)`` of every rank's results against a reference:
+    ``want_losses[(step, replica, rank)]`` and ``want_params_of(run)``, the reference's
+    parameters as of the step the run wrote its own at."""
+    from parity import max_rel
+
+    loss_diffs, param_diffs = {}, {}
+    for run in runs:
+        who = f"replica {run['replica']} rank {run['rank']}"
+        for step, loss in run["losses"].items():
+            want = want_losses[(int(step), run["replica"], run["rank"])]
+            loss_diffs[f"{who} step {int(step) + 1}"] = abs(loss - want) / abs(want)
+        want_params = want_params_of(run)
+        assert sorted(run["params"]) == sorted(want_params), (sorted(run["params"]),
+                                                              sorted(want_params))
+        for name, value in run["params"].items():
+            param_diffs[f"{who} {name}"] = max_rel(value, want_params[name])
+    return loss_diffs, param_diffs

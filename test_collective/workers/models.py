@@ -166,10 +166,20 @@ def shard_tinylm(model, **kwargs):
 
 def fragment_of(model, fragments):
     """Each trainable parameter's streaming-DiLoCo fragment (``OuterSyncPolicy
-    (fragments=F)``): the units in the order every rank steps them (their index),
-    unit i in fragment i % F; ``{name: fragment}``, names as ``state_dict()``'s."""
+    (fragments=F)``), as the schedule says, not read from the engine: the units by the
+    bytes of their trainable shards, largest first (ties: the lower index), each into
+    the fragment holding the fewest bytes so far (ties: the lower fragment);
+    ``{name: fragment}``, names as ``state_dict()``'s."""
+    import numpy as np
+    import paddle
     from paddle_hsdp.engine.registry import registry
 
     units = sorted(registry.units_under(model), key=lambda u: u.index)
-    return {registry.param_path(sp): i % fragments for i, unit in enumerate(units)
+    size = {u.index: sum(b.shard_numel * paddle.zeros([1], b.dtype).element_size()
+                         for b in u.buffers if b.trainable) for u in units}
+    held, where = np.zeros(fragments, dtype=np.int64), {}
+    for unit in sorted(units, key=lambda u: (-size[u.index], u.index)):
+        where[unit.index] = int(np.argmin(held))  # the first of the lightest
+        held[where[unit.index]] += size[unit.index]
+    return {registry.param_path(sp): where[unit.index] for unit in units
             for buf in unit.buffers if buf.trainable for sp in buf.params}

@@ -10,6 +10,8 @@ argv: the folder worker_ft.py wrote into, the number of steps, the ranks per rep
 (default 2), the penalty on the parameters' squared norm (worker_ft.py's
 FT_TEST_PENALTY, default 0) and the fewest groups a step has it with
 (FT_TEST_PENALTY_MIN_GROUPS, default 0); the optimizer is the one the replicas recorded. Prints the membership per step and FT_PARITY_OK.
+A run that synced every H steps (DiLoCo, FT_TEST_DILOCO) is checked against
+reference_ft_diloco.py instead.
 """
 
 import glob
@@ -17,7 +19,8 @@ import json
 import os
 import sys
 
-from ft_common import RANKS_PER_REPLICA, batch, build_model, loss_of, make_optimizer, penalty_of
+from ft_common import (RANKS_PER_REPLICA, batch, build_model, diffs_against, loss_of,
+                       make_optimizer, penalty_of)
 from parity import max_rel, report, set_dtype
 
 import paddle
@@ -41,6 +44,14 @@ for run in runs:
                 f"replicas {entry['replicas']}, another rank with {members[t]}")
 assert sorted(members) == list(range(steps)), f"steps without a record: {sorted(members)}"
 print("MEMBERS " + json.dumps({t + 1: members[t] for t in range(steps)}), flush=True)
+
+everies = {run.get("diloco", 1) for run in runs}
+assert len(everies) == 1, f"the replicas synced every {everies} steps"
+every = everies.pop()
+if every > 1:  # DiLoCo on replica groups: one model per group, its own reference
+    from reference_ft_diloco import check_diloco
+    check_diloco(runs, members, every, steps, ranks_per_replica)
+    sys.exit(0)
 
 kinds = {run.get("optimizer", "adamw") for run in runs}
 assert len(kinds) == 1, f"the replicas trained with different optimizers: {kinds}"
@@ -85,17 +96,8 @@ for t in range(steps):
             for acc, value in want_states.items():
                 ckpt_diffs[f"{name} {acc}"] = max_rel(got_states[acc].numpy(), value.numpy())
 
-loss_diffs, param_diffs = {}, {}
-for run in runs:
-    who = f"replica {run['replica']} rank {run['rank']}"
-    for step, loss in run["losses"].items():
-        want = want_losses[(int(step), run["replica"], run["rank"])]
-        loss_diffs[f"{who} step {int(step) + 1}"] = abs(loss - want) / abs(want)
-    want_params = want_params_at[run.get("params_step", steps)]
-    assert sorted(run["params"]) == sorted(want_params), (sorted(run["params"]),
-                                                          sorted(want_params))
-    for name, value in run["params"].items():
-        param_diffs[f"{who} {name}"] = max_rel(value, want_params[name])
+loss_diffs, param_diffs = diffs_against(
+    runs, want_losses, lambda run: want_params_at[run.get("params_step", steps)])
 report("ft: per-step losses of every rank vs the reference", loss_diffs)
 report("ft: final parameters of every replica vs the reference", param_diffs)
 if checkpoint_step is not None:

@@ -246,7 +246,8 @@ assert acted > 1e-3, acted  # the clip changed the training: the check can fail
 print(f"DILOCO set_requires_all_reduce(False) clips per replica: {max(worst.values()):.1e} "
       f"over {len(CLIP_DATA)} steps", flush=True)
 
-# streaming (two fragments: units 0, 2, ... and 1, 3, ... in their order): fragment 1
+# streaming (two fragments dealt by size, models.fragment_of; here blocks 0 and 2 in
+# one, the embedding, block 1 and the root in the other): fragment 1
 # synced after steps 2 and 6, fragment 0 after step 4, each moving its own buffers only
 STREAM = paddle_hsdp.OuterSyncPolicy(every=EVERY, lr=OUTER_LR, momentum=OUTER_MOMENTUM,
                                      fragments=2)

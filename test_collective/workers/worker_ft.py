@@ -25,7 +25,8 @@ its parameters as of step k; with FT_TEST_KILL_AT=k+1 every group then dies: the
 job stops), FT_TEST_RESUME=1 (replica.load_checkpoint(out_dir/ckpt) before the first
 step: the job resumes from that joint checkpoint),
 FT_TEST_OPTIMIZER=muon (paddle_hsdp.Muon, each matrix owned by one rank of
-the group; default adamw), FT_TEST_FAIL_EACH_STEP=1 (the first attempt of every step after the first fails here, as
+the group; default adamw), FT_TEST_DILOCO=H (the groups sync every H steps,
+ft_common.DILOCO's outer Nesterov step: DiLoCo on replica groups), FT_TEST_FAIL_EACH_STEP=1 (the first attempt of every step after the first fails here, as
 a failed collective would: a round that rebuilds the outer groups each step). Each rank writes
 out_dir/replica<r>_rank<i>_<pid>.json: its committed losses, the replica's history
 (rounds, failures, timings), its open sockets after each step and the final full
@@ -43,7 +44,8 @@ import sys
 import time
 
 from common import init_fleet
-from ft_common import OPTIMIZERS, batch, build_model, loss_of, make_optimizer, penalty_of, placement
+from ft_common import (DILOCO, OPTIMIZERS, batch, build_model, loss_of, make_optimizer,
+                       penalty_of, placement)
 
 import paddle
 import paddle.distributed as dist
@@ -76,9 +78,14 @@ rank = dist.get_rank()
 kind = os.environ.get("FT_TEST_OPTIMIZER", "adamw")
 assert kind in OPTIMIZERS, kind
 model = build_model()
+diloco_every = int(os.environ.get("FT_TEST_DILOCO", "1"))
+outer_policy = paddle_hsdp.OuterSyncPolicy(every=diloco_every, **DILOCO) \
+    if diloco_every > 1 else None
 for layer in model.layers:
-    paddle_hsdp.fully_shard(layer, shard_placement_fn=placement(kind))
-paddle_hsdp.fully_shard(model, shard_placement_fn=placement(kind))
+    paddle_hsdp.fully_shard(layer, shard_placement_fn=placement(kind),
+                            outer_sync_policy=outer_policy)
+paddle_hsdp.fully_shard(model, shard_placement_fn=placement(kind),
+                        outer_sync_policy=outer_policy)
 opt, scheduler = make_optimizer(model.parameters(), kind)
 
 
@@ -238,6 +245,7 @@ def write_results():
     with open(os.path.join(out_dir, f"replica{replica.replica_id}_rank{rank}_{os.getpid()}_"
                            f"{replica.step}.json"), "w") as f:
         json.dump({"replica": replica.replica_id, "rank": rank, "optimizer": kind,
+                   "diloco": diloco_every,
                    "losses": losses, "history": replica.history[history_from:],
                    "params": full, "params_step": replica.step, "sockets": sockets,
                    "groups_freed": replica.outer.freed, "early_syncs": early_syncs,

@@ -61,10 +61,11 @@ def summarise_two_hosts(results: dict, args) -> dict:
                                  "steps (a reduce-scatter of the pseudo-gradient and an "
                                  "all-gather of the new params); its step time is the "
                                  "mean over the timed steps, the sync's included",
-                   "*_diloco16_f4": "streaming DiLoCo: the units in 4 fragments (unit "
-                                    "i in fragment i % 4) synced in turn, one every 4 "
-                                    "steps: the same bytes per step as *_diloco16, "
-                                    "each sync a fragment's",
+                   "*_diloco16_f<F>": "streaming DiLoCo: the units dealt by size into "
+                                      "F fragments (an engine from before 2026-12-07, "
+                                      "as a _base run: unit i in fragment i % F) synced "
+                                      "in turn, one every 16 / F steps: the same bytes "
+                                      "per step as *_diloco16, each sync a fragment's",
                    "*_int8": "the outer sync as blockwise int8 codes and a float32 "
                               "scale per 256 values with error feedback: an all-gather "
                               "of every replica's message (counter op all_reduce_int8)",

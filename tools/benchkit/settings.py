@@ -14,7 +14,7 @@ MUON_VARIANTS = ["hsdp1x4_muon", "hsdp1x4_muon_replicate", "hsdp2x2_muon",
 WORLD = 4
 TWO_HOST_VARIANTS = ["dp", "stage3", "hsdp2x2", "hsdp2x2_bf16", "hsdp2x2_int8", "hfsdp2x2",
                      "hfsdp2x2_int8", "hsdp1x4", "hsdp2x2_diloco16", "hsdp2x2_diloco16_int8",
-                     "hsdp2x2_diloco16_f4"]
+                     "hsdp2x2_diloco16_f2", "hsdp2x2_diloco16_f4"]
 TWO_HOST_SHAPE = "4m"
 RANKS_PER_HOST = 2
 # (variant, reference, at most): reported, not asserted
