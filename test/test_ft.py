@@ -115,6 +115,14 @@ def test_the_live_outer_group_follows_the_rounds():
     group.adopt([0, 2, 3], ("pg", {}), 4)
     assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
     assert group.process_group == "pg"
+    # a step a receiver sits out: its members' grads' divisor counts the others only,
+    # what the engine's divisor reads (topology/mesh.py, engine/unit.py)
+    from paddle_hsdp.comm.traits import contributing
+    assert contributing(group) == 3
+    declare(group, contributing=2)
+    assert contributing(group) == 2 and traits_of(group).early_sync
+    declare(group, contributing=None)
+    assert contributing(group) == 3
     group.abandon()
     assert group.ranks == [9] and group.process_group is None
     assert group.broken == [("pg", groups.group_id(4, 1))]
@@ -410,8 +418,12 @@ def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(
         ft._log_membership(Round(8, {0: Arrival(9), 1: Arrival(9)}, rebuild=False))
         ft._log_membership(Round(9, {0: Arrival(11), 1: Arrival(11), 2: Arrival(0, True)},
                                  rebuild=True))
+        ft._log_membership(Round(10, {0: Arrival(12), 1: Arrival(12), 2: Arrival(12),
+                                      3: Arrival(0, True)}, rebuild=True), [3])
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2, lines  # round 8 changed nothing
+    assert len(lines) == 3, lines  # round 8 changed nothing
+    assert "round 10: joined [3], replica(s) sit step 13 out, their state of its start " \
+        "handed over beside it (3 from 0)" in lines[2], lines[2]
     assert Round.from_json(Round(7, {0: Arrival(9)}, True, left={2: "x"}).to_json()).left \
         == {2: "x"}
     assert "round 7: left [2] (2: its heartbeats stopped (killed or hung)); 2 replicas " \
