@@ -278,11 +278,11 @@ def run_scenario(args, work: str, env: dict, coordinator_command: list[str], add
 
 
 def rejoin_cost(lines: list[dict], victim: int) -> dict:
-    """A healthy group's steps at the rejoin (the first round after the kill that
-    takes ``victim`` in and commits) and the next, beside its median step outside
+    """A healthy group's steps at the rejoin (the last round that takes ``victim`` in
+    and commits) and the next, beside its median step outside
     rounds, its round and set-up, and the state each rank sent (MiB)."""
-    at = next(i for i, line in enumerate(lines) if "round_s" in line["history"]
-              and victim in line["history"].get("receivers", ()))
+    at = max(i for i, line in enumerate(lines) if "round_s" in line["history"]
+             and victim in line["history"].get("receivers", ()))  # (not the first round's)
     history = lines[at]["history"]
     plain = sorted(line["seconds"] for line in lines if "round_s" not in line["history"])
     sent = history.get("snapshot_bytes", history.get("state_bytes", 0))
