@@ -66,8 +66,8 @@ BOUND_S = 300  # the whole scenario: five launches, a restart, a rejoin
 # a healthy group's step at a rejoin, less its etcd round and the round's group creation
 # (the slower of its own set-up and the joiner's), and the step after: at most this many
 # of its median steps (its compute; the first after a round syncs at its end), or its
-# slowest step outside rounds. Measured 2026-12-07 (load 2-4): 0.06 s and 0.10 s, the
-# median 0.06 s
+# slowest step outside rounds. Measured 2026-12-07 (load 2-7, two runs): 0.06-0.26 s and
+# 0.10 s, the median 0.06 s
 STALL_MEDIANS = 5
 ETCD_AWAY_S = 48  # etcd killed, replica 2 killed 3 s later, etcd back 45 s after that
 
