@@ -115,6 +115,14 @@ def test_the_live_outer_group_follows_the_rounds():
     group.adopt([0, 2, 3], ("pg", {}), 4)
     assert group.ranks == [1, 9, 13] and group.rank == 1 and group.replicas == [0, 2, 3]
     assert group.process_group == "pg"
+    # a step a receiver sits out: its members' grads' divisor counts the others only,
+    # what the engine's divisor reads (topology/mesh.py, engine/unit.py)
+    from paddle_hsdp.comm.traits import contributing
+    assert contributing(group) == 3
+    declare(group, contributing=2)
+    assert contributing(group) == 2 and traits_of(group).early_sync
+    declare(group, contributing=None)
+    assert contributing(group) == 3
     group.abandon()
     assert group.ranks == [9] and group.process_group is None
     assert group.broken == [("pg", groups.group_id(4, 1))]
@@ -388,7 +396,7 @@ def test_a_death_during_a_rounds_set_up_is_a_failed_round_whatever_paddle_raises
 
     monkeypatch.setattr(replica.groups, "connect", connect)
     ft = object.__new__(replica.Replica)
-    ft.rank, ft.store, ft.round_timeout_s = 0, None, 1.0
+    ft.rank, ft.store, ft.round_timeout_s, ft._handoff = 0, None, 1.0, None
     ft.outer = types.SimpleNamespace(adopt=lambda *args: None)
     record = types.SimpleNamespace(number=4, rebuild=True, replicas=[0, 1], receivers=[])
     error = ft._set_up_round(record, receiving=False)
@@ -418,8 +426,12 @@ def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(
         ft._log_membership(Round(8, {0: Arrival(9), 1: Arrival(9)}, rebuild=False))
         ft._log_membership(Round(9, {0: Arrival(11), 1: Arrival(11), 2: Arrival(0, True)},
                                  rebuild=True))
+        ft._log_membership(Round(10, {0: Arrival(12), 1: Arrival(12), 2: Arrival(12),
+                                      3: Arrival(0, True)}, rebuild=True), [3])
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2, lines  # round 8 changed nothing
+    assert len(lines) == 3, lines  # round 8 changed nothing
+    assert "round 10: joined [3], replica(s) sit step 13 out, their state of its start " \
+        "handed over beside it (3 from 0)" in lines[2], lines[2]
     assert Round.from_json(Round(7, {0: Arrival(9)}, True, left={2: "x"}).to_json()).left \
         == {2: "x"}
     assert "round 7: left [2] (2: its heartbeats stopped (killed or hung)); 2 replicas " \
@@ -465,7 +477,8 @@ def test_a_leader_hands_its_ranks_the_changes_since_their_last_round():
 
 
 def _replica_with_loader(monkeypatch, rounds):
-    """A leader whose rounds are ``rounds`` (one per attempt: (receives, fails)): each
+    """A leader whose rounds are ``rounds`` (one per attempt: (receives, fails), or
+    (receives, fails, up to date members: the receiver sits the step out)): each
     receiving round loads the donor's loader position 10; a failing attempt is retried.
     Returns the replica, the loader, and what forward_backward was given."""
     from paddle_hsdp.ft import replica
@@ -484,18 +497,25 @@ def _replica_with_loader(monkeypatch, rounds):
     ft._need_round, ft.replica_id, ft.rank, ft.control = True, 1, 0, None
     ft.store = types.SimpleNamespace(announce_failure=lambda number: None)
     ft._watch = types.SimpleNamespace(announce=lambda number: None)
-    ft.outer = types.SimpleNamespace(pieces=None, abandon=lambda: None)
+    class Outer:  # a stand-in for the live outer group: hashable, so traits attach
+        pieces = None
+
+        @staticmethod
+        def abandon():
+            return None
+    ft.outer, ft._resume_path, ft._handoff = Outer(), None, None
     ft._piece_optimizers = replica.replication.PieceOptimizers()
     plan = iter(rounds)
     sent = []
 
     def arrive():
-        receives, fails = next(plan)
+        receives, fails, *up_to_date = next(plan)
         ft._fails, ft._ran = fails, False
         return types.SimpleNamespace(number=0, receivers=[1] if receives else [],
-                                     replicas=[0, 1], to_json=lambda: "{}")
+                                     up_to_date=up_to_date[0] if up_to_date else [],
+                                     replicas=[0, 1], to_json=lambda: "{}", rebuild=True)
 
-    def set_up(record, receiving):
+    def set_up(record, receiving, sitting_out=()):
         sent.append(ft._plain_state()["user"])  # what this group would send as donor
         if receiving:
             ft._load_plain_state({"step": 10, "rng": [s.__getstate__() for s in
@@ -580,6 +600,49 @@ def test_a_steps_attempts_move_through_their_phases_in_order(monkeypatch):
         move(done, P.ARRIVING)
     assert kit.reachable(replica.STEP_TRANSITIONS, P.ARRIVING) == set(P)
     assert set(replica.STEP_TRANSITIONS) == set(P)
+
+
+def test_a_receiver_sits_its_rounds_step_out_and_trains_the_next_in_the_same_call(
+        monkeypatch):
+    """Issue 63 item 4: where some member is up to date, a receiver sits the round's step
+    out (its grads withheld, out of the divisor), takes the handed-over state once the
+    step's all-reduce is through, commits that step with the others and trains the next
+    within the same train_step, on the batch after the one it sat out; a failed handoff
+    fails the attempt, and the next round's step is sat out again."""
+    from paddle_hsdp.ft import replica
+    P, moves, move = replica.StepPhase, [], replica._Step._move
+
+    def recording(step, to):
+        moves.append(to)
+        move(step, to)
+    monkeypatch.setattr(replica._Step, "_move", recording)
+    ft, loader, seen, fb, next_batch, _ = _replica_with_loader(
+        monkeypatch, [(True, False, [0]), (True, False, [0])])
+    withheld, taken, divisors = [], [], []
+    monkeypatch.setattr(replica.replication, "withhold_grads",
+                        lambda model: withheld.append(ft.step))
+    handoffs = iter([FaultToleranceError("the donor's stream ended"), None])
+
+    def take(record):
+        taken.append(ft.step)
+        error = next(handoffs)
+        if error is not None:
+            raise error
+
+    def counted(batch):  # the members whose grads the step's divisor counts
+        divisors.append(traits_of(ft.outer).contributing)
+        return fb(batch)
+    ft._take_handoff = take
+    ft.train_step(counted, next_batch=next_batch)
+    attempt = [P.SETTING_UP, P.RUNNING]
+    assert moves == [*attempt, P.ANNOUNCING, P.VOTING, P.RETRYING, P.ARRIVING,
+                     *attempt, P.VOTING, P.COMMITTING, P.ARRIVING, P.RUNNING, P.VOTING,
+                     P.COMMITTING, P.DONE], moves
+    # sat out twice (the first handoff failed), from the donor's step 10; then step 12
+    assert withheld == [10, 10] and taken == [10, 10], (withheld, taken)
+    assert divisors == [1, 1, None], divisors
+    assert seen == [10, 10, 11] and loader.position == ft.step == 12
+    assert ft.fresh is False
 
 
 def test_attached_user_state_needs_next_batch_and_both_callables():

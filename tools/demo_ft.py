@@ -7,6 +7,12 @@ starts the coordinator and the launches, and prints one line per step from repli
 step, loss, the live replica groups. Each group trains on its own rows of the text
 (chosen from the step and its id, so a redone step sees the same rows). The run ends
 with what the fault cost: the stall from the kill to the next step and the rejoin.
+
+``--compare`` runs the scenario twice, one run after the other: first with the
+rejoin's state copied in the round's set-up, as before 2026-12-07 (the workers make
+``ft.handoff.sits_out`` name no one), then as built (the joiner sits the round's step
+out, its state handed over beside it), and prints what the rejoin cost the healthy
+groups in each, side by side.
 """
 
 import argparse
@@ -33,6 +39,9 @@ def parse_args(argv=None):
                         help="kill the last group once replica 0 has finished this step")
     parser.add_argument("--restart-after", type=float, default=3.0,
                         help="seconds between the kill and the restart")
+    parser.add_argument("--compare", action="store_true",
+                        help="run twice: the rejoin's state in the set-up, then beside "
+                             "the step (issue 63 item 4), and compare")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.replicas < 2:
@@ -87,6 +96,9 @@ def worker(args) -> None:
     from demo import init_hsdp
 
     init_hsdp(RANKS, 1)
+    if os.environ.get("DEMO_FT_STATE_IN_SET_UP"):  # --compare's first run: as before
+        from paddle_hsdp.ft import handoff
+        handoff.sits_out = lambda *args, **kwargs: []
     replica = ft.init()
     rank = dist.get_rank()
     model, opt = sharded_model()
@@ -153,11 +165,28 @@ def worker_command(work: str, steps: int) -> list[str]:
 
 
 def driver(args) -> int:
-    """One host: the coordinator and every replica group on this machine."""
+    """One host: the coordinator and every replica group on this machine (twice with
+    ``--compare``: the state in the set-up, then beside the step)."""
+    if not args.compare:
+        return run_once(args, {})
+    costs = {}
+    for mode, env in (("in the set-up", {"DEMO_FT_STATE_IN_SET_UP": "1"}),
+                      ("beside the step", {})):
+        print(f"=== the rejoin's state {mode}", flush=True)
+        costs[mode] = {}
+        if run_once(args, env, costs[mode]):
+            return 1
+    print_comparison(costs)
+    return 0
+
+
+def run_once(args, extra_env: dict, costs: dict | None = None) -> int:
+    """One run of the scenario (``extra_env`` for every process); what the rejoin
+    cost goes into ``costs``."""
     import tempfile
     work = tempfile.mkdtemp(prefix="hsdp_demo_ft_")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               GLOG_minloglevel="2")
+               GLOG_minloglevel="2", **extra_env)
     port = _free_port()
 
     def group_command(replica: int, log_dir: str) -> list[str]:
@@ -168,11 +197,11 @@ def driver(args) -> int:
         args, work, env,
         [sys.executable, "-m", "paddle_hsdp.ft.coordinator", "--host", "127.0.0.1",
          "--port", str(port)], f"127.0.0.1:{port}", group_command,
-        lambda replica, proc: _kill_tree(proc.pid))
+        lambda replica, proc: _kill_tree(proc.pid), costs)
 
 
 def run_scenario(args, work: str, env: dict, coordinator_command: list[str], address: str,
-                 group_command, kill_group) -> int:
+                 group_command, kill_group, costs: dict | None = None) -> int:
     """Start the coordinator and ``args.replicas`` groups (``group_command(replica,
     log_dir)``), show replica 0's steps, kill the last group (``kill_group(replica,
     proc)``) once replica 0 has finished ``args.kill_at`` steps, start it again
@@ -224,7 +253,8 @@ def run_scenario(args, work: str, env: dict, coordinator_command: list[str], add
     lines = _lines(progress)
     show(lines[shown:])
     codes = {r: p.returncode for r, p in groups.items()}
-    if any(codes.values()) or len(lines) < args.steps:
+    # (replica 0 may have sat steps out: left out of a round on a loaded machine)
+    if any(codes.values()) or not lines or lines[-1]["step"] < args.steps:
         print(f"failed: exit codes {codes}; logs in {work}")
         return 1
     after = next(line for line in lines if line["time"] > killed_at)
@@ -236,14 +266,45 @@ def run_scenario(args, work: str, env: dict, coordinator_command: list[str], add
            f"{joined['history'].get('set_up_s', 0):.2f} s)" if joined else
            f"replica group {victim} did not rejoin before the end"), flush=True)
     if joined and args.replicas > 2:  # group 1 neither sends (0 does) nor takes state
-        others = _lines(os.path.join(work, "progress1"))
-        at = next(line for line in others if line["step"] == joined["step"])
-        plain = sorted(line["seconds"] for line in others if "round_s" not in line["history"])
-        print(f"the rejoin cost replica group 1 (neither donor nor receiver) a step of "
-              f"{at['seconds']:.2f} s against its median {plain[len(plain) // 2]:.2f} s "
-              f"(its round {at['history'].get('round_s', 0):.2f} s, set-up "
-              f"{at['history'].get('set_up_s', 0):.2f} s)", flush=True)
+        for group, role in ((0, "the donor"), (1, "neither donor nor receiver")):
+            cost = rejoin_cost(_lines(os.path.join(work, f"progress{group}")), victim)
+            print(f"the rejoin cost replica group {group} ({role}) a step of "
+                  f"{cost['at']:.2f} s against its median {cost['median']:.2f} s (its "
+                  f"round {cost['round']:.2f} s, set-up {cost['set_up']:.2f} s), the next "
+                  f"{cost['next']:.2f} s; {cost['mib']:.2f} MiB per rank", flush=True)
+            if costs is not None:
+                costs[group] = cost
     return 0
+
+
+def rejoin_cost(lines: list[dict], victim: int) -> dict:
+    """A healthy group's steps at the rejoin (the last round that takes ``victim`` in
+    and commits) and the next, beside its median step outside
+    rounds, its round and set-up, and the state each rank sent (MiB)."""
+    at = max(i for i, line in enumerate(lines) if "round_s" in line["history"]
+             and victim in line["history"].get("receivers", ()))  # (not the first round's)
+    history = lines[at]["history"]
+    plain = sorted(line["seconds"] for line in lines if "round_s" not in line["history"])
+    sent = history.get("snapshot_bytes", history.get("state_bytes", 0))
+    return {"step": lines[at]["step"], "at": lines[at]["seconds"],
+            "next": lines[at + 1]["seconds"] if at + 1 < len(lines) else float("nan"),
+            "median": plain[len(plain) // 2], "round": history.get("round_s", 0.0),
+            "set_up": history.get("set_up_s", 0.0), "mib": sent / 2 ** 20}
+
+
+def print_comparison(costs: dict) -> None:
+    """The two runs' rejoin costs, side by side (seconds; ratios to the median)."""
+    print("| replica group | the state | step at the rejoin | the next | median | round | "
+          "set-up (group creation) | MiB per rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for group in (0, 1):
+        for mode, cost in costs.items():
+            c = cost.get(group)
+            if c is None:
+                continue
+            print(f"| {group} | {mode} | {c['at']:.2f} s (x{c['at'] / c['median']:.1f}) | "
+                  f"{c['next']:.2f} s (x{c['next'] / c['median']:.1f}) | {c['median']:.2f} s "
+                  f"| {c['round']:.2f} s | {c['set_up']:.2f} s | {c['mib']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ class GroupTraits:
     pieces: PieceHolders | None = None
     # the live replica groups saving one checkpoint together (ft.joint_save.JointSave)
     joint_save: object | None = None
+    # members whose grads count this step, when fewer than all (paddle_hsdp.ft: a
+    # rejoining replica sits its first step out, adding zeros): the grads' divisor
+    contributing: int | None = None
 
 
 PLAIN = GroupTraits()
@@ -63,6 +66,14 @@ def declare(group: Group, **traits: Any) -> GroupTraits:
     record = dataclasses.replace(traits_of(group), **traits)
     state.group_traits[group] = record
     return record
+
+
+def contributing(group: Group) -> int:
+    """How many of ``group``'s members add grads to its all-reduce this step: all of
+    them, or those paddle_hsdp.ft declared (a rejoining replica adds zeros and is left
+    out of the mean until its state arrived)."""
+    declared = traits_of(group).contributing
+    return group.nranks if declared is None else declared
 
 
 def traits_of(group: Group | None) -> GroupTraits:

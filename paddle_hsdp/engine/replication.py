@@ -17,6 +17,7 @@ named here, and ft holds no registry, unit or buffer.
   gathered copies are refreshed (and DiLoCo's receiver takes the last synced params);
 * :func:`order_outer_syncs_again`, :func:`owe_rebuild`: a round changed who trains;
 * :func:`finish_grad_sync`: the deferred outer all-reduce, now;
+* :func:`withhold_grads`: a replica sitting the step out adds zeros to it;
 * :class:`PieceOptimizers`, :func:`why_no_second_piece`: HFSDP's re-cut, the
   optimizers of the pieces a replica holds besides its own (engine/piece_optimizer.py).
 """
@@ -31,6 +32,7 @@ from .hooks import record_outer_sync_again
 from .optimizers import finish_grad_sync
 from .piece_optimizer import PieceOptimizers, why_no_second_piece
 from .registry import registry
+from .states import GradState, expect
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["refusal_to_replicate", "parameter_table", "state_tensors", "state_replaced",
            "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync", "PieceOptimizers",
            "why_no_second_piece", "keep_outer_state_on_every_replica",
-           "run_owed_outer_syncs", "settle_outer_syncs"]
+           "run_owed_outer_syncs", "settle_outer_syncs", "withhold_grads"]
 
 
 def refusal_to_replicate(model: paddle.nn.Layer, outer: Group) -> str | None:
@@ -144,3 +146,18 @@ def owe_rebuild(model: paddle.nn.Layer) -> None:
     forward."""
     for unit in registry.units_under(model):
         unit.owe_rebuild()
+
+
+def withhold_grads(model: paddle.nn.Layer) -> None:
+    """This replica sits the step out (its state is not the round's yet): every grad
+    it would add to the outer all-reduce becomes zero, so the others' sum holds theirs
+    alone (the divisor leaves it out: ``traits.contributing``). Before
+    :func:`finish_grad_sync`, in a backward whose outer syncs wait for the step (the
+    first after a round that changed who trains): one already issued is refused."""
+    for unit in registry.units_under(model):
+        unit.finish_reductions()
+        for buf in unit.buffers:
+            if buf.trainable:
+                expect(buf.grads.state, (GradState.EMPTY, GradState.REDUCED),
+                       "withhold_grads", buf.describe)
+                buf.grads.acc_flat().zero_()

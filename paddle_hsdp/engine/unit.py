@@ -29,7 +29,7 @@ import paddle
 import paddle.distributed as dist
 
 from ..comm import arrival
-from ..comm.traits import traits_of
+from ..comm.traits import contributing, traits_of
 from ..topology.cost import UnitShape
 from ..topology.fleet import single_rank_group
 from ..topology.placement import is_expert
@@ -357,7 +357,8 @@ class FSDPUnit:
         """What a synced grad of ``buf`` is multiplied by to be in summed form again
         (N / O, or N with outer sub-shards reduce-scattered; ``gradient_divide_factor`` in
         place of N)."""
-        return self.divisor(buf) * (buf.parts if buf.scatters_outer else 1) / buf.outer.nranks
+        return self.divisor(buf) * (buf.parts if buf.scatters_outer else 1) / \
+            contributing(buf.outer)
 
     def add_direct_grad(self, sp: ShardedParam, grad) -> None:
         """``grad`` reached shard param ``sp`` directly (a loss term on

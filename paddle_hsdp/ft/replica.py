@@ -45,7 +45,7 @@ from ..comm.collectives import CollectiveError
 from ..comm.traits import declare
 from ..engine import replication
 from ..hints import did_you_mean
-from . import config, groups, resume, transfer
+from . import config, groups, handoff, resume, transfer
 from .etcd import (SECURITY_ENV, EtcdReset, EtcdUnavailable, Security, parse_endpoints,
                    security_from_env, wait_until_answers)
 from .joint_save import JointSave
@@ -282,6 +282,8 @@ class Replica:
         self._load_state_fn: Callable[[Any], object] | None = None
         self._user_state: str | None = None  # the user's (JSON), as of this step's start
         self._resume_path: str | None = None  # a checkpoint resumed from, until a commit
+        # a rejoin's state handed over beside the step (this rank's side), until used
+        self._handoff: handoff.Donation | handoff.Receipt | None = None
 
     # ------------------------------------------------------------ set-up
     def attach(self, model: paddle.nn.Layer, optimizer: Optimizer,
@@ -393,6 +395,8 @@ class Replica:
     def finish(self) -> None:
         """The training loop is over: a replica group still waiting to join stops with
         a message instead of waiting out the round timeout (call it on every rank)."""
+        if isinstance(self._handoff, handoff.Donation):  # a receiver may still be taking it
+            self._handoff.join(self.round_timeout_s)
         if self.rank == 0:
             self._leader().finish()
 
@@ -518,10 +522,13 @@ class Replica:
         if armed is not None:
             self._watch.announce(armed)
 
-    def _set_up_round(self, record: Round, receiving: bool) -> Exception | None:
-        """New outer groups and the donor's state where the round needs them; the error
-        if that failed (a peer died or never came), None if it worked."""
+    def _set_up_round(self, record: Round, receiving: bool,
+                      sitting_out: Sequence[int] = ()) -> Exception | None:
+        """New outer groups and the donor's state where the round needs them (or, for
+        receivers ``sitting_out`` its step, the handoff's start); the error if that
+        failed (a peer died or never came), None if it worked."""
         try:
+            self._close_handoff()
             if record.rebuild:
                 self.outer.adopt(record.replicas, groups.connect(
                     self.store, record.number, record.replicas, self.outer,
@@ -537,17 +544,10 @@ class Replica:
             plan = self.piece_plan
             if plan is not None:  # (new pieces' optimizers take their state below)
                 self._piece_optimizers.take(self._attached().optimizer, plan.extra)
-            if record.receivers or (plan is not None and plan.copies):
-                model, optimizer = self._attached()
-                extra, self._timing["state_bytes"] = transfer.stream_state(
-                    self.store, record, self.outer, model, optimizer, self._plain_state(),
-                    self._piece_optimizers.by_piece)
-                if receiving:
-                    if extra is None:  # a receiver takes the model, and the state with it
-                        raise FaultToleranceError(
-                            f"paddle_hsdp.ft: replica {self.replica_id} received no state "
-                            f"from its donor in round {record.number}")
-                    self._load_plain_state(extra)
+            if sitting_out:
+                self._hand_over(record, receiving)
+            elif record.receivers or (plan is not None and plan.copies):
+                self._stream_state(record, receiving)
             if plan is not None:
                 self._piece_optimizers.keep_only(plan.extra)
                 # every member rebuilds every piece from its round's holders before the
@@ -568,6 +568,59 @@ class Replica:
                                        f"failed: {type(e).__name__}: {e}")
         return None
 
+    def _stream_state(self, record: Round, receiving: bool) -> None:
+        """Round ``record``'s state to its receivers in its set-up
+        (:func:`.transfer.stream_state`): a receiver loads its donor's step, RNG,
+        scheduler and user state."""
+        model, optimizer = self._attached()
+        extra, self._timing["state_bytes"] = transfer.stream_state(
+            self.store, record, self.outer, model, optimizer, self._plain_state(),
+            self._piece_optimizers.by_piece)
+        if receiving:
+            if extra is None:  # a receiver takes the model, and the state with it
+                raise FaultToleranceError(
+                    f"paddle_hsdp.ft: replica {self.replica_id} received no state from its "
+                    f"donor in round {record.number}")
+            self._load_plain_state(extra)
+
+    def _hand_over(self, record: Round, receiving: bool) -> None:
+        """The receivers sit the step out (:mod:`.handoff`): a donor serves the state
+        its step starts from beside the step; a receiver starts taking it and loads
+        the plain state now (its forward and loader then draw what the donor's do)."""
+        model, optimizer = self._attached()
+        fed = [r for r in record.receivers if record.donor_of(r) == self.replica_id]
+        if fed:
+            self._handoff = handoff.Donation(self.store, record, self.outer, model,
+                                             optimizer, self._plain_state(), fed)
+            self._timing["snapshot_bytes"] = self._handoff.bytes
+        elif receiving:
+            self._handoff = handoff.Receipt(self.store, record, self.outer, model,
+                                            record.donor_of(self.replica_id))
+            self._load_plain_state(self._handoff.extra)
+
+    def _take_handoff(self, record: Round) -> None:
+        """A receiver that sat the step out, once its all-reduce is through: the
+        donor's state of the step's start installed (the optimizer then applies the
+        step's grads to it); raises if it did not arrive whole."""
+        receipt = self._handoff
+        if not isinstance(receipt, handoff.Receipt):
+            raise ProtocolError("paddle_hsdp.ft: a receiver sat a step out with no handoff")
+        self._handoff = None
+        began = time.perf_counter()
+        model, optimizer = self._attached()
+        try:
+            self._timing["state_bytes"] = receipt.install(
+                model, optimizer, groups._abort_on_failure(self.store, record.number))
+        finally:
+            receipt.close()
+        self._timing["handoff_wait_s"] = time.perf_counter() - began
+
+    def _close_handoff(self) -> None:
+        """A handoff of an earlier round is over: its socket and copy go."""
+        if self._handoff is not None:
+            self._handoff.close()
+            self._handoff = None
+
     def _plain_state(self) -> dict:
         return {"step": self.step, "rng": [s.__getstate__() for s in paddle.get_rng_state()],
                 "lr_scheduler": (self.lr_scheduler.state_dict()
@@ -587,10 +640,15 @@ class Replica:
         self.fresh = False
 
     def _log(self, record: Round, started: float, kind: str,
-             error: Exception | None = None) -> None:
+             error: Exception | None = None, sitting_out: Sequence[int] = ()) -> None:
+        """One history entry per attempt: ``replicas``, the groups whose grads it
+        averaged (not those ``sitting_out``, which ``sat_out`` names)."""
+        trained = [r for r in record.replicas if r not in sitting_out]
         entry = {"kind": kind, "step": self.step, "round": record.number,
-                 "replicas": record.replicas, "seconds": time.perf_counter() - started,
+                 "replicas": trained, "seconds": time.perf_counter() - started,
                  "time": time.time(), **self._timing}
+        if sitting_out:
+            entry["sat_out"] = list(sitting_out)
         if "round_s" in self._timing:
             entry.update(rebuild=record.rebuild, receivers=record.receivers,
                          donor=record.donor,
@@ -604,12 +662,14 @@ class Replica:
             entry["error"] = str(error)[:300]
         self.history.append(entry)
         if self.rank == 0 and "round_s" in self._timing:
-            self._log_membership(record)
+            self._log_membership(record, sitting_out)
             self._log_holders(record)
         if self.rank == 0:
             if kind == "step":
-                logger.info("step %d: %d replicas %s", self.step, len(record.replicas),
-                            record.replicas)
+                logger.info("step %d: %d replicas %s", self.step, len(trained), trained)
+            elif kind == "sat out":
+                logger.info("replica %d sat step %d out and took its donor's state of it "
+                            "(round %d)", self.replica_id, self.step, record.number)
             else:
                 logger.warning("step %d failed (replicas %s): %s", self.step + 1,
                                record.replicas, str(error)[:200])
@@ -625,7 +685,7 @@ class Replica:
         logger.warning("paddle_hsdp.ft: round %d: piece holders %s (copies: %s)",
                        record.number, plan.holding, copies)
 
-    def _log_membership(self, record: Round) -> None:
+    def _log_membership(self, record: Round, sitting_out: Sequence[int] = ()) -> None:
         """One line when a round changes who trains: the groups that left and joined
         since the last round this leader logged, and where a receiver's state came from
         and how long the round's set-up took."""
@@ -638,8 +698,11 @@ class Replica:
             f"{r}: {record.left.get(r, 'not in this round')}" for r in left) + ")"] \
             if left else []
         parts += [f"joined {joined}"] if joined else []
-        if record.receivers:
-            donors = ", ".join(f"{r} from {record.donor_of(r)}" for r in record.receivers)
+        donors = ", ".join(f"{r} from {record.donor_of(r)}" for r in record.receivers)
+        if sitting_out:
+            parts.append(f"replica(s) sit step {record.step + 1} out, their state of its "
+                         f"start handed over beside it ({donors})")
+        elif record.receivers:
             parts.append(f"replica(s) took the state of step {record.step} ({donors}; "
                          f"{self._timing.get('state_bytes', 0) / 2 ** 20:.1f} MiB through "
                          "this rank)")
@@ -677,7 +740,8 @@ STEP_TRANSITIONS: dict[StepPhase, frozenset[StepPhase]] = {
     _P.RUNNING: frozenset({_P.VOTING, _P.ANNOUNCING}),
     _P.ANNOUNCING: frozenset({_P.VOTING}),  # (peers may be blocked on this rank)
     _P.VOTING: frozenset({_P.COMMITTING, _P.RETRYING}),
-    _P.COMMITTING: frozenset({_P.DONE}),
+    # ... or, a receiver that sat the step out, the next step in the same call
+    _P.COMMITTING: frozenset({_P.DONE, _P.ARRIVING}),
     _P.RETRYING: frozenset({_P.ARRIVING}),
     _P.DONE: frozenset(),
 }
@@ -703,8 +767,9 @@ class _Step(PhaseMachine[StepPhase]):
         # what a donor sends is the user's state before this step's batch was fetched
         # (a retried attempt has fetched it already): the receiver fetches the same one
         replica._user_state = _user_json(replica._state_fn()) if replica._state_fn else None
-        # this attempt's (set anew as each begins)
+        # this attempt's (set anew as each begins): the members sitting it out
         self.started, self.receiving = 0.0, False
+        self.sitting_out: list[int] = []
         self.record: Round | None = None
         self.loss: Any = None
         self.error: Exception | None = None
@@ -724,6 +789,8 @@ class _Step(PhaseMachine[StepPhase]):
         replica = self.replica
         self.started, replica._timing = time.perf_counter(), {}
         self.loss, self.error, self.receiving, self.join_wanted = None, None, False, False
+        self.sitting_out = []
+        declare(replica.outer, contributing=None)  # every member's grads count
         if not replica._need_round:
             if replica.round is None:  # a replica group's first attempt starts with a round
                 raise ProtocolError("paddle_hsdp.ft: an attempt outside any round")
@@ -739,11 +806,21 @@ class _Step(PhaseMachine[StepPhase]):
 
     def _set_up(self) -> StepPhase:
         replica, record = self.replica, self._record()
-        error = replica._set_up_round(record, self.receiving)
+        sitting_out = handoff.sits_out(record, replica.piece_plan,
+                                       replica._resume_path is not None,
+                                       replica._syncs_apart)
+        error = replica._set_up_round(record, self.receiving, sitting_out)
         logger.debug("rank %d: round %d set up (%s)", replica.rank, record.number,
                      error or "ok")
         replica._timing["set_up_s"] = time.perf_counter() - self.started - \
             replica._timing["round_s"]
+        if error is None and sitting_out:  # (alike on every member: the round's record)
+            self.sitting_out = sitting_out
+            # the grads' mean is over the others; withheld grads must not be synced
+            # during backward, so this step syncs at its end (a rebuild does it already)
+            declare(replica.outer, contributing=len(record.replicas) - len(sitting_out))
+            if not record.rebuild:
+                replication.order_outer_syncs_again(replica._attached().model)
         # a set-up that failed on one rank fails the attempt on all of them before any
         # inner collective of the step (which the failed rank skips)
         if replica._replica_votes(error is not None, False)[0]:
@@ -755,14 +832,19 @@ class _Step(PhaseMachine[StepPhase]):
     def _train(self) -> StepPhase:
         replica = self.replica
         replica._need_round = False
+        sitting = replica.replica_id in self.sitting_out
         try:
             if replica._syncs_apart:  # DiLoCo: the sync the last step owes, over the round
                 replication.run_owed_outer_syncs(replica._attached().model)
             self.loss = self._forward_backward()
+            if sitting:  # its state is not the round's yet: it adds zeros
+                replication.withhold_grads(replica._attached().model)
             # after the grads' all-reduces: a group whose backward issued them early
             # and one that issues them here send them in one order
             replication.finish_grad_sync(self.optimizer)
             self.join_wanted = replica._joiners_waiting()
+            if sitting:  # the others are past this group now; only it waits
+                replica._take_handoff(self._record())
         except (CollectiveError, FaultToleranceError) as e:
             self.error = e
             return _P.ANNOUNCING
@@ -814,14 +896,28 @@ class _Step(PhaseMachine[StepPhase]):
         replica.step += 1
         replica._failed = replica.fresh = False
         replica._resume_path = None  # resumed: a later round loads nothing
-        replica._log(self._record(), self.started, "step")
+        if replica.replica_id in self.sitting_out:
+            return self._sat_out()
+        replica._log(self._record(), self.started, "step", sitting_out=self.sitting_out)
         return _P.DONE
+
+    def _sat_out(self) -> StepPhase:
+        """This group sat the step out and now holds the state it left (the donor's,
+        updated with the step's grads): the next step within this ``train_step``, so
+        its caller sees the steps it trained. Its batch is fetched anew (the step it sat
+        out took one), and what it sends if it donates is its state as of now."""
+        replica = self.replica
+        replica._log(self._record(), self.started, "sat out", sitting_out=self.sitting_out)
+        self.batch_loads = -1
+        replica._user_state = _user_json(replica._state_fn()) if replica._state_fn else None
+        return _P.ARRIVING
 
     def _retry(self) -> StepPhase:
         replica = self.replica
         self.optimizer.clear_grad()  # every grad of the attempt, synced or not
         if replica._syncs_apart:
             replication.settle_outer_syncs(replica._attached().model, committed=False)
+        declare(replica.outer, contributing=None)
         replica._failed = True
         replica.fresh = replica.fresh or self.receiving
         self.failures += 1

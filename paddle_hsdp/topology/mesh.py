@@ -39,6 +39,7 @@ from paddle.distributed import ProcessMesh
 from paddle.distributed.fleet.base import topology as fleet_topology
 
 from ..comm import collectives as comm
+from ..comm.traits import contributing
 from . import layout as topology
 from .fleet import single_rank_group
 
@@ -125,8 +126,9 @@ class HCGMesh:
 
     def fsdp_size(self, is_expert: bool = False) -> int:
         # outer x inner (the dense FSDP group's size), read each time: a fault-tolerant
-        # job's outer group follows the live replicas (paddle_hsdp.ft)
-        return self.outer(False).nranks * self.inner(False).nranks
+        # job's outer group follows the live replicas (paddle_hsdp.ft), less a rejoining
+        # one that sits its first step out
+        return contributing(self.outer(False)) * self.inner(False).nranks
 
     def mp_rank(self) -> int:
         return self.hcg.get_model_parallel_rank()

@@ -11,8 +11,8 @@ out_dir/etcd_down, which the test writes once it killed etcd, and dies 3 s after
 FT_TEST_PAUSE_AT=k (before step k every rank writes out_dir/paused<r>_rank<i> and waits
 for out_dir/go<k>, which the test writes), FT_TEST_STOP_AT=k@i
 (rank i SIGSTOPs itself there: it hangs), FT_TEST_DIE_IN_TRANSFER=n (a joiner
-SIGKILLs itself at the n-th state tensor it receives or sends; n@k: only once it has
-taken k steps), FT_TEST_DIE_IN_CONNECT=d@k (every rank SIGKILLs itself d s after it
+SIGKILLs itself at the n-th state tensor it receives or sends, or the n-th 1 KiB chunk
+of a state handed over beside the step; n@k: only once it has taken k steps), FT_TEST_DIE_IN_CONNECT=d@k (every rank SIGKILLs itself d s after it
 starts creating a round's outer groups, once it has taken k steps), FT_TEST_WAIT_JOIN=r@k[,r@k...] (before step k every rank waits until
 replica r has arrived to join), FT_TEST_OPTIM=1 (fsdp_outer_sharding="optim": HFSDP
 with paddle_hsdp.ft's redundancy, PADDLE_HSDP_FT_REDUNDANCY), FT_TEST_PENALTY=c (c x
@@ -135,15 +135,23 @@ if os.environ.get("FT_TEST_DIE_IN_TRANSFER"):  # die at the n-th tensor moved
     received, broadcast = [0], collectives.broadcast
     nth, _, armed_at = os.environ["FT_TEST_DIE_IN_TRANSFER"].partition("@")
 
-    def broadcast_then_die(tensor, *args, tag=None, **kwargs):
-        if tag == "ft state" and replica.step >= int(armed_at or 0):
+    def count_then_die():
+        if replica.step >= int(armed_at or 0):
             received[0] += 1
             if received[0] == int(nth):
                 with open(os.path.join(out_dir, f"died_in_transfer_rank{rank}"), "w") as f:
                     f.write(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def broadcast_then_die(tensor, *args, tag=None, **kwargs):
+        if tag == "ft state":
+            count_then_die()
         return broadcast(tensor, *args, tag=tag, **kwargs)
     collectives.broadcast = broadcast_then_die
+    # a state handed over beside the step (ft/handoff.py) counts its chunks, small here
+    from paddle_hsdp.ft import handoff
+    handoff.CHUNK_BYTES = 1024
+    handoff._chunk_moved = lambda index: count_then_die()
 if os.environ.get("FT_TEST_DIE_IN_CONNECT"):  # die d s into a round's group creation
     import threading
 

@@ -1,0 +1,310 @@
+"""A rejoin's state handed over beside the step, so that the healthy groups do not
+wait for it (issue 63, item 4).
+
+At a round that takes a group in (a restarted group, or one a step behind) while some
+member is up to date, and where every group holds its whole optimizer state (HSDP; not
+HFSDP's shared pieces, whose transfer stays in the round's set-up), the receivers *sit
+the round's first step out* (:func:`sits_out`): they add zero grads to its outer
+all-reduce and are left out of its divisor. Per local rank, each receiver's donor
+(:meth:`~.protocol.Round.donor_of`) copies the state that step starts from (its rank's
+model shards and optimizer state: one more copy of that rank's state in memory until
+it is sent) and serves it on a plain TCP socket from a thread of its own
+(:class:`Donation`) while it trains the step; the socket's address, the tensors' names,
+shapes and dtypes and the plain state (step, RNG, scheduler, the user's) go as signed
+JSON through etcd, as the set-up transfer's metadata does. The receiver loads the plain
+state at once (its forward draws the RNG the donor's draws, its loader fetches what the
+donor's fetched), takes the bytes on a thread of its own while it runs the step with its
+zero grads (:class:`Receipt`), and once the step's all-reduce is through installs the
+donor's state and lets its own optimizer apply the step's all-reduced grads to it: the
+donor's update bit for bit (the same state, grads and code). It trains the next step.
+
+The bytes go in chunks of :data:`CHUNK_BYTES`, each checked by the job's keyed digest
+(:meth:`~.trust.Signer.tensor_digest`: HMAC-SHA256 with ``PADDLE_HSDP_FT_SECRET``, a
+CRC-32 without) bound to the round, the donor, the receiver, the local rank and the
+chunk's index; the donor's checks follow the bytes. A stream cut short, a byte changed,
+a check forged or a stream of another round or place: the receiver refuses the state,
+its attempt fails and it sits the next round's step out again. Every wait is bounded
+(the sockets' timeouts are the round timeout; the receiver also stops once a failure is
+announced in the round); a donor's thread that fails only logs: the donor's step does
+not depend on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import paddle
+
+from ..comm.gloo_store import _host_address
+from ..engine import replication
+from .protocol import FaultToleranceError
+from .transfer import (TRANSFER_WAIT_ROUNDS, _bytes_of, _check_same_model, _described,
+                       _exchange_meta, _flatten, _unflatten)
+
+if TYPE_CHECKING:
+    from paddle.optimizer import Optimizer
+
+    from .groups import LiveOuterGroup
+    from .kv import SharedData
+    from .pieces import PiecePlan
+    from .protocol import Round
+    from .trust import Signer
+
+logger = logging.getLogger("paddle_hsdp.ft")
+
+CHUNK_BYTES = 1 << 20  # one check per chunk; a chunk is sent and received whole
+_HELLO = struct.Struct("<q")  # the receiver names its replica once connected
+
+
+def sits_out(record: Round, plan: PiecePlan | None, resuming: bool = False,
+             syncs_apart: bool = False) -> list[int]:
+    """The members of round ``record`` that sit its first step out, their state handed
+    over beside it: its receivers, where some member is up to date (not the first
+    round, whose state no one holds yet), each group holds its whole optimizer state
+    (not HFSDP's pieces), the round loads no checkpoint (a resume) and the groups
+    sync their grads at every step (not DiLoCo's ``syncs_apart``: a sitting-out
+    group's update needs the step's all-reduced grads, which DiLoCo's steps between
+    syncs do not have). Else none: the receivers take their state in the set-up and
+    train the step."""
+    if not record.receivers or not record.up_to_date or resuming or syncs_apart:
+        return []
+    if plan is not None and plan.parts > 1:
+        return []
+    return list(record.receivers)
+
+
+def _nbytes(tensor: paddle.Tensor) -> int:
+    return math.prod(tensor.shape) * tensor.element_size()
+
+
+def _where(record: Round, donor: int, receiver: int, local_rank: int) -> tuple:
+    """What a handoff's checks are bound to (with each chunk's index)."""
+    return (record.number, "handoff", donor, receiver, local_rank)
+
+
+def _meta_key(group: LiveOuterGroup, receiver: int) -> tuple:
+    return (group.local_rank, "handoff", receiver)
+
+
+def _snapshot(tensors: list[paddle.Tensor]) -> np.ndarray:
+    """Every tensor's bytes, one after the other, in one buffer of their total size."""
+    blob = np.empty(sum(_nbytes(t) for t in tensors), dtype=np.uint8)
+    view, offset = blob.data, 0
+    for tensor in tensors:
+        size = _nbytes(tensor)
+        if size:
+            view[offset:offset + size] = _bytes_of(tensor)
+            offset += size
+    return blob
+
+
+def _chunks(view: memoryview) -> list[memoryview]:
+    return [view[start:start + CHUNK_BYTES] for start in range(0, len(view), CHUNK_BYTES)]
+
+
+def _chunk_moved(index: int) -> None:
+    """Called after each chunk is sent or received (the fault tests die here)."""
+
+
+def send_state(conn: socket.socket, blob: np.ndarray, signer: Signer, where: tuple) -> None:
+    """The donor's side of one stream: each chunk of ``blob``, then their checks."""
+    sums = []
+    for index, chunk in enumerate(_chunks(blob.data)):
+        sums.append(signer.tensor_digest(chunk, (*where, index)))
+        conn.sendall(chunk)
+        _chunk_moved(index)
+    conn.sendall(struct.pack(f"<{len(sums)}q", *sums))
+
+
+def _receive_exactly(conn: socket.socket, into: memoryview, what: str) -> None:
+    got = 0
+    while got < len(into):
+        n = conn.recv_into(into[got:])
+        if not n:
+            raise FaultToleranceError(f"paddle_hsdp.ft: the stream ended in {what}, after "
+                                      f"{got} of its {len(into)} bytes")
+        got += n
+
+
+def receive_state(conn: socket.socket, blob: np.ndarray, signer: Signer, where: tuple) -> None:
+    """The receiver's side of one stream: ``blob`` filled chunk by chunk, each chunk's
+    check computed as it arrived and compared with the donor's; raises on a stream cut
+    short or a check that differs."""
+    mine = []
+    chunks = _chunks(blob.data)
+    for index, chunk in enumerate(chunks):
+        _receive_exactly(conn, chunk, f"chunk {index} of {len(chunks)}")
+        _chunk_moved(index)
+        mine.append(signer.tensor_digest(chunk, (*where, index)))
+    sent = bytearray(8 * len(chunks))
+    _receive_exactly(conn, memoryview(sent), "the donor's checks")
+    bad = [i for i, (m, s) in enumerate(zip(mine, struct.unpack(f"<{len(chunks)}q", sent),
+                                             strict=True)) if m != s]
+    if bad:
+        raise FaultToleranceError(
+            f"paddle_hsdp.ft: {len(bad)} of the {len(chunks)} checks of the state handed "
+            f"over at {where} differ from the donor's (first: chunk {bad[0]}); refused")
+
+
+class Donation:
+    """A donor rank's side: the state its step starts from, copied now, served on a
+    socket of its own to each receiver it feeds (``receivers``), one at a time, from a
+    thread; the metadata (the socket's address, the tensors, ``extra``: the plain
+    state) written through ``store`` first. The thread ends once every receiver was
+    served, or at the first accept that waits a round timeout."""
+
+    def __init__(self, store: SharedData, record: Round, group: LiveOuterGroup,
+                 model: paddle.nn.Layer, optimizer: Optimizer, extra: dict,
+                 receivers: list[int]):
+        named = replication.state_tensors(model)
+        pairs, rest = _flatten(optimizer.state_dict())
+        self._blob = _snapshot([t for _, t in named] + [t for _, t in pairs])
+        self.bytes = int(self._blob.nbytes)
+        host = _host_address()
+        self._listener = socket.create_server((host, 0))
+        self._listener.settimeout(store.timeout_s)
+        self._timeout_s, self._signer = store.timeout_s, store.signer
+        self._where = lambda r: _where(record, group.replica, r, group.local_rank)
+        meta = {"address": [host, self._listener.getsockname()[1]], "bytes": self.bytes,
+                "model": _described(named), "tensors": _described(pairs), "rest": rest,
+                "extra": extra}
+        for receiver in receivers:
+            _exchange_meta(store, record, _meta_key(group, receiver), True, lambda: meta)
+        self._thread = threading.Thread(target=self._serve, args=(set(receivers),),
+                                        daemon=True, name="paddle_hsdp-ft-handoff")
+        self._thread.start()
+
+    def _serve(self, waiting: set[int]) -> None:
+        try:
+            while waiting:
+                conn, _ = self._listener.accept()
+                with conn:
+                    self._serve_one(conn, waiting)
+        except OSError as e:  # (closed by a later round, or no receiver came)
+            logger.warning("paddle_hsdp.ft: the rejoin's state was not handed over to "
+                           "replica(s) %s: %s", sorted(waiting), e)
+        finally:
+            self.close()
+
+    def _serve_one(self, conn: socket.socket, waiting: set[int]) -> None:
+        conn.settimeout(self._timeout_s)
+        hello = bytearray(_HELLO.size)
+        try:
+            _receive_exactly(conn, memoryview(hello), "a receiver's hello")
+            receiver = _HELLO.unpack(hello)[0]
+            if receiver not in waiting:
+                raise FaultToleranceError(f"replica {receiver} is not fed here")
+            send_state(conn, self._blob, self._signer, self._where(receiver))
+            waiting.discard(receiver)
+        except (OSError, FaultToleranceError) as e:  # that stream alone: its receiver fails
+            logger.warning("paddle_hsdp.ft: a handoff stream failed: %s", e)
+
+    def close(self) -> None:
+        """Stop serving (idempotent): the socket closed, the copy dropped."""
+        self._listener.close()
+        self._blob = np.empty(0, dtype=np.uint8)
+
+    def join(self, timeout_s: float) -> bool:
+        """Whether the thread ended within ``timeout_s`` (tests)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+class Receipt:
+    """A receiver rank's side: the donor's metadata read now (its plain state is
+    :attr:`extra`), the bytes taken on a thread while the step runs, installed by
+    :meth:`install` once the step's all-reduce is through."""
+
+    def __init__(self, store: SharedData, record: Round, group: LiveOuterGroup,
+                 model: paddle.nn.Layer, donor: int):
+        self._meta = _exchange_meta(store, record, _meta_key(group, group.replica), False,
+                                    None)
+        _check_same_model(replication.state_tensors(model), self._meta, group.replica, donor)
+        self.extra: dict = self._meta["extra"]
+        self._blob = np.empty(int(self._meta["bytes"]), dtype=np.uint8)
+        self._store, self._number, self._timeout_s = store, record.number, store.timeout_s
+        self._error: BaseException | None = None
+        self._conn: socket.socket | None = None
+        where = _where(record, donor, group.replica, group.local_rank)
+        self._thread = threading.Thread(target=self._receive, daemon=True,
+                                        args=(group.replica, store.signer, where),
+                                        name="paddle_hsdp-ft-handoff")
+        self._thread.start()
+
+    def _receive(self, replica: int, signer: Signer, where: tuple) -> None:
+        try:
+            host, port = self._meta["address"]
+            with socket.create_connection((host, port), timeout=self._timeout_s) as conn:
+                self._conn = conn
+                conn.sendall(_HELLO.pack(replica))
+                receive_state(conn, self._blob, signer, where)
+        except BaseException as e:  # noqa: BLE001 - handed to install's caller
+            self._error = e
+
+    def wait(self, abort: Callable[[], object] | None = None) -> None:
+        """Until every byte arrived and was checked: bounded by round timeouts, and
+        ended by ``abort()`` raising (a failure announced in the round)."""
+        deadline = time.monotonic() + self._timeout_s * TRANSFER_WAIT_ROUNDS
+        while self._thread.is_alive():
+            self._thread.join(0.05)
+            try:
+                if abort is not None:
+                    abort()
+                if time.monotonic() > deadline:
+                    raise FaultToleranceError(
+                        f"paddle_hsdp.ft: the rejoin's state took over "
+                        f"{self._timeout_s * TRANSFER_WAIT_ROUNDS:g} s; refused")
+            except Exception:
+                self._stop()
+                raise
+        if self._error is not None:
+            raise FaultToleranceError(f"paddle_hsdp.ft: round {self._number}'s state was "
+                                      f"not handed over: {type(self._error).__name__}: "
+                                      f"{self._error}") from self._error
+
+    def _stop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def install(self, model: paddle.nn.Layer, optimizer: Optimizer,
+                abort: Callable[[], object] | None = None) -> int:
+        """The donor's state in place of this rank's (after :meth:`wait`); its bytes."""
+        self.wait(abort)
+        view, offset = self._blob.data, 0
+        for _, tensor in replication.state_tensors(model):
+            offset = _write(tensor, view, offset)
+        targets, paths = [], []
+        for path, shape, dtype in self._meta["tensors"]:
+            targets.append(paddle.zeros(shape, dtype))
+            paths.append(tuple(path))
+            offset = _write(targets[-1], view, offset)
+        optimizer.set_state_dict(_unflatten(zip(paths, targets, strict=True),
+                                            self._meta["rest"]))
+        replication.state_replaced(model)  # views re-pointed, gathered params resharded
+        self._blob = np.empty(0, dtype=np.uint8)
+        return offset
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _write(tensor: paddle.Tensor, view: memoryview, offset: int) -> int:
+    """``tensor``'s bytes from ``view`` at ``offset``, in place; the offset after."""
+    size = _nbytes(tensor)
+    if not size:
+        return offset
+    data = view[offset:offset + size]
+    if tensor.place.is_cpu_place() and tensor.is_contiguous():
+        _bytes_of(tensor)[:] = data
+    else:  # unverified here (CPU only): through a host copy
+        host = tensor.numpy()
+        tensor.set_value(np.frombuffer(data, dtype=host.dtype).reshape(host.shape))
+    return offset + size
