@@ -354,6 +354,11 @@ def test_pair_group_ids_are_distinct_and_fit_a_c_int():
     assert not ids & {groups.group_id(n, lr) for n in range(3) for lr in (0, 1023)}
     with pytest.raises(ValueError, match="pair index 40"):
         groups.pair_id(0, 0, groups.MAX_PAIRS)
+    # a resume's piece groups: above every pair's, distinct per round and local rank
+    pieces = {groups.piece_group_id(n, lr) for n in (0, 1, groups.PIECE_ROUNDS - 1)
+              for lr in (0, 1023)}
+    assert len(pieces) == 6 and min(pieces) > max(groups.pair_id(
+        groups.PAIR_ROUNDS - 1, 1023, groups.MAX_PAIRS - 1), max(ids)) and max(pieces) < 2 ** 31
 
 
 def test_an_exempt_group_is_not_watched_and_others_are(monkeypatch):
@@ -973,3 +978,34 @@ def test_the_resume_state_a_save_keeps_is_the_users_state_after_the_step():
     state = ft.resume_state()
     assert state["user"] == {"position": 5} and state["step"] == 5 and state["rank"] == 0
     json.dumps(state)  # kept in the metadata as JSON
+
+
+def test_a_pieces_holders_split_its_rows_each_read_once():
+    """Issue 63: a resume into HFSDP with shared pieces reads each piece's optimizer
+    state once: its holders (the round's members whose own piece it is) split its
+    rows, every row read by exactly one holder and the bytes about even."""
+    from paddle_hsdp.checkpoint.items import Item
+    from paddle_hsdp.checkpoint.load import split_plan
+    from paddle_hsdp.ft.pieces import PiecePlan
+    from paddle_hsdp.ft.resume import piece_holders
+
+    record = types.SimpleNamespace(replicas=[5, 0, 1, 2, 3])
+    assert piece_holders(PiecePlan(2, 3, lambda r: r), record) == [1, 3, 5]
+    assert piece_holders(PiecePlan(2, 2, lambda r: r), record) == [0, 2]
+    assert piece_holders(None, record) == []
+
+    def item(name, rows, cols):  # (boxes alone: nothing is allocated)
+        return Item(name, [rows, cols], "float64", [0, 0], [rows, cols], None, None)
+
+    # two boxes cut into many chunks (32 MiB and more a chunk) and small ones, whole
+    items = [item("big/optim/moment1", 5_000_000, 8), item("big/optim/moment2", 5_000_000, 8),
+             *(item(f"w{k}/optim/moment1", 3 + k, 4) for k in range(7))]
+    for holders in (2, 3):
+        plan = split_plan(sorted(items, key=lambda it: it.name), holders, "piece")
+        rows = {it.name: np.zeros(it.size[0], int) for it in items}
+        loads = [0] * holders
+        for write, reader in plan:
+            rows[write.item.name][write.lo:write.hi] += 1
+            loads[reader] += (write.hi - write.lo) * write.item.size[1] * 8
+        assert all((r == 1).all() for r in rows.values())  # every row read once
+        assert max(loads) <= 1.25 * sum(loads) / holders, loads

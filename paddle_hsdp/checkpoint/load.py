@@ -7,7 +7,11 @@ checkpoint read once per replica), they split the reading by the save's rule
 and checks its chunks, and once every rank has read without error each chunk is
 broadcast over the outer group from its reader. Bytes read from storage per load are
 then about the checkpoint's size at any outer degree (whole CRC chunks: a chunk that
-straddles two readers' rows is read by both)."""
+straddles two readers' rows is read by both). HFSDP's shared pieces of the optimizer
+state (a fault-tolerant job's, ft/pieces.py) are held by a few of the outer group's
+ranks each: a piece's holders split its rows alike, and each chunk goes from its reader
+to the piece's other holders over a process group of them (no rank receives another
+piece's rows)."""
 
 from __future__ import annotations
 
@@ -48,11 +52,14 @@ def load_checkpoint(path: str | os.PathLike, model: paddle.nn.Layer,
 def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
                  optimizer: paddle.optimizer.Optimizer | None = None, strict: bool = True,
                  trainable_only: bool = False, live_groups_read_together: bool = False,
-                 ) -> tuple[Any, int]:
+                 piece_group: Group | None = None) -> tuple[Any, int]:
     """:func:`load_checkpoint`, returning ``(extra, bytes this rank read from the
     files)``. ``live_groups_read_together``: a fault-tolerant job's groups split the
     reading over their live outer group as outer replicas do (only inside a round every
-    member loads in: checkpoint/resume.py); otherwise each group reads its own copy."""
+    member loads in: checkpoint/resume.py); otherwise each group reads its own copy.
+    ``piece_group``: with it, HFSDP's shared pieces: a process group of the ranks
+    holding this rank's piece of the optimizer state, which split its rows as outer
+    replicas do."""
     wait_for_pending_save()  # an async save still in flight is published first
     path = os.path.abspath(os.fspath(path))
     items, holdings = all_items(model, optimizer, "load_checkpoint", trainable_only)
@@ -60,7 +67,7 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
     call = f"load_checkpoint({path!r})"
     expect_everyone(None, call)
     loaded: list[tuple[Item, np.ndarray]] = []
-    shared: list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]] = []
+    shared: list[SplitReading] = []
     bytes_read = 0
     error: Exception | None = None
     meta: dict = {}  # read only where error is None, so once read_metadata_once returned
@@ -85,7 +92,8 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
         try:
             loaded, shared, bytes_read = _read_items(path, meta, items, optimizer,
                                                      unexpected if strict else [],
-                                                     live_groups_read_together)
+                                                     live_groups_read_together,
+                                                     piece_group)
         except Exception as e:
             error = e
     errors = errors_everywhere(None if error is None else f"rank {rank_world()[0]}: {error}",
@@ -97,8 +105,8 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
             raise CheckpointError(f"load_checkpoint({path!r}): {error}") from error
         raise CheckpointError(f"load_checkpoint({path!r}) failed on another rank, nothing "
                               f"was changed: {'; '.join(errors)[:2000]}")
-    for group, plan, arrays in shared:  # every rank read its chunks: hand them round
-        _share(group, plan, arrays)
+    for split in shared:  # every rank read its chunks: hand them round
+        split.share()
     holdings.drop_gathered_copies()
     for it, array in loaded:
         it.put(array)
@@ -114,12 +122,10 @@ def load_counted(path: str | os.PathLike, model: paddle.nn.Layer,
 
 def _read_items(path: str, meta: dict, items: list[Item],
                 optimizer: paddle.optimizer.Optimizer | None, unexpected: list[str],
-                live_groups_read_together: bool = False,
-                ) -> tuple[list[tuple[Item, np.ndarray]],
-                           list[tuple[Group, list[tuple[Write, int]], dict[str, np.ndarray]]],
-                           int]:
+                live_groups_read_together: bool = False, piece_group: Group | None = None,
+                ) -> tuple[list[tuple[Item, np.ndarray]], list[SplitReading], int]:
     """``[(item, box read)]`` for every item, after checking names, full shapes, CRCs;
-    the outer groups' shares; the bytes this rank read."""
+    the split readings to share; the bytes this rank read."""
     tensors = meta["tensors"]
     missing = sorted({it.name for it in items} - set(tensors))
     if optimizer is None:
@@ -132,6 +138,7 @@ def _read_items(path: str, meta: dict, items: list[Item],
     reader = Reader(path)
     loaded: list[tuple[Item, np.ndarray]] = []
     by_group: dict[tuple[int, ...], tuple[Group, list[Item]]] = {}
+    pieces: list[Item] = []
     for it in items:
         entry = tensors[it.name]
         if list(entry["shape"]) != it.shape or entry["dtype"] != it.dtype:
@@ -142,41 +149,65 @@ def _read_items(path: str, meta: dict, items: list[Item],
         if it.empty:
             continue
         group = it.outer_group if any(a[0] == "outer" for a in it.replicas.axes) else None
-        if group is None or group.nranks <= 1 or (
+        if it.piece is not None and piece_group is not None and piece_group.nranks > 1:
+            # HFSDP's shared piece: its holders split its rows (a round of a
+            # fault-tolerant job where every member resumes: checkpoint/resume.py)
+            pieces.append(it)
+        elif group is None or group.nranks <= 1 or (
                 traits_of(group).joint_save is not None and not live_groups_read_together):
             loaded.append((it, read_box(reader, it.name, entry, it.offset, it.size)))
         else:  # the outer replicas split the reading (a fault-tolerant job's groups only
             # when they load together, in a round)
             by_group.setdefault(tuple(group.ranks), (group, []))[1].append(it)
-    shared = []
-    for ranks in sorted(by_group):  # one order on every member of each group
-        group, group_items = by_group[ranks]
-        group_items.sort(key=lambda it: it.name)
-        plan = assign((("outer", group.nranks),), group_items, group.nranks)
-        arrays = {it.name: np.empty(it.size, numpy_dtype(it.dtype)) for it in group_items}
-        for write, reader_index in plan:
-            if reader_index == group.rank:
-                name = write.item.name
-                arrays[name][write.lo:write.hi] = read_box(reader, name, tensors[name],
-                                                           write.offset, write.shape)
-        loaded += [(it, arrays[it.name]) for it in group_items]
-        shared.append((group, plan, arrays))
+    # one order on every member of each group
+    shared = [SplitReading(group, group_items, "outer")
+              for group, group_items in (by_group[k] for k in sorted(by_group))]
+    if pieces and piece_group is not None:
+        shared.append(SplitReading(piece_group, pieces, "piece"))
+    for split in shared:
+        split.read(reader, tensors)
+        loaded += [(it, split.arrays[it.name]) for it in split.items]
     return loaded, shared, reader.bytes_read
 
 
-def _share(group: Group, plan: list[tuple[Write, int]], arrays: dict[str, np.ndarray]) -> None:
-    """Each chunk of ``plan`` from the replica that read it to the others of ``group``
-    (as bytes: bfloat16's bits travel as they are)."""
-    for write, reader_index in plan:
-        target = arrays[write.item.name][write.lo:write.hi]
-        raw = target.reshape(-1).view(np.uint8)
-        message = paddle.to_tensor(raw) if reader_index == group.rank else \
-            paddle.zeros([raw.size], dtype="uint8")
-        comm.broadcast(message, src=group.ranks[reader_index], group=group, tag="checkpoint",
-                       what=f"load_checkpoint: rows {write.lo}..{write.hi} of "
-                            f"{write.item.name}")
-        if reader_index != group.rank:
-            raw[:] = message.numpy()
+class SplitReading:
+    """Boxes that every rank of ``group`` holds alike: each reads the chunks the plan
+    gives its index (:func:`split_plan`), then :meth:`share` broadcasts each chunk from
+    its reader to the others."""
+
+    def __init__(self, group: Group, items: list[Item], kind: str):
+        self.group = group
+        self.items = sorted(items, key=lambda it: it.name)
+        self.plan = split_plan(self.items, group.nranks, kind)
+        self.arrays = {it.name: np.empty(it.size, numpy_dtype(it.dtype)) for it in self.items}
+
+    def read(self, reader: Reader, tensors: dict) -> None:
+        for write, reader_index in self.plan:
+            if reader_index == self.group.rank:
+                name = write.item.name
+                self.arrays[name][write.lo:write.hi] = read_box(
+                    reader, name, tensors[name], write.offset, write.shape)
+
+    def share(self) -> None:
+        """Each chunk from the rank that read it to the others (as bytes: bfloat16's
+        bits travel as they are)."""
+        group = self.group
+        for write, reader_index in self.plan:
+            raw = self.arrays[write.item.name][write.lo:write.hi].reshape(-1).view(np.uint8)
+            message = paddle.to_tensor(raw) if reader_index == group.rank else \
+                paddle.zeros([raw.size], dtype="uint8")
+            comm.broadcast(message, src=group.ranks[reader_index], group=group,
+                           tag="checkpoint", what=f"load_checkpoint: rows {write.lo}.."
+                                                  f"{write.hi} of {write.item.name}")
+            if reader_index != group.rank:
+                raw[:] = message.numpy()
+
+
+def split_plan(items: list[Item], readers: int, kind: str) -> list[tuple[Write, int]]:
+    """Which reader (an index among ``readers``) reads which rows of ``items`` (sorted
+    by name, the same on every reader): checkpoint/plan.py's chunks, largest first to
+    the least loaded, so each reads about 1/``readers`` of the bytes, every row once."""
+    return assign(((kind, readers),), items, readers)
 
 
 def _split_note(entry: dict, item: Item) -> str:

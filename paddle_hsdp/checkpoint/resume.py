@@ -13,8 +13,8 @@ paddle_hsdp.ft and this package know nothing of each other (.importlinter): ft's
   over the live groups exist): the tensors, read by the layout the job has now (a
   checkpoint's boxes are layout-free). When every member of the round loads, the
   groups split the reading over their outer group (each reads a disjoint share of
-  the rows and broadcasts it), so the job reads the checkpoint about once, not once
-  per group.
+  the rows and broadcasts it; HFSDP's pieces of the optimizer state split among each
+  piece's holders), so the job reads the checkpoint about once, not once per group.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .load import load_counted
 
 if TYPE_CHECKING:
     import paddle
+    from paddle.distributed.communication.group import Group
 
 
 class Resumer:
@@ -57,12 +58,15 @@ class Resumer:
         return resume
 
     def load(self, path: str | os.PathLike, model: paddle.nn.Layer,
-             optimizer: paddle.optimizer.Optimizer, together: bool) -> int:
+             optimizer: paddle.optimizer.Optimizer, together: bool,
+             piece_group: Group | None = None) -> int:
         """Load the tensors into the model and optimizer as laid out now; returns the
         bytes this rank read from the checkpoint's files. ``together``: every member
-        of the round loads (the groups split the reading over the outer group)."""
-        return load_counted(path, model, optimizer,
-                            live_groups_read_together=together)[1]
+        of the round loads (the groups split the reading over the outer group);
+        ``piece_group``: then HFSDP's shared pieces too, a process group of the ranks
+        holding this rank's piece (they split its rows)."""
+        return load_counted(path, model, optimizer, live_groups_read_together=together,
+                            piece_group=piece_group if together else None)[1]
 
 
 def _mismatch(saved: dict, items: list, aliases: Mapping[str, str]) -> str | None:

@@ -210,7 +210,8 @@ def connect(store: SharedData, round_number: int, replicas: list[int], group: Li
 
 
 class PairGroup(Group):
-    """Two replicas' ranks of one local rank, for a rejoin's state transfer alone (the
+    """Two replicas' ranks of one local rank, for a rejoin's state transfer alone (or a
+    piece's holders, for a resume's reading of it: :func:`connect_holders`; the
     other members of the round never touch it, so its traffic cannot shift the tags of
     the outer group's collectives: Paddle's gloo groups number every call, sends
     included, and a member that skipped a send would then wait in the next all-reduce
@@ -243,16 +244,48 @@ def connect_pair(store: SharedData, round_number: int, pair: tuple[int, int], in
     them) for round ``round_number``'s transfer: both call it, nobody else. Its
     sockets go with the outer group's, so a failure announced in the round shuts
     them down too."""
-    pg_id = pair_id(round_number, group.local_rank, index)
-    pg, sockets = _create(store, round_number, group, pair.index(group.replica), 2, pg_id,
-                          round_kv(round_number, "pair_store", *pair),
-                          timeout_s, f"round {round_number}'s transfer pair {pair}")
+    return _side_group(store, round_number, list(pair), pair_id(round_number, group.local_rank,
+                       index), round_kv(round_number, "pair_store", *pair), group, timeout_s,
+                       f"transfer pair {pair}", "pair", "ft transfer")
+
+
+# Process-group ids of a resume's piece groups: unique per round (modulo PIECE_ROUNDS)
+# and local rank (a rank is in one a round), above the pairs', below 2**31.
+_PIECE_GROUP_BASE = 2_030_000_000
+PIECE_ROUNDS = 100_000
+
+
+def piece_group_id(round_number: int, local_rank: int) -> int:
+    """The process-group id of round ``round_number``'s group of a piece's holders."""
+    return _PIECE_GROUP_BASE + (round_number % PIECE_ROUNDS) * 1024 + local_rank
+
+
+def connect_holders(store: SharedData, round_number: int, piece: int, holders: list[int],
+                    group: LiveOuterGroup, timeout_s: float) -> PairGroup:
+    """The process group of HFSDP piece ``piece``'s holders (``holders``: replicas,
+    sorted, this rank's among them) for a resume's split reading of that piece in
+    round ``round_number``: they call it, nobody else (as a pair group: its calls
+    leave the outer group's tags alone)."""
+    return _side_group(store, round_number, holders,
+                       piece_group_id(round_number, group.local_rank),
+                       round_kv(round_number, "piece_store", piece), group, timeout_s,
+                       f"piece {piece}'s holders {holders}", f"piece{piece}", "ft resume")
+
+
+def _side_group(store: SharedData, round_number: int, replicas: list[int], pg_id: int,
+                store_name: str, group: LiveOuterGroup, timeout_s: float, what: str,
+                label: str, counted_as: str) -> PairGroup:
+    """A process group of a few of the round's ``replicas`` (this rank's among them)
+    besides the outer group. Its sockets go with the outer group's, so a failure
+    announced in the round shuts them down too."""
+    rank = replicas.index(group.replica)
+    pg, sockets = _create(store, round_number, group, rank, len(replicas), pg_id, store_name,
+                          timeout_s, f"round {round_number}'s {what}")
     group.track(round_number, sockets)
-    pair_group = PairGroup(pair.index(group.replica), pg_id,
-                           [group.virtual_rank(r) for r in pair], pg=pg,
-                           name=f"hsdp_ft_pair_{pair[0]}_{pair[1]}_{group.local_rank}")
-    comm.name_group(pair_group, "ft transfer")
-    return pair_group
+    side = PairGroup(rank, pg_id, [group.virtual_rank(r) for r in replicas], pg=pg,
+                     name=f"hsdp_ft_{label}_{'_'.join(map(str, replicas))}_{group.local_rank}")
+    comm.name_group(side, counted_as)
+    return side
 
 
 class _LocalRankPart:

@@ -13,10 +13,12 @@ After the whole job stopped, every rank of every group calls
    transfer): the tensors, by the job's layout now (another number of groups or
    another outer sharding reads the same layout-free boxes). When every member of the
    round resumes (none fresh, none behind, no receiver), the groups split the reading
-   over the outer group: each reads a disjoint share of the rows and broadcasts it, so
-   the job reads the checkpoint about once. Otherwise (a fresh group joined the first
-   round) each resuming group reads its own copy, then the round's transfer runs as
-   usual. A receiver takes its donor's state instead, and reads nothing.
+   over the outer group: each reads a disjoint share of the rows and broadcasts it
+   (HFSDP's pieces of the optimizer state: among each piece's holders,
+   :func:`piece_holders`, over a process group of them), so the job reads the
+   checkpoint about once. Otherwise (a fresh group joined the first round) each
+   resuming group reads its own copy, then the round's transfer runs as usual. A
+   receiver takes its donor's state instead, and reads nothing.
 
 The resume stays pending until the group commits a step: a round that fails after
 the load (a group died) loads again in the next, over the groups then live.
@@ -31,9 +33,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..comm.gloo_store import forget_group_store
 from ..comm.state import state
+from . import groups
 
 if TYPE_CHECKING:
+    from .pieces import PiecePlan
     from .protocol import Round
 
 
@@ -81,4 +86,26 @@ def load_in_round(replica: Any, path: str, record: Round, receiving: bool) -> in
     # in the split reading (decided from the round's record, alike on every member)
     together = not record.receivers and all(
         not a.fresh and a.step == record.step for a in record.members.values())
-    return int(_resumer().load(path, replica.model, replica.optimizer, together))
+    plan = replica.piece_plan
+    holders = piece_holders(plan, record) if together else []
+    # HFSDP: the holders of this replica's piece split its reading over a group of their
+    # own (all of them take this branch: the holders follow from the round's record)
+    piece_group = groups.connect_holders(
+        replica.store, record.number, plan.part, holders, replica.outer,
+        replica.round_timeout_s) if plan is not None and len(holders) > 1 else None
+    try:
+        return int(_resumer().load(path, replica.model, replica.optimizer, together,
+                                   piece_group))
+    finally:
+        if piece_group is not None:  # every holder connected: the rendezvous is over
+            forget_group_store(piece_group.id)
+
+
+def piece_holders(plan: PiecePlan | None, record: Round) -> list[int]:
+    """HFSDP's shared pieces: the round's members whose own piece is this replica's
+    (their optimizers hold its rows; sorted), from the round's record, alike on each
+    of them; [] without pieces. A member the re-cut gives the piece besides its own
+    takes it from a holder in the round's transfer, after the load."""
+    if plan is None:
+        return []
+    return [r for r in sorted(record.replicas) if plan.piece_of(r) == plan.part]
