@@ -42,6 +42,7 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
     for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
         assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]
+    assert "MUON refused apart: set_requires_all_reduce(False) at the step" in log
     assert "MUON done" in log, log[-3000:]
 
 

@@ -295,6 +295,31 @@ def row_shards_refused():
     assert all(np.array_equal(before[n], after[n].numpy()) for n in before)
 
 
+def apart_step_refused(data):
+    """Issue 65: where a replica keeps a shared matrix's momentum alone (2 x 2, a block a
+    unit), a step with set_requires_all_reduce(False) (each replica on its own grads)
+    is refused on every rank before any update, naming the ways out."""
+    model = shard_tinylm(build_model(), shard_placement_fn=OWNED)
+    opt = muon(model, model.parameters())
+    one_step(model, opt, data[0][0])
+    before = {n: t.numpy().copy() for n, t in paddle_hsdp.full_state_dict(model).items()}
+    model.set_requires_all_reduce(False)
+    ids = data[1][0][rank * PER_RANK:(rank + 1) * PER_RANK]
+    lm_loss(model, paddle.to_tensor(ids), uses_extra(rank)).backward()
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        assert "set_requires_all_reduce(False)" in str(e) and \
+            "share_over_replicas=False" in str(e), str(e)
+    else:
+        raise AssertionError("a step apart with the momentum on one replica was not refused")
+    opt.clear_grad()
+    model.set_requires_all_reduce(True)
+    after = paddle_hsdp.full_state_dict(model)
+    assert all(np.array_equal(before[n], after[n].numpy()) for n in before)
+    print("MUON refused apart: set_requires_all_reduce(False) at the step", flush=True)
+
+
 set_dtype("float64")
 DATA = batches(STEPS, 1, world, PER_RANK, seed=13)
 REFERENCE_RUN = trained(DATA)
@@ -323,5 +348,6 @@ check("2x2 default placement", {}, DATA, REFERENCE)
 moved_at_first_step("1x4 moved", {"mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
 moved_at_first_step("hfsdp 2x2 moved", {"fsdp_outer_sharding": "optim"}, DATA, REFERENCE)
 row_shards_refused()
+apart_step_refused(DATA)
 print(f"MUON done in {time.time() - started:.1f} s", flush=True)
 finish()
