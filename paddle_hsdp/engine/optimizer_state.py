@@ -162,7 +162,7 @@ def _held_by_one_replica(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer
     """``{param name: state key}`` of the states of ``held`` that one outer replica
     keeps (Muon's shared matrices' momentum, issue 65): the same on every rank of the
     outer group (the owners are chosen alike there)."""
-    owners = getattr(optimizer, "_momentum_owners", None) or {}
+    owners = getattr(optimizer, "momentum_owners", None) or {}
     masters = getattr(optimizer, "_master_weights", None) or {}
     # (Paddle's accumulator name: keyed by the master weight's name where there is one)
     return {sp.shard.name: f"{getattr(masters.get(sp.shard.name), 'name', sp.shard.name)}"

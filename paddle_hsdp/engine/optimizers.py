@@ -372,8 +372,9 @@ def share_orthogonalisation_over_replicas(optimizer: paddle.optimizer.Optimizer,
     if not callable(share):
         return
     chosen = fix_momentum_owners(optimizer, shards)
-    apart = [unit for unit, name, _, _ in chosen if not unit.syncs_grads_over_outer
-             and getattr(optimizer, "_momentum_owners", {}).get(name) is not None]
+    alone = getattr(optimizer, "momentum_owners", {})
+    apart = [unit for unit, name, _, _ in chosen
+             if not unit.syncs_grads_over_outer and name in alone]
     if apart:  # alike on every rank (the controls are), before any update
         raise NotImplementedError(
             f"{apart[0].label}: set_requires_all_reduce(False) at the optimizer step, and "

@@ -248,6 +248,12 @@ class Muon(paddle.optimizer.Optimizer):
         if self._share_over_replicas:
             self._momentum_owners = dict(owners)
 
+    @property
+    def momentum_owners(self) -> dict[str, tuple[Any, int]]:
+        """``{param.name: (outer group, replica)}``: the one replica keeping each shared
+        matrix's momentum (:meth:`keep_momentum_on_owners`; empty when none does)."""
+        return dict(self._momentum_owners)
+
     def momentum_elsewhere(self, param: paddle.Tensor) -> bool:
         """Whether another replica keeps ``param``'s momentum (:meth:`keep_momentum_on_owners`)."""
         owner = self._momentum_owners.get(param.name)
