@@ -55,8 +55,8 @@ def test_muon_checkpoint_moves_between_placements(hsdp_2x2_log, shared_2x2_work)
     log = part_of(hsdp_2x2_log, "worker_muon.py")
     assert line in log
     # issue 65: the momentum on the owning replica only, against every replica's copy
-    assert "MUON checkpoint: momentum on the owning replica <-> on every replica, one " \
-        "more step exact" in log
+    assert "MUON checkpoint: momentum on the owning replica -> on every replica, one " \
+        "more step exact; every replica -> the owning replica, one more step" in log
     assert "loaded exactly" in run_single("single_process_muon.py", shared_2x2_work)
 
 

@@ -201,7 +201,8 @@ def old_layouts(path, shard_kwargs, after, work):
     """Issue 65: the momentum of a matrix shared over the replicas lives on its owning
     replica only. A checkpoint of it loads into the old layout (share_over_replicas=False:
     every replica keeps every momentum) and one more step equals the run that saved it;
-    the old layout's checkpoint loads back into the owners, one more step exact."""
+    the old layout's checkpoint loads back into the owners, one more step within the
+    parity bound of the same checkpoint stepped in the old layout."""
     extra, second = (batches(1, 1, world, PER_RANK, seed=s)[0][0] for s in (21, 23))
     old = shard_tinylm(build_model(seed=98), **shard_kwargs)
     old_opt = muon(old, old.parameters(), share=False)
@@ -211,16 +212,22 @@ def old_layouts(path, shard_kwargs, after, work):
                for n, t in paddle_hsdp.full_state_dict(old).items())
     old_path = os.path.join(work, "muon_every_replica")
     paddle_hsdp.save_checkpoint(old_path, old, old_opt)
-    new = shard_tinylm(build_model(seed=97), **shard_kwargs)
-    new_opt = muon(new, new.parameters())
-    paddle_hsdp.load_checkpoint(old_path, new, new_opt)
-    one_step(old, old_opt, second)
-    one_step(new, new_opt, second)
-    stepped = paddle_hsdp.full_state_dict(old)
-    assert all(np.array_equal(stepped[n].numpy(), t.numpy())
-               for n, t in paddle_hsdp.full_state_dict(new).items())
-    print("MUON checkpoint: momentum on the owning replica <-> on every replica, one more "
-          "step exact", flush=True)
+    # the old layout's checkpoint into the owners and, as the reference, into the old
+    # layout again, each one step from the load
+    runs = []
+    for seed, share in ((97, True), (96, False)):
+        new = shard_tinylm(build_model(seed=seed), **shard_kwargs)
+        new_opt = muon(new, new.parameters(), share=share)
+        paddle_hsdp.load_checkpoint(old_path, new, new_opt)
+        one_step(new, new_opt, second)
+        runs.append(paddle_hsdp.full_state_dict(new))
+    # (2.7e-16 measured, not bitwise: the loaded parameters and states are equal, the
+    # step's last bits are not; within the float64 parity bound)
+    worst = max(max_rel(runs[1][n].numpy(), t.numpy()) for n, t in runs[0].items())
+    assert worst <= bound(), worst
+    print("MUON checkpoint: momentum on the owning replica -> on every replica, one more "
+          f"step exact; every replica -> the owning replica, one more step {worst:.1e}",
+          flush=True)
 
 
 def check(name, shard_kwargs, data, reference, work=None, parts=None, **train_kw):
