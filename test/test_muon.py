@@ -455,7 +455,7 @@ def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float
     share_orthogonalisation_over_replicas), this rank (replica 0 of 2) orthogonalises
     its matrix alone (the flops count it only) and steps the other by what the
     all-gather brings from replica 1 (here zeros: only the decay), each from its own
-    slice of the gathered buffer."""
+    slice of the gathered buffer; the momentum of each lives on its replica only."""
     from paddle_hsdp.comm import collectives as comm
     from paddle_hsdp.optim.muon import newton_schulz_flops
 
@@ -473,7 +473,9 @@ def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float
     monkeypatch.setattr(comm, "is_gloo", lambda group: True)  # (a stand-in group)
     opt = paddle_hsdp.Muon(learning_rate=0.1, parameters=[mine, theirs], momentum=0.9,
                            weight_decay=0.05, muon_exclude_patterns=[], ns_matmul_dtype="float64")
-    opt.orthogonalise_over_replicas({mine.name: (group, 0), theirs.name: (group, 1)})
+    shares = {mine.name: (group, 0), theirs.name: (group, 1)}
+    opt.keep_momentum_on_owners(shares)  # (the engine: once, before any state)
+    opt.orthogonalise_over_replicas(shares)
     grad = rng.standard_normal([4, 6])
     mine.grad, theirs.grad = paddle.to_tensor(grad), paddle.to_tensor(rng.standard_normal([5, 3]))
     opt.step()
@@ -482,6 +484,8 @@ def test_matrices_shared_over_replicas_are_orthogonalised_by_their_replica(float
                                rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(theirs.numpy(), v0 * (1 - 0.1 * 0.05))
     assert opt.ns_flops == newton_schulz_flops([4, 6], 5)
+    assert set(opt._accumulators["moment1"]) == {mine.name}  # replica 1 keeps theirs
+    assert opt.holds_state_alone(mine, "moment1") and not opt.holds_state_alone(theirs, "moment1")
 
 
 def test_share_over_replicas_false_repeats_the_iteration_and_sends_nothing(float64, monkeypatch):

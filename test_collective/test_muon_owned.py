@@ -15,11 +15,12 @@ one process."""
 
 from launcher import part_of, run_single, worker_sections
 
-# layout: copies of the state (replicas)
-# (issue 65: Muon's first step spreads plain HSDP's owners over the outer replicas
-# where the buffer grows by at most SPREAD_PADDING_MAX: TinyLM's root unit, one copy;
-# a block a unit, two equal matrices over 2 x 2 segments, would double, so each of the 2
-# replicas keeps its inner owners' copy)
+# layout: the replicas keeping their inner owners (1: the owners span inner x outer,
+# or one replica). Issue 65: Muon's first step spreads plain HSDP's owners over the
+# outer replicas where the buffer grows by at most SPREAD_PADDING_MAX (TinyLM's root
+# unit); a block a unit, two equal matrices over 2 x 2 segments, would double, so each
+# of the 2 replicas keeps its inner owners, and each matrix goes to one of them, which
+# alone keeps its momentum: one copy of the state in every layout
 LAYOUTS = {"2x2": 2, "2x2 root only": 1, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2,
            "1x4 moved": 1, "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 1,
            "2x2 default placement": 2}
@@ -30,7 +31,9 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
     for layout, copies in LAYOUTS.items():
         line = next((l for l in log.splitlines() if l.startswith(f"MUON {layout}: ")), "")
         assert "max rel diff" in line, (layout, log[-3000:])
-        assert f"= {copies} x " in line, line  # the momentum lives on the owners only
+        assert "= 1 x " in line, line  # the momentum lives on one owner in the job
+        if layout != "2x2 4 micro-steps":  # (its own reference)
+            assert "full_optimizer_state_dict: " in line, line
         # issue 65: each matrix orthogonalised once per job, replicas that keep their
         # inner owners included (each does its share, the results all-gathered)
         assert "Newton-Schulz flops over the ranks" in line and "= 1 x the model's" in line, line
@@ -39,6 +42,7 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
     for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
         assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]
+    assert "MUON refused apart: set_requires_all_reduce(False) at the step" in log
     assert "MUON done" in log, log[-3000:]
 
 
@@ -48,7 +52,11 @@ def test_muon_checkpoint_moves_between_placements(hsdp_2x2_log, shared_2x2_work)
     one more step within the bound), and into one process."""
     line = "MUON checkpoint: owned -> flat exact; owned -> owned, one more step exact; " \
         "2x2 owners -> 1x4 owners, one more step"
-    assert line in part_of(hsdp_2x2_log, "worker_muon.py")
+    log = part_of(hsdp_2x2_log, "worker_muon.py")
+    assert line in log
+    # issue 65: the momentum on the owning replica only, against every replica's copy
+    assert "MUON checkpoint: momentum on the owning replica -> on every replica, one " \
+        "more step exact; every replica -> the owning replica, one more step" in log
     assert "loaded exactly" in run_single("single_process_muon.py", shared_2x2_work)
 
 

@@ -101,9 +101,10 @@ def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int) -> str:
         shard = inner_layout.segment_numel
     flops, state = per_rank(work), per_rank(numel)
     extra = ""
-    if not taken and outer > 1:  # Newton-Schulz shared over the replicas (the engine's)
-        flops, extra = shared_over_replicas(layouts, shapes, owned, inner, outer,
-                                            units * segment_layout(shapes, inner).segment_numel)
+    if not taken and outer > 1:  # Newton-Schulz and momentum shared over the replicas
+        flops, state, extra = shared_over_replicas(
+            layouts, shapes, owned, inner, outer,
+            units * segment_layout(shapes, inner).segment_numel)
     idle = ranks - len({lay_seg for lay_seg in (
         layouts[0].offsets[k] // layouts[0].segment_numel for k, o in enumerate(owned) if o)}) \
         * (1 if taken else outer)
@@ -118,22 +119,24 @@ def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int) -> str:
 
 
 def shared_over_replicas(layouts, shapes, owned, inner: int, outer: int, flat_shard: int,
-                         ) -> tuple[list[int], str]:
+                         ) -> tuple[list[int], list[int], str]:
     """Where the owners stay in the inner group: each inner rank's matrices (unit
     order, as the engine lists them) given to the ``outer`` replicas by
-    ``spread_matrices`` (engine/optimizers.py, _replica_shares). Newton-Schulz work per
-    rank (inner-major), and what the results' all-gather over the outer group adds
-    across machines, against the outer all-reduce of the flat layout's grads."""
-    flops, widest = [], 0
+    ``spread_matrices`` (engine/optimizers.py, _replica_shares). Newton-Schulz work and
+    Muon state per rank (inner-major: the replica given a matrix alone keeps its
+    momentum), and what the results' all-gather over the outer group adds across
+    machines, against the outer all-reduce of the flat layout's grads."""
+    flops, state, widest = [], [], 0
     for j in range(inner):
         held = [shapes[k] for lay in layouts for k, own in enumerate(owned)
                 if own and lay.offsets[k] // lay.segment_numel == j]
         replica = spread_matrices(held, outer)
         share = [[s for s, r in zip(held, replica) if r == o] for o in range(outer)]
         flops.extend(sum(orthogonalisation_work(s) for s in mine) for mine in share)
+        state.extend(sum(math.prod(s) for s in mine) for mine in share)
         widest = max(widest, max(sum(math.prod(s) for s in mine) for mine in share))
     # per rank on the wire: (O - 1) x the widest share, against 2 (O - 1) / O x the shard
-    return flops, (f"; the results' all-gather adds {outer * widest / (2 * flat_shard):.2f}x "
+    return flops, state, (f"; the results' all-gather adds {outer * widest / (2 * flat_shard):.2f}x "
                    "the outer all-reduce's bytes")
 
 

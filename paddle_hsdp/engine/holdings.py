@@ -21,7 +21,9 @@ into the registry, the experts' renames and the placements in turn.
   (the expert one for experts).
 * An optimizer state shaped like its parameter holds the rows the optimizer holds: with
   outer sub-shards (HFSDP) its own part's rows (``piece``), which no other rank of the
-  FSDP group holds; a scalar (a beta power) is one element, the same on every rank
+  FSDP group holds; a state one outer replica keeps alone (the optimizer's
+  ``holds_state_alone``: Muon's momentum of a matrix shared over the replicas) has no
+  outer replicas (the others hold none of it); a scalar (a beta power) is one element, the same on every rank
   holding the parameter.
 """
 
@@ -236,6 +238,8 @@ def _optimizer_tensors(optimizer: paddle.optimizer.Optimizer, by_shard: ByShard,
     ensure_accumulators(optimizer)
     tensors: list[HeldTensor] = []
     mp = _mp_axis(axes)
+    # Muon (issue 65): a state only one outer replica keeps (the others hold none)
+    alone = getattr(optimizer, "holds_state_alone", None) or (lambda p, state: False)
     for p in optimizer_params(optimizer):
         if id(p) not in by_shard:
             continue
@@ -259,9 +263,11 @@ def _optimizer_tensors(optimizer: paddle.optimizer.Optimizer, by_shard: ByShard,
         for state, t in sorted(states_of(optimizer, p).items()):
             # a block like its parameter (a one-row block has a beta power's shape)
             if list(t.shape) == list(p.shape) and not state.endswith("_pow_acc"):
+                lone = alone(p, state) and piece is None
                 tensors.append(HeldTensor(
                     owner.name, state, owner.full_shape, dtype_name(t.dtype), tuple(offset),
-                    tuple(size), block, _reader(t, size[0]), _writer(t, size[0]), owner.split,
+                    tuple(size), tuple(a for a in block if a[0] != "outer") if lone else block,
+                    _reader(t, size[0]), _writer(t, size[0]), owner.split,
                     owner.tag, owner.stage, owner.slice_offset, owner.buffer,
                     owner.layout_index, piece))
             else:  # a scalar, the same on every rank holding the parameter (every mp rank)

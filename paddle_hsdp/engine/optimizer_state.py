@@ -148,7 +148,8 @@ def full_optimizer_state_dict(model: paddle.nn.Layer, optimizer: paddle.optimize
         for buf in unit.buffers:
             held = [sp for sp in buf.params if id(getattr(sp, "shard", None)) in by_shard]
             if held:
-                _gather_buffer_states(buf, held, by_shard, full, masters)
+                _gather_buffer_states(buf, held, by_shard, full, masters,
+                                      _held_by_one_replica(inner_opt, buf, held))
     if masters:
         full["master_weights"] = masters
     if rank0_only and paddle.distributed.get_rank() != 0:
@@ -156,26 +157,46 @@ def full_optimizer_state_dict(model: paddle.nn.Layer, optimizer: paddle.optimize
     return full
 
 
+def _held_by_one_replica(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer,
+                         held: list[ShardedParam]) -> dict[str, str]:
+    """``{param name: state key}`` of the states of ``held`` that one outer replica
+    keeps (Muon's shared matrices' momentum, issue 65): the same on every rank of the
+    outer group (the owners are chosen alike there)."""
+    owners = getattr(optimizer, "momentum_owners", None) or {}
+    masters = getattr(optimizer, "_master_weights", None) or {}
+    # (Paddle's accumulator name: keyed by the master weight's name where there is one)
+    return {sp.shard.name: f"{getattr(masters.get(sp.shard.name), 'name', sp.shard.name)}"
+            "_moment1_0" for sp in held if sp.shard.name in owners}
+
+
 def _gather_buffer_states(buf: ShardBuffer, held: list[ShardedParam],
                           by_shard: dict[int, dict], full: dict[str, Any],
-                          masters: dict[str, Any]) -> None:
+                          masters: dict[str, Any], alone: dict[str, str]) -> None:
     """One buffer's per-parameter states gathered full-size into ``full`` under their
-    keys (master weights into ``masters``): a collective over its inner group."""
-    for name in _state_names(held, by_shard):
+    keys (master weights into ``masters``): a collective over its inner group; where
+    one outer replica keeps a parameter's momentum (``alone``), summed over the outer
+    group too (the others hold none: zeros)."""
+    for name in _state_names(held, by_shard, bool(alone)):
         tensors = [by_shard[id(sp.shard)].get(name) for sp in held]
-        for sp, value in zip(held, _gather_states(buf, held, tensors, name), strict=True):
+        lone = set(alone) if name == "moment1" else set()
+        values = _gather_states(buf, held, tensors, name, lone)
+        for sp, t, value in zip(held, tensors, values, strict=True):
             if value is None:
                 continue
             if name == "master_weight":
                 masters[sp.shard.name] = value
-            else:
-                full[by_shard[id(sp.shard)][name].name] = value
+            elif t is not None:
+                full[t.name] = value
+            elif sp.shard.name in lone:
+                full[alone[sp.shard.name]] = value
 
 
-def _state_names(held: list[ShardedParam], by_shard: dict[int, dict]) -> list[str]:
+def _state_names(held: list[ShardedParam], by_shard: dict[int, dict],
+                 alone: bool = False) -> list[str]:
     """The per-parameter states (not scalars) the buffer's parameters have, sorted (the
-    same on every rank: the same optimizer over the same shards)."""
-    names = set()
+    same on every rank: the same optimizer over the same shards; ``alone``: momentum
+    one replica keeps, named on every rank)."""
+    names = {"moment1"} if alone else set()
     for sp in held:
         for name, t in by_shard[id(sp.shard)].items():
             if list(t.shape) == list(sp.shard.shape) and math.prod(sp.shape) > 1:
@@ -185,22 +206,29 @@ def _state_names(held: list[ShardedParam], by_shard: dict[int, dict]) -> list[st
 
 def _gather_states(buf: ShardBuffer, held: list[ShardedParam],
                    tensors: list[paddle.Tensor | None], name: str,
+                   lone: set[str] | frozenset = frozenset(),
                    ) -> list[paddle.Tensor | None]:
     """Each ``held`` parameter's state ``name`` full-size: this rank's pieces laid out
-    as the buffer's flat shard, gathered over the outer group (outer sub-shards), then
-    the inner group; None where the parameter has no such state."""
+    as the buffer's flat shard, gathered over the outer group (outer sub-shards; summed
+    over it where one replica keeps some parameters' of it: ``lone``, their names; the
+    others' then come from outer rank 0), then the inner group; None where the
+    parameter has no such state."""
     dtype = next((t.dtype for t in tensors if t is not None), paddle.float32)
     flat = paddle.zeros([buf.shard_numel], dtype)
     for sp, t in zip(held, tensors, strict=True):
-        if t is not None and sp.sub_numel:
+        # (summed over the replicas: a state every replica holds from the first only)
+        if t is not None and sp.sub_numel and \
+                (not lone or sp.shard.name in lone or buf.outer.rank == 0):
             paddle.assign(t.reshape([-1]).astype(dtype), output=sp.piece_of(flat))
     what = f"{buf.describe()}: the optimizer state '{name}'"
     if buf.parts > 1:
         flat = buf.pieces.outer_gather(flat, what=name)
+    elif lone:
+        comm.all_reduce(flat, buf.outer, what=what)
     out = paddle.empty([buf.padded_numel], dtype)
     comm.all_gather_into(out, flat, buf.inner, tag="optimizer state", what=what)
-    return [None if t is None else sp.full_of(out).clone() for sp, t in zip(held, tensors,
-                                                                             strict=True)]
+    return [None if t is None and not lone else sp.full_of(out).clone()
+            for sp, t in zip(held, tensors, strict=True)]
 
 
 def adopt_shards(optimizer: paddle.optimizer.Optimizer) -> list[str]:

@@ -240,6 +240,8 @@ def ensure_accumulators(optimizer: paddle.optimizer.Optimizer) -> None:
     """Create the optimizer's state now if no step has run yet, so it can be loaded."""
     params = [p for p in optimizer_params(optimizer) if not p.stop_gradient]
     if params and not getattr(optimizer, "_accumulators", None):
+        if callable(getattr(optimizer, "orthogonalise_over_replicas", None)):
+            fix_momentum_owners(optimizer, sharded_params_of(optimizer))
         block = framework.default_main_program().global_block()
         # where the step will run: offloaded shards keep their state on the host
         offloaded = any(getattr(getattr(p, "_hsdp_sharded_param", None), "buffer", None)
@@ -360,18 +362,44 @@ def share_orthogonalisation_over_replicas(optimizer: paddle.optimizer.Optimizer,
     (greedy by Newton-Schulz work over the matrices this rank holds, the same list on
     every rank of its outer group), which alone orthogonalises it; the optimizer
     all-gathers the results over the outer group at the step's end
-    (``orthogonalise_over_replicas``). Chosen once (layouts fixed), told every step
-    for the units whose grads this step are averaged over the replicas (not
-    ``set_requires_all_reduce(False)``); no collective here."""
+    (``orthogonalise_over_replicas``) and keeps its momentum alone
+    (:func:`fix_momentum_owners`). Chosen once (layouts fixed), told every step for the
+    units whose grads this step are averaged over the replicas; a step without that
+    average (``set_requires_all_reduce(False)``) is refused where a replica keeps a
+    matrix's momentum alone; no collective here."""
     optimizer = unwrap_optimizer(optimizer)
     share = getattr(optimizer, "orthogonalise_over_replicas", None)
     if not callable(share):
         return
+    chosen = fix_momentum_owners(optimizer, shards)
+    alone = getattr(optimizer, "momentum_owners", {})
+    apart = [unit for unit, name, _, _ in chosen
+             if not unit.syncs_grads_over_outer and name in alone]
+    if apart:  # alike on every rank (the controls are), before any update
+        raise NotImplementedError(
+            f"{apart[0].label}: set_requires_all_reduce(False) at the optimizer step, and "
+            f"{type(optimizer).__name__} keeps each shared matrix's momentum on one outer "
+            "replica (issue 65), so replicas cannot step on their own grads. Set it True "
+            "before the step (False on non-last micro-steps only), or build the optimizer "
+            "with share_over_replicas=False. Nothing was updated.")
+    share({name: (group, owner) for unit, name, group, owner in chosen
+           if unit.syncs_grads_over_outer})
+
+
+def fix_momentum_owners(optimizer: paddle.optimizer.Optimizer,
+                        shards: list[paddle.Tensor]) -> list[tuple]:
+    """The replica shares (:func:`_replica_shares`), chosen once, and told to the
+    optimizer (``keep_momentum_on_owners``) before it makes any state: the owning
+    replica alone keeps a shared matrix's momentum. Called at the first step or before
+    a checkpoint makes the state (ensure_accumulators), whichever comes first; the
+    buffers keep their layout from then on (_outer_parts)."""
     chosen = getattr(optimizer, "_hsdp_replica_shares", None)
     if chosen is None:
         chosen = optimizer._hsdp_replica_shares = _replica_shares(optimizer, shards)
-    share({name: (group, owner) for unit, name, group, owner in chosen
-           if unit.syncs_grads_over_outer})
+        keep = getattr(optimizer, "keep_momentum_on_owners", None)
+        if callable(keep):
+            keep({name: (group, owner) for _, name, group, owner in chosen})
+    return chosen
 
 
 def _replica_shares(optimizer: paddle.optimizer.Optimizer, shards: list[paddle.Tensor],
@@ -452,7 +480,10 @@ def _outer_parts(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer,
         return None
     matrices = [sp for sp in buf.params
                 if len(sp.shape) == 2 and _updates_as_matrix(optimizer, sp.shard)]
+    # (state made, or its replicas' owners fixed before a checkpoint made it: the
+    # layout stays, on every rank alike)
     if not matrices or buf.host is not None or buf.grads.main_grads or \
+            getattr(optimizer, "_hsdp_replica_shares", None) is not None or \
             any(states_of(optimizer, sp.shard) for sp in buf.params):
         return None
     owned = _owned_flags(optimizer, buf)

@@ -31,7 +31,8 @@ replicas each hold the same matrix whole (owners kept in the inner group), the e
 gives each matrix to one replica (``orthogonalise_over_replicas``): only it runs the
 iteration, and one all-gather per outer group and dtype at the step's end brings the
 results to the others (the step's transient memory: the rank's matrices' results in
-one buffer), so each matrix is orthogonalised once per job.
+one buffer), so each matrix is orthogonalised once per job; that replica alone keeps
+its momentum (``keep_momentum_on_owners``: the others never read it).
 
 Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
 ``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``
@@ -216,6 +217,9 @@ class Muon(paddle.optimizer.Optimizer):
         # False: each replica repeats the iteration rather than send its results across
         # machines (the all-gather's bytes: a slow outer link, small matrices)
         self._share_over_replicas = share_over_replicas
+        # {param.name: (outer group, replica)}: the one replica keeping each shared
+        # matrix's momentum (fixed once the layouts are; the others hold none)
+        self._momentum_owners: dict[str, tuple[Any, int]] = {}
         self._shared: list[_Shared] = []
         self._master_weights: dict = {}
         self._already_create_accumulator: set = set()
@@ -234,6 +238,33 @@ class Muon(paddle.optimizer.Optimizer):
         ``group`` at the step's end (:meth:`_exchange_over_replicas`). With
         ``Muon(share_over_replicas=False)`` every replica orthogonalises them all."""
         self._replica_shares = dict(shares) if self._share_over_replicas else {}
+
+    def keep_momentum_on_owners(self, owners: dict[str, tuple[Any, int]]) -> None:
+        """The engine's choice of :meth:`orthogonalise_over_replicas`' replicas, told
+        once, before any state is made: replica ``replica`` of ``group`` alone keeps the
+        momentum of each (the others receive its results, so never read it): Muon's
+        state per rank is 1/(inner x outer) of the model's, not 1/inner. Not with
+        ``share_over_replicas=False`` (every replica steps on its own momentum)."""
+        if self._share_over_replicas:
+            self._momentum_owners = dict(owners)
+
+    @property
+    def momentum_owners(self) -> dict[str, tuple[Any, int]]:
+        """``{param.name: (outer group, replica)}``: the one replica keeping each shared
+        matrix's momentum (:meth:`keep_momentum_on_owners`; empty when none does)."""
+        return dict(self._momentum_owners)
+
+    def momentum_elsewhere(self, param: paddle.Tensor) -> bool:
+        """Whether another replica keeps ``param``'s momentum (:meth:`keep_momentum_on_owners`)."""
+        owner = self._momentum_owners.get(param.name)
+        return owner is not None and owner[0].rank != owner[1]
+
+    def holds_state_alone(self, param: paddle.Tensor, state: str) -> bool:
+        """Whether this rank's replica alone keeps ``param``'s ``state`` (its momentum,
+        :meth:`keep_momentum_on_owners`; the checkpoint's boxes: the other outer
+        replicas hold none of it, engine/holdings.py)."""
+        owner = self._momentum_owners.get(param.name)
+        return state == "moment1" and owner is not None and owner[0].rank == owner[1]
 
     # -------------------------------------------------------------- which parameters
     def updates_as_matrix(self, param: paddle.Tensor) -> bool:
@@ -290,7 +321,8 @@ class Muon(paddle.optimizer.Optimizer):
             if self._multi_precision and self._low_precision(p):
                 target = self._create_master_weight(p)
             dtype = paddle.float32 if self._low_precision(target) else target.dtype
-            self._add_accumulator("moment1", target, dtype=dtype)
+            if not self.momentum_elsewhere(p):
+                self._add_accumulator("moment1", target, dtype=dtype)
             if not self.updates_as_matrix(p):
                 self._add_accumulator("moment2", target, dtype=dtype)
                 for acc, beta in (("beta1_pow_acc", self._beta1), ("beta2_pow_acc", self._beta2)):
@@ -329,6 +361,14 @@ class Muon(paddle.optimizer.Optimizer):
                      with_decay: bool, master: paddle.Tensor | None) -> None:
         if math.prod(param.shape) == 0:  # an HSDP shard of a matrix another rank owns
             return
+        if self.momentum_elsewhere(param):  # the owning replica sends its result
+            share = self._replica_shares.get(param.name)
+            if share is None:  # (the engine refuses such a step before it starts)
+                raise RuntimeError(f"Muon: '{param.name}' keeps its momentum on another "
+                                   "replica, and this step does not share it")
+            self._shared.append(_Shared(param, None, list(param.shape), *share, lr,
+                                        with_decay, master))
+            return
         momentum = self._get_accumulator_master("moment1", param)
         beta = self._momentum
         g = grad.astype(momentum.dtype) if grad.dtype != momentum.dtype else grad
@@ -344,8 +384,8 @@ class Muon(paddle.optimizer.Optimizer):
             return
         share = self._replica_shares.get(param.name)
         if share is not None:  # one replica orthogonalises it (_exchange_over_replicas)
-            self._shared.append(_Shared(param, update.reshape(shape), *share, lr, with_decay,
-                                        master))
+            self._shared.append(_Shared(param, update.reshape(shape), shape, *share, lr,
+                                        with_decay, master))
             return
         self._apply(param, self._orthogonalize(update.reshape(shape), param.name), lr,
                     with_decay, master)
@@ -393,13 +433,14 @@ class Muon(paddle.optimizer.Optimizer):
         padded to the largest), and every rank steps every matrix by the same bits."""
         group = entries[0].group
         n, me, dtype = group.nranks, group.rank, entries[0].target.dtype
-        sizes = [sum(math.prod(e.update.shape) for e in entries if e.replica == r)
+        sizes = [sum(math.prod(e.shape) for e in entries if e.replica == r)
                  for r in range(n)]
         width = max(sizes)
         if width == 0:
             return
+        # (this replica's own: it keeps their momentum, so their update is here)
         mine = [self._orthogonalize(e.update, e.param.name).astype(dtype).reshape([-1])
-                for e in entries if e.replica == me]
+                for e in entries if e.replica == me and e.update is not None]
         send = paddle.concat(mine + [paddle.zeros([width - sizes[me]], dtype=dtype)])
         # offloaded shards (host memory) under NCCL: the all-gather runs on the device
         on_host = send.place.is_cpu_place() and not comm.is_gloo(group)
@@ -414,8 +455,8 @@ class Muon(paddle.optimizer.Optimizer):
             gathered = gathered.cpu()
         start = [r * width for r in range(n)]
         for e in entries:
-            size = math.prod(e.update.shape)
-            ortho = gathered[start[e.replica]:start[e.replica] + size].reshape(e.update.shape)
+            size = math.prod(e.shape)
+            ortho = gathered[start[e.replica]:start[e.replica] + size].reshape(e.shape)
             start[e.replica] += size
             self._apply(e.param, ortho, e.lr, e.with_decay, e.master)
 
@@ -523,7 +564,10 @@ class _Shared:
     """A matrix whose orthogonalisation one outer replica does (``_finish_update``)."""
 
     param: paddle.Tensor
-    update: paddle.Tensor  # the momentum update, whole (equal on every replica)
+    # the momentum update, whole (equal on every replica; None where another replica
+    # keeps the momentum and orthogonalises it)
+    update: paddle.Tensor | None
+    shape: list[int]  # the whole matrix's
     group: Any  # the outer group of replicas holding it
     replica: int  # the rank in ``group`` that orthogonalises it
     lr: paddle.Tensor
