@@ -523,7 +523,10 @@ def _worker(args, replicas, schedule, t0, end, queue):
              if id(g) in watched and g.control.lost is None and not g.killed]
     renewer.finish()
     for g in every:  # a group waiting for a round the others left stops waiting
-        g.stop()
+        try:
+            g.stop()
+        except Exception as e:  # noqa: BLE001 - (a watch's stream closing twice): the
+            g.errors.append(f"stop: {type(e).__name__}: {e}")  # figures still go back
     gone_by = time.time() + 10  # (a rank's wait of a round timeout is not waited out)
     for thread in threads.values():
         thread.join(timeout=max(0.0, gone_by - time.time()))
@@ -597,7 +600,12 @@ def simulate(args) -> dict:
     while time.time() < end:
         connections.append((time.time(), _etcd_connections(port)))
         time.sleep(SAMPLE_S)
-    results = [queue.get(timeout=end - time.time() + 3 * args.round_timeout) for _ in workers]
+    results = []
+    for _ in workers:  # a worker that died reports nothing: the others' figures still
+        try:
+            results.append(queue.get(timeout=max(0.0, end - time.time()) + 90))
+        except Exception:  # noqa: BLE001 - (queue.Empty) counted below
+            break
     for w in workers:
         w.join(timeout=30)
     keys = _key_count(args.endpoints)
@@ -607,6 +615,7 @@ def simulate(args) -> dict:
                            [(t, n - others) for t, n in connections]))
     figures["connections_not_the_groups"] = others
     figures["keys_after"] = keys
+    figures["workers_reported"] = f"{len(results)} of {len(workers)}"
     figures["load_average_1m"] = os.getloadavg()[0]  # others' work on the same cores
     return figures
 
