@@ -1492,7 +1492,8 @@ class _Deaths:
         finds etcd away waited for it already (up to the round timeout, inside the call),
         and one that finds etcd lost its data is moot (the rounds start anew): neither
         is tried again. Whether it was written; if not, it is logged."""
-        control, error = self._control, None
+        control = self._control
+        error: Exception | None = None
         for attempt in range(REPORT_TRIES):
             if attempt and self._stopped.wait(REPORT_PAUSE_S * 2 ** (attempt - 1)):
                 return False  # no longer the reporter: the next one reports from history
