@@ -2,6 +2,7 @@
 pure functions, its attempt states, and its groups against a real etcd server (the
 embedded one, started once for this file: under a second)."""
 
+import gc
 import json
 import os
 import shutil
@@ -1358,15 +1359,21 @@ def test_a_mates_wait_ends_when_its_round_fails_and_its_leaders_watch_with_it(et
         relay.stop()
 
 
-def _connections_to(port: int) -> int:
+def _connections_to(port: int, ours: bool = False) -> int:
     """Established TCP connections whose far end is ``port`` on this host (Linux's
-    /proc/net/tcp): clients' connections to an etcd there (and its gateway's own)."""
+    /proc/net/tcp): clients' connections to an etcd there (and its gateway's own);
+    ``ours``: this process's alone (its sockets' inodes)."""
+    mine = None
+    if ours:
+        mine = {os.readlink(f"/proc/self/fd/{fd}")[8:-1] for fd in os.listdir("/proc/self/fd")
+                if os.path.islink(f"/proc/self/fd/{fd}")}
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             next(f)
             count += sum(1 for line in f if line.split()[3] == "01" and
-                         int(line.split()[2].rsplit(":", 1)[1], 16) == port)
+                         int(line.split()[2].rsplit(":", 1)[1], 16) == port and
+                         (mine is None or line.split()[9] in mine))
     return count
 
 
@@ -1431,3 +1438,95 @@ def test_a_leader_holds_two_connections_to_etcd_through_a_failure_round_and_a_se
         _close(groups)
         own.stop()
     assert 3 <= peak[0] <= 2 * len(groups) + 2, f"{peak[0]} connections to etcd for 2 groups"
+
+
+def test_a_receivers_ranks_waiting_for_their_own_keys_share_one_watch(tmp_path):
+    """Issue 62: a rejoin's receiver, each of its 4 ranks waiting (through its leader)
+    for its own metadata key not written yet, holds ONE watch for them all: the store's
+    watch serves one wait at a time and moves to the next once it ends (before: a watch
+    per key, 2 + G connections per receiver, 271 at 128 groups of 8 in tools/sim_ft.py,
+    over the bound of 2 x 128 + 10). Each rank gets its own value whichever order the
+    keys are written in, the watched key last."""
+    from paddle_hsdp.ft.kv import JobStore
+    from paddle_hsdp.ft.protocol import round_kv
+    own = _OwnEtcd(tmp_path)
+    leader, relay, mates, _ = _relayed_group({"address": own.address}, "meta", 4)
+    writer = JobStore(own.address, "meta", 20)
+    names = [round_kv(1, "state", lr, "model", 0) for lr in range(4)]
+    peak, done, got = [0], threading.Event(), {}
+    try:
+        leader.set("warm", "1")  # the requests' connections, counted in the base
+        writer.set("warm", "1")
+        gc.collect()  # the start's probe's connection closes (else it may, in the count)
+        time.sleep(0.1)
+        base = _connections_to(own.port, ours=True)
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _connections_to(own.port, ours=True) - base)
+                time.sleep(0.005)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        waits = [threading.Thread(target=lambda lr=lr, rank=rank: got.__setitem__(
+            lr, rank.get(names[lr], 20))) for lr, rank in enumerate([leader] + mates)]
+        for thread in waits:
+            thread.start()
+        time.sleep(0.5)  # every wait read its key once, found nothing, and waits
+        for lr in (2, 3, 1, 0):  # the first waiter's last
+            writer.set(names[lr], f"meta{lr}")
+            time.sleep(0.1)
+        for thread in waits:
+            thread.join(20)
+        done.set()
+        sampler.join()
+    finally:
+        done.set()
+        relay.stop()
+        own.stop()
+    assert got == {lr: f"meta{lr}".encode() for lr in range(4)}, got
+    assert 1 <= leader.watches <= 4, leader.watches
+    assert peak[0] == 1, f"{peak[0]} connections for the waits (one watch; before: 4)"
+
+
+def test_a_death_report_etcd_refused_is_written_again_bounded(monkeypatch, caplog):
+    """A death's report (the decider's ctl/<n>/gone/<id>) that etcd refuses is tried
+    again, REPORT_TRIES times in all (before: logged once and lost, so the dead group's
+    members trained on until their lease-less mate's collective timed out); one etcd
+    refuses every time is given up within the bounded pauses, logged; an etcd away (the
+    call already waited the round timeout) or one that lost its data is not retried."""
+    from paddle_hsdp.ft import protocol
+    from paddle_hsdp.ft.etcd import EtcdRefused
+    monkeypatch.setattr(protocol, "REPORT_PAUSE_S", 0.02)
+    writes = []
+
+    class Announcer:
+        def __init__(self, error, failures):
+            self.error, self.failures = error, failures
+
+        def put(self, key, value, lease=0):
+            writes.append((key, value))
+            if len(writes) <= self.failures:
+                raise self.error("paddle_hsdp.ft: etcd refused kv/put: too many requests")
+            return 7
+    control = types.SimpleNamespace(keys=Keys("deaths"), replica=0, newest_round=lambda: 3,
+                                    _sign=lambda key, value: value)
+    deaths = protocol._Deaths.__new__(protocol._Deaths)
+    deaths._control, deaths._stopped = control, threading.Event()
+    control._announcer = Announcer(EtcdRefused, 2)
+    assert deaths.report(5, 42)
+    assert writes == [(Keys("deaths").gone(3, 5), "42")] * 3, writes
+    for error, tries in ((EtcdRefused, protocol.REPORT_TRIES), (EtcdUnavailable, 1),
+                         (EtcdReset, 1)):
+        writes.clear()
+        control._announcer = Announcer(error, 99)
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="paddle_hsdp.ft"):
+            assert not deaths.report(5, 42)
+        assert len(writes) == tries, (error, writes)
+        assert time.monotonic() - started < 1.0
+        assert f"could not report group 5's death (tried {tries} times)" in caplog.text
+    # a reporter stopped meanwhile (another decider took over) stops trying at once
+    writes.clear()
+    control._announcer = Announcer(EtcdRefused, 99)
+    deaths._stopped.set()
+    assert not deaths.report(5, 42) and len(writes) == 1

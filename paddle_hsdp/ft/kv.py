@@ -87,7 +87,12 @@ class JobStore:
     from several threads: requests go one at a time over one connection, which the
     group's protocol shares (``GroupControl(shared=store.etcd)``); a wait for a round's
     value every group waits for is heard from the protocol's one watch (2 connections
-    to etcd per group), a wait for another key watches it (one more while it waits)."""
+    to etcd per group), the waits for other keys share ONE watch of the store's (one
+    more connection while any waits): it watches one key at a time, the oldest wait's,
+    and moves on to the next once that wait ends (:meth:`_watch_next`). A rejoin's
+    receiver, whose G ranks each wait for their own metadata key, so holds 3
+    connections, not 2 + G; a wait whose key is written while an older wait's is not
+    is read once that one ends (its value, or its timeout)."""
 
     # a value read once is kept for the group's other ranks: at most this many values
     # and bytes (a rejoin's metadata is a few hundred KB per local rank)
@@ -107,6 +112,9 @@ class JobStore:
         self._counts: OrderedDict[str, int] = OrderedDict()  # counters seen, their values
         self._parts: OrderedDict[str, dict[int, str]] = OrderedDict()
         self.watches = 0  # watches made for waits (each a connection while it waits)
+        self._watching: _KeyWait | None = None  # the wait the store's one watch serves
+        # waits whose key was not written at their first read, for the watch in turn
+        self._parked: list[tuple[_KeyWait, str, Callable[[str | None], str | None]]] = []
 
     def _key(self, name: str) -> str:
         return self.keys.shared_data(name)
@@ -189,34 +197,75 @@ class JobStore:
                 if last and self._waits.get(wanted) is wait:
                     del self._waits[wanted]
             if last:
-                wait.stop()
+                self._release(wait)
 
     def _start(self, wait: _KeyWait, key: str, accept: Callable[[str | None], str | None]
                ) -> None:
-        def on_event(kind: str, event_key: str, raw: str, revision: int) -> None:
-            if kind == "PUT" and event_key == key:  # (a longer key shares the prefix)
-                taken = accept(raw)
-                if taken is not None:
-                    wait.done(taken)
         try:
             # a key the group's one watch carries (Keys.shared_data): heard from it, no
             # watch of its own; listened to before the read, so nothing falls between
             if self.etcd.relays(key):
-                wait.unlisten = self.etcd.listen(key, on_event)
-            with self._calls:
-                found = self.etcd.call("kv/range", {"key": _b64(key)})
-            kvs = found.get("kvs", [])
-            value = accept(_text(kvs[0].get("value")) if kvs else None)
-            if value is not None:
-                wait.done(value)
-                return
-            if wait.unlisten is not None:
-                return
-            self.watches += 1
-            wait.watch = self.etcd.watch(key, on_event,
-                                         start_revision=int(found["header"]["revision"]) + 1)
+                wait.unlisten = self.etcd.listen(key, _on_put(wait, key, accept))
+            self._read_or_watch(wait, key, accept)
         except BaseException as e:  # noqa: BLE001 - every waiter of it hears it
             wait.done(None, e)
+
+    def _read_or_watch(self, wait: _KeyWait, key: str,
+                       accept: Callable[[str | None], str | None]) -> bool:
+        """Read ``key`` once: its value ends ``wait``; if not there yet, the store's one
+        watch watches it from that read's revision (nothing missed) if free or already
+        this wait's, else the wait is parked for it. Whether it now watches."""
+        with self._calls:
+            found = self.etcd.call("kv/range", {"key": _b64(key)})
+        kvs = found.get("kvs", [])
+        value = accept(_text(kvs[0].get("value")) if kvs else None)
+        if value is not None:
+            wait.done(value)
+            return False
+        if wait.unlisten is not None:
+            return False  # heard from the group's watch
+        with self._waits_lock:
+            if self._watching not in (None, wait):
+                self._parked.append((wait, key, accept))
+                return False
+            self._watching = wait
+        self.watches += 1
+        wait.watch = self.etcd.watch(key, _on_put(wait, key, accept),
+                                     start_revision=int(found["header"]["revision"]) + 1)
+        if wait.stopped:  # its waiters left meanwhile (_release ran before the watch)
+            wait.stop()
+        return True
+
+    def _release(self, wait: _KeyWait) -> None:
+        """``wait``'s last waiter left: its watch or listener goes, and the store's
+        watch, if it was this wait's, to the next parked wait."""
+        wait.stop()
+        with self._waits_lock:
+            self._parked = [p for p in self._parked if p[0] is not wait]
+            handing = self._watching is wait
+            if handing:
+                self._watching = None
+        if handing:
+            self._watch_next()
+
+    def _watch_next(self) -> None:
+        """Hand the store's one watch to the oldest parked wait: its key read again (it
+        may have been written since its first read) and, if still not there, watched;
+        a wait found written ends, and the next is tried."""
+        while True:
+            with self._waits_lock:
+                if self._watching is not None or not self._parked:
+                    return
+                wait, key, accept = self._parked.pop(0)
+                self._watching = wait
+            try:
+                if self._read_or_watch(wait, key, accept):
+                    return
+            except BaseException as e:  # noqa: BLE001 - every waiter of it hears it
+                wait.done(None, e)
+            with self._waits_lock:
+                if self._watching is wait:
+                    self._watching = None
 
     def add(self, name: str, amount: int, lease: int = 0) -> int:
         """Add ``amount`` to the counter ``name`` (0 if never written); its new value.
@@ -255,11 +304,23 @@ class JobStore:
         return parts[str(part)].encode()
 
 
+def _on_put(wait: "_KeyWait", key: str, accept: Callable[[str | None], str | None]):
+    """A watch's callback: a put of exactly ``key`` that ``accept`` takes ends ``wait``
+    (a longer key shares the prefix)."""
+    def on_event(kind: str, event_key: str, raw: str, revision: int) -> None:
+        if kind == "PUT" and event_key == key:
+            taken = accept(raw)
+            if taken is not None:
+                wait.done(taken)
+    return on_event
+
+
 class _KeyWait:
     """One wait for a key, shared by every rank of the group that waits for it."""
 
     def __init__(self) -> None:
         self.users = 0
+        self.stopped = False  # its last waiter left (a watch made after is stopped)
         self.watch: Watch | None = None  # the etcd watch, while the value is not there
         self.unlisten: Callable[[], None] | None = None  # or the group's watch's listener
         self._event = threading.Event()
@@ -286,6 +347,7 @@ class _KeyWait:
         return self._value
 
     def stop(self) -> None:
+        self.stopped = True
         watch, self.watch = self.watch, None
         if watch is not None:
             watch.stop()

@@ -78,6 +78,9 @@ logger = logging.getLogger("paddle_hsdp.ft")
 
 HEALTH_TICK_S = 0.25  # how often a leader asks whether its group's ranks answer
 RENEWALS_PER_TTL = 3  # a lease is renewed this often per TTL
+# a death's report that etcd refused is written again: this many tries in all, the
+# first pause this long and doubling (0.25 + 0.5 + 1 s: bounded, on the report's thread)
+REPORT_TRIES, REPORT_PAUSE_S = 4, 0.25
 WAIT_LOG_S = 10.0  # a waiting group says what it waits for this often
 
 
@@ -1485,19 +1488,39 @@ class _Deaths:
 
     def __init__(self, control: GroupControl, start_revision: int | None):
         self._control = control
+        self._stopped = threading.Event()
         self._watch = control.etcd.watch(control.keys.groups, self._on_event,
                                          start_revision=start_revision, no_put=True)
 
     def _on_event(self, kind: str, key: str, value: str, revision: int) -> None:
-        if kind != "DELETE":
-            return
+        if kind == "DELETE":
+            self.report(int(key.rsplit("/", 1)[1]), revision)
+
+    def report(self, replica: int, revision: int) -> bool:
+        """Write group ``replica``'s death (its key deleted at ``revision``): a write
+        etcd refused is tried again, REPORT_TRIES times in all, REPORT_PAUSE_S apart and
+        doubling (a few seconds: a refusal is etcd busy or electing a leader). One that
+        finds etcd away waited for it already (up to the round timeout, inside the call),
+        and one that finds etcd lost its data is moot (the rounds start anew): neither
+        is tried again. Whether it was written; if not, it is logged."""
         control = self._control
-        at = control.keys.gone(max(control.newest_round(), 0), int(key.rsplit("/", 1)[1]))
-        try:
-            control._announcer.put(at, control._sign(at, str(revision)))
-        except (EtcdUnavailable, EtcdRefused, EtcdReset) as e:
-            logger.warning("paddle_hsdp.ft: replica %d could not report %s's deletion: %s",
-                           control.replica, key, e)
+        error: Exception | None = None
+        for attempt in range(REPORT_TRIES):
+            if attempt and self._stopped.wait(REPORT_PAUSE_S * 2 ** (attempt - 1)):
+                return False  # no longer the reporter: the next one reports from history
+            at = control.keys.gone(max(control.newest_round(), 0), replica)
+            try:
+                control._announcer.put(at, control._sign(at, str(revision)))
+                return True
+            except EtcdRefused as e:
+                error = e
+            except (EtcdUnavailable, EtcdReset) as e:
+                error = e
+                break
+        logger.warning("paddle_hsdp.ft: replica %d could not report group %d's death "
+                       "(tried %d times): %s", control.replica, replica, attempt + 1, error)
+        return False
 
     def stop(self) -> None:
+        self._stopped.set()
         self._watch.stop()
