@@ -178,7 +178,6 @@ def test_who_sits_a_rounds_step_out():
     assert handoff.sits_out(round_of([2, 3], [0]), types.SimpleNamespace(parts=1)) == [2, 3]
     assert handoff.sits_out(round_of([1, 2], []), None) == []  # the first round
     assert handoff.sits_out(round_of([2], [0, 1]), hfsdp) == []  # pieces: in the set-up
-    assert handoff.sits_out(round_of([2], [0, 1]), None, resuming=True) == []
     # DiLoCo: a step between syncs has no all-reduced grads for a sitting-out group
     assert handoff.sits_out(round_of([2], [0, 1]), None, syncs_apart=True) == []
     assert handoff.sits_out(round_of([], [0, 1]), None) == []

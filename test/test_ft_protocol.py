@@ -512,6 +512,22 @@ def test_a_decider_that_dies_is_replaced_and_a_late_member_is_left_out(etcd):
         _close(groups)
 
 
+def test_the_first_difference_names_another_diloco_interval():
+    """Groups that sync every H steps must agree on H and the outer optimizer (a
+    pseudo-gradient's all-reduce would else pair with another group's grads')."""
+    from paddle_hsdp.ft import config
+    from paddle_hsdp.ft.protocol import first_difference
+    policy = {"every": 4, "lr": 0.7, "momentum": 0.9, "nesterov": True, "fragments": 1}
+    ours = config.describe(2, "none", 1, [("w", [4, 4], "float64")], [[0, policy]])
+    theirs = config.describe(2, "none", 1, [("w", [4, 4], "float64")],
+                             [[0, {**policy, "every": 8}]])
+    assert config.digest(ours)[0] != config.digest(theirs)[0]
+    assert "'every': 8" in first_difference(theirs, ours)
+    assert first_difference(ours, ours) == "no difference found"
+    without = config.describe(2, "none", 1, [("w", [4, 4], "float64")])
+    assert "outer sync every H steps" in first_difference(without, ours)
+
+
 def test_a_group_of_another_configuration_is_refused_by_the_record(etcd):
     groups, _, _ = _groups(etcd, 2)
     try:

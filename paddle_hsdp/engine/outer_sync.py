@@ -145,8 +145,12 @@ class OuterSyncSchedule:
         """Forget the agreed order: the next backward records and agrees it anew (and
         syncs at the step). paddle_hsdp.ft calls it on every member of a round that
         changed who trains, so the order is one over the new members by construction,
-        whatever each went through before."""
+        whatever each went through before. No backward of that step syncs early
+        either (``expected`` forgotten until it ends): with several backwards per step
+        the last would, and a replica sitting the step out must zero its grads before
+        they are synced (``engine.replication.withhold_grads``)."""
         self.order = []
+        self.expected = None
         move(self, "state", SyncSchedule.RECORDING, "record_again")
         self._work, self._next = [], 0
         self._finished.clear()

@@ -9,7 +9,8 @@ named here, and ft holds no registry, unit or buffer.
   :func:`settle_outer_syncs`: DiLoCo on replica groups (engine/diloco.py): the outer
   momentum whole on every group, and a step's sync run by the next attempt, undone if
   that attempt fails;
-* :func:`parameter_table`: the sharded parameters, for the groups' configuration check;
+* :func:`parameter_table`, :func:`outer_sync_table`: the sharded parameters and the
+  DiLoCo policies, for the groups' configuration check;
 * :func:`state_tensors`: the tensors a replica's model state is made of (each buffer's
   flat shard, unsharded parameters, buffers, DiLoCo's outer state), in one order on
   every replica;
@@ -24,6 +25,7 @@ named here, and ft holds no registry, unit or buffer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import paddle
@@ -37,7 +39,8 @@ from .states import GradState, expect
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
 
-__all__ = ["refusal_to_replicate", "parameter_table", "state_tensors", "state_replaced",
+__all__ = ["refusal_to_replicate", "parameter_table", "outer_sync_table", "state_tensors",
+           "state_replaced",
            "order_outer_syncs_again", "owe_rebuild", "finish_grad_sync", "PieceOptimizers",
            "why_no_second_piece", "keep_outer_state_on_every_replica",
            "run_owed_outer_syncs", "settle_outer_syncs", "withhold_grads"]
@@ -76,6 +79,15 @@ def parameter_table(model: paddle.nn.Layer) -> list[tuple[str, list, object]]:
     return [(".".join(x for x in (paths.get(id(unit.module), "?"), sp.fqn) if x),
              sp.shape, sp.dtype)
             for unit in registry.units_under(model) for sp in unit.params]
+
+
+def outer_sync_table(model: paddle.nn.Layer) -> list[list]:
+    """``[unit index, its DiLoCo policy's fields]`` of every unit that syncs over the
+    outer group every H steps (``OuterSyncPolicy(every >= 2)``), for the groups'
+    configuration check: groups with other intervals or outer optimizers would pair a
+    pseudo-gradient's all-reduce with another's grads'."""
+    return [[unit.index, dataclasses.asdict(unit.outer_sync.policy)]
+            for unit in registry.units_under(model) if unit.outer_sync is not None]
 
 
 def state_tensors(model: paddle.nn.Layer) -> list[tuple[str, paddle.Tensor]]:

@@ -64,17 +64,18 @@ CHUNK_BYTES = 1 << 20  # one check per chunk; a chunk is sent and received whole
 _HELLO = struct.Struct("<q")  # the receiver names its replica once connected
 
 
-def sits_out(record: Round, plan: PiecePlan | None, resuming: bool = False,
-             syncs_apart: bool = False) -> list[int]:
+def sits_out(record: Round, plan: PiecePlan | None, syncs_apart: bool = False) -> list[int]:
     """The members of round ``record`` that sit its first step out, their state handed
     over beside it: its receivers, where some member is up to date (not the first
     round, whose state no one holds yet), each group holds its whole optimizer state
-    (not HFSDP's pieces), the round loads no checkpoint (a resume) and the groups
-    sync their grads at every step (not DiLoCo's ``syncs_apart``: a sitting-out
-    group's update needs the step's all-reduced grads, which DiLoCo's steps between
-    syncs do not have). Else none: the receivers take their state in the set-up and
-    train the step."""
-    if not record.receivers or not record.up_to_date or resuming or syncs_apart:
+    (not HFSDP's pieces) and the groups sync their grads at every step (not DiLoCo's
+    ``syncs_apart``: a sitting-out group's update needs the step's all-reduced grads,
+    which DiLoCo's steps between syncs do not have). Else none: the receivers take
+    their state in the set-up and train the step. Decided from the round's record and
+    what every group's configuration shares only (the groups' configuration check
+    covers DiLoCo), so every member decides alike: a group's own resume is no input (a
+    resuming donor loads the checkpoint in the set-up, before its copy is made)."""
+    if not record.receivers or not record.up_to_date or syncs_apart:
         return []
     if plan is not None and plan.parts > 1:
         return []

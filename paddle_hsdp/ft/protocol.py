@@ -1435,6 +1435,10 @@ def first_difference(theirs: dict | None, ours: dict | None,
                     f"have {other[0]} {other[1]} {other[2]}")
     if len(a) != len(b):
         return f"{len(a)} sharded parameters where the running groups have {len(b)}"
+    if theirs.get("outer_sync", []) != ours.get("outer_sync", []):
+        return (f"the outer sync every H steps (unit, OuterSyncPolicy) "
+                f"{theirs.get('outer_sync', [])} where the running groups have "
+                f"{ours.get('outer_sync', [])}")
     return "no difference found"
 
 

@@ -317,7 +317,8 @@ class Replica:
         if self.rank == 0:  # the leader arrives with it: a misconfigured group is refused
             tensors = replication.parameter_table(model)
             self._config_hash, text = config.digest(config.describe(
-                self.ranks_per_replica, self._outer_sharding, self._pieces, tensors))
+                self.ranks_per_replica, self._outer_sharding, self._pieces, tensors,
+                replication.outer_sync_table(model)))
             self._leader().publish_config(self._config_hash, text)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -806,9 +807,7 @@ class _Step(PhaseMachine[StepPhase]):
 
     def _set_up(self) -> StepPhase:
         replica, record = self.replica, self._record()
-        sitting_out = handoff.sits_out(record, replica.piece_plan,
-                                       replica._resume_path is not None,
-                                       replica._syncs_apart)
+        sitting_out = handoff.sits_out(record, replica.piece_plan, replica._syncs_apart)
         error = replica._set_up_round(record, self.receiving, sitting_out)
         logger.debug("rank %d: round %d set up (%s)", replica.rank, record.number,
                      error or "ok")
