@@ -131,6 +131,12 @@ def test_a_donor_serves_its_copy_and_the_receiver_installs_it_exactly(monkeypatc
     assert donation.bytes > 4 * 1000  # (several chunks)
     for p in donor_model.parameters():  # its step goes on: the copy is what it had
         p.set_value(p.numpy() + 1)
+    # a stray connection (the port, a receiver's id, not the signed metadata's token)
+    # gets nothing and takes no receiver's place
+    address = tuple(json.loads(store.values[next(iter(store.values))])["address"])
+    with socket.create_connection(address, timeout=5) as stray:
+        stray.sendall(handoff._HELLO.pack(2, bytes(16)))
+        assert stray.recv(1) == b""  # closed on it, nothing sent
     receipt = handoff.Receipt(store, record, types.SimpleNamespace(replica=2, local_rank=1),
                               taker_model, donor=0)
     assert receipt.extra == {"step": 5}
@@ -162,7 +168,7 @@ def test_a_receiver_whose_donor_is_gone_fails_within_its_bound(monkeypatch):
         port = server.getsockname()[1]
     store.values["x"] = None
     meta = {"address": ["127.0.0.1", port], "bytes": 10, "model": [], "tensors": [],
-            "rest": {}, "extra": {}}
+            "rest": {}, "extra": {}, "token": "00" * 16}
     monkeypatch.setattr(handoff, "_exchange_meta", lambda *args: meta)
     receipt = handoff.Receipt(store, record, types.SimpleNamespace(replica=2, local_rank=0),
                               None, donor=0)

@@ -31,8 +31,10 @@ not depend on it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import secrets
 import socket
 import struct
 import threading
@@ -61,7 +63,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("paddle_hsdp.ft")
 
 CHUNK_BYTES = 1 << 20  # one check per chunk; a chunk is sent and received whole
-_HELLO = struct.Struct("<q")  # the receiver names its replica once connected
+_HELLO = struct.Struct("<q16s")  # the receiver names its replica, with the donor's token
+HELLO_TIMEOUT_S = 10.0  # a connection that says nothing holds the donor no longer
 
 
 def sits_out(record: Round, plan: PiecePlan | None, syncs_apart: bool = False) -> list[int]:
@@ -174,7 +177,11 @@ class Donation:
         self._listener.settimeout(store.timeout_s)
         self._timeout_s, self._signer = store.timeout_s, store.signer
         self._where = lambda r: _where(record, group.replica, r, group.local_rank)
+        # only a reader of the (signed) metadata can ask for the state: a stray
+        # connection to the port neither gets it nor takes a receiver's place
+        self._token = secrets.token_bytes(16)
         meta = {"address": [host, self._listener.getsockname()[1]], "bytes": self.bytes,
+                "token": self._token.hex(),
                 "model": _described(named), "tensors": _described(pairs), "rest": rest,
                 "extra": extra}
         for receiver in receivers:
@@ -196,21 +203,25 @@ class Donation:
             self.close()
 
     def _serve_one(self, conn: socket.socket, waiting: set[int]) -> None:
-        conn.settimeout(self._timeout_s)
+        conn.settimeout(min(HELLO_TIMEOUT_S, self._timeout_s))
         hello = bytearray(_HELLO.size)
         try:
             _receive_exactly(conn, memoryview(hello), "a receiver's hello")
-            receiver = _HELLO.unpack(hello)[0]
+            receiver, token = _HELLO.unpack(hello)
+            if not hmac.compare_digest(token, self._token):
+                raise FaultToleranceError("a connection without the handoff's token")
             if receiver not in waiting:
                 raise FaultToleranceError(f"replica {receiver} is not fed here")
+            conn.settimeout(self._timeout_s)
             send_state(conn, self._blob, self._signer, self._where(receiver))
             waiting.discard(receiver)
         except (OSError, FaultToleranceError) as e:  # that stream alone: its receiver fails
             logger.warning("paddle_hsdp.ft: a handoff stream failed: %s", e)
 
     def close(self) -> None:
-        """Stop serving (idempotent): the socket closed, the copy dropped."""
-        self._listener.close()
+        """Stop serving (idempotent): the socket shut (which wakes a blocked accept;
+        a close alone does not on Linux) and closed, the copy dropped."""
+        _shut(self._listener)
         self._blob = np.empty(0, dtype=np.uint8)
 
     def join(self, timeout_s: float) -> bool:
@@ -234,6 +245,7 @@ class Receipt:
         self._store, self._number, self._timeout_s = store, record.number, store.timeout_s
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
+        self._stopped = False
         where = _where(record, donor, group.replica, group.local_rank)
         self._thread = threading.Thread(target=self._receive, daemon=True,
                                         args=(group.replica, store.signer, where),
@@ -245,7 +257,9 @@ class Receipt:
             host, port = self._meta["address"]
             with socket.create_connection((host, port), timeout=self._timeout_s) as conn:
                 self._conn = conn
-                conn.sendall(_HELLO.pack(replica))
+                if self._stopped:  # stopped while it connected
+                    raise FaultToleranceError("the handoff was stopped")
+                conn.sendall(_HELLO.pack(replica, bytes.fromhex(self._meta["token"])))
                 receive_state(conn, self._blob, signer, where)
         except BaseException as e:  # noqa: BLE001 - handed to install's caller
             self._error = e
@@ -272,8 +286,12 @@ class Receipt:
                                       f"{self._error}") from self._error
 
     def _stop(self) -> None:
+        """The receiving thread woken and ended (a shut socket ends a blocked read),
+        its buffer let go: a retry allocates its own."""
+        self._stopped = True
         if self._conn is not None:
-            self._conn.close()
+            _shut(self._conn)
+        self._blob = np.empty(0, dtype=np.uint8)
 
     def install(self, model: paddle.nn.Layer, optimizer: Optimizer,
                 abort: Callable[[], object] | None = None) -> int:
@@ -295,6 +313,14 @@ class Receipt:
 
     def close(self) -> None:
         self._stop()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected, or shut already
+        pass
+    sock.close()
 
 
 def _write(tensor: paddle.Tensor, view: memoryview, offset: int) -> int:
