@@ -213,7 +213,9 @@ def _gather_states(buf: ShardBuffer, held: list[ShardedParam],
     over it where one replica keeps some parameters' of it: ``lone``, their names; the
     others' then come from outer rank 0), then the inner group; None where the
     parameter has no such state."""
-    dtype = next((t.dtype for t in tensors if t is not None), paddle.float32)
+    dtype = next((t.dtype for t in tensors if t is not None), None)
+    if dtype is None:  # none held here: every rank must still join in the same dtype
+        dtype = _lone_state_dtype(held) if lone else paddle.float32
     flat = paddle.zeros([buf.shard_numel], dtype)
     for sp, t in zip(held, tensors, strict=True):
         # (summed over the replicas: a state every replica holds from the first only)
@@ -229,6 +231,14 @@ def _gather_states(buf: ShardBuffer, held: list[ShardedParam],
     comm.all_gather_into(out, flat, buf.inner, tag="optimizer state", what=what)
     return [None if t is None and not lone else sp.full_of(out).clone()
             for sp, t in zip(held, tensors, strict=True)]
+
+
+def _lone_state_dtype(held: list[ShardedParam]) -> paddle.dtype:
+    """The dtype of momentum another replica keeps alone (Muon's: float32 for
+    low-precision shards, else theirs), for a rank that holds none of a buffer's: its
+    all-reduce must match the owner's."""
+    dtype = held[0].shard.dtype if held else paddle.float32
+    return dtype if dtype in (paddle.float32, paddle.float64) else paddle.float32
 
 
 def adopt_shards(optimizer: paddle.optimizer.Optimizer) -> list[str]:
