@@ -1504,6 +1504,37 @@ def test_a_receivers_ranks_waiting_for_their_own_keys_share_one_watch(tmp_path):
     assert peak[0] == 1, f"{peak[0]} connections for the waits (one watch; before: 4)"
 
 
+def test_a_parked_wait_whose_key_was_written_is_not_timed_out(tmp_path):
+    """The store's one watch serves its oldest wait; a younger wait is parked and hears
+    nothing until then. If its own timeout comes first, one last read finds the key
+    written meanwhile (before: TimeoutError, though the value was there)."""
+    from paddle_hsdp.ft.kv import JobStore
+    own = _OwnEtcd(tmp_path)
+    store, writer = JobStore(own.address, "parked", 20), JobStore(own.address, "parked", 20)
+    got, errors = {}, []
+
+    def wait(name, timeout_s):
+        try:
+            got[name] = store.get(name, timeout_s)
+        except TimeoutError as e:
+            errors.append(e)
+    try:
+        older = threading.Thread(target=wait, args=("older", 6))
+        older.start()
+        time.sleep(0.5)  # the older wait holds the store's watch
+        younger = threading.Thread(target=wait, args=("younger", 1.5))
+        younger.start()
+        time.sleep(0.5)  # parked
+        writer.set("younger", "here")
+        younger.join(10)
+        assert got == {"younger": b"here"} and not errors, (got, errors)
+        writer.set("older", "too")
+        older.join(10)
+        assert got["older"] == b"too"
+    finally:
+        own.stop()
+
+
 def test_a_death_report_etcd_refused_is_written_again_bounded(monkeypatch, caplog):
     """A death's report (the decider's ctl/<n>/gone/<id>) that etcd refuses is tried
     again, REPORT_TRIES times in all (before: logged once and lost, so the dead group's

@@ -189,7 +189,19 @@ class JobStore:
         try:
             if first:
                 self._start(wait, self._key(wanted[0]), accept)
-            return wait.result(timeout_s, what, abort)
+            try:
+                return wait.result(timeout_s, what, abort)
+            except TimeoutError as timed_out:
+                # a parked wait hears nothing until the store's watch comes to it: its
+                # key may have been written meanwhile, so one last read before giving up
+                # (the timeout stands if that read fails too: etcd away)
+                try:
+                    late, _ = self._read_once(self._key(wanted[0]), accept)
+                except Exception:  # noqa: BLE001
+                    raise timed_out from None
+                if late is None:
+                    raise
+                return late
         finally:
             with self._waits_lock:
                 wait.users -= 1
@@ -210,15 +222,22 @@ class JobStore:
         except BaseException as e:  # noqa: BLE001 - every waiter of it hears it
             wait.done(None, e)
 
+    def _read_once(self, key: str, accept: Callable[[str | None], str | None]
+                   ) -> tuple[str | None, int]:
+        """``key``'s value as ``accept`` takes it (None: not yet), and the read's
+        revision."""
+        with self._calls:
+            found = self.etcd.call("kv/range", {"key": _b64(key)})
+        kvs = found.get("kvs", [])
+        return (accept(_text(kvs[0].get("value")) if kvs else None),
+                int(found["header"]["revision"]))
+
     def _read_or_watch(self, wait: _KeyWait, key: str,
                        accept: Callable[[str | None], str | None]) -> bool:
         """Read ``key`` once: its value ends ``wait``; if not there yet, the store's one
         watch watches it from that read's revision (nothing missed) if free or already
         this wait's, else the wait is parked for it. Whether it now watches."""
-        with self._calls:
-            found = self.etcd.call("kv/range", {"key": _b64(key)})
-        kvs = found.get("kvs", [])
-        value = accept(_text(kvs[0].get("value")) if kvs else None)
+        value, revision = self._read_once(key, accept)
         if value is not None:
             wait.done(value)
             return False
@@ -231,7 +250,7 @@ class JobStore:
             self._watching = wait
         self.watches += 1
         wait.watch = self.etcd.watch(key, _on_put(wait, key, accept),
-                                     start_revision=int(found["header"]["revision"]) + 1)
+                                     start_revision=revision + 1)
         if wait.stopped:  # its waiters left meanwhile (_release ran before the watch)
             wait.stop()
         return True
