@@ -752,6 +752,49 @@ def test_a_schedulers_numpy_scalars_cross_as_json_and_anything_else_is_named():
         transfer._exchange_meta(store, record, ("y",), True, lambda: {"bad": object()})
 
 
+class _Link:
+    """A copy's link in one process: what the donor broadcasts, the taker receives."""
+
+    def __init__(self):
+        self.sent: list[np.ndarray] = []
+        self.taken = 0
+
+    def broadcast(self, tensor, src, group, tag=None):
+        if src == 0:  # (the donor is global rank 0 here)
+            self.sent.append(tensor.numpy().copy())
+        else:
+            tensor.set_value(paddle.to_tensor(self.sent[self.taken]))
+            self.taken += 1
+
+
+@pytest.mark.parametrize("secret", ["", "s" * 32])
+def test_a_copys_metadata_goes_over_its_link_signed_and_a_changed_byte_is_refused(
+        monkeypatch, secret):
+    """Issue 62: the metadata of a set-up copy goes over the copy's own link, not etcd
+    (none of it reaches the store); the taker gets the JSON round trip; with a job secret
+    a byte changed on the way fails the round, naming the key."""
+    from paddle_hsdp.ft.trust import Signer
+    link = _Link()
+    monkeypatch.setattr(transfer.comm, "broadcast", link.broadcast)
+    store = MemoryStore()
+    store.signer = Signer(secret or None)
+    record = types.SimpleNamespace(number=2)
+    meta = {"last_lr": np.float32(0.5), "model": [["w", (2, 3), "float32"]]}
+    sent = transfer._meta_over_link(store, record, (0, "model", 1), "link", 0, meta)
+    got = transfer._meta_over_link(store, record, (0, "model", 1), "link", 1)
+    assert got == sent == {"last_lr": 0.5, "model": [["w", [2, 3], "float32"]]}
+    assert not store.data  # etcd (here: the store) holds nothing of it
+    if not secret:
+        return
+    link.taken = 0
+    link.sent[1][-3] ^= 1  # a byte of the JSON changed on the way
+    with pytest.raises(FaultToleranceError, match="round/000000002/state/0/model/1 .*refused"):
+        transfer._meta_over_link(store, record, (0, "model", 1), "link", 1)
+    link.taken = 0  # another place's (a replay to another rank) does not hold either
+    with pytest.raises(FaultToleranceError, match="refused"):
+        transfer._meta_over_link(store, record, (1, "model", 1), "link", 1)
+
+
 def test_a_joint_saves_manifests_go_as_files_checked_against_small_commit_records(tmp_path):
     """Issue 62 (item 5): a group's manifests are a file of the save's folder; the job's
     store holds a commit record (name, bytes, SHA-256). The publisher refuses a file

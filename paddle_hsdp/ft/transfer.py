@@ -7,8 +7,10 @@ a broadcast over the round's outer group), one tensor at a time (every unit buff
 flat shard, the parameters and buffers the engine does not shard, then each
 optimizer-state tensor), so no rank ever holds more than its own shard plus one tensor
 in flight. What is not a tensor (names, shapes and dtypes, the step count, the RNG
-state, an LR scheduler's and the user's state) goes first, as JSON,
-through the job's shared data on etcd.
+state, an LR scheduler's and the user's state) goes first, as JSON, over the same link
+(:func:`_meta_over_link`): etcd carries the round's control, not its data. (Through etcd,
+round 0's broadcast made every group's ranks read the donor's 0.1-0.4 MB per rank: at
+1,024 groups of 8, 1.6 GB out of etcd, whose renewals queued behind it.)
 
 With shared optimizer pieces (HFSDP with redundancy, :mod:`.pieces`) the model comes
 from the receiver's donor and each piece's optimizer state from a holder of that piece.
@@ -23,8 +25,8 @@ place (a CRC-32 without one): it catches a
 torn or corrupted transfer (a tensor cut short, bytes changed on the way, a tensor
 taken from another round or place), and a peer on the link without the secret can
 neither forge the list nor craft data that matches it; it does not stop a sender that
-holds the secret (a group of the job) from sending a wrong state. The metadata sent
-through etcd is signed there (:mod:`.kv`). Receivers take the model's tensors in place and hand the optimizer
+holds the secret (a group of the job) from sending a wrong state. The metadata is
+signed as a value of etcd would be (bound to its round, copy and place). Receivers take the model's tensors in place and hand the optimizer
 its state once everything arrived and checked: a receiver whose transfer fails holds a
 state it must not use, and says so at the next round (``fresh``).
 """
@@ -49,7 +51,7 @@ from ..engine import replication
 from . import groups
 from .pieces import plan_of
 from .protocol import FaultToleranceError, round_kv
-from .trust import TransferDigest
+from .trust import Forged, TransferDigest
 
 if TYPE_CHECKING:
     from paddle.distributed.communication.group import Group
@@ -328,8 +330,8 @@ def _take_phase(store: SharedData, record: Round, group: groups.LiveOuterGroup,
     the donor's plain state for the model's phase, ``(paths, tensors, rest)`` for an
     optimizer phase (None elsewhere)."""
     replica, taking = group.replica, group.replica in phase.takers
-    meta = _exchange_meta(store, record, (group.local_rank, *phase.what, phase.donor),
-                          False, None)
+    meta = _meta_over_link(store, record, (group.local_rank, *phase.what, phase.donor),
+                           link, group.virtual_rank(phase.donor))
     if phase.what[0] == "model":
         tensors = replication.state_tensors(model) if taking else None
         _check_same_model(tensors, meta, replica, phase.donor)
@@ -381,6 +383,7 @@ class _Sender:
         self.store, self.record, self.group = store, record, group
         self.model, self.optimizers, self.extra = model, optimizers, extra
         self._tensors: dict[tuple, list[paddle.Tensor]] = {}  # what -> [tensor]
+        self._meta: dict[tuple, dict] = {}  # what -> its metadata, sent on each link
         # what -> int64 tensor of checksums (None until the first send computes them)
         self._sums: dict[tuple, paddle.Tensor | None] = {}
 
@@ -395,10 +398,11 @@ class _Sender:
                 pairs, rest = _flatten(_optimizer_for(self.optimizers, what).state_dict())
                 meta = {"tensors": _described(pairs), "rest": rest}
                 tensors = [t for _, t in pairs]
-            _exchange_meta(self.store, self.record,
-                           (self.group.local_rank, *what, phase.donor), True, lambda: meta)
+            self._meta[what] = meta
             self._tensors[what] = tensors
             self._sums[what] = None
+        _meta_over_link(self.store, self.record, (self.group.local_rank, *what, phase.donor),
+                        link, self.group.virtual_rank(phase.donor), self._meta[what])
         tensors, sums = self._tensors[what], self._sums[what]
         check = None if sums is not None else \
             _Digests(self.store, self.record.number, what)  # the first copy's
@@ -512,10 +516,41 @@ def _described(tensors: Iterable[tuple[object, paddle.Tensor]]) -> list:
     return [[n, list(t.shape), _dtype(t)] for n, t in tensors]  # as JSON gives it back
 
 
+def _meta_over_link(store: SharedData, record: Round, where: tuple, link: Group, src: int,
+                    meta: dict | None = None) -> dict:
+    """What is not a tensor, as JSON over the copy's own ``link`` (never a pickle: what a
+    trainer reads from the network must not run code): the donor (global rank ``src``,
+    passing ``meta``) broadcasts its length, then its bytes, signed as the etcd value
+    ``where`` of round ``record`` would be (:meth:`~.trust.Signer.sign`: with the job's
+    secret, a peer on the link cannot forge it, nor replay another round's or place's);
+    every other member of ``link`` takes it. Each side gets the JSON round trip (tuples
+    become lists). etcd sees none of it: a broadcast's metadata reached every group's
+    ranks through etcd before, R x G values of 0.1-0.4 MB in round 0."""
+    key = round_kv(record.number, "state", *where)
+    size = paddle.zeros([1], dtype="int64")
+    if meta is not None:
+        text = json.dumps(meta, default=_plain)
+        data = np.frombuffer(store.signer.sign(key, text).encode(), dtype=np.uint8)
+        size[0] = data.size
+    comm.broadcast(size, src=src, group=link, tag="ft state metadata")
+    payload = paddle.to_tensor(data) if meta is not None else \
+        paddle.zeros([int(size.item())], dtype="uint8")
+    comm.broadcast(payload, src=src, group=link, tag="ft state metadata")
+    if meta is not None:
+        return json.loads(text)
+    try:
+        return json.loads(store.signer.open(key, payload.numpy().tobytes().decode()))
+    except (Forged, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FaultToleranceError(f"paddle_hsdp.ft: the metadata of {key} from global rank "
+                                  f"{src} is refused ({e}); the round is redone") from e
+
+
 def _exchange_meta(store: SharedData, record: Round, where: tuple, sending: bool,
                    build: Callable[[], dict] | None) -> dict:
-    """What is not a tensor goes as JSON through the store (never a pickle: what a
-    trainer reads from the network must not run code): the sender writes ``build()``
+    """What is not a tensor goes as JSON through the store (a handoff's, :mod:`.handoff`:
+    one reader per value; a set-up copy's goes over its link, :func:`_meta_over_link`;
+    never a pickle: what a trainer reads from the network must not run code): the
+    sender writes ``build()``
     under round ``record``'s key ``where``, the others read it; a reader stops waiting
     once a failure is announced in the round (the sender may be dead). The receiver
     gets the JSON round trip (tuples become lists); so does the sender, alike."""
