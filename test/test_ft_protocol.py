@@ -46,11 +46,11 @@ def etcd(tmp_path_factory):
 _jobs = iter(range(10 ** 6))
 
 
-def _groups(etcd, n, start=None, job=None, **kw):
+def _groups(etcd, n, start=None, job=None, ttl=TTL, **kw):
     job = job or f"job{next(_jobs)}"
     failures = {r: [] for r in range(n)}
     rules = Rules(start_replicas=start or n, join_window_s=kw.pop("join_window_s", 1.0))
-    groups = [GroupControl(etcd["address"], job, r, f"tok{r}", "host", rules, TTL, 20,
+    groups = [GroupControl(etcd["address"], job, r, f"tok{r}", "host", rules, ttl, 20,
                            on_failure=failures[r].append, **kw) for r in range(n)]
     for g in groups:
         g.register()
@@ -466,7 +466,9 @@ def test_a_hung_group_revokes_its_own_lease_and_a_failure_reaches_every_member(e
 
 
 def test_a_second_launch_of_a_live_id_is_refused_and_a_dead_ones_taken_over(etcd):
-    groups, _, job = _groups(etcd, 1)
+    # a TTL of 6 s: at 2 s the live group's lease lapsed unrenewed under the suite's
+    # load (three streams on 2 cores), and the second launch was let in
+    groups, _, job = _groups(etcd, 1, ttl=6)
     rules = Rules(start_replicas=1)
     try:
         second = GroupControl(etcd["address"], job, 0, "other", "host2", rules, TTL, 20)

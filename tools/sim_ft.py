@@ -11,13 +11,13 @@ one another at 512 groups on 2 cores), and the worker processes run at the lowes
 priority (nice 19: their hundreds of threads outweighed etcd and the renewals at +5).
 The groups start evenly over ``--start-over`` s (default R/50: a job's pods come up
 over a while; the simulator's choice, the protocol takes any), and the steady stretch
-begins ``--settle-s`` later, once round 0's first transfer (every group reads the
-donor's G x ``--meta-kb``) is done. With ``--ranks-per-group G`` every group also has G ranks, each a
+begins ``--settle-s`` later, once round 0's set-up (each group's outer-store
+addresses; the first transfer's metadata goes over the outer group, not etcd) is done. With ``--ranks-per-group G`` every group also has G ranks, each a
 real client of the job's shared data as ``ft.init`` builds them (the leader's
 ``JobStore``; each other rank's ``RelayedStore``, through the group's own store,
 simulated in memory, and the leader's ``Relay``), which after each round do what
-``groups.connect`` and a rejoin's transfer do with it (addresses, metadata of
-``--meta-kb`` per rank, receipts); ``--churn`` adds ``--saves`` joint saves after the
+``groups.connect`` and a rejoin's transfer do with it (addresses; as a handoff's, the
+donor's metadata of ``--meta-kb`` per rank to its receiver, receipts); ``--churn`` adds ``--saves`` joint saves after the
 rejoin (``ft/joint_save.py``'s records, count and outcome, every rank waiting for it).
 After the first round and a quiet stretch it injects, one at a
 time: a failed attempt (one group's collective fails: every group arrives at once), a
@@ -305,10 +305,15 @@ class SimGroup:
             metadata = "m" * (self.args.meta_kb * 1000)
             receivers, donor_of = _transfer_plan(record)
             donors = set(donor_of.values())
-            # one donor feeding every other member broadcasts over the outer group
-            # (every member reads its metadata, nobody writes a receipt); otherwise
-            # point to point: receivers read and write receipts, bystanders await them
-            broadcast = len(donors) == 1 and set(receivers) == set(record.replicas) - donors
+            # one donor feeding every other member broadcasts over the outer group:
+            # its metadata goes with the tensors, nothing through etcd
+            # (transfer._meta_over_link); otherwise point to point, as a handoff
+            # (ft/handoff.py): the donor writes one value per receiver rank, the
+            # receiver reads it and writes its receipts, bystanders await them
+            if len(donors) == 1 and set(receivers) == set(record.replicas) - donors:
+                self.phases.append(("first_transfer" if n == 0 else "rejoin", n, started,
+                                    time.time()))
+                return
             bystander = self.replica not in donors and self.replica not in receivers
             for receiver in receivers:
                 donor = donor_of[receiver]
@@ -316,16 +321,12 @@ class SimGroup:
                 for lr, rank in enumerate(ranks):
                     meta = p.round_kv(n, "state", lr, "model", donor)
                     if self.replica == donor:
-                        if receiver == receivers[0] or not broadcast:
-                            rank.set(meta, metadata)
-                    elif broadcast or self.replica == receiver:
+                        rank.set(meta, metadata)
+                    elif self.replica == receiver:
                         rank.get(meta, timeout)
-                        if not broadcast:
-                            rank.set_part(receipts, lr, len(ranks), "1")
+                        rank.set_part(receipts, lr, len(ranks), "1")
                     elif bystander:
                         rank.get_part(receipts, lr, timeout)
-                if broadcast:
-                    break
             self.phases.append(("rejoin" if n else "first_transfer", n, started, time.time()))
         except Exception as e:  # noqa: BLE001 - reported with the figures
             self.errors.append(f"round {n} set-up: {type(e).__name__}: {e}")
@@ -568,7 +569,7 @@ def _etcd_connections(port: int) -> int:
 def simulate(args) -> dict:
     t0 = time.time() + 3.0 + args.groups / 200  # every process set up by then
     # round 0's set-up and first transfer done (the groups start over --start-over
-    # from t0; every group reads the donor's metadata: --settle-s)
+    # from t0; each group's outer-store addresses: --settle-s)
     steady_from = t0 + args.start_over + 10.0 + args.groups / 100 + args.settle_s
     steady_to = steady_from + args.steady_s
     gap = args.ttl + 2 * args.join_window + 5
@@ -953,9 +954,8 @@ def main(argv=None) -> int:
                              "pods come up; default R/50 (20 s at 1,024 groups): the "
                              "simulator's choice, not the protocol's, which takes any")
     parser.add_argument("--settle-s", type=float, default=None,
-                        help="s more before the steady stretch, for round 0's first transfer "
-                             "(every group reads the donor's G x --meta-kb); default R x G x "
-                             "meta-kb / 10 MB/s (164 s at 1,024 x 8 x 200 KB)")
+                        help="s more before the steady stretch, for round 0's set-up "
+                             "(each group's outer-store addresses); default 10")
     parser.add_argument("--ttl", type=float, default=10.0,
                         help="lease TTL = heartbeat timeout, s (PADDLE_HSDP_FT_HEARTBEAT_TIMEOUT)")
     parser.add_argument("--join-window", type=float, default=3.0)
@@ -975,7 +975,8 @@ def main(argv=None) -> int:
     parser.add_argument("--save-every", type=int, default=25,
                         help="soak: rounds per joint save (0: none)")
     parser.add_argument("--meta-kb", type=int, default=200,
-                        help="soak: KB of rejoin metadata per rank and rejoin")
+                        help="KB of a rejoin's metadata per rank (a handoff's: through "
+                             "etcd, to its one receiver)")
     parser.add_argument("--sample-every", type=int, default=100,
                         help="soak: rounds per sample printed")
     args = parser.parse_args(argv)
@@ -986,8 +987,8 @@ def main(argv=None) -> int:
                      f"one that sees them), got {args.groups}")
     if args.start_over is None:
         args.start_over = args.groups / 50
-    if args.settle_s is None:  # R x G x --meta-kb through etcd at ~10 MB/s here
-        args.settle_s = args.groups * args.ranks_per_group * args.meta_kb / 10_000
+    if args.settle_s is None:  # round 0's set-up: addresses only (no metadata on etcd)
+        args.settle_s = 10.0
     if args.start_over < 0 or args.settle_s < 0:
         parser.error(f"--start-over and --settle-s must be >= 0 s, got {args.start_over} "
                      f"and {args.settle_s}")
