@@ -249,9 +249,9 @@ class SimGroup:
         self.relay = None
         self.ranks = [self.store]
         if args.ranks_per_group > 1:
-            channel = MemoryChannel()
-            # looked at by the process's one relay thread (_look_at_relays), not a
-            # thread per group
+            # looked at by the process's one relay thread (_look_at_relays) when its
+            # channel was written, not a thread per group polling it
+            channel = MemoryChannel(on_write=lambda: relays.written(self.relay))
             self.relay = Relay(self.store, channel, looks=False)
             relays.append(self.relay)
             self.ranks += [RelayedStore(channel, "sim", args.round_timeout)
@@ -433,6 +433,20 @@ def _transfer_plan(record) -> tuple[list[int], dict[int, int]]:
         return _plans[key]
 
 
+def _count_paths() -> Counter:
+    """Count this process's requests to etcd by path (``kv/put``, ``lease/keepalive``,
+    ...): which calls make a phase's peak."""
+    from paddle_hsdp.ft import etcd
+    paths: Counter = Counter()
+    call = etcd.Etcd.call
+
+    def counted(self, path, payload):
+        paths[path] += 1
+        return call(self, path, payload)
+    etcd.Etcd.call = counted
+    return paths
+
+
 def _count_bytes() -> list[int]:
     """Count the bytes of JSON every etcd client of this process reads (unary answers
     and watch events' lines, as they come off the connection): [total]. (Counted as
@@ -453,18 +467,41 @@ def _count_bytes() -> list[int]:
     return read
 
 
-def _look_at_relays(relays: list, end: float) -> None:
+class _Relays(list):
+    """A process's simulated groups' relays, and which of them had their channel
+    written since the last look (:func:`_look_at_relays`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._written: set = set()
+        self._woken = threading.Condition(threading.Lock())
+
+    def written(self, relay) -> None:
+        with self._woken:
+            self._written.add(relay)
+            self._woken.notify()
+
+    def take_written(self, timeout_s: float) -> set:
+        with self._woken:
+            self._woken.wait_for(lambda: self._written, timeout_s)
+            taken, self._written = self._written, set()
+            return taken
+
+
+def _look_at_relays(relays: _Relays, end: float) -> None:
     """Every simulated group's relay, looked at by one thread of the process as each
-    leader's relay thread would (at once while busy, backing off to MAX_PAUSE_S while
-    idle): a polling thread per group starved 2 cores at 1,024 groups."""
-    from paddle_hsdp.ft.relay import MAX_PAUSE_S, PAUSE_S
-    pause = PAUSE_S
+    leader's relay thread would, but only once its channel was written (a mate's
+    request or cancellation; a real relay polls Paddle's store, which tells no
+    changes), and every relay once a second: a polling thread per group, then one
+    thread polling every relay every 2-50 ms, starved 2 cores at 1,024 groups."""
+    every_s, last_all = 1.0, time.time()
     while time.time() < end:
-        busy = False
-        for relay in list(relays):
-            busy = relay.look() or busy
-        pause = PAUSE_S if busy else min(2 * pause, MAX_PAUSE_S)
-        time.sleep(pause)
+        batch = relays.take_written(every_s)
+        if time.time() - last_all >= every_s:
+            batch, last_all = set(relays), time.time()
+        for relay in batch:
+            if relay is not None:
+                relay.look()
 
 
 def _worker(args, replicas, schedule, t0, end, queue):
@@ -477,8 +514,12 @@ def _worker(args, replicas, schedule, t0, end, queue):
     # threads at +5 outweighed etcd's and the renewing process's few (renewals went out
     # 13 s late at 1,024 groups); the simulated clients wait, not etcd or the renewals
     os.nice(19)
-    read = _count_bytes()
-    relays: list = []
+    # a leader's relay waits (one per mate's request) call their abort() every 0.05 s;
+    # 1,024 leaders' in one machine every 0.5 s (cancellation heard later; nothing else)
+    from paddle_hsdp.ft import kv
+    kv.ABORT_TICK_S = 0.5
+    read, paths = _count_bytes(), _count_paths()
+    relays = _Relays()
     groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer, relays) for r in replicas}
     threading.Thread(target=_look_at_relays, args=(relays, end + 3 * args.round_timeout),
                      daemon=True, name="sim-relays").start()
@@ -488,7 +529,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
     for thread in threads.values():
         thread.start()
     every = list(groups.values())
-    series: list[tuple[int, int, int]] = []  # (tick, requests, bytes read)
+    series: list[tuple[int, int, int, dict]] = []  # (tick, requests, bytes read, by path)
 
     def sample() -> None:
         tick = int((time.time() - t0) / SAMPLE_S)
@@ -496,7 +537,7 @@ def _worker(args, replicas, schedule, t0, end, queue):
             tick += 1
             time.sleep(max(0.0, t0 + tick * SAMPLE_S - time.time()))
             series.append((tick, sum(g.requests for g in every) + renewer.sent.value,
-                           read[0]))
+                           read[0], dict(paths)))
     threading.Thread(target=sample, daemon=True, name="sim-sampler").start()
     samples, events = {}, sorted(schedule.get("events", []))
     watched: dict[int, tuple[int, int, int]] = {}
@@ -632,23 +673,30 @@ def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
     peak requests/s to etcd over any second of it, the most connections open to etcd,
     and the bytes read per group (JSON as the clients parse it) per round."""
     totals: dict[int, list[int]] = {}
+    by_path: dict[int, Counter] = {}  # the groups' requests (renewals not) by path
     for res in results:
-        for tick, requests, read in res["series"]:
+        for tick, requests, read, paths in res["series"]:
             row = totals.setdefault(tick, [0, 0])
             row[0] += requests
             row[1] += read
+            by_path.setdefault(tick, Counter()).update(paths)
     ticks = sorted(totals)
     per_s = 1 / SAMPLE_S
 
     def window_figures(start: float, stop: float, rounds: int) -> dict:
         inside = [t for t in ticks if start - SAMPLE_S <= t0 + t * SAMPLE_S <= stop + 2 * SAMPLE_S]
         rates = [(totals[b][0] - totals[a][0]) * per_s for a, b in zip(inside, inside[1:], strict=False)]
-        peak = max((sum(rates[i:i + int(per_s)]) / int(per_s) * 1
-                    for i in range(max(1, len(rates) - int(per_s) + 1))), default=0.0)
+        peaks = [(sum(rates[i:i + int(per_s)]) / int(per_s), i)
+                 for i in range(max(1, len(rates) - int(per_s) + 1))]
+        peak, at = max(peaks, default=(0.0, 0))
+        top = {}  # the peak second's requests by path, the most frequent first
+        if len(inside) > at + int(per_s):
+            a, b = inside[at], inside[at + int(per_s)]
+            top = dict((by_path[b] - by_path[a]).most_common(4))
         read = totals[inside[-1]][1] - totals[inside[0]][1] if len(inside) > 1 else 0
         conns = [n for t, n in connections if start - SAMPLE_S <= t <= stop + SAMPLE_S]
         return {"from_s": round(start - t0, 1), "seconds": round(stop - start, 2),
-                "peak_req_per_s": round(peak, 1),
+                "peak_req_per_s": round(peak, 1), "peak_by_path": top,
                 "connections": max(conns, default=None),
                 "bytes_read_per_group_per_round": round(read / args.groups / max(1, rounds))}
     out: dict = {"phases": {"steady": window_figures(steady_from, steady_to, 1)}}
@@ -670,7 +718,8 @@ def _phases(args, results, t0, steady_from, steady_to, connections) -> dict:
         out["phases"][kind] = {"count": len(rows), **{
             name: max((r[name] for r in rows if r[name] is not None), default=None)
             for name in ("seconds", "peak_req_per_s", "connections",
-                         "bytes_read_per_group_per_round")}}
+                         "bytes_read_per_group_per_round")},
+            "peak_by_path": max(rows, key=lambda r: r["peak_req_per_s"])["peak_by_path"]}
     out["set_ups_done"] = {f"{phase} {number}": count for (phase, number), count in sorted(
         Counter((ph, n) for res in results for ph, n, _, _, _ in res["phases"]).items())}
     out["peak_connections"] = max((n for _, n in connections), default=None)

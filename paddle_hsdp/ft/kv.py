@@ -334,6 +334,11 @@ def _on_put(wait: "_KeyWait", key: str, accept: Callable[[str | None], str | Non
     return on_event
 
 
+# a wait with an ``abort`` calls it this often (a leader runs one such wait per mate's
+# request: a few; tools/sim_ft.py, a thousand leaders in one machine, raises it)
+ABORT_TICK_S = 0.05
+
+
 class _KeyWait:
     """One wait for a key, shared by every rank of the group that waits for it."""
 
@@ -354,7 +359,7 @@ class _KeyWait:
     def result(self, timeout_s: float, what: str,
                abort: Callable[[], object] | None) -> str:
         deadline = time.monotonic() + timeout_s
-        while not self._event.wait(0.05 if abort is not None else
+        while not self._event.wait(ABORT_TICK_S if abort is not None else
                                    max(0.0, deadline - time.monotonic())):
             if abort is not None:
                 abort()

@@ -35,6 +35,8 @@ logger = logging.getLogger("paddle_hsdp.ft")
 
 PREFIX = "paddle_hsdp/ft/relay"
 PAUSE_S, MAX_PAUSE_S = 0.002, 0.05  # a look at the group store, backing off while idle
+# a wait on a channel that tells its changes: between two calls of the waiter's abort()
+CHANGE_WAIT_S = 0.1
 # a mate waits this much longer than the leader's own bound, so the leader's error
 # (naming what it waited for) is the one it hears
 ANSWER_SLACK_S = 5.0
@@ -132,7 +134,12 @@ class RelayedStore:
         bound = (timeout_s if timeout_s is not None
                  else CALL_ROUND_TIMEOUTS * self.timeout_s) + ANSWER_SLACK_S
         deadline, pause = time.monotonic() + bound, PAUSE_S
-        while not int(channel.add(_written(_answer_key(seq)), 0)):
+        # a channel that tells its changes (MemoryChannel) is waited on, not polled
+        changes = getattr(channel, "changes", None)
+        while True:
+            since = changes() if changes is not None else 0
+            if int(channel.add(_written(_answer_key(seq)), 0)):
+                break
             try:
                 if abort is not None:
                     abort()
@@ -143,8 +150,11 @@ class RelayedStore:
             except BaseException:
                 channel.add(_cancel_key(seq), 1)
                 raise
-            time.sleep(pause)
-            pause = min(2 * pause, MAX_PAUSE_S)
+            if changes is not None:
+                channel.wait_change(since, CHANGE_WAIT_S)  # type: ignore[attr-defined]
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, MAX_PAUSE_S)
         answer = json.loads(channel.get(_answer_key(seq)))
         channel.set(_answer_key(seq), "")  # read: its bytes go (a rejoin's metadata)
         if "error" in answer:
@@ -268,26 +278,54 @@ def perform(store: JobStore, request: dict, abort: Callable[[], object]) -> Any:
 
 
 class MemoryChannel:
-    """A group store in this process (tests, the simulator): Paddle's store's calls."""
+    """A group store in this process (tests, the simulator): Paddle's store's calls,
+    and what Paddle's store lacks, a wait for a change (:meth:`changes`,
+    :meth:`wait_change`), so a mate waits for its answer without polling;
+    ``on_write`` is called after each write (the simulator: which relay to look at),
+    outside the channel's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_write: Callable[[], None] | None = None) -> None:
         self._values: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self._changed = threading.Condition(threading.Lock())
+        self._version = 0  # writes so far
+        self._on_write = on_write
         self.requests = 0
 
     def set(self, key: str, value: str | bytes) -> None:
-        with self._lock:
+        with self._changed:
             self.requests += 1
             self._values[key] = value.encode() if isinstance(value, str) else value
+            self._wrote()
+        if self._on_write is not None:
+            self._on_write()
 
     def get(self, key: str) -> bytes:
-        with self._lock:
+        with self._changed:
             self.requests += 1
             return self._values[key]
 
     def add(self, key: str, amount: int) -> int:
-        with self._lock:
+        with self._changed:
             self.requests += 1
             total = int(self._values.get(key, b"0")) + amount
+            if not amount:  # a read
+                return total
             self._values[key] = str(total).encode()
-            return total
+            self._wrote()
+        if self._on_write is not None:
+            self._on_write()
+        return total
+
+    def _wrote(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def changes(self) -> int:
+        """How many writes so far (what :meth:`wait_change` waits past)."""
+        with self._changed:
+            return self._version
+
+    def wait_change(self, since: int, timeout_s: float) -> None:
+        """Return once a write came after ``since`` writes, or after ``timeout_s``."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != since, timeout_s)
