@@ -161,12 +161,28 @@ class Renewer:
         self._ended.wait(60)
 
 
+AHEAD_NICE = -10  # etcd's and the renewing processes' priority, where allowed
+
+
+def _ahead() -> None:
+    """Run this process (and the threads it starts) ahead of the simulated groups: in a
+    job, etcd and each leader's renewals do not share 2 cores with a thousand other
+    leaders, and here hundreds of runnable group threads (even at nice 19) starved etcd
+    and the renewals until live leases lapsed. Needs root (or CAP_SYS_NICE); without it
+    nothing changes, and the figures say so (``etcd_and_renewals_ahead``)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, AHEAD_NICE)
+    except OSError:
+        pass
+
+
 def _renew_leases(orders, reports, tick_s: float, sent) -> None:
     """The renewing process: ``("add", replica, lease, interval)`` starts renewing a lease
     every ``interval`` s, ``("drop", lease)`` stops, ``("end",)`` reports every
     replica's worst lateness, sent and answered, and ends; ``("lapsed", replica,
     lease)`` is reported for a lease etcd found expired."""
     import queue
+    _ahead()
     etcd = None
     due: dict[int, tuple[float, int, float]] = {}  # lease -> (due, replica, interval)
     late: dict[str, dict[int, float]] = {"sent": {}, "answered": {}}
@@ -518,6 +534,10 @@ def _worker(args, replicas, schedule, t0, end, queue):
     # 1,024 leaders' in one machine every 0.5 s (cancellation heard later; nothing else)
     from paddle_hsdp.ft import kv
     kv.ABORT_TICK_S = 0.5
+    # a thread waiting for Python's lock wakes every switch interval (5 ms) to ask for
+    # it: with 64 groups' threads woken together (a record on every watch) that convoy
+    # kept hundreds of threads runnable on 2 cores; a real leader has a few threads
+    sys.setswitchinterval(0.1)
     read, paths = _count_bytes(), _count_paths()
     relays = _Relays()
     groups = {r: SimGroup(args, r, f"t{r}", schedule, t0, renewer, relays) for r in replicas}
@@ -1049,10 +1069,12 @@ def main(argv=None) -> int:
     if not args.endpoints:
         data = tempfile.mkdtemp(prefix="sim_ft_etcd_")
         port = 23000 + os.getpid() % 1000 * 2
-        server = etcd_server.start("127.0.0.1", port, data)
+        server = etcd_server.start("127.0.0.1", port, data, preexec_fn=_ahead)
         args.endpoints = f"etcd://127.0.0.1:{port}"
     try:
         figures = simulate(args)
+        figures["etcd_and_renewals_ahead"] = server is not None and \
+            os.getpriority(os.PRIO_PROCESS, server.pid) == AHEAD_NICE
     finally:
         if server is not None:
             server.terminate()
