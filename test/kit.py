@@ -39,7 +39,7 @@ class PlainMeshParts:
     def outer_policies(self):
         return None, None
 
-    def layout_degree(self):
+    def layout_degree(self, is_expert=False):
         """None: buffers laid out over the inner degree."""
         return None
 

@@ -157,7 +157,7 @@ class FSDPUnit:
             else:
                 inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
                 reduce_group, degree = (self.mesh.reduce_scatter_group(expert),
-                                        self.mesh.layout_degree())
+                                        self.mesh.layout_degree(expert))
             for sp in params:
                 sp.mesh = self.mesh
             owned = [placements.get(id(sp.full)) == "owned" for sp in params]
