@@ -171,7 +171,7 @@ class Replica:
                  min_replicas: int, round_timeout_s: float, max_failed_attempts: int,
                  redundancy: int = 2, max_group_size: int | None = None):
         hsdp = _checked_hsdp_groups(replica_id, start_replicas, min_replicas)
-        inner = fleet.get_hybrid_communicate_group().get_fsdp_inner_group(False).nranks
+        inner = hsdp.inner(dist.get_rank(), False).nranks
         self.layout_degree = layout_degree_of(max_group_size, dist.get_world_size(), inner)
         pieces = _pieces_of(hsdp.outer_sharding, start_replicas, redundancy)
         self._outer_sharding, self._pieces = hsdp.outer_sharding, pieces
