@@ -393,6 +393,26 @@ def test_groups_of_any_size_under_one_layout_degree_hold_one_full_buffer(parts):
             buffer_layout(LAYOUT_SHAPES, inner, parts, degree=degree)
 
 
+def test_an_expert_inner_group_takes_the_layout_degree_scaled_alike():
+    """ft sets the degree for the dense inner group (a 4-rank one laid out as an 8-rank
+    one); an expert inner group of 2 is laid out as one of 4, the same scale, so the
+    experts' buffers line up across group sizes too; unset, None for both."""
+    import types
+
+    from paddle_hsdp.topology.fleet import HSDPGroups
+    from paddle_hsdp.topology.mesh import HCGMesh
+    sizes = {False: 4, True: 2}
+    groups = object.__new__(HSDPGroups)
+    groups.layout_degree = None
+    hcg = types.SimpleNamespace(
+        _hsdp_groups=groups, get_data_parallel_world_size=lambda: 1,
+        get_fsdp_inner_group=lambda expert: types.SimpleNamespace(nranks=sizes[expert]))
+    mesh = HCGMesh(hcg)
+    assert (mesh.layout_degree(False), mesh.layout_degree(True)) == (None, None)
+    groups.use_layout_degree(8)
+    assert (mesh.layout_degree(False), mesh.layout_degree(True)) == (8, 4)
+
+
 def _gathered_buffer(shapes, inner, parts, degree):
     """Every rank's flat shard of parameters of ``shapes`` (distinct values), cut as a
     buffer of ``inner`` ranks x ``parts`` laid out at ``degree`` cuts them, checked
