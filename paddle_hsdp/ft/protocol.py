@@ -1425,7 +1425,8 @@ def first_difference(theirs: dict | None, ours: dict | None,
         return "its configuration could not be read"
     for name in ("ranks_per_group", "outer_sharding", "pieces", "layout_degree"):
         if theirs.get(name) != ours.get(name):
-            text = f"{name} {theirs[name]!r} where the running groups have {ours[name]!r}"
+            text = (f"{name} {theirs.get(name)!r} where the running groups have "
+                    f"{ours.get(name)!r}")  # (a key an older group did not record: None)
             sized = size_refusal(joiner, sizes, ours[name]) \
                 if name == "ranks_per_group" and sizes and joiner in sizes else None
             return f"{text} ({sized})" if sized else text
