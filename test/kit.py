@@ -39,6 +39,10 @@ class PlainMeshParts:
     def outer_policies(self):
         return None, None
 
+    def layout_degree(self, is_expert=False):
+        """None: buffers laid out over the inner degree."""
+        return None
+
 
 class FakeMesh(PlainMeshParts):
     """What ``resolve_mesh`` returns, with one-rank groups: inner = outer = fsdp = {0}."""

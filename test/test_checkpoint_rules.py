@@ -7,28 +7,32 @@ import pytest
 
 from paddle_hsdp.checkpoint import rules
 from paddle_hsdp.engine.holdings import HeldBuffer
-from paddle_hsdp.engine.layout import segment_layout
+from paddle_hsdp.engine.layout import buffer_layout
 
 
-def _buffer(shapes, inner, parts):
-    """A buffer as engine/holdings.py states it (rank 0 of its group, part 0)."""
+def _buffer(shapes, inner, parts, degree=None):
+    """A buffer as engine/holdings.py states it (rank 0 of its group, part 0), laid out
+    over ``degree`` (engine/layout.py, [Note: the layout degree]; None: ``inner``)."""
     return HeldBuffer(unit=0, index=0, expert=False,
-                      layout=segment_layout(shapes, inner * parts), inner_size=inner,
+                      layout=buffer_layout(shapes, inner, parts, degree=degree), inner_size=inner,
                       inner_rank=0, parts=parts, part=0, shared_pieces=False,
                       fsdp_group=None, outer_group=None)
 
 
-def _rule(shapes, inner, parts, base=(0, 0)):
-    buf = _buffer(shapes, inner, parts)
+def _rule(shapes, inner, parts, base=(0, 0), degree=None):
+    buf = _buffer(shapes, inner, parts, degree)
     tensors = {f"p{k}/optim/moment1": [k, list(base)[:len(s)], list(s[1:]), list(s), "float32",
                                       None] for k, s in enumerate(shapes)}
     return rules.rule_of(buf, "dense:0:x", 0, tensors), buf.layout
 
 
-@pytest.mark.parametrize("inner,parts", [(2, 2), (4, 1), (1, 4), (3, 2)])
-def test_a_rules_pieces_tile_a_tensor_and_name_each_segments_rank(inner, parts):
+@pytest.mark.parametrize("inner,parts,degree", [(2, 2, None), (4, 1, None), (1, 4, None),
+                                                (3, 2, None), (2, 1, 4), (1, 2, 4)])
+def test_a_rules_pieces_tile_a_tensor_and_name_each_segments_rank(inner, parts, degree):
+    """(with a layout degree each rank holds several of the fine layout's segments: its
+    rows are one box still, named by the merged layout the rule records)"""
     shapes = [[37, 8], [16], [5, 3]]
-    rule, layout = _rule(shapes, inner, parts)
+    rule, layout = _rule(shapes, inner, parts, degree=degree)
     ranks = [100 + r for r in range(inner * parts)]  # laid out [outer, inner]
     ruled = rules.Ruled(rule, ranks, layout)
     for k, shape in enumerate(shapes):

@@ -347,6 +347,9 @@ def test_explicit_forward_prefetch_gathers_the_listed_module_early(fake_mesh):
 
 
 # ---------------------------------------------------------------- the segment layout
+LAYOUT_SHAPES = [[10, 3], [7], [], [5, 13], [1, 4], [33]]
+
+
 @pytest.mark.parametrize("inner,parts", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2),
                                          (2, 3), (3, 2), (4, 4)])
 def test_shards_concatenate_to_the_full_buffer_of_whole_row_views(inner, parts):
@@ -356,10 +359,68 @@ def test_shards_concatenate_to_the_full_buffer_of_whole_row_views(inner, parts):
     parameters); each (inner rank, outer part) holds a box of whole rows of each
     parameter (possibly none), the boxes tile every parameter once, the inner block is
     its parts' boxes in order, and gaps and padding are zeros."""
-    from paddle_hsdp.engine.layout import ALIGN, segment_layout
+    from paddle_hsdp.engine.layout import buffer_layout, segment_layout
+    assert buffer_layout(LAYOUT_SHAPES, inner, parts) == segment_layout(LAYOUT_SHAPES,
+                                                                        inner * parts)
+    _gathered_buffer(LAYOUT_SHAPES, inner, parts, None)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_groups_of_any_size_under_one_layout_degree_hold_one_full_buffer(parts):
+    """[Note: the layout degree] (engine/layout.py): with layout degree 4, a group of
+    1, 2 or 4 ranks lays these parameters out exactly as a 4-rank group does (a rank of
+    a d-rank group holding 4/d segments), so their full flat buffers are identical:
+    what lets groups of different sizes line up their shards (ft/degrees.py). Without
+    it the 2-rank layout is another one (the [10, 3] parameter starts elsewhere)."""
+    from paddle_hsdp.engine.layout import buffer_layout
+    four = _gathered_buffer(LAYOUT_SHAPES, 4, parts, None)
+    for inner in (1, 2, 4):
+        spread = _gathered_buffer(LAYOUT_SHAPES, inner, parts, 4)
+        assert spread.shape == four.shape and np.array_equal(spread, four), inner
+    assert buffer_layout(LAYOUT_SHAPES, 2, parts).total_numel != four.size
+    assert buffer_layout([[5, 6], [10, 3]], 2, 1, degree=4).offsets == (0, 33)
+    # owned matrices stay inside one fine segment, so inside one rank's merged one
+    owned = [True, False, False, True, False, True]
+    merged = buffer_layout(LAYOUT_SHAPES, 2, parts, owned, rotation=1, degree=4)
+    fine = buffer_layout(LAYOUT_SHAPES, 4, parts, owned, rotation=1)
+    assert merged.offsets == fine.offsets and merged.total_numel == fine.total_numel
+    size = merged.segment_numel
+    assert all((o // size) == (o + merged.numel(k) - 1) // size
+               for k, o in enumerate(merged.offsets) if owned[k])
+    for inner, degree in ((2, 3), (4, 2), (2, 0)):
+        with pytest.raises(ValueError, match=f"layout degree must be a positive multiple "
+                                             f"of the inner degree {inner}, got {degree}"):
+            buffer_layout(LAYOUT_SHAPES, inner, parts, degree=degree)
+
+
+def test_an_expert_inner_group_takes_the_layout_degree_scaled_alike():
+    """ft sets the degree for the dense inner group (a 4-rank one laid out as an 8-rank
+    one); an expert inner group of 2 is laid out as one of 4, the same scale, so the
+    experts' buffers line up across group sizes too; unset, None for both."""
+    import types
+
+    from paddle_hsdp.topology.fleet import HSDPGroups
+    from paddle_hsdp.topology.mesh import HCGMesh
+    sizes = {False: 4, True: 2}
+    groups = object.__new__(HSDPGroups)
+    groups.layout_degree = None
+    hcg = types.SimpleNamespace(
+        _hsdp_groups=groups, get_data_parallel_world_size=lambda: 1,
+        get_fsdp_inner_group=lambda expert: types.SimpleNamespace(nranks=sizes[expert]))
+    mesh = HCGMesh(hcg)
+    assert (mesh.layout_degree(False), mesh.layout_degree(True)) == (None, None)
+    groups.use_layout_degree(8)
+    assert (mesh.layout_degree(False), mesh.layout_degree(True)) == (8, 4)
+
+
+def _gathered_buffer(shapes, inner, parts, degree):
+    """Every rank's flat shard of parameters of ``shapes`` (distinct values), cut as a
+    buffer of ``inner`` ranks x ``parts`` laid out at ``degree`` cuts them, checked
+    (whole rows, boxes tiling each parameter, zero gaps) and concatenated: the full
+    flat buffer an all-gather makes."""
+    from paddle_hsdp.engine.layout import ALIGN, buffer_layout
     from paddle_hsdp.engine.param import ShardedParam
 
-    shapes = [[10, 3], [7], [], [5, 13], [1, 4], [33]]
     fulls = [np.asarray(np.arange(1, 1 + int(np.prod(s))).reshape(s) + 100 * k, "float32")
              for k, s in enumerate(shapes)]
     params = []
@@ -367,7 +428,7 @@ def test_shards_concatenate_to_the_full_buffer_of_whole_row_views(inner, parts):
         p = paddle.create_parameter(list(full.shape), "float32")
         p.set_value(full)
         params.append(p)
-    layout = segment_layout(shapes, inner * parts)
+    layout = buffer_layout(shapes, inner, parts, degree=degree)
     shard_numel = layout.segment_numel * parts
     flats, covered = [], {k: [] for k in range(len(shapes))}
     for i in range(inner):
@@ -399,3 +460,4 @@ def test_shards_concatenate_to_the_full_buffer_of_whole_row_views(inner, parts):
         assert np.array_equal(gathered[start:start + full.size].reshape(full.shape), full)
     for start, stop in layout.gaps():
         assert not gathered[start:stop].any()
+    return gathered

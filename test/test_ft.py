@@ -419,6 +419,21 @@ def test_unknown_ft_variables_are_named_with_the_closest_known_one():
                       "; did you mean 'PADDLE_HSDP_FT_START_REPLICAS'?")]
 
 
+def test_the_largest_group_size_sets_the_layout_degree_or_is_refused_by_name():
+    """Issue 63 item 3: PADDLE_HSDP_FT_MAX_GROUP_SIZE lays every group's buffers out as
+    the largest group's (its inner degree scaled alike: with tensor parallelism a
+    group's inner degree is a fraction of its ranks); unset, the group's own."""
+    from paddle_hsdp.ft import replica
+    assert replica.layout_degree_of(None, 2, 2) == 2
+    assert replica.layout_degree_of(4, 2, 2) == 4 and replica.layout_degree_of(4, 1, 1) == 4
+    assert replica.layout_degree_of(8, 4, 2) == 4  # (mp 2)
+    for bad in (3, 1, 0, True, "4"):
+        with pytest.raises(ValueError, match=r"max_group_size \(PADDLE_HSDP_FT_MAX_GROUP_SIZE\) "
+                                             r"must be a multiple of this group's 2 ranks"):
+            replica.layout_degree_of(bad, 2, 2)
+    assert "PADDLE_HSDP_FT_MAX_GROUP_SIZE" in replica.KNOWN_ENV
+
+
 def test_a_round_that_changes_who_trains_is_logged_with_who_left_and_who_joined(caplog):
     """Issue 49: the group that left was not named, nor where a rejoining group's state
     came from; the leader now logs both, once per round that changes them."""

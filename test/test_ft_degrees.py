@@ -139,10 +139,13 @@ def test_a_buffer_laid_out_per_inner_degree_cuts_other_rows():
     over its own inner degree, and a 2-rank group's layout of these parameters is not a
     4-rank group's (the second starts one row later, the full buffers differ in size), so
     the slices would sum different rows: why a group of another size is still refused.
-    Over one segment count (4) the layout is one, whichever group cuts it."""
-    from paddle_hsdp.engine.layout import segment_layout
+    Over one segment count (4) the layout is one, whichever group cuts it: the engine's
+    layout degree (PADDLE_HSDP_FT_MAX_GROUP_SIZE) lays the 2-rank group's out so."""
+    from paddle_hsdp.engine.layout import buffer_layout, segment_layout
     shapes = [[5, 6], [10, 3]]
     two, four = segment_layout(shapes, 2), segment_layout(shapes, 4)
     assert (two.offsets, two.total_numel) == ((0, 32), 64)
     assert (four.offsets, four.total_numel) == ((0, 33), 72)
+    spread = buffer_layout(shapes, 2, degree=4)
+    assert (spread.offsets, spread.total_numel, spread.segments) == ((0, 33), 72, 2)
     check_lines_up(OuterPlan({0: 2, 1: 4}), 4)

@@ -528,6 +528,13 @@ def test_the_first_difference_names_another_diloco_interval():
     assert first_difference(ours, ours) == "no difference found"
     without = config.describe(2, "none", 1, [("w", [4, 4], "float64")])
     assert "outer sync every H steps" in first_difference(without, ours)
+    # another PADDLE_HSDP_FT_MAX_GROUP_SIZE lays the buffers out otherwise: named
+    spread = config.describe(2, "none", 1, [("w", [4, 4], "float64")], layout_degree=4)
+    assert first_difference(spread, config.describe(
+        2, "none", 1, [("w", [4, 4], "float64")], layout_degree=2)) == \
+        "layout_degree 4 where the running groups have 2"
+    assert first_difference(without, spread) == "layout_degree None where the running groups " \
+        "have 4"  # (a configuration recorded before the degree was)
 
 
 def test_a_group_of_another_configuration_is_refused_by_the_record(etcd):

@@ -718,10 +718,14 @@ def test_a_stopped_hsdp_job_resumes_from_its_joint_checkpoint_as_if_uninterrupte
     step 7; started again, each loads the joint checkpoint (the model, the optimizer,
     the scheduler, the RNG, the step and the loader's position) and they train to step
     12: every loss and parameter equals one process trained on the live groups'
-    batches throughout, and the groups read the checkpoint once between them."""
+    batches throughout, and the groups read the checkpoint once between them. Issue 63
+    item 3: every group lays its buffers out as a 4-rank group would
+    (PADDLE_HSDP_FT_MAX_GROUP_SIZE=4: each rank holds 2 of its segments), in training,
+    the joint save and the resume (worker_ft.py checks every buffer's layout)."""
     started = time.time()
-    run = stop_and_resume(3, 2, 3, **SECRET)
+    run = stop_and_resume(3, 2, 3, PADDLE_HSDP_FT_MAX_GROUP_SIZE="4", **SECRET)
     ratio = _check_resume(run, 3, 3, 2)
+    assert {r["layout_degree"] for r in run["saved"] + run["resumed"]} == {4}
     print(f"resume (HSDP, 3 groups of 2 ranks): the job read {ratio:.3f}x the checkpoint's "
           f"{run['bytes']} tensor bytes; scenario {time.time() - started:.0f} s")
 

@@ -35,6 +35,18 @@ segments costs padding, which :func:`owner_balance` reports.
 
 The layout depends on the shapes, the two sizes and which parameters are owned only,
 so every rank (and the planner, which builds no buffer) computes the same one.
+
+[Note: the layout degree] Where the boundaries move depends on the number of segments,
+so a 2-rank and a 4-rank group lay the same parameters out differently. A fault-tolerant
+job whose groups may have different sizes (paddle_hsdp/ft/degrees.py) gives every group
+one *layout degree* ``L``, a multiple of each group's inner degree ``d``:
+:func:`buffer_layout` lays the buffer out over ``L * parts`` segments and then merges
+each ``L / d`` consecutive ones into one segment of a ``d * parts``-segment layout. The
+full flat buffer (offsets, padding, total) is then the same in every group and only the
+cut between ranks differs; every boundary of the merged layout is one of the fine
+layout's, so rows stay whole and owned parameters inside one segment. Every consumer sees
+an ordinary layout of ``d * parts`` segments. Unset (``L = d``) it is
+:func:`segment_layout` itself.
 """
 
 from __future__ import annotations
@@ -119,6 +131,24 @@ def segment_layout(shapes: Sequence[Sequence[int]], segments: int,
         if end <= segments * size:
             return SegmentLayout(size, segments, offsets, rows, row_numels)
         size = max(size + 1, -(-end // segments))
+
+
+def buffer_layout(shapes: Sequence[Sequence[int]], inner: int, parts: int = 1,
+                  owned: Sequence[bool] | None = None, rotation: int = 0,
+                  degree: int | None = None) -> SegmentLayout:
+    """The layout of a buffer of ``shapes`` cut among ``inner`` ranks, each holding
+    ``parts`` outer sub-shards, laid out as a ``degree``-rank group would lay it out
+    ([Note: the layout degree]; None: ``inner``)."""
+    degree = inner if degree is None else degree
+    if not isinstance(degree, int) or degree < 1 or degree % inner:
+        raise ValueError(f"layout degree must be a positive multiple of the inner degree "
+                         f"{inner}, got {degree!r}")
+    fine = segment_layout(shapes, degree * parts, owned, rotation)
+    if degree == inner:
+        return fine
+    merged = degree // inner  # fine segments per merged one
+    return SegmentLayout(fine.segment_numel * merged, inner * parts, fine.offsets,
+                         fine.rows, fine.row_numels, fine.owned)
 
 
 def _place(numels: Sequence[int], row_numels: Sequence[int], size: int,

@@ -151,18 +151,20 @@ class FSDPUnit:
         the whole FSDP group)."""
         placements = placements or {}
         for (_, _, _, expert, whole), params in buffer_groups(self.params, placements).items():
-            if whole:
+            if whole:  # (one segment in every group: no layout degree)
                 inner, outer = _own_rank_group(), self.mesh.fsdp_group(expert)
-                reduce_group = inner
+                reduce_group, degree = inner, None
             else:
                 inner, outer = self.mesh.inner(expert), self.mesh.outer(expert)
-                reduce_group = self.mesh.reduce_scatter_group(expert)
+                reduce_group, degree = (self.mesh.reduce_scatter_group(expert),
+                                        self.mesh.layout_degree(expert))
             for sp in params:
                 sp.mesh = self.mesh
             owned = [placements.get(id(sp.full)) == "owned" for sp in params]
             self.buffers.append(ShardBuffer(params, inner, outer, expert, self.policies.mp,
                                             self.policies.offload, reduce_group,
-                                            owned=owned, rotation=self.index))
+                                            owned=owned, rotation=self.index,
+                                            layout_degree=degree))
         for i, buf in enumerate(self.buffers):
             buf.owner, buf.index = self, i
 

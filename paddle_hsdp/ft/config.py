@@ -16,14 +16,16 @@ from collections.abc import Iterable, Sequence
 
 def describe(ranks_per_group: int, outer_sharding: str, pieces: int,
              tensors: Iterable[tuple[str, Sequence[int], object]],
-             outer_sync: Sequence[Sequence] = ()) -> dict:
+             outer_sync: Sequence[Sequence] = (), layout_degree: int | None = None) -> dict:
     """The configuration; ``tensors``: ``(name, full shape, dtype)`` of every sharded
     parameter, in the engine's order (the same on every rank and every group);
     ``outer_sync``: ``[unit index, DiLoCo policy's fields]`` of every unit that syncs
-    every H steps (none without DiLoCo)."""
+    every H steps (none without DiLoCo); ``layout_degree``: the segments every buffer is
+    laid out over (engine/layout.py, [Note: the layout degree]; None: not recorded)."""
     return {"ranks_per_group": ranks_per_group, "outer_sharding": outer_sharding,
             "pieces": pieces, "tensors": [[n, list(s), str(d)] for n, s, d in tensors],
-            "outer_sync": [list(u) for u in outer_sync]}
+            "outer_sync": [list(u) for u in outer_sync],
+            **({"layout_degree": layout_degree} if layout_degree is not None else {})}
 
 
 def digest(config: dict) -> tuple[str, str]:

@@ -17,10 +17,11 @@ The slices above line up only when every group lays its buffers out over the sam
 ``L`` segments (``L``: a multiple of every size present), a rank of a ``d``-group
 holding ``L / d`` of them: the full buffers are then identical and slice ``k`` of
 rank ``i`` of a ``d``-group is exactly the shard of rank ``i * D / d + k`` of a
-``D``-group. :func:`check_lines_up` refuses anything else by name. The engine lays a
-group's buffers out over its own inner degree today, which is why a group of another
-size is still refused at arrival (:func:`size_refusal`), and this module is not wired
-into the rounds yet.
+``D``-group. :func:`check_lines_up` refuses anything else by name. The engine lays
+them out so under ``PADDLE_HSDP_FT_MAX_GROUP_SIZE`` (engine/layout.py, [Note: the layout
+degree]); unset, over each group's own inner degree. This module is not wired into the
+rounds yet (the per-size outer groups, the engine's outer sync and its divisor, the
+transfer), so a group of another size is still refused at arrival (:func:`size_refusal`).
 
 A joiner of another size takes its rows from the donor ranks that hold them
 (:func:`transfer_cuts`): each joiner rank receives from ``max(1, donor / joiner)``

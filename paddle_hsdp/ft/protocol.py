@@ -1213,7 +1213,8 @@ class GroupControl:
                           f"groups: {why}"
                           ". Restart it with the same model, ranks per group "
                           "(--nproc_per_node), fsdp_outer_sharding and "
-                          "PADDLE_HSDP_FT_START_REPLICAS / REDUNDANCY as the others.")
+                          "PADDLE_HSDP_FT_START_REPLICAS / REDUNDANCY / MAX_GROUP_SIZE "
+                          "as the others.")
                 logger.warning("paddle_hsdp.ft: leaving replica %d out: %s", r, out[r])
         return out
 
@@ -1422,9 +1423,10 @@ def first_difference(theirs: dict | None, ours: dict | None,
     present) names them all when the joiner's (``joiner``) differs."""
     if theirs is None or ours is None:
         return "its configuration could not be read"
-    for name in ("ranks_per_group", "outer_sharding", "pieces"):
-        if theirs[name] != ours[name]:
-            text = f"{name} {theirs[name]!r} where the running groups have {ours[name]!r}"
+    for name in ("ranks_per_group", "outer_sharding", "pieces", "layout_degree"):
+        if theirs.get(name) != ours.get(name):
+            text = (f"{name} {theirs.get(name)!r} where the running groups have "
+                    f"{ours.get(name)!r}")  # (a key an older group did not record: None)
             sized = size_refusal(joiner, sizes, ours[name]) \
                 if name == "ranks_per_group" and sizes and joiner in sizes else None
             return f"{text} ({sized})" if sized else text

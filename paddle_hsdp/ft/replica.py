@@ -69,11 +69,14 @@ START_REPLICAS_ENV = "PADDLE_HSDP_FT_START_REPLICAS"
 ROUND_TIMEOUT_ENV = "PADDLE_HSDP_FT_ROUND_TIMEOUT"
 REDUNDANCY_ENV = "PADDLE_HSDP_FT_REDUNDANCY"
 JOB_ENV = "PADDLE_HSDP_FT_JOB"  # the job's name on a shared etcd (default "default")
+# the most ranks a replica group of the job may have: every group lays its buffers out as
+# a group of that many would (engine/layout.py, [Note: the layout degree])
+MAX_GROUP_SIZE_ENV = "PADDLE_HSDP_FT_MAX_GROUP_SIZE"
 
 
 KNOWN_ENV = (COORDINATOR_ENV, REPLICA_ENV, START_REPLICAS_ENV, ROUND_TIMEOUT_ENV,
              REDUNDANCY_ENV, HEARTBEAT_TIMEOUT_ENV, JOIN_WINDOW_ENV, JOB_ENV, SECRET_ENV,
-             *SECURITY_ENV)
+             MAX_GROUP_SIZE_ENV, *SECURITY_ENV)
 
 
 def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
@@ -94,6 +97,22 @@ def _int_env(name: str, default: int | None) -> int:
     if not raw.lstrip("-").isdigit() or int(raw) < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {raw!r}")
     return int(raw)
+
+
+def layout_degree_of(max_group_size: int | None, ranks_per_group: int, inner: int) -> int:
+    """The layout degree of a group of ``ranks_per_group`` ranks whose buffers are cut
+    among ``inner`` of them, in a job whose groups have at most ``max_group_size`` ranks
+    (None: this group's size): the inner degree a group of that size has. Checked on
+    every rank alike (its own launch's environment), before any collective."""
+    if max_group_size is None:
+        return inner
+    if isinstance(max_group_size, bool) or not isinstance(max_group_size, int) or \
+            max_group_size < ranks_per_group or max_group_size % ranks_per_group:
+        raise ValueError(
+            f"paddle_hsdp.ft.init(): max_group_size ({MAX_GROUP_SIZE_ENV}) must be a "
+            f"multiple of this group's {ranks_per_group} ranks (the same in every group: "
+            f"the most ranks any group of the job may have), got {max_group_size!r}")
+    return inner * (max_group_size // ranks_per_group)
 
 
 class _Attached(NamedTuple):
@@ -150,8 +169,10 @@ class Replica:
 
     def __init__(self, replica_id: int, coordinator: str, start_replicas: int,
                  min_replicas: int, round_timeout_s: float, max_failed_attempts: int,
-                 redundancy: int = 2):
+                 redundancy: int = 2, max_group_size: int | None = None):
         hsdp = _checked_hsdp_groups(replica_id, start_replicas, min_replicas)
+        inner = hsdp.inner(dist.get_rank(), False).nranks
+        self.layout_degree = layout_degree_of(max_group_size, dist.get_world_size(), inner)
         pieces = _pieces_of(hsdp.outer_sharding, start_replicas, redundancy)
         self._outer_sharding, self._pieces = hsdp.outer_sharding, pieces
         self._config_hash = ""  # of what every group must share (attach computes it)
@@ -185,7 +206,9 @@ class Replica:
         self._take_place(job, Rules(start_replicas, min_replicas, join_window_s(), pieces),
                          liveness_s)
         self._start_progress()
-        hsdp.use_live_outer(self.outer)  # last: a failed init leaves fleet's groups as they were
+        # last: a failed init leaves fleet's groups as they were
+        hsdp.use_live_outer(self.outer)
+        hsdp.use_layout_degree(self.layout_degree if self.layout_degree != inner else None)
 
     def _leader_reaches_etcd(self, job: _Job) -> str | None:
         """The leader, the group's one client of etcd (its mates go through it), waits
@@ -318,7 +341,7 @@ class Replica:
             tensors = replication.parameter_table(model)
             self._config_hash, text = config.digest(config.describe(
                 self.ranks_per_replica, self._outer_sharding, self._pieces, tensors,
-                replication.outer_sync_table(model)))
+                replication.outer_sync_table(model), self.layout_degree))
             self._leader().publish_config(self._config_hash, text)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -969,7 +992,7 @@ def _pieces_of(outer_sharding: str, start_replicas: int, redundancy: int) -> int
 def init(replica_id: int | None = None, coordinator: str | None = None,
          start_replicas: int | None = None, min_replicas: int = 1,
          round_timeout_s: float | None = None, max_failed_attempts: int = 10,
-         redundancy: int | None = None) -> Replica:
+         redundancy: int | None = None, max_group_size: int | None = None) -> Replica:
     """Join this launch job, as one replica group, to a fault-tolerant HSDP job (after
     ``fleet.init`` with ``fsdp_outer_degree`` 1, before ``fully_shard``). Arguments
     default to the environment: ``PADDLE_HSDP_FT_REPLICA_ID`` (this group's id, stable
@@ -978,7 +1001,11 @@ def init(replica_id: int | None = None, coordinator: str | None = None,
     step waits for them), ``PADDLE_HSDP_FT_ROUND_TIMEOUT`` (seconds, default 120) and, with
     ``fsdp_outer_sharding="optim"``, ``PADDLE_HSDP_FT_REDUNDANCY`` (how many replica
     groups hold each piece of the optimizer state, default 2: it is cut into
-    ``start_replicas // redundancy`` pieces, see :mod:`paddle_hsdp.ft.pieces`)."""
+    ``start_replicas // redundancy`` pieces, see :mod:`paddle_hsdp.ft.pieces`) and
+    ``PADDLE_HSDP_FT_MAX_GROUP_SIZE`` (the most ranks any group of the job may have, a
+    multiple of this group's, the same in every group; default this group's: every
+    group lays its buffers out as a group of that size, so groups of different sizes
+    hold identical flat buffers)."""
     for name, hint in unknown_env_names():
         logger.warning("paddle_hsdp.ft: %s is set, but paddle_hsdp.ft reads no such "
                        "variable%s", name, hint)
@@ -987,5 +1014,7 @@ def init(replica_id: int | None = None, coordinator: str | None = None,
     start = start_replicas if start_replicas is not None else _int_env(START_REPLICAS_ENV, 1)
     timeout = round_timeout_s or float_env(ROUND_TIMEOUT_ENV, 120.0)
     redundancy = redundancy if redundancy is not None else _int_env(REDUNDANCY_ENV, 2)
+    if max_group_size is None and os.environ.get(MAX_GROUP_SIZE_ENV, ""):
+        max_group_size = _int_env(MAX_GROUP_SIZE_ENV, None)
     return Replica(replica_id, coordinator, start, min_replicas, timeout, max_failed_attempts,
-                   redundancy)
+                   redundancy, max_group_size)

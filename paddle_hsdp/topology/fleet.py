@@ -173,6 +173,9 @@ class HSDPGroups:
         self._twins = reduce_scatter_twins or {}  # inner member tuple -> its twin
         # set by paddle_hsdp.ft: the outer group across replicas
         self.live_outer: Group | None = None
+        # set by paddle_hsdp.ft: the segments every group lays a buffer out over
+        # (engine/layout.py, [Note: the layout degree]); None: the inner degree
+        self.layout_degree: int | None = None
         # sharding_configs' outer-sync keys as policies (MixedPrecisionPolicy | None,
         # OuterSyncPolicy | None): what fully_shard uses when given none
         self.outer_policies: tuple = (None, None)
@@ -192,6 +195,12 @@ class HSDPGroups:
         """A fault-tolerant job (paddle_hsdp.ft): ``group`` is this rank's outer group for
         dense and expert buffers alike, across replica groups (fleet's outer degree is 1)."""
         self.live_outer = group
+
+    def use_layout_degree(self, degree: int | None) -> None:
+        """A fault-tolerant job whose groups may differ in size: every buffer sharded
+        from now on is laid out as a ``degree``-rank group lays it out, so the groups'
+        flat buffers are identical (engine/layout.py, [Note: the layout degree])."""
+        self.layout_degree = degree
 
     def reduce_scatter(self, rank: int, is_expert: bool) -> Group:
         """The group inner reduce-scatters run on: the inner group's twin where one was

@@ -86,6 +86,7 @@ class Mesh(Protocol):
     def clip_group(self) -> Any: ...
     def outer_sharding(self) -> str: ...
     def outer_policies(self) -> tuple: ...
+    def layout_degree(self, is_expert: bool = False) -> int | None: ...
 
 
 class HCGMesh:
@@ -148,6 +149,15 @@ class HCGMesh:
         """``sharding_configs``' outer-sync keys as ``(MixedPrecisionPolicy | None,
         OuterSyncPolicy | None)`` (patches/fleet.py)."""
         return self.hcg._hsdp_groups.outer_policies
+
+    def layout_degree(self, is_expert: bool = False) -> int | None:
+        """The segments a buffer is laid out over when not the inner degree (set by
+        paddle_hsdp.ft for the dense inner group: engine/layout.py, [Note: the layout
+        degree]; an expert inner group's is as many times its own), else None."""
+        degree = self.hcg._hsdp_groups.layout_degree
+        if degree is None:
+            return None
+        return degree // self.inner(False).nranks * self.inner(is_expert).nranks
 
 
 # ---------------------------------------------------------------- explicit mesh: planning
@@ -334,6 +344,10 @@ class ProcessMeshGroups:
     def outer_policies(self) -> tuple:
         """An explicit mesh carries no sharding_configs: fully_shard's arguments alone."""
         return None, None
+
+    def layout_degree(self, is_expert: bool = False) -> None:
+        """An explicit mesh is not a fault-tolerant job's: its inner degree."""
+        return None
 
     def __repr__(self) -> str:
         return (f"ProcessMeshGroups(ids={list(self.plan.process_ids)}, "

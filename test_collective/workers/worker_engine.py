@@ -2,8 +2,10 @@
 grad norm), plus the comm counter against the volume formulas (docs/architecture.md) and the memory report.
 
 argv: JSON with sharding_degree, outer, dtype (default float64: see parity.py), the run
-variants to check, and optionally ``mesh`` (nested rank lists; with ``dim_names``): shard
-on that explicit mesh instead of fleet's groups (in the shared 2 x 2 launch, 1 x 4 and
+variants to check (``[reshard_blocks, via_fleet, end_of_backward, layout_degree]``, the
+last two optional: a layout degree lays every buffer out as a group of that many ranks
+would, engine/layout.py's [Note: the layout degree]), and optionally ``mesh`` (nested
+rank lists; with ``dim_names``): shard on that explicit mesh instead of fleet's groups (in the shared 2 x 2 launch, 1 x 4 and
 4 x 1 run this way; fleet builds those layouts' groups in test_faults' launches), and
 ``separate_reduce_scatter`` (common.init_fleet sets PADDLE_HSDP_SEPARATE_REDUCE_SCATTER=1
 for the layout's fleet.init):
@@ -23,7 +25,7 @@ import paddle_hsdp
 from paddle_hsdp.comm import collectives as comm
 from paddle_hsdp.engine.registry import registry as hsdp_registry
 from paddle_hsdp.comm.gather_tags import TAG_NUMEL
-from paddle_hsdp.engine.layout import ALIGN
+from paddle_hsdp.engine.layout import ALIGN, buffer_layout
 from paddle_hsdp.topology.mesh import resolve_mesh
 from models import (batches, build_model, lm_loss, make_optimizer, train_reference,
                     uses_extra)
@@ -52,7 +54,9 @@ def reference(dtype: str):
     return _references[dtype]
 
 
-def shard(reshard_blocks: bool, overlap: bool = True):
+def shard(reshard_blocks: bool, overlap: bool = True, layout_degree: int | None = None):
+    if layout_degree is not None:  # (fleet's groups: an explicit mesh has no degree)
+        hcg._hsdp_groups.use_layout_degree(layout_degree)
     model = build_model()
     units = [model.embed] + list(model.blocks)
     for layer in units:
@@ -61,15 +65,22 @@ def shard(reshard_blocks: bool, overlap: bool = True):
                                 fsdp_outer_sharding="none")
     paddle_hsdp.fully_shard(model, enable_tensor_fusion_and_overlap=overlap, mesh=MESH,
                             fsdp_outer_sharding="none")
+    hcg._hsdp_groups.use_layout_degree(None)  # (the layout is fixed once sharded)
+    if layout_degree is not None:  # each rank holds layout_degree / I segments
+        for b in (b for u in hsdp_registry.units_under(model) for b in u.buffers):
+            fine = buffer_layout([sp.shape for sp in b.params], layout_degree)
+            assert (b.layout.offsets, b.padded_numel) == (fine.offsets, fine.total_numel), b
+            assert b.layout.segments == I, b.layout
     return model
 
 
-def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
+def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False,
+        layout_degree: int | None = None):
     # the end-of-backward variant also runs every collective synchronously
     dtype = set_dtype(FLEET_OPTIMIZER_DTYPE if via_fleet else DTYPE)
     esize = paddle.zeros([1]).element_size()
     ref_losses, ref_params, ref_norms = reference(dtype)
-    model = shard(reshard_blocks, overlap=not end_of_backward)
+    model = shard(reshard_blocks, overlap=not end_of_backward, layout_degree=layout_degree)
     if end_of_backward:
         model.set_reduce_grads_at_end_of_backward(True)
     opt = make_optimizer(model, model.parameters(), CLIP)
@@ -102,7 +113,8 @@ def run(reshard_blocks: bool, via_fleet: bool, end_of_backward: bool = False):
         losses.append(total)
         check_counter(unit_list, esize)
     full = paddle_hsdp.full_state_dict(model)
-    tag = f"reshard={reshard_blocks} fleet_opt={via_fleet} end_of_backward={end_of_backward}"
+    tag = (f"reshard={reshard_blocks} fleet_opt={via_fleet} end_of_backward={end_of_backward}"
+           + (f" layout_degree={layout_degree}" if layout_degree is not None else ""))
     compare_with_reference(f"engine {O}x{I} {tag}", full, ref_params, losses, ref_losses, worst)
     print(f"PARITY {O}x{I} {dtype} {tag}: max rel diff {max(worst.values()):.2e} "
           f"(loss {worst['loss']:.2e})", flush=True)
@@ -164,6 +176,9 @@ def check_counter(units, esize):
         assert all(e - s < ALIGN + max(sp.row_numel for sp in b.params) for s, e in gaps[:-1])
 
 
-for variant in config.get("variants", [[True, False], [False, True], [True, False, True]]):
+# the first laid out over 2 I segments (a 2 x 2 job's buffers as a 4-rank group's): the
+# others keep the inner degree's layout
+for variant in config.get("variants", [[True, False, False, 2 * I], [False, True],
+                                       [True, False, True]]):
     run(*variant)
 finish()

@@ -113,6 +113,13 @@ if os.environ.get("FT_TEST_OPTIM"):  # HFSDP as ft cut it: start // redundancy p
     assert buffers and all((b.parts, b.part) == (parts, replica.replica_id % parts) and
                            b.shared_pieces == (parts > 1) for b in buffers), \
         [(b.parts, b.part) for b in buffers]
+if os.environ.get("PADDLE_HSDP_FT_MAX_GROUP_SIZE"):  # laid out as the largest group's
+    from paddle_hsdp.engine.registry import registry
+    largest = int(os.environ["PADDLE_HSDP_FT_MAX_GROUP_SIZE"])  # (inner = the group's ranks)
+    sharded = [b for u in registry.units_under(model) for b in u.buffers
+               if b.params[0].placement != "replicate"]  # (kept whole: one segment)
+    assert replica.layout_degree == largest and sharded and \
+        all(b.layout_degree == largest for b in sharded), [b.layout_degree for b in sharded]
 save_at = int(os.environ.get("FT_TEST_SAVE_AT", "0"))
 resuming = bool(os.environ.get("FT_TEST_RESUME"))
 # a save or a resume draws from the RNG each step (the model draws nothing), so the RNG
@@ -257,7 +264,8 @@ def write_results():
                    "losses": losses, "history": replica.history[history_from:],
                    "params": full, "params_step": replica.step, "sockets": sockets,
                    "groups_freed": replica.outer.freed, "early_syncs": early_syncs,
-                   "rng": rng_digest(), "rng_resumed": rng_resumed}, f)
+                   "rng": rng_digest(), "rng_resumed": rng_resumed,
+                   "layout_degree": replica.layout_degree}, f)
 
 
 while replica.step < steps:

@@ -15,7 +15,7 @@ from ...comm.traits import traits_of
 from ...topology.cost import BufferShape
 from .. import offload
 from ..dtypes import BufferDtypes, element_size
-from ..layout import ALIGN, SegmentLayout, segment_layout
+from ..layout import ALIGN, SegmentLayout, buffer_layout
 from ..param import ShardedParam
 from ..pending import PendingGather, PendingReduce
 from ..registry import param_path
@@ -42,7 +42,8 @@ class ShardBuffer:
     def __init__(self, params: list[ShardedParam], inner_group: Group, outer_group: Group,
                  is_expert: bool, mp_policy: object | None = None,
                  offload_policy: object | None = None, reduce_group: Group | None = None,
-                 owned: list[bool] | None = None, rotation: int = 0):
+                 owned: list[bool] | None = None, rotation: int = 0,
+                 layout_degree: int | None = None):
         self.params = params
         self.inner = inner_group
         # the inner group's ranks; on NCCL a twin group with its own stream, so a
@@ -68,8 +69,11 @@ class ShardBuffer:
         # owned: params kept inside one segment (paddle_hsdp.Owned); rotation turns which
         # segment a tie goes to, so identical units spread their heaviest segment
         self.rotation = rotation
-        self.layout = segment_layout([sp.shape for sp in params], self.inner_size * self.parts,
-                                     owned, rotation)
+        # laid out as a group of layout_degree ranks would (None: this group's size), so
+        # groups of different sizes hold identical flat buffers ([Note: the layout degree])
+        self.layout_degree = layout_degree
+        self.layout = buffer_layout([sp.shape for sp in params], self.inner_size, self.parts,
+                                    owned, rotation, layout_degree)
         if self.parts > 1 and owned is not None and any(owned):
             _refuse_owners_beyond_replication(params, self.layout, self.inner_size, self.parts,
                                               NOTHING_ALLOCATED)
@@ -94,8 +98,9 @@ class ShardBuffer:
         twice the buffer (asked at a whole-matrix optimizer's first step, before it
         updates anything)."""
         parts = self.parts if parts is None else parts
-        layout = segment_layout([sp.shape for sp in self.params], self.inner_size * parts,
-                                owned, self.rotation if rotation is None else rotation)
+        layout = buffer_layout([sp.shape for sp in self.params], self.inner_size, parts, owned,
+                               self.rotation if rotation is None else rotation,
+                               self.layout_degree)
         if parts > 1 and any(owned):
             _refuse_owners_beyond_replication(self.params, layout, self.inner_size, parts,
                                               "Nothing was updated.")
