@@ -69,18 +69,39 @@ def sharded_model():
     return model, opt
 
 
-def batch_loss(model, seed, seq: int = 64, batch: int = 8):
+def batch_loss(model, seed, seq: int = 64, batch: int = 8, probe: dict | None = None):
     """Forward and backward on ``batch`` rows of the demo's text, chosen by ``seed`` (a
-    step's rows, so a redone step trains on the same ones); returns the loss."""
+    step's rows, so a redone step trains on the same ones); returns the loss. ``probe``
+    gets the forward's seconds."""
     import numpy as np
     import paddle
     import paddle.nn.functional as F
     data = _text()
     starts = np.random.default_rng(seed).integers(0, len(data) - seq - 1, size=batch)
+    began = time.perf_counter()
     ids = paddle.to_tensor(np.stack([data[s:s + seq + 1] for s in starts]))
     loss = F.cross_entropy(model(ids[:, :-1]).reshape([-1, 256]), ids[:, 1:].reshape([-1, 1]))
+    if probe is not None:
+        probe["forward_s"] = time.perf_counter() - began
     loss.backward()
     return loss
+
+
+def _time_order_agreement(probes: list[dict]) -> None:
+    """The seconds a backward spends agreeing its outer syncs' order (the broadcasts
+    of a backward that records it, after a round that changed who trains) go into the
+    last probe: the first collective a healthy group shares with a joiner there."""
+    from paddle_hsdp.engine import outer_sync
+    agreed = outer_sync.agreed_order
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return agreed(*args, **kwargs)
+        finally:
+            if probes:
+                probes[-1]["agreeing_s"] += time.perf_counter() - began
+    outer_sync.agreed_order = timed
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,19 +125,28 @@ def worker(args) -> None:
     model, opt = sharded_model()
     replica.attach(model, opt)
 
+    probes: list[dict] = []  # this train_step's forward_backward calls, timed
+    _time_order_agreement(probes)
+
     def forward_backward():
-        return batch_loss(model, [replica.step, replica.replica_id, rank])
+        probes.append({"began": time.time(), "agreeing_s": 0.0})
+        began = time.perf_counter()
+        loss = batch_loss(model, [replica.step, replica.replica_id, rank], probe=probes[-1])
+        probes[-1]["forward_backward_s"] = time.perf_counter() - began
+        return loss
 
     progress = os.path.join(args.worker, f"progress{replica.replica_id}")
     while replica.step < args.steps:
-        t0 = time.perf_counter()
+        t0, logged = time.perf_counter(), len(replica.history)
+        probes.clear()
         loss = float(replica.train_step(forward_backward))
-        if rank == 0:
-            line = {"step": replica.step, "loss": loss, "replicas": replica.live_replicas,
-                    "seconds": time.perf_counter() - t0, "time": time.time(),
-                    "history": replica.history[-1]}
-            with open(progress, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        line = {"step": replica.step, "loss": loss, "replicas": replica.live_replicas,
+                "seconds": time.perf_counter() - t0, "time": time.time(),
+                "history": replica.history[-1], "attempts": replica.history[logged:],
+                "calls": list(probes)}
+        # every rank's phases; rank 0's line is also the progress the driver reads
+        with open(f"{progress}.rank{rank}" if rank else progress, "a") as f:
+            f.write(json.dumps(line) + "\n")
     replica.finish()
 
 

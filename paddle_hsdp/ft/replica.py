@@ -531,9 +531,11 @@ class Replica:
         try:
             self._close_handoff()
             if record.rebuild:
+                began = time.perf_counter()
                 self.outer.adopt(record.replicas, groups.connect(
                     self.store, record.number, record.replicas, self.outer,
                     self.round_timeout_s), record.number)
+                self._timing["creation_s"] = time.perf_counter() - began
                 # the outer syncs' order is agreed anew over the new members at the
                 # next backward (which syncs at the step), whatever each went through
                 replication.order_outer_syncs_again(self._attached().model)
@@ -783,8 +785,26 @@ class _Step(PhaseMachine[StepPhase]):
                   _P.RUNNING: self._train, _P.ANNOUNCING: self._announce_failure,
                   _P.VOTING: self._vote, _P.COMMITTING: self._commit,
                   _P.RETRYING: self._retry}
-        self._run_phases(phases, _P.DONE)
+        self._run_phases({phase: self._timed(phase, run) for phase, run in phases.items()},
+                         _P.DONE)
         return self.loss
+
+    def _timed(self, phase: StepPhase, run: Callable[[], StepPhase]
+               ) -> Callable[[], StepPhase]:
+        """``run``, its seconds added to the attempt's log as ``<phase>_s`` (the round
+        and the set-up have their own: ``round_s``, ``set_up_s``)."""
+        if phase in (_P.ARRIVING, _P.SETTING_UP):
+            return run
+
+        def timed() -> StepPhase:
+            began = time.perf_counter()
+            try:
+                return run()
+            finally:
+                key = f"{phase.name.lower()}_s"
+                timing = self.replica._timing
+                timing[key] = timing.get(key, 0.0) + time.perf_counter() - began
+        return timed
 
     def _arrive(self) -> StepPhase:
         replica = self.replica
@@ -822,7 +842,10 @@ class _Step(PhaseMachine[StepPhase]):
                 replication.order_outer_syncs_again(replica._attached().model)
         # a set-up that failed on one rank fails the attempt on all of them before any
         # inner collective of the step (which the failed rank skips)
-        if replica._replica_votes(error is not None, False)[0]:
+        began = time.perf_counter()
+        failed = replica._replica_votes(error is not None, False)[0]
+        replica._timing["set_up_vote_s"] = time.perf_counter() - began
+        if failed:
             self.error = error or FaultToleranceError(
                 "paddle_hsdp.ft: a replica-mate's round set-up failed")
             return _P.ANNOUNCING
@@ -835,12 +858,16 @@ class _Step(PhaseMachine[StepPhase]):
         try:
             if replica._syncs_apart:  # DiLoCo: the sync the last step owes, over the round
                 replication.run_owed_outer_syncs(replica._attached().model)
+            began = time.perf_counter()
             self.loss = self._forward_backward()
+            replica._timing["forward_backward_s"] = time.perf_counter() - began
             if sitting:  # its state is not the round's yet: it adds zeros
                 replication.withhold_grads(replica._attached().model)
             # after the grads' all-reduces: a group whose backward issued them early
             # and one that issues them here send them in one order
             replication.finish_grad_sync(self.optimizer)
+            replica._timing["grad_sync_s"] = time.perf_counter() - began - \
+                replica._timing["forward_backward_s"]
             self.join_wanted = replica._joiners_waiting()
             if sitting:  # the others are past this group now; only it waits
                 replica._take_handoff(self._record())
