@@ -588,18 +588,28 @@ class Replica:
 
     def _hand_over(self, record: Round, receiving: bool) -> None:
         """The receivers sit the step out (:mod:`.handoff`): a donor serves the state
-        its step starts from beside the step; a receiver starts taking it and loads
-        the plain state now (its forward and loader then draw what the donor's do)."""
+        its step starts from beside the step; a receiver starts taking it. Neither
+        waits for the other here: the receiver runs the step on its own stale state
+        and loads the donor's plain state with the tensors, after the step's
+        all-reduce (:meth:`_take_handoff`)."""
         model, optimizer = self._attached()
         fed = [r for r in record.receivers if record.donor_of(r) == self.replica_id]
         if fed:
             self._handoff = handoff.Donation(self.store, record, self.outer, model,
-                                             optimizer, self._plain_state(), fed)
+                                             optimizer, fed,
+                                             lambda: self._watch.announce(record.number))
             self._timing["snapshot_bytes"] = self._handoff.bytes
         elif receiving:
             self._handoff = handoff.Receipt(self.store, record, self.outer, model,
                                             record.donor_of(self.replica_id))
-            self._load_plain_state(self._handoff.extra)
+
+    def _donor_stepped(self) -> None:
+        """A donor's forward and backward are done: its plain state as of now (its
+        RNG past the forward, its loader past the step's batch) goes to its receivers
+        after the bytes, so theirs match its own from the next step on."""
+        if isinstance(self._handoff, handoff.Donation) and self._handoff.awaits_plain_state:
+            user = _user_json(self._state_fn()) if self._state_fn else None
+            self._handoff.stepped(self._plain_state(user))
 
     def _take_handoff(self, record: Round) -> None:
         """A receiver that sat the step out, once its all-reduce is through: the
@@ -616,6 +626,9 @@ class Replica:
                 model, optimizer, groups._abort_on_failure(self.store, record.number))
         finally:
             receipt.close()
+        if receipt.extra is None:
+            raise ProtocolError("paddle_hsdp.ft: a handoff installed without its plain state")
+        self._load_plain_state(receipt.extra)  # the donor's, as its backward left it
         self._timing["handoff_wait_s"] = time.perf_counter() - began
 
     def _close_handoff(self) -> None:
@@ -624,11 +637,14 @@ class Replica:
             self._handoff.close()
             self._handoff = None
 
-    def _plain_state(self) -> dict:
+    def _plain_state(self, user_state: str | None = None) -> dict:
+        """Step, RNG, scheduler and the user's state (``user_state``, JSON; default:
+        as of this step's start, before its batch was fetched)."""
+        user_state = user_state if user_state is not None else self._user_state
         return {"step": self.step, "rng": [s.__getstate__() for s in paddle.get_rng_state()],
                 "lr_scheduler": (self.lr_scheduler.state_dict()
                                  if self.lr_scheduler is not None else None),
-                "user": json.loads(self._user_state) if self._user_state else None}
+                "user": json.loads(user_state) if user_state else None}
 
     def _load_plain_state(self, extra: dict) -> None:
         self._loads += 1
@@ -861,6 +877,7 @@ class _Step(PhaseMachine[StepPhase]):
             began = time.perf_counter()
             self.loss = self._forward_backward()
             replica._timing["forward_backward_s"] = time.perf_counter() - began
+            replica._donor_stepped()
             if sitting:  # its state is not the round's yet: it adds zeros
                 replication.withhold_grads(replica._attached().model)
             # after the grads' all-reduces: a group whose backward issued them early
