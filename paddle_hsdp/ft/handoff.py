@@ -27,12 +27,14 @@ groups exist, like any member.
 The bytes go in chunks of :data:`CHUNK_BYTES`, each checked by the job's keyed digest
 (:meth:`~.trust.Signer.tensor_digest`: HMAC-SHA256 with ``PADDLE_HSDP_FT_SECRET``, a
 CRC-32 without) bound to the round, the donor, the receiver, the local rank and the
-chunk's index; the donor's checks follow the bytes. A stream cut short, a byte changed,
-a check forged or a stream of another round or place: the receiver refuses the state,
-its attempt fails and it sits the next round's step out again. Every wait is bounded
-(the sockets' timeouts are the round timeout; the receiver also stops once a failure is
-announced in the round); a donor's thread that fails only logs: the donor's step does
-not depend on it.
+chunk's index; the donor's checks follow the bytes, and the plain state carries a check
+of its own. A stream cut short, a byte changed, a check forged or a stream of another
+round or place: the receiver refuses the state, its attempt fails and it sits the next
+round's step out again. Every wait is bounded (the sockets' timeouts are the round
+timeout; the receiver also stops once a failure is announced in the round); a donor's
+thread that fails only logs (the donor's step does not depend on it), except where it
+could not write the metadata: then it announces a failure of the round, so that its
+receiver does not wait a round timeout for it.
 """
 
 from __future__ import annotations
