@@ -625,11 +625,13 @@ def test_a_steps_attempts_move_through_their_phases_in_order(monkeypatch):
 def test_a_receiver_sits_its_rounds_step_out_and_trains_the_next_in_the_same_call(
         monkeypatch):
     """Issue 63 item 4: where some member is up to date, a receiver sits the round's step
-    out (its grads withheld, out of the divisor), takes the handed-over state once the
-    step's all-reduce is through, commits that step with the others and trains the next
-    within the same train_step, on the batch after the one it sat out; a failed handoff
+    out (its grads withheld, out of the divisor) on its own stale state and batch (its
+    set-up waits for nothing of the donor's), takes the handed-over state and the
+    donor's plain state as its backward left it (the loader past the step's batch) once
+    the step's all-reduce is through, commits that step with the others and trains the
+    next within the same train_step, on the batch after the donor's; a failed handoff
     fails the attempt, and the next round's step is sat out again."""
-    from paddle_hsdp.ft import replica
+    from paddle_hsdp.ft import handoff, replica
     P, moves, move = replica.StepPhase, [], replica._Step._move
 
     def recording(step, to):
@@ -643,26 +645,70 @@ def test_a_receiver_sits_its_rounds_step_out_and_trains_the_next_in_the_same_cal
                         lambda model: withheld.append(ft.step))
     handoffs = iter([FaultToleranceError("the donor's stream ended"), None])
 
-    def take(record):
-        taken.append(ft.step)
-        error = next(handoffs)
-        if error is not None:
-            raise error
+    class Handed(handoff.Receipt):  # the donor's state, taken after the step (or not)
+        def __init__(self):
+            self.extra = None
+
+        def install(self, model, optimizer, abort=None):
+            taken.append(ft.step)
+            error = next(handoffs)
+            if error is not None:
+                raise error
+            self.extra = {"step": 10, "rng": [s.__getstate__() for s in
+                                              paddle.get_rng_state()],
+                          "lr_scheduler": None, "user": {"position": 11}}
+            return 0
+
+        def close(self):
+            pass
+
+    def set_up(record, receiving, sitting_out=()):
+        assert receiving and sitting_out
+        ft._handoff = Handed()
 
     def counted(batch):  # the members whose grads the step's divisor counts
         divisors.append(traits_of(ft.outer).contributing)
         return fb(batch)
-    ft._take_handoff = take
+    ft._set_up_round = set_up
     ft.train_step(counted, next_batch=next_batch)
     attempt = [P.SETTING_UP, P.RUNNING]
     assert moves == [*attempt, P.ANNOUNCING, P.VOTING, P.RETRYING, P.ARRIVING,
                      *attempt, P.VOTING, P.COMMITTING, P.ARRIVING, P.RUNNING, P.VOTING,
                      P.COMMITTING, P.DONE], moves
-    # sat out twice (the first handoff failed), from the donor's step 10; then step 12
-    assert withheld == [10, 10] and taken == [10, 10], (withheld, taken)
+    # sat out twice (the first handoff failed) on its own stale step 0 and batch 0,
+    # then the donor's step 10 committed; then step 12 on the donor's next batch
+    assert withheld == [0, 0] and taken == [0, 0], (withheld, taken)
     assert divisors == [1, 1, None], divisors
-    assert seen == [10, 10, 11] and loader.position == ft.step == 12
+    assert seen == [0, 0, 11] and loader.position == ft.step == 12
     assert ft.fresh is False
+
+
+def test_a_donor_hands_over_its_plain_state_as_its_backward_left_it(monkeypatch):
+    """The donor of a receiver sitting the step out hands over, after its forward and
+    backward, its step and its loader past the step's batch (what the receiver's next
+    step goes on from), once: its later steps' are not sent."""
+    import json
+
+    from paddle_hsdp.ft import handoff, replica
+    ft, loader, seen, fb, next_batch, _ = _replica_with_loader(
+        monkeypatch, [(False, False, [0, 1])] * 2)
+
+    class Donated(handoff.Donation):  # what the donor's thread would send
+        def __init__(self):
+            self._plain, self._stepped = None, threading.Event()
+
+    donation = Donated()
+
+    def set_up(record, receiving, sitting_out=()):
+        if ft._handoff is None:
+            ft._handoff = donation
+    ft._set_up_round = set_up
+    monkeypatch.setattr(replica.replication, "withhold_grads", lambda model: None)
+    ft.train_step(fb, next_batch=next_batch)
+    ft.train_step(fb, next_batch=next_batch)
+    plain = json.loads(donation._plain)
+    assert (plain["step"], plain["user"]) == (0, {"position": 1}), plain
+    assert seen == [0, 1] and ft.step == 2
 
 
 def test_attached_user_state_needs_next_batch_and_both_callables():

@@ -7,6 +7,7 @@ receivers sit its step out."""
 import json
 import socket
 import threading
+import time
 import types
 
 import numpy as np
@@ -86,19 +87,35 @@ def test_a_torn_changed_forged_or_misplaced_stream_is_refused(small_chunks):
 
 
 class _Store:
-    """The job's shared data as the handoff uses it: set/get of signed JSON."""
+    """The job's shared data as the handoff uses it: set/get of signed JSON (a get
+    waits for the value: the donor's thread writes it)."""
 
-    def __init__(self):
+    def __init__(self, refuse=False):
         self.values, self.timeout_s, self.signer = {}, 5.0, SIGNER
+        self.refuse = refuse  # every set raises (etcd away)
 
     def failed(self, number):
         return False
 
     def set(self, name, value, lease=0):
+        if self.refuse:
+            raise TimeoutError("etcd is away")
         self.values[name] = value
 
     def get(self, name, timeout_s=None, abort=None):
+        deadline = time.monotonic() + self.timeout_s
+        while name not in self.values:
+            assert time.monotonic() < deadline, f"{name} never written"
+            time.sleep(0.01)
         return self.values[name]
+
+    def first(self):
+        """The first value written, once it is."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.values:
+            assert time.monotonic() < deadline, "nothing written"
+            time.sleep(0.01)
+        return json.loads(self.values[next(iter(self.values))])
 
 
 def _trained(seed):
@@ -113,34 +130,44 @@ def _trained(seed):
     return model, opt
 
 
-def test_a_donor_serves_its_copy_and_the_receiver_installs_it_exactly(monkeypatch,
-                                                                       small_chunks):
-    """The donor copies its state when the handoff starts (what it changes after is not
-    sent), serves it to the receiver it feeds; the receiver's model and optimizer then
-    hold the donor's state exactly, and a second step of both agrees bit for bit."""
+def _shards_are_parameters(monkeypatch):
     monkeypatch.setattr(handoff.replication, "state_tensors",
                         lambda model: [(n, p) for n, p in model.named_parameters()])
     monkeypatch.setattr(handoff.replication, "state_replaced", lambda model: None)
+
+
+def test_a_donor_serves_its_copy_and_the_receiver_installs_it_exactly(monkeypatch,
+                                                                       small_chunks):
+    """The donor copies its state when the handoff starts (what it changes after is not
+    sent), serves it to the receiver it feeds, then the plain state its backward left
+    (the first handed over: a later step's is not the bytes'); the receiver's model and
+    optimizer then hold the donor's state exactly, and a second step of both agrees bit
+    for bit."""
+    _shards_are_parameters(monkeypatch)
     store, record = _Store(), types.SimpleNamespace(number=7)
     donor_model, donor_opt = _trained(1)
     taker_model, taker_opt = _trained(2)
     sent = {n: p.numpy().copy() for n, p in donor_model.named_parameters()}
     group = types.SimpleNamespace(replica=0, local_rank=1)
-    donation = handoff.Donation(store, record, group, donor_model, donor_opt,
-                                {"step": 5}, [2])
+    # the receiver starts first: its set-up waits for nothing of the donor's
+    receipt = handoff.Receipt(store, record, types.SimpleNamespace(replica=2, local_rank=1),
+                              taker_model, donor=0)
+    donation = handoff.Donation(store, record, group, donor_model, donor_opt, [2])
     assert donation.bytes > 4 * 1000  # (several chunks)
     for p in donor_model.parameters():  # its step goes on: the copy is what it had
         p.set_value(p.numpy() + 1)
     # a stray connection (the port, a receiver's id, not the signed metadata's token)
     # gets nothing and takes no receiver's place
-    address = tuple(json.loads(store.values[next(iter(store.values))])["address"])
+    address = tuple(store.first()["address"])
     with socket.create_connection(address, timeout=5) as stray:
         stray.sendall(handoff._HELLO.pack(2, bytes(16)))
         assert stray.recv(1) == b""  # closed on it, nothing sent
-    receipt = handoff.Receipt(store, record, types.SimpleNamespace(replica=2, local_rank=1),
-                              taker_model, donor=0)
-    assert receipt.extra == {"step": 5}
+    assert donation.awaits_plain_state
+    donation.stepped({"step": 5, "position": np.int64(9)})  # (numpy scalars as JSON)
+    donation.stepped({"step": 6})  # a later step's: not sent
+    assert not donation.awaits_plain_state
     assert receipt.install(taker_model, taker_opt) == donation.bytes
+    assert receipt.extra == {"step": 5, "position": 9}
     assert donation.join(5)
     for name, p in taker_model.named_parameters():
         assert np.array_equal(p.numpy(), sent[name]), name
@@ -156,8 +183,34 @@ def test_a_donor_serves_its_copy_and_the_receiver_installs_it_exactly(monkeypatc
         opt.step()
     for (name, a), b in zip(donor_model.named_parameters(), taker_model.parameters()):
         assert np.array_equal(a.numpy(), b.numpy()), name
-    meta = json.loads(store.values[next(iter(store.values))])
-    assert meta["address"][1] > 0 and meta["bytes"] == donation.bytes
+    meta = store.first()
+    assert meta["address"][1] > 0 and meta["bytes"] == donation.bytes and "extra" not in meta
+
+
+def test_a_changed_plain_state_is_refused_and_an_unwritten_donation_is_announced(
+        monkeypatch):
+    """The plain state's check binds it to its place; a donor whose metadata cannot be
+    written says so (its group announces a failure of the round) instead of leaving
+    its receiver to wait a round timeout."""
+    a, b = socket.socketpair()
+    with a, b:
+        handoff.send_plain(a, b'{"step": 5}', SIGNER, WHERE)
+        assert handoff.receive_plain(b, SIGNER, WHERE) == {"step": 5}
+        handoff.send_plain(a, b'{"step": 6}', SIGNER, WHERE)
+        with pytest.raises(FaultToleranceError, match="plain state .* differs"):
+            handoff.receive_plain(b, SIGNER, (8, *WHERE[1:]))  # another round's
+        head = handoff._PLAIN.pack(1 << 40, 0)
+        a.sendall(head)
+        with pytest.raises(FaultToleranceError, match="refused"):
+            handoff.receive_plain(b, SIGNER, WHERE)
+    _shards_are_parameters(monkeypatch)
+    model, opt = _trained(1)
+    announced = threading.Event()
+    donation = handoff.Donation(_Store(refuse=True), types.SimpleNamespace(number=3),
+                                types.SimpleNamespace(replica=0, local_rank=0), model, opt,
+                                [2], announced.set)
+    assert announced.wait(5) and donation.join(5)
+    assert not donation.awaits_plain_state  # closed: the step hands nothing over
 
 
 def test_a_receiver_whose_donor_is_gone_fails_within_its_bound(monkeypatch):

@@ -429,8 +429,8 @@ def _check_stall(leader: dict, rejoin: dict) -> tuple[dict, dict, float]:
     """Issue 63 item 4: replica 0, a healthy group (the donor of the joiner's rank 0),
     at the rejoin's round: nothing moved in its set-up but the copy it hands over
     beside the step, to the joiner that sat the step out. Returns that step, the next
-    and the round's group creation (the slower of its set-up and the joiner's: the
-    step's first all-reduce waits for both), which the test prints: wall clock is
+    and the round's group creation (the slower of its and the joiner's: the step's
+    first all-reduce waits for both), which the test prints: wall clock is
     measured (`tools/demo_ft.sh --compare`, docs/fault-tolerance.md), not asserted (a
     freshly started joiner's first step, on a loaded machine, once took 1.8 s more)."""
     stall = _stall(leader["history"], rejoin["round"])
@@ -438,7 +438,7 @@ def _check_stall(leader: dict, rejoin: dict) -> tuple[dict, dict, float]:
                  if e["kind"] == "step" and e["step"] == stall["step"] + 1)
     assert "state_bytes" not in stall and stall["snapshot_bytes"] == rejoin["state_bytes"] \
         > 0 and 2 in stall["sat_out"], (stall, rejoin)
-    return stall, after, max(stall["set_up_s"], rejoin["set_up_s"])
+    return stall, after, max(stall["creation_s"], rejoin["creation_s"])
 
 
 def _death_env(point: str, armed_at: int) -> dict:

@@ -69,18 +69,39 @@ def sharded_model():
     return model, opt
 
 
-def batch_loss(model, seed, seq: int = 64, batch: int = 8):
+def batch_loss(model, seed, seq: int = 64, batch: int = 8, probe: dict | None = None):
     """Forward and backward on ``batch`` rows of the demo's text, chosen by ``seed`` (a
-    step's rows, so a redone step trains on the same ones); returns the loss."""
+    step's rows, so a redone step trains on the same ones); returns the loss. ``probe``
+    gets the forward's seconds."""
     import numpy as np
     import paddle
     import paddle.nn.functional as F
     data = _text()
     starts = np.random.default_rng(seed).integers(0, len(data) - seq - 1, size=batch)
+    began = time.perf_counter()
     ids = paddle.to_tensor(np.stack([data[s:s + seq + 1] for s in starts]))
     loss = F.cross_entropy(model(ids[:, :-1]).reshape([-1, 256]), ids[:, 1:].reshape([-1, 1]))
+    if probe is not None:
+        probe["forward_s"] = time.perf_counter() - began
     loss.backward()
     return loss
+
+
+def _time_order_agreement(probes: list[dict]) -> None:
+    """The seconds a backward spends agreeing its outer syncs' order (the broadcasts
+    of a backward that records it, after a round that changed who trains) go into the
+    last probe: the first collective a healthy group shares with a joiner there."""
+    from paddle_hsdp.engine import outer_sync
+    agreed = outer_sync.agreed_order
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return agreed(*args, **kwargs)
+        finally:
+            if probes:
+                probes[-1]["agreeing_s"] += time.perf_counter() - began
+    outer_sync.agreed_order = timed
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,19 +125,28 @@ def worker(args) -> None:
     model, opt = sharded_model()
     replica.attach(model, opt)
 
+    probes: list[dict] = []  # this train_step's forward_backward calls, timed
+    _time_order_agreement(probes)
+
     def forward_backward():
-        return batch_loss(model, [replica.step, replica.replica_id, rank])
+        probes.append({"began": time.time(), "agreeing_s": 0.0})
+        began = time.perf_counter()
+        loss = batch_loss(model, [replica.step, replica.replica_id, rank], probe=probes[-1])
+        probes[-1]["forward_backward_s"] = time.perf_counter() - began
+        return loss
 
     progress = os.path.join(args.worker, f"progress{replica.replica_id}")
     while replica.step < args.steps:
-        t0 = time.perf_counter()
+        t0, logged = time.perf_counter(), len(replica.history)
+        probes.clear()
         loss = float(replica.train_step(forward_backward))
-        if rank == 0:
-            line = {"step": replica.step, "loss": loss, "replicas": replica.live_replicas,
-                    "seconds": time.perf_counter() - t0, "time": time.time(),
-                    "history": replica.history[-1]}
-            with open(progress, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        line = {"step": replica.step, "loss": loss, "replicas": replica.live_replicas,
+                "seconds": time.perf_counter() - t0, "time": time.time(),
+                "history": replica.history[-1], "attempts": replica.history[logged:],
+                "calls": list(probes)}
+        # every rank's phases; rank 0's line is also the progress the driver reads
+        with open(f"{progress}.rank{rank}" if rank else progress, "a") as f:
+            f.write(json.dumps(line) + "\n")
     replica.finish()
 
 
@@ -268,9 +298,11 @@ def run_scenario(args, work: str, env: dict, coordinator_command: list[str], add
     if joined and args.replicas > 2:  # group 1 neither sends (0 does) nor takes state
         for group, role in ((0, "the donor"), (1, "neither donor nor receiver")):
             cost = rejoin_cost(_lines(os.path.join(work, f"progress{group}")), victim)
+            cost["creation"] = round_creation(work, cost["round_number"])
             print(f"the rejoin cost replica group {group} ({role}) a step of "
                   f"{cost['at']:.2f} s against its median {cost['median']:.2f} s (its "
-                  f"round {cost['round']:.2f} s, set-up {cost['set_up']:.2f} s), the next "
+                  f"round {cost['round']:.2f} s, set-up {cost['set_up']:.2f} s; the round's "
+                  f"group creation {cost['creation']:.2f} s on its slowest rank), the next "
                   f"{cost['next']:.2f} s; {cost['mib']:.2f} MiB per rank", flush=True)
             if costs is not None:
                 costs[group] = cost
@@ -286,25 +318,44 @@ def rejoin_cost(lines: list[dict], victim: int) -> dict:
     history = lines[at]["history"]
     plain = sorted(line["seconds"] for line in lines if "round_s" not in line["history"])
     sent = history.get("snapshot_bytes", history.get("state_bytes", 0))
-    return {"step": lines[at]["step"], "at": lines[at]["seconds"],
+    return {"step": lines[at]["step"], "round_number": history["round"],
+            "at": lines[at]["seconds"],
             "next": lines[at + 1]["seconds"] if at + 1 < len(lines) else float("nan"),
             "median": plain[len(plain) // 2], "round": history.get("round_s", 0.0),
             "set_up": history.get("set_up_s", 0.0), "mib": sent / 2 ** 20}
 
 
+def round_creation(work: str, round_number: int) -> float:
+    """Round ``round_number``'s outer-group creation on its slowest rank, over every
+    group's ranks (the step's first collective waits for the last): the most
+    ``creation_s`` any rank's attempt at that round logged (0 if none did)."""
+    import glob
+    seconds = [entry.get("creation_s", 0.0)
+               for path in glob.glob(os.path.join(work, "progress*"))
+               for line in _lines(path) for entry in line.get("attempts", [line["history"]])
+               if entry.get("round") == round_number]
+    return max(seconds, default=0.0)
+
+
 def print_comparison(costs: dict) -> None:
-    """The two runs' rejoin costs, side by side (seconds; ratios to the median)."""
+    """The two runs' rejoin costs, side by side (seconds; ratios to the median), and
+    the rejoin step's excess over its median, its round and the round's group creation
+    (issue 63 item 4 asks for none beyond the creation)."""
     print("| replica group | the state | step at the rejoin | the next | median | round | "
-          "set-up (group creation) | MiB per rank |")
-    print("|---|---|---|---|---|---|---|---|")
+          "set-up | group creation (slowest rank) | excess over median + round + "
+          "creation | MiB per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for group in (0, 1):
         for mode, cost in costs.items():
             c = cost.get(group)
             if c is None:
                 continue
+            excess = c["at"] - c["median"] - c["round"] - c["creation"]
             print(f"| {group} | {mode} | {c['at']:.2f} s (x{c['at'] / c['median']:.1f}) | "
                   f"{c['next']:.2f} s (x{c['next'] / c['median']:.1f}) | {c['median']:.2f} s "
-                  f"| {c['round']:.2f} s | {c['set_up']:.2f} s | {c['mib']:.2f} |", flush=True)
+                  f"| {c['round']:.2f} s | {c['set_up']:.2f} s | {c['creation']:.2f} s | "
+                  f"{excess:+.2f} s (x{excess / c['median']:+.1f}) | {c['mib']:.2f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -9,29 +9,38 @@ all-reduce and are left out of its divisor. Per local rank, each receiver's dono
 (:meth:`~.protocol.Round.donor_of`) copies the state that step starts from (its rank's
 model shards and optimizer state: one more copy of that rank's state in memory until
 it is sent) and serves it on a plain TCP socket from a thread of its own
-(:class:`Donation`) while it trains the step; the socket's address, the tensors' names,
-shapes and dtypes and the plain state (step, RNG, scheduler, the user's) go as signed
-JSON through etcd, as the set-up transfer's metadata does. The receiver loads the plain
-state at once (its forward draws the RNG the donor's draws, its loader fetches what the
-donor's fetched), takes the bytes on a thread of its own while it runs the step with its
-zero grads (:class:`Receipt`), and once the step's all-reduce is through installs the
-donor's state and lets its own optimizer apply the step's all-reduced grads to it: the
-donor's update bit for bit (the same state, grads and code). It trains the next step.
+(:class:`Donation`) while it trains the step; the socket's address and the tensors'
+names, shapes and dtypes go as signed JSON through etcd, written from that thread, as
+the set-up transfer's metadata does. The receiver's set-up waits for none of it: it
+starts a thread (:class:`Receipt`) that reads the metadata and takes the bytes, and
+runs the step with its zero grads on its own stale state (what its forward draws from
+the RNG and its loader fetches is overwritten below). The donor, once its forward and
+backward are done, hands the thread its plain state as of then (step, RNG, scheduler,
+the user's state: its loader past the step's batch), sent after the bytes with a check
+of its own. Once the step's all-reduce is through the receiver installs the donor's
+state and plain state and lets its own optimizer apply the step's all-reduced grads: the
+donor's update bit for bit (the same state, grads and code), and its RNG and loader
+where the donor's are. It trains the next step. So a healthy group's rejoin step waits
+for no metadata: the receiver reaches the step's first collective as soon as its
+groups exist, like any member.
 
 The bytes go in chunks of :data:`CHUNK_BYTES`, each checked by the job's keyed digest
 (:meth:`~.trust.Signer.tensor_digest`: HMAC-SHA256 with ``PADDLE_HSDP_FT_SECRET``, a
 CRC-32 without) bound to the round, the donor, the receiver, the local rank and the
-chunk's index; the donor's checks follow the bytes. A stream cut short, a byte changed,
-a check forged or a stream of another round or place: the receiver refuses the state,
-its attempt fails and it sits the next round's step out again. Every wait is bounded
-(the sockets' timeouts are the round timeout; the receiver also stops once a failure is
-announced in the round); a donor's thread that fails only logs: the donor's step does
-not depend on it.
+chunk's index; the donor's checks follow the bytes, and the plain state carries a check
+of its own. A stream cut short, a byte changed, a check forged or a stream of another
+round or place: the receiver refuses the state, its attempt fails and it sits the next
+round's step out again. Every wait is bounded (the sockets' timeouts are the round
+timeout; the receiver also stops once a failure is announced in the round); a donor's
+thread that fails only logs (the donor's step does not depend on it), except where it
+could not write the metadata: then it announces a failure of the round, so that its
+receiver does not wait a round timeout for it.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import math
 import secrets
@@ -50,6 +59,7 @@ from ..engine import replication
 from .protocol import FaultToleranceError
 from .transfer import (TRANSFER_WAIT_ROUNDS, _bytes_of, _check_same_model, _described,
                        _exchange_meta, _flatten, _unflatten)
+from .transfer import _plain as _json_default  # (numpy scalars a scheduler may hold)
 
 if TYPE_CHECKING:
     from paddle.optimizer import Optimizer
@@ -158,16 +168,44 @@ def receive_state(conn: socket.socket, blob: np.ndarray, signer: Signer, where: 
             f"over at {where} differ from the donor's (first: chunk {bad[0]}); refused")
 
 
+_PLAIN = struct.Struct("<qq")  # the plain state's length and check, then its JSON
+MAX_PLAIN_BYTES = 64 << 20  # a length beyond it is refused before any allocation
+
+
+def send_plain(conn: socket.socket, text: bytes, signer: Signer, where: tuple) -> None:
+    """After the bytes: the donor's plain state (JSON) with its check."""
+    conn.sendall(_PLAIN.pack(len(text), signer.tensor_digest(text, (*where, "plain")))
+                 + text)
+
+
+def receive_plain(conn: socket.socket, signer: Signer, where: tuple) -> dict:
+    """The receiver's side of :func:`send_plain`: the plain state, checked."""
+    head = bytearray(_PLAIN.size)
+    _receive_exactly(conn, memoryview(head), "the plain state's length")
+    size, check = _PLAIN.unpack(head)
+    if not 0 <= size <= MAX_PLAIN_BYTES:
+        raise FaultToleranceError(f"paddle_hsdp.ft: a plain state of {size} bytes at "
+                                  f"{where}; refused")
+    text = bytearray(size)
+    _receive_exactly(conn, memoryview(text), "the plain state")
+    if signer.tensor_digest(memoryview(text), (*where, "plain")) != check:
+        raise FaultToleranceError(f"paddle_hsdp.ft: the check of the plain state handed "
+                                  f"over at {where} differs from the donor's; refused")
+    return json.loads(bytes(text))
+
+
 class Donation:
     """A donor rank's side: the state its step starts from, copied now, served on a
     socket of its own to each receiver it feeds (``receivers``), one at a time, from a
-    thread; the metadata (the socket's address, the tensors, ``extra``: the plain
-    state) written through ``store`` first. The thread ends once every receiver was
-    served, or at the first accept that waits a round timeout."""
+    thread, which first writes the metadata (the socket's address, the tensors) through
+    ``store`` (calling ``unwritten()`` if that fails: the donor's group announces a
+    failure of the round); after the bytes each receiver gets the plain state
+    :meth:`stepped` hands over. The thread ends once every receiver was served, or at
+    the first accept or wait that takes a round timeout."""
 
     def __init__(self, store: SharedData, record: Round, group: LiveOuterGroup,
-                 model: paddle.nn.Layer, optimizer: Optimizer, extra: dict,
-                 receivers: list[int]):
+                 model: paddle.nn.Layer, optimizer: Optimizer, receivers: list[int],
+                 unwritten: Callable[[], object] = lambda: None):
         named = replication.state_tensors(model)
         pairs, rest = _flatten(optimizer.state_dict())
         self._blob = _snapshot([t for _, t in named] + [t for _, t in pairs])
@@ -182,23 +220,45 @@ class Donation:
         self._token = secrets.token_bytes(16)
         meta = {"address": [host, self._listener.getsockname()[1]], "bytes": self.bytes,
                 "token": self._token.hex(),
-                "model": _described(named), "tensors": _described(pairs), "rest": rest,
-                "extra": extra}
-        for receiver in receivers:
-            _exchange_meta(store, record, _meta_key(group, receiver), True, lambda: meta)
-        self._thread = threading.Thread(target=self._serve, args=(set(receivers),),
-                                        daemon=True, name="paddle_hsdp-ft-handoff")
+                "model": _described(named), "tensors": _described(pairs), "rest": rest}
+        self._plain: bytes | None = None  # the plain state after the donor's backward
+        self._stepped = threading.Event()  # set by stepped(), or by close()
+        self._thread = threading.Thread(
+            target=self._run, args=(store, record, group, meta, set(receivers), unwritten),
+            daemon=True, name="paddle_hsdp-ft-handoff")
         self._thread.start()
 
-    def _serve(self, waiting: set[int]) -> None:
-        try:
+    @property
+    def awaits_plain_state(self) -> bool:
+        """Whether :meth:`stepped` is still to be called (once: the handoff's step)."""
+        return not self._stepped.is_set()
+
+    def stepped(self, plain: dict) -> None:
+        """The donor's forward and backward of the step are done: ``plain`` (its step,
+        RNG, scheduler and user state as of now) goes to each receiver after the bytes.
+        Once: what later steps hold is not the bytes' state."""
+        if self.awaits_plain_state:
+            self._plain = json.dumps(plain, default=_json_default).encode()
+            self._stepped.set()
+
+    def _run(self, store: SharedData, record: Round, group: LiveOuterGroup, meta: dict,
+             waiting: set[int], unwritten: Callable[[], object]) -> None:
+        try:  # (off the donor's step: a write through the leader's relay takes a while)
+            try:
+                for receiver in sorted(waiting):
+                    _exchange_meta(store, record, _meta_key(group, receiver), True,
+                                   lambda: meta)
+            except Exception:  # a receiver would wait for it a round timeout
+                unwritten()
+                raise
             while waiting:
                 conn, _ = self._listener.accept()
                 with conn:
                     self._serve_one(conn, waiting)
-        except OSError as e:  # (closed by a later round, or no receiver came)
+        except Exception as e:  # noqa: BLE001 - closed by a later round, no receiver came,
+            # or etcd refused the metadata: the receivers' attempts fail, not the donor's
             logger.warning("paddle_hsdp.ft: the rejoin's state was not handed over to "
-                           "replica(s) %s: %s", sorted(waiting), e)
+                           "replica(s) %s: %s: %s", sorted(waiting), type(e).__name__, e)
         finally:
             self.close()
 
@@ -214,6 +274,9 @@ class Donation:
                 raise FaultToleranceError(f"replica {receiver} is not fed here")
             conn.settimeout(self._timeout_s)
             send_state(conn, self._blob, self._signer, self._where(receiver))
+            if not self._stepped.wait(self._timeout_s) or self._plain is None:
+                raise FaultToleranceError("the donor's step ended before its backward")
+            send_plain(conn, self._plain, self._signer, self._where(receiver))
             waiting.discard(receiver)
         except (OSError, FaultToleranceError) as e:  # that stream alone: its receiver fails
             logger.warning("paddle_hsdp.ft: a handoff stream failed: %s", e)
@@ -223,6 +286,7 @@ class Donation:
         a close alone does not on Linux) and closed, the copy dropped."""
         _shut(self._listener)
         self._blob = np.empty(0, dtype=np.uint8)
+        self._stepped.set()  # a stream waiting for the plain state stops
 
     def join(self, timeout_s: float) -> bool:
         """Whether the thread ended within ``timeout_s`` (tests)."""
@@ -231,36 +295,42 @@ class Donation:
 
 
 class Receipt:
-    """A receiver rank's side: the donor's metadata read now (its plain state is
-    :attr:`extra`), the bytes taken on a thread while the step runs, installed by
-    :meth:`install` once the step's all-reduce is through."""
+    """A receiver rank's side: a thread that reads the donor's metadata, takes the
+    bytes and then the donor's plain state (:attr:`extra`) while the step runs, all
+    installed by :meth:`install` once the step's all-reduce is through. Nothing here
+    waits for the donor before the step."""
 
     def __init__(self, store: SharedData, record: Round, group: LiveOuterGroup,
                  model: paddle.nn.Layer, donor: int):
-        self._meta = _exchange_meta(store, record, _meta_key(group, group.replica), False,
-                                    None)
-        _check_same_model(replication.state_tensors(model), self._meta, group.replica, donor)
-        self.extra: dict = self._meta["extra"]
-        self._blob = np.empty(int(self._meta["bytes"]), dtype=np.uint8)
-        self._store, self._number, self._timeout_s = store, record.number, store.timeout_s
+        self.extra: dict | None = None  # the donor's plain state, once it arrived
+        self._meta: dict = {}
+        self._blob = np.empty(0, dtype=np.uint8)
+        self._number, self._timeout_s = record.number, store.timeout_s
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
         self._stopped = False
         where = _where(record, donor, group.replica, group.local_rank)
-        self._thread = threading.Thread(target=self._receive, daemon=True,
-                                        args=(group.replica, store.signer, where),
-                                        name="paddle_hsdp-ft-handoff")
+        mine = replication.state_tensors(model) if model is not None else None
+        self._thread = threading.Thread(
+            target=self._receive, daemon=True, name="paddle_hsdp-ft-handoff",
+            args=(store, record, group, (mine, donor), where))
         self._thread.start()
 
-    def _receive(self, replica: int, signer: Signer, where: tuple) -> None:
+    def _receive(self, store: SharedData, record: Round, group: LiveOuterGroup,
+                 model_and_donor: tuple, where: tuple) -> None:
         try:
-            host, port = self._meta["address"]
+            meta = _exchange_meta(store, record, _meta_key(group, group.replica), False,
+                                  None)
+            _check_same_model(model_and_donor[0], meta, group.replica, model_and_donor[1])
+            self._meta, self._blob = meta, np.empty(int(meta["bytes"]), dtype=np.uint8)
+            host, port = meta["address"]
             with socket.create_connection((host, port), timeout=self._timeout_s) as conn:
                 self._conn = conn
                 if self._stopped:  # stopped while it connected
                     raise FaultToleranceError("the handoff was stopped")
-                conn.sendall(_HELLO.pack(replica, bytes.fromhex(self._meta["token"])))
-                receive_state(conn, self._blob, signer, where)
+                conn.sendall(_HELLO.pack(group.replica, bytes.fromhex(meta["token"])))
+                receive_state(conn, self._blob, store.signer, where)
+                self.extra = receive_plain(conn, store.signer, where)
         except BaseException as e:  # noqa: BLE001 - handed to install's caller
             self._error = e
 
@@ -295,7 +365,8 @@ class Receipt:
 
     def install(self, model: paddle.nn.Layer, optimizer: Optimizer,
                 abort: Callable[[], object] | None = None) -> int:
-        """The donor's state in place of this rank's (after :meth:`wait`); its bytes."""
+        """The donor's state in place of this rank's (after :meth:`wait`); its bytes.
+        The plain state is then :attr:`extra`, the caller's to load."""
         self.wait(abort)
         view, offset = self._blob.data, 0
         for _, tensor in replication.state_tensors(model):

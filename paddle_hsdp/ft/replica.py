@@ -554,9 +554,11 @@ class Replica:
         try:
             self._close_handoff()
             if record.rebuild:
+                began = time.perf_counter()
                 self.outer.adopt(record.replicas, groups.connect(
                     self.store, record.number, record.replicas, self.outer,
                     self.round_timeout_s), record.number)
+                self._timing["creation_s"] = time.perf_counter() - began
                 # the outer syncs' order is agreed anew over the new members at the
                 # next backward (which syncs at the step), whatever each went through
                 replication.order_outer_syncs_again(self._attached().model)
@@ -609,18 +611,28 @@ class Replica:
 
     def _hand_over(self, record: Round, receiving: bool) -> None:
         """The receivers sit the step out (:mod:`.handoff`): a donor serves the state
-        its step starts from beside the step; a receiver starts taking it and loads
-        the plain state now (its forward and loader then draw what the donor's do)."""
+        its step starts from beside the step; a receiver starts taking it. Neither
+        waits for the other here: the receiver runs the step on its own stale state
+        and loads the donor's plain state with the tensors, after the step's
+        all-reduce (:meth:`_take_handoff`)."""
         model, optimizer = self._attached()
         fed = [r for r in record.receivers if record.donor_of(r) == self.replica_id]
         if fed:
             self._handoff = handoff.Donation(self.store, record, self.outer, model,
-                                             optimizer, self._plain_state(), fed)
+                                             optimizer, fed,
+                                             lambda: self._watch.announce(record.number))
             self._timing["snapshot_bytes"] = self._handoff.bytes
         elif receiving:
             self._handoff = handoff.Receipt(self.store, record, self.outer, model,
                                             record.donor_of(self.replica_id))
-            self._load_plain_state(self._handoff.extra)
+
+    def _donor_stepped(self) -> None:
+        """A donor's forward and backward are done: its plain state as of now (its
+        RNG past the forward, its loader past the step's batch) goes to its receivers
+        after the bytes, so theirs match its own from the next step on."""
+        if isinstance(self._handoff, handoff.Donation) and self._handoff.awaits_plain_state:
+            user = _user_json(self._state_fn()) if self._state_fn else None
+            self._handoff.stepped(self._plain_state(user))
 
     def _take_handoff(self, record: Round) -> None:
         """A receiver that sat the step out, once its all-reduce is through: the
@@ -637,6 +649,9 @@ class Replica:
                 model, optimizer, groups._abort_on_failure(self.store, record.number))
         finally:
             receipt.close()
+        if receipt.extra is None:
+            raise ProtocolError("paddle_hsdp.ft: a handoff installed without its plain state")
+        self._load_plain_state(receipt.extra)  # the donor's, as its backward left it
         self._timing["handoff_wait_s"] = time.perf_counter() - began
 
     def _close_handoff(self) -> None:
@@ -645,11 +660,14 @@ class Replica:
             self._handoff.close()
             self._handoff = None
 
-    def _plain_state(self) -> dict:
+    def _plain_state(self, user_state: str | None = None) -> dict:
+        """Step, RNG, scheduler and the user's state (``user_state``, JSON; default:
+        as of this step's start, before its batch was fetched)."""
+        user_state = user_state if user_state is not None else self._user_state
         return {"step": self.step, "rng": [s.__getstate__() for s in paddle.get_rng_state()],
                 "lr_scheduler": (self.lr_scheduler.state_dict()
                                  if self.lr_scheduler is not None else None),
-                "user": json.loads(self._user_state) if self._user_state else None}
+                "user": json.loads(user_state) if user_state else None}
 
     def _load_plain_state(self, extra: dict) -> None:
         self._loads += 1
@@ -806,8 +824,26 @@ class _Step(PhaseMachine[StepPhase]):
                   _P.RUNNING: self._train, _P.ANNOUNCING: self._announce_failure,
                   _P.VOTING: self._vote, _P.COMMITTING: self._commit,
                   _P.RETRYING: self._retry}
-        self._run_phases(phases, _P.DONE)
+        self._run_phases({phase: self._timed(phase, run) for phase, run in phases.items()},
+                         _P.DONE)
         return self.loss
+
+    def _timed(self, phase: StepPhase, run: Callable[[], StepPhase]
+               ) -> Callable[[], StepPhase]:
+        """``run``, its seconds added to the attempt's log as ``<phase>_s`` (the round
+        and the set-up have their own: ``round_s``, ``set_up_s``)."""
+        if phase in (_P.ARRIVING, _P.SETTING_UP):
+            return run
+
+        def timed() -> StepPhase:
+            began = time.perf_counter()
+            try:
+                return run()
+            finally:
+                key = f"{phase.name.lower()}_s"
+                timing = self.replica._timing
+                timing[key] = timing.get(key, 0.0) + time.perf_counter() - began
+        return timed
 
     def _arrive(self) -> StepPhase:
         replica = self.replica
@@ -845,7 +881,10 @@ class _Step(PhaseMachine[StepPhase]):
                 replication.order_outer_syncs_again(replica._attached().model)
         # a set-up that failed on one rank fails the attempt on all of them before any
         # inner collective of the step (which the failed rank skips)
-        if replica._replica_votes(error is not None, False)[0]:
+        began = time.perf_counter()
+        failed = replica._replica_votes(error is not None, False)[0]
+        replica._timing["set_up_vote_s"] = time.perf_counter() - began
+        if failed:
             self.error = error or FaultToleranceError(
                 "paddle_hsdp.ft: a replica-mate's round set-up failed")
             return _P.ANNOUNCING
@@ -858,12 +897,17 @@ class _Step(PhaseMachine[StepPhase]):
         try:
             if replica._syncs_apart:  # DiLoCo: the sync the last step owes, over the round
                 replication.run_owed_outer_syncs(replica._attached().model)
+            began = time.perf_counter()
             self.loss = self._forward_backward()
+            replica._timing["forward_backward_s"] = time.perf_counter() - began
+            replica._donor_stepped()
             if sitting:  # its state is not the round's yet: it adds zeros
                 replication.withhold_grads(replica._attached().model)
             # after the grads' all-reduces: a group whose backward issued them early
             # and one that issues them here send them in one order
             replication.finish_grad_sync(self.optimizer)
+            replica._timing["grad_sync_s"] = time.perf_counter() - began - \
+                replica._timing["forward_backward_s"]
             self.join_wanted = replica._joiners_waiting()
             if sitting:  # the others are past this group now; only it waits
                 replica._take_handoff(self._record())
