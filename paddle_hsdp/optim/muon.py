@@ -32,7 +32,12 @@ gives each matrix to one replica (``orthogonalise_over_replicas``): only it runs
 iteration, and one all-gather per outer group and dtype at the step's end brings the
 results to the others (the step's transient memory: the rank's matrices' results in
 one buffer), so each matrix is orthogonalised once per job; that replica alone keeps
-its momentum (``keep_momentum_on_owners``: the others never read it).
+its momentum (``keep_momentum_on_owners``: the others never read it) and alone
+receives its reduced grad, packed over the model with the other matrices' in one
+reduce-scatter (engine/owned_exchange.py; the others' copy of the grad is zero), so
+the bytes across machines are plain HSDP's. ``outer_exchange="spread"`` instead lays
+each buffer's owners over inner x outer at the first step (the layout of before
+2026-12-07; each buffer padded to its heaviest segment).
 
 Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
 ``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``
