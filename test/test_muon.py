@@ -111,6 +111,7 @@ def test_which_parameters_are_matrices():
     ({"ns_coeff_type": "custom"}, ValueError, "ns_coeffs"),
     ({"muon_version": 4}, ValueError, "muon_version"),
     ({"tp_mode": "sliced"}, ValueError, "tp_mode"),
+    ({"outer_exchange": "ring"}, ValueError, "outer_exchange.*packed.*spread"),
     ({"momentum": 1.0}, ValueError, "momentum"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, fragment):

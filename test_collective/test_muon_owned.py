@@ -16,14 +16,14 @@ one process."""
 from launcher import part_of, run_single, worker_sections
 
 # layout: the replicas keeping their inner owners (1: the owners span inner x outer,
-# or one replica). Issue 65: Muon's first step spreads plain HSDP's owners over the
-# outer replicas where the buffer grows by at most SPREAD_PADDING_MAX (TinyLM's root
-# unit); a block a unit, two equal matrices over 2 x 2 segments, would double, so each
-# of the 2 replicas keeps its inner owners, and each matrix goes to one of them, which
-# alone keeps its momentum: one copy of the state in every layout
-LAYOUTS = {"2x2": 2, "2x2 root only": 1, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2,
-           "1x4 moved": 1, "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 1,
+# or one replica). Issue 65: under plain HSDP each of the 2 replicas keeps its inner
+# owners, each matrix goes to one of them, which alone keeps its momentum (one copy of
+# the state in every layout) and, from the second step, alone receives its grad: the
+# packed reduce-scatter (not where the grads are offloaded)
+LAYOUTS = {"2x2": 2, "2x2 root only": 2, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2,
+           "1x4 moved": 1, "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 2,
            "2x2 default placement": 2}
+PACKED = ("2x2", "2x2 root only", "2x2 4 micro-steps", "2x2 default placement")
 
 
 def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
@@ -39,6 +39,8 @@ def test_muon_with_owned_matrices_matches_one_process(hsdp_2x2_log):
         assert "Newton-Schulz flops over the ranks" in line and "= 1 x the model's" in line, line
         if copies == 2:  # every buffer keeps inner owners: one all-gather a step (item 4)
             assert "Muon's all-gathers over the outer group 1 a step" in line, line
+        if layout in PACKED:  # one packed reduce-scatter a step, whatever the matrices
+            assert "reduce-scatters 1 a step from the second" in line, line
     for moved in ("1x4 moved", "hfsdp 2x2 moved"):  # issue 64: the default placement
         assert f"MUON {moved}: laid out as owned_matrices() after its first step" in log
     assert "MUON refused on row shards:" in log and "owned_matrices()" in log, log[-3000:]
@@ -56,7 +58,9 @@ def test_muon_checkpoint_moves_between_placements(hsdp_2x2_log, shared_2x2_work)
     assert line in log
     # issue 65: the momentum on the owning replica only, against every replica's copy
     assert "MUON checkpoint: momentum on the owning replica -> on every replica, one " \
-        "more step exact; every replica -> the owning replica, one more step" in log
+        "more step" in log and "every replica -> the owning replica, one more step" in log
+    # the layout of before 2026-12-07 (owners over inner x outer) into the packed exchange
+    assert "MUON checkpoint: spread owners -> packed exchange, two more steps" in log
     assert "loaded exactly" in run_single("single_process_muon.py", shared_2x2_work)
 
 

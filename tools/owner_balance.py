@@ -69,10 +69,13 @@ def report(model: str, inner: int, blocks_per_unit: int) -> str:
             f"the flat layout's; over the model's {len(layouts)} units {whole:.3f}x")
 
 
-def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int) -> str:
+def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int,
+               spread: bool = False) -> str:
     """What Muon's first step does with ``model``'s units under plain HSDP ``inner x
-    outer`` (engine/optimizers.py): whether the owners span the outer replicas (not past
-    twice the buffer, nor past SPREAD_PADDING_MAX the inner owners' layout), and then
+    outer`` (engine/optimizers.py): the owners stay in the inner group (the default,
+    ``outer_exchange="packed"``), or with ``spread`` (``outer_exchange="spread"``)
+    whether they span the outer replicas (not past twice the buffer, nor past
+    SPREAD_PADDING_MAX the inner owners' layout), and then
     the heaviest rank's Newton-Schulz work and Muon state over the ideal share (1/(inner
     x outer) of the model's), the ranks of a unit that own no matrix, and a rank's
     shard of a unit against the flat layout's."""
@@ -83,17 +86,17 @@ def model_wide(model: str, inner: int, outer: int, blocks_per_unit: int) -> str:
     work = [orthogonalisation_work(s) if o else 0 for s, o in zip(shapes, owned)]
     numel = [math.prod(s) if o else 0 for s, o in zip(shapes, owned)]
     inner_layout = segment_layout(shapes, inner, owned)
-    spread = segment_layout(shapes, ranks, owned)
+    spread_layout = segment_layout(shapes, ranks, owned)
     whole = sum(math.prod(s) for s in shapes)
-    taken = outer > 1 and spread.segment_numel * outer <= 2 * whole + 2 * outer * ALIGN \
-        and spread.total_numel <= SPREAD_PADDING_MAX * inner_layout.total_numel
+    taken = spread and outer > 1 and spread_layout.segment_numel * outer <= 2 * whole + 2 * outer * ALIGN \
+        and spread_layout.total_numel <= SPREAD_PADDING_MAX * inner_layout.total_numel
     if taken:
         rotations = balanced_rotations(
-            [owned_loads(spread, work)] * units) or list(range(units))
+            [owned_loads(spread_layout, work)] * units) or list(range(units))
         layouts = [segment_layout(shapes, ranks, owned, rotation=r) for r in rotations]
         per_rank = lambda w: [sum(owned_loads(lay, w)[j] for lay in layouts)  # noqa: E731
                               for j in range(ranks)]
-        shard = spread.segment_numel * outer
+        shard = spread_layout.segment_numel * outer
     else:  # every replica's owners hold their inner segment's matrices
         layouts = [segment_layout(shapes, inner, owned, rotation=u) for u in range(units)]
         per_rank = lambda w: [sum(owned_loads(lay, w)[j // outer] for lay in layouts)  # noqa: E731
@@ -124,9 +127,11 @@ def shared_over_replicas(layouts, shapes, owned, inner: int, outer: int, flat_sh
     order, as the engine lists them) given to the ``outer`` replicas by
     ``spread_matrices`` (engine/optimizers.py, _replica_shares). Newton-Schulz work and
     Muon state per rank (inner-major: the replica given a matrix alone keeps its
-    momentum), and what the results' all-gather over the outer group adds across
-    machines, against the outer all-reduce of the flat layout's grads."""
-    flops, state, widest = [], [], 0
+    momentum), and the heaviest inner rank's bytes across machines against the flat
+    layout's outer all-reduce: its free parameters all-reduced, its matrices' grads
+    reduce-scattered packed and the results all-gathered (engine/owned_exchange.py),
+    each replica's share padded to the widest."""
+    flops, state, heaviest = [], [], 0.0
     for j in range(inner):
         held = [shapes[k] for lay in layouts for k, own in enumerate(owned)
                 if own and lay.offsets[k] // lay.segment_numel == j]
@@ -134,10 +139,13 @@ def shared_over_replicas(layouts, shapes, owned, inner: int, outer: int, flat_sh
         share = [[s for s, r in zip(held, replica) if r == o] for o in range(outer)]
         flops.extend(sum(orthogonalisation_work(s) for s in mine) for mine in share)
         state.extend(sum(math.prod(s) for s in mine) for mine in share)
-        widest = max(widest, max(sum(math.prod(s) for s in mine) for mine in share))
-    # per rank on the wire: (O - 1) x the widest share, against 2 (O - 1) / O x the shard
-    return flops, state, (f"; the results' all-gather adds {outer * widest / (2 * flat_shard):.2f}x "
-                   "the outer all-reduce's bytes")
+        widest = max(sum(math.prod(s) for s in mine) for mine in share)
+        free = sum(lay.rows_in(k, j)[1] * lay.row_numels[k] for lay in layouts
+                   for k, own in enumerate(owned) if not own)
+        # both on the wire as 2 (O - 1) / O x the elements: the all-reduce's, and the
+        # reduce-scatter's and the all-gather's of O x the widest share
+        heaviest = max(heaviest, (free + outer * widest) / flat_shard)
+    return flops, state, f"; outer bytes {heaviest:.3f}x the flat layout's all-reduce"
 
 
 def time_search(inner: int, parts: int) -> float:

@@ -27,7 +27,7 @@ from ..comm import watchdog
 from ..comm.traits import traits_of
 from ..optim.muon import spread_matrices
 from ..topology.placement import ModelAxes
-from . import offload
+from . import offload, owned_exchange
 from .layout import balanced_rotations, orthogonalisation_work, owned_loads
 from .registry import managed_param, owning_unit, param_path, units_under
 from .reductions import sync_grads
@@ -384,6 +384,11 @@ def share_orthogonalisation_over_replicas(optimizer: paddle.optimizer.Optimizer,
             "with share_over_replicas=False. Nothing was updated.")
     share({name: (group, owner) for unit, name, group, owner in chosen
            if unit.syncs_grads_over_outer})
+    if getattr(optimizer, "shares_over_replicas", False) and \
+            not getattr(optimizer, "_hsdp_exchange_planned", False):
+        # from the next step on, each shared matrix's grad reaches its replica only
+        owned_exchange.plan(_buffers_of(shards), {name: owner for _, name, _, owner in chosen})
+        optimizer._hsdp_exchange_planned = True
 
 
 def fix_momentum_owners(optimizer: paddle.optimizer.Optimizer,
@@ -473,7 +478,8 @@ def _outer_parts(optimizer: paddle.optimizer.Optimizer, buf: ShardBuffer,
     buffer, or a layout more than ``SPREAD_PADDING_MAX`` the size of the inner owners'
     one (then each replica keeps orthogonalising its matrices, as before)."""
     outer = buf.outer
-    if not buf.trainable or buf.parts != 1 or outer.nranks <= 1:
+    if not buf.trainable or buf.parts != 1 or outer.nranks <= 1 or \
+            not getattr(optimizer, "spreads_owners_over_replicas", True):
         return None
     traits = traits_of(outer)
     if traits.watchdog_exempt or traits.pieces is not None:

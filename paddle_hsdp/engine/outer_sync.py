@@ -48,6 +48,7 @@ import paddle
 
 from ..comm import collectives as comm
 from ..comm.traits import traits_of
+from . import owned_exchange
 from .registry import registry
 from .states import GradState, SyncSchedule, move
 
@@ -216,8 +217,10 @@ def agreed_order(order: list, group, buffers) -> list:
 
 def finish_outer_syncs(work: list) -> None:
     """Wait for each issued outer sync of ``work`` (``(buffer, pending, scale)``, issue
-    order) and land it scaled. If one raises, the rest are waited for before the error
-    propagates (their buffers must outlive the collectives)."""
+    order) and land it scaled, then exchange their whole-matrix optimizer's shared
+    matrices (engine/owned_exchange.py). If one raises, the rest are waited for before
+    the error propagates (their buffers must outlive the collectives)."""
+    buffers = [buf for buf, _, _ in work]
     try:
         while work:
             buf, pending, scale = work[0]
@@ -226,6 +229,7 @@ def finish_outer_syncs(work: list) -> None:
     except BaseException:
         comm.settle(pending.handle for _, pending, _ in work)
         raise
+    owned_exchange.exchange(buffers)
 
 
 def _takes_part(unit, buf) -> bool:

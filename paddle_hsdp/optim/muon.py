@@ -32,7 +32,12 @@ gives each matrix to one replica (``orthogonalise_over_replicas``): only it runs
 iteration, and one all-gather per outer group and dtype at the step's end brings the
 results to the others (the step's transient memory: the rank's matrices' results in
 one buffer), so each matrix is orthogonalised once per job; that replica alone keeps
-its momentum (``keep_momentum_on_owners``: the others never read it).
+its momentum (``keep_momentum_on_owners``: the others never read it) and alone
+receives its reduced grad, packed over the model with the other matrices' in one
+reduce-scatter (engine/owned_exchange.py; the others' copy of the grad is zero), so
+the bytes across machines are plain HSDP's. ``outer_exchange="spread"`` instead lays
+each buffer's owners over inner x outer at the first step (the layout of before
+2026-12-07; each buffer padded to its heaviest segment).
 
 Tensor parallelism: a matrix Paddle's mp layers split (``is_distributed``, with its
 ``split_axis``) is one slice of the logical matrix per mp rank. ``tp_mode="duplicated"``
@@ -74,6 +79,13 @@ MUON_EXCLUDE = ("embed", "bias", "lm_head", "mlp.gate.")
 
 #: How a tensor-parallel matrix is orthogonalised (see the module docstring).
 TP_MODES = ("duplicated", "blockwise")
+
+#: How the owners of a matrix reach the outer replicas under plain HSDP (issue 65):
+#: "packed" keeps them in the inner group and exchanges the shared matrices' grads
+#: packed over the model (engine/owned_exchange.py); "spread" lays each buffer's owners
+#: over inner x outer (the layout of before 2026-12-07: each buffer padded to its
+#: heaviest segment).
+OUTER_EXCHANGES = ("packed", "spread")
 
 #: Newton-Schulz coefficients ``(a, b, c)`` per iteration (cycled), by name, as Paddle's.
 NS_COEFFICIENTS: dict[str, list[tuple[float, float, float]]] = {
@@ -163,7 +175,7 @@ class Muon(paddle.optimizer.Optimizer):
                  ns_matmul_dtype: str | paddle.dtype | None = None,
                  multi_precision: bool = False, name: str | None = None,
                  tp_mode: str = "duplicated", share_over_replicas: bool = True,
-                 **kwargs: Any):
+                 outer_exchange: str = "packed", **kwargs: Any):
         if parameters is None:
             raise ValueError("Muon(parameters=...): pass the parameters to update "
                              "(model.parameters())")
@@ -188,6 +200,9 @@ class Muon(paddle.optimizer.Optimizer):
         if not isinstance(share_over_replicas, bool):
             raise TypeError("Muon(share_over_replicas=...) must be True or False, got "
                             f"{share_over_replicas!r}")
+        if outer_exchange not in OUTER_EXCHANGES:
+            raise ValueError(f"Muon(outer_exchange=...): one of {list(OUTER_EXCHANGES)}, "
+                             f"got {outer_exchange!r}")
         if tp_mode not in TP_MODES:
             raise ValueError(f"Muon(tp_mode=...): one of {list(TP_MODES)}, got {tp_mode!r}")
         if not 0.0 <= momentum < 1.0:
@@ -217,6 +232,7 @@ class Muon(paddle.optimizer.Optimizer):
         # False: each replica repeats the iteration rather than send its results across
         # machines (the all-gather's bytes: a slow outer link, small matrices)
         self._share_over_replicas = share_over_replicas
+        self._outer_exchange = outer_exchange
         # {param.name: (outer group, replica)}: the one replica keeping each shared
         # matrix's momentum (fixed once the layouts are; the others hold none)
         self._momentum_owners: dict[str, tuple[Any, int]] = {}
@@ -229,6 +245,19 @@ class Muon(paddle.optimizer.Optimizer):
         """engine/optimizers.py: whether the step calls the mp group per split matrix
         (``tp_mode="duplicated"``), so the mp ranks' owners must match."""
         return self._tp_mode == "duplicated"
+
+    @property
+    def shares_over_replicas(self) -> bool:
+        """engine/optimizers.py: whether the replicas' shared matrices reach their
+        replica only (each one's grad exchanged packed, engine/owned_exchange.py)."""
+        return self._share_over_replicas and self._outer_exchange == "packed"
+
+    @property
+    def spreads_owners_over_replicas(self) -> bool:
+        """engine/optimizers.py: whether the first step lays each buffer's owners over
+        inner x outer (``outer_exchange="spread"``) rather than keeping them in the inner
+        group."""
+        return self._outer_exchange == "spread"
 
     def orthogonalise_over_replicas(self, shares: dict[str, tuple[Any, int]]) -> None:
         """The engine's answer for this step (engine/optimizers.py,

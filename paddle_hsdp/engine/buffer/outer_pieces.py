@@ -36,6 +36,7 @@ import paddle
 from ...comm import collectives as comm
 from ...comm.traits import traits_of
 from .. import trace
+from .. import owned_exchange
 from . import outer_compress
 from .outer_compress import PendingCompressed
 from ..pending import PendingOuterReduce, PendingRebuild, PendingReduce
@@ -71,6 +72,9 @@ class OuterPieces:
         # the compressed outer sync's error feedback (outer_compress.py): float32, the
         # padded grad shard's size; None until the first compressed sync lands
         self.residual: paddle.Tensor | None = None
+        # a whole-matrix optimizer's shared matrices, exchanged packed over the model
+        # after this buffer's outer all-reduce (engine/owned_exchange.py); None: none
+        self.packed: owned_exchange.PackedOwned | None = None
 
     def describe(self) -> str:
         return self.buf.describe()
@@ -104,7 +108,9 @@ class OuterPieces:
         Under MixPrecisionLayer it reduces the main grads. Compressed
         (``outer_compress``): an all-gather of int8 codes instead (outer_compress.py)."""
         buf = self.buf
-        flat = buf.grads.acc_flat()
+        flat = owned_exchange.all_reduced_part(buf, buf.grads.acc_flat())
+        if not comm.numel_of(flat):  # every element here is a packed matrix's
+            return PendingReduce(comm.Handle.completed(), flat, flat)
         # offloaded: a device copy to reduce (none for one replica: nothing to reduce)
         target = buf.host.upload(flat) if buf.host is not None and buf.outer.nranks > 1 \
             else flat
@@ -153,6 +159,7 @@ class OuterPieces:
             self.finish_outer_reduce(pending, scale)
         else:
             self.finish_all_reduce(pending, scale)
+            owned_exchange.landed(self.buf, grads.acc_flat(), scale)
         grads.move(GradState.SYNCED, "finish_outer_sync")
 
     def sync_locally(self, scale: float) -> None:
@@ -170,7 +177,10 @@ class OuterPieces:
         outer sum and 1 / N leave it unchanged."""
         grads = self.buf.grads
         expect(grads.state, (GradState.SYNCED,), "unsync", self.describe)
-        grads.scale(scale)
+        if self.packed is not None:  # its shared matrices: held on one replica
+            owned_exchange.summed_again(self.buf, self.packed, grads.acc_flat(), scale)
+        else:
+            grads.scale(scale)
         grads.move(GradState.REDUCED, "unsync")
 
     def start_outer_reduce(self, async_op: bool = False, on_thread: bool = False
