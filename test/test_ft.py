@@ -741,8 +741,9 @@ def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
     """Issue 49: in an HFSDP fault-tolerant job each group holds one piece of the
     optimizer state, so a save inside one group could never tile a tensor. Every box
     has one writing group, chosen from the shared round (the lowest live holder); the
-    group that completes the count publishes, the others hear its outcome, and a group
-    that never comes fails the save on the others within the round timeout."""
+    lowest live group publishes once every group's record is in (whatever order they
+    come in), the others hear its outcome, and a group that never comes fails the save
+    on the others within the round timeout."""
     store = MemoryStore()
     live = [1, 2, 3]  # replica 0 is gone: piece 0 is left to replica 2
     joints = {r: _joint(store, r, live, pieces=2) for r in live}
@@ -751,28 +752,39 @@ def test_the_live_groups_split_a_joint_checkpoint_by_piece_and_one_publishes():
     assert [r for r in live if joints[r].writes(1)] == [1]
     assert joints[3].file_rank() == 7 and joints[1].world_size == 6
     assert len({j.begin("/ckpt") for j in joints.values()}) == 1
-    assert joints[1].gather({"g": 1}) is None
+    assert joints[2].gather({"g": 2}) is None
     assert joints[3].gather({"g": 3}) is None
-    assert joints[2].gather({"g": 2}) == [{"g": 1}, {"g": 2}, {"g": 3}]
-    joints[2].announce("")
+    assert joints[1].gather({"g": 1}) == [{"g": 1}, {"g": 2}, {"g": 3}]
+    joints[1].announce("")
     assert joints[1].outcome() == "" and joints[3].outcome() == ""
     # the same path saved again at the same step (a retry, a final save): new keys, so
     # the first save's payloads and outcome are not taken for the second's, and one
     # group publishes
     tokens = {j.begin("/ckpt") for j in joints.values()}
     assert len(tokens) == 1 and "c2-" in tokens.pop()  # the second call
-    assert joints[1].gather({"g": 1, "v": 2}) is None
+    publishing = threading.Thread(target=lambda: published.append(
+        joints[1].gather({"g": 1, "v": 2})))
+    published: list = []
+    publishing.start()  # the publisher waits for the records still to come
     assert joints[3].gather({"g": 3, "v": 2}) is None
-    assert joints[2].gather({"g": 2, "v": 2}) == [{"g": 1, "v": 2}, {"g": 2, "v": 2},
-                                                         {"g": 3, "v": 2}]
+    assert joints[2].gather({"g": 2, "v": 2}) is None
+    publishing.join(5)
+    assert published == [[{"g": 1, "v": 2}, {"g": 2, "v": 2}, {"g": 3, "v": 2}]]
     # HSDP: the lowest live group writes everything
     assert _joint(store, 1, live).writes(None) and not _joint(store, 2, live).writes(None)
     # a group that died before its part: the others' save fails, naming the live ones
     store = MemoryStore()
-    lonely = _joint(store, 1, live)
+    lonely = _joint(store, 2, live)
     lonely.begin("/ckpt")
     assert lonely.gather({}) is None
     assert "replicas [1, 2, 3] were live" in lonely.outcome()
+    publisher = _joint(store, 1, live)  # the publisher waits a round timeout, then says
+    publisher.begin("/ckpt")  # whose record it waited for
+    with pytest.raises(TimeoutError, match="save/.*/group/3"):  # (2 wrote its own)
+        publisher.gather({})
+    watcher = _joint(store, 3, live)
+    watcher.begin("/ckpt")
+    assert "waited for every group's record" in watcher.outcome()
     with pytest.raises(RuntimeError, match="after a committed train_step"):
         _joint(store, 1, live, step=0).begin("/ckpt")
 

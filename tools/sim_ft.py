@@ -350,8 +350,8 @@ class SimGroup:
 
     def _save(self, record, number: int) -> None:
         """A joint save's traffic (ft/joint_save.py's names and calls, JointSave.gather,
-        announce and outcome): the leader puts its commit record and counts the group
-        in; the group that completes the count reads every record and announces the
+        announce and outcome): the leader puts its commit record; the lowest live group
+        reads every record as it is written and announces the
         outcome, a value of the round (every group's one watch carries it); every other
         rank waits for the outcome (the mates through their leader)."""
         started, replicas = time.time(), record.replicas
@@ -361,7 +361,7 @@ class SimGroup:
             lease = self.store.lease(3 * self.args.round_timeout)
             self.store.set(f"{base}/group/{self.replica}", json.dumps(
                 {"file": f"group{self.replica}.json", "bytes": 1, "sha256": "0"}), lease)
-            publisher = self.store.add(f"{base}/arrived", 1, lease) == len(replicas)
+            publisher = self.replica == replicas[0]  # the lowest live group
             if publisher:
                 for r in replicas:
                     self.store.get(f"{base}/group/{r}", self.args.round_timeout)
@@ -411,9 +411,12 @@ class SimGroup:
                 if at <= now and i not in self.saved and not failed:
                     self.saved.add(i)
                     self._save(record, i)
-            if failed or c.round_failed(record.number) or c.join_waiting():
+            # a real group's collective fails with the failed group's (every survivor
+            # arrives "failed"), whether or not it heard the announcement first
+            failed = failed or c.round_failed(record.number)
+            if failed or c.join_waiting():
                 self._failure.clear()
-                if failed or c.round_failed(record.number):
+                if failed:
                     c.failed()
                 got = self._arrive(record.number + 1, record.replicas, False, failed)
                 if got is None:

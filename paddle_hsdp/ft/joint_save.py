@@ -17,14 +17,15 @@ step and
 * each group's leader writes its ranks' manifests into a file of that folder and puts
   only a commit record in the job's shared data (etcd): the file's name, bytes and
   SHA-256, under 200 bytes whatever the model (a 70B model's manifests are megabytes
-  per group, and etcd refuses a value over 1.5 MiB), then counts itself in; the group
-  that completes the count reads every group's file, checked against its record,
+  per group, and etcd refuses a value over 1.5 MiB); the round's lowest live replica
+  (the publisher) reads every group's record as it is written, then every group's file,
+  checked against its record,
   checks that the pieces of all groups tile every tensor, writes the metadata and
   moves the folder into place, then announces the outcome, which every other group
   awaits (bounded by two round timeouts: the others' parts, then the publishing). The
   outcome is a value of the round that every group waits for, so each group hears it on
-  its one watch of etcd (:meth:`~.protocol.Keys.shared_data`); the count is only the
-  publisher's (on that watch, every group's increment would reach every group). A group
+  its one watch of etcd (:meth:`~.protocol.Keys.shared_data`); the records are only the
+  publisher's (on that watch, every group's record would reach every group). A group
   that dies meanwhile fails the save on every live rank; the previous checkpoint stays.
 
 A save's keys in etcd go by themselves: each is written with a lease (never renewed)
@@ -43,6 +44,7 @@ from which ``replica.load_checkpoint`` resumes the whole job (:mod:`.resume`).
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from typing import TYPE_CHECKING, Protocol
 
@@ -140,9 +142,10 @@ class JointSave:
 
     def gather(self, payload: dict) -> list | None:
         """Leader only: put this group's ``payload`` (JSON: a commit record, not the
-        manifests, which go as files) in and count the group in; every group's
-        payloads, in replica order, to the group that completes the count (it
-        publishes), None to the others. A payload over :data:`MAX_VALUE_BYTES` is
+        manifests, which go as files) in; every group's payloads, in replica order, to
+        the round's lowest live replica once each is written (it publishes; after a
+        round timeout it announces the failure and raises TimeoutError), None to the
+        others. A payload over :data:`MAX_VALUE_BYTES` is
         refused (ValueError) before anything is written."""
         store, replicas = self._replica.store, self._round.replicas
         text = json.dumps(payload)
@@ -152,10 +155,19 @@ class JointSave:
                              f"manifests go as files), got {len(text.encode())}")
         lease = store.lease(self._keys_ttl_s())
         store.set(self._key("group", self._replica.replica_id), text, lease=lease)
-        if store.add(self._key("arrived"), 1, lease=lease) != len(replicas):
-            return None  # (more than len: a group counted twice; no second publisher)
-        return [json.loads(store.get(self._key("group", r)).decode())
-                for r in replicas]
+        if self._replica.replica_id != replicas[0]:
+            return None
+        # the publisher reads each group's record once written (a watch while it is
+        # not: R reads in all); every other group made 2 requests. (A counter each
+        # group added itself to, the group completing it publishing, cost R
+        # compare-and-swap retries per group: 1,024 groups had not finished in 65 s.)
+        deadline = time.monotonic() + self._replica.round_timeout_s
+        try:
+            return [json.loads(store.get(self._key("group", r), max(
+                0.001, deadline - time.monotonic())).decode()) for r in replicas]
+        except TimeoutError as e:  # the others hear it now, not after their own wait
+            self.announce(f"the publishing group waited for every group's record: {e}")
+            raise
 
     def announce(self, outcome: str) -> None:
         """The publisher: the save's outcome ("" when published) for the others."""
