@@ -431,7 +431,11 @@ class SimGroup:
                 # group's outer all-reduce fails or hangs there, so no step completes
                 # until the next round (each survivor arrives with the same step)
                 continue
-            self.step += 1
+            # the step is the boundary's number: a real job's groups take each step
+            # together (the outer all-reduce waits for the slowest), so a group that
+            # held round 0's record late does not arrive behind (with a step of its own
+            # it did, and the next rounds moved state to it: spurious transfers)
+            self.step = k
             c.committed()
 
     def stop(self) -> None:
