@@ -866,6 +866,10 @@ def test_a_copys_metadata_goes_over_its_link_signed_and_a_changed_byte_is_refuse
     link.taken = 0  # another place's (a replay to another rank) does not hold either
     with pytest.raises(FaultToleranceError, match="refused"):
         transfer._meta_over_link(store, record, (1, "model", 1), "link", 1)
+    link.taken = 0  # a length beyond the bound is refused before anything is allocated
+    link.sent[0][0] = transfer.MAX_META_BYTES + 1
+    with pytest.raises(FaultToleranceError, match="claims .* bytes"):
+        transfer._meta_over_link(store, record, (0, "model", 1), "link", 1)
 
 
 def test_a_joint_saves_manifests_go_as_files_checked_against_small_commit_records(tmp_path):

@@ -213,6 +213,27 @@ def test_a_changed_plain_state_is_refused_and_an_unwritten_donation_is_announced
     assert not donation.awaits_plain_state  # closed: the step hands nothing over
 
 
+def test_a_plain_state_that_is_not_json_fails_the_receiver_not_the_donors_step(
+        monkeypatch, small_chunks):
+    """Made mid-step (after the donor's backward), a plain state JSON cannot carry must
+    not raise out of the donor's step (its group would miss the all-reduce): the
+    receiver's stream ends naming it, and the donor goes on."""
+    _shards_are_parameters(monkeypatch)
+    store, record = _Store(), types.SimpleNamespace(number=7)
+    donor_model, donor_opt = _trained(1)
+    taker_model, taker_opt = _trained(2)
+    receipt = handoff.Receipt(store, record, types.SimpleNamespace(replica=2, local_rank=1),
+                              taker_model, donor=0)
+    donation = handoff.Donation(store, record, types.SimpleNamespace(replica=0, local_rank=1),
+                                donor_model, donor_opt, [2])
+    donation.stepped({"step": 5, "lr": np.ones(2)})  # an array: not JSON; no raise here
+    assert not donation.awaits_plain_state
+    with pytest.raises(FaultToleranceError):
+        receipt.install(taker_model, taker_opt)
+    donation.close()  # (the next round's, as the replica does)
+    assert donation.join(5)
+
+
 def test_a_receiver_whose_donor_is_gone_fails_within_its_bound(monkeypatch):
     """No donor listening (it died): the receiver's wait ends with an error, no hang."""
     monkeypatch.setattr(handoff.replication, "state_tensors", lambda model: [])

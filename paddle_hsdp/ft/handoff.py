@@ -222,6 +222,7 @@ class Donation:
                 "token": self._token.hex(),
                 "model": _described(named), "tensors": _described(pairs), "rest": rest}
         self._plain: bytes | None = None  # the plain state after the donor's backward
+        self._why = ""  # why there is none (refuse)
         self._stepped = threading.Event()  # set by stepped(), or by close()
         self._thread = threading.Thread(
             target=self._run, args=(store, record, group, meta, set(receivers), unwritten),
@@ -237,9 +238,21 @@ class Donation:
         """The donor's forward and backward of the step are done: ``plain`` (its step,
         RNG, scheduler and user state as of now) goes to each receiver after the bytes.
         Once: what later steps hold is not the bytes' state."""
-        if self.awaits_plain_state:
+        if not self.awaits_plain_state:
+            return
+        try:
             self._plain = json.dumps(plain, default=_json_default).encode()
-            self._stepped.set()
+        except (TypeError, ValueError) as e:  # the donor's step goes on; its receivers fail
+            self.refuse(f"the donor's plain state is not JSON: {e}")
+            return
+        self._stepped.set()
+
+    def refuse(self, why: str) -> None:
+        """The plain state could not be made (``why``): each receiver's stream ends with
+        that error (its attempt fails), the donor's step goes on."""
+        logger.warning("paddle_hsdp.ft: the rejoin's handoff fails: %s", why)
+        self._why = why
+        self._stepped.set()
 
     def _run(self, store: SharedData, record: Round, group: LiveOuterGroup, meta: dict,
              waiting: set[int], unwritten: Callable[[], object]) -> None:
@@ -274,8 +287,12 @@ class Donation:
                 raise FaultToleranceError(f"replica {receiver} is not fed here")
             conn.settimeout(self._timeout_s)
             send_state(conn, self._blob, self._signer, self._where(receiver))
-            if not self._stepped.wait(self._timeout_s) or self._plain is None:
-                raise FaultToleranceError("the donor's step ended before its backward")
+            # the donor's backward may end well after the bytes (a long step): bounded
+            # as a bystander's wait for a transfer is
+            if not self._stepped.wait(TRANSFER_WAIT_ROUNDS * self._timeout_s) or \
+                    self._plain is None:
+                raise FaultToleranceError(self._why or "the donor's step ended before its "
+                                          "backward")
             send_plain(conn, self._plain, self._signer, self._where(receiver))
             waiting.discard(receiver)
         except (OSError, FaultToleranceError) as e:  # that stream alone: its receiver fails
@@ -330,6 +347,9 @@ class Receipt:
                     raise FaultToleranceError("the handoff was stopped")
                 conn.sendall(_HELLO.pack(group.replica, bytes.fromhex(meta["token"])))
                 receive_state(conn, self._blob, store.signer, where)
+                # the plain state follows the donor's backward, which may end well after
+                # the bytes: bounded as the donor's wait for it is
+                conn.settimeout(TRANSFER_WAIT_ROUNDS * self._timeout_s)
                 self.extra = receive_plain(conn, store.signer, where)
         except BaseException as e:  # noqa: BLE001 - handed to install's caller
             self._error = e

@@ -631,8 +631,13 @@ class Replica:
         RNG past the forward, its loader past the step's batch) goes to its receivers
         after the bytes, so theirs match its own from the next step on."""
         if isinstance(self._handoff, handoff.Donation) and self._handoff.awaits_plain_state:
-            user = _user_json(self._state_fn()) if self._state_fn else None
-            self._handoff.stepped(self._plain_state(user))
+            try:  # (mid-step: an error here would leave this group out of the all-reduce)
+                user = _user_json(self._state_fn()) if self._state_fn else None
+                plain = self._plain_state(user)
+            except (TypeError, ValueError) as e:  # its receivers' attempts fail, named
+                self._handoff.refuse(f"{type(e).__name__}: {e}")
+                return
+            self._handoff.stepped(plain)
 
     def _take_handoff(self, record: Round) -> None:
         """A receiver that sat the step out, once its all-reduce is through: the

@@ -516,6 +516,9 @@ def _described(tensors: Iterable[tuple[object, paddle.Tensor]]) -> list:
     return [[n, list(t.shape), _dtype(t)] for n, t in tensors]  # as JSON gives it back
 
 
+MAX_META_BYTES = 64 << 20  # a copy's metadata claiming more is refused unread
+
+
 def _meta_over_link(store: SharedData, record: Round, where: tuple, link: Group, src: int,
                     meta: dict | None = None) -> dict:
     """What is not a tensor, as JSON over the copy's own ``link`` (never a pickle: what a
@@ -533,8 +536,13 @@ def _meta_over_link(store: SharedData, record: Round, where: tuple, link: Group,
         data = np.frombuffer(store.signer.sign(key, text).encode(), dtype=np.uint8)
         size[0] = data.size
     comm.broadcast(size, src=src, group=link, tag="ft state metadata")
+    length = int(size.item())
+    if meta is None and not 0 <= length <= MAX_META_BYTES:  # before any allocation
+        raise FaultToleranceError(f"paddle_hsdp.ft: the metadata of {key} from global rank "
+                                  f"{src} claims {length} bytes (at most {MAX_META_BYTES}); "
+                                  "refused, the round is redone")
     payload = paddle.to_tensor(data) if meta is not None else \
-        paddle.zeros([int(size.item())], dtype="uint8")
+        paddle.zeros([length], dtype="uint8")
     comm.broadcast(payload, src=src, group=link, tag="ft state metadata")
     if meta is not None:
         return json.loads(text)
