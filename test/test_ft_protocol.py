@@ -1236,15 +1236,16 @@ def test_the_keys_of_rounds_and_rejoins_do_not_grow_with_the_rounds(etcd):
 
 
 def test_a_joint_saves_keys_are_leased_to_end_by_themselves(etcd):
-    """A joint save's commit records, counter and outcome (the real JointSave, driven
-    by the soak) are each attached to a lease of 3 round timeouts, never renewed."""
+    """A joint save's commit records and outcome (the real JointSave, driven by the
+    soak; no counter since the lowest group publishes) are each attached to a lease of
+    3 round timeouts, never renewed."""
     sim = _sim_ft()
     job = f"soak{next(_jobs)}"
     keys, probe = Keys(job), Etcd(etcd["address"])
     sim.soak(etcd["address"], 4, groups=3, rejoin_every=0, save_every=2, meta_kb=1,
              sample_every=4, job=job, round_timeout=5.0, log=lambda line: None)
     found, _ = probe.get_prefix(keys.kv + "paddle_hsdp/ft/save/", keys_only=True)
-    assert len(found) == 2 * (3 + 1), sorted(found)  # 2 saves: 3 records, count
+    assert len(found) == 2 * 3, sorted(found)  # 2 saves: 3 records each
     # each outcome is a value of its round that every group's watch carries (ctl/<n>/kv/):
     # the last save's (round 4) is there, the first's (round 2) went with its round's
     # keys when round 4 was decided

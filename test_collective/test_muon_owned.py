@@ -20,7 +20,7 @@ from launcher import part_of, run_single, worker_sections
 # owners, each matrix goes to one of them, which alone keeps its momentum (one copy of
 # the state in every layout) and, from the second step, alone receives its grad: the
 # packed reduce-scatter (not where the grads are offloaded)
-LAYOUTS = {"2x2": 2, "2x2 root only": 2, "hfsdp 2x2": 1, "1x4": 1, "2x2 offload": 2,
+LAYOUTS = {"2x2": 2, "2x2 root only": 2, "hfsdp 2x2": 1, "1x4": 1, "4x1": 1, "2x2 offload": 2,
            "1x4 moved": 1, "hfsdp 2x2 moved": 1, "2x2 4 micro-steps": 2,
            "2x2 default placement": 2}
 PACKED = ("2x2", "2x2 root only", "2x2 4 micro-steps", "2x2 default placement")

@@ -469,11 +469,11 @@ def simulate_joint(groups: int, inner: int, redundancy: int = 2) -> dict:
         for j in joints:
             j.begin(os.path.join(tmp, "ckpt"))
         commits = None
-        for g in replicas:
+        for g in replicas[::-1]:  # the publisher (the lowest group) last: one thread
             got = joints[g].gather(save._commit_group(tmp, g * inner, payloads[g]))
             commits = got if got is not None else commits
         manifests, errors = save._read_groups(tmp, commits)
-        joints[-1].announce("; ".join(errors))
+        joints[0].announce("; ".join(errors))
         files_mb = sum(os.path.getsize(os.path.join(tmp, save.MANIFESTS, f))
                        for f in os.listdir(os.path.join(tmp, save.MANIFESTS))) / 2 ** 20
     meta_bytes, refusal = _index({"pieces": [p for m in manifests for p in m["pieces"]],

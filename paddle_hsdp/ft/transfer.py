@@ -536,7 +536,7 @@ def _meta_over_link(store: SharedData, record: Round, where: tuple, link: Group,
         data = np.frombuffer(store.signer.sign(key, text).encode(), dtype=np.uint8)
         size[0] = data.size
     comm.broadcast(size, src=src, group=link, tag="ft state metadata")
-    length = int(size.item())
+    length = int(size.numpy()[0])
     if meta is None and not 0 <= length <= MAX_META_BYTES:  # before any allocation
         raise FaultToleranceError(f"paddle_hsdp.ft: the metadata of {key} from global rank "
                                   f"{src} claims {length} bytes (at most {MAX_META_BYTES}); "

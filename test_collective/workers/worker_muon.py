@@ -408,6 +408,10 @@ check("2x2 root only", {"shard_placement_fn": OWNED, "root_only": True}, DATA, R
 check("hfsdp 2x2", {"shard_placement_fn": OWNED, "fsdp_outer_sharding": "optim"}, DATA,
       REFERENCE)
 check("1x4", {"shard_placement_fn": OWNED, "mesh": ProcessMesh([0, 1, 2, 3])}, DATA, REFERENCE)
+# inner 1: each rank owns every matrix of its own group, each matrix given to one of the
+# 4 replicas (issue 65's done-when names 4 x 1)
+check("4x1", {"shard_placement_fn": OWNED, "mesh": ProcessMesh(
+    [[0], [1], [2], [3]], dim_names=["outer", "inner"])}, DATA, REFERENCE)
 # offloaded shards: the reduction concatenates the full grads by offset (no grad grid)
 check("2x2 offload", {"shard_placement_fn": OWNED,
                       "offload_policy": paddle_hsdp.CPUOffloadPolicy()}, DATA, REFERENCE)
