@@ -37,10 +37,14 @@ joiner), and keeps stepping to the end. It prints, measured:
   was behind); ``renewal_sent_late_max_s``, the latest renewal sent, and
   ``renewal_answered_late_max_s``, the latest answered (etcd on the same cores);
 * ``req_per_round``: requests the groups sent while forming a round, per round;
+* ``left_out``: ``[round, groups]`` left out of a round (late past the join window:
+  here such a group stops; a real one joins the next round);
+* ``etcd_and_renewals_ahead``: whether etcd and the renewing processes ran at nice
+  -10 (root or CAP_SYS_NICE; else the simulated groups can starve them);
 * ``phases``: per phase (``steady``, ``first_round``, ``round``, ``set_up``,
   ``rejoin``, ``joint_save``; each the worst of its instances, a window from the
   first group's start to the last group's end): the peak requests/s to etcd over any
-  second of it, the most TCP connections the groups held open to etcd (counted in
+  second of it (and that second's requests by path, the renewals not counted), the most TCP connections the groups held open to etcd (counted in
   /proc/net/tcp, less ``connections_not_the_groups``: etcd's gateway's own and one per
   renewing process), the bytes of JSON the clients read per group and round;
   ``set_ups_done``: how many groups completed each phase of each round;
