@@ -122,12 +122,17 @@ def _exchange(buffers: list[tuple[ShardBuffer, PackedOwned]]) -> None:
     n, me = group.nranks, group.rank
     views = [(buf.grads.acc_flat(), sp, replica) for buf, packed in buffers
              for sp, replica in packed.matrices]
-    sizes = [sum(sp.inner_numel for _, sp, r in views if r == replica) for replica in range(n)]
+    # each replica's matrices in view order, found in one pass (not a pass per replica:
+    # the outer degree times the matrices, every step)
+    held: list[list[tuple[paddle.Tensor, Any]]] = [[] for _ in range(n)]
+    for flat, sp, replica in views:
+        held[replica].append((flat, sp))
+    sizes = [sum(sp.inner_numel for _, sp in its) for its in held]
     width = max(sizes)
     parts = []
-    for replica in range(n):
-        parts += [_view(flat, sp).astype(dtype) for flat, sp, r in views if r == replica]
-        parts.append(paddle.zeros([width - sizes[replica]], dtype=dtype))
+    for its, size in zip(held, sizes, strict=True):
+        parts += [_view(flat, sp).astype(dtype) for flat, sp in its]
+        parts.append(paddle.zeros([width - size], dtype=dtype))
     send = paddle.concat(parts)
     mine = paddle.empty([width], dtype=dtype)
     comm.reduce_scatter(mine, send, group, what=f"{len(views)} whole matrices' grads, "
